@@ -1,0 +1,138 @@
+//! The one error type of ragged. Every public function returns `Result<T>`.
+//!
+//! Variants name the operation and carry the offending values, so a message can be read
+//! without the source (`BlockDoesNotFit { op, block, shape, reason }`). One-off messages use
+//! [`bail!`](crate::bail); [`Context`] adds a line of context to any error.
+
+use std::fmt;
+
+/// Errors returned by ragged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An atomic block cannot tile a tensor shape (zero sizes, a tile wider than a row, ...).
+    #[error("{op}: block {block} does not fit shape {shape:?}: {reason}")]
+    BlockDoesNotFit {
+        op: &'static str,
+        block: String,
+        shape: Vec<usize>,
+        reason: String,
+    },
+
+    /// A tensor shape is unusable (a zero dimension, an element count that overflows).
+    #[error("{op}: invalid shape {shape:?}: {reason}")]
+    InvalidShape {
+        op: &'static str,
+        shape: Vec<usize>,
+        reason: String,
+    },
+
+    /// A sharding description is inconsistent (unit counts that do not add up, bad prefix dims).
+    #[error("{op}: invalid sharding: {reason}")]
+    InvalidShard { op: &'static str, reason: String },
+
+    /// Two objects disagree on the number of ranks.
+    #[error("{op}: world size mismatch: expected {expected}, got {got}")]
+    WorldSizeMismatch {
+        op: &'static str,
+        expected: usize,
+        got: usize,
+    },
+
+    /// A block would straddle two ranks: the layout is invalid.
+    #[error("{op}: tensor {tensor} has a block cut at offset {offset} (block {block} elements)")]
+    BlockSplit {
+        op: &'static str,
+        tensor: String,
+        block: usize,
+        offset: usize,
+    },
+
+    /// The planner found no layout (only possible with an explicit shard-size cap).
+    #[error("{op}: no feasible layout: {reason}")]
+    Infeasible { op: &'static str, reason: String },
+
+    /// A model inventory or plan file is malformed.
+    #[error("{op}: bad input {what}: {reason}")]
+    BadInput {
+        op: &'static str,
+        what: String,
+        reason: String,
+    },
+
+    /// File system error, with the path involved.
+    #[error("{op}: {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// JSON (de)serialization error.
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+
+    /// A free-form message, from [`bail!`](crate::bail).
+    #[error("{0}")]
+    Msg(String),
+
+    /// An error with one line of context prepended.
+    #[error("{context}: {inner}")]
+    Context {
+        context: String,
+        #[source]
+        inner: Box<Error>,
+    },
+}
+
+/// Shorthand used throughout the crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Returns early with an [`Error::Msg`] built like `format!`.
+#[macro_export]
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err($crate::Error::Msg(format!($($arg)*)))
+    };
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl<T> Sealed for crate::Result<T> {}
+}
+
+/// Adds context to a `Result` (sealed: implemented only for [`Result`]).
+pub trait Context<T>: sealed::Sealed {
+    /// Prepends `context` to the error message.
+    fn context(self, context: impl fmt::Display) -> Result<T>;
+    /// Like [`Context::context`], computing the message only on error.
+    fn with_context<C: fmt::Display, F: FnOnce() -> C>(self, f: F) -> Result<T>;
+}
+
+impl<T> Context<T> for Result<T> {
+    fn context(self, context: impl fmt::Display) -> Result<T> {
+        self.map_err(|e| Error::Context {
+            context: context.to_string(),
+            inner: Box::new(e),
+        })
+    }
+
+    fn with_context<C: fmt::Display, F: FnOnce() -> C>(self, f: F) -> Result<T> {
+        self.map_err(|e| Error::Context {
+            context: f().to_string(),
+            inner: Box::new(e),
+        })
+    }
+}
+
+impl Error {
+    /// Wraps an I/O error with the operation and path.
+    pub fn io(op: &'static str, path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.as_ref().display().to_string(),
+            source,
+        }
+    }
+}

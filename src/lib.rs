@@ -1,0 +1,15 @@
+//! ragged: structure-aware optimizers on fully sharded training state.
+//!
+//! The chain, one module each: [`block`] (what an optimizer needs kept together) →
+//! [`ragged`] (how one tensor is split over ranks) → [`plan`] (how a group of tensors is packed
+//! into equal shards) → dbuffer → comm → fsdp → optim (later milestones). [`model`] holds the
+//! parameter inventories the planner is run on.
+
+pub mod block;
+pub mod error;
+pub mod model;
+pub mod plan;
+pub mod ragged;
+
+pub use block::AtomicBlock;
+pub use error::{Context, Error, Result};

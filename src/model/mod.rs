@@ -1,0 +1,248 @@
+//! Parameter inventories: the planner's inputs.
+//!
+//! An [`Inventory`] is the ordered list of a model's parameter tensors (name, shape, dtype) in
+//! `named_parameters()` order. It comes from a JSON file in the format of `models/README.md` or
+//! from a built-in preset computed from config values ([`presets`]). [`Inventory::units`] groups
+//! it into FSDP units the way FSDP wraps a transformer: one unit per decoder layer (names holding
+//! `layers.<i>.`) and one `root` unit for everything else.
+
+pub mod presets;
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::Deserialize;
+
+use crate::{block, Error, Result};
+
+/// Storage type of a parameter; only its size matters to the layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F8,
+    BF16,
+    F16,
+    F32,
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F8 => 1,
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+}
+
+impl FromStr for DType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp8" | "f8" | "float8" => Ok(DType::F8),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            "fp16" | "f16" | "float16" | "half" => Ok(DType::F16),
+            "fp32" | "f32" | "float32" | "float" => Ok(DType::F32),
+            "fp64" | "f64" | "float64" | "double" => Ok(DType::F64),
+            _ => Err(Error::BadInput {
+                op: "DType::from_str",
+                what: format!("dtype {s:?}"),
+                reason: "expected one of fp8, bf16, fp16, fp32, fp64".into(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::F8 => "fp8",
+            DType::BF16 => "bf16",
+            DType::F16 => "fp16",
+            DType::F32 => "fp32",
+            DType::F64 => "fp64",
+        };
+        f.write_str(s)
+    }
+}
+
+/// One parameter tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl TensorSpec {
+    /// A tensor with a validated shape (no zero dimensions).
+    pub fn new(name: impl Into<String>, shape: &[usize], dtype: DType) -> Result<Self> {
+        block::numel(shape)?;
+        Ok(TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype,
+        })
+    }
+
+    /// Number of elements (validated at construction).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<usize>().max(1)
+    }
+}
+
+/// A model's parameters, in registration order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inventory {
+    pub model: String,
+    pub tensors: Vec<TensorSpec>,
+}
+
+/// An FSDP unit: the tensors planned, gathered and reduced together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    pub name: String,
+    pub tensors: Vec<TensorSpec>,
+}
+
+#[derive(Deserialize)]
+struct FileParam {
+    name: String,
+    shape: Vec<usize>,
+    dtype: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct FileInventory {
+    model: Option<String>,
+    dtype: Option<String>,
+    num_tensors: Option<usize>,
+    total_params: Option<u64>,
+    params: Vec<FileParam>,
+}
+
+impl Inventory {
+    /// Reads an inventory file (format: `models/README.md`).
+    pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("read inventory", path, e))?;
+        Self::from_json_str(&text).map_err(|e| Error::Context {
+            context: format!("inventory {}", path.display()),
+            inner: Box::new(e),
+        })
+    }
+
+    /// Parses an inventory; checks names are unique, shapes non-empty, and the optional
+    /// `num_tensors` / `total_params` fields agree with the list.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let file: FileInventory = serde_json::from_str(text)?;
+        let default = match &file.dtype {
+            Some(s) => s.parse()?,
+            None => DType::BF16,
+        };
+        let mut tensors = Vec::with_capacity(file.params.len());
+        for p in file.params {
+            let dtype = match &p.dtype {
+                Some(s) => s.parse()?,
+                None => default,
+            };
+            tensors.push(TensorSpec::new(p.name, &p.shape, dtype)?);
+        }
+        let inv = Inventory {
+            model: file.model.unwrap_or_else(|| "unnamed".into()),
+            tensors,
+        };
+        inv.validate(file.num_tensors, file.total_params)?;
+        Ok(inv)
+    }
+
+    fn validate(&self, num_tensors: Option<usize>, total: Option<u64>) -> Result<()> {
+        let bad = |reason: String| Error::BadInput {
+            op: "Inventory::validate",
+            what: format!("model {}", self.model),
+            reason,
+        };
+        if self.tensors.is_empty() {
+            return Err(bad("no parameters".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(t) = self.tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
+            return Err(bad(format!("parameter {} listed twice", t.name)));
+        }
+        if let Some(n) = num_tensors.filter(|&n| n != self.tensors.len()) {
+            return Err(bad(format!("num_tensors says {n}, params lists {}", self.tensors.len())));
+        }
+        if let Some(n) = total.filter(|&n| n != self.total_params()) {
+            return Err(bad(format!("total_params says {n}, params sum to {}", self.total_params())));
+        }
+        Ok(())
+    }
+
+    /// A preset name (see [`presets::NAMES`]) or a path to an inventory file.
+    pub fn load(preset_or_path: &str) -> Result<Self> {
+        match presets::by_name(preset_or_path) {
+            Some(inv) => Ok(inv),
+            None if Path::new(preset_or_path).exists() => Self::from_json_file(preset_or_path),
+            None => Err(Error::BadInput {
+                op: "Inventory::load",
+                what: format!("model {preset_or_path:?}"),
+                reason: format!(
+                    "neither a preset ({}) nor an existing file",
+                    presets::NAMES.join(", ")
+                ),
+            }),
+        }
+    }
+
+    /// Total number of parameters.
+    pub fn total_params(&self) -> u64 {
+        self.tensors.iter().map(|t| t.numel() as u64).sum()
+    }
+
+    /// FSDP units: `root` (everything outside decoder layers) first, then one unit per decoder
+    /// layer in order of first appearance. Tensors keep their inventory order inside a unit.
+    pub fn units(&self) -> Vec<Unit> {
+        let mut root = Unit {
+            name: "root".into(),
+            tensors: Vec::new(),
+        };
+        let mut layers: Vec<Unit> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        for t in &self.tensors {
+            match layer_of(&t.name) {
+                None => root.tensors.push(t.clone()),
+                Some(layer) => {
+                    let i = *index.entry(layer.to_string()).or_insert_with(|| {
+                        layers.push(Unit {
+                            name: layer.to_string(),
+                            tensors: Vec::new(),
+                        });
+                        layers.len() - 1
+                    });
+                    layers[i].tensors.push(t.clone());
+                }
+            }
+        }
+        let mut units = Vec::with_capacity(layers.len() + 1);
+        if !root.tensors.is_empty() {
+            units.push(root);
+        }
+        units.extend(layers);
+        units
+    }
+}
+
+/// The `layers.<i>` part of a parameter name, if it belongs to a decoder layer.
+pub fn layer_of(name: &str) -> Option<&str> {
+    let start = name.find("layers.")?;
+    let rest = &name[start + "layers.".len()..];
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let after = rest.as_bytes().get(digits).copied();
+    if digits == 0 || after != Some(b'.') {
+        return None;
+    }
+    Some(&name[start..start + "layers.".len() + digits])
+}

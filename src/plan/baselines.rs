@@ -1,0 +1,1 @@
+//! Baseline layouts (stub; being written).

@@ -1,0 +1,3 @@
+//! The layout planner (being written).
+
+pub mod baselines;

@@ -1,0 +1,1 @@
+//! RaggedShard (stub; being written).
