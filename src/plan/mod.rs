@@ -1,3 +1,468 @@
-//! The layout planner (being written).
+//! The layout planner: packs the tensors of one FSDP unit into one buffer of `V` equal shards
+//! so that no shard boundary splits an atomic block (`reference/planner.md`).
+//!
+//! The planner is data first: [`plan_items`] works on integers ([`Item`]: element count, block
+//! size, start alignment) and returns a [`Layout`] (shard size `S`, one offset per tensor);
+//! [`plan_unit`] and [`plan_model`] attach names, shapes and blocks and return a [`Plan`]. Nothing
+//! is allocated for tensor data, so memory per rank is known before any buffer exists
+//! ([`Plan::shard_bytes`]).
+//!
+//! | piece | file |
+//! |---|---|
+//! | feasibility of one `S` for one order (greedy earliest fit) | [`fit`] |
+//! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
+//! | exact oracles for small inputs | [`oracle`] |
+//! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
+pub mod fit;
+pub mod oracle;
+pub mod search;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::model::{DType, Inventory, TensorSpec, Unit};
+//MERGE use crate::ragged::RaggedShard;
+use crate::{AtomicBlock, Context, Error, Result};
+
+pub use search::SearchStats;
+
+/// One tensor as the planner sees it; all sizes in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Item {
+    /// Elements in the tensor.
+    pub numel: usize,
+    /// Atomic block (≤ `numel`; the last block may be shorter, see [`crate::block`]).
+    pub block: usize,
+    /// The tensor's start offset must be a multiple of this (divides the collective alignment).
+    pub align: usize,
+}
+
+impl Item {
+    /// A validated item; a block larger than the tensor is clamped to it.
+    pub fn new(numel: usize, block: usize, align: usize) -> Result<Self> {
+        if numel == 0 || block == 0 || align == 0 {
+            return Err(Error::InvalidShape {
+                op: "Item::new",
+                shape: vec![numel],
+                reason: format!("numel {numel}, block {block}, align {align}: all must be > 0"),
+            });
+        }
+        Ok(Item {
+            numel,
+            block: block.min(numel),
+            align,
+        })
+    }
+}
+
+/// The tensor orders the planner tries (planner.md §4); it keeps the best.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Order {
+    /// Registration order (the default, and the easiest layout to debug).
+    Module,
+    /// Largest block first (stable).
+    BlockSize,
+    /// Largest tensor first, smaller block first on ties (keeps the lattice small).
+    Shape,
+}
+
+impl Order {
+    /// All orders, in preference order for ties.
+    pub const ALL: [Order; 3] = [Order::Module, Order::BlockSize, Order::Shape];
+
+    /// The permutation of `items` this order places: `perm[i]` is the input index placed i-th.
+    pub fn arrange(self, items: &[Item]) -> Vec<usize> {
+        let mut perm: Vec<usize> = (0..items.len()).collect();
+        match self {
+            Order::Module => {}
+            Order::BlockSize => perm.sort_by_key(|&i| std::cmp::Reverse(items[i].block)),
+            Order::Shape => perm.sort_by(|&a, &b| {
+                let (a, b) = (&items[a], &items[b]);
+                b.numel.cmp(&a.numel).then(a.block.cmp(&b.block))
+            }),
+        }
+        perm
+    }
+}
+
+impl fmt::Display for Order {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Order::Module => "module",
+            Order::BlockSize => "block-size",
+            Order::Shape => "shape",
+        })
+    }
+}
+
+/// Planner knobs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// `S` must be a multiple of this many elements (NCCL prefers aligned chunks).
+    pub coll_align: usize,
+    /// Every tensor starts at a multiple of this many elements; must divide `coll_align`.
+    pub start_align: usize,
+    /// Orders to try; the smallest `S` wins, earlier orders win ties.
+    pub orders: Vec<Order>,
+}
+
+impl Default for PlanOptions {
+    /// 64-element collective alignment (128 bytes of bf16), no start alignment, all orders.
+    fn default() -> Self {
+        PlanOptions {
+            coll_align: 64,
+            start_align: 1,
+            orders: Order::ALL.to_vec(),
+        }
+    }
+}
+
+impl PlanOptions {
+    fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Error::BadInput {
+            op: "PlanOptions",
+            what: format!("{self:?}"),
+            reason,
+        };
+        if self.coll_align == 0 || self.start_align == 0 {
+            return Err(bad("alignments must be positive".into()));
+        }
+        if self.coll_align % self.start_align != 0 {
+            return Err(bad(format!(
+                "start alignment {} must divide the collective alignment {}",
+                self.start_align, self.coll_align
+            )));
+        }
+        if self.orders.is_empty() {
+            return Err(bad("no order to try".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The integer result of planning one group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Number of ranks `V`.
+    pub world: usize,
+    /// Elements per rank, `S`.
+    pub shard_size: usize,
+    /// The order that gave `S`.
+    pub order: Order,
+    /// Offset of each tensor in the `V·S` buffer, indexed like the input items.
+    pub offsets: Vec<usize>,
+    /// Work done by the search for the winning order.
+    pub stats: SearchStats,
+}
+
+/// Plans one group of tensors: the smallest `S` over the orders of `opts`, each exact for its
+/// order (see [`search`]).
+pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<Layout> {
+    opts.validate()?;
+    if world == 0 {
+        return Err(Error::WorldSizeMismatch {
+            op: "plan_items",
+            expected: 1,
+            got: 0,
+        });
+    }
+    if items.is_empty() {
+        return Err(Error::BadInput {
+            op: "plan_items",
+            what: "tensor list".into(),
+            reason: "nothing to plan".into(),
+        });
+    }
+    let items: Vec<Item> = items
+        .iter()
+        .map(|t| Item::new(t.numel, t.block, t.align.max(opts.start_align)))
+        .collect::<Result<_>>()?;
+    if let Some(t) = items.iter().find(|t| opts.coll_align % t.align != 0) {
+        return Err(Error::BadInput {
+            op: "plan_items",
+            what: format!("start alignment {}", t.align),
+            reason: format!("must divide the collective alignment {}", opts.coll_align),
+        });
+    }
+    let mut best: Option<Layout> = None;
+    let mut seen = Vec::new();
+    for &order in &opts.orders {
+        let perm = order.arrange(&items);
+        if seen.contains(&perm) {
+            continue;
+        }
+        let arranged: Vec<Item> = perm.iter().map(|&i| items[i]).collect();
+        let (shard_size, placed, stats) = search::min_shard(&arranged, world, opts.coll_align);
+        if best.as_ref().is_none_or(|b| shard_size < b.shard_size) {
+            let mut offsets = vec![0; items.len()];
+            for (k, &i) in perm.iter().enumerate() {
+                offsets[i] = placed[k];
+            }
+            best = Some(Layout {
+                world,
+                shard_size,
+                order,
+                offsets,
+                stats,
+            });
+        }
+        seen.push(perm);
+    }
+    Ok(best.expect("at least one order was tried"))
+}
+
+/// One tensor of a [`Plan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// The block the optimizer asked for.
+    pub block: AtomicBlock,
+    /// That block in elements for this shape (clamped to the tensor).
+    pub block_elems: usize,
+    /// Start of the tensor in the group's `V·S` buffer.
+    pub offset: usize,
+}
+
+impl Placement {
+    /// Elements in the tensor.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<usize>().max(1)
+    }
+}
+
+/// The plan of one FSDP unit: shard size and where every tensor lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Unit name (`root`, `layers.3`, ...).
+    pub unit: String,
+    pub world: usize,
+    pub shard_size: usize,
+    pub coll_align: usize,
+    pub order: Order,
+    /// Tensors in registration order (not buffer order).
+    pub placements: Vec<Placement>,
+    pub stats: SearchStats,
+}
+
+impl Plan {
+    /// Elements of all tensors.
+    pub fn numel(&self) -> usize {
+        self.placements.iter().map(Placement::numel).sum()
+    }
+
+    /// Elements of the full (unsharded) buffer, `V·S`.
+    pub fn buffer_elems(&self) -> usize {
+        self.world * self.shard_size
+    }
+
+    /// Padding elements, `V·S − E`.
+    pub fn padding(&self) -> usize {
+        self.buffer_elems() - self.numel()
+    }
+
+    /// Bytes of one rank's shard for elements of `dtype`: the memory per rank per role, known
+    /// before any buffer is allocated.
+    pub fn shard_bytes(&self, dtype: DType) -> usize {
+        self.shard_size * dtype.size_in_bytes()
+    }
+
+    /// Whole blocks of tensor `i` held by each rank (`V` entries; a short tail counts as one).
+    pub fn units_per_rank(&self, i: usize) -> Vec<usize> {
+        let p = &self.placements[i];
+        let (lo, hi) = (p.offset, p.offset + p.numel());
+        (0..self.world)
+            .map(|k| {
+                let a = lo.max(k * self.shard_size);
+                let b = hi.min((k + 1) * self.shard_size);
+                if a >= b {
+                    0
+                } else {
+                    (b - lo).div_ceil(p.block_elems) - (a - lo) / p.block_elems
+                }
+            })
+            .collect()
+    }
+
+/*MERGE
+    /// The [`RaggedShard`] of tensor `i` under this plan.
+    pub fn shard(&self, i: usize) -> Result<RaggedShard> {
+        let p = &self.placements[i];
+        RaggedShard::from_placement(
+            &p.shape,
+            p.block_elems,
+            p.offset,
+            self.shard_size,
+            self.world,
+        )
+    }
+
+MERGE*/
+    /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
+    /// multiple of the collective alignment, tensors disjoint and inside the buffer, no block
+    /// split by a shard boundary.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Error::Infeasible {
+            op: "Plan::validate",
+            reason: format!("unit {}: {reason}", self.unit),
+        };
+        if self.shard_size == 0 || self.shard_size % self.coll_align != 0 {
+            return Err(bad(format!(
+                "shard size {} is not a positive multiple of {}",
+                self.shard_size, self.coll_align
+            )));
+        }
+        let mut by_offset: Vec<&Placement> = self.placements.iter().collect();
+        by_offset.sort_by_key(|p| p.offset);
+        let mut end = 0;
+        for p in by_offset {
+            if p.offset < end {
+                return Err(bad(format!("{} overlaps the previous tensor", p.name)));
+            }
+            end = p.offset + p.numel();
+            if end > self.buffer_elems() {
+                return Err(bad(format!("{} ends past the buffer", p.name)));
+            }
+            let first_cut = (p.offset / self.shard_size + 1) * self.shard_size;
+            for cut in (first_cut..end).step_by(self.shard_size) {
+                if (cut - p.offset) % p.block_elems != 0 {
+                    return Err(Error::BlockSplit {
+                        op: "Plan::validate",
+                        tensor: p.name.clone(),
+                        block: p.block_elems,
+                        offset: cut - p.offset,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Plans one unit: `block_of` names the atomic block of each tensor (the optimizer's choice).
+pub fn plan_unit(
+    unit: &Unit,
+    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
+    world: usize,
+    opts: &PlanOptions,
+) -> Result<Plan> {
+    let (items, blocks) = unit_items(unit, block_of, opts)?;
+    let layout = plan_items(&items, world, opts).with_context(|| format!("unit {}", unit.name))?;
+    Ok(assemble(unit, &items, &blocks, &layout, opts))
+}
+
+fn unit_items(
+    unit: &Unit,
+    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
+    opts: &PlanOptions,
+) -> Result<(Vec<Item>, Vec<AtomicBlock>)> {
+    let mut items = Vec::with_capacity(unit.tensors.len());
+    let mut blocks = Vec::with_capacity(unit.tensors.len());
+    for t in &unit.tensors {
+        let block = block_of(t);
+        let elems = block
+            .elems(&t.shape)
+            .with_context(|| format!("tensor {}", t.name))?;
+        items.push(Item::new(t.numel(), elems, opts.start_align)?);
+        blocks.push(block);
+    }
+    Ok((items, blocks))
+}
+
+fn assemble(
+    unit: &Unit,
+    items: &[Item],
+    blocks: &[AtomicBlock],
+    layout: &Layout,
+    opts: &PlanOptions,
+) -> Plan {
+    let placements = unit
+        .tensors
+        .iter()
+        .zip(items.iter().zip(blocks))
+        .zip(&layout.offsets)
+        .map(|((t, (item, &block)), &offset)| Placement {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: t.dtype,
+            block,
+            block_elems: item.block,
+            offset,
+        })
+        .collect();
+    Plan {
+        unit: unit.name.clone(),
+        world: layout.world,
+        shard_size: layout.shard_size,
+        coll_align: opts.coll_align,
+        order: layout.order,
+        placements,
+        stats: layout.stats,
+    }
+}
+
+/// Plans of every unit of a model.
+#[derive(Clone, Debug)]
+pub struct ModelPlan {
+    pub model: String,
+    pub world: usize,
+    pub units: Vec<Plan>,
+    /// Wall time of planning (layouts only; units with identical tensor lists are planned once).
+    pub elapsed: Duration,
+    /// Distinct unit signatures actually searched.
+    pub distinct_units: usize,
+}
+
+impl ModelPlan {
+    /// Elements of all tensors.
+    pub fn numel(&self) -> u64 {
+        self.units.iter().map(|p| p.numel() as u64).sum()
+    }
+
+    /// Elements of all full buffers.
+    pub fn buffer_elems(&self) -> u64 {
+        self.units.iter().map(|p| p.buffer_elems() as u64).sum()
+    }
+
+    /// Padding as a fraction of the model's elements.
+    pub fn padding_frac(&self) -> f64 {
+        (self.buffer_elems() - self.numel()) as f64 / self.numel() as f64
+    }
+}
+
+/// Plans every FSDP unit of `inv` ([`Inventory::units`]). Units whose (size, block) lists are
+/// equal, such as the identical decoder layers of a transformer, share one search.
+pub fn plan_model(
+    inv: &Inventory,
+    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
+    world: usize,
+    opts: &PlanOptions,
+) -> Result<ModelPlan> {
+    let start = Instant::now();
+    let mut cache: HashMap<Vec<Item>, Layout> = HashMap::new();
+    let mut units = Vec::new();
+    for unit in inv.units() {
+        let (items, blocks) = unit_items(&unit, block_of, opts)?;
+        let layout = match cache.get(&items) {
+            Some(l) => l.clone(),
+            None => {
+                let l = plan_items(&items, world, opts)
+                    .with_context(|| format!("unit {}", unit.name))?;
+                cache.insert(items.clone(), l.clone());
+                l
+            }
+        };
+        units.push(assemble(&unit, &items, &blocks, &layout, opts));
+    }
+    Ok(ModelPlan {
+        model: inv.model.clone(),
+        world,
+        units,
+        elapsed: start.elapsed(),
+        distinct_units: cache.len(),
+    })
+}
