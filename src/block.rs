@@ -66,7 +66,8 @@ impl AtomicBlock {
                     return Err(self.misfit(shape, "a tile with a zero side"));
                 }
                 if row % cols != 0 {
-                    let why = format!("rows of {row} elements do not hold whole {cols}-column tiles");
+                    let why =
+                        format!("rows of {row} elements do not hold whole {cols}-column tiles");
                     return Err(self.misfit(shape, &why));
                 }
                 rows.saturating_mul(row)

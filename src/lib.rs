@@ -5,6 +5,7 @@
 //! into equal shards) → dbuffer → comm → fsdp → optim (later milestones). [`model`] holds the
 //! parameter inventories the planner is run on.
 
+pub mod bench;
 pub mod block;
 pub mod error;
 pub mod model;

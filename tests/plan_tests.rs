@@ -107,7 +107,9 @@ fn tv3_collective_alignment_and_a_case_three_tensor() {
     assert_eq!(layout.shard_size, 16);
     assert_eq!(layout.offsets, vec![1, 32, 176]);
     let mid = units(32, &tv3[1], 16, 16);
-    let want: Vec<usize> = (0..16).map(|k| usize::from((2..=10).contains(&k))).collect();
+    let want: Vec<usize> = (0..16)
+        .map(|k| usize::from((2..=10).contains(&k)))
+        .collect();
     assert_eq!(mid, want);
 }
 
@@ -151,7 +153,11 @@ fn check_layout(items: &[Item], offsets: &[usize], shard: usize, world: usize) {
         assert_eq!(l % t.align, 0);
         let mut b = (l / shard + 1) * shard;
         while b < end {
-            assert_eq!((b - l) % t.block, 0, "tensor {i}: boundary {b} splits a block");
+            assert_eq!(
+                (b - l) % t.block,
+                0,
+                "tensor {i}: boundary {b} splits a block"
+            );
             b += shard;
         }
         let u = units(l, t, shard, world);
@@ -215,7 +221,10 @@ fn heuristic_is_within_twice_the_global_optimum() {
         let (items, world) = strategy.new_tree(&mut runner).unwrap().current();
         let layout = plan_items(&items, world, &module_order_all(1)).unwrap();
         let (best, _) = exact_any_order(&items, world, 1).unwrap();
-        assert!(layout.shard_size >= best, "heuristic beat the exact optimum");
+        assert!(
+            layout.shard_size >= best,
+            "heuristic beat the exact optimum"
+        );
         assert!(layout.shard_size <= 2 * best, "{items:?} V={world}");
         worst = worst.max(layout.shard_size as f64 / best as f64);
     }

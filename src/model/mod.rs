@@ -128,7 +128,8 @@ impl Inventory {
     /// Reads an inventory file (format: `models/README.md`).
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io("read inventory", path, e))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::io("read inventory", path, e))?;
         Self::from_json_str(&text).map_err(|e| Error::Context {
             context: format!("inventory {}", path.display()),
             inner: Box::new(e),
@@ -173,10 +174,16 @@ impl Inventory {
             return Err(bad(format!("parameter {} listed twice", t.name)));
         }
         if let Some(n) = num_tensors.filter(|&n| n != self.tensors.len()) {
-            return Err(bad(format!("num_tensors says {n}, params lists {}", self.tensors.len())));
+            return Err(bad(format!(
+                "num_tensors says {n}, params lists {}",
+                self.tensors.len()
+            )));
         }
         if let Some(n) = total.filter(|&n| n != self.total_params()) {
-            return Err(bad(format!("total_params says {n}, params sum to {}", self.total_params())));
+            return Err(bad(format!(
+                "total_params says {n}, params sum to {}",
+                self.total_params()
+            )));
         }
         Ok(())
     }
@@ -210,12 +217,12 @@ impl Inventory {
             tensors: Vec::new(),
         };
         let mut layers: Vec<Unit> = Vec::new();
-        let mut index = std::collections::HashMap::new();
+        let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
         for t in &self.tensors {
             match layer_of(&t.name) {
                 None => root.tensors.push(t.clone()),
                 Some(layer) => {
-                    let i = *index.entry(layer.to_string()).or_insert_with(|| {
+                    let i = *index.entry(layer).or_insert_with(|| {
                         layers.push(Unit {
                             name: layer.to_string(),
                             tensors: Vec::new(),

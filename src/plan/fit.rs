@@ -141,7 +141,11 @@ mod tests {
                             continue;
                         }
                         for c in 0..2 * shard {
-                            let item = Item { numel, block, align };
+                            let item = Item {
+                                numel,
+                                block,
+                                align,
+                            };
                             assert_eq!(
                                 earliest_start(c, &item, shard),
                                 brute(c, &item, shard),

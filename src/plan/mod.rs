@@ -15,6 +15,7 @@
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
+pub mod export;
 pub mod fit;
 pub mod oracle;
 pub mod search;
@@ -288,20 +289,20 @@ impl Plan {
             .collect()
     }
 
-/*MERGE
-    /// The [`RaggedShard`] of tensor `i` under this plan.
-    pub fn shard(&self, i: usize) -> Result<RaggedShard> {
-        let p = &self.placements[i];
-        RaggedShard::from_placement(
-            &p.shape,
-            p.block_elems,
-            p.offset,
-            self.shard_size,
-            self.world,
-        )
-    }
+    /*MERGE
+        /// The [`RaggedShard`] of tensor `i` under this plan.
+        pub fn shard(&self, i: usize) -> Result<RaggedShard> {
+            let p = &self.placements[i];
+            RaggedShard::from_placement(
+                &p.shape,
+                p.block_elems,
+                p.offset,
+                self.shard_size,
+                self.world,
+            )
+        }
 
-MERGE*/
+    MERGE*/
     /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
     /// multiple of the collective alignment, tensors disjoint and inside the buffer, no block
     /// split by a shard boundary.

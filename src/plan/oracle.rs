@@ -88,7 +88,10 @@ fn next_permutation(p: &mut [usize]) -> bool {
     let Some(i) = (1..p.len()).rev().find(|&i| p[i - 1] < p[i]) else {
         return false;
     };
-    let j = (i..p.len()).rev().find(|&j| p[j] > p[i - 1]).expect("p[i] qualifies");
+    let j = (i..p.len())
+        .rev()
+        .find(|&j| p[j] > p[i - 1])
+        .expect("p[i] qualifies");
     p.swap(i - 1, j);
     p[i..].reverse();
     true

@@ -6,9 +6,11 @@
 //!    the smallest `S` the greedy accepts, assuming monotonicity. The best over all prefixes is a
 //!    feasible upper bound `U`.
 //! 2. **Exact finish.** Feasibility is *not* monotone in `S` (test vector TV1: 16 feasible, 17
-//!    not, 18 feasible), so bisection may overshoot. Every multiple of `coll` below `U` is then
-//!    checked from the lower bound up; the first feasible one is the true minimum for this
-//!    order, because the greedy is exact for a fixed order and `S`.
+//!    not, 18 feasible), so bisection may overshoot. The sizes below `U` are then checked from
+//!    the lower bound up; the first feasible one is the true minimum for this order, because the
+//!    greedy is exact for a fixed order and `S`. The scan skips only sizes that violate a
+//!    necessary condition: a tensor with `e ≥ 2S` always has two interior boundaries (or one at
+//!    distance `S`), so `g | S` for all such tensors ([`ForcedLattice`]).
 
 use super::fit::{fits, greedy, lcm};
 use super::Item;
@@ -27,7 +29,11 @@ pub struct SearchStats {
 pub fn lower_bound(items: &[Item], world: usize, coll: usize) -> usize {
     let total: usize = items.iter().map(|t| t.numel).sum();
     let max_block = items.iter().map(|t| t.block).max().unwrap_or(1);
-    total.div_ceil(world).max(max_block).max(1).next_multiple_of(coll)
+    total
+        .div_ceil(world)
+        .max(max_block)
+        .max(1)
+        .next_multiple_of(coll)
 }
 
 /// A shard size that always works: every tensor inside shard 0, none cut.
@@ -46,10 +52,19 @@ pub fn min_shard(items: &[Item], world: usize, coll: usize) -> (usize, Vec<usize
     };
     let lo = lower_bound(items, world, coll);
     let bound = prefix_bisection(items, coll, lo, &mut feasible);
-    let exact = (lo..bound)
-        .step_by(coll)
-        .find(|&s| feasible(s))
-        .unwrap_or(bound);
+    let lattice = ForcedLattice::new(items, coll);
+    let mut exact = bound;
+    let mut s = lo;
+    while s < bound {
+        match lattice.next_candidate(s) {
+            c if c >= bound => break,
+            c if feasible(c) => {
+                exact = c;
+                break;
+            }
+            c => s = c + coll,
+        }
+    }
     stats.bisection_bound = bound;
     let offsets = greedy(items, exact, world).expect("the search returns a feasible size");
     stats.checks += 1;
@@ -109,4 +124,54 @@ fn bisect(
         }
     }
     found.unwrap_or(limit)
+}
+
+/// The lattice that tensors forced into case 3 impose on `S`: for a given `S`, every tensor
+/// with `e ≥ 2S` needs `g | S`, so `S` must be a multiple of `lcm(coll, g_t : e_t ≥ 2S)`.
+pub struct ForcedLattice {
+    /// Tensor sizes, descending.
+    sizes: Vec<usize>,
+    /// `lcm[p]` = lcm of `coll` and the blocks of the `p` largest tensors (`None`: overflow).
+    lcm: Vec<Option<usize>>,
+    coll: usize,
+}
+
+impl ForcedLattice {
+    pub fn new(items: &[Item], coll: usize) -> Self {
+        let mut by_size: Vec<&Item> = items.iter().collect();
+        by_size.sort_by(|a, b| b.numel.cmp(&a.numel));
+        let mut lcm_acc = Some(coll);
+        let mut prefix = vec![lcm_acc];
+        for t in &by_size {
+            lcm_acc = lcm_acc.and_then(|l| lcm(l, t.block));
+            prefix.push(lcm_acc);
+        }
+        ForcedLattice {
+            sizes: by_size.iter().map(|t| t.numel).collect(),
+            lcm: prefix,
+            coll,
+        }
+    }
+
+    /// The smallest size `≥ s` (a multiple of `coll`) that satisfies the forced lattice.
+    pub fn next_candidate(&self, mut s: usize) -> usize {
+        s = s.next_multiple_of(self.coll);
+        loop {
+            let forced = self.sizes.partition_point(|&e| e >= 2 * s);
+            let Some(step) = self.lcm[forced] else {
+                // Only larger S shrink the forced set: go to where the smallest one drops out.
+                s = (self.sizes[forced - 1] / 2 + 1).next_multiple_of(self.coll);
+                continue;
+            };
+            if s % step == 0 {
+                return s;
+            }
+            // The forced set shrinks once S passes half the smallest forced tensor.
+            let release = match forced {
+                0 => usize::MAX,
+                p => (self.sizes[p - 1] / 2 + 1).next_multiple_of(self.coll),
+            };
+            s = s.next_multiple_of(step).min(release);
+        }
+    }
 }

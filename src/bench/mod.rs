@@ -1,0 +1,3 @@
+//! Benchmarks shared by `ragged bench` and `cargo bench`.
+
+pub mod plan;

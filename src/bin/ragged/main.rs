@@ -1,0 +1,38 @@
+//! The `ragged` command-line tool: `ragged plan` and `ragged bench`.
+
+mod bench_cmd;
+mod plan_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "ragged",
+    version,
+    about = "RaggedShard layouts and sharded optimizers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Plan a model's FSDP layout and compare it with FSDP2, Megatron-FSDP, FSDP1 and ZeRO-3.
+    Plan(plan_cmd::PlanArgs),
+    /// Run a benchmark and write its table.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Bench(cmd) => bench_cmd::run(&cmd),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

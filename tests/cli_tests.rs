@@ -1,0 +1,157 @@
+//! The `ragged` binary, end to end: plans written as JSON pass the independent checker
+//! `tools/check_plan.py`; bad input exits non-zero with a message instead of panicking.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn ragged(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ragged"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run ragged")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    dir.join(name)
+}
+
+fn check_plan(plan: &PathBuf, model: &str, world: usize) -> (bool, String) {
+    let out = Command::new("python3")
+        .arg("tools/check_plan.py")
+        .arg(plan)
+        .arg(format!("models/{model}.json"))
+        .arg(world.to_string())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("python3 runs tools/check_plan.py");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    (out.status.success(), text)
+}
+
+#[test]
+fn json_plans_pass_the_independent_checker() {
+    let cases = [
+        ("llama3_8b", 64, "rows:16"),
+        ("gpt_oss_20b", 24, "tile:32x32"),
+        ("gpt_oss_20b", 7, "matrix"),
+        ("llama3_70b", 1000, "rows:1"),
+    ];
+    for (model, world, block) in cases {
+        let path = tmp(&format!("{model}-{world}.json"));
+        let out = ragged(&[
+            "plan",
+            "--model",
+            &format!("models/{model}.json"),
+            "--devices",
+            &world.to_string(),
+            "--block",
+            block,
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (ok, report) = check_plan(&path, model, world);
+        assert!(ok, "{model} V={world} {block}: {report}");
+        assert!(report.starts_with("ok"), "{report}");
+    }
+}
+
+#[test]
+fn checker_rejects_a_corrupted_plan() {
+    // Guards the test above: the checker must be able to fail on our format.
+    let path = tmp("corrupt.json");
+    let out = ragged(&[
+        "plan",
+        "--model",
+        "llama3_8b",
+        "--devices",
+        "16",
+        "--block",
+        "rows:1",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut plan: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let t = &mut plan["units"][1]["tensors"][1];
+    let off = t["offset"].as_u64().unwrap();
+    t["offset"] = (off + 1).into();
+    std::fs::write(&path, serde_json::to_string(&plan).unwrap()).unwrap();
+    let (ok, report) = check_plan(&path, "llama3_8b", 16);
+    assert!(!ok, "corrupted plan accepted: {report}");
+}
+
+#[test]
+fn summary_lists_every_baseline_and_svg_is_drawn() {
+    let svg = tmp("layer.svg");
+    let out = ragged(&[
+        "plan",
+        "--model",
+        "gpt_oss_20b",
+        "--devices",
+        "64",
+        "--block",
+        "rows:16",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in [
+        "ragged",
+        "FSDP2",
+        "Megatron-FSDP",
+        "FSDP1",
+        "ZeRO-3",
+        "plan time",
+    ] {
+        assert!(text.contains(name), "summary lacks {name}:\n{text}");
+    }
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawing.starts_with("<svg") && drawing.contains("layers.0.mlp.experts.gate_up_proj"));
+}
+
+#[test]
+fn bad_input_exits_with_a_message() {
+    let cases: [&[&str]; 5] = [
+        &["plan", "--model", "no_such_model", "--devices", "8"],
+        &["plan", "--model", "llama3_8b", "--devices", "0"],
+        &[
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--block",
+            "rows:0",
+        ],
+        &[
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--block",
+            "tile:32x48",
+        ],
+        &["plan", "--model", "Cargo.toml", "--devices", "8"],
+    ];
+    for args in cases {
+        let out = ragged(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        assert!(err.contains("error"), "{args:?}: no message: {err}");
+    }
+}
