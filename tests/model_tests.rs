@@ -382,6 +382,8 @@ fn layer_of_examples() {
         ("model.layers.3a.w", None), // index not followed by '.'
         ("model.layers..w", None),   // empty index
         ("model.layers", None),
+        ("model.sublayers.2.w", None), // "layers." must start a name component
+        ("encoder.sublayers.1.layers.4.w", Some("layers.4")),
     ];
     for (name, want) in cases {
         assert_eq!(layer_of(name), want, "layer_of({name:?})");

@@ -244,7 +244,10 @@ impl Inventory {
 
 /// The `layers.<i>` part of a parameter name, if it belongs to a decoder layer.
 pub fn layer_of(name: &str) -> Option<&str> {
-    let start = name.find("layers.")?;
+    let start = name
+        .match_indices("layers.")
+        .map(|(i, _)| i)
+        .find(|&i| i == 0 || name.as_bytes()[i - 1] == b'.')?;
     let rest = &name[start + "layers.".len()..];
     let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
     let after = rest.as_bytes().get(digits).copied();
