@@ -237,3 +237,78 @@ fn module_order_all(coll: usize) -> PlanOptions {
         ..PlanOptions::default()
     }
 }
+
+mod unit_plans {
+    use super::*;
+    use ragged::block::num_blocks;
+    use ragged::model::{DType, TensorSpec, Unit};
+    use ragged::plan::plan_unit;
+    use ragged::AtomicBlock;
+
+    fn arb_tensor() -> impl Strategy<Value = (Vec<usize>, AtomicBlock)> {
+        let shape = prop::collection::vec(1..=12usize, 1..=3);
+        let block = prop_oneof![
+            Just(AtomicBlock::Element),
+            (1..=5usize).prop_map(AtomicBlock::Rows),
+            Just(AtomicBlock::Matrix),
+            Just(AtomicBlock::Whole),
+        ];
+        (shape, block)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Every tensor's RaggedShard, derived from its offset, agrees with the plan: ranks hold
+        /// contiguous runs in rank order at exactly the plan's element positions.
+        #[test]
+        fn ragged_shards_agree_with_offsets(
+            tensors in prop::collection::vec(arb_tensor(), 1..=10), world in 1..=9usize
+        ) {
+            let unit = Unit {
+                name: "u".into(),
+                tensors: tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (shape, _))| TensorSpec::new(format!("t{i}"), shape, DType::BF16).unwrap())
+                    .collect(),
+            };
+            let blocks: std::collections::HashMap<String, AtomicBlock> = tensors
+                .iter()
+                .enumerate()
+                .map(|(i, (_, b))| (format!("t{i}"), *b))
+                .collect();
+            let opts = PlanOptions { coll_align: 1, ..PlanOptions::default() };
+            let plan = plan_unit(&unit, &|t| blocks[&t.name], world, &opts).unwrap();
+            plan.validate().unwrap();
+            for (i, p) in plan.placements.iter().enumerate() {
+                let shard = plan.shard(i).unwrap();
+                let units = plan.units_per_rank(i).unwrap();
+                prop_assert_eq!(shard.units(), &units[..]);
+                prop_assert_eq!(units.iter().sum::<usize>(), num_blocks(p.numel(), p.block_elems));
+                for k in 0..world {
+                    let r = shard.range(k).unwrap();
+                    let lo = p.offset.max(k * plan.shard_size).min(p.offset + p.numel());
+                    let hi = (p.offset + p.numel()).min((k + 1) * plan.shard_size).max(lo);
+                    if r.is_empty() {
+                        prop_assert!(hi <= lo);
+                    } else {
+                        prop_assert_eq!(r, lo - p.offset..hi - p.offset);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_block_that_does_not_fit_names_the_tensor() {
+        let unit = Unit {
+            name: "u".into(),
+            tensors: vec![TensorSpec::new("w", &[4, 48], DType::BF16).unwrap()],
+        };
+        let tile = AtomicBlock::Tile { rows: 32, cols: 32 };
+        let err = plan_unit(&unit, &|_| tile, 4, &PlanOptions::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("tensor w") && msg.contains("48"), "{msg}");
+    }
+}

@@ -33,6 +33,8 @@ pub struct PlanRow {
     /// Best of `repeats` runs of [`plan_model`].
     pub plan_time: Duration,
     pub padding_frac: f64,
+    /// Padding that no layout with these blocks can avoid ([`ModelPlan::lower_bound_padding_frac`]).
+    pub floor_frac: f64,
     /// `V·⌈N/V⌉`: the element-granular bound, as a padding fraction.
     pub bound_frac: f64,
     pub baselines: Vec<BaselineCell>,
@@ -95,33 +97,36 @@ pub fn plan_row(
         block,
         plan_time: plan.elapsed,
         padding_frac: plan.padding_frac(),
+        floor_frac: plan.lower_bound_padding_frac(),
         bound_frac: bound,
         baselines,
     })
 }
 
-/// A markdown table of `rows`: padding % of ragged and each baseline, blocks cut by each
+/// A markdown table of `rows`: padding % of ragged, the padding its blocks force on any layout
+/// (`block floor`), padding % of each baseline, blocks cut by each
 /// baseline (ragged cuts none, checked by [`crate::plan::Plan::validate`]), plan time.
 pub fn markdown(rows: &[PlanRow]) -> String {
     let mut s = String::new();
-    s.push_str("| model | V | block | ragged pad % | plan ms |");
+    s.push_str("| model | V | block | ragged pad % | block floor % | plan ms |");
     for b in Baseline::ALL {
         let _ = write!(s, " {b} pad % |");
     }
     for b in Baseline::ALL {
         let _ = write!(s, " {b} cuts |");
     }
-    s.push_str(" bound pad % |\n|---|---:|---|---:|---:|");
+    s.push_str(" bound pad % |\n|---|---:|---|---:|---:|---:|");
     s.push_str(&"---:|".repeat(2 * Baseline::ALL.len() + 1));
     s.push('\n');
     for r in rows {
         let _ = write!(
             s,
-            "| {} | {} | {} | {} | {:.2} |",
+            "| {} | {} | {} | {} | {} | {:.2} |",
             short_name(&r.model),
             r.world,
             r.block,
             pct(r.padding_frac),
+            pct(r.floor_frac),
             r.plan_time.as_secs_f64() * 1e3
         );
         for c in &r.baselines {

@@ -59,7 +59,7 @@ fn write_unit(unit: &Plan, out: &mut impl Write) -> Result<()> {
             p.block,
             p.offset,
             p.block_elems,
-            unit.units_per_rank(i),
+            unit.units_per_rank(i)?,
         );
         out.write_all(line.as_bytes()).map_err(io)?;
     }

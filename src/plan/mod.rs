@@ -25,7 +25,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::model::{DType, Inventory, TensorSpec, Unit};
-//MERGE use crate::ragged::RaggedShard;
+use crate::ragged::{placement_units, RaggedShard};
 use crate::{AtomicBlock, Context, Error, Result};
 
 pub use search::SearchStats;
@@ -157,6 +157,8 @@ pub struct Layout {
     pub offsets: Vec<usize>,
     /// Work done by the search for the winning order.
     pub stats: SearchStats,
+    /// No layout in any order has a smaller `S` ([`search::any_order_lower_bound`]).
+    pub lower_bound: usize,
 }
 
 /// Plans one group of tensors: the smallest `S` over the orders of `opts`, each exact for its
@@ -188,6 +190,7 @@ pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<La
             reason: format!("must divide the collective alignment {}", opts.coll_align),
         });
     }
+    let lower_bound = search::any_order_lower_bound(&items, world, opts.coll_align);
     let mut best: Option<Layout> = None;
     let mut seen = Vec::new();
     for &order in &opts.orders {
@@ -208,6 +211,7 @@ pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<La
                 order,
                 offsets,
                 stats,
+                lower_bound,
             });
         }
         seen.push(perm);
@@ -248,6 +252,8 @@ pub struct Plan {
     /// Tensors in registration order (not buffer order).
     pub placements: Vec<Placement>,
     pub stats: SearchStats,
+    /// No layout of this unit in any order has a smaller shard size.
+    pub lower_bound: usize,
 }
 
 impl Plan {
@@ -273,24 +279,18 @@ impl Plan {
     }
 
     /// Whole blocks of tensor `i` held by each rank (`V` entries; a short tail counts as one).
-    pub fn units_per_rank(&self, i: usize) -> Vec<usize> {
+    pub fn units_per_rank(&self, i: usize) -> Result<Vec<usize>> {
         let p = &self.placements[i];
-        let (lo, hi) = (p.offset, p.offset + p.numel());
-        (0..self.world)
-            .map(|k| {
-                let a = lo.max(k * self.shard_size);
-                let b = hi.min((k + 1) * self.shard_size);
-                if a >= b {
-                    0
-                } else {
-                    (b - lo).div_ceil(p.block_elems) - (a - lo) / p.block_elems
-                }
-            })
-            .collect()
+        placement_units(
+            p.numel(),
+            p.block_elems,
+            p.offset,
+            self.shard_size,
+            self.world,
+        )
     }
 
-    /*MERGE
-        /// The [`RaggedShard`] of tensor `i` under this plan.
+    /// The [`RaggedShard`] of tensor `i` under this plan.
         pub fn shard(&self, i: usize) -> Result<RaggedShard> {
             let p = &self.placements[i];
             RaggedShard::from_placement(
@@ -302,8 +302,7 @@ impl Plan {
             )
         }
 
-    MERGE*/
-    /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
+        /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
     /// multiple of the collective alignment, tensors disjoint and inside the buffer, no block
     /// split by a shard boundary.
     pub fn validate(&self) -> Result<()> {
@@ -403,6 +402,7 @@ fn assemble(
         order: layout.order,
         placements,
         stats: layout.stats,
+        lower_bound: layout.lower_bound,
     }
 }
 
@@ -432,6 +432,17 @@ impl ModelPlan {
     /// Padding as a fraction of the model's elements.
     pub fn padding_frac(&self) -> f64 {
         (self.buffer_elems() - self.numel()) as f64 / self.numel() as f64
+    }
+
+    /// The padding fraction no layout can avoid with these blocks (from each unit's
+    /// [`Plan::lower_bound`]).
+    pub fn lower_bound_padding_frac(&self) -> f64 {
+        let floor: u64 = self
+            .units
+            .iter()
+            .map(|p| (p.world * p.lower_bound) as u64)
+            .sum();
+        (floor - self.numel()) as f64 / self.numel() as f64
     }
 }
 

@@ -36,6 +36,13 @@ pub fn lower_bound(items: &[Item], world: usize, coll: usize) -> usize {
         .next_multiple_of(coll)
 }
 
+/// A lower bound on `S` for *every* order and layout: the smallest size at or above
+/// [`lower_bound`] that satisfies the forced-case-3 lattice ([`ForcedLattice`]), a condition
+/// no order can escape. Padding at this size is padding the blocks themselves force.
+pub fn any_order_lower_bound(items: &[Item], world: usize, coll: usize) -> usize {
+    ForcedLattice::new(items, coll).next_candidate(lower_bound(items, world, coll))
+}
+
 /// A shard size that always works: every tensor inside shard 0, none cut.
 pub fn upper_bound(items: &[Item], coll: usize) -> usize {
     let all: usize = items.iter().map(|t| t.numel + t.align - 1).sum();
