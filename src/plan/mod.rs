@@ -291,18 +291,18 @@ impl Plan {
     }
 
     /// The [`RaggedShard`] of tensor `i` under this plan.
-        pub fn shard(&self, i: usize) -> Result<RaggedShard> {
-            let p = &self.placements[i];
-            RaggedShard::from_placement(
-                &p.shape,
-                p.block_elems,
-                p.offset,
-                self.shard_size,
-                self.world,
-            )
-        }
+    pub fn shard(&self, i: usize) -> Result<RaggedShard> {
+        let p = &self.placements[i];
+        RaggedShard::from_placement(
+            &p.shape,
+            p.block_elems,
+            p.offset,
+            self.shard_size,
+            self.world,
+        )
+    }
 
-        /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
+    /// Checks the plan's invariants independently of how it was built: equal shards, `S` a
     /// multiple of the collective alignment, tensors disjoint and inside the buffer, no block
     /// split by a shard boundary.
     pub fn validate(&self) -> Result<()> {
