@@ -174,7 +174,8 @@ fn names_and_by_name() {
 
 #[test]
 fn units_llama3_8b() {
-    let units = preset("llama3_8b").units();
+    let inv = preset("llama3_8b");
+    let units = inv.units();
     assert_eq!(units.len(), 33);
     assert_eq!(units[0].name, "root");
     let root: Vec<&str> = units[0].tensors.iter().map(|t| t.name.as_str()).collect();
@@ -214,7 +215,8 @@ fn units_llama3_8b() {
 
 #[test]
 fn units_deepseek_v3() {
-    let units = preset("deepseek_v3_671b").units();
+    let inv = preset("deepseek_v3_671b");
+    let units = inv.units();
     assert_eq!(units.len(), 62);
     assert_eq!(units[0].name, "root");
     assert_eq!(units[0].tensors.len(), 3);

@@ -265,14 +265,12 @@ mod unit_plans {
         fn ragged_shards_agree_with_offsets(
             tensors in prop::collection::vec(arb_tensor(), 1..=10), world in 1..=9usize
         ) {
-            let unit = Unit {
-                name: "u".into(),
-                tensors: tensors
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (shape, _))| TensorSpec::new(format!("t{i}"), shape, DType::BF16).unwrap())
-                    .collect(),
-            };
+            let specs: Vec<TensorSpec> = tensors
+                .iter()
+                .enumerate()
+                .map(|(i, (shape, _))| TensorSpec::new(format!("t{i}"), shape, DType::BF16).unwrap())
+                .collect();
+            let unit = Unit { name: "u".into(), tensors: specs.iter().collect() };
             let blocks: std::collections::HashMap<String, AtomicBlock> = tensors
                 .iter()
                 .enumerate()
@@ -302,9 +300,10 @@ mod unit_plans {
 
     #[test]
     fn a_block_that_does_not_fit_names_the_tensor() {
+        let w = TensorSpec::new("w", &[4, 48], DType::BF16).unwrap();
         let unit = Unit {
             name: "u".into(),
-            tensors: vec![TensorSpec::new("w", &[4, 48], DType::BF16).unwrap()],
+            tensors: vec![&w],
         };
         let tile = AtomicBlock::Tile { rows: 32, cols: 32 };
         let err = plan_unit(&unit, &|_| tile, 4, &PlanOptions::default()).unwrap_err();

@@ -101,11 +101,12 @@ pub struct Inventory {
     pub tensors: Vec<TensorSpec>,
 }
 
-/// An FSDP unit: the tensors planned, gathered and reduced together.
+/// An FSDP unit: the tensors planned, gathered and reduced together (borrowed from the
+/// inventory, so grouping a 45,000-tensor model copies nothing).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unit {
+pub struct Unit<'a> {
     pub name: String,
-    pub tensors: Vec<TensorSpec>,
+    pub tensors: Vec<&'a TensorSpec>,
 }
 
 #[derive(Deserialize)]
@@ -211,7 +212,7 @@ impl Inventory {
 
     /// FSDP units: `root` (everything outside decoder layers) first, then one unit per decoder
     /// layer in order of first appearance. Tensors keep their inventory order inside a unit.
-    pub fn units(&self) -> Vec<Unit> {
+    pub fn units(&self) -> Vec<Unit<'_>> {
         let mut root = Unit {
             name: "root".into(),
             tensors: Vec::new(),
@@ -220,7 +221,7 @@ impl Inventory {
         let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
         for t in &self.tensors {
             match layer_of(&t.name) {
-                None => root.tensors.push(t.clone()),
+                None => root.tensors.push(t),
                 Some(layer) => {
                     let i = *index.entry(layer).or_insert_with(|| {
                         layers.push(Unit {
@@ -229,7 +230,7 @@ impl Inventory {
                         });
                         layers.len() - 1
                     });
-                    layers[i].tensors.push(t.clone());
+                    layers[i].tensors.push(t);
                 }
             }
         }

@@ -485,12 +485,12 @@ fn flat_group(
 }
 
 /// Splits a unit's tensors by `key`, keeping the order of first appearance.
-fn split_by<K: PartialEq>(
-    tensors: &[TensorSpec],
+fn split_by<'a, K: PartialEq>(
+    tensors: &[&'a TensorSpec],
     key: impl Fn(&TensorSpec) -> K,
-) -> Vec<(K, Vec<&TensorSpec>)> {
+) -> Vec<(K, Vec<&'a TensorSpec>)> {
     let mut out: Vec<(K, Vec<&TensorSpec>)> = Vec::new();
-    for t in tensors {
+    for &t in tensors {
         let k = key(t);
         match out.iter_mut().find(|(key, _)| *key == k) {
             Some((_, list)) => list.push(t),
@@ -508,8 +508,7 @@ fn fsdp2(inv: &Inventory, v: u64) -> Result<Vec<GroupLayout>> {
     inv.units()
         .iter()
         .map(|unit| {
-            let tensors: Vec<&TensorSpec> = unit.tensors.iter().collect();
-            chunked_group(unit.name.clone(), &tensors, v, |t| {
+            chunked_group(unit.name.clone(), &unit.tensors, v, |t| {
                 let (rows, row) = rows_and_row(&t.shape);
                 rows.div_ceil(v) * row
             })

@@ -1,5 +1,6 @@
 //! `ragged plan`: one model, one world size, one block.
 
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -60,7 +61,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     let quiet = matches!(&args.json, Some(p) if p.as_os_str() == "-");
     if !quiet {
-        print_summary(&inv, &plan, args)?;
+        print_stdout(&summary(&inv, &plan, args)?)?;
     }
     if let Some(path) = &args.json {
         write_plan_json(&plan, path)?;
@@ -88,8 +89,10 @@ fn parse_orders(s: &str) -> Result<Vec<Order>> {
         .map(|v| v.concat())
 }
 
-fn print_summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<()> {
-    println!(
+fn summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<String> {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
         "{}: {} tensors, {} parameters, {} units ({} distinct), V={}, block {}",
         inv.model,
         inv.tensors.len(),
@@ -99,26 +102,37 @@ fn print_summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<(
         plan.world,
         args.block
     );
-    println!(
+    let _ = writeln!(
+        s,
         "plan time {:.2} ms, coll align {}\n",
         plan.elapsed.as_secs_f64() * 1e3,
         args.coll_align
     );
-    println!(
+    let _ = writeln!(
+        s,
         "{:<14} {:>20} {:>10} {:>12}",
         "layout", "buffer elements", "padding %", "cut blocks"
     );
-    println!(
+    let _ = writeln!(
+        s,
         "{:<14} {:>20} {:>10} {:>12}",
         "ragged",
         plan.buffer_elems(),
         pct(plan.padding_frac()),
         0
     );
+    let _ = writeln!(
+        s,
+        "{:<14} {:>20} {:>10}   (padding these blocks force on any layout)",
+        "block floor",
+        "",
+        pct(plan.lower_bound_padding_frac()),
+    );
     if !args.no_baselines {
         for layout in baseline_layouts(inv, plan.world)? {
             let cuts = baselines::cut_blocks(&layout, inv, args.block)?;
-            println!(
+            let _ = writeln!(
+                s,
                 "{:<14} {:>20} {:>10} {:>12}",
                 layout.baseline.to_string(),
                 layout.buffer_elems,
@@ -127,7 +141,7 @@ fn print_summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<(
             );
         }
     }
-    println!("\nper unit (runs of equal units merged):");
+    let _ = writeln!(s, "\nper unit (runs of equal units merged):");
     let mut i = 0;
     while i < plan.units.len() {
         let u = &plan.units[i];
@@ -140,7 +154,8 @@ fn print_summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<(
         } else {
             u.unit.clone()
         };
-        println!(
+        let _ = writeln!(
+            s,
             "  {name:<32} S={:<12} padding {:>8}%  order {}  checks {}",
             u.shard_size,
             pct(u.padding() as f64 / u.numel() as f64),
@@ -149,7 +164,7 @@ fn print_summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<(
         );
         i += same;
     }
-    Ok(())
+    Ok(s)
 }
 
 fn write_plan_json(plan: &ModelPlan, path: &PathBuf) -> Result<()> {
@@ -187,4 +202,12 @@ fn write_svg(plan: &ModelPlan, unit: Option<&str>, path: &PathBuf) -> Result<()>
     std::fs::write(path, svg(chosen)).map_err(|e| Error::io("write svg", path, e))?;
     eprintln!("wrote {} (unit {})", path.display(), chosen.unit);
     Ok(())
+}
+
+/// Writes to standard output; a closed pipe (`ragged plan … | head`) is not an error.
+pub fn print_stdout(text: &str) -> Result<()> {
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::io("print", "-", e)),
+        _ => Ok(()),
+    }
 }
