@@ -29,7 +29,7 @@ pub fn write_json(plan: &ModelPlan, out: &mut impl Write) -> Result<()> {
     .map_err(io)?;
     for (i, unit) in plan.units.iter().enumerate() {
         let sep = if i == 0 { "" } else { "," };
-        write!(out, "{sep}\n").map_err(io)?;
+        writeln!(out, "{sep}").map_err(io)?;
         write_unit(unit, out)?;
     }
     writeln!(out, "\n]}}").map_err(io)

@@ -146,7 +146,7 @@ pub struct ForcedLattice {
 impl ForcedLattice {
     pub fn new(items: &[Item], coll: usize) -> Self {
         let mut by_size: Vec<&Item> = items.iter().collect();
-        by_size.sort_by(|a, b| b.numel.cmp(&a.numel));
+        by_size.sort_by_key(|t| std::cmp::Reverse(t.numel));
         let mut lcm_acc = Some(coll);
         let mut prefix = vec![lcm_acc];
         for t in &by_size {
