@@ -52,6 +52,22 @@ pub enum Error {
     #[error("{op}: no feasible layout: {reason}")]
     Infeasible { op: &'static str, reason: String },
 
+    /// A collective failed: a rank left or panicked, the ranks disagreed, or it timed out.
+    #[error("{op} on rank {rank}: {reason}")]
+    Comm {
+        op: &'static str,
+        rank: usize,
+        reason: String,
+    },
+
+    /// An error from candle (tensor library), with the operation that hit it.
+    #[error("{op}: candle: {source}")]
+    Candle {
+        op: &'static str,
+        #[source]
+        source: candle_core::Error,
+    },
+
     /// A model inventory or plan file is malformed.
     #[error("{op}: bad input {what}: {reason}")]
     BadInput {

@@ -7,8 +7,10 @@
 
 pub mod bench;
 pub mod block;
+pub mod comm;
 pub mod error;
 pub mod model;
+pub mod optim;
 pub mod plan;
 pub mod ragged;
 

@@ -1,0 +1,1 @@
+//! Thread-rank backend (being written).
