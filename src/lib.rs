@@ -8,7 +8,10 @@
 pub mod bench;
 pub mod block;
 pub mod comm;
+pub mod dbuffer;
+pub mod demo;
 pub mod error;
+pub mod fsdp;
 pub mod model;
 pub mod optim;
 pub mod plan;

@@ -135,3 +135,64 @@ pub trait Optimizer: Send + Sync {
         comm: &dyn Communicator,
     ) -> Result<()>;
 }
+
+/// Plain gradient descent, `p ← p − lr·g`: the smallest real optimizer, used by `ragged bench
+/// comm` to time layouts without optimizer cost dominating (the full optimizers live in the
+/// `ragged-optimizers` crate).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    pub lr: f32,
+}
+
+impl Optimizer for Sgd {
+    type State = ();
+
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+
+    fn atomic_block(&self, _name: &str, _shape: &[usize]) -> AtomicBlock {
+        AtomicBlock::Element
+    }
+
+    fn init(&self, _shard: &LocalShard) -> Result<()> {
+        Ok(())
+    }
+
+    fn step(
+        &self,
+        _state: &mut (),
+        shard: &LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+        _comm: &dyn Communicator,
+    ) -> Result<()> {
+        check_shard_lengths(shard, params.len(), grads.len(), "Sgd::step")?;
+        for piece in &shard.pieces {
+            let span = piece.offset..piece.offset + piece.range.len();
+            for (p, g) in params[span.clone()].iter_mut().zip(&grads[span]) {
+                *p -= self.lr * g;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `params` and `grads` cover exactly the local shard.
+pub fn check_shard_lengths(
+    shard: &LocalShard,
+    params: usize,
+    grads: usize,
+    op: &'static str,
+) -> Result<()> {
+    if params != shard.len || grads != shard.len {
+        return Err(crate::Error::InvalidShard {
+            op,
+            reason: format!(
+                "params {params} and grads {grads} elements for a shard of {}",
+                shard.len
+            ),
+        });
+    }
+    Ok(())
+}

@@ -12,6 +12,30 @@ use ragged::{AtomicBlock, Error, Result};
 pub enum BenchCommand {
     /// Plan time and padding for every model × V × block, next to each baseline layout.
     Plan(PlanBenchArgs),
+    /// Thread-rank collectives against memcpy, and a training step ragged vs FSDP2-style.
+    Comm(CommBenchArgs),
+}
+
+#[derive(Args)]
+pub struct CommBenchArgs {
+    /// World sizes for the collectives.
+    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4])]
+    worlds: Vec<usize>,
+    /// f32 elements per rank in the collective benchmark (default 4 Mi = 16 MiB).
+    #[arg(long, default_value_t = 4 << 20)]
+    shard: usize,
+    /// Repeats (the best is kept).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Ranks for the training-step comparison.
+    #[arg(long, default_value_t = 4)]
+    train_ranks: usize,
+    /// Training steps per layout (the first is not timed).
+    #[arg(long, default_value_t = 4)]
+    train_steps: usize,
+    /// Markdown file whose runtime section is replaced; - for stdout only.
+    #[arg(long, default_value = "docs/benchmarks.md")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -36,6 +60,7 @@ pub struct PlanBenchArgs {
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Plan(args) => plan(args),
+        BenchCommand::Comm(args) => comm(args),
     }
 }
 
@@ -72,6 +97,57 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     println!("{table}");
     if args.out.as_os_str() != "-" {
         replace_section(&args.out, "plan", &section_text(&table))?;
+        eprintln!("updated {}", args.out.display());
+    }
+    Ok(())
+}
+
+fn comm(args: &CommBenchArgs) -> Result<()> {
+    use ragged::bench::comm::{collectives, markdown, train_step};
+    use ragged::demo::TransformerConfig;
+    use ragged::fsdp::ShardLayout;
+    use ragged::optim::Sgd;
+
+    let total = (args.worlds.len() + 2) as u64;
+    let bar = ProgressBar::new(total).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
+            .expect("valid template"),
+    );
+    let mut rows = Vec::new();
+    for &world in &args.worlds {
+        bar.set_message(format!("collectives V={world}"));
+        rows.extend(collectives(world, args.shard, args.repeats)?);
+        bar.inc(1);
+    }
+    let cfg = TransformerConfig::SMALL;
+    let mut steps = Vec::new();
+    for layout in [ShardLayout::Ragged, ShardLayout::Fsdp2] {
+        bar.set_message(format!("training step {layout:?}"));
+        let sgd = Sgd { lr: 1e-2 };
+        steps.push(train_step(cfg, sgd, layout, args.train_ranks, args.train_steps, 8)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let n: usize = cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let model = format!(
+        "demo transformer, {n} parameters, {} thread ranks, global batch 8 x {} tokens, SGD",
+        args.train_ranks, cfg.seq_len
+    );
+    let table = markdown(&rows, &steps, &model);
+    println!("{table}");
+    if args.out.as_os_str() != "-" {
+        let body = format!(
+            "## Runtime: collectives and training step\n\n\
+             Command: `cargo run --release -- bench comm`. Collectives: in-place all-gather and \
+             reduce-scatter (sum) of {} f32 elements per rank on thread ranks; `bytes` is what \
+             all ranks receive together, `V·(V−1)·S·4`; memcpy is one thread copying the same \
+             bytes in the same run (best of {}). Training step: mean wall time of steps after \
+             the first; bytes copied outside collectives (copy-in / copy-out). Machine: {}.\n\n{table}",
+            args.shard,
+            args.repeats,
+            machine()
+        );
+        replace_section(&args.out, "comm", &body)?;
         eprintln!("updated {}", args.out.display());
     }
     Ok(())

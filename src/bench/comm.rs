@@ -1,0 +1,189 @@
+//! The runtime benchmark: thread-rank collectives against a plain memcpy of the same bytes, and
+//! one training step of the ragged layout against the FSDP2-style layout, measured in one run.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use crate::comm::threads::ThreadWorld;
+use crate::comm::{BufMut, Communicator, ReduceOp};
+use crate::demo::{train_rank, StepReport, TransformerConfig};
+use crate::fsdp::{FsdpOptions, ShardLayout};
+use crate::optim::Optimizer;
+use crate::{Error, Result};
+
+/// A collective measured against memcpy.
+#[derive(Clone, Debug)]
+pub struct CollectiveRow {
+    pub op: &'static str,
+    pub world: usize,
+    /// Bytes every rank receives, summed over ranks: `V·(V−1)·S·4`.
+    pub bytes: usize,
+    pub seconds: f64,
+    /// One thread copying `bytes` bytes, best of the same number of repeats.
+    pub memcpy_seconds: f64,
+}
+
+impl CollectiveRow {
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds / 1e9
+    }
+    pub fn memcpy_gbps(&self) -> f64 {
+        self.bytes as f64 / self.memcpy_seconds / 1e9
+    }
+}
+
+/// Best time of `repeats` copies of `bytes` bytes (f32 elements) by one thread.
+pub fn memcpy_seconds(bytes: usize, repeats: usize) -> f64 {
+    let src = vec![1.0f32; bytes / 4];
+    let mut dst = vec![0.0f32; bytes / 4];
+    (0..repeats.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Times in-place all-gather and reduce-scatter of `shard` f32 elements per rank on `world`
+/// thread ranks (best of `repeats`, slowest rank).
+pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<CollectiveRow>> {
+    let bytes = world * (world - 1) * shard * 4;
+    let memcpy = memcpy_seconds(bytes, repeats);
+    let mut rows = Vec::new();
+    for op in ["all-gather", "reduce-scatter"] {
+        let comms = ThreadWorld::new(world)?;
+        let times: Vec<Result<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|c| s.spawn(move || time_collective(c, op, shard, repeats)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Msg("rank panicked".into()))))
+                .collect()
+        });
+        let seconds = times
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .fold(0.0, f64::max);
+        rows.push(CollectiveRow {
+            op,
+            world,
+            bytes,
+            seconds,
+            memcpy_seconds: memcpy,
+        });
+    }
+    Ok(rows)
+}
+
+fn time_collective(c: &dyn Communicator, op: &str, shard: usize, repeats: usize) -> Result<f64> {
+    let mut buf = vec![c.rank() as f32; c.world_size() * shard];
+    let mut best = f64::INFINITY;
+    for _ in 0..repeats.max(1) {
+        c.barrier()?;
+        let t = Instant::now();
+        match op {
+            "all-gather" => c.all_gather_in_place(BufMut::F32(&mut buf))?,
+            _ => c.reduce_scatter_in_place(BufMut::F32(&mut buf), ReduceOp::Sum)?,
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Mean step time (after the first step) and bytes copied per step of one layout.
+#[derive(Clone, Debug)]
+pub struct StepRow {
+    pub layout: ShardLayout,
+    pub world: usize,
+    pub seconds: f64,
+    pub copied_per_step: u64,
+    pub final_loss: f32,
+}
+
+/// Trains `steps` steps of `cfg` on `world` thread ranks with `layout` and reports rank 0.
+pub fn train_step<O: Optimizer + Clone>(
+    cfg: TransformerConfig,
+    optimizer: O,
+    layout: ShardLayout,
+    world: usize,
+    steps: usize,
+    global_batch: usize,
+) -> Result<StepRow> {
+    let params = cfg.init_params(0)?;
+    let opts = FsdpOptions {
+        layout,
+        ..FsdpOptions::default()
+    };
+    let comms = ThreadWorld::new(world)?;
+    let runs: Vec<Result<Vec<StepReport>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (params, opts, opt) = (&params, opts.clone(), optimizer.clone());
+                s.spawn(move || {
+                    train_rank(cfg, params, opt, c, opts, steps, global_batch, |_, _| {})
+                        .map(|r| r.0)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Msg("rank panicked".into()))))
+            .collect()
+    });
+    let reports = runs.into_iter().next().expect("rank 0")?;
+    let timed = &reports[1.min(reports.len() - 1)..];
+    let seconds = timed.iter().map(|r| r.seconds).sum::<f64>() / timed.len() as f64;
+    let last = reports.last().expect("at least one step");
+    Ok(StepRow {
+        layout,
+        world,
+        seconds,
+        copied_per_step: last.copied_bytes / reports.len() as u64,
+        final_loss: last.loss,
+    })
+}
+
+/// The markdown section for `docs/benchmarks.md`.
+pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -> String {
+    let mut s = String::new();
+    s.push_str("| collective | V | bytes | GB/s | memcpy GB/s | ratio |\n|---|---:|---:|---:|---:|---:|\n");
+    for r in collectives {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} |",
+            r.op,
+            r.world,
+            r.bytes,
+            r.gbps(),
+            r.memcpy_gbps(),
+            r.gbps() / r.memcpy_gbps()
+        );
+    }
+    let _ = write!(
+        s,
+        "\nTraining step ({model}):\n\n| layout | V | step s | bytes copied per step | time vs ragged | final loss |\n|---|---:|---:|---:|---:|---:|\n"
+    );
+    let ragged = steps
+        .iter()
+        .find(|r| r.layout == ShardLayout::Ragged)
+        .map_or(f64::NAN, |r| r.seconds);
+    for r in steps {
+        let _ = writeln!(
+            s,
+            "| {:?} | {} | {:.3} | {} | {:.2} | {:.4} |",
+            r.layout,
+            r.world,
+            r.seconds,
+            r.copied_per_step,
+            r.seconds / ragged,
+            r.final_loss
+        );
+    }
+    s
+}

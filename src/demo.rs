@@ -1,0 +1,310 @@
+//! A small decoder-only transformer on bytes: the model of the main example (`examples/train.rs`),
+//! the end-to-end tests and the training-step benchmark. Plain candle-nn layers over a
+//! `VarBuilder`, so it runs unchanged on sharded views or on ordinary variables.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder};
+
+use crate::comm::{BufMut, Communicator, ReduceOp};
+use crate::dbuffer::candle;
+use crate::fsdp::{fully_shard, FsdpOptions};
+use crate::optim::Optimizer;
+use crate::{Error, Result};
+
+/// Model size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransformerConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub d_ff: usize,
+    pub seq_len: usize,
+}
+
+impl TransformerConfig {
+    /// About 3.3 million parameters: byte vocabulary, 4 layers of width 256.
+    pub const SMALL: TransformerConfig = TransformerConfig {
+        vocab: 256,
+        d_model: 256,
+        n_layers: 4,
+        n_heads: 4,
+        d_ff: 1024,
+        seq_len: 64,
+    };
+
+    /// A few thousand parameters with uneven sizes, for fast tests.
+    pub const TINY: TransformerConfig = TransformerConfig {
+        vocab: 61,
+        d_model: 24,
+        n_layers: 2,
+        n_heads: 2,
+        d_ff: 40,
+        seq_len: 12,
+    };
+
+    /// Every parameter's name and shape, in registration order.
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (d, f) = (self.d_model, self.d_ff);
+        let mut out = vec![("embed.weight".to_string(), vec![self.vocab, d])];
+        for i in 0..self.n_layers {
+            let p = |s: &str| format!("layers.{i}.{s}");
+            out.push((p("attn_norm.weight"), vec![d]));
+            for w in ["q", "k", "v", "o"] {
+                out.push((p(&format!("attn.{w}.weight")), vec![d, d]));
+            }
+            out.push((p("mlp_norm.weight"), vec![d]));
+            out.push((p("mlp.up.weight"), vec![f, d]));
+            out.push((p("mlp.down.weight"), vec![d, f]));
+        }
+        out.push(("norm.weight".to_string(), vec![d]));
+        out.push(("head.weight".to_string(), vec![self.vocab, d]));
+        out
+    }
+
+    /// Deterministic initial values (same on every rank): norms at one, matrices uniform in
+    /// `±1/√fan_in` from a seeded generator.
+    pub fn init_params(&self, seed: u64) -> Result<Vec<(String, Tensor)>> {
+        let mut rng = SplitMix(seed);
+        self.param_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let values: Vec<f32> = if shape.len() == 1 {
+                    vec![1.0; n]
+                } else {
+                    let bound = 1.0 / (shape[1] as f32).sqrt();
+                    (0..n).map(|_| bound * rng.uniform()).collect()
+                };
+                let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)
+                    .map_err(candle("init_params"))?;
+                Ok((name, t))
+            })
+            .collect()
+    }
+}
+
+/// Uniform numbers in `[-1, 1)` from a 64-bit SplitMix generator (tiny and reproducible).
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+struct Block {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: Tensor,
+    up: Linear,
+    down: Linear,
+    n_heads: usize,
+}
+
+/// The transformer.
+pub struct Transformer {
+    cfg: TransformerConfig,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    head: Linear,
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::ops::rms_norm_slow(x, w, 1e-5)
+}
+
+impl Transformer {
+    /// Builds the model from `vb` (names as in [`TransformerConfig::param_shapes`]).
+    pub fn new(cfg: TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        let build = || -> candle_core::Result<Self> {
+            let (d, f) = (cfg.d_model, cfg.d_ff);
+            let embed = embedding(cfg.vocab, d, vb.pp("embed"))?;
+            let blocks = (0..cfg.n_layers)
+                .map(|i| {
+                    let vb = vb.pp(format!("layers.{i}"));
+                    Ok(Block {
+                        attn_norm: vb.get(d, "attn_norm.weight")?,
+                        q: linear_no_bias(d, d, vb.pp("attn.q"))?,
+                        k: linear_no_bias(d, d, vb.pp("attn.k"))?,
+                        v: linear_no_bias(d, d, vb.pp("attn.v"))?,
+                        o: linear_no_bias(d, d, vb.pp("attn.o"))?,
+                        mlp_norm: vb.get(d, "mlp_norm.weight")?,
+                        up: linear_no_bias(d, f, vb.pp("mlp.up"))?,
+                        down: linear_no_bias(f, d, vb.pp("mlp.down"))?,
+                        n_heads: cfg.n_heads,
+                    })
+                })
+                .collect::<candle_core::Result<_>>()?;
+            Ok(Transformer {
+                cfg,
+                embed,
+                blocks,
+                norm: vb.get(d, "norm.weight")?,
+                head: linear_no_bias(d, cfg.vocab, vb.pp("head"))?,
+            })
+        };
+        build().map_err(candle("Transformer::new"))
+    }
+
+    /// Mean next-token cross-entropy of `ids` (`[batch, seq_len + 1]` byte tokens, u32).
+    pub fn loss(&self, ids: &Tensor) -> Result<Tensor> {
+        self.loss_inner(ids).map_err(candle("Transformer::loss"))
+    }
+
+    fn loss_inner(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)? - 1;
+        let inputs = ids.narrow(1, 0, t)?;
+        let targets = ids.narrow(1, 1, t)?;
+        let mut x = self.embed.forward(&inputs)?;
+        let mask = causal_mask(t)?;
+        for b in &self.blocks {
+            x = (&x + b.attention(&rms_norm(&x, &b.attn_norm)?, &mask)?)?;
+            let h = b.up.forward(&rms_norm(&x, &b.mlp_norm)?)?.gelu()?;
+            x = (&x + b.down.forward(&h)?)?;
+        }
+        let logits = self.head.forward(&rms_norm(&x, &self.norm)?)?;
+        let logits = logits.reshape(((), self.cfg.vocab))?;
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+}
+
+impl Block {
+    fn attention(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let dh = d / self.n_heads;
+        let heads = |l: &Linear| -> candle_core::Result<Tensor> {
+            l.forward(x)?
+                .reshape((b, t, self.n_heads, dh))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (heads(&self.q)?, heads(&self.k)?, heads(&self.v)?);
+        let scores = (q.matmul(&k.t()?)? / (dh as f64).sqrt())?.broadcast_add(mask)?;
+        let attn = candle_nn::ops::softmax_last_dim(&scores)?;
+        let y = attn.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        self.o.forward(&y)
+    }
+}
+
+fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
+    let m: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+        .collect();
+    Tensor::from_vec(m, (t, t), &Device::Cpu)
+}
+
+/// The training text that ships with the crate (its own documentation), as bytes.
+pub fn corpus() -> &'static [u8] {
+    concat!(
+        include_str!("../README.md"),
+        include_str!("../models/README.md"),
+        include_str!("../docs/benchmarks.md"),
+    )
+    .as_bytes()
+}
+
+/// Token windows `[batch, seq_len + 1]` for global step `step`: rows `first..first + batch` of
+/// a deterministic sequence of windows, so ranks can take disjoint slices of one global batch.
+pub fn batch(
+    corpus: &[u8],
+    cfg: &TransformerConfig,
+    step: usize,
+    first: usize,
+    rows: usize,
+) -> Result<Tensor> {
+    let window = cfg.seq_len + 1;
+    let span = corpus.len() - window;
+    let mut ids = Vec::with_capacity(rows * window);
+    for r in first..first + rows {
+        let mut rng = SplitMix((step as u64) << 32 | r as u64);
+        let start = (rng.next_u64() % span as u64) as usize;
+        ids.extend(
+            corpus[start..start + window]
+                .iter()
+                .map(|&b| b as u32 % cfg.vocab as u32),
+        );
+    }
+    Tensor::from_vec(ids, (rows, window), &Device::Cpu).map_err(candle("batch"))
+}
+
+/// A model over ordinary (unsharded) variables, for references: the same names and values.
+pub fn varbuilder_from(params: &[(String, Tensor)]) -> VarBuilder<'static> {
+    let map = params.iter().cloned().collect();
+    VarBuilder::from_tensors(map, DType::F32, &Device::Cpu)
+}
+
+/// What one training step measured on one rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Loss averaged over all ranks (the global batch's mean loss).
+    pub loss: f32,
+    /// Wall time of the whole step on this rank.
+    pub seconds: f64,
+    /// Bytes copied outside collectives so far (0 on the ragged path).
+    pub copied_bytes: u64,
+}
+
+/// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
+/// `global_batch / V` rows of every global batch; gradients are averaged over ranks. Returns
+/// the per-step reports and the final full parameters. `on_step` sees every report (progress).
+#[allow(clippy::too_many_arguments)]
+pub fn train_rank<O: Optimizer>(
+    cfg: TransformerConfig,
+    params: &[(String, Tensor)],
+    optimizer: O,
+    comm: &dyn Communicator,
+    opts: FsdpOptions,
+    steps: usize,
+    global_batch: usize,
+    mut on_step: impl FnMut(usize, &StepReport),
+) -> Result<(Vec<StepReport>, HashMap<String, Vec<f32>>)> {
+    let world = comm.world_size();
+    if global_batch % world != 0 || global_batch == 0 {
+        return Err(Error::WorldSizeMismatch {
+            op: "train_rank: global batch must split evenly over ranks",
+            expected: world,
+            got: global_batch,
+        });
+    }
+    let rows = global_batch / world;
+    let mut sharded = fully_shard(params, optimizer, comm, opts)?;
+    let mut reports = Vec::with_capacity(steps);
+    for step in 0..steps {
+        let start = Instant::now();
+        let views = sharded.unshard()?;
+        let model = Transformer::new(cfg, VarBuilder::from_tensors(views, DType::F32, &Device::Cpu))?;
+        let ids = batch(corpus(), &cfg, step, comm.rank() * rows, rows)?;
+        let loss = model.loss(&ids)?;
+        let mut grads = loss.backward().map_err(candle("backward"))?;
+        drop(model);
+        sharded.reduce_gradients(&mut grads)?;
+        sharded.step()?;
+        sharded.reshard();
+        let mut l = [loss.to_scalar::<f32>().map_err(candle("loss"))?];
+        comm.all_reduce(BufMut::F32(&mut l), ReduceOp::Avg)?;
+        let report = StepReport {
+            loss: l[0],
+            seconds: start.elapsed().as_secs_f64(),
+            copied_bytes: sharded.stats().copied(),
+        };
+        on_step(step, &report);
+        reports.push(report);
+    }
+    Ok((reports, sharded.full_params()?))
+}
