@@ -1,0 +1,19 @@
+//! ragged-optimizers: optimizers that step on one rank's local shard of a ragged plan.
+//!
+//! Each optimizer implements [`ragged::optim::Optimizer`]: it names the atomic block each
+//! parameter needs, lays its state out like the local shard, and updates only the pieces the
+//! rank owns. Shaped like optax: an optimizer value holds hyperparameters, its state is a
+//! struct of `pub` fields, and named optimizers are compositions of the shared numerics
+//! pieces in [`common`].
+//!
+//! | optimizer | file | atomic block | reference numerics |
+//! |---|---|---|---|
+//! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
+//!
+//! Numerics contract: given the same gradients, a sharded step equals the unsharded step
+//! bitwise at every world size and layout (`tests/adamw_tests.rs`).
+
+pub mod adamw;
+pub mod common;
+
+pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
