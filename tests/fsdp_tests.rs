@@ -70,11 +70,13 @@ fn max_abs_diff(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>) ->
         .fold(0.0, f32::max)
 }
 
-/// Tolerance: sharded ranks average per-rank mean gradients, the reference takes one mean over
-/// the global batch, so gradients differ by float rounding (~1e-7 relative). Adam divides by
-/// √v, which maps tiny gradient differences on near-zero gradients to update differences of up
-/// to ~lr per step; over STEPS steps the parameters may drift by a few lr. Loss differences stay
-/// at rounding level.
+/// Tolerance: sharded ranks average per-rank mean gradients while the reference takes one mean
+/// over the global batch, so gradients differ by float rounding (~1e-7 relative). Adam's update
+/// `m/√v` has magnitude ~lr whatever the gradient's size, so where a gradient is at rounding
+/// level the two runs can step differently by up to ~lr. Observed worst after 4 steps at
+/// lr = 1e-2: 2.3e-4 (V = 3); the bound lr/10 = 1e-3 keeps a 4× margin and still fails if a
+/// shard were stepped with the wrong gradient (that moves parameters by ~lr). Losses agree to
+/// 1e-4 relative (rounding of the forward pass and of the parameters).
 #[test]
 fn sharded_training_matches_unsharded_within_tolerance() {
     let reference = unsharded();
@@ -90,7 +92,7 @@ fn sharded_training_matches_unsharded_within_tolerance() {
         }
         let diff = max_abs_diff(&run.1, &reference.1);
         println!("V={world}: max |Δparam| after {STEPS} steps = {diff:.3e}");
-        assert!(diff <= 2.0 * LR as f32 * STEPS as f32, "V={world}: {diff}");
+        assert!(diff <= LR as f32 / 10.0, "V={world}: {diff}");
     }
     assert!(reference.0.last().unwrap().loss < reference.0[0].loss, "training must reduce the loss");
 }

@@ -424,8 +424,8 @@ fn strided_dim0_follows_torch_chunk_with_empty_trailing_coords() {
     assert_eq!(s.global_ranges(1, 0).unwrap(), vec![4..6]);
     assert_eq!(s.global_ranges(1, 1).unwrap(), vec![6..8]);
     assert_eq!(s.global_ranges(2, 0).unwrap(), vec![8..10]);
-    assert_eq!(s.global_ranges(2, 1).unwrap(), vec![]);
-    assert_eq!(s.global_ranges(3, 0).unwrap(), vec![]);
+    assert!(s.global_ranges(2, 1).unwrap().is_empty());
+    assert!(s.global_ranges(3, 0).unwrap().is_empty());
     assert_eq!(s.to_string(), "S(0)x4:[R[1,1]x2,R[1,1]x2,R[1,0]x2,-]");
     assert_eq!(
         outer_chunk_shape(&[5, 2], 0, 4, 2).unwrap(),
