@@ -1,1 +1,849 @@
-//! Thread-rank backend (being written).
+//! Thread ranks: every rank is a thread of one process, and collectives read the other ranks'
+//! buffers directly through shared memory (no staging buffers, no extra copies).
+//!
+//! # Protocol
+//! Every collective runs in three steps:
+//! 1. **Rendezvous.** The rank posts a descriptor (collective, element type, address and length
+//!    of its buffers, reduce op, root, counts) and waits, up to the world's timeout, until every
+//!    rank has posted. Each rank then checks the whole table with the same pure function, so
+//!    either every rank goes on or every rank returns the same `Err` without touching memory.
+//! 2. **Data phase.** Each rank reads the regions of the other ranks' buffers it needs and writes
+//!    only its own buffers (table below). All-reduce has two data phases with a sync in between.
+//! 3. **Exit.** A second sync: nobody returns (and so gets its buffers back) while another rank
+//!    may still read them.
+//!
+//! Who reads and writes what (`buf_j` is rank `j`'s buffer, slice / range `k` as in the trait;
+//! rank `r` executes the row; in every data phase the regions written are disjoint from every
+//! region any other rank reads or writes):
+//!
+//! | collective | rank `r` reads | rank `r` writes |
+//! |---|---|---|
+//! | all-gather in place | slice `j` of `buf_j`, `j ≠ r` | slices `j ≠ r` of `buf_r` |
+//! | all-gather | all of `send_j` | slice `j` of `recv_r`, every `j` |
+//! | reduce-scatter in place | slice `r` of every `buf_j` | slice `r` of `buf_r` |
+//! | all-reduce, phase 1 | range `r` of every `buf_j` | range `r` of `buf_r` |
+//! | all-reduce, phase 2 | range `k` of `buf_k`, `k ≠ r` | ranges `k ≠ r` of `buf_r` |
+//! | broadcast | all of `buf_root` (`r ≠ root`) | all of `buf_r` (`r ≠ root`) |
+//! | all-to-all-v | rank `r`'s segment of every `send_j` | all of `recv_r` |
+//!
+//! All-reduce splits `L` elements into `V` ranges of `⌊L/V⌋` or `⌈L/V⌉` elements, the longer
+//! ones first.
+//!
+//! # Reductions
+//! Always in rank order `0, 1, …, V−1`, accumulated left to right (`((b0 + b1) + b2) + …`), so
+//! every rank computes bitwise the same value and all-reduce returns identical buffers.
+//!
+//! | element | accumulator | `Sum` | `Avg` |
+//! |---|---|---|---|
+//! | `f32` | `f32` | the fold | `fold / V as f32` |
+//! | `bf16` | `f32` | the fold, rounded once to bf16 at the end | `fold / V as f32`, rounded once |
+//! | `u8` | integer | saturating add in rank order, which equals `min(Σ, 255)` | `Σ / V` rounded to nearest, ties up: `(Σ + ⌊V/2⌋) / V` |
+//!
+//! # Failures
+//! A disagreement between ranks (collective, element type, lengths, root, reduce op, counts), a
+//! rank that drops its [`ThreadComm`] (also when its thread panics, since unwinding drops it), a
+//! second call on a rank that is already inside a collective, or a rank waiting at a rendezvous
+//! for longer than the timeout: each poisons the world. Ranks waiting at a rendezvous wake up and
+//! return `Err` at once, and every later call returns `Err`.
+//!
+//! The timeout covers waiting for the other ranks to *arrive*. Once every rank has arrived and
+//! the buffers are shared, the syncs between and after data phases wait without a timeout:
+//! returning early would hand a buffer back to its owner while another thread still reads it.
+//! Those waits only last as long as the other ranks' copies, since nothing else runs in between.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+
+use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use crate::{Error, Result};
+
+/// How long a rank waits at a rendezvous for the others before the world fails.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Constructors of a thread world; holds no state itself.
+#[derive(Debug)]
+pub struct ThreadWorld {
+    _constructors_only: (),
+}
+
+impl ThreadWorld {
+    /// One communicator per rank of an `n`-rank world, in rank order, with the default timeout
+    /// ([`DEFAULT_TIMEOUT`]). Move each into its own thread.
+    // A world is its communicators; there is no `ThreadWorld` value to return.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(n: usize) -> Result<Vec<ThreadComm>> {
+        Self::with_timeout(n, DEFAULT_TIMEOUT)
+    }
+
+    /// As [`ThreadWorld::new`], with the time a rank waits at a rendezvous before the world
+    /// fails.
+    pub fn with_timeout(n: usize, timeout: Duration) -> Result<Vec<ThreadComm>> {
+        if n == 0 {
+            return Err(Error::Comm {
+                op: "ThreadWorld::new",
+                rank: 0,
+                reason: "a world needs at least one rank".into(),
+            });
+        }
+        let world = Arc::new(World {
+            size: n,
+            timeout,
+            state: Mutex::new(State {
+                reached: vec![0; n],
+                posts: vec![Post::new(Op::Barrier); n],
+                in_call: vec![false; n],
+                poison: None,
+                aborted: None,
+            }),
+            cv: Condvar::new(),
+        });
+        Ok((0..n)
+            .map(|rank| ThreadComm {
+                rank,
+                world: Arc::clone(&world),
+            })
+            .collect())
+    }
+}
+
+/// One rank of a thread world. Dropping it marks the rank as gone: the other ranks' pending and
+/// later collectives fail.
+pub struct ThreadComm {
+    rank: usize,
+    world: Arc<World>,
+}
+
+impl fmt::Debug for ThreadComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world.size)
+            .field("timeout", &self.world.timeout)
+            .finish()
+    }
+}
+
+struct World {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+struct State {
+    /// Sync points each rank has reached; only grows. A sync point is passed when every rank
+    /// has reached it.
+    reached: Vec<u64>,
+    /// Each rank's descriptor for its current collective; stable from the rendezvous until the
+    /// exit sync, since a rank posts again only after every rank reached that exit.
+    posts: Vec<Post>,
+    /// Whether a rank is inside a collective (a second concurrent call is an error).
+    in_call: Vec<bool>,
+    /// Why the world failed; set once, never cleared.
+    poison: Option<String>,
+    /// Set when a rank unwound out of a data phase (a bug): the collective's results are invalid.
+    aborted: Option<String>,
+}
+
+impl World {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state stays consistent even if a holder panicked: every update is a single store.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait<'a>(&self, st: MutexGuard<'a, State>, dur: Duration) -> MutexGuard<'a, State> {
+        self.cv
+            .wait_timeout(st, dur)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+    }
+}
+
+impl State {
+    fn all_reached(&self, point: u64) -> bool {
+        self.reached.iter().all(|&p| p >= point)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    AllGatherInPlace,
+    AllGather,
+    ReduceScatterInPlace,
+    AllReduce,
+    AllToAllV,
+    Broadcast,
+    Barrier,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllGatherInPlace => "all_gather_in_place",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatterInPlace => "reduce_scatter_in_place",
+            Op::AllReduce => "all_reduce",
+            Op::AllToAllV => "all_to_all_v",
+            Op::Broadcast => "broadcast",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    /// Sync points of one call: rendezvous, one per extra data phase, exit.
+    fn points(self) -> u64 {
+        match self {
+            Op::AllReduce => 3,
+            _ => 2,
+        }
+    }
+}
+
+/// A buffer as posted at the rendezvous: start, length in elements, element type.
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+    elem: ElemType,
+}
+
+// SAFETY: a `Region` is an address, not a borrow. It is dereferenced only in data phases, between
+// a rendezvous that every rank passed (so every owner is blocked inside the same collective and
+// its borrow is alive) and the exit sync (which the owner cannot pass before every reader is
+// done), and only on the disjoint regions listed in the module doc.
+unsafe impl Send for Region {}
+
+impl Region {
+    const EMPTY: Region = Region {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        elem: ElemType::U8,
+    };
+
+    fn of(buf: &Buf<'_>) -> Region {
+        let (ptr, len) = match buf {
+            Buf::F32(b) => (b.as_ptr().cast::<u8>(), b.len()),
+            Buf::BF16(b) => (b.as_ptr().cast::<u8>(), b.len()),
+            Buf::U8(b) => (b.as_ptr(), b.len()),
+        };
+        Region {
+            ptr: ptr.cast_mut(),
+            len,
+            elem: buf.elem_type(),
+        }
+    }
+
+    /// Takes the buffer's borrow: from here on it is only accessed through the pointer.
+    fn of_mut(buf: BufMut<'_>) -> Region {
+        let elem = buf.elem_type();
+        let (ptr, len) = match buf {
+            BufMut::F32(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
+            BufMut::BF16(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
+            BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
+        };
+        Region { ptr, len, elem }
+    }
+
+    /// Address of element `i`, for `i <= len` (checked by the validation before any call).
+    fn at(&self, i: usize) -> *mut u8 {
+        self.ptr.wrapping_add(i * elem_size(self.elem))
+    }
+}
+
+fn elem_size(elem: ElemType) -> usize {
+    match elem {
+        ElemType::F32 => 4,
+        ElemType::BF16 => 2,
+        ElemType::U8 => 1,
+    }
+}
+
+/// What a rank posts at the rendezvous. In-place collectives and broadcast post their buffer as
+/// `recv`.
+#[derive(Clone, Debug)]
+struct Post {
+    op: Op,
+    send: Region,
+    recv: Region,
+    reduce: Option<ReduceOp>,
+    root: usize,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+}
+
+impl Post {
+    fn new(op: Op) -> Post {
+        Post {
+            op,
+            send: Region::EMPTY,
+            recv: Region::EMPTY,
+            reduce: None,
+            root: 0,
+            send_counts: Vec::new(),
+            recv_counts: Vec::new(),
+        }
+    }
+}
+
+/// Range `k` of `len` elements split into `v` nearly equal ranges, the longer ones first:
+/// `(start, end)`.
+fn part(len: usize, v: usize, k: usize) -> (usize, usize) {
+    let (base, rem) = (len / v, len % v);
+    let start = k * base + k.min(rem);
+    (start, start + base + usize::from(k < rem))
+}
+
+/// Element `i`'s running offset in `counts`: `Σ counts[..i]`.
+fn offset(counts: &[usize], i: usize) -> usize {
+    counts[..i].iter().sum()
+}
+
+/// The rendezvous check, a pure function of the posted table, so every rank reaches the same
+/// verdict and message.
+fn validate(posts: &[Post]) -> std::result::Result<(), String> {
+    let v = posts.len();
+    let op = posts[0].op;
+    if let Some((j, p)) = posts.iter().enumerate().find(|(_, p)| p.op != op) {
+        return Err(format!(
+            "ranks called different collectives: rank 0 {}, rank {j} {}",
+            op.name(),
+            p.op.name()
+        ));
+    }
+    match op {
+        Op::Barrier => {}
+        Op::AllGatherInPlace | Op::ReduceScatterInPlace => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            let len = agree(posts, "buffer length", |p| p.recv.len)?;
+            if len % v != 0 {
+                return Err(format!(
+                    "buffer of {len} elements is not divisible by the world size {v}"
+                ));
+            }
+            if op == Op::ReduceScatterInPlace {
+                agree(posts, "reduce op", |p| p.reduce)?;
+            }
+        }
+        Op::AllGather => {
+            same_types(posts)?;
+            let len = agree(posts, "send length", |p| p.send.len)?;
+            for (j, p) in posts.iter().enumerate() {
+                if Some(p.recv.len) != len.checked_mul(v) {
+                    return Err(format!(
+                        "rank {j}: recv has {} elements, expected {v} × {len}",
+                        p.recv.len
+                    ));
+                }
+            }
+        }
+        Op::AllReduce => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            agree(posts, "buffer length", |p| p.recv.len)?;
+            agree(posts, "reduce op", |p| p.reduce)?;
+        }
+        Op::Broadcast => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            agree(posts, "buffer length", |p| p.recv.len)?;
+            let root = agree(posts, "root", |p| p.root)?;
+            if root >= v {
+                return Err(format!("root {root} is not a rank of a world of {v}"));
+            }
+        }
+        Op::AllToAllV => {
+            same_types(posts)?;
+            for (j, p) in posts.iter().enumerate() {
+                for (what, counts, buf) in [
+                    ("send", &p.send_counts, p.send),
+                    ("recv", &p.recv_counts, p.recv),
+                ] {
+                    if counts.len() != v {
+                        return Err(format!(
+                            "rank {j}: {} {what} counts for a world of {v}",
+                            counts.len()
+                        ));
+                    }
+                    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+                    if total != Some(buf.len) {
+                        return Err(format!(
+                            "rank {j}: {what} counts {counts:?} do not add up to its {what} \
+                             buffer of {} elements",
+                            buf.len
+                        ));
+                    }
+                }
+            }
+            for (i, p) in posts.iter().enumerate() {
+                for (j, q) in posts.iter().enumerate() {
+                    if p.send_counts[j] != q.recv_counts[i] {
+                        return Err(format!(
+                            "rank {i} sends {} elements to rank {j}, which expects {}",
+                            p.send_counts[j], q.recv_counts[i]
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The value `f` gives on every rank, or a message naming the first rank that differs from
+/// rank 0.
+fn agree<T: PartialEq + fmt::Debug>(
+    posts: &[Post],
+    what: &str,
+    f: impl Fn(&Post) -> T,
+) -> std::result::Result<T, String> {
+    let first = f(&posts[0]);
+    for (j, p) in posts.iter().enumerate().skip(1) {
+        let got = f(p);
+        if got != first {
+            return Err(format!(
+                "ranks disagree on the {what}: rank 0 has {first:?}, rank {j} has {got:?}"
+            ));
+        }
+    }
+    Ok(first)
+}
+
+/// Send and receive buffers of one element type, the same on every rank.
+fn same_types(posts: &[Post]) -> std::result::Result<(), String> {
+    if let Some((j, p)) = posts
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.send.elem != p.recv.elem)
+    {
+        return Err(format!(
+            "rank {j}: {:?} send buffer, {:?} recv buffer",
+            p.send.elem, p.recv.elem
+        ));
+    }
+    agree(posts, "element type", |p| p.send.elem).map(|_| ())
+}
+
+/// One rank inside a collective, between a successful rendezvous and the exit sync.
+struct Call<'a> {
+    comm: &'a ThreadComm,
+    op: Op,
+    /// The last sync point this rank reached.
+    point: u64,
+    /// The exit sync point of this call.
+    exit: u64,
+    done: bool,
+}
+
+impl Call<'_> {
+    /// Waits until every rank finished the current data phase. No timeout (module doc).
+    fn sync(&mut self) {
+        let w = &*self.comm.world;
+        let mut st = w.lock();
+        self.point += 1;
+        st.reached[self.comm.rank] = self.point;
+        w.cv.notify_all();
+        while !st.all_reached(self.point) {
+            st = w.wait(st, w.timeout);
+        }
+    }
+
+    /// The exit sync; `Err` if a rank unwound out of this collective.
+    fn finish(mut self) -> Result<()> {
+        self.sync();
+        self.done = true;
+        let mut st = self.comm.world.lock();
+        st.in_call[self.comm.rank] = false;
+        match &st.aborted {
+            Some(reason) => Err(self.comm.err(self.op, reason.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Unwinding out of a data phase (only a bug can get here: data phases touch validated
+        // ranges only). Other ranks may still read this rank's buffers, whose borrows end with
+        // this frame, so wait for them at the exit before letting the unwinding go on.
+        let w = &*self.comm.world;
+        let mut st = w.lock();
+        let reason = format!("rank {} panicked during {}", self.comm.rank, self.op.name());
+        st.aborted.get_or_insert_with(|| reason.clone());
+        st.poison.get_or_insert(reason);
+        st.reached[self.comm.rank] = self.exit;
+        w.cv.notify_all();
+        while !st.all_reached(self.exit) {
+            st = w.wait(st, w.timeout);
+        }
+        st.in_call[self.comm.rank] = false;
+    }
+}
+
+impl ThreadComm {
+    fn err(&self, op: Op, reason: String) -> Error {
+        Error::Comm {
+            op: op.name(),
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// Poisons the world (keeping the first reason), wakes every waiter, and returns the error.
+    fn fail(&self, st: &mut State, op: Op, reason: String) -> Error {
+        st.poison.get_or_insert_with(|| reason.clone());
+        self.world.cv.notify_all();
+        self.err(op, reason)
+    }
+
+    /// Posts this rank's descriptor, waits until every rank has posted, and checks the table.
+    /// On success the buffers of every rank are shared until the returned call finishes.
+    fn enter(&self, post: Post) -> Result<(Call<'_>, Vec<Post>)> {
+        let (w, r, op) = (&*self.world, self.rank, post.op);
+        let mut st = w.lock();
+        if let Some(p) = &st.poison {
+            let reason = format!("the world failed earlier: {p}");
+            return Err(self.err(op, reason));
+        }
+        if st.in_call[r] {
+            let reason = format!("rank {r} called {} during another collective", op.name());
+            return Err(self.fail(&mut st, op, reason));
+        }
+        let point = st.reached[r] + 1;
+        st.in_call[r] = true;
+        st.posts[r] = post;
+        st.reached[r] = point;
+        w.cv.notify_all();
+        let deadline = Instant::now() + w.timeout;
+        // Arrival first: once every rank has posted, the rendezvous has happened, whatever
+        // poisons the world afterwards. A rank that fails the world first makes the next arrival
+        // stop at the poison check above, so the rendezvous can no longer complete.
+        while !st.all_reached(point) {
+            if let Some(p) = &st.poison {
+                let reason = p.clone();
+                st.in_call[r] = false;
+                return Err(self.err(op, reason));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (0..w.size).filter(|&j| st.reached[j] < point).collect();
+                let reason = format!(
+                    "timed out after {:?} waiting for ranks {missing:?}",
+                    w.timeout
+                );
+                st.in_call[r] = false;
+                return Err(self.fail(&mut st, op, reason));
+            }
+            st = w.wait(st, deadline - now);
+        }
+        let posts = st.posts.clone();
+        if let Err(reason) = validate(&posts) {
+            st.in_call[r] = false;
+            return Err(self.fail(&mut st, op, reason));
+        }
+        let call = Call {
+            comm: self,
+            op,
+            point,
+            exit: point + op.points() - 1,
+            done: false,
+        };
+        Ok((call, posts))
+    }
+}
+
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        let w = &*self.world;
+        let mut st = w.lock();
+        let how = if std::thread::panicking() {
+            "its thread panicked"
+        } else {
+            "dropped its communicator"
+        };
+        let rank = self.rank;
+        st.poison
+            .get_or_insert_with(|| format!("rank {rank} left the world ({how})"));
+        w.cv.notify_all();
+    }
+}
+
+/// Copies `bytes` bytes from `src` to `dst`.
+///
+/// # Safety
+/// `src..src + bytes` must be readable and not written by anyone during the call;
+/// `dst..dst + bytes` must be writable and not accessed by anyone else during the call.
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, bytes: usize) {
+    if bytes > 0 {
+        // SAFETY: the caller's contract; the two ranges are disjoint because no other thread may
+        // access `dst` while `src` is being read.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) };
+    }
+}
+
+/// An element type the reductions accumulate (module doc, "Reductions").
+trait Elem: Copy {
+    type Acc: Copy + Default;
+    fn widen(self) -> Self::Acc;
+    fn add(acc: Self::Acc, x: Self) -> Self::Acc;
+    fn finish(acc: Self::Acc, op: ReduceOp, v: usize) -> Self;
+}
+
+impl Elem for f32 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self
+    }
+    fn add(acc: f32, x: f32) -> f32 {
+        acc + x
+    }
+    fn finish(acc: f32, op: ReduceOp, v: usize) -> f32 {
+        match op {
+            ReduceOp::Sum => acc,
+            ReduceOp::Avg => acc / v as f32,
+        }
+    }
+}
+
+impl Elem for bf16 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn add(acc: f32, x: bf16) -> f32 {
+        acc + x.to_f32()
+    }
+    fn finish(acc: f32, op: ReduceOp, v: usize) -> bf16 {
+        bf16::from_f32(f32::finish(acc, op, v))
+    }
+}
+
+impl Elem for u8 {
+    /// Wide enough for any world size (255 · V < 2⁶⁴).
+    type Acc = u64;
+    fn widen(self) -> u64 {
+        u64::from(self)
+    }
+    fn add(acc: u64, x: u8) -> u64 {
+        acc + u64::from(x)
+    }
+    fn finish(acc: u64, op: ReduceOp, v: usize) -> u8 {
+        let v = v as u64;
+        let value = match op {
+            ReduceOp::Sum => acc,
+            ReduceOp::Avg => (acc + v / 2) / v,
+        };
+        value.min(255) as u8
+    }
+}
+
+/// Elements reduced per pass over the sources: the accumulator stays in L1.
+const CHUNK: usize = 2048;
+
+/// Writes to `dst[..n]` the reduction of `srcs[j][..n]` over `j` in order.
+///
+/// # Safety
+/// Every `srcs[j]` points to `n` readable `E` that nobody writes during the call, except that
+/// `dst` may be one of them (the reduction reads a chunk fully before writing it); `dst` points
+/// to `n` writable `E` that no other thread accesses during the call. All are aligned for `E`.
+unsafe fn reduce<E: Elem>(srcs: &[*const u8], dst: *mut u8, n: usize, op: ReduceOp) {
+    let (v, dst) = (srcs.len(), dst.cast::<E>());
+    let mut acc = [E::Acc::default(); CHUNK];
+    for start in (0..n).step_by(CHUNK) {
+        let len = CHUNK.min(n - start);
+        let acc = &mut acc[..len];
+        for (j, &src) in srcs.iter().enumerate() {
+            // SAFETY: in bounds and unwritten per the contract; this shared slice is dead before
+            // `out` below is created, so the aliasing `dst == srcs[j]` is never live at once.
+            let b = unsafe { std::slice::from_raw_parts(src.cast::<E>().add(start), len) };
+            if j == 0 {
+                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = x.widen());
+            } else {
+                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = E::add(*a, x));
+            }
+        }
+        // SAFETY: in bounds and exclusively this thread's per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), len) };
+        out.iter_mut()
+            .zip(acc.iter())
+            .for_each(|(o, &a)| *o = E::finish(a, op, v));
+    }
+}
+
+/// [`reduce`] for an element type known at run time.
+///
+/// # Safety
+/// As [`reduce`], for the element type `elem`.
+unsafe fn reduce_dyn(elem: ElemType, srcs: &[*const u8], dst: *mut u8, n: usize, op: ReduceOp) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match elem {
+            ElemType::F32 => reduce::<f32>(srcs, dst, n, op),
+            ElemType::BF16 => reduce::<bf16>(srcs, dst, n, op),
+            ElemType::U8 => reduce::<u8>(srcs, dst, n, op),
+        }
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size
+    }
+
+    fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+        let me = Region::of_mut(buf);
+        let post = Post {
+            recv: me,
+            ..Post::new(Op::AllGatherInPlace)
+        };
+        let (call, posts) = self.enter(post)?;
+        let s = me.len / self.world.size;
+        let bytes = s * elem_size(me.elem);
+        for (j, p) in posts.iter().enumerate().filter(|&(j, _)| j != self.rank) {
+            // SAFETY: slice j of buf_j is only read in this phase (its owner writes the other
+            // slices of its buffer), slice j of our buffer only written by us (other ranks read
+            // only slice r of it); all buffers hold V·s elements (validated).
+            unsafe { copy_bytes(p.recv.at(j * s), me.at(j * s), bytes) };
+        }
+        call.finish()
+    }
+
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        let me = Region::of_mut(recv);
+        let post = Post {
+            send: Region::of(&send),
+            recv: me,
+            ..Post::new(Op::AllGather)
+        };
+        let (call, posts) = self.enter(post)?;
+        let s = posts[0].send.len;
+        let bytes = s * elem_size(me.elem);
+        for (j, p) in posts.iter().enumerate() {
+            // SAFETY: send buffers are shared borrows, never written; slice j of our recv buffer
+            // is only ours (other ranks write their own recv); lengths validated (s and V·s).
+            unsafe { copy_bytes(p.send.ptr, me.at(j * s), bytes) };
+        }
+        call.finish()
+    }
+
+    fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let me = Region::of_mut(buf);
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::ReduceScatterInPlace)
+        };
+        let (call, posts) = self.enter(post)?;
+        let s = me.len / self.world.size;
+        let lo = self.rank * s;
+        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
+        // SAFETY: slice r of every buffer is read only by this rank, and written only by this
+        // rank in its own buffer (one of the sources, read chunk by chunk before the write);
+        // every buffer holds V·s elements of `me.elem` (validated).
+        unsafe { reduce_dyn(me.elem, &srcs, me.at(lo), s, op) };
+        call.finish()
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let me = Region::of_mut(buf);
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::AllReduce)
+        };
+        let (mut call, posts) = self.enter(post)?;
+        let (v, r) = (self.world.size, self.rank);
+        let (lo, hi) = part(me.len, v, r);
+        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
+        // SAFETY: phase 1 reads and writes only range r of every buffer, and only this rank
+        // touches range r (as in reduce-scatter); equal lengths validated.
+        unsafe { reduce_dyn(me.elem, &srcs, me.at(lo), hi - lo, op) };
+        call.sync();
+        for (k, p) in posts.iter().enumerate().filter(|&(k, _)| k != r) {
+            let (lo, hi) = part(me.len, v, k);
+            // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it writes
+            // its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody else reads.
+            unsafe { copy_bytes(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) };
+        }
+        call.finish()
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let me = Region::of_mut(recv);
+        let post = Post {
+            send: Region::of(&send),
+            recv: me,
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+            ..Post::new(Op::AllToAllV)
+        };
+        let (call, posts) = self.enter(post)?;
+        let r = self.rank;
+        for (j, p) in posts.iter().enumerate() {
+            let src = p.send.at(offset(&p.send_counts, r));
+            let dst = me.at(offset(recv_counts, j));
+            // SAFETY: send buffers are shared borrows, never written; segment j of our recv
+            // buffer is only ours; counts validated against every buffer length and against
+            // each other (send_counts_j[r] == recv_counts_r[j]).
+            unsafe { copy_bytes(src, dst, p.send_counts[r] * elem_size(me.elem)) };
+        }
+        call.finish()
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let me = Region::of_mut(buf);
+        let post = Post {
+            recv: me,
+            root,
+            ..Post::new(Op::Broadcast)
+        };
+        let (call, posts) = self.enter(post)?;
+        if self.rank != root {
+            // SAFETY: the root only waits in this collective, so its buffer is not written;
+            // ours is only ours; equal lengths validated.
+            unsafe { copy_bytes(posts[root].recv.ptr, me.ptr, me.len * elem_size(me.elem)) };
+        }
+        call.finish()
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let (call, _) = self.enter(Post::new(Op::Barrier))?;
+        call.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_tile_the_buffer_longer_ones_first() {
+        for len in [0, 1, 5, 7, 64, 1001] {
+            for v in 1..=9 {
+                let mut next = 0;
+                for k in 0..v {
+                    let (lo, hi) = part(len, v, k);
+                    assert_eq!(lo, next);
+                    assert!(hi - lo == len / v || hi - lo == len / v + 1);
+                    if k > 0 {
+                        assert!(hi - lo <= part(len, v, k - 1).1 - part(len, v, k - 1).0);
+                    }
+                    next = hi;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}
