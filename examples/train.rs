@@ -103,13 +103,18 @@ fn main() -> Result<()> {
                         }
                     };
                     let opt = optimizer(args.lr)?;
-                    train_rank(cfg, params, opt, comm, opts, args.steps, args.batch, progress)
+                    train_rank(
+                        cfg, params, opt, comm, opts, args.steps, args.batch, progress,
+                    )
                 })
             })
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Msg("a rank panicked".into()))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Msg("a rank panicked".into())))
+            })
             .collect()
     });
     bar.finish();
@@ -153,17 +158,29 @@ fn main() -> Result<()> {
         "\nsharded run {sharded_time:.1} s; bytes copied outside collectives: {}",
         sharded.last().map_or(0, |r| r.copied_bytes)
     );
-    println!("max |parameter difference| sharded vs unsharded after {} steps: {max_diff:.3e}", args.steps);
+    println!(
+        "max |parameter difference| sharded vs unsharded after {} steps: {max_diff:.3e}",
+        args.steps
+    );
     Ok(())
 }
 
 fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>) {
-    println!("\n{:>5} {:>12} {:>12} {:>10} {:>9}", "step", "loss", "unsharded", "|diff|", "step s");
+    println!(
+        "\n{:>5} {:>12} {:>12} {:>10} {:>9}",
+        "step", "loss", "unsharded", "|diff|", "step s"
+    );
     for (i, r) in sharded.iter().enumerate() {
         let (u, d) = match reference {
-            Some(rf) => (format!("{:.6}", rf[i].loss), format!("{:.2e}", (rf[i].loss - r.loss).abs())),
+            Some(rf) => (
+                format!("{:.6}", rf[i].loss),
+                format!("{:.2e}", (rf[i].loss - r.loss).abs()),
+            ),
             None => ("-".into(), "-".into()),
         };
-        println!("{:>5} {:>12.6} {:>12} {:>10} {:>9.3}", i, r.loss, u, d, r.seconds);
+        println!(
+            "{:>5} {:>12.6} {:>12} {:>10} {:>9.3}",
+            i, r.loss, u, d, r.seconds
+        );
     }
 }

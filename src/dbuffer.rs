@@ -105,7 +105,8 @@ impl DBuffer {
             let v = Var::zeros(geometry.full_len(), DType::F32, &cpu).map_err(candle("zeros"))?;
             (Some(v), None)
         } else {
-            let t = Tensor::zeros(geometry.shard_size, DType::F32, &cpu).map_err(candle("zeros"))?;
+            let t =
+                Tensor::zeros(geometry.shard_size, DType::F32, &cpu).map_err(candle("zeros"))?;
             (None, Some(t))
         };
         Ok(DBuffer {

@@ -204,7 +204,13 @@ impl Block {
 
 fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
     let m: Vec<f32> = (0..t * t)
-        .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
     Tensor::from_vec(m, (t, t), &Device::Cpu)
 }
@@ -260,6 +266,9 @@ pub struct StepReport {
     pub copied_bytes: u64,
 }
 
+/// Per-step reports and the final full parameters (by name) of one training run.
+pub type TrainRun = (Vec<StepReport>, HashMap<String, Vec<f32>>);
+
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
 /// `global_batch / V` rows of every global batch; gradients are averaged over ranks. Returns
 /// the per-step reports and the final full parameters. `on_step` sees every report (progress).
@@ -273,7 +282,7 @@ pub fn train_rank<O: Optimizer>(
     steps: usize,
     global_batch: usize,
     mut on_step: impl FnMut(usize, &StepReport),
-) -> Result<(Vec<StepReport>, HashMap<String, Vec<f32>>)> {
+) -> Result<TrainRun> {
     let world = comm.world_size();
     if global_batch % world != 0 || global_batch == 0 {
         return Err(Error::WorldSizeMismatch {
@@ -288,7 +297,10 @@ pub fn train_rank<O: Optimizer>(
     for step in 0..steps {
         let start = Instant::now();
         let views = sharded.unshard()?;
-        let model = Transformer::new(cfg, VarBuilder::from_tensors(views, DType::F32, &Device::Cpu))?;
+        let model = Transformer::new(
+            cfg,
+            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
+        )?;
         let ids = batch(corpus(), &cfg, step, comm.rank() * rows, rows)?;
         let loss = model.loss(&ids)?;
         let mut grads = loss.backward().map_err(candle("backward"))?;

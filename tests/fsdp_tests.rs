@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, SingleRank};
 use ragged::dbuffer::with_ref;
-use ragged::demo::{train_rank, StepReport, Transformer, TransformerConfig};
+use ragged::demo::{train_rank, TrainRun, Transformer, TransformerConfig};
 use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout};
 use ragged::Result;
 use ragged_optimizers::{AdamW, AdamWConfig};
@@ -25,7 +25,7 @@ fn adamw() -> AdamW {
     .unwrap()
 }
 
-type Run = (Vec<StepReport>, HashMap<String, Vec<f32>>);
+type Run = TrainRun;
 
 /// Trains on `world` thread ranks and returns rank 0's result (all ranks must agree).
 fn train(world: usize, opts: FsdpOptions) -> Run {
@@ -50,8 +50,17 @@ fn train(world: usize, opts: FsdpOptions) -> Run {
 
 fn unsharded() -> Run {
     let params = CFG.init_params(7).unwrap();
-    train_rank(CFG, &params, adamw(), &SingleRank, FsdpOptions::default(), STEPS, BATCH, |_, _| {})
-        .unwrap()
+    train_rank(
+        CFG,
+        &params,
+        adamw(),
+        &SingleRank,
+        FsdpOptions::default(),
+        STEPS,
+        BATCH,
+        |_, _| {},
+    )
+    .unwrap()
 }
 
 fn bits(run: &Run) -> Vec<(String, Vec<u32>)> {
@@ -94,7 +103,10 @@ fn sharded_training_matches_unsharded_within_tolerance() {
         println!("V={world}: max |Δparam| after {STEPS} steps = {diff:.3e}");
         assert!(diff <= LR as f32 / 10.0, "V={world}: {diff}");
     }
-    assert!(reference.0.last().unwrap().loss < reference.0[0].loss, "training must reduce the loss");
+    assert!(
+        reference.0.last().unwrap().loss < reference.0[0].loss,
+        "training must reduce the loss"
+    );
 }
 
 #[test]
@@ -129,7 +141,11 @@ fn resharding_between_steps_changes_nothing_but_memory() {
 
 #[test]
 fn ragged_path_copies_nothing_and_fsdp2_copies_each_parameter_twice_per_step() {
-    let n: u64 = CFG.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum();
+    let n: u64 = CFG
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum();
     let ragged = train(2, FsdpOptions::default());
     assert!(ragged.0.iter().all(|r| r.copied_bytes == 0));
     let fsdp2 = train(
@@ -162,23 +178,37 @@ fn parameter_views_share_storage_with_the_unit_buffer() {
     let q = &views["layers.0.attn.q.weight"];
     let k = &views["layers.0.attn.k.weight"];
     let offset = |name: &str| {
-        let (_, _, off) = sharded.offsets().into_iter().find(|(_, n, _)| n == name).unwrap();
+        let (_, _, off) = sharded
+            .offsets()
+            .into_iter()
+            .find(|(_, n, _)| n == name)
+            .unwrap();
         off as isize
     };
     let gap = address(k) as isize - address(q) as isize;
     let planned = offset("layers.0.attn.k.weight") - offset("layers.0.attn.q.weight");
-    assert_eq!(gap, 4 * planned, "views must sit at their planned offsets in one allocation");
+    assert_eq!(
+        gap,
+        4 * planned,
+        "views must sit at their planned offsets in one allocation"
+    );
     // Writes through the collective path show up in views taken earlier, without re-fetching.
     let before = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let model = Transformer::new(CFG, VarBuilder::from_tensors(views.clone(), DType::F32, &Device::Cpu))
-        .unwrap();
+    let model = Transformer::new(
+        CFG,
+        VarBuilder::from_tensors(views.clone(), DType::F32, &Device::Cpu),
+    )
+    .unwrap();
     let ids = ragged::demo::batch(ragged::demo::corpus(), &CFG, 0, 0, 2).unwrap();
     let mut grads = model.loss(&ids).unwrap().backward().unwrap();
     sharded.reduce_gradients(&mut grads).unwrap();
     sharded.step().unwrap();
     sharded.unshard().unwrap();
     let after = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_ne!(before, after, "the old view must see the updated parameters");
+    assert_ne!(
+        before, after,
+        "the old view must see the updated parameters"
+    );
     let full = sharded.full_params().unwrap();
     assert_eq!(after, full["layers.0.attn.q.weight"]);
 }

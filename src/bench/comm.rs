@@ -61,7 +61,10 @@ pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<Col
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Msg("rank panicked".into()))))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Msg("rank panicked".into())))
+                })
                 .collect()
         });
         let seconds = times
@@ -133,7 +136,10 @@ pub fn train_step<O: Optimizer + Clone>(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Msg("rank panicked".into()))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Msg("rank panicked".into())))
+            })
             .collect()
     });
     let reports = runs.into_iter().next().expect("rank 0")?;
@@ -152,7 +158,9 @@ pub fn train_step<O: Optimizer + Clone>(
 /// The markdown section for `docs/benchmarks.md`.
 pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -> String {
     let mut s = String::new();
-    s.push_str("| collective | V | bytes | GB/s | memcpy GB/s | ratio |\n|---|---:|---:|---:|---:|---:|\n");
+    s.push_str(
+        "| collective | V | bytes | GB/s | memcpy GB/s | ratio |\n|---|---:|---:|---:|---:|---:|\n",
+    );
     for r in collectives {
         let _ = writeln!(
             s,

@@ -167,7 +167,9 @@ impl Fsdp2Unit {
     /// Copy-in: the model buffer's gradient into the rank-major padded reduce-scatter buffer.
     pub fn copy_in(&self, grad: &Tensor, buffer: &DBuffer) -> Result<()> {
         let full = buffer.full()?.as_tensor();
-        self.for_each_chunk(|rank_major, model, len| copy_between(grad, model, full, rank_major, len))
+        self.for_each_chunk(|rank_major, model, len| {
+            copy_between(grad, model, full, rank_major, len)
+        })
     }
 
     /// Calls `f(rank-major offset, model offset, length)` for every (rank, parameter) chunk and

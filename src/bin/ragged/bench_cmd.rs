@@ -124,11 +124,22 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     for layout in [ShardLayout::Ragged, ShardLayout::Fsdp2] {
         bar.set_message(format!("training step {layout:?}"));
         let sgd = Sgd { lr: 1e-2 };
-        steps.push(train_step(cfg, sgd, layout, args.train_ranks, args.train_steps, 8)?);
+        steps.push(train_step(
+            cfg,
+            sgd,
+            layout,
+            args.train_ranks,
+            args.train_steps,
+            8,
+        )?);
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let n: usize = cfg.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let n: usize = cfg
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
     let model = format!(
         "demo transformer, {n} parameters, {} thread ranks, global batch 8 x {} tokens, SGD",
         args.train_ranks, cfg.seq_len
