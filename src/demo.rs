@@ -215,14 +215,10 @@ fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
     Tensor::from_vec(m, (t, t), &Device::Cpu)
 }
 
-/// The training text that ships with the crate (its own documentation), as bytes.
+/// The training text that ships with the crate (`data/corpus.txt`: a frozen snapshot of the
+/// project's own documentation), as bytes.
 pub fn corpus() -> &'static [u8] {
-    concat!(
-        include_str!("../README.md"),
-        include_str!("../models/README.md"),
-        include_str!("../docs/benchmarks.md"),
-    )
-    .as_bytes()
+    include_bytes!("../data/corpus.txt")
 }
 
 /// Token windows `[batch, seq_len + 1]` for global step `step`: rows `first..first + batch` of
@@ -262,6 +258,8 @@ pub struct StepReport {
     pub loss: f32,
     /// Wall time of the whole step on this rank.
     pub seconds: f64,
+    /// The sharding part of it: unshard, gradient reduction, optimizer step and reshard.
+    pub fsdp_seconds: f64,
     /// Bytes copied outside collectives so far (0 on the ragged path).
     pub copied_bytes: u64,
 }
@@ -297,22 +295,24 @@ pub fn train_rank<O: Optimizer>(
     for step in 0..steps {
         let start = Instant::now();
         let views = sharded.unshard()?;
-        let model = Transformer::new(
-            cfg,
-            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
-        )?;
+        let mut fsdp_seconds = start.elapsed().as_secs_f64();
+        let vb = VarBuilder::from_tensors(views, DType::F32, &Device::Cpu);
+        let model = Transformer::new(cfg, vb)?;
         let ids = batch(corpus(), &cfg, step, comm.rank() * rows, rows)?;
         let loss = model.loss(&ids)?;
         let mut grads = loss.backward().map_err(candle("backward"))?;
         drop(model);
+        let reduce_start = Instant::now();
         sharded.reduce_gradients(&mut grads)?;
         sharded.step()?;
         sharded.reshard();
+        fsdp_seconds += reduce_start.elapsed().as_secs_f64();
         let mut l = [loss.to_scalar::<f32>().map_err(candle("loss"))?];
         comm.all_reduce(BufMut::F32(&mut l), ReduceOp::Avg)?;
         let report = StepReport {
             loss: l[0],
             seconds: start.elapsed().as_secs_f64(),
+            fsdp_seconds,
             copied_bytes: sharded.stats().copied(),
         };
         on_step(step, &report);

@@ -104,6 +104,8 @@ pub struct StepRow {
     pub layout: ShardLayout,
     pub world: usize,
     pub seconds: f64,
+    /// Of which unshard, gradient reduction, optimizer step and reshard.
+    pub fsdp_seconds: f64,
     pub copied_per_step: u64,
     pub final_loss: f32,
 }
@@ -144,12 +146,14 @@ pub fn train_step<O: Optimizer + Clone>(
     });
     let reports = runs.into_iter().next().expect("rank 0")?;
     let timed = &reports[1.min(reports.len() - 1)..];
-    let seconds = timed.iter().map(|r| r.seconds).sum::<f64>() / timed.len() as f64;
+    let mean = |f: fn(&StepReport) -> f64| timed.iter().map(f).sum::<f64>() / timed.len() as f64;
+    let (seconds, fsdp_seconds) = (mean(|r| r.seconds), mean(|r| r.fsdp_seconds));
     let last = reports.last().expect("at least one step");
     Ok(StepRow {
         layout,
         world,
         seconds,
+        fsdp_seconds,
         copied_per_step: last.copied_bytes / reports.len() as u64,
         final_loss: last.loss,
     })
@@ -175,21 +179,21 @@ pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -
     }
     let _ = write!(
         s,
-        "\nTraining step ({model}):\n\n| layout | V | step s | bytes copied per step | time vs ragged | final loss |\n|---|---:|---:|---:|---:|---:|\n"
+        "\nTraining step ({model}):\n\n| layout | V | step s | sharding s | bytes copied per step | step vs ragged | sharding vs ragged | final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
     );
-    let ragged = steps
-        .iter()
-        .find(|r| r.layout == ShardLayout::Ragged)
-        .map_or(f64::NAN, |r| r.seconds);
+    let ragged = steps.iter().find(|r| r.layout == ShardLayout::Ragged);
+    let (base, base_fsdp) = ragged.map_or((f64::NAN, f64::NAN), |r| (r.seconds, r.fsdp_seconds));
     for r in steps {
         let _ = writeln!(
             s,
-            "| {:?} | {} | {:.3} | {} | {:.2} | {:.4} |",
+            "| {:?} | {} | {:.3} | {:.4} | {} | {:.2} | {:.2} | {:.4} |",
             r.layout,
             r.world,
             r.seconds,
+            r.fsdp_seconds,
             r.copied_per_step,
-            r.seconds / ragged,
+            r.seconds / base,
+            r.fsdp_seconds / base_fsdp,
             r.final_loss
         );
     }
