@@ -21,6 +21,8 @@ pub struct CollectiveRow {
     pub seconds: f64,
     /// One thread copying `bytes` bytes, best of the same number of repeats.
     pub memcpy_seconds: f64,
+    /// The same copy split over every core (the ranks use every core too).
+    pub memcpy_all_cores_seconds: f64,
 }
 
 impl CollectiveRow {
@@ -30,16 +32,24 @@ impl CollectiveRow {
     pub fn memcpy_gbps(&self) -> f64 {
         self.bytes as f64 / self.memcpy_seconds / 1e9
     }
+    pub fn memcpy_all_cores_gbps(&self) -> f64 {
+        self.bytes as f64 / self.memcpy_all_cores_seconds / 1e9
+    }
 }
 
-/// Best time of `repeats` copies of `bytes` bytes (f32 elements) by one thread.
-pub fn memcpy_seconds(bytes: usize, repeats: usize) -> f64 {
+/// Best time of `repeats` copies of `bytes` bytes (f32 elements) split over `threads` threads.
+pub fn memcpy_seconds(bytes: usize, repeats: usize, threads: usize) -> f64 {
     let src = vec![1.0f32; bytes / 4];
     let mut dst = vec![0.0f32; bytes / 4];
+    let chunk = (bytes / 4).div_ceil(threads.max(1)).max(1);
     (0..repeats.max(1))
         .map(|_| {
             let t = Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
+            std::thread::scope(|s| {
+                for (d, src) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                    s.spawn(move || d.copy_from_slice(std::hint::black_box(src)));
+                }
+            });
             std::hint::black_box(&mut dst);
             t.elapsed().as_secs_f64()
         })
@@ -50,7 +60,9 @@ pub fn memcpy_seconds(bytes: usize, repeats: usize) -> f64 {
 /// thread ranks (best of `repeats`, slowest rank).
 pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<CollectiveRow>> {
     let bytes = world * (world - 1) * shard * 4;
-    let memcpy = memcpy_seconds(bytes, repeats);
+    let memcpy = memcpy_seconds(bytes, repeats, 1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let memcpy_all = memcpy_seconds(bytes, repeats, cores);
     let mut rows = Vec::new();
     for op in ["all-gather", "reduce-scatter"] {
         let comms = ThreadWorld::new(world)?;
@@ -78,6 +90,7 @@ pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<Col
             bytes,
             seconds,
             memcpy_seconds: memcpy,
+            memcpy_all_cores_seconds: memcpy_all,
         });
     }
     Ok(rows)
@@ -163,18 +176,20 @@ pub fn train_step<O: Optimizer + Clone>(
 pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -> String {
     let mut s = String::new();
     s.push_str(
-        "| collective | V | bytes | GB/s | memcpy GB/s | ratio |\n|---|---:|---:|---:|---:|---:|\n",
+        "| collective | V | bytes | GB/s | memcpy GB/s (1 thread) | ratio | memcpy GB/s (all cores) | ratio |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in collectives {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             r.op,
             r.world,
             r.bytes,
             r.gbps(),
             r.memcpy_gbps(),
-            r.gbps() / r.memcpy_gbps()
+            r.gbps() / r.memcpy_gbps(),
+            r.memcpy_all_cores_gbps(),
+            r.gbps() / r.memcpy_all_cores_gbps()
         );
     }
     let _ = write!(

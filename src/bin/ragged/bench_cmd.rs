@@ -151,8 +151,9 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
             "## Runtime: collectives and training step\n\n\
              Command: `cargo run --release -- bench comm`. Collectives: in-place all-gather and \
              reduce-scatter (sum) of {} f32 elements per rank on thread ranks; `bytes` is what \
-             all ranks receive together, `V·(V−1)·S·4`; memcpy is one thread copying the same \
-             bytes in the same run (best of {}). Training step: mean wall time of steps after \
+             all ranks receive together, `V·(V−1)·S·4`; memcpy copies the same bytes in the same \
+             run, on one thread and split over all cores (the ranks share those cores; best of \
+             {}). Training step: mean wall time of steps after \
              the first; bytes copied outside collectives (copy-in / copy-out). Machine: {}.\n\n{table}",
             args.shard,
             args.repeats,
