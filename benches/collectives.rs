@@ -185,6 +185,35 @@ fn summary() {
     }
 }
 
+/// One training step of the demo transformer on 2 thread ranks, ragged vs the FSDP2-style
+/// layout (AdamW); the bytes each copies outside collectives are printed beside the times.
+fn train_step(c: &mut Criterion) {
+    use ragged::bench::comm::train_step;
+    use ragged::demo::TransformerConfig;
+    use ragged::fsdp::ShardLayout;
+    use ragged_optimizers::AdamW;
+
+    let mut group = c.benchmark_group("train_step");
+    group.sample_size(10);
+    for layout in [ShardLayout::Ragged, ShardLayout::Fsdp2] {
+        let mut copied = 0;
+        group.bench_function(format!("{layout:?} V=2 tiny"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let cfg = TransformerConfig::TINY;
+                    let row = train_step(cfg, AdamW::default(), layout, 2, 3, 4).expect("train");
+                    copied = row.copied_per_step;
+                    total += Duration::from_secs_f64(row.seconds);
+                }
+                total
+            })
+        });
+        println!("  {layout:?}: {copied} bytes copied outside collectives per step");
+    }
+    group.finish();
+}
+
 fn main() {
     let mut c = Criterion::default()
         .sample_size(10)
@@ -193,6 +222,7 @@ fn main() {
         .configure_from_args();
     memcpy(&mut c);
     collectives(&mut c);
+    train_step(&mut c);
     c.final_summary();
     summary();
 }
