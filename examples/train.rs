@@ -11,7 +11,7 @@ use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TransformerConfig};
 use ragged::fsdp::{FsdpOptions, ShardLayout};
-use ragged::{Error, Result};
+use ragged::Result;
 use ragged_optimizers::{AdamW, AdamWConfig, DecayRule};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -88,38 +88,29 @@ fn main() -> Result<()> {
         ProgressStyle::with_template("sharded   {bar:30} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
     );
-    let comms = ThreadWorld::new(args.ranks)?;
     let started = Instant::now();
-    let results: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .map(|comm| {
-                let (params, opts, bar) = (&params, opts.clone(), &bar);
-                s.spawn(move || {
-                    let progress = |step: usize, r: &StepReport| {
-                        if comm.rank() == 0 {
-                            bar.set_position(step as u64 + 1);
-                            bar.set_message(format!("loss {:.4}", r.loss));
-                        }
-                    };
-                    let opt = optimizer(args.lr)?;
-                    train_rank(
-                        cfg, params, opt, comm, opts, args.steps, args.batch, progress,
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Msg("a rank panicked".into())))
-            })
-            .collect()
-    });
+    let results = ThreadWorld::run(args.ranks, |comm| {
+        let progress = |step: usize, r: &StepReport| {
+            if comm.rank() == 0 {
+                bar.set_position(step as u64 + 1);
+                bar.set_message(format!("loss {:.4}", r.loss));
+            }
+        };
+        let opt = optimizer(args.lr)?;
+        train_rank(
+            cfg,
+            &params,
+            opt,
+            comm,
+            opts.clone(),
+            args.steps,
+            args.batch,
+            progress,
+        )
+    })?;
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
-    let (sharded, full) = results.into_iter().next().expect("rank 0")?;
+    let (sharded, full) = results.into_iter().next().expect("rank 0");
 
     if args.no_reference {
         print_table(&sharded, None);

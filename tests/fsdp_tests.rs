@@ -9,7 +9,6 @@ use ragged::comm::{Buf, SingleRank};
 use ragged::dbuffer::with_ref;
 use ragged::demo::{train_rank, TrainRun, Transformer, TransformerConfig};
 use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout};
-use ragged::Result;
 use ragged_optimizers::{AdamW, AdamWConfig};
 
 const CFG: TransformerConfig = TransformerConfig::TINY;
@@ -30,18 +29,19 @@ type Run = TrainRun;
 /// Trains on `world` thread ranks and returns rank 0's result (all ranks must agree).
 fn train(world: usize, opts: FsdpOptions) -> Run {
     let params = CFG.init_params(7).unwrap();
-    let comms = ThreadWorld::new(world).unwrap();
-    let runs: Vec<Result<Run>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                let (params, opts) = (&params, opts.clone());
-                s.spawn(move || train_rank(CFG, params, adamw(), c, opts, STEPS, BATCH, |_, _| {}))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let runs: Vec<Run> = runs.into_iter().map(|r| r.unwrap()).collect();
+    let runs = ThreadWorld::run(world, |c| {
+        train_rank(
+            CFG,
+            &params,
+            adamw(),
+            c,
+            opts.clone(),
+            STEPS,
+            BATCH,
+            |_, _| {},
+        )
+    })
+    .unwrap();
     for r in &runs[1..] {
         assert_eq!(r.1, runs[0].1, "ranks disagree on the gathered parameters");
     }

@@ -9,7 +9,7 @@ use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::demo::{train_rank, StepReport, TransformerConfig};
 use crate::fsdp::{FsdpOptions, ShardLayout};
 use crate::optim::Optimizer;
-use crate::{Error, Result};
+use crate::Result;
 
 /// A collective measured against memcpy.
 #[derive(Clone, Debug)]
@@ -65,25 +65,8 @@ pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<Col
     let memcpy_all = memcpy_seconds(bytes, repeats, cores);
     let mut rows = Vec::new();
     for op in ["all-gather", "reduce-scatter"] {
-        let comms = ThreadWorld::new(world)?;
-        let times: Vec<Result<f64>> = std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .iter()
-                .map(|c| s.spawn(move || time_collective(c, op, shard, repeats)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::Msg("rank panicked".into())))
-                })
-                .collect()
-        });
-        let seconds = times
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .fold(0.0, f64::max);
+        let times = ThreadWorld::run(world, |c| time_collective(c, op, shard, repeats))?;
+        let seconds = times.into_iter().fold(0.0, f64::max);
         rows.push(CollectiveRow {
             op,
             world,
@@ -137,27 +120,19 @@ pub fn train_step<O: Optimizer + Clone>(
         layout,
         ..FsdpOptions::default()
     };
-    let comms = ThreadWorld::new(world)?;
-    let runs: Vec<Result<Vec<StepReport>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                let (params, opts, opt) = (&params, opts.clone(), optimizer.clone());
-                s.spawn(move || {
-                    train_rank(cfg, params, opt, c, opts, steps, global_batch, |_, _| {})
-                        .map(|r| r.0)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Msg("rank panicked".into())))
-            })
-            .collect()
-    });
-    let reports = runs.into_iter().next().expect("rank 0")?;
+    let runs = ThreadWorld::run(world, |c| {
+        train_rank(
+            cfg,
+            &params,
+            optimizer.clone(),
+            c,
+            opts.clone(),
+            steps,
+            global_batch,
+            |_, _| {},
+        )
+    })?;
+    let reports = runs.into_iter().next().expect("rank 0").0;
     let timed = &reports[1.min(reports.len() - 1)..];
     let mean = |f: fn(&StepReport) -> f64| timed.iter().map(f).sum::<f64>() / timed.len() as f64;
     let (seconds, fsdp_seconds) = (mean(|r| r.seconds), mean(|r| r.fsdp_seconds));

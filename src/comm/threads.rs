@@ -78,6 +78,29 @@ impl ThreadWorld {
         Self::with_timeout(n, DEFAULT_TIMEOUT)
     }
 
+    /// Runs `f` on every rank of a fresh `n`-rank world, one scoped thread per rank, and
+    /// returns the results in rank order; a rank that panics becomes an `Err`.
+    pub fn run<T: Send>(n: usize, f: impl Fn(&ThreadComm) -> Result<T> + Sync) -> Result<Vec<T>> {
+        let comms = Self::new(n)?;
+        let f = &f;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms.iter().map(|c| s.spawn(move || f(c))).collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Comm {
+                            op: "ThreadWorld::run",
+                            rank,
+                            reason: "the rank's thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        })
+    }
+
     /// As [`ThreadWorld::new`], with the time a rank waits at a rendezvous before the world
     /// fails.
     pub fn with_timeout(n: usize, timeout: Duration) -> Result<Vec<ThreadComm>> {

@@ -105,11 +105,10 @@ pub fn fully_shard<'c, O: Optimizer>(
     let (world, rank) = (comm.world_size(), comm.rank());
     let mut units = Vec::new();
     for unit in inv.units() {
-        let mut sharded = match opts.layout {
+        let (local, params, fsdp2) = match opts.layout {
             ShardLayout::Ragged => {
                 let block = |t: &TensorSpec| optimizer.atomic_block(&t.name, &t.shape);
                 let plan = plan_unit(&unit, &block, world, &opts.plan)?;
-                let local = LocalShard::from_plan(&plan, rank)?;
                 let geometry = Geometry {
                     world,
                     rank,
@@ -122,30 +121,20 @@ pub fn fully_shard<'c, O: Optimizer>(
                 };
                 let keep = !opts.reshard_after_forward;
                 let params = DBuffer::zeros(Role::Params, Arc::new(geometry), keep, stats.clone())?;
-                let state = optimizer.init(&local)?;
-                ShardedUnit {
-                    name: unit.name.clone(),
-                    local,
-                    params,
-                    grads: None,
-                    state,
-                    fsdp2: None,
-                }
+                (LocalShard::from_plan(&plan, rank)?, params, None)
             }
             ShardLayout::Fsdp2 => {
                 let f = fsdp2::Fsdp2Unit::new(&unit, world, rank, stats.clone())?;
-                let local = f.local_shard(&unit);
-                let params = f.collective_buffer()?;
-                let state = optimizer.init(&local)?;
-                ShardedUnit {
-                    name: unit.name.clone(),
-                    local,
-                    params,
-                    grads: None,
-                    state,
-                    fsdp2: Some(f),
-                }
+                (f.local_shard(&unit), f.collective_buffer()?, Some(f))
             }
+        };
+        let mut sharded = ShardedUnit {
+            name: unit.name.clone(),
+            state: optimizer.init(&local)?,
+            local,
+            params,
+            grads: None,
+            fsdp2,
         };
         load_local(&mut sharded, &values)?;
         units.push(sharded);
