@@ -9,11 +9,16 @@
 //! | optimizer | file | atomic block | reference numerics |
 //! |---|---|---|---|
 //! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
+//! | [`Muon`] | [`muon`], [`newton_schulz`] | `Matrix` (AdamW fallback: `Element`) | `torch.optim.Muon` (fp32 NS) |
 //!
 //! Numerics contract: given the same gradients, a sharded step equals the unsharded step
 //! bitwise at every world size and layout (`tests/adamw_tests.rs`).
 
 pub mod adamw;
 pub mod common;
+pub mod muon;
+pub mod newton_schulz;
 
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
+pub use muon::{LrScale, Muon, MuonConfig, MuonState};
+pub use newton_schulz::{orthogonalize, NsConfig, QUINTIC};

@@ -1,0 +1,746 @@
+//! Muon: Newton–Schulz against an f64 reference and its singular-value band, sharded ≡
+//! unsharded bitwise over world sizes and uneven shapes (thread-rank communicators), partial
+//! matrices refused, state round trips, config validation.
+
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::{Communicator, SingleRank};
+use ragged::model::{DType, TensorSpec, Unit};
+use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::plan::{plan_unit, PlanOptions};
+use ragged::{AtomicBlock, Error};
+use ragged_optimizers::common::lerp_elem;
+use ragged_optimizers::muon::MatrixStep;
+use ragged_optimizers::{
+    orthogonalize, AdamState, AdamWConfig, LrScale, Muon, MuonConfig, NsConfig, QUINTIC,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// splitmix64: a seeded generator, so every test sees the same numbers on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[-1, 1)`.
+    fn unit(&mut self) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        2.0 * u - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.unit()).collect()
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|x| x.to_bits()).collect()
+}
+
+fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
+    tensors
+        .iter()
+        .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
+        .collect()
+}
+
+fn numels(specs: &[TensorSpec]) -> Vec<usize> {
+    specs.iter().map(TensorSpec::numel).collect()
+}
+
+/// The unsharded reference: one shard holding every tensor back to back, built by hand.
+fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
+    let mut offset = 0;
+    let mut pieces = Vec::new();
+    for (i, t) in specs.iter().enumerate() {
+        pieces.push(LocalPiece {
+            param: i,
+            range: 0..t.numel(),
+            offset,
+        });
+        offset += t.numel();
+    }
+    LocalShard {
+        rank: 0,
+        world: 1,
+        len: offset,
+        params: specs
+            .iter()
+            .map(|t| {
+                let block = opt.atomic_block(&t.name, &t.shape);
+                ParamMeta {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    block,
+                    block_elems: block.elems(&t.shape).unwrap(),
+                }
+            })
+            .collect(),
+        pieces,
+    }
+}
+
+/// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
+fn planned_shards(
+    specs: &[TensorSpec],
+    world: usize,
+    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
+    opts: &PlanOptions,
+) -> Vec<LocalShard> {
+    let unit = Unit {
+        name: "unit".into(),
+        tensors: specs.iter().collect(),
+    };
+    let plan = plan_unit(&unit, block_of, world, opts).unwrap();
+    plan.validate().unwrap();
+    (0..world)
+        .map(|r| LocalShard::from_plan(&plan, r).unwrap())
+        .collect()
+}
+
+fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
+    let mut local = vec![0.0; shard.len];
+    for p in &shard.pieces {
+        local[p.offset..p.offset + p.range.len()]
+            .copy_from_slice(&global[p.param][p.range.clone()]);
+    }
+    local
+}
+
+fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
+    let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
+    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
+    for (shard, local) in shards.iter().zip(locals) {
+        for p in &shard.pieces {
+            global[p.param][p.range.clone()]
+                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
+            for o in &mut owners[p.param][p.range.clone()] {
+                *o += 1;
+            }
+        }
+    }
+    assert!(owners.iter().flatten().all(|&o| o == 1), "ownership");
+    global
+}
+
+fn padding(shard: &LocalShard) -> Vec<usize> {
+    let mut covered = vec![false; shard.len];
+    for p in &shard.pieces {
+        covered[p.offset..p.offset + p.range.len()].fill(true);
+    }
+    (0..shard.len).filter(|&i| !covered[i]).collect()
+}
+
+/// One rank's run: `steps` Muon steps; garbage in the gradient's padding; asserts padding
+/// stays `+0.0` in params and both state buffers. Returns (params, state).
+fn run_rank(
+    opt: &Muon,
+    shard: &LocalShard,
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+    comm: &dyn Communicator,
+) -> (Vec<f32>, AdamState) {
+    let mut params = scatter(shard, p0);
+    let mut state = opt.init(shard).unwrap();
+    for g in grads {
+        let mut local_g = scatter(shard, g);
+        for i in padding(shard) {
+            local_g[i] = 1.0;
+        }
+        opt.step(&mut state, shard, &mut params, &local_g, comm)
+            .unwrap();
+        for i in padding(shard) {
+            assert!(
+                params[i].to_bits() == 0 && state.m[i].to_bits() == 0 && state.v[i].to_bits() == 0,
+                "rank {}/{}: padding at {i} changed",
+                shard.rank,
+                shard.world
+            );
+        }
+    }
+    (params, state)
+}
+
+/// Every rank on its own thread with a `ThreadWorld` communicator; global (params, m, v).
+fn run_world(
+    opt: &Muon,
+    shards: &[LocalShard],
+    numels: &[usize],
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+) -> [Vec<Vec<f32>>; 3] {
+    let comms = ThreadWorld::new(shards.len()).unwrap();
+    let results: Vec<(Vec<f32>, AdamState)> = std::thread::scope(|s| {
+        let handles: Vec<_> = shards
+            .iter()
+            .zip(comms)
+            .map(|(shard, comm)| s.spawn(move || run_rank(opt, shard, p0, grads, &comm)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ps: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
+    let ms: Vec<Vec<f32>> = results.iter().map(|r| r.1.m.clone()).collect();
+    let vs: Vec<Vec<f32>> = results.iter().map(|r| r.1.v.clone()).collect();
+    [
+        gather(shards, &ps, numels),
+        gather(shards, &ms, numels),
+        gather(shards, &vs, numels),
+    ]
+}
+
+fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+    let mut rng = Rng(seed);
+    let p0 = specs.iter().map(|t| rng.vec(t.numel())).collect();
+    let grads = (0..steps)
+        .map(|_| specs.iter().map(|t| rng.vec(t.numel())).collect())
+        .collect();
+    (p0, grads)
+}
+
+/// Hyperparameters under which every term is visible.
+fn loud() -> MuonConfig {
+    MuonConfig {
+        lr: 0.05,
+        weight_decay: 0.3,
+        momentum: 0.9,
+        nesterov: false,
+        lr_scale: LrScale::MatchRmsAdamW,
+        adamw: AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        },
+        ..MuonConfig::default()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Newton–Schulz
+// ---------------------------------------------------------------------------------------------
+
+/// The module table of `newton_schulz` in f64, with the same (f32) coefficients widened.
+fn ns_f64(x: &[f32], rows: usize, cols: usize, cfg: &NsConfig) -> Vec<f64> {
+    let t = rows > cols;
+    let (s, l) = if t { (cols, rows) } else { (rows, cols) };
+    let mut a = vec![0.0f64; s * l];
+    for i in 0..rows {
+        for j in 0..cols {
+            let v = f64::from(x[i * cols + j]);
+            if t {
+                a[j * rows + i] = v;
+            } else {
+                a[i * cols + j] = v;
+            }
+        }
+    }
+    let norm = a
+        .iter()
+        .map(|v| v * v)
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::from(cfg.eps));
+    a.iter_mut().for_each(|v| *v /= norm);
+    for k in 0..cfg.steps {
+        let [ca, cb, cc] = cfg.coeffs_at(k).map(f64::from);
+        let mut p = vec![0.0; s * s];
+        for i in 0..s {
+            for j in 0..s {
+                p[i * s + j] = (0..l).map(|q| a[i * l + q] * a[j * l + q]).sum();
+            }
+        }
+        let mut qm = vec![0.0; s * s];
+        for i in 0..s {
+            for j in 0..s {
+                let pp: f64 = (0..s).map(|q| p[i * s + q] * p[q * s + j]).sum();
+                qm[i * s + j] = cb * p[i * s + j] + cc * pp;
+            }
+        }
+        let mut next = vec![0.0; s * l];
+        for i in 0..s {
+            for j in 0..l {
+                let qx: f64 = (0..s).map(|q| qm[i * s + q] * a[q * l + j]).sum();
+                next[i * l + j] = ca * a[i * l + j] + qx;
+            }
+        }
+        a = next;
+    }
+    let mut out = vec![0.0; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[i * cols + j] = if t { a[j * rows + i] } else { a[i * cols + j] };
+        }
+    }
+    out
+}
+
+/// NS of f32 vs f64 reference. Each f32 product carries a relative error of about
+/// `k·2⁻²⁴` (`k ≤ 80`, ≈ 5e-6) and each NS step can amplify an error by at most about
+/// `a = 3.4445` (the polynomial's slope at 0), so after 5 steps the bound is roughly
+/// `5e-6 · 3.4445⁵ ≈ 2.5e-3` of the entry scale. Observed (seed 7): at most 8e-7 with the
+/// quintic triple, 6.4e-5 with the steeper dion schedule (7×5). The tolerance, `5e-4` absolute
+/// on entries of size `~1/√short side`, is about 8× the worst observed error and still fails
+/// for any real bug (a wrong coefficient or a missing transpose changes entries by `> 1e-2`).
+const NS_ATOL: f64 = 5e-4;
+
+#[test]
+fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
+    let mut rng = Rng(7);
+    let schedule = NsConfig {
+        steps: 5,
+        coeffs: vec![
+            [4.0848, -6.8946, 2.9270],
+            [3.9505, -6.3029, 2.6377],
+            QUINTIC,
+        ],
+        eps: 1e-7,
+    };
+    for cfg in [NsConfig::default(), schedule] {
+        for (rows, cols) in [
+            (48, 80),
+            (80, 48),
+            (16, 24),
+            (7, 5),
+            (5, 7),
+            (1, 9),
+            (9, 1),
+            (6, 6),
+        ] {
+            let x = rng.vec(rows * cols);
+            let want = ns_f64(&x, rows, cols, &cfg);
+            let mut got = x.clone();
+            orthogonalize(&mut got, rows, cols, &cfg);
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(&g, w)| (f64::from(g) - w).abs())
+                .fold(0.0, f64::max);
+            assert!(err < NS_ATOL, "{rows}×{cols}, {cfg:?}: max error {err}");
+        }
+    }
+}
+
+#[test]
+fn newton_schulz_schedule_uses_one_triple_per_step_and_repeats_the_last() {
+    let mut rng = Rng(3);
+    let x = rng.vec(12 * 20);
+    let run = |cfg: &NsConfig| {
+        let mut y = x.clone();
+        orthogonalize(&mut y, 12, 20, cfg);
+        bits(&y)
+    };
+    let fixed = run(&NsConfig::default());
+    let repeated = run(&NsConfig {
+        coeffs: vec![QUINTIC; 2],
+        ..NsConfig::default()
+    });
+    assert_eq!(
+        fixed, repeated,
+        "a schedule of equal triples is the fixed triple"
+    );
+    let other = run(&NsConfig {
+        coeffs: vec![QUINTIC, QUINTIC, QUINTIC, QUINTIC, [3.0, -3.2, 1.2]],
+        ..NsConfig::default()
+    });
+    assert_ne!(fixed, other, "the fifth triple must be used");
+}
+
+/// Eigenvalues of a symmetric `n×n` matrix by cyclic Jacobi (f64).
+fn sym_eigenvalues(mut a: Vec<f64>, n: usize) -> Vec<f64> {
+    for _ in 0..100 {
+        let off: f64 = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * n + j] * a[i * n + j])
+            .sum();
+        if off < 1e-24 {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = a[p * n + q];
+                if apq.abs() < 1e-300 {
+                    continue;
+                }
+                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for k in 0..n {
+                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                    a[k * n + p] = c * akp - s * akq;
+                    a[k * n + q] = s * akp + c * akq;
+                }
+                for k in 0..n {
+                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                    a[p * n + k] = c * apk - s * aqk;
+                    a[q * n + k] = s * apk + c * aqk;
+                }
+            }
+        }
+    }
+    (0..n).map(|i| a[i * n + i]).collect()
+}
+
+#[test]
+fn newton_schulz_singular_values_land_in_the_quintic_band() {
+    // Rectangular inputs only: a random square matrix has singular values near 0 (relative to
+    // its norm) that 5 quintic steps cannot lift into the band (32×32 gives σ_min ≈ 0.19);
+    // that is NS's known behaviour, not a bug. Random m×n with m/n ≤ 0.7 keeps σ_min well away
+    // from 0.
+    let mut rng = Rng(11);
+    for (rows, cols) in [(48, 80), (80, 48), (16, 24)] {
+        let mut x = rng.vec(rows * cols);
+        orthogonalize(&mut x, rows, cols, &NsConfig::default());
+        // Gram of the short side, in f64: its eigenvalues are the squared singular values.
+        let (s, t) = (rows.min(cols), rows > cols);
+        let at = |i: usize, k: usize| f64::from(if t { x[k * cols + i] } else { x[i * cols + k] });
+        let l = rows.max(cols);
+        let mut g = vec![0.0; s * s];
+        for i in 0..s {
+            for j in 0..s {
+                g[i * s + j] = (0..l).map(|k| at(i, k) * at(j, k)).sum();
+            }
+        }
+        let sv: Vec<f64> = sym_eigenvalues(g, s)
+            .iter()
+            .map(|e| e.max(0.0).sqrt())
+            .collect();
+        let (lo, hi) = sv
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        assert!(
+            (0.6..=1.25).contains(&lo) && (0.6..=1.25).contains(&hi),
+            "{rows}×{cols}: singular values in [{lo}, {hi}], want within [0.6, 1.25]"
+        );
+    }
+}
+
+#[test]
+fn newton_schulz_leaves_a_zero_matrix_zero() {
+    let mut x = vec![0.0f32; 6 * 4];
+    orthogonalize(&mut x, 6, 4, &NsConfig::default());
+    assert!(x.iter().all(|v| v.to_bits() == 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. The Muon step
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn atomic_block_is_matrix_for_muon_params_and_element_for_the_fallback() {
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    assert_eq!(opt.atomic_block("w", &[48, 80]), AtomicBlock::Matrix);
+    assert_eq!(
+        opt.atomic_block("experts", &[3, 16, 24]),
+        AtomicBlock::Matrix
+    );
+    assert_eq!(opt.atomic_block("bias", &[31]), AtomicBlock::Element);
+    assert_eq!(opt.atomic_block("scalar", &[]), AtomicBlock::Element);
+    assert_eq!(
+        opt.atomic_block("tok_embed", &[100, 16]),
+        AtomicBlock::Element
+    );
+    assert_eq!(
+        opt.atomic_block("lm_head", &[16, 100]),
+        AtomicBlock::Element
+    );
+}
+
+#[test]
+fn muon_step_follows_torch_operation_order() {
+    // Hand-written torch order on one 2-D matrix, default (Nesterov, `original` scale).
+    let c = MuonConfig {
+        lr: 0.02,
+        ..MuonConfig::default()
+    };
+    let opt = Muon::new(c.clone()).unwrap();
+    let (rows, cols) = (20, 12);
+    let spec = specs(&[("w", &[rows, cols])]);
+    let shard = whole_shard(&opt, &spec);
+    let mut rng = Rng(5);
+    let mut p = rng.vec(rows * cols);
+    let mut want_p = p.clone();
+    let mut buf = vec![0.0f32; rows * cols];
+    let mut state = opt.init(&shard).unwrap();
+    for _ in 0..3 {
+        let g = rng.vec(rows * cols);
+        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+        for (b, &g) in buf.iter_mut().zip(&g) {
+            *b = lerp_elem(*b, g, (1.0 - c.momentum) as f32);
+        }
+        let mut u: Vec<f32> = g
+            .iter()
+            .zip(&buf)
+            .map(|(&g, &b)| lerp_elem(g, b, c.momentum as f32))
+            .collect();
+        orthogonalize(&mut u, rows, cols, &c.ns);
+        let decay = (1.0 - c.lr * c.weight_decay) as f32;
+        let neg_lr = (-(c.lr * (rows as f64 / cols as f64).sqrt())) as f32;
+        for (p, &o) in want_p.iter_mut().zip(&u) {
+            *p = *p * decay + neg_lr * o;
+        }
+        assert_eq!(bits(&p), bits(&want_p));
+        assert_eq!(bits(&state.m), bits(&buf));
+    }
+}
+
+#[test]
+fn each_expert_matrix_steps_like_an_independent_2d_param() {
+    let opt = Muon::new(loud()).unwrap();
+    let (e, rows, cols) = (3, 16, 24);
+    let mut rng = Rng(8);
+    let p0 = rng.vec(e * rows * cols);
+    let g = rng.vec(e * rows * cols);
+    let shard = whole_shard(&opt, &specs(&[("experts", &[e, rows, cols])]));
+    let mut p = p0.clone();
+    let mut state = opt.init(&shard).unwrap();
+    opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+        .unwrap();
+    let one = whole_shard(&opt, &specs(&[("w", &[rows, cols])]));
+    let mn = rows * cols;
+    for k in 0..e {
+        let mut pk = p0[k * mn..(k + 1) * mn].to_vec();
+        let mut sk = opt.init(&one).unwrap();
+        opt.step(
+            &mut sk,
+            &one,
+            &mut pk,
+            &g[k * mn..(k + 1) * mn],
+            &SingleRank,
+        )
+        .unwrap();
+        assert_eq!(bits(&pk), bits(&p[k * mn..(k + 1) * mn]), "expert {k}");
+    }
+}
+
+#[test]
+fn lr_scale_rules_match_torch() {
+    assert_eq!(LrScale::Original.factor(80, 48), (80.0f64 / 48.0).sqrt());
+    assert_eq!(LrScale::Original.factor(48, 80), 1.0);
+    assert_eq!(LrScale::MatchRmsAdamW.factor(48, 80), 0.2 * 80.0f64.sqrt());
+    // MatrixStep is public; its zero-lr, no-decay form leaves parameters unchanged.
+    let ns = NsConfig::default();
+    let s = MatrixStep {
+        rows: 2,
+        cols: 3,
+        momentum: 0.95,
+        nesterov: true,
+        decay: None,
+        neg_lr: 0.0,
+        ns: &ns,
+    };
+    let mut p = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let mut m = [0.0f32; 6];
+    s.apply(&mut p, &[1.0; 6], &mut m);
+    assert_eq!(p, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Sharded ≡ unsharded
+// ---------------------------------------------------------------------------------------------
+
+const TENSORS: [(&str, &[usize]); 7] = [
+    ("wide", &[48, 80]),
+    ("tall", &[80, 48]),
+    ("experts", &[3, 16, 24]),
+    ("small", &[7, 5]),
+    ("bias", &[31]),
+    ("tok_embed", &[10, 6]),
+    ("gain", &[1]),
+];
+const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
+
+#[test]
+fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
+    let spec = specs(&TENSORS);
+    let n = numels(&spec);
+    let (p0, grads) = data(&spec, 3, 42);
+    for (ci, c) in [MuonConfig::default(), loud()].into_iter().enumerate() {
+        let opt = Muon::new(c).unwrap();
+        let want = run_world(&opt, &[whole_shard(&opt, &spec)], &n, &p0, &grads);
+        for coll_align in [1, 64] {
+            let opts = PlanOptions {
+                coll_align,
+                ..PlanOptions::default()
+            };
+            for world in WORLDS {
+                let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
+                let shards = planned_shards(&spec, world, &block_of, &opts);
+                let got = run_world(&opt, &shards, &n, &p0, &grads);
+                for (role, (g, w)) in ["params", "m", "v"].iter().zip(got.iter().zip(&want)) {
+                    for (i, (g, w)) in g.iter().zip(w).enumerate() {
+                        assert_eq!(
+                            bits(g),
+                            bits(w),
+                            "config {ci}, world {world}, coll_align {coll_align}: {role} of {}",
+                            TENSORS[i].0
+                        );
+                    }
+                }
+            }
+        }
+        // The run moved every parameter, so the comparison is not vacuous.
+        for (i, (p, q)) in want[0].iter().zip(&p0).enumerate() {
+            assert_ne!(bits(p), bits(q), "config {ci}: {} unchanged", TENSORS[i].0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Partial matrices
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_piece_holding_part_of_a_matrix_is_refused_before_anything_changes() {
+    let spec = specs(&TENSORS);
+    let (p0, grads) = data(&spec, 1, 9);
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    // Force row blocks for Muon parameters: the planner may now split a matrix.
+    let block_of = |t: &TensorSpec| match opt.atomic_block(&t.name, &t.shape) {
+        AtomicBlock::Matrix => AtomicBlock::Rows(1),
+        b => b,
+    };
+    let opts = PlanOptions {
+        coll_align: 1,
+        ..PlanOptions::default()
+    };
+    for world in [2, 3, 4, 8] {
+        let shards = planned_shards(&spec, world, &block_of, &opts);
+        let mut refused = 0;
+        for shard in &shards {
+            let splits = shard.pieces.iter().any(|p| {
+                let meta = &shard.params[p.param];
+                let mn: usize = meta.shape[meta.shape.len() - 2..].iter().product();
+                meta.block == AtomicBlock::Rows(1)
+                    && (p.range.start % mn != 0 || p.range.end % mn != 0)
+            });
+            let mut params = scatter(shard, &p0);
+            let before = params.clone();
+            let mut state = opt.init(shard).unwrap();
+            let res = opt.step(
+                &mut state,
+                shard,
+                &mut params,
+                &scatter(shard, &grads[0]),
+                &SingleRank,
+            );
+            if splits {
+                refused += 1;
+                assert!(
+                    matches!(res, Err(Error::InvalidShard { .. })),
+                    "world {world} rank {}: {res:?}",
+                    shard.rank
+                );
+                assert_eq!(bits(&params), bits(&before), "params changed on refusal");
+                assert_eq!(state, opt.init(shard).unwrap(), "state changed on refusal");
+            } else {
+                res.unwrap();
+            }
+        }
+        assert!(
+            refused > 0,
+            "world {world}: the layout must split some matrix"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. State
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn state_round_trip_through_bytes_continues_bitwise() {
+    let spec = specs(&TENSORS);
+    let (p0, grads) = data(&spec, 6, 5);
+    let opt = Muon::new(loud()).unwrap();
+    let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
+    let shards = planned_shards(&spec, 3, &block_of, &PlanOptions::default());
+    for shard in &shards {
+        let (p_all, s_all) = run_rank(&opt, shard, &p0, &grads, &SingleRank);
+        let (mut p, s_half) = run_rank(&opt, shard, &p0, &grads[..3], &SingleRank);
+        let bytes = s_half.to_le_bytes();
+        let mut s = AdamState::from_le_bytes(&bytes).unwrap();
+        assert_eq!(s, s_half);
+        assert_eq!(s.to_le_bytes(), bytes);
+        for g in &grads[3..] {
+            opt.step(&mut s, shard, &mut p, &scatter(shard, g), &SingleRank)
+                .unwrap();
+        }
+        assert_eq!(bits(&p), bits(&p_all), "rank {}: params", shard.rank);
+        assert_eq!(bits(&s.m), bits(&s_all.m), "rank {}: m", shard.rank);
+        assert_eq!(bits(&s.v), bits(&s_all.v), "rank {}: v", shard.rank);
+        assert_eq!(s.step, 6);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Validation
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn invalid_configs_are_refused() {
+    let bad = [
+        MuonConfig {
+            momentum: 1.0,
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            lr: -1.0,
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            weight_decay: f64::NAN,
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            ns: NsConfig {
+                steps: 0,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            ns: NsConfig {
+                steps: 100,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            ns: NsConfig {
+                coeffs: vec![],
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        },
+        MuonConfig {
+            ns: NsConfig {
+                eps: 0.0,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        },
+    ];
+    for c in bad {
+        assert!(Muon::new(c.clone()).is_err(), "{c:?} accepted");
+    }
+    assert!(Muon::new(MuonConfig::default()).is_ok());
+}
+
+#[test]
+fn step_refuses_buffers_of_the_wrong_length() {
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    let shard = whole_shard(&opt, &specs(&[("w", &[4, 3])]));
+    let mut state = opt.init(&shard).unwrap();
+    let mut p = vec![0.0; 11];
+    assert!(opt
+        .step(&mut state, &shard, &mut p, &[0.0; 12], &SingleRank)
+        .is_err());
+}
