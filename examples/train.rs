@@ -12,12 +12,19 @@ use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TransformerConfig};
 use ragged::fsdp::{FsdpOptions, ShardLayout};
 use ragged::Result;
-use ragged_optimizers::{AdamW, AdamWConfig, DecayRule};
+use ragged::optim::Optimizer;
+use ragged_optimizers::{AdamW, AdamWConfig, DecayRule, Muon, MuonConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Layout {
     Ragged,
     Fsdp2,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Opt {
+    Adamw,
+    Muon,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -44,6 +51,9 @@ struct Args {
     /// Model size (small: 3.3 M parameters; tiny: a few thousand).
     #[arg(long, value_enum, default_value_t = Size::Small)]
     size: Size,
+    /// Optimizer: AdamW, or Muon on whole matrices (embedding and head on AdamW).
+    #[arg(long, value_enum, default_value_t = Opt::Adamw)]
+    optimizer: Opt,
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -55,7 +65,7 @@ struct Args {
     no_reference: bool,
 }
 
-fn optimizer(lr: f64) -> Result<AdamW> {
+fn adamw(lr: f64) -> Result<AdamW> {
     AdamW::new(AdamWConfig {
         lr,
         decay_rule: DecayRule::NoDecayFor1D,
@@ -63,8 +73,28 @@ fn optimizer(lr: f64) -> Result<AdamW> {
     })
 }
 
+fn muon(lr: f64) -> Result<Muon> {
+    Muon::new(MuonConfig {
+        lr,
+        adamw: AdamWConfig {
+            lr,
+            decay_rule: DecayRule::NoDecayFor1D,
+            ..AdamWConfig::default()
+        },
+        adamw_patterns: vec!["embed".into(), "head".into()],
+        ..MuonConfig::default()
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    match args.optimizer {
+        Opt::Adamw => run(&args, adamw),
+        Opt::Muon => run(&args, muon),
+    }
+}
+
+fn run<O: Optimizer>(args: &Args, optimizer: fn(f64) -> Result<O>) -> Result<()> {
     let cfg = match args.size {
         Size::Small => TransformerConfig::SMALL,
         Size::Tiny => TransformerConfig::TINY,
@@ -80,8 +110,8 @@ fn main() -> Result<()> {
         ..FsdpOptions::default()
     };
     println!(
-        "model: {n_params} parameters; {} ranks, {:?} layout, AdamW lr {}, global batch {} x {} tokens",
-        args.ranks, args.layout, args.lr, args.batch, cfg.seq_len
+        "model: {n_params} parameters; {} ranks, {:?} layout, {:?} lr {}, global batch {} x {} tokens",
+        args.ranks, args.layout, args.optimizer, args.lr, args.batch, cfg.seq_len
     );
 
     let bar = ProgressBar::new(args.steps as u64).with_style(
