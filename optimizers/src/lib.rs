@@ -9,11 +9,15 @@
 //! | optimizer | file | atomic block | reference numerics |
 //! |---|---|---|---|
 //! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
+//! | [`Adam8bit`] | [`adam8bit`] | `Tile { 32, 32 }` (`Matrix` for stacked matrices with `m % 32 ≠ 0`; `Element` for the fp32 fallback) | bitsandbytes 8-bit Adam, CPU-backend order, 32×32 tiles of the global shape |
 //!
 //! Numerics contract: given the same gradients, a sharded step equals the unsharded step
-//! bitwise at every world size and layout (`tests/adamw_tests.rs`).
+//! bitwise at every world size and layout (`tests/adamw_tests.rs`, `tests/adam8bit_tests.rs`).
 
+pub mod adam8bit;
 pub mod adamw;
 pub mod common;
+pub mod quant;
 
+pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
