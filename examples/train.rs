@@ -11,8 +11,8 @@ use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TransformerConfig};
 use ragged::fsdp::{FsdpOptions, ShardLayout};
-use ragged::Result;
 use ragged::optim::Optimizer;
+use ragged::Result;
 use ragged_optimizers::{AdamW, AdamWConfig, DecayRule, Muon, MuonConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

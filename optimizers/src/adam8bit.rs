@@ -1,0 +1,540 @@
+//! 8-bit Adam on a local shard: bitsandbytes-style block-wise dynamic quantization of both
+//! Adam moments, with **32×32 tiles of the global shape** as quantization blocks, so that
+//! every block lies on one rank and the numerics cannot depend on the world size or layout.
+//!
+//! Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022
+//! (arXiv:2110.02861); reference text: `/work/shared/reference/optimizers.md` §3 (bnb layout,
+//! maps, update orders, small-tensor fallback) and §3.4 (tiles on the global shape).
+//!
+//! # Which parameters are 8-bit ([`Tiling::of`])
+//! A parameter gets 8-bit state when **all** of these hold; otherwise it keeps `f32` Adam
+//! state exactly as [`AdamW`] (the *small-tensor fallback*, bnb's `numel < min_8bit_size`):
+//! - it has two or more dimensions: a batch of trailing matrices `[.., m, n]` (a 2-D parameter
+//!   is one matrix, `[E, m, n]` is `E` matrices);
+//! - its row length `n` (last dimension) is a multiple of 32;
+//! - it has at least `min_8bit_size` elements (default 4096, bnb's), counted on the **global**
+//!   shape, never on the local piece.
+//!
+//! A shape that does not tile (1-D, 0-D, `n % 32 ≠ 0`) falls back to `f32` state; there are no
+//! partial-width tiles. The decision depends on the global shape and the config only.
+//!
+//! # Tiles
+//! A tile is 32 consecutive rows × 32 consecutive columns of **one** trailing matrix. Rows are
+//! grouped from each matrix's first row, so a matrix whose `m` is not a multiple of 32 ends with
+//! a short row block (`m mod 32` rows): its tiles have fewer rows. Each tile has its own
+//! `absmax` for `m` and for `v`.
+//!
+//! | shape | block ([`Optimizer::atomic_block`]) | tiles |
+//! |---|---|---|
+//! | `[64, 96]` | `Tile { 32, 32 }` | 2 row blocks × 3 = 6 |
+//! | `[100, 64]` | `Tile { 32, 32 }` | 4 row blocks (32, 32, 32, 4 rows) × 2 = 8 |
+//! | `[3, 64, 64]` | `Tile { 32, 32 }` | 3 · 2 · 2 = 12 |
+//! | `[3, 40, 64]` | `Matrix` | 3 · 2 (32 rows, 8 rows) · 2 = 12 |
+//! | `[33]`, `[5, 7]` | `Element` | fallback, `f32` state |
+//!
+//! The planner measures a `Tile` block as 32 rows of the flattened tensor from its first
+//! element ([`ragged::block`]). That keeps every per-matrix tile whole when the matrices hold
+//! whole 32-row blocks (2-D, or `m % 32 = 0`). For a batch of matrices with `m % 32 ≠ 0` a
+//! 32-flat-row cut could fall inside a matrix's short block, so such parameters ask for
+//! `Matrix` (each matrix whole on one rank) instead. [`Adam8bit::step`] checks that every
+//! local piece starts and ends on a row-block edge and returns `Err` otherwise.
+//!
+//! # State layout ([`Adam8bitState`])
+//! - `m`, `v`: one code per element of the local shard (`shard.len` bytes each). Positions that
+//!   are not in an 8-bit piece (fallback pieces, padding) hold the code of 0.0 (127 in `m`, 0
+//!   in `v`) and never change.
+//! - `absmax_m`, `absmax_v`: one `f32` per tile held locally, ordered by local piece (shard
+//!   order), then within a piece by matrix, row block, and column block (row-major over tiles).
+//! - `m32`, `v32`: `f32` moments of the fallback pieces only, concatenated in shard order.
+//!
+//! # The step (bnb 0.50 CPU backend order, reference §3.3)
+//! For every tile held locally, at step `t` (after the increment), for each element:
+//!
+//! | # | operation | piece |
+//! |---|---|---|
+//! | 1 | `p ← p·(1 − lr·wd)` (decoupled, **before** the update; if decayed) | [`common::decay_elem`] |
+//! | 2 | `m = qmap₁[c₁]·absmax₁`, `v = qmap₂[c₂]·absmax₂` (dequantize to `f32`) | [`quant::dequantize`] |
+//! | 3 | `m ← lerp(m, g, 1 − β₁)`, `v ← v·β₂ + ((1 − β₂)·g)·g` | [`common::lerp_elem`], [`common::ema_sq_elem`] |
+//! | 4 | `p ← p + (−lr/bc₁)·m / (√v/√bc₂ + ε)` with the **fresh, unquantized** `m`, `v` | [`common::apply_adam_elem`] |
+//!
+//! then, per tile: 5. new `absmax₁ = max |m|`, `absmax₂ = max v` over the tile's updated
+//! `f32` moments; 6. requantize `c = nearest(m / absmax)` ([`quant::quantize`], ties up),
+//! **no sign fix-up** (the CPU backend has none; bnb's CUDA kernel has one and decays after
+//! the update, §3.2). The moment updates are this crate's torch-AdamW forms (`lerp`, see
+//! [`crate::adamw`]); `ε` sits outside the square root, after the bias correction. Non-finite
+//! gradients are not special-cased (bnb's CUDA kernel zeroes the moments; the CPU backend
+//! propagates them, as here).
+//!
+//! Every element operation is one IEEE `f32` operation, the scalars are computed in `f64` and
+//! rounded once ([`common::AdamScale`]); every tile is local; so a sharded step is bitwise
+//! equal to the unsharded one at every world size and layout.
+
+use ragged::block::numel;
+use ragged::comm::Communicator;
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::{AtomicBlock, Error, Result};
+
+use crate::adamw::{adamw_update, AdamW, AdamWConfig};
+use crate::common::{
+    apply_adam_elem, check_len, check_shard, decay_elem, ema_sq_elem, lerp_elem, AdamScale,
+    MomentCoeffs,
+};
+use crate::quant::{
+    dequantize, dynamic_map, quantize_scaled, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
+};
+
+/// Side of a square quantization tile, in elements (rows and columns).
+pub const TILE: usize = 32;
+
+/// bnb's default `min_8bit_size`: smaller parameters keep `f32` state.
+pub const MIN_8BIT_SIZE: usize = 4096;
+
+/// 8-bit Adam hyperparameters: the AdamW ones (lr, betas, eps, decoupled weight decay and its
+/// rule, defaults `torch.optim.AdamW`'s) plus the small-tensor threshold.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adam8bitConfig {
+    /// Adam hyperparameters; `weight_decay` is decoupled and applied before the update.
+    pub adam: AdamWConfig,
+    /// Parameters with fewer elements (global shape) keep `f32` state (default 4096).
+    pub min_8bit_size: usize,
+}
+
+impl Default for Adam8bitConfig {
+    fn default() -> Self {
+        Adam8bitConfig {
+            adam: AdamWConfig::default(),
+            min_8bit_size: MIN_8BIT_SIZE,
+        }
+    }
+}
+
+/// How an 8-bit parameter is cut into tiles: `batch` trailing matrices of `rows × cols`
+/// (global shape). A pure function of the shape; see the module doc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tiling {
+    /// Number of trailing matrices (product of the leading dimensions; 1 for 2-D).
+    pub batch: usize,
+    /// Rows per matrix, `m`.
+    pub rows: usize,
+    /// Columns per matrix, `n` (a multiple of [`TILE`]).
+    pub cols: usize,
+}
+
+impl Tiling {
+    /// The tiling of a parameter of global `shape`, or `None` when it keeps `f32` state
+    /// (fewer than two dimensions, `n % 32 ≠ 0`, fewer than `min_8bit_size` elements, or an
+    /// invalid shape).
+    pub fn of(shape: &[usize], min_8bit_size: usize) -> Option<Tiling> {
+        let n = numel(shape).ok()?;
+        let d = shape.len();
+        if d < 2 || shape[d - 1] % TILE != 0 || n < min_8bit_size {
+            return None;
+        }
+        Some(Tiling {
+            batch: shape[..d - 2].iter().product(),
+            rows: shape[d - 2],
+            cols: shape[d - 1],
+        })
+    }
+
+    /// Row blocks per matrix (the last may be short).
+    pub fn row_blocks_per_matrix(&self) -> usize {
+        self.rows.div_ceil(TILE)
+    }
+
+    /// Tiles per row block, `n / 32`.
+    pub fn tiles_per_row_block(&self) -> usize {
+        self.cols / TILE
+    }
+
+    /// Tiles in the whole parameter.
+    pub fn num_tiles(&self) -> usize {
+        self.batch * self.row_blocks_per_matrix() * self.tiles_per_row_block()
+    }
+
+    /// The atomic block that keeps every tile on one rank: `Tile { 32, 32 }` when the planner's
+    /// 32-flat-row blocks coincide with the per-matrix row blocks (one matrix, or `m % 32 = 0`),
+    /// `Matrix` otherwise.
+    pub fn block(&self) -> AtomicBlock {
+        if self.batch == 1 || self.rows % TILE == 0 {
+            AtomicBlock::Tile {
+                rows: TILE,
+                cols: TILE,
+            }
+        } else {
+            AtomicBlock::Matrix
+        }
+    }
+
+    /// Row blocks before flattened element `elem` of the parameter, when `elem` lies on a
+    /// row-block edge (or at the end); `None` when it falls inside a tile.
+    pub fn row_blocks_before(&self, elem: usize) -> Option<usize> {
+        if elem % self.cols != 0 {
+            return None;
+        }
+        let row = elem / self.cols;
+        let (matrix, r) = (row / self.rows, row % self.rows);
+        (r % TILE == 0).then(|| matrix * self.row_blocks_per_matrix() + r / TILE)
+    }
+
+    /// Tiles before flattened element `elem` (on a row-block edge), in the tile order of the
+    /// module doc; `None` inside a tile.
+    pub fn tiles_before(&self, elem: usize) -> Option<usize> {
+        self.row_blocks_before(elem)
+            .map(|b| b * self.tiles_per_row_block())
+    }
+}
+
+/// 8-bit Adam state of one rank's shard of one group; see the module doc for the layout.
+/// Checkpointing is [`Adam8bitState::to_le_bytes`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adam8bitState {
+    /// Steps taken (`t`). `0` before the first step.
+    pub step: u64,
+    /// First-moment codes in the signed dynamic map, one per local-shard element.
+    pub m: Vec<u8>,
+    /// Second-moment codes in the unsigned dynamic map, one per local-shard element.
+    pub v: Vec<u8>,
+    /// Per-tile scale of `m` (max |m| of the tile after the last step), local tile order.
+    pub absmax_m: Vec<f32>,
+    /// Per-tile scale of `v` (max v of the tile after the last step), local tile order.
+    pub absmax_v: Vec<f32>,
+    /// `f32` first moment of the fallback pieces, concatenated in shard order.
+    pub m32: Vec<f32>,
+    /// `f32` second moment of the fallback pieces, concatenated in shard order.
+    pub v32: Vec<f32>,
+}
+
+const HEADER_WORDS: usize = 4;
+
+impl Adam8bitState {
+    /// Serializes the state: `step`, `len` (codes per moment), `tiles` (absmax per moment),
+    /// `fp32` (fallback elements per moment), as u64; then `m`, `v` (bytes), `absmax_m`,
+    /// `absmax_v`, `m32`, `v32` (f32); all little-endian. Exact: loading gives back the same
+    /// bits.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for w in [
+            self.step,
+            self.m.len() as u64,
+            self.absmax_m.len() as u64,
+            self.m32.len() as u64,
+        ] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out.extend_from_slice(&self.m);
+        out.extend_from_slice(&self.v);
+        for x in self
+            .absmax_m
+            .iter()
+            .chain(&self.absmax_v)
+            .chain(&self.m32)
+            .chain(&self.v32)
+        {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    /// Loads a state written by [`Adam8bitState::to_le_bytes`]; `Err` when the byte count is
+    /// not the one the header announces.
+    pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = |reason: String| Error::BadInput {
+            op: "Adam8bitState::from_le_bytes",
+            what: format!("{} bytes", bytes.len()),
+            reason,
+        };
+        if bytes.len() < 8 * HEADER_WORDS {
+            return Err(bad("shorter than the 32-byte header".into()));
+        }
+        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
+        let (step, len, tiles, fp32) = (word(0), word(1), word(2), word(3));
+        let size = |x: u64, each: usize| usize::try_from(x).ok()?.checked_mul(each);
+        let want = (|| {
+            (8 * HEADER_WORDS)
+                .checked_add(size(len, 2)?)?
+                .checked_add(size(tiles, 8)?)?
+                .checked_add(size(fp32, 8)?)
+        })();
+        if want != Some(bytes.len()) {
+            return Err(bad(format!(
+                "header announces {len} codes, {tiles} tiles and {fp32} fp32 elements per moment"
+            )));
+        }
+        let (len, tiles, fp32) = (len as usize, tiles as usize, fp32 as usize);
+        let h = 8 * HEADER_WORDS;
+        let m = bytes[h..h + len].to_vec();
+        let v = bytes[h + len..h + 2 * len].to_vec();
+        let floats: Vec<f32> = bytes[8 * HEADER_WORDS + 2 * len..]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let (absmax_m, rest) = floats.split_at(tiles);
+        let (absmax_v, rest) = rest.split_at(tiles);
+        let (m32, v32) = rest.split_at(fp32);
+        Ok(Adam8bitState {
+            step,
+            m,
+            v,
+            absmax_m: absmax_m.to_vec(),
+            absmax_v: absmax_v.to_vec(),
+            m32: m32.to_vec(),
+            v32: v32.to_vec(),
+        })
+    }
+
+    /// Bytes of optimizer state held (codes, scales and fallback moments; not the header).
+    pub fn state_bytes(&self) -> usize {
+        self.m.len()
+            + self.v.len()
+            + 4 * (self.absmax_m.len() + self.absmax_v.len() + self.m32.len() + self.v32.len())
+    }
+}
+
+/// Where one local piece keeps its state.
+#[derive(Clone, Copy, Debug)]
+enum PieceState {
+    /// 8-bit: tiling, first tile index into `absmax_*`, number of tiles.
+    Tiled { tiling: Tiling, first_tile: usize },
+    /// fp32 fallback: offset into `m32`/`v32`.
+    Fallback { at: usize },
+}
+
+/// 8-bit Adam on local shards. Holds only hyperparameters and the two quantization maps.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adam8bit {
+    config: Adam8bitConfig,
+    adamw: AdamW,
+    qmap_m: [f32; MAP_LEN],
+    qmap_v: [f32; MAP_LEN],
+}
+
+impl Adam8bit {
+    /// An 8-bit Adam with validated hyperparameters ([`AdamWConfig::validate`]).
+    pub fn new(config: Adam8bitConfig) -> Result<Self> {
+        Ok(Adam8bit {
+            config,
+            adamw: AdamW::new(config.adam)?,
+            qmap_m: dynamic_map(true),
+            qmap_v: dynamic_map(false),
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &Adam8bitConfig {
+        &self.config
+    }
+
+    /// The tiling of a parameter of this global shape, `None` for the `f32` fallback.
+    pub fn tiling(&self, shape: &[usize]) -> Option<Tiling> {
+        Tiling::of(shape, self.config.min_8bit_size)
+    }
+
+    /// Where each local piece keeps its state, and the totals (tiles, fallback elements).
+    /// `Err` when an 8-bit piece starts or ends inside a tile.
+    fn layout(
+        &self,
+        op: &'static str,
+        shard: &LocalShard,
+    ) -> Result<(Vec<PieceState>, usize, usize)> {
+        let (mut tiles, mut fp32) = (0, 0);
+        let mut out = Vec::with_capacity(shard.pieces.len());
+        for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            match self.tiling(&meta.shape) {
+                Some(tiling) => {
+                    let (a, b) = (
+                        tiling.tiles_before(piece.range.start),
+                        tiling.tiles_before(piece.range.end),
+                    );
+                    let (Some(a), Some(b)) = (a, b) else {
+                        return Err(Error::InvalidShard {
+                            op,
+                            reason: format!(
+                                "piece {:?} of {} {:?} cuts a {TILE}×{TILE} tile",
+                                piece.range, meta.name, meta.shape
+                            ),
+                        });
+                    };
+                    out.push(PieceState::Tiled {
+                        tiling,
+                        first_tile: tiles,
+                    });
+                    tiles += b - a;
+                }
+                None => {
+                    out.push(PieceState::Fallback { at: fp32 });
+                    fp32 += piece.range.len();
+                }
+            }
+        }
+        Ok((out, tiles, fp32))
+    }
+}
+
+impl Optimizer for Adam8bit {
+    type State = Adam8bitState;
+
+    fn name(&self) -> &'static str {
+        "adam8bit"
+    }
+
+    fn atomic_block(&self, _name: &str, shape: &[usize]) -> AtomicBlock {
+        self.tiling(shape)
+            .map_or(AtomicBlock::Element, |t| t.block())
+    }
+
+    fn init(&self, shard: &LocalShard) -> Result<Adam8bitState> {
+        const OP: &str = "Adam8bit::init";
+        check_shard(OP, shard)?;
+        let (_, tiles, fp32) = self.layout(OP, shard)?;
+        Ok(Adam8bitState {
+            step: 0,
+            m: vec![SIGNED_ZERO_CODE; shard.len],
+            v: vec![UNSIGNED_ZERO_CODE; shard.len],
+            absmax_m: vec![0.0; tiles],
+            absmax_v: vec![0.0; tiles],
+            m32: vec![0.0; fp32],
+            v32: vec![0.0; fp32],
+        })
+    }
+
+    fn step(
+        &self,
+        state: &mut Adam8bitState,
+        shard: &LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+        _comm: &dyn Communicator,
+    ) -> Result<()> {
+        const OP: &str = "Adam8bit::step";
+        check_len(OP, "params", params.len(), shard.len)?;
+        check_len(OP, "grads", grads.len(), shard.len)?;
+        check_len(OP, "state.m", state.m.len(), shard.len)?;
+        check_len(OP, "state.v", state.v.len(), shard.len)?;
+        check_shard(OP, shard)?;
+        let (layout, tiles, fp32) = self.layout(OP, shard)?;
+        check_len(OP, "state.absmax_m", state.absmax_m.len(), tiles)?;
+        check_len(OP, "state.absmax_v", state.absmax_v.len(), tiles)?;
+        check_len(OP, "state.m32", state.m32.len(), fp32)?;
+        check_len(OP, "state.v32", state.v32.len(), fp32)?;
+        let Some(t) = state.step.checked_add(1) else {
+            return Err(Error::BadInput {
+                op: OP,
+                what: "state.step".into(),
+                reason: "step counter overflows u64".into(),
+            });
+        };
+        state.step = t;
+
+        let c = &self.config.adam;
+        let moments = MomentCoeffs::new(c.beta1, c.beta2);
+        let scale = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
+        for (piece, place) in shard.pieces.iter().zip(&layout) {
+            let r = piece.offset..piece.offset + piece.range.len();
+            let decay = self.adamw.decay_for(&shard.params[piece.param]);
+            match *place {
+                PieceState::Fallback { at } => {
+                    let s = at..at + piece.range.len();
+                    adamw_update(
+                        &mut params[r.clone()],
+                        &grads[r],
+                        &mut state.m32[s.clone()],
+                        &mut state.v32[s],
+                        decay,
+                        &moments,
+                        &scale,
+                    );
+                }
+                PieceState::Tiled { tiling, first_tile } => {
+                    let mut tile = first_tile;
+                    let mut at = 0;
+                    let mut elem = piece.range.start;
+                    while elem < piece.range.end {
+                        // One row block: up to 32 rows of one matrix, `n / 32` tiles.
+                        let row = elem / tiling.cols;
+                        let in_matrix = row % tiling.rows;
+                        let nrows = TILE.min(tiling.rows - in_matrix);
+                        let len = nrows * tiling.cols;
+                        let span = r.start + at..r.start + at + len;
+                        let ntiles = tiling.tiles_per_row_block();
+                        self.update_row_block(
+                            &mut params[span.clone()],
+                            &grads[span.clone()],
+                            &mut state.m[span.clone()],
+                            &mut state.v[span],
+                            &mut state.absmax_m[tile..tile + ntiles],
+                            &mut state.absmax_v[tile..tile + ntiles],
+                            tiling.cols,
+                            decay,
+                            &moments,
+                            &scale,
+                        );
+                        tile += ntiles;
+                        at += len;
+                        elem += len;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Adam8bit {
+    /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
+    /// steps 1–6 of the module table, tile by tile.
+    #[allow(clippy::too_many_arguments)]
+    fn update_row_block(
+        &self,
+        p: &mut [f32],
+        g: &[f32],
+        mc: &mut [u8],
+        vc: &mut [u8],
+        absmax_m: &mut [f32],
+        absmax_v: &mut [f32],
+        cols: usize,
+        decay: Option<f32>,
+        mo: &MomentCoeffs,
+        s: &AdamScale,
+    ) {
+        let rows = p.len() / cols;
+        let mut m_new = [0f32; TILE * TILE];
+        let mut v_new = [0f32; TILE * TILE];
+        for (j, (am, av)) in absmax_m.iter_mut().zip(absmax_v.iter_mut()).enumerate() {
+            let (old_am, old_av) = (*am, *av);
+            let (mut new_am, mut new_av) = (0f32, 0f32);
+            for row in 0..rows {
+                let base = row * cols + j * TILE;
+                for col in 0..TILE {
+                    let i = base + col;
+                    let p0 = match decay {
+                        Some(d) => decay_elem(p[i], d),
+                        None => p[i],
+                    };
+                    let m0 = dequantize(mc[i], old_am, &self.qmap_m);
+                    let v0 = dequantize(vc[i], old_av, &self.qmap_v);
+                    let m1 = lerp_elem(m0, g[i], mo.lerp_weight);
+                    let v1 = ema_sq_elem(v0, g[i], mo.beta2, mo.one_minus_beta2);
+                    p[i] = apply_adam_elem(p0, m1, v1, s);
+                    m_new[row * TILE + col] = m1;
+                    v_new[row * TILE + col] = v1;
+                    new_am = new_am.max(m1.abs());
+                    new_av = new_av.max(v1);
+                }
+            }
+            *am = new_am;
+            *av = new_av;
+            for row in 0..rows {
+                let base = row * cols + j * TILE;
+                for col in 0..TILE {
+                    let k = row * TILE + col;
+                    mc[base + col] =
+                        quantize_scaled(m_new[k], new_am, &self.qmap_m, SIGNED_ZERO_CODE);
+                    vc[base + col] =
+                        quantize_scaled(v_new[k], new_av, &self.qmap_v, UNSIGNED_ZERO_CODE);
+                }
+            }
+        }
+    }
+}
