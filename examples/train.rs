@@ -13,7 +13,9 @@ use ragged::demo::{train_rank, StepReport, TransformerConfig};
 use ragged::fsdp::{FsdpOptions, ShardLayout};
 use ragged::optim::Optimizer;
 use ragged::Result;
-use ragged_optimizers::{AdamW, AdamWConfig, DecayRule, Muon, MuonConfig};
+use ragged_optimizers::{
+    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, Muon, MuonConfig,
+};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Layout {
@@ -25,6 +27,7 @@ enum Layout {
 enum Opt {
     Adamw,
     Muon,
+    Adam8bit,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -51,7 +54,8 @@ struct Args {
     /// Model size (small: 3.3 M parameters; tiny: a few thousand).
     #[arg(long, value_enum, default_value_t = Size::Small)]
     size: Size,
-    /// Optimizer: AdamW, or Muon on whole matrices (embedding and head on AdamW).
+    /// Optimizer: AdamW; Muon on whole matrices (embedding and head on AdamW); 8-bit Adam on
+    /// 32x32 tiles.
     #[arg(long, value_enum, default_value_t = Opt::Adamw)]
     optimizer: Opt,
     /// Learning rate.
@@ -86,11 +90,23 @@ fn muon(lr: f64) -> Result<Muon> {
     })
 }
 
+fn adam8bit(lr: f64) -> Result<Adam8bit> {
+    Adam8bit::new(Adam8bitConfig {
+        adam: AdamWConfig {
+            lr,
+            decay_rule: DecayRule::NoDecayFor1D,
+            ..AdamWConfig::default()
+        },
+        ..Adam8bitConfig::default()
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     match args.optimizer {
         Opt::Adamw => run(&args, adamw),
         Opt::Muon => run(&args, muon),
+        Opt::Adam8bit => run(&args, adam8bit),
     }
 }
 
