@@ -76,8 +76,8 @@ use ragged::{AtomicBlock, Error, Result};
 
 use crate::adamw::{adamw_update, AdamW, AdamWConfig};
 use crate::common::{
-    apply_adam_elem, check_len, check_shard, decay_elem, ema_sq_elem, lerp_elem, AdamScale,
-    MomentCoeffs,
+    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem, lerp_elem,
+    next_step, AdamScale, MomentCoeffs,
 };
 use crate::quant::{
     dequantize, dynamic_map, quantize_scaled, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
@@ -408,23 +408,20 @@ impl Optimizer for Adam8bit {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Adam8bit::step";
-        check_len(OP, "params", params.len(), shard.len)?;
-        check_len(OP, "grads", grads.len(), shard.len)?;
-        check_len(OP, "state.m", state.m.len(), shard.len)?;
-        check_len(OP, "state.v", state.v.len(), shard.len)?;
-        check_shard(OP, shard)?;
+        check_step_inputs(
+            OP,
+            shard,
+            params.len(),
+            grads.len(),
+            state.m.len(),
+            state.v.len(),
+        )?;
         let (layout, tiles, fp32) = self.layout(OP, shard)?;
         check_len(OP, "state.absmax_m", state.absmax_m.len(), tiles)?;
         check_len(OP, "state.absmax_v", state.absmax_v.len(), tiles)?;
         check_len(OP, "state.m32", state.m32.len(), fp32)?;
         check_len(OP, "state.v32", state.v32.len(), fp32)?;
-        let Some(t) = state.step.checked_add(1) else {
-            return Err(Error::BadInput {
-                op: OP,
-                what: "state.step".into(),
-                reason: "step counter overflows u64".into(),
-            });
-        };
+        let t = next_step(OP, state.step)?;
         state.step = t;
 
         let c = &self.config.adam;

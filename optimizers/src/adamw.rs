@@ -57,8 +57,8 @@ use ragged::optim::{LocalShard, Optimizer, ParamMeta};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::common::{
-    self, apply_adam_elem, check_len, check_shard, decay_elem, ema_sq_elem, lerp_large_elem,
-    lerp_small_elem, lerp_weight_is_small, AdamScale, MomentCoeffs,
+    self, apply_adam_elem, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
+    lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
 
 /// Which parameters get weight decay.
@@ -268,18 +268,15 @@ impl Optimizer for AdamW {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "AdamW::step";
-        check_len(OP, "params", params.len(), shard.len)?;
-        check_len(OP, "grads", grads.len(), shard.len)?;
-        check_len(OP, "state.m", state.m.len(), shard.len)?;
-        check_len(OP, "state.v", state.v.len(), shard.len)?;
-        check_shard(OP, shard)?;
-        let Some(t) = state.step.checked_add(1) else {
-            return Err(Error::BadInput {
-                op: OP,
-                what: "state.step".into(),
-                reason: "step counter overflows u64".into(),
-            });
-        };
+        check_step_inputs(
+            OP,
+            shard,
+            params.len(),
+            grads.len(),
+            state.m.len(),
+            state.v.len(),
+        )?;
+        let t = next_step(OP, state.step)?;
         state.step = t;
 
         let c = &self.config;

@@ -262,6 +262,32 @@ pub fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Resul
 /// `Err(InvalidShard)` unless every piece of `shard` names a parameter, lies inside that
 /// parameter and inside the shard, and the pieces are in shard order without overlap (so an
 /// optimizer that walks the pieces touches every owned element once and never the padding).
+/// The checks every optimizer's `step` opens with: params, grads and the two per-element
+/// moment buffers cover the local shard exactly, and the shard's pieces are well formed.
+pub fn check_step_inputs(
+    op: &'static str,
+    shard: &LocalShard,
+    params: usize,
+    grads: usize,
+    m: usize,
+    v: usize,
+) -> Result<()> {
+    check_len(op, "params", params, shard.len)?;
+    check_len(op, "grads", grads, shard.len)?;
+    check_len(op, "state.m", m, shard.len)?;
+    check_len(op, "state.v", v, shard.len)?;
+    check_shard(op, shard)
+}
+
+/// The next step number after `step` (1-based), or an error if the counter would overflow.
+pub fn next_step(op: &'static str, step: u64) -> Result<u64> {
+    step.checked_add(1).ok_or_else(|| Error::BadInput {
+        op,
+        what: "state.step".into(),
+        reason: "step counter overflows u64".into(),
+    })
+}
+
 pub fn check_shard(op: &'static str, shard: &LocalShard) -> Result<()> {
     let bad = |reason: String| Err(Error::InvalidShard { op, reason });
     let mut end = 0;

@@ -54,7 +54,9 @@ use ragged::optim::{LocalShard, Optimizer, ParamMeta};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::adamw::{adamw_update, AdamState, AdamW, AdamWConfig};
-use crate::common::{self, check_len, check_shard, decay_elem, lerp_elem, AdamScale, MomentCoeffs};
+use crate::common::{
+    self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, AdamScale, MomentCoeffs,
+};
 use crate::newton_schulz::{orthogonalize, NsConfig};
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
@@ -222,11 +224,14 @@ impl Optimizer for Muon {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Muon::step";
-        check_len(OP, "params", params.len(), shard.len)?;
-        check_len(OP, "grads", grads.len(), shard.len)?;
-        check_len(OP, "state.m", state.m.len(), shard.len)?;
-        check_len(OP, "state.v", state.v.len(), shard.len)?;
-        check_shard(OP, shard)?;
+        check_step_inputs(
+            OP,
+            shard,
+            params.len(),
+            grads.len(),
+            state.m.len(),
+            state.v.len(),
+        )?;
         // Refuse partial matrices before touching anything.
         for piece in &shard.pieces {
             let meta = &shard.params[piece.param];
@@ -250,13 +255,7 @@ impl Optimizer for Muon {
                 });
             }
         }
-        let Some(t) = state.step.checked_add(1) else {
-            return Err(Error::BadInput {
-                op: OP,
-                what: "state.step".into(),
-                reason: "step counter overflows u64".into(),
-            });
-        };
+        let t = next_step(OP, state.step)?;
         state.step = t;
 
         let a = self.adamw.config();
