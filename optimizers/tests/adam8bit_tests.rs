@@ -3,12 +3,15 @@
 //! size, state round trips, block choice and input validation.
 
 use ragged::comm::SingleRank;
-use ragged::model::{DType, TensorSpec, Unit};
+use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
-use ragged::plan::{plan_unit, PlanOptions};
+use ragged::plan::PlanOptions;
 use ragged::AtomicBlock;
 use ragged_optimizers::quant::{dynamic_map, MAP_LEN};
 use ragged_optimizers::{Adam8bit, Adam8bitConfig, Adam8bitState, AdamWConfig, DecayRule, Tiling};
+
+mod harness;
+use harness::{bits, numels, padding, planned_shards, scatter};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (the structure of `adamw_tests.rs`)
@@ -50,10 +53,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .collect()
 }
 
-fn numels(specs: &[TensorSpec]) -> Vec<usize> {
-    specs.iter().map(TensorSpec::numel).collect()
-}
-
 /// The unsharded reference: one shard holding every tensor back to back, built by hand.
 fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
     let mut offset = 0;
@@ -83,34 +82,6 @@ fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
     }
 }
 
-/// Every rank's shard of `specs` planned with `opt`'s blocks on `world` ranks.
-fn planned_shards(
-    opt: &Adam8bit,
-    specs: &[TensorSpec],
-    world: usize,
-    opts: &PlanOptions,
-) -> Vec<LocalShard> {
-    let unit = Unit {
-        name: "unit".into(),
-        tensors: specs.iter().collect(),
-    };
-    let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
-    let plan = plan_unit(&unit, &block_of, world, opts).unwrap();
-    plan.validate().unwrap();
-    (0..world)
-        .map(|r| LocalShard::from_plan(&plan, r).unwrap())
-        .collect()
-}
-
-fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
-    let mut local = vec![0.0; shard.len];
-    for p in &shard.pieces {
-        local[p.offset..p.offset + p.range.len()]
-            .copy_from_slice(&global[p.param][p.range.clone()]);
-    }
-    local
-}
-
 /// Global per-element tensors from every rank's local buffer; each element owned once.
 fn gather<T: Copy + Default>(
     shards: &[LocalShard],
@@ -133,18 +104,6 @@ fn gather<T: Copy + Default>(
         "each element owned once"
     );
     global
-}
-
-fn padding(shard: &LocalShard) -> Vec<usize> {
-    let mut covered = vec![false; shard.len];
-    for p in &shard.pieces {
-        covered[p.offset..p.offset + p.range.len()].fill(true);
-    }
-    (0..shard.len).filter(|&i| !covered[i]).collect()
-}
-
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Per-tile absmax in global tile order (tensor, then the module's tile order), gathered

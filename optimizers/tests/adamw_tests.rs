@@ -4,13 +4,16 @@
 
 use proptest::prelude::*;
 use ragged::comm::SingleRank;
-use ragged::model::{DType, TensorSpec, Unit};
+use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
-use ragged::plan::{plan_unit, PlanOptions};
+use ragged::plan::PlanOptions;
 use ragged::AtomicBlock;
 use ragged_optimizers::adamw::{adamw_update, PAR_MIN_ELEMS};
 use ragged_optimizers::common::{self, AdamScale, MomentCoeffs};
 use ragged_optimizers::{AdamState, AdamW, AdamWConfig, DecayRule};
+
+mod harness;
+use harness::{bits, numels, padding, planned_shards, scatter};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -54,10 +57,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .collect()
 }
 
-fn numels(specs: &[TensorSpec]) -> Vec<usize> {
-    specs.iter().map(TensorSpec::numel).collect()
-}
-
 /// The unsharded reference: one shard holding every tensor back to back, in registration
 /// order, built by hand (no planner involved).
 fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
@@ -88,35 +87,6 @@ fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
     }
 }
 
-/// Every rank's shard of `specs` planned for `opt` on `world` ranks.
-fn planned_shards(
-    opt: &AdamW,
-    specs: &[TensorSpec],
-    world: usize,
-    opts: &PlanOptions,
-) -> Vec<LocalShard> {
-    let unit = Unit {
-        name: "unit".into(),
-        tensors: specs.iter().collect(),
-    };
-    let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
-    let plan = plan_unit(&unit, &block_of, world, opts).unwrap();
-    plan.validate().unwrap();
-    (0..world)
-        .map(|r| LocalShard::from_plan(&plan, r).unwrap())
-        .collect()
-}
-
-/// A local buffer holding this shard's pieces of the global tensors; padding zero.
-fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
-    let mut local = vec![0.0; shard.len];
-    for p in &shard.pieces {
-        local[p.offset..p.offset + p.range.len()]
-            .copy_from_slice(&global[p.param][p.range.clone()]);
-    }
-    local
-}
-
 /// The global tensors from every rank's local buffer; checks each element is owned once.
 fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
     let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
@@ -135,19 +105,6 @@ fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<V
         "every element must be owned by exactly one rank"
     );
     global
-}
-
-/// Local positions that no piece covers.
-fn padding(shard: &LocalShard) -> Vec<usize> {
-    let mut covered = vec![false; shard.len];
-    for p in &shard.pieces {
-        covered[p.offset..p.offset + p.range.len()].fill(true);
-    }
-    (0..shard.len).filter(|&i| !covered[i]).collect()
-}
-
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Global tensors after an AdamW run on `shards`: (params, m, v), each per tensor. Also

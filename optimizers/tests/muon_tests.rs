@@ -4,15 +4,18 @@
 
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
-use ragged::model::{DType, TensorSpec, Unit};
+use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
-use ragged::plan::{plan_unit, PlanOptions};
+use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::{
     orthogonalize, AdamState, AdamWConfig, LrScale, Muon, MuonConfig, NsConfig, QUINTIC,
 };
+
+mod harness;
+use harness::{bits, numels, padding, planned_shards_by, scatter};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -39,19 +42,11 @@ impl Rng {
     }
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|x| x.to_bits()).collect()
-}
-
 fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
     tensors
         .iter()
         .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
         .collect()
-}
-
-fn numels(specs: &[TensorSpec]) -> Vec<usize> {
-    specs.iter().map(TensorSpec::numel).collect()
 }
 
 /// The unsharded reference: one shard holding every tensor back to back, built by hand.
@@ -86,33 +81,6 @@ fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
     }
 }
 
-/// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
-fn planned_shards(
-    specs: &[TensorSpec],
-    world: usize,
-    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
-    opts: &PlanOptions,
-) -> Vec<LocalShard> {
-    let unit = Unit {
-        name: "unit".into(),
-        tensors: specs.iter().collect(),
-    };
-    let plan = plan_unit(&unit, block_of, world, opts).unwrap();
-    plan.validate().unwrap();
-    (0..world)
-        .map(|r| LocalShard::from_plan(&plan, r).unwrap())
-        .collect()
-}
-
-fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
-    let mut local = vec![0.0; shard.len];
-    for p in &shard.pieces {
-        local[p.offset..p.offset + p.range.len()]
-            .copy_from_slice(&global[p.param][p.range.clone()]);
-    }
-    local
-}
-
 fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
     let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
     let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
@@ -127,14 +95,6 @@ fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<V
     }
     assert!(owners.iter().flatten().all(|&o| o == 1), "ownership");
     global
-}
-
-fn padding(shard: &LocalShard) -> Vec<usize> {
-    let mut covered = vec![false; shard.len];
-    for p in &shard.pieces {
-        covered[p.offset..p.offset + p.range.len()].fill(true);
-    }
-    (0..shard.len).filter(|&i| !covered[i]).collect()
 }
 
 /// One rank's run: `steps` Muon steps; garbage in the gradient's padding; asserts padding
@@ -572,7 +532,7 @@ fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
             };
             for world in WORLDS {
                 let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
-                let shards = planned_shards(&spec, world, &block_of, &opts);
+                let shards = planned_shards_by(&spec, world, &block_of, &opts);
                 let got = run_world(&opt, &shards, &n, &p0, &grads);
                 for (role, (g, w)) in ["params", "m", "v"].iter().zip(got.iter().zip(&want)) {
                     for (i, (g, w)) in g.iter().zip(w).enumerate() {
@@ -612,7 +572,7 @@ fn a_piece_holding_part_of_a_matrix_is_refused_before_anything_changes() {
         ..PlanOptions::default()
     };
     for world in [2, 3, 4, 8] {
-        let shards = planned_shards(&spec, world, &block_of, &opts);
+        let shards = planned_shards_by(&spec, world, &block_of, &opts);
         let mut refused = 0;
         for shard in &shards {
             let splits = shard.pieces.iter().any(|p| {
@@ -661,7 +621,7 @@ fn state_round_trip_through_bytes_continues_bitwise() {
     let (p0, grads) = data(&spec, 6, 5);
     let opt = Muon::new(loud()).unwrap();
     let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
-    let shards = planned_shards(&spec, 3, &block_of, &PlanOptions::default());
+    let shards = planned_shards_by(&spec, 3, &block_of, &PlanOptions::default());
     for shard in &shards {
         let (p_all, s_all) = run_rank(&opt, shard, &p0, &grads, &SingleRank);
         let (mut p, s_half) = run_rank(&opt, shard, &p0, &grads[..3], &SingleRank);
