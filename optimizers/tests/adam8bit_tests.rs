@@ -4,46 +4,18 @@
 
 use ragged::comm::SingleRank;
 use ragged::model::{DType, TensorSpec};
-use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::AtomicBlock;
 use ragged_optimizers::quant::{dynamic_map, MAP_LEN};
 use ragged_optimizers::{Adam8bit, Adam8bitConfig, Adam8bitState, AdamWConfig, DecayRule, Tiling};
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards, scatter};
+use harness::{bits, numels, padding, planned_shards, scatter, whole_shard, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (the structure of `adamw_tests.rs`)
 // ---------------------------------------------------------------------------------------------
-
-/// splitmix64: a seeded generator, so every test sees the same numbers on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-    fn signed(&mut self, lo: f32, hi: f32) -> f32 {
-        let x = self.uniform(lo, hi);
-        if self.next_u64() & 1 == 0 {
-            x
-        } else {
-            -x
-        }
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.signed(lo, hi)).collect()
-    }
-}
 
 fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
     shapes
@@ -51,35 +23,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .enumerate()
         .map(|(i, s)| TensorSpec::new(format!("t{i}"), s, DType::F32).unwrap())
         .collect()
-}
-
-/// The unsharded reference: one shard holding every tensor back to back, built by hand.
-fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
-    let mut offset = 0;
-    let mut pieces = Vec::new();
-    for (i, t) in specs.iter().enumerate() {
-        pieces.push(LocalPiece {
-            param: i,
-            range: 0..t.numel(),
-            offset,
-        });
-        offset += t.numel();
-    }
-    LocalShard {
-        rank: 0,
-        world: 1,
-        len: offset,
-        params: specs
-            .iter()
-            .map(|t| ParamMeta {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                block: AtomicBlock::Element,
-                block_elems: 1,
-            })
-            .collect(),
-        pieces,
-    }
 }
 
 /// Global per-element tensors from every rank's local buffer; each element owned once.
@@ -229,7 +172,7 @@ fn run(
 }
 
 fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let p0 = specs.iter().map(|t| rng.vec(t.numel(), 0.5, 2.0)).collect();
     let grads = (0..steps)
         .map(|_| {
@@ -409,7 +352,7 @@ fn adam8bit_matches_an_f64_reference_with_exact_codes() {
     let c = loud(0);
     let opt = Adam8bit::new(c).unwrap();
     let steps = 3;
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let p0: Vec<Vec<f32>> = spec.iter().map(|t| rng.vec(t.numel(), 1.0, 3.0)).collect();
     let grads: Vec<Vec<Vec<f32>>> = (0..steps)
         .map(|_| spec.iter().map(|t| rng.vec(t.numel(), 1e-4, 1.0)).collect())
@@ -471,7 +414,7 @@ fn codes_are_not_all_trivial_so_the_golden_test_has_teeth() {
     let spec = specs(&[&[40, 64]]);
     let shard = whole_shard(&spec);
     let opt = Adam8bit::new(loud(0)).unwrap();
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let mut p = rng.vec(shard.len, 1.0, 3.0);
     let mut state = opt.init(&shard).unwrap();
     for _ in 0..2 {

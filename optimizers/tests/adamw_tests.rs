@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 use ragged::comm::SingleRank;
 use ragged::model::{DType, TensorSpec};
-use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::AtomicBlock;
 use ragged_optimizers::adamw::{adamw_update, PAR_MIN_ELEMS};
@@ -13,41 +13,11 @@ use ragged_optimizers::common::{self, AdamScale, MomentCoeffs};
 use ragged_optimizers::{AdamState, AdamW, AdamWConfig, DecayRule};
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards, scatter};
+use harness::{bits, numels, padding, planned_shards, scatter, whole_shard, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// splitmix64: a seeded generator, so every test sees the same numbers on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-    /// `|x| ∈ [lo, hi)` with a random sign.
-    fn signed(&mut self, lo: f32, hi: f32) -> f32 {
-        let x = self.uniform(lo, hi);
-        if self.next_u64() & 1 == 0 {
-            x
-        } else {
-            -x
-        }
-    }
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.signed(lo, hi)).collect()
-    }
-}
 
 fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
     shapes
@@ -55,36 +25,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .enumerate()
         .map(|(i, s)| TensorSpec::new(format!("t{i}"), s, DType::F32).unwrap())
         .collect()
-}
-
-/// The unsharded reference: one shard holding every tensor back to back, in registration
-/// order, built by hand (no planner involved).
-fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
-    let mut offset = 0;
-    let mut pieces = Vec::new();
-    for (i, t) in specs.iter().enumerate() {
-        pieces.push(LocalPiece {
-            param: i,
-            range: 0..t.numel(),
-            offset,
-        });
-        offset += t.numel();
-    }
-    LocalShard {
-        rank: 0,
-        world: 1,
-        len: offset,
-        params: specs
-            .iter()
-            .map(|t| ParamMeta {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                block: AtomicBlock::Element,
-                block_elems: 1,
-            })
-            .collect(),
-        pieces,
-    }
 }
 
 /// The global tensors from every rank's local buffer; checks each element is owned once.
@@ -149,7 +89,7 @@ fn run(
 
 /// Initial parameters and `steps` gradients for `specs`, from `seed`.
 fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let p0 = specs.iter().map(|t| rng.vec(t.numel(), 0.5, 2.0)).collect();
     let grads = (0..steps)
         .map(|_| {
@@ -263,7 +203,7 @@ fn adamw_matches_an_f64_reference_within_f32_rounding() {
     .iter()
     .enumerate()
     {
-        let mut rng = Rng(7 + ci as u64);
+        let mut rng = Rng::new(7 + ci as u64);
         // |p| ∈ [1, 3]: far from 0 (the updates move it by < 0.5), so relative errors are fair.
         let p0 = rng.vec(n, 1.0, 3.0);
         // Gradients over four decades, so eps = 1e-3 matters for some elements and not others.
@@ -344,7 +284,7 @@ fn adamw_follows_torch_operation_order_bitwise() {
             decay_rule: DecayRule::All,
             ..*c
         };
-        let mut rng = Rng(100 + ci as u64);
+        let mut rng = Rng::new(100 + ci as u64);
         let n = 257;
         let spec = specs(&[&[n]]);
         let shard = whole_shard(&spec);
@@ -370,7 +310,7 @@ fn fused_update_is_bitwise_the_chain_of_common_pieces() {
     for &n in &[1, 15, 1000, PAR_MIN_ELEMS, PAR_MIN_ELEMS * 3 + 17] {
         for (ci, c) in configs().iter().enumerate() {
             for decay in [None, Some(common::decay_factor(c.lr, c.weight_decay))] {
-                let mut rng = Rng(n as u64 * 31 + ci as u64);
+                let mut rng = Rng::new(n as u64 * 31 + ci as u64);
                 let mc = MomentCoeffs::new(c.beta1, c.beta2);
                 let s = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, 3);
                 let (p0, g) = (rng.vec(n, 1e-3, 2.0), rng.vec(n, 1e-4, 1.0));

@@ -5,7 +5,7 @@
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::model::{DType, TensorSpec};
-use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::lerp_elem;
@@ -15,70 +15,22 @@ use ragged_optimizers::{
 };
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards_by, scatter};
+use harness::{bits, numels, padding, planned_shards_by, scatter, whole_shard_by, Rng};
+
+/// The unsharded reference shard, with Muon's blocks.
+fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
+    whole_shard_by(specs, &|t| opt.atomic_block(&t.name, &t.shape))
+}
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// splitmix64: a seeded generator, so every test sees the same numbers on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[-1, 1)`.
-    fn unit(&mut self) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        2.0 * u - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
 
 fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
     tensors
         .iter()
         .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
         .collect()
-}
-
-/// The unsharded reference: one shard holding every tensor back to back, built by hand.
-fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
-    let mut offset = 0;
-    let mut pieces = Vec::new();
-    for (i, t) in specs.iter().enumerate() {
-        pieces.push(LocalPiece {
-            param: i,
-            range: 0..t.numel(),
-            offset,
-        });
-        offset += t.numel();
-    }
-    LocalShard {
-        rank: 0,
-        world: 1,
-        len: offset,
-        params: specs
-            .iter()
-            .map(|t| {
-                let block = opt.atomic_block(&t.name, &t.shape);
-                ParamMeta {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    block,
-                    block_elems: block.elems(&t.shape).unwrap(),
-                }
-            })
-            .collect(),
-        pieces,
-    }
 }
 
 fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
@@ -155,10 +107,10 @@ fn run_world(
 }
 
 fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut rng = Rng(seed);
-    let p0 = specs.iter().map(|t| rng.vec(t.numel())).collect();
+    let mut rng = Rng::new(seed);
+    let p0 = specs.iter().map(|t| rng.units(t.numel())).collect();
     let grads = (0..steps)
-        .map(|_| specs.iter().map(|t| rng.vec(t.numel())).collect())
+        .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
         .collect();
     (p0, grads)
 }
@@ -250,7 +202,7 @@ const NS_ATOL: f64 = 5e-4;
 
 #[test]
 fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let schedule = NsConfig {
         steps: 5,
         coeffs: vec![
@@ -271,7 +223,7 @@ fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
             (9, 1),
             (6, 6),
         ] {
-            let x = rng.vec(rows * cols);
+            let x = rng.units(rows * cols);
             let want = ns_f64(&x, rows, cols, &cfg);
             let mut got = x.clone();
             orthogonalize(&mut got, rows, cols, &cfg);
@@ -287,8 +239,8 @@ fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
 
 #[test]
 fn newton_schulz_schedule_uses_one_triple_per_step_and_repeats_the_last() {
-    let mut rng = Rng(3);
-    let x = rng.vec(12 * 20);
+    let mut rng = Rng::new(3);
+    let x = rng.units(12 * 20);
     let run = |cfg: &NsConfig| {
         let mut y = x.clone();
         orthogonalize(&mut y, 12, 20, cfg);
@@ -353,9 +305,9 @@ fn newton_schulz_singular_values_land_in_the_quintic_band() {
     // its norm) that 5 quintic steps cannot lift into the band (32×32 gives σ_min ≈ 0.19);
     // that is NS's known behaviour, not a bug. Random m×n with m/n ≤ 0.7 keeps σ_min well away
     // from 0.
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     for (rows, cols) in [(48, 80), (80, 48), (16, 24)] {
-        let mut x = rng.vec(rows * cols);
+        let mut x = rng.units(rows * cols);
         orthogonalize(&mut x, rows, cols, &NsConfig::default());
         // Gram of the short side, in f64: its eigenvalues are the squared singular values.
         let (s, t) = (rows.min(cols), rows > cols);
@@ -423,13 +375,13 @@ fn muon_step_follows_torch_operation_order() {
     let (rows, cols) = (20, 12);
     let spec = specs(&[("w", &[rows, cols])]);
     let shard = whole_shard(&opt, &spec);
-    let mut rng = Rng(5);
-    let mut p = rng.vec(rows * cols);
+    let mut rng = Rng::new(5);
+    let mut p = rng.units(rows * cols);
     let mut want_p = p.clone();
     let mut buf = vec![0.0f32; rows * cols];
     let mut state = opt.init(&shard).unwrap();
     for _ in 0..3 {
-        let g = rng.vec(rows * cols);
+        let g = rng.units(rows * cols);
         opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         for (b, &g) in buf.iter_mut().zip(&g) {
@@ -455,9 +407,9 @@ fn muon_step_follows_torch_operation_order() {
 fn each_expert_matrix_steps_like_an_independent_2d_param() {
     let opt = Muon::new(loud()).unwrap();
     let (e, rows, cols) = (3, 16, 24);
-    let mut rng = Rng(8);
-    let p0 = rng.vec(e * rows * cols);
-    let g = rng.vec(e * rows * cols);
+    let mut rng = Rng::new(8);
+    let p0 = rng.units(e * rows * cols);
+    let g = rng.units(e * rows * cols);
     let shard = whole_shard(&opt, &specs(&[("experts", &[e, rows, cols])]));
     let mut p = p0.clone();
     let mut state = opt.init(&shard).unwrap();

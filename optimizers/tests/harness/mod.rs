@@ -2,8 +2,9 @@
 //! tensors in and out of local shards.
 #![allow(dead_code)] // each test file uses a different subset
 
+use ragged::demo::SplitMix;
 use ragged::model::{TensorSpec, Unit};
-use ragged::optim::{LocalShard, Optimizer};
+use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
 
@@ -60,4 +61,79 @@ pub fn padding(shard: &LocalShard) -> Vec<usize> {
 
 pub fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A seeded generator (the crate's splitmix64), so every test sees the same numbers each run.
+pub struct Rng(SplitMix);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(SplitMix(seed))
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+    /// Uniform in `[lo, hi)`.
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * u
+    }
+    /// `|x| ∈ [lo, hi)` with a random sign.
+    pub fn signed(&mut self, lo: f32, hi: f32) -> f32 {
+        let x = self.uniform(lo, hi);
+        if self.next_u64() & 1 == 0 {
+            x
+        } else {
+            -x
+        }
+    }
+    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.signed(lo, hi)).collect()
+    }
+    /// `n` values uniform in `[-1, 1)`.
+    pub fn units(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform(-1.0, 1.0)).collect()
+    }
+}
+
+/// The unsharded reference: one shard holding every tensor back to back, built by hand (no
+/// planner involved), with `block_of` as each parameter's block.
+pub fn whole_shard_by(
+    specs: &[TensorSpec],
+    block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
+) -> LocalShard {
+    let mut offset = 0;
+    let mut pieces = Vec::new();
+    for (i, t) in specs.iter().enumerate() {
+        pieces.push(LocalPiece {
+            param: i,
+            range: 0..t.numel(),
+            offset,
+        });
+        offset += t.numel();
+    }
+    let params = specs
+        .iter()
+        .map(|t| {
+            let block = block_of(t);
+            ParamMeta {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                block,
+                block_elems: block.elems(&t.shape).unwrap(),
+            }
+        })
+        .collect();
+    LocalShard {
+        rank: 0,
+        world: 1,
+        len: offset,
+        params,
+        pieces,
+    }
+}
+
+/// [`whole_shard_by`] with `Element` blocks.
+pub fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
+    whole_shard_by(specs, &|_| AtomicBlock::Element)
 }
