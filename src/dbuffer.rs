@@ -305,7 +305,8 @@ pub fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> Error {
     move |source| Error::Candle { op, source }
 }
 
-fn f32_mut<'a>(b: BufMut<'a>) -> Result<&'a mut [f32]> {
+/// The f32 slice of a buffer, or an error naming its element type.
+pub(crate) fn f32_mut<'a>(b: BufMut<'a>) -> Result<&'a mut [f32]> {
     match b {
         BufMut::F32(x) => Ok(x),
         other => Err(Error::InvalidShard {
@@ -315,7 +316,8 @@ fn f32_mut<'a>(b: BufMut<'a>) -> Result<&'a mut [f32]> {
     }
 }
 
-fn f32_ref<'a>(b: Buf<'a>) -> Result<&'a [f32]> {
+/// The f32 slice of a buffer, or an error naming its element type.
+pub(crate) fn f32_ref<'a>(b: Buf<'a>) -> Result<&'a [f32]> {
     match b {
         Buf::F32(x) => Ok(x),
         other => Err(Error::InvalidShard {

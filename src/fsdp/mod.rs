@@ -30,7 +30,9 @@ use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::dbuffer::{candle, with_mut, with_ref, CopyStats, DBuffer, Geometry, Role};
+use crate::dbuffer::{
+    candle, f32_mut, f32_ref, with_mut, with_ref, CopyStats, DBuffer, Geometry, Role,
+};
 use crate::model::{DType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::{plan_unit, PlanOptions};
@@ -329,16 +331,10 @@ pub(crate) fn copy_between(
     len: usize,
 ) -> Result<()> {
     with_ref(src, |s| {
-        let s = match s {
-            crate::comm::Buf::F32(s) => s,
-            _ => return Err(Error::Msg("copy_between: f32 only".into())),
-        };
-        with_mut(dst, |d| match d {
-            crate::comm::BufMut::F32(d) => {
-                d[dst_off..dst_off + len].copy_from_slice(&s[src_off..src_off + len]);
-                Ok(())
-            }
-            _ => Err(Error::Msg("copy_between: f32 only".into())),
+        let s = f32_ref(s)?;
+        with_mut(dst, |d| {
+            f32_mut(d)?[dst_off..dst_off + len].copy_from_slice(&s[src_off..src_off + len]);
+            Ok(())
         })
     })
 }
