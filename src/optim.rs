@@ -15,7 +15,8 @@
 use std::ops::Range;
 
 use crate::comm::Communicator;
-use crate::plan::Plan;
+use crate::model::Unit;
+use crate::plan::{self, Plan, PlanOptions};
 use crate::{AtomicBlock, Result};
 
 /// A parameter of a group, as the optimizer sees it (global shape, not the local one).
@@ -27,6 +28,17 @@ pub struct ParamMeta {
     pub block: AtomicBlock,
     /// That block in elements.
     pub block_elems: usize,
+    /// Which rank holds which elements of the flattened parameter, ascending and tiling
+    /// `0..numel` (one entry for a parameter that is whole on one rank). Every rank knows the
+    /// whole plan, so every rank can route a matrix to its root without asking the others.
+    pub holdings: Vec<Holding>,
+}
+
+/// Elements `range` of a parameter live on `rank`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    pub rank: usize,
+    pub range: Range<usize>,
 }
 
 impl ParamMeta {
@@ -34,6 +46,31 @@ impl ParamMeta {
     pub fn numel(&self) -> usize {
         self.shape.iter().product::<usize>().max(1)
     }
+
+    /// The holdings that intersect `elems`, each clipped to it.
+    pub fn holders_of(&self, elems: Range<usize>) -> impl Iterator<Item = Holding> + '_ {
+        self.holdings.iter().filter_map(move |h| {
+            let (a, b) = (h.range.start.max(elems.start), h.range.end.min(elems.end));
+            (a < b).then_some(Holding {
+                rank: h.rank,
+                range: a..b,
+            })
+        })
+    }
+}
+
+/// The holdings of a parameter at `offset` in a ragged group buffer of `world` shards of `s`.
+fn ragged_holdings(offset: usize, numel: usize, s: usize, world: usize) -> Vec<Holding> {
+    if s == 0 || numel == 0 {
+        return Vec::new();
+    }
+    let (first, last) = (offset / s, ((offset + numel - 1) / s).min(world - 1));
+    (first..=last)
+        .map(|r| Holding {
+            rank: r,
+            range: offset.max(r * s) - offset..(offset + numel).min((r + 1) * s) - offset,
+        })
+        .collect()
 }
 
 /// The part of parameter `param` held by this rank.
@@ -72,6 +109,7 @@ impl LocalShard {
                 shape: p.shape.clone(),
                 block: p.block,
                 block_elems: p.block_elems,
+                holdings: ragged_holdings(p.offset, p.numel(), s, plan.world),
             })
             .collect();
         let mut pieces: Vec<LocalPiece> = plan
@@ -98,6 +136,42 @@ impl LocalShard {
         })
     }
 
+    /// `Err` unless every parameter's holdings tile it in ascending order on ranks of this
+    /// world, and this rank's pieces are exactly its holdings (what a route between ranks
+    /// relies on).
+    pub fn check_holdings(&self, op: &'static str) -> Result<()> {
+        let bad = |reason: String| Err(crate::Error::InvalidShard { op, reason });
+        for (i, meta) in self.params.iter().enumerate() {
+            let mut end = 0;
+            for h in &meta.holdings {
+                if h.range.start != end || h.range.end <= h.range.start || h.rank >= self.world {
+                    return bad(format!(
+                        "{}: holding {:?} on rank {} does not continue at element {end} of a \
+                         {}-rank world",
+                        meta.name, h.range, h.rank, self.world
+                    ));
+                }
+                end = h.range.end;
+            }
+            if end != meta.numel() {
+                return bad(format!(
+                    "{}: holdings cover {end} of {} elements",
+                    meta.name,
+                    meta.numel()
+                ));
+            }
+            let mine = meta.holdings.iter().filter(|h| h.rank == self.rank);
+            let pieces = self.pieces.iter().filter(|p| p.param == i);
+            if !mine.map(|h| &h.range).eq(pieces.map(|p| &p.range)) {
+                return bad(format!(
+                    "{}: rank {}'s pieces differ from its holdings",
+                    meta.name, self.rank
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether this rank holds all of parameter `param`.
     pub fn holds_whole(&self, param: usize) -> bool {
         let n = self.params[param].numel();
@@ -119,6 +193,13 @@ pub trait Optimizer: Send + Sync {
     /// The block this optimizer's math needs kept on one rank for a parameter of this name and
     /// global shape (AdamW: `Element`; 8-bit Adam: 32-row tiles; Muon: the whole matrix).
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock;
+
+    /// Plans one unit (an FSDP group) for this optimizer. The default keeps every tensor's
+    /// [`Optimizer::atomic_block`] on one rank; an optimizer whose blocks are negotiable
+    /// overrides it with its own cost model (Muon chooses whole or split matrices).
+    fn plan_unit(&self, unit: &Unit, world: usize, opts: &PlanOptions) -> Result<Plan> {
+        plan::plan_unit(unit, &|t| self.atomic_block(&t.name, &t.shape), world, opts)
+    }
 
     /// Fresh state for one rank's shard of a group.
     fn init(&self, shard: &LocalShard) -> Result<Self::State>;

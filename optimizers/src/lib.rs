@@ -20,10 +20,13 @@ pub mod adam8bit;
 pub mod adamw;
 pub mod common;
 pub mod muon;
+pub mod muon_layout;
 pub mod newton_schulz;
 pub mod quant;
+pub mod roots;
 
 pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
 pub use muon::{LrScale, Muon, MuonConfig, MuonState};
+pub use muon_layout::{LayoutReport, MatrixLayout, TensorChoice};
 pub use newton_schulz::{orthogonalize, NsConfig, QUINTIC};

@@ -35,12 +35,19 @@
 //!   rest falls back to AdamW.
 //!
 //! # Sharding
-//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters, so a plan from
-//! `plan_unit` keeps every matrix on one rank: a rank's piece holds whole matrices and the step
-//! orthogonalizes them locally, with no communication. A piece that holds part of a matrix
-//! (a plan made with a smaller block) is refused with `Error::InvalidShard` before anything
-//! is modified: NS of a partial matrix is a different function, so it is never run. (The
-//! gather-to-root path for such layouts is not implemented yet.)
+//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters: the block the math
+//! needs. How matrices are actually laid out is negotiable, per tensor
+//! ([`MuonConfig::layout`], [`Muon::plan_layout`], [`crate::muon_layout`]):
+//! - a matrix **whole on one rank** is orthogonalized in place, with no communication;
+//! - a matrix **split over ranks** (a row-split plan, or FSDP2's `Shard(0)`) gets a root
+//!   chosen by longest-processing-time ([`crate::roots`]); one batched all-to-all gathers
+//!   every split matrix's `U` to its root, the root runs Newton–Schulz, one all-to-all sends
+//!   each holder its rows of `O` back. Element steps 1–2 and 4–5 run where the elements live.
+//!
+//! Either way Newton–Schulz sees the whole matrix, bit for bit the unsharded one, so a
+//! sharded step equals the unsharded step bitwise. A partial matrix is never orthogonalized:
+//! if the communicator is not the shard's world, the step returns an error before anything
+//! is modified.
 //!
 //! # State
 //! [`MuonState`] is [`AdamState`]: `m` holds Muon's momentum buffer on Muon pieces and Adam's
@@ -50,14 +57,18 @@
 use rayon::prelude::*;
 
 use ragged::comm::Communicator;
+use ragged::model::Unit;
 use ragged::optim::{LocalShard, Optimizer, ParamMeta};
+use ragged::plan::{Plan, PlanOptions};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::adamw::{adamw_update, AdamState, AdamW, AdamWConfig};
 use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, AdamScale, MomentCoeffs,
 };
+use crate::muon_layout::MatrixLayout;
 use crate::newton_schulz::{orthogonalize, NsConfig};
+use crate::roots::RootPlan;
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
 pub type MuonState = AdamState;
@@ -103,6 +114,9 @@ pub struct MuonConfig {
     /// Parameters whose name contains one of these go to AdamW whatever their shape
     /// (default `["embed", "lm_head"]`).
     pub adamw_patterns: Vec<String>,
+    /// Whole or split matrices when planning (default [`MatrixLayout::Auto`], a per-tensor
+    /// byte cost model; see [`crate::muon_layout`]).
+    pub layout: MatrixLayout,
 }
 
 impl Default for MuonConfig {
@@ -116,6 +130,7 @@ impl Default for MuonConfig {
             lr_scale: LrScale::Original,
             adamw: AdamWConfig::default(),
             adamw_patterns: vec!["embed".into(), "lm_head".into()],
+            layout: MatrixLayout::Auto,
         }
     }
 }
@@ -210,6 +225,11 @@ impl Optimizer for Muon {
         }
     }
 
+    /// Plans by [`MuonConfig::layout`] ([`Muon::plan_layout`]).
+    fn plan_unit(&self, unit: &Unit, world: usize, opts: &PlanOptions) -> Result<Plan> {
+        Ok(self.plan_layout(unit, world, opts)?.0)
+    }
+
     fn init(&self, shard: &LocalShard) -> Result<MuonState> {
         check_shard("Muon::init", shard)?;
         Ok(AdamState::zeros(shard.len))
@@ -221,7 +241,7 @@ impl Optimizer for Muon {
         shard: &LocalShard,
         params: &mut [f32],
         grads: &[f32],
-        _comm: &dyn Communicator,
+        comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Muon::step";
         check_step_inputs(
@@ -232,54 +252,27 @@ impl Optimizer for Muon {
             state.m.len(),
             state.v.len(),
         )?;
-        // Refuse partial matrices before touching anything.
-        for piece in &shard.pieces {
-            let meta = &shard.params[piece.param];
-            if !self.is_muon(meta) {
-                continue;
-            }
-            let (rows, cols) = trailing(&meta.shape);
-            let mn = rows * cols;
-            if mn == 0 {
-                continue;
-            }
-            if piece.range.start % mn != 0 || piece.range.end % mn != 0 {
-                return Err(Error::InvalidShard {
-                    op: OP,
-                    reason: format!(
-                        "rank {} holds elements {:?} of {} {:?}, which splits a {rows}×{cols} \
-                         matrix; Muon orthogonalizes whole matrices only (plan with \
-                         AtomicBlock::Matrix; the gather-to-root path is not implemented)",
-                        shard.rank, piece.range, meta.name, meta.shape
-                    ),
-                });
-            }
+        shard.check_holdings(OP)?;
+        let roots = self.roots(shard);
+        if roots.has_split() {
+            // A split matrix is only ever orthogonalized whole, on its root: refuse to run
+            // without the ranks that hold the rest of it.
+            check_comm(OP, shard, comm)?;
         }
         let t = next_step(OP, state.step)?;
         state.step = t;
 
+        // Steps 1–2 on Muon pieces (the NS input `U` goes to `u`); AdamW on the others.
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
         let scale = AdamScale::new(a.lr, a.beta1, a.beta2, a.eps, t);
-        let c = &self.config;
-        let decay = common::decay_factor(c.lr, c.weight_decay);
+        let mut u = vec![0.0f32; shard.len];
         for piece in &shard.pieces {
             let r = piece.offset..piece.offset + piece.range.len();
             let meta = &shard.params[piece.param];
-            if self.is_muon(meta) {
-                let (rows, cols) = trailing(&meta.shape);
-                let step = MatrixStep {
-                    rows,
-                    cols,
-                    momentum: c.momentum,
-                    nesterov: c.nesterov,
-                    decay: (c.weight_decay != 0.0).then_some(decay),
-                    neg_lr: self.neg_adjusted_lr(rows, cols),
-                    ns: &c.ns,
-                };
-                step.apply_all(&mut params[r.clone()], &grads[r.clone()], &mut state.m[r]);
-            } else {
-                adamw_update(
+            match self.matrix_step(meta) {
+                Some(step) => step.momentum(&grads[r.clone()], &mut state.m[r.clone()], &mut u[r]),
+                None => adamw_update(
                     &mut params[r.clone()],
                     &grads[r.clone()],
                     &mut state.m[r.clone()],
@@ -287,11 +280,122 @@ impl Optimizer for Muon {
                     self.adamw.decay_for(meta),
                     &moments,
                     &scale,
-                );
+                ),
+            }
+        }
+
+        // Step 3: whole local matrices in place; split ones on their roots.
+        let mut gathered = if roots.has_split() {
+            roots.gather(shard, &u, comm)?
+        } else {
+            Vec::new()
+        };
+        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered);
+        if roots.has_split() {
+            roots.scatter(shard, &gathered, &mut u, comm)?;
+        }
+
+        // Steps 4–5.
+        for piece in &shard.pieces {
+            let r = piece.offset..piece.offset + piece.range.len();
+            if let Some(step) = self.matrix_step(&shard.params[piece.param]) {
+                step.update(&mut params[r.clone()], &u[r]);
             }
         }
         Ok(())
     }
+}
+
+impl Muon {
+    /// The roots of this group's Muon matrices ([`RootPlan`]; identical on every rank).
+    pub fn roots(&self, shard: &LocalShard) -> RootPlan {
+        let matrix_of = |meta: &ParamMeta| self.is_muon(meta).then(|| trailing(&meta.shape));
+        RootPlan::new(shard, &matrix_of, self.config.ns.steps)
+    }
+
+    /// The matrix update of a Muon parameter; `None` for AdamW parameters.
+    fn matrix_step(&self, meta: &ParamMeta) -> Option<MatrixStep<'_>> {
+        if !self.is_muon(meta) {
+            return None;
+        }
+        let c = &self.config;
+        let (rows, cols) = trailing(&meta.shape);
+        Some(MatrixStep {
+            rows,
+            cols,
+            momentum: c.momentum,
+            nesterov: c.nesterov,
+            decay: (c.weight_decay != 0.0).then(|| common::decay_factor(c.lr, c.weight_decay)),
+            neg_lr: self.neg_adjusted_lr(rows, cols),
+            ns: &c.ns,
+        })
+    }
+
+    /// Newton–Schulz on every matrix this rank works on: the whole matrices inside its pieces
+    /// (in place in `u`) and the split ones gathered to it, in parallel (the matrices are
+    /// independent, so the split over threads changes no bit).
+    fn orthogonalize_all(
+        &self,
+        shard: &LocalShard,
+        roots: &RootPlan,
+        u: &mut [f32],
+        gathered: &mut [Vec<f32>],
+    ) {
+        let mut tasks: Vec<(&mut [f32], usize, usize)> = Vec::new();
+        let mut rest = u;
+        let mut consumed = 0;
+        for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            if !self.is_muon(meta) {
+                continue;
+            }
+            let (rows, cols) = trailing(&meta.shape);
+            let mn = rows * cols;
+            let (a, b) = (piece.range.start, piece.range.end);
+            let (first, last) = (a.div_ceil(mn.max(1)), b / mn.max(1));
+            if mn == 0 || first >= last {
+                continue;
+            }
+            // The whole matrices of this piece: local elements [lo, hi).
+            let lo = piece.offset + (first * mn - a);
+            let hi = lo + (last - first) * mn;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(lo - consumed);
+            let (whole, tail) = tail.split_at_mut(hi - lo);
+            rest = tail;
+            consumed = hi;
+            tasks.extend(whole.chunks_mut(mn).map(|x| (x, rows, cols)));
+        }
+        for (x, k) in gathered.iter_mut().zip(roots.rooted_here(shard.rank)) {
+            let job = &roots.jobs[k];
+            tasks.push((x.as_mut_slice(), job.rows, job.cols));
+        }
+        let ns = &self.config.ns;
+        tasks
+            .into_par_iter()
+            .for_each(|(x, rows, cols)| orthogonalize(x, rows, cols, ns));
+    }
+}
+
+/// `Err` unless `comm` is this shard's world, seen from this shard's rank.
+fn check_comm(op: &'static str, shard: &LocalShard, comm: &dyn Communicator) -> Result<()> {
+    if comm.world_size() != shard.world {
+        return Err(Error::WorldSizeMismatch {
+            op,
+            expected: shard.world,
+            got: comm.world_size(),
+        });
+    }
+    if comm.rank() != shard.rank {
+        return Err(Error::InvalidShard {
+            op,
+            reason: format!(
+                "the shard is rank {}'s but the communicator is rank {}'s",
+                shard.rank,
+                comm.rank()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The scalars of one Muon matrix update (steps 1–5 of the module table).
@@ -326,50 +430,48 @@ impl MatrixStep<'_> {
             self.rows,
             self.cols
         );
+        let mut u = vec![0.0f32; mn];
+        self.momentum(g, m, &mut u);
+        orthogonalize(&mut u, self.rows, self.cols, self.ns);
+        self.update(p, &u);
+    }
+
+    /// Steps 1–2, element-wise on any run of the matrix: `m ← lerp(m, g, 1 − μ)`, and the
+    /// Newton–Schulz input `u = lerp(g, m, μ)` (Nesterov) or `u = m`.
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    #[track_caller]
+    pub fn momentum(&self, g: &[f32], m: &mut [f32], u: &mut [f32]) {
+        assert!(
+            g.len() == m.len() && g.len() == u.len(),
+            "MatrixStep::momentum: lengths"
+        );
         let w = (1.0 - self.momentum) as f32;
         let mu = self.momentum as f32;
-        for (m, &g) in m.iter_mut().zip(g) {
+        for ((m, &g), u) in m.iter_mut().zip(g).zip(u.iter_mut()) {
             *m = lerp_elem(*m, g, w);
+            *u = if self.nesterov {
+                lerp_elem(g, *m, mu)
+            } else {
+                *m
+            };
         }
-        let mut u: Vec<f32> = if self.nesterov {
-            g.iter()
-                .zip(m.iter())
-                .map(|(&g, &m)| lerp_elem(g, m, mu))
-                .collect()
-        } else {
-            m.to_vec()
-        };
-        orthogonalize(&mut u, self.rows, self.cols, self.ns);
-        for (p, &o) in p.iter_mut().zip(&u) {
+    }
+
+    /// Steps 4–5, element-wise on any run of the matrix: `p ← p·(1 − lr·wd) + (−lr·scale)·o`.
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    #[track_caller]
+    pub fn update(&self, p: &mut [f32], o: &[f32]) {
+        assert_eq!(p.len(), o.len(), "MatrixStep::update: lengths");
+        for (p, &o) in p.iter_mut().zip(o) {
             let p0 = match self.decay {
                 Some(d) => decay_elem(*p, d),
                 None => *p,
             };
             *p = p0 + self.neg_lr * o;
         }
-    }
-
-    /// [`MatrixStep::apply`] on each of the whole matrices in `p`, `g`, `m` (in parallel; the
-    /// matrices are independent, so the split changes no bit).
-    ///
-    /// # Panics
-    /// If the slices differ in length or do not hold whole matrices.
-    #[track_caller]
-    pub fn apply_all(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
-        let mn = self.rows * self.cols;
-        assert!(
-            p.len() == g.len() && p.len() == m.len() && (mn == 0 || p.len() % mn == 0),
-            "MatrixStep::apply_all: {} elements is not whole {}×{} matrices",
-            p.len(),
-            self.rows,
-            self.cols
-        );
-        if mn == 0 {
-            return;
-        }
-        p.par_chunks_mut(mn)
-            .zip(g.par_chunks(mn))
-            .zip(m.par_chunks_mut(mn))
-            .for_each(|((p, g), m)| self.apply(p, g, m));
     }
 }

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::copy_between;
 use crate::dbuffer::{candle, CopyStats, DBuffer, Geometry, Role};
 use crate::model::Unit;
-use crate::optim::{LocalPiece, LocalShard, ParamMeta};
+use crate::optim::{Holding, LocalPiece, LocalShard, ParamMeta};
 use crate::{AtomicBlock, Result};
 
 /// One parameter's FSDP2 geometry.
@@ -93,11 +93,20 @@ impl Fsdp2Unit {
         let params = unit
             .tensors
             .iter()
-            .map(|t| ParamMeta {
+            .zip(&self.params)
+            .map(|(t, p)| ParamMeta {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
                 block: AtomicBlock::Element,
                 block_elems: 1,
+                holdings: (0..self.world)
+                    .map(|r| (r, p.rows_on(r)))
+                    .filter(|(_, rows)| !rows.is_empty())
+                    .map(|(rank, rows)| Holding {
+                        rank,
+                        range: rows.start * p.row..rows.end * p.row,
+                    })
+                    .collect(),
             })
             .collect();
         let pieces = self

@@ -35,7 +35,7 @@ use crate::dbuffer::{
 };
 use crate::model::{DType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
-use crate::plan::{plan_unit, PlanOptions};
+use crate::plan::PlanOptions;
 use crate::{Error, Result};
 
 /// How parameters are laid out over ranks.
@@ -109,8 +109,7 @@ pub fn fully_shard<'c, O: Optimizer>(
     for unit in inv.units() {
         let (local, params, fsdp2) = match opts.layout {
             ShardLayout::Ragged => {
-                let block = |t: &TensorSpec| optimizer.atomic_block(&t.name, &t.shape);
-                let plan = plan_unit(&unit, &block, world, &opts.plan)?;
+                let plan = optimizer.plan_unit(&unit, world, &opts.plan)?;
                 let geometry = Geometry {
                     world,
                     rank,

@@ -4,7 +4,7 @@
 
 use ragged::demo::SplitMix;
 use ragged::model::{TensorSpec, Unit};
-use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{Holding, LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
 
@@ -121,6 +121,10 @@ pub fn whole_shard_by(
                 shape: t.shape.clone(),
                 block,
                 block_elems: block.elems(&t.shape).unwrap(),
+                holdings: vec![Holding {
+                    rank: 0,
+                    range: 0..t.numel(),
+                }],
             }
         })
         .collect();
