@@ -16,7 +16,11 @@
 //!   shape, never on the local piece.
 //!
 //! A shape that does not tile (1-D, 0-D, `n % 32 ≠ 0`) falls back to `f32` state; there are no
-//! partial-width tiles. The decision depends on the global shape and the config only.
+//! partial-width tiles. So do parameters named by [`Adam8bitConfig::fp32_patterns`] (default:
+//! embeddings), as bnb's `StableEmbedding` does: an embedding row whose token is absent from a
+//! batch has a zero gradient, its `v` decays until it rounds to code 0 while `m` still holds a
+//! value, and the update `lr·m/ε` explodes. The decision depends on the name, the global
+//! shape and the config only.
 //!
 //! # Tiles
 //! A tile is 32 consecutive rows × 32 consecutive columns of **one** trailing matrix. Rows are
@@ -97,6 +101,9 @@ pub struct Adam8bitConfig {
     pub adam: AdamWConfig,
     /// Parameters with fewer elements (global shape) keep `f32` state (default 4096).
     pub min_8bit_size: usize,
+    /// Parameters whose name contains one of these keep `f32` state whatever their shape
+    /// (default `["embed"]`, bnb's `StableEmbedding`; see the module doc).
+    pub fp32_patterns: &'static [&'static str],
 }
 
 impl Default for Adam8bitConfig {
@@ -104,6 +111,7 @@ impl Default for Adam8bitConfig {
         Adam8bitConfig {
             adam: AdamWConfig::default(),
             min_8bit_size: MIN_8BIT_SIZE,
+            fp32_patterns: &["embed"],
         }
     }
 }
@@ -325,8 +333,12 @@ impl Adam8bit {
         &self.config
     }
 
-    /// The tiling of a parameter of this global shape, `None` for the `f32` fallback.
-    pub fn tiling(&self, shape: &[usize]) -> Option<Tiling> {
+    /// The tiling of a parameter of this name and global shape, `None` for the `f32`
+    /// fallback (a name matching [`Adam8bitConfig::fp32_patterns`], or [`Tiling::of`]).
+    pub fn tiling(&self, name: &str, shape: &[usize]) -> Option<Tiling> {
+        if self.config.fp32_patterns.iter().any(|p| name.contains(p)) {
+            return None;
+        }
         Tiling::of(shape, self.config.min_8bit_size)
     }
 
@@ -341,7 +353,7 @@ impl Adam8bit {
         let mut out = Vec::with_capacity(shard.pieces.len());
         for piece in &shard.pieces {
             let meta = &shard.params[piece.param];
-            match self.tiling(&meta.shape) {
+            match self.tiling(&meta.name, &meta.shape) {
                 Some(tiling) => {
                     let (a, b) = (
                         tiling.tiles_before(piece.range.start),
@@ -379,8 +391,8 @@ impl Optimizer for Adam8bit {
         "adam8bit"
     }
 
-    fn atomic_block(&self, _name: &str, shape: &[usize]) -> AtomicBlock {
-        self.tiling(shape)
+    fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
+        self.tiling(name, shape)
             .map_or(AtomicBlock::Element, |t| t.block())
     }
 

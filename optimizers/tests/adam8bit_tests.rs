@@ -8,7 +8,9 @@ use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::AtomicBlock;
 use ragged_optimizers::quant::{dynamic_map, MAP_LEN};
-use ragged_optimizers::{Adam8bit, Adam8bitConfig, Adam8bitState, AdamWConfig, DecayRule, Tiling};
+use ragged_optimizers::{
+    Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule, Tiling,
+};
 
 mod harness;
 use harness::{bits, numels, padding, planned_shards, scatter, whole_shard, Rng};
@@ -59,12 +61,12 @@ fn gather_absmax(
 ) -> Vec<Vec<f32>> {
     let mut global: Vec<Vec<f32>> = specs
         .iter()
-        .map(|t| vec![f32::NAN; opt.tiling(&t.shape).map_or(0, |t| t.num_tiles())])
+        .map(|t| vec![f32::NAN; opt.tiling(&t.name, &t.shape).map_or(0, |t| t.num_tiles())])
         .collect();
     for (shard, local) in shards.iter().zip(local) {
         let mut at = 0;
         for p in &shard.pieces {
-            if let Some(t) = opt.tiling(&shard.params[p.param].shape) {
+            if let Some(t) = opt.tiling(&shard.params[p.param].name, &shard.params[p.param].shape) {
                 let a = t.tiles_before(p.range.start).unwrap();
                 let b = t.tiles_before(p.range.end).unwrap();
                 global[p.param][a..b].copy_from_slice(&local[at..at + b - a]);
@@ -94,7 +96,10 @@ fn fallback_local(opt: &Adam8bit, shard: &LocalShard, compact: &[f32]) -> Vec<f3
     let mut out = vec![0.0; shard.len];
     let mut at = 0;
     for p in &shard.pieces {
-        if opt.tiling(&shard.params[p.param].shape).is_none() {
+        if opt
+            .tiling(&shard.params[p.param].name, &shard.params[p.param].shape)
+            .is_none()
+        {
             let n = p.range.len();
             out[p.offset..p.offset + n].copy_from_slice(&compact[at..at + n]);
             at += n;
@@ -198,6 +203,7 @@ fn loud(min: usize) -> Adam8bitConfig {
             decay_rule: DecayRule::All,
         },
         min_8bit_size: min,
+        ..Adam8bitConfig::default()
     }
 }
 
@@ -574,6 +580,64 @@ fn truncated_or_inconsistent_state_bytes_are_rejected() {
 // ---------------------------------------------------------------------------------------------
 // 5. Blocks and bad input
 // ---------------------------------------------------------------------------------------------
+
+/// Six steps of `opt` on a `[64, 64]` table named `name` with embedding-like gradients: odd
+/// rows get `1e-3` of the even rows' gradient (rare tokens), so under 8-bit state their `v`
+/// sinks below the smallest unsigned code of its tile while `m` keeps a non-zero code.
+/// Returns the largest one-step parameter change and the final parameters.
+fn rare_rows_run<O: Optimizer>(opt: &O, name: &str) -> (f32, Vec<f32>) {
+    let spec = vec![TensorSpec::new(name.to_string(), &[64, 64], DType::F32).unwrap()];
+    let shard = whole_shard(&spec);
+    let mut rng = Rng::new(3);
+    let mut p = rng.units(64 * 64);
+    let mut state = opt.init(&shard).unwrap();
+    let mut worst = 0.0f32;
+    for _ in 0..6 {
+        let mut g = rng.units(64 * 64);
+        for row in g.chunks_mut(64).skip(1).step_by(2) {
+            row.iter_mut().for_each(|g| *g *= 1e-3);
+        }
+        let before = p.clone();
+        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+        for (a, b) in p.iter().zip(&before) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    (worst, p)
+}
+
+#[test]
+fn embeddings_keep_f32_state_because_8bit_v_underflows_on_rare_rows() {
+    let lr = 1e-3;
+    let cfg = |fp32_patterns: &'static [&'static str]| Adam8bitConfig {
+        adam: AdamWConfig {
+            lr,
+            ..AdamWConfig::default()
+        },
+        fp32_patterns,
+        ..Adam8bitConfig::default()
+    };
+    // The hazard: with 8-bit state, a rare row's update is lr·m/ε, far beyond Adam's ~lr.
+    let eight_bit = Adam8bit::new(cfg(&[])).unwrap();
+    assert_eq!(
+        eight_bit.atomic_block("tok_embed", &[64, 64]),
+        AtomicBlock::Tile { rows: 32, cols: 32 }
+    );
+    let (worst, _) = rare_rows_run(&eight_bit, "tok_embed");
+    assert!(worst > 100.0 * lr as f32, "8-bit worst step {worst}");
+    // The default keeps embeddings on f32 state: the step is AdamW's, bit for bit.
+    let stable = Adam8bit::new(cfg(&["embed"])).unwrap();
+    assert_eq!(
+        stable.atomic_block("tok_embed", &[64, 64]),
+        AtomicBlock::Element
+    );
+    assert!(stable.tiling("tok_embed", &[64, 64]).is_none());
+    let (worst, p) = rare_rows_run(&stable, "tok_embed");
+    let (_, q) = rare_rows_run(&AdamW::new(cfg(&[]).adam).unwrap(), "tok_embed");
+    assert_eq!(bits(&p), bits(&q));
+    assert!(worst <= 1.1 * lr as f32, "f32 worst step {worst}");
+}
 
 #[test]
 fn blocks_follow_the_global_shape_and_shapes_that_do_not_tile_fall_back() {
