@@ -409,6 +409,81 @@ fn muon_step_follows_torch_operation_order() {
     }
 }
 
+/// The Muon step of the module table in f64 (momentum, Nesterov or not, NS in f64, decoupled
+/// decay with the unadjusted lr, `original` or `match_rms_adamw` scale), for one matrix.
+fn muon_f64(c: &MuonConfig, p: &mut [f64], buf: &mut [f64], g: &[f32], rows: usize, cols: usize) {
+    let mu = c.momentum;
+    for (b, &g) in buf.iter_mut().zip(g) {
+        *b += (1.0 - mu) * (f64::from(g) - *b);
+    }
+    let u: Vec<f32> = g
+        .iter()
+        .zip(buf.iter())
+        .map(|(&g, &b)| if c.nesterov { (1.0 - mu) * f64::from(g) + mu * b } else { b } as f32)
+        .collect();
+    let o = ns_f64(&u, rows, cols, &c.ns);
+    let (a, b) = (rows as f64, cols as f64);
+    let scale = match c.lr_scale {
+        LrScale::Original => (a / b).max(1.0).sqrt(),
+        LrScale::MatchRmsAdamW => 0.2 * a.max(b).sqrt(),
+    };
+    for (p, o) in p.iter_mut().zip(o) {
+        *p = *p * (1.0 - c.lr * c.weight_decay) - c.lr * scale * o;
+    }
+}
+
+#[test]
+fn muon_step_matches_an_f64_reference_for_both_scale_rules() {
+    for (scale, nesterov) in [
+        (LrScale::Original, true),
+        (LrScale::MatchRmsAdamW, true),
+        (LrScale::MatchRmsAdamW, false),
+    ] {
+        let c = MuonConfig {
+            lr: 0.02,
+            weight_decay: 0.2,
+            nesterov,
+            lr_scale: scale,
+            ..MuonConfig::default()
+        };
+        let opt = Muon::new(c.clone()).unwrap();
+        for (rows, cols) in [(20, 12), (12, 20)] {
+            let shard = whole_shard(&opt, &specs(&[("w", &[rows, cols])]));
+            let mut rng = Rng::new(31);
+            let mut p = rng.units(rows * cols);
+            let p0 = p.clone();
+            let mut want: Vec<f64> = p.iter().map(|&v| f64::from(v)).collect();
+            let mut buf = vec![0.0f64; rows * cols];
+            let mut state = opt.init(&shard).unwrap();
+            for step in 0..3 {
+                let g = rng.units(rows * cols);
+                opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+                    .unwrap();
+                muon_f64(&c, &mut want, &mut buf, &g, rows, cols);
+                // Per step the f32 update differs from f64 by the NS error (NS_ATOL) times
+                // lr·scale, plus f32 rounding of p (≈ 6e-8 per step); errors add over steps.
+                let tol = (step + 1) as f64 * (c.lr * scale.factor(rows, cols) * NS_ATOL + 1e-7);
+                let err = p
+                    .iter()
+                    .zip(&want)
+                    .map(|(&p, w)| (f64::from(p) - w).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    err <= tol,
+                    "{scale:?} {rows}×{cols} step {step}: {err:e} > {tol:e}"
+                );
+                // The update is visible at this tolerance (so a wrong scale rule fails).
+                let moved = p
+                    .iter()
+                    .zip(&p0)
+                    .map(|(&p, &q)| (p - q).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(f64::from(moved) > 100.0 * tol);
+            }
+        }
+    }
+}
+
 #[test]
 fn each_expert_matrix_steps_like_an_independent_2d_param() {
     let opt = Muon::new(loud()).unwrap();
