@@ -11,10 +11,11 @@ use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TransformerConfig};
 use ragged::fsdp::{FsdpOptions, ShardLayout};
+use ragged::model::{DType, Inventory, TensorSpec};
 use ragged::optim::Optimizer;
-use ragged::Result;
+use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
-    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, Muon, MuonConfig,
+    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, MatrixLayout, Muon, MuonConfig,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -67,6 +68,27 @@ struct Args {
     /// Skip the unsharded reference run.
     #[arg(long)]
     no_reference: bool,
+    /// Muon only: keep matrices whole, let the planner split them (gather-to-root), or choose
+    /// per matrix by the byte cost model.
+    #[arg(long, value_enum, default_value_t = MuonLayout::Auto)]
+    muon_layout: MuonLayout,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum MuonLayout {
+    Auto,
+    Whole,
+    Split,
+}
+
+impl From<MuonLayout> for MatrixLayout {
+    fn from(l: MuonLayout) -> Self {
+        match l {
+            MuonLayout::Auto => MatrixLayout::Auto,
+            MuonLayout::Whole => MatrixLayout::Whole,
+            MuonLayout::Split => MatrixLayout::Split,
+        }
+    }
 }
 
 fn adamw(lr: f64) -> Result<AdamW> {
@@ -77,9 +99,10 @@ fn adamw(lr: f64) -> Result<AdamW> {
     })
 }
 
-fn muon(lr: f64) -> Result<Muon> {
+fn muon(lr: f64, layout: MuonLayout) -> Result<Muon> {
     Muon::new(MuonConfig {
         lr,
+        layout: layout.into(),
         adamw: AdamWConfig {
             lr,
             decay_rule: DecayRule::NoDecayFor1D,
@@ -105,16 +128,57 @@ fn main() -> Result<()> {
     let args = Args::parse();
     match args.optimizer {
         Opt::Adamw => run(&args, adamw),
-        Opt::Muon => run(&args, muon),
+        Opt::Muon => {
+            if matches!(args.layout, Layout::Ragged) {
+                print_muon_layout(&args)?;
+            }
+            let layout = args.muon_layout;
+            run(&args, move |lr| muon(lr, layout))
+        }
         Opt::Adam8bit => run(&args, adam8bit),
     }
 }
 
-fn run<O: Optimizer>(args: &Args, optimizer: fn(f64) -> Result<O>) -> Result<()> {
-    let cfg = match args.size {
+fn model_config(size: Size) -> TransformerConfig {
+    match size {
         Size::Small => TransformerConfig::SMALL,
         Size::Tiny => TransformerConfig::TINY,
+    }
+}
+
+/// Muon's per-unit choice of whole or split matrices, and what it costs on the wire.
+fn print_muon_layout(args: &Args) -> Result<()> {
+    let params = model_config(args.size).init_params(0)?;
+    let inventory = Inventory {
+        model: "demo".into(),
+        tensors: params
+            .iter()
+            .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), DType::F32))
+            .collect::<Result<Vec<_>>>()?,
     };
+    let opt = muon(args.lr, args.muon_layout)?;
+    let (mut split, mut total, mut bytes) = (0, 0, 0);
+    for unit in inventory.units() {
+        let (_, report) = opt.plan_layout(&unit, args.ranks, &FsdpOptions::default().plan)?;
+        total += report.tensors.len();
+        split += report
+            .tensors
+            .iter()
+            .filter(|t| t.block != AtomicBlock::Matrix)
+            .count();
+        bytes += report.cost_bytes();
+    }
+    println!(
+        "muon layout ({:?}): {split} of {total} matrices split over ranks (gathered to LPT \
+         roots); padding + root traffic {:.2} MB per step",
+        args.muon_layout,
+        bytes as f64 / 1e6
+    );
+    Ok(())
+}
+
+fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -> Result<()> {
+    let cfg = model_config(args.size);
     let params = cfg.init_params(0)?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
     let opts = FsdpOptions {

@@ -44,8 +44,6 @@ pub struct TensorChoice {
     pub shape: Vec<usize>,
     /// [`AtomicBlock::Matrix`] (whole) or [`AtomicBlock::Element`] (split).
     pub block: AtomicBlock,
-    /// Padding elements that splitting it removed ([`MatrixLayout::Auto`] only; else 0).
-    pub padding_saved: usize,
     /// Its elements that travel to roots per step and direction in the final plan.
     pub moved: usize,
 }
@@ -60,6 +58,8 @@ pub struct LayoutReport {
     pub tensors: Vec<TensorChoice>,
     /// Padding elements of the final plan (all ranks).
     pub padding: usize,
+    /// Padding elements with every Muon matrix whole (what splitting saves from).
+    pub whole_padding: usize,
     /// Elements sent to roots per step and direction by the final plan.
     pub moved: usize,
 }
@@ -80,14 +80,15 @@ impl fmt::Display for LayoutReport {
             .count();
         writeln!(
             f,
-            "{} (V = {}, {:?}): {} of {} Muon tensors split; padding {} elements, {} elements to \
-             roots per step; {:.2} MB on the wire per step",
+            "{} (V = {}, {:?}): {} of {} Muon tensors split; padding {} elements ({} with all \
+             whole), {} elements to roots per step; {:.2} MB on the wire per step",
             self.unit,
             self.world,
             self.layout,
             split,
             self.tensors.len(),
             self.padding,
+            self.whole_padding,
             self.moved,
             self.cost_bytes() as f64 / 1e6
         )?;
@@ -95,10 +96,7 @@ impl fmt::Display for LayoutReport {
             let how = if t.block == AtomicBlock::Matrix {
                 "whole".to_string()
             } else {
-                format!(
-                    "split (saves {} padding, moves {})",
-                    t.padding_saved, t.moved
-                )
+                format!("split (moves {} per way)", t.moved)
             };
             writeln!(f, "  {:<40} {:?}: {how}", t.name, t.shape)?;
         }
@@ -124,38 +122,51 @@ impl Muon {
             .map(|t| self.uses_muon(&t.name, &t.shape))
             .collect();
         let layout = self.config().layout;
-        let first = match layout {
-            MatrixLayout::Split => AtomicBlock::Element,
-            MatrixLayout::Whole | MatrixLayout::Auto => AtomicBlock::Matrix,
-        };
-        let mut blocks: Vec<AtomicBlock> = unit
+        let base: Vec<AtomicBlock> = unit
             .tensors
             .iter()
-            .zip(&muon)
-            .map(|(t, &m)| {
-                if m {
-                    first
-                } else {
-                    self.atomic_block(&t.name, &t.shape)
-                }
-            })
+            .map(|t| self.atomic_block(&t.name, &t.shape))
             .collect();
-        let mut best = self.costed(unit, &blocks, world, opts)?;
-        let mut saved = vec![0; blocks.len()];
-        if layout == MatrixLayout::Auto {
-            let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| muon[i]).collect();
-            order.sort_by_key(|&i| std::cmp::Reverse(unit.tensors[i].numel())); // stable
-            for i in order {
-                blocks[i] = AtomicBlock::Element;
-                let trial = self.costed(unit, &blocks, world, opts)?;
-                if trial.wire < best.wire {
-                    saved[i] = best.plan.padding().saturating_sub(trial.plan.padding());
-                    best = trial;
+        let all = |block: AtomicBlock| -> Vec<AtomicBlock> {
+            base.iter()
+                .zip(&muon)
+                .map(|(&b, &m)| if m { block } else { b })
+                .collect()
+        };
+        let whole = self.costed(unit, &all(AtomicBlock::Matrix), world, opts)?;
+        let (blocks, best) = match layout {
+            MatrixLayout::Whole => (all(AtomicBlock::Matrix), whole.clone()),
+            MatrixLayout::Split => {
+                let blocks = all(AtomicBlock::Element);
+                let best = self.costed(unit, &blocks, world, opts)?;
+                (blocks, best)
+            }
+            MatrixLayout::Auto => {
+                // Greedy from both ends (splitting one matrix alone may free no padding while
+                // the others stay whole, and vice versa); keep the cheaper result.
+                let from_whole = self.improve(
+                    unit,
+                    all(AtomicBlock::Matrix),
+                    &muon,
+                    AtomicBlock::Element,
+                    world,
+                    opts,
+                )?;
+                let from_split = self.improve(
+                    unit,
+                    all(AtomicBlock::Element),
+                    &muon,
+                    AtomicBlock::Matrix,
+                    world,
+                    opts,
+                )?;
+                if from_split.1.wire < from_whole.1.wire {
+                    from_split
                 } else {
-                    blocks[i] = AtomicBlock::Matrix;
+                    from_whole
                 }
             }
-        }
+        };
         let tensors = unit
             .tensors
             .iter()
@@ -165,7 +176,6 @@ impl Muon {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
                 block: blocks[i],
-                padding_saved: saved[i],
                 moved: best.per_param[i],
             })
             .collect();
@@ -175,9 +185,36 @@ impl Muon {
             layout,
             tensors,
             padding: best.plan.padding(),
+            whole_padding: whole.plan.padding(),
             moved: best.moved,
         };
         Ok((best.plan, report))
+    }
+
+    /// Flips Muon tensors to `to` one at a time, largest first, keeping each flip that lowers
+    /// the wire cost.
+    fn improve(
+        &self,
+        unit: &Unit,
+        mut blocks: Vec<AtomicBlock>,
+        muon: &[bool],
+        to: AtomicBlock,
+        world: usize,
+        opts: &PlanOptions,
+    ) -> Result<(Vec<AtomicBlock>, Costed)> {
+        let mut best = self.costed(unit, &blocks, world, opts)?;
+        let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| muon[i]).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(unit.tensors[i].numel())); // stable
+        for i in order {
+            let was = std::mem::replace(&mut blocks[i], to);
+            let trial = self.costed(unit, &blocks, world, opts)?;
+            if trial.wire < best.wire {
+                best = trial;
+            } else {
+                blocks[i] = was;
+            }
+        }
+        Ok((blocks, best))
     }
 
     /// The plan for `blocks` with its wire cost.
@@ -211,6 +248,7 @@ impl Muon {
     }
 }
 
+#[derive(Clone)]
 struct Costed {
     plan: Plan,
     moved: usize,
