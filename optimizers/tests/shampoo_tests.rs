@@ -258,7 +258,7 @@ const ROOT_RTOL: f64 = 5e-4;
 fn inverse_root_matches_an_f64_jacobi_reference() {
     let mut rng = Rng::new(17);
     let mut worst: f64 = 0.0;
-    for n in [1, 2, 3, 5, 8, 16] {
+    for n in [1usize, 2, 3, 5, 8, 16] {
         for (k, eps) in [(2 * n + 4, 1e-12), (1, 1e-2), (n.div_ceil(2), 1e-2)] {
             for e in [0.25, 0.5, 1.0 / 3.0] {
                 for bc in [None, Some(0.4f32)] {
@@ -288,6 +288,30 @@ fn inverse_root_matches_an_f64_jacobi_reference() {
         }
     }
     eprintln!("inverse_root: worst relative error {worst:e}");
+}
+
+#[test]
+fn inverse_root_shifts_an_indefinite_spectrum_up_to_epsilon() {
+    // Rounding can make a factor slightly indefinite; fb then shifts every eigenvalue by
+    // `ε − λ_min`. A random symmetric matrix exercises the shift at full strength (without
+    // it the root of a negative eigenvalue is NaN). ε = 0.1 keeps κ ≲ 10², so the f32
+    // tolerance argument of `ROOT_RTOL` holds.
+    let mut rng = Rng::new(29);
+    for n in [2usize, 3, 6, 12] {
+        let mut a = rng.units(n * n);
+        for i in 0..n {
+            for j in 0..i {
+                a[i * n + j] = a[j * n + i];
+            }
+        }
+        a[0] = -2.0; // certainly indefinite
+        for e in [0.25, 0.5] {
+            let got = inverse_root(&a, n, None, 0.1, e).unwrap();
+            let a64: Vec<f64> = a.iter().map(|&x| f64::from(x)).collect();
+            let err = root_error(&got, &root_f64(&a64, n, 0.1, e));
+            assert!(err < ROOT_RTOL, "n {n}, e {e}: relative error {err}");
+        }
+    }
 }
 
 #[test]
@@ -329,7 +353,6 @@ fn ref_blocks(total_rows: usize, cols: usize, d: usize) -> Vec<(usize, usize, us
 /// from the formulas, with Jacobi roots.
 struct RefShampoo {
     c: ShampooConfig,
-    rows: usize,
     cols: usize,
     blocks: Vec<(usize, usize, usize, usize)>,
     t: u64,
@@ -361,7 +384,6 @@ impl RefShampoo {
             .collect();
         RefShampoo {
             c,
-            rows,
             cols,
             blocks,
             t: 0,
@@ -952,7 +974,7 @@ fn corrupted_or_mismatched_state_bytes_are_refused() {
         .step(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
         .is_err());
     // A state of another shard is refused.
-    let other = whole_shard(&opt, &specs(&[("w", &[5, 6])]));
+    let other = whole_shard(&opt, &specs(&[("w", &[3, 10])]));
     let mut s = opt.init(&other).unwrap();
     assert!(opt
         .step(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
