@@ -71,7 +71,7 @@
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
 //! tensor. Element operations are single `f32` operations in the order of the table, without
 //! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`) and
-//! the norms of step 7 accumulate exact `f32×f32` products in `f64` in a fixed order and round
+//! the norms of step 7 accumulate exact `f32×f32` products in `f64` in a fixed order (four lanes, [`LANES`]) and round
 //! once (fb uses an `f32` GEMM); `bc₂` is an `f64` scalar rounded once (fb computes it in an
 //! `f32` tensor).
 //!
@@ -407,8 +407,16 @@ impl Block {
     }
     /// Elements of the block's factors (`rows²` if it has `L`, plus `cols²` if it has `R`).
     pub fn factor_len(&self) -> usize {
-        let l = if self.has_left() { self.rows * self.rows } else { 0 };
-        let r = if self.has_right() { self.cols * self.cols } else { 0 };
+        let l = if self.has_left() {
+            self.rows * self.rows
+        } else {
+            0
+        };
+        let r = if self.has_right() {
+            self.cols * self.cols
+        } else {
+            0
+        };
         l + r
     }
     /// Shard offset of element `(i, j)` of the block.
@@ -623,8 +631,8 @@ impl Optimizer for Shampoo {
         let use_graft_only = t < c.start_step() && c.grafting != Grafting::None;
         let grafted = c.grafting != Grafting::None;
         let roots_now = c.computes_roots_at(t);
-        let bc2 = (c.use_bias_correction && c.beta2 < 1.0)
-            .then(|| (1.0 - c.beta2.powf(t as f64)) as f32);
+        let bc2 =
+            (c.use_bias_correction && c.beta2 < 1.0).then(|| (1.0 - c.beta2.powf(t as f64)) as f32);
         let (b2, w2) = if c.beta2 < 1.0 {
             (Some(c.beta2 as f32), (1.0 - c.beta2) as f32)
         } else {
@@ -687,13 +695,33 @@ fn norm(x: &[f32]) -> f32 {
         .sqrt() as f32
 }
 
-/// `Σ_k a_k·b_k` of `f32` rows, exact products summed in `f64` in order.
+/// Lanes of the `f64` sums in [`dot`] and [`inverse_root`]: term `k` goes to lane `k mod 4`,
+/// and the lanes are added as `(s₀ + s₁) + (s₂ + s₃)`. A fixed order (so deterministic) that
+/// the compiler can vectorize, unlike one running sum.
+const LANES: usize = 4;
+
+/// `Σ_k a_k·b_k` of `f32` rows: exact products summed in `f64` in [`LANES`] fixed lanes.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| f64::from(x) * f64::from(y))
-        .sum()
+    lanes_sum(a.len(), |k| f64::from(a[k]) * f64::from(b[k]))
+}
+
+/// `Σ_{k < n} term(k)` in [`LANES`] lanes, combined in a fixed order.
+#[inline(always)]
+fn lanes_sum(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+    let mut s = [0.0f64; LANES];
+    let full = n / LANES * LANES;
+    let mut k = 0;
+    while k < full {
+        for (l, s) in s.iter_mut().enumerate() {
+            *s += term(k + l);
+        }
+        k += LANES;
+    }
+    for (l, k) in (full..n).enumerate() {
+        s[l] += term(k);
+    }
+    (s[0] + s[1]) + (s[2] + s[3])
 }
 
 /// Rows of a `rows × cols` row-major matrix transposed (`cols × rows`).
@@ -793,7 +821,12 @@ fn precondition(b: &Block, gbar: &[f32], r: &[f32]) -> Vec<f32> {
 /// If `a` does not hold `n²` elements.
 #[track_caller]
 pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> Option<Vec<f32>> {
-    assert_eq!(a.len(), n * n, "inverse_root: {} elements for {n}×{n}", a.len());
+    assert_eq!(
+        a.len(),
+        n * n,
+        "inverse_root: {} elements for {n}×{n}",
+        a.len()
+    );
     if a.iter().any(|x| !x.is_finite()) {
         return None;
     }
@@ -806,17 +839,21 @@ pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> O
         m[i * n + i] += eps32;
     }
     let max_iter = 64 * n.max(8);
-    let f32_try = SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter)
-        .filter(|s| {
-            s.eigenvalues.iter().all(|x| x.is_finite())
-                && s.eigenvectors.iter().all(|x| x.is_finite())
-        })
-        .map(|s| {
-            (
-                s.eigenvalues.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
-                s.eigenvectors.map(f64::from),
-            )
-        });
+    let f32_try =
+        SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter)
+            .filter(|s| {
+                s.eigenvalues.iter().all(|x| x.is_finite())
+                    && s.eigenvectors.iter().all(|x| x.is_finite())
+            })
+            .map(|s| {
+                (
+                    s.eigenvalues
+                        .iter()
+                        .map(|&x| f64::from(x))
+                        .collect::<Vec<_>>(),
+                    s.eigenvectors.map(f64::from),
+                )
+            });
     let (lambda, q) = match f32_try {
         Some(x) => x,
         None => {
@@ -828,26 +865,31 @@ pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> O
     let lmin = lambda.iter().copied().fold(f64::INFINITY, f64::min);
     let shift = if lmin < eps { eps - lmin } else { 0.0 };
     let d: Vec<f64> = lambda.iter().map(|&l| (l + shift).powf(-e)).collect();
-    // Rows of Q scaled for the sum Σ_k d_k·(Q_ik·Q_jk): exactly symmetric in (i, j).
+    // Rows of Q, for X_ij = Σ_k d_k·(Q_ik·Q_jk).
     let mut qr = vec![0.0f64; n * n];
     for i in 0..n {
         for k in 0..n {
             qr[i * n + k] = q[(i, k)];
         }
     }
+    // The upper triangle, mirrored: exactly symmetric.
     let mut x = vec![0.0f32; n * n];
     let row = |(i, o): (usize, &mut [f32])| {
         let qi = &qr[i * n..(i + 1) * n];
-        for (j, o) in o.iter_mut().enumerate() {
+        for (j, o) in o.iter_mut().enumerate().skip(i) {
             let qj = &qr[j * n..(j + 1) * n];
-            let v: f64 = (0..n).map(|k| d[k] * (qi[k] * qj[k])).sum();
-            *o = v as f32;
+            *o = lanes_sum(n, |k| d[k] * (qi[k] * qj[k])) as f32;
         }
     };
     if n >= 64 {
         x.par_chunks_mut(n).enumerate().for_each(row);
     } else {
         x.chunks_mut(n).enumerate().for_each(row);
+    }
+    for i in 0..n {
+        for j in 0..i {
+            x[i * n + j] = x[j * n + i];
+        }
     }
     x.iter().all(|v| v.is_finite()).then_some(x)
 }

@@ -15,7 +15,9 @@ use ragged_optimizers::shampoo::Block;
 use ragged_optimizers::{inverse_root, Grafting, Shampoo, ShampooConfig, ShampooState};
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards, planned_shards_by, scatter, whole_shard_by, Rng};
+use harness::{
+    bits, numels, padding, planned_shards, planned_shards_by, scatter, whole_shard_by, Rng,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -321,7 +323,11 @@ fn inverse_root_of_zero_is_epsilon_to_the_minus_e_and_rejects_non_finite() {
     for i in 0..n {
         for j in 0..n {
             let want = if i == j { 10.0 } else { 0.0 };
-            assert!((x[i * n + j] - want).abs() < 1e-4, "{i},{j}: {}", x[i * n + j]);
+            assert!(
+                (x[i * n + j] - want).abs() < 1e-4,
+                "{i},{j}: {}",
+                x[i * n + j]
+            );
         }
     }
     let mut a = vec![0.0f32; 4];
@@ -398,7 +404,9 @@ impl RefShampoo {
         self.t += 1;
         let t = self.t as i32;
         let g: Vec<f64> = g.iter().map(|&x| f64::from(x)).collect();
-        let start = c.start_preconditioning_step.unwrap_or(c.precondition_frequency);
+        let start = c
+            .start_preconditioning_step
+            .unwrap_or(c.precondition_frequency);
         let roots_now =
             self.t == start || (self.t > start && self.t % c.precondition_frequency == 0);
         let mut gbar = vec![0.0; g.len()];
@@ -486,7 +494,11 @@ impl RefShampoo {
                 if r > 1 {
                     let l = &f[2];
                     x = (0..r * cc)
-                        .map(|ij| (0..r).map(|k| l[(ij / cc) * r + k] * x[k * cc + ij % cc]).sum())
+                        .map(|ij| {
+                            (0..r)
+                                .map(|k| l[(ij / cc) * r + k] * x[k * cc + ij % cc])
+                                .sum()
+                        })
                         .collect();
                 }
                 if cc > 1 {
@@ -574,7 +586,11 @@ fn shampoo_steps_match_an_independent_f64_reference() {
             for g in &grads {
                 reference.step(&mut want, &g[0]);
             }
-            let d_want: Vec<f64> = want.iter().zip(&p0[0]).map(|(w, &p)| w - f64::from(p)).collect();
+            let d_want: Vec<f64> = want
+                .iter()
+                .zip(&p0[0])
+                .map(|(w, &p)| w - f64::from(p))
+                .collect();
             let scale = max_abs(&d_want);
             assert!(scale > 0.0, "{name} {shape:?}: nothing moved");
             let err = got
@@ -738,7 +754,13 @@ fn a_piece_cutting_a_row_block_is_refused() {
                 };
                 let before = state.clone();
                 let mut p = vec![0.5; shard.len];
-                let res = opt.step(&mut state, shard, &mut p, &vec![0.1; shard.len], &SingleRank);
+                let res = opt.step(
+                    &mut state,
+                    shard,
+                    &mut p,
+                    &vec![0.1; shard.len],
+                    &SingleRank,
+                );
                 assert!(res.is_err());
                 assert_eq!(state, before);
                 assert!(p.iter().all(|&x| x == 0.5));
@@ -790,7 +812,12 @@ fn pure_grafting(c: &ShampooConfig, p0: &[f32], grads: &[Vec<f32>]) -> Vec<f32> 
 fn before_the_start_step_the_update_is_pure_adam_or_adagrad_grafting() {
     let spec = specs(&[("w", &[9, 6]), ("b", &[5])]);
     let (p0, grads) = data(&spec, 5, 8);
-    for grafting in [Grafting::ADAM, Grafting::ADAGRAD, Grafting::Sgd, Grafting::None] {
+    for grafting in [
+        Grafting::ADAM,
+        Grafting::ADAGRAD,
+        Grafting::Sgd,
+        Grafting::None,
+    ] {
         let c = ShampooConfig {
             start_preconditioning_step: Some(4),
             precondition_frequency: 2,
@@ -806,13 +833,25 @@ fn before_the_start_step_the_update_is_pure_adam_or_adagrad_grafting() {
                 let want = pure_grafting(&c, &p0[k], &g);
                 let piece = &shard.pieces[k];
                 let got = &got[piece.offset..piece.offset + piece.range.len()];
-                assert_eq!(bits(got), bits(&want), "{grafting:?}, {steps} steps: {name}");
+                assert_eq!(
+                    bits(got),
+                    bits(&want),
+                    "{grafting:?}, {steps} steps: {name}"
+                );
             }
         }
         // From the start step on, Shampoo changes the update.
         let (got, _) = run_rank(&opt, &shard, &p0, &grads[..4]);
-        let want = pure_grafting(&c, &p0[0], &grads[..4].iter().map(|g| g[0].clone()).collect::<Vec<_>>());
-        assert_ne!(bits(&got[..54]), bits(&want), "{grafting:?}: step 4 is pure grafting");
+        let want = pure_grafting(
+            &c,
+            &p0[0],
+            &grads[..4].iter().map(|g| g[0].clone()).collect::<Vec<_>>(),
+        );
+        assert_ne!(
+            bits(&got[..54]),
+            bits(&want),
+            "{grafting:?}: step 4 is pure grafting"
+        );
     }
 }
 
@@ -863,7 +902,10 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
                 "{grafting:?} block {b:?}: ‖P‖ = {dn}, ‖P_g‖ = {gn}"
             );
         }
-        assert!(shampoo_differs, "{grafting:?}: direction is the grafting direction");
+        assert!(
+            shampoo_differs,
+            "{grafting:?}: direction is the grafting direction"
+        );
     }
 }
 
@@ -886,11 +928,19 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
     let mut params = scatter(&shard, &p0);
     let mut roots = vec![bits(&state.roots)];
     for g in &grads {
-        opt.step(&mut state, &shard, &mut params, &scatter(&shard, g), &SingleRank)
-            .unwrap();
+        opt.step(
+            &mut state,
+            &shard,
+            &mut params,
+            &scatter(&shard, g),
+            &SingleRank,
+        )
+        .unwrap();
         roots.push(bits(&state.roots));
     }
-    let changed: Vec<usize> = (1..roots.len()).filter(|&t| roots[t] != roots[t - 1]).collect();
+    let changed: Vec<usize> = (1..roots.len())
+        .filter(|&t| roots[t] != roots[t - 1])
+        .collect();
     assert_eq!(changed, [4, 6, 9]);
     // Until the start step the roots are the initial identities.
     let identity = bits(&opt.init(&shard).unwrap().roots);
@@ -937,7 +987,12 @@ fn state_round_trip_through_bytes_continues_bitwise() {
             }
             assert_eq!(bits(&p), bits(&p_all), "rank {}: params", shard.rank);
             assert_eq!(s.step, 6);
-            assert_eq!(s.to_le_bytes(), s_all.to_le_bytes(), "rank {}: state", shard.rank);
+            assert_eq!(
+                s.to_le_bytes(),
+                s_all.to_le_bytes(),
+                "rank {}: state",
+                shard.rank
+            );
         }
     }
 }
@@ -995,9 +1050,18 @@ fn invalid_configs_are_refused() {
         ShampooConfig { beta2: 0.0, ..d },
         ShampooConfig { beta2: 1.5, ..d },
         ShampooConfig { epsilon: 0.0, ..d },
-        ShampooConfig { weight_decay: -0.1, ..d },
-        ShampooConfig { max_preconditioner_dim: 0, ..d },
-        ShampooConfig { precondition_frequency: 0, ..d },
+        ShampooConfig {
+            weight_decay: -0.1,
+            ..d
+        },
+        ShampooConfig {
+            max_preconditioner_dim: 0,
+            ..d
+        },
+        ShampooConfig {
+            precondition_frequency: 0,
+            ..d
+        },
         ShampooConfig {
             precondition_frequency: 10,
             start_preconditioning_step: Some(3),
@@ -1016,11 +1080,17 @@ fn invalid_configs_are_refused() {
             ..d
         },
         ShampooConfig {
-            grafting: Grafting::Adam { beta2: 0.0, eps: 1e-8 },
+            grafting: Grafting::Adam {
+                beta2: 0.0,
+                eps: 1e-8,
+            },
             ..d
         },
         ShampooConfig {
-            grafting: Grafting::RmsProp { beta2: 1.1, eps: 1e-8 },
+            grafting: Grafting::RmsProp {
+                beta2: 1.1,
+                eps: 1e-8,
+            },
             ..d
         },
     ];
@@ -1046,7 +1116,10 @@ fn non_finite_gradients_are_refused_before_anything_changes() {
             g[at] = bad;
             let (mut p, mut s) = (params.clone(), state.clone());
             let res = opt.step(&mut s, &shard, &mut p, &g, &SingleRank);
-            assert!(matches!(res, Err(Error::BadInput { .. })), "{bad} at {at}: {res:?}");
+            assert!(
+                matches!(res, Err(Error::BadInput { .. })),
+                "{bad} at {at}: {res:?}"
+            );
             assert_eq!(bits(&p), bits(&params));
             assert_eq!(s, state);
         }
@@ -1061,8 +1134,12 @@ fn step_refuses_buffers_of_the_wrong_length() {
     let g = vec![0.1; 12];
     let mut p = vec![0.0; 12];
     let mut s = good.clone();
-    assert!(opt.step(&mut s, &shard, &mut vec![0.0; 11], &g, &SingleRank).is_err());
-    assert!(opt.step(&mut s, &shard, &mut p, &g[..11], &SingleRank).is_err());
+    assert!(opt
+        .step(&mut s, &shard, &mut vec![0.0; 11], &g, &SingleRank)
+        .is_err());
+    assert!(opt
+        .step(&mut s, &shard, &mut p, &g[..11], &SingleRank)
+        .is_err());
     for k in 0..4 {
         let mut s = good.clone();
         match k {
@@ -1072,7 +1149,10 @@ fn step_refuses_buffers_of_the_wrong_length() {
             _ => s.roots.pop(),
         };
         let before = s.clone();
-        assert!(opt.step(&mut s, &shard, &mut p, &g, &SingleRank).is_err(), "case {k}");
+        assert!(
+            opt.step(&mut s, &shard, &mut p, &g, &SingleRank).is_err(),
+            "case {k}"
+        );
         assert_eq!(s, before);
     }
     // Grafting without an accumulator keeps no v.
@@ -1098,6 +1178,13 @@ fn time_a_1024_square_step() {
     let shard = whole_shard(&opt, &spec);
     let mut state = opt.init(&shard).unwrap();
     let mut params = scatter(&shard, &p0);
+    let a = spd(&mut Rng::new(2), 1024, 1024);
+    let t0 = std::time::Instant::now();
+    inverse_root(&a, 1024, None, 1e-12, 0.25).unwrap();
+    eprintln!(
+        "one 1024×1024 inverse root: {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
     for (k, g) in grads.iter().enumerate() {
         let g = scatter(&shard, g);
         let t0 = std::time::Instant::now();
