@@ -679,7 +679,7 @@ impl Optimizer for Shampoo {
                         Some(wd) => d + wd * *p,
                         None => d,
                     };
-                    *p = *p + neg_lr * d;
+                    *p += neg_lr * d;
                 }
             }
         }
@@ -695,7 +695,7 @@ fn norm(x: &[f32]) -> f32 {
         .sqrt() as f32
 }
 
-/// Lanes of the `f64` sums in [`dot`] and [`inverse_root`]: term `k` goes to lane `k mod 4`,
+/// Lanes of the `f64` sums in [`dot`] and [`dot_scaled`]: term `k` goes to lane `k mod 4`,
 /// and the lanes are added as `(s₀ + s₁) + (s₂ + s₃)`. A fixed order (so deterministic) that
 /// the compiler can vectorize, unlike one running sum.
 const LANES: usize = 4;
@@ -703,23 +703,39 @@ const LANES: usize = 4;
 /// `Σ_k a_k·b_k` of `f32` rows: exact products summed in `f64` in [`LANES`] fixed lanes.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f64 {
-    lanes_sum(a.len(), |k| f64::from(a[k]) * f64::from(b[k]))
+    let b = &b[..a.len()];
+    let mut s = [0.0f64; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for ((s, &x), &y) in s.iter_mut().zip(x).zip(y) {
+            *s += f64::from(x) * f64::from(y);
+        }
+    }
+    for (l, (&x, &y)) in ar.iter().zip(br).enumerate() {
+        s[l] += f64::from(x) * f64::from(y);
+    }
+    (s[0] + s[1]) + (s[2] + s[3])
 }
 
-/// `Σ_{k < n} term(k)` in [`LANES`] lanes, combined in a fixed order.
-#[inline(always)]
-fn lanes_sum(n: usize, term: impl Fn(usize) -> f64) -> f64 {
+/// `Σ_k d_k·(a_k·b_k)` in `f64`, in the lanes of [`dot`]; symmetric in `a` and `b`.
+#[inline]
+fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
+    let (a, b) = (&a[..d.len()], &b[..d.len()]);
     let mut s = [0.0f64; LANES];
-    let full = n / LANES * LANES;
-    let mut k = 0;
-    while k < full {
-        for (l, s) in s.iter_mut().enumerate() {
-            *s += term(k + l);
+    let (dc, ac, bc) = (
+        d.chunks_exact(LANES),
+        a.chunks_exact(LANES),
+        b.chunks_exact(LANES),
+    );
+    let (dr, ar, br) = (dc.remainder(), ac.remainder(), bc.remainder());
+    for ((d, x), y) in dc.zip(ac).zip(bc) {
+        for (((s, &d), &x), &y) in s.iter_mut().zip(d).zip(x).zip(y) {
+            *s += d * (x * y);
         }
-        k += LANES;
     }
-    for (l, k) in (full..n).enumerate() {
-        s[l] += term(k);
+    for (l, ((&d, &x), &y)) in dr.iter().zip(ar).zip(br).enumerate() {
+        s[l] += d * (x * y);
     }
     (s[0] + s[1]) + (s[2] + s[3])
 }
@@ -878,7 +894,7 @@ pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> O
         let qi = &qr[i * n..(i + 1) * n];
         for (j, o) in o.iter_mut().enumerate().skip(i) {
             let qj = &qr[j * n..(j + 1) * n];
-            *o = lanes_sum(n, |k| d[k] * (qi[k] * qj[k])) as f32;
+            *o = dot_scaled(&d, qi, qj) as f32;
         }
     };
     if n >= 64 {

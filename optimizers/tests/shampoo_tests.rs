@@ -667,8 +667,16 @@ fn sharded_shampoo_step_is_bitwise_equal_to_unsharded() {
         let whole = whole_shard(&opt, &spec);
         let (wp, ws) = run_rank(&opt, &whole, &p0, &grads);
         let want_p = gather(std::slice::from_ref(&whole), &[wp], &n);
-        let want_m = gather(std::slice::from_ref(&whole), &[ws.m.clone()], &n);
-        let want_v = gather(std::slice::from_ref(&whole), &[ws.v.clone()], &n);
+        let want_m = gather(
+            std::slice::from_ref(&whole),
+            std::slice::from_ref(&ws.m),
+            &n,
+        );
+        let want_v = gather(
+            std::slice::from_ref(&whole),
+            std::slice::from_ref(&ws.v),
+            &n,
+        );
         let mut want_f = Keyed::new();
         keyed_factors(&opt, &whole, &ws, &mut want_f);
         for coll_align in [1, 64] {
@@ -795,14 +803,14 @@ fn pure_grafting(c: &ShampooConfig, p0: &[f32], grads: &[Vec<f32>]) -> Vec<f32> 
                     gb / ((v[i] / bc2).sqrt() + eps as f32)
                 }
                 Grafting::AdaGrad { eps } => {
-                    v[i] = v[i] + g[i] * g[i];
+                    v[i] += g[i] * g[i];
                     gb / (v[i].sqrt() + eps as f32)
                 }
                 Grafting::Sgd | Grafting::None => gb,
                 Grafting::RmsProp { .. } => unreachable!(),
             };
             let d = pg + c.weight_decay as f32 * p[i];
-            p[i] = p[i] + (-c.lr) as f32 * d;
+            p[i] += (-c.lr) as f32 * d;
         }
     }
     p
@@ -1135,7 +1143,7 @@ fn step_refuses_buffers_of_the_wrong_length() {
     let mut p = vec![0.0; 12];
     let mut s = good.clone();
     assert!(opt
-        .step(&mut s, &shard, &mut vec![0.0; 11], &g, &SingleRank)
+        .step(&mut s, &shard, &mut [0.0; 11], &g, &SingleRank)
         .is_err());
     assert!(opt
         .step(&mut s, &shard, &mut p, &g[..11], &SingleRank)
