@@ -70,10 +70,11 @@
 //! # Precision
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
 //! tensor. Element operations are single `f32` operations in the order of the table, without
-//! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`) and
-//! the norms of step 7 accumulate exact `f32×f32` products in `f64` in a fixed order (four lanes, [`LANES`]) and round
-//! once (fb uses an `f32` GEMM); `bc₂` is an `f64` scalar rounded once (fb computes it in an
-//! `f32` tensor).
+//! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`,
+//! `Q·diag·Qᵀ`) accumulate exact products in `f64` in a fixed order (term `k` in lane
+//! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`) and round once, and the norms of step 7
+//! are `f64` sums (fb uses `f32` GEMMs and norms); `bc₂` is an `f64` scalar rounded once (fb
+//! computes it in an `f32` tensor).
 //!
 //! # Sharding and determinism
 //! A rank holds whole row blocks, hence whole Shampoo blocks, so it steps them with no
@@ -153,8 +154,9 @@ impl Grafting {
     }
 }
 
-/// Shampoo hyperparameters; the defaults are fb's `DistributedShampoo` defaults (with
-/// `use_decoupled_weight_decay = True`) and Adam grafting.
+/// Shampoo hyperparameters; the defaults are fb's `DistributedShampoo` defaults
+/// (`use_decoupled_weight_decay = True`, `grafting_config = None`; fb's README recommends
+/// grafting from the optimizer being replaced, e.g. [`Grafting::ADAM`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ShampooConfig {
     /// Learning rate (default `1e-2`).
@@ -178,7 +180,7 @@ pub struct ShampooConfig {
     pub start_preconditioning_step: Option<u64>,
     /// Root exponent `e` for every factor (default `None`: `1/(2·order)`).
     pub inverse_exponent_override: Option<f64>,
-    /// Grafting method (default [`Grafting::ADAM`]).
+    /// Grafting method (default [`Grafting::None`], fb's).
     pub grafting: Grafting,
 }
 
@@ -195,7 +197,7 @@ impl Default for ShampooConfig {
             precondition_frequency: 1,
             start_preconditioning_step: None,
             inverse_exponent_override: None,
-            grafting: Grafting::ADAM,
+            grafting: Grafting::None,
         }
     }
 }

@@ -957,6 +957,33 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
 }
 
 #[test]
+fn defaults_are_fb_distributed_shampoo_defaults() {
+    let d = ShampooConfig::default();
+    assert_eq!((d.lr, d.beta1, d.beta2), (1e-2, 0.9, 1.0));
+    assert_eq!((d.epsilon, d.weight_decay), (1e-12, 0.0));
+    assert!(d.use_bias_correction);
+    assert_eq!(d.max_preconditioner_dim, 1024);
+    assert_eq!((d.precondition_frequency, d.start_step()), (1, 1));
+    assert_eq!(d.inverse_exponent_override, None);
+    assert_eq!(d.grafting, Grafting::None);
+    assert_eq!(Grafting::ADAGRAD, Grafting::AdaGrad { eps: 1e-10 });
+    assert_eq!(
+        Grafting::RMSPROP,
+        Grafting::RmsProp {
+            beta2: 0.99,
+            eps: 1e-10
+        }
+    );
+    assert_eq!(
+        Grafting::ADAM,
+        Grafting::Adam {
+            beta2: 0.999,
+            eps: 1e-10
+        }
+    );
+}
+
+#[test]
 fn default_start_is_the_frequency_and_a_smaller_start_is_refused() {
     let c = ShampooConfig {
         precondition_frequency: 5,
@@ -1106,7 +1133,12 @@ fn invalid_configs_are_refused() {
         assert!(Shampoo::new(c).is_err(), "{c:?} accepted");
     }
     assert!(Shampoo::new(d).is_ok());
-    for grafting in [Grafting::None, Grafting::Sgd, Grafting::RMSPROP] {
+    for grafting in [
+        Grafting::Sgd,
+        Grafting::ADAGRAD,
+        Grafting::RMSPROP,
+        Grafting::ADAM,
+    ] {
         assert!(Shampoo::new(ShampooConfig { grafting, ..d }).is_ok());
     }
 }
