@@ -1211,13 +1211,8 @@ fn step_refuses_buffers_of_the_wrong_length() {
 #[test]
 #[ignore]
 fn time_a_1024_square_step() {
-    let c = ShampooConfig::default();
-    let opt = Shampoo::new(c).unwrap();
     let spec = specs(&[("w", &[1024, 1024])]);
     let (p0, grads) = data(&spec, 3, 1);
-    let shard = whole_shard(&opt, &spec);
-    let mut state = opt.init(&shard).unwrap();
-    let mut params = scatter(&shard, &p0);
     let a = spd(&mut Rng::new(2), 1024, 1024);
     let t0 = std::time::Instant::now();
     inverse_root(&a, 1024, None, 1e-12, 0.25).unwrap();
@@ -1225,16 +1220,33 @@ fn time_a_1024_square_step() {
         "one 1024×1024 inverse root: {:.3} s",
         t0.elapsed().as_secs_f64()
     );
-    for (k, g) in grads.iter().enumerate() {
-        let g = scatter(&shard, g);
-        let t0 = std::time::Instant::now();
-        opt.step(&mut state, &shard, &mut params, &g, &SingleRank)
-            .unwrap();
-        eprintln!(
-            "step {}: {:.3} s ({} rayon threads)",
-            k + 1,
-            t0.elapsed().as_secs_f64(),
-            rayon::current_num_threads()
-        );
+    // Roots every step (fb's defaults), then no roots (frequency 100: factor updates and
+    // products only).
+    for (what, c) in [
+        ("roots every step", ShampooConfig::default()),
+        (
+            "no roots",
+            ShampooConfig {
+                precondition_frequency: 100,
+                ..ShampooConfig::default()
+            },
+        ),
+    ] {
+        let opt = Shampoo::new(c).unwrap();
+        let shard = whole_shard(&opt, &spec);
+        let mut state = opt.init(&shard).unwrap();
+        let mut params = scatter(&shard, &p0);
+        for (k, g) in grads.iter().enumerate() {
+            let g = scatter(&shard, g);
+            let t0 = std::time::Instant::now();
+            opt.step(&mut state, &shard, &mut params, &g, &SingleRank)
+                .unwrap();
+            eprintln!(
+                "{what}, step {}: {:.3} s ({} rayon threads)",
+                k + 1,
+                t0.elapsed().as_secs_f64(),
+                rayon::current_num_threads()
+            );
+        }
     }
 }
