@@ -65,7 +65,9 @@
 //! `X = Q·diag(λ^(−e))·Qᵀ`, with `e = 1/(2·order)` or the override. The power and the
 //! product are evaluated in `f64` and rounded to `f32` once; `X` is exactly symmetric (its
 //! upper triangle is mirrored). When both precisions fail, or the factor is not finite, the
-//! previous root is kept (fb tolerates failed root computations and keeps the previous one).
+//! previous root is kept (fb also keeps the previous root, but raises after
+//! `num_tolerated_failed_amortized_computations` = 3 failures in a row; this crate keeps no
+//! failure counter and never raises).
 //!
 //! # Precision
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
@@ -387,10 +389,15 @@ impl ShampooState {
 /// elements long, starting at shard offset `at`; its factors start at `factor_at`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Block {
+    /// Shard offset of the block's first element.
     pub at: usize,
+    /// Row length of the parameter (elements between the block's rows).
     pub stride: usize,
+    /// Rows of the block (`≤ d`).
     pub rows: usize,
+    /// Columns of the block (`≤ d`).
     pub cols: usize,
+    /// Offset of the block's factors (and roots) in [`ShampooState::factors`].
     pub factor_at: usize,
 }
 
