@@ -29,4 +29,4 @@ pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
 pub use muon::{LrScale, Muon, MuonConfig, MuonState};
 pub use newton_schulz::{orthogonalize, NsConfig, QUINTIC};
-pub use shampoo::{inverse_root, Grafting, Shampoo, ShampooConfig, ShampooState};
+pub use shampoo::{inverse_root, inverse_root_f64, Grafting, Shampoo, ShampooConfig, ShampooState};

@@ -61,7 +61,7 @@
 //! `A = F / bc₂` (f32), `A ← A + ε·I` (fb's `perturb_before_computation`), then the symmetric
 //! eigendecomposition `A = Q·diag(λ)·Qᵀ` by nalgebra's `SymmetricEigen` in `f32`, retried in
 //! `f64` when it does not converge or returns a non-finite value (fb retries `eigh` in
-//! float64). If `λ_min < ε` every eigenvalue is shifted, `λ ← λ − λ_min + ε`; then
+//! float64; [`inverse_root_f64`] is that path alone). If `λ_min < ε` every eigenvalue is shifted, `λ ← λ − λ_min + ε`; then
 //! `X = Q·diag(λ^(−e))·Qᵀ`, with `e = 1/(2·order)` or the override. The power and the
 //! product are evaluated in `f64` and rounded to `f32` once; `X` is exactly symmetric (its
 //! upper triangle is mirrored). When both precisions fail, or the factor is not finite, the
@@ -846,6 +846,41 @@ fn precondition(b: &Block, gbar: &[f32], r: &[f32]) -> Vec<f32> {
 /// If `a` does not hold `n²` elements.
 #[track_caller]
 pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> Option<Vec<f32>> {
+    inverse_root_with(a, n, bc, eps, e, Precision::F32ThenF64)
+}
+
+/// [`inverse_root`] with the `f64` eigendecomposition only: the retry path, public so that it
+/// can be tested on its own (an `f32` failure is hard to provoke on purpose).
+///
+/// # Panics
+/// If `a` does not hold `n²` elements.
+#[track_caller]
+pub fn inverse_root_f64(
+    a: &[f32],
+    n: usize,
+    bc: Option<f32>,
+    eps: f64,
+    e: f64,
+) -> Option<Vec<f32>> {
+    inverse_root_with(a, n, bc, eps, e, Precision::F64)
+}
+
+/// Which eigendecompositions [`inverse_root_with`] tries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Precision {
+    F32ThenF64,
+    F64,
+}
+
+#[track_caller]
+fn inverse_root_with(
+    a: &[f32],
+    n: usize,
+    bc: Option<f32>,
+    eps: f64,
+    e: f64,
+    precision: Precision,
+) -> Option<Vec<f32>> {
     assert_eq!(
         a.len(),
         n * n,
@@ -864,21 +899,22 @@ pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> O
         m[i * n + i] += eps32;
     }
     let max_iter = 64 * n.max(8);
-    let f32_try =
-        SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter)
-            .filter(|s| {
-                s.eigenvalues.iter().all(|x| x.is_finite())
-                    && s.eigenvectors.iter().all(|x| x.is_finite())
-            })
-            .map(|s| {
-                (
-                    s.eigenvalues
-                        .iter()
-                        .map(|&x| f64::from(x))
-                        .collect::<Vec<_>>(),
-                    s.eigenvectors.map(f64::from),
-                )
-            });
+    let f32_try = (precision == Precision::F32ThenF64)
+        .then(|| SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter))
+        .flatten()
+        .filter(|s| {
+            s.eigenvalues.iter().all(|x| x.is_finite())
+                && s.eigenvectors.iter().all(|x| x.is_finite())
+        })
+        .map(|s| {
+            (
+                s.eigenvalues
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect::<Vec<_>>(),
+                s.eigenvectors.map(f64::from),
+            )
+        });
     let (lambda, q) = match f32_try {
         Some(x) => x,
         None => {

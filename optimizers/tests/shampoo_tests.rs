@@ -12,7 +12,9 @@ use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::{ema_sq_elem, lerp_elem};
 use ragged_optimizers::shampoo::Block;
-use ragged_optimizers::{inverse_root, Grafting, Shampoo, ShampooConfig, ShampooState};
+use ragged_optimizers::{
+    inverse_root, inverse_root_f64, Grafting, Shampoo, ShampooConfig, ShampooState,
+};
 
 mod harness;
 use harness::{
@@ -290,6 +292,30 @@ fn inverse_root_matches_an_f64_jacobi_reference() {
         }
     }
     eprintln!("inverse_root: worst relative error {worst:e}");
+}
+
+/// The f64 retry path alone: only the final rounding to f32 (relative `2⁻²⁴`) and f64
+/// eigenvector errors (`~1e-16·κ`) separate it from the reference, so `1e-6` relative.
+#[test]
+fn inverse_root_f64_retry_path_matches_the_reference_to_f32_rounding() {
+    let mut rng = Rng::new(31);
+    for n in [1usize, 2, 5, 16] {
+        for (k, eps) in [(2 * n + 4, 1e-12), (1, 1e-2)] {
+            for bc in [None, Some(0.4f32)] {
+                let a = spd(&mut rng, n, k);
+                let got = inverse_root_f64(&a, n, bc, eps, 0.25).unwrap();
+                let a64: Vec<f64> = a
+                    .iter()
+                    .map(|&x| f64::from(bc.map_or(x, |bc| x / bc)))
+                    .collect();
+                let err = root_error(&got, &root_f64(&a64, n, eps, 0.25));
+                assert!(
+                    err < 1e-6,
+                    "n {n}, rank {k}, bc {bc:?}: relative error {err}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
