@@ -29,7 +29,8 @@
 //! operations without FMA (see [`crate::adamw`] for the precision contract).
 //!
 //! # Differences from torch
-//! - Working dtype `f32`, not bf16 (torch casts the NS input to bf16).
+//! - Working dtype `f32` by default, not bf16 (torch casts the NS input to bf16); set
+//!   [`NsConfig::precision`] to `Bf16` for torch's dtype (see [`crate::newton_schulz`]).
 //! - The Frobenius norm is summed in `f64` (see [`crate::newton_schulz`]).
 //! - torch refuses non-2-D parameters; here `[…, m, n]` runs NS per trailing matrix and the
 //!   rest falls back to AdamW.
@@ -47,8 +48,6 @@
 //! first moment on AdamW pieces; `v` holds Adam's second moment on AdamW pieces and stays zero
 //! on Muon pieces; `step` counts steps (AdamW's bias correction uses it).
 
-use rayon::prelude::*;
-
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer, ParamMeta};
 use ragged::{AtomicBlock, Error, Result};
@@ -57,7 +56,7 @@ use crate::adamw::{adamw_update, AdamState, AdamW, AdamWConfig};
 use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, AdamScale, MomentCoeffs,
 };
-use crate::newton_schulz::{orthogonalize, NsConfig};
+use crate::newton_schulz::{orthogonalize, orthogonalize_batch, NsConfig};
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
 pub type MuonState = AdamState;
@@ -277,7 +276,7 @@ impl Optimizer for Muon {
                     neg_lr: self.neg_adjusted_lr(rows, cols),
                     ns: &c.ns,
                 };
-                step.apply_all(&mut params[r.clone()], &grads[r.clone()], &mut state.m[r]);
+                step.apply_all(&mut params[r.clone()], &grads[r.clone()], &mut state.m[r])?;
             } else {
                 adamw_update(
                     &mut params[r.clone()],
@@ -312,10 +311,13 @@ pub struct MatrixStep<'a> {
 impl MatrixStep<'_> {
     /// Steps 1–5 on one `rows × cols` matrix: parameters `p`, gradient `g`, momentum buffer `m`.
     ///
+    /// # Errors
+    /// Those of [`orthogonalize`] (after step 1 has updated `m`; `p` is then unchanged).
+    ///
     /// # Panics
     /// If a slice does not hold `rows·cols` elements.
     #[track_caller]
-    pub fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
+    pub fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) -> Result<()> {
         let mn = self.rows * self.cols;
         assert!(
             p.len() == mn && g.len() == mn && m.len() == mn,
@@ -326,21 +328,32 @@ impl MatrixStep<'_> {
             self.rows,
             self.cols
         );
+        let mut u = self.momentum_and_input(g, m);
+        orthogonalize(&mut u, self.rows, self.cols, self.ns)?;
+        self.update_params(p, &u);
+        Ok(())
+    }
+
+    /// Steps 1–2 (element-wise): updates `m`, returns the Newton–Schulz input.
+    fn momentum_and_input(&self, g: &[f32], m: &mut [f32]) -> Vec<f32> {
         let w = (1.0 - self.momentum) as f32;
         let mu = self.momentum as f32;
         for (m, &g) in m.iter_mut().zip(g) {
             *m = lerp_elem(*m, g, w);
         }
-        let mut u: Vec<f32> = if self.nesterov {
+        if self.nesterov {
             g.iter()
                 .zip(m.iter())
                 .map(|(&g, &m)| lerp_elem(g, m, mu))
                 .collect()
         } else {
             m.to_vec()
-        };
-        orthogonalize(&mut u, self.rows, self.cols, self.ns);
-        for (p, &o) in p.iter_mut().zip(&u) {
+        }
+    }
+
+    /// Steps 4–5 (element-wise).
+    fn update_params(&self, p: &mut [f32], o: &[f32]) {
+        for (p, &o) in p.iter_mut().zip(o) {
             let p0 = match self.decay {
                 Some(d) => decay_elem(*p, d),
                 None => *p,
@@ -349,13 +362,17 @@ impl MatrixStep<'_> {
         }
     }
 
-    /// [`MatrixStep::apply`] on each of the whole matrices in `p`, `g`, `m` (in parallel; the
-    /// matrices are independent, so the split changes no bit).
+    /// [`MatrixStep::apply`] on each of the whole matrices in `p`, `g`, `m`: the element-wise
+    /// steps over the whole slices, Newton–Schulz by [`orthogonalize_batch`] (which decides by
+    /// shape whether threads split the matrices or each product; the bits are the same).
+    ///
+    /// # Errors
+    /// As [`MatrixStep::apply`].
     ///
     /// # Panics
     /// If the slices differ in length or do not hold whole matrices.
     #[track_caller]
-    pub fn apply_all(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
+    pub fn apply_all(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) -> Result<()> {
         let mn = self.rows * self.cols;
         assert!(
             p.len() == g.len() && p.len() == m.len() && (mn == 0 || p.len() % mn == 0),
@@ -365,11 +382,11 @@ impl MatrixStep<'_> {
             self.cols
         );
         if mn == 0 {
-            return;
+            return Ok(());
         }
-        p.par_chunks_mut(mn)
-            .zip(g.par_chunks(mn))
-            .zip(m.par_chunks_mut(mn))
-            .for_each(|((p, g), m)| self.apply(p, g, m));
+        let mut u = self.momentum_and_input(g, m);
+        orthogonalize_batch(&mut u, self.rows, self.cols, self.ns)?;
+        self.update_params(p, &u);
+        Ok(())
     }
 }
