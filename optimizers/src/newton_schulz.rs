@@ -16,8 +16,13 @@
 //! |---|---|---|---|---|
 //! | `Reference` | plain loops (the oracle) | the same loops, rounding to bf16 after each op | rayon, by output row | input bits only |
 //! | `Gemm` | `gemm` crate, fused forms, symmetric products | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or across a batch | input bits and the CPU's microkernel, not the thread count |
-//! | `OneDnn` | — (`Err`) | oneDNN matmul primitive (AMX), loaded at run time | oneDNN's OpenMP threads | input bits, the CPU and `OMP_NUM_THREADS` |
-//! | `Auto` (default) | `Gemm` | `OneDnn` when it loads, else `Gemm` | | |
+//! | `OneDnn` | oneDNN `f32` matmul primitive | oneDNN bf16 matmul primitive (AMX) | oneDNN's OpenMP threads | input bits, the CPU and `OMP_NUM_THREADS` |
+//! | `Auto` (default) | `Gemm` | `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
+//!
+//! oneDNN is opened at run time ([`crate::kernels::onednn`]); an explicit `OneDnn` returns
+//! `Err` where it is missing or (bf16) where this CPU has no bf16 matmul (oneDNN 2.6 needs
+//! AVX-512). Its `f32` path exists to test the oneDNN plumbing on any CPU; `Auto` never picks
+//! it (gemm is faster).
 //!
 //! [`ns_backend_info`] says which backend and instruction set run here.
 //!
@@ -58,7 +63,7 @@ use rayon::prelude::*;
 use ragged::{Error, Result};
 
 use crate::kernels::gemm_f32;
-use crate::kernels::onednn::{self, DnnlError};
+use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::Parallelism;
 
 /// Keller Jordan's quintic coefficients, torch.optim.Muon's default `(a, b, c)`.
@@ -117,7 +122,8 @@ pub enum NsBackend {
     Reference,
     /// The `gemm` crate (`f32`; bf16 as rounded `f32`).
     Gemm,
-    /// oneDNN's bf16 matmul primitive (bf16 only; `Err` when oneDNN is not available).
+    /// oneDNN's matmul primitive (`Err` when oneDNN, or for bf16 its bf16 matmul, is not
+    /// available).
     OneDnn,
 }
 
@@ -207,23 +213,28 @@ impl NsConfig {
     }
 }
 
+/// Whether oneDNN loads and has the bf16 matmuls Newton–Schulz needs on this CPU.
+fn onednn_bf16() -> std::result::Result<String, DnnlError> {
+    onednn::onednn()?.bf16_impl()
+}
+
 /// The concrete backend `backend` means for `precision` here: `Auto` resolved; `Err` for
-/// `OneDnn` with `F32`, or `OneDnn` when oneDNN does not load (the error says why).
+/// `OneDnn` when oneDNN does not load or, for `Bf16`, has no bf16 matmul on this CPU (the
+/// error says why).
 pub fn resolve_backend(precision: NsPrecision, backend: NsBackend) -> Result<NsBackend> {
     match (precision, backend) {
         (NsPrecision::F32, NsBackend::Auto) => Ok(NsBackend::Gemm),
-        (NsPrecision::Bf16, NsBackend::Auto) => Ok(if onednn::onednn().is_ok() {
+        (NsPrecision::Bf16, NsBackend::Auto) => Ok(if onednn_bf16().is_ok() {
             NsBackend::OneDnn
         } else {
             NsBackend::Gemm
         }),
-        (NsPrecision::F32, NsBackend::OneDnn) => Err(Error::BadInput {
-            op: "newton_schulz::resolve_backend",
-            what: "backend = OneDnn, precision = F32".into(),
-            reason: "the oneDNN backend runs bf16 only; use Gemm or Auto for f32".into(),
-        }),
-        (NsPrecision::Bf16, NsBackend::OneDnn) => {
+        (NsPrecision::F32, NsBackend::OneDnn) => {
             onednn::onednn()?;
+            Ok(NsBackend::OneDnn)
+        }
+        (NsPrecision::Bf16, NsBackend::OneDnn) => {
+            onednn_bf16()?;
             Ok(NsBackend::OneDnn)
         }
         (_, b) => Ok(b),
@@ -276,7 +287,7 @@ pub fn ns_backend_info() -> NsBackendInfo {
         rayon::current_num_threads()
     );
     let (bf16_backend, bf16) = match onednn::onednn().and_then(|d| {
-        let isa = d.impl_for(1024)?;
+        let isa = d.bf16_impl()?;
         Ok(format!(
             "oneDNN {} matmul primitive, {isa}, OpenMP threads",
             d.version()
@@ -431,29 +442,29 @@ fn iterate_f32(
     }
 }
 
-/// Step 3 in bf16 on oneDNN's matmul primitive.
-fn iterate_onednn(
+/// Step 3 on oneDNN's matmul primitive, in `T` (bf16: `xw` holds bf16 values on entry).
+fn iterate_onednn<T: Element>(
     xw: &mut [f32],
     s: usize,
     l: usize,
     cfg: &NsConfig,
 ) -> std::result::Result<(), DnnlError> {
     let d = onednn::onednn()?;
-    let mut x: Vec<bf16> = xw.iter().map(|&v| bf16::from_f32(v)).collect();
-    let zero = bf16::from_f32(0.0);
+    let mut x: Vec<T> = xw.iter().map(|&v| T::from_f32(v)).collect();
+    let zero = T::from_f32(0.0);
     let mut p = vec![zero; s * s];
     let mut q = vec![zero; s * s];
     let mut y = vec![zero; s * l];
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         // P = X·Xᵀ: the weights Xᵀ (l×s) are X read transposed.
-        d.matmul_bf16(s, s, l, &x, &x, true, &mut p, 1.0, None)?;
+        d.matmul(s, s, l, &x, &x, true, &mut p, 1.0, None)?;
         // Q = c·P·P + b·P.
         q.copy_from_slice(&p);
-        d.matmul_bf16(s, s, s, &p, &p, false, &mut q, c, Some(b))?;
+        d.matmul(s, s, s, &p, &p, false, &mut q, c, Some(b))?;
         // X ← Q·X + a·X.
         y.copy_from_slice(&x);
-        d.matmul_bf16(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
+        d.matmul(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
         std::mem::swap(&mut x, &mut y);
     }
     for (o, v) in xw.iter_mut().zip(&x) {
@@ -508,7 +519,8 @@ fn ns_one(
     match backend {
         NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps),
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par)),
-        NsBackend::OneDnn => iterate_onednn(&mut xw, s, l, cfg)?,
+        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg)?,
+        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg)?,
         NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
     }
     // Step 4.

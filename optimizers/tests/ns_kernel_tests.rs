@@ -156,7 +156,19 @@ fn singular_range(x: &[f32], rows: usize, cols: usize) -> (f64, f64) {
         .fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)))
 }
 
-/// The oneDNN handle, or `None` after printing why the test skips.
+/// Whether oneDNN loads and runs bf16 matmuls here; prints why a test skips when not (oneDNN
+/// 2.6 has no bf16 matmul without AVX-512, e.g. on AVX2-only AMD EPYC).
+fn onednn_bf16_or_skip(test: &str) -> bool {
+    match onednn::onednn().and_then(|d| d.bf16_impl()) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("{test}: skipped, oneDNN bf16 unavailable: {e}");
+            false
+        }
+    }
+}
+
+/// Whether oneDNN loads (its f32 matmul runs on any x86-64); prints why a test skips if not.
 fn onednn_or_skip(test: &str) -> bool {
     match onednn::onednn() {
         Ok(_) => true,
@@ -188,10 +200,11 @@ const SHAPES: [(usize, usize); 9] = [
 /// Gemm vs the reference loops, both f32: they differ only in summation order (and gemm's
 /// fused multiply-adds). One product's relative error is about `√k·2⁻²⁴ ≲ 1.5e-6` for
 /// `k ≤ 560`; 5 steps amplify it at most by the polynomial's slope (`a = 3.4445` near 0,
-/// below 1.5 near the band), and singular values near 0 are rare for these shapes. Observed
-/// below 2e-6 (seed 21); the tolerance `1e-5` is a few times that and far below what any bug
-/// (a wrong coefficient, a missing mirror, a transposed operand) gives (`> 1e-2`).
-const GEMM_VS_REFERENCE_REL: f64 = 1e-5;
+/// below 1.5 near the band). Observed (seed 21, AVX2 gemm kernels) 4e-7–2.6e-6, and 4.3e-6
+/// for 3×200 (small singular values get the full slope). The tolerance `2e-5` leaves room for
+/// other microkernels (AVX-512 sums in another order) and is far below what any bug (a wrong
+/// coefficient, a missing mirror, a transposed operand) gives (`> 1e-2`).
+const GEMM_VS_REFERENCE_REL: f64 = 2e-5;
 
 #[test]
 fn gemm_f32_matches_the_reference_loops() {
@@ -210,8 +223,7 @@ fn gemm_f32_matches_the_reference_loops() {
 
 /// Gemm f32 vs an f64 NS: the f32 rounding of each product (≈ `√k·2⁻²⁴`) amplified over 5
 /// steps as above, plus the steeper schedules' larger slopes (dion's `a = 4.08`, Polar
-/// Express's `a = 8.16` in step 1). Observed up to about 5e-6 (Polar Express); tolerance
-/// `5e-5`.
+/// Express's `a = 8.16` in step 1). Observed up to 6.7e-6; tolerance `5e-5`.
 const GEMM_VS_F64_REL: f64 = 5e-5;
 
 #[test]
@@ -296,27 +308,109 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 1b. oneDNN plumbing in f32 (runs wherever oneDNN loads, AVX-512 or not)
+// ---------------------------------------------------------------------------------------------
+
+/// One oneDNN f32 matmul vs gemm: only the summation order differs, relative error about
+/// `√k·2⁻²⁴ ≈ 1e-6` for `k ≤ 300` (observed ≤ 8e-8); tolerance `1e-5`. A wrong layout tag, a dropped scale
+/// or sum, or a transposed operand gives errors of order 1.
+#[test]
+fn onednn_f32_matmul_with_scale_sum_and_transposed_weights_matches_gemm() {
+    use ragged_optimizers::kernels::{gemm_f32, Parallelism};
+    if !onednn_or_skip("onednn_f32_matmul_with_scale_sum_and_transposed_weights_matches_gemm") {
+        return;
+    }
+    let d = onednn::onednn().unwrap();
+    let mut rng = Rng::new(31);
+    for (m, n, k) in [(7, 5, 3), (64, 48, 80), (300, 17, 129), (1, 9, 4)] {
+        let a = rng.units(m * k);
+        let b = rng.units(k * n);
+        let c0 = rng.units(m * n);
+        // bᵀ (n×k) row-major, for the transposed-weights layout.
+        let mut bt = vec![0.0f32; n * k];
+        for i in 0..k {
+            for j in 0..n {
+                bt[j * k + i] = b[i * n + j];
+            }
+        }
+        for (scale, sum) in [
+            (1.0f32, None),
+            (-2.5f32, Some(0.75f32)),
+            (1.0, Some(3.4445)),
+        ] {
+            let mut want = c0.clone();
+            gemm_f32::matmul(
+                m,
+                n,
+                k,
+                &a,
+                &b,
+                &mut want,
+                sum.is_some(),
+                sum.unwrap_or(0.0),
+                scale,
+                Parallelism::None,
+            );
+            for transposed in [false, true] {
+                let mut got = c0.clone();
+                let wei = if transposed { &bt } else { &b };
+                d.matmul(m, n, k, &a, wei, transposed, &mut got, scale, sum)
+                    .unwrap();
+                let err = rel_frob(&got, &widen(&want));
+                assert!(
+                    err <= 1e-5,
+                    "{m}×{n}×{k} scale {scale} sum {sum:?} transposed {transposed}: {err:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn onednn_f32_newton_schulz_matches_gemm() {
+    if !onednn_or_skip("onednn_f32_newton_schulz_matches_gemm") {
+        return;
+    }
+    let mut rng = Rng::new(37);
+    for (rows, cols) in SHAPES {
+        let x = rng.units(rows * cols);
+        let want = run(&x, rows, cols, &cfg(NsPrecision::F32, NsBackend::Gemm));
+        let got = run(&x, rows, cols, &cfg(NsPrecision::F32, NsBackend::OneDnn));
+        let err = rel_frob(&got, &widen(&want));
+        assert!(
+            err <= GEMM_VS_REFERENCE_REL,
+            "{rows}×{cols}: oneDNN f32 vs gemm relative Frobenius error {err:e}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // 2. bf16
 // ---------------------------------------------------------------------------------------------
 
 /// bf16 vs f32 NS. bf16 keeps 8 significant bits (unit roundoff `u = 2⁻⁹ ≈ 2e-3`); each step
 /// rounds `P`, `Q` and `X` once (error `≈ u` each, relative to the entry), and the iteration
 /// is contracting near the band but can amplify by up to `a ≈ 3.4` for small singular values,
-/// so a few `u` per step accumulate to `~1e-2`. Observed 5e-3–9e-3 (seed 17); the tolerance
-/// `3e-2` is well below a real error (a missing step or wrong sign changes the result by
-/// `> 0.1`).
+/// so a few `u` per step accumulate to `~1e-2`. Observed 7e-3 (1×9) to 1.4e-2 (48×80), seed
+/// 17, for the reference and portable paths; the tolerance `3e-2` is well below a real error
+/// (a missing step or a wrong sign changes the result by `> 0.1`).
 const BF16_VS_F32_REL: f64 = 3e-2;
 
 #[test]
 fn bf16_newton_schulz_matches_f32_within_bf16_rounding() {
     let mut rng = Rng::new(17);
     let mut backends = vec![NsBackend::Reference, NsBackend::Gemm];
-    if onednn_or_skip("bf16_newton_schulz_matches_f32 (OneDnn part)") {
+    if onednn_bf16_or_skip("bf16_newton_schulz_matches_f32 (OneDnn part)") {
         backends.push(NsBackend::OneDnn);
     }
     for (rows, cols) in [(48, 80), (80, 48), (300, 420), (1, 9), (520, 560)] {
         let x = rng.units(rows * cols);
-        let want = widen(&run(&x, rows, cols, &cfg(NsPrecision::F32, NsBackend::Gemm)));
+        let want = widen(&run(
+            &x,
+            rows,
+            cols,
+            &cfg(NsPrecision::F32, NsBackend::Gemm),
+        ));
         for &b in &backends {
             let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, b));
             let err = rel_frob(&got, &want);
@@ -340,7 +434,7 @@ fn bf16_singular_values_land_in_the_quintic_band() {
     // so the bound checked is [0.6, 1.25].
     let mut rng = Rng::new(11);
     let mut backends = vec![NsBackend::Gemm, NsBackend::Reference];
-    if onednn_or_skip("bf16_singular_values (OneDnn part)") {
+    if onednn_bf16_or_skip("bf16_singular_values (OneDnn part)") {
         backends.push(NsBackend::OneDnn);
     }
     for (rows, cols) in [(48, 80), (80, 48), (16, 24)] {
@@ -359,19 +453,25 @@ fn bf16_singular_values_land_in_the_quintic_band() {
 /// oneDNN vs the portable bf16 path: both round the same quantities once per operation, but
 /// their `f32` accumulation orders differ, so some results fall on the other side of a bf16
 /// rounding boundary (one bf16 ulp, `2⁻⁸` relative); those flips propagate through the
-/// remaining steps like the rounding itself. Observed ≈ 4e-3 (seed 19); tolerance `2e-2`,
-/// below the bf16-vs-f32 bound, far below a real error.
+/// remaining steps like the rounding itself, so the difference is of the order of the
+/// bf16-vs-f32 one (≈ 1e-2). Not observed here (no AVX-512 on the development host);
+/// tolerance `2e-2`, below the bf16-vs-f32 bound, far below a real error.
 const ONEDNN_VS_PORTABLE_REL: f64 = 2e-2;
 
 #[test]
 fn onednn_bf16_agrees_with_the_portable_bf16_path() {
-    if !onednn_or_skip("onednn_bf16_agrees_with_the_portable_bf16_path") {
+    if !onednn_bf16_or_skip("onednn_bf16_agrees_with_the_portable_bf16_path") {
         return;
     }
     let mut rng = Rng::new(19);
     for (rows, cols) in [(64, 64), (100, 37), (37, 100), (1, 9), (9, 1), (520, 560)] {
         let x = rng.units(rows * cols);
-        let want = widen(&run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::Gemm)));
+        let want = widen(&run(
+            &x,
+            rows,
+            cols,
+            &cfg(NsPrecision::Bf16, NsBackend::Gemm),
+        ));
         let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::OneDnn));
         let err = rel_frob(&got, &want);
         assert!(
@@ -391,14 +491,15 @@ fn backend_resolution_and_info_name_what_runs() {
         resolve_backend(NsPrecision::F32, NsBackend::Auto).unwrap(),
         NsBackend::Gemm
     );
-    assert!(
-        resolve_backend(NsPrecision::F32, NsBackend::OneDnn).is_err(),
-        "oneDNN runs bf16 only"
+    assert_eq!(
+        resolve_backend(NsPrecision::F32, NsBackend::OneDnn).is_ok(),
+        onednn::onednn().is_ok()
     );
     let info = ns_backend_info();
+    eprintln!("{info}");
     let bf16 = resolve_backend(NsPrecision::Bf16, NsBackend::Auto).unwrap();
     assert_eq!(info.bf16_backend, bf16);
-    match onednn::onednn() {
+    match onednn::onednn().and_then(|d| d.bf16_impl()) {
         Ok(_) => {
             assert_eq!(bf16, NsBackend::OneDnn);
             assert!(info.bf16.contains("oneDNN"), "{info}");
@@ -427,6 +528,9 @@ fn all_configs() -> Vec<NsConfig> {
         cfg(NsPrecision::Bf16, NsBackend::Gemm),
     ];
     if onednn::onednn().is_ok() {
+        v.push(cfg(NsPrecision::F32, NsBackend::OneDnn));
+    }
+    if onednn::onednn().and_then(|d| d.bf16_impl()).is_ok() {
         v.push(cfg(NsPrecision::Bf16, NsBackend::OneDnn));
     }
     v
@@ -470,11 +574,7 @@ fn a_vector_is_normalized_then_mapped_by_the_scalar_polynomial() {
     // σ ← aσ + bσ³ + cσ⁵ per step. Checked against that scalar recursion in f64.
     let mut rng = Rng::new(23);
     let x = rng.units(9);
-    let norm = x
-        .iter()
-        .map(|&v| f64::from(v).powi(2))
-        .sum::<f64>()
-        .sqrt();
+    let norm = x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
     let mut sigma = 1.0f64;
     let [a, b, c] = QUINTIC.map(f64::from);
     for _ in 0..5 {
@@ -531,13 +631,14 @@ fn named_schedules_are_the_published_values() {
     assert!((f64::from(POLAR_EXPRESS[0][0]) - 8.156554524902461).abs() < 1e-6);
     p.validate().unwrap();
     d.validate().unwrap();
-    // Polar Express lands closer to 1 than the quintic: check its band on a wide matrix.
+    // Polar Express lands closer to 1 than the quintic's [0.7, 1.2]: observed [0.86, 1.12] on
+    // this 40×72 matrix; checked against [0.8, 1.15].
     let mut rng = Rng::new(29);
     let x = rng.units(40 * 72);
     let y = run(&x, 40, 72, &p);
     let (lo, hi) = singular_range(&y, 40, 72);
     assert!(
-        lo > 0.8 && hi < 1.1,
+        lo > 0.8 && hi < 1.15,
         "Polar Express: singular values in [{lo}, {hi}]"
     );
 }
@@ -546,75 +647,91 @@ fn named_schedules_are_the_published_values() {
 // 4. Throughput (not a test of speed; run with --ignored --nocapture in release)
 // ---------------------------------------------------------------------------------------------
 
-/// GFLOP/s of NS (nominal `steps·(4·s²·l + 2·s³)` flops) and of plain GEMMs, same run.
+/// GFLOP/s of NS (nominal `steps·(4·s²·l + 2·s³)` flops) and of plain GEMMs, in the same run:
+/// the kernels are measured in interleaved rounds and each keeps its best time, so load from
+/// other processes on a shared host hits them alike.
 #[test]
-#[ignore = "benchmark: cargo test --release -p ragged-optimizers --test ns_kernel_tests -- --ignored --nocapture"]
+#[ignore = "benchmark: cargo test -p ragged-optimizers --test ns_kernel_tests -- --ignored --nocapture ns_throughput (the test profile is opt-level 3)"]
 fn ns_throughput() {
     use half::bf16;
     use ragged_optimizers::kernels::{gemm_f32, Parallelism};
     use std::time::Instant;
     eprintln!("{}", ns_backend_info());
-    let best = |reps: usize, f: &mut dyn FnMut()| {
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
         f();
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .fold(f64::MAX, f64::min)
+        t.elapsed().as_secs_f64()
     };
     let mut rng = Rng::new(1);
+    let dnn = onednn::onednn().ok();
+    let dnn_bf16 = dnn.filter(|d| d.bf16_impl().is_ok());
     for n in [1024usize, 2048] {
-        let reps = if n <= 1024 { 5 } else { 3 };
+        let rounds = if n <= 1024 { 5 } else { 3 };
         let x = rng.units(n * n);
-        let gemm_flops = 2.0 * (n as f64).powi(3);
-        let ns_flops = 5.0 * 6.0 * (n as f64).powi(3);
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mm = 2.0 * (n as f64).powi(3);
+        let ns = 5.0 * 6.0 * (n as f64).powi(3);
         let par = Parallelism::Rayon(rayon::current_num_threads());
         let mut out = vec![0.0f32; n * n];
-        let t = best(reps, &mut || {
-            gemm_f32::matmul(n, n, n, &x, &x, &mut out, false, 0.0, 1.0, par)
-        });
-        let gemm_f = gemm_flops / t / 1e9;
-        let c = cfg(NsPrecision::F32, NsBackend::Gemm);
-        let t = best(reps, &mut || {
+        let mut outb = vec![bf16::from_f32(0.0); n * n];
+        let ns_run = |c: &NsConfig| {
             let mut y = x.clone();
-            orthogonalize(&mut y, n, n, &c).unwrap();
-        });
-        let ns_f = ns_flops / t / 1e9;
-        eprintln!(
-            "n={n}: gemm f32 {gemm_f:.1} GFLOP/s; NS f32 (gemm) {ns_f:.1} GFLOP/s = {:.0} % of \
-             269 peak, {:.0} % of gemm",
-            100.0 * ns_f / 269.0,
-            100.0 * ns_f / gemm_f
-        );
-        let cb = cfg(NsPrecision::Bf16, NsBackend::Gemm);
-        let t = best(1, &mut || {
-            let mut y = x.clone();
-            orthogonalize(&mut y, n, n, &cb).unwrap();
-        });
-        eprintln!("n={n}: NS bf16 (portable) {:.1} GFLOP/s", ns_flops / t / 1e9);
-        if let Ok(d) = onednn::onednn() {
-            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-            let mut ob = vec![bf16::from_f32(0.0); n * n];
-            let mut isa = String::new();
-            let t = best(reps, &mut || {
-                isa = d
-                    .matmul_bf16(n, n, n, &xb, &xb, false, &mut ob, 1.0, None)
-                    .unwrap();
-            });
-            let mm = gemm_flops / t / 1e9;
-            let co = cfg(NsPrecision::Bf16, NsBackend::OneDnn);
-            let t = best(reps, &mut || {
-                let mut y = x.clone();
-                orthogonalize(&mut y, n, n, &co).unwrap();
-            });
-            let ns_b = ns_flops / t / 1e9;
-            eprintln!(
-                "n={n}: matmul bf16 (oneDNN, {isa}) {mm:.1} GFLOP/s; NS bf16 (oneDNN) \
-                 {ns_b:.1} GFLOP/s = {:.0} % of the bf16 matmul",
-                100.0 * ns_b / mm
-            );
+            orthogonalize(&mut y, n, n, c).unwrap();
+        };
+        // (name, flops, best seconds)
+        let mut rows: Vec<(String, f64, f64)> = Vec::new();
+        let mut record =
+            |name: &str, flops: f64, t: f64| match rows.iter_mut().find(|r| r.0 == name) {
+                Some(r) => r.2 = r.2.min(t),
+                None => rows.push((name.to_string(), flops, t)),
+            };
+        for round in 0..=rounds {
+            // Round 0 warms up (primitive creation, page faults) and is not recorded.
+            let mut rec = |name: &str, flops: f64, t: f64| {
+                if round > 0 {
+                    record(name, flops, t)
+                }
+            };
+            let t = time(&mut || gemm_f32::matmul(n, n, n, &x, &x, &mut out, false, 0.0, 1.0, par));
+            rec("matmul f32 (gemm)", mm, t);
+            let t = time(&mut || ns_run(&cfg(NsPrecision::F32, NsBackend::Gemm)));
+            rec("NS f32 (gemm)", ns, t);
+            if let Some(d) = dnn {
+                let t = time(&mut || {
+                    d.matmul(n, n, n, &x, &x, false, &mut out, 1.0, None)
+                        .unwrap();
+                });
+                rec("matmul f32 (oneDNN)", mm, t);
+                let t = time(&mut || ns_run(&cfg(NsPrecision::F32, NsBackend::OneDnn)));
+                rec("NS f32 (oneDNN)", ns, t);
+            }
+            if let Some(d) = dnn_bf16 {
+                let t = time(&mut || {
+                    d.matmul(n, n, n, &xb, &xb, false, &mut outb, 1.0, None)
+                        .unwrap();
+                });
+                rec("matmul bf16 (oneDNN)", mm, t);
+                let t = time(&mut || ns_run(&cfg(NsPrecision::Bf16, NsBackend::OneDnn)));
+                rec("NS bf16 (oneDNN)", ns, t);
+            }
+            if round <= 1 {
+                let t = time(&mut || ns_run(&cfg(NsPrecision::Bf16, NsBackend::Gemm)));
+                rec("NS bf16 (portable)", ns, t);
+            }
         }
+        let gf = |name: &str| rows.iter().find(|r| r.0 == name).map(|r| r.1 / r.2 / 1e9);
+        for (name, flops, t) in &rows {
+            eprintln!("n={n}: {name:22} {:7.1} GFLOP/s", flops / t / 1e9);
+        }
+        let ratio = |a: &str, b: &str| match (gf(a), gf(b)) {
+            (Some(a), Some(b)) => format!("{:.0} %", 100.0 * a / b),
+            _ => "n/a".into(),
+        };
+        eprintln!(
+            "n={n}: NS f32 (gemm) / matmul f32 (gemm) = {}; NS bf16 (oneDNN) / matmul bf16 \
+             (oneDNN) = {}",
+            ratio("NS f32 (gemm)", "matmul f32 (gemm)"),
+            ratio("NS bf16 (oneDNN)", "matmul bf16 (oneDNN)")
+        );
     }
 }

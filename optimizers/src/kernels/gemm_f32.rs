@@ -16,8 +16,9 @@
 use gemm::Parallelism;
 
 /// Symmetric products with a side of at most this many rows are computed as one full GEMM;
-/// larger ones split into halves (the off-diagonal block once, then mirrored). Measured on
-/// the 2-vCPU Emerald Rapids host: 256 beats 128 and 512 at sides 1024–2048.
+/// larger ones split into halves (the off-diagonal block once, then mirrored), so every GEMM
+/// keeps a side of at least 128 (smaller products run far from gemm's peak). Not tuned: the
+/// shared development host was too noisy to rank 128, 256 and 512.
 pub const SYM_LEAF: usize = 256;
 
 /// A strided read-only view of a matrix: `ptr[i·rs + j·cs]` is element `(i, j)`.
@@ -35,9 +36,7 @@ impl View {
     /// `(i, j)` must lie inside the viewed allocation.
     unsafe fn at(self, i: usize, j: usize) -> View {
         View {
-            ptr: self
-                .ptr
-                .offset(i as isize * self.rs + j as isize * self.cs),
+            ptr: self.ptr.offset(i as isize * self.rs + j as isize * self.cs),
             ..self
         }
     }
@@ -63,8 +62,25 @@ unsafe fn gemm_raw(
     par: Parallelism,
 ) {
     gemm::gemm(
-        m, n, k, dst, 1, ldd as isize, read_dst, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs,
-        rhs.rs, alpha, beta, false, false, false, par,
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ldd as isize,
+        read_dst,
+        lhs.ptr,
+        lhs.cs,
+        lhs.rs,
+        rhs.ptr,
+        rhs.cs,
+        rhs.rs,
+        alpha,
+        beta,
+        false,
+        false,
+        false,
+        par,
     );
 }
 

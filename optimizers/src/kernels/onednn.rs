@@ -6,6 +6,11 @@
 //! falls back to the portable bf16 path. Only the matmul primitive reaches the AMX tile units
 //! (`brg:avx512_core_amx_bf16`); oneDNN's BLAS-like `dnnl_gemm_bf16bf16f32` does not.
 //!
+//! oneDNN 2.6 has bf16 matmul only on CPUs with AVX-512 (`avx512_core`, faster with
+//! AVX512-BF16 and AMX); elsewhere (e.g. AVX2-only AMD EPYC) the library loads, its `f32`
+//! matmul works, and bf16 primitive creation returns `dnnl_unimplemented`:
+//! [`OneDnn::bf16_impl`] probes this once and reports [`DnnlError::Unsupported`].
+//!
 //! | object | lifetime | notes |
 //! |---|---|---|
 //! | library, CPU engine, stream | process (one [`OneDnn`], created once) | engine index 0 |
@@ -36,6 +41,8 @@ pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
 const DNNL_SUCCESS: c_int = 0;
 const DNNL_CPU: c_int = 1;
 const DNNL_BF16: c_int = 2;
+const DNNL_F32: c_int = 3;
+const DNNL_UNIMPLEMENTED: c_int = 3;
 const DNNL_TAG_AB: c_int = 3;
 const DNNL_TAG_BA: c_int = 22;
 const DNNL_STREAM_DEFAULT_FLAGS: c_uint = 1;
@@ -55,6 +62,8 @@ pub enum DnnlError {
     Version { found: String },
     /// A call returned a status other than `dnnl_success`.
     Call { func: &'static str, status: i32 },
+    /// oneDNN has no implementation of this operation on this CPU.
+    Unsupported { what: String },
 }
 
 impl fmt::Display for DnnlError {
@@ -68,6 +77,9 @@ impl fmt::Display for DnnlError {
             DnnlError::Call { func, status } => {
                 write!(f, "oneDNN call {func} failed with status {status}")
             }
+            DnnlError::Unsupported { what } => {
+                write!(f, "oneDNN has no {what} on this CPU (dnnl_unimplemented)")
+            }
         }
     }
 }
@@ -77,6 +89,44 @@ impl std::error::Error for DnnlError {}
 impl From<DnnlError> for ragged::Error {
     fn from(e: DnnlError) -> Self {
         ragged::Error::Msg(e.to_string())
+    }
+}
+
+/// Element types the matmul runs on: `f32` and bf16.
+pub trait Element: Copy + Send + Sync + sealed::Sealed + 'static {
+    /// `dnnl_data_type_t`.
+    const DNNL_TYPE: c_int;
+    /// For messages.
+    const NAME: &'static str;
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+impl Element for f32 {
+    const DNNL_TYPE: c_int = DNNL_F32;
+    const NAME: &'static str = "f32";
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for bf16 {
+    const DNNL_TYPE: c_int = DNNL_BF16;
+    const NAME: &'static str = "bf16";
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
     }
 }
 
@@ -185,9 +235,12 @@ impl Api {
     }
 }
 
-/// One cached matmul: `dst (m×n) ← scale·src·wei [+ sum·dst]`, all bf16, `f32` accumulation.
+/// One cached matmul: `dst (m×n) ← scale·src·wei [+ sum·dst]`, all of one element type,
+/// `f32` accumulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MatmulKey {
+    /// `dnnl_data_type_t` of every operand.
+    pub dtype: i32,
     pub m: usize,
     pub n: usize,
     pub k: usize,
@@ -214,6 +267,7 @@ pub struct OneDnn {
     stream: Handle,
     version: String,
     cache: Mutex<HashMap<MatmulKey, Primitive>>,
+    bf16: OnceLock<Result<String, DnnlError>>,
     // Last field: dropped after everything that points into it (never, in practice: the
     // singleton lives for the process).
     _lib: Library,
@@ -230,7 +284,10 @@ static ONEDNN: OnceLock<Result<OneDnn, DnnlError>> = OnceLock::new();
 /// The process-wide oneDNN, loaded on first call; `Err` (the same each time) when the library
 /// is missing, not 2.x, or has no CPU engine.
 pub fn onednn() -> Result<&'static OneDnn, DnnlError> {
-    ONEDNN.get_or_init(OneDnn::open).as_ref().map_err(Clone::clone)
+    ONEDNN
+        .get_or_init(OneDnn::open)
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// RAII guard calling a oneDNN destroy function.
@@ -288,6 +345,7 @@ impl OneDnn {
             stream,
             version,
             cache: Mutex::new(HashMap::new()),
+            bf16: OnceLock::new(),
             _lib: lib,
         })
     }
@@ -297,29 +355,36 @@ impl OneDnn {
         &self.version
     }
 
-    fn md(&self, rows: usize, cols: usize, tag: c_int) -> Result<Box<MemDesc>, DnnlError> {
+    fn md(
+        &self,
+        rows: usize,
+        cols: usize,
+        dtype: c_int,
+        tag: c_int,
+    ) -> Result<Box<MemDesc>, DnnlError> {
         let mut md = Box::new(MemDesc([0; 1024]));
         let dims = [rows as i64, cols as i64];
         // SAFETY: `md` is large enough for `dnnl_memory_desc_t`; `dims` holds `ndims` values.
         check("dnnl_memory_desc_init_by_tag", unsafe {
-            (self.api.md_init_by_tag)(&mut *md, 2, dims.as_ptr(), DNNL_BF16, tag)
+            (self.api.md_init_by_tag)(&mut *md, 2, dims.as_ptr(), dtype, tag)
         })?;
         Ok(md)
     }
 
     fn create(&self, key: &MatmulKey) -> Result<Primitive, DnnlError> {
         let api = &self.api;
-        let src = self.md(key.m, key.k, DNNL_TAG_AB)?;
+        let src = self.md(key.m, key.k, key.dtype, DNNL_TAG_AB)?;
         let wei = self.md(
             key.k,
             key.n,
+            key.dtype,
             if key.wei_transposed {
                 DNNL_TAG_BA
             } else {
                 DNNL_TAG_AB
             },
         )?;
-        let dst = self.md(key.m, key.n, DNNL_TAG_AB)?;
+        let dst = self.md(key.m, key.n, key.dtype, DNNL_TAG_AB)?;
         let mut desc = Box::new(MatmulDesc([0; 4096]));
         // SAFETY: all descriptors are initialized; a null bias disables the bias term.
         check("dnnl_matmul_desc_init", unsafe {
@@ -366,7 +431,7 @@ impl OneDnn {
             destroy: &destroy_pd,
         };
         // SAFETY: `desc` is an initialized matmul descriptor; no forward hint.
-        check("dnnl_primitive_desc_create", unsafe {
+        let status = unsafe {
             (api.pd_create)(
                 &mut pd.h,
                 (&*desc as *const MatmulDesc).cast(),
@@ -374,7 +439,25 @@ impl OneDnn {
                 self.engine,
                 std::ptr::null_mut(),
             )
-        })?;
+        };
+        if status == DNNL_UNIMPLEMENTED {
+            return Err(DnnlError::Unsupported {
+                what: format!(
+                    "{} matmul{}",
+                    if key.dtype == DNNL_BF16 {
+                        "bf16"
+                    } else {
+                        "f32"
+                    },
+                    if scale != 1.0 || key.sum_bits.is_some() {
+                        " with output scale / sum post-op"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        check("dnnl_primitive_desc_create", status)?;
         let mut info: *const c_char = std::ptr::null();
         // SAFETY: `impl_info_str` writes a `const char*` owned by the descriptor.
         check("dnnl_primitive_desc_query(impl_info_str)", unsafe {
@@ -407,8 +490,8 @@ impl OneDnn {
         })
     }
 
-    /// `dst (m×n) ← scale·src·wei + sum·dst` (the sum term only with `Some(sum)`), in bf16
-    /// with `f32` accumulation and one rounding to bf16 per output element. `src: m×k`
+    /// `dst (m×n) ← scale·src·wei + sum·dst` (the sum term only with `Some(sum)`) in `T`
+    /// (bf16: `f32` accumulation and one rounding to bf16 per output element). `src: m×k`
     /// row-major; `wei: k×n` row-major, or its transpose `n×k` row-major when
     /// `wei_transposed`. Returns the implementation oneDNN picked (e.g.
     /// `brg:avx512_core_amx_bf16`).
@@ -417,26 +500,27 @@ impl OneDnn {
     /// If a slice's length does not match the shape (an internal invariant).
     #[allow(clippy::too_many_arguments)]
     #[track_caller]
-    pub fn matmul_bf16(
+    pub fn matmul<T: Element>(
         &self,
         m: usize,
         n: usize,
         k: usize,
-        src: &[bf16],
-        wei: &[bf16],
+        src: &[T],
+        wei: &[T],
         wei_transposed: bool,
-        dst: &mut [bf16],
+        dst: &mut [T],
         scale: f32,
         sum: Option<f32>,
     ) -> Result<String, DnnlError> {
         assert!(
             src.len() == m * k && wei.len() == k * n && dst.len() == m * n,
-            "OneDnn::matmul_bf16: lengths {}, {}, {} for {m}×{k}·{k}×{n}",
+            "OneDnn::matmul: lengths {}, {}, {} for {m}×{k}·{k}×{n}",
             src.len(),
             wei.len(),
             dst.len()
         );
         let key = MatmulKey {
+            dtype: T::DNNL_TYPE,
             m,
             n,
             k,
@@ -489,26 +573,61 @@ impl OneDnn {
             (api.primitive_execute)(p.prim, self.stream, 3, args.as_ptr())
         })?;
         // SAFETY: as above.
-        check("dnnl_stream_wait", unsafe { (api.stream_wait)(self.stream) })?;
+        check("dnnl_stream_wait", unsafe {
+            (api.stream_wait)(self.stream)
+        })?;
         Ok(p.impl_info.clone())
     }
 
-    /// The implementation oneDNN picks for a `side³` bf16 matmul (e.g.
+    /// Whether this CPU has oneDNN bf16 matmuls of the kinds Newton–Schulz uses (probed once
+    /// with a 64³ product, a transposed one, and one with an output scale and a sum
+    /// post-op); `Ok` holds the implementation picked for a 1024³ product (e.g.
+    /// `brg:avx512_core_amx_bf16`).
+    pub fn bf16_impl(&self) -> Result<String, DnnlError> {
+        self.bf16
+            .get_or_init(|| {
+                let probe = |wei_transposed: bool, scale: f32, sum: Option<f32>| {
+                    let key = MatmulKey {
+                        dtype: DNNL_BF16,
+                        m: 64,
+                        n: 64,
+                        k: 64,
+                        wei_transposed,
+                        scale_bits: scale.to_bits(),
+                        sum_bits: sum.map(f32::to_bits),
+                    };
+                    self.cached_impl(&key).map(|_| ())
+                };
+                probe(false, 1.0, None)?;
+                probe(true, 1.0, None)?;
+                probe(false, 2.0, Some(0.5))?;
+                self.impl_for::<bf16>(1024)
+            })
+            .clone()
+    }
+
+    /// The implementation oneDNN picks for a `side³` matmul of `T` (e.g.
     /// `brg:avx512_core_amx_bf16`), from a primitive descriptor.
-    pub fn impl_for(&self, side: usize) -> Result<String, DnnlError> {
-        let key = MatmulKey {
+    pub fn impl_for<T: Element>(&self, side: usize) -> Result<String, DnnlError> {
+        self.cached_impl(&MatmulKey {
+            dtype: T::DNNL_TYPE,
             m: side,
             n: side,
             k: side,
             wei_transposed: false,
             scale_bits: 1f32.to_bits(),
             sum_bits: None,
-        };
+        })
+    }
+
+    /// Creates (once) and caches the primitive of `key`; returns its implementation name.
+    /// Cached primitives live as long as the process.
+    fn cached_impl(&self, key: &MatmulKey) -> Result<String, DnnlError> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if !cache.contains_key(&key) {
-            let p = self.create(&key)?;
-            cache.insert(key, p);
+        if !cache.contains_key(key) {
+            let p = self.create(key)?;
+            cache.insert(*key, p);
         }
-        Ok(cache[&key].impl_info.clone())
+        Ok(cache[key].impl_info.clone())
     }
 }
