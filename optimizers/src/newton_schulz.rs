@@ -81,13 +81,27 @@ pub const DION_QUINTIC: [[f32; 3]; 5] = [
 
 /// Polar Express (Amsel et al. 2025) as in microsoft/dion `dion/polar_express.py`, one triple
 /// per step; use with [`POLAR_EXPRESS_NORM_SCALE`] ([`NsConfig::polar_express`]).
-pub const POLAR_EXPRESS: [[f32; 3]; 5] = [
-    [8.156_554_5, -22.483_293, 15.878_77],
-    [4.042_93, -2.808_917_5, 0.500_017_85],
-    [3.891_668, -2.772_484_3, 0.506_064_8],
-    [3.285_753_7, -2.368_129_5, 0.464_490_24],
-    [2.346_541_4, -1.709_782_8, 0.423_235_5],
-];
+pub const POLAR_EXPRESS: [[f32; 3]; 5] = {
+    // dion's f64 values, rounded to f32 once.
+    const F64: [[f64; 3]; 5] = [
+        [8.156554524902461, -22.48329292557795, 15.878769915207462],
+        [4.042929935166739, -2.808917465908714, 0.5000178451051316],
+        [3.8916678022926607, -2.772484153217685, 0.5060648178503393],
+        [3.285753657755655, -2.3681294933425376, 0.46449024233003106],
+        [2.3465413258596377, -1.7097828382687081, 0.42323551169305323],
+    ];
+    let mut out = [[0.0f32; 3]; 5];
+    let mut i = 0;
+    while i < 5 {
+        let mut j = 0;
+        while j < 3 {
+            out[i][j] = F64[i][j] as f32;
+            j += 1;
+        }
+        i += 1;
+    }
+    out
+};
 
 /// dion's Polar Express divides by `1.02·‖X‖_F` so the spectrum starts safely below 1.
 pub const POLAR_EXPRESS_NORM_SCALE: f32 = 1.02;
@@ -393,7 +407,7 @@ impl StepOps for ReferenceOps {
     fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]) {
         matmul_nn(q, x, s, l, s, y);
         for (y, &x) in y.iter_mut().zip(x) {
-            *y = a * x + *y;
+            *y += a * x;
         }
     }
 }

@@ -26,7 +26,7 @@
 //! aligned buffers of 1 KiB and 4 KiB, and the library's major version must be 2 (3.x changed
 //! both the structs and the entry points).
 
-use std::collections::HashMap;
+use std::collections::hash_map::{Entry, HashMap};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::sync::{Mutex, OnceLock};
@@ -530,11 +530,10 @@ impl OneDnn {
         };
         // A poisoned lock only means another call panicked mid-way; the cache stays valid.
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if !cache.contains_key(&key) {
-            let p = self.create(&key)?;
-            cache.insert(key, p);
-        }
-        let p = &cache[&key];
+        let p = match cache.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.create(&key)?),
+        };
         let api = &self.api;
         let destroy_mem = |h| unsafe { (api.memory_destroy)(h) };
         let mut mems = Vec::with_capacity(3);
@@ -624,10 +623,10 @@ impl OneDnn {
     /// Cached primitives live as long as the process.
     fn cached_impl(&self, key: &MatmulKey) -> Result<String, DnnlError> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if !cache.contains_key(key) {
-            let p = self.create(key)?;
-            cache.insert(*key, p);
-        }
-        Ok(cache[key].impl_info.clone())
+        let p = match cache.entry(*key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.create(key)?),
+        };
+        Ok(p.impl_info.clone())
     }
 }
