@@ -548,7 +548,8 @@ fn ns_one(
 
 /// Orthogonalizes the `rows × cols` row-major matrix `x` in place by Newton–Schulz (module
 /// table) with `cfg`'s precision and backend. Products use every thread of the current rayon
-/// pool (the result does not depend on how many).
+/// pool (the result does not depend on how many). A zero matrix stays zero; a matrix with a
+/// non-finite element becomes all NaN (`Ok`).
 ///
 /// # Errors
 /// `BadInput` if `x.len() != rows·cols` or [`NsConfig::validate`] fails; the backend errors of

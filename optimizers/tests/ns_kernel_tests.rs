@@ -279,11 +279,13 @@ fn gemm_f32_is_bitwise_independent_of_thread_count_and_repeat_calls() {
 
 #[test]
 fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
-    // (8, 40, 64): short side < 256, matrices split over threads with single-threaded GEMMs;
-    // (2, 260, 300): one matrix at a time with threaded GEMMs. Both must equal `orthogonalize`
-    // of each matrix under a 3-thread pool.
+    // (8, 40, 64), (3, 64, 40): short side < 256, matrices split over threads with
+    // single-threaded GEMMs (`Parallelism::None`); (3, 200, 250) likewise, with products above
+    // gemm's threading threshold (48·48·256 multiply-adds), which `orthogonalize` runs on 3
+    // threads; (2, 260, 300): one matrix at a time with threaded GEMMs. All must equal
+    // `orthogonalize` of each matrix under a 3-thread pool.
     let mut rng = Rng::new(13);
-    for (count, rows, cols) in [(8, 40, 64), (3, 64, 40), (2, 260, 300)] {
+    for (count, rows, cols) in [(8, 40, 64), (3, 64, 40), (3, 200, 250), (2, 260, 300)] {
         for precision in [NsPrecision::F32, NsPrecision::Bf16] {
             let c = cfg(precision, NsBackend::Gemm);
             let x = rng.units(count * rows * cols);
