@@ -69,19 +69,19 @@
 //! rounded once ([`common::AdamScale`]); every tile is local; so a sharded step is bitwise
 //! equal to the unsharded one at every world size and layout.
 
+use rayon::prelude::*;
+
 use ragged::block::numel;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::{AtomicBlock, Error, Result};
 
-use crate::adamw::{adamw_update, AdamW, AdamWConfig};
+use crate::adamw::{adamw_update, AdamW, AdamWConfig, PAR_MIN_ELEMS};
 use crate::common::{
-    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem, lerp_elem,
-    next_step, AdamScale, MomentCoeffs,
+    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
+    lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
-use crate::quant::{
-    dequantize, dynamic_map, quantize_scaled, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
-};
+use crate::quant::{dequantize, dynamic_map, CodeBook, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Side of a square quantization tile, in elements (rows and columns).
 pub const TILE: usize = 32;
@@ -305,8 +305,10 @@ enum PieceState {
 pub struct Adam8bit {
     config: Adam8bitConfig,
     adamw: AdamW,
-    qmap_m: [f32; MAP_LEN],
-    qmap_v: [f32; MAP_LEN],
+    /// The signed map of `m`, with its nearest-code index.
+    book_m: CodeBook,
+    /// The unsigned map of `v`, with its nearest-code index.
+    book_v: CodeBook,
 }
 
 impl Adam8bit {
@@ -315,8 +317,8 @@ impl Adam8bit {
         Ok(Adam8bit {
             config,
             adamw: AdamW::new(config.adam)?,
-            qmap_m: dynamic_map(true),
-            qmap_v: dynamic_map(false),
+            book_m: CodeBook::new(dynamic_map(true)),
+            book_v: CodeBook::new(dynamic_map(false)),
         })
     }
 
@@ -444,32 +446,50 @@ impl Optimizer for Adam8bit {
                     );
                 }
                 PieceState::Tiled { tiling, first_tile } => {
-                    let mut tile = first_tile;
-                    let mut at = 0;
+                    // The piece's row blocks (up to 32 rows of one matrix, `n / 32` tiles
+                    // each) are independent: each has its own tiles and absmax, so they run
+                    // in parallel and the split changes no bit.
+                    let ntiles = tiling.tiles_per_row_block();
+                    let mut lens = Vec::new();
                     let mut elem = piece.range.start;
                     while elem < piece.range.end {
-                        // One row block: up to 32 rows of one matrix, `n / 32` tiles.
-                        let row = elem / tiling.cols;
-                        let in_matrix = row % tiling.rows;
-                        let nrows = TILE.min(tiling.rows - in_matrix);
-                        let len = nrows * tiling.cols;
-                        let span = r.start + at..r.start + at + len;
-                        let ntiles = tiling.tiles_per_row_block();
-                        self.update_row_block(
-                            &mut params[span.clone()],
-                            &grads[span.clone()],
-                            &mut state.m[span.clone()],
-                            &mut state.v[span],
-                            &mut state.absmax_m[tile..tile + ntiles],
-                            &mut state.absmax_v[tile..tile + ntiles],
-                            tiling.cols,
-                            decay,
-                            &moments,
-                            &scale,
-                        );
-                        tile += ntiles;
-                        at += len;
+                        let in_matrix = (elem / tiling.cols) % tiling.rows;
+                        let len = TILE.min(tiling.rows - in_matrix) * tiling.cols;
+                        lens.push(len);
                         elem += len;
+                    }
+                    let tiles = first_tile..first_tile + lens.len() * ntiles;
+                    let mut p = &mut params[r.clone()];
+                    let mut g = &grads[r.clone()];
+                    let mut mc = &mut state.m[r.clone()];
+                    let mut vc = &mut state.v[r.clone()];
+                    let mut am = &mut state.absmax_m[tiles.clone()];
+                    let mut av = &mut state.absmax_v[tiles];
+                    let mut blocks = Vec::with_capacity(lens.len());
+                    for len in lens {
+                        let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
+                        let (g0, g1) = g.split_at(len);
+                        let (m0, m1) = std::mem::take(&mut mc).split_at_mut(len);
+                        let (v0, v1) = std::mem::take(&mut vc).split_at_mut(len);
+                        let (a0, a1) = std::mem::take(&mut am).split_at_mut(ntiles);
+                        let (b0, b1) = std::mem::take(&mut av).split_at_mut(ntiles);
+                        blocks.push(RowBlock {
+                            p: p0,
+                            g: g0,
+                            mc: m0,
+                            vc: v0,
+                            absmax_m: a0,
+                            absmax_v: b0,
+                        });
+                        (p, g, mc, vc, am, av) = (p1, g1, m1, v1, a1, b1);
+                    }
+                    let run = |b: RowBlock| {
+                        self.update_row_block(b, tiling.cols, decay, &moments, &scale)
+                    };
+                    if r.len() >= PAR_MIN_ELEMS {
+                        blocks.into_par_iter().for_each(run);
+                    } else {
+                        blocks.into_iter().for_each(run);
                     }
                 }
             }
@@ -478,59 +498,119 @@ impl Optimizer for Adam8bit {
     }
 }
 
+/// One row block of a tiled piece: its elements and the absmax of its `n / 32` tiles.
+struct RowBlock<'a> {
+    p: &'a mut [f32],
+    g: &'a [f32],
+    mc: &'a mut [u8],
+    vc: &'a mut [u8],
+    absmax_m: &'a mut [f32],
+    absmax_v: &'a mut [f32],
+}
+
 impl Adam8bit {
     /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
     /// steps 1–6 of the module table, tile by tile.
-    #[allow(clippy::too_many_arguments)]
     fn update_row_block(
         &self,
-        p: &mut [f32],
-        g: &[f32],
-        mc: &mut [u8],
-        vc: &mut [u8],
-        absmax_m: &mut [f32],
-        absmax_v: &mut [f32],
+        b: RowBlock,
         cols: usize,
         decay: Option<f32>,
         mo: &MomentCoeffs,
         s: &AdamScale,
     ) {
+        let small = lerp_weight_is_small(mo.lerp_weight);
+        match (decay, small) {
+            (Some(d), true) => self.row_block::<true, true>(b, cols, d, mo, s),
+            (Some(d), false) => self.row_block::<true, false>(b, cols, d, mo, s),
+            (None, true) => self.row_block::<false, true>(b, cols, 1.0, mo, s),
+            (None, false) => self.row_block::<false, false>(b, cols, 1.0, mo, s),
+        }
+    }
+
+    /// [`Adam8bit::update_row_block`] with the decay and `lerp` branches decided.
+    ///
+    /// Per row of a tile: dequantize the 32 codes (a table gather), then one branch-free
+    /// loop over the 32 elements (decay, moments, update: the compiler vectorizes it, each
+    /// lane doing the scalar operations in the scalar order), and fold the new moments into
+    /// eight running maxima (`max` is exact, so the fold order changes no bit of absmax; no
+    /// `-0.0` arises: `|m|` and `v ≥ 0` are `+0.0` when zero). Then requantize the tile.
+    #[inline(always)]
+    fn row_block<const DECAY: bool, const SMALL: bool>(
+        &self,
+        b: RowBlock,
+        cols: usize,
+        decay: f32,
+        mo: &MomentCoeffs,
+        s: &AdamScale,
+    ) {
+        const LANES: usize = 8;
+        let RowBlock {
+            p,
+            g,
+            mc,
+            vc,
+            absmax_m,
+            absmax_v,
+        } = b;
         let rows = p.len() / cols;
+        let (w, b2, c2) = (mo.lerp_weight, mo.beta2, mo.one_minus_beta2);
+        let s = *s;
+        let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
         let mut m_new = [0f32; TILE * TILE];
         let mut v_new = [0f32; TILE * TILE];
         for (j, (am, av)) in absmax_m.iter_mut().zip(absmax_v.iter_mut()).enumerate() {
             let (old_am, old_av) = (*am, *av);
-            let (mut new_am, mut new_av) = (0f32, 0f32);
+            let mut max_m = [0f32; LANES];
+            let mut max_v = [0f32; LANES];
             for row in 0..rows {
                 let base = row * cols + j * TILE;
-                for col in 0..TILE {
-                    let i = base + col;
-                    let p0 = match decay {
-                        Some(d) => decay_elem(p[i], d),
-                        None => p[i],
+                let p = &mut p[base..base + TILE];
+                let g = &g[base..base + TILE];
+                let m1 = &mut m_new[row * TILE..(row + 1) * TILE];
+                let v1 = &mut v_new[row * TILE..(row + 1) * TILE];
+                for (k, (m, v)) in m1.iter_mut().zip(v1.iter_mut()).enumerate() {
+                    *m = dequantize(mc[base + k], old_am, map_m);
+                    *v = dequantize(vc[base + k], old_av, map_v);
+                }
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m1.iter_mut()).zip(v1.iter_mut()) {
+                    let p0 = if DECAY { decay_elem(*p, decay) } else { *p };
+                    *m = if SMALL {
+                        lerp_small_elem(*m, g, w)
+                    } else {
+                        lerp_large_elem(*m, g, w)
                     };
-                    let m0 = dequantize(mc[i], old_am, &self.qmap_m);
-                    let v0 = dequantize(vc[i], old_av, &self.qmap_v);
-                    let m1 = lerp_elem(m0, g[i], mo.lerp_weight);
-                    let v1 = ema_sq_elem(v0, g[i], mo.beta2, mo.one_minus_beta2);
-                    p[i] = apply_adam_elem(p0, m1, v1, s);
-                    m_new[row * TILE + col] = m1;
-                    v_new[row * TILE + col] = v1;
-                    new_am = new_am.max(m1.abs());
-                    new_av = new_av.max(v1);
+                    *v = ema_sq_elem(*v, g, b2, c2);
+                    *p = apply_adam_elem(p0, *m, *v, &s);
+                }
+                for (m, v) in m1.chunks_exact(LANES).zip(v1.chunks_exact(LANES)) {
+                    for k in 0..LANES {
+                        max_m[k] = max_m[k].max(m[k].abs());
+                        max_v[k] = max_v[k].max(v[k]);
+                    }
                 }
             }
+            let new_am = max_m.iter().fold(0f32, |a, &x| a.max(x));
+            let new_av = max_v.iter().fold(0f32, |a, &x| a.max(x));
             *am = new_am;
             *av = new_av;
             for row in 0..rows {
                 let base = row * cols + j * TILE;
-                for col in 0..TILE {
-                    let k = row * TILE + col;
-                    mc[base + col] =
-                        quantize_scaled(m_new[k], new_am, &self.qmap_m, SIGNED_ZERO_CODE);
-                    vc[base + col] =
-                        quantize_scaled(v_new[k], new_av, &self.qmap_v, UNSIGNED_ZERO_CODE);
-                }
+                let codes_m = &mut mc[base..base + TILE];
+                let codes_v = &mut vc[base..base + TILE];
+                let k = row * TILE;
+                self.book_m.quantize_scaled_slice(
+                    &m_new[k..k + TILE],
+                    new_am,
+                    SIGNED_ZERO_CODE,
+                    codes_m,
+                );
+                self.book_v.quantize_scaled_slice(
+                    &v_new[k..k + TILE],
+                    new_av,
+                    UNSIGNED_ZERO_CODE,
+                    codes_v,
+                );
             }
         }
     }

@@ -18,6 +18,7 @@
 
 pub mod adam8bit;
 pub mod adamw;
+pub mod bench;
 pub mod common;
 pub mod muon;
 pub mod newton_schulz;
