@@ -774,7 +774,7 @@ pub fn markdown(r: &Report) -> String {
             .map_or_else(|| "n/a".to_string(), |c| c.to_string());
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {} | f32 |",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | f32 |",
             row.optimizer,
             row.shapes,
             row.params,
