@@ -68,6 +68,13 @@
 //! Every element operation is one IEEE `f32` operation, the scalars are computed in `f64` and
 //! rounded once ([`common::AdamScale`]); every tile is local; so a sharded step is bitwise
 //! equal to the unsharded one at every world size and layout.
+//!
+//! # Speed
+//! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
+//! [`PAR_MIN_ELEMS`] or more run them as rayon tasks; within a tile the moment/update loop is
+//! branch-free and vectorizes lane by lane in the scalar operation order, and requantizing
+//! uses [`quant::CodeBook`] (an index into the map, AVX2 gathers where present), which
+//! returns [`quant::quantize`]'s code for every input. None of this changes a bit.
 
 use rayon::prelude::*;
 
@@ -530,11 +537,15 @@ impl Adam8bit {
 
     /// [`Adam8bit::update_row_block`] with the decay and `lerp` branches decided.
     ///
-    /// Per row of a tile: dequantize the 32 codes (a table gather), then one branch-free
-    /// loop over the 32 elements (decay, moments, update: the compiler vectorizes it, each
-    /// lane doing the scalar operations in the scalar order), and fold the new moments into
-    /// eight running maxima (`max` is exact, so the fold order changes no bit of absmax; no
-    /// `-0.0` arises: `|m|` and `v ≥ 0` are `+0.0` when zero). Then requantize the tile.
+    /// The row block is walked row by row over all its columns (contiguous memory, which the
+    /// prefetchers follow; tile by tile would jump `n` elements per row). Per 32-element
+    /// segment of a row: dequantize the codes with the segment's tile absmax (a table
+    /// gather), then one branch-free loop (decay, moments, update: the compiler vectorizes
+    /// it, each lane doing the scalar operations in the scalar order), and fold the new
+    /// moments into the tile's eight running maxima (`max` is exact, so the fold order changes
+    /// no bit of absmax; no `-0.0` arises: `|m|` and `v ≥ 0` are `+0.0` when zero). The new
+    /// moments wait in a per-thread scratch until every tile's absmax is known, then each
+    /// tile is requantized.
     #[inline(always)]
     fn row_block<const DECAY: bool, const SMALL: bool>(
         &self,
@@ -545,6 +556,10 @@ impl Adam8bit {
         s: &AdamScale,
     ) {
         const LANES: usize = 8;
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<[f32; 8]>, Vec<[f32; 8]>)> =
+                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+        }
         let RowBlock {
             p,
             g,
@@ -554,64 +569,77 @@ impl Adam8bit {
             absmax_v,
         } = b;
         let rows = p.len() / cols;
+        let ntiles = cols / TILE;
         let (w, b2, c2) = (mo.lerp_weight, mo.beta2, mo.one_minus_beta2);
         let s = *s;
         let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
-        let mut m_new = [0f32; TILE * TILE];
-        let mut v_new = [0f32; TILE * TILE];
-        for (j, (am, av)) in absmax_m.iter_mut().zip(absmax_v.iter_mut()).enumerate() {
-            let (old_am, old_av) = (*am, *av);
-            let mut max_m = [0f32; LANES];
-            let mut max_v = [0f32; LANES];
+        SCRATCH.with_borrow_mut(|(m_new, v_new, max_m, max_v)| {
+            m_new.resize(p.len(), 0.0);
+            v_new.resize(p.len(), 0.0);
+            max_m.clear();
+            max_m.resize(ntiles, [0.0; LANES]);
+            max_v.clear();
+            max_v.resize(ntiles, [0.0; LANES]);
             for row in 0..rows {
-                let base = row * cols + j * TILE;
-                let p = &mut p[base..base + TILE];
-                let g = &g[base..base + TILE];
-                let m1 = &mut m_new[row * TILE..(row + 1) * TILE];
-                let v1 = &mut v_new[row * TILE..(row + 1) * TILE];
-                for (k, (m, v)) in m1.iter_mut().zip(v1.iter_mut()).enumerate() {
-                    *m = dequantize(mc[base + k], old_am, map_m);
-                    *v = dequantize(vc[base + k], old_av, map_v);
-                }
-                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m1.iter_mut()).zip(v1.iter_mut()) {
-                    let p0 = if DECAY { decay_elem(*p, decay) } else { *p };
-                    *m = if SMALL {
-                        lerp_small_elem(*m, g, w)
-                    } else {
-                        lerp_large_elem(*m, g, w)
-                    };
-                    *v = ema_sq_elem(*v, g, b2, c2);
-                    *p = apply_adam_elem(p0, *m, *v, &s);
-                }
-                for (m, v) in m1.chunks_exact(LANES).zip(v1.chunks_exact(LANES)) {
-                    for k in 0..LANES {
-                        max_m[k] = max_m[k].max(m[k].abs());
-                        max_v[k] = max_v[k].max(v[k]);
+                for j in 0..ntiles {
+                    let base = row * cols + j * TILE;
+                    let seg = base..base + TILE;
+                    let (old_am, old_av) = (absmax_m[j], absmax_v[j]);
+                    let m1 = &mut m_new[seg.clone()];
+                    let v1 = &mut v_new[seg.clone()];
+                    for ((m, v), (&cm, &cv)) in m1
+                        .iter_mut()
+                        .zip(v1.iter_mut())
+                        .zip(mc[seg.clone()].iter().zip(&vc[seg.clone()]))
+                    {
+                        *m = dequantize(cm, old_am, map_m);
+                        *v = dequantize(cv, old_av, map_v);
+                    }
+                    for (((p, &g), m), v) in p[seg.clone()]
+                        .iter_mut()
+                        .zip(&g[seg])
+                        .zip(m1.iter_mut())
+                        .zip(v1.iter_mut())
+                    {
+                        let p0 = if DECAY { decay_elem(*p, decay) } else { *p };
+                        *m = if SMALL {
+                            lerp_small_elem(*m, g, w)
+                        } else {
+                            lerp_large_elem(*m, g, w)
+                        };
+                        *v = ema_sq_elem(*v, g, b2, c2);
+                        *p = apply_adam_elem(p0, *m, *v, &s);
+                    }
+                    let (mx_m, mx_v) = (&mut max_m[j], &mut max_v[j]);
+                    for (m, v) in m1.chunks_exact(LANES).zip(v1.chunks_exact(LANES)) {
+                        for k in 0..LANES {
+                            mx_m[k] = mx_m[k].max(m[k].abs());
+                            mx_v[k] = mx_v[k].max(v[k]);
+                        }
                     }
                 }
             }
-            let new_am = max_m.iter().fold(0f32, |a, &x| a.max(x));
-            let new_av = max_v.iter().fold(0f32, |a, &x| a.max(x));
-            *am = new_am;
-            *av = new_av;
-            for row in 0..rows {
-                let base = row * cols + j * TILE;
-                let codes_m = &mut mc[base..base + TILE];
-                let codes_v = &mut vc[base..base + TILE];
-                let k = row * TILE;
-                self.book_m.quantize_scaled_slice(
-                    &m_new[k..k + TILE],
-                    new_am,
-                    SIGNED_ZERO_CODE,
-                    codes_m,
-                );
-                self.book_v.quantize_scaled_slice(
-                    &v_new[k..k + TILE],
-                    new_av,
-                    UNSIGNED_ZERO_CODE,
-                    codes_v,
-                );
+            for j in 0..ntiles {
+                absmax_m[j] = max_m[j].iter().fold(0f32, |a, &x| a.max(x));
+                absmax_v[j] = max_v[j].iter().fold(0f32, |a, &x| a.max(x));
             }
-        }
+            for row in 0..rows {
+                for j in 0..ntiles {
+                    let seg = row * cols + j * TILE..row * cols + (j + 1) * TILE;
+                    self.book_m.quantize_scaled_slice(
+                        &m_new[seg.clone()],
+                        absmax_m[j],
+                        SIGNED_ZERO_CODE,
+                        &mut mc[seg.clone()],
+                    );
+                    self.book_v.quantize_scaled_slice(
+                        &v_new[seg.clone()],
+                        absmax_v[j],
+                        UNSIGNED_ZERO_CODE,
+                        &mut vc[seg],
+                    );
+                }
+            }
+        });
     }
 }
