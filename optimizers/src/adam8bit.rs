@@ -515,6 +515,15 @@ struct RowBlock<'a> {
     absmax_v: &'a mut [f32],
 }
 
+/// Per-thread scratch of [`Adam8bit::update_row_block`]: a row block's new `f32` moments and
+/// each tile's eight running maxima of `|m|` and `v`.
+struct Scratch {
+    m_new: Vec<f32>,
+    v_new: Vec<f32>,
+    max_m: Vec<[f32; 8]>,
+    max_v: Vec<[f32; 8]>,
+}
+
 impl Adam8bit {
     /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
     /// steps 1–6 of the module table, tile by tile.
@@ -557,8 +566,14 @@ impl Adam8bit {
     ) {
         const LANES: usize = 8;
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<[f32; 8]>, Vec<[f32; 8]>)> =
-                const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+            static SCRATCH: std::cell::RefCell<Scratch> = const {
+                std::cell::RefCell::new(Scratch {
+                    m_new: Vec::new(),
+                    v_new: Vec::new(),
+                    max_m: Vec::new(),
+                    max_v: Vec::new(),
+                })
+            };
         }
         let RowBlock {
             p,
@@ -573,7 +588,13 @@ impl Adam8bit {
         let (w, b2, c2) = (mo.lerp_weight, mo.beta2, mo.one_minus_beta2);
         let s = *s;
         let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
-        SCRATCH.with_borrow_mut(|(m_new, v_new, max_m, max_v)| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch {
+                m_new,
+                v_new,
+                max_m,
+                max_v,
+            } = scratch;
             m_new.resize(p.len(), 0.0);
             v_new.resize(p.len(), 0.0);
             max_m.clear();
