@@ -142,7 +142,8 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
             "## Optimizers: step time against peak, memcpy and GEMM\n\n\
              Command: `cargo run --release --bin ragged -- bench optim`{}. Each case is one \
              `Optimizer::step` on a one-rank shard holding the whole shape set (default \
-             hyperparameters; best and median of the timed steps after one untimed step). \
+             hyperparameters; best and median of the timed steps after one untimed step; `reps` 0: \
+             the first step took over 20 s and is the only sample). \
              FLOPs: the optimizer's formula per element; Newton–Schulz `2·s²·l + 2·s³ + 2·s²·l` \
              per iteration (`s` short side, `l` long side) plus element operations. Bytes: \
              compulsory traffic (params and state read and written, grads read; scratch not \
