@@ -136,6 +136,42 @@ impl LocalShard {
         })
     }
 
+    /// The one-rank shard of an unsharded run: every tensor whole, back to back, no padding;
+    /// `block_of` names each tensor's block (recorded in [`ParamMeta`]).
+    pub fn unsharded<'a>(
+        tensors: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+        block_of: &dyn Fn(&str, &[usize]) -> AtomicBlock,
+    ) -> Result<Self> {
+        let (mut params, mut pieces, mut offset) = (Vec::new(), Vec::new(), 0);
+        for (i, (name, shape)) in tensors.into_iter().enumerate() {
+            let block = block_of(name, shape);
+            let n = shape.iter().product::<usize>().max(1);
+            params.push(ParamMeta {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                block,
+                block_elems: block.elems(shape)?,
+                holdings: vec![Holding {
+                    rank: 0,
+                    range: 0..n,
+                }],
+            });
+            pieces.push(LocalPiece {
+                param: i,
+                range: 0..n,
+                offset,
+            });
+            offset += n;
+        }
+        Ok(LocalShard {
+            rank: 0,
+            world: 1,
+            len: offset,
+            params,
+            pieces,
+        })
+    }
+
     /// `Err` unless every parameter's holdings tile it in ascending order on ranks of this
     /// world, and this rank's pieces are exactly its holdings (what a route between ranks
     /// relies on).

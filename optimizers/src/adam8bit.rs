@@ -72,20 +72,27 @@
 //! Every element operation is one IEEE `f32` operation, the scalars are computed in `f64` and
 //! rounded once ([`common::AdamScale`]); every tile is local; so a sharded step is bitwise
 //! equal to the unsharded one at every world size and layout.
+//!
+//! # Speed
+//! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
+//! [`PAR_MIN_ELEMS`] or more run them as rayon tasks; within a tile the moment/update loop is
+//! branch-free and vectorizes lane by lane in the scalar operation order, and requantizing
+//! uses [`quant::CodeBook`] (an index into the map, AVX2 gathers where present), which
+//! returns [`quant::quantize`]'s code for every input. None of this changes a bit.
+
+use rayon::prelude::*;
 
 use ragged::block::numel;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::{AtomicBlock, Error, Result};
 
-use crate::adamw::{adamw_update, AdamW, AdamWConfig};
+use crate::adamw::{adamw_update, AdamW, AdamWConfig, PAR_MIN_ELEMS};
 use crate::common::{
-    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem, lerp_elem,
-    next_step, AdamScale, MomentCoeffs,
+    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
+    lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
-use crate::quant::{
-    dequantize, dynamic_map, quantize_scaled, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
-};
+use crate::quant::{dequantize, dynamic_map, CodeBook, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Side of a square quantization tile, in elements (rows and columns).
 pub const TILE: usize = 32;
@@ -313,8 +320,10 @@ enum PieceState {
 pub struct Adam8bit {
     config: Adam8bitConfig,
     adamw: AdamW,
-    qmap_m: [f32; MAP_LEN],
-    qmap_v: [f32; MAP_LEN],
+    /// The signed map of `m`, with its nearest-code index.
+    book_m: CodeBook,
+    /// The unsigned map of `v`, with its nearest-code index.
+    book_v: CodeBook,
 }
 
 impl Adam8bit {
@@ -323,8 +332,8 @@ impl Adam8bit {
         Ok(Adam8bit {
             config,
             adamw: AdamW::new(config.adam)?,
-            qmap_m: dynamic_map(true),
-            qmap_v: dynamic_map(false),
+            book_m: CodeBook::new(dynamic_map(true)),
+            book_v: CodeBook::new(dynamic_map(false)),
         })
     }
 
@@ -456,32 +465,50 @@ impl Optimizer for Adam8bit {
                     );
                 }
                 PieceState::Tiled { tiling, first_tile } => {
-                    let mut tile = first_tile;
-                    let mut at = 0;
+                    // The piece's row blocks (up to 32 rows of one matrix, `n / 32` tiles
+                    // each) are independent: each has its own tiles and absmax, so they run
+                    // in parallel and the split changes no bit.
+                    let ntiles = tiling.tiles_per_row_block();
+                    let mut lens = Vec::new();
                     let mut elem = piece.range.start;
                     while elem < piece.range.end {
-                        // One row block: up to 32 rows of one matrix, `n / 32` tiles.
-                        let row = elem / tiling.cols;
-                        let in_matrix = row % tiling.rows;
-                        let nrows = TILE.min(tiling.rows - in_matrix);
-                        let len = nrows * tiling.cols;
-                        let span = r.start + at..r.start + at + len;
-                        let ntiles = tiling.tiles_per_row_block();
-                        self.update_row_block(
-                            &mut params[span.clone()],
-                            &grads[span.clone()],
-                            &mut state.m[span.clone()],
-                            &mut state.v[span],
-                            &mut state.absmax_m[tile..tile + ntiles],
-                            &mut state.absmax_v[tile..tile + ntiles],
-                            tiling.cols,
-                            decay,
-                            &moments,
-                            &scale,
-                        );
-                        tile += ntiles;
-                        at += len;
+                        let in_matrix = (elem / tiling.cols) % tiling.rows;
+                        let len = TILE.min(tiling.rows - in_matrix) * tiling.cols;
+                        lens.push(len);
                         elem += len;
+                    }
+                    let tiles = first_tile..first_tile + lens.len() * ntiles;
+                    let mut p = &mut params[r.clone()];
+                    let mut g = &grads[r.clone()];
+                    let mut mc = &mut state.m[r.clone()];
+                    let mut vc = &mut state.v[r.clone()];
+                    let mut am = &mut state.absmax_m[tiles.clone()];
+                    let mut av = &mut state.absmax_v[tiles];
+                    let mut blocks = Vec::with_capacity(lens.len());
+                    for len in lens {
+                        let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
+                        let (g0, g1) = g.split_at(len);
+                        let (m0, m1) = std::mem::take(&mut mc).split_at_mut(len);
+                        let (v0, v1) = std::mem::take(&mut vc).split_at_mut(len);
+                        let (a0, a1) = std::mem::take(&mut am).split_at_mut(ntiles);
+                        let (b0, b1) = std::mem::take(&mut av).split_at_mut(ntiles);
+                        blocks.push(RowBlock {
+                            p: p0,
+                            g: g0,
+                            mc: m0,
+                            vc: v0,
+                            absmax_m: a0,
+                            absmax_v: b0,
+                        });
+                        (p, g, mc, vc, am, av) = (p1, g1, m1, v1, a1, b1);
+                    }
+                    let run = |b: RowBlock| {
+                        self.update_row_block(b, tiling.cols, decay, &moments, &scale)
+                    };
+                    if r.len() >= PAR_MIN_ELEMS {
+                        blocks.into_par_iter().for_each(run);
+                    } else {
+                        blocks.into_iter().for_each(run);
                     }
                 }
             }
@@ -490,60 +517,162 @@ impl Optimizer for Adam8bit {
     }
 }
 
+/// One row block of a tiled piece: its elements and the absmax of its `n / 32` tiles.
+struct RowBlock<'a> {
+    p: &'a mut [f32],
+    g: &'a [f32],
+    mc: &'a mut [u8],
+    vc: &'a mut [u8],
+    absmax_m: &'a mut [f32],
+    absmax_v: &'a mut [f32],
+}
+
+/// Per-thread scratch of [`Adam8bit::update_row_block`]: a row block's new `f32` moments and
+/// each tile's eight running maxima of `|m|` and `v`.
+struct Scratch {
+    m_new: Vec<f32>,
+    v_new: Vec<f32>,
+    max_m: Vec<[f32; 8]>,
+    max_v: Vec<[f32; 8]>,
+}
+
 impl Adam8bit {
     /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
     /// steps 1–6 of the module table, tile by tile.
-    #[allow(clippy::too_many_arguments)]
     fn update_row_block(
         &self,
-        p: &mut [f32],
-        g: &[f32],
-        mc: &mut [u8],
-        vc: &mut [u8],
-        absmax_m: &mut [f32],
-        absmax_v: &mut [f32],
+        b: RowBlock,
         cols: usize,
         decay: Option<f32>,
         mo: &MomentCoeffs,
         s: &AdamScale,
     ) {
-        let rows = p.len() / cols;
-        let mut m_new = [0f32; TILE * TILE];
-        let mut v_new = [0f32; TILE * TILE];
-        for (j, (am, av)) in absmax_m.iter_mut().zip(absmax_v.iter_mut()).enumerate() {
-            let (old_am, old_av) = (*am, *av);
-            let (mut new_am, mut new_av) = (0f32, 0f32);
-            for row in 0..rows {
-                let base = row * cols + j * TILE;
-                for col in 0..TILE {
-                    let i = base + col;
-                    let p0 = match decay {
-                        Some(d) => decay_elem(p[i], d),
-                        None => p[i],
-                    };
-                    let m0 = dequantize(mc[i], old_am, &self.qmap_m);
-                    let v0 = dequantize(vc[i], old_av, &self.qmap_v);
-                    let m1 = lerp_elem(m0, g[i], mo.lerp_weight);
-                    let v1 = ema_sq_elem(v0, g[i], mo.beta2, mo.one_minus_beta2);
-                    p[i] = apply_adam_elem(p0, m1, v1, s);
-                    m_new[row * TILE + col] = m1;
-                    v_new[row * TILE + col] = v1;
-                    new_am = new_am.max(m1.abs());
-                    new_av = new_av.max(v1);
-                }
-            }
-            *am = new_am;
-            *av = new_av;
-            for row in 0..rows {
-                let base = row * cols + j * TILE;
-                for col in 0..TILE {
-                    let k = row * TILE + col;
-                    mc[base + col] =
-                        quantize_scaled(m_new[k], new_am, &self.qmap_m, SIGNED_ZERO_CODE);
-                    vc[base + col] =
-                        quantize_scaled(v_new[k], new_av, &self.qmap_v, UNSIGNED_ZERO_CODE);
-                }
-            }
+        let small = lerp_weight_is_small(mo.lerp_weight);
+        match (decay, small) {
+            (Some(d), true) => self.row_block::<true, true>(b, cols, d, mo, s),
+            (Some(d), false) => self.row_block::<true, false>(b, cols, d, mo, s),
+            (None, true) => self.row_block::<false, true>(b, cols, 1.0, mo, s),
+            (None, false) => self.row_block::<false, false>(b, cols, 1.0, mo, s),
         }
+    }
+
+    /// [`Adam8bit::update_row_block`] with the decay and `lerp` branches decided.
+    ///
+    /// The row block is walked row by row over all its columns (contiguous memory, which the
+    /// prefetchers follow; tile by tile would jump `n` elements per row). Per 32-element
+    /// segment of a row: dequantize the codes with the segment's tile absmax (a table
+    /// gather), then one branch-free loop (decay, moments, update: the compiler vectorizes
+    /// it, each lane doing the scalar operations in the scalar order), and fold the new
+    /// moments into the tile's eight running maxima (`max` is exact, so the fold order changes
+    /// no bit of absmax; no `-0.0` arises: `|m|` and `v ≥ 0` are `+0.0` when zero). The new
+    /// moments wait in a per-thread scratch until every tile's absmax is known, then each
+    /// tile is requantized.
+    #[inline(always)]
+    fn row_block<const DECAY: bool, const SMALL: bool>(
+        &self,
+        b: RowBlock,
+        cols: usize,
+        decay: f32,
+        mo: &MomentCoeffs,
+        s: &AdamScale,
+    ) {
+        const LANES: usize = 8;
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Scratch> = const {
+                std::cell::RefCell::new(Scratch {
+                    m_new: Vec::new(),
+                    v_new: Vec::new(),
+                    max_m: Vec::new(),
+                    max_v: Vec::new(),
+                })
+            };
+        }
+        let RowBlock {
+            p,
+            g,
+            mc,
+            vc,
+            absmax_m,
+            absmax_v,
+        } = b;
+        let rows = p.len() / cols;
+        let ntiles = cols / TILE;
+        let (w, b2, c2) = (mo.lerp_weight, mo.beta2, mo.one_minus_beta2);
+        let s = *s;
+        let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
+        SCRATCH.with_borrow_mut(|scratch| {
+            let Scratch {
+                m_new,
+                v_new,
+                max_m,
+                max_v,
+            } = scratch;
+            m_new.resize(p.len(), 0.0);
+            v_new.resize(p.len(), 0.0);
+            max_m.clear();
+            max_m.resize(ntiles, [0.0; LANES]);
+            max_v.clear();
+            max_v.resize(ntiles, [0.0; LANES]);
+            for row in 0..rows {
+                for j in 0..ntiles {
+                    let base = row * cols + j * TILE;
+                    let seg = base..base + TILE;
+                    let (old_am, old_av) = (absmax_m[j], absmax_v[j]);
+                    let m1 = &mut m_new[seg.clone()];
+                    let v1 = &mut v_new[seg.clone()];
+                    for ((m, v), (&cm, &cv)) in m1
+                        .iter_mut()
+                        .zip(v1.iter_mut())
+                        .zip(mc[seg.clone()].iter().zip(&vc[seg.clone()]))
+                    {
+                        *m = dequantize(cm, old_am, map_m);
+                        *v = dequantize(cv, old_av, map_v);
+                    }
+                    for (((p, &g), m), v) in p[seg.clone()]
+                        .iter_mut()
+                        .zip(&g[seg])
+                        .zip(m1.iter_mut())
+                        .zip(v1.iter_mut())
+                    {
+                        let p0 = if DECAY { decay_elem(*p, decay) } else { *p };
+                        *m = if SMALL {
+                            lerp_small_elem(*m, g, w)
+                        } else {
+                            lerp_large_elem(*m, g, w)
+                        };
+                        *v = ema_sq_elem(*v, g, b2, c2);
+                        *p = apply_adam_elem(p0, *m, *v, &s);
+                    }
+                    let (mx_m, mx_v) = (&mut max_m[j], &mut max_v[j]);
+                    for (m, v) in m1.chunks_exact(LANES).zip(v1.chunks_exact(LANES)) {
+                        for k in 0..LANES {
+                            mx_m[k] = mx_m[k].max(m[k].abs());
+                            mx_v[k] = mx_v[k].max(v[k]);
+                        }
+                    }
+                }
+            }
+            for j in 0..ntiles {
+                absmax_m[j] = max_m[j].iter().fold(0f32, |a, &x| a.max(x));
+                absmax_v[j] = max_v[j].iter().fold(0f32, |a, &x| a.max(x));
+            }
+            for row in 0..rows {
+                for j in 0..ntiles {
+                    let seg = row * cols + j * TILE..row * cols + (j + 1) * TILE;
+                    self.book_m.quantize_scaled_slice(
+                        &m_new[seg.clone()],
+                        absmax_m[j],
+                        SIGNED_ZERO_CODE,
+                        &mut mc[seg.clone()],
+                    );
+                    self.book_v.quantize_scaled_slice(
+                        &v_new[seg.clone()],
+                        absmax_v[j],
+                        UNSIGNED_ZERO_CODE,
+                        &mut vc[seg],
+                    );
+                }
+            }
+        });
     }
 }

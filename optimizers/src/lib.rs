@@ -23,6 +23,7 @@
 
 pub mod adam8bit;
 pub mod adamw;
+pub mod bench;
 pub mod common;
 pub mod kernels;
 pub mod muon;

@@ -4,7 +4,7 @@
 
 use ragged::demo::SplitMix;
 use ragged::model::{TensorSpec, Unit};
-use ragged::optim::{Holding, LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
 
@@ -102,39 +102,11 @@ pub fn whole_shard_by(
     specs: &[TensorSpec],
     block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
 ) -> LocalShard {
-    let mut offset = 0;
-    let mut pieces = Vec::new();
-    for (i, t) in specs.iter().enumerate() {
-        pieces.push(LocalPiece {
-            param: i,
-            range: 0..t.numel(),
-            offset,
-        });
-        offset += t.numel();
-    }
-    let params = specs
-        .iter()
-        .map(|t| {
-            let block = block_of(t);
-            ParamMeta {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                block,
-                block_elems: block.elems(&t.shape).unwrap(),
-                holdings: vec![Holding {
-                    rank: 0,
-                    range: 0..t.numel(),
-                }],
-            }
-        })
-        .collect();
-    LocalShard {
-        rank: 0,
-        world: 1,
-        len: offset,
-        params,
-        pieces,
-    }
+    LocalShard::unsharded(
+        specs.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+        &|name, _| block_of(specs.iter().find(|t| t.name == name).unwrap()),
+    )
+    .unwrap()
 }
 
 /// [`whole_shard_by`] with `Element` blocks.

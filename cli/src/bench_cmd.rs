@@ -1,4 +1,5 @@
-//! `ragged bench plan`: the planner sweep, written into `docs/benchmarks.md`.
+//! `ragged bench plan|comm|optim`: benchmark sweeps, each written into its own section of
+//! `docs/benchmarks.md`.
 
 use std::path::{Path, PathBuf};
 
@@ -7,6 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, markdown, plan_row, BLOCKS, WORLDS};
 use ragged::model::Inventory;
 use ragged::{AtomicBlock, Error, Result};
+use ragged_optimizers::bench::OptimKind;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -14,6 +16,33 @@ pub enum BenchCommand {
     Plan(PlanBenchArgs),
     /// Thread-rank collectives against memcpy, and a training step ragged vs FSDP2-style.
     Comm(CommBenchArgs),
+    /// Optimizer steps (AdamW, 8-bit Adam, Muon) against the machine peak, memcpy and GEMM.
+    Optim(OptimBenchArgs),
+}
+
+#[derive(Args)]
+pub struct OptimBenchArgs {
+    /// Add the 4096×4096 point to the square sweep.
+    #[arg(long)]
+    full: bool,
+    /// Timed steps per case (best and median are reported; slow cases run fewer).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Run one optimizer only: adamw, adam8bit or muon.
+    #[arg(long)]
+    only: Option<OptimKind>,
+    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz").
+    #[arg(long)]
+    ghz: Option<f64>,
+    /// Print the table only; leave the markdown file alone.
+    #[arg(long)]
+    no_write: bool,
+    /// Tiny shapes and buffers (for tests).
+    #[arg(long, hide = true)]
+    quick: bool,
+    /// Markdown file whose optimizer section is replaced.
+    #[arg(long, default_value = "docs/benchmarks.md")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -61,7 +90,74 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
+        BenchCommand::Optim(args) => optim(args),
     }
+}
+
+fn optim(args: &OptimBenchArgs) -> Result<()> {
+    use ragged_optimizers::bench::{baselines, markdown, run_case, BenchConfig, Peak, Report};
+
+    let cfg = BenchConfig {
+        full: args.full,
+        quick: args.quick,
+        reps: args.reps,
+        only: args.only,
+        ghz: args.ghz,
+    };
+    let peak = Peak::detect(cfg.ghz);
+    eprintln!("peak: {}", peak.derivation());
+    let base = baselines(cfg.memcpy_bytes(), cfg.gemm_n(), cfg.reps);
+    eprintln!(
+        "baselines: memcpy {:.1} GB/s (1 thread), {:.1} GB/s ({} threads); GEMM {n}³ {:.1} GFLOP/s",
+        base.memcpy_1t_gbps,
+        base.memcpy_all_gbps,
+        base.threads,
+        base.gemm_best_gflops,
+        n = base.gemm_n
+    );
+    let cases = cfg.cases();
+    let mut rows = Vec::with_capacity(cases.len());
+    for (k, (kind, set)) in cases.iter().enumerate() {
+        let row = run_case(*kind, set, cfg.reps)?;
+        eprintln!(
+            "[{}/{}] {kind} {}: best {:.3} ms, median {:.3} ms, {:.1} GFLOP/s, {:.1} GB/s",
+            k + 1,
+            cases.len(),
+            set.name,
+            1e3 * row.timing.best,
+            1e3 * row.timing.median,
+            row.gflops(),
+            row.gbps()
+        );
+        rows.push(row);
+    }
+    let table = markdown(&Report {
+        peak,
+        baselines: base,
+        rows,
+    });
+    println!("{table}");
+    if !args.no_write {
+        let body = format!(
+            "## Optimizers: step time against peak, memcpy and GEMM\n\n\
+             Command: `cargo run --release --bin ragged -- bench optim`{}. Each case is one \
+             `Optimizer::step` on a one-rank shard holding the whole shape set (default \
+             hyperparameters; best and median of the timed steps after one untimed step; `reps` 0: \
+             the first step took over 20 s and is the only sample). \
+             FLOPs: the optimizer's formula per element; Newton–Schulz `2·s²·l + 2·s³ + 2·s²·l` \
+             per iteration (`s` short side, `l` long side) plus element operations. Bytes: \
+             compulsory traffic (params and state read and written, grads read; scratch not \
+             counted); memcpy GB/s counts read + write bytes too, and `vs memcpy` is against \
+             the all-threads copy. MFU against the f32 peak below; `vs GEMM` against the \
+             same-run GEMM. `comm` is n/a for Muon until the gather-to-root path reports it. \
+             Machine: {}.\n\n{table}",
+            if args.full { " --full" } else { "" },
+            machine()
+        );
+        replace_section(&args.out, "optim", &body)?;
+        eprintln!("updated {}", args.out.display());
+    }
+    Ok(())
 }
 
 fn plan(args: &PlanBenchArgs) -> Result<()> {
@@ -149,7 +245,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     if args.out.as_os_str() != "-" {
         let body = format!(
             "## Runtime: collectives and training step\n\n\
-             Command: `cargo run --release -- bench comm`. Collectives: in-place all-gather and \
+             Command: `cargo run --release --bin ragged -- bench comm`. Collectives: in-place all-gather and \
              reduce-scatter (sum) of {} f32 elements per rank on thread ranks; `bytes` is what \
              all ranks receive together, `V·(V−1)·S·4`; memcpy copies the same bytes in the same \
              run, on one thread and split over all cores (the ranks share those cores; best of \
@@ -168,7 +264,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
 fn section_text(table: &str) -> String {
     format!(
         "## Planner: padding and plan time\n\n\
-         Command: `cargo run --release -- bench plan` (default collective alignment 64 elements; \
+         Command: `cargo run --release --bin ragged -- bench plan` (default collective alignment 64 elements; \
          plan time is the best of 3 runs of the whole-model plan, identical units planned once). \
          Padding is `(V·S − N)/N` summed over FSDP units (one per decoder layer plus the root). \
          Cut blocks: atomic blocks of the given size that a baseline's rank boundaries split; \

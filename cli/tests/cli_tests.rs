@@ -1,13 +1,20 @@
 //! The `ragged` binary, end to end: plans written as JSON pass the independent checker
 //! `tools/check_plan.py`; bad input exits non-zero with a message instead of panicking.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+/// The workspace root (this crate lives in `cli/`): `models/`, `tools/` and `docs/` are there.
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("cli/ has a parent")
+}
 
 fn ragged(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ragged"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(root())
         .output()
         .expect("run ragged")
 }
@@ -23,7 +30,7 @@ fn check_plan(plan: &PathBuf, model: &str, world: usize) -> (bool, String) {
         .arg(plan)
         .arg(format!("models/{model}.json"))
         .arg(world.to_string())
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(root())
         .output()
         .expect("python3 runs tools/check_plan.py");
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -154,4 +161,76 @@ fn bad_input_exits_with_a_message() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
         assert!(err.contains("error"), "{args:?}: no message: {err}");
     }
+}
+
+#[test]
+fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
+    let out = ragged(&["bench", "optim", "--quick", "--reps", "1", "--no-write"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Peak: f32: "), "no peak derivation:\n{text}");
+    assert!(text.contains("memcpy") && text.contains("GEMM"), "{text}");
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("| optimizer |"))
+        .unwrap_or_else(|| panic!("no table header:\n{text}"));
+    let columns = header.matches('|').count() - 1;
+    assert_eq!(columns, ragged_optimizers::bench::COLUMNS.len(), "{header}");
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            ["| adamw |", "| adam8bit |", "| muon |"]
+                .iter()
+                .any(|p| l.starts_with(p))
+        })
+        .collect();
+    // Three optimizers × (one layer + two squares) in quick mode.
+    assert_eq!(rows.len(), 9, "{text}");
+    for row in &rows {
+        let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(cells.len(), columns, "{row}");
+        // Times, FLOPs, bytes and rates are numbers; times, FLOPs and bytes are positive.
+        for k in [2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] {
+            let x: f64 = cells[k]
+                .parse()
+                .unwrap_or_else(|_| panic!("cell {k} of {row}"));
+            assert!(x >= 0.0, "cell {k} of {row}");
+            if [2, 4, 5, 10].contains(&k) {
+                assert!(x > 0.0, "cell {k} of {row}");
+            }
+        }
+    }
+    // One progress line per case on stderr.
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with('[')).count(),
+        9,
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_optim_only_runs_one_optimizer_and_rejects_unknown_ones() {
+    let out = ragged(&[
+        "bench",
+        "optim",
+        "--quick",
+        "--reps",
+        "1",
+        "--no-write",
+        "--only",
+        "adamw",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("| adamw |") && !text.contains("| muon |"),
+        "{text}"
+    );
+    let out = ragged(&["bench", "optim", "--only", "sgd", "--no-write"]);
+    assert!(!out.status.success());
 }

@@ -1,0 +1,810 @@
+//! The optimizer benchmark that `ragged bench optim` and `cargo bench -p ragged-optimizers`
+//! share: step time of each optimizer on a one-rank shard, against the machine's peak and
+//! against baselines measured in the same run (memcpy bandwidth, one large plain GEMM).
+//!
+//! # What is measured
+//! Every case runs the optimizer through its public [`Optimizer::step`] on a one-rank
+//! [`LocalShard`] holding every parameter of a [`ShapeSet`] back to back, with
+//! [`SingleRank`] as the communicator: exactly what a user's training step runs. One untimed
+//! step first (page faults, 8-bit state leaving all-zero), then `reps` timed steps; the table
+//! shows the best and the median.
+//!
+//! # Counting
+//! - **FLOPs per step** ([`Cost`]): element-wise optimizers count the IEEE operations of their
+//!   formula per element (`sqrt` and division count one each; the comparisons of 8-bit Adam's
+//!   code search do not count). Newton–Schulz on an `s × l` matrix (`s` the short side) counts
+//!   `2·s²·l` (`X·Xᵀ`) + `2·s³` (`A·A`) + `2·s²·l` (`B·X`) per iteration plus its element
+//!   operations; see [`ns_flops`].
+//! - **Bytes per step**: compulsory traffic only: every byte of parameters, gradients and
+//!   optimizer state read once, and written once when the step updates it. Scratch (the
+//!   8-bit tile buffers, Muon's Nesterov copy and Newton–Schulz workspace) is not counted, so
+//!   GB/s is a lower bound of the traffic the step causes.
+//! - **memcpy GB/s** counts read + write bytes (twice the copy size), the same accounting,
+//!   so "vs memcpy" compares like with like.
+//! - **MFU**: GFLOP/s over the peak of the ISA and dtype the optimizer computes in (`f32` for
+//!   all of them; [`Peak`]).
+//!
+//! # Adding an optimizer (Shampoo)
+//! Add a variant to [`OptimKind`] (and to [`OptimKind::ALL`] and its `name`), build it in
+//! [`Case::new`], and give its per-parameter [`Cost`] in [`cost`]; the CLI, the criterion
+//! bench and the table pick it up from there.
+
+use std::fmt::Write as _;
+use std::str::FromStr;
+use std::time::Instant;
+
+use ragged::comm::SingleRank;
+use ragged::demo::SplitMix;
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::{Error, Result};
+
+use crate::{Adam8bit, Adam8bitConfig, Adam8bitState, AdamState, AdamW, Muon, MuonConfig};
+
+// ---------------------------------------------------------------------------------------------
+// Machine peak
+// ---------------------------------------------------------------------------------------------
+
+/// The machine's peak arithmetic rate, derived from cores × clock × FLOP/cycle of the widest
+/// vector (or matrix) unit the CPU reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peak {
+    /// `std::thread::available_parallelism()`.
+    pub cores: usize,
+    /// Clock in GHz.
+    pub ghz: f64,
+    /// Where the clock came from (`--ghz` or `/proc/cpuinfo "cpu MHz"`).
+    pub clock_source: &'static str,
+    /// The f32 unit: `AVX-512 f32` (64 FLOP/cycle/core: two 16-lane FMA ports), `AVX2+FMA f32`
+    /// (32: two 8-lane FMA ports), or a scalar guess.
+    pub f32_isa: &'static str,
+    pub f32_flops_per_cycle: f64,
+    /// The bf16 unit: `AMX-BF16` (≈1024 FLOP/cycle/core) when `/proc/cpuinfo` lists
+    /// `amx_bf16`; otherwise bf16 runs on the f32 unit (widened, as candle's CPU matmul does).
+    pub bf16_isa: &'static str,
+    pub bf16_flops_per_cycle: f64,
+}
+
+impl Peak {
+    /// Detects the peak of this machine; `ghz` overrides the clock read from `/proc/cpuinfo`
+    /// (a VM reports its nominal clock there, and turbo is unknown). Without either, 2.0 GHz.
+    pub fn detect(ghz: Option<f64>) -> Peak {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let mhz = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("cpu MHz"))
+            .and_then(|l| l.split(':').nth(1))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        let (ghz, clock_source) = match (ghz, mhz) {
+            (Some(g), _) => (g, "--ghz"),
+            (None, Some(m)) => (m / 1000.0, "/proc/cpuinfo cpu MHz"),
+            (None, None) => (2.0, "assumed, no /proc/cpuinfo"),
+        };
+        let (f32_isa, f32_flops_per_cycle) = f32_unit();
+        let amx = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("flags"))
+            .is_some_and(|l| l.split_whitespace().any(|f| f == "amx_bf16"));
+        let (bf16_isa, bf16_flops_per_cycle) = if amx {
+            ("AMX-BF16", 1024.0)
+        } else {
+            ("no AMX: bf16 widened to the f32 unit", f32_flops_per_cycle)
+        };
+        Peak {
+            cores,
+            ghz,
+            clock_source,
+            f32_isa,
+            f32_flops_per_cycle,
+            bf16_isa,
+            bf16_flops_per_cycle,
+        }
+    }
+
+    /// Peak f32 GFLOP/s: cores × GHz × FLOP/cycle.
+    pub fn f32_gflops(&self) -> f64 {
+        self.cores as f64 * self.ghz * self.f32_flops_per_cycle
+    }
+
+    /// Peak bf16 GFLOP/s.
+    pub fn bf16_gflops(&self) -> f64 {
+        self.cores as f64 * self.ghz * self.bf16_flops_per_cycle
+    }
+
+    /// How the peaks were derived, in one line.
+    pub fn derivation(&self) -> String {
+        format!(
+            "f32: {} cores × {:.2} GHz ({}) × {} FLOP/cycle ({}) = {:.0} GFLOP/s; \
+             bf16: × {} FLOP/cycle ({}) = {:.0} GFLOP/s",
+            self.cores,
+            self.ghz,
+            self.clock_source,
+            self.f32_flops_per_cycle,
+            self.f32_isa,
+            self.f32_gflops(),
+            self.bf16_flops_per_cycle,
+            self.bf16_isa,
+            self.bf16_gflops()
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn f32_unit() -> (&'static str, f64) {
+    if is_x86_feature_detected!("avx512f") {
+        ("AVX-512 f32", 64.0)
+    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        ("AVX2+FMA f32", 32.0)
+    } else {
+        ("SSE f32 (no FMA)", 8.0)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn f32_unit() -> (&'static str, f64) {
+    ("unknown ISA (scalar FMA assumed)", 2.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Same-run baselines
+// ---------------------------------------------------------------------------------------------
+
+/// Baselines measured in the same run as the optimizers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Baselines {
+    /// Bytes copied per memcpy (the source size).
+    pub memcpy_bytes: usize,
+    /// memcpy bandwidth on one thread, read + write bytes per second / 1e9 (best of the reps).
+    pub memcpy_1t_gbps: f64,
+    /// The same copy split over `threads` threads.
+    pub memcpy_all_gbps: f64,
+    pub threads: usize,
+    /// Side of the square f32 GEMM.
+    pub gemm_n: usize,
+    /// `2n³ / t`, best and median of the reps, GFLOP/s.
+    pub gemm_best_gflops: f64,
+    pub gemm_median_gflops: f64,
+}
+
+/// memcpy bandwidth in GB/s counting read + write bytes (`2·bytes / t`), best of `reps`, with
+/// the copy split over `threads` threads.
+pub fn memcpy_gbps(bytes: usize, reps: usize, threads: usize) -> f64 {
+    2.0 * bytes as f64 / ragged::bench::comm::memcpy_seconds(bytes, reps, threads) / 1e9
+}
+
+/// `C = A·B` for square row-major `n × n` f32 matrices with the `gemm` crate (AVX-512 kernels
+/// compiled in, picked at run time), on rayon's threads: best and median GFLOP/s (`2n³/t`)
+/// of `reps` runs after one warm-up.
+pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
+    let mut rng = SplitMix(7);
+    let a: Vec<f32> = (0..n * n).map(|_| rng.uniform()).collect();
+    let b: Vec<f32> = (0..n * n).map(|_| rng.uniform()).collect();
+    let mut c = vec![0.0f32; n * n];
+    let threads = rayon::current_num_threads();
+    let ni = n as isize;
+    let mut run = || {
+        let t = Instant::now();
+        // SAFETY: a, b and c hold n·n elements each, row-major (column stride 1, row stride
+        // n), and c does not alias a or b.
+        unsafe {
+            gemm::gemm(
+                n,
+                n,
+                n,
+                c.as_mut_ptr(),
+                1,
+                ni,
+                false,
+                a.as_ptr(),
+                1,
+                ni,
+                b.as_ptr(),
+                1,
+                ni,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(threads),
+            );
+        }
+        std::hint::black_box(&mut c);
+        t.elapsed().as_secs_f64()
+    };
+    run();
+    let times: Vec<f64> = (0..reps.max(1)).map(|_| run()).collect();
+    let t = Timing::of(times);
+    let flops = 2.0 * (n as f64).powi(3);
+    (flops / t.best / 1e9, flops / t.median / 1e9)
+}
+
+/// Runs both baselines.
+pub fn baselines(memcpy_bytes: usize, gemm_n: usize, reps: usize) -> Baselines {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (gemm_best_gflops, gemm_median_gflops) = gemm_gflops(gemm_n, reps);
+    Baselines {
+        memcpy_bytes,
+        memcpy_1t_gbps: memcpy_gbps(memcpy_bytes, reps, 1),
+        memcpy_all_gbps: memcpy_gbps(memcpy_bytes, reps, threads),
+        threads,
+        gemm_n,
+        gemm_best_gflops,
+        gemm_median_gflops,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes and optimizers
+// ---------------------------------------------------------------------------------------------
+
+/// A named set of parameters stepped together as one group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeSet {
+    pub name: String,
+    /// `(name, global shape)` in shard order.
+    pub params: Vec<(String, Vec<usize>)>,
+}
+
+impl ShapeSet {
+    /// Elements over all parameters.
+    pub fn numel(&self) -> usize {
+        self.params
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+}
+
+/// One decoder layer of Llama-3-8B with every dimension divided by `div` (hidden 4096,
+/// intermediate 14336, kv 1024 = 8 heads × 128): q/o `h×h`, k/v `kv×h`, gate/up `i×h`,
+/// down `h×i`, two RMSNorm gains of `h`. `div = 4` is the benchmark's "llama3-8b/4".
+pub fn llama3_8b_layer(div: usize) -> ShapeSet {
+    let (h, i, kv) = (4096 / div, 14336 / div, 1024 / div);
+    let p = |name: &str, shape: &[usize]| (format!("layers.0.{name}.weight"), shape.to_vec());
+    ShapeSet {
+        name: format!("llama3-8b/{div} layer"),
+        params: vec![
+            p("input_layernorm", &[h]),
+            p("self_attn.q_proj", &[h, h]),
+            p("self_attn.k_proj", &[kv, h]),
+            p("self_attn.v_proj", &[kv, h]),
+            p("self_attn.o_proj", &[h, h]),
+            p("post_attention_layernorm", &[h]),
+            p("mlp.gate_proj", &[i, h]),
+            p("mlp.up_proj", &[i, h]),
+            p("mlp.down_proj", &[h, i]),
+        ],
+    }
+}
+
+/// One square `s × s` matrix.
+pub fn square(s: usize) -> ShapeSet {
+    ShapeSet {
+        name: format!("square {s}"),
+        params: vec![("w".into(), vec![s, s])],
+    }
+}
+
+/// The square sweep; 4096 only with `full`.
+pub fn square_sides(full: bool) -> &'static [usize] {
+    if full {
+        &[256, 512, 1024, 2048, 4096]
+    } else {
+        &[256, 512, 1024, 2048]
+    }
+}
+
+/// The optimizers the benchmark knows. Shampoo: add a variant here (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OptimKind {
+    AdamW,
+    Adam8bit,
+    Muon,
+}
+
+impl OptimKind {
+    pub const ALL: [OptimKind; 3] = [OptimKind::AdamW, OptimKind::Adam8bit, OptimKind::Muon];
+
+    /// The name used on the command line and in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimKind::AdamW => "adamw",
+            OptimKind::Adam8bit => "adam8bit",
+            OptimKind::Muon => "muon",
+        }
+    }
+}
+
+impl FromStr for OptimKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        OptimKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| Error::BadInput {
+                op: "OptimKind::from_str",
+                what: s.to_string(),
+                reason: "expected adamw, adam8bit or muon".into(),
+            })
+    }
+}
+
+impl std::fmt::Display for OptimKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A one-rank shard holding every parameter of `set` back to back (no padding), each planned
+/// with the block `opt` asks for.
+pub fn whole_shard<O: Optimizer>(opt: &O, set: &ShapeSet) -> Result<LocalShard> {
+    LocalShard::unsharded(
+        set.params.iter().map(|(n, s)| (n.as_str(), s.as_slice())),
+        &|name, shape| opt.atomic_block(name, shape),
+    )
+}
+
+/// An optimizer with its shard, state, parameters and gradients, ready to step.
+trait Stepper {
+    fn step(&mut self) -> Result<()>;
+    fn state_bytes(&self) -> usize;
+}
+
+struct Run<O: Optimizer> {
+    opt: O,
+    shard: LocalShard,
+    state: O::State,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    state_bytes: fn(&O::State) -> usize,
+}
+
+impl<O: Optimizer> Stepper for Run<O> {
+    fn step(&mut self) -> Result<()> {
+        self.opt.step(
+            &mut self.state,
+            &self.shard,
+            &mut self.params,
+            &self.grads,
+            &SingleRank,
+        )
+    }
+
+    fn state_bytes(&self) -> usize {
+        (self.state_bytes)(&self.state)
+    }
+}
+
+fn adam_state_bytes(s: &AdamState) -> usize {
+    4 * (s.m.len() + s.v.len())
+}
+
+fn adam8bit_state_bytes(s: &Adam8bitState) -> usize {
+    s.state_bytes()
+}
+
+/// What one step costs by the counting rules of the module doc.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Cost {
+    pub flops: f64,
+    pub bytes: f64,
+    /// Bytes sent + received per step; `None` where the path is not implemented or not
+    /// counted yet (Muon's gather-to-root path will fill it).
+    pub comm_bytes: Option<u64>,
+}
+
+/// AdamW FLOPs per element: decay 1, `lerp` 3, second moment 4, denominator 3 (`sqrt`, `/`,
+/// `+`), update 3.
+pub const ADAMW_FLOPS: f64 = 14.0;
+/// AdamW bytes per element: params r+w 8, grads r 4, `m` r+w 8, `v` r+w 8.
+pub const ADAMW_BYTES: f64 = 28.0;
+/// 8-bit Adam FLOPs per element: AdamW's 14, dequantize 2, absmax 3 (`abs`, two `max`),
+/// scale 2 (`x / absmax`), nearest code 4 (two distances per moment).
+pub const ADAM8BIT_FLOPS: f64 = 25.0;
+/// 8-bit Adam bytes per element: params r+w 8, grads r 4, two codes r+w 4; plus 16 bytes of
+/// absmax (two `f32`, read and written) per tile.
+pub const ADAM8BIT_BYTES: f64 = 16.0;
+/// Muon element FLOPs per matrix element outside Newton–Schulz: momentum `lerp` 3, Nesterov
+/// `lerp` 3, decay 1, update 2.
+pub const MUON_ELEM_FLOPS: f64 = 9.0;
+/// Muon bytes per element: params r+w 8, grads r 4, momentum r+w 8.
+pub const MUON_BYTES: f64 = 20.0;
+
+/// FLOPs of Newton–Schulz on a `rows × cols` matrix with `steps` iterations: with `s` the
+/// short side and `l` the long one, per iteration `2·s²·l + 2·s³ + 2·s²·l` for the three
+/// products plus `3·s² + 3·s·l` element operations; plus `3·s·l` for the norm and scaling.
+pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> f64 {
+    let (s, l) = (rows.min(cols) as f64, rows.max(cols) as f64);
+    let per_iter = 4.0 * s * s * l + 2.0 * s * s * s + 3.0 * s * s + 3.0 * s * l;
+    steps as f64 * per_iter + 3.0 * s * l
+}
+
+/// The cost of one step of `kind` on `set` (defaults of each optimizer's config).
+pub fn cost(kind: OptimKind, set: &ShapeSet) -> Cost {
+    let adam8 = Adam8bit::new(Adam8bitConfig::default()).expect("default config is valid");
+    let muon_cfg = MuonConfig::default();
+    let muon = Muon::new(muon_cfg.clone()).expect("default config is valid");
+    let mut c = Cost {
+        comm_bytes: Some(0),
+        ..Cost::default()
+    };
+    for (name, shape) in &set.params {
+        let n = shape.iter().product::<usize>() as f64;
+        let (flops, bytes) = match kind {
+            OptimKind::AdamW => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
+            OptimKind::Adam8bit => match adam8.tiling(name, shape) {
+                Some(t) => (
+                    ADAM8BIT_FLOPS * n,
+                    ADAM8BIT_BYTES * n + 16.0 * t.num_tiles() as f64,
+                ),
+                None => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
+            },
+            OptimKind::Muon if muon.uses_muon(name, shape) => {
+                let d = shape.len();
+                let (rows, cols) = (shape[d - 2], shape[d - 1]);
+                let matrices = (shape[..d - 2].iter().product::<usize>()) as f64;
+                (
+                    matrices * ns_flops(rows, cols, muon_cfg.ns.steps) + MUON_ELEM_FLOPS * n,
+                    MUON_BYTES * n,
+                )
+            }
+            OptimKind::Muon => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
+        };
+        c.flops += flops;
+        c.bytes += bytes;
+    }
+    if kind == OptimKind::Muon {
+        // Hook: the gather-to-root path reports its bytes here; the local whole-matrix path
+        // sends nothing, but the column stays open until that path exists.
+        c.comm_bytes = None;
+    }
+    c
+}
+
+/// One benchmark case: an optimizer stepping one shape set.
+pub struct Case {
+    pub kind: OptimKind,
+    pub set: ShapeSet,
+    runner: Box<dyn Stepper>,
+}
+
+impl Case {
+    /// Builds the optimizer (default hyperparameters), a one-rank shard of `set`, its state,
+    /// and seeded random parameters and gradients.
+    pub fn new(kind: OptimKind, set: &ShapeSet) -> Result<Case> {
+        fn make<O: Optimizer + 'static>(
+            opt: O,
+            set: &ShapeSet,
+            state_bytes: fn(&O::State) -> usize,
+        ) -> Result<Box<dyn Stepper>>
+        where
+            O::State: 'static,
+        {
+            let shard = whole_shard(&opt, set)?;
+            let state = opt.init(&shard)?;
+            let mut rng = SplitMix(0x5eed);
+            let params: Vec<f32> = (0..shard.len).map(|_| rng.uniform()).collect();
+            let grads: Vec<f32> = (0..shard.len).map(|_| 1e-2 * rng.uniform()).collect();
+            Ok(Box::new(Run {
+                opt,
+                shard,
+                state,
+                params,
+                grads,
+                state_bytes,
+            }))
+        }
+        let runner = match kind {
+            OptimKind::AdamW => make(AdamW::default(), set, adam_state_bytes)?,
+            OptimKind::Adam8bit => make(
+                Adam8bit::new(Adam8bitConfig::default())?,
+                set,
+                adam8bit_state_bytes,
+            )?,
+            OptimKind::Muon => make(Muon::new(MuonConfig::default())?, set, adam_state_bytes)?,
+        };
+        Ok(Case {
+            kind,
+            set: set.clone(),
+            runner,
+        })
+    }
+
+    /// One `Optimizer::step`.
+    pub fn step(&mut self) -> Result<()> {
+        self.runner.step()
+    }
+
+    /// Bytes of optimizer state held now.
+    pub fn state_bytes(&self) -> usize {
+        self.runner.state_bytes()
+    }
+}
+
+/// Best and median of a set of times, in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    pub best: f64,
+    pub median: f64,
+    /// Timed steps; 0 when the untimed first step was the only one (a very slow case).
+    pub reps: usize,
+}
+
+impl Timing {
+    /// Best and median (the lower middle for an even count) of `times` (non-empty).
+    pub fn of(mut times: Vec<f64>) -> Timing {
+        assert!(!times.is_empty(), "Timing::of: no times");
+        times.sort_by(f64::total_cmp);
+        Timing {
+            best: times[0],
+            median: times[(times.len() - 1) / 2],
+            reps: times.len(),
+        }
+    }
+}
+
+/// A case with one step slower than this runs fewer timed reps (at least one), so that a
+/// slow case (Muon on large matrices) takes about this long in total.
+pub const CASE_SECONDS: f64 = 20.0;
+
+/// One row of the table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub optimizer: OptimKind,
+    pub shapes: String,
+    pub params: usize,
+    pub timing: Timing,
+    pub cost: Cost,
+    /// Optimizer-state bytes after the timed steps.
+    pub state_bytes: usize,
+}
+
+impl Row {
+    /// GFLOP/s at the best time.
+    pub fn gflops(&self) -> f64 {
+        self.cost.flops / self.timing.best / 1e9
+    }
+    /// GB/s of compulsory traffic at the best time.
+    pub fn gbps(&self) -> f64 {
+        self.cost.bytes / self.timing.best / 1e9
+    }
+    pub fn state_bytes_per_param(&self) -> f64 {
+        self.state_bytes as f64 / self.params as f64
+    }
+}
+
+/// Times `kind` on `set`: one untimed step, then `reps` timed steps; fewer when a step takes
+/// longer than [`CASE_SECONDS`]` / reps`, and when the first step alone takes longer than
+/// [`CASE_SECONDS`], that step is the only sample (`Timing::reps` is then 0).
+pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
+    let mut case = Case::new(kind, set)?;
+    let t = Instant::now();
+    case.step()?;
+    let first = t.elapsed().as_secs_f64();
+    let reps = reps.max(1).min((CASE_SECONDS / first) as usize);
+    let mut times = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps {
+        let t = Instant::now();
+        case.step()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let timing = if times.is_empty() {
+        Timing {
+            reps: 0,
+            ..Timing::of(vec![first])
+        }
+    } else {
+        Timing::of(times)
+    };
+    Ok(Row {
+        optimizer: kind,
+        shapes: set.name.clone(),
+        params: set.numel(),
+        timing,
+        cost: cost(kind, set),
+        state_bytes: case.state_bytes(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration and report
+// ---------------------------------------------------------------------------------------------
+
+/// What `ragged bench optim` runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchConfig {
+    /// Add the 4096 point to the square sweep.
+    pub full: bool,
+    /// Tiny shapes and buffers (tests): llama3-8b/32 layer, squares 64 and 128.
+    pub quick: bool,
+    /// Timed steps per case.
+    pub reps: usize,
+    /// Run only this optimizer.
+    pub only: Option<OptimKind>,
+    /// Clock override for the peak.
+    pub ghz: Option<f64>,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            full: false,
+            quick: false,
+            reps: 5,
+            only: None,
+            ghz: None,
+        }
+    }
+}
+
+impl BenchConfig {
+    /// The shape sets, in table order.
+    pub fn shape_sets(&self) -> Vec<ShapeSet> {
+        let (layer, sides): (usize, &[usize]) = if self.quick {
+            (32, &[64, 128])
+        } else {
+            (4, square_sides(self.full))
+        };
+        std::iter::once(llama3_8b_layer(layer))
+            .chain(sides.iter().map(|&s| square(s)))
+            .collect()
+    }
+
+    /// The optimizers, in table order.
+    pub fn kinds(&self) -> Vec<OptimKind> {
+        OptimKind::ALL
+            .into_iter()
+            .filter(|k| self.only.is_none_or(|o| o == *k))
+            .collect()
+    }
+
+    /// Every (optimizer, shape set) case, in table order.
+    pub fn cases(&self) -> Vec<(OptimKind, ShapeSet)> {
+        let sets = self.shape_sets();
+        self.kinds()
+            .into_iter()
+            .flat_map(|k| sets.iter().map(move |s| (k, s.clone())))
+            .collect()
+    }
+
+    /// memcpy source size: 256 MiB (4 MiB quick), well past the last-level cache.
+    pub fn memcpy_bytes(&self) -> usize {
+        if self.quick {
+            4 << 20
+        } else {
+            256 << 20
+        }
+    }
+
+    /// Side of the baseline GEMM: 2048 (256 quick).
+    pub fn gemm_n(&self) -> usize {
+        if self.quick {
+            256
+        } else {
+            2048
+        }
+    }
+}
+
+/// Everything one run measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Report {
+    pub peak: Peak,
+    pub baselines: Baselines,
+    pub rows: Vec<Row>,
+}
+
+/// Column headers of the optimizer table (the CLI test checks them).
+pub const COLUMNS: [&str; 16] = [
+    "optimizer",
+    "shapes",
+    "params",
+    "reps",
+    "best ms",
+    "median ms",
+    "GFLOP/step",
+    "GFLOP/s",
+    "MFU %",
+    "vs GEMM",
+    "MB/step",
+    "GB/s",
+    "vs memcpy",
+    "state B/param",
+    "comm B/step",
+    "dtype",
+];
+
+/// The baselines and the optimizer table, as markdown.
+pub fn markdown(r: &Report) -> String {
+    let (p, b) = (&r.peak, &r.baselines);
+    let mut out = String::new();
+    let _ = writeln!(out, "Peak: {}.\n", p.derivation());
+    let _ = writeln!(out, "| baseline | size | result |\n|---|---|---|");
+    let _ = writeln!(
+        out,
+        "| memcpy, 1 thread | {} MiB | {:.1} GB/s |",
+        b.memcpy_bytes >> 20,
+        b.memcpy_1t_gbps
+    );
+    let _ = writeln!(
+        out,
+        "| memcpy, {} threads | {} MiB | {:.1} GB/s |",
+        b.threads,
+        b.memcpy_bytes >> 20,
+        b.memcpy_all_gbps
+    );
+    let _ = writeln!(
+        out,
+        "| f32 GEMM (`gemm` 0.19, rayon) | {n}×{n}×{n} | {:.1} GFLOP/s best, {:.1} median ({:.1} % of f32 peak) |\n",
+        b.gemm_best_gflops,
+        b.gemm_median_gflops,
+        100.0 * b.gemm_best_gflops / p.f32_gflops(),
+        n = b.gemm_n
+    );
+    let _ = writeln!(out, "| {} |", COLUMNS.join(" | "));
+    let _ = writeln!(out, "|{}", "---|".repeat(COLUMNS.len()));
+    for row in &r.rows {
+        let comm = row
+            .cost
+            .comm_bytes
+            .map_or_else(|| "n/a".to_string(), |c| c.to_string());
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | f32 |",
+            row.optimizer,
+            row.shapes,
+            row.params,
+            row.timing.reps,
+            1e3 * row.timing.best,
+            1e3 * row.timing.median,
+            row.cost.flops / 1e9,
+            row.gflops(),
+            100.0 * row.gflops() / p.f32_gflops(),
+            row.gflops() / b.gemm_best_gflops,
+            row.cost.bytes / 1e6,
+            row.gbps(),
+            row.gbps() / b.memcpy_all_gbps,
+            row.state_bytes_per_param(),
+            comm,
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ns_flops_of_a_square_matrix_is_six_cubes_per_iteration_plus_element_ops() {
+        let s = 64.0f64;
+        let want = 5.0 * (6.0 * s * s * s + 6.0 * s * s) + 3.0 * s * s;
+        assert_eq!(ns_flops(64, 64, 5), want);
+        // Orientation does not matter: the short side is used.
+        assert_eq!(ns_flops(32, 128, 5), ns_flops(128, 32, 5));
+    }
+
+    #[test]
+    fn quick_cases_step_and_count_their_parameters() {
+        let cfg = BenchConfig {
+            quick: true,
+            reps: 1,
+            ..BenchConfig::default()
+        };
+        for (kind, set) in cfg.cases() {
+            let row = run_case(kind, &set, 1).unwrap();
+            assert_eq!(row.params, set.numel());
+            assert!(row.cost.flops > 0.0 && row.cost.bytes > 0.0);
+            assert!(row.timing.best > 0.0);
+        }
+    }
+
+    #[test]
+    fn llama_layer_has_the_divided_dimensions() {
+        let set = llama3_8b_layer(4);
+        let n = 2 * 1024 * 1024 + 2 * 256 * 1024 + 3 * 3584 * 1024 + 2 * 1024;
+        assert_eq!(set.numel(), n);
+    }
+}
