@@ -28,7 +28,7 @@ pub struct OptimBenchArgs {
     /// Timed steps per case (best and median are reported; slow cases run fewer).
     #[arg(long, default_value_t = 5)]
     reps: usize,
-    /// Run one optimizer only: adamw, adam8bit or muon.
+    /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
     /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz").

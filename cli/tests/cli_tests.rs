@@ -180,18 +180,18 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     let rows: Vec<&str> = text
         .lines()
         .filter(|l| {
-            ["| adamw |", "| adam8bit |", "| muon |"]
+            ragged_optimizers::bench::OptimKind::ALL
                 .iter()
-                .any(|p| l.starts_with(p))
+                .any(|k| l.starts_with(&format!("| {} |", k.name())))
         })
         .collect();
-    // Three optimizers × (one layer + two squares) in quick mode.
-    assert_eq!(rows.len(), 9, "{text}");
+    // Five optimizers × (one layer + two squares) in quick mode.
+    assert_eq!(rows.len(), 15, "{text}");
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), columns, "{row}");
         // Times, FLOPs, bytes and rates are numbers; times, FLOPs and bytes are positive.
-        for k in [2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] {
+        for k in [2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14] {
             let x: f64 = cells[k]
                 .parse()
                 .unwrap_or_else(|_| panic!("cell {k} of {row}"));
@@ -204,7 +204,7 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     // One progress line per case on stderr.
     assert_eq!(
         err.lines().filter(|l| l.starts_with('[')).count(),
-        9,
+        15,
         "{err}"
     );
 }

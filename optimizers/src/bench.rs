@@ -38,7 +38,13 @@ use ragged::demo::SplitMix;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::{Error, Result};
 
-use crate::{Adam8bit, Adam8bitConfig, Adam8bitState, AdamState, AdamW, Muon, MuonConfig};
+use ragged::model::{DType, TensorSpec, Unit};
+use ragged::plan::PlanOptions;
+
+use crate::{
+    Adam8bit, Adam8bitConfig, Adam8bitState, AdamState, AdamW, Grafting, MatrixLayout, Muon,
+    MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Machine peak
@@ -301,10 +307,20 @@ pub enum OptimKind {
     AdamW,
     Adam8bit,
     Muon,
+    /// Muon with Newton–Schulz in bf16 (oneDNN on AMX where the CPU has it).
+    MuonBf16,
+    /// Shampoo with [`shampoo_config`].
+    Shampoo,
 }
 
 impl OptimKind {
-    pub const ALL: [OptimKind; 3] = [OptimKind::AdamW, OptimKind::Adam8bit, OptimKind::Muon];
+    pub const ALL: [OptimKind; 5] = [
+        OptimKind::AdamW,
+        OptimKind::Adam8bit,
+        OptimKind::Muon,
+        OptimKind::MuonBf16,
+        OptimKind::Shampoo,
+    ];
 
     /// The name used on the command line and in the table.
     pub fn name(self) -> &'static str {
@@ -312,9 +328,45 @@ impl OptimKind {
             OptimKind::AdamW => "adamw",
             OptimKind::Adam8bit => "adam8bit",
             OptimKind::Muon => "muon",
+            OptimKind::MuonBf16 => "muon-bf16",
+            OptimKind::Shampoo => "shampoo",
+        }
+    }
+
+    /// The dtype its heavy math runs in (MFU is against that dtype's peak).
+    pub fn dtype(self) -> &'static str {
+        match self {
+            OptimKind::MuonBf16 => "bf16",
+            _ => "f32",
         }
     }
 }
+
+/// The Muon of the benchmark: torch defaults, NS in `precision`.
+pub fn muon_config(precision: NsPrecision) -> MuonConfig {
+    let mut c = MuonConfig::default();
+    c.ns.precision = precision;
+    c
+}
+
+/// The Shampoo of the benchmark: fb defaults with Adam grafting and 256-side blocks (roots
+/// every step, so the step time includes two eigendecompositions per block).
+pub fn shampoo_config() -> ShampooConfig {
+    ShampooConfig {
+        max_preconditioner_dim: SHAMPOO_DIM,
+        grafting: Grafting::Adam {
+            beta2: 0.999,
+            eps: 1e-10,
+        },
+        ..ShampooConfig::default()
+    }
+}
+
+/// Block side of the benchmark's Shampoo.
+pub const SHAMPOO_DIM: usize = 256;
+
+/// World size at which Muon's communication is counted (a row-split layout).
+pub const COMM_WORLD: usize = 8;
 
 impl FromStr for OptimKind {
     type Err = Error;
@@ -326,7 +378,7 @@ impl FromStr for OptimKind {
             .ok_or_else(|| Error::BadInput {
                 op: "OptimKind::from_str",
                 what: s.to_string(),
-                reason: "expected adamw, adam8bit or muon".into(),
+                reason: "expected adamw, adam8bit, muon, muon-bf16 or shampoo".into(),
             })
     }
 }
@@ -381,6 +433,10 @@ fn adam_state_bytes(s: &AdamState) -> usize {
     4 * (s.m.len() + s.v.len())
 }
 
+fn shampoo_state_bytes(s: &ShampooState) -> usize {
+    4 * (s.m.len() + s.v.len() + s.factors.len() + s.roots.len())
+}
+
 fn adam8bit_state_bytes(s: &Adam8bitState) -> usize {
     s.state_bytes()
 }
@@ -421,11 +477,11 @@ pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> f64 {
     steps as f64 * per_iter + 3.0 * s * l
 }
 
-/// The cost of one step of `kind` on `set` (defaults of each optimizer's config).
-pub fn cost(kind: OptimKind, set: &ShapeSet) -> Cost {
-    let adam8 = Adam8bit::new(Adam8bitConfig::default()).expect("default config is valid");
-    let muon_cfg = MuonConfig::default();
-    let muon = Muon::new(muon_cfg.clone()).expect("default config is valid");
+/// The cost of one step of `kind` on `set` (the benchmark's configs).
+pub fn cost(kind: OptimKind, set: &ShapeSet) -> Result<Cost> {
+    let adam8 = Adam8bit::new(Adam8bitConfig::default())?;
+    let muon = Muon::new(muon_config(NsPrecision::F32))?;
+    let steps = muon.config().ns.steps;
     let mut c = Cost {
         comm_bytes: Some(0),
         ..Cost::default()
@@ -441,26 +497,71 @@ pub fn cost(kind: OptimKind, set: &ShapeSet) -> Cost {
                 ),
                 None => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
             },
-            OptimKind::Muon if muon.uses_muon(name, shape) => {
+            OptimKind::Muon | OptimKind::MuonBf16 if muon.uses_muon(name, shape) => {
                 let d = shape.len();
                 let (rows, cols) = (shape[d - 2], shape[d - 1]);
                 let matrices = (shape[..d - 2].iter().product::<usize>()) as f64;
                 (
-                    matrices * ns_flops(rows, cols, muon_cfg.ns.steps) + MUON_ELEM_FLOPS * n,
+                    matrices * ns_flops(rows, cols, steps) + MUON_ELEM_FLOPS * n,
                     MUON_BYTES * n,
                 )
             }
-            OptimKind::Muon => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
+            OptimKind::Muon | OptimKind::MuonBf16 => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
+            OptimKind::Shampoo => shampoo_cost(shape),
         };
         c.flops += flops;
         c.bytes += bytes;
     }
-    if kind == OptimKind::Muon {
-        // Hook: the gather-to-root path reports its bytes here; the local whole-matrix path
-        // sends nothing, but the column stays open until that path exists.
-        c.comm_bytes = None;
+    if matches!(kind, OptimKind::Muon | OptimKind::MuonBf16) {
+        c.comm_bytes = Some(muon_comm_bytes(&muon, set)?);
     }
-    c
+    Ok(c)
+}
+
+/// Bytes Muon's two all-to-alls move per step (all ranks, both directions, `f32`) when `set`
+/// is one FSDP unit row-split over [`COMM_WORLD`] ranks ([`MatrixLayout::Split`]): the
+/// gather-to-root path's worst case; a whole-matrix layout moves 0.
+pub fn muon_comm_bytes(muon: &Muon, set: &ShapeSet) -> Result<u64> {
+    let split = Muon::new(MuonConfig {
+        layout: MatrixLayout::Split,
+        ..muon.config().clone()
+    })?;
+    let specs = set
+        .params
+        .iter()
+        .map(|(n, s)| TensorSpec::new(n.clone(), s, DType::F32))
+        .collect::<Result<Vec<_>>>()?;
+    let unit = Unit {
+        name: set.name.clone(),
+        tensors: specs.iter().collect(),
+    };
+    let (_, report) = split.plan_layout(&unit, COMM_WORLD, &PlanOptions::default())?;
+    Ok(2 * 4 * report.moved as u64)
+}
+
+/// Shampoo on a `[.., c]` tensor cut into blocks of at most `SHAMPOO_DIM` rows and columns:
+/// per `r × c` block the factor updates (`2r²c + 2rc²`) and the preconditioning
+/// (`2r²c + 2rc²`); the eigendecompositions are not counted (no fixed FLOP count), so MFU is
+/// a lower bound. Bytes: params r+w, grads r, filtered gradient and grafting `v` r+w, factors
+/// and roots read and written once.
+fn shampoo_cost(shape: &[usize]) -> (f64, f64) {
+    let n: usize = shape.iter().product();
+    let cols = *shape.last().unwrap_or(&1);
+    let rows = n / cols.max(1);
+    let (mut flops, mut factor_elems) = (0.0, 0.0);
+    for r in sides(rows) {
+        for c in sides(cols) {
+            let (r, c) = (r as f64, c as f64);
+            flops += 4.0 * (r * r * c + r * c * c);
+            factor_elems += if r > 1.0 { r * r } else { 0.0 } + c * c;
+        }
+    }
+    (flops, ADAMW_BYTES * n as f64 + 16.0 * factor_elems)
+}
+
+/// Block sides along one dimension of `len`: full `SHAMPOO_DIM` blocks and the remainder.
+fn sides(len: usize) -> impl Iterator<Item = usize> {
+    (0..len.div_ceil(SHAMPOO_DIM)).map(move |k| SHAMPOO_DIM.min(len - k * SHAMPOO_DIM))
 }
 
 /// One benchmark case: an optimizer stepping one shape set.
@@ -503,7 +604,17 @@ impl Case {
                 set,
                 adam8bit_state_bytes,
             )?,
-            OptimKind::Muon => make(Muon::new(MuonConfig::default())?, set, adam_state_bytes)?,
+            OptimKind::Muon => make(
+                Muon::new(muon_config(NsPrecision::F32))?,
+                set,
+                adam_state_bytes,
+            )?,
+            OptimKind::MuonBf16 => make(
+                Muon::new(muon_config(NsPrecision::Bf16))?,
+                set,
+                adam_state_bytes,
+            )?,
+            OptimKind::Shampoo => make(Shampoo::new(shampoo_config())?, set, shampoo_state_bytes)?,
         };
         Ok(Case {
             kind,
@@ -603,7 +714,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         shapes: set.name.clone(),
         params: set.numel(),
         timing,
-        cost: cost(kind, set),
+        cost: cost(kind, set)?,
         state_bytes: case.state_bytes(),
     })
 }
@@ -716,11 +827,31 @@ pub const COLUMNS: [&str; 16] = [
     "dtype",
 ];
 
+/// The peak GFLOP/s an optimizer's MFU is measured against.
+fn peak_of(p: &Peak, kind: OptimKind) -> f64 {
+    match kind.dtype() {
+        "bf16" => p.bf16_gflops(),
+        _ => p.f32_gflops(),
+    }
+}
+
 /// The baselines and the optimizer table, as markdown.
 pub fn markdown(r: &Report) -> String {
     let (p, b) = (&r.peak, &r.baselines);
     let mut out = String::new();
     let _ = writeln!(out, "Peak: {}.\n", p.derivation());
+    let _ = writeln!(
+        out,
+        "Newton–Schulz backends: {}.\n",
+        crate::ns_backend_info()
+    );
+    let _ = writeln!(
+        out,
+        "`comm B/step`: bytes Muon's gather and scatter all-to-alls move per step when the \
+         shapes are one unit row-split over {COMM_WORLD} ranks (0 for whole-matrix layouts and \
+         for the element-wise optimizers, whose only traffic is FSDP's own). Shampoo's \
+         GFLOP/step leaves out its eigendecompositions.\n"
+    );
     let _ = writeln!(out, "| baseline | size | result |\n|---|---|---|");
     let _ = writeln!(
         out,
@@ -752,7 +883,7 @@ pub fn markdown(r: &Report) -> String {
             .map_or_else(|| "n/a".to_string(), |c| c.to_string());
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | f32 |",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} |",
             row.optimizer,
             row.shapes,
             row.params,
@@ -761,13 +892,14 @@ pub fn markdown(r: &Report) -> String {
             1e3 * row.timing.median,
             row.cost.flops / 1e9,
             row.gflops(),
-            100.0 * row.gflops() / p.f32_gflops(),
+            100.0 * row.gflops() / peak_of(p, row.optimizer),
             row.gflops() / b.gemm_best_gflops,
             row.cost.bytes / 1e6,
             row.gbps(),
             row.gbps() / b.memcpy_all_gbps,
             row.state_bytes_per_param(),
             comm,
+            row.optimizer.dtype(),
         );
     }
     out
