@@ -301,7 +301,7 @@ impl Adam8bitState {
 
 /// Where one local piece keeps its state.
 #[derive(Clone, Copy, Debug)]
-enum PieceState {
+pub(crate) enum PieceState {
     /// 8-bit: tiling, first tile index into `absmax_*`, number of tiles.
     Tiled { tiling: Tiling, first_tile: usize },
     /// fp32 fallback: offset into `m32`/`v32`.
@@ -312,9 +312,9 @@ enum PieceState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adam8bit {
     config: Adam8bitConfig,
-    adamw: AdamW,
-    qmap_m: [f32; MAP_LEN],
-    qmap_v: [f32; MAP_LEN],
+    pub(crate) adamw: AdamW,
+    pub(crate) qmap_m: [f32; MAP_LEN],
+    pub(crate) qmap_v: [f32; MAP_LEN],
 }
 
 impl Adam8bit {
@@ -344,7 +344,7 @@ impl Adam8bit {
 
     /// Where each local piece keeps its state, and the totals (tiles, fallback elements).
     /// `Err` when an 8-bit piece starts or ends inside a tile.
-    fn layout(
+    pub(crate) fn layout(
         &self,
         op: &'static str,
         shard: &LocalShard,

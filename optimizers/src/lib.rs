@@ -19,6 +19,8 @@
 pub mod adam8bit;
 pub mod adamw;
 pub mod common;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod muon;
 pub mod muon_layout;
 pub mod newton_schulz;

@@ -1,0 +1,367 @@
+//! Newton–Schulz on cuBLAS: the algorithm of [`crate::newton_schulz`] on a stack of `batch`
+//! equal-shape row-major `rows × cols` matrices in device memory (an `[E, m, n]` expert stack
+//! is one call), every product one strided-batched GEMM.
+//!
+//! | # | operation | device |
+//! |---|---|---|
+//! | 1 | if `rows > cols`, `X ← Xᵀ` | `ns_transpose` (kernels/newton_schulz.cu) |
+//! | 2 | `X ← X / max(‖X‖_F, eps)` | `ns_sumsq_partial` + `ns_normalize` (f64 sum, f32 division) |
+//! | 3 | `P = X·Xᵀ` | GEMM, `α = 1, β = 0` |
+//! |   | `Q = b·P + c·P·P` | copy `P → Q`, GEMM `α = c, β = b` |
+//! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
+//! | 4 | transpose back | `ns_transpose` |
+//!
+//! Row-major buffers are column-major transposes, so each product is issued as its transpose
+//! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
+//! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
+//!
+//! # Precision
+//! - [`NsPrecision::F32`]: `f32` operands and results. Equal to the CPU up to summation order:
+//!   cuBLAS accumulates dot products in its own (blocked, FMA) order, the CPU in index order
+//!   without FMA, so the results differ by rounding. Tests compare with a tolerance of `1e-4`
+//!   absolute on the orthogonalized matrix (entries are `O(1/√min(m, n))`…`O(1)`; five steps
+//!   of rounding differences of `~1e-7` relative each, amplified by the polynomial's slope ≤ 3).
+//! - [`NsPrecision::Bf16`]: steps 1–2 in `f32`, then `X`, `P`, `Q` stored in bf16 (round to
+//!   nearest even) with `f32` accumulation and `f32` α, β, as torch.optim.Muon does (its NS runs
+//!   in bf16); the result is widened back to `f32`. Tolerance vs the `f32` CPU path: `5e-2`
+//!   absolute (bf16 has 8 significant bits).
+
+use ragged::cuda::cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use ragged::cuda::cudarc::driver::{
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
+use ragged::{Error, Result};
+
+use crate::newton_schulz::NsConfig;
+
+/// Entry points of `kernels/newton_schulz.cu`.
+pub const NS_TRANSPOSE: &str = "ns_transpose";
+pub const NS_SUMSQ_PARTIAL: &str = "ns_sumsq_partial";
+pub const NS_NORMALIZE: &str = "ns_normalize";
+pub const NS_F32_TO_BF16: &str = "ns_f32_to_bf16";
+pub const NS_BF16_TO_F32: &str = "ns_bf16_to_f32";
+
+/// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
+/// in the same order: the result does not depend on the device).
+const SUMSQ_BLOCKS: u32 = 64;
+
+/// Operand precision of the Newton–Schulz products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NsPrecision {
+    /// `f32` operands, `f32` accumulation (the CPU path's precision).
+    #[default]
+    F32,
+    /// bf16 operands and results, `f32` accumulation (torch.optim.Muon's precision).
+    Bf16,
+}
+
+impl NsPrecision {
+    fn data_type(self) -> blas_sys::cudaDataType {
+        match self {
+            NsPrecision::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+            NsPrecision::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+}
+
+fn int(op: &'static str, x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::BadInput {
+        op,
+        what: format!("dimension {x}"),
+        reason: "larger than cuBLAS's i32 dimensions".into(),
+    })
+}
+
+/// One row-major strided-batched product `C = α·A·B + β·C` (`A: n×k`, `B: k×m`, `C: n×m`),
+/// issued as the column-major `Cᵀ = Bᵀ·Aᵀ`: the row-major buffers of `B` and `A` are the
+/// column-major `Bᵀ` (`m×k`, ld `m`) and `Aᵀ` (`k×n`, ld `k`).
+/// `T` is `f32` or the `u16` bits of bf16 (per `prec`).
+#[allow(clippy::too_many_arguments)]
+fn gemm<T>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    batch: i32,
+    (n, m, k): (i32, i32, i32),
+    a: &CudaSlice<T>,
+    b: &CudaSlice<T>,
+    c: &mut CudaSlice<T>,
+    (alpha, beta): (f32, f32),
+) -> Result<()> {
+    use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+    let stream = dev.stream();
+    let dt = prec.data_type();
+    let (bp, _gb) = b.device_ptr(stream);
+    let (ap, _ga) = a.device_ptr(stream);
+    let (cp, _gc) = c.device_ptr_mut(stream);
+    guarded("newton_schulz gemm", || unsafe {
+        blas::gemm_strided_batched_ex(
+            *blas.handle(),
+            CUBLAS_OP_N,
+            CUBLAS_OP_N,
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const _,
+            bp as *const _,
+            dt,
+            m,
+            i64::from(k) * i64::from(m),
+            ap as *const _,
+            dt,
+            k,
+            i64::from(n) * i64::from(k),
+            (&beta) as *const f32 as *const _,
+            cp as *mut _,
+            dt,
+            m,
+            i64::from(n) * i64::from(m),
+            batch,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    })
+}
+
+/// Orthogonalizes the `batch` row-major `rows × cols` matrices stored back to back in `x`, in
+/// place (the module table). Queued on the device's stream.
+pub fn orthogonalize_cuda(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+    cfg: &NsConfig,
+    prec: NsPrecision,
+) -> Result<()> {
+    const OP: &str = "orthogonalize_cuda";
+    cfg.validate()?;
+    let mn = rows * cols;
+    if x.len() != batch * mn {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{} elements", x.len()),
+            reason: format!("{batch} matrices of {rows}×{cols}"),
+        });
+    }
+    if x.is_empty() {
+        return Ok(());
+    }
+    let transposed = rows > cols;
+    let (s, l) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let (bi, si, li) = (int(OP, batch)?, int(OP, s)?, int(OP, l)?);
+    int(OP, batch * mn)?;
+    let stream = dev.stream();
+
+    // Step 1 into the working buffer.
+    let mut xw = dev.zeros::<f32>(batch * mn)?;
+    if transposed {
+        transpose(dev, &*x, &mut xw, batch, rows, cols)?;
+    } else {
+        guarded(OP, || stream.memcpy_dtod(&*x, &mut xw))?;
+    }
+
+    // Step 2.
+    let mut partial = dev.zeros::<f64>(batch * SUMSQ_BLOCKS as usize)?;
+    let len = count(mn);
+    let by = u32::try_from(batch).unwrap_or(u32::MAX).min(65_535);
+    if by as usize != batch {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{batch} matrices"),
+            reason: "at most 65 535 matrices per call".into(),
+        });
+    }
+    let f = dev.function(&NEWTON_SCHULZ, NS_SUMSQ_PARTIAL)?;
+    let cfg2 = LaunchConfig {
+        grid_dim: (SUMSQ_BLOCKS, by, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&xw)
+            .arg(&len)
+            .arg(&mut partial)
+            .launch(cfg2)
+    })?;
+    let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
+    let mut cfgn = elementwise(mn);
+    cfgn.grid_dim = (cfgn.grid_dim.0.min(1024), by, 1);
+    let (nparts, eps) = (SUMSQ_BLOCKS, cfg.eps);
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut xw)
+            .arg(&len)
+            .arg(&partial)
+            .arg(&nparts)
+            .arg(&eps)
+            .launch(cfgn)
+    })?;
+
+    // Step 3.
+    let blas = dev.blas()?;
+    match prec {
+        NsPrecision::F32 => {
+            iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg)?;
+        }
+        NsPrecision::Bf16 => {
+            let mut xb = dev.zeros::<u16>(batch * mn)?;
+            convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
+            iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg)?;
+            convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
+        }
+    }
+
+    // Step 4.
+    if transposed {
+        transpose(dev, &xw, x, batch, s, l)
+    } else {
+        guarded(OP, || stream.memcpy_dtod(&xw, x))
+    }
+}
+
+/// Step 3 on the normalized `batch × s × l` stack `x` (in place).
+#[allow(clippy::too_many_arguments)]
+fn iterate<T: ragged::cuda::cudarc::driver::DeviceRepr + ragged::cuda::cudarc::driver::ValidAsZeroBits>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    x: &mut CudaSlice<T>,
+    batch: i32,
+    s: i32,
+    l: i32,
+    cfg: &NsConfig,
+) -> Result<()> {
+    const OP: &str = "newton_schulz iterate";
+    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
+    let mut p = dev.zeros::<T>(bu * su * su)?;
+    let mut q = dev.zeros::<T>(bu * su * su)?;
+    let mut y = dev.zeros::<T>(bu * su * lu)?;
+    let stream = dev.stream();
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
+        gemm_nt(blas, dev, prec, batch, s, l, x, &mut p)?;
+        // Q = b·P + c·P·P.
+        guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
+        gemm(blas, dev, prec, batch, (s, s, s), &p, &p, &mut q, (c, b))?;
+        // X ← a·X + Q·X.
+        guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
+        gemm(blas, dev, prec, batch, (s, l, s), &q, &*x, &mut y, (1.0, a))?;
+        std::mem::swap(x, &mut y);
+    }
+    Ok(())
+}
+
+/// `P = X·Xᵀ` for the row-major `s × l` stack `x`: column-major, `x` is `Xᵀ` (`l × s`, ld `l`),
+/// and `Pᵀ = P = (Xᵀ)ᵀ·Xᵀ`: one GEMM with `op(A) = T`, `op(B) = N`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_nt<T>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    batch: i32,
+    s: i32,
+    l: i32,
+    x: &CudaSlice<T>,
+    p: &mut CudaSlice<T>,
+) -> Result<()> {
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    let stream = dev.stream();
+    let dt = prec.data_type();
+    let (xp, _gx) = x.device_ptr(stream);
+    let (pp, _gp) = p.device_ptr_mut(stream);
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let sl = i64::from(s) * i64::from(l);
+    guarded("newton_schulz gram", || unsafe {
+        blas::gemm_strided_batched_ex(
+            *blas.handle(),
+            CUBLAS_OP_T,
+            CUBLAS_OP_N,
+            s,
+            s,
+            l,
+            (&alpha) as *const f32 as *const _,
+            xp as *const _,
+            dt,
+            l,
+            sl,
+            xp as *const _,
+            dt,
+            l,
+            sl,
+            (&beta) as *const f32 as *const _,
+            pp as *mut _,
+            dt,
+            s,
+            i64::from(s) * i64::from(s),
+            batch,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    })
+}
+
+/// Batched transpose of `batch` row-major `rows × cols` matrices into `out` (`cols × rows`).
+fn transpose<S, D>(
+    dev: &Device,
+    x: &S,
+    out: &mut D,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<()>
+where
+    S: DevicePtr<f32>,
+    D: DevicePtrMut<f32>,
+{
+    const OP: &str = "newton_schulz transpose";
+    let f = dev.function(&NEWTON_SCHULZ, NS_TRANSPOSE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            cols.div_ceil(32) as u32,
+            rows.div_ceil(32) as u32,
+            batch as u32,
+        ),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let (r, c) = (rows as u32, cols as u32);
+    let stream = dev.stream();
+    let (xp, _gx) = x.device_ptr(stream);
+    let (op, _go) = out.device_ptr_mut(stream);
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&xp)
+            .arg(&op)
+            .arg(&r)
+            .arg(&c)
+            .launch(cfg)
+    })
+    .map(drop)
+}
+
+/// `ns_f32_to_bf16` / `ns_bf16_to_f32` over a whole buffer.
+fn convert<A, B>(dev: &Device, entry: &str, x: &CudaSlice<A>, out: &mut CudaSlice<B>) -> Result<()> {
+    let f = dev.function(&NEWTON_SCHULZ, entry)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    guarded("newton_schulz convert", || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(out)
+            .arg(&n)
+            .launch(cfg)
+    })
+    .map(drop)
+}

@@ -1,0 +1,113 @@
+//! The GPU backend's gate and device DBuffer (feature `cuda`). Tests that need a GPU open
+//! device 0 through the gate and, without a driver or GPU, print `skipped: <reason>` and
+//! return. The group ops are one IEEE `f32` operation per element, compared bit for bit.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use ragged::cuda::dbuffer::DeviceDBuffer;
+use ragged::cuda::Device;
+use ragged::dbuffer::{Geometry, Role};
+use ragged::Error;
+
+fn device() -> Option<Device> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn gate_returns_an_error_instead_of_panicking_when_no_gpu_is_usable() {
+    // Twice: cudarc's library cell stays empty after a failed load, so a second call is where
+    // an ungated entry point would panic again.
+    for _ in 0..2 {
+        let outcome = std::panic::catch_unwind(|| Device::open(0).map(|_| ()));
+        match outcome {
+            Ok(Ok(())) => println!("a CUDA device is present: the gate let it through"),
+            Ok(Err(e)) => {
+                assert!(matches!(e, Error::CudaUnavailable { .. }), "{e:?}");
+                println!("gate: {e}");
+            }
+            Err(_) => panic!("Device::open panicked instead of returning Err"),
+        }
+    }
+    // An ordinal past the last device is always an error, never a panic.
+    assert!(matches!(
+        Device::open(1 << 20),
+        Err(Error::CudaUnavailable { .. })
+    ));
+}
+
+#[test]
+fn gate_error_names_the_missing_library_on_a_machine_without_a_driver() {
+    // On a machine with a driver this test has nothing to check.
+    let has_driver = ragged::cuda::driver_available().is_ok();
+    if has_driver {
+        println!("skipped: a CUDA driver library is present");
+        return;
+    }
+    let e = Device::open(0).unwrap_err();
+    assert!(e.to_string().contains("libcuda"), "{e}");
+}
+
+fn geometry(world: usize, rank: usize, shard_size: usize) -> Arc<Geometry> {
+    Arc::new(Geometry {
+        world,
+        rank,
+        shard_size,
+        tensors: vec![("t".into(), vec![world * shard_size], 0)],
+    })
+}
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761);
+            (h >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[test]
+fn device_group_ops_equal_the_cpu_ops_bitwise() {
+    let Some(dev) = device() else { return };
+    for (world, rank, keep_full) in [(1, 0, true), (3, 1, true), (4, 3, false)] {
+        let s = 1000;
+        let g = geometry(world, rank, s);
+        let mut x = DeviceDBuffer::zeros(&dev, Role::Params, g.clone(), keep_full).unwrap();
+        let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, g.clone(), keep_full).unwrap();
+        let (hx, hy) = (values(s, 1), values(s, 2));
+        x.upload_local(&dev, &hx).unwrap();
+        y.upload_local(&dev, &hy).unwrap();
+
+        x.scale_local(&dev, 0.3).unwrap();
+        let want: Vec<f32> = hx.iter().map(|v| v * 0.3).collect();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "scale");
+
+        x.add_local(&dev, &y).unwrap();
+        let want: Vec<f32> = want.iter().zip(&hy).map(|(a, b)| a + b).collect();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "add");
+
+        x.copy_local_from(&dev, &y).unwrap();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hy), "copy");
+
+        x.zero_local(&dev).unwrap();
+        assert!(x.download_local(&dev).unwrap().iter().all(|v| v.to_bits() == 0));
+
+        // Padding and other ranks' slices of a kept full buffer are untouched (zero).
+        if keep_full {
+            let full = dev.download(&x.full_view().unwrap()).unwrap();
+            assert!(full.iter().all(|v| v.to_bits() == 0), "outside the local shard");
+        } else {
+            assert!(x.full_view().is_err());
+        }
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
