@@ -96,12 +96,19 @@ fn device_group_ops_equal_the_cpu_ops_bitwise() {
         assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hy), "copy");
 
         x.zero_local(&dev).unwrap();
-        assert!(x.download_local(&dev).unwrap().iter().all(|v| v.to_bits() == 0));
+        assert!(x
+            .download_local(&dev)
+            .unwrap()
+            .iter()
+            .all(|v| v.to_bits() == 0));
 
         // Padding and other ranks' slices of a kept full buffer are untouched (zero).
         if keep_full {
             let full = dev.download(&x.full_view().unwrap()).unwrap();
-            assert!(full.iter().all(|v| v.to_bits() == 0), "outside the local shard");
+            assert!(
+                full.iter().all(|v| v.to_bits() == 0),
+                "outside the local shard"
+            );
         } else {
             assert!(x.full_view().is_err());
         }

@@ -15,8 +15,8 @@ use ragged::cuda::Device;
 use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState, NsPrecision};
 use ragged_optimizers::cuda::adam8bit::DeviceAdam8bitState;
+use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState, NsPrecision};
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
 };
@@ -82,7 +82,8 @@ fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
             let mut ds = opt.init_cuda(&dev, shard).unwrap();
             for _ in 0..STEPS {
                 let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step(&mut state, shard, &mut p, &g, &SingleRank).unwrap();
+                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                    .unwrap();
                 let dg = dev.upload(&g).unwrap();
                 opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
                     .unwrap();
@@ -123,7 +124,8 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
             let mut ds = opt.init_cuda(&dev, shard).unwrap();
             for _ in 0..STEPS {
                 let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step(&mut state, shard, &mut p, &g, &SingleRank).unwrap();
+                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                    .unwrap();
                 let dg = dev.upload(&g).unwrap();
                 opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
                     .unwrap();
@@ -155,7 +157,8 @@ fn adam8bit_state_round_trips_through_the_device() {
     let mut rng = Rng::new(3);
     let mut p = scatter(shard, &globals(&spec, &mut rng, 1.0));
     let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-    opt.step(&mut state, shard, &mut p, &g, &SingleRank).unwrap();
+    opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+        .unwrap();
     let back = DeviceAdam8bitState::upload(&dev, &state)
         .and_then(|d| d.download(&dev))
         .unwrap();
@@ -191,8 +194,7 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
             (NsPrecision::Bf16, f32::INFINITY, 5e-2),
         ] {
             let mut d = dev.upload(&x).unwrap();
-            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg, prec)
-                .unwrap();
+            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg, prec).unwrap();
             let got = dev.download(&d).unwrap();
             let (abs, rel) = diffs(&got, &want);
             assert!(
@@ -247,7 +249,8 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     let mut ds = opt.init_cuda(&dev, &shard).unwrap();
     for _ in 0..STEPS {
         let g = scatter(&shard, &globals(&spec, &mut rng, 0.1));
-        opt.step(&mut state, &shard, &mut p, &g, &SingleRank).unwrap();
+        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
         let dg = dev.upload(&g).unwrap();
         opt.step_cuda(
             &dev,

@@ -117,7 +117,11 @@ impl DeviceDBuffer {
         let cfg = elementwise(self.geometry.shard_size);
         let mut x = self.local_view_mut();
         guarded("DeviceDBuffer::zero_local", || unsafe {
-            dev.stream().launch_builder(&f).arg(&mut x).arg(&n).launch(cfg)
+            dev.stream()
+                .launch_builder(&f)
+                .arg(&mut x)
+                .arg(&n)
+                .launch(cfg)
         })
         .map(drop)
     }

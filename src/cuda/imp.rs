@@ -70,7 +70,7 @@ pub fn driver_available() -> Result<()> {
         }),
         Err(p) => Err(Error::CudaUnavailable {
             op: "cuda::driver_available",
-            reason: format!("probing the driver library panicked: {}", panic_text(&p)),
+            reason: format!("probing the driver library panicked: {}", panic_text(&*p)),
         }),
     }
 }
@@ -101,7 +101,7 @@ fn cublas_available() -> Result<()> {
     }
 }
 
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
@@ -122,7 +122,7 @@ pub fn guarded<T, E: std::fmt::Debug>(
         }),
         Err(p) => Err(Error::CudaUnavailable {
             op,
-            reason: panic_text(&p),
+            reason: panic_text(&*p),
         }),
     }
 }
@@ -232,7 +232,7 @@ impl Device {
                     Err(p) => {
                         return Err(Error::CudaUnavailable {
                             op: OP,
-                            reason: panic_text(&p),
+                            reason: panic_text(&*p),
                         })
                     }
                 };

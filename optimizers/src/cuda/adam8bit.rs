@@ -10,7 +10,9 @@ use ragged::{Error, Result};
 
 use super::{launch_adamw, ADAMW_STEP};
 use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, TILE};
-use crate::common::{check_len, check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
+use crate::common::{
+    check_len, check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs,
+};
 use crate::quant::{SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.

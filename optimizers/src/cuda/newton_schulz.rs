@@ -57,10 +57,10 @@ pub enum NsPrecision {
 }
 
 impl NsPrecision {
-    fn data_type(self) -> blas_sys::cudaDataType {
+    fn data_type(self) -> blas_sys::cudaDataType_t {
         match self {
-            NsPrecision::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-            NsPrecision::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+            NsPrecision::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
+            NsPrecision::Bf16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
         }
     }
 }
@@ -230,7 +230,9 @@ pub fn orthogonalize_cuda(
 
 /// Step 3 on the normalized `batch × s × l` stack `x` (in place).
 #[allow(clippy::too_many_arguments)]
-fn iterate<T: ragged::cuda::cudarc::driver::DeviceRepr + ragged::cuda::cudarc::driver::ValidAsZeroBits>(
+fn iterate<
+    T: ragged::cuda::cudarc::driver::DeviceRepr + ragged::cuda::cudarc::driver::ValidAsZeroBits,
+>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
@@ -351,7 +353,12 @@ where
 }
 
 /// `ns_f32_to_bf16` / `ns_bf16_to_f32` over a whole buffer.
-fn convert<A, B>(dev: &Device, entry: &str, x: &CudaSlice<A>, out: &mut CudaSlice<B>) -> Result<()> {
+fn convert<A, B>(
+    dev: &Device,
+    entry: &str,
+    x: &CudaSlice<A>,
+    out: &mut CudaSlice<B>,
+) -> Result<()> {
     let f = dev.function(&NEWTON_SCHULZ, entry)?;
     let n = count(x.len());
     let cfg = elementwise(x.len());
