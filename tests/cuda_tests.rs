@@ -118,3 +118,29 @@ fn device_group_ops_equal_the_cpu_ops_bitwise() {
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
+
+#[test]
+fn nccl_world_of_one_gathers_and_reduces_in_place() {
+    use ragged::comm::ReduceOp;
+    use ragged::cuda::nccl::{unique_id, NcclComm};
+    let Some(dev) = device() else { return };
+    let id = match unique_id() {
+        Ok(id) => id,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let comm = NcclComm::from_rank(&dev, 0, 1, &id).unwrap();
+    let s = 1000;
+    let mut x = DeviceDBuffer::zeros(&dev, Role::Params, geometry(1, 0, s), true).unwrap();
+    let hx = values(s, 5);
+    x.upload_local(&dev, &hx).unwrap();
+    comm.all_gather_in_place(&mut x).unwrap();
+    assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hx), "all-gather");
+    comm.reduce_scatter_in_place(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hx), "reduce-scatter");
+    // A buffer of another world is refused before NCCL sees it.
+    let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
+    assert!(comm.all_gather_in_place(&mut y).is_err());
+}

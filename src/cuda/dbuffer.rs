@@ -7,7 +7,8 @@
 //! starts zero and no op here writes outside the local shard. The group ops are single IEEE
 //! `f32` operations per element, so they equal the CPU ops bit for bit.
 //!
-//! Not yet here: in-place collectives (they need the NCCL communicator; see README "GPU").
+//! In-place collectives over NCCL: [`super::nccl::NcclComm`] (`all_gather_in_place`,
+//! `reduce_scatter_in_place`), on buffers that keep their full buffer.
 
 use std::sync::Arc;
 
@@ -95,6 +96,21 @@ impl DeviceDBuffer {
             });
         }
         Ok(self.data.slice(..))
+    }
+
+    /// The whole allocation when it is the full buffer (for the in-place NCCL collectives).
+    pub(crate) fn full_slice_mut(&mut self, op: &'static str) -> Result<&mut CudaSlice<f32>> {
+        if !self.full {
+            return Err(Error::InvalidShard {
+                op,
+                reason: format!(
+                    "{:?} buffer holds only its local shard; in-place collectives need the \
+                     full buffer (keep_full)",
+                    self.role
+                ),
+            });
+        }
+        Ok(&mut self.data)
     }
 
     /// Copies `host` (the local shard, `S` elements) to the device.

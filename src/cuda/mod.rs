@@ -1,5 +1,6 @@
 //! The GPU backend (feature `cuda`): a gated CUDA device, NVRTC kernels from `kernels/*.cu`
-//! compiled at first use and cached per device, cuBLAS, and device DBuffers ([`dbuffer`]).
+//! compiled at first use and cached per device, cuBLAS, device DBuffers ([`dbuffer`]) and NCCL
+//! collectives on them ([`nccl`]).
 //!
 //! # The gate
 //! cudarc loads the driver, NVRTC and cuBLAS libraries at run time (so the crate builds and
@@ -32,6 +33,8 @@ pub use imp::*;
 
 #[cfg(feature = "cuda")]
 pub mod dbuffer;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 #[cfg(not(feature = "cuda"))]
 mod stub {
