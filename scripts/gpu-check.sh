@@ -4,7 +4,8 @@
 #   scripts/gpu-check.sh [results-dir]     # default: $OUT, else ./gpu-results
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
-# target/gpu-bin/ (carry that folder with the working tree). CUDA libraries: the driver
+# target/gpu-bin/ (carry that folder with the working tree), then the benchmark (an ignored
+# test) into bench.md. CUDA libraries: the driver
 # (libcuda.so.1) must be installed; cuBLAS, NVRTC and NCCL are taken from pip wheels
 # (nvidia-cublas, nvidia-cuda-nvrtc, nvidia-nccl-cu13) when any are installed, else from the
 # system (CUDA toolkit on the loader path). NCCL's soname is libnccl.so.2, which cudarc does not
@@ -85,6 +86,13 @@ for exe in "$bins"/*-tests; do
     fi
     grep -E '^test |skipped:|test result' "$res/$name.txt" | tee -a "$log"
 done
+# --- Benchmark (an ignored test): a markdown table against same-run baselines ----------------
+if [[ -x $bins/optimizers-cuda-tests ]]; then
+    say "== bench"
+    timeout 600 "$bins/optimizers-cuda-tests" --ignored --nocapture --test-threads=1 \
+        bench_optimizers_against_same_run_baselines >"$res/bench.txt" 2>&1 || say "bench: FAILED"
+    grep -E '^\||skipped:' "$res/bench.txt" | tee "$res/bench.md" | tee -a "$log"
+fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     say "note: some tests were skipped (no usable device or library): see the lines above"
 fi

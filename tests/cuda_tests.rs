@@ -137,9 +137,17 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     let hx = values(s, 5);
     x.upload_local(&dev, &hx).unwrap();
     comm.all_gather_in_place(&mut x).unwrap();
-    assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hx), "all-gather");
+    assert_eq!(
+        bits(&x.download_local(&dev).unwrap()),
+        bits(&hx),
+        "all-gather"
+    );
     comm.reduce_scatter_in_place(&mut x, ReduceOp::Sum).unwrap();
-    assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hx), "reduce-scatter");
+    assert_eq!(
+        bits(&x.download_local(&dev).unwrap()),
+        bits(&hx),
+        "reduce-scatter"
+    );
     // A buffer of another world is refused before NCCL sees it.
     let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
     assert!(comm.all_gather_in_place(&mut y).is_err());

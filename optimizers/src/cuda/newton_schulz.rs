@@ -28,7 +28,8 @@
 
 use ragged::cuda::cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use ragged::cuda::cudarc::driver::{
-    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
@@ -230,9 +231,7 @@ pub fn orthogonalize_cuda(
 
 /// Step 3 on the normalized `batch × s × l` stack `x` (in place).
 #[allow(clippy::too_many_arguments)]
-fn iterate<
-    T: ragged::cuda::cudarc::driver::DeviceRepr + ragged::cuda::cudarc::driver::ValidAsZeroBits,
->(
+fn iterate<T: DeviceRepr + ValidAsZeroBits>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
@@ -371,4 +370,57 @@ fn convert<A, B>(
             .launch(cfg)
     })
     .map(drop)
+}
+
+/// Seconds per plain cuBLAS GEMM `C = A·B` of `n × n` matrices in `prec` (mean over `iters`
+/// after one warm-up, device synchronized before the clock is read): the same-run peak that
+/// Newton–Schulz throughput is compared against.
+pub fn gemm_seconds(dev: &Device, n: usize, prec: NsPrecision, iters: usize) -> Result<f64> {
+    match prec {
+        NsPrecision::F32 => timed_gemm::<f32>(dev, n, prec, iters),
+        NsPrecision::Bf16 => timed_gemm::<u16>(dev, n, prec, iters),
+    }
+}
+
+fn timed_gemm<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    n: usize,
+    prec: NsPrecision,
+    iters: usize,
+) -> Result<f64> {
+    const OP: &str = "gemm_seconds";
+    let ni = int(OP, n)?;
+    int(OP, n * n)?;
+    let blas = dev.blas()?;
+    let (a, b) = (dev.zeros::<T>(n * n)?, dev.zeros::<T>(n * n)?);
+    let mut c = dev.zeros::<T>(n * n)?;
+    let iters = iters.max(1);
+    gemm(
+        &blas,
+        dev,
+        prec,
+        1,
+        (ni, ni, ni),
+        &a,
+        &b,
+        &mut c,
+        (1.0, 0.0),
+    )?;
+    dev.sync()?;
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        gemm(
+            &blas,
+            dev,
+            prec,
+            1,
+            (ni, ni, ni),
+            &a,
+            &b,
+            &mut c,
+            (1.0, 0.0),
+        )?;
+    }
+    dev.sync()?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
 }
