@@ -334,7 +334,10 @@ fn bench_optimizers_against_same_run_baselines() {
         }
         dev.sync().unwrap();
         let secs = t.elapsed().as_secs_f64() / iters as f64;
-        let (got, peak) = (ns_flop / secs / 1e12, 2.0 * (n as f64).powi(3) / gemm / 1e12);
+        let (got, peak) = (
+            ns_flop / secs / 1e12,
+            2.0 * (n as f64).powi(3) / gemm / 1e12,
+        );
         println!(
             "| Newton–Schulz {prec:?} {n}², {} steps (TFLOP/s) | {got:.1} | GEMM {peak:.1} | {:.0} % |",
             ns.steps,
