@@ -3,11 +3,13 @@
 # copies them, under stable names, to target/gpu-bin/ for scripts/gpu-check.sh to run on a GPU
 # machine that has no Rust toolchain. Carry target/gpu-bin with the working tree.
 #
-#   scripts/build-gpu-bins.sh            # release build (what gpu-check.sh expects)
+#   scripts/build-gpu-bins.sh
 #
-# Equivalent by hand: `cargo test --release --features cuda --no-run --test cuda_tests` and
-# `cargo test --release -p ragged-optimizers --features cuda --no-run --test cuda_tests`; cargo
-# prints each binary's path (target/release/deps/cuda_tests-<hash>).
+# Equivalent by hand: `cargo test --features cuda --no-run --test cuda_tests` and
+# `cargo test -p ragged-optimizers --features cuda --no-run --test cuda_tests`; cargo prints
+# each binary's path (target/debug/deps/cuda_tests-<hash>). The test profile is already
+# optimized (opt-level 3, see Cargo.toml), so this reuses the `cargo test` build; the copies are
+# stripped of debug info to keep them small enough to carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-bin
@@ -16,7 +18,7 @@ build() { # <name> <cargo args...>
     local name=$1
     shift
     local exe
-    exe=$(cargo test --release --features cuda --no-run --message-format=json "$@" 2>/dev/null |
+    exe=$(cargo test --features cuda --no-run --message-format=json "$@" 2>/dev/null |
         python3 -c 'import json,sys
 for line in sys.stdin:
     try: m = json.loads(line)
