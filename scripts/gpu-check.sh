@@ -2,6 +2,7 @@
 # One prepared check for a GPU machine without a Rust toolchain (see README "GPU").
 #
 #   scripts/gpu-check.sh [results-dir]     # default: $OUT, else ./gpu-results
+#   RAGGED_EXPECT_GPU=1 scripts/gpu-check.sh   # exit 3 if any test skipped for want of a GPU
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
 # target/gpu-bin/ (carry that folder with the working tree), then the benchmark (an ignored
@@ -27,6 +28,7 @@ fi
 
 # --- CUDA libraries ------------------------------------------------------------------------
 links=$(mktemp -d)
+trap 'rm -rf "$links"' EXIT
 libdirs=()
 sitedirs=$(python3 - <<'PY' 2>/dev/null
 import site, sys
@@ -95,6 +97,8 @@ if [[ -x $bins/optimizers-cuda-tests ]]; then
 fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     say "note: some tests were skipped (no usable device or library): see the lines above"
+    # On a machine that is meant to have a GPU, a skip is a failure of the check.
+    [[ ${RAGGED_EXPECT_GPU:-0} == 1 ]] && status=3
 fi
 say "results in $res"
 exit $status
