@@ -152,3 +152,73 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
     assert!(comm.all_gather_in_place(&mut y).is_err());
 }
+
+/// Entry points of every kernel file (the launchers' constants).
+const ENTRIES: [(&str, &[&str]); 5] = [
+    (
+        "group_ops.cu",
+        &["group_zero", "group_scale", "group_add", "group_copy"],
+    ),
+    ("adamw.cu", &["adamw_step"]),
+    ("adam8bit.cu", &["adam8bit_tiles"]),
+    ("muon.cu", &["muon_momentum", "muon_apply"]),
+    (
+        "newton_schulz.cu",
+        &[
+            "ns_transpose",
+            "ns_sumsq_partial",
+            "ns_normalize",
+            "ns_f32_to_bf16",
+            "ns_bf16_to_f32",
+        ],
+    ),
+];
+
+#[test]
+fn every_kernel_compiles_with_nvrtc_without_fma_contraction_and_with_ieee_div_and_sqrt() {
+    // Needs only the NVRTC library (no GPU): runs wherever libnvrtc.so.13 loads.
+    for arch in ["compute_80", "compute_90"] {
+        for src in ragged::cuda::ALL_KERNELS {
+            let ptx = match ragged::cuda::compile(&src, arch) {
+                Ok(p) => p.to_src(),
+                Err(e @ Error::CudaUnavailable { .. }) => {
+                    println!("skipped: {e}");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            let (_, entries) = ENTRIES.iter().find(|(n, _)| *n == src.name).unwrap();
+            for e in *entries {
+                assert!(
+                    ptx.contains(&format!(".entry {e}(")),
+                    "{}: no entry {e}",
+                    src.name
+                );
+            }
+            // --fmad=false: no multiply-add was contracted into an FMA, and every f32/f64 add,
+            // sub and mul carries an explicit rounding mode (`.rn`), which forbids ptxas to
+            // contract them later (PTX ISA: "mul/add with .rn are not fused").
+            assert!(
+                !ptx.contains("fma.rn"),
+                "{}: contracted FMA in PTX",
+                src.name
+            );
+            for plain in [
+                "mul.f32", "add.f32", "sub.f32", "mul.f64", "add.f64", "sub.f64",
+            ] {
+                assert!(!ptx.contains(plain), "{}: {plain} without .rn", src.name);
+            }
+            // IEEE division and square root only (-prec-div, -prec-sqrt).
+            for approx in ["div.approx", "div.full", "sqrt.approx", "rcp.approx"] {
+                assert!(!ptx.contains(approx), "{}: {approx} in PTX", src.name);
+            }
+            if src.name == "adamw.cu" || src.name == "adam8bit.cu" {
+                // The update's division and square root are there, correctly rounded.
+                assert!(ptx.contains("div.rn.f32"), "{}: no div.rn.f32", src.name);
+                assert!(ptx.contains("sqrt.rn.f32"), "{}: no sqrt.rn.f32", src.name);
+                assert!(ptx.contains("mul.rn.f32"), "{}: no mul.rn.f32", src.name);
+            }
+            println!("{arch} {}: {} bytes of PTX", src.name, ptx.len());
+        }
+    }
+}

@@ -127,6 +127,37 @@ pub fn guarded<T, E: std::fmt::Debug>(
     }
 }
 
+/// Every kernel source, in `kernels/`.
+pub const ALL_KERNELS: [KernelSource; 5] = [GROUP_OPS, ADAMW, ADAM8BIT, MUON, NEWTON_SCHULZ];
+
+/// Compiles `src` to PTX for the virtual architecture `arch` (`compute_90`, …) with NVRTC and
+/// the options of the module doc. Needs only the NVRTC library, not a GPU: `Err(CudaUnavailable)`
+/// when it cannot be loaded, `Err(Cuda)` with NVRTC's log when the source does not compile.
+pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    const OP: &str = "cuda::compile";
+    nvrtc_available()?;
+    let opts = CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(src.name.to_string()),
+        ..Default::default()
+    };
+    match catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src.src, opts)) {
+        Ok(Ok(ptx)) => Ok(ptx),
+        Ok(Err(e)) => Err(Error::Cuda {
+            op: OP,
+            reason: format!("NVRTC failed on kernels/{}: {e:?}", src.name),
+        }),
+        Err(p) => Err(Error::CudaUnavailable {
+            op: OP,
+            reason: panic_text(&*p),
+        }),
+    }
+}
+
 /// One CUDA device: its context, the stream every operation of this crate is queued on, the
 /// compiled kernel modules and a cuBLAS handle (both created at first use).
 pub struct Device {
@@ -210,32 +241,7 @@ impl Device {
         let module = match modules.get(src.name) {
             Some(m) => m.clone(),
             None => {
-                nvrtc_available()?;
-                let opts = CompileOptions {
-                    ftz: Some(false),
-                    prec_sqrt: Some(true),
-                    prec_div: Some(true),
-                    fmad: Some(false),
-                    options: vec![format!("--gpu-architecture={}", self.arch)],
-                    name: Some(src.name.to_string()),
-                    ..Default::default()
-                };
-                let ptx = match catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src.src, opts))
-                {
-                    Ok(Ok(ptx)) => ptx,
-                    Ok(Err(e)) => {
-                        return Err(Error::Cuda {
-                            op: OP,
-                            reason: format!("NVRTC failed on kernels/{}: {e:?}", src.name),
-                        })
-                    }
-                    Err(p) => {
-                        return Err(Error::CudaUnavailable {
-                            op: OP,
-                            reason: panic_text(&*p),
-                        })
-                    }
-                };
+                let ptx = compile(src, &self.arch)?;
                 let m = guarded(OP, || self.ctx.load_module(ptx))?;
                 modules.insert(src.name, m.clone());
                 m
