@@ -74,50 +74,111 @@ fn int(op: &'static str, x: usize) -> Result<i32> {
     })
 }
 
-/// One row-major strided-batched product `C = α·A·B + β·C` (`A: n×k`, `B: k×m`, `C: n×m`),
-/// issued as the column-major `Cᵀ = Bᵀ·Aᵀ`: the row-major buffers of `B` and `A` are the
-/// column-major `Bᵀ` (`m×k`, ld `m`) and `Aᵀ` (`k×n`, ld `k`).
-/// `T` is `f32` or the `u16` bits of bf16 (per `prec`).
+/// The arguments of one column-major strided-batched cuBLAS GEMM
+/// `C = α·op(first)·op(second) + β·C` (cuBLAS's `A`, `B` slots are `first`, `second`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmArgs {
+    pub trans_first: bool,
+    pub trans_second: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub ld_first: i32,
+    pub stride_first: i64,
+    pub ld_second: i32,
+    pub stride_second: i64,
+    pub ldc: i32,
+    pub stride_c: i64,
+}
+
+impl GemmArgs {
+    /// Row-major `C = A·B` (`A: rows×inner`, `B: inner×cols`, `C: rows×cols`), issued as the
+    /// column-major `Cᵀ = Bᵀ·Aᵀ`: the row-major buffers of `B` and `A` are the column-major
+    /// `Bᵀ` (`cols×inner`, ld `cols`) and `Aᵀ` (`inner×rows`, ld `inner`), so **`first` is
+    /// `B`'s buffer and `second` is `A`'s**.
+    pub fn row_major(rows: i32, cols: i32, inner: i32) -> Self {
+        let (r, c, i) = (i64::from(rows), i64::from(cols), i64::from(inner));
+        GemmArgs {
+            trans_first: false,
+            trans_second: false,
+            m: cols,
+            n: rows,
+            k: inner,
+            ld_first: cols,
+            stride_first: i * c,
+            ld_second: inner,
+            stride_second: r * i,
+            ldc: cols,
+            stride_c: r * c,
+        }
+    }
+
+    /// Row-major Gram matrix `P = X·Xᵀ` of `X: s×l` (`P: s×s`): the buffer of `X` is the
+    /// column-major `Xᵀ` (`l×s`, ld `l`), and `P = (Xᵀ)ᵀ·Xᵀ` is symmetric, so row- and
+    /// column-major agree up to rounding: **`first` and `second` are both `X`'s buffer**,
+    /// the first used transposed.
+    pub fn row_major_gram(s: i32, l: i32) -> Self {
+        let (s6, l6) = (i64::from(s), i64::from(l));
+        GemmArgs {
+            trans_first: true,
+            trans_second: false,
+            m: s,
+            n: s,
+            k: l,
+            ld_first: l,
+            stride_first: s6 * l6,
+            ld_second: l,
+            stride_second: s6 * l6,
+            ldc: s,
+            stride_c: s6 * s6,
+        }
+    }
+}
+
+/// One strided-batched GEMM (`args`) on the device, `f32` α and β from the host, `f32`
+/// accumulation (`CUBLAS_COMPUTE_32F`, no TF32). `T` is `f32` or the `u16` bits of bf16 (per
+/// `prec`).
 #[allow(clippy::too_many_arguments)]
 fn gemm<T>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
     batch: i32,
-    (n, m, k): (i32, i32, i32),
-    a: &CudaSlice<T>,
-    b: &CudaSlice<T>,
+    args: &GemmArgs,
+    first: &CudaSlice<T>,
+    second: &CudaSlice<T>,
     c: &mut CudaSlice<T>,
     (alpha, beta): (f32, f32),
 ) -> Result<()> {
-    use blas_sys::cublasOperation_t::CUBLAS_OP_N;
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
     let stream = dev.stream();
     let dt = prec.data_type();
-    let (bp, _gb) = b.device_ptr(stream);
-    let (ap, _ga) = a.device_ptr(stream);
+    let (fp, _gf) = first.device_ptr(stream);
+    let (sp, _gs) = second.device_ptr(stream);
     let (cp, _gc) = c.device_ptr_mut(stream);
     guarded("newton_schulz gemm", || unsafe {
         blas::gemm_strided_batched_ex(
             *blas.handle(),
-            CUBLAS_OP_N,
-            CUBLAS_OP_N,
-            m,
-            n,
-            k,
+            op(args.trans_first),
+            op(args.trans_second),
+            args.m,
+            args.n,
+            args.k,
             (&alpha) as *const f32 as *const _,
-            bp as *const _,
+            fp as *const _,
             dt,
-            m,
-            i64::from(k) * i64::from(m),
-            ap as *const _,
+            args.ld_first,
+            args.stride_first,
+            sp as *const _,
             dt,
-            k,
-            i64::from(n) * i64::from(k),
+            args.ld_second,
+            args.stride_second,
             (&beta) as *const f32 as *const _,
             cp as *mut _,
             dt,
-            m,
-            i64::from(n) * i64::from(m),
+            args.ldc,
+            args.stride_c,
             batch,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -250,65 +311,38 @@ fn iterate<T: DeviceRepr + ValidAsZeroBits>(
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
-        gemm_nt(blas, dev, prec, batch, s, l, x, &mut p)?;
+        let gram = GemmArgs::row_major_gram(s, l);
+        gemm(blas, dev, prec, batch, &gram, x, x, &mut p, (1.0, 0.0))?;
         // Q = b·P + c·P·P.
         guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
-        gemm(blas, dev, prec, batch, (s, s, s), &p, &p, &mut q, (c, b))?;
+        gemm(
+            blas,
+            dev,
+            prec,
+            batch,
+            &GemmArgs::row_major(s, s, s),
+            &p,
+            &p,
+            &mut q,
+            (c, b),
+        )?;
         // X ← a·X + Q·X.
         guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
-        gemm(blas, dev, prec, batch, (s, l, s), &q, &*x, &mut y, (1.0, a))?;
+        // Row-major Q·X: `first` is X's buffer, `second` is Q's (see GemmArgs::row_major).
+        gemm(
+            blas,
+            dev,
+            prec,
+            batch,
+            &GemmArgs::row_major(s, l, s),
+            &*x,
+            &q,
+            &mut y,
+            (1.0, a),
+        )?;
         std::mem::swap(x, &mut y);
     }
     Ok(())
-}
-
-/// `P = X·Xᵀ` for the row-major `s × l` stack `x`: column-major, `x` is `Xᵀ` (`l × s`, ld `l`),
-/// and `Pᵀ = P = (Xᵀ)ᵀ·Xᵀ`: one GEMM with `op(A) = T`, `op(B) = N`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_nt<T>(
-    blas: &CudaBlas,
-    dev: &Device,
-    prec: NsPrecision,
-    batch: i32,
-    s: i32,
-    l: i32,
-    x: &CudaSlice<T>,
-    p: &mut CudaSlice<T>,
-) -> Result<()> {
-    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-    let stream = dev.stream();
-    let dt = prec.data_type();
-    let (xp, _gx) = x.device_ptr(stream);
-    let (pp, _gp) = p.device_ptr_mut(stream);
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let sl = i64::from(s) * i64::from(l);
-    guarded("newton_schulz gram", || unsafe {
-        blas::gemm_strided_batched_ex(
-            *blas.handle(),
-            CUBLAS_OP_T,
-            CUBLAS_OP_N,
-            s,
-            s,
-            l,
-            (&alpha) as *const f32 as *const _,
-            xp as *const _,
-            dt,
-            l,
-            sl,
-            xp as *const _,
-            dt,
-            l,
-            sl,
-            (&beta) as *const f32 as *const _,
-            pp as *mut _,
-            dt,
-            s,
-            i64::from(s) * i64::from(s),
-            batch,
-            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    })
 }
 
 /// Batched transpose of `batch` row-major `rows × cols` matrices into `out` (`cols × rows`).
@@ -392,35 +426,126 @@ fn timed_gemm<T: DeviceRepr + ValidAsZeroBits>(
     let ni = int(OP, n)?;
     int(OP, n * n)?;
     let blas = dev.blas()?;
+    let args = GemmArgs::row_major(ni, ni, ni);
     let (a, b) = (dev.zeros::<T>(n * n)?, dev.zeros::<T>(n * n)?);
     let mut c = dev.zeros::<T>(n * n)?;
     let iters = iters.max(1);
-    gemm(
-        &blas,
-        dev,
-        prec,
-        1,
-        (ni, ni, ni),
-        &a,
-        &b,
-        &mut c,
-        (1.0, 0.0),
-    )?;
+    gemm(&blas, dev, prec, 1, &args, &a, &b, &mut c, (1.0, 0.0))?;
     dev.sync()?;
     let start = std::time::Instant::now();
     for _ in 0..iters {
-        gemm(
-            &blas,
-            dev,
-            prec,
-            1,
-            (ni, ni, ni),
-            &a,
-            &b,
-            &mut c,
-            (1.0, 0.0),
-        )?;
+        gemm(&blas, dev, prec, 1, &args, &a, &b, &mut c, (1.0, 0.0))?;
     }
     dev.sync()?;
     Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemmArgs;
+
+    /// cuBLAS's column-major strided-batched GEMM semantics, on the CPU, in f64.
+    fn cublas_reference(
+        g: &GemmArgs,
+        batch: usize,
+        first: &[f64],
+        second: &[f64],
+        c: &mut [f64],
+        (alpha, beta): (f64, f64),
+    ) {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        for bi in 0..batch {
+            let f = &first[bi * g.stride_first as usize..];
+            let s = &second[bi * g.stride_second as usize..];
+            let cc = &mut c[bi * g.stride_c as usize..];
+            for j in 0..n {
+                for i in 0..m {
+                    let mut acc = 0.0;
+                    for p in 0..k {
+                        let a = if g.trans_first {
+                            f[p + i * g.ld_first as usize]
+                        } else {
+                            f[i + p * g.ld_first as usize]
+                        };
+                        let b = if g.trans_second {
+                            s[j + p * g.ld_second as usize]
+                        } else {
+                            s[p + j * g.ld_second as usize]
+                        };
+                        acc += a * b;
+                    }
+                    let o = &mut cc[i + j * g.ldc as usize];
+                    *o = alpha * acc + beta * *o;
+                }
+            }
+        }
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) as f64 / (1u64 << 31) as f64) - 0.5
+            })
+            .collect()
+    }
+
+    /// Row-major `a (r×i) · b (i×c)`.
+    fn matmul(a: &[f64], b: &[f64], r: usize, c: usize, i: usize) -> Vec<f64> {
+        let mut out = vec![0.0; r * c];
+        for x in 0..r {
+            for y in 0..c {
+                out[x * c + y] = (0..i).map(|p| a[x * i + p] * b[p * c + y]).sum();
+            }
+        }
+        out
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
+    }
+
+    #[test]
+    fn row_major_args_give_the_row_major_product_with_alpha_and_beta() {
+        let (batch, r, c, i) = (3usize, 5usize, 7usize, 4usize);
+        let a = values(batch * r * i, 1);
+        let b = values(batch * i * c, 2);
+        let c0 = values(batch * r * c, 3);
+        let g = GemmArgs::row_major(r as i32, c as i32, i as i32);
+        let mut got = c0.clone();
+        // `first` is B's buffer, `second` is A's.
+        cublas_reference(&g, batch, &b, &a, &mut got, (2.0, 0.5));
+        for k in 0..batch {
+            let ab = matmul(&a[k * r * i..][..r * i], &b[k * i * c..][..i * c], r, c, i);
+            let want: Vec<f64> = ab
+                .iter()
+                .zip(&c0[k * r * c..][..r * c])
+                .map(|(p, q)| 2.0 * p + 0.5 * q)
+                .collect();
+            assert!(close(&got[k * r * c..][..r * c], &want), "batch {k}");
+        }
+    }
+
+    #[test]
+    fn gram_args_give_x_times_x_transposed() {
+        let (batch, s, l) = (2usize, 3usize, 8usize);
+        let x = values(batch * s * l, 4);
+        let g = GemmArgs::row_major_gram(s as i32, l as i32);
+        let mut got = vec![0.0; batch * s * s];
+        cublas_reference(&g, batch, &x, &x, &mut got, (1.0, 0.0));
+        for k in 0..batch {
+            let xk = &x[k * s * l..][..s * l];
+            let mut xt = vec![0.0; l * s];
+            for p in 0..s {
+                for q in 0..l {
+                    xt[q * s + p] = xk[p * l + q];
+                }
+            }
+            let want = matmul(xk, &xt, s, s, l);
+            assert!(close(&got[k * s * s..][..s * s], &want), "batch {k}");
+        }
+    }
 }
