@@ -5,8 +5,9 @@
 // ns_sumsq_partial: grid (blocks, batch), block 256: per block, the f64 sum of squares of a
 //   grid-stride share of one matrix, written to partial[batch * blocks + block].
 // ns_normalize: grid (any, batch), block 256: thread 0 of each block sums the matrix's
-//   partials in index order (f64), takes the f64 sqrt, rounds to f32 and clamps by eps
-//   (as the CPU: (sum as f64).sqrt() as f32, then max(eps)); then x <- x / denom in f32.
+//   partials in index order (f64), takes the f64 sqrt, rounds to f32, scales and clamps
+//   (as the CPU: norm = (sum as f64).sqrt() as f32; denom = (norm_scale * norm).max(eps));
+//   then x <- x / denom in f32. A non-finite norm makes every element NaN (the CPU's rule).
 //   Products of two f32 are exact in f64, so only the summation order differs from the CPU's
 //   element-order sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
 //   almost always agrees (a different f32 denom is possible only when the f64 sum sits on an
@@ -50,20 +51,23 @@ extern "C" __global__ void ns_sumsq_partial(const float* x, unsigned long long l
 }
 
 extern "C" __global__ void ns_normalize(float* x, unsigned long long len, const double* partial,
-                                        unsigned int nparts, float eps) {
+                                        unsigned int nparts, float norm_scale, float eps) {
     __shared__ float denom;
+    __shared__ int finite;
     if (threadIdx.x == 0) {
         double s = 0.0;
         for (unsigned int k = 0; k < nparts; ++k) s += partial[(unsigned long long)nparts * blockIdx.y + k];
         const float norm = (float)sqrt(s);
-        denom = fmaxf(norm, eps);
+        finite = isfinite(norm) ? 1 : 0;
+        denom = fmaxf(norm_scale * norm, eps);
     }
     __syncthreads();
     float* xm = x + len * blockIdx.y;
     const float d = denom;
+    const int ok = finite;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < len;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        xm[i] = xm[i] / d;
+        xm[i] = ok ? xm[i] / d : __int_as_float(0x7fc00000);
     }
 }
 

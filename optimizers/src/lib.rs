@@ -9,26 +9,37 @@
 //! | optimizer | file | atomic block | reference numerics |
 //! |---|---|---|---|
 //! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
-//! | [`Muon`] | [`muon`], [`newton_schulz`] | `Matrix` (AdamW fallback: `Element`) | `torch.optim.Muon` (fp32 NS) |
+//! | [`Muon`] | [`muon`], [`newton_schulz`] | `Matrix` (AdamW fallback: `Element`) | `torch.optim.Muon` (fp32 NS by default; bf16 NS on oneDNN/AMX with `NsPrecision::Bf16`) |
 //! | [`Adam8bit`] | [`adam8bit`] | `Tile { 32, 32 }` (`Matrix` for stacked matrices with `m % 32 ≠ 0`; `Element` for the fp32 fallback) | bitsandbytes 8-bit Adam, CPU-backend order, 32×32 tiles of the global shape |
+//! | [`Shampoo`] | [`shampoo`] | `Rows(max_preconditioner_dim)` (blocks of ≤ d rows × ≤ d columns, each local) | facebookresearch/optimizers `DistributedShampoo` (eigh root inverse, grafting, fp32 factors) |
+//!
+//! Newton–Schulz runs on the kernels in [`kernels`]: `f32` on the `gemm` crate (AVX-512), bf16
+//! on oneDNN's matmul primitive (AMX) when `libdnnl.so.2` loads at run time, else a portable
+//! bf16 path; [`NsConfig`] picks precision and backend, [`ns_backend_info`] reports what runs.
 //!
 //! Numerics contract: given the same gradients, a sharded step equals the unsharded step
 //! bitwise at every world size and layout (`tests/adamw_tests.rs`, `tests/adam8bit_tests.rs`,
-//! `tests/muon_tests.rs`).
+//! `tests/muon_tests.rs`, `tests/shampoo_tests.rs`).
 
 pub mod adam8bit;
 pub mod adamw;
 pub mod common;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod kernels;
 pub mod muon;
 pub mod muon_layout;
 pub mod newton_schulz;
 pub mod quant;
 pub mod roots;
+pub mod shampoo;
 
 pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
 pub use muon::{LrScale, Muon, MuonConfig, MuonState};
 pub use muon_layout::{LayoutReport, MatrixLayout, TensorChoice};
-pub use newton_schulz::{orthogonalize, NsConfig, QUINTIC};
+pub use newton_schulz::{
+    ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsBackendInfo, NsConfig,
+    NsPrecision, DION_QUINTIC, POLAR_EXPRESS, QUINTIC,
+};
+pub use shampoo::{inverse_root, inverse_root_f64, Grafting, Shampoo, ShampooConfig, ShampooState};

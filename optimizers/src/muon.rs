@@ -29,7 +29,8 @@
 //! operations without FMA (see [`crate::adamw`] for the precision contract).
 //!
 //! # Differences from torch
-//! - Working dtype `f32`, not bf16 (torch casts the NS input to bf16).
+//! - Working dtype `f32` by default, not bf16 (torch casts the NS input to bf16); set
+//!   [`NsConfig::precision`] to `Bf16` for torch's dtype (see [`crate::newton_schulz`]).
 //! - The Frobenius norm is summed in `f64` (see [`crate::newton_schulz`]).
 //! - torch refuses non-2-D parameters; here `[…, m, n]` runs NS per trailing matrix and the
 //!   rest falls back to AdamW.
@@ -54,8 +55,6 @@
 //! first moment on AdamW pieces; `v` holds Adam's second moment on AdamW pieces and stays zero
 //! on Muon pieces; `step` counts steps (AdamW's bias correction uses it).
 
-use rayon::prelude::*;
-
 use ragged::comm::Communicator;
 use ragged::model::Unit;
 use ragged::optim::{LocalShard, Optimizer, ParamMeta};
@@ -67,7 +66,7 @@ use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, AdamScale, MomentCoeffs,
 };
 use crate::muon_layout::MatrixLayout;
-use crate::newton_schulz::{orthogonalize, NsConfig};
+use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_backend, NsConfig};
 use crate::roots::RootPlan;
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
@@ -253,6 +252,8 @@ impl Optimizer for Muon {
             state.v.len(),
         )?;
         shard.check_holdings(OP)?;
+        // Fail on an unavailable Newton–Schulz backend before anything is modified.
+        resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
         let roots = self.roots(shard);
         if roots.has_split() {
             // A split matrix is only ever orthogonalized whole, on its root: refuse to run
@@ -290,7 +291,7 @@ impl Optimizer for Muon {
         } else {
             Vec::new()
         };
-        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered);
+        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered)?;
         if roots.has_split() {
             roots.scatter(shard, &gathered, &mut u, comm)?;
         }
@@ -340,7 +341,7 @@ impl Muon {
         roots: &RootPlan,
         u: &mut [f32],
         gathered: &mut [Vec<f32>],
-    ) {
+    ) -> Result<()> {
         let mut tasks: Vec<(&mut [f32], usize, usize)> = Vec::new();
         let mut rest = u;
         let mut consumed = 0;
@@ -369,10 +370,7 @@ impl Muon {
             let job = &roots.jobs[k];
             tasks.push((x.as_mut_slice(), job.rows, job.cols));
         }
-        let ns = &self.config.ns;
-        tasks
-            .into_par_iter()
-            .for_each(|(x, rows, cols)| orthogonalize(x, rows, cols, ns));
+        orthogonalize_many(tasks, &self.config.ns)
     }
 }
 
@@ -418,8 +416,11 @@ impl MatrixStep<'_> {
     ///
     /// # Panics
     /// If a slice does not hold `rows·cols` elements.
+    ///
+    /// # Errors
+    /// Those of [`orthogonalize`] (after step 1 has updated `m`; `p` is then unchanged).
     #[track_caller]
-    pub fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
+    pub fn apply(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) -> Result<()> {
         let mn = self.rows * self.cols;
         assert!(
             p.len() == mn && g.len() == mn && m.len() == mn,
@@ -432,8 +433,9 @@ impl MatrixStep<'_> {
         );
         let mut u = vec![0.0f32; mn];
         self.momentum(g, m, &mut u);
-        orthogonalize(&mut u, self.rows, self.cols, self.ns);
+        orthogonalize(&mut u, self.rows, self.cols, self.ns)?;
         self.update(p, &u);
+        Ok(())
     }
 
     /// Steps 1–2, element-wise on any run of the matrix: `m ← lerp(m, g, 1 − μ)`, and the

@@ -1,36 +1,145 @@
-//! Newton–Schulz orthogonalization in `f32` on plain row-major slices: Muon's "zeroth power"
+//! Newton–Schulz orthogonalization on plain row-major `f32` slices: Muon's "zeroth power"
 //! `X ↦ U·Vᵀ` (for `X = U·Σ·Vᵀ`), approximated by an odd matrix polynomial.
 //!
 //! torch.optim.Muon's `_zeropower_via_newtonschulz` (Jordan et al., "Muon: An optimizer for
-//! hidden layers in neural networks", 2024), with `f32` as the working dtype instead of bf16:
+//! hidden layers in neural networks", 2024), in `f32` (default) or bf16 ([`NsPrecision`]):
 //!
 //! | # | operation | torch |
 //! |---|---|---|
 //! | 1 | if `rows > cols`, `X ← Xᵀ` (so the Gram matrix is (short side)²) | `ortho_grad.T` |
-//! | 2 | `X ← X / max(‖X‖_F, eps)` | `div_(norm().clamp(min=eps))` |
-//! | 3 | per step `k`, with `(a, b, c)` = the `k`-th coefficients: `P = X·Xᵀ`, `Q = b·P + c·(P·P)`, `X ← a·X + Q·X` | non-`addmm` form |
+//! | 2 | `X ← X / max(s·‖X‖_F, eps)` (`s` = [`NsConfig::norm_scale`], 1 by default) | `div_(norm().clamp(min=eps))` |
+//! | 3 | per step `k`, with `(a, b, c)` = the `k`-th coefficients: `P = X·Xᵀ`, `Q = b·P + c·(P·P)`, `X ← a·X + Q·X` | `use_addmm` form in bf16 |
 //! | 4 | transpose back if step 1 transposed | `.T` |
 //!
+//! # Backends ([`NsBackend`])
+//! | backend | `f32` | bf16 | threads | bits depend on |
+//! |---|---|---|---|---|
+//! | `Reference` | plain loops (the oracle) | the same loops, rounding to bf16 after each op | rayon, by output row | input bits only |
+//! | `Gemm` | `gemm` crate, fused forms, symmetric products | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or across a batch | input bits and the CPU's microkernel, not the thread count |
+//! | `OneDnn` | oneDNN `f32` matmul primitive | oneDNN bf16 matmul primitive (AMX) | oneDNN's OpenMP threads | input bits, the CPU and `OMP_NUM_THREADS` |
+//! | `Auto` (default) | `Gemm` | `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
+//!
+//! oneDNN is opened at run time ([`crate::kernels::onednn`]); an explicit `OneDnn` returns
+//! `Err` where it is missing or (bf16) where this CPU has no bf16 matmul (oneDNN 2.6 needs
+//! AVX-512). Its `f32` path exists to test the oneDNN plumbing on any CPU; `Auto` never picks
+//! it (gemm is faster).
+//!
+//! [`ns_backend_info`] says which backend and instruction set run here.
+//!
+//! # Precision
+//! - `F32`: every product accumulates in `f32`; `Gemm` evaluates `Q = b·P + c·P·P` and
+//!   `X ← a·X + Q·X` as single GEMMs (`dst ← α·dst + β·lhs·rhs`) and computes the two
+//!   symmetric products (`X·Xᵀ`, `P·P`) by halves, mirroring the off-diagonal block; its result
+//!   differs from `Reference` by `f32` summation order only (relative Frobenius difference
+//!   about `1e-6` after 5 steps, `tests/ns_kernel_tests.rs`).
+//! - `Bf16` (torch.optim.Muon's working dtype): the input is rounded to bf16; the norm is
+//!   summed in `f64` over the rounded values and the division done in `f32`, then rounded; in
+//!   step 3 `P`, `Q` and the new `X` are each one bf16×bf16 product accumulated in `f32`,
+//!   combined with its addend (`b·P`, `a·X`) in `f32` and rounded once to bf16 (torch's
+//!   `use_addmm=True` form; the default torch form also rounds `P·P` and `Q·X` before adding).
+//!   The result is returned widened to `f32`.
+//!
 //! # Determinism
-//! Every product is a plain loop with `f32` accumulation in a fixed order (`k` ascending, no
-//! fused multiply-add); rows of a product may be computed on different rayon threads, which
-//! changes no bit. The Frobenius norm is summed in `f64` in element order and rounded once.
-//! The result is therefore a function of the input bits alone, on every machine and thread
-//! count, which is what makes a sharded Muon step bitwise equal to the unsharded one.
+//! For a given backend and precision the result is a function of the input bits (and, for
+//! `Gemm`/`OneDnn`, the machine), never of the rayon thread count or of how matrices are
+//! split over threads: this is what makes a sharded Muon step bitwise equal to the unsharded
+//! one. `Reference` sums with `k` ascending, no fused multiply-add, so it is also portable
+//! across machines. The Frobenius norm is summed in `f64` in element order and rounded once.
+//!
+//! # Special inputs
+//! A zero matrix stays zero (the norm clamps at `eps`). If any element is non-finite, every
+//! output element is NaN and the call returns `Ok` (a NaN gradient poisons the update as in
+//! torch, but predictably and on every backend).
 //!
 //! # Accuracy
 //! The quintic coefficients (3.4445, −4.7750, 2.0315) trade exactness for speed: after 5
 //! steps the singular values land in roughly `[0.7, 1.2]`, not at 1 (Jordan 2024).
 
+use std::fmt;
+
+use half::bf16;
 use rayon::prelude::*;
 
 use ragged::{Error, Result};
 
+use crate::kernels::gemm_f32;
+use crate::kernels::onednn::{self, DnnlError, Element};
+use crate::kernels::Parallelism;
+
 /// Keller Jordan's quintic coefficients, torch.optim.Muon's default `(a, b, c)`.
 pub const QUINTIC: [f32; 3] = [3.4445, -4.7750, 2.0315];
 
-/// Products with at least this many output elements are split over rayon tasks by row.
+/// microsoft/dion `dion/muon.py`'s five-step schedule (NVIDIA Emerging-Optimizers calls it
+/// `quintic`), one triple per step.
+pub const DION_QUINTIC: [[f32; 3]; 5] = [
+    [4.0848, -6.8946, 2.9270],
+    [3.9505, -6.3029, 2.6377],
+    [3.7418, -5.5913, 2.3037],
+    [2.8769, -3.1427, 1.2046],
+    [2.8366, -3.0525, 1.2012],
+];
+
+/// Polar Express (Amsel et al. 2025) as in microsoft/dion `dion/polar_express.py`, one triple
+/// per step; use with [`POLAR_EXPRESS_NORM_SCALE`] ([`NsConfig::polar_express`]).
+pub const POLAR_EXPRESS: [[f32; 3]; 5] = {
+    // dion's f64 values, rounded to f32 once.
+    const F64: [[f64; 3]; 5] = [
+        [8.156554524902461, -22.48329292557795, 15.878769915207462],
+        [4.042929935166739, -2.808917465908714, 0.5000178451051316],
+        [3.8916678022926607, -2.772484153217685, 0.5060648178503393],
+        [3.285753657755655, -2.3681294933425376, 0.46449024233003106],
+        [2.3465413258596377, -1.7097828382687081, 0.42323551169305323],
+    ];
+    let mut out = [[0.0f32; 3]; 5];
+    let mut i = 0;
+    while i < 5 {
+        let mut j = 0;
+        while j < 3 {
+            out[i][j] = F64[i][j] as f32;
+            j += 1;
+        }
+        i += 1;
+    }
+    out
+};
+
+/// dion's Polar Express divides by `1.02·‖X‖_F` so the spectrum starts safely below 1.
+pub const POLAR_EXPRESS_NORM_SCALE: f32 = 1.02;
+
+/// Products with at least this many output elements are split over rayon tasks by row
+/// (`Reference` backend).
 pub const PAR_MIN_OUT: usize = 1 << 14;
+
+/// In [`orthogonalize_batch`] with the `Gemm` backend, matrices whose short side is below this
+/// run one per rayon task with a single-threaded GEMM; larger ones run one after another,
+/// each GEMM using every thread. (Either choice gives the same bits.)
+pub const BATCH_INNER_MIN_SIDE: usize = 256;
+
+/// The working precision of Newton–Schulz.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NsPrecision {
+    /// `f32` throughout (default).
+    #[default]
+    F32,
+    /// bf16 storage between operations, `f32` accumulation (torch.optim.Muon's dtype).
+    Bf16,
+}
+
+/// Which kernels run Newton–Schulz (module table).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NsBackend {
+    /// The fastest available for the precision: `Gemm` for `F32`; `OneDnn` for `Bf16` when
+    /// oneDNN loads, else `Gemm`.
+    #[default]
+    Auto,
+    /// Plain loops, bitwise portable; the oracle for the others.
+    Reference,
+    /// The `gemm` crate (`f32`; bf16 as rounded `f32`).
+    Gemm,
+    /// oneDNN's matmul primitive (`Err` when oneDNN, or for bf16 its bf16 matmul, is not
+    /// available).
+    OneDnn,
+}
 
 /// Newton–Schulz hyperparameters. Step `k` uses `coeffs[min(k, coeffs.len() − 1)]` (a
 /// schedule shorter than `steps` repeats its last triple).
@@ -40,8 +149,14 @@ pub struct NsConfig {
     pub steps: usize,
     /// `(a, b, c)` per step (default: [`QUINTIC`] for every step).
     pub coeffs: Vec<[f32; 3]>,
-    /// Lower clamp of the Frobenius norm in step 2 (default `1e-7`, torch's).
+    /// Lower clamp of the scaled Frobenius norm in step 2 (default `1e-7`, torch's).
     pub eps: f32,
+    /// Multiplies the Frobenius norm in step 2 (default 1; Polar Express 1.02).
+    pub norm_scale: f32,
+    /// Working precision (default `F32`).
+    pub precision: NsPrecision,
+    /// Kernels (default `Auto`).
+    pub backend: NsBackend,
 }
 
 impl Default for NsConfig {
@@ -50,13 +165,33 @@ impl Default for NsConfig {
             steps: 5,
             coeffs: vec![QUINTIC],
             eps: 1e-7,
+            norm_scale: 1.0,
+            precision: NsPrecision::F32,
+            backend: NsBackend::Auto,
         }
     }
 }
 
 impl NsConfig {
+    /// dion's five-triple schedule ([`DION_QUINTIC`]), 5 steps, otherwise the defaults.
+    pub fn dion_quintic() -> Self {
+        NsConfig {
+            coeffs: DION_QUINTIC.to_vec(),
+            ..NsConfig::default()
+        }
+    }
+
+    /// Polar Express ([`POLAR_EXPRESS`], norm scale [`POLAR_EXPRESS_NORM_SCALE`]), 5 steps.
+    pub fn polar_express() -> Self {
+        NsConfig {
+            coeffs: POLAR_EXPRESS.to_vec(),
+            norm_scale: POLAR_EXPRESS_NORM_SCALE,
+            ..NsConfig::default()
+        }
+    }
+
     /// `Err` unless `1 ≤ steps < 100`, the schedule is non-empty and every value is finite
-    /// (`eps > 0`).
+    /// (`eps > 0`, `norm_scale > 0`).
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String, reason: &str| {
             Err(Error::BadInput {
@@ -77,12 +212,112 @@ impl NsConfig {
         if !(self.eps.is_finite() && self.eps > 0.0) {
             return bad(format!("eps = {}", self.eps), "must be finite and positive");
         }
+        if !(self.norm_scale.is_finite() && self.norm_scale > 0.0) {
+            return bad(
+                format!("norm_scale = {}", self.norm_scale),
+                "must be finite and positive",
+            );
+        }
         Ok(())
     }
 
     /// The `(a, b, c)` of step `k`.
     pub fn coeffs_at(&self, k: usize) -> [f32; 3] {
         self.coeffs[k.min(self.coeffs.len() - 1)]
+    }
+}
+
+/// Whether oneDNN loads and has the bf16 matmuls Newton–Schulz needs on this CPU.
+fn onednn_bf16() -> std::result::Result<String, DnnlError> {
+    onednn::onednn()?.bf16_impl()
+}
+
+/// The concrete backend `backend` means for `precision` here: `Auto` resolved; `Err` for
+/// `OneDnn` when oneDNN does not load or, for `Bf16`, has no bf16 matmul on this CPU (the
+/// error says why).
+pub fn resolve_backend(precision: NsPrecision, backend: NsBackend) -> Result<NsBackend> {
+    match (precision, backend) {
+        (NsPrecision::F32, NsBackend::Auto) => Ok(NsBackend::Gemm),
+        (NsPrecision::Bf16, NsBackend::Auto) => Ok(if onednn_bf16().is_ok() {
+            NsBackend::OneDnn
+        } else {
+            NsBackend::Gemm
+        }),
+        (NsPrecision::F32, NsBackend::OneDnn) => {
+            onednn::onednn()?;
+            Ok(NsBackend::OneDnn)
+        }
+        (NsPrecision::Bf16, NsBackend::OneDnn) => {
+            onednn_bf16()?;
+            Ok(NsBackend::OneDnn)
+        }
+        (_, b) => Ok(b),
+    }
+}
+
+/// What runs Newton–Schulz on this machine, for benchmark tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NsBackendInfo {
+    /// `Auto`'s backend for `F32`.
+    pub f32_backend: NsBackend,
+    /// e.g. `gemm 0.19 f32, AVX-512 microkernels, 2 rayon threads`.
+    pub f32: String,
+    /// `Auto`'s backend for `Bf16`.
+    pub bf16_backend: NsBackend,
+    /// e.g. `oneDNN 2.6.3 matmul primitive, brg:avx512_core_amx_bf16`, or the portable path
+    /// with the reason oneDNN is unavailable.
+    pub bf16: String,
+}
+
+impl fmt::Display for NsBackendInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "f32: {:?} ({}); bf16: {:?} ({})",
+            self.f32_backend, self.f32, self.bf16_backend, self.bf16
+        )
+    }
+}
+
+fn simd_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            return "AVX-512 microkernels";
+        }
+        if is_x86_feature_detected!("fma") {
+            return "AVX2/FMA microkernels";
+        }
+    }
+    "generic microkernels"
+}
+
+/// Which backends `Auto` picks here and which instruction sets they use (the oneDNN ISA is
+/// the implementation its primitive descriptor reports for a 1024³ bf16 matmul).
+pub fn ns_backend_info() -> NsBackendInfo {
+    let f32 = format!(
+        "gemm 0.19 f32, {}, {} rayon threads",
+        simd_name(),
+        rayon::current_num_threads()
+    );
+    let (bf16_backend, bf16) = match onednn::onednn().and_then(|d| {
+        let isa = d.bf16_impl()?;
+        Ok(format!(
+            "oneDNN {} matmul primitive, {isa}, OpenMP threads",
+            d.version()
+        ))
+    }) {
+        Ok(s) => (NsBackend::OneDnn, s),
+        Err(e) => (
+            NsBackend::Gemm,
+            format!("portable: bf16-rounded operands on gemm f32 ({e})"),
+        ),
+    };
+    NsBackendInfo {
+        f32_backend: NsBackend::Gemm,
+        f32,
+        bf16_backend,
+        bf16,
     }
 }
 
@@ -139,23 +374,132 @@ fn transpose(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
-/// Orthogonalizes the `rows × cols` row-major matrix `x` in place by Newton–Schulz (module
-/// table). A zero matrix stays zero.
-///
-/// # Panics
-/// If `x.len() != rows·cols` or `cfg.coeffs` is empty.
-#[track_caller]
-pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) {
-    assert_eq!(
-        x.len(),
-        rows * cols,
-        "orthogonalize: {} elements for a {rows}×{cols} matrix",
-        x.len()
-    );
-    assert!(!cfg.coeffs.is_empty(), "orthogonalize: empty coefficients");
-    if x.is_empty() {
-        return;
+/// Rounds every element to the nearest bf16 (ties to even), kept as `f32`.
+fn round_bf16(v: &mut [f32]) {
+    for x in v {
+        *x = bf16::from_f32(*x).to_f32();
     }
+}
+
+/// The three products of one step, on `f32` buffers (`s` = short side, `l` = long side).
+trait StepOps {
+    /// `p ← x·xᵀ`.
+    fn gram(&self, x: &[f32], s: usize, l: usize, p: &mut [f32]);
+    /// `q ← b·p + c·p·p`.
+    fn poly(&self, p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32]);
+    /// `y ← a·x + q·x`.
+    fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]);
+}
+
+/// The plain loops (module table, `Reference`).
+struct ReferenceOps;
+
+impl StepOps for ReferenceOps {
+    fn gram(&self, x: &[f32], s: usize, l: usize, p: &mut [f32]) {
+        matmul_nt(x, x, s, s, l, p);
+    }
+    fn poly(&self, p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32]) {
+        matmul_nn(p, p, s, s, s, q);
+        for (q, &p) in q.iter_mut().zip(p) {
+            *q = b * p + c * *q;
+        }
+    }
+    fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]) {
+        matmul_nn(q, x, s, l, s, y);
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y += a * x;
+        }
+    }
+}
+
+/// The `gemm` crate with fused forms and symmetric products (`Gemm`).
+struct GemmOps(Parallelism);
+
+impl StepOps for GemmOps {
+    fn gram(&self, x: &[f32], s: usize, l: usize, p: &mut [f32]) {
+        gemm_f32::gram(x, s, l, p, self.0);
+    }
+    fn poly(&self, p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32]) {
+        gemm_f32::poly(p, s, b, c, q, self.0);
+    }
+    fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]) {
+        gemm_f32::update(q, x, s, l, a, y, self.0);
+    }
+}
+
+/// Step 3 on `f32` buffers; with `bf16`, every product's result is rounded to bf16.
+fn iterate_f32(
+    xw: &mut Vec<f32>,
+    s: usize,
+    l: usize,
+    cfg: &NsConfig,
+    bf16: bool,
+    ops: &impl StepOps,
+) {
+    let mut p = vec![0.0f32; s * s];
+    let mut q = vec![0.0f32; s * s];
+    let mut y = vec![0.0f32; s * l];
+    let round = |v: &mut [f32]| {
+        if bf16 {
+            round_bf16(v);
+        }
+    };
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        ops.gram(xw, s, l, &mut p);
+        round(&mut p);
+        ops.poly(&p, s, b, c, &mut q);
+        round(&mut q);
+        ops.update(&q, xw, s, l, a, &mut y);
+        round(&mut y);
+        std::mem::swap(xw, &mut y);
+    }
+}
+
+/// Step 3 on oneDNN's matmul primitive, in `T` (bf16: `xw` holds bf16 values on entry).
+fn iterate_onednn<T: Element>(
+    xw: &mut [f32],
+    s: usize,
+    l: usize,
+    cfg: &NsConfig,
+) -> std::result::Result<(), DnnlError> {
+    let d = onednn::onednn()?;
+    let mut x: Vec<T> = xw.iter().map(|&v| T::from_f32(v)).collect();
+    let zero = T::from_f32(0.0);
+    let mut p = vec![zero; s * s];
+    let mut q = vec![zero; s * s];
+    let mut y = vec![zero; s * l];
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        // P = X·Xᵀ: the weights Xᵀ (l×s) are X read transposed.
+        d.matmul(s, s, l, &x, &x, true, &mut p, 1.0, None)?;
+        // Q = c·P·P + b·P.
+        q.copy_from_slice(&p);
+        d.matmul(s, s, s, &p, &p, false, &mut q, c, Some(b))?;
+        // X ← Q·X + a·X.
+        y.copy_from_slice(&x);
+        d.matmul(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
+        std::mem::swap(&mut x, &mut y);
+    }
+    for (o, v) in xw.iter_mut().zip(&x) {
+        *o = v.to_f32();
+    }
+    Ok(())
+}
+
+/// Newton–Schulz of one `rows × cols` matrix with a resolved backend (not `Auto`).
+fn ns_one(
+    x: &mut [f32],
+    rows: usize,
+    cols: usize,
+    cfg: &NsConfig,
+    backend: NsBackend,
+    par: Parallelism,
+) -> Result<()> {
+    if x.is_empty() {
+        return Ok(());
+    }
+    let bf16 = cfg.precision == NsPrecision::Bf16;
     // Step 1: work on a `short × long` matrix.
     let transposed = rows > cols;
     let (s, l) = if transposed {
@@ -169,27 +513,29 @@ pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) {
     } else {
         xw.copy_from_slice(x);
     }
-    // Step 2: Frobenius norm (f64 sum in element order, rounded once), clamped below by eps.
+    if bf16 {
+        round_bf16(&mut xw);
+    }
+    // Step 2: Frobenius norm (f64 sum in element order, rounded once), scaled, clamped.
     let norm = (xw.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>()).sqrt() as f32;
-    let denom = norm.max(cfg.eps);
+    if !norm.is_finite() {
+        x.fill(f32::NAN);
+        return Ok(());
+    }
+    let denom = (cfg.norm_scale * norm).max(cfg.eps);
     for v in &mut xw {
         *v /= denom;
     }
+    if bf16 {
+        round_bf16(&mut xw);
+    }
     // Step 3.
-    let mut p = vec![0.0f32; s * s];
-    let mut pp = vec![0.0f32; s * s];
-    let mut qx = vec![0.0f32; s * l];
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        matmul_nt(&xw, &xw, s, s, l, &mut p);
-        matmul_nn(&p, &p, s, s, s, &mut pp);
-        for (q, &p) in pp.iter_mut().zip(&p) {
-            *q = b * p + c * *q;
-        }
-        matmul_nn(&pp, &xw, s, l, s, &mut qx);
-        for (x, &q) in xw.iter_mut().zip(&qx) {
-            *x = a * *x + q;
-        }
+    match backend {
+        NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps),
+        NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par)),
+        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg)?,
+        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg)?,
+        NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
     }
     // Step 4.
     if transposed {
@@ -197,4 +543,74 @@ pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) {
     } else {
         x.copy_from_slice(&xw);
     }
+    Ok(())
+}
+
+/// Orthogonalizes the `rows × cols` row-major matrix `x` in place by Newton–Schulz (module
+/// table) with `cfg`'s precision and backend. Products use every thread of the current rayon
+/// pool (the result does not depend on how many). A zero matrix stays zero; a matrix with a
+/// non-finite element becomes all NaN (`Ok`).
+///
+/// # Errors
+/// `BadInput` if `x.len() != rows·cols` or [`NsConfig::validate`] fails; the backend errors of
+/// [`resolve_backend`]; a oneDNN call failing. `x` is unchanged on error, except after a
+/// oneDNN call fails mid-way (then it is too).
+pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) -> Result<()> {
+    cfg.validate()?;
+    if x.len() != rows * cols {
+        return Err(Error::BadInput {
+            op: "orthogonalize",
+            what: format!("{} elements", x.len()),
+            reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
+        });
+    }
+    let backend = resolve_backend(cfg.precision, cfg.backend)?;
+    let par = Parallelism::Rayon(rayon::current_num_threads());
+    ns_one(x, rows, cols, cfg, backend, par)
+}
+
+/// [`orthogonalize`] on each of the whole `rows × cols` matrices stacked in `x` (the
+/// experts of `[E, rows, cols]`); see [`orthogonalize_many`] for the threading.
+pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) -> Result<()> {
+    let mn = rows * cols;
+    if (mn == 0 && !x.is_empty()) || (mn != 0 && x.len() % mn != 0) {
+        return Err(Error::BadInput {
+            op: "orthogonalize_batch",
+            what: format!("{} elements", x.len()),
+            reason: format!("not a whole number of {rows}×{cols} matrices"),
+        });
+    }
+    if x.is_empty() {
+        return Ok(());
+    }
+    orthogonalize_many(x.chunks_mut(mn).map(|m| (m, rows, cols)).collect(), cfg)
+}
+
+/// [`orthogonalize`] on independent matrices of any shapes, `(data, rows, cols)`. Small
+/// matrices (short side under [`BATCH_INNER_MIN_SIDE`] on the gemm backend, every matrix on the
+/// reference backend) are spread over threads with single-threaded products; the others run
+/// one after another with threaded products. Either way each matrix's bits are the same.
+pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig) -> Result<()> {
+    cfg.validate()?;
+    if let Some((x, rows, cols)) = tasks.iter().find(|(x, r, c)| x.len() != r * c) {
+        return Err(Error::BadInput {
+            op: "orthogonalize_many",
+            what: format!("{} elements", x.len()),
+            reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
+        });
+    }
+    let backend = resolve_backend(cfg.precision, cfg.backend)?;
+    let across = |rows: usize, cols: usize| match backend {
+        NsBackend::Reference => true,
+        NsBackend::Gemm => rows.min(cols) < BATCH_INNER_MIN_SIDE,
+        _ => false,
+    };
+    let (small, large): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| across(t.1, t.2));
+    small
+        .into_par_iter()
+        .try_for_each(|(x, rows, cols)| ns_one(x, rows, cols, cfg, backend, Parallelism::None))?;
+    let all = Parallelism::Rayon(rayon::current_num_threads());
+    large
+        .into_iter()
+        .try_for_each(|(x, rows, cols)| ns_one(x, rows, cols, cfg, backend, all))
 }

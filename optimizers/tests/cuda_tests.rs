@@ -16,7 +16,8 @@ use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged_optimizers::cuda::adam8bit::DeviceAdam8bitState;
-use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState, NsPrecision};
+use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState};
+use ragged_optimizers::newton_schulz::NsPrecision;
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
 };
@@ -180,21 +181,25 @@ fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
 #[test]
 fn newton_schulz_cuda_matches_cpu_within_tolerance() {
     let Some(dev) = device() else { return };
-    let cfg = NsConfig::default();
     let mut rng = Rng::new(5);
     // (batch, rows, cols): wide, tall (transposed path), a stack, a square matrix.
     for (batch, rows, cols) in [(1, 32, 96), (1, 96, 40), (3, 48, 32), (2, 64, 64)] {
         let x = rng.units(batch * rows * cols);
-        let mut want = x.clone();
-        for m in want.chunks_mut(rows * cols) {
-            orthogonalize(m, rows, cols, &cfg);
-        }
         for (prec, max_abs, max_rel) in [
             (NsPrecision::F32, 2e-3f32, 1e-3f64),
             (NsPrecision::Bf16, f32::INFINITY, 5e-2),
         ] {
+            // The CPU reference in the same precision (its bf16 path has the same semantics).
+            let cfg = NsConfig {
+                precision: prec,
+                ..Default::default()
+            };
+            let mut want = x.clone();
+            for m in want.chunks_mut(rows * cols) {
+                orthogonalize(m, rows, cols, &cfg).unwrap();
+            }
             let mut d = dev.upload(&x).unwrap();
-            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg, prec).unwrap();
+            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg).unwrap();
             let got = dev.download(&d).unwrap();
             let (abs, rel) = diffs(&got, &want);
             assert!(
@@ -209,17 +214,14 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
 fn newton_schulz_cuda_keeps_a_zero_matrix_zero() {
     let Some(dev) = device() else { return };
     let mut d = dev.zeros::<f32>(32 * 64).unwrap();
-    orthogonalize_cuda(
-        &dev,
-        &mut d.slice_mut(..),
-        1,
-        32,
-        64,
-        &NsConfig::default(),
-        NsPrecision::F32,
-    )
-    .unwrap();
+    orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, 32, 64, &NsConfig::default()).unwrap();
     assert!(dev.download(&d).unwrap().iter().all(|&x| x == 0.0));
+    // A non-finite input makes every entry NaN, as on the CPU.
+    let mut x = vec![0.5f32; 32 * 64];
+    x[7] = f32::INFINITY;
+    let mut d = dev.upload(&x).unwrap();
+    orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, 32, 64, &NsConfig::default()).unwrap();
+    assert!(dev.download(&d).unwrap().iter().all(|x| x.is_nan()));
 }
 
 fn muon_shard(opt: &Muon, spec: &[TensorSpec]) -> LocalShard {
@@ -252,15 +254,8 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
         opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         let dg = dev.upload(&g).unwrap();
-        opt.step_cuda(
-            &dev,
-            &mut ds,
-            &shard,
-            &mut dp.slice_mut(..),
-            &dg.slice(..),
-            NsPrecision::F32,
-        )
-        .unwrap();
+        opt.step_cuda(&dev, &mut ds, &shard, &mut dp.slice_mut(..), &dg.slice(..))
+            .unwrap();
     }
     let got = ds.download(&dev).unwrap();
     // Momentum and the AdamW moments never see Newton–Schulz: bitwise. The parameters differ
@@ -291,14 +286,7 @@ fn muon_step_cuda_refuses_split_matrices() {
     let mut dp = dev.zeros::<f32>(shard.len).unwrap();
     let dg = dev.zeros::<f32>(shard.len).unwrap();
     let err = opt
-        .step_cuda(
-            &dev,
-            &mut ds,
-            shard,
-            &mut dp.slice_mut(..),
-            &dg.slice(..),
-            NsPrecision::F32,
-        )
+        .step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
         .unwrap_err();
     assert!(err.to_string().contains("split"), "{err}");
     assert_eq!(ds.step, 0, "nothing modified");
@@ -323,14 +311,18 @@ fn bench_optimizers_against_same_run_baselines() {
     let mut rng = Rng::new(1);
     let x = dev.upload(&rng.units(n * n)).unwrap();
     for prec in [NsPrecision::Bf16, NsPrecision::F32] {
+        let ns = NsConfig {
+            precision: prec,
+            ..Default::default()
+        };
         let gemm = gemm_seconds(&dev, n, prec, 10).unwrap();
         let mut d = x.try_clone().unwrap();
-        orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns, prec).unwrap();
+        orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
         dev.sync().unwrap();
         let iters = 3;
         let t = Instant::now();
         for _ in 0..iters {
-            orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns, prec).unwrap();
+            orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
         }
         dev.sync().unwrap();
         let secs = t.elapsed().as_secs_f64() / iters as f64;

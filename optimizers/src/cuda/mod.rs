@@ -29,7 +29,7 @@ use ragged::Result;
 use crate::adamw::{AdamState, AdamW};
 use crate::common::{check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
 
-pub use newton_schulz::{orthogonalize_cuda, NsPrecision};
+pub use newton_schulz::orthogonalize_cuda;
 
 /// Entry point of `kernels/adamw.cu`.
 pub const ADAMW_STEP: &str = "adamw_step";

@@ -9,7 +9,7 @@ use ragged::cuda::{count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::optim::LocalShard;
 use ragged::{Error, Result};
 
-use super::newton_schulz::{orthogonalize_cuda, NsPrecision};
+use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
 use crate::common::{check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
 use crate::muon::Muon;
@@ -27,8 +27,9 @@ impl Muon {
 
     /// [`Optimizer::step`](ragged::optim::Optimizer::step) on device buffers, for shards whose
     /// Muon matrices are all whole here (`Err` otherwise, before anything is modified).
-    /// Newton–Schulz runs in `prec`; with [`NsPrecision::F32`] the step equals the CPU step up
-    /// to the GEMM summation order (see [`super::newton_schulz`]).
+    /// Newton–Schulz runs on cuBLAS in `config.ns.precision` (its CPU `backend` is ignored);
+    /// the step equals the CPU step up to the GEMM summation order (see
+    /// [`super::newton_schulz`]).
     pub fn step_cuda(
         &self,
         dev: &Device,
@@ -36,7 +37,6 @@ impl Muon {
         shard: &LocalShard,
         params: &mut CudaViewMut<'_, f32>,
         grads: &CudaView<'_, f32>,
-        prec: NsPrecision,
     ) -> Result<()> {
         const OP: &str = "Muon::step_cuda";
         check_step_inputs(
@@ -125,7 +125,6 @@ impl Muon {
                 step.rows,
                 step.cols,
                 step.ns,
-                prec,
             )?;
         }
 

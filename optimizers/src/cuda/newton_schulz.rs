@@ -5,7 +5,7 @@
 //! | # | operation | device |
 //! |---|---|---|
 //! | 1 | if `rows > cols`, `X ← Xᵀ` | `ns_transpose` (kernels/newton_schulz.cu) |
-//! | 2 | `X ← X / max(‖X‖_F, eps)` | `ns_sumsq_partial` + `ns_normalize` (f64 sum, f32 division) |
+//! | 2 | `X ← X / max(s·‖X‖_F, eps)` (`s` = `norm_scale`; a non-finite norm makes every entry NaN) | `ns_sumsq_partial` + `ns_normalize` (f64 sum, f32 division) |
 //! | 3 | `P = X·Xᵀ` | GEMM, `α = 1, β = 0` |
 //! |   | `Q = b·P + c·P·P` | copy `P → Q`, GEMM `α = c, β = b` |
 //! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
@@ -15,16 +15,18 @@
 //! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
 //! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
 //!
-//! # Precision
+//! # Precision (`NsConfig::precision`; `NsConfig::backend` is the CPU's and is ignored here)
 //! - [`NsPrecision::F32`]: `f32` operands and results. Equal to the CPU up to summation order:
 //!   cuBLAS accumulates dot products in its own (blocked, FMA) order, the CPU in index order
 //!   without FMA, so the results differ by rounding. Tests compare with a tolerance of `1e-4`
 //!   absolute on the orthogonalized matrix (entries are `O(1/√min(m, n))`…`O(1)`; five steps
 //!   of rounding differences of `~1e-7` relative each, amplified by the polynomial's slope ≤ 3).
-//! - [`NsPrecision::Bf16`]: steps 1–2 in `f32`, then `X`, `P`, `Q` stored in bf16 (round to
-//!   nearest even) with `f32` accumulation and `f32` α, β, as torch.optim.Muon does (its NS runs
-//!   in bf16); the result is widened back to `f32`. Tolerance vs the `f32` CPU path: `5e-2`
-//!   absolute (bf16 has 8 significant bits).
+//! - [`NsPrecision::Bf16`]: the CPU's bf16 semantics: the input is rounded to bf16, the norm
+//!   taken of the rounded values and the division done in `f32`, then `X`, `P`, `Q` are stored
+//!   in bf16 (round to nearest even); each GEMM multiplies bf16 operands with `f32`
+//!   accumulation and adds its addend (`b·P`, `a·X`, GEMM β) in `f32` before one rounding to
+//!   bf16 (torch's `use_addmm` form). The result is widened back to `f32`. Equal to the CPU's
+//!   bf16 path up to summation order; tests allow a relative Frobenius difference of `5e-2`.
 
 use ragged::cuda::cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use ragged::cuda::cudarc::driver::{
@@ -34,7 +36,7 @@ use ragged::cuda::cudarc::driver::{
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use crate::newton_schulz::NsConfig;
+use crate::newton_schulz::{NsConfig, NsPrecision};
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";
@@ -47,22 +49,10 @@ pub const NS_BF16_TO_F32: &str = "ns_bf16_to_f32";
 /// in the same order: the result does not depend on the device).
 const SUMSQ_BLOCKS: u32 = 64;
 
-/// Operand precision of the Newton–Schulz products.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum NsPrecision {
-    /// `f32` operands, `f32` accumulation (the CPU path's precision).
-    #[default]
-    F32,
-    /// bf16 operands and results, `f32` accumulation (torch.optim.Muon's precision).
-    Bf16,
-}
-
-impl NsPrecision {
-    fn data_type(self) -> blas_sys::cudaDataType_t {
-        match self {
-            NsPrecision::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
-            NsPrecision::Bf16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
-        }
+fn data_type(prec: NsPrecision) -> blas_sys::cudaDataType_t {
+    match prec {
+        NsPrecision::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
+        NsPrecision::Bf16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
     }
 }
 
@@ -153,7 +143,7 @@ fn gemm<T>(
     use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
     let stream = dev.stream();
-    let dt = prec.data_type();
+    let dt = data_type(prec);
     let (fp, _gf) = first.device_ptr(stream);
     let (sp, _gs) = second.device_ptr(stream);
     let (cp, _gc) = c.device_ptr_mut(stream);
@@ -195,10 +185,10 @@ pub fn orthogonalize_cuda(
     rows: usize,
     cols: usize,
     cfg: &NsConfig,
-    prec: NsPrecision,
 ) -> Result<()> {
     const OP: &str = "orthogonalize_cuda";
     cfg.validate()?;
+    let prec = cfg.precision;
     let mn = rows * cols;
     if x.len() != batch * mn {
         return Err(Error::BadInput {
@@ -226,6 +216,13 @@ pub fn orthogonalize_cuda(
         transpose(dev, &*x, &mut xw, batch, rows, cols)?;
     } else {
         guarded(OP, || stream.memcpy_dtod(&*x, &mut xw))?;
+    }
+
+    // bf16: the input is rounded to bf16 first (the norm is taken of the rounded values).
+    if prec == NsPrecision::Bf16 {
+        let mut xb = dev.zeros::<u16>(batch * mn)?;
+        convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
+        convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
     }
 
     // Step 2.
@@ -256,7 +253,7 @@ pub fn orthogonalize_cuda(
     let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
     let mut cfgn = elementwise(mn);
     cfgn.grid_dim = (cfgn.grid_dim.0.min(1024), by, 1);
-    let (nparts, eps) = (SUMSQ_BLOCKS, cfg.eps);
+    let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
     guarded(OP, || unsafe {
         stream
             .launch_builder(&f)
@@ -264,6 +261,7 @@ pub fn orthogonalize_cuda(
             .arg(&len)
             .arg(&partial)
             .arg(&nparts)
+            .arg(&scale)
             .arg(&eps)
             .launch(cfgn)
     })?;

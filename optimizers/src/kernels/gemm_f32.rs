@@ -1,0 +1,263 @@
+//! Row-major `f32` GEMM on the `gemm` crate (0.19, AVX-512 microkernels with `x86-v4`), and
+//! the symmetric product Newton–Schulz uses twice per step.
+//!
+//! `gemm::gemm` computes `dst ← α·dst + β·lhs·rhs` (`α` ignored when `read_dst` is false) on
+//! strided views. Every matrix here is row-major: element `(i, j)` of a matrix with leading
+//! dimension `ld` sits at `i·ld + j`, i.e. column stride 1 and row stride `ld` (in elements).
+//!
+//! # Determinism (gemm 0.19, read from `gemm-common/src/gemm.rs` and tested in
+//! `tests/ns_kernel_tests.rs`)
+//! The blocking (`kc`, `mc`, `nc`) depends on the shape and the cache sizes, not on the thread
+//! count; threads split the output into disjoint tiles and never the `k` sum, so for a fixed
+//! shape the result does not depend on the number of rayon threads or on `Parallelism::None`
+//! versus `Parallelism::Rayon(n)`. It can depend on the CPU (the microkernel is picked by
+//! run-time feature detection: AVX-512 or AVX2 widths differ).
+
+use gemm::Parallelism;
+
+/// Symmetric products with a side of at most this many rows are computed as one full GEMM;
+/// larger ones split into halves (the off-diagonal block once, then mirrored), so every GEMM
+/// keeps a side of at least 128 (smaller products run far from gemm's peak). Not tuned: the
+/// shared development host was too noisy to rank 128, 256 and 512.
+pub const SYM_LEAF: usize = 256;
+
+/// A strided read-only view of a matrix: `ptr[i·rs + j·cs]` is element `(i, j)`.
+#[derive(Clone, Copy, Debug)]
+struct View {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+impl View {
+    /// The view starting at element `(i, j)`.
+    ///
+    /// # Safety
+    /// `(i, j)` must lie inside the viewed allocation.
+    unsafe fn at(self, i: usize, j: usize) -> View {
+        View {
+            ptr: self.ptr.offset(i as isize * self.rs + j as isize * self.cs),
+            ..self
+        }
+    }
+}
+
+/// `dst (m×n, leading dim ldd) ← α·dst + β·lhs·rhs` with `lhs: m×k`, `rhs: k×n`.
+///
+/// # Safety
+/// The views must cover `m×k` and `k×n` elements of live allocations, `dst` must cover
+/// `m` rows of `ldd ≥ n` elements and must not overlap `lhs` or `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldd: usize,
+    lhs: View,
+    rhs: View,
+    read_dst: bool,
+    alpha: f32,
+    beta: f32,
+    par: Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ldd as isize,
+        read_dst,
+        lhs.ptr,
+        lhs.cs,
+        lhs.rs,
+        rhs.ptr,
+        rhs.cs,
+        rhs.rs,
+        alpha,
+        beta,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+/// [`gemm_raw`] for a product known to be symmetric (`lhs·rhs = (lhs·rhs)ᵀ`, and `dst`
+/// symmetric on entry when `read_dst`): the upper off-diagonal block is computed once and
+/// mirrored, the diagonal blocks recursively, down to [`SYM_LEAF`]. The result is exactly
+/// symmetric. For a side of 1024 this does 62.5 % of the full product's multiply-adds.
+///
+/// # Safety
+/// As [`gemm_raw`] with `m = n`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sym_gemm_raw(
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldd: usize,
+    lhs: View,
+    rhs: View,
+    read_dst: bool,
+    alpha: f32,
+    beta: f32,
+    par: Parallelism,
+) {
+    if n <= SYM_LEAF {
+        gemm_raw(n, n, k, dst, ldd, lhs, rhs, read_dst, alpha, beta, par);
+        return;
+    }
+    let h = n / 2;
+    let r = n - h;
+    sym_gemm_raw(h, k, dst, ldd, lhs, rhs, read_dst, alpha, beta, par);
+    sym_gemm_raw(
+        r,
+        k,
+        dst.add(h * ldd + h),
+        ldd,
+        lhs.at(h, 0),
+        rhs.at(0, h),
+        read_dst,
+        alpha,
+        beta,
+        par,
+    );
+    // Upper-right block: rows 0..h, columns h..n.
+    gemm_raw(
+        h,
+        r,
+        k,
+        dst.add(h),
+        ldd,
+        lhs,
+        rhs.at(0, h),
+        read_dst,
+        alpha,
+        beta,
+        par,
+    );
+    // Mirror it into the lower-left block, in 32×32 tiles.
+    const T: usize = 32;
+    for i0 in (0..h).step_by(T) {
+        for j0 in (h..n).step_by(T) {
+            for i in i0..(i0 + T).min(h) {
+                for j in j0..(j0 + T).min(n) {
+                    *dst.add(j * ldd + i) = *dst.add(i * ldd + j);
+                }
+            }
+        }
+    }
+}
+
+/// `out (m×n) ← α·out + β·a·b` for row-major `a: m×k`, `b: k×n` (`α` unused when `!read_out`).
+///
+/// # Panics
+/// If a slice has the wrong length (an internal invariant).
+#[allow(clippy::too_many_arguments)]
+#[track_caller]
+pub fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    read_out: bool,
+    alpha: f32,
+    beta: f32,
+    par: Parallelism,
+) {
+    assert!(
+        a.len() == m * k && b.len() == k * n && out.len() == m * n,
+        "gemm_f32::matmul: lengths {}, {}, {} for {m}×{k}·{k}×{n}",
+        a.len(),
+        b.len(),
+        out.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: lengths checked above; `out` is a distinct `&mut` borrow, so it overlaps
+    // neither input.
+    unsafe {
+        gemm_raw(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            n,
+            View {
+                ptr: a.as_ptr(),
+                rs: k as isize,
+                cs: 1,
+            },
+            View {
+                ptr: b.as_ptr(),
+                rs: n as isize,
+                cs: 1,
+            },
+            read_out,
+            alpha,
+            beta,
+            par,
+        )
+    }
+}
+
+/// The Gram matrix `p (s×s) ← x·xᵀ` of a row-major `x: s×l`, by [`sym_gemm_raw`].
+#[track_caller]
+pub fn gram(x: &[f32], s: usize, l: usize, p: &mut [f32], par: Parallelism) {
+    assert!(
+        x.len() == s * l && p.len() == s * s,
+        "gemm_f32::gram: lengths {}, {} for s = {s}, l = {l}",
+        x.len(),
+        p.len()
+    );
+    if s == 0 {
+        return;
+    }
+    let lhs = View {
+        ptr: x.as_ptr(),
+        rs: l as isize,
+        cs: 1,
+    };
+    // xᵀ (l×s): element (i, j) = x[j, i].
+    let rhs = View {
+        ptr: x.as_ptr(),
+        rs: 1,
+        cs: l as isize,
+    };
+    // SAFETY: lengths checked; `p` is a distinct `&mut` borrow.
+    unsafe { sym_gemm_raw(s, l, p.as_mut_ptr(), s, lhs, rhs, false, 0.0, 1.0, par) }
+}
+
+/// `q (s×s) ← b·p + c·p·p` for a symmetric row-major `p` (one fused GEMM with `q = p` on
+/// entry, `α = b`, `β = c`), by [`sym_gemm_raw`].
+#[track_caller]
+pub fn poly(p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32], par: Parallelism) {
+    assert!(
+        p.len() == s * s && q.len() == s * s,
+        "gemm_f32::poly: lengths {}, {} for s = {s}",
+        p.len(),
+        q.len()
+    );
+    if s == 0 {
+        return;
+    }
+    q.copy_from_slice(p);
+    let v = View {
+        ptr: p.as_ptr(),
+        rs: s as isize,
+        cs: 1,
+    };
+    // SAFETY: lengths checked; `q` is a distinct `&mut` borrow.
+    unsafe { sym_gemm_raw(s, s, q.as_mut_ptr(), s, v, v, true, b, c, par) }
+}
+
+/// `y (s×l) ← a·x + q·x` (one fused GEMM with `y = x` on entry, `α = a`, `β = 1`).
+#[track_caller]
+pub fn update(q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32], par: Parallelism) {
+    y.copy_from_slice(x);
+    matmul(s, l, s, q, x, y, true, a, 1.0, par);
+}

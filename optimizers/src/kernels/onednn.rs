@@ -1,0 +1,632 @@
+//! bf16 matmul on AMX through oneDNN's matmul *primitive*, with oneDNN opened at run time.
+//!
+//! oneDNN (the 2.x C API, Debian's `libdnnl-dev` 2.6.3) is loaded with `dlopen`
+//! (`libdnnl.so.2`, then `libdnnl.so`) on first use, so this crate builds and runs where it is
+//! absent: every entry point then returns [`DnnlError`], never panics, and Newton–Schulz
+//! falls back to the portable bf16 path. Only the matmul primitive reaches the AMX tile units
+//! (`brg:avx512_core_amx_bf16`); oneDNN's BLAS-like `dnnl_gemm_bf16bf16f32` does not.
+//!
+//! oneDNN 2.6 has bf16 matmul only on CPUs with AVX-512 (`avx512_core`, faster with
+//! AVX512-BF16 and AMX); elsewhere (e.g. AVX2-only AMD EPYC) the library loads, its `f32`
+//! matmul works, and bf16 primitive creation returns `dnnl_unimplemented`:
+//! [`OneDnn::bf16_impl`] probes this once and reports [`DnnlError::Unsupported`].
+//!
+//! | object | lifetime | notes |
+//! |---|---|---|
+//! | library, CPU engine, stream | process (one [`OneDnn`], created once) | engine index 0 |
+//! | primitive | one per [`MatmulKey`] (shape, weight layout, scales), cached | created on first use |
+//! | memory objects | one call | wrap the caller's buffers, no copies |
+//!
+//! One call at a time executes (a mutex around the cache and the shared stream): oneDNN
+//! parallelizes inside the primitive with its own OpenMP threads (`OMP_NUM_THREADS`), so
+//! running two primitives at once would only oversubscribe the cores.
+//!
+//! The C structs `dnnl_memory_desc_t` (696 bytes) and `dnnl_matmul_desc_t` (2800 bytes in
+//! 2.6) are only ever written and read by the library; they are held here as opaque, 8-byte
+//! aligned buffers of 1 KiB and 4 KiB, and the library's major version must be 2 (3.x changed
+//! both the structs and the entry points).
+
+use std::collections::hash_map::{Entry, HashMap};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::fmt;
+use std::sync::{Mutex, OnceLock};
+
+use half::bf16;
+use libloading::Library;
+
+/// Library names tried, in order.
+pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
+
+// Constants of the oneDNN 2.6 C API (`dnnl_types.h`).
+const DNNL_SUCCESS: c_int = 0;
+const DNNL_CPU: c_int = 1;
+const DNNL_BF16: c_int = 2;
+const DNNL_F32: c_int = 3;
+const DNNL_UNIMPLEMENTED: c_int = 3;
+const DNNL_TAG_AB: c_int = 3;
+const DNNL_TAG_BA: c_int = 22;
+const DNNL_STREAM_DEFAULT_FLAGS: c_uint = 1;
+const DNNL_QUERY_IMPL_INFO_STR: c_int = 8;
+const DNNL_ARG_SRC: c_int = 1;
+const DNNL_ARG_DST: c_int = 17;
+const DNNL_ARG_WEIGHTS: c_int = 33;
+
+/// What went wrong with oneDNN. Converts into [`ragged::Error`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DnnlError {
+    /// No library of [`LIBRARY_NAMES`] could be opened.
+    Load { reasons: String },
+    /// The library lacks an entry point (not the 2.x API).
+    Symbol { name: &'static str, reason: String },
+    /// The library is not oneDNN 2.x.
+    Version { found: String },
+    /// A call returned a status other than `dnnl_success`.
+    Call { func: &'static str, status: i32 },
+    /// oneDNN has no implementation of this operation on this CPU.
+    Unsupported { what: String },
+}
+
+impl fmt::Display for DnnlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DnnlError::Load { reasons } => write!(f, "cannot open oneDNN: {reasons}"),
+            DnnlError::Symbol { name, reason } => {
+                write!(f, "oneDNN lacks {name} (need the 2.x C API): {reason}")
+            }
+            DnnlError::Version { found } => write!(f, "oneDNN {found} found, 2.x needed"),
+            DnnlError::Call { func, status } => {
+                write!(f, "oneDNN call {func} failed with status {status}")
+            }
+            DnnlError::Unsupported { what } => {
+                write!(f, "oneDNN has no {what} on this CPU (dnnl_unimplemented)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for DnnlError {}
+
+impl From<DnnlError> for ragged::Error {
+    fn from(e: DnnlError) -> Self {
+        ragged::Error::Msg(e.to_string())
+    }
+}
+
+/// Element types the matmul runs on: `f32` and bf16.
+pub trait Element: Copy + Send + Sync + sealed::Sealed + 'static {
+    /// `dnnl_data_type_t`.
+    const DNNL_TYPE: c_int;
+    /// For messages.
+    const NAME: &'static str;
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+impl Element for f32 {
+    const DNNL_TYPE: c_int = DNNL_F32;
+    const NAME: &'static str = "f32";
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for bf16 {
+    const DNNL_TYPE: c_int = DNNL_BF16;
+    const NAME: &'static str = "bf16";
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+type Handle = *mut c_void;
+type Status = c_int;
+
+/// `dnnl_memory_desc_t`, opaque (696 bytes in 2.6).
+#[repr(C, align(8))]
+struct MemDesc([u8; 1024]);
+
+/// `dnnl_matmul_desc_t`, opaque (2800 bytes in 2.6).
+#[repr(C, align(8))]
+struct MatmulDesc([u8; 4096]);
+
+/// `dnnl_exec_arg_t`.
+#[repr(C)]
+struct ExecArg {
+    arg: c_int,
+    memory: Handle,
+}
+
+/// `dnnl_version_t`.
+#[repr(C)]
+struct Version {
+    major: c_int,
+    minor: c_int,
+    patch: c_int,
+    hash: *const c_char,
+    cpu_runtime: c_uint,
+    gpu_runtime: c_uint,
+}
+
+/// The entry points used, resolved once.
+struct Api {
+    version: unsafe extern "C" fn() -> *const Version,
+    engine_create: unsafe extern "C" fn(*mut Handle, c_int, usize) -> Status,
+    stream_create: unsafe extern "C" fn(*mut Handle, Handle, c_uint) -> Status,
+    stream_wait: unsafe extern "C" fn(Handle) -> Status,
+    md_init_by_tag: unsafe extern "C" fn(*mut MemDesc, c_int, *const i64, c_int, c_int) -> Status,
+    matmul_desc_init: unsafe extern "C" fn(
+        *mut MatmulDesc,
+        *const MemDesc,
+        *const MemDesc,
+        *const MemDesc,
+        *const MemDesc,
+    ) -> Status,
+    attr_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    attr_destroy: unsafe extern "C" fn(Handle) -> Status,
+    attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
+    attr_set_post_ops: unsafe extern "C" fn(Handle, Handle) -> Status,
+    post_ops_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    post_ops_destroy: unsafe extern "C" fn(Handle) -> Status,
+    post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
+    pd_create: unsafe extern "C" fn(*mut Handle, *const c_void, Handle, Handle, Handle) -> Status,
+    pd_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
+    pd_destroy: unsafe extern "C" fn(Handle) -> Status,
+    primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+    primitive_execute: unsafe extern "C" fn(Handle, Handle, c_int, *const ExecArg) -> Status,
+    memory_create: unsafe extern "C" fn(*mut Handle, *const MemDesc, Handle, *mut c_void) -> Status,
+    memory_destroy: unsafe extern "C" fn(Handle) -> Status,
+}
+
+fn check(func: &'static str, status: Status) -> Result<(), DnnlError> {
+    if status == DNNL_SUCCESS {
+        Ok(())
+    } else {
+        Err(DnnlError::Call { func, status })
+    }
+}
+
+impl Api {
+    fn load(lib: &Library) -> Result<Api, DnnlError> {
+        macro_rules! sym {
+            ($name:literal) => {{
+                // SAFETY: the symbol is declared with its `dnnl.h` 2.6 signature (the library
+                // is checked to be 2.x before any other entry point is called).
+                let s = unsafe { lib.get(concat!($name, "\0").as_bytes()) };
+                *s.map_err(|e| DnnlError::Symbol {
+                    name: $name,
+                    reason: e.to_string(),
+                })?
+            }};
+        }
+        Ok(Api {
+            version: sym!("dnnl_version"),
+            engine_create: sym!("dnnl_engine_create"),
+            stream_create: sym!("dnnl_stream_create"),
+            stream_wait: sym!("dnnl_stream_wait"),
+            md_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
+            matmul_desc_init: sym!("dnnl_matmul_desc_init"),
+            attr_create: sym!("dnnl_primitive_attr_create"),
+            attr_destroy: sym!("dnnl_primitive_attr_destroy"),
+            attr_set_output_scales: sym!("dnnl_primitive_attr_set_output_scales"),
+            attr_set_post_ops: sym!("dnnl_primitive_attr_set_post_ops"),
+            post_ops_create: sym!("dnnl_post_ops_create"),
+            post_ops_destroy: sym!("dnnl_post_ops_destroy"),
+            post_ops_append_sum: sym!("dnnl_post_ops_append_sum"),
+            pd_create: sym!("dnnl_primitive_desc_create"),
+            pd_query: sym!("dnnl_primitive_desc_query"),
+            pd_destroy: sym!("dnnl_primitive_desc_destroy"),
+            primitive_create: sym!("dnnl_primitive_create"),
+            primitive_execute: sym!("dnnl_primitive_execute"),
+            memory_create: sym!("dnnl_memory_create"),
+            memory_destroy: sym!("dnnl_memory_destroy"),
+        })
+    }
+}
+
+/// One cached matmul: `dst (m×n) ← scale·src·wei [+ sum·dst]`, all of one element type,
+/// `f32` accumulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MatmulKey {
+    /// `dnnl_data_type_t` of every operand.
+    pub dtype: i32,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// The weights buffer holds `weiᵀ` row-major (`n×k`), i.e. layout `ba` of `wei: k×n`.
+    pub wei_transposed: bool,
+    /// Bits of the output scale (`1.0`: none).
+    pub scale_bits: u32,
+    /// Bits of the sum post-op scale, if `dst` is read.
+    pub sum_bits: Option<u32>,
+}
+
+struct Primitive {
+    prim: Handle,
+    src: Box<MemDesc>,
+    wei: Box<MemDesc>,
+    dst: Box<MemDesc>,
+    impl_info: String,
+}
+
+/// The loaded library, its CPU engine and stream, and the primitive cache.
+pub struct OneDnn {
+    api: Api,
+    engine: Handle,
+    stream: Handle,
+    version: String,
+    cache: Mutex<HashMap<MatmulKey, Primitive>>,
+    bf16: OnceLock<Result<String, DnnlError>>,
+    // Last field: dropped after everything that points into it (never, in practice: the
+    // singleton lives for the process).
+    _lib: Library,
+}
+
+// SAFETY: oneDNN engines, primitives and primitive descriptors may be used from any thread;
+// the stream and every execution are used only under `cache`'s mutex, one call at a time.
+unsafe impl Send for OneDnn {}
+// SAFETY: as above.
+unsafe impl Sync for OneDnn {}
+
+static ONEDNN: OnceLock<Result<OneDnn, DnnlError>> = OnceLock::new();
+
+/// The process-wide oneDNN, loaded on first call; `Err` (the same each time) when the library
+/// is missing, not 2.x, or has no CPU engine.
+pub fn onednn() -> Result<&'static OneDnn, DnnlError> {
+    ONEDNN
+        .get_or_init(OneDnn::open)
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// RAII guard calling a oneDNN destroy function.
+struct Guard<'a> {
+    h: Handle,
+    destroy: &'a dyn Fn(Handle) -> Status,
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        if !self.h.is_null() {
+            // A failed destroy leaks at worst; nothing to report it to.
+            let _ = (self.destroy)(self.h);
+        }
+    }
+}
+
+impl OneDnn {
+    fn open() -> Result<OneDnn, DnnlError> {
+        let mut reasons = Vec::new();
+        let mut lib = None;
+        for name in LIBRARY_NAMES {
+            // SAFETY: loading oneDNN runs its (trusted) initializers only.
+            match unsafe { Library::new(name) } {
+                Ok(l) => {
+                    lib = Some(l);
+                    break;
+                }
+                Err(e) => reasons.push(format!("{name}: {e}")),
+            }
+        }
+        let lib = lib.ok_or_else(|| DnnlError::Load {
+            reasons: reasons.join("; "),
+        })?;
+        let api = Api::load(&lib)?;
+        // SAFETY: `dnnl_version` returns a pointer to a static struct.
+        let v = unsafe { &*(api.version)() };
+        let version = format!("{}.{}.{}", v.major, v.minor, v.patch);
+        if v.major != 2 {
+            return Err(DnnlError::Version { found: version });
+        }
+        let mut engine: Handle = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the signatures match the 2.x header.
+        check("dnnl_engine_create", unsafe {
+            (api.engine_create)(&mut engine, DNNL_CPU, 0)
+        })?;
+        let mut stream: Handle = std::ptr::null_mut();
+        // SAFETY: as above; `engine` is live.
+        check("dnnl_stream_create", unsafe {
+            (api.stream_create)(&mut stream, engine, DNNL_STREAM_DEFAULT_FLAGS)
+        })?;
+        Ok(OneDnn {
+            api,
+            engine,
+            stream,
+            version,
+            cache: Mutex::new(HashMap::new()),
+            bf16: OnceLock::new(),
+            _lib: lib,
+        })
+    }
+
+    /// The library's version, e.g. `2.6.3`.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    fn md(
+        &self,
+        rows: usize,
+        cols: usize,
+        dtype: c_int,
+        tag: c_int,
+    ) -> Result<Box<MemDesc>, DnnlError> {
+        let mut md = Box::new(MemDesc([0; 1024]));
+        let dims = [rows as i64, cols as i64];
+        // SAFETY: `md` is large enough for `dnnl_memory_desc_t`; `dims` holds `ndims` values.
+        check("dnnl_memory_desc_init_by_tag", unsafe {
+            (self.api.md_init_by_tag)(&mut *md, 2, dims.as_ptr(), dtype, tag)
+        })?;
+        Ok(md)
+    }
+
+    fn create(&self, key: &MatmulKey) -> Result<Primitive, DnnlError> {
+        let api = &self.api;
+        let src = self.md(key.m, key.k, key.dtype, DNNL_TAG_AB)?;
+        let wei = self.md(
+            key.k,
+            key.n,
+            key.dtype,
+            if key.wei_transposed {
+                DNNL_TAG_BA
+            } else {
+                DNNL_TAG_AB
+            },
+        )?;
+        let dst = self.md(key.m, key.n, key.dtype, DNNL_TAG_AB)?;
+        let mut desc = Box::new(MatmulDesc([0; 4096]));
+        // SAFETY: all descriptors are initialized; a null bias disables the bias term.
+        check("dnnl_matmul_desc_init", unsafe {
+            (api.matmul_desc_init)(&mut *desc, &*src, &*wei, std::ptr::null(), &*dst)
+        })?;
+        let destroy_attr = |h| unsafe { (api.attr_destroy)(h) };
+        let destroy_ops = |h| unsafe { (api.post_ops_destroy)(h) };
+        let destroy_pd = |h| unsafe { (api.pd_destroy)(h) };
+        let mut attr = Guard {
+            h: std::ptr::null_mut(),
+            destroy: &destroy_attr,
+        };
+        // SAFETY: out-pointer; the guard destroys it.
+        check("dnnl_primitive_attr_create", unsafe {
+            (api.attr_create)(&mut attr.h)
+        })?;
+        let scale = f32::from_bits(key.scale_bits);
+        if scale != 1.0 {
+            // SAFETY: one scale, mask 0 (a common scale); `attr` is live.
+            check("dnnl_primitive_attr_set_output_scales", unsafe {
+                (api.attr_set_output_scales)(attr.h, 1, 0, &scale)
+            })?;
+        }
+        if let Some(bits) = key.sum_bits {
+            let mut ops = Guard {
+                h: std::ptr::null_mut(),
+                destroy: &destroy_ops,
+            };
+            // SAFETY: out-pointer; the guard destroys it (the attribute keeps a copy).
+            check("dnnl_post_ops_create", unsafe {
+                (api.post_ops_create)(&mut ops.h)
+            })?;
+            // SAFETY: `ops` is live.
+            check("dnnl_post_ops_append_sum", unsafe {
+                (api.post_ops_append_sum)(ops.h, f32::from_bits(bits))
+            })?;
+            // SAFETY: both live.
+            check("dnnl_primitive_attr_set_post_ops", unsafe {
+                (api.attr_set_post_ops)(attr.h, ops.h)
+            })?;
+        }
+        let mut pd = Guard {
+            h: std::ptr::null_mut(),
+            destroy: &destroy_pd,
+        };
+        // SAFETY: `desc` is an initialized matmul descriptor; no forward hint.
+        let status = unsafe {
+            (api.pd_create)(
+                &mut pd.h,
+                (&*desc as *const MatmulDesc).cast(),
+                attr.h,
+                self.engine,
+                std::ptr::null_mut(),
+            )
+        };
+        if status == DNNL_UNIMPLEMENTED {
+            return Err(DnnlError::Unsupported {
+                what: format!(
+                    "{} matmul{}",
+                    if key.dtype == DNNL_BF16 {
+                        "bf16"
+                    } else {
+                        "f32"
+                    },
+                    if scale != 1.0 || key.sum_bits.is_some() {
+                        " with output scale / sum post-op"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        check("dnnl_primitive_desc_create", status)?;
+        let mut info: *const c_char = std::ptr::null();
+        // SAFETY: `impl_info_str` writes a `const char*` owned by the descriptor.
+        check("dnnl_primitive_desc_query(impl_info_str)", unsafe {
+            (api.pd_query)(
+                pd.h,
+                DNNL_QUERY_IMPL_INFO_STR,
+                0,
+                (&mut info as *mut *const c_char).cast(),
+            )
+        })?;
+        let impl_info = if info.is_null() {
+            String::from("?")
+        } else {
+            // SAFETY: a NUL-terminated string that lives as long as `pd`; copied now.
+            unsafe { CStr::from_ptr(info) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        let mut prim: Handle = std::ptr::null_mut();
+        // SAFETY: `pd` is live; the primitive keeps its own copy of it.
+        check("dnnl_primitive_create", unsafe {
+            (api.primitive_create)(&mut prim, pd.h)
+        })?;
+        Ok(Primitive {
+            prim,
+            src,
+            wei,
+            dst,
+            impl_info,
+        })
+    }
+
+    /// `dst (m×n) ← scale·src·wei + sum·dst` (the sum term only with `Some(sum)`) in `T`
+    /// (bf16: `f32` accumulation and one rounding to bf16 per output element). `src: m×k`
+    /// row-major; `wei: k×n` row-major, or its transpose `n×k` row-major when
+    /// `wei_transposed`. Returns the implementation oneDNN picked (e.g.
+    /// `brg:avx512_core_amx_bf16`).
+    ///
+    /// # Panics
+    /// If a slice's length does not match the shape (an internal invariant).
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn matmul<T: Element>(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        src: &[T],
+        wei: &[T],
+        wei_transposed: bool,
+        dst: &mut [T],
+        scale: f32,
+        sum: Option<f32>,
+    ) -> Result<String, DnnlError> {
+        assert!(
+            src.len() == m * k && wei.len() == k * n && dst.len() == m * n,
+            "OneDnn::matmul: lengths {}, {}, {} for {m}×{k}·{k}×{n}",
+            src.len(),
+            wei.len(),
+            dst.len()
+        );
+        let key = MatmulKey {
+            dtype: T::DNNL_TYPE,
+            m,
+            n,
+            k,
+            wei_transposed,
+            scale_bits: scale.to_bits(),
+            sum_bits: sum.map(f32::to_bits),
+        };
+        // A poisoned lock only means another call panicked mid-way; the cache stays valid.
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let p = match cache.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.create(&key)?),
+        };
+        let api = &self.api;
+        let destroy_mem = |h| unsafe { (api.memory_destroy)(h) };
+        let mut mems = Vec::with_capacity(3);
+        for (md, ptr) in [
+            (&p.src, src.as_ptr() as *mut c_void),
+            (&p.wei, wei.as_ptr() as *mut c_void),
+            (&p.dst, dst.as_mut_ptr() as *mut c_void),
+        ] {
+            let mut g = Guard {
+                h: std::ptr::null_mut(),
+                destroy: &destroy_mem,
+            };
+            // SAFETY: the buffer holds exactly the described bf16 elements (checked above)
+            // and outlives the memory object (destroyed at the end of this call).
+            check("dnnl_memory_create", unsafe {
+                (api.memory_create)(&mut g.h, &**md, self.engine, ptr)
+            })?;
+            mems.push(g);
+        }
+        let args = [
+            ExecArg {
+                arg: DNNL_ARG_SRC,
+                memory: mems[0].h,
+            },
+            ExecArg {
+                arg: DNNL_ARG_WEIGHTS,
+                memory: mems[1].h,
+            },
+            ExecArg {
+                arg: DNNL_ARG_DST,
+                memory: mems[2].h,
+            },
+        ];
+        // SAFETY: primitive, stream and memories are live; the stream is used under the lock.
+        check("dnnl_primitive_execute", unsafe {
+            (api.primitive_execute)(p.prim, self.stream, 3, args.as_ptr())
+        })?;
+        // SAFETY: as above.
+        check("dnnl_stream_wait", unsafe {
+            (api.stream_wait)(self.stream)
+        })?;
+        Ok(p.impl_info.clone())
+    }
+
+    /// Whether this CPU has oneDNN bf16 matmuls of the kinds Newton–Schulz uses (probed once
+    /// with a 64³ product, a transposed one, and one with an output scale and a sum
+    /// post-op); `Ok` holds the implementation picked for a 1024³ product (e.g.
+    /// `brg:avx512_core_amx_bf16`).
+    pub fn bf16_impl(&self) -> Result<String, DnnlError> {
+        self.bf16
+            .get_or_init(|| {
+                let probe = |wei_transposed: bool, scale: f32, sum: Option<f32>| {
+                    let key = MatmulKey {
+                        dtype: DNNL_BF16,
+                        m: 64,
+                        n: 64,
+                        k: 64,
+                        wei_transposed,
+                        scale_bits: scale.to_bits(),
+                        sum_bits: sum.map(f32::to_bits),
+                    };
+                    self.cached_impl(&key).map(|_| ())
+                };
+                probe(false, 1.0, None)?;
+                probe(true, 1.0, None)?;
+                probe(false, 2.0, Some(0.5))?;
+                self.impl_for::<bf16>(1024)
+            })
+            .clone()
+    }
+
+    /// The implementation oneDNN picks for a `side³` matmul of `T` (e.g.
+    /// `brg:avx512_core_amx_bf16`), from a primitive descriptor.
+    pub fn impl_for<T: Element>(&self, side: usize) -> Result<String, DnnlError> {
+        self.cached_impl(&MatmulKey {
+            dtype: T::DNNL_TYPE,
+            m: side,
+            n: side,
+            k: side,
+            wei_transposed: false,
+            scale_bits: 1f32.to_bits(),
+            sum_bits: None,
+        })
+    }
+
+    /// Creates (once) and caches the primitive of `key`; returns its implementation name.
+    /// Cached primitives live as long as the process.
+    fn cached_impl(&self, key: &MatmulKey) -> Result<String, DnnlError> {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let p = match cache.entry(*key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.create(key)?),
+        };
+        Ok(p.impl_info.clone())
+    }
+}

@@ -1,0 +1,956 @@
+//! Blocked Shampoo on a local shard, with the numerics of facebookresearch/optimizers'
+//! `DistributedShampoo` (default `RootInvShampooPreconditionerConfig` with `EigenConfig`):
+//! Kronecker factors per block, inverse roots by symmetric eigendecomposition, learning-rate
+//! grafting, a bias-corrected filtered gradient and decoupled weight decay.
+//!
+//! Shampoo: Gupta, Koren & Singer, "Shampoo: Preconditioned Stochastic Tensor Optimization",
+//! ICML 2018 (arXiv:1802.09568). Blocking and grafting: Anil et al., "Scalable Second Order
+//! Optimization for Deep Learning" (arXiv:2002.09018); Shi et al., "A Distributed Data-Parallel
+//! PyTorch Implementation of the Distributed Shampoo Optimizer" (arXiv:2309.06497). Reference
+//! text: `/work/shared/reference/optimizers.md` §5.
+//!
+//! # Blocks
+//! Every parameter is viewed as a matrix of `numel / n` rows and `n = shape[-1]` columns (a
+//! 1-D tensor is one row, a 0-D tensor one element), and cut with `d = max_preconditioner_dim`:
+//!
+//! - **row blocks**: `d` consecutive rows from the first one (the last row block may be
+//!   shorter). [`Shampoo::atomic_block`] is [`AtomicBlock::Rows`]`(d)` for every parameter, so
+//!   the planner keeps each row block on one rank; `Rows(d)` clamps to the tensor, so a
+//!   tensor of at most `d` rows is never cut.
+//! - **column chunks**: inside a row block, columns `[0, d)`, `[d, 2d)`, … (the last chunk may
+//!   be narrower).
+//!
+//! Each (row block, column chunk) of `r × c` elements is one Shampoo block `G` with its own
+//! factors. Like fb's `squeeze` of size-1 dims, a block dimension of size 1 gets no factor:
+//!
+//! | block | factors | default exponent | `P_shampoo` |
+//! |---|---|---|---|
+//! | `r > 1`, `c > 1` (order 2) | `L` (`r×r`), `R` (`c×c`) | `1/4` each | `L^(−1/4)·G·R^(−1/4)` |
+//! | `r = 1`, `c > 1` (order 1: 1-D tensors, one-row tails) | `R` | `1/2` | `G·R^(−1/2)` |
+//! | `r > 1`, `c = 1` (order 1: `[.., 1]` tensors, one-column chunks) | `L` | `1/2` | `L^(−1/2)·G` |
+//! | `r = c = 1` (order 0) | none | — | `G` |
+//!
+//! fb squeezes the *parameter* before blocking, so there the one-row tail of a 2-D parameter
+//! keeps a `1×1` left factor (order 2); here it is order 1, exactly like a 1-D tensor of the
+//! same row, so that a block's math depends only on its own shape.
+//!
+//! # The step, in fb's operation order
+//! `t` counts steps (after the increment), `g` is the gradient, `m` the filtered gradient,
+//! `v` the grafting accumulator, `w = 1 − β₂` if `β₂ < 1` else `1`:
+//!
+//! | # | operation | fb (`distributed_shampoo.py`, `*_preconditioner_list.py`) |
+//! |---|---|---|
+//! | 1 | `t ← t + 1` | `step.add_(1)` |
+//! | 2 | per block: `L ← β₂·L + w·(G·Gᵀ)`, `R ← β₂·R + w·(Gᵀ·G)` (raw `g`; `β₂·` skipped when `β₂ = 1`) | `_update_factor_matrices` |
+//! | 3 | `v ← v·β₂ᵍ + ((1 − β₂ᵍ)·g)·g` (AdaGrad: `β₂ᵍ = 1`, weight `1`) | `AdagradPreconditionerList.update_preconditioners` |
+//! | 4 | if `t = start` or (`t > start` and `t mod f = 0`): every factor's inverse root `X = (F/bc₂ + εI)^(−e)` ([`inverse_root`]) | `_amortized_computation` |
+//! | 5 | `m ← lerp(m, g, 1 − β₁)`; `ḡ = m / (1 − β₁^t)` (if `β₁ ≠ 0`; `ḡ = g` else) | `_compute_filtered_grad_list` |
+//! | 6 | `P_g = ḡ / (√(v / bc₂ᵍ) + εᵍ)` (SGD: `P_g = ḡ`) | `AdagradPreconditionerList.precondition` |
+//! | 7 | `t < start`: `P = P_g`; else per block `P_s` (table above) and `P = (‖P_g‖ / (‖P_s‖ + 1e-16))·P_s` | `_precondition_and_grafting` |
+//! | 8 | `P ← P + wd·p` (if `wd ≠ 0`) | `_apply_decoupled_weight_decay` |
+//! | 9 | `p ← p + (−lr)·P` | `_foreach_mul_(P, -lr)`, `update_params` |
+//!
+//! `bc₂ = 1 − β₂^t` divides the factors only when `use_bias_correction` and `β₂ < 1`; the
+//! filtered gradient is bias-corrected only when `use_bias_correction` (fb's `β₃ = β₁`
+//! form `1 − β₃·β₁^(t−1)`). Grafting bias correction `bc₂ᵍ = 1 − β₂ᵍ^t` is Adam's only
+//! (RMSProp and AdaGrad divide by `1`), as in fb. With [`Grafting::None`] steps before `start`
+//! use the initial inverse roots, the identity, so `P = ḡ`; after it `P = P_s`. Momentum
+//! (fb's `momentum`, default 0) and L2 (coupled) weight decay are not offered.
+//!
+//! # Inverse roots ([`inverse_root`])
+//! `A = F / bc₂` (f32), `A ← A + ε·I` (fb's `perturb_before_computation`), then the symmetric
+//! eigendecomposition `A = Q·diag(λ)·Qᵀ` by nalgebra's `SymmetricEigen` in `f32`, retried in
+//! `f64` when it does not converge or returns a non-finite value (fb retries `eigh` in
+//! float64; [`inverse_root_f64`] is that path alone). If `λ_min < ε` every eigenvalue is shifted, `λ ← λ − λ_min + ε`; then
+//! `X = Q·diag(λ^(−e))·Qᵀ`, with `e = 1/(2·order)` or the override. The power and the
+//! product are evaluated in `f64` and rounded to `f32` once; `X` is exactly symmetric (its
+//! upper triangle is mirrored). When both precisions fail, or the factor is not finite, the
+//! previous root is kept (fb also keeps the previous root, but raises after
+//! `num_tolerated_failed_amortized_computations` = 3 failures in a row; this crate keeps no
+//! failure counter and never raises).
+//!
+//! # Precision
+//! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
+//! tensor. Element operations are single `f32` operations in the order of the table, without
+//! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`,
+//! `Q·diag·Qᵀ`) accumulate exact products in `f64` in a fixed order (term `k` in lane
+//! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`) and round once, and the norms of step 7
+//! are `f64` sums (fb uses `f32` GEMMs and norms); `bc₂` is an `f64` scalar rounded once (fb
+//! computes it in an `f32` tensor).
+//!
+//! # Sharding and determinism
+//! A rank holds whole row blocks, hence whole Shampoo blocks, so it steps them with no
+//! communication. Blocks are independent and are processed by rayon tasks, each block's
+//! arithmetic in a fixed order, so the result depends only on the input bits: a sharded step
+//! equals the unsharded step bitwise at every world size, layout and thread count. A piece
+//! that starts or ends inside a row block (a plan made with a smaller block) is refused with
+//! `Error::InvalidShard` before anything is modified.
+//!
+//! # Non-finite gradients
+//! A NaN or ±∞ in the local gradient (padding included) makes `step` return
+//! `Error::BadInput` before anything is modified (fb raises on non-finite factor matrices,
+//! after the fact). Each rank checks its own shard.
+//!
+//! # State
+//! [`ShampooState`] is laid out per local shard: `m` and `v` like the shard (padding zero;
+//! `v` is empty when the grafting has no accumulator), then every local block's factors and
+//! inverse roots, concatenated in shard order (row blocks, then column chunks; `L` before `R`,
+//! row-major). [`ShampooState::to_le_bytes`] saves it exactly.
+
+use nalgebra::{DMatrix, SymmetricEigen};
+use rayon::prelude::*;
+
+use ragged::comm::Communicator;
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::{AtomicBlock, Error, Result};
+
+use crate::common::{check_len, check_shard, ema_sq_elem, lerp_elem, next_step};
+
+/// The grafting method: the diagonal optimizer whose per-block step norm Shampoo's direction
+/// takes, and the whole update before `start_preconditioning_step`. Defaults are fb's
+/// (`AdaGradGraftingConfig` and its subclasses, whose `epsilon` is `1e-10`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Grafting {
+    /// No grafting: `P = P_s`.
+    None,
+    /// `P_g = ḡ`.
+    Sgd,
+    /// `v ← v + g²`, `P_g = ḡ / (√v + eps)`.
+    AdaGrad { eps: f64 },
+    /// `v ← β₂·v + (1 − β₂)·g²`, `P_g = ḡ / (√v + eps)` (no bias correction).
+    RmsProp { beta2: f64, eps: f64 },
+    /// `v ← β₂·v + (1 − β₂)·g²`, `P_g = ḡ / (√(v / (1 − β₂^t)) + eps)`.
+    Adam { beta2: f64, eps: f64 },
+}
+
+impl Grafting {
+    /// AdaGrad grafting with fb's `epsilon = 1e-10`.
+    pub const ADAGRAD: Grafting = Grafting::AdaGrad { eps: 1e-10 };
+    /// RMSProp grafting with fb's `beta2 = 0.99`, `epsilon = 1e-10`.
+    pub const RMSPROP: Grafting = Grafting::RmsProp {
+        beta2: 0.99,
+        eps: 1e-10,
+    };
+    /// Adam grafting with fb's `beta2 = 0.999`, `epsilon = 1e-10`.
+    pub const ADAM: Grafting = Grafting::Adam {
+        beta2: 0.999,
+        eps: 1e-10,
+    };
+
+    /// Whether the grafting keeps a second-moment accumulator `v`.
+    pub fn has_accumulator(self) -> bool {
+        matches!(
+            self,
+            Grafting::AdaGrad { .. } | Grafting::RmsProp { .. } | Grafting::Adam { .. }
+        )
+    }
+
+    /// `(β₂, ε, bias-corrected)` of an accumulating grafting.
+    fn params(self) -> Option<(f64, f64, bool)> {
+        match self {
+            Grafting::AdaGrad { eps } => Some((1.0, eps, false)),
+            Grafting::RmsProp { beta2, eps } => Some((beta2, eps, false)),
+            Grafting::Adam { beta2, eps } => Some((beta2, eps, true)),
+            Grafting::None | Grafting::Sgd => None,
+        }
+    }
+}
+
+/// Shampoo hyperparameters; the defaults are fb's `DistributedShampoo` defaults
+/// (`use_decoupled_weight_decay = True`, `grafting_config = None`; fb's README recommends
+/// grafting from the optimizer being replaced, e.g. [`Grafting::ADAM`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShampooConfig {
+    /// Learning rate (default `1e-2`).
+    pub lr: f64,
+    /// `β₁` of the filtered gradient (default `0.9`; `0` uses the raw gradient).
+    pub beta1: f64,
+    /// `β₂` of the factors (default `1.0`: plain accumulation, AdaGrad-like).
+    pub beta2: f64,
+    /// `ε` added to the factors' diagonal before the root (default `1e-12`).
+    pub epsilon: f64,
+    /// Decoupled weight decay, added to the search direction (default `0`).
+    pub weight_decay: f64,
+    /// Bias-correct the filtered gradient and (when `β₂ < 1`) the factors (default `true`).
+    pub use_bias_correction: bool,
+    /// Largest side `d` of a Shampoo block (default `1024`).
+    pub max_preconditioner_dim: usize,
+    /// Inverse roots are recomputed every `f` steps (default `1`).
+    pub precondition_frequency: u64,
+    /// First step that uses Shampoo (default `None`: `precondition_frequency`, fb's `-1`).
+    /// Must be at least `precondition_frequency`.
+    pub start_preconditioning_step: Option<u64>,
+    /// Root exponent `e` for every factor (default `None`: `1/(2·order)`).
+    pub inverse_exponent_override: Option<f64>,
+    /// Grafting method (default [`Grafting::None`], fb's).
+    pub grafting: Grafting,
+}
+
+impl Default for ShampooConfig {
+    fn default() -> Self {
+        ShampooConfig {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 1.0,
+            epsilon: 1e-12,
+            weight_decay: 0.0,
+            use_bias_correction: true,
+            max_preconditioner_dim: 1024,
+            precondition_frequency: 1,
+            start_preconditioning_step: None,
+            inverse_exponent_override: None,
+            grafting: Grafting::None,
+        }
+    }
+}
+
+impl ShampooConfig {
+    /// fb's checks: `0 ≤ lr`, `0 ≤ β₁ < 1`, `0 < β₂ ≤ 1`, `ε > 0`, `wd ≥ 0`, all finite;
+    /// `d ≥ 1`, `f ≥ 1`, `start ≥ f`; an exponent override `> 0`; grafting `ε > 0`,
+    /// `0 < β₂ᵍ ≤ 1`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String, reason: &str| {
+            Err(Error::BadInput {
+                op: "ShampooConfig::validate",
+                what,
+                reason: reason.into(),
+            })
+        };
+        let checks = [
+            ("lr", self.lr, self.lr >= 0.0),
+            ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
+            ("beta2", self.beta2, self.beta2 > 0.0 && self.beta2 <= 1.0),
+            ("epsilon", self.epsilon, self.epsilon > 0.0),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
+        ];
+        for (name, value, ok) in checks {
+            if !ok || !value.is_finite() {
+                return bad(
+                    format!("{name} = {value}"),
+                    "need 0 ≤ lr, 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0, \
+                     all finite",
+                );
+            }
+        }
+        if self.max_preconditioner_dim == 0 {
+            return bad(
+                "max_preconditioner_dim = 0".into(),
+                "blocks need a positive side",
+            );
+        }
+        if self.precondition_frequency == 0 {
+            return bad(
+                "precondition_frequency = 0".into(),
+                "roots are recomputed every f ≥ 1 steps",
+            );
+        }
+        if self.start_step() < self.precondition_frequency {
+            return bad(
+                format!(
+                    "start_preconditioning_step = {} with precondition_frequency = {}",
+                    self.start_step(),
+                    self.precondition_frequency
+                ),
+                "start_preconditioning_step must be at least precondition_frequency",
+            );
+        }
+        if let Some(e) = self.inverse_exponent_override {
+            if !(e > 0.0 && e.is_finite()) {
+                return bad(
+                    format!("inverse_exponent_override = {e}"),
+                    "the root exponent must be positive and finite",
+                );
+            }
+        }
+        if let Some((beta2, eps, _)) = self.grafting.params() {
+            if !(beta2 > 0.0 && beta2 <= 1.0 && eps > 0.0 && eps.is_finite()) {
+                return bad(
+                    format!("grafting {:?}", self.grafting),
+                    "grafting needs 0 < beta2 ≤ 1 and a finite epsilon > 0",
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The step Shampoo starts at (`start_preconditioning_step`, or `f` when `None`).
+    pub fn start_step(&self) -> u64 {
+        self.start_preconditioning_step
+            .unwrap_or(self.precondition_frequency)
+    }
+
+    /// Whether the inverse roots are recomputed at step `t` (fb's `compute_root_inverse`).
+    pub fn computes_roots_at(&self, t: u64) -> bool {
+        let start = self.start_step();
+        t == start || (t > start && t % self.precondition_frequency == 0)
+    }
+}
+
+/// Shampoo state of one rank's shard of one group (see the module doc for the layout).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShampooState {
+    /// Steps taken (`t`). `0` before the first step.
+    pub step: u64,
+    /// Filtered gradient (fb's `filtered_grad`), `f32`, `shard.len` elements.
+    pub m: Vec<f32>,
+    /// Grafting accumulator, `shard.len` elements; empty for [`Grafting::None`] and
+    /// [`Grafting::Sgd`].
+    pub v: Vec<f32>,
+    /// Every local block's factors (`L` then `R`, row-major), in shard order.
+    pub factors: Vec<f32>,
+    /// The inverse roots of `factors`, same layout; the identity until first computed.
+    pub roots: Vec<f32>,
+}
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SHAMPOO1");
+const HEADER_WORDS: usize = 5;
+
+impl ShampooState {
+    /// Serializes the state: a magic word, `step`, `len(m)`, `len(v)`, `len(factors)` as
+    /// u64, then `m`, `v`, `factors`, `roots` as `f32`; all little-endian. Exact: loading
+    /// gives back the same bits. (`roots` must have `factors`' length.)
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        let n = self.m.len() + self.v.len() + self.factors.len() + self.roots.len();
+        let mut out = Vec::with_capacity(8 * HEADER_WORDS + 4 * n);
+        for w in [
+            MAGIC,
+            self.step,
+            self.m.len() as u64,
+            self.v.len() as u64,
+            self.factors.len() as u64,
+        ] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        for x in self
+            .m
+            .iter()
+            .chain(&self.v)
+            .chain(&self.factors)
+            .chain(&self.roots)
+        {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    /// Loads a state written by [`ShampooState::to_le_bytes`]; `Err` on a wrong magic word or
+    /// a byte count that is not the one the header announces. (Whether the state fits a
+    /// shard is checked by [`Shampoo::step`].)
+    pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = |reason: String| Error::BadInput {
+            op: "ShampooState::from_le_bytes",
+            what: format!("{} bytes", bytes.len()),
+            reason,
+        };
+        if bytes.len() < 8 * HEADER_WORDS {
+            return Err(bad(format!(
+                "shorter than the {}-byte header",
+                8 * HEADER_WORDS
+            )));
+        }
+        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
+        if word(0) != MAGIC {
+            return Err(bad("not a Shampoo state (wrong magic word)".into()));
+        }
+        let (step, m, v, f) = (word(1), word(2), word(3), word(4));
+        let floats = (|| {
+            let m = usize::try_from(m).ok()?;
+            let v = usize::try_from(v).ok()?;
+            let f = usize::try_from(f).ok()?;
+            m.checked_add(v)?.checked_add(f.checked_mul(2)?)
+        })();
+        let want = floats
+            .and_then(|n| n.checked_mul(4))
+            .and_then(|n| n.checked_add(8 * HEADER_WORDS));
+        if want != Some(bytes.len()) {
+            return Err(bad(format!(
+                "header announces {m} + {v} moment and 2 × {f} factor elements"
+            )));
+        }
+        let (m, v, f) = (m as usize, v as usize, f as usize);
+        let all: Vec<f32> = bytes[8 * HEADER_WORDS..]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let (ms, rest) = all.split_at(m);
+        let (vs, rest) = rest.split_at(v);
+        let (fs, rs) = rest.split_at(f);
+        Ok(ShampooState {
+            step,
+            m: ms.to_vec(),
+            v: vs.to_vec(),
+            factors: fs.to_vec(),
+            roots: rs.to_vec(),
+        })
+    }
+}
+
+/// One local Shampoo block: `rows × cols` elements of a parameter whose rows are `stride`
+/// elements long, starting at shard offset `at`; its factors start at `factor_at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// Shard offset of the block's first element.
+    pub at: usize,
+    /// Row length of the parameter (elements between the block's rows).
+    pub stride: usize,
+    /// Rows of the block (`≤ d`).
+    pub rows: usize,
+    /// Columns of the block (`≤ d`).
+    pub cols: usize,
+    /// Offset of the block's factors (and roots) in [`ShampooState::factors`].
+    pub factor_at: usize,
+}
+
+impl Block {
+    /// Whether the block has a left factor (`rows > 1`).
+    pub fn has_left(&self) -> bool {
+        self.rows > 1
+    }
+    /// Whether the block has a right factor (`cols > 1`).
+    pub fn has_right(&self) -> bool {
+        self.cols > 1
+    }
+    /// Number of factors (the block's order after squeezing size-1 dims).
+    pub fn order(&self) -> usize {
+        usize::from(self.has_left()) + usize::from(self.has_right())
+    }
+    /// Elements of the block's factors (`rows²` if it has `L`, plus `cols²` if it has `R`).
+    pub fn factor_len(&self) -> usize {
+        let l = if self.has_left() {
+            self.rows * self.rows
+        } else {
+            0
+        };
+        let r = if self.has_right() {
+            self.cols * self.cols
+        } else {
+            0
+        };
+        l + r
+    }
+    /// Shard offset of element `(i, j)` of the block.
+    fn idx(&self, i: usize, j: usize) -> usize {
+        self.at + i * self.stride + j
+    }
+    /// The block's elements of `buf` (a shard buffer), row-major.
+    fn gather(&self, buf: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for i in 0..self.rows {
+            let s = self.idx(i, 0);
+            out.extend_from_slice(&buf[s..s + self.cols]);
+        }
+        out
+    }
+}
+
+/// Blocked Shampoo on local shards. Holds only hyperparameters; see the module doc.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shampoo {
+    config: ShampooConfig,
+}
+
+impl Shampoo {
+    /// A Shampoo with validated hyperparameters ([`ShampooConfig::validate`]).
+    pub fn new(config: ShampooConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Shampoo { config })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &ShampooConfig {
+        &self.config
+    }
+
+    /// The local Shampoo blocks of `shard`, in shard order, and their total factor elements.
+    /// `Err(InvalidShard)` when a piece starts or ends inside a row block.
+    pub fn blocks(&self, shard: &LocalShard) -> Result<(Vec<Block>, usize)> {
+        const OP: &str = "Shampoo::blocks";
+        check_shard(OP, shard)?;
+        let d = self.config.max_preconditioner_dim;
+        let mut out = Vec::new();
+        let mut factor_at = 0;
+        for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            let numel = meta.numel();
+            let cols = meta.shape.last().copied().unwrap_or(1).max(1);
+            let block_elems = d.saturating_mul(cols).min(numel);
+            let edge = |e: usize| e % block_elems == 0 || e == numel;
+            if !edge(piece.range.start) || !edge(piece.range.end) {
+                return Err(Error::InvalidShard {
+                    op: OP,
+                    reason: format!(
+                        "rank {} holds elements {:?} of {} {:?}, which cuts a {d}-row block; \
+                         plan with AtomicBlock::Rows({d})",
+                        shard.rank, piece.range, meta.name, meta.shape
+                    ),
+                });
+            }
+            let mut row = piece.range.start / cols;
+            let end_row = piece.range.end / cols;
+            while row < end_row {
+                let rows = d.min(end_row - row);
+                let mut c0 = 0;
+                while c0 < cols {
+                    let c = d.min(cols - c0);
+                    let b = Block {
+                        at: piece.offset + (row * cols - piece.range.start) + c0,
+                        stride: cols,
+                        rows,
+                        cols: c,
+                        factor_at,
+                    };
+                    factor_at += b.factor_len();
+                    out.push(b);
+                    c0 += c;
+                }
+                row += rows;
+            }
+        }
+        Ok((out, factor_at))
+    }
+
+    /// The root exponent of a factor of a block of this order.
+    fn exponent(&self, order: usize) -> f64 {
+        self.config
+            .inverse_exponent_override
+            .unwrap_or(1.0 / (2 * order.max(1)) as f64)
+    }
+}
+
+/// Identity matrices in every root slot of `blocks`.
+fn identity_roots(blocks: &[Block], len: usize) -> Vec<f32> {
+    let mut roots = vec![0.0; len];
+    for b in blocks {
+        let mut at = b.factor_at;
+        for (has, n) in [(b.has_left(), b.rows), (b.has_right(), b.cols)] {
+            if has {
+                for i in 0..n {
+                    roots[at + i * n + i] = 1.0;
+                }
+                at += n * n;
+            }
+        }
+    }
+    roots
+}
+
+impl Optimizer for Shampoo {
+    type State = ShampooState;
+
+    fn name(&self) -> &'static str {
+        "shampoo"
+    }
+
+    fn atomic_block(&self, _name: &str, _shape: &[usize]) -> AtomicBlock {
+        AtomicBlock::Rows(self.config.max_preconditioner_dim)
+    }
+
+    fn init(&self, shard: &LocalShard) -> Result<ShampooState> {
+        let (blocks, len) = self.blocks(shard)?;
+        let vlen = if self.config.grafting.has_accumulator() {
+            shard.len
+        } else {
+            0
+        };
+        Ok(ShampooState {
+            step: 0,
+            m: vec![0.0; shard.len],
+            v: vec![0.0; vlen],
+            factors: vec![0.0; len],
+            roots: identity_roots(&blocks, len),
+        })
+    }
+
+    fn step(
+        &self,
+        state: &mut ShampooState,
+        shard: &LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+        _comm: &dyn Communicator,
+    ) -> Result<()> {
+        const OP: &str = "Shampoo::step";
+        let c = &self.config;
+        check_len(OP, "params", params.len(), shard.len)?;
+        check_len(OP, "grads", grads.len(), shard.len)?;
+        check_len(OP, "state.m", state.m.len(), shard.len)?;
+        let vlen = if c.grafting.has_accumulator() {
+            shard.len
+        } else {
+            0
+        };
+        check_len(OP, "state.v", state.v.len(), vlen)?;
+        let (blocks, flen) = self.blocks(shard)?;
+        check_len(OP, "state.factors", state.factors.len(), flen)?;
+        check_len(OP, "state.roots", state.roots.len(), flen)?;
+        if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
+            return Err(Error::BadInput {
+                op: OP,
+                what: format!("grads[{i}] = {}", grads[i]),
+                reason: "gradients must be finite; nothing was updated".into(),
+            });
+        }
+        let t = next_step(OP, state.step)?;
+        state.step = t;
+
+        // Steps 3, 5, 6: element-wise, over the pieces (padding untouched).
+        let mut gbar = vec![0.0f32; shard.len];
+        let mut pg = vec![0.0f32; shard.len];
+        let w1 = (1.0 - c.beta1) as f32;
+        let bc1 = (c.use_bias_correction && c.beta1 != 0.0)
+            .then(|| (1.0 - c.beta1.powf(t as f64)) as f32);
+        let graft = c.grafting.params().map(|(b2, eps, bc)| {
+            let bc2 = bc.then(|| (1.0 - b2.powf(t as f64)) as f32);
+            (b2 as f32, (1.0 - b2) as f32, eps as f32, bc2)
+        });
+        for piece in &shard.pieces {
+            for i in piece.offset..piece.offset + piece.range.len() {
+                let g = grads[i];
+                let gb = if c.beta1 != 0.0 {
+                    let m = lerp_elem(state.m[i], g, w1);
+                    state.m[i] = m;
+                    match bc1 {
+                        Some(bc) => m / bc,
+                        None => m,
+                    }
+                } else {
+                    g
+                };
+                gbar[i] = gb;
+                pg[i] = match graft {
+                    Some((b2, w2, eps, bc2)) => {
+                        let v = if b2 == 1.0 {
+                            ema_sq_elem(state.v[i], g, 1.0, 1.0)
+                        } else {
+                            ema_sq_elem(state.v[i], g, b2, w2)
+                        };
+                        state.v[i] = v;
+                        let vh = match bc2 {
+                            Some(bc) => v / bc,
+                            None => v,
+                        };
+                        gb / (vh.sqrt() + eps)
+                    }
+                    None => gb,
+                };
+            }
+        }
+
+        // Steps 2, 4, 7 per block (independent, in parallel), then 8–9.
+        let use_graft_only = t < c.start_step() && c.grafting != Grafting::None;
+        let grafted = c.grafting != Grafting::None;
+        let roots_now = c.computes_roots_at(t);
+        let bc2 =
+            (c.use_bias_correction && c.beta2 < 1.0).then(|| (1.0 - c.beta2.powf(t as f64)) as f32);
+        let (b2, w2) = if c.beta2 < 1.0 {
+            (Some(c.beta2 as f32), (1.0 - c.beta2) as f32)
+        } else {
+            (None, 1.0)
+        };
+        let mut jobs = Vec::with_capacity(blocks.len());
+        let (mut fs, mut rs) = (&mut state.factors[..], &mut state.roots[..]);
+        for b in &blocks {
+            let (f, f_rest) = fs.split_at_mut(b.factor_len());
+            let (r, r_rest) = rs.split_at_mut(b.factor_len());
+            jobs.push((*b, f, r));
+            fs = f_rest;
+            rs = r_rest;
+        }
+        let dirs: Vec<Vec<f32>> = jobs
+            .into_par_iter()
+            .map(|(b, f, r)| {
+                let g = b.gather(grads);
+                update_factors(&b, &g, f, b2, w2);
+                if roots_now {
+                    let e = self.exponent(b.order());
+                    compute_roots(&b, f, r, bc2, c.epsilon, e);
+                }
+                let pg_b = b.gather(&pg);
+                if use_graft_only {
+                    return pg_b;
+                }
+                let ps = precondition(&b, &b.gather(&gbar), r);
+                if !grafted {
+                    return ps;
+                }
+                let scale = norm(&pg_b) / (norm(&ps) + 1e-16f32);
+                ps.into_iter().map(|x| x * scale).collect()
+            })
+            .collect();
+        let neg_lr = (-c.lr) as f32;
+        let wd = (c.weight_decay != 0.0).then_some(c.weight_decay as f32);
+        for (b, dir) in blocks.iter().zip(&dirs) {
+            for i in 0..b.rows {
+                let s = b.idx(i, 0);
+                let row = &dir[i * b.cols..(i + 1) * b.cols];
+                for (p, &d) in params[s..s + b.cols].iter_mut().zip(row) {
+                    let d = match wd {
+                        Some(wd) => d + wd * *p,
+                        None => d,
+                    };
+                    *p += neg_lr * d;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `‖x‖₂`: squares of `f32` summed in `f64` in order, `√` in `f64`, rounded once.
+fn norm(x: &[f32]) -> f32 {
+    x.iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt() as f32
+}
+
+/// Lanes of the `f64` sums in [`dot`] and [`dot_scaled`]: term `k` goes to lane `k mod 4`,
+/// and the lanes are added as `(s₀ + s₁) + (s₂ + s₃)`. A fixed order (so deterministic) that
+/// the compiler can vectorize, unlike one running sum.
+const LANES: usize = 4;
+
+/// `Σ_k a_k·b_k` of `f32` rows: exact products summed in `f64` in [`LANES`] fixed lanes.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    let b = &b[..a.len()];
+    let mut s = [0.0f64; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for ((s, &x), &y) in s.iter_mut().zip(x).zip(y) {
+            *s += f64::from(x) * f64::from(y);
+        }
+    }
+    for (l, (&x, &y)) in ar.iter().zip(br).enumerate() {
+        s[l] += f64::from(x) * f64::from(y);
+    }
+    (s[0] + s[1]) + (s[2] + s[3])
+}
+
+/// `Σ_k d_k·(a_k·b_k)` in `f64`, in the lanes of [`dot`]; symmetric in `a` and `b`.
+#[inline]
+fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
+    let (a, b) = (&a[..d.len()], &b[..d.len()]);
+    let mut s = [0.0f64; LANES];
+    let (dc, ac, bc) = (
+        d.chunks_exact(LANES),
+        a.chunks_exact(LANES),
+        b.chunks_exact(LANES),
+    );
+    let (dr, ar, br) = (dc.remainder(), ac.remainder(), bc.remainder());
+    for ((d, x), y) in dc.zip(ac).zip(bc) {
+        for (((s, &d), &x), &y) in s.iter_mut().zip(d).zip(x).zip(y) {
+            *s += d * (x * y);
+        }
+    }
+    for (l, ((&d, &x), &y)) in dr.iter().zip(ar).zip(br).enumerate() {
+        s[l] += d * (x * y);
+    }
+    (s[0] + s[1]) + (s[2] + s[3])
+}
+
+/// Rows of a `rows × cols` row-major matrix transposed (`cols × rows`).
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            t[j * rows + i] = x[i * cols + j];
+        }
+    }
+    t
+}
+
+/// The Gram matrix `X·Xᵀ` of the `n` rows (length `k`) of `x`, `f64`-accumulated, rounded
+/// once. Exactly symmetric: element `(i, j)` and `(j, i)` sum the same exact products in the
+/// same order.
+fn gram(x: &[f32], n: usize, k: usize) -> Vec<f32> {
+    mul_abt(x, x, n, n, k)
+}
+
+/// `A·Bᵀ` for row-major `A` (`n × k`) and `B` (`m × k`), `f64`-accumulated, rounded once.
+/// Output rows are computed by rayon tasks when large (each element's sum has a fixed order).
+fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n * m];
+    let row = |(i, o): (usize, &mut [f32])| {
+        for (j, o) in o.iter_mut().enumerate() {
+            *o = dot(&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]) as f32;
+        }
+    };
+    if n * m * k >= 1 << 20 {
+        out.par_chunks_mut(m).enumerate().for_each(row);
+    } else {
+        out.chunks_mut(m).enumerate().for_each(row);
+    }
+    out
+}
+
+/// Step 2 on one block: `F ← β₂·F + w·(G·Gᵀ or Gᵀ·G)` (`β₂·F` skipped when `β₂ = 1`).
+fn update_factors(b: &Block, g: &[f32], f: &mut [f32], beta2: Option<f32>, w: f32) {
+    let mut at = 0;
+    let mut acc = |outer: Vec<f32>| {
+        for (f, o) in f[at..at + outer.len()].iter_mut().zip(&outer) {
+            let f0 = match beta2 {
+                Some(b2) => *f * b2,
+                None => *f,
+            };
+            *f = if beta2.is_some() { f0 + w * o } else { f0 + o };
+        }
+        at += outer.len();
+    };
+    if b.has_left() {
+        acc(gram(g, b.rows, b.cols));
+    }
+    if b.has_right() {
+        acc(gram(&transpose(g, b.rows, b.cols), b.cols, b.rows));
+    }
+}
+
+/// Step 4 on one block: every factor's inverse root into `r` (kept when it fails).
+fn compute_roots(b: &Block, f: &[f32], r: &mut [f32], bc2: Option<f32>, eps: f64, e: f64) {
+    let mut at = 0;
+    for (has, n) in [(b.has_left(), b.rows), (b.has_right(), b.cols)] {
+        if has {
+            let s = at..at + n * n;
+            if let Some(x) = inverse_root(&f[s.clone()], n, bc2, eps, e) {
+                r[s].copy_from_slice(&x);
+            }
+            at += n * n;
+        }
+    }
+}
+
+/// Step 7's `P_s` on one block: `L^(−e)·Ḡ·R^(−e)` (only the factors the block has).
+fn precondition(b: &Block, gbar: &[f32], r: &[f32]) -> Vec<f32> {
+    let (n, c) = (b.rows, b.cols);
+    let mut x = gbar.to_vec();
+    let mut at = 0;
+    if b.has_left() {
+        // (L·X)[i][j] = Σ_k L[i][k]·X[k][j] = L row i · (Xᵀ) row j.
+        let xt = transpose(&x, n, c);
+        x = mul_abt(&r[at..at + n * n], &xt, n, c, n);
+        at += n * n;
+    }
+    if b.has_right() {
+        // (X·R)[i][j] = Σ_k X[i][k]·R[k][j] = X row i · R row j (R symmetric).
+        x = mul_abt(&x, &r[at..at + c * c], n, c, c);
+    }
+    x
+}
+
+/// The inverse root `(A/bc + εI)^(−e)` of a symmetric `n × n` row-major matrix `a` (see the
+/// module doc): `f32` eigendecomposition, retried in `f64`; `λ ← λ − λ_min + ε` when
+/// `λ_min < ε`; `Q·diag(λ^(−e))·Qᵀ` in `f64`, rounded once and exactly symmetric. `None` when
+/// `a` is not finite or both eigendecompositions fail.
+///
+/// # Panics
+/// If `a` does not hold `n²` elements.
+#[track_caller]
+pub fn inverse_root(a: &[f32], n: usize, bc: Option<f32>, eps: f64, e: f64) -> Option<Vec<f32>> {
+    inverse_root_with(a, n, bc, eps, e, Precision::F32ThenF64)
+}
+
+/// [`inverse_root`] with the `f64` eigendecomposition only: the retry path, public so that it
+/// can be tested on its own (an `f32` failure is hard to provoke on purpose).
+///
+/// # Panics
+/// If `a` does not hold `n²` elements.
+#[track_caller]
+pub fn inverse_root_f64(
+    a: &[f32],
+    n: usize,
+    bc: Option<f32>,
+    eps: f64,
+    e: f64,
+) -> Option<Vec<f32>> {
+    inverse_root_with(a, n, bc, eps, e, Precision::F64)
+}
+
+/// Which eigendecompositions [`inverse_root_with`] tries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Precision {
+    F32ThenF64,
+    F64,
+}
+
+#[track_caller]
+fn inverse_root_with(
+    a: &[f32],
+    n: usize,
+    bc: Option<f32>,
+    eps: f64,
+    e: f64,
+    precision: Precision,
+) -> Option<Vec<f32>> {
+    assert_eq!(
+        a.len(),
+        n * n,
+        "inverse_root: {} elements for {n}×{n}",
+        a.len()
+    );
+    if a.iter().any(|x| !x.is_finite()) {
+        return None;
+    }
+    let eps32 = eps as f32;
+    let mut m = a.to_vec();
+    if let Some(bc) = bc {
+        m.iter_mut().for_each(|x| *x /= bc);
+    }
+    for i in 0..n {
+        m[i * n + i] += eps32;
+    }
+    let max_iter = 64 * n.max(8);
+    let f32_try = (precision == Precision::F32ThenF64)
+        .then(|| SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter))
+        .flatten()
+        .filter(|s| {
+            s.eigenvalues.iter().all(|x| x.is_finite())
+                && s.eigenvectors.iter().all(|x| x.is_finite())
+        })
+        .map(|s| {
+            (
+                s.eigenvalues
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect::<Vec<_>>(),
+                s.eigenvectors.map(f64::from),
+            )
+        });
+    let (lambda, q) = match f32_try {
+        Some(x) => x,
+        None => {
+            let m64 = DMatrix::from_row_slice(n, n, &m).map(f64::from);
+            let s = SymmetricEigen::try_new(m64, f64::EPSILON, max_iter)?;
+            (s.eigenvalues.iter().copied().collect(), s.eigenvectors)
+        }
+    };
+    let lmin = lambda.iter().copied().fold(f64::INFINITY, f64::min);
+    let shift = if lmin < eps { eps - lmin } else { 0.0 };
+    let d: Vec<f64> = lambda.iter().map(|&l| (l + shift).powf(-e)).collect();
+    // Rows of Q, for X_ij = Σ_k d_k·(Q_ik·Q_jk).
+    let mut qr = vec![0.0f64; n * n];
+    for i in 0..n {
+        for k in 0..n {
+            qr[i * n + k] = q[(i, k)];
+        }
+    }
+    // The upper triangle, mirrored: exactly symmetric.
+    let mut x = vec![0.0f32; n * n];
+    let row = |(i, o): (usize, &mut [f32])| {
+        let qi = &qr[i * n..(i + 1) * n];
+        for (j, o) in o.iter_mut().enumerate().skip(i) {
+            let qj = &qr[j * n..(j + 1) * n];
+            *o = dot_scaled(&d, qi, qj) as f32;
+        }
+    };
+    if n >= 64 {
+        x.par_chunks_mut(n).enumerate().for_each(row);
+    } else {
+        x.chunks_mut(n).enumerate().for_each(row);
+    }
+    for i in 0..n {
+        for j in 0..i {
+            x[i * n + j] = x[j * n + i];
+        }
+    }
+    x.iter().all(|v| v.is_finite()).then_some(x)
+}
