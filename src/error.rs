@@ -89,6 +89,15 @@ pub enum Error {
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),
 
+    /// The GPU backend cannot be used here: the crate was built without the `cuda` feature, the
+    /// CUDA driver, NVRTC or cuBLAS library cannot be loaded, or there is no such device.
+    #[error("{op}: CUDA unavailable: {reason}")]
+    CudaUnavailable { op: &'static str, reason: String },
+
+    /// A CUDA driver, NVRTC or cuBLAS call failed, with the operation that made it.
+    #[error("{op}: CUDA: {reason}")]
+    Cuda { op: &'static str, reason: String },
+
     /// A free-form message, from [`bail!`](crate::bail).
     #[error("{0}")]
     Msg(String),

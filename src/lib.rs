@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod block;
 pub mod comm;
+pub mod cuda;
 pub mod dbuffer;
 pub mod demo;
 pub mod error;

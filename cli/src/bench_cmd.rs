@@ -148,8 +148,10 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              per iteration (`s` short side, `l` long side) plus element operations. Bytes: \
              compulsory traffic (params and state read and written, grads read; scratch not \
              counted); memcpy GB/s counts read + write bytes too, and `vs memcpy` is against \
-             the all-threads copy. MFU against the f32 peak below; `vs GEMM` against the \
-             same-run GEMM. `comm` is n/a for Muon until the gather-to-root path reports it. \
+             the all-threads copy. MFU against the peak of the row's dtype (below); `vs GEMM` \
+             against the same-run f32 GEMM. Newton–Schulz FLOPs are nominal: the gemm backend \
+             computes the symmetric products `X·Xᵀ` and `P·P` as half-products, about 60 % of \
+             the nominal work at 1024–2048, so its MFU can exceed what a plain GEMM reaches. \
              Machine: {}.\n\n{table}",
             if args.full { " --full" } else { "" },
             machine()

@@ -308,7 +308,7 @@ impl Adam8bitState {
 
 /// Where one local piece keeps its state.
 #[derive(Clone, Copy, Debug)]
-enum PieceState {
+pub(crate) enum PieceState {
     /// 8-bit: tiling, first tile index into `absmax_*`, number of tiles.
     Tiled { tiling: Tiling, first_tile: usize },
     /// fp32 fallback: offset into `m32`/`v32`.
@@ -319,11 +319,11 @@ enum PieceState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adam8bit {
     config: Adam8bitConfig,
-    adamw: AdamW,
+    pub(crate) adamw: AdamW,
     /// The signed map of `m`, with its nearest-code index.
-    book_m: CodeBook,
+    pub(crate) book_m: CodeBook,
     /// The unsigned map of `v`, with its nearest-code index.
-    book_v: CodeBook,
+    pub(crate) book_v: CodeBook,
 }
 
 impl Adam8bit {
@@ -353,7 +353,7 @@ impl Adam8bit {
 
     /// Where each local piece keeps its state, and the totals (tiles, fallback elements).
     /// `Err` when an 8-bit piece starts or ends inside a tile.
-    fn layout(
+    pub(crate) fn layout(
         &self,
         op: &'static str,
         shard: &LocalShard,

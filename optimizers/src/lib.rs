@@ -25,6 +25,8 @@ pub mod adam8bit;
 pub mod adamw;
 pub mod bench;
 pub mod common;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod kernels;
 pub mod muon;
 pub mod muon_layout;

@@ -167,7 +167,7 @@ impl MuonConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Muon {
     config: MuonConfig,
-    adamw: AdamW,
+    pub(crate) adamw: AdamW,
 }
 
 /// The trailing matrix of a shape: `(rows, cols)`.
@@ -199,7 +199,7 @@ impl Muon {
                 .any(|p| name.contains(p.as_str()))
     }
 
-    fn is_muon(&self, meta: &ParamMeta) -> bool {
+    pub(crate) fn is_muon(&self, meta: &ParamMeta) -> bool {
         self.uses_muon(&meta.name, &meta.shape)
     }
 
@@ -315,7 +315,7 @@ impl Muon {
     }
 
     /// The matrix update of a Muon parameter; `None` for AdamW parameters.
-    fn matrix_step(&self, meta: &ParamMeta) -> Option<MatrixStep<'_>> {
+    pub(crate) fn matrix_step(&self, meta: &ParamMeta) -> Option<MatrixStep<'_>> {
         if !self.is_muon(meta) {
             return None;
         }

@@ -1,0 +1,95 @@
+// Newton-Schulz helpers around the cuBLAS products (optimizers/src/cuda/newton_schulz.rs):
+// batched transpose, the Frobenius pre-normalization and f32 <-> bf16 conversion.
+//
+// ns_transpose: grid (ceil(cols/32), ceil(rows/32), batch), block (32, 8); a 32x33 shared tile.
+// ns_sumsq_partial: grid (blocks, batch), block 256: per block, the f64 sum of squares of a
+//   grid-stride share of one matrix, written to partial[batch * blocks + block].
+// ns_normalize: grid (any, batch), block 256: thread 0 of each block sums the matrix's
+//   partials in index order (f64), takes the f64 sqrt, rounds to f32, scales and clamps
+//   (as the CPU: norm = (sum as f64).sqrt() as f32; denom = (norm_scale * norm).max(eps));
+//   then x <- x / denom in f32. A non-finite norm makes every element NaN (the CPU's rule).
+//   Products of two f32 are exact in f64, so only the summation order differs from the CPU's
+//   element-order sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
+//   almost always agrees (a different f32 denom is possible only when the f64 sum sits on an
+//   f32 rounding boundary). The division is IEEE (--prec-div=true).
+// ns_f32_to_bf16 / ns_bf16_to_f32: round to nearest even (half::bf16::from_f32's rounding;
+//   NaN stays NaN), and the exact widening.
+
+extern "C" __global__ void ns_transpose(const float* x, float* out, unsigned int rows,
+                                        unsigned int cols) {
+    __shared__ float tile[32][33];
+    const unsigned long long mat = (unsigned long long)rows * cols * blockIdx.z;
+    const unsigned int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (unsigned int k = threadIdx.y; k < 32; k += blockDim.y) {
+        const unsigned int r = r0 + k, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[k][threadIdx.x] = x[mat + (unsigned long long)r * cols + c];
+    }
+    __syncthreads();
+    for (unsigned int k = threadIdx.y; k < 32; k += blockDim.y) {
+        const unsigned int c = c0 + k, r = r0 + threadIdx.x;  // out is cols x rows
+        if (r < rows && c < cols) out[mat + (unsigned long long)c * rows + r] = tile[threadIdx.x][k];
+    }
+}
+
+extern "C" __global__ void ns_sumsq_partial(const float* x, unsigned long long len,
+                                            double* partial) {
+    __shared__ double red[256];
+    const float* xm = x + len * blockIdx.y;
+    double s = 0.0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < len;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const double v = (double)xm[i];
+        s += v * v;
+    }
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (unsigned int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) red[threadIdx.x] += red[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[(unsigned long long)gridDim.x * blockIdx.y + blockIdx.x] = red[0];
+}
+
+extern "C" __global__ void ns_normalize(float* x, unsigned long long len, const double* partial,
+                                        unsigned int nparts, float norm_scale, float eps) {
+    __shared__ float denom;
+    __shared__ int finite;
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (unsigned int k = 0; k < nparts; ++k) s += partial[(unsigned long long)nparts * blockIdx.y + k];
+        const float norm = (float)sqrt(s);
+        finite = isfinite(norm) ? 1 : 0;
+        denom = fmaxf(norm_scale * norm, eps);
+    }
+    __syncthreads();
+    float* xm = x + len * blockIdx.y;
+    const float d = denom;
+    const int ok = finite;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < len;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        xm[i] = ok ? xm[i] / d : __int_as_float(0x7fc00000);
+    }
+}
+
+extern "C" __global__ void ns_f32_to_bf16(const float* x, unsigned short* out,
+                                          unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned int u = __float_as_uint(x[i]);
+        unsigned short h;
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            h = (unsigned short)((u >> 16) | 0x0040u);  // quiet NaN
+        } else {
+            h = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        out[i] = h;
+    }
+}
+
+extern "C" __global__ void ns_bf16_to_f32(const unsigned short* x, float* out,
+                                          unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        out[i] = __uint_as_float(((unsigned int)x[i]) << 16);
+    }
+}

@@ -1,0 +1,549 @@
+//! Newton–Schulz on cuBLAS: the algorithm of [`crate::newton_schulz`] on a stack of `batch`
+//! equal-shape row-major `rows × cols` matrices in device memory (an `[E, m, n]` expert stack
+//! is one call), every product one strided-batched GEMM.
+//!
+//! | # | operation | device |
+//! |---|---|---|
+//! | 1 | if `rows > cols`, `X ← Xᵀ` | `ns_transpose` (kernels/newton_schulz.cu) |
+//! | 2 | `X ← X / max(s·‖X‖_F, eps)` (`s` = `norm_scale`; a non-finite norm makes every entry NaN) | `ns_sumsq_partial` + `ns_normalize` (f64 sum, f32 division) |
+//! | 3 | `P = X·Xᵀ` | GEMM, `α = 1, β = 0` |
+//! |   | `Q = b·P + c·P·P` | copy `P → Q`, GEMM `α = c, β = b` |
+//! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
+//! | 4 | transpose back | `ns_transpose` |
+//!
+//! Row-major buffers are column-major transposes, so each product is issued as its transpose
+//! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
+//! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
+//!
+//! # Precision (`NsConfig::precision`; `NsConfig::backend` is the CPU's and is ignored here)
+//! - [`NsPrecision::F32`]: `f32` operands and results. Equal to the CPU up to summation order:
+//!   cuBLAS accumulates dot products in its own (blocked, FMA) order, the CPU in index order
+//!   without FMA, so the results differ by rounding. Tests compare with a tolerance of `1e-4`
+//!   absolute on the orthogonalized matrix (entries are `O(1/√min(m, n))`…`O(1)`; five steps
+//!   of rounding differences of `~1e-7` relative each, amplified by the polynomial's slope ≤ 3).
+//! - [`NsPrecision::Bf16`]: the CPU's bf16 semantics: the input is rounded to bf16, the norm
+//!   taken of the rounded values and the division done in `f32`, then `X`, `P`, `Q` are stored
+//!   in bf16 (round to nearest even); each GEMM multiplies bf16 operands with `f32`
+//!   accumulation and adds its addend (`b·P`, `a·X`, GEMM β) in `f32` before one rounding to
+//!   bf16 (torch's `use_addmm` form). The result is widened back to `f32`. Equal to the CPU's
+//!   bf16 path up to summation order; tests allow a relative Frobenius difference of `5e-2`.
+
+use ragged::cuda::cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use ragged::cuda::cudarc::driver::{
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
+use ragged::{Error, Result};
+
+use crate::newton_schulz::{NsConfig, NsPrecision};
+
+/// Entry points of `kernels/newton_schulz.cu`.
+pub const NS_TRANSPOSE: &str = "ns_transpose";
+pub const NS_SUMSQ_PARTIAL: &str = "ns_sumsq_partial";
+pub const NS_NORMALIZE: &str = "ns_normalize";
+pub const NS_F32_TO_BF16: &str = "ns_f32_to_bf16";
+pub const NS_BF16_TO_F32: &str = "ns_bf16_to_f32";
+
+/// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
+/// in the same order: the result does not depend on the device).
+const SUMSQ_BLOCKS: u32 = 64;
+
+fn data_type(prec: NsPrecision) -> blas_sys::cudaDataType_t {
+    match prec {
+        NsPrecision::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
+        NsPrecision::Bf16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
+    }
+}
+
+fn int(op: &'static str, x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::BadInput {
+        op,
+        what: format!("dimension {x}"),
+        reason: "larger than cuBLAS's i32 dimensions".into(),
+    })
+}
+
+/// The arguments of one column-major strided-batched cuBLAS GEMM
+/// `C = α·op(first)·op(second) + β·C` (cuBLAS's `A`, `B` slots are `first`, `second`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmArgs {
+    pub trans_first: bool,
+    pub trans_second: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub ld_first: i32,
+    pub stride_first: i64,
+    pub ld_second: i32,
+    pub stride_second: i64,
+    pub ldc: i32,
+    pub stride_c: i64,
+}
+
+impl GemmArgs {
+    /// Row-major `C = A·B` (`A: rows×inner`, `B: inner×cols`, `C: rows×cols`), issued as the
+    /// column-major `Cᵀ = Bᵀ·Aᵀ`: the row-major buffers of `B` and `A` are the column-major
+    /// `Bᵀ` (`cols×inner`, ld `cols`) and `Aᵀ` (`inner×rows`, ld `inner`), so **`first` is
+    /// `B`'s buffer and `second` is `A`'s**.
+    pub fn row_major(rows: i32, cols: i32, inner: i32) -> Self {
+        let (r, c, i) = (i64::from(rows), i64::from(cols), i64::from(inner));
+        GemmArgs {
+            trans_first: false,
+            trans_second: false,
+            m: cols,
+            n: rows,
+            k: inner,
+            ld_first: cols,
+            stride_first: i * c,
+            ld_second: inner,
+            stride_second: r * i,
+            ldc: cols,
+            stride_c: r * c,
+        }
+    }
+
+    /// Row-major Gram matrix `P = X·Xᵀ` of `X: s×l` (`P: s×s`): the buffer of `X` is the
+    /// column-major `Xᵀ` (`l×s`, ld `l`), and `P = (Xᵀ)ᵀ·Xᵀ` is symmetric, so row- and
+    /// column-major agree up to rounding: **`first` and `second` are both `X`'s buffer**,
+    /// the first used transposed.
+    pub fn row_major_gram(s: i32, l: i32) -> Self {
+        let (s6, l6) = (i64::from(s), i64::from(l));
+        GemmArgs {
+            trans_first: true,
+            trans_second: false,
+            m: s,
+            n: s,
+            k: l,
+            ld_first: l,
+            stride_first: s6 * l6,
+            ld_second: l,
+            stride_second: s6 * l6,
+            ldc: s,
+            stride_c: s6 * s6,
+        }
+    }
+}
+
+/// One strided-batched GEMM (`args`) on the device, `f32` α and β from the host, `f32`
+/// accumulation (`CUBLAS_COMPUTE_32F`, no TF32). `T` is `f32` or the `u16` bits of bf16 (per
+/// `prec`).
+#[allow(clippy::too_many_arguments)]
+fn gemm<T>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    batch: i32,
+    args: &GemmArgs,
+    first: &CudaSlice<T>,
+    second: &CudaSlice<T>,
+    c: &mut CudaSlice<T>,
+    (alpha, beta): (f32, f32),
+) -> Result<()> {
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    let stream = dev.stream();
+    let dt = data_type(prec);
+    let (fp, _gf) = first.device_ptr(stream);
+    let (sp, _gs) = second.device_ptr(stream);
+    let (cp, _gc) = c.device_ptr_mut(stream);
+    guarded("newton_schulz gemm", || unsafe {
+        blas::gemm_strided_batched_ex(
+            *blas.handle(),
+            op(args.trans_first),
+            op(args.trans_second),
+            args.m,
+            args.n,
+            args.k,
+            (&alpha) as *const f32 as *const _,
+            fp as *const _,
+            dt,
+            args.ld_first,
+            args.stride_first,
+            sp as *const _,
+            dt,
+            args.ld_second,
+            args.stride_second,
+            (&beta) as *const f32 as *const _,
+            cp as *mut _,
+            dt,
+            args.ldc,
+            args.stride_c,
+            batch,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    })
+}
+
+/// Orthogonalizes the `batch` row-major `rows × cols` matrices stored back to back in `x`, in
+/// place (the module table). Queued on the device's stream.
+pub fn orthogonalize_cuda(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+    cfg: &NsConfig,
+) -> Result<()> {
+    const OP: &str = "orthogonalize_cuda";
+    cfg.validate()?;
+    let prec = cfg.precision;
+    let mn = rows * cols;
+    if x.len() != batch * mn {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{} elements", x.len()),
+            reason: format!("{batch} matrices of {rows}×{cols}"),
+        });
+    }
+    if x.is_empty() {
+        return Ok(());
+    }
+    let transposed = rows > cols;
+    let (s, l) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let (bi, si, li) = (int(OP, batch)?, int(OP, s)?, int(OP, l)?);
+    int(OP, batch * mn)?;
+    let stream = dev.stream();
+
+    // Step 1 into the working buffer.
+    let mut xw = dev.zeros::<f32>(batch * mn)?;
+    if transposed {
+        transpose(dev, &*x, &mut xw, batch, rows, cols)?;
+    } else {
+        guarded(OP, || stream.memcpy_dtod(&*x, &mut xw))?;
+    }
+
+    // bf16: the input is rounded to bf16 first (the norm is taken of the rounded values).
+    if prec == NsPrecision::Bf16 {
+        let mut xb = dev.zeros::<u16>(batch * mn)?;
+        convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
+        convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
+    }
+
+    // Step 2.
+    let mut partial = dev.zeros::<f64>(batch * SUMSQ_BLOCKS as usize)?;
+    let len = count(mn);
+    let by = u32::try_from(batch).unwrap_or(u32::MAX).min(65_535);
+    if by as usize != batch {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{batch} matrices"),
+            reason: "at most 65 535 matrices per call".into(),
+        });
+    }
+    let f = dev.function(&NEWTON_SCHULZ, NS_SUMSQ_PARTIAL)?;
+    let cfg2 = LaunchConfig {
+        grid_dim: (SUMSQ_BLOCKS, by, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&xw)
+            .arg(&len)
+            .arg(&mut partial)
+            .launch(cfg2)
+    })?;
+    let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
+    let mut cfgn = elementwise(mn);
+    cfgn.grid_dim = (cfgn.grid_dim.0.min(1024), by, 1);
+    let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut xw)
+            .arg(&len)
+            .arg(&partial)
+            .arg(&nparts)
+            .arg(&scale)
+            .arg(&eps)
+            .launch(cfgn)
+    })?;
+
+    // Step 3.
+    let blas = dev.blas()?;
+    match prec {
+        NsPrecision::F32 => {
+            iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg)?;
+        }
+        NsPrecision::Bf16 => {
+            let mut xb = dev.zeros::<u16>(batch * mn)?;
+            convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
+            iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg)?;
+            convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
+        }
+    }
+
+    // Step 4.
+    if transposed {
+        transpose(dev, &xw, x, batch, s, l)
+    } else {
+        guarded(OP, || stream.memcpy_dtod(&xw, x))
+    }
+}
+
+/// Step 3 on the normalized `batch × s × l` stack `x` (in place).
+#[allow(clippy::too_many_arguments)]
+fn iterate<T: DeviceRepr + ValidAsZeroBits>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    x: &mut CudaSlice<T>,
+    batch: i32,
+    s: i32,
+    l: i32,
+    cfg: &NsConfig,
+) -> Result<()> {
+    const OP: &str = "newton_schulz iterate";
+    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
+    let mut p = dev.zeros::<T>(bu * su * su)?;
+    let mut q = dev.zeros::<T>(bu * su * su)?;
+    let mut y = dev.zeros::<T>(bu * su * lu)?;
+    let stream = dev.stream();
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
+        let gram = GemmArgs::row_major_gram(s, l);
+        gemm(blas, dev, prec, batch, &gram, x, x, &mut p, (1.0, 0.0))?;
+        // Q = b·P + c·P·P.
+        guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
+        gemm(
+            blas,
+            dev,
+            prec,
+            batch,
+            &GemmArgs::row_major(s, s, s),
+            &p,
+            &p,
+            &mut q,
+            (c, b),
+        )?;
+        // X ← a·X + Q·X.
+        guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
+        // Row-major Q·X: `first` is X's buffer, `second` is Q's (see GemmArgs::row_major).
+        gemm(
+            blas,
+            dev,
+            prec,
+            batch,
+            &GemmArgs::row_major(s, l, s),
+            &*x,
+            &q,
+            &mut y,
+            (1.0, a),
+        )?;
+        std::mem::swap(x, &mut y);
+    }
+    Ok(())
+}
+
+/// Batched transpose of `batch` row-major `rows × cols` matrices into `out` (`cols × rows`).
+fn transpose<S, D>(
+    dev: &Device,
+    x: &S,
+    out: &mut D,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<()>
+where
+    S: DevicePtr<f32>,
+    D: DevicePtrMut<f32>,
+{
+    const OP: &str = "newton_schulz transpose";
+    let f = dev.function(&NEWTON_SCHULZ, NS_TRANSPOSE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            cols.div_ceil(32) as u32,
+            rows.div_ceil(32) as u32,
+            batch as u32,
+        ),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let (r, c) = (rows as u32, cols as u32);
+    let stream = dev.stream();
+    let (xp, _gx) = x.device_ptr(stream);
+    let (op, _go) = out.device_ptr_mut(stream);
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&xp)
+            .arg(&op)
+            .arg(&r)
+            .arg(&c)
+            .launch(cfg)
+    })
+    .map(drop)
+}
+
+/// `ns_f32_to_bf16` / `ns_bf16_to_f32` over a whole buffer.
+fn convert<A, B>(
+    dev: &Device,
+    entry: &str,
+    x: &CudaSlice<A>,
+    out: &mut CudaSlice<B>,
+) -> Result<()> {
+    let f = dev.function(&NEWTON_SCHULZ, entry)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    guarded("newton_schulz convert", || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(out)
+            .arg(&n)
+            .launch(cfg)
+    })
+    .map(drop)
+}
+
+/// Seconds per plain cuBLAS GEMM `C = A·B` of `n × n` matrices in `prec` (mean over `iters`
+/// after one warm-up, device synchronized before the clock is read): the same-run peak that
+/// Newton–Schulz throughput is compared against.
+pub fn gemm_seconds(dev: &Device, n: usize, prec: NsPrecision, iters: usize) -> Result<f64> {
+    match prec {
+        NsPrecision::F32 => timed_gemm::<f32>(dev, n, prec, iters),
+        NsPrecision::Bf16 => timed_gemm::<u16>(dev, n, prec, iters),
+    }
+}
+
+fn timed_gemm<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    n: usize,
+    prec: NsPrecision,
+    iters: usize,
+) -> Result<f64> {
+    const OP: &str = "gemm_seconds";
+    let ni = int(OP, n)?;
+    int(OP, n * n)?;
+    let blas = dev.blas()?;
+    let args = GemmArgs::row_major(ni, ni, ni);
+    let (a, b) = (dev.zeros::<T>(n * n)?, dev.zeros::<T>(n * n)?);
+    let mut c = dev.zeros::<T>(n * n)?;
+    let iters = iters.max(1);
+    gemm(&blas, dev, prec, 1, &args, &a, &b, &mut c, (1.0, 0.0))?;
+    dev.sync()?;
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        gemm(&blas, dev, prec, 1, &args, &a, &b, &mut c, (1.0, 0.0))?;
+    }
+    dev.sync()?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemmArgs;
+
+    /// cuBLAS's column-major strided-batched GEMM semantics, on the CPU, in f64.
+    fn cublas_reference(
+        g: &GemmArgs,
+        batch: usize,
+        first: &[f64],
+        second: &[f64],
+        c: &mut [f64],
+        (alpha, beta): (f64, f64),
+    ) {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        for bi in 0..batch {
+            let f = &first[bi * g.stride_first as usize..];
+            let s = &second[bi * g.stride_second as usize..];
+            let cc = &mut c[bi * g.stride_c as usize..];
+            for j in 0..n {
+                for i in 0..m {
+                    let mut acc = 0.0;
+                    for p in 0..k {
+                        let a = if g.trans_first {
+                            f[p + i * g.ld_first as usize]
+                        } else {
+                            f[i + p * g.ld_first as usize]
+                        };
+                        let b = if g.trans_second {
+                            s[j + p * g.ld_second as usize]
+                        } else {
+                            s[p + j * g.ld_second as usize]
+                        };
+                        acc += a * b;
+                    }
+                    let o = &mut cc[i + j * g.ldc as usize];
+                    *o = alpha * acc + beta * *o;
+                }
+            }
+        }
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) as f64 / (1u64 << 31) as f64) - 0.5
+            })
+            .collect()
+    }
+
+    /// Row-major `a (r×i) · b (i×c)`.
+    fn matmul(a: &[f64], b: &[f64], r: usize, c: usize, i: usize) -> Vec<f64> {
+        let mut out = vec![0.0; r * c];
+        for x in 0..r {
+            for y in 0..c {
+                out[x * c + y] = (0..i).map(|p| a[x * i + p] * b[p * c + y]).sum();
+            }
+        }
+        out
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
+    }
+
+    #[test]
+    fn row_major_args_give_the_row_major_product_with_alpha_and_beta() {
+        let (batch, r, c, i) = (3usize, 5usize, 7usize, 4usize);
+        let a = values(batch * r * i, 1);
+        let b = values(batch * i * c, 2);
+        let c0 = values(batch * r * c, 3);
+        let g = GemmArgs::row_major(r as i32, c as i32, i as i32);
+        let mut got = c0.clone();
+        // `first` is B's buffer, `second` is A's.
+        cublas_reference(&g, batch, &b, &a, &mut got, (2.0, 0.5));
+        for k in 0..batch {
+            let ab = matmul(&a[k * r * i..][..r * i], &b[k * i * c..][..i * c], r, c, i);
+            let want: Vec<f64> = ab
+                .iter()
+                .zip(&c0[k * r * c..][..r * c])
+                .map(|(p, q)| 2.0 * p + 0.5 * q)
+                .collect();
+            assert!(close(&got[k * r * c..][..r * c], &want), "batch {k}");
+        }
+    }
+
+    #[test]
+    fn gram_args_give_x_times_x_transposed() {
+        let (batch, s, l) = (2usize, 3usize, 8usize);
+        let x = values(batch * s * l, 4);
+        let g = GemmArgs::row_major_gram(s as i32, l as i32);
+        let mut got = vec![0.0; batch * s * s];
+        cublas_reference(&g, batch, &x, &x, &mut got, (1.0, 0.0));
+        for k in 0..batch {
+            let xk = &x[k * s * l..][..s * l];
+            let mut xt = vec![0.0; l * s];
+            for p in 0..s {
+                for q in 0..l {
+                    xt[q * s + p] = xk[p * l + q];
+                }
+            }
+            let want = matmul(xk, &xt, s, s, l);
+            assert!(close(&got[k * s * s..][..s * s], &want), "batch {k}");
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! Device optimizer steps against the CPU steps (feature `cuda`). Each test opens device 0
+//! through the gate; without a driver or GPU it prints `skipped: <reason>` and returns.
+//!
+//! Tolerances: AdamW, 8-bit Adam and Muon's element steps perform the CPU's operations in the
+//! CPU's order with no FMA (kernels compiled with `--fmad=false`), so they are compared **bit
+//! for bit**. Newton–Schulz goes through cuBLAS, which sums dot products in its own blocked
+//! order with FMAs: `f32` results are compared within `2e-3` absolute per entry (rounding
+//! differences of ~1e-7 relative per product, amplified by up to `a⁵ ≈ 480` along the smallest
+//! singular directions over 5 quintic steps), bf16 within a relative Frobenius error of `5e-2`
+//! (8 significant bits per operand).
+#![cfg(feature = "cuda")]
+
+use ragged::comm::SingleRank;
+use ragged::cuda::Device;
+use ragged::model::{DType, TensorSpec};
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::plan::PlanOptions;
+use ragged_optimizers::cuda::adam8bit::DeviceAdam8bitState;
+use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState};
+use ragged_optimizers::newton_schulz::NsPrecision;
+use ragged_optimizers::{
+    orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
+};
+
+mod harness;
+use harness::{bits, planned_shards, scatter, whole_shard_by, Rng};
+
+/// Device 0, or `None` after printing why the test is skipped.
+fn device() -> Option<Device> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn specs(shapes: &[(&str, &[usize])]) -> Vec<TensorSpec> {
+    shapes
+        .iter()
+        .map(|(n, s)| TensorSpec::new(*n, s, DType::F32).unwrap())
+        .collect()
+}
+
+/// Random global tensors for `specs`.
+fn globals(specs: &[TensorSpec], rng: &mut Rng, scale: f32) -> Vec<Vec<f32>> {
+    specs
+        .iter()
+        .map(|t| {
+            rng.units(t.numel())
+                .into_iter()
+                .map(|x| x * scale)
+                .collect()
+        })
+        .collect()
+}
+
+const STEPS: usize = 3;
+
+#[test]
+fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[64, 96]),
+        ("b0", &[33]),
+        ("w1", &[5, 7]),
+        ("experts", &[3, 64, 64]),
+    ]);
+    let opt = AdamW::new(AdamWConfig {
+        lr: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    for world in [1, 3] {
+        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(7 + world as u64);
+        let p0 = globals(&spec, &mut rng, 1.0);
+        for shard in &shards {
+            let mut p = scatter(shard, &p0);
+            let mut state = opt.init(shard).unwrap();
+            let mut dp = dev.upload(&p).unwrap();
+            let mut ds = opt.init_cuda(&dev, shard).unwrap();
+            for _ in 0..STEPS {
+                let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
+                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                    .unwrap();
+                let dg = dev.upload(&g).unwrap();
+                opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
+                    .unwrap();
+            }
+            let got = ds.download(&dev).unwrap();
+            assert_eq!(got.step, state.step);
+            assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
+            assert_eq!(bits(&got.m), bits(&state.m), "m");
+            assert_eq!(bits(&got.v), bits(&state.v), "v");
+        }
+    }
+}
+
+#[test]
+fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[64, 96]),
+        ("w1", &[100, 64]),
+        ("experts", &[3, 64, 64]),
+        ("odd_experts", &[3, 40, 64]),
+        ("bias", &[33]),
+        ("embed", &[128, 64]),
+    ]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    for world in [1, 2, 3] {
+        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(11 + world as u64);
+        let p0 = globals(&spec, &mut rng, 1.0);
+        for shard in &shards {
+            let mut p = scatter(shard, &p0);
+            let mut state = opt.init(shard).unwrap();
+            let mut dp = dev.upload(&p).unwrap();
+            let mut ds = opt.init_cuda(&dev, shard).unwrap();
+            for _ in 0..STEPS {
+                let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
+                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                    .unwrap();
+                let dg = dev.upload(&g).unwrap();
+                opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
+                    .unwrap();
+            }
+            let got = ds.download(&dev).unwrap();
+            assert_eq!(got.step, state.step);
+            assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
+            assert_eq!(got.m, state.m, "m codes");
+            assert_eq!(got.v, state.v, "v codes");
+            assert_eq!(bits(&got.absmax_m), bits(&state.absmax_m), "absmax_m");
+            assert_eq!(bits(&got.absmax_v), bits(&state.absmax_v), "absmax_v");
+            assert_eq!(bits(&got.m32), bits(&state.m32), "m32");
+            assert_eq!(bits(&got.v32), bits(&state.v32), "v32");
+        }
+    }
+}
+
+#[test]
+fn adam8bit_state_round_trips_through_the_device() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[("w0", &[64, 96]), ("bias", &[33])]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let mut state = opt.init(shard).unwrap();
+    let mut rng = Rng::new(3);
+    let mut p = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
+    opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+        .unwrap();
+    let back = DeviceAdam8bitState::upload(&dev, &state)
+        .and_then(|d| d.download(&dev))
+        .unwrap();
+    assert_eq!(back, state);
+}
+
+/// Max |a − b| and ‖a − b‖ / ‖b‖.
+fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
+    let max = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (max, (num / den.max(1e-300)).sqrt())
+}
+
+#[test]
+fn newton_schulz_cuda_matches_cpu_within_tolerance() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(5);
+    // (batch, rows, cols): wide, tall (transposed path), a stack, a square matrix.
+    for (batch, rows, cols) in [(1, 32, 96), (1, 96, 40), (3, 48, 32), (2, 64, 64)] {
+        let x = rng.units(batch * rows * cols);
+        for (prec, max_abs, max_rel) in [
+            (NsPrecision::F32, 2e-3f32, 1e-3f64),
+            (NsPrecision::Bf16, f32::INFINITY, 5e-2),
+        ] {
+            // The CPU reference in the same precision (its bf16 path has the same semantics).
+            let cfg = NsConfig {
+                precision: prec,
+                ..Default::default()
+            };
+            let mut want = x.clone();
+            for m in want.chunks_mut(rows * cols) {
+                orthogonalize(m, rows, cols, &cfg).unwrap();
+            }
+            let mut d = dev.upload(&x).unwrap();
+            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg).unwrap();
+            let got = dev.download(&d).unwrap();
+            let (abs, rel) = diffs(&got, &want);
+            assert!(
+                abs <= max_abs && rel <= max_rel,
+                "{prec:?} {batch}×{rows}×{cols}: max |Δ| = {abs}, relative {rel}"
+            );
+        }
+    }
+}
+
+#[test]
+fn newton_schulz_cuda_keeps_a_zero_matrix_zero() {
+    let Some(dev) = device() else { return };
+    let mut d = dev.zeros::<f32>(32 * 64).unwrap();
+    orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, 32, 64, &NsConfig::default()).unwrap();
+    assert!(dev.download(&d).unwrap().iter().all(|&x| x == 0.0));
+    // A non-finite input makes every entry NaN, as on the CPU.
+    let mut x = vec![0.5f32; 32 * 64];
+    x[7] = f32::INFINITY;
+    let mut d = dev.upload(&x).unwrap();
+    orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, 32, 64, &NsConfig::default()).unwrap();
+    assert!(dev.download(&d).unwrap().iter().all(|x| x.is_nan()));
+}
+
+fn muon_shard(opt: &Muon, spec: &[TensorSpec]) -> LocalShard {
+    whole_shard_by(spec, &|t| opt.atomic_block(&t.name, &t.shape))
+}
+
+#[test]
+fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[64, 32]),
+        ("w1", &[32, 96]),
+        ("experts", &[2, 48, 32]),
+        ("norm", &[17]),
+        ("embed", &[40, 16]),
+    ]);
+    let opt = Muon::new(MuonConfig {
+        lr: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = muon_shard(&opt, &spec);
+    let mut rng = Rng::new(9);
+    let mut p = scatter(&shard, &globals(&spec, &mut rng, 1.0));
+    let mut state = opt.init(&shard).unwrap();
+    let mut dp = dev.upload(&p).unwrap();
+    let mut ds = opt.init_cuda(&dev, &shard).unwrap();
+    for _ in 0..STEPS {
+        let g = scatter(&shard, &globals(&spec, &mut rng, 0.1));
+        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+        let dg = dev.upload(&g).unwrap();
+        opt.step_cuda(&dev, &mut ds, &shard, &mut dp.slice_mut(..), &dg.slice(..))
+            .unwrap();
+    }
+    let got = ds.download(&dev).unwrap();
+    // Momentum and the AdamW moments never see Newton–Schulz: bitwise. The parameters differ
+    // by lr·scale·(NS difference) per step: ≤ 3 · 1e-2 · 1.5 · 2e-3 ≈ 1e-4.
+    assert_eq!(bits(&got.m), bits(&state.m), "m");
+    assert_eq!(bits(&got.v), bits(&state.v), "v");
+    let (abs, _) = diffs(&dev.download(&dp).unwrap(), &p);
+    assert!(abs <= 1e-4, "params: max |Δ| = {abs}");
+}
+
+#[test]
+fn muon_step_cuda_refuses_split_matrices() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[("w0", &[48, 32]), ("w1", &[48, 32]), ("w2", &[48, 32])]);
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    // Row blocks on 2 ranks (2304 elements each): w1 is cut between them.
+    let shards = harness::planned_shards_by(
+        &spec,
+        2,
+        &|_| ragged::AtomicBlock::Rows(1),
+        &PlanOptions::default(),
+    );
+    let shard = shards
+        .iter()
+        .find(|s| opt.roots(s).has_split())
+        .expect("a split layout");
+    let mut ds: DeviceAdamState = opt.init_cuda(&dev, shard).unwrap();
+    let mut dp = dev.zeros::<f32>(shard.len).unwrap();
+    let dg = dev.zeros::<f32>(shard.len).unwrap();
+    let err = opt
+        .step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
+        .unwrap_err();
+    assert!(err.to_string().contains("split"), "{err}");
+    assert_eq!(ds.step, 0, "nothing modified");
+}
+
+/// Throughput against same-run baselines (a benchmark, not a check: `--ignored` runs it;
+/// `scripts/gpu-check.sh` does). Newton–Schulz (4096², 5 steps) in TFLOP/s against a plain
+/// cuBLAS GEMM of the same size and precision; AdamW and 8-bit Adam in GB/s of state traffic
+/// against a device-to-device memcpy. Prints a markdown table.
+#[test]
+#[ignore = "benchmark; run with --ignored on a GPU"]
+fn bench_optimizers_against_same_run_baselines() {
+    use ragged_optimizers::cuda::newton_schulz::gemm_seconds;
+    use std::time::Instant;
+    let Some(dev) = device() else { return };
+    let name = dev.name().unwrap_or_else(|_| "unknown GPU".into());
+    println!("| {name} | value | baseline | ratio |\n|---|---|---|---|");
+    let n = 4096usize;
+    let ns = NsConfig::default();
+    // A Newton–Schulz step: X·Xᵀ, P·P and Q·X, 2·n³ FLOP each.
+    let ns_flop = (ns.steps * 3 * 2) as f64 * (n as f64).powi(3);
+    let mut rng = Rng::new(1);
+    let x = dev.upload(&rng.units(n * n)).unwrap();
+    for prec in [NsPrecision::Bf16, NsPrecision::F32] {
+        let ns = NsConfig {
+            precision: prec,
+            ..Default::default()
+        };
+        let gemm = gemm_seconds(&dev, n, prec, 10).unwrap();
+        let mut d = x.try_clone().unwrap();
+        orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
+        dev.sync().unwrap();
+        let iters = 3;
+        let t = Instant::now();
+        for _ in 0..iters {
+            orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
+        }
+        dev.sync().unwrap();
+        let secs = t.elapsed().as_secs_f64() / iters as f64;
+        let (got, peak) = (
+            ns_flop / secs / 1e12,
+            2.0 * (n as f64).powi(3) / gemm / 1e12,
+        );
+        println!(
+            "| Newton–Schulz {prec:?} {n}², {} steps (TFLOP/s) | {got:.1} | GEMM {peak:.1} | {:.0} % |",
+            ns.steps,
+            100.0 * got / peak
+        );
+    }
+
+    // Memory-bound steps: one shard of `len` elements.
+    let len = 1usize << 26;
+    let src = dev.zeros::<f32>(len).unwrap();
+    let mut dst = dev.zeros::<f32>(len).unwrap();
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        dev.sync().unwrap();
+        let t = Instant::now();
+        for _ in 0..5 {
+            f();
+        }
+        dev.sync().unwrap();
+        t.elapsed().as_secs_f64() / 5.0
+    };
+    let copy = time(&mut || dev.stream().memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_gbs = 8.0 * len as f64 / copy / 1e9;
+
+    let spec = specs(&[("w", &[len / 8192, 8192])]);
+    let adamw = AdamW::new(AdamWConfig::default()).unwrap();
+    let shard = whole_shard_by(&spec, &|t| adamw.atomic_block(&t.name, &t.shape));
+    let mut p = dev.zeros::<f32>(len).unwrap();
+    let g = dev.zeros::<f32>(len).unwrap();
+    let mut st = adamw.init_cuda(&dev, &shard).unwrap();
+    let secs = time(&mut || {
+        adamw
+            .step_cuda(&dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+            .unwrap()
+    });
+    // Reads p, g, m, v; writes p, m, v: 28 bytes per element.
+    let gbs = 28.0 * len as f64 / secs / 1e9;
+    println!(
+        "| AdamW, {len} elements (GB/s) | {gbs:.0} | memcpy {copy_gbs:.0} | {:.0} % |",
+        100.0 * gbs / copy_gbs
+    );
+
+    let a8 = Adam8bit::new(Adam8bitConfig::default()).unwrap();
+    let shard = whole_shard_by(&spec, &|t| a8.atomic_block(&t.name, &t.shape));
+    let mut st = a8.init_cuda(&dev, &shard).unwrap();
+    let secs = time(&mut || {
+        a8.step_cuda(&dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+            .unwrap()
+    });
+    // Reads p, g and both codes; writes p and both codes: 16 bytes per element.
+    let gbs = 16.0 * len as f64 / secs / 1e9;
+    println!(
+        "| 8-bit Adam, {len} elements (GB/s) | {gbs:.0} | memcpy {copy_gbs:.0} | {:.0} % |",
+        100.0 * gbs / copy_gbs
+    );
+}

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU machine without a Rust toolchain (see README "GPU").
+#
+#   scripts/gpu-check.sh [results-dir]     # default: $OUT, else ./gpu-results
+#   RAGGED_EXPECT_GPU=1 scripts/gpu-check.sh   # exit 3 if any test skipped for want of a GPU
+#
+# Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
+# target/gpu-bin/ (carry that folder with the working tree), then the benchmark (an ignored
+# test) into bench.md. CUDA libraries: the driver
+# (libcuda.so.1) must be installed; cuBLAS, NVRTC and NCCL are taken from pip wheels
+# (nvidia-cublas, nvidia-cuda-nvrtc, nvidia-nccl-cu13) when any are installed, else from the
+# system (CUDA toolkit on the loader path). NCCL's soname is libnccl.so.2, which cudarc does not
+# search for, so a libnccl.so symlink is made in a private folder put first on LD_LIBRARY_PATH.
+# Nothing is downloaded: the machine may have no network.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+res=${1:-${OUT:-gpu-results}}
+mkdir -p "$res"
+bins=target/gpu-bin
+log="$res/gpu-check.log"
+: >"$log"
+say() { echo "$*" | tee -a "$log"; }
+
+if [[ ! -d $bins ]]; then
+    say "no $bins: run scripts/build-gpu-bins.sh on a machine with cargo and carry $bins"
+    exit 2
+fi
+
+# --- CUDA libraries ------------------------------------------------------------------------
+links=$(mktemp -d)
+trap 'rm -rf "$links"' EXIT
+libdirs=()
+sitedirs=$(python3 - <<'PY' 2>/dev/null
+import site, sys
+paths = set(site.getsitepackages() + [site.getusersitepackages()] + sys.path)
+print("\n".join(p for p in paths if p))
+PY
+)
+for sp in $sitedirs /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-packages; do
+    [[ -d $sp/nvidia ]] || continue
+    while IFS= read -r lib; do
+        d=$(dirname "$lib")
+        [[ " ${libdirs[*]-} " == *" $d "* ]] || libdirs+=("$d")
+    done < <(find "$sp/nvidia" -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libnccl.so*' \
+        -o -name 'libcublasLt.so*' -o -name 'libnvrtc-builtins.so*' 2>/dev/null)
+done
+for d in "${libdirs[@]-}"; do
+    [[ -n $d ]] || continue
+    for so in "$d"/libnccl.so.2 "$d"/libcublas.so.1[0-9] "$d"/libnvrtc.so.1[0-9]; do
+        [[ -e $so ]] || continue
+        base=$(basename "$so")
+        ln -sf "$so" "$links/${base%%.so*}.so"
+    done
+done
+if ! ls "$links"/libnccl.so >/dev/null 2>&1; then
+    sys_nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')
+    [[ -n ${sys_nccl:-} ]] && ln -sf "$sys_nccl" "$links/libnccl.so"
+fi
+joined=$(IFS=:; echo "${libdirs[*]-}")
+export LD_LIBRARY_PATH="$links${joined:+:$joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+ls -l "$links" >>"$log" 2>&1
+
+# --- The machine -----------------------------------------------------------------------------
+{
+    echo "== date"; date -u
+    echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi not available"
+    echo "== libraries"; for l in libcuda.so.1 libcublas.so.13 libnvrtc.so.13 libnccl.so; do
+        printf '%s: ' "$l"
+        python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print('loads')" "$l" 2>&1 | tail -n 1
+    done
+} >"$res/machine.txt" 2>&1
+cat "$res/machine.txt" >>"$log"
+
+# --- Tests -----------------------------------------------------------------------------------
+status=0
+for exe in "$bins"/*-tests; do
+    [[ -x $exe ]] || continue
+    name=$(basename "$exe")
+    say "== $name"
+    # --test-threads=1: one context at a time keeps the output readable; --nocapture shows
+    # each test's `skipped: <reason>` line, should the gate refuse the device.
+    if timeout 600 "$exe" --test-threads=1 --nocapture >"$res/$name.txt" 2>&1; then
+        say "$name: ok"
+    else
+        say "$name: FAILED (exit $?)"
+        status=1
+    fi
+    grep -E '^test |skipped:|test result' "$res/$name.txt" | tee -a "$log"
+done
+# --- Benchmark (an ignored test): a markdown table against same-run baselines ----------------
+if [[ -x $bins/optimizers-cuda-tests ]]; then
+    say "== bench"
+    timeout 600 "$bins/optimizers-cuda-tests" --ignored --nocapture --test-threads=1 \
+        bench_optimizers_against_same_run_baselines >"$res/bench.txt" 2>&1 || say "bench: FAILED"
+    grep -E '^\||skipped:' "$res/bench.txt" | tee "$res/bench.md" | tee -a "$log"
+fi
+if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
+    say "note: some tests were skipped (no usable device or library): see the lines above"
+    # On a machine that is meant to have a GPU, a skip is a failure of the check.
+    [[ ${RAGGED_EXPECT_GPU:-0} == 1 ]] && status=3
+fi
+say "results in $res"
+exit $status

@@ -1,0 +1,320 @@
+//! The gated device, the kernel cache and small memory helpers (see the module doc in
+//! `cuda/mod.rs`).
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+pub use cudarc;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    LaunchConfig, ValidAsZeroBits,
+};
+use cudarc::nvrtc::CompileOptions;
+
+use crate::{Error, Result};
+
+/// A CUDA C source under `kernels/`, embedded in the binary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelSource {
+    /// File name under `kernels/` (also the cache key).
+    pub name: &'static str,
+    /// The source text.
+    pub src: &'static str,
+}
+
+/// `kernels/group_ops.cu`: DBuffer zero / scale / add / copy.
+pub const GROUP_OPS: KernelSource = KernelSource {
+    name: "group_ops.cu",
+    src: include_str!("../../kernels/group_ops.cu"),
+};
+/// `kernels/adamw.cu`: the fused AdamW update.
+pub const ADAMW: KernelSource = KernelSource {
+    name: "adamw.cu",
+    src: include_str!("../../kernels/adamw.cu"),
+};
+/// `kernels/adam8bit.cu`: 8-bit Adam on 32×32 tiles.
+pub const ADAM8BIT: KernelSource = KernelSource {
+    name: "adam8bit.cu",
+    src: include_str!("../../kernels/adam8bit.cu"),
+};
+/// `kernels/muon.cu`: Muon momentum and apply.
+pub const MUON: KernelSource = KernelSource {
+    name: "muon.cu",
+    src: include_str!("../../kernels/muon.cu"),
+};
+/// `kernels/newton_schulz.cu`: transpose, Frobenius pre-normalization, bf16 conversion.
+pub const NEWTON_SCHULZ: KernelSource = KernelSource {
+    name: "newton_schulz.cu",
+    src: include_str!("../../kernels/newton_schulz.cu"),
+};
+
+/// Threads per block of the element-wise kernels.
+pub const BLOCK: u32 = 256;
+
+/// Whether the CUDA driver library (`libcuda.so.1`, …) can be loaded, asked without letting
+/// cudarc panic: `Err(CudaUnavailable)` with the reason otherwise. Every entry point of the
+/// GPU backend calls this first ([`Device::open`]).
+pub fn driver_available() -> Result<()> {
+    // `is_culib_present` tries `dlopen` on every candidate name and returns false on failure;
+    // it is the one cudarc call that never panics on a missing library.
+    let present = catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() });
+    match present {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Error::CudaUnavailable {
+            op: "cuda::driver_available",
+            reason: "the CUDA driver library (libcuda.so.1) cannot be loaded: no NVIDIA driver \
+                     is installed, or it is not on the loader path (LD_LIBRARY_PATH)"
+                .into(),
+        }),
+        Err(p) => Err(Error::CudaUnavailable {
+            op: "cuda::driver_available",
+            reason: format!("probing the driver library panicked: {}", panic_text(&*p)),
+        }),
+    }
+}
+
+fn nvrtc_available() -> Result<()> {
+    match catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }) {
+        Ok(true) => Ok(()),
+        _ => Err(Error::CudaUnavailable {
+            op: "cuda::nvrtc",
+            reason: "the NVRTC library (libnvrtc.so.13) cannot be loaded: install the \
+                     nvidia-cuda-nvrtc wheel or the CUDA toolkit and put its lib directory on \
+                     LD_LIBRARY_PATH"
+                .into(),
+        }),
+    }
+}
+
+fn cublas_available() -> Result<()> {
+    match catch_unwind(|| unsafe { cudarc::cublas::sys::is_culib_present() }) {
+        Ok(true) => Ok(()),
+        _ => Err(Error::CudaUnavailable {
+            op: "cuda::cublas",
+            reason: "the cuBLAS library (libcublas.so.13) cannot be loaded: install the \
+                     nvidia-cublas wheel or the CUDA toolkit and put its lib directory on \
+                     LD_LIBRARY_PATH"
+                .into(),
+        }),
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Runs a cudarc call, turning its error into [`Error::Cuda`] and a panic (a library that
+/// vanished, a missing symbol) into [`Error::CudaUnavailable`].
+pub fn guarded<T, E: std::fmt::Debug>(
+    op: &'static str,
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(x)) => Ok(x),
+        Ok(Err(e)) => Err(Error::Cuda {
+            op,
+            reason: format!("{e:?}"),
+        }),
+        Err(p) => Err(Error::CudaUnavailable {
+            op,
+            reason: panic_text(&*p),
+        }),
+    }
+}
+
+/// Every kernel source, in `kernels/`.
+pub const ALL_KERNELS: [KernelSource; 5] = [GROUP_OPS, ADAMW, ADAM8BIT, MUON, NEWTON_SCHULZ];
+
+/// Compiles `src` to PTX for the virtual architecture `arch` (`compute_90`, …) with NVRTC and
+/// the options of the module doc. Needs only the NVRTC library, not a GPU: `Err(CudaUnavailable)`
+/// when it cannot be loaded, `Err(Cuda)` with NVRTC's log when the source does not compile.
+pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    const OP: &str = "cuda::compile";
+    nvrtc_available()?;
+    let opts = CompileOptions {
+        ftz: Some(false),
+        prec_sqrt: Some(true),
+        prec_div: Some(true),
+        fmad: Some(false),
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(src.name.to_string()),
+        ..Default::default()
+    };
+    match catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src.src, opts)) {
+        Ok(Ok(ptx)) => Ok(ptx),
+        Ok(Err(e)) => Err(Error::Cuda {
+            op: OP,
+            reason: format!("NVRTC failed on kernels/{}: {e:?}", src.name),
+        }),
+        Err(p) => Err(Error::CudaUnavailable {
+            op: OP,
+            reason: panic_text(&*p),
+        }),
+    }
+}
+
+/// One CUDA device: its context, the stream every operation of this crate is queued on, the
+/// compiled kernel modules and a cuBLAS handle (both created at first use).
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    blas: Mutex<Option<Arc<CudaBlas>>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal`: `Err(CudaUnavailable)` when the driver library cannot be loaded,
+    /// there is no CUDA device or fewer than `ordinal + 1`; never panics.
+    pub fn open(ordinal: usize) -> Result<Device> {
+        const OP: &str = "cuda::Device::open";
+        driver_available()?;
+        let count = guarded(OP, CudaContext::device_count).map_err(|e| Error::CudaUnavailable {
+            op: OP,
+            reason: format!("cuInit / cuDeviceGetCount failed ({e}): no usable CUDA device"),
+        })?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::CudaUnavailable {
+                op: OP,
+                reason: format!("device {ordinal} asked for, {count} CUDA device(s) present"),
+            });
+        }
+        let ctx = guarded(OP, || CudaContext::new(ordinal))?;
+        let (major, minor) = guarded(OP, || ctx.compute_capability())?;
+        let stream = ctx.default_stream();
+        Ok(Device {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+        })
+    }
+
+    /// The device's name (e.g. "NVIDIA H200").
+    pub fn name(&self) -> Result<String> {
+        guarded("cuda::Device::name", || self.ctx.name())
+    }
+
+    /// The virtual architecture kernels are compiled for (`compute_90` on an H100/H200).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The driver context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every operation of this crate is queued on (in order).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for everything queued on [`Device::stream`].
+    pub fn sync(&self) -> Result<()> {
+        guarded("cuda::Device::sync", || self.stream.synchronize())
+    }
+
+    /// Entry point `entry` of `src`, compiling the source with NVRTC at first use (options in
+    /// the module doc) and caching the module.
+    pub fn function(&self, src: &KernelSource, entry: &str) -> Result<CudaFunction> {
+        const OP: &str = "cuda::Device::function";
+        let mut modules = self.modules.lock().map_err(|_| Error::Cuda {
+            op: OP,
+            reason: "kernel cache lock poisoned".into(),
+        })?;
+        let module = match modules.get(src.name) {
+            Some(m) => m.clone(),
+            None => {
+                let ptx = compile(src, &self.arch)?;
+                let m = guarded(OP, || self.ctx.load_module(ptx))?;
+                modules.insert(src.name, m.clone());
+                m
+            }
+        };
+        guarded(OP, || module.load_function(entry))
+    }
+
+    /// The cuBLAS handle on [`Device::stream`], created at first use.
+    pub fn blas(&self) -> Result<Arc<CudaBlas>> {
+        const OP: &str = "cuda::Device::blas";
+        let mut slot = self.blas.lock().map_err(|_| Error::Cuda {
+            op: OP,
+            reason: "cuBLAS handle lock poisoned".into(),
+        })?;
+        if let Some(b) = slot.as_ref() {
+            return Ok(b.clone());
+        }
+        cublas_available()?;
+        let b = Arc::new(guarded(OP, || CudaBlas::new(self.stream.clone()))?);
+        *slot = Some(b.clone());
+        Ok(b)
+    }
+
+    /// A zeroed device buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        guarded("cuda::Device::zeros", || self.stream.alloc_zeros::<T>(len))
+    }
+
+    /// A device copy of `host`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        guarded("cuda::Device::upload", || self.stream.clone_htod(host))
+    }
+
+    /// Copies `host` into `dst` (same length, else `Err`).
+    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+        check_len("cuda::Device::upload_into", host.len(), dst.len())?;
+        guarded("cuda::Device::upload_into", || {
+            self.stream.memcpy_htod(host, dst)
+        })
+    }
+
+    /// A host copy of `src` (waits for the stream).
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
+        guarded("cuda::Device::download", || self.stream.clone_dtoh(src))
+    }
+}
+
+/// `Err(BadInput)` unless `got == want` (cudarc asserts on mismatched copies: check first).
+pub fn check_len(op: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::BadInput {
+            op,
+            what: format!("{got} elements"),
+            reason: format!("the device buffer holds {want}"),
+        })
+    }
+}
+
+/// Launch shape of a grid-stride element kernel over `n` elements: [`BLOCK`] threads, at most
+/// 65 535 blocks (any count is correct; the cap only bounds the grid).
+pub fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The `u64` element count a kernel takes.
+pub fn count(n: usize) -> u64 {
+    n as u64
+}

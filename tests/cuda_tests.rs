@@ -1,0 +1,224 @@
+//! The GPU backend's gate and device DBuffer (feature `cuda`). Tests that need a GPU open
+//! device 0 through the gate and, without a driver or GPU, print `skipped: <reason>` and
+//! return. The group ops are one IEEE `f32` operation per element, compared bit for bit.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use ragged::cuda::dbuffer::DeviceDBuffer;
+use ragged::cuda::Device;
+use ragged::dbuffer::{Geometry, Role};
+use ragged::Error;
+
+fn device() -> Option<Device> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn gate_returns_an_error_instead_of_panicking_when_no_gpu_is_usable() {
+    // Twice: cudarc's library cell stays empty after a failed load, so a second call is where
+    // an ungated entry point would panic again.
+    for _ in 0..2 {
+        let outcome = std::panic::catch_unwind(|| Device::open(0).map(|_| ()));
+        match outcome {
+            Ok(Ok(())) => println!("a CUDA device is present: the gate let it through"),
+            Ok(Err(e)) => {
+                assert!(matches!(e, Error::CudaUnavailable { .. }), "{e:?}");
+                println!("gate: {e}");
+            }
+            Err(_) => panic!("Device::open panicked instead of returning Err"),
+        }
+    }
+    // An ordinal past the last device is always an error, never a panic.
+    assert!(matches!(
+        Device::open(1 << 20),
+        Err(Error::CudaUnavailable { .. })
+    ));
+}
+
+#[test]
+fn gate_error_names_the_missing_library_on_a_machine_without_a_driver() {
+    // On a machine with a driver this test has nothing to check.
+    let has_driver = ragged::cuda::driver_available().is_ok();
+    if has_driver {
+        println!("skipped: a CUDA driver library is present");
+        return;
+    }
+    let e = Device::open(0).unwrap_err();
+    assert!(e.to_string().contains("libcuda"), "{e}");
+}
+
+fn geometry(world: usize, rank: usize, shard_size: usize) -> Arc<Geometry> {
+    Arc::new(Geometry {
+        world,
+        rank,
+        shard_size,
+        tensors: vec![("t".into(), vec![world * shard_size], 0)],
+    })
+}
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761);
+            (h >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[test]
+fn device_group_ops_equal_the_cpu_ops_bitwise() {
+    let Some(dev) = device() else { return };
+    for (world, rank, keep_full) in [(1, 0, true), (3, 1, true), (4, 3, false)] {
+        let s = 1000;
+        let g = geometry(world, rank, s);
+        let mut x = DeviceDBuffer::zeros(&dev, Role::Params, g.clone(), keep_full).unwrap();
+        let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, g.clone(), keep_full).unwrap();
+        let (hx, hy) = (values(s, 1), values(s, 2));
+        x.upload_local(&dev, &hx).unwrap();
+        y.upload_local(&dev, &hy).unwrap();
+
+        x.scale_local(&dev, 0.3).unwrap();
+        let want: Vec<f32> = hx.iter().map(|v| v * 0.3).collect();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "scale");
+
+        x.add_local(&dev, &y).unwrap();
+        let want: Vec<f32> = want.iter().zip(&hy).map(|(a, b)| a + b).collect();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "add");
+
+        x.copy_local_from(&dev, &y).unwrap();
+        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hy), "copy");
+
+        x.zero_local(&dev).unwrap();
+        assert!(x
+            .download_local(&dev)
+            .unwrap()
+            .iter()
+            .all(|v| v.to_bits() == 0));
+
+        // Padding and other ranks' slices of a kept full buffer are untouched (zero).
+        if keep_full {
+            let full = dev.download(&x.full_view().unwrap()).unwrap();
+            assert!(
+                full.iter().all(|v| v.to_bits() == 0),
+                "outside the local shard"
+            );
+        } else {
+            assert!(x.full_view().is_err());
+        }
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn nccl_world_of_one_gathers_and_reduces_in_place() {
+    use ragged::comm::ReduceOp;
+    use ragged::cuda::nccl::{unique_id, NcclComm};
+    let Some(dev) = device() else { return };
+    let id = match unique_id() {
+        Ok(id) => id,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let comm = NcclComm::from_rank(&dev, 0, 1, &id).unwrap();
+    let s = 1000;
+    let mut x = DeviceDBuffer::zeros(&dev, Role::Params, geometry(1, 0, s), true).unwrap();
+    let hx = values(s, 5);
+    x.upload_local(&dev, &hx).unwrap();
+    comm.all_gather_in_place(&mut x).unwrap();
+    assert_eq!(
+        bits(&x.download_local(&dev).unwrap()),
+        bits(&hx),
+        "all-gather"
+    );
+    comm.reduce_scatter_in_place(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(
+        bits(&x.download_local(&dev).unwrap()),
+        bits(&hx),
+        "reduce-scatter"
+    );
+    // A buffer of another world is refused before NCCL sees it.
+    let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
+    assert!(comm.all_gather_in_place(&mut y).is_err());
+}
+
+/// Entry points of every kernel file (the launchers' constants).
+const ENTRIES: [(&str, &[&str]); 5] = [
+    (
+        "group_ops.cu",
+        &["group_zero", "group_scale", "group_add", "group_copy"],
+    ),
+    ("adamw.cu", &["adamw_step"]),
+    ("adam8bit.cu", &["adam8bit_tiles"]),
+    ("muon.cu", &["muon_momentum", "muon_apply"]),
+    (
+        "newton_schulz.cu",
+        &[
+            "ns_transpose",
+            "ns_sumsq_partial",
+            "ns_normalize",
+            "ns_f32_to_bf16",
+            "ns_bf16_to_f32",
+        ],
+    ),
+];
+
+#[test]
+fn every_kernel_compiles_with_nvrtc_without_fma_contraction_and_with_ieee_div_and_sqrt() {
+    // Needs only the NVRTC library (no GPU): runs wherever libnvrtc.so.13 loads.
+    for arch in ["compute_80", "compute_90"] {
+        for src in ragged::cuda::ALL_KERNELS {
+            let ptx = match ragged::cuda::compile(&src, arch) {
+                Ok(p) => p.to_src(),
+                Err(e @ Error::CudaUnavailable { .. }) => {
+                    println!("skipped: {e}");
+                    return;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            let (_, entries) = ENTRIES.iter().find(|(n, _)| *n == src.name).unwrap();
+            for e in *entries {
+                assert!(
+                    ptx.contains(&format!(".entry {e}(")),
+                    "{}: no entry {e}",
+                    src.name
+                );
+            }
+            // --fmad=false: no multiply-add was contracted into an FMA, and every f32/f64 add,
+            // sub and mul carries an explicit rounding mode (`.rn`), which forbids ptxas to
+            // contract them later (PTX ISA: "mul/add with .rn are not fused").
+            assert!(
+                !ptx.contains("fma.rn"),
+                "{}: contracted FMA in PTX",
+                src.name
+            );
+            for plain in [
+                "mul.f32", "add.f32", "sub.f32", "mul.f64", "add.f64", "sub.f64",
+            ] {
+                assert!(!ptx.contains(plain), "{}: {plain} without .rn", src.name);
+            }
+            // IEEE division and square root only (-prec-div, -prec-sqrt).
+            for approx in ["div.approx", "div.full", "sqrt.approx", "rcp.approx"] {
+                assert!(!ptx.contains(approx), "{}: {approx} in PTX", src.name);
+            }
+            if src.name == "adamw.cu" || src.name == "adam8bit.cu" {
+                // The update's division and square root are there, correctly rounded.
+                assert!(ptx.contains("div.rn.f32"), "{}: no div.rn.f32", src.name);
+                assert!(ptx.contains("sqrt.rn.f32"), "{}: no sqrt.rn.f32", src.name);
+                assert!(ptx.contains("mul.rn.f32"), "{}: no mul.rn.f32", src.name);
+            }
+            println!("{arch} {}: {} bytes of PTX", src.name, ptx.len());
+        }
+    }
+}
