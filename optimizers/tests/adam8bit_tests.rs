@@ -13,7 +13,7 @@ use ragged_optimizers::{
 };
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards, scatter, whole_shard, Rng};
+use harness::{bits, gather, numels, padding, planned_shards, scatter, whole_shard, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (the structure of `adamw_tests.rs`)
@@ -25,30 +25,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .enumerate()
         .map(|(i, s)| TensorSpec::new(format!("t{i}"), s, DType::F32).unwrap())
         .collect()
-}
-
-/// Global per-element tensors from every rank's local buffer; each element owned once.
-fn gather<T: Copy + Default>(
-    shards: &[LocalShard],
-    locals: &[Vec<T>],
-    numels: &[usize],
-) -> Vec<Vec<T>> {
-    let mut global: Vec<Vec<T>> = numels.iter().map(|&n| vec![T::default(); n]).collect();
-    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
-    for (shard, local) in shards.iter().zip(locals) {
-        for p in &shard.pieces {
-            global[p.param][p.range.clone()]
-                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
-            for o in &mut owners[p.param][p.range.clone()] {
-                *o += 1;
-            }
-        }
-    }
-    assert!(
-        owners.iter().flatten().all(|&o| o == 1),
-        "each element owned once"
-    );
-    global
 }
 
 /// Per-tile absmax in global tile order (tensor, then the module's tile order), gathered

@@ -13,7 +13,7 @@ use ragged_optimizers::common::{self, AdamScale, MomentCoeffs};
 use ragged_optimizers::{AdamState, AdamW, AdamWConfig, DecayRule};
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards, scatter, whole_shard, Rng};
+use harness::{bits, gather, numels, padding, planned_shards, scatter, whole_shard, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -25,26 +25,6 @@ fn specs(shapes: &[&[usize]]) -> Vec<TensorSpec> {
         .enumerate()
         .map(|(i, s)| TensorSpec::new(format!("t{i}"), s, DType::F32).unwrap())
         .collect()
-}
-
-/// The global tensors from every rank's local buffer; checks each element is owned once.
-fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
-    let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
-    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
-    for (shard, local) in shards.iter().zip(locals) {
-        for p in &shard.pieces {
-            global[p.param][p.range.clone()]
-                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
-            for o in &mut owners[p.param][p.range.clone()] {
-                *o += 1;
-            }
-        }
-    }
-    assert!(
-        owners.iter().flatten().all(|&o| o == 1),
-        "every element must be owned by exactly one rank"
-    );
-    global
 }
 
 /// Global tensors after an AdamW run on `shards`: (params, m, v), each per tensor. Also

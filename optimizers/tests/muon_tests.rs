@@ -21,7 +21,9 @@ use ragged_optimizers::{
 };
 
 mod harness;
-use harness::{bits, numels, padding, planned_shards_by, scatter, whole_shard_by, Rng};
+use harness::{
+    bits, gather, ns_f64, numels, padding, planned_shards_by, scatter, whole_shard_by, Rng,
+};
 
 /// The unsharded reference shard, with Muon's blocks.
 fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
@@ -37,22 +39,6 @@ fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
         .iter()
         .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
         .collect()
-}
-
-fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
-    let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
-    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
-    for (shard, local) in shards.iter().zip(locals) {
-        for p in &shard.pieces {
-            global[p.param][p.range.clone()]
-                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
-            for o in &mut owners[p.param][p.range.clone()] {
-                *o += 1;
-            }
-        }
-    }
-    assert!(owners.iter().flatten().all(|&o| o == 1), "ownership");
-    global
 }
 
 /// One rank's run: `steps` Muon steps; garbage in the gradient's padding; asserts padding
@@ -141,61 +127,6 @@ fn loud() -> MuonConfig {
 // ---------------------------------------------------------------------------------------------
 // 1. Newton–Schulz
 // ---------------------------------------------------------------------------------------------
-
-/// The module table of `newton_schulz` in f64, with the same (f32) coefficients widened.
-fn ns_f64(x: &[f32], rows: usize, cols: usize, cfg: &NsConfig) -> Vec<f64> {
-    let t = rows > cols;
-    let (s, l) = if t { (cols, rows) } else { (rows, cols) };
-    let mut a = vec![0.0f64; s * l];
-    for i in 0..rows {
-        for j in 0..cols {
-            let v = f64::from(x[i * cols + j]);
-            if t {
-                a[j * rows + i] = v;
-            } else {
-                a[i * cols + j] = v;
-            }
-        }
-    }
-    let norm = a
-        .iter()
-        .map(|v| v * v)
-        .sum::<f64>()
-        .sqrt()
-        .max(f64::from(cfg.eps));
-    a.iter_mut().for_each(|v| *v /= norm);
-    for k in 0..cfg.steps {
-        let [ca, cb, cc] = cfg.coeffs_at(k).map(f64::from);
-        let mut p = vec![0.0; s * s];
-        for i in 0..s {
-            for j in 0..s {
-                p[i * s + j] = (0..l).map(|q| a[i * l + q] * a[j * l + q]).sum();
-            }
-        }
-        let mut qm = vec![0.0; s * s];
-        for i in 0..s {
-            for j in 0..s {
-                let pp: f64 = (0..s).map(|q| p[i * s + q] * p[q * s + j]).sum();
-                qm[i * s + j] = cb * p[i * s + j] + cc * pp;
-            }
-        }
-        let mut next = vec![0.0; s * l];
-        for i in 0..s {
-            for j in 0..l {
-                let qx: f64 = (0..s).map(|q| qm[i * s + q] * a[q * l + j]).sum();
-                next[i * l + j] = ca * a[i * l + j] + qx;
-            }
-        }
-        a = next;
-    }
-    let mut out = vec![0.0; rows * cols];
-    for i in 0..rows {
-        for j in 0..cols {
-            out[i * cols + j] = if t { a[j * rows + i] } else { a[i * cols + j] };
-        }
-    }
-    out
-}
 
 /// NS of f32 vs f64 reference. Each f32 product carries a relative error of about
 /// `k·2⁻²⁴` (`k ≤ 80`, ≈ 5e-6) and each NS step can amplify an error by at most about

@@ -12,7 +12,7 @@ use ragged_optimizers::{
 };
 
 mod harness;
-use harness::{bits, Rng};
+use harness::{bits, ns_f64, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -45,62 +45,6 @@ fn rel_frob(a: &[f32], b: &[f64]) -> f64 {
 
 fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| f64::from(v)).collect()
-}
-
-/// The module table of `newton_schulz` in f64 (coefficients and norm scale widened).
-fn ns_f64(x: &[f32], rows: usize, cols: usize, c: &NsConfig) -> Vec<f64> {
-    let t = rows > cols;
-    let (s, l) = if t { (cols, rows) } else { (rows, cols) };
-    let mut a = vec![0.0f64; s * l];
-    for i in 0..rows {
-        for j in 0..cols {
-            let v = f64::from(x[i * cols + j]);
-            if t {
-                a[j * rows + i] = v;
-            } else {
-                a[i * cols + j] = v;
-            }
-        }
-    }
-    let norm = (f64::from(c.norm_scale) * a.iter().map(|v| v * v).sum::<f64>().sqrt())
-        .max(f64::from(c.eps));
-    a.iter_mut().for_each(|v| *v /= norm);
-    for k in 0..c.steps {
-        let [ca, cb, cc] = c.coeffs_at(k).map(f64::from);
-        let mut p = vec![0.0; s * s];
-        for i in 0..s {
-            for j in 0..s {
-                p[i * s + j] = (0..l).map(|q| a[i * l + q] * a[j * l + q]).sum();
-            }
-        }
-        let mut qm = vec![0.0; s * s];
-        for i in 0..s {
-            for j in 0..s {
-                let pp: f64 = (0..s).map(|q| p[i * s + q] * p[q * s + j]).sum();
-                qm[i * s + j] = cb * p[i * s + j] + cc * pp;
-            }
-        }
-        let mut next = vec![0.0; s * l];
-        for i in 0..s {
-            for q in 0..s {
-                let w = qm[i * s + q];
-                for j in 0..l {
-                    next[i * l + j] += w * a[q * l + j];
-                }
-            }
-            for j in 0..l {
-                next[i * l + j] += ca * a[i * l + j];
-            }
-        }
-        a = next;
-    }
-    let mut out = vec![0.0; rows * cols];
-    for i in 0..rows {
-        for j in 0..cols {
-            out[i * cols + j] = if t { a[j * rows + i] } else { a[i * cols + j] };
-        }
-    }
-    out
 }
 
 /// Smallest and largest singular value of `x` (rows × cols): square roots of the extreme

@@ -18,7 +18,7 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, numels, padding, planned_shards, planned_shards_by, scatter, whole_shard_by, Rng,
+    bits, gather, numels, padding, planned_shards, planned_shards_by, scatter, whole_shard_by, Rng,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -44,22 +44,6 @@ fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Ve
         .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
         .collect();
     (p0, grads)
-}
-
-fn gather(shards: &[LocalShard], locals: &[Vec<f32>], numels: &[usize]) -> Vec<Vec<f32>> {
-    let mut global: Vec<Vec<f32>> = numels.iter().map(|&n| vec![f32::NAN; n]).collect();
-    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
-    for (shard, local) in shards.iter().zip(locals) {
-        for p in &shard.pieces {
-            global[p.param][p.range.clone()]
-                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
-            for o in &mut owners[p.param][p.range.clone()] {
-                *o += 1;
-            }
-        }
-    }
-    assert!(owners.iter().flatten().all(|&o| o == 1), "ownership");
-    global
 }
 
 /// One rank's run of `grads.len()` steps, with a finite non-zero gradient in the padding;

@@ -7,6 +7,7 @@ use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
+use ragged_optimizers::NsConfig;
 
 /// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
 pub fn planned_shards_by(
@@ -112,4 +113,84 @@ pub fn whole_shard_by(
 /// [`whole_shard_by`] with `Element` blocks.
 pub fn whole_shard(specs: &[TensorSpec]) -> LocalShard {
     whole_shard_by(specs, &|_| AtomicBlock::Element)
+}
+
+/// Global per-element tensors from every rank's local buffer; each element owned once.
+pub fn gather<T: Copy + Default>(
+    shards: &[LocalShard],
+    locals: &[Vec<T>],
+    numels: &[usize],
+) -> Vec<Vec<T>> {
+    let mut global: Vec<Vec<T>> = numels.iter().map(|&n| vec![T::default(); n]).collect();
+    let mut owners: Vec<Vec<u8>> = numels.iter().map(|&n| vec![0; n]).collect();
+    for (shard, local) in shards.iter().zip(locals) {
+        for p in &shard.pieces {
+            global[p.param][p.range.clone()]
+                .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
+            for o in &mut owners[p.param][p.range.clone()] {
+                *o += 1;
+            }
+        }
+    }
+    assert!(
+        owners.iter().flatten().all(|&o| o == 1),
+        "each element owned once"
+    );
+    global
+}
+
+/// The module table of `newton_schulz` in f64 (coefficients and norm scale widened).
+pub fn ns_f64(x: &[f32], rows: usize, cols: usize, c: &NsConfig) -> Vec<f64> {
+    let t = rows > cols;
+    let (s, l) = if t { (cols, rows) } else { (rows, cols) };
+    let mut a = vec![0.0f64; s * l];
+    for i in 0..rows {
+        for j in 0..cols {
+            let v = f64::from(x[i * cols + j]);
+            if t {
+                a[j * rows + i] = v;
+            } else {
+                a[i * cols + j] = v;
+            }
+        }
+    }
+    let norm = (f64::from(c.norm_scale) * a.iter().map(|v| v * v).sum::<f64>().sqrt())
+        .max(f64::from(c.eps));
+    a.iter_mut().for_each(|v| *v /= norm);
+    for k in 0..c.steps {
+        let [ca, cb, cc] = c.coeffs_at(k).map(f64::from);
+        let mut p = vec![0.0; s * s];
+        for i in 0..s {
+            for j in 0..s {
+                p[i * s + j] = (0..l).map(|q| a[i * l + q] * a[j * l + q]).sum();
+            }
+        }
+        let mut qm = vec![0.0; s * s];
+        for i in 0..s {
+            for j in 0..s {
+                let pp: f64 = (0..s).map(|q| p[i * s + q] * p[q * s + j]).sum();
+                qm[i * s + j] = cb * p[i * s + j] + cc * pp;
+            }
+        }
+        let mut next = vec![0.0; s * l];
+        for i in 0..s {
+            for q in 0..s {
+                let w = qm[i * s + q];
+                for j in 0..l {
+                    next[i * l + j] += w * a[q * l + j];
+                }
+            }
+            for j in 0..l {
+                next[i * l + j] += ca * a[i * l + j];
+            }
+        }
+        a = next;
+    }
+    let mut out = vec![0.0; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[i * cols + j] = if t { a[j * rows + i] } else { a[i * cols + j] };
+        }
+    }
+    out
 }
