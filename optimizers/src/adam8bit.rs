@@ -393,6 +393,35 @@ impl Adam8bit {
     }
 }
 
+/// Buffer lengths of one step's inputs and 8-bit state, host or device: `[m, v]` each.
+pub(crate) struct StateLens {
+    pub params: usize,
+    pub grads: usize,
+    pub codes: [usize; 2],
+    pub absmax: [usize; 2],
+    pub fp32: [usize; 2],
+}
+
+impl Adam8bit {
+    /// Checks a step's inputs and state against `shard` and returns where each piece keeps
+    /// its state, and the number of local tiles (the one prologue of the CPU and GPU steps).
+    pub(crate) fn checked_layout(
+        &self,
+        op: &'static str,
+        shard: &LocalShard,
+        lens: &StateLens,
+    ) -> Result<(Vec<PieceState>, usize)> {
+        let [m, v] = lens.codes;
+        check_step_inputs(op, shard, lens.params, lens.grads, m, v)?;
+        let (layout, tiles, fp32) = self.layout(op, shard)?;
+        check_len(op, "state.absmax_m", lens.absmax[0], tiles)?;
+        check_len(op, "state.absmax_v", lens.absmax[1], tiles)?;
+        check_len(op, "state.m32", lens.fp32[0], fp32)?;
+        check_len(op, "state.v32", lens.fp32[1], fp32)?;
+        Ok((layout, tiles))
+    }
+}
+
 impl Optimizer for Adam8bit {
     type State = Adam8bitState;
 
@@ -429,19 +458,14 @@ impl Optimizer for Adam8bit {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Adam8bit::step";
-        check_step_inputs(
-            OP,
-            shard,
-            params.len(),
-            grads.len(),
-            state.m.len(),
-            state.v.len(),
-        )?;
-        let (layout, tiles, fp32) = self.layout(OP, shard)?;
-        check_len(OP, "state.absmax_m", state.absmax_m.len(), tiles)?;
-        check_len(OP, "state.absmax_v", state.absmax_v.len(), tiles)?;
-        check_len(OP, "state.m32", state.m32.len(), fp32)?;
-        check_len(OP, "state.v32", state.v32.len(), fp32)?;
+        let lens = StateLens {
+            params: params.len(),
+            grads: grads.len(),
+            codes: [state.m.len(), state.v.len()],
+            absmax: [state.absmax_m.len(), state.absmax_v.len()],
+            fp32: [state.m32.len(), state.v32.len()],
+        };
+        let (layout, _) = self.checked_layout(OP, shard, &lens)?;
         let t = next_step(OP, state.step)?;
         state.step = t;
 

@@ -9,10 +9,8 @@ use ragged::optim::LocalShard;
 use ragged::{Error, Result};
 
 use super::{launch_adamw, ADAMW_STEP};
-use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, TILE};
-use crate::common::{
-    check_len, check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs,
-};
+use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, TILE};
+use crate::common::{check_len, check_shard, next_step, AdamScale, MomentCoeffs};
 use crate::quant::{SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.
@@ -136,19 +134,14 @@ impl Adam8bit {
         grads: &CudaView<'_, f32>,
     ) -> Result<()> {
         const OP: &str = "Adam8bit::step_cuda";
-        check_step_inputs(
-            OP,
-            shard,
-            params.len(),
-            grads.len(),
-            state.m.len(),
-            state.v.len(),
-        )?;
-        let (layout, tiles, fp32) = self.layout(OP, shard)?;
-        check_len(OP, "state.absmax_m", state.absmax_m.len(), tiles)?;
-        check_len(OP, "state.absmax_v", state.absmax_v.len(), tiles)?;
-        check_len(OP, "state.m32", state.m32.len(), fp32)?;
-        check_len(OP, "state.v32", state.v32.len(), fp32)?;
+        let lens = StateLens {
+            params: params.len(),
+            grads: grads.len(),
+            codes: [state.m.len(), state.v.len()],
+            absmax: [state.absmax_m.len(), state.absmax_v.len()],
+            fp32: [state.m32.len(), state.v32.len()],
+        };
+        let (layout, tiles) = self.checked_layout(OP, shard, &lens)?;
         let t = next_step(OP, state.step)?;
         let c = &self.config().adam;
         let mo = MomentCoeffs::new(c.beta1, c.beta2);
