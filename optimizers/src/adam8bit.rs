@@ -56,13 +56,13 @@
 //!
 //! | # | operation | piece |
 //! |---|---|---|
-//! | 1 | `p ← p·(1 − lr·wd)` (decoupled, **before** the update; if decayed) | [`common::decay_elem`] |
-//! | 2 | `m = qmap₁[c₁]·absmax₁`, `v = qmap₂[c₂]·absmax₂` (dequantize to `f32`) | [`quant::dequantize`] |
-//! | 3 | `m ← lerp(m, g, 1 − β₁)`, `v ← v·β₂ + ((1 − β₂)·g)·g` | [`common::lerp_elem`], [`common::ema_sq_elem`] |
-//! | 4 | `p ← p + (−lr/bc₁)·m / (√v/√bc₂ + ε)` with the **fresh, unquantized** `m`, `v` | [`common::apply_adam_elem`] |
+//! | 1 | `p ← p·(1 − lr·wd)` (decoupled, **before** the update; if decayed) | [`crate::common::decay_elem`] |
+//! | 2 | `m = qmap₁[c₁]·absmax₁`, `v = qmap₂[c₂]·absmax₂` (dequantize to `f32`) | [`crate::quant::dequantize`] |
+//! | 3 | `m ← lerp(m, g, 1 − β₁)`, `v ← v·β₂ + ((1 − β₂)·g)·g` | [`crate::common::lerp_elem`], [`crate::common::ema_sq_elem`] |
+//! | 4 | `p ← p + (−lr/bc₁)·m / (√v/√bc₂ + ε)` with the **fresh, unquantized** `m`, `v` | [`crate::common::apply_adam_elem`] |
 //!
 //! then, per tile: 5. new `absmax₁ = max |m|`, `absmax₂ = max v` over the tile's updated
-//! `f32` moments; 6. requantize `c = nearest(m / absmax)` ([`quant::quantize`], ties up),
+//! `f32` moments; 6. requantize `c = nearest(m / absmax)` ([`crate::quant::quantize`], ties up),
 //! **no sign fix-up** (the CPU backend has none; bnb's CUDA kernel has one and decays after
 //! the update, §3.2). The moment updates are this crate's torch-AdamW forms (`lerp`, see
 //! [`crate::adamw`]); `ε` sits outside the square root, after the bias correction. Non-finite
@@ -70,15 +70,15 @@
 //! propagates them, as here).
 //!
 //! Every element operation is one IEEE `f32` operation, the scalars are computed in `f64` and
-//! rounded once ([`common::AdamScale`]); every tile is local; so a sharded step is bitwise
+//! rounded once ([`crate::common::AdamScale`]); every tile is local; so a sharded step is bitwise
 //! equal to the unsharded one at every world size and layout.
 //!
 //! # Speed
 //! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
 //! [`PAR_MIN_ELEMS`] or more run them as rayon tasks; within a tile the moment/update loop is
 //! branch-free and vectorizes lane by lane in the scalar operation order, and requantizing
-//! uses [`quant::CodeBook`] (an index into the map, AVX2 gathers where present), which
-//! returns [`quant::quantize`]'s code for every input. None of this changes a bit.
+//! uses [`crate::quant::CodeBook`] (an index into the map, AVX2 gathers where present), which
+//! returns [`crate::quant::quantize`]'s code for every input. None of this changes a bit.
 
 use rayon::prelude::*;
 

@@ -10,7 +10,7 @@
 //! [`MuonConfig::adamw_patterns`] (default `embed`, `lm_head`) is a *Muon parameter*: its
 //! trailing `rows × cols` matrices (each expert of `[E, m, n]`) are orthogonalized one by one.
 //! Every other parameter (0-D, 1-D, embeddings, output heads) is updated by
-//! [`AdamW`](crate::AdamW) with [`MuonConfig::adamw`].
+//! [`AdamW`] with the `adamw` settings of [`MuonConfig`].
 //!
 //! # The step of one matrix, in torch's operation order
 //! `μ` = momentum, `g` = gradient, `B` = momentum buffer (state `m`), all `f32`:

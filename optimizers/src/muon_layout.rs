@@ -9,7 +9,7 @@
 //! - Padding: every padded element rides in each step's parameter all-gather and gradient
 //!   reduce-scatter and reaches the `V − 1` other ranks: `2·(V − 1)·padding` elements.
 //! - Split matrices: each element not already on its root travels there and back:
-//!   `2·moved` elements ([`RootPlan::moved_elems`]).
+//!   `2·moved` elements ([`RootPlan::moved_elems`](crate::roots::RootPlan::moved_elems)).
 //!
 //! [`MatrixLayout::Auto`] starts from every Muon tensor whole, then tries to split each one,
 //! largest first, and keeps a split only when it lowers the total. Every choice is reported

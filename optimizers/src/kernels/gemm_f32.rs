@@ -205,7 +205,7 @@ pub fn matmul(
     }
 }
 
-/// The Gram matrix `p (s×s) ← x·xᵀ` of a row-major `x: s×l`, by [`sym_gemm_raw`].
+/// The Gram matrix `p (s×s) ← x·xᵀ` of a row-major `x: s×l`, by `sym_gemm_raw`.
 #[track_caller]
 pub fn gram(x: &[f32], s: usize, l: usize, p: &mut [f32], par: Parallelism) {
     assert!(
@@ -233,7 +233,7 @@ pub fn gram(x: &[f32], s: usize, l: usize, p: &mut [f32], par: Parallelism) {
 }
 
 /// `q (s×s) ← b·p + c·p·p` for a symmetric row-major `p` (one fused GEMM with `q = p` on
-/// entry, `α = b`, `β = c`), by [`sym_gemm_raw`].
+/// entry, `α = b`, `β = c`), by `sym_gemm_raw`.
 #[track_caller]
 pub fn poly(p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32], par: Parallelism) {
     assert!(
