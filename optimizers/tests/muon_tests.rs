@@ -22,7 +22,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, gather, ns_f64, numels, padding, planned_shards_by, scatter, whole_shard_by, Rng,
+    bits, gather, ns_f64, numels, padding, planned_shards_by, scatter, singular_range,
+    whole_shard_by, Rng,
 };
 
 /// The unsharded reference shard, with Muon's blocks.
@@ -200,43 +201,6 @@ fn newton_schulz_schedule_uses_one_triple_per_step_and_repeats_the_last() {
     assert_ne!(fixed, other, "the fifth triple must be used");
 }
 
-/// Eigenvalues of a symmetric `n×n` matrix by cyclic Jacobi (f64).
-fn sym_eigenvalues(mut a: Vec<f64>, n: usize) -> Vec<f64> {
-    for _ in 0..100 {
-        let off: f64 = (0..n)
-            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
-            .map(|(i, j)| a[i * n + j] * a[i * n + j])
-            .sum();
-        if off < 1e-24 {
-            break;
-        }
-        for p in 0..n {
-            for q in p + 1..n {
-                let apq = a[p * n + q];
-                if apq.abs() < 1e-300 {
-                    continue;
-                }
-                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
-                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
-                let t = if theta == 0.0 { 1.0 } else { t };
-                let c = 1.0 / (t * t + 1.0).sqrt();
-                let s = t * c;
-                for k in 0..n {
-                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
-                    a[k * n + p] = c * akp - s * akq;
-                    a[k * n + q] = s * akp + c * akq;
-                }
-                for k in 0..n {
-                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
-                    a[p * n + k] = c * apk - s * aqk;
-                    a[q * n + k] = s * apk + c * aqk;
-                }
-            }
-        }
-    }
-    (0..n).map(|i| a[i * n + i]).collect()
-}
-
 #[test]
 fn newton_schulz_singular_values_land_in_the_quintic_band() {
     // Rectangular inputs only: a random square matrix has singular values near 0 (relative to
@@ -247,23 +211,7 @@ fn newton_schulz_singular_values_land_in_the_quintic_band() {
     for (rows, cols) in [(48, 80), (80, 48), (16, 24)] {
         let mut x = rng.units(rows * cols);
         orthogonalize(&mut x, rows, cols, &NsConfig::default()).unwrap();
-        // Gram of the short side, in f64: its eigenvalues are the squared singular values.
-        let (s, t) = (rows.min(cols), rows > cols);
-        let at = |i: usize, k: usize| f64::from(if t { x[k * cols + i] } else { x[i * cols + k] });
-        let l = rows.max(cols);
-        let mut g = vec![0.0; s * s];
-        for i in 0..s {
-            for j in 0..s {
-                g[i * s + j] = (0..l).map(|k| at(i, k) * at(j, k)).sum();
-            }
-        }
-        let sv: Vec<f64> = sym_eigenvalues(g, s)
-            .iter()
-            .map(|e| e.max(0.0).sqrt())
-            .collect();
-        let (lo, hi) = sv
-            .iter()
-            .fold((f64::MAX, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let (lo, hi) = singular_range(&x, rows, cols);
         assert!(
             (0.6..=1.25).contains(&lo) && (0.6..=1.25).contains(&hi),
             "{rows}×{cols}: singular values in [{lo}, {hi}], want within [0.6, 1.25]"

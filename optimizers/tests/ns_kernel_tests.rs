@@ -12,7 +12,7 @@ use ragged_optimizers::{
 };
 
 mod harness;
-use harness::{bits, ns_f64, Rng};
+use harness::{bits, ns_f64, singular_range, Rng};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -45,59 +45,6 @@ fn rel_frob(a: &[f32], b: &[f64]) -> f64 {
 
 fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| f64::from(v)).collect()
-}
-
-/// Smallest and largest singular value of `x` (rows × cols): square roots of the extreme
-/// eigenvalues of the short-side Gram matrix, by cyclic Jacobi in f64.
-fn singular_range(x: &[f32], rows: usize, cols: usize) -> (f64, f64) {
-    let (s, t) = (rows.min(cols), rows > cols);
-    let l = rows.max(cols);
-    let at = |i: usize, k: usize| f64::from(if t { x[k * cols + i] } else { x[i * cols + k] });
-    let mut a = vec![0.0; s * s];
-    for i in 0..s {
-        for j in 0..s {
-            a[i * s + j] = (0..l).map(|k| at(i, k) * at(j, k)).sum();
-        }
-    }
-    let n = s;
-    for _ in 0..100 {
-        let off: f64 = (0..n)
-            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
-            .map(|(i, j)| a[i * n + j] * a[i * n + j])
-            .sum();
-        if off < 1e-24 {
-            break;
-        }
-        for p in 0..n {
-            for q in p + 1..n {
-                let apq = a[p * n + q];
-                if apq.abs() < 1e-300 {
-                    continue;
-                }
-                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
-                let tt = if theta == 0.0 {
-                    1.0
-                } else {
-                    theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt())
-                };
-                let c = 1.0 / (tt * tt + 1.0).sqrt();
-                let sn = tt * c;
-                for k in 0..n {
-                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
-                    a[k * n + p] = c * akp - sn * akq;
-                    a[k * n + q] = sn * akp + c * akq;
-                }
-                for k in 0..n {
-                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
-                    a[p * n + k] = c * apk - sn * aqk;
-                    a[q * n + k] = sn * apk + c * aqk;
-                }
-            }
-        }
-    }
-    (0..n)
-        .map(|i| a[i * n + i].max(0.0).sqrt())
-        .fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)))
 }
 
 /// Whether oneDNN loads and runs bf16 matmuls here; prints why a test skips when not (oneDNN

@@ -18,7 +18,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, gather, numels, padding, planned_shards, planned_shards_by, scatter, whole_shard_by, Rng,
+    bits, gather, jacobi, numels, padding, planned_shards, planned_shards_by, scatter,
+    whole_shard_by, Rng,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -125,57 +126,6 @@ fn adagrad_defaults() -> ShampooConfig {
 // ---------------------------------------------------------------------------------------------
 // 1. An independent f64 reference
 // ---------------------------------------------------------------------------------------------
-
-/// Eigenpairs of a symmetric `n×n` matrix by cyclic Jacobi (f64): eigenvalues and `V`
-/// (row-major, eigenvectors in the columns) with `A = V·diag(λ)·Vᵀ`.
-fn jacobi(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<f64>) {
-    let mut v = vec![0.0; n * n];
-    for i in 0..n {
-        v[i * n + i] = 1.0;
-    }
-    let scale: f64 = a.iter().map(|x| x * x).sum::<f64>().max(1e-300);
-    for _ in 0..100 {
-        let off: f64 = (0..n)
-            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
-            .map(|(i, j)| a[i * n + j] * a[i * n + j])
-            .sum();
-        if off <= 1e-30 * scale {
-            break;
-        }
-        for p in 0..n {
-            for q in p + 1..n {
-                let apq = a[p * n + q];
-                if apq == 0.0 {
-                    continue;
-                }
-                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
-                let t = if theta == 0.0 {
-                    1.0
-                } else {
-                    theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt())
-                };
-                let c = 1.0 / (t * t + 1.0).sqrt();
-                let s = t * c;
-                for k in 0..n {
-                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
-                    a[k * n + p] = c * akp - s * akq;
-                    a[k * n + q] = s * akp + c * akq;
-                }
-                for k in 0..n {
-                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
-                    a[p * n + k] = c * apk - s * aqk;
-                    a[q * n + k] = s * apk + c * aqk;
-                }
-                for k in 0..n {
-                    let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
-                    v[k * n + p] = c * vkp - s * vkq;
-                    v[k * n + q] = s * vkp + c * vkq;
-                }
-            }
-        }
-    }
-    ((0..n).map(|i| a[i * n + i]).collect(), v)
-}
 
 /// `(A + εI)^(−e)` in f64 with fb's shift: `λ ← λ − λ_min + ε` when `λ_min < ε`.
 fn root_f64(a: &[f64], n: usize, eps: f64, e: f64) -> Vec<f64> {

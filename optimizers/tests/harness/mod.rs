@@ -194,3 +194,72 @@ pub fn ns_f64(x: &[f32], rows: usize, cols: usize, c: &NsConfig) -> Vec<f64> {
     }
     out
 }
+
+/// Eigenpairs of a symmetric `n×n` matrix by cyclic Jacobi (f64): eigenvalues and `V`
+/// (row-major, eigenvectors in the columns) with `A = V·diag(λ)·Vᵀ`.
+pub fn jacobi(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut v = vec![0.0; n * n];
+    for i in 0..n {
+        v[i * n + i] = 1.0;
+    }
+    let scale: f64 = a.iter().map(|x| x * x).sum::<f64>().max(1e-300);
+    for _ in 0..100 {
+        let off: f64 = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * n + j] * a[i * n + j])
+            .sum();
+        if off <= 1e-30 * scale {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = a[p * n + q];
+                if apq == 0.0 {
+                    continue;
+                }
+                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+                let t = if theta == 0.0 {
+                    1.0
+                } else {
+                    theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt())
+                };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for k in 0..n {
+                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                    a[k * n + p] = c * akp - s * akq;
+                    a[k * n + q] = s * akp + c * akq;
+                }
+                for k in 0..n {
+                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                    a[p * n + k] = c * apk - s * aqk;
+                    a[q * n + k] = s * apk + c * aqk;
+                }
+                for k in 0..n {
+                    let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
+                    v[k * n + p] = c * vkp - s * vkq;
+                    v[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    ((0..n).map(|i| a[i * n + i]).collect(), v)
+}
+
+/// Smallest and largest singular value of the row-major `rows × cols` matrix `x`: square roots
+/// of the extreme eigenvalues of its short-side Gram matrix, in f64 ([`jacobi`]).
+pub fn singular_range(x: &[f32], rows: usize, cols: usize) -> (f64, f64) {
+    let (s, l, t) = (rows.min(cols), rows.max(cols), rows > cols);
+    let at = |i: usize, k: usize| f64::from(if t { x[k * cols + i] } else { x[i * cols + k] });
+    let mut gram = vec![0.0; s * s];
+    for i in 0..s {
+        for j in 0..s {
+            gram[i * s + j] = (0..l).map(|k| at(i, k) * at(j, k)).sum();
+        }
+    }
+    jacobi(gram, s)
+        .0
+        .iter()
+        .map(|e| e.max(0.0).sqrt())
+        .fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)))
+}
