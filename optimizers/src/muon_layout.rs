@@ -133,9 +133,10 @@ impl Muon {
                 .map(|(&b, &m)| if m { block } else { b })
                 .collect()
         };
-        let whole = self.costed(unit, &all(AtomicBlock::Matrix), world, opts)?;
+        let whole_blocks = all(AtomicBlock::Matrix);
+        let whole = self.costed(unit, &whole_blocks, world, opts)?;
         let (blocks, best) = match layout {
-            MatrixLayout::Whole => (all(AtomicBlock::Matrix), whole.clone()),
+            MatrixLayout::Whole => (whole_blocks, whole.clone()),
             MatrixLayout::Split => {
                 let blocks = all(AtomicBlock::Element);
                 let best = self.costed(unit, &blocks, world, opts)?;
@@ -144,9 +145,11 @@ impl Muon {
             MatrixLayout::Auto => {
                 // Greedy from both ends (splitting one matrix alone may free no padding while
                 // the others stay whole, and vice versa); keep the cheaper result.
+                let split_blocks = all(AtomicBlock::Element);
+                let split = self.costed(unit, &split_blocks, world, opts)?;
                 let from_whole = self.improve(
                     unit,
-                    all(AtomicBlock::Matrix),
+                    (whole_blocks, whole.clone()),
                     &muon,
                     AtomicBlock::Element,
                     world,
@@ -154,7 +157,7 @@ impl Muon {
                 )?;
                 let from_split = self.improve(
                     unit,
-                    all(AtomicBlock::Element),
+                    (split_blocks, split),
                     &muon,
                     AtomicBlock::Matrix,
                     world,
@@ -191,18 +194,18 @@ impl Muon {
         Ok((best.plan, report))
     }
 
-    /// Flips Muon tensors to `to` one at a time, largest first, keeping each flip that lowers
-    /// the wire cost.
+    /// From `start` (blocks and their costed plan), flips Muon tensors to `to` one at a time,
+    /// largest first, keeping each flip that lowers the wire cost.
     fn improve(
         &self,
         unit: &Unit,
-        mut blocks: Vec<AtomicBlock>,
+        start: (Vec<AtomicBlock>, Costed),
         muon: &[bool],
         to: AtomicBlock,
         world: usize,
         opts: &PlanOptions,
     ) -> Result<(Vec<AtomicBlock>, Costed)> {
-        let mut best = self.costed(unit, &blocks, world, opts)?;
+        let (mut blocks, mut best) = start;
         let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| muon[i]).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(unit.tensors[i].numel())); // stable
         for i in order {
