@@ -260,6 +260,7 @@ impl Optimizer for Muon {
             // without the ranks that hold the rest of it.
             check_comm(OP, shard, comm)?;
         }
+        let routes = roots.has_split().then(|| roots.routes(shard)).transpose()?;
         let t = next_step(OP, state.step)?;
         state.step = t;
 
@@ -286,14 +287,13 @@ impl Optimizer for Muon {
         }
 
         // Step 3: whole local matrices in place; split ones on their roots.
-        let mut gathered = if roots.has_split() {
-            roots.gather(shard, &u, comm)?
-        } else {
-            Vec::new()
+        let mut gathered = match &routes {
+            Some(r) => r.gather(&u, comm)?,
+            None => Vec::new(),
         };
         self.orthogonalize_all(shard, &roots, &mut u, &mut gathered)?;
-        if roots.has_split() {
-            roots.scatter(shard, &gathered, &mut u, comm)?;
+        if let Some(r) = &routes {
+            r.scatter(&gathered, &mut u, comm)?;
         }
 
         // Steps 4–5.

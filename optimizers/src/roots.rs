@@ -18,8 +18,7 @@
 //!
 //! # Routes
 //! One batched `all_to_all_v` gathers every split matrix to its root; a second one, with the
-//! counts mirrored, scatters the results back. Segments are ordered by peer rank, then matrix
-//! order, then element order, on both sides, so send and receive agree without headers.
+//! counts mirrored, scatters the results back ([`Routes`], derived once per step).
 
 use std::ops::Range;
 
@@ -58,8 +57,8 @@ pub struct RootPlan {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Segment {
     peer: usize,
-    /// Index into [`RootPlan::jobs`].
-    job: usize,
+    /// The matrix's index among those rooted here (for runs of matrices rooted here).
+    slot: usize,
     /// Where the run sits inside the matrix.
     in_matrix: Range<usize>,
     /// Where it sits in this rank's local shard (for runs this rank holds).
@@ -152,143 +151,151 @@ impl RootPlan {
         (0..self.jobs.len()).filter(move |&k| self.jobs[k].split && self.jobs[k].root == rank)
     }
 
-    /// The runs of split matrices this rank holds that go to another root (`outgoing`) and
-    /// the runs other ranks hold of matrices rooted here (`incoming`), each sorted by peer.
-    fn segments(&self, shard: &LocalShard) -> Result<(Vec<Segment>, Vec<Segment>)> {
+    /// This rank's side of the two all-to-alls (see [`Routes`]).
+    pub fn routes(&self, shard: &LocalShard) -> Result<Routes> {
         let me = shard.rank;
-        let (mut outgoing, mut incoming) = (Vec::new(), Vec::new());
+        let mine: Vec<usize> = self.rooted_here(me).collect();
+        let slot = |k: usize| mine.binary_search(&k).expect("rooted here");
+        let (mut outgoing, mut incoming, mut own) = (Vec::new(), Vec::new(), Vec::new());
         for (k, job) in self.jobs.iter().enumerate().filter(|(_, j)| j.split) {
             let meta = &shard.params[job.param];
             for h in meta.holders_of(job.elems.clone()) {
                 let in_matrix = h.range.start - job.elems.start..h.range.end - job.elems.start;
-                if h.rank == me && job.root != me {
-                    outgoing.push(Segment {
+                let local = || local_offset(shard, job.param, h.range.start);
+                match (h.rank == me, job.root == me) {
+                    (true, false) => outgoing.push(Segment {
                         peer: job.root,
-                        job: k,
+                        slot: 0,
                         in_matrix,
-                        local: local_offset(shard, job.param, h.range.start)?,
-                    });
-                } else if h.rank != me && job.root == me {
-                    incoming.push(Segment {
+                        local: local()?,
+                    }),
+                    (false, true) => incoming.push(Segment {
                         peer: h.rank,
-                        job: k,
+                        slot: slot(k),
                         in_matrix,
                         local: 0,
-                    });
+                    }),
+                    (true, true) => own.push(Segment {
+                        peer: me,
+                        slot: slot(k),
+                        in_matrix,
+                        local: local()?,
+                    }),
+                    (false, false) => {}
                 }
             }
         }
         outgoing.sort_by_key(|s| s.peer); // stable: job order within a peer
         incoming.sort_by_key(|s| s.peer);
-        Ok((outgoing, incoming))
+        let counts = |segs: &[Segment]| {
+            let mut c = vec![0; self.world];
+            for s in segs {
+                c[s.peer] += s.in_matrix.len();
+            }
+            c
+        };
+        Ok(Routes {
+            to_roots: counts(&outgoing),
+            from_holders: counts(&incoming),
+            sizes: mine.iter().map(|&k| self.jobs[k].elems.len()).collect(),
+            outgoing,
+            incoming,
+            own,
+        })
     }
+}
 
+/// One rank's side of the gather to roots and the scatter back, derived once from the
+/// [`RootPlan`]: `outgoing` runs this rank holds of matrices rooted elsewhere, `incoming` runs
+/// other ranks hold of matrices rooted here, `own` runs of matrices rooted here that this
+/// rank holds itself. Send and receive lists are ordered by peer, then matrix order, then
+/// element order on both sides, so they agree without headers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Routes {
+    outgoing: Vec<Segment>,
+    incoming: Vec<Segment>,
+    own: Vec<Segment>,
+    /// Elements per peer of `outgoing` and of `incoming`.
+    to_roots: Vec<usize>,
+    from_holders: Vec<usize>,
+    /// Elements of each matrix rooted here, in [`RootPlan::rooted_here`] order.
+    sizes: Vec<usize>,
+}
+
+impl Routes {
     /// Gathers the split matrices rooted at this rank from `local` (laid out like the shard);
     /// returns them in [`RootPlan::rooted_here`] order. Every rank must call it.
-    pub fn gather(
-        &self,
-        shard: &LocalShard,
-        local: &[f32],
-        comm: &dyn Communicator,
-    ) -> Result<Vec<Vec<f32>>> {
-        let (outgoing, incoming) = self.segments(shard)?;
-        let send: Vec<f32> = outgoing
+    pub fn gather(&self, local: &[f32], comm: &dyn Communicator) -> Result<Vec<Vec<f32>>> {
+        let send: Vec<f32> = self
+            .outgoing
             .iter()
             .flat_map(|s| &local[s.local..s.local + s.in_matrix.len()])
             .copied()
             .collect();
-        let mut recv = vec![0.0f32; incoming.iter().map(|s| s.in_matrix.len()).sum()];
-        let (sc, rc) = (self.counts(&outgoing), self.counts(&incoming));
-        comm.all_to_all_v(send.as_slice().into(), &sc, recv.as_mut_slice().into(), &rc)?;
-
-        let mine: Vec<usize> = self.rooted_here(shard.rank).collect();
-        let mut mats: Vec<Vec<f32>> = mine
-            .iter()
-            .map(|&k| vec![0.0; self.jobs[k].elems.len()])
-            .collect();
-        let slot = |k: usize| mine.binary_search(&k).expect("rooted here");
+        let mut recv = vec![0.0f32; self.from_holders.iter().sum()];
+        comm.all_to_all_v(
+            send.as_slice().into(),
+            &self.to_roots,
+            recv.as_mut_slice().into(),
+            &self.from_holders,
+        )?;
+        let mut mats: Vec<Vec<f32>> = self.sizes.iter().map(|&n| vec![0.0; n]).collect();
         let mut at = 0;
-        for s in &incoming {
+        for s in &self.incoming {
             let n = s.in_matrix.len();
-            mats[slot(s.job)][s.in_matrix.clone()].copy_from_slice(&recv[at..at + n]);
+            mats[s.slot][s.in_matrix.clone()].copy_from_slice(&recv[at..at + n]);
             at += n;
         }
-        for (i, &k) in mine.iter().enumerate() {
-            for (in_matrix, local_at) in self.own_runs(shard, k)? {
-                let n = in_matrix.len();
-                mats[i][in_matrix].copy_from_slice(&local[local_at..local_at + n]);
-            }
+        for s in &self.own {
+            let n = s.in_matrix.len();
+            mats[s.slot][s.in_matrix.clone()].copy_from_slice(&local[s.local..s.local + n]);
         }
         Ok(mats)
     }
 
-    /// Sends each holder its runs of the matrices rooted here (`mats`, as [`RootPlan::gather`]
-    /// returned them) and writes the runs this rank holds into `local`. Every rank must call it.
+    /// Sends each holder its runs of the matrices rooted here (`mats`, as
+    /// [`Routes::gather`] returned them) and writes the runs this rank holds into `local`.
+    /// Every rank must call it.
     pub fn scatter(
         &self,
-        shard: &LocalShard,
         mats: &[Vec<f32>],
         local: &mut [f32],
         comm: &dyn Communicator,
     ) -> Result<()> {
-        let (outgoing, incoming) = self.segments(shard)?;
-        let mine: Vec<usize> = self.rooted_here(shard.rank).collect();
-        if mats.len() != mine.len() {
+        if mats.len() != self.sizes.len() {
             return Err(Error::InvalidShard {
-                op: "RootPlan::scatter",
+                op: "Routes::scatter",
                 reason: format!(
-                    "{} matrices for the {} rooted at rank {}",
+                    "{} matrices for the {} rooted at this rank",
                     mats.len(),
-                    mine.len(),
-                    shard.rank
+                    self.sizes.len()
                 ),
             });
         }
-        let slot = |k: usize| mine.binary_search(&k).expect("rooted here");
-        let send: Vec<f32> = incoming
+        let send: Vec<f32> = self
+            .incoming
             .iter()
-            .flat_map(|s| &mats[slot(s.job)][s.in_matrix.clone()])
+            .flat_map(|s| &mats[s.slot][s.in_matrix.clone()])
             .copied()
             .collect();
-        let mut recv = vec![0.0f32; outgoing.iter().map(|s| s.in_matrix.len()).sum()];
-        let (sc, rc) = (self.counts(&incoming), self.counts(&outgoing));
-        comm.all_to_all_v(send.as_slice().into(), &sc, recv.as_mut_slice().into(), &rc)?;
-
+        let mut recv = vec![0.0f32; self.to_roots.iter().sum()];
+        comm.all_to_all_v(
+            send.as_slice().into(),
+            &self.from_holders,
+            recv.as_mut_slice().into(),
+            &self.to_roots,
+        )?;
         let mut at = 0;
-        for s in &outgoing {
+        for s in &self.outgoing {
             let n = s.in_matrix.len();
             local[s.local..s.local + n].copy_from_slice(&recv[at..at + n]);
             at += n;
         }
-        for (i, &k) in mine.iter().enumerate() {
-            for (in_matrix, local_at) in self.own_runs(shard, k)? {
-                let n = in_matrix.len();
-                local[local_at..local_at + n].copy_from_slice(&mats[i][in_matrix]);
-            }
+        for s in &self.own {
+            let n = s.in_matrix.len();
+            local[s.local..s.local + n].copy_from_slice(&mats[s.slot][s.in_matrix.clone()]);
         }
         Ok(())
-    }
-
-    /// Elements per peer of a segment list.
-    fn counts(&self, segs: &[Segment]) -> Vec<usize> {
-        let mut counts = vec![0; self.world];
-        for s in segs {
-            counts[s.peer] += s.in_matrix.len();
-        }
-        counts
-    }
-
-    /// The runs of job `k` this rank holds itself: (range in the matrix, local offset).
-    fn own_runs(&self, shard: &LocalShard, k: usize) -> Result<Vec<(Range<usize>, usize)>> {
-        let job = &self.jobs[k];
-        shard.params[job.param]
-            .holders_of(job.elems.clone())
-            .filter(|h| h.rank == shard.rank)
-            .map(|h| {
-                let in_matrix = h.range.start - job.elems.start..h.range.end - job.elems.start;
-                Ok((in_matrix, local_offset(shard, job.param, h.range.start)?))
-            })
-            .collect()
     }
 }
 
