@@ -10,8 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TransformerConfig};
-use ragged::fsdp::{FsdpOptions, ShardLayout};
-use ragged::model::{DType, Inventory, TensorSpec};
+use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
 use ragged::optim::Optimizer;
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
@@ -169,13 +168,7 @@ fn model_config(size: Size) -> TransformerConfig {
 /// Muon's per-unit choice of whole or split matrices, and what it costs on the wire.
 fn print_muon_layout(args: &Args) -> Result<()> {
     let params = model_config(args.size).init_params(0)?;
-    let inventory = Inventory {
-        model: "demo".into(),
-        tensors: params
-            .iter()
-            .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), DType::F32))
-            .collect::<Result<Vec<_>>>()?,
-    };
+    let inventory = inventory_of(&params)?;
     let opt = muon(args.lr, args.muon_layout)?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
     for unit in inventory.units() {

@@ -149,8 +149,9 @@ pub fn fully_shard<'c, O: Optimizer>(
     })
 }
 
-/// The parameter list as an inventory, so units are grouped exactly as the planner groups them.
-fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
+/// The parameter list as an inventory (f32), so units are grouped exactly as [`fully_shard`]
+/// groups them.
+pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
     let tensors = params
         .iter()
         .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), DType::F32))
