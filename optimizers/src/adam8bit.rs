@@ -75,10 +75,18 @@
 //!
 //! # Speed
 //! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
-//! [`PAR_MIN_ELEMS`] or more run them as rayon tasks; within a tile the moment/update loop is
-//! branch-free and vectorizes lane by lane in the scalar operation order, and requantizing
-//! uses [`crate::quant::CodeBook`] (an index into the map, AVX2 gathers where present), which
-//! returns [`crate::quant::quantize`]'s code for every input. None of this changes a bit.
+//! [`PAR_MIN_ELEMS`] or more run them as rayon tasks. A row block is stepped in panels of
+//! [`PANEL`] tiles whose new moments stay in L2; the moment/update loop is branch-free and
+//! compiled for AVX2 + FMA where present (each lane the scalar operations in the scalar
+//! order; Rust never contracts to FMA), dequantizing gathers from the map, and requantizing
+//! uses [`crate::quant::CodeBook`], a threshold table that gives [`crate::quant::quantize`]'s
+//! code with one lookup (checked on all 2^32 `f32` inputs). None of this changes a bit.
+//!
+//! Per element the step needs four IEEE divisions or square roots (two in Adam's update, one
+//! per moment to scale it into the map) and four table gathers (two to dequantize, two to
+//! requantize); on the Zen 3 core this was tuned on those cost about 7 of the 9 cycles per
+//! element measured, which puts 8-bit Adam near a third of memcpy bandwidth rather than
+//! AdamW's above-memcpy rate (see `docs/benchmarks.md`).
 
 use rayon::prelude::*;
 
@@ -92,7 +100,11 @@ use crate::common::{
     apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
-use crate::quant::{dequantize, dynamic_map, CodeBook, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
+#[cfg(target_arch = "x86_64")]
+use crate::quant::dequantize_32_avx2;
+use crate::quant::{
+    dequantize_slice, dynamic_map, CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
+};
 
 /// Side of a square quantization tile, in elements (rows and columns).
 pub const TILE: usize = 32;
@@ -332,8 +344,8 @@ impl Adam8bit {
         Ok(Adam8bit {
             config,
             adamw: AdamW::new(config.adam)?,
-            book_m: CodeBook::new(dynamic_map(true)),
-            book_v: CodeBook::new(dynamic_map(false)),
+            book_m: CodeBook::new(dynamic_map(true))?,
+            book_v: CodeBook::new(dynamic_map(false))?,
         })
     }
 
@@ -551,18 +563,38 @@ struct RowBlock<'a> {
     absmax_v: &'a mut [f32],
 }
 
-/// Per-thread scratch of [`Adam8bit::update_row_block`]: a row block's new `f32` moments and
-/// each tile's eight running maxima of `|m|` and `v`.
+/// Per-thread scratch of [`Adam8bit::update_row_block`]: one panel's new `f32` moments.
+#[derive(Default)]
 struct Scratch {
     m_new: Vec<f32>,
     v_new: Vec<f32>,
-    max_m: Vec<[f32; 8]>,
-    max_v: Vec<[f32; 8]>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::Cell<Scratch> = const {
+        std::cell::Cell::new(Scratch { m_new: Vec::new(), v_new: Vec::new() })
+    };
+}
+
+/// Tiles per panel: a row block is stepped 32 rows × `PANEL·32` columns at a time, so a
+/// panel's new moments (64 KiB) stay in the core's L2 between the update and requantizing,
+/// while each row segment (1 KiB of `p`, of `g`) is still contiguous for the prefetchers.
+const PANEL: usize = 8;
+
+/// The loop-invariant inputs of a row block's step.
+#[derive(Clone, Copy)]
+struct StepConsts<'a> {
+    decay: f32,
+    mo: &'a MomentCoeffs,
+    s: &'a AdamScale,
 }
 
 impl Adam8bit {
     /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
-    /// steps 1–6 of the module table, tile by tile.
+    /// steps 1–6 of the module table. Decides the decay and `lerp` branches once, and runs
+    /// the body compiled for AVX2 and FMA when the CPU has them (only the instruction
+    /// selection changes: every lane does the scalar operations in the scalar order, and Rust
+    /// never contracts a multiply and an add into an FMA, so the bits are the same).
     fn update_row_block(
         &self,
         b: RowBlock,
@@ -572,45 +604,65 @@ impl Adam8bit {
         s: &AdamScale,
     ) {
         let small = lerp_weight_is_small(mo.lerp_weight);
-        match (decay, small) {
-            (Some(d), true) => self.row_block::<true, true>(b, cols, d, mo, s),
-            (Some(d), false) => self.row_block::<true, false>(b, cols, d, mo, s),
-            (None, true) => self.row_block::<false, true>(b, cols, 1.0, mo, s),
-            (None, false) => self.row_block::<false, false>(b, cols, 1.0, mo, s),
+        let k = StepConsts {
+            decay: decay.unwrap_or(1.0),
+            mo,
+            s,
+        };
+        let mut scratch = SCRATCH.take();
+        match (decay.is_some(), small) {
+            (true, true) => self.row_block_dispatch::<true, true>(b, cols, k, &mut scratch),
+            (true, false) => self.row_block_dispatch::<true, false>(b, cols, k, &mut scratch),
+            (false, true) => self.row_block_dispatch::<false, true>(b, cols, k, &mut scratch),
+            (false, false) => self.row_block_dispatch::<false, false>(b, cols, k, &mut scratch),
         }
+        SCRATCH.set(scratch);
     }
 
-    /// [`Adam8bit::update_row_block`] with the decay and `lerp` branches decided.
-    ///
-    /// The row block is walked row by row over all its columns (contiguous memory, which the
-    /// prefetchers follow; tile by tile would jump `n` elements per row). Per 32-element
-    /// segment of a row: dequantize the codes with the segment's tile absmax (a table
-    /// gather), then one branch-free loop (decay, moments, update: the compiler vectorizes
-    /// it, each lane doing the scalar operations in the scalar order), and fold the new
-    /// moments into the tile's eight running maxima (`max` is exact, so the fold order changes
-    /// no bit of absmax; no `-0.0` arises: `|m|` and `v ≥ 0` are `+0.0` when zero). The new
-    /// moments wait in a per-thread scratch until every tile's absmax is known, then each
-    /// tile is requantized.
-    #[inline(always)]
-    fn row_block<const DECAY: bool, const SMALL: bool>(
+    fn row_block_dispatch<const DECAY: bool, const SMALL: bool>(
         &self,
         b: RowBlock,
         cols: usize,
-        decay: f32,
-        mo: &MomentCoeffs,
-        s: &AdamScale,
+        k: StepConsts,
+        scratch: &mut Scratch,
     ) {
-        const LANES: usize = 8;
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Scratch> = const {
-                std::cell::RefCell::new(Scratch {
-                    m_new: Vec::new(),
-                    v_new: Vec::new(),
-                    max_m: Vec::new(),
-                    max_v: Vec::new(),
-                })
-            };
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { self.row_block_avx2::<DECAY, SMALL>(b, cols, k, scratch) };
         }
+        self.row_block::<DECAY, SMALL, false>(b, cols, k, scratch)
+    }
+
+    /// [`Adam8bit::row_block`] compiled with AVX2 and FMA enabled.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_block_avx2<const DECAY: bool, const SMALL: bool>(
+        &self,
+        b: RowBlock,
+        cols: usize,
+        k: StepConsts,
+        scratch: &mut Scratch,
+    ) {
+        self.row_block::<DECAY, SMALL, true>(b, cols, k, scratch)
+    }
+
+    /// A row block, panel by panel ([`PANEL`] tiles): every row segment of the panel is
+    /// dequantized, stepped and folded into its tile's running maxima ([`segment_step`]);
+    /// then each tile's absmax is known and the panel is requantized. No closures here, so
+    /// the whole body inherits [`Adam8bit::row_block_avx2`]'s target features. `AVX2`:
+    /// called from there (the CPU has AVX2).
+    #[inline(always)]
+    fn row_block<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
+        &self,
+        b: RowBlock,
+        cols: usize,
+        k: StepConsts,
+        scratch: &mut Scratch,
+    ) {
         let RowBlock {
             p,
             g,
@@ -621,82 +673,194 @@ impl Adam8bit {
         } = b;
         let rows = p.len() / cols;
         let ntiles = cols / TILE;
-        let (w, b2, c2) = (mo.lerp_weight, mo.beta2, mo.one_minus_beta2);
-        let s = *s;
         let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
-        SCRATCH.with_borrow_mut(|scratch| {
-            let Scratch {
-                m_new,
-                v_new,
-                max_m,
-                max_v,
-            } = scratch;
-            m_new.resize(p.len(), 0.0);
-            v_new.resize(p.len(), 0.0);
-            max_m.clear();
-            max_m.resize(ntiles, [0.0; LANES]);
-            max_v.clear();
-            max_v.resize(ntiles, [0.0; LANES]);
+        let Scratch { m_new, v_new } = scratch;
+        let panel_len = rows * TILE * PANEL.min(ntiles);
+        m_new.resize(panel_len, 0.0);
+        v_new.resize(panel_len, 0.0);
+        for j0 in (0..ntiles).step_by(PANEL) {
+            let width = PANEL.min(ntiles - j0) * TILE;
+            let mut max_m = [[0f32; LANES]; PANEL];
+            let mut max_v = [[0f32; LANES]; PANEL];
             for row in 0..rows {
-                for j in 0..ntiles {
-                    let base = row * cols + j * TILE;
-                    let seg = base..base + TILE;
-                    let (old_am, old_av) = (absmax_m[j], absmax_v[j]);
-                    let m1 = &mut m_new[seg.clone()];
-                    let v1 = &mut v_new[seg.clone()];
-                    for ((m, v), (&cm, &cv)) in m1
-                        .iter_mut()
-                        .zip(v1.iter_mut())
-                        .zip(mc[seg.clone()].iter().zip(&vc[seg.clone()]))
-                    {
-                        *m = dequantize(cm, old_am, map_m);
-                        *v = dequantize(cv, old_av, map_v);
-                    }
-                    for (((p, &g), m), v) in p[seg.clone()]
-                        .iter_mut()
-                        .zip(&g[seg])
-                        .zip(m1.iter_mut())
-                        .zip(v1.iter_mut())
-                    {
-                        let p0 = if DECAY { decay_elem(*p, decay) } else { *p };
-                        *m = if SMALL {
-                            lerp_small_elem(*m, g, w)
-                        } else {
-                            lerp_large_elem(*m, g, w)
-                        };
-                        *v = ema_sq_elem(*v, g, b2, c2);
-                        *p = apply_adam_elem(p0, *m, *v, &s);
-                    }
-                    let (mx_m, mx_v) = (&mut max_m[j], &mut max_v[j]);
-                    for (m, v) in m1.chunks_exact(LANES).zip(v1.chunks_exact(LANES)) {
-                        for k in 0..LANES {
-                            mx_m[k] = mx_m[k].max(m[k].abs());
-                            mx_v[k] = mx_v[k].max(v[k]);
-                        }
-                    }
-                }
-            }
-            for j in 0..ntiles {
-                absmax_m[j] = max_m[j].iter().fold(0f32, |a, &x| a.max(x));
-                absmax_v[j] = max_v[j].iter().fold(0f32, |a, &x| a.max(x));
-            }
-            for row in 0..rows {
-                for j in 0..ntiles {
-                    let seg = row * cols + j * TILE..row * cols + (j + 1) * TILE;
-                    self.book_m.quantize_scaled_slice(
-                        &m_new[seg.clone()],
-                        absmax_m[j],
-                        SIGNED_ZERO_CODE,
-                        &mut mc[seg.clone()],
-                    );
-                    self.book_v.quantize_scaled_slice(
-                        &v_new[seg.clone()],
-                        absmax_v[j],
-                        UNSIGNED_ZERO_CODE,
-                        &mut vc[seg],
+                let at = row * cols + j0 * TILE;
+                let out = row * width;
+                for jj in 0..width / TILE {
+                    let (e, o) = (at + jj * TILE, out + jj * TILE);
+                    let seg = Segment {
+                        p: (&mut p[e..e + TILE]).try_into().unwrap(),
+                        g: g[e..e + TILE].try_into().unwrap(),
+                        mc: mc[e..e + TILE].try_into().unwrap(),
+                        vc: vc[e..e + TILE].try_into().unwrap(),
+                        m_new: (&mut m_new[o..o + TILE]).try_into().unwrap(),
+                        v_new: (&mut v_new[o..o + TILE]).try_into().unwrap(),
+                    };
+                    let absmax = [absmax_m[j0 + jj], absmax_v[j0 + jj]];
+                    segment_step::<DECAY, SMALL, AVX2>(
+                        seg,
+                        absmax,
+                        [map_m, map_v],
+                        k,
+                        [&mut max_m[jj], &mut max_v[jj]],
                     );
                 }
             }
-        });
+            for jj in 0..width / TILE {
+                absmax_m[j0 + jj] = max_m[jj].iter().fold(0f32, |a, &x| a.max(x));
+                absmax_v[j0 + jj] = max_v[jj].iter().fold(0f32, |a, &x| a.max(x));
+            }
+            let tiles = j0..j0 + width / TILE;
+            for row in 0..rows {
+                let (e, o) = (row * cols + j0 * TILE, row * width);
+                self.book_m.quantize_scaled_segments(
+                    &m_new[o..o + width],
+                    &absmax_m[tiles.clone()],
+                    SIGNED_ZERO_CODE,
+                    &mut mc[e..e + width],
+                );
+                self.book_v.quantize_scaled_segments(
+                    &v_new[o..o + width],
+                    &absmax_v[tiles.clone()],
+                    UNSIGNED_ZERO_CODE,
+                    &mut vc[e..e + width],
+                );
+            }
+        }
+    }
+}
+
+/// Lanes of the running maxima (one AVX2 vector).
+const LANES: usize = 8;
+
+/// One row's 32 elements of one tile, and where their new moments go.
+struct Segment<'a> {
+    p: &'a mut [f32; TILE],
+    g: &'a [f32; TILE],
+    mc: &'a [u8; TILE],
+    vc: &'a [u8; TILE],
+    m_new: &'a mut [f32; TILE],
+    v_new: &'a mut [f32; TILE],
+}
+
+/// Steps 1–5 of the module table on one segment: dequantize with the tile's old absmax,
+/// decay, moments, update (each lane the scalar operations in the scalar order), and fold
+/// `|m|` and `v` into the tile's eight running maxima. The fold is a plain `>` select (which
+/// compiles to `maxps`); it equals `f32::max` here because the maxima start at `+0.0` and a
+/// NaN moment never replaces one (`NaN > a` is false, as `max` ignores NaN); and `max` is
+/// exact, so the fold order changes no bit of the absmax.
+///
+/// `AVX2` only when the CPU has AVX2 (the dequantizing gathers).
+#[inline(always)]
+fn segment_step<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
+    seg: Segment,
+    [am, av]: [f32; 2],
+    [map_m, map_v]: [&[f32; MAP_LEN]; 2],
+    k: StepConsts,
+    [mx_m, mx_v]: [&mut [f32; LANES]; 2],
+) {
+    let (w, b2, c2) = (k.mo.lerp_weight, k.mo.beta2, k.mo.one_minus_beta2);
+    // Table lookups first, so that the arithmetic below vectorizes.
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: `AVX2` is set only on CPUs with AVX2 (see `row_block_dispatch`).
+        unsafe {
+            dequantize_32_avx2(seg.mc, am, map_m, seg.m_new);
+            dequantize_32_avx2(seg.vc, av, map_v, seg.v_new);
+        }
+    }
+    if !AVX2 || cfg!(not(target_arch = "x86_64")) {
+        dequantize_slice(seg.mc, am, map_m, seg.m_new);
+        dequantize_slice(seg.vc, av, map_v, seg.v_new);
+    }
+    for i in 0..TILE {
+        let g = seg.g[i];
+        let p0 = if DECAY {
+            decay_elem(seg.p[i], k.decay)
+        } else {
+            seg.p[i]
+        };
+        let m = if SMALL {
+            lerp_small_elem(seg.m_new[i], g, w)
+        } else {
+            lerp_large_elem(seg.m_new[i], g, w)
+        };
+        let v = ema_sq_elem(seg.v_new[i], g, b2, c2);
+        seg.p[i] = apply_adam_elem(p0, m, v, k.s);
+        seg.m_new[i] = m;
+        seg.v_new[i] = v;
+    }
+    for c in 0..TILE / LANES {
+        for l in 0..LANES {
+            let (m, v) = (seg.m_new[c * LANES + l].abs(), seg.v_new[c * LANES + l]);
+            mx_m[l] = if m > mx_m[l] { m } else { mx_m[l] };
+            mx_v[l] = if v > mx_v[l] { v } else { mx_v[l] };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 + FMA build of a row block and the portable one give the same bits (the
+    /// portable one never runs on an AVX2 CPU otherwise).
+    #[test]
+    fn portable_and_avx2_row_blocks_agree_bitwise() {
+        #[cfg(target_arch = "x86_64")]
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            println!("skipped: this CPU has no AVX2 + FMA, only the portable build runs");
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            println!("skipped: not x86_64, only the portable build runs");
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        for (rows, cols) in [(32, 320), (8, 96)] {
+            let opt = Adam8bit::new(Adam8bitConfig::default()).unwrap();
+            let n = rows * cols;
+            let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.4) * s;
+            let g: Vec<f32> = (0..n).map(|k| wave(k, 1e-2)).collect();
+            let mo = MomentCoeffs::new(0.9, 0.999);
+            let s = AdamScale::new(1e-3, 0.9, 0.999, 1e-8, 3);
+            let k = StepConsts {
+                decay: 0.999,
+                mo: &mo,
+                s: &s,
+            };
+            let run = |avx2: bool| {
+                let mut p: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
+                let mut mc: Vec<u8> = (0..n).map(|k| (k * 31 % 256) as u8).collect();
+                let mut vc: Vec<u8> = (0..n).map(|k| (k * 17 % 256) as u8).collect();
+                let tiles = cols / TILE;
+                let mut am: Vec<f32> = (0..tiles).map(|j| 0.01 * (j + 1) as f32).collect();
+                let mut av: Vec<f32> = (0..tiles).map(|j| 1e-4 * (j + 1) as f32).collect();
+                am[1] = 0.0; // a zero scale: every code of the tile means 0
+                let b = RowBlock {
+                    p: &mut p,
+                    g: &g,
+                    mc: &mut mc,
+                    vc: &mut vc,
+                    absmax_m: &mut am,
+                    absmax_v: &mut av,
+                };
+                let mut scratch = Scratch::default();
+                if avx2 {
+                    // SAFETY: checked above.
+                    unsafe { opt.row_block_avx2::<true, true>(b, cols, k, &mut scratch) };
+                } else {
+                    opt.row_block::<true, true, false>(b, cols, k, &mut scratch);
+                }
+                let bits: Vec<u32> = p
+                    .iter()
+                    .chain(&am)
+                    .chain(&av)
+                    .map(|x| x.to_bits())
+                    .collect();
+                (bits, mc, vc)
+            };
+            assert!(run(true) == run(false), "{rows}×{cols}: the builds differ");
+        }
     }
 }

@@ -327,8 +327,9 @@ const GOLDEN_ABSMAX_RTOL: f64 = 1e-6;
 #[test]
 fn adam8bit_matches_an_f64_reference_with_exact_codes() {
     // [40, 64]: a full and a short (8-row) row block; [2, 40, 32]: per-matrix tiles of a
-    // stacked parameter. Threshold 0 so these small tensors are 8-bit.
-    let shapes: [&[usize]; 2] = [&[40, 64], &[2, 40, 32]];
+    // stacked parameter; [40, 320]: ten tiles per row block, so a full panel of eight and a
+    // partial one. Threshold 0 so these small tensors are 8-bit.
+    let shapes: [&[usize]; 3] = [&[40, 64], &[2, 40, 32], &[40, 320]];
     let spec = specs(&shapes);
     let shard = whole_shard(&spec);
     let c = loud(0);
