@@ -50,6 +50,13 @@
 //! the buffers are shared, the syncs between and after data phases wait without a timeout:
 //! returning early would hand a buffer back to its owner while another thread still reads it.
 //! Those waits only last as long as the other ranks' copies, since nothing else runs in between.
+//!
+//! # Memory
+//! The protocol does not care where the buffers are: the data phases go through a [`Memory`]
+//! (copy, reduce, fence). [`ThreadComm`]'s [`Communicator`] uses host memory; thread ranks on
+//! one GPU (`crate::cuda::threads`) run the same collectives on device addresses with
+//! device-to-device copies and a reduction kernel that keeps the order above, fencing (waiting
+//! for their stream) on entry and before every sync.
 
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -224,9 +231,11 @@ impl Op {
     }
 }
 
-/// A buffer as posted at the rendezvous: start, length in elements, element type.
+/// A buffer as posted at the rendezvous: start, length in elements, element type. The start
+/// is an address in the world's [`Memory`] (host memory, or device memory for
+/// `crate::cuda::threads`), never dereferenced outside it.
 #[derive(Clone, Copy, Debug)]
-struct Region {
+pub(crate) struct Region {
     ptr: *mut u8,
     len: usize,
     elem: ElemType,
@@ -239,6 +248,12 @@ struct Region {
 unsafe impl Send for Region {}
 
 impl Region {
+    /// A region of `len` elements of `elem` at address `ptr` of the world's memory.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new(ptr: *mut u8, len: usize, elem: ElemType) -> Region {
+        Region { ptr, len, elem }
+    }
+
     const EMPTY: Region = Region {
         ptr: std::ptr::null_mut(),
         len: 0,
@@ -275,7 +290,7 @@ impl Region {
     }
 }
 
-fn elem_size(elem: ElemType) -> usize {
+pub(crate) fn elem_size(elem: ElemType) -> usize {
     match elem {
         ElemType::F32 => 4,
         ElemType::BF16 => 2,
@@ -470,6 +485,21 @@ impl Call<'_> {
         }
     }
 
+    /// Ends a data phase whose outcome is `phase`: completes this rank's queued work, then
+    /// syncs (always, so no rank is left waiting); the phase's or the fence's error, if any.
+    fn end_phase(&mut self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
+        let done = phase.and(mem.fence());
+        self.sync();
+        done
+    }
+
+    /// Ends the last data phase and exits (as [`Call::end_phase`] then [`Call::finish`]).
+    fn finish_phase(self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
+        let done = phase.and(mem.fence());
+        let exit = self.finish();
+        done.and(exit)
+    }
+
     /// The exit sync; `Err` if a rank unwound out of this collective.
     fn finish(mut self) -> Result<()> {
         self.sync();
@@ -593,6 +623,63 @@ impl Drop for ThreadComm {
     }
 }
 
+/// Where a world's buffers live, and how its data phases move and reduce them: host memory
+/// here ([`HostMemory`]), device memory for thread ranks on one GPU (`crate::cuda::threads`).
+/// The rendezvous, validation, phases and syncs are the same for both.
+pub(crate) trait Memory {
+    /// Copies `bytes` bytes from `src` to `dst` (may only be queued until [`Memory::fence`]).
+    ///
+    /// # Safety
+    /// As [`copy_bytes`], for addresses of this memory.
+    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()>;
+
+    /// Writes to `dst[..n]` the reduction of `srcs[j][..n]` in rank order (module doc,
+    /// "Reductions"); may only be queued until [`Memory::fence`].
+    ///
+    /// # Safety
+    /// As [`reduce`], for addresses of this memory.
+    unsafe fn reduce(
+        &self,
+        elem: ElemType,
+        srcs: &[*const u8],
+        dst: *mut u8,
+        n: usize,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Completes this rank's queued copies and reductions, and its earlier writes to the
+    /// buffers it posts. Called on entry and before every sync.
+    fn fence(&self) -> Result<()>;
+}
+
+/// Host memory: plain copies and the CPU reduction, nothing queued.
+pub(crate) struct HostMemory;
+
+impl Memory for HostMemory {
+    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { copy_bytes(src, dst, bytes) };
+        Ok(())
+    }
+
+    unsafe fn reduce(
+        &self,
+        elem: ElemType,
+        srcs: &[*const u8],
+        dst: *mut u8,
+        n: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { reduce_dyn(elem, srcs, dst, n, op) };
+        Ok(())
+    }
+
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// Copies `bytes` bytes from `src` to `dst`.
 ///
 /// # Safety
@@ -710,6 +797,154 @@ unsafe fn reduce_dyn(elem: ElemType, srcs: &[*const u8], dst: *mut u8, n: usize,
     }
 }
 
+/// The collectives on regions of any [`Memory`]: the one implementation behind the host
+/// [`Communicator`] below and the device thread ranks of `crate::cuda::threads`.
+impl ThreadComm {
+    /// Fences, then enters: the posted buffers hold their data before anyone reads them.
+    fn enter_in(&self, mem: &dyn Memory, post: Post) -> Result<(Call<'_>, Vec<Post>)> {
+        mem.fence()?;
+        self.enter(post)
+    }
+
+    pub(crate) fn all_gather_in_place_in(&self, mem: &dyn Memory, me: Region) -> Result<()> {
+        let post = Post {
+            recv: me,
+            ..Post::new(Op::AllGatherInPlace)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let s = me.len / self.world.size;
+        let bytes = s * elem_size(me.elem);
+        let phase = posts
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != self.rank)
+            // SAFETY: slice j of buf_j is only read in this phase (its owner writes the other
+            // slices of its buffer), slice j of our buffer only written by us (other ranks read
+            // only slice r of it); all buffers hold V·s elements (validated).
+            .try_for_each(|(j, p)| unsafe { mem.copy(p.recv.at(j * s), me.at(j * s), bytes) });
+        call.finish_phase(mem, phase)
+    }
+
+    pub(crate) fn all_gather_in(&self, mem: &dyn Memory, send: Region, me: Region) -> Result<()> {
+        let post = Post {
+            send,
+            recv: me,
+            ..Post::new(Op::AllGather)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let s = posts[0].send.len;
+        let bytes = s * elem_size(me.elem);
+        let phase = posts
+            .iter()
+            .enumerate()
+            // SAFETY: send buffers are shared borrows, never written; slice j of our recv
+            // buffer is only ours (other ranks write their own recv); lengths validated (s and
+            // V·s).
+            .try_for_each(|(j, p)| unsafe { mem.copy(p.send.ptr, me.at(j * s), bytes) });
+        call.finish_phase(mem, phase)
+    }
+
+    pub(crate) fn reduce_scatter_in_place_in(
+        &self,
+        mem: &dyn Memory,
+        me: Region,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::ReduceScatterInPlace)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let s = me.len / self.world.size;
+        let lo = self.rank * s;
+        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
+        // SAFETY: slice r of every buffer is read only by this rank, and written only by this
+        // rank in its own buffer (one of the sources, read chunk by chunk before the write);
+        // every buffer holds V·s elements of `me.elem` (validated).
+        let phase = unsafe { mem.reduce(me.elem, &srcs, me.at(lo), s, op) };
+        call.finish_phase(mem, phase)
+    }
+
+    pub(crate) fn all_reduce_in(&self, mem: &dyn Memory, me: Region, op: ReduceOp) -> Result<()> {
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::AllReduce)
+        };
+        let (mut call, posts) = self.enter_in(mem, post)?;
+        let (v, r) = (self.world.size, self.rank);
+        let (lo, hi) = part(me.len, v, r);
+        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
+        // SAFETY: phase 1 reads and writes only range r of every buffer, and only this rank
+        // touches range r (as in reduce-scatter); equal lengths validated.
+        let phase = unsafe { mem.reduce(me.elem, &srcs, me.at(lo), hi - lo, op) };
+        let first = call.end_phase(mem, phase);
+        let phase = posts
+            .iter()
+            .enumerate()
+            .filter(|&(k, _)| k != r)
+            .try_for_each(|(k, p)| {
+                let (lo, hi) = part(me.len, v, k);
+                // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it
+                // writes its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody
+                // else reads.
+                unsafe { mem.copy(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) }
+            });
+        call.finish_phase(mem, first.and(phase))
+    }
+
+    pub(crate) fn all_to_all_v_in(
+        &self,
+        mem: &dyn Memory,
+        send: Region,
+        send_counts: &[usize],
+        me: Region,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let post = Post {
+            send,
+            recv: me,
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+            ..Post::new(Op::AllToAllV)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let r = self.rank;
+        let phase = posts.iter().enumerate().try_for_each(|(j, p)| {
+            let src = p.send.at(offset(&p.send_counts, r));
+            let dst = me.at(offset(recv_counts, j));
+            // SAFETY: send buffers are shared borrows, never written; segment j of our recv
+            // buffer is only ours; counts validated against every buffer length and against
+            // each other (send_counts_j[r] == recv_counts_r[j]).
+            unsafe { mem.copy(src, dst, p.send_counts[r] * elem_size(me.elem)) }
+        });
+        call.finish_phase(mem, phase)
+    }
+
+    pub(crate) fn broadcast_in(&self, mem: &dyn Memory, me: Region, root: usize) -> Result<()> {
+        let post = Post {
+            recv: me,
+            root,
+            ..Post::new(Op::Broadcast)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let phase = if self.rank != root {
+            // SAFETY: the root only waits in this collective, so its buffer is not written;
+            // ours is only ours; equal lengths validated.
+            unsafe { mem.copy(posts[root].recv.ptr, me.ptr, me.len * elem_size(me.elem)) }
+        } else {
+            Ok(())
+        };
+        call.finish_phase(mem, phase)
+    }
+
+    pub(crate) fn barrier_in(&self, mem: &dyn Memory) -> Result<()> {
+        let (call, _) = self.enter_in(mem, Post::new(Op::Barrier))?;
+        call.finish()
+    }
+}
+
 impl Communicator for ThreadComm {
     fn rank(&self) -> usize {
         self.rank
@@ -720,81 +955,19 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
-        let me = Region::of_mut(buf);
-        let post = Post {
-            recv: me,
-            ..Post::new(Op::AllGatherInPlace)
-        };
-        let (call, posts) = self.enter(post)?;
-        let s = me.len / self.world.size;
-        let bytes = s * elem_size(me.elem);
-        for (j, p) in posts.iter().enumerate().filter(|&(j, _)| j != self.rank) {
-            // SAFETY: slice j of buf_j is only read in this phase (its owner writes the other
-            // slices of its buffer), slice j of our buffer only written by us (other ranks read
-            // only slice r of it); all buffers hold V·s elements (validated).
-            unsafe { copy_bytes(p.recv.at(j * s), me.at(j * s), bytes) };
-        }
-        call.finish()
+        self.all_gather_in_place_in(&HostMemory, Region::of_mut(buf))
     }
 
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
-        let me = Region::of_mut(recv);
-        let post = Post {
-            send: Region::of(&send),
-            recv: me,
-            ..Post::new(Op::AllGather)
-        };
-        let (call, posts) = self.enter(post)?;
-        let s = posts[0].send.len;
-        let bytes = s * elem_size(me.elem);
-        for (j, p) in posts.iter().enumerate() {
-            // SAFETY: send buffers are shared borrows, never written; slice j of our recv buffer
-            // is only ours (other ranks write their own recv); lengths validated (s and V·s).
-            unsafe { copy_bytes(p.send.ptr, me.at(j * s), bytes) };
-        }
-        call.finish()
+        self.all_gather_in(&HostMemory, Region::of(&send), Region::of_mut(recv))
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = Region::of_mut(buf);
-        let post = Post {
-            recv: me,
-            reduce: Some(op),
-            ..Post::new(Op::ReduceScatterInPlace)
-        };
-        let (call, posts) = self.enter(post)?;
-        let s = me.len / self.world.size;
-        let lo = self.rank * s;
-        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
-        // SAFETY: slice r of every buffer is read only by this rank, and written only by this
-        // rank in its own buffer (one of the sources, read chunk by chunk before the write);
-        // every buffer holds V·s elements of `me.elem` (validated).
-        unsafe { reduce_dyn(me.elem, &srcs, me.at(lo), s, op) };
-        call.finish()
+        self.reduce_scatter_in_place_in(&HostMemory, Region::of_mut(buf), op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = Region::of_mut(buf);
-        let post = Post {
-            recv: me,
-            reduce: Some(op),
-            ..Post::new(Op::AllReduce)
-        };
-        let (mut call, posts) = self.enter(post)?;
-        let (v, r) = (self.world.size, self.rank);
-        let (lo, hi) = part(me.len, v, r);
-        let srcs: Vec<*const u8> = posts.iter().map(|p| p.recv.at(lo).cast_const()).collect();
-        // SAFETY: phase 1 reads and writes only range r of every buffer, and only this rank
-        // touches range r (as in reduce-scatter); equal lengths validated.
-        unsafe { reduce_dyn(me.elem, &srcs, me.at(lo), hi - lo, op) };
-        call.sync();
-        for (k, p) in posts.iter().enumerate().filter(|&(k, _)| k != r) {
-            let (lo, hi) = part(me.len, v, k);
-            // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it writes
-            // its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody else reads.
-            unsafe { copy_bytes(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) };
-        }
-        call.finish()
+        self.all_reduce_in(&HostMemory, Region::of_mut(buf), op)
     }
 
     fn all_to_all_v(
@@ -804,46 +977,16 @@ impl Communicator for ThreadComm {
         recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let me = Region::of_mut(recv);
-        let post = Post {
-            send: Region::of(&send),
-            recv: me,
-            send_counts: send_counts.to_vec(),
-            recv_counts: recv_counts.to_vec(),
-            ..Post::new(Op::AllToAllV)
-        };
-        let (call, posts) = self.enter(post)?;
-        let r = self.rank;
-        for (j, p) in posts.iter().enumerate() {
-            let src = p.send.at(offset(&p.send_counts, r));
-            let dst = me.at(offset(recv_counts, j));
-            // SAFETY: send buffers are shared borrows, never written; segment j of our recv
-            // buffer is only ours; counts validated against every buffer length and against
-            // each other (send_counts_j[r] == recv_counts_r[j]).
-            unsafe { copy_bytes(src, dst, p.send_counts[r] * elem_size(me.elem)) };
-        }
-        call.finish()
+        let (send, recv) = (Region::of(&send), Region::of_mut(recv));
+        self.all_to_all_v_in(&HostMemory, send, send_counts, recv, recv_counts)
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        let me = Region::of_mut(buf);
-        let post = Post {
-            recv: me,
-            root,
-            ..Post::new(Op::Broadcast)
-        };
-        let (call, posts) = self.enter(post)?;
-        if self.rank != root {
-            // SAFETY: the root only waits in this collective, so its buffer is not written;
-            // ours is only ours; equal lengths validated.
-            unsafe { copy_bytes(posts[root].recv.ptr, me.ptr, me.len * elem_size(me.elem)) };
-        }
-        call.finish()
+        self.broadcast_in(&HostMemory, Region::of_mut(buf), root)
     }
 
     fn barrier(&self) -> Result<()> {
-        let (call, _) = self.enter(Post::new(Op::Barrier))?;
-        call.finish()
+        self.barrier_in(&HostMemory)
     }
 }
 
