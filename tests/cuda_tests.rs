@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use ragged::comm::Communicator;
 use ragged::cuda::dbuffer::DeviceDBuffer;
 use ragged::cuda::Device;
 use ragged::dbuffer::{Geometry, Role};
@@ -122,6 +123,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 #[test]
 fn nccl_world_of_one_gathers_and_reduces_in_place() {
     use ragged::comm::ReduceOp;
+    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer};
     use ragged::cuda::nccl::{unique_id, NcclComm};
     let Some(dev) = device() else { return };
     let id = match unique_id() {
@@ -131,18 +133,19 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
             return;
         }
     };
-    let comm = NcclComm::from_rank(&dev, 0, 1, &id).unwrap();
+    let dev = Arc::new(dev);
+    let comm = NcclComm::from_rank(dev.clone(), 0, 1, &id).unwrap();
     let s = 1000;
     let mut x = DeviceDBuffer::zeros(&dev, Role::Params, geometry(1, 0, s), true).unwrap();
     let hx = values(s, 5);
     x.upload_local(&dev, &hx).unwrap();
-    comm.all_gather_in_place(&mut x).unwrap();
+    all_gather_dbuffer(&comm, &mut x).unwrap();
     assert_eq!(
         bits(&x.download_local(&dev).unwrap()),
         bits(&hx),
         "all-gather"
     );
-    comm.reduce_scatter_in_place(&mut x, ReduceOp::Sum).unwrap();
+    reduce_scatter_dbuffer(&comm, &mut x, ReduceOp::Sum).unwrap();
     assert_eq!(
         bits(&x.download_local(&dev).unwrap()),
         bits(&hx),
@@ -150,11 +153,154 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     );
     // A buffer of another world is refused before NCCL sees it.
     let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
-    assert!(comm.all_gather_in_place(&mut y).is_err());
+    assert!(all_gather_dbuffer(&comm, &mut y).is_err());
+    // Behind the host trait: every collective of a world of one returns its input, and the
+    // grouped send/recv of all-to-all-v moves a rank's segment to itself.
+    let host = ragged::cuda::collective::Staged::new(comm);
+    let results = host_collectives(&host, 0, 1);
+    assert_eq!(results, host_collectives(&ragged::comm::SingleRank, 0, 1));
+    let bad = host.all_to_all_v(
+        (&hx[..]).into(),
+        &[3],
+        (&mut vec![0f32; 4][..]).into(),
+        &[4],
+    );
+    assert!(bad.is_err(), "counts that do not add up are refused");
+}
+
+/// Runs every host collective on rank `rank` of a `world`-rank communicator with data made from
+/// the rank, and returns the bits of every result (f32, bf16 and u8 buffers).
+fn host_collectives(c: &dyn Communicator, rank: usize, world: usize) -> Vec<Vec<u32>> {
+    use ragged::comm::ReduceOp;
+    let s = 37;
+    let f = |seed: usize| values(world * s, seed as u32);
+    let b16 = |seed: usize| -> Vec<half::bf16> {
+        f(seed).iter().map(|&x| half::bf16::from_f32(x)).collect()
+    };
+    let u8s = |seed: usize| -> Vec<u8> {
+        (0..world * s)
+            .map(|i| ((i * 31 + seed * 7) % 256) as u8)
+            .collect()
+    };
+    let fb = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let bb = |x: &[half::bf16]| {
+        x.iter()
+            .map(|v| u32::from(v.to_bits()))
+            .collect::<Vec<u32>>()
+    };
+    let ub = |x: &[u8]| x.iter().map(|&v| u32::from(v)).collect::<Vec<u32>>();
+    let mut out = Vec::new();
+
+    let mut x = f(rank + 1);
+    c.all_gather_in_place((&mut x[..]).into()).unwrap();
+    out.push(fb(&x));
+    let send = f(rank + 2)[..s].to_vec();
+    let mut recv = vec![0f32; world * s];
+    c.all_gather((&send[..]).into(), (&mut recv[..]).into())
+        .unwrap();
+    out.push(fb(&recv));
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        let mut x = f(rank + 3);
+        c.reduce_scatter_in_place((&mut x[..]).into(), op).unwrap();
+        out.push(fb(&x[rank * s..(rank + 1) * s]));
+        let mut x = f(rank + 4);
+        c.all_reduce((&mut x[..]).into(), op).unwrap();
+        out.push(fb(&x));
+        let mut x = b16(rank + 5);
+        c.all_reduce((&mut x[..]).into(), op).unwrap();
+        out.push(bb(&x));
+        let mut x = u8s(rank + 6);
+        c.all_reduce((&mut x[..]).into(), op).unwrap();
+        out.push(ub(&x));
+    }
+    // Uneven all-to-all: rank r sends (r + j) % 3 · 5 elements to rank j.
+    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
+    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
+    let send = values(send_counts.iter().sum(), rank as u32 + 7);
+    let mut recv = vec![0f32; recv_counts.iter().sum()];
+    c.all_to_all_v(
+        (&send[..]).into(),
+        &send_counts,
+        (&mut recv[..]).into(),
+        &recv_counts,
+    )
+    .unwrap();
+    out.push(fb(&recv));
+    let mut x = u8s(rank + 8);
+    c.broadcast((&mut x[..]).into(), world - 1).unwrap();
+    out.push(ub(&x));
+    c.barrier().unwrap();
+    out
+}
+
+#[test]
+fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::cuda::collective::{DeviceComm, Staged};
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    for world in [1, 2, 3, 4] {
+        let cpu = ThreadWorld::run(world, |c| Ok(host_collectives(c, c.rank(), world))).unwrap();
+        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            let rank = c.rank();
+            let staged = Staged::new(c);
+            Ok(host_collectives(&staged, rank, world))
+        })
+        .unwrap();
+        assert_eq!(gpu, cpu, "world of {world}");
+    }
+}
+
+#[test]
+fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
+    use ragged::cuda::collective::{DevBufMut, DeviceComm};
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    // Rank 1 posts a buffer of another length: both ranks get the same Err, nobody hangs.
+    let outcomes = ThreadDeviceComm::run(dev.clone(), 2, |c| {
+        let mut x = c.device().zeros::<f32>(8 + 2 * c.rank()).unwrap();
+        Ok(c.all_gather_in_place(DevBufMut::F32(x.slice_mut(..)))
+            .map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    assert!(outcomes.iter().all(|o| o.is_err()), "{outcomes:?}");
+}
+
+#[test]
+fn dbuffer_collectives_over_gpu_thread_ranks_gather_and_reduce_like_the_cpu_dbuffer() {
+    use ragged::comm::ReduceOp;
+    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer, DeviceComm};
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    let (world, s) = (3, 500);
+    let shards = ThreadDeviceComm::run(dev.clone(), world, |c| {
+        let r = c.rank();
+        let d = c.device();
+        let mut x = DeviceDBuffer::zeros(d, Role::Params, geometry(world, r, s), true)?;
+        x.upload_local(d, &values(s, r as u32))?;
+        all_gather_dbuffer(c, &mut x)?;
+        let gathered = d.download(&x.full_view()?)?;
+        reduce_scatter_dbuffer(c, &mut x, ReduceOp::Sum)?;
+        let reduced = x.download_local(d)?;
+        Ok((gathered, reduced))
+    })
+    .unwrap();
+    let full: Vec<f32> = (0..world).flat_map(|r| values(s, r as u32)).collect();
+    for (r, (gathered, reduced)) in shards.iter().enumerate() {
+        assert_eq!(bits(gathered), bits(&full), "rank {r} gathered");
+        // Every rank held the full gathered buffer: the reduction of slice r is V copies of
+        // it, summed in rank order.
+        let slice = &full[r * s..(r + 1) * s];
+        let want: Vec<f32> = slice.iter().map(|&v| (v + v) + v).collect();
+        assert_eq!(bits(reduced), bits(&want), "rank {r} reduced");
+    }
 }
 
 /// Entry points of every kernel file (the launchers' constants).
-const ENTRIES: [(&str, &[&str]); 5] = [
+const ENTRIES: [(&str, &[&str]); 6] = [
     (
         "group_ops.cu",
         &["group_zero", "group_scale", "group_add", "group_copy"],
@@ -171,6 +317,10 @@ const ENTRIES: [(&str, &[&str]); 5] = [
             "ns_f32_to_bf16",
             "ns_bf16_to_f32",
         ],
+    ),
+    (
+        "reduce_ranks.cu",
+        &["reduce_ranks_f32", "reduce_ranks_bf16", "reduce_ranks_u8"],
     ),
 ];
 

@@ -88,24 +88,7 @@ impl ThreadWorld {
     /// Runs `f` on every rank of a fresh `n`-rank world, one scoped thread per rank, and
     /// returns the results in rank order; a rank that panics becomes an `Err`.
     pub fn run<T: Send>(n: usize, f: impl Fn(&ThreadComm) -> Result<T> + Sync) -> Result<Vec<T>> {
-        let comms = Self::new(n)?;
-        let f = &f;
-        std::thread::scope(|s| {
-            let handles: Vec<_> = comms.iter().map(|c| s.spawn(move || f(c))).collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Comm {
-                            op: "ThreadWorld::run",
-                            rank,
-                            reason: "the rank's thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        })
+        run_ranks("ThreadWorld::run", Self::new(n)?, f)
     }
 
     /// As [`ThreadWorld::new`], with the time a rank waits at a rendezvous before the world
@@ -229,6 +212,33 @@ impl Op {
             _ => 2,
         }
     }
+}
+
+/// Runs `f` on every communicator of a world, one scoped thread each, and returns the results
+/// in rank order; a rank whose thread panics becomes an `Err` (ranks waiting for it at a
+/// rendezvous fail when the world's timeout runs out).
+pub(crate) fn run_ranks<C: Sync, T: Send>(
+    op: &'static str,
+    comms: Vec<C>,
+    f: impl Fn(&C) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms.iter().map(|c| s.spawn(move || f(c))).collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Comm {
+                        op,
+                        rank,
+                        reason: "the rank's thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    })
 }
 
 /// A buffer as posted at the rendezvous: start, length in elements, element type. The start

@@ -50,6 +50,12 @@ pub const NEWTON_SCHULZ: KernelSource = KernelSource {
     src: include_str!("../../kernels/newton_schulz.cu"),
 };
 
+/// `kernels/reduce_ranks.cu`: the rank-ordered reduction of thread ranks on one GPU.
+pub const REDUCE_RANKS: KernelSource = KernelSource {
+    name: "reduce_ranks.cu",
+    src: include_str!("../../kernels/reduce_ranks.cu"),
+};
+
 /// Threads per block of the element-wise kernels.
 pub const BLOCK: u32 = 256;
 
@@ -128,7 +134,14 @@ pub fn guarded<T, E: std::fmt::Debug>(
 }
 
 /// Every kernel source, in `kernels/`.
-pub const ALL_KERNELS: [KernelSource; 5] = [GROUP_OPS, ADAMW, ADAM8BIT, MUON, NEWTON_SCHULZ];
+pub const ALL_KERNELS: [KernelSource; 6] = [
+    GROUP_OPS,
+    ADAMW,
+    ADAM8BIT,
+    MUON,
+    NEWTON_SCHULZ,
+    REDUCE_RANKS,
+];
 
 /// Compiles `src` to PTX for the virtual architecture `arch` (`compute_90`, …) with NVRTC and
 /// the options of the module doc. Needs only the NVRTC library, not a GPU: `Err(CudaUnavailable)`

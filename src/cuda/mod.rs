@@ -1,6 +1,7 @@
 //! The GPU backend (feature `cuda`): a gated CUDA device, NVRTC kernels from `kernels/*.cu`
-//! compiled at first use and cached per device, cuBLAS, device DBuffers ([`dbuffer`]) and NCCL
-//! collectives on them ([`nccl`]).
+//! compiled at first use and cached per device, cuBLAS, device DBuffers ([`dbuffer`]), and
+//! device collectives behind one trait ([`collective`]) with two backends: NCCL ([`nccl`]) and
+//! thread ranks on one GPU ([`threads`]).
 //!
 //! # The gate
 //! cudarc loads the driver, NVRTC and cuBLAS libraries at run time (so the crate builds and
@@ -32,9 +33,13 @@ mod imp;
 pub use imp::*;
 
 #[cfg(feature = "cuda")]
+pub mod collective;
+#[cfg(feature = "cuda")]
 pub mod dbuffer;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod threads;
 
 #[cfg(not(feature = "cuda"))]
 mod stub {

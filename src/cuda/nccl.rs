@@ -1,8 +1,9 @@
-//! NCCL between GPUs, on device buffers: one process per GPU, bootstrapped from the
-//! environment with a file rendezvous for NCCL's unique id, and the DBuffer collectives in
-//! place (NCCL's in-place convention: the send buffer of an all-gather is the rank's own slice
-//! of the receive buffer; the receive buffer of a reduce-scatter is the rank's own slice of the
-//! send buffer).
+//! NCCL between GPUs behind [`DeviceComm`]: one process per GPU bootstrapped from the
+//! environment with a file rendezvous for NCCL's unique id ([`NcclComm::from_env`]), an
+//! explicit rank and id ([`NcclComm::from_rank`]), or one process driving several GPUs
+//! ([`NcclComm::from_devices`]). Host code reaches it through
+//! [`Staged`](super::collective::Staged), which implements the host
+//! [`Communicator`](crate::comm::Communicator).
 //!
 //! # Bootstrapping ([`NcclComm::from_env`])
 //! | variable | meaning |
@@ -13,28 +14,31 @@
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks > 0 wait for the file (default 120) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
-//! ordinal chooses which. NCCL refuses two ranks on one GPU, so multi-rank code paths on a
-//! single GPU need a copy-based backend (not here yet).
+//! ordinal chooses which. NCCL refuses two ranks on one GPU: multi-rank code paths on a single
+//! GPU use thread ranks ([`super::threads`]) instead.
 //!
-//! Not yet behind the host-slice [`Communicator`](crate::comm::Communicator) trait: that trait
-//! moves host slices, these collectives move device memory.
+//! # Collectives
+//! In place as NCCL's in-place operations (the send buffer of an all-gather is the rank's own
+//! slice of the receive buffer; the receive buffer of a reduce-scatter is the rank's own slice
+//! of the send buffer). All-to-all-v is one NCCL group of `ncclSend` / `ncclRecv` pairs, one per
+//! peer with a non-zero count, so the uneven exchange of Muon's matrices to their roots is a
+//! single launch. Each rank checks its own arguments before NCCL sees them; agreement between
+//! ranks (the same collective, matching counts) is NCCL's contract, which it does not check.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up
-//! to summation order.
+//! to summation order (bitwise for data movement: gathers, all-to-all, broadcast).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{
-    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
-};
-use cudarc::nccl::{Comm, Id, ReduceOp as NcclOp};
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys;
 
-use super::dbuffer::DeviceDBuffer;
+use super::collective::{check_counts, slice_len, DevBuf, DevBufMut, DeviceComm, Span};
 use super::{guarded, Device};
-use crate::comm::ReduceOp;
+use crate::comm::{ElemType, ReduceOp};
 use crate::{Error, Result};
 
 /// Bytes of an NCCL unique id.
@@ -44,7 +48,7 @@ pub const ID_BYTES: usize = 128;
 /// `libnccl.so.2` soname: put a `libnccl.so` symlink on the loader path; see
 /// `scripts/gpu-check.sh`).
 pub fn nccl_available() -> Result<()> {
-    match std::panic::catch_unwind(|| unsafe { cudarc::nccl::sys::is_culib_present() }) {
+    match std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }) {
         Ok(true) => Ok(()),
         _ => Err(Error::CudaUnavailable {
             op: "cuda::nccl",
@@ -59,14 +63,28 @@ pub fn nccl_available() -> Result<()> {
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it out of band).
 pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     nccl_available()?;
-    let id = guarded("cuda::nccl::unique_id", Id::new)?;
-    Ok(id.internal().map(|c| c as u8))
+    let id = guarded("cuda::nccl::unique_id", nccl::get_uniqueid)?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// The communicator handle. NCCL calls on one communicator must not run concurrently, so it
+/// sits behind [`NcclComm`]'s mutex.
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time (the mutex).
+unsafe impl Send for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by ncclCommInitRank / ncclCommInitAll, destroyed once, here.
+        let _ = unsafe { nccl::comm_destroy(self.0) };
+    }
 }
 
 /// One rank of an NCCL communicator, on its device's stream.
 pub struct NcclComm {
-    comm: Comm,
-    stream: Arc<CudaStream>,
+    handle: Mutex<Handle>,
+    dev: Arc<Device>,
     rank: usize,
     world: usize,
 }
@@ -97,33 +115,103 @@ fn env_usize(names: &[&str]) -> Result<usize> {
     })
 }
 
+fn world_i32(op: &'static str, world: usize) -> Result<i32> {
+    i32::try_from(world)
+        .ok()
+        .filter(|&w| w > 0)
+        .ok_or_else(|| Error::BadInput {
+            op,
+            what: format!("world of {world}"),
+            reason: "needs 1 ≤ world ≤ i32::MAX".into(),
+        })
+}
+
+fn nccl_type(elem: ElemType) -> sys::ncclDataType_t {
+    match elem {
+        ElemType::F32 => sys::ncclDataType_t::ncclFloat32,
+        ElemType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        ElemType::U8 => sys::ncclDataType_t::ncclUint8,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+    }
+}
+
+fn bytes_of(elem: ElemType) -> u64 {
+    crate::comm::threads::elem_size(elem) as u64
+}
+
 impl NcclComm {
     /// Rank `rank` of `world`, joining the communicator named by `id` (every rank passes the
     /// same id). Blocks until every rank has joined.
-    pub fn from_rank(dev: &Device, rank: usize, world: usize, id: &[u8; ID_BYTES]) -> Result<Self> {
+    pub fn from_rank(
+        dev: Arc<Device>,
+        rank: usize,
+        world: usize,
+        id: &[u8; ID_BYTES],
+    ) -> Result<Self> {
         const OP: &str = "NcclComm::from_rank";
         nccl_available()?;
-        if rank >= world || i32::try_from(world).is_err() {
+        let n = world_i32(OP, world)?;
+        if rank >= world {
             return Err(Error::BadInput {
                 op: OP,
                 what: format!("rank {rank} of {world}"),
-                reason: "needs rank < world ≤ i32::MAX".into(),
+                reason: "needs rank < world".into(),
             });
         }
-        let id = Id::uninit(id.map(|b| b as std::ffi::c_char));
-        let stream = dev.stream().clone();
-        let comm = guarded(OP, || Comm::from_rank(stream.clone(), rank, world, id))?;
+        let id = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        guarded(OP, || dev.context().bind_to_thread())?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: NCCL writes the handle on success; it is read only then.
+        guarded(OP, || unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), n, id, rank as i32)
+        })?;
+        // SAFETY: initialized by the successful call above.
+        let handle = Handle(unsafe { comm.assume_init() });
         Ok(NcclComm {
-            comm,
-            stream,
+            handle: Mutex::new(handle),
+            dev,
             rank,
             world,
         })
     }
 
+    /// One process driving several GPUs: one communicator per device, rank `i` on `devs[i]`
+    /// (`ncclCommInitAll`). Drive each rank from its own thread: an NCCL collective returns once
+    /// queued, and completes when every rank has queued it.
+    pub fn from_devices(devs: &[Arc<Device>]) -> Result<Vec<NcclComm>> {
+        const OP: &str = "NcclComm::from_devices";
+        nccl_available()?;
+        let n = world_i32(OP, devs.len())?;
+        let ordinals: Vec<i32> = devs.iter().map(|d| d.context().ordinal() as i32).collect();
+        let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
+        // SAFETY: `comms` has room for one handle per device in `ordinals`.
+        guarded(OP, || unsafe {
+            nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr())
+        })?;
+        Ok(comms
+            .into_iter()
+            .zip(devs)
+            .enumerate()
+            .map(|(rank, (c, dev))| NcclComm {
+                handle: Mutex::new(Handle(c)),
+                dev: Arc::clone(dev),
+                rank,
+                world: devs.len(),
+            })
+            .collect())
+    }
+
     /// One process per GPU, from the environment (module doc): rank 0 writes a fresh id to
     /// `RAGGED_NCCL_ID_FILE`, the others wait for it, then every rank joins.
-    pub fn from_env(dev: &Device) -> Result<Self> {
+    pub fn from_env(dev: Arc<Device>) -> Result<Self> {
         const OP: &str = "NcclComm::from_env";
         let rank = env_usize(&["RAGGED_RANK", "RANK"])?;
         let world = env_usize(&["RAGGED_WORLD_SIZE", "WORLD_SIZE"])?;
@@ -146,79 +234,166 @@ impl NcclComm {
         Self::from_rank(dev, rank, world, &id)
     }
 
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn check_world(&self, op: &'static str, buf: &DeviceDBuffer) -> Result<()> {
-        let g = buf.geometry();
-        if g.world != self.world {
-            return Err(Error::WorldSizeMismatch {
-                op,
-                expected: g.world,
-                got: self.world,
-            });
-        }
-        if g.rank != self.rank {
-            return Err(Error::InvalidShard {
-                op,
-                reason: format!(
-                    "buffer of rank {}, communicator of rank {}",
-                    g.rank, self.rank
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// In-place all-gather of a buffer that holds its full `V·S` elements: every rank's own
-    /// slice goes to every rank (no copy-in, no copy-out).
-    pub fn all_gather_in_place(&self, buf: &mut DeviceDBuffer) -> Result<()> {
-        const OP: &str = "NcclComm::all_gather_in_place";
-        self.check_world(OP, buf)?;
-        let s = buf.geometry().shard_size;
-        let rank = self.rank;
-        let full = buf.full_slice_mut(OP)?;
-        let (ptr, _guard) = full.device_ptr_mut(&self.stream);
-        let send = Raw::new(ptr + (rank * s * 4) as CUdeviceptr, s, &self.stream);
-        let mut recv = Raw::new(ptr, s * self.world, &self.stream);
-        guarded(OP, || self.comm.all_gather(&send, &mut recv)).map(drop)
-    }
-
-    /// In-place reduce-scatter of a full buffer: the rank's own slice ends up holding the
-    /// reduction over ranks (other slices unspecified), as the CPU `reduce_scatter_in_place`.
-    pub fn reduce_scatter_in_place(&self, buf: &mut DeviceDBuffer, op: ReduceOp) -> Result<()> {
-        const OP: &str = "NcclComm::reduce_scatter_in_place";
-        self.check_world(OP, buf)?;
-        let s = buf.geometry().shard_size;
-        let rank = self.rank;
-        let full = buf.full_slice_mut(OP)?;
-        let (ptr, _guard) = full.device_ptr_mut(&self.stream);
-        let send = Raw::new(ptr, s * self.world, &self.stream);
-        let mut recv = Raw::new(ptr + (rank * s * 4) as CUdeviceptr, s, &self.stream);
-        guarded(OP, || {
-            self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op))
-        })
-        .map(drop)
-    }
-
-    /// In-place all-reduce of a whole device buffer.
-    pub fn all_reduce_in_place(&self, buf: &mut CudaSlice<f32>, op: ReduceOp) -> Result<()> {
-        guarded("NcclComm::all_reduce_in_place", || {
-            self.comm.all_reduce_in_place(buf, &nccl_op(op))
-        })
-        .map(drop)
+    /// Runs `f` with the communicator handle and the stream, the device's context current.
+    fn call(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), nccl::NcclError>,
+    ) -> Result<()> {
+        let handle = self.handle.lock().map_err(|_| Error::Comm {
+            op,
+            rank: self.rank,
+            reason: "an earlier NCCL call panicked".into(),
+        })?;
+        guarded(op, || self.dev.context().bind_to_thread())?;
+        let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
+        guarded(op, || f(handle.0, stream))
     }
 }
 
-fn nccl_op(op: ReduceOp) -> NcclOp {
-    match op {
-        ReduceOp::Sum => NcclOp::Sum,
-        ReduceOp::Avg => NcclOp::Avg,
+impl DeviceComm for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    fn all_gather_in_place(&self, mut buf: DevBufMut<'_>) -> Result<()> {
+        const OP: &str = "NcclComm::all_gather_in_place";
+        let b = buf.span(&self.dev);
+        let s = slice_len(OP, b.len, self.world)?;
+        let own = b.ptr + (self.rank * s) as u64 * bytes_of(b.elem);
+        // SAFETY: `own` is the rank's slice of `b` (NCCL's in-place all-gather); lengths
+        // checked; the view stays borrowed for the call.
+        self.call(OP, |comm, stream| unsafe {
+            nccl::all_gather(own as _, b.ptr as _, s, nccl_type(b.elem), comm, stream).map(drop)
+        })
+    }
+
+    fn all_gather(&self, send: DevBuf<'_>, mut recv: DevBufMut<'_>) -> Result<()> {
+        const OP: &str = "NcclComm::all_gather";
+        let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
+        let counts = vec![s.len; self.world];
+        check_counts(
+            OP,
+            self.world,
+            Span {
+                len: s.len * self.world,
+                ..s
+            },
+            &counts,
+            r,
+            &counts,
+        )?;
+        // SAFETY: `s.len` elements to send, `V·s.len` to receive, both borrowed for the call.
+        self.call(OP, |comm, stream| unsafe {
+            nccl::all_gather(
+                s.ptr as _,
+                r.ptr as _,
+                s.len,
+                nccl_type(s.elem),
+                comm,
+                stream,
+            )
+            .map(drop)
+        })
+    }
+
+    fn reduce_scatter_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
+        const OP: &str = "NcclComm::reduce_scatter_in_place";
+        let b = buf.span(&self.dev);
+        let s = slice_len(OP, b.len, self.world)?;
+        let own = b.ptr + (self.rank * s) as u64 * bytes_of(b.elem);
+        let (t, o) = (nccl_type(b.elem), nccl_op(op));
+        // SAFETY: NCCL's in-place reduce-scatter (receive buffer = own slice of the send buffer).
+        self.call(OP, |comm, stream| unsafe {
+            nccl::reduce_scatter(b.ptr as _, own as _, s, t, o, comm, stream).map(drop)
+        })
+    }
+
+    fn all_reduce_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
+        const OP: &str = "NcclComm::all_reduce_in_place";
+        let b = buf.span(&self.dev);
+        let (t, o) = (nccl_type(b.elem), nccl_op(op));
+        // SAFETY: the whole borrowed buffer, in place.
+        self.call(OP, |comm, stream| unsafe {
+            nccl::all_reduce(b.ptr as _, b.ptr as _, b.len, t, o, comm, stream).map(drop)
+        })
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: DevBuf<'_>,
+        send_counts: &[usize],
+        mut recv: DevBufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "NcclComm::all_to_all_v";
+        let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
+        check_counts(OP, self.world, s, send_counts, r, recv_counts)?;
+        let (t, es) = (nccl_type(s.elem), bytes_of(s.elem));
+        self.call(OP, |comm, stream| {
+            nccl::group_start()?;
+            let (mut at_s, mut at_r) = (0u64, 0u64);
+            let mut queued = Ok(());
+            for peer in 0..self.world {
+                let (cs, cr) = (send_counts[peer], recv_counts[peer]);
+                // SAFETY: segment `peer` of each borrowed buffer (counts checked against the
+                // lengths above).
+                queued = queued.and_then(|()| unsafe {
+                    if cs > 0 {
+                        nccl::send((s.ptr + at_s) as _, cs, t, peer as i32, comm, stream)?;
+                    }
+                    if cr > 0 {
+                        nccl::recv((r.ptr + at_r) as _, cr, t, peer as i32, comm, stream)?;
+                    }
+                    Ok(())
+                });
+                at_s += cs as u64 * es;
+                at_r += cr as u64 * es;
+            }
+            // The group is closed even when a call in it failed.
+            let closed = nccl::group_end().map(drop);
+            queued.and(closed)
+        })
+    }
+
+    fn broadcast_in_place(&self, mut buf: DevBufMut<'_>, root: usize) -> Result<()> {
+        const OP: &str = "NcclComm::broadcast_in_place";
+        if root >= self.world {
+            return Err(Error::BadInput {
+                op: OP,
+                what: format!("root {root}"),
+                reason: format!("not a rank of a world of {}", self.world),
+            });
+        }
+        let b = buf.span(&self.dev);
+        // SAFETY: the whole borrowed buffer, in place.
+        self.call(OP, |comm, stream| unsafe {
+            nccl::broadcast(
+                b.ptr as _,
+                b.ptr as _,
+                b.len,
+                nccl_type(b.elem),
+                root as i32,
+                comm,
+                stream,
+            )
+            .map(drop)
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // An all-reduce of one byte, then the stream: every rank has reached this point.
+        let mut flag = self.dev.zeros::<u8>(1)?;
+        self.all_reduce_in_place(DevBufMut::U8(flag.slice_mut(..)), ReduceOp::Sum)?;
+        self.dev.sync()
     }
 }
 
@@ -248,43 +423,6 @@ fn read_id(path: &Path, timeout: Duration) -> Result<[u8; ID_BYTES]> {
             });
         }
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// A raw `f32` range of device memory on `stream`, for NCCL's in-place calls, whose send and
-/// receive buffers overlap (which two borrows of one `CudaSlice` cannot express). Valid while
-/// the `CudaSlice` it points into is borrowed by the caller; the work is ordered by the one
-/// stream, so no events are needed.
-struct Raw<'s> {
-    ptr: CUdeviceptr,
-    len: usize,
-    stream: &'s Arc<CudaStream>,
-}
-
-impl<'s> Raw<'s> {
-    fn new(ptr: CUdeviceptr, len: usize, stream: &'s Arc<CudaStream>) -> Self {
-        Raw { ptr, len, stream }
-    }
-}
-
-impl DeviceSlice<f32> for Raw<'_> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.stream
-    }
-}
-
-impl DevicePtr<f32> for Raw<'_> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Record(None))
-    }
-}
-
-impl DevicePtrMut<f32> for Raw<'_> {
-    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Record(None))
     }
 }
 
