@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries on a machine with a Rust toolchain (no GPU or CUDA needed) and
+# Builds the CUDA test binaries and the `ragged` CLI (feature cuda) on a machine with a Rust toolchain (no GPU or CUDA needed) and
 # copies them, under stable names, to target/gpu-bin/ for scripts/gpu-check.sh to run on a GPU
 # machine that has no Rust toolchain. Carry target/gpu-bin with the working tree.
 #
@@ -35,3 +35,8 @@ for line in sys.stdin:
 }
 build ragged-cuda-tests --test cuda_tests
 build optimizers-cuda-tests -p ragged-optimizers --test cuda_tests
+# The CLI, for `ragged bench optim --device cuda`.
+cargo build --release -p ragged-cli --features cuda
+cp target/release/ragged "$out/ragged"
+strip "$out/ragged" 2>/dev/null || true
+echo "$out/ragged <- target/release/ragged ($(du -h "$out/ragged" | cut -f1))"

@@ -5,8 +5,9 @@
 #   RAGGED_EXPECT_GPU=1 scripts/gpu-check.sh   # exit 3 if any test skipped for want of a GPU
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
-# target/gpu-bin/ (carry that folder with the working tree), then the benchmark (an ignored
-# test) into bench.md. CUDA libraries: the driver
+# target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
+# cuda` into bench.md and the optim-cuda section of a copy of docs/benchmarks.md.
+# CUDA libraries: the driver
 # (libcuda.so.1) must be installed; cuBLAS, NVRTC and NCCL are taken from pip wheels
 # (nvidia-cublas, nvidia-cuda-nvrtc, nvidia-nccl-cu13) when any are installed, else from the
 # system (CUDA toolkit on the loader path). NCCL's soname is libnccl.so.2, which cudarc does not
@@ -88,12 +89,18 @@ for exe in "$bins"/*-tests; do
     fi
     grep -E '^test |skipped:|test result' "$res/$name.txt" | tee -a "$log"
 done
-# --- Benchmark (an ignored test): a markdown table against same-run baselines ----------------
-if [[ -x $bins/optimizers-cuda-tests ]]; then
+# --- Benchmark: `ragged bench optim --device cuda` into a copy of docs/benchmarks.md ----------
+if [[ -x $bins/ragged ]]; then
     say "== bench"
-    timeout 600 "$bins/optimizers-cuda-tests" --ignored --nocapture --test-threads=1 \
-        bench_optimizers_against_same_run_baselines >"$res/bench.txt" 2>&1 || say "bench: FAILED"
-    grep -E '^\||skipped:' "$res/bench.txt" | tee "$res/bench.md" | tee -a "$log"
+    cp docs/benchmarks.md "$res/benchmarks.md" 2>/dev/null || : >"$res/benchmarks.md"
+    if timeout 600 "$bins/ragged" bench optim --device cuda --out "$res/benchmarks.md" \
+        >"$res/bench.md" 2>"$res/bench.log"; then
+        say "bench: ok (table in bench.md; section optim-cuda of benchmarks.md updated)"
+    else
+        say "bench: FAILED (exit $?), see bench.log"
+        status=1
+    fi
+    tee -a "$log" <"$res/bench.md"
 fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     say "note: some tests were skipped (no usable device or library): see the lines above"

@@ -234,3 +234,27 @@ fn bench_optim_only_runs_one_optimizer_and_rejects_unknown_ones() {
     let out = ragged(&["bench", "optim", "--only", "sgd", "--no-write"]);
     assert!(!out.status.success());
 }
+
+#[test]
+fn bench_optim_on_cuda_without_a_gpu_build_or_device_fails_with_the_reason() {
+    let out = ragged(&[
+        "bench",
+        "optim",
+        "--device",
+        "cuda",
+        "--quick",
+        "--no-write",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // A `cuda` build on a GPU machine: the table names the device and both baselines.
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("cuBLAS GEMM") && text.contains("device memcpy"),
+            "{text}"
+        );
+        return;
+    }
+    assert!(err.contains("CUDA unavailable"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -291,7 +291,8 @@ impl Optimizer for Muon {
             Some(r) => r.gather(&u, comm)?,
             None => Vec::new(),
         };
-        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered)?;
+        let sizes = routes.as_ref().map_or(&[][..], |r| r.sizes());
+        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered, sizes)?;
         if let Some(r) = &routes {
             r.scatter(&gathered, &mut u, comm)?;
         }
@@ -333,14 +334,16 @@ impl Muon {
     }
 
     /// Newton–Schulz on every matrix this rank works on: the whole matrices inside its pieces
-    /// (in place in `u`) and the split ones gathered to it, in parallel (the matrices are
-    /// independent, so the split over threads changes no bit).
+    /// (in place in `u`) and the split ones gathered to it (the arena, matrices of `sizes`
+    /// back to back), in parallel (the matrices are independent, so the split over threads
+    /// changes no bit).
     fn orthogonalize_all(
         &self,
         shard: &LocalShard,
         roots: &RootPlan,
         u: &mut [f32],
-        gathered: &mut [Vec<f32>],
+        arena: &mut [f32],
+        sizes: &[usize],
     ) -> Result<()> {
         let mut tasks: Vec<(&mut [f32], usize, usize)> = Vec::new();
         let mut rest = u;
@@ -366,9 +369,12 @@ impl Muon {
             consumed = hi;
             tasks.extend(whole.chunks_mut(mn).map(|x| (x, rows, cols)));
         }
-        for (x, k) in gathered.iter_mut().zip(roots.rooted_here(shard.rank)) {
+        let mut rest = arena;
+        for (&n, k) in sizes.iter().zip(roots.rooted_here(shard.rank)) {
+            let (x, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
             let job = &roots.jobs[k];
-            tasks.push((x.as_mut_slice(), job.rows, job.cols));
+            tasks.push((x, job.rows, job.cols));
         }
         orthogonalize_many(tasks, &self.config.ns)
     }

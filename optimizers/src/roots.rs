@@ -210,6 +210,11 @@ impl RootPlan {
 /// other ranks hold of matrices rooted here, `own` runs of matrices rooted here that this
 /// rank holds itself. Send and receive lists are ordered by peer, then matrix order, then
 /// element order on both sides, so they agree without headers.
+///
+/// The matrices rooted here live in one *arena*, back to back in [`RootPlan::rooted_here`]
+/// order ([`Routes::sizes`]). Each direction is an [`Exchange`] between the local shard and
+/// the arena, a list of copies around one all-to-all, which the host
+/// ([`Exchange::run_host`]) and the device (`crate::cuda::muon`) both carry out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Routes {
     outgoing: Vec<Segment>,
@@ -222,80 +227,158 @@ pub struct Routes {
     sizes: Vec<usize>,
 }
 
-impl Routes {
-    /// Gathers the split matrices rooted at this rank from `local` (laid out like the shard);
-    /// returns them in [`RootPlan::rooted_here`] order. Every rank must call it.
-    pub fn gather(&self, local: &[f32], comm: &dyn Communicator) -> Result<Vec<Vec<f32>>> {
-        let send: Vec<f32> = self
-            .outgoing
-            .iter()
-            .flat_map(|s| &local[s.local..s.local + s.in_matrix.len()])
-            .copied()
-            .collect();
-        let mut recv = vec![0.0f32; self.from_holders.iter().sum()];
-        comm.all_to_all_v(
-            send.as_slice().into(),
-            &self.to_roots,
-            recv.as_mut_slice().into(),
-            &self.from_holders,
-        )?;
-        let mut mats: Vec<Vec<f32>> = self.sizes.iter().map(|&n| vec![0.0; n]).collect();
-        let mut at = 0;
-        for s in &self.incoming {
-            let n = s.in_matrix.len();
-            mats[s.slot][s.in_matrix.clone()].copy_from_slice(&recv[at..at + n]);
-            at += n;
-        }
-        for s in &self.own {
-            let n = s.in_matrix.len();
-            mats[s.slot][s.in_matrix.clone()].copy_from_slice(&local[s.local..s.local + n]);
-        }
-        Ok(mats)
+/// `len` elements copied from offset `src` to offset `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+}
+
+/// One direction of the routes, from a buffer `from` to a buffer `to`: copy the `pack` runs
+/// from `from` into a send buffer, all-to-all it (`send_counts` / `recv_counts` per peer),
+/// copy the `unpack` runs from the receive buffer into `to`, and the `own` runs straight from
+/// `from` into `to`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exchange {
+    pub pack: Vec<Run>,
+    pub send_counts: Vec<usize>,
+    pub recv_counts: Vec<usize>,
+    pub unpack: Vec<Run>,
+    pub own: Vec<Run>,
+}
+
+impl Exchange {
+    /// Elements of the send buffer.
+    pub fn send_len(&self) -> usize {
+        self.send_counts.iter().sum()
     }
 
-    /// Sends each holder its runs of the matrices rooted here (`mats`, as
-    /// [`Routes::gather`] returned them) and writes the runs this rank holds into `local`.
+    /// Elements of the receive buffer.
+    pub fn recv_len(&self) -> usize {
+        self.recv_counts.iter().sum()
+    }
+
+    /// The exchange on host buffers. Every rank must call it.
+    pub fn run_host(&self, from: &[f32], to: &mut [f32], comm: &dyn Communicator) -> Result<()> {
+        let mut send = vec![0.0f32; self.send_len()];
+        copy_runs(&self.pack, from, &mut send);
+        let mut recv = vec![0.0f32; self.recv_len()];
+        comm.all_to_all_v(
+            send.as_slice().into(),
+            &self.send_counts,
+            recv.as_mut_slice().into(),
+            &self.recv_counts,
+        )?;
+        copy_runs(&self.unpack, &recv, to);
+        copy_runs(&self.own, from, to);
+        Ok(())
+    }
+}
+
+fn copy_runs(runs: &[Run], from: &[f32], to: &mut [f32]) {
+    for r in runs {
+        to[r.dst..r.dst + r.len].copy_from_slice(&from[r.src..r.src + r.len]);
+    }
+}
+
+/// Runs of `segs` laid back to back on one side (from 0, in list order) and at `place(seg)`
+/// on the other; `packed_is_src` says which side is the source.
+fn runs(segs: &[Segment], place: impl Fn(&Segment) -> usize, packed_is_src: bool) -> Vec<Run> {
+    let mut at = 0;
+    segs.iter()
+        .map(|s| {
+            let (len, placed) = (s.in_matrix.len(), place(s));
+            let run = if packed_is_src {
+                Run {
+                    src: at,
+                    dst: placed,
+                    len,
+                }
+            } else {
+                Run {
+                    src: placed,
+                    dst: at,
+                    len,
+                }
+            };
+            at += len;
+            run
+        })
+        .collect()
+}
+
+impl Routes {
+    /// Elements of each matrix rooted here, in [`RootPlan::rooted_here`] order (the arena).
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    /// Elements of the arena.
+    pub fn arena_len(&self) -> usize {
+        self.sizes.iter().sum()
+    }
+
+    /// Where segment `s`'s run sits in the arena.
+    fn arena_pos(&self, s: &Segment) -> usize {
+        self.sizes[..s.slot].iter().sum::<usize>() + s.in_matrix.start
+    }
+
+    /// Local shard → arena: every split matrix to its root.
+    pub fn gather_exchange(&self) -> Exchange {
+        let own = self.own.iter().map(|s| Run {
+            src: s.local,
+            dst: self.arena_pos(s),
+            len: s.in_matrix.len(),
+        });
+        Exchange {
+            pack: runs(&self.outgoing, |s| s.local, false),
+            send_counts: self.to_roots.clone(),
+            recv_counts: self.from_holders.clone(),
+            unpack: runs(&self.incoming, |s| self.arena_pos(s), true),
+            own: own.collect(),
+        }
+    }
+
+    /// Arena → local shard: each holder gets its runs back.
+    pub fn scatter_exchange(&self) -> Exchange {
+        let own = self.own.iter().map(|s| Run {
+            src: self.arena_pos(s),
+            dst: s.local,
+            len: s.in_matrix.len(),
+        });
+        Exchange {
+            pack: runs(&self.incoming, |s| self.arena_pos(s), false),
+            send_counts: self.from_holders.clone(),
+            recv_counts: self.to_roots.clone(),
+            unpack: runs(&self.outgoing, |s| s.local, true),
+            own: own.collect(),
+        }
+    }
+
+    /// Gathers the split matrices rooted at this rank from `local` (laid out like the shard)
+    /// into a fresh arena. Every rank must call it.
+    pub fn gather(&self, local: &[f32], comm: &dyn Communicator) -> Result<Vec<f32>> {
+        let mut arena = vec![0.0f32; self.arena_len()];
+        self.gather_exchange().run_host(local, &mut arena, comm)?;
+        Ok(arena)
+    }
+
+    /// Sends each holder its runs of the matrices rooted here (`arena`, as
+    /// [`Routes::gather`] returned it) and writes the runs this rank holds into `local`.
     /// Every rank must call it.
-    pub fn scatter(
-        &self,
-        mats: &[Vec<f32>],
-        local: &mut [f32],
-        comm: &dyn Communicator,
-    ) -> Result<()> {
-        if mats.len() != self.sizes.len() {
+    pub fn scatter(&self, arena: &[f32], local: &mut [f32], comm: &dyn Communicator) -> Result<()> {
+        if arena.len() != self.arena_len() {
             return Err(Error::InvalidShard {
                 op: "Routes::scatter",
                 reason: format!(
-                    "{} matrices for the {} rooted at this rank",
-                    mats.len(),
-                    self.sizes.len()
+                    "an arena of {} elements for the {} of the matrices rooted at this rank",
+                    arena.len(),
+                    self.arena_len()
                 ),
             });
         }
-        let send: Vec<f32> = self
-            .incoming
-            .iter()
-            .flat_map(|s| &mats[s.slot][s.in_matrix.clone()])
-            .copied()
-            .collect();
-        let mut recv = vec![0.0f32; self.to_roots.iter().sum()];
-        comm.all_to_all_v(
-            send.as_slice().into(),
-            &self.from_holders,
-            recv.as_mut_slice().into(),
-            &self.to_roots,
-        )?;
-        let mut at = 0;
-        for s in &self.outgoing {
-            let n = s.in_matrix.len();
-            local[s.local..s.local + n].copy_from_slice(&recv[at..at + n]);
-            at += n;
-        }
-        for s in &self.own {
-            let n = s.in_matrix.len();
-            local[s.local..s.local + n].copy_from_slice(&mats[s.slot][s.in_matrix.clone()]);
-        }
-        Ok(())
+        self.scatter_exchange().run_host(arena, local, comm)
     }
 }
 

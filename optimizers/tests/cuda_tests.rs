@@ -342,97 +342,22 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     assert_eq!(gpu, cpu);
 }
 
-/// Throughput against same-run baselines (a benchmark, not a check: `--ignored` runs it;
-/// `scripts/gpu-check.sh` does). Newton–Schulz (4096², 5 steps) in TFLOP/s against a plain
-/// cuBLAS GEMM of the same size and precision; AdamW and 8-bit Adam in GB/s of state traffic
-/// against a device-to-device memcpy. Prints a markdown table.
+/// The GPU benchmark (`ragged bench optim --device cuda`) on tiny sizes: every row is a finite
+/// positive rate with a positive same-run baseline, and the table names the device.
 #[test]
-#[ignore = "benchmark; run with --ignored on a GPU"]
-fn bench_optimizers_against_same_run_baselines() {
-    use ragged_optimizers::cuda::newton_schulz::gemm_seconds;
-    use std::time::Instant;
+fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
+    use ragged_optimizers::cuda::bench::bench_gpu;
     let Some(dev) = device() else { return };
-    let name = dev.name().unwrap_or_else(|_| "unknown GPU".into());
-    println!("| {name} | value | baseline | ratio |\n|---|---|---|---|");
-    let n = 4096usize;
-    let ns = NsConfig::default();
-    // A Newton–Schulz step: X·Xᵀ, P·P and Q·X, 2·n³ FLOP each.
-    let ns_flop = (ns.steps * 3 * 2) as f64 * (n as f64).powi(3);
-    let mut rng = Rng::new(1);
-    let x = dev.upload(&rng.units(n * n)).unwrap();
-    for prec in [NsPrecision::Bf16, NsPrecision::F32] {
-        let ns = NsConfig {
-            precision: prec,
-            ..Default::default()
-        };
-        let gemm = gemm_seconds(&dev, n, prec, 10).unwrap();
-        let mut d = x.try_clone().unwrap();
-        orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
-        dev.sync().unwrap();
-        let iters = 3;
-        let t = Instant::now();
-        for _ in 0..iters {
-            orthogonalize_cuda(&dev, &mut d.slice_mut(..), 1, n, n, &ns).unwrap();
-        }
-        dev.sync().unwrap();
-        let secs = t.elapsed().as_secs_f64() / iters as f64;
-        let (got, peak) = (
-            ns_flop / secs / 1e12,
-            2.0 * (n as f64).powi(3) / gemm / 1e12,
-        );
-        println!(
-            "| Newton–Schulz {prec:?} {n}², {} steps (TFLOP/s) | {got:.1} | GEMM {peak:.1} | {:.0} % |",
-            ns.steps,
-            100.0 * got / peak
+    let report = bench_gpu(&dev, true).unwrap();
+    assert_eq!(report.rows.len(), 5, "{report:?}");
+    for r in &report.rows {
+        assert!(r.value.is_finite() && r.value > 0.0, "{r:?}");
+        assert!(
+            r.baseline_value.is_finite() && r.baseline_value > 0.0,
+            "{r:?}"
         );
     }
-
-    // Memory-bound steps: one shard of `len` elements.
-    let len = 1usize << 26;
-    let src = dev.zeros::<f32>(len).unwrap();
-    let mut dst = dev.zeros::<f32>(len).unwrap();
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        dev.sync().unwrap();
-        let t = Instant::now();
-        for _ in 0..5 {
-            f();
-        }
-        dev.sync().unwrap();
-        t.elapsed().as_secs_f64() / 5.0
-    };
-    let copy = time(&mut || dev.stream().memcpy_dtod(&src, &mut dst).unwrap());
-    let copy_gbs = 8.0 * len as f64 / copy / 1e9;
-
-    let spec = specs(&[("w", &[len / 8192, 8192])]);
-    let adamw = AdamW::new(AdamWConfig::default()).unwrap();
-    let shard = whole_shard_by(&spec, &|t| adamw.atomic_block(&t.name, &t.shape));
-    let mut p = dev.zeros::<f32>(len).unwrap();
-    let g = dev.zeros::<f32>(len).unwrap();
-    let mut st = adamw.init_cuda(&dev, &shard).unwrap();
-    let secs = time(&mut || {
-        adamw
-            .step_cuda(&dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
-            .unwrap()
-    });
-    // Reads p, g, m, v; writes p, m, v: 28 bytes per element.
-    let gbs = 28.0 * len as f64 / secs / 1e9;
-    println!(
-        "| AdamW, {len} elements (GB/s) | {gbs:.0} | memcpy {copy_gbs:.0} | {:.0} % |",
-        100.0 * gbs / copy_gbs
-    );
-
-    let a8 = Adam8bit::new(Adam8bitConfig::default()).unwrap();
-    let shard = whole_shard_by(&spec, &|t| a8.atomic_block(&t.name, &t.shape));
-    let mut st = a8.init_cuda(&dev, &shard).unwrap();
-    let secs = time(&mut || {
-        a8.step_cuda(&dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
-            .unwrap()
-    });
-    // Reads p, g and both codes; writes p and both codes: 16 bytes per element.
-    let gbs = 16.0 * len as f64 / secs / 1e9;
-    println!(
-        "| 8-bit Adam, {len} elements (GB/s) | {gbs:.0} | memcpy {copy_gbs:.0} | {:.0} % |",
-        100.0 * gbs / copy_gbs
-    );
+    let table = report.markdown();
+    assert!(table.contains(&report.device), "{table}");
+    println!("{table}");
 }

@@ -18,6 +18,7 @@
 //! [`Device::open`], the gate that returns `Err` instead of panicking when there is no driver.
 
 pub mod adam8bit;
+pub mod bench;
 pub mod muon;
 pub mod newton_schulz;
 

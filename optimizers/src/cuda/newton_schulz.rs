@@ -409,8 +409,13 @@ fn convert<A, B>(
 /// Newton–Schulz throughput is compared against.
 pub fn gemm_seconds(dev: &Device, n: usize, prec: NsPrecision, iters: usize) -> Result<f64> {
     match prec {
-        NsPrecision::F32 => timed_gemm::<f32>(dev, n, prec, iters),
-        NsPrecision::Bf16 => timed_gemm::<u16>(dev, n, prec, iters),
+        NsPrecision::F32 => timed_gemm(dev, n, prec, iters, |s| uniform(n * n, s)),
+        NsPrecision::Bf16 => timed_gemm(dev, n, prec, iters, |s| {
+            let x = uniform(n * n, s);
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect::<Vec<u16>>()
+        }),
     }
 }
 
@@ -419,13 +424,16 @@ fn timed_gemm<T: DeviceRepr + ValidAsZeroBits>(
     n: usize,
     prec: NsPrecision,
     iters: usize,
+    random: impl Fn(u64) -> Vec<T>,
 ) -> Result<f64> {
     const OP: &str = "gemm_seconds";
     let ni = int(OP, n)?;
     int(OP, n * n)?;
     let blas = dev.blas()?;
     let args = GemmArgs::row_major(ni, ni, ni);
-    let (a, b) = (dev.zeros::<T>(n * n)?, dev.zeros::<T>(n * n)?);
+    // Random operands: tensor cores on zeros draw less power and can clock higher, which
+    // would flatter the baseline.
+    let (a, b) = (dev.upload(&random(1))?, dev.upload(&random(2))?);
     let mut c = dev.zeros::<T>(n * n)?;
     let iters = iters.max(1);
     gemm(&blas, dev, prec, 1, &args, &a, &b, &mut c, (1.0, 0.0))?;
@@ -436,6 +444,12 @@ fn timed_gemm<T: DeviceRepr + ValidAsZeroBits>(
     }
     dev.sync()?;
     Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// `len` values uniform in `[-1, 1)` from `seed`.
+fn uniform(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ragged::demo::SplitMix(seed);
+    (0..len).map(|_| rng.uniform()).collect()
 }
 
 #[cfg(test)]

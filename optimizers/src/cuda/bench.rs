@@ -1,0 +1,181 @@
+//! `ragged bench optim --device cuda`: the device optimizer steps against baselines measured in
+//! the same run on the same GPU.
+//!
+//! | case | measure | baseline |
+//! |---|---|---|
+//! | Newton–Schulz, one `n × n` matrix, bf16 and f32 | TFLOP/s (`steps · 3` GEMMs of `2n³`) | one plain cuBLAS GEMM `n³` of the same precision on random data |
+//! | Newton–Schulz, a stack of 8 `n/4 × n/4` experts (strided-batched), bf16 | TFLOP/s | the same GEMM |
+//! | AdamW step on one `len`-element shard | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy, read + write bytes |
+//! | 8-bit Adam step, same shard | GB/s (16 B per element: p, g, both codes read; p, both codes written) | the same memcpy |
+//!
+//! Sizes: `n = 4096`, `len = 2^26` (`quick`: 512 and 2^20, for tests). Every timing
+//! synchronizes the device before reading the clock, after one untimed warm-up.
+
+use std::time::Instant;
+
+use ragged::cuda::Device;
+use ragged::demo::SplitMix;
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::Result;
+
+use super::newton_schulz::{gemm_seconds, orthogonalize_cuda};
+use crate::newton_schulz::{NsConfig, NsPrecision};
+use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig};
+
+/// One row of the GPU table: a measured rate and the same-run baseline it is compared with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuRow {
+    pub case: String,
+    pub value: f64,
+    pub unit: &'static str,
+    pub baseline: String,
+    pub baseline_value: f64,
+}
+
+impl GpuRow {
+    /// `value / baseline_value`.
+    pub fn ratio(&self) -> f64 {
+        self.value / self.baseline_value
+    }
+}
+
+/// The GPU table and the device it ran on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuReport {
+    pub device: String,
+    pub rows: Vec<GpuRow>,
+}
+
+impl GpuReport {
+    /// A markdown table.
+    pub fn markdown(&self) -> String {
+        let mut out = format!(
+            "| case ({}) | value | unit | same-run baseline | baseline | ratio |\n|---|---|---|---|---|---|\n",
+            self.device
+        );
+        for r in &self.rows {
+            out += &format!(
+                "| {} | {:.1} | {} | {} | {:.1} | {:.0} % |\n",
+                r.case,
+                r.value,
+                r.unit,
+                r.baseline,
+                r.baseline_value,
+                100.0 * r.ratio()
+            );
+        }
+        out
+    }
+}
+
+/// Mean seconds of `f` over `iters` runs after one warm-up, the device synchronized around.
+fn time(dev: &Device, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.sync()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    dev.sync()?;
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
+
+fn units(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix(seed);
+    (0..n).map(|_| rng.uniform()).collect()
+}
+
+/// Runs every case (module doc) on `dev`; `quick` shrinks the sizes.
+pub fn bench_gpu(dev: &Device, quick: bool) -> Result<GpuReport> {
+    let (n, len) = if quick {
+        (512, 1 << 20)
+    } else {
+        (4096, 1 << 26)
+    };
+    let mut rows = Vec::new();
+    let nf = n as f64;
+    for prec in [NsPrecision::Bf16, NsPrecision::F32] {
+        let cfg = NsConfig {
+            precision: prec,
+            ..NsConfig::default()
+        };
+        let gemm = 2.0 * nf.powi(3) / gemm_seconds(dev, n, prec, 10)? / 1e12;
+        let baseline = format!("cuBLAS GEMM {n}³ {prec:?}");
+        for (batch, side) in [(1, n), (8, n / 4)] {
+            if batch > 1 && prec == NsPrecision::F32 {
+                continue;
+            }
+            let mut x = dev.upload(&units(batch * side * side, 7))?;
+            let secs = time(dev, 3, &mut || {
+                orthogonalize_cuda(dev, &mut x.slice_mut(..), batch, side, side, &cfg)
+            })?;
+            let flop = (batch * cfg.steps * 3 * 2) as f64 * (side as f64).powi(3);
+            let case = if batch == 1 {
+                format!("Newton–Schulz {prec:?} {side}², {} steps", cfg.steps)
+            } else {
+                format!(
+                    "Newton–Schulz {prec:?} {batch}×{side}² experts (strided-batched), {} steps",
+                    cfg.steps
+                )
+            };
+            rows.push(GpuRow {
+                case,
+                value: flop / secs / 1e12,
+                unit: "TFLOP/s",
+                baseline: baseline.clone(),
+                baseline_value: gemm,
+            });
+        }
+    }
+    rows.extend(bench_elementwise(dev, len)?);
+    Ok(GpuReport {
+        device: dev.name().unwrap_or_else(|_| "unknown GPU".into()),
+        rows,
+    })
+}
+
+/// AdamW and 8-bit Adam on one `len`-element shard against a device memcpy.
+fn bench_elementwise(dev: &Device, len: usize) -> Result<Vec<GpuRow>> {
+    let src = dev.upload(&units(len, 1))?;
+    let mut dst = dev.zeros::<f32>(len)?;
+    let copy = time(dev, 5, &mut || {
+        ragged::cuda::guarded("bench_gpu memcpy", || {
+            dev.stream().memcpy_dtod(&src, &mut dst)
+        })
+    })?;
+    let copy_gbs = 8.0 * len as f64 / copy / 1e9;
+    let baseline = format!("device memcpy {} MiB", 4 * len >> 20);
+    let shape = [len / 8192, 8192];
+    let mut p = dev.upload(&units(len, 2))?;
+    let g = dev.upload(&units(len, 3))?;
+    let mut rows = Vec::new();
+
+    let adamw = AdamW::new(AdamWConfig::default())?;
+    let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| adamw.atomic_block(n, s))?;
+    let mut st = adamw.init_cuda(dev, &shard)?;
+    let secs = time(dev, 5, &mut || {
+        adamw.step_cuda(dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+    })?;
+    rows.push(GpuRow {
+        case: format!("AdamW step, {len} elements"),
+        value: 28.0 * len as f64 / secs / 1e9,
+        unit: "GB/s",
+        baseline: baseline.clone(),
+        baseline_value: copy_gbs,
+    });
+
+    let a8 = Adam8bit::new(Adam8bitConfig::default())?;
+    let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| a8.atomic_block(n, s))?;
+    let mut st = a8.init_cuda(dev, &shard)?;
+    let secs = time(dev, 5, &mut || {
+        a8.step_cuda(dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+    })?;
+    rows.push(GpuRow {
+        case: format!("8-bit Adam step, {len} elements"),
+        value: 16.0 * len as f64 / secs / 1e9,
+        unit: "GB/s",
+        baseline,
+        baseline_value: copy_gbs,
+    });
+    Ok(rows)
+}
