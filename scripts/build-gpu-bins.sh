@@ -33,7 +33,7 @@ for line in sys.stdin:
     strip "$out/$name" 2>/dev/null || true
     echo "$out/$name <- $exe ($(du -h "$out/$name" | cut -f1))"
 }
-build ragged-cuda-tests --test cuda_tests
+build ragged-cuda-tests -p ragged --test cuda_tests
 build optimizers-cuda-tests -p ragged-optimizers --test cuda_tests
 # The CLI, for `ragged bench optim --device cuda`.
 cargo build --release -p ragged-cli --features cuda

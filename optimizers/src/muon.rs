@@ -258,7 +258,7 @@ impl Optimizer for Muon {
         if roots.has_split() {
             // A split matrix is only ever orthogonalized whole, on its root: refuse to run
             // without the ranks that hold the rest of it.
-            check_comm(OP, shard, comm)?;
+            check_comm(OP, shard, comm.world_size(), comm.rank())?;
         }
         let routes = roots.has_split().then(|| roots.routes(shard)).transpose()?;
         let t = next_step(OP, state.step)?;
@@ -380,22 +380,27 @@ impl Muon {
     }
 }
 
-/// `Err` unless `comm` is this shard's world, seen from this shard's rank.
-fn check_comm(op: &'static str, shard: &LocalShard, comm: &dyn Communicator) -> Result<()> {
-    if comm.world_size() != shard.world {
+/// `Err` unless a communicator of `world` ranks seen from `rank` is this shard's world, seen
+/// from this shard's rank (host and device steps).
+pub(crate) fn check_comm(
+    op: &'static str,
+    shard: &LocalShard,
+    world: usize,
+    rank: usize,
+) -> Result<()> {
+    if world != shard.world {
         return Err(Error::WorldSizeMismatch {
             op,
             expected: shard.world,
-            got: comm.world_size(),
+            got: world,
         });
     }
-    if comm.rank() != shard.rank {
+    if rank != shard.rank {
         return Err(Error::InvalidShard {
             op,
             reason: format!(
-                "the shard is rank {}'s but the communicator is rank {}'s",
-                shard.rank,
-                comm.rank()
+                "the shard is rank {}'s but the communicator is rank {rank}'s",
+                shard.rank
             ),
         });
     }

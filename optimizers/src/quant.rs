@@ -334,6 +334,9 @@ impl CodeBook {
             xs.len(),
             absmax.len()
         );
+        if xs.is_empty() {
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 is present; the function reads `xs` and writes `out` in bounds.
@@ -656,6 +659,8 @@ mod tests {
                 }
             }
             // The slice path (vector lanes and the scalar tail) on every x, several scales.
+            let mut none: [u8; 0] = [];
+            book.quantize_scaled_slice(&[], 1.0, 7, &mut none); // empty: no panic
             for absmax in [0.0f32, 1.0, 0.5, 3.0e-3, 7.0] {
                 let mut out = vec![0u8; xs.len()];
                 book.quantize_scaled_slice(&xs, absmax, 7, &mut out);

@@ -272,12 +272,7 @@ fn muon_step_cuda_refuses_split_matrices() {
     let spec = specs(&[("w0", &[48, 32]), ("w1", &[48, 32]), ("w2", &[48, 32])]);
     let opt = Muon::new(MuonConfig::default()).unwrap();
     // Row blocks on 2 ranks (2304 elements each): w1 is cut between them.
-    let shards = harness::planned_shards_by(
-        &spec,
-        2,
-        &|_| ragged::AtomicBlock::Rows(1),
-        &PlanOptions::default(),
-    );
+    let shards = split_rows(&opt, &spec, 2);
     let shard = shards
         .iter()
         .find(|s| opt.roots(s).has_split())
@@ -290,6 +285,21 @@ fn muon_step_cuda_refuses_split_matrices() {
         .unwrap_err();
     assert!(err.to_string().contains("split"), "{err}");
     assert_eq!(ds.step, 0, "nothing modified");
+}
+
+/// Row-granular shards of `spec` on `world` ranks, in which some Muon matrix is split.
+fn split_rows(opt: &Muon, spec: &[TensorSpec], world: usize) -> Vec<LocalShard> {
+    let shards = harness::planned_shards_by(
+        spec,
+        world,
+        &|_| ragged::AtomicBlock::Rows(1),
+        &PlanOptions::default(),
+    );
+    assert!(
+        shards.iter().any(|s| opt.roots(s).has_split()),
+        "a split layout"
+    );
+    shards
 }
 
 /// Sharded Muon with split matrices over thread ranks on one GPU (host Muon step, the
@@ -311,16 +321,7 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     ]);
     let opt = Muon::new(MuonConfig::default()).unwrap();
     let world = 3;
-    let shards = harness::planned_shards_by(
-        &spec,
-        world,
-        &|_| ragged::AtomicBlock::Rows(1),
-        &PlanOptions::default(),
-    );
-    assert!(
-        shards.iter().any(|s| opt.roots(s).has_split()),
-        "a split layout"
-    );
+    let shards = split_rows(&opt, &spec, world);
     let mut rng = Rng::new(21);
     let p0 = globals(&spec, &mut rng, 1.0);
     let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
@@ -340,6 +341,83 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     })
     .unwrap();
     assert_eq!(gpu, cpu);
+}
+
+/// The device step on a split layout over thread ranks on one GPU (matrices gathered to their
+/// roots with device copies and the device all-to-all) against the CPU sharded step: momentum
+/// and the AdamW moments bitwise, parameters within the Newton–Schulz tolerance.
+#[test]
+fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::comm::Communicator;
+    use ragged::cuda::collective::DeviceComm;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = std::sync::Arc::new(dev);
+    let spec = specs(&[
+        ("w0", &[48, 32]),
+        ("w1", &[48, 32]),
+        ("w2", &[40, 24]),
+        ("b", &[7]),
+    ]);
+    let opt = Muon::new(MuonConfig {
+        lr: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    let world = 3;
+    let shards = split_rows(&opt, &spec, world);
+    let mut rng = Rng::new(33);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    let cpu = ThreadWorld::run(world, |c| {
+        let shard = &shards[c.rank()];
+        let (mut p, mut st) = (scatter(shard, &p0), opt.init(shard)?);
+        for g in &grads {
+            opt.step(&mut st, shard, &mut p, &scatter(shard, g), c)?;
+        }
+        Ok((p, st.m, st.v))
+    })
+    .unwrap();
+    let gpu = ThreadDeviceComm::run(dev, world, |c| {
+        let (shard, d) = (&shards[c.rank()], c.device());
+        let mut p = d.upload(&scatter(shard, &p0))?;
+        let mut st = opt.init_cuda(d, shard)?;
+        for g in &grads {
+            let g = d.upload(&scatter(shard, g))?;
+            opt.step_cuda_comm(&mut st, shard, &mut p.slice_mut(..), &g.slice(..), c)?;
+        }
+        let st = st.download(d)?;
+        Ok((d.download(&p)?, st.m, st.v))
+    })
+    .unwrap();
+    for (r, ((gp, gm, gv), (cp, cm, cv))) in gpu.iter().zip(&cpu).enumerate() {
+        assert_eq!(bits(gm), bits(cm), "rank {r}: m");
+        assert_eq!(bits(gv), bits(cv), "rank {r}: v");
+        let (abs, _) = diffs(gp, cp);
+        assert!(abs <= 1e-4, "rank {r}: params max |Δ| = {abs}");
+    }
+    // A communicator of another world is refused before anything changes.
+    let lonely = ThreadDeviceComm::world(std::sync::Arc::new(device().unwrap()), 1).unwrap();
+    let shard = shards.iter().find(|s| opt.roots(s).has_split()).unwrap();
+    let d = lonely[0].device();
+    let mut st = opt.init_cuda(d, shard).unwrap();
+    let mut p = d.zeros::<f32>(shard.len).unwrap();
+    let g = d.zeros::<f32>(shard.len).unwrap();
+    let err = opt
+        .step_cuda_comm(
+            &mut st,
+            shard,
+            &mut p.slice_mut(..),
+            &g.slice(..),
+            &lonely[0],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, ragged::Error::WorldSizeMismatch { .. }),
+        "{err}"
+    );
+    assert_eq!(st.step, 0, "nothing modified");
 }
 
 /// The GPU benchmark (`ragged bench optim --device cuda`) on tiny sizes: every row is a finite

@@ -144,7 +144,7 @@ fn bench_elementwise(dev: &Device, len: usize) -> Result<Vec<GpuRow>> {
         })
     })?;
     let copy_gbs = 8.0 * len as f64 / copy / 1e9;
-    let baseline = format!("device memcpy {} MiB", 4 * len >> 20);
+    let baseline = format!("device memcpy {} MiB", (4 * len) >> 20);
     let shape = [len / 8192, 8192];
     let mut p = dev.upload(&units(len, 2))?;
     let g = dev.upload(&units(len, 3))?;

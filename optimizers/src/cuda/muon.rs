@@ -1,18 +1,25 @@
-//! Muon on the device, for layouts whose Muon matrices are **whole on their rank** (the
-//! `whole` layout of [`crate::muon_layout`]): momentum and apply as kernels
-//! (`kernels/muon.cu`, bitwise the CPU's element steps), Newton–Schulz on cuBLAS per piece (an
-//! `[E, m, n]` piece is one strided-batched call), AdamW for the other parameters. Split
-//! matrices need the gather to a root over NCCL, which is not here yet: such shards get `Err`.
+//! Muon on the device: momentum and apply as kernels (`kernels/muon.cu`, bitwise the CPU's
+//! element steps), Newton–Schulz on cuBLAS (an `[E, m, n]` piece of whole matrices is one
+//! strided-batched call), AdamW for the other parameters.
+//!
+//! Matrices whole on their rank are orthogonalized in place. Matrices the layout splits over
+//! ranks travel to their root and back exactly as on the CPU ([`crate::roots`]: the same
+//! roots, the same two [`Exchange`]s of copy runs around one all-to-all each), here with
+//! device-to-device copies and a [`DeviceComm`] (NCCL's grouped send/recv, or thread ranks on
+//! one GPU): [`Muon::step_cuda_comm`]. [`Muon::step_cuda`] has no communicator and refuses
+//! such shards.
 
-use ragged::cuda::cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
-use ragged::cuda::{count, elementwise, guarded, Device, ADAMW, MUON};
+use ragged::cuda::collective::DeviceComm;
+use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::optim::LocalShard;
 use ragged::{Error, Result};
 
 use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
 use crate::common::{check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
-use crate::muon::Muon;
+use crate::muon::{check_comm, Muon};
+use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
 pub const MUON_MOMENTUM: &str = "muon_momentum";
@@ -38,6 +45,32 @@ impl Muon {
         params: &mut CudaViewMut<'_, f32>,
         grads: &CudaView<'_, f32>,
     ) -> Result<()> {
+        self.step_device(dev, state, shard, params, grads, None)
+    }
+
+    /// [`Muon::step_cuda`] for any layout: split matrices go to their roots and back through
+    /// `comm` (every rank of the shard's world must call it). `Err` before anything is modified
+    /// when `comm` is not this shard's world and rank, or lives on another device.
+    pub fn step_cuda_comm(
+        &self,
+        state: &mut DeviceAdamState,
+        shard: &LocalShard,
+        params: &mut CudaViewMut<'_, f32>,
+        grads: &CudaView<'_, f32>,
+        comm: &dyn DeviceComm,
+    ) -> Result<()> {
+        self.step_device(comm.device(), state, shard, params, grads, Some(comm))
+    }
+
+    fn step_device(
+        &self,
+        dev: &Device,
+        state: &mut DeviceAdamState,
+        shard: &LocalShard,
+        params: &mut CudaViewMut<'_, f32>,
+        grads: &CudaView<'_, f32>,
+        comm: Option<&dyn DeviceComm>,
+    ) -> Result<()> {
         const OP: &str = "Muon::step_cuda";
         check_step_inputs(
             OP,
@@ -48,15 +81,23 @@ impl Muon {
             state.v.len(),
         )?;
         shard.check_holdings(OP)?;
-        if self.roots(shard).has_split() {
-            return Err(Error::InvalidShard {
-                op: OP,
-                reason: "a Muon matrix is split over ranks; the device step handles whole \
-                         matrices only until the NCCL communicator lands (plan with \
-                         MatrixLayout::Whole)"
-                    .into(),
-            });
-        }
+        let roots = self.roots(shard);
+        let routes = match (roots.has_split(), comm) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(Error::InvalidShard {
+                    op: OP,
+                    reason: "a Muon matrix is split over ranks: its gather to a root needs a \
+                             communicator (Muon::step_cuda_comm), or plan with \
+                             MatrixLayout::Whole"
+                        .into(),
+                })
+            }
+            (true, Some(c)) => {
+                check_comm(OP, shard, c.world_size(), c.rank())?;
+                Some(roots.routes(shard)?)
+            }
+        };
         let t = next_step(OP, state.step)?;
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
@@ -107,25 +148,48 @@ impl Muon {
             }
         }
 
-        // Step 3: every piece of a Muon parameter is whole matrices (checked above).
+        // Step 3: the whole matrices of each piece in place; split ones on their roots.
+        let mut arena = dev.zeros::<f32>(routes.as_ref().map_or(0, |r| r.arena_len()).max(1))?;
+        if let (Some(r), Some(c)) = (&routes, comm) {
+            exchange(&r.gather_exchange(), dev, &u, &mut arena, c)?;
+        }
         for piece in &shard.pieces {
             let Some(step) = self.matrix_step(&shard.params[piece.param]) else {
                 continue;
             };
             let mn = step.rows * step.cols;
-            if mn == 0 || piece.range.is_empty() {
+            let (a, b) = (piece.range.start, piece.range.end);
+            let (first, last) = (a.div_ceil(mn.max(1)), b / mn.max(1));
+            if mn == 0 || first >= last {
                 continue;
             }
-            let r = piece.offset..piece.offset + piece.range.len();
-            let batch = r.len() / mn;
+            let lo = piece.offset + (first * mn - a);
+            let hi = lo + (last - first) * mn;
             orthogonalize_cuda(
                 dev,
-                &mut u.slice_mut(r),
-                batch,
+                &mut u.slice_mut(lo..hi),
+                last - first,
                 step.rows,
                 step.cols,
                 step.ns,
             )?;
+        }
+        if let (Some(r), Some(c)) = (&routes, comm) {
+            let mut at = 0;
+            for (&n, k) in r.sizes().iter().zip(roots.rooted_here(shard.rank)) {
+                let job = &roots.jobs[k];
+                let ns = &self.config().ns;
+                orthogonalize_cuda(
+                    dev,
+                    &mut arena.slice_mut(at..at + n),
+                    1,
+                    job.rows,
+                    job.cols,
+                    ns,
+                )?;
+                at += n;
+            }
+            exchange(&r.scatter_exchange(), dev, &arena, &mut u, c)?;
         }
 
         // Steps 4–5.
@@ -154,4 +218,54 @@ impl Muon {
         state.step = t;
         Ok(())
     }
+}
+
+/// One [`Exchange`] on device buffers: pack `from`'s runs into a send buffer, all-to-all,
+/// unpack into `to`, and copy the own runs from `from` to `to` (device-to-device copies).
+fn exchange(
+    ex: &Exchange,
+    dev: &Device,
+    from: &CudaSlice<f32>,
+    to: &mut CudaSlice<f32>,
+    comm: &dyn DeviceComm,
+) -> Result<()> {
+    let (ns, nr) = (ex.send_len(), ex.recv_len());
+    let mut send = dev.zeros::<f32>(ns.max(1))?;
+    copy_runs(dev, &ex.pack, from, &mut send)?;
+    let mut recv = dev.zeros::<f32>(nr.max(1))?;
+    comm.all_to_all_v(
+        send.slice(..ns).into(),
+        &ex.send_counts,
+        recv.slice_mut(..nr).into(),
+        &ex.recv_counts,
+    )?;
+    copy_runs(dev, &ex.unpack, &recv, to)?;
+    copy_runs(dev, &ex.own, from, to)
+}
+
+fn copy_runs(
+    dev: &Device,
+    runs: &[crate::roots::Run],
+    from: &CudaSlice<f32>,
+    to: &mut CudaSlice<f32>,
+) -> Result<()> {
+    for r in runs {
+        // cudarc asserts on out-of-range views: check first.
+        check_len(
+            "Muon::step_cuda (runs)",
+            from.len().max(r.src + r.len),
+            from.len(),
+        )?;
+        check_len(
+            "Muon::step_cuda (runs)",
+            to.len().max(r.dst + r.len),
+            to.len(),
+        )?;
+        let src = from.slice(r.src..r.src + r.len);
+        let mut dst = to.slice_mut(r.dst..r.dst + r.len);
+        guarded("Muon::step_cuda (runs)", || {
+            dev.stream().memcpy_dtod(&src, &mut dst)
+        })?;
+    }
+    Ok(())
 }
