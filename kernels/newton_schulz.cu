@@ -1,5 +1,6 @@
 // Newton-Schulz helpers around the cuBLAS products (optimizers/src/cuda/newton_schulz.rs):
-// batched transpose, the Frobenius pre-normalization and f32 <-> bf16 conversion.
+// batched transpose, the Frobenius pre-normalization, f32 <-> bf16 conversion, and filling the
+// upper triangle of a syrk result.
 //
 // ns_transpose: grid (ceil(cols/32), ceil(rows/32), batch), block (32, 8); a 32x33 shared tile.
 // ns_sumsq_partial: grid (blocks, batch), block 256: per block, the f64 sum of squares of a
@@ -91,5 +92,18 @@ extern "C" __global__ void ns_bf16_to_f32(const unsigned short* x, float* out,
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         out[i] = __uint_as_float(((unsigned int)x[i]) << 16);
+    }
+}
+
+// ns_symmetrize_lower: grid (any, batch), block 256. c holds batch column-major n x n matrices
+// whose lower triangle (row >= col) cuBLAS syrk wrote; copies it onto the upper triangle, so the
+// matrix is whole for the next GEMM. Reads only the lower triangle, writes only the upper one.
+extern "C" __global__ void ns_symmetrize_lower(float* c, unsigned int n) {
+    const unsigned long long nn = (unsigned long long)n * n;
+    float* cm = c + nn * blockIdx.y;
+    for (unsigned long long idx = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; idx < nn;
+         idx += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long i = idx % n, j = idx / n;  // element (row i, column j)
+        if (i < j) cm[idx] = cm[j + i * n];
     }
 }

@@ -316,6 +316,7 @@ const ENTRIES: [(&str, &[&str]); 6] = [
             "ns_normalize",
             "ns_f32_to_bf16",
             "ns_bf16_to_f32",
+            "ns_symmetrize_lower",
         ],
     ),
     (

@@ -180,14 +180,25 @@ fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
 
 #[test]
 fn newton_schulz_cuda_matches_cpu_within_tolerance() {
+    use ragged_optimizers::cuda::newton_schulz::{orthogonalize_cuda_with, GramProduct};
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(5);
-    // (batch, rows, cols): wide, tall (transposed path), a stack, a square matrix.
-    for (batch, rows, cols) in [(1, 32, 96), (1, 96, 40), (3, 48, 32), (2, 64, 64)] {
+    // (batch, rows, cols): wide, tall (transposed path), a stack, a square matrix, and one
+    // with a short side of 256 (where `Auto` takes syrk in f32).
+    let shapes = [
+        (1, 32, 96),
+        (1, 96, 40),
+        (3, 48, 32),
+        (2, 64, 64),
+        (1, 256, 320),
+    ];
+    for (batch, rows, cols) in shapes {
         let x = rng.units(batch * rows * cols);
-        for (prec, max_abs, max_rel) in [
-            (NsPrecision::F32, 2e-3f32, 1e-3f64),
-            (NsPrecision::Bf16, f32::INFINITY, 5e-2),
+        for (prec, gram, max_abs, max_rel) in [
+            (NsPrecision::F32, GramProduct::Auto, 2e-3f32, 1e-3f64),
+            (NsPrecision::F32, GramProduct::Gemm, 2e-3, 1e-3),
+            (NsPrecision::F32, GramProduct::Syrk, 2e-3, 1e-3),
+            (NsPrecision::Bf16, GramProduct::Auto, f32::INFINITY, 5e-2),
         ] {
             // The CPU reference in the same precision (its bf16 path has the same semantics).
             let cfg = NsConfig {
@@ -199,15 +210,32 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
                 orthogonalize(m, rows, cols, &cfg).unwrap();
             }
             let mut d = dev.upload(&x).unwrap();
-            orthogonalize_cuda(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg).unwrap();
+            orthogonalize_cuda_with(&dev, &mut d.slice_mut(..), batch, rows, cols, &cfg, gram)
+                .unwrap();
             let got = dev.download(&d).unwrap();
             let (abs, rel) = diffs(&got, &want);
             assert!(
                 abs <= max_abs && rel <= max_rel,
-                "{prec:?} {batch}×{rows}×{cols}: max |Δ| = {abs}, relative {rel}"
+                "{prec:?} {gram:?} {batch}×{rows}×{cols}: max |Δ| = {abs}, relative {rel}"
             );
         }
     }
+    // cuBLAS has no bf16 syrk: asked for, it is an error, not a silent GEMM.
+    let cfg = NsConfig {
+        precision: NsPrecision::Bf16,
+        ..Default::default()
+    };
+    let mut d = dev.upload(&rng.units(64 * 64)).unwrap();
+    let err = orthogonalize_cuda_with(
+        &dev,
+        &mut d.slice_mut(..),
+        1,
+        64,
+        64,
+        &cfg,
+        GramProduct::Syrk,
+    );
+    assert!(err.is_err());
 }
 
 #[test]
@@ -427,7 +455,7 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
     use ragged_optimizers::cuda::bench::bench_gpu;
     let Some(dev) = device() else { return };
     let report = bench_gpu(&dev, true).unwrap();
-    assert_eq!(report.rows.len(), 5, "{report:?}");
+    assert_eq!(report.rows.len(), 6, "{report:?}");
     for r in &report.rows {
         assert!(r.value.is_finite() && r.value > 0.0, "{r:?}");
         assert!(

@@ -3,7 +3,7 @@
 //!
 //! | case | measure | baseline |
 //! |---|---|---|
-//! | Newton–Schulz, one `n × n` matrix, bf16 and f32 | TFLOP/s (`steps · 3` GEMMs of `2n³`) | one plain cuBLAS GEMM `n³` of the same precision on random data |
+//! | Newton–Schulz, one `n × n` matrix, bf16 (GEMM) and f32 (GEMM, and syrk for the symmetric products) | TFLOP/s (`steps · 3` GEMMs of `2n³`, whichever product ran) | one plain cuBLAS GEMM `n³` of the same precision on random data |
 //! | Newton–Schulz, a stack of 8 `n/4 × n/4` experts (strided-batched), bf16 | TFLOP/s | the same GEMM |
 //! | AdamW step on one `len`-element shard | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy, read + write bytes |
 //! | 8-bit Adam step, same shard | GB/s (16 B per element: p, g, both codes read; p, both codes written) | the same memcpy |
@@ -18,7 +18,7 @@ use ragged::demo::SplitMix;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::Result;
 
-use super::newton_schulz::{gemm_seconds, orthogonalize_cuda};
+use super::newton_schulz::{gemm_seconds, orthogonalize_cuda_with, GramProduct};
 use crate::newton_schulz::{NsConfig, NsPrecision};
 use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig};
 
@@ -101,17 +101,24 @@ pub fn bench_gpu(dev: &Device, quick: bool) -> Result<GpuReport> {
         };
         let gemm = 2.0 * nf.powi(3) / gemm_seconds(dev, n, prec, 10)? / 1e12;
         let baseline = format!("cuBLAS GEMM {n}³ {prec:?}");
-        for (batch, side) in [(1, n), (8, n / 4)] {
-            if batch > 1 && prec == NsPrecision::F32 {
-                continue;
-            }
+        // bf16: one matrix and a stack of experts on GEMMs; f32: one matrix with the
+        // symmetric products on GEMM and on syrk (FLOPs counted as GEMMs in both, so the
+        // syrk row shows what the saved half-products buy).
+        let cases: &[(usize, usize, GramProduct)] = match prec {
+            NsPrecision::Bf16 => &[(1, n, GramProduct::Gemm), (8, n / 4, GramProduct::Gemm)],
+            NsPrecision::F32 => &[(1, n, GramProduct::Gemm), (1, n, GramProduct::Syrk)],
+        };
+        for &(batch, side, gram) in cases {
             let mut x = dev.upload(&units(batch * side * side, 7))?;
             let secs = time(dev, 3, &mut || {
-                orthogonalize_cuda(dev, &mut x.slice_mut(..), batch, side, side, &cfg)
+                orthogonalize_cuda_with(dev, &mut x.slice_mut(..), batch, side, side, &cfg, gram)
             })?;
             let flop = (batch * cfg.steps * 3 * 2) as f64 * (side as f64).powi(3);
             let case = if batch == 1 {
-                format!("Newton–Schulz {prec:?} {side}², {} steps", cfg.steps)
+                format!(
+                    "Newton–Schulz {prec:?} {side}², {} steps, {gram:?}",
+                    cfg.steps
+                )
             } else {
                 format!(
                     "Newton–Schulz {prec:?} {batch}×{side}² experts (strided-batched), {} steps",

@@ -6,14 +6,22 @@
 //! |---|---|---|
 //! | 1 | if `rows > cols`, `X ← Xᵀ` | `ns_transpose` (kernels/newton_schulz.cu) |
 //! | 2 | `X ← X / max(s·‖X‖_F, eps)` (`s` = `norm_scale`; a non-finite norm makes every entry NaN) | `ns_sumsq_partial` + `ns_normalize` (f64 sum, f32 division) |
-//! | 3 | `P = X·Xᵀ` | GEMM, `α = 1, β = 0` |
-//! |   | `Q = b·P + c·P·P` | copy `P → Q`, GEMM `α = c, β = b` |
+//! | 3 | `P = X·Xᵀ` | GEMM, `α = 1, β = 0`; or syrk + `ns_symmetrize_lower` ([`GramProduct`]) |
+//! |   | `Q = b·P + c·P·P` | copy `P → Q`, GEMM `α = c, β = b`; or syrk (`P·P = P·Pᵀ`) + symmetrize |
 //! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
 //! | 4 | transpose back | `ns_transpose` |
 //!
 //! Row-major buffers are column-major transposes, so each product is issued as its transpose
 //! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
 //! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
+//!
+//! # The symmetric products ([`GramProduct`])
+//! `P = X·Xᵀ` and `P·P` (`P` symmetric, so `P·P = P·Pᵀ`) are symmetric: `cublasSsyrk` computes
+//! one triangle with half the multiply-adds, and `ns_symmetrize_lower` copies it onto the other
+//! (the next GEMM needs the whole matrix). That cuts a step from `4s²l + 2s³` to `3s²l + s³`
+//! FLOPs. cuBLAS has syrk for `f32` only (bf16 stays on the tensor-core GEMM) and no batched
+//! form (one call per matrix), so [`GramProduct::Auto`] takes syrk for `f32` with `s ≥ 256` and
+//! GEMM otherwise; `ragged bench optim --device cuda` measures both.
 //!
 //! # Precision (`NsConfig::precision`; `NsConfig::backend` is the CPU's and is ignored here)
 //! - [`NsPrecision::F32`]: `f32` operands and results. Equal to the CPU up to summation order:
@@ -44,6 +52,7 @@ pub const NS_SUMSQ_PARTIAL: &str = "ns_sumsq_partial";
 pub const NS_NORMALIZE: &str = "ns_normalize";
 pub const NS_F32_TO_BF16: &str = "ns_f32_to_bf16";
 pub const NS_BF16_TO_F32: &str = "ns_bf16_to_f32";
+pub const NS_SYMMETRIZE_LOWER: &str = "ns_symmetrize_lower";
 
 /// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
 /// in the same order: the result does not depend on the device).
@@ -176,8 +185,36 @@ fn gemm<T>(
     })
 }
 
+/// How the two symmetric products of a step are computed (module doc).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GramProduct {
+    /// syrk for `f32` when the short side is at least 256, else GEMM.
+    #[default]
+    Auto,
+    /// Full GEMMs (strided-batched).
+    Gemm,
+    /// `cublasSsyrk` and a symmetrizing kernel (`f32` only; `Err` for bf16).
+    Syrk,
+}
+
+impl GramProduct {
+    /// Whether syrk runs for short side `s` in `prec`; `Err` for syrk in bf16.
+    fn use_syrk(self, prec: NsPrecision, s: usize) -> Result<bool> {
+        match (self, prec) {
+            (GramProduct::Syrk, NsPrecision::Bf16) => Err(Error::BadInput {
+                op: "orthogonalize_cuda",
+                what: "GramProduct::Syrk with bf16".into(),
+                reason: "cuBLAS has syrk for f32 only".into(),
+            }),
+            (GramProduct::Syrk, NsPrecision::F32) => Ok(true),
+            (GramProduct::Gemm, _) => Ok(false),
+            (GramProduct::Auto, p) => Ok(p == NsPrecision::F32 && s >= 256),
+        }
+    }
+}
+
 /// Orthogonalizes the `batch` row-major `rows × cols` matrices stored back to back in `x`, in
-/// place (the module table). Queued on the device's stream.
+/// place (the module table), with [`GramProduct::Auto`]. Queued on the device's stream.
 pub fn orthogonalize_cuda(
     dev: &Device,
     x: &mut CudaViewMut<'_, f32>,
@@ -185,6 +222,19 @@ pub fn orthogonalize_cuda(
     rows: usize,
     cols: usize,
     cfg: &NsConfig,
+) -> Result<()> {
+    orthogonalize_cuda_with(dev, x, batch, rows, cols, cfg, GramProduct::Auto)
+}
+
+/// [`orthogonalize_cuda`] with the symmetric products computed as `gram` says.
+pub fn orthogonalize_cuda_with(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+    cfg: &NsConfig,
+    gram: GramProduct,
 ) -> Result<()> {
     const OP: &str = "orthogonalize_cuda";
     cfg.validate()?;
@@ -208,6 +258,7 @@ pub fn orthogonalize_cuda(
     };
     let (bi, si, li) = (int(OP, batch)?, int(OP, s)?, int(OP, l)?);
     int(OP, batch * mn)?;
+    let syrk = gram.use_syrk(prec, s)?;
     let stream = dev.stream();
 
     // Step 1 into the working buffer.
@@ -269,6 +320,7 @@ pub fn orthogonalize_cuda(
     // Step 3.
     let blas = dev.blas()?;
     match prec {
+        NsPrecision::F32 if syrk => iterate_syrk(&blas, dev, &mut xw, bi, si, li, cfg)?,
         NsPrecision::F32 => {
             iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg)?;
         }
@@ -341,6 +393,114 @@ fn iterate<T: DeviceRepr + ValidAsZeroBits>(
         std::mem::swap(x, &mut y);
     }
     Ok(())
+}
+
+/// Step 3 in `f32` with the symmetric products on syrk (module doc): per matrix, `P = X·Xᵀ`
+/// and `Q = b·P + c·P·Pᵀ` as lower triangles, each made whole by `ns_symmetrize_lower`; the
+/// update `X ← a·X + Q·X` stays one strided-batched GEMM.
+fn iterate_syrk(
+    blas: &CudaBlas,
+    dev: &Device,
+    x: &mut CudaSlice<f32>,
+    batch: i32,
+    s: i32,
+    l: i32,
+    cfg: &NsConfig,
+) -> Result<()> {
+    const OP: &str = "newton_schulz iterate (syrk)";
+    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
+    let mut p = dev.zeros::<f32>(bu * su * su)?;
+    let mut q = dev.zeros::<f32>(bu * su * su)?;
+    let mut y = dev.zeros::<f32>(bu * su * lu)?;
+    let stream = dev.stream();
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        // P = X·Xᵀ: X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
+        syrk_each(blas, dev, x, &mut p, (su, lu), true, (1.0, 0.0))?;
+        symmetrize(dev, &mut p, bu, s)?;
+        // Q = b·P + c·P·Pᵀ (P symmetric and whole), trans = N.
+        guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
+        syrk_each(blas, dev, &p, &mut q, (su, su), false, (c, b))?;
+        symmetrize(dev, &mut q, bu, s)?;
+        // X ← a·X + Q·X, as in `iterate`.
+        guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
+        gemm(
+            blas,
+            dev,
+            NsPrecision::F32,
+            batch,
+            &GemmArgs::row_major(s, l, s),
+            &*x,
+            &q,
+            &mut y,
+            (1.0, a),
+        )?;
+        std::mem::swap(x, &mut y);
+    }
+    Ok(())
+}
+
+/// `C_i = α·op(A_i)·op(A_i)ᵀ + β·C_i` (lower triangle) for every matrix `i` of the stacks:
+/// `A_i` is column-major `k × n` used transposed (`trans`, `(n, k) = dims`, ld `k`) or
+/// `n × k` as is (ld `n`); `C_i` is `n × n`.
+fn syrk_each(
+    blas: &CudaBlas,
+    dev: &Device,
+    a: &CudaSlice<f32>,
+    c: &mut CudaSlice<f32>,
+    (n, k): (usize, usize),
+    trans: bool,
+    (alpha, beta): (f32, f32),
+) -> Result<()> {
+    use blas_sys::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    const OP: &str = "newton_schulz syrk";
+    let (ni, ki) = (int(OP, n)?, int(OP, k)?);
+    let lda = if trans { ki } else { ni };
+    let op = if trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    let stream = dev.stream();
+    let batch = c.len() / (n * n);
+    let (ap, _ga) = a.device_ptr(stream);
+    let (cp, _gc) = c.device_ptr_mut(stream);
+    for i in 0..batch {
+        let (ai, ci) = (ap + (i * n * k * 4) as u64, cp + (i * n * n * 4) as u64);
+        // SAFETY: matrix i of each stack, in bounds (the stacks hold `batch` matrices of
+        // n·k and n·n elements); host α, β (the handle's default pointer mode).
+        guarded(OP, || unsafe {
+            blas_sys::cublasSsyrk_v2(
+                *blas.handle(),
+                CUBLAS_FILL_MODE_LOWER,
+                op,
+                ni,
+                ki,
+                &alpha,
+                ai as *const f32,
+                lda,
+                &beta,
+                ci as *mut f32,
+                ni,
+            )
+            .result()
+        })?;
+    }
+    Ok(())
+}
+
+/// `ns_symmetrize_lower` on `batch` column-major `n × n` matrices.
+fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: i32) -> Result<()> {
+    const OP: &str = "newton_schulz symmetrize";
+    let f = dev.function(&NEWTON_SCHULZ, NS_SYMMETRIZE_LOWER)?;
+    let nu = n as u32;
+    let mut cfg = elementwise((n as usize) * (n as usize));
+    cfg.grid_dim = (
+        cfg.grid_dim.0.min(1024),
+        u32::try_from(batch).unwrap_or(u32::MAX),
+        1,
+    );
+    guarded(OP, || unsafe {
+        dev.stream().launch_builder(&f).arg(c).arg(&nu).launch(cfg)
+    })
+    .map(drop)
 }
 
 /// Batched transpose of `batch` row-major `rows × cols` matrices into `out` (`cols × rows`).
