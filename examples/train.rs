@@ -1,7 +1,13 @@
-//! The main job: train a small transformer with its state sharded over N thread ranks, then
-//! train the same model unsharded and report how far the two drifted apart.
+//! The main job: train a small transformer with its state sharded over N ranks, then train the
+//! same model unsharded and report how far the two drifted apart.
 //!
 //! `cargo run --release --example train -- --ranks 4 --steps 30`
+//!
+//! Ranks and their collectives (`--comm`): thread ranks in this process (default); thread
+//! ranks whose collectives run on GPU 0 (`gpu-threads`); or one process per GPU over NCCL
+//! (`nccl`: start one process per rank with `RAGGED_RANK`, `RAGGED_WORLD_SIZE`,
+//! `RAGGED_NCCL_ID_FILE` and, for the GPU, `LOCAL_RANK`; rank 0 reports). The GPU modes need
+//! `--features cuda`. The model itself runs on the CPU (candle) in every mode.
 
 use std::time::Instant;
 
@@ -32,6 +38,13 @@ enum Opt {
     Shampoo,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CommKind {
+    Threads,
+    GpuThreads,
+    Nccl,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Size {
     Small,
@@ -41,9 +54,12 @@ enum Size {
 #[derive(Parser, Debug)]
 #[command(about = "Sharded training of a small transformer on thread ranks")]
 struct Args {
-    /// Number of thread ranks sharing the model.
+    /// Number of thread ranks sharing the model (nccl: the environment's world size).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
+    /// Where the ranks and their collectives run (module doc).
+    #[arg(long, value_enum, default_value_t = CommKind::Threads)]
+    comm: CommKind,
     /// Training steps.
     #[arg(long, default_value_t = 30)]
     steps: usize,
@@ -212,7 +228,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             .expect("valid template"),
     );
     let started = Instant::now();
-    let results = ThreadWorld::run(args.ranks, |comm| {
+    let rank_run = |comm: &dyn Communicator| {
         let progress = |step: usize, r: &StepReport| {
             if comm.rank() == 0 {
                 bar.set_position(step as u64 + 1);
@@ -230,10 +246,17 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             args.batch,
             progress,
         )
-    })?;
+    };
+    let (rank, (sharded, full)) = match args.comm {
+        CommKind::Threads => (0, first(ThreadWorld::run(args.ranks, |c| rank_run(c))?)),
+        CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, &rank_run)?)),
+        CommKind::Nccl => gpu::nccl(&rank_run)?,
+    };
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
-    let (sharded, full) = results.into_iter().next().expect("rank 0");
+    if rank != 0 {
+        return Ok(()); // rank 0 reports
+    }
 
     if args.no_reference {
         print_table(&sharded, None);
@@ -277,6 +300,69 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
         args.steps
     );
     Ok(())
+}
+
+/// Rank 0's result.
+fn first<T>(results: Vec<T>) -> T {
+    results.into_iter().next().expect("a world has rank 0")
+}
+
+/// The GPU-backed communicators (feature `cuda`).
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+
+    use ragged::comm::Communicator;
+    use ragged::cuda::collective::Staged;
+    use ragged::cuda::nccl::NcclComm;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    use ragged::cuda::Device;
+    use ragged::Result;
+
+    /// `n` thread ranks whose collectives run on GPU 0.
+    pub fn threads<T: Send>(
+        n: usize,
+        f: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
+    ) -> Result<Vec<T>> {
+        let dev = Arc::new(Device::open(0)?);
+        ThreadDeviceComm::run(dev, n, |c| f(&Staged::new(c)))
+    }
+
+    /// This process as one NCCL rank (environment in the module doc), on GPU `LOCAL_RANK`.
+    pub fn nccl<T>(f: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+        let local = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let comm = Staged::new(NcclComm::from_env(Arc::new(Device::open(local)?))?);
+        let rank = comm.rank();
+        Ok((rank, f(&comm)?))
+    }
+}
+
+/// Without the `cuda` feature the GPU modes explain how to get them.
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    use ragged::comm::Communicator;
+    use ragged::{Error, Result};
+
+    fn unavailable() -> Error {
+        Error::CudaUnavailable {
+            op: "train --comm",
+            reason: "gpu-threads and nccl need a build with --features cuda".into(),
+        }
+    }
+
+    pub fn threads<T: Send>(
+        _: usize,
+        _: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
+    ) -> Result<Vec<T>> {
+        Err(unavailable())
+    }
+
+    pub fn nccl<T>(_: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+        Err(unavailable())
+    }
 }
 
 fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>) {

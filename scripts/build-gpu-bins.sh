@@ -35,8 +35,12 @@ for line in sys.stdin:
 }
 build ragged-cuda-tests -p ragged --test cuda_tests
 build optimizers-cuda-tests -p ragged-optimizers --test cuda_tests
-# The CLI, for `ragged bench optim --device cuda`.
+# The CLI (`ragged bench optim --device cuda`) and the training example (`--comm gpu-threads`,
+# `--comm nccl`).
 cargo build --release -p ragged-cli --features cuda
-cp target/release/ragged "$out/ragged"
-strip "$out/ragged" 2>/dev/null || true
-echo "$out/ragged <- target/release/ragged ($(du -h "$out/ragged" | cut -f1))"
+cargo build --release -p ragged --example train --features cuda
+for exe in target/release/ragged target/release/examples/train; do
+    cp "$exe" "$out/$(basename "$exe")"
+    strip "$out/$(basename "$exe")" 2>/dev/null || true
+    echo "$out/$(basename "$exe") <- $exe ($(du -h "$out/$(basename "$exe")" | cut -f1))"
+done

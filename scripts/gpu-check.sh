@@ -102,6 +102,26 @@ if [[ -x $bins/ragged ]]; then
     fi
     tee -a "$log" <"$res/bench.md"
 fi
+# --- Training: thread ranks with GPU collectives, and a one-process NCCL world -------------
+if [[ -x $bins/train ]]; then
+    say "== train"
+    if timeout 600 "$bins/train" --size tiny --steps 5 --ranks 2 --comm gpu-threads \
+        >"$res/train-gpu-threads.txt" 2>&1; then
+        say "train --comm gpu-threads: ok"
+    else
+        say "train --comm gpu-threads: FAILED (exit $?)"
+        status=1
+    fi
+    if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id" \
+        timeout 600 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
+        >"$res/train-nccl.txt" 2>&1; then
+        say "train --comm nccl (world of 1): ok"
+    else
+        say "train --comm nccl (world of 1): FAILED (exit $?)"
+        status=1
+    fi
+    grep -h "max |parameter difference|" "$res"/train-*.txt | tee -a "$log"
+fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     say "note: some tests were skipped (no usable device or library): see the lines above"
     # On a machine that is meant to have a GPU, a skip is a failure of the check.
