@@ -76,7 +76,7 @@
 //! # Speed
 //! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
 //! [`PAR_MIN_ELEMS`] or more run them as rayon tasks. A row block is stepped in panels of
-//! [`PANEL`] tiles whose new moments stay in L2; the moment/update loop is branch-free and
+//! `PANEL` (8) tiles whose new moments stay in L2; the moment/update loop is branch-free and
 //! compiled for AVX2 + FMA where present (each lane the scalar operations in the scalar
 //! order; Rust never contracts to FMA), dequantizing gathers from the map, and requantizing
 //! uses [`crate::quant::CodeBook`], a threshold table that gives [`crate::quant::quantize`]'s

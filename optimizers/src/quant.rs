@@ -137,7 +137,7 @@ pub fn quantize(x: f32, map: &[f32; MAP_LEN]) -> u8 {
 /// `bits` is the fewest (from 5) that puts at most one threshold in each bucket. A bucket
 /// other than those two is one prefix of sign, exponent and top mantissa bits, so within it
 /// `f32` order is the order of the remaining low bits (reversed for negatives, which the
-/// order key [`order_key`] undoes). One `u32` per bucket holds `base` (the count of
+/// order key `order_key` undoes). One `u32` per bucket holds `base` (the count of
 /// thresholds at or below the bucket's lowest `x`) in the top byte and the low key bits of
 /// its threshold below (or one past the largest low key: no threshold), and
 /// `code(x) = base + [low key bits of x ≥ the threshold's]`. NaN `x` gives 0.

@@ -52,7 +52,7 @@
 //! Those waits only last as long as the other ranks' copies, since nothing else runs in between.
 //!
 //! # Memory
-//! The protocol does not care where the buffers are: the data phases go through a [`Memory`]
+//! The protocol does not care where the buffers are: the data phases go through a `Memory`
 //! (copy, reduce, fence). [`ThreadComm`]'s [`Communicator`] uses host memory; thread ranks on
 //! one GPU (`crate::cuda::threads`) run the same collectives on device addresses with
 //! device-to-device copies and a reduction kernel that keeps the order above, fencing (waiting

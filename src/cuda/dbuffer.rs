@@ -7,8 +7,9 @@
 //! starts zero and no op here writes outside the local shard. The group ops are single IEEE
 //! `f32` operations per element, so they equal the CPU ops bit for bit.
 //!
-//! In-place collectives over NCCL: [`super::nccl::NcclComm`] (`all_gather_in_place`,
-//! `reduce_scatter_in_place`), on buffers that keep their full buffer.
+//! In-place collectives on any device communicator ([`super::collective::DeviceComm`]: NCCL
+//! or thread ranks on one GPU): [`super::collective::all_gather_dbuffer`] and
+//! [`super::collective::reduce_scatter_dbuffer`], on buffers that keep their full buffer.
 
 use std::sync::Arc;
 
