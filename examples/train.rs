@@ -6,7 +6,8 @@
 //! Ranks and their collectives (`--comm`): thread ranks in this process (default); thread
 //! ranks whose collectives run on GPU 0 (`gpu-threads`); or one process per GPU over NCCL
 //! (`nccl`: start one process per rank with `RAGGED_RANK`, `RAGGED_WORLD_SIZE`,
-//! `RAGGED_NCCL_ID_FILE` and, for the GPU, `LOCAL_RANK`; rank 0 reports). The GPU modes need
+//! `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE`, and, for the GPU, `LOCAL_RANK`; rank 0
+//! reports). The GPU modes need
 //! `--features cuda`. The model itself runs on the CPU (candle) in every mode.
 
 use std::time::Instant;

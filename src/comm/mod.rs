@@ -5,6 +5,9 @@
 //! | threads (default; tests, examples) | [`threads`] | threads of one process, shared memory |
 //! | one rank (unsharded references) | [`single`] | the process itself |
 //!
+//! [`rendezvous`] shares a small secret (NCCL's unique id) between processes before any
+//! communicator exists: over TCP or through a file.
+//!
 //! # In-place semantics (as NCCL's "in-place operations")
 //! A group buffer of `V·S` elements is split into `V` equal slices; rank `r` owns
 //! `[r·S, (r+1)·S)`.
@@ -17,6 +20,7 @@
 //! Reductions run in a fixed order (rank 0, 1, …, V−1, accumulated left to right), so results
 //! are deterministic and identical on every rank. Average divides the sum by `V` at the end.
 
+pub mod rendezvous;
 pub mod single;
 pub mod threads;
 

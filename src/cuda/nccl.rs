@@ -10,8 +10,8 @@
 //! |---|---|
 //! | `RAGGED_RANK` (else `RANK`) | this process's rank |
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
-//! | `RAGGED_NCCL_ID_FILE` | a path every rank can read; rank 0 writes the 128-byte id there (to a temporary name, then renamed, so readers never see half a file) |
-//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks > 0 wait for the file (default 120) |
+//! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
+//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there (default 120) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
 //! ordinal chooses which. NCCL refuses two ranks on one GPU: multi-rank code paths on a single
@@ -29,15 +29,14 @@
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up
 //! to summation order (bitwise for data movement: gathers, all-to-all, broadcast).
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
 use super::collective::{check_counts, slice_len, DevBuf, DevBufMut, DeviceComm, Span};
 use super::{guarded, Device};
+use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{ElemType, ReduceOp};
 use crate::{Error, Result};
 
@@ -209,28 +208,13 @@ impl NcclComm {
             .collect())
     }
 
-    /// One process per GPU, from the environment (module doc): rank 0 writes a fresh id to
-    /// `RAGGED_NCCL_ID_FILE`, the others wait for it, then every rank joins.
+    /// One process per GPU, from the environment (module doc): rank 0 makes a fresh id and
+    /// hands it out at the rendezvous, the others fetch it, then every rank joins.
     pub fn from_env(dev: Arc<Device>) -> Result<Self> {
-        const OP: &str = "NcclComm::from_env";
         let rank = env_usize(&["RAGGED_RANK", "RANK"])?;
         let world = env_usize(&["RAGGED_WORLD_SIZE", "WORLD_SIZE"])?;
-        let file = std::env::var("RAGGED_NCCL_ID_FILE").map_err(|_| Error::BadInput {
-            op: OP,
-            what: "RAGGED_NCCL_ID_FILE".into(),
-            reason: "not set (a path every rank can read)".into(),
-        })?;
-        let timeout = std::env::var("RAGGED_NCCL_TIMEOUT_S")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(120u64);
-        let id = if rank == 0 {
-            let id = unique_id()?;
-            write_id(Path::new(&file), &id)?;
-            id
-        } else {
-            read_id(Path::new(&file), Duration::from_secs(timeout))?
-        };
+        let via = Rendezvous::from_env()?;
+        let id = via.share(rank, world, Rendezvous::timeout_from_env(), unique_id)?;
         Self::from_rank(dev, rank, world, &id)
     }
 
@@ -394,56 +378,5 @@ impl DeviceComm for NcclComm {
         let mut flag = self.dev.zeros::<u8>(1)?;
         self.all_reduce_in_place(DevBufMut::U8(flag.slice_mut(..)), ReduceOp::Sum)?;
         self.dev.sync()
-    }
-}
-
-fn write_id(path: &Path, id: &[u8; ID_BYTES]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, id).map_err(|e| Error::io("NcclComm::from_env", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io("NcclComm::from_env", path, e))
-}
-
-fn read_id(path: &Path, timeout: Duration) -> Result<[u8; ID_BYTES]> {
-    let start = Instant::now();
-    loop {
-        if let Ok(bytes) = std::fs::read(path) {
-            if let Ok(id) = <[u8; ID_BYTES]>::try_from(bytes.as_slice()) {
-                return Ok(id);
-            }
-        }
-        if start.elapsed() > timeout {
-            return Err(Error::Comm {
-                op: "NcclComm::from_env",
-                rank: usize::MAX,
-                reason: format!(
-                    "no NCCL id in {} after {} s (is rank 0 running?)",
-                    path.display(),
-                    timeout.as_secs()
-                ),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn id_file_round_trips_and_a_missing_file_times_out_with_an_error() {
-        let dir = std::env::temp_dir().join(format!("ragged-nccl-id-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("id");
-        let mut id = [0u8; ID_BYTES];
-        for (i, b) in id.iter_mut().enumerate() {
-            *b = (i * 7 + 3) as u8;
-        }
-        write_id(&path, &id).unwrap();
-        assert_eq!(read_id(&path, Duration::from_secs(1)).unwrap(), id);
-        let missing = dir.join("missing");
-        let err = read_id(&missing, Duration::from_millis(100)).unwrap_err();
-        assert!(err.to_string().contains("no NCCL id"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
