@@ -201,11 +201,7 @@ impl GramProduct {
     /// Whether syrk runs for short side `s` in `prec`; `Err` for syrk in bf16.
     fn use_syrk(self, prec: NsPrecision, s: usize) -> Result<bool> {
         match (self, prec) {
-            (GramProduct::Syrk, NsPrecision::Bf16) => Err(Error::BadInput {
-                op: "orthogonalize_cuda",
-                what: "GramProduct::Syrk with bf16".into(),
-                reason: "cuBLAS has syrk for f32 only".into(),
-            }),
+            (GramProduct::Syrk, NsPrecision::Bf16) => Err(no_bf16_syrk()),
             (GramProduct::Syrk, NsPrecision::F32) => Ok(true),
             (GramProduct::Gemm, _) => Ok(false),
             (GramProduct::Auto, p) => Ok(p == NsPrecision::F32 && s >= 256),
@@ -320,14 +316,13 @@ pub fn orthogonalize_cuda_with(
     // Step 3.
     let blas = dev.blas()?;
     match prec {
-        NsPrecision::F32 if syrk => iterate_syrk(&blas, dev, &mut xw, bi, si, li, cfg)?,
         NsPrecision::F32 => {
-            iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg)?;
+            iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg, syrk)?;
         }
         NsPrecision::Bf16 => {
             let mut xb = dev.zeros::<u16>(batch * mn)?;
             convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
-            iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg)?;
+            iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg, syrk)?;
             convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
         }
     }
@@ -340,9 +335,69 @@ pub fn orthogonalize_cuda_with(
     }
 }
 
-/// Step 3 on the normalized `batch × s × l` stack `x` (in place).
+/// An element type the iteration stores (`f32`, or the `u16` bits of bf16), and how it forms
+/// the two symmetric products on syrk (module doc).
+trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
+    /// `P = X·Xᵀ` and `Q = b·P + c·P·Pᵀ` as syrk lower triangles made whole; `Q` holds a copy
+    /// of `P` on entry. `dims` = (batch, s, l).
+    fn symmetric_products(
+        blas: &CudaBlas,
+        dev: &Device,
+        x: &CudaSlice<Self>,
+        p: &mut CudaSlice<Self>,
+        q: &mut CudaSlice<Self>,
+        dims: (usize, usize, usize),
+        bc: (f32, f32),
+    ) -> Result<()>;
+}
+
+impl NsElem for f32 {
+    fn symmetric_products(
+        blas: &CudaBlas,
+        dev: &Device,
+        x: &CudaSlice<f32>,
+        p: &mut CudaSlice<f32>,
+        q: &mut CudaSlice<f32>,
+        (batch, s, l): (usize, usize, usize),
+        (b, c): (f32, f32),
+    ) -> Result<()> {
+        const OP: &str = "newton_schulz syrk products";
+        // P = X·Xᵀ: X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
+        syrk_each(blas, dev, x, p, (s, l), true, (1.0, 0.0))?;
+        symmetrize(dev, p, batch, s)?;
+        // Q = b·P + c·P·Pᵀ (P symmetric and whole), trans = N.
+        guarded(OP, || dev.stream().memcpy_dtod(&*p, q))?;
+        syrk_each(blas, dev, p, q, (s, s), false, (c, b))?;
+        symmetrize(dev, q, batch, s)
+    }
+}
+
+impl NsElem for u16 {
+    fn symmetric_products(
+        _: &CudaBlas,
+        _: &Device,
+        _: &CudaSlice<u16>,
+        _: &mut CudaSlice<u16>,
+        _: &mut CudaSlice<u16>,
+        _: (usize, usize, usize),
+        _: (f32, f32),
+    ) -> Result<()> {
+        Err(no_bf16_syrk())
+    }
+}
+
+fn no_bf16_syrk() -> Error {
+    Error::BadInput {
+        op: "orthogonalize_cuda",
+        what: "GramProduct::Syrk with bf16".into(),
+        reason: "cuBLAS has syrk for f32 only".into(),
+    }
+}
+
+/// Step 3 on the normalized `batch × s × l` stack `x` (in place); the symmetric products on
+/// GEMMs, or on syrk when `syrk`.
 #[allow(clippy::too_many_arguments)]
-fn iterate<T: DeviceRepr + ValidAsZeroBits>(
+fn iterate<T: NsElem>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
@@ -351,6 +406,7 @@ fn iterate<T: DeviceRepr + ValidAsZeroBits>(
     s: i32,
     l: i32,
     cfg: &NsConfig,
+    syrk: bool,
 ) -> Result<()> {
     const OP: &str = "newton_schulz iterate";
     let (su, lu, bu) = (s as usize, l as usize, batch as usize);
@@ -360,22 +416,17 @@ fn iterate<T: DeviceRepr + ValidAsZeroBits>(
     let stream = dev.stream();
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
-        // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
-        let gram = GemmArgs::row_major_gram(s, l);
-        gemm(blas, dev, prec, batch, &gram, x, x, &mut p, (1.0, 0.0))?;
-        // Q = b·P + c·P·P.
-        guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
-        gemm(
-            blas,
-            dev,
-            prec,
-            batch,
-            &GemmArgs::row_major(s, s, s),
-            &p,
-            &p,
-            &mut q,
-            (c, b),
-        )?;
+        if syrk {
+            T::symmetric_products(blas, dev, x, &mut p, &mut q, (bu, su, lu), (b, c))?;
+        } else {
+            // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
+            let gram = GemmArgs::row_major_gram(s, l);
+            gemm(blas, dev, prec, batch, &gram, x, x, &mut p, (1.0, 0.0))?;
+            // Q = b·P + c·P·P.
+            guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
+            let square = GemmArgs::row_major(s, s, s);
+            gemm(blas, dev, prec, batch, &square, &p, &p, &mut q, (c, b))?;
+        }
         // X ← a·X + Q·X.
         guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
         // Row-major Q·X: `first` is X's buffer, `second` is Q's (see GemmArgs::row_major).
@@ -383,51 +434,6 @@ fn iterate<T: DeviceRepr + ValidAsZeroBits>(
             blas,
             dev,
             prec,
-            batch,
-            &GemmArgs::row_major(s, l, s),
-            &*x,
-            &q,
-            &mut y,
-            (1.0, a),
-        )?;
-        std::mem::swap(x, &mut y);
-    }
-    Ok(())
-}
-
-/// Step 3 in `f32` with the symmetric products on syrk (module doc): per matrix, `P = X·Xᵀ`
-/// and `Q = b·P + c·P·Pᵀ` as lower triangles, each made whole by `ns_symmetrize_lower`; the
-/// update `X ← a·X + Q·X` stays one strided-batched GEMM.
-fn iterate_syrk(
-    blas: &CudaBlas,
-    dev: &Device,
-    x: &mut CudaSlice<f32>,
-    batch: i32,
-    s: i32,
-    l: i32,
-    cfg: &NsConfig,
-) -> Result<()> {
-    const OP: &str = "newton_schulz iterate (syrk)";
-    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
-    let mut p = dev.zeros::<f32>(bu * su * su)?;
-    let mut q = dev.zeros::<f32>(bu * su * su)?;
-    let mut y = dev.zeros::<f32>(bu * su * lu)?;
-    let stream = dev.stream();
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        // P = X·Xᵀ: X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
-        syrk_each(blas, dev, x, &mut p, (su, lu), true, (1.0, 0.0))?;
-        symmetrize(dev, &mut p, bu, s)?;
-        // Q = b·P + c·P·Pᵀ (P symmetric and whole), trans = N.
-        guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
-        syrk_each(blas, dev, &p, &mut q, (su, su), false, (c, b))?;
-        symmetrize(dev, &mut q, bu, s)?;
-        // X ← a·X + Q·X, as in `iterate`.
-        guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
-        gemm(
-            blas,
-            dev,
-            NsPrecision::F32,
             batch,
             &GemmArgs::row_major(s, l, s),
             &*x,
@@ -487,11 +493,11 @@ fn syrk_each(
 }
 
 /// `ns_symmetrize_lower` on `batch` column-major `n × n` matrices.
-fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: i32) -> Result<()> {
+fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: usize) -> Result<()> {
     const OP: &str = "newton_schulz symmetrize";
     let f = dev.function(&NEWTON_SCHULZ, NS_SYMMETRIZE_LOWER)?;
     let nu = n as u32;
-    let mut cfg = elementwise((n as usize) * (n as usize));
+    let mut cfg = elementwise(n * n);
     cfg.grid_dim = (
         cfg.grid_dim.0.min(1024),
         u32::try_from(batch).unwrap_or(u32::MAX),
