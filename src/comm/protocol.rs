@@ -1,0 +1,385 @@
+//! What the multi-rank backends share: the descriptor each rank posts for a collective
+//! ([`Post`]), the one check of a world's descriptors that every rank runs identically
+//! ([`validate`]: either every rank goes on or every rank returns the same `Err`), the split of
+//! a buffer into per-rank ranges, and the CPU reduction in rank order (module doc of
+//! [`super::threads`], "Reductions"). Thread ranks ([`super::threads`]) post descriptors
+//! through shared memory; MPI ranks (`super::mpi`) exchange them with one all-gather.
+
+use std::fmt;
+
+use half::bf16;
+
+use super::{Buf, BufMut, ElemType, ReduceOp};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    AllGatherInPlace,
+    AllGather,
+    ReduceScatterInPlace,
+    AllReduce,
+    AllToAllV,
+    Broadcast,
+    Barrier,
+}
+
+impl Op {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllGatherInPlace => "all_gather_in_place",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatterInPlace => "reduce_scatter_in_place",
+            Op::AllReduce => "all_reduce",
+            Op::AllToAllV => "all_to_all_v",
+            Op::Broadcast => "broadcast",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    /// Sync points of one call: rendezvous, one per extra data phase, exit.
+    pub(crate) fn points(self) -> u64 {
+        match self {
+            Op::AllReduce => 3,
+            _ => 2,
+        }
+    }
+}
+
+/// A buffer as posted at the rendezvous: start, length in elements, element type. The start
+/// is an address in the world's [`Memory`] (host memory, or device memory for
+/// `crate::cuda::threads`), never dereferenced outside it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Region {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) elem: ElemType,
+}
+
+// SAFETY: a `Region` is an address, not a borrow. It is dereferenced only in data phases, between
+// a rendezvous that every rank passed (so every owner is blocked inside the same collective and
+// its borrow is alive) and the exit sync (which the owner cannot pass before every reader is
+// done), and only on the disjoint regions listed in the module doc.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// A region of `len` elements of `elem` at address `ptr` of the world's memory.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new(ptr: *mut u8, len: usize, elem: ElemType) -> Region {
+        Region { ptr, len, elem }
+    }
+
+    pub(crate) const EMPTY: Region = Region {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        elem: ElemType::U8,
+    };
+
+    pub(crate) fn of(buf: &Buf<'_>) -> Region {
+        let (ptr, len) = match buf {
+            Buf::F32(b) => (b.as_ptr().cast::<u8>(), b.len()),
+            Buf::BF16(b) => (b.as_ptr().cast::<u8>(), b.len()),
+            Buf::U8(b) => (b.as_ptr(), b.len()),
+        };
+        Region {
+            ptr: ptr.cast_mut(),
+            len,
+            elem: buf.elem_type(),
+        }
+    }
+
+    /// Takes the buffer's borrow: from here on it is only accessed through the pointer.
+    pub(crate) fn of_mut(buf: BufMut<'_>) -> Region {
+        let elem = buf.elem_type();
+        let (ptr, len) = match buf {
+            BufMut::F32(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
+            BufMut::BF16(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
+            BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
+        };
+        Region { ptr, len, elem }
+    }
+
+    /// Address of element `i`, for `i <= len` (checked by the validation before any call).
+    pub(crate) fn at(&self, i: usize) -> *mut u8 {
+        self.ptr.wrapping_add(i * elem_size(self.elem))
+    }
+}
+
+pub(crate) fn elem_size(elem: ElemType) -> usize {
+    match elem {
+        ElemType::F32 => 4,
+        ElemType::BF16 => 2,
+        ElemType::U8 => 1,
+    }
+}
+
+/// What a rank posts at the rendezvous. In-place collectives and broadcast post their buffer as
+/// `recv`.
+#[derive(Clone, Debug)]
+pub(crate) struct Post {
+    pub(crate) op: Op,
+    pub(crate) send: Region,
+    pub(crate) recv: Region,
+    pub(crate) reduce: Option<ReduceOp>,
+    pub(crate) root: usize,
+    pub(crate) send_counts: Vec<usize>,
+    pub(crate) recv_counts: Vec<usize>,
+}
+
+impl Post {
+    pub(crate) fn new(op: Op) -> Post {
+        Post {
+            op,
+            send: Region::EMPTY,
+            recv: Region::EMPTY,
+            reduce: None,
+            root: 0,
+            send_counts: Vec::new(),
+            recv_counts: Vec::new(),
+        }
+    }
+}
+
+/// Range `k` of `len` elements split into `v` nearly equal ranges, the longer ones first:
+/// `(start, end)`.
+pub(crate) fn part(len: usize, v: usize, k: usize) -> (usize, usize) {
+    let (base, rem) = (len / v, len % v);
+    let start = k * base + k.min(rem);
+    (start, start + base + usize::from(k < rem))
+}
+
+/// Element `i`'s running offset in `counts`: `Σ counts[..i]`.
+pub(crate) fn offset(counts: &[usize], i: usize) -> usize {
+    counts[..i].iter().sum()
+}
+
+/// The rendezvous check, a pure function of the posted table, so every rank reaches the same
+/// verdict and message.
+pub(crate) fn validate(posts: &[Post]) -> std::result::Result<(), String> {
+    let v = posts.len();
+    let op = posts[0].op;
+    if let Some((j, p)) = posts.iter().enumerate().find(|(_, p)| p.op != op) {
+        return Err(format!(
+            "ranks called different collectives: rank 0 {}, rank {j} {}",
+            op.name(),
+            p.op.name()
+        ));
+    }
+    match op {
+        Op::Barrier => {}
+        Op::AllGatherInPlace | Op::ReduceScatterInPlace => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            let len = agree(posts, "buffer length", |p| p.recv.len)?;
+            if len % v != 0 {
+                return Err(format!(
+                    "buffer of {len} elements is not divisible by the world size {v}"
+                ));
+            }
+            if op == Op::ReduceScatterInPlace {
+                agree(posts, "reduce op", |p| p.reduce)?;
+            }
+        }
+        Op::AllGather => {
+            same_types(posts)?;
+            let len = agree(posts, "send length", |p| p.send.len)?;
+            for (j, p) in posts.iter().enumerate() {
+                if Some(p.recv.len) != len.checked_mul(v) {
+                    return Err(format!(
+                        "rank {j}: recv has {} elements, expected {v} × {len}",
+                        p.recv.len
+                    ));
+                }
+            }
+        }
+        Op::AllReduce => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            agree(posts, "buffer length", |p| p.recv.len)?;
+            agree(posts, "reduce op", |p| p.reduce)?;
+        }
+        Op::Broadcast => {
+            agree(posts, "element type", |p| p.recv.elem)?;
+            agree(posts, "buffer length", |p| p.recv.len)?;
+            let root = agree(posts, "root", |p| p.root)?;
+            if root >= v {
+                return Err(format!("root {root} is not a rank of a world of {v}"));
+            }
+        }
+        Op::AllToAllV => {
+            same_types(posts)?;
+            for (j, p) in posts.iter().enumerate() {
+                for (what, counts, buf) in [
+                    ("send", &p.send_counts, p.send),
+                    ("recv", &p.recv_counts, p.recv),
+                ] {
+                    if counts.len() != v {
+                        return Err(format!(
+                            "rank {j}: {} {what} counts for a world of {v}",
+                            counts.len()
+                        ));
+                    }
+                    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+                    if total != Some(buf.len) {
+                        return Err(format!(
+                            "rank {j}: {what} counts {counts:?} do not add up to its {what} \
+                             buffer of {} elements",
+                            buf.len
+                        ));
+                    }
+                }
+            }
+            for (i, p) in posts.iter().enumerate() {
+                for (j, q) in posts.iter().enumerate() {
+                    if p.send_counts[j] != q.recv_counts[i] {
+                        return Err(format!(
+                            "rank {i} sends {} elements to rank {j}, which expects {}",
+                            p.send_counts[j], q.recv_counts[i]
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The value `f` gives on every rank, or a message naming the first rank that differs from
+/// rank 0.
+fn agree<T: PartialEq + fmt::Debug>(
+    posts: &[Post],
+    what: &str,
+    f: impl Fn(&Post) -> T,
+) -> std::result::Result<T, String> {
+    let first = f(&posts[0]);
+    for (j, p) in posts.iter().enumerate().skip(1) {
+        let got = f(p);
+        if got != first {
+            return Err(format!(
+                "ranks disagree on the {what}: rank 0 has {first:?}, rank {j} has {got:?}"
+            ));
+        }
+    }
+    Ok(first)
+}
+
+/// Send and receive buffers of one element type, the same on every rank.
+fn same_types(posts: &[Post]) -> std::result::Result<(), String> {
+    if let Some((j, p)) = posts
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.send.elem != p.recv.elem)
+    {
+        return Err(format!(
+            "rank {j}: {:?} send buffer, {:?} recv buffer",
+            p.send.elem, p.recv.elem
+        ));
+    }
+    agree(posts, "element type", |p| p.send.elem).map(|_| ())
+}
+
+/// An element type the reductions accumulate (module doc, "Reductions").
+pub(crate) trait Elem: Copy {
+    type Acc: Copy + Default;
+    fn widen(self) -> Self::Acc;
+    fn add(acc: Self::Acc, x: Self) -> Self::Acc;
+    fn finish(acc: Self::Acc, op: ReduceOp, v: usize) -> Self;
+}
+
+impl Elem for f32 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self
+    }
+    fn add(acc: f32, x: f32) -> f32 {
+        acc + x
+    }
+    fn finish(acc: f32, op: ReduceOp, v: usize) -> f32 {
+        match op {
+            ReduceOp::Sum => acc,
+            ReduceOp::Avg => acc / v as f32,
+        }
+    }
+}
+
+impl Elem for bf16 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn add(acc: f32, x: bf16) -> f32 {
+        acc + x.to_f32()
+    }
+    fn finish(acc: f32, op: ReduceOp, v: usize) -> bf16 {
+        bf16::from_f32(f32::finish(acc, op, v))
+    }
+}
+
+impl Elem for u8 {
+    /// Wide enough for any world size (255 · V < 2⁶⁴).
+    type Acc = u64;
+    fn widen(self) -> u64 {
+        u64::from(self)
+    }
+    fn add(acc: u64, x: u8) -> u64 {
+        acc + u64::from(x)
+    }
+    fn finish(acc: u64, op: ReduceOp, v: usize) -> u8 {
+        let v = v as u64;
+        let value = match op {
+            ReduceOp::Sum => acc,
+            ReduceOp::Avg => (acc + v / 2) / v,
+        };
+        value.min(255) as u8
+    }
+}
+
+/// Elements reduced per pass over the sources: the accumulator stays in L1.
+const CHUNK: usize = 2048;
+
+/// Writes to `dst[..n]` the reduction of `srcs[j][..n]` over `j` in order.
+///
+/// # Safety
+/// Every `srcs[j]` points to `n` readable `E` that nobody writes during the call, except that
+/// `dst` may be one of them (the reduction reads a chunk fully before writing it); `dst` points
+/// to `n` writable `E` that no other thread accesses during the call. All are aligned for `E`.
+pub(crate) unsafe fn reduce<E: Elem>(srcs: &[*const u8], dst: *mut u8, n: usize, op: ReduceOp) {
+    let (v, dst) = (srcs.len(), dst.cast::<E>());
+    let mut acc = [E::Acc::default(); CHUNK];
+    for start in (0..n).step_by(CHUNK) {
+        let len = CHUNK.min(n - start);
+        let acc = &mut acc[..len];
+        for (j, &src) in srcs.iter().enumerate() {
+            // SAFETY: in bounds and unwritten per the contract; this shared slice is dead before
+            // `out` below is created, so the aliasing `dst == srcs[j]` is never live at once.
+            let b = unsafe { std::slice::from_raw_parts(src.cast::<E>().add(start), len) };
+            if j == 0 {
+                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = x.widen());
+            } else {
+                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = E::add(*a, x));
+            }
+        }
+        // SAFETY: in bounds and exclusively this thread's per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), len) };
+        out.iter_mut()
+            .zip(acc.iter())
+            .for_each(|(o, &a)| *o = E::finish(a, op, v));
+    }
+}
+
+/// [`reduce`] for an element type known at run time.
+///
+/// # Safety
+/// As [`reduce`], for the element type `elem`.
+pub(crate) unsafe fn reduce_dyn(
+    elem: ElemType,
+    srcs: &[*const u8],
+    dst: *mut u8,
+    n: usize,
+    op: ReduceOp,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match elem {
+            ElemType::F32 => reduce::<f32>(srcs, dst, n, op),
+            ElemType::BF16 => reduce::<bf16>(srcs, dst, n, op),
+            ElemType::U8 => reduce::<u8>(srcs, dst, n, op),
+        }
+    }
+}
