@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use ragged::comm::conformance::exercise;
 use ragged::comm::Communicator;
 use ragged::cuda::dbuffer::DeviceDBuffer;
 use ragged::cuda::Device;
@@ -157,8 +158,8 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     // Behind the host trait: every collective of a world of one returns its input, and the
     // grouped send/recv of all-to-all-v moves a rank's segment to itself.
     let host = ragged::cuda::collective::Staged::new(comm);
-    let results = host_collectives(&host, 0, 1);
-    assert_eq!(results, host_collectives(&ragged::comm::SingleRank, 0, 1));
+    let results = exercise(&host).unwrap();
+    assert_eq!(results, exercise(&ragged::comm::SingleRank).unwrap());
     let bad = host.all_to_all_v(
         (&hx[..]).into(),
         &[3],
@@ -168,86 +169,16 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     assert!(bad.is_err(), "counts that do not add up are refused");
 }
 
-/// Runs every host collective on rank `rank` of a `world`-rank communicator with data made from
-/// the rank, and returns the bits of every result (f32, bf16 and u8 buffers).
-fn host_collectives(c: &dyn Communicator, rank: usize, world: usize) -> Vec<Vec<u32>> {
-    use ragged::comm::ReduceOp;
-    let s = 37;
-    let f = |seed: usize| values(world * s, seed as u32);
-    let b16 = |seed: usize| -> Vec<half::bf16> {
-        f(seed).iter().map(|&x| half::bf16::from_f32(x)).collect()
-    };
-    let u8s = |seed: usize| -> Vec<u8> {
-        (0..world * s)
-            .map(|i| ((i * 31 + seed * 7) % 256) as u8)
-            .collect()
-    };
-    let fb = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-    let bb = |x: &[half::bf16]| {
-        x.iter()
-            .map(|v| u32::from(v.to_bits()))
-            .collect::<Vec<u32>>()
-    };
-    let ub = |x: &[u8]| x.iter().map(|&v| u32::from(v)).collect::<Vec<u32>>();
-    let mut out = Vec::new();
-
-    let mut x = f(rank + 1);
-    c.all_gather_in_place((&mut x[..]).into()).unwrap();
-    out.push(fb(&x));
-    let send = f(rank + 2)[..s].to_vec();
-    let mut recv = vec![0f32; world * s];
-    c.all_gather((&send[..]).into(), (&mut recv[..]).into())
-        .unwrap();
-    out.push(fb(&recv));
-    for op in [ReduceOp::Sum, ReduceOp::Avg] {
-        let mut x = f(rank + 3);
-        c.reduce_scatter_in_place((&mut x[..]).into(), op).unwrap();
-        out.push(fb(&x[rank * s..(rank + 1) * s]));
-        let mut x = f(rank + 4);
-        c.all_reduce((&mut x[..]).into(), op).unwrap();
-        out.push(fb(&x));
-        let mut x = b16(rank + 5);
-        c.all_reduce((&mut x[..]).into(), op).unwrap();
-        out.push(bb(&x));
-        let mut x = u8s(rank + 6);
-        c.all_reduce((&mut x[..]).into(), op).unwrap();
-        out.push(ub(&x));
-    }
-    // Uneven all-to-all: rank r sends (r + j) % 3 · 5 elements to rank j.
-    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
-    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
-    let send = values(send_counts.iter().sum(), rank as u32 + 7);
-    let mut recv = vec![0f32; recv_counts.iter().sum()];
-    c.all_to_all_v(
-        (&send[..]).into(),
-        &send_counts,
-        (&mut recv[..]).into(),
-        &recv_counts,
-    )
-    .unwrap();
-    out.push(fb(&recv));
-    let mut x = u8s(rank + 8);
-    c.broadcast((&mut x[..]).into(), world - 1).unwrap();
-    out.push(ub(&x));
-    c.barrier().unwrap();
-    out
-}
-
 #[test]
 fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
     use ragged::comm::threads::ThreadWorld;
-    use ragged::cuda::collective::{DeviceComm, Staged};
+    use ragged::cuda::collective::Staged;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {
-        let cpu = ThreadWorld::run(world, |c| Ok(host_collectives(c, c.rank(), world))).unwrap();
-        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            let rank = c.rank();
-            let staged = Staged::new(c);
-            Ok(host_collectives(&staged, rank, world))
-        })
-        .unwrap();
+        let cpu = ThreadWorld::run(world, |c| exercise(c)).unwrap();
+        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| exercise(&Staged::new(c))).unwrap();
         assert_eq!(gpu, cpu, "world of {world}");
     }
 }

@@ -20,6 +20,7 @@
 //! Reductions run in a fixed order (rank 0, 1, …, V−1, accumulated left to right), so results
 //! are deterministic and identical on every rank. Average divides the sum by `V` at the end.
 
+pub mod conformance;
 pub(crate) mod protocol;
 pub mod rendezvous;
 pub mod single;
