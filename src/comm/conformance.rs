@@ -13,12 +13,15 @@ use crate::Result;
 /// Elements per rank slice in [`exercise`] (odd, so no buffer is a power of two).
 pub const SLICE: usize = 37;
 
-/// Values in `[-1, 1)` from a seed (a multiplicative hash of the index).
+/// Values from a seed: a multiplicative hash of the index in `[-1, 1)`, times a scale that
+/// cycles over five magnitudes, so they carry full mantissas and their sums round (a
+/// reduction in another order gives other bits, which [`exercise`] must be able to see).
 fn values(n: usize, seed: u32) -> Vec<f32> {
+    const SCALES: [f32; 5] = [0.013, 0.37, 1.3, 4.1, 29.0];
     (0..n)
         .map(|i| {
             let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761);
-            (h >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            ((h >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * SCALES[i % SCALES.len()]
         })
         .collect()
 }
@@ -40,6 +43,7 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     let (rank, world, s) = (c.rank(), c.world_size(), SLICE);
     let f = |seed: usize| values(world * s, seed as u32);
     let b16 = |seed: usize| -> Vec<bf16> { f(seed).into_iter().map(bf16::from_f32).collect() };
+    // (The sums of bf16 values are taken in f32, rounded once: order shows there too.)
     let u8s = |seed: usize| -> Vec<u8> {
         (0..world * s)
             .map(|i| ((i * 31 + seed * 7) % 256) as u8)
@@ -92,6 +96,17 @@ mod tests {
     use super::*;
     use crate::comm::threads::ThreadWorld;
     use crate::comm::SingleRank;
+
+    #[test]
+    fn the_data_makes_the_reduction_order_visible() {
+        // Three ranks' all-reduce inputs: summed in rank order and in reverse, some sums
+        // differ, so a backend that reduces in another order fails the comparison.
+        let xs: Vec<Vec<f32>> = (0..3).map(|r| values(3 * SLICE, r as u32 + 4)).collect();
+        let differ = (0..3 * SLICE)
+            .filter(|&i| (xs[0][i] + xs[1][i]) + xs[2][i] != (xs[2][i] + xs[1][i]) + xs[0][i])
+            .count();
+        assert!(differ > 5, "only {differ} sums depend on the order");
+    }
 
     #[test]
     fn a_world_of_one_thread_equals_the_single_rank_and_results_depend_on_the_world() {

@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | threads (default; tests, examples) | [`threads`] | threads of one process, shared memory |
 //! | one rank (unsharded references) | [`single`] | the process itself |
+//! | MPI (feature `mpi`) | `mpi` | processes under `mpirun`; bitwise the thread backend's results |
 //!
 //! [`rendezvous`] shares a small secret (NCCL's unique id) between processes before any
 //! communicator exists: over TCP or through a file.
@@ -21,6 +22,8 @@
 //! are deterministic and identical on every rank. Average divides the sum by `V` at the end.
 
 pub mod conformance;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub(crate) mod protocol;
 pub mod rendezvous;
 pub mod single;

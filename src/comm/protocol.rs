@@ -67,6 +67,17 @@ impl Region {
         Region { ptr, len, elem }
     }
 
+    /// A region with only a length and an element type (for backends that exchange
+    /// descriptors instead of addresses).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn sized(len: usize, elem: ElemType) -> Region {
+        Region {
+            ptr: std::ptr::null_mut(),
+            len,
+            elem,
+        }
+    }
+
     pub(crate) const EMPTY: Region = Region {
         ptr: std::ptr::null_mut(),
         len: 0,

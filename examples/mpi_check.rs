@@ -1,0 +1,153 @@
+//! The MPI backend held to the thread backend; run under `mpirun -np V` (`.ci/run` does, with
+//! V = 3):
+//!
+//! ```sh
+//! cargo build --release --features mpi --example mpi_check
+//! mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
+//! ```
+//!
+//! Each rank checks, and prints one line:
+//! 1. every collective ([`exercise`]) gives bitwise the result rank `r` of a `V`-thread world
+//!    gives in this same process;
+//! 2. ranks that disagree (a rank-dependent buffer length) all get an `Err`, and the world
+//!    still works afterwards;
+//! 3. a sharded Muon step whose matrices are split over the ranks (gathered to their roots
+//!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise.
+//!
+//! Exits with status 1 on any failure.
+
+use std::process::ExitCode;
+
+use ragged::comm::conformance::exercise;
+use ragged::comm::mpi::MpiComm;
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::{Communicator, SingleRank};
+use ragged::demo::SplitMix;
+use ragged::model::{DType, TensorSpec, Unit};
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::plan::{plan_unit, PlanOptions};
+use ragged::{AtomicBlock, Result};
+use ragged_optimizers::{Muon, MuonConfig};
+
+/// One check: `Some(passed)`, or `None` when it needs more ranks than this world has.
+type Check = fn(&MpiComm) -> Result<Option<bool>>;
+
+fn main() -> ExitCode {
+    let comm = match MpiComm::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mpi_check: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let checks: [(&str, Check); 3] = [
+        ("collectives equal the thread backend", collectives),
+        ("disagreeing ranks all get an Err", disagreement),
+        ("sharded Muon equals unsharded", sharded_muon),
+    ];
+    let mut ok = true;
+    for (what, check) in checks {
+        let verdict = match check(&comm) {
+            Ok(Some(true)) => "ok".to_string(),
+            Ok(Some(false)) => "MISMATCH".to_string(),
+            Ok(None) => "skipped (needs 2 or more ranks)".to_string(),
+            Err(e) => format!("ERROR {e}"),
+        };
+        ok &= verdict == "ok" || verdict.starts_with("skipped");
+        println!("mpi_check rank {rank}/{world}: {what}: {verdict}");
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn collectives(comm: &MpiComm) -> Result<Option<bool>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let threads = ThreadWorld::run(world, |c| exercise(c))?;
+    Ok(Some(exercise(comm)? == threads[rank]))
+}
+
+fn disagreement(comm: &MpiComm) -> Result<Option<bool>> {
+    if comm.world_size() < 2 {
+        return Ok(None);
+    }
+    let mut x = vec![0f32; 6 * comm.world_size() + comm.rank()];
+    let refused = comm.all_gather_in_place((&mut x[..]).into()).is_err();
+    comm.barrier()?;
+    Ok(Some(refused))
+}
+
+fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if world < 2 {
+        return Ok(None);
+    }
+    let specs = [
+        ("w0", vec![48, 32]),
+        ("w1", vec![48, 32]),
+        ("w2", vec![40, 24]),
+        ("b", vec![7]),
+    ]
+    .into_iter()
+    .map(|(n, s)| TensorSpec::new(n.to_string(), &s, DType::F32))
+    .collect::<Result<Vec<_>>>()?;
+    let opt = Muon::new(MuonConfig::default())?;
+    // Row-granular blocks, so the planner splits matrices between ranks.
+    let unit = Unit {
+        name: "unit".into(),
+        tensors: specs.iter().collect(),
+    };
+    let plan = plan_unit(
+        &unit,
+        &|_| AtomicBlock::Rows(1),
+        world,
+        &PlanOptions::default(),
+    )?;
+    let shard = LocalShard::from_plan(&plan, rank)?;
+    let whole = LocalShard::unsharded(
+        specs.iter().map(|t| (t.name.as_str(), &t.shape[..])),
+        &|n, s| opt.atomic_block(n, s),
+    )?;
+    let mut rng = SplitMix(5);
+    let mut globals = |scale: f32| -> Vec<Vec<f32>> {
+        specs
+            .iter()
+            .map(|t| (0..t.numel()).map(|_| scale * rng.uniform()).collect())
+            .collect()
+    };
+    let p0 = globals(1.0);
+    let grads: Vec<Vec<Vec<f32>>> = (0..3).map(|_| globals(0.1)).collect();
+    let run = |shard: &LocalShard, comm: &dyn Communicator| -> Result<Vec<f32>> {
+        let mut p = scatter(shard, &p0);
+        let mut state = opt.init(shard)?;
+        for g in &grads {
+            opt.step(&mut state, shard, &mut p, &scatter(shard, g), comm)?;
+        }
+        Ok(p)
+    };
+    let mine = run(&shard, comm)?;
+    let reference = run(&whole, &SingleRank)?;
+    // This rank's elements of every parameter, against the same elements unsharded.
+    let same = shard.pieces.iter().all(|piece| {
+        let at = whole.pieces[piece.param].offset + piece.range.start;
+        let got = &mine[piece.offset..piece.offset + piece.range.len()];
+        let want = &reference[at..at + piece.range.len()];
+        got.iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    });
+    Ok(Some(same && opt.roots(&shard).has_split()))
+}
+
+/// A local buffer holding this shard's pieces of the global tensors; padding zero.
+fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
+    let mut local = vec![0.0; shard.len];
+    for p in &shard.pieces {
+        local[p.offset..p.offset + p.range.len()]
+            .copy_from_slice(&global[p.param][p.range.clone()]);
+    }
+    local
+}

@@ -1,0 +1,445 @@
+//! Multi-process CPU ranks over MPI (feature `mpi`, rsmpi on the system's MPI; tested with
+//! Debian's Open MPI under `mpirun` on loopback).
+//!
+//! # Same results as the thread backend, bit for bit
+//! MPI only moves bytes here; every reduction runs locally in rank order with the thread
+//! backend's code ([`super::protocol`]): reduce-scatter is an all-to-all of the slices and a
+//! local reduction of the rank's own; all-reduce splits the buffer into `V` ranges as the thread
+//! backend does, reduces range `r` on rank `r` (all-to-all-v) and all-gathers the ranges. So a
+//! sharded step over MPI equals the same step on thread ranks, and the unsharded reference,
+//! wherever the thread backend does.
+//!
+//! # Disagreeing ranks get an `Err`, not a hang
+//! Before moving data, every call all-gathers a small descriptor of each rank's arguments
+//! (collective, element types, lengths, reduce op, root, and for all-to-all-v the counts) and
+//! runs the thread backend's [`validate`] on the table, plus the byte limits of MPI's `int`
+//! counts. Every rank reaches the same verdict, so either all move data or all return the same
+//! `Err`. (A rank that never calls at all still blocks the others inside MPI: MPI has no
+//! timeout.)
+//!
+//! # Start-up
+//! [`MpiComm::init`] initializes MPI once per process (`MPI_THREAD_SERIALIZED`: calls come from
+//! any thread, one at a time, which the communicator's mutex ensures) and finalizes it when
+//! dropped. Run under `mpirun -np V` (as root add `--allow-run-as-root`; more ranks than cores
+//! need `--oversubscribe`).
+
+use std::sync::Mutex;
+
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
+use mpi::Count;
+
+use super::protocol::{elem_size, offset, part, reduce_dyn, validate, Op, Post, Region};
+use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use crate::{Error, Result};
+
+/// MPI's world, held by one process.
+struct Inner {
+    world: SimpleCommunicator,
+    /// Finalizes MPI when dropped (after `world`).
+    _universe: Universe,
+}
+
+/// This process as one rank of `MPI_COMM_WORLD`.
+pub struct MpiComm {
+    inner: Mutex<Inner>,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: MPI runs at `MPI_THREAD_SERIALIZED` (checked in `init`) and every MPI call goes
+// through the mutex, so calls from different threads never overlap.
+unsafe impl Send for MpiComm {}
+unsafe impl Sync for MpiComm {}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl MpiComm {
+    /// Initializes MPI and returns this process's rank of the world; `Err` when MPI was
+    /// initialized before in this process or cannot serialize calls from several threads.
+    pub fn init() -> Result<Self> {
+        let fail = |reason: String| Error::Comm {
+            op: "MpiComm::init",
+            rank: 0,
+            reason,
+        };
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| fail("MPI is already initialized in this process".into()))?;
+        if !matches!(level, mpi::Threading::Serialized | mpi::Threading::Multiple) {
+            return Err(fail(format!(
+                "the MPI library offers {level:?}, calls from several threads need Serialized"
+            )));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(MpiComm {
+            inner: Mutex::new(Inner {
+                world,
+                _universe: universe,
+            }),
+            rank,
+            size,
+        })
+    }
+
+    fn err(&self, op: Op, reason: String) -> Error {
+        Error::Comm {
+            op: op.name(),
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// Posts `post` with every rank's, validates the table (every rank reaches the same
+    /// verdict), and runs `data` on the world and the table.
+    fn collective(
+        &self,
+        post: Post,
+        data: impl FnOnce(&SimpleCommunicator, &[Post]) -> Result<()>,
+    ) -> Result<()> {
+        let op = post.op;
+        let inner = self
+            .inner
+            .lock()
+            .map_err(|_| self.err(op, "an earlier call panicked".into()))?;
+        let posts = exchange(&inner.world, &post, self.size);
+        validate(&posts)
+            .and_then(|()| check_mpi_limits(&posts))
+            .map_err(|reason| self.err(op, reason))?;
+        data(&inner.world, &posts)
+    }
+}
+
+// --- Descriptors on the wire ---------------------------------------------------------------
+
+const OPS: [Op; 7] = [
+    Op::AllGatherInPlace,
+    Op::AllGather,
+    Op::ReduceScatterInPlace,
+    Op::AllReduce,
+    Op::AllToAllV,
+    Op::Broadcast,
+    Op::Barrier,
+];
+const ELEMS: [ElemType; 3] = [ElemType::F32, ElemType::BF16, ElemType::U8];
+const HEADER: usize = 9;
+
+fn index_of<T: PartialEq>(all: &[T], x: &T) -> u64 {
+    all.iter().position(|y| y == x).expect("listed") as u64
+}
+
+/// The fixed-size part of a descriptor.
+fn header(p: &Post) -> [u64; HEADER] {
+    let reduce = match p.reduce {
+        None => 0,
+        Some(ReduceOp::Sum) => 1,
+        Some(ReduceOp::Avg) => 2,
+    };
+    [
+        index_of(&OPS, &p.op),
+        p.send.len as u64,
+        index_of(&ELEMS, &p.send.elem),
+        p.recv.len as u64,
+        index_of(&ELEMS, &p.recv.elem),
+        reduce,
+        p.root as u64,
+        p.send_counts.len() as u64,
+        p.recv_counts.len() as u64,
+    ]
+}
+
+fn from_header(h: &[u64]) -> Post {
+    let elem = |k: u64| ELEMS[k as usize % ELEMS.len()];
+    let region = |len: u64, e: u64| Region::new(std::ptr::null_mut(), len as usize, elem(e));
+    Post {
+        op: OPS[h[0] as usize % OPS.len()],
+        send: region(h[1], h[2]),
+        recv: region(h[3], h[4]),
+        reduce: match h[5] {
+            1 => Some(ReduceOp::Sum),
+            2 => Some(ReduceOp::Avg),
+            _ => None,
+        },
+        root: h[6] as usize,
+        send_counts: Vec::new(),
+        recv_counts: Vec::new(),
+    }
+}
+
+/// Every rank's descriptor: one all-gather of the headers, and when every rank calls
+/// all-to-all-v, one of the counts (`V` per side, padded; the true lengths ride in the header,
+/// so a wrong length still fails validation on every rank).
+fn exchange(world: &SimpleCommunicator, post: &Post, v: usize) -> Vec<Post> {
+    let mine = header(post);
+    let mut all = vec![0u64; HEADER * v];
+    world.all_gather_into(&mine[..], &mut all[..]);
+    let mut posts: Vec<Post> = all.chunks(HEADER).map(from_header).collect();
+    if posts.iter().all(|p| p.op == Op::AllToAllV) {
+        let fixed = |c: &[usize]| -> Vec<u64> {
+            (0..v).map(|j| c.get(j).map_or(0, |&x| x as u64)).collect()
+        };
+        let mut counts = fixed(&post.send_counts);
+        counts.extend(fixed(&post.recv_counts));
+        let mut table = vec![0u64; 2 * v * v];
+        world.all_gather_into(&counts[..], &mut table[..]);
+        for ((p, row), h) in posts
+            .iter_mut()
+            .zip(table.chunks(2 * v))
+            .zip(all.chunks(HEADER))
+        {
+            let (ns, nr) = (h[7] as usize, h[8] as usize);
+            let take = |part: &[u64], n: usize| -> Vec<usize> {
+                (0..n)
+                    .map(|j| part.get(j).map_or(0, |&x| x as usize))
+                    .collect()
+            };
+            p.send_counts = take(&row[..v], ns);
+            p.recv_counts = take(&row[v..], nr);
+        }
+    }
+    posts
+}
+
+/// MPI counts are `int`: every buffer, in bytes, must fit.
+fn check_mpi_limits(posts: &[Post]) -> std::result::Result<(), String> {
+    let v = posts.len();
+    for (j, p) in posts.iter().enumerate() {
+        for r in [p.send, p.recv] {
+            let bytes = r.len.saturating_mul(elem_size(r.elem));
+            // Reduce-scatter receives V slices of S; all-reduce at most V ranges of ⌈L/V⌉.
+            if bytes > Count::MAX as usize / v.max(1) {
+                return Err(format!(
+                    "rank {j}: a buffer of {bytes} bytes is past MPI's int counts for {v} ranks"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+// --- Buffers as bytes ------------------------------------------------------------------------
+
+fn bytes_of<'a>(buf: &Buf<'a>) -> &'a [u8] {
+    let (ptr, len) = match *buf {
+        Buf::F32(b) => (b.as_ptr().cast::<u8>(), std::mem::size_of_val(b)),
+        Buf::BF16(b) => (b.as_ptr().cast::<u8>(), std::mem::size_of_val(b)),
+        Buf::U8(b) => (b.as_ptr(), b.len()),
+    };
+    // SAFETY: the same memory, read as bytes (every element type is plain old data).
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+fn bytes_of_mut<'a>(buf: BufMut<'a>) -> &'a mut [u8] {
+    let (ptr, len) = match buf {
+        BufMut::F32(b) => (b.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(b)),
+        BufMut::BF16(b) => (b.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(b)),
+        BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
+    };
+    // SAFETY: the same exclusive borrow, written as bytes (every bit pattern is a valid
+    // element of these types).
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+/// A zeroed scratch buffer of `n` bytes, aligned for every element type (backed by `u64`s).
+struct Scratch {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Scratch {
+    fn new(len: usize) -> Self {
+        Scratch {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the first `len` bytes of the words.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the first `len` bytes of the words, borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
+    }
+}
+
+fn counts(c: impl Iterator<Item = usize>) -> Vec<Count> {
+    c.map(|x| x as Count).collect()
+}
+
+/// Displacements of consecutive runs of `counts`.
+fn displs(counts: &[Count]) -> Vec<Count> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect()
+}
+
+/// Reduces `V` runs of `n` elements of `elem`, laid back to back in `runs` in rank order, into
+/// `dst` (the thread backend's reduction).
+fn reduce_runs(elem: ElemType, runs: &[u8], n: usize, dst: &mut [u8], op: ReduceOp) {
+    let es = elem_size(elem);
+    let srcs: Vec<*const u8> = runs.chunks(n * es).map(<[u8]>::as_ptr).collect();
+    // SAFETY: each source holds `n` elements of `elem` (the runs are `n·es` bytes, validated
+    // lengths), `dst` holds `n` and is a separate buffer; both are a `Scratch` or a caller's
+    // typed slice, and every run starts at a multiple of `es`, so all are aligned for `elem`.
+    if n > 0 {
+        unsafe { reduce_dyn(elem, &srcs, dst.as_mut_ptr(), n, op) };
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+        let me = Region::sized(buf.len(), buf.elem_type());
+        let post = Post {
+            recv: me,
+            ..Post::new(Op::AllGatherInPlace)
+        };
+        let bytes = bytes_of_mut(buf);
+        self.collective(post, |world, _| {
+            let s = bytes.len() / self.size;
+            let own = bytes[self.rank * s..(self.rank + 1) * s].to_vec();
+            world.all_gather_into(&own[..], bytes);
+            Ok(())
+        })
+    }
+
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        let post = Post {
+            send: Region::of(&send),
+            recv: Region::sized(recv.len(), recv.elem_type()),
+            ..Post::new(Op::AllGather)
+        };
+        let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
+        self.collective(post, |world, _| {
+            world.all_gather_into(send, recv);
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let me = Region::sized(buf.len(), buf.elem_type());
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::ReduceScatterInPlace)
+        };
+        let bytes = bytes_of_mut(buf);
+        self.collective(post, |world, _| {
+            let (v, r) = (self.size, self.rank);
+            let s = me.len / v;
+            let mut gathered = Scratch::new(bytes.len());
+            world.all_to_all_into(&bytes[..], gathered.bytes_mut());
+            let own = &mut bytes[r * s * elem_size(me.elem)..(r + 1) * s * elem_size(me.elem)];
+            reduce_runs(me.elem, gathered.bytes(), s, own, op);
+            Ok(())
+        })
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let me = Region::sized(buf.len(), buf.elem_type());
+        let post = Post {
+            recv: me,
+            reduce: Some(op),
+            ..Post::new(Op::AllReduce)
+        };
+        let bytes = bytes_of_mut(buf);
+        self.collective(post, |world, _| {
+            let (v, r, es) = (self.size, self.rank, elem_size(me.elem));
+            let ranges: Vec<(usize, usize)> = (0..v).map(|k| part(me.len, v, k)).collect();
+            // Phase 1: range r of every rank to rank r, reduced there in rank order.
+            let send_counts = counts(ranges.iter().map(|&(lo, hi)| (hi - lo) * es));
+            let send_displs = counts(ranges.iter().map(|&(lo, _)| lo * es));
+            let n = ranges[r].1 - ranges[r].0;
+            let recv_counts = vec![(n * es) as Count; v];
+            let recv_displs = displs(&recv_counts);
+            let mut runs = Scratch::new(v * n * es);
+            world.all_to_all_varcount_into(
+                &Partition::new(&bytes[..], &send_counts[..], &send_displs[..]),
+                &mut PartitionMut::new(runs.bytes_mut(), &recv_counts[..], &recv_displs[..]),
+            );
+            let mut reduced = Scratch::new(n * es);
+            reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
+            // Phase 2: every range to every rank.
+            world.all_gather_varcount_into(
+                reduced.bytes(),
+                &mut PartitionMut::new(bytes, &send_counts[..], &send_displs[..]),
+            );
+            Ok(())
+        })
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let post = Post {
+            send: Region::of(&send),
+            recv: Region::sized(recv.len(), recv.elem_type()),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+            ..Post::new(Op::AllToAllV)
+        };
+        let es = elem_size(post.send.elem);
+        let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
+        self.collective(post, |world, _| {
+            let sc = counts(send_counts.iter().map(|&c| c * es));
+            let rc = counts(recv_counts.iter().map(|&c| c * es));
+            let (sd, rd) = (displs(&sc), displs(&rc));
+            debug_assert_eq!(
+                offset(send_counts, send_counts.len()) * es,
+                send.len(),
+                "validated"
+            );
+            world.all_to_all_varcount_into(
+                &Partition::new(send, &sc[..], &sd[..]),
+                &mut PartitionMut::new(recv, &rc[..], &rd[..]),
+            );
+            Ok(())
+        })
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let post = Post {
+            recv: Region::sized(buf.len(), buf.elem_type()),
+            root,
+            ..Post::new(Op::Broadcast)
+        };
+        let bytes = bytes_of_mut(buf);
+        self.collective(post, |world, _| {
+            world.process_at_rank(root as i32).broadcast_into(bytes);
+            Ok(())
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // The descriptor exchange is itself a barrier (an all-gather every rank must join).
+        self.collective(Post::new(Op::Barrier), |_, _| Ok(()))
+    }
+}
