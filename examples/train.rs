@@ -8,7 +8,8 @@
 //! (`nccl`: start one process per rank with `RAGGED_RANK`, `RAGGED_WORLD_SIZE`,
 //! `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE`, and, for the GPU, `LOCAL_RANK`; rank 0
 //! reports). The GPU modes need
-//! `--features cuda`. The model itself runs on the CPU (candle) in every mode.
+//! `--features cuda`. `mpi`: one process per rank under `mpirun` (`--features mpi`). The
+//! model itself runs on the CPU (candle) in every mode.
 
 use std::time::Instant;
 
@@ -44,6 +45,7 @@ enum CommKind {
     Threads,
     GpuThreads,
     Nccl,
+    Mpi,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -252,6 +254,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
         CommKind::Threads => (0, first(ThreadWorld::run(args.ranks, |c| rank_run(c))?)),
         CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, &rank_run)?)),
         CommKind::Nccl => gpu::nccl(&rank_run)?,
+        CommKind::Mpi => mpi_rank(&rank_run)?,
     };
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
@@ -306,6 +309,22 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
 /// Rank 0's result.
 fn first<T>(results: Vec<T>) -> T {
     results.into_iter().next().expect("a world has rank 0")
+}
+
+/// This process as one MPI rank (feature `mpi`, under `mpirun`).
+#[cfg(feature = "mpi")]
+fn mpi_rank<T>(f: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+    let comm = ragged::comm::mpi::MpiComm::init()?;
+    Ok((comm.rank(), f(&comm)?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_rank<T>(_: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+    Err(ragged::Error::Comm {
+        op: "train --comm mpi",
+        rank: 0,
+        reason: "needs a build with --features mpi, run under mpirun".into(),
+    })
 }
 
 /// The GPU-backed communicators (feature `cuda`).

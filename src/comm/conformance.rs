@@ -72,6 +72,10 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
         c.all_reduce((&mut x[..]).into(), op)?;
         out.push(u8_bits(&x));
     }
+    // A buffer shorter than the world (a loss value): some ranks reduce an empty range.
+    let mut x = vec![values(1, rank as u32 + 9)[0]; 1];
+    c.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
+    out.push(f32_bits(&x));
     // Uneven all-to-all: rank r sends ((r + j) mod 3)·5 elements to rank j.
     let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
     let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();

@@ -14,8 +14,9 @@
 //! (collective, element types, lengths, reduce op, root, and for all-to-all-v the counts) and
 //! runs the thread backend's [`validate`] on the table, plus the byte limits of MPI's `int`
 //! counts. Every rank reaches the same verdict, so either all move data or all return the same
-//! `Err`. (A rank that never calls at all still blocks the others inside MPI: MPI has no
-//! timeout.)
+//! `Err`. A rank that panics aborts the whole job (`MPI_Abort` from a panic hook) instead of
+//! leaving the others waiting; a rank that never calls at all still blocks them inside MPI,
+//! which has no timeout.
 //!
 //! # Start-up
 //! [`MpiComm::init`] initializes MPI once per process (`MPI_THREAD_SERIALIZED`: calls come from
@@ -79,6 +80,7 @@ impl MpiComm {
                 "the MPI library offers {level:?}, calls from several threads need Serialized"
             )));
         }
+        abort_job_on_panic();
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         Ok(MpiComm {
@@ -117,6 +119,21 @@ impl MpiComm {
             .map_err(|reason| self.err(op, reason))?;
         data(&inner.world, &posts)
     }
+}
+
+/// Makes a panic anywhere in this process abort the whole MPI job (after the usual panic
+/// message): the other ranks would otherwise wait inside MPI for this one forever.
+fn abort_job_on_panic() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        eprintln!("a rank panicked: aborting the MPI job");
+        // SAFETY: MPI is initialized (this hook is set by `MpiComm::init`); MPI_Abort does not
+        // return.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101);
+        }
+    }));
 }
 
 // --- Descriptors on the wire ---------------------------------------------------------------
@@ -293,14 +310,15 @@ fn displs(counts: &[Count]) -> Vec<Count> {
 /// Reduces `V` runs of `n` elements of `elem`, laid back to back in `runs` in rank order, into
 /// `dst` (the thread backend's reduction).
 fn reduce_runs(elem: ElemType, runs: &[u8], n: usize, dst: &mut [u8], op: ReduceOp) {
+    if n == 0 {
+        return; // this rank's range is empty (a buffer shorter than the world)
+    }
     let es = elem_size(elem);
     let srcs: Vec<*const u8> = runs.chunks(n * es).map(<[u8]>::as_ptr).collect();
     // SAFETY: each source holds `n` elements of `elem` (the runs are `n·es` bytes, validated
     // lengths), `dst` holds `n` and is a separate buffer; both are a `Scratch` or a caller's
     // typed slice, and every run starts at a multiple of `es`, so all are aligned for `elem`.
-    if n > 0 {
-        unsafe { reduce_dyn(elem, &srcs, dst.as_mut_ptr(), n, op) };
-    }
+    unsafe { reduce_dyn(elem, &srcs, dst.as_mut_ptr(), n, op) };
 }
 
 impl Communicator for MpiComm {
