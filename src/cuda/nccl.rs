@@ -1,7 +1,8 @@
 //! NCCL between GPUs behind [`DeviceComm`]: one process per GPU bootstrapped from the
-//! environment with a file rendezvous for NCCL's unique id ([`NcclComm::from_env`]), an
-//! explicit rank and id ([`NcclComm::from_rank`]), or one process driving several GPUs
-//! ([`NcclComm::from_devices`]). Host code reaches it through
+//! environment with a TCP or file rendezvous for NCCL's unique id ([`NcclComm::from_env`]),
+//! inside an MPI job with the id broadcast over MPI (`NcclComm::from_mpi`, features `cuda` and
+//! `mpi`), from an explicit rank and id ([`NcclComm::from_rank`]), or one process driving
+//! several GPUs ([`NcclComm::from_devices`]). Host code reaches it through
 //! [`Staged`](super::collective::Staged), which implements the host
 //! [`Communicator`](crate::comm::Communicator).
 //!
@@ -215,6 +216,21 @@ impl NcclComm {
         let world = env_usize(&["RAGGED_WORLD_SIZE", "WORLD_SIZE"])?;
         let via = Rendezvous::from_env()?;
         let id = via.share(rank, world, Rendezvous::timeout_from_env(), unique_id)?;
+        Self::from_rank(dev, rank, world, &id)
+    }
+
+    /// One process per GPU inside an MPI job (features `cuda` and `mpi`): rank and world are
+    /// MPI's, and rank 0's fresh NCCL id reaches the others by an MPI broadcast.
+    #[cfg(feature = "mpi")]
+    pub fn from_mpi(dev: Arc<Device>, mpi: &crate::comm::mpi::MpiComm) -> Result<Self> {
+        use crate::comm::Communicator;
+        let (rank, world) = (mpi.rank(), mpi.world_size());
+        let mut id = if rank == 0 {
+            unique_id()?
+        } else {
+            [0u8; ID_BYTES]
+        };
+        mpi.broadcast((&mut id[..]).into(), 0)?;
         Self::from_rank(dev, rank, world, &id)
     }
 
