@@ -67,7 +67,7 @@ use crate::common::{
 };
 use crate::muon_layout::MatrixLayout;
 use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_backend, NsConfig};
-use crate::roots::RootPlan;
+use crate::roots::{RootPlan, Routes};
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
 pub type MuonState = AdamState;
@@ -243,24 +243,11 @@ impl Optimizer for Muon {
         comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Muon::step";
-        check_step_inputs(
-            OP,
-            shard,
-            params.len(),
-            grads.len(),
-            state.m.len(),
-            state.v.len(),
-        )?;
-        shard.check_holdings(OP)?;
+        let lens = [params.len(), grads.len(), state.m.len(), state.v.len()];
+        let world = Some((comm.world_size(), comm.rank()));
+        let (roots, routes) = self.prologue(OP, shard, lens, world)?;
         // Fail on an unavailable Newton–Schulz backend before anything is modified.
         resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
-        let roots = self.roots(shard);
-        if roots.has_split() {
-            // A split matrix is only ever orthogonalized whole, on its root: refuse to run
-            // without the ranks that hold the rest of it.
-            check_comm(OP, shard, comm.world_size(), comm.rank())?;
-        }
-        let routes = roots.has_split().then(|| roots.routes(shard)).transpose()?;
         let t = next_step(OP, state.step)?;
         state.step = t;
 
@@ -309,6 +296,38 @@ impl Optimizer for Muon {
 }
 
 impl Muon {
+    /// What the host and device steps start with, before anything is modified: the inputs
+    /// against the shard, the holdings, the roots; and when a matrix is split over ranks, a
+    /// communicator of this shard's world (`comm`: its world size and rank, `None` when the
+    /// caller has none) and this rank's routes. A split matrix is only ever orthogonalized
+    /// whole, on its root: without the ranks holding the rest of it, the step is refused.
+    pub(crate) fn prologue(
+        &self,
+        op: &'static str,
+        shard: &LocalShard,
+        [params, grads, m, v]: [usize; 4],
+        comm: Option<(usize, usize)>,
+    ) -> Result<(RootPlan, Option<Routes>)> {
+        check_step_inputs(op, shard, params, grads, m, v)?;
+        shard.check_holdings(op)?;
+        let roots = self.roots(shard);
+        if !roots.has_split() {
+            return Ok((roots, None));
+        }
+        let Some((world, rank)) = comm else {
+            return Err(Error::InvalidShard {
+                op,
+                reason: "a Muon matrix is split over ranks: its gather to a root needs a \
+                         communicator (on the device: Muon::step_cuda_comm), or plan with \
+                         MatrixLayout::Whole"
+                    .into(),
+            });
+        };
+        check_comm(op, shard, world, rank)?;
+        let routes = roots.routes(shard)?;
+        Ok((roots, Some(routes)))
+    }
+
     /// The roots of this group's Muon matrices ([`RootPlan`]; identical on every rank).
     pub fn roots(&self, shard: &LocalShard) -> RootPlan {
         let matrix_of = |meta: &ParamMeta| self.is_muon(meta).then(|| trailing(&meta.shape));
@@ -381,8 +400,8 @@ impl Muon {
 }
 
 /// `Err` unless a communicator of `world` ranks seen from `rank` is this shard's world, seen
-/// from this shard's rank (host and device steps).
-pub(crate) fn check_comm(
+/// from this shard's rank.
+fn check_comm(
     op: &'static str,
     shard: &LocalShard,
     world: usize,

@@ -13,12 +13,12 @@ use ragged::cuda::collective::DeviceComm;
 use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::optim::LocalShard;
-use ragged::{Error, Result};
+use ragged::Result;
 
 use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
-use crate::common::{check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
-use crate::muon::{check_comm, Muon};
+use crate::common::{check_shard, next_step, AdamScale, MomentCoeffs};
+use crate::muon::Muon;
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
@@ -72,32 +72,9 @@ impl Muon {
         comm: Option<&dyn DeviceComm>,
     ) -> Result<()> {
         const OP: &str = "Muon::step_cuda";
-        check_step_inputs(
-            OP,
-            shard,
-            params.len(),
-            grads.len(),
-            state.m.len(),
-            state.v.len(),
-        )?;
-        shard.check_holdings(OP)?;
-        let roots = self.roots(shard);
-        let routes = match (roots.has_split(), comm) {
-            (false, _) => None,
-            (true, None) => {
-                return Err(Error::InvalidShard {
-                    op: OP,
-                    reason: "a Muon matrix is split over ranks: its gather to a root needs a \
-                             communicator (Muon::step_cuda_comm), or plan with \
-                             MatrixLayout::Whole"
-                        .into(),
-                })
-            }
-            (true, Some(c)) => {
-                check_comm(OP, shard, c.world_size(), c.rank())?;
-                Some(roots.routes(shard)?)
-            }
-        };
+        let lens = [params.len(), grads.len(), state.m.len(), state.v.len()];
+        let world = comm.map(|c| (c.world_size(), c.rank()));
+        let (roots, routes) = self.prologue(OP, shard, lens, world)?;
         let t = next_step(OP, state.step)?;
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
