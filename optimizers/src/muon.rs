@@ -401,12 +401,7 @@ impl Muon {
 
 /// `Err` unless a communicator of `world` ranks seen from `rank` is this shard's world, seen
 /// from this shard's rank.
-fn check_comm(
-    op: &'static str,
-    shard: &LocalShard,
-    world: usize,
-    rank: usize,
-) -> Result<()> {
+fn check_comm(op: &'static str, shard: &LocalShard, world: usize, rank: usize) -> Result<()> {
     if world != shard.world {
         return Err(Error::WorldSizeMismatch {
             op,
