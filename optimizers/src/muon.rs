@@ -55,9 +55,11 @@
 //! first moment on AdamW pieces; `v` holds Adam's second moment on AdamW pieces and stays zero
 //! on Muon pieces; `step` counts steps (AdamW's bias correction uses it).
 
+use std::ops::Range;
+
 use ragged::comm::Communicator;
 use ragged::model::Unit;
-use ragged::optim::{LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{Plan, PlanOptions};
 use ragged::{AtomicBlock, Error, Result};
 
@@ -374,14 +376,9 @@ impl Muon {
             }
             let (rows, cols) = trailing(&meta.shape);
             let mn = rows * cols;
-            let (a, b) = (piece.range.start, piece.range.end);
-            let (first, last) = (a.div_ceil(mn.max(1)), b / mn.max(1));
-            if mn == 0 || first >= last {
+            let Some(Range { start: lo, end: hi }) = whole_matrices(piece, mn) else {
                 continue;
-            }
-            // The whole matrices of this piece: local elements [lo, hi).
-            let lo = piece.offset + (first * mn - a);
-            let hi = lo + (last - first) * mn;
+            };
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(lo - consumed);
             let (whole, tail) = tail.split_at_mut(hi - lo);
             rest = tail;
@@ -397,6 +394,19 @@ impl Muon {
         }
         orthogonalize_many(tasks, &self.config.ns)
     }
+}
+
+/// The local elements of the whole `mn`-element matrices inside `piece` (a piece of a split
+/// layout can start or end inside a matrix that other ranks share), or `None` when it holds
+/// no whole matrix. Host and device steps orthogonalize these in place.
+pub(crate) fn whole_matrices(piece: &LocalPiece, mn: usize) -> Option<Range<usize>> {
+    let (a, b) = (piece.range.start, piece.range.end);
+    let (first, last) = (a.div_ceil(mn.max(1)), b / mn.max(1));
+    if mn == 0 || first >= last {
+        return None;
+    }
+    let lo = piece.offset + (first * mn - a);
+    Some(lo..lo + (last - first) * mn)
 }
 
 /// `Err` unless a communicator of `world` ranks seen from `rank` is this shard's world, seen

@@ -18,7 +18,7 @@ use ragged::Result;
 use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
 use crate::common::{check_shard, next_step, AdamScale, MomentCoeffs};
-use crate::muon::Muon;
+use crate::muon::{whole_matrices, Muon};
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
@@ -135,17 +135,14 @@ impl Muon {
                 continue;
             };
             let mn = step.rows * step.cols;
-            let (a, b) = (piece.range.start, piece.range.end);
-            let (first, last) = (a.div_ceil(mn.max(1)), b / mn.max(1));
-            if mn == 0 || first >= last {
+            let Some(whole) = whole_matrices(piece, mn) else {
                 continue;
-            }
-            let lo = piece.offset + (first * mn - a);
-            let hi = lo + (last - first) * mn;
+            };
+            let batch = whole.len() / mn;
             orthogonalize_cuda(
                 dev,
-                &mut u.slice_mut(lo..hi),
-                last - first,
+                &mut u.slice_mut(whole),
+                batch,
                 step.rows,
                 step.cols,
                 step.ns,
