@@ -32,7 +32,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 use mpi::Count;
 
-use super::protocol::{elem_size, offset, part, reduce_dyn, validate, Op, Post, Region};
+use super::protocol::{elem_size, part, reduce_dyn, validate, Op, Post, Region};
 use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::{Error, Result};
 
@@ -102,11 +102,11 @@ impl MpiComm {
     }
 
     /// Posts `post` with every rank's, validates the table (every rank reaches the same
-    /// verdict), and runs `data` on the world and the table.
+    /// verdict), and runs `data` on the world.
     fn collective(
         &self,
         post: Post,
-        data: impl FnOnce(&SimpleCommunicator, &[Post]) -> Result<()>,
+        data: impl FnOnce(&SimpleCommunicator) -> Result<()>,
     ) -> Result<()> {
         let op = post.op;
         let inner = self
@@ -117,7 +117,7 @@ impl MpiComm {
         validate(&posts)
             .and_then(|()| check_mpi_limits(&posts))
             .map_err(|reason| self.err(op, reason))?;
-        data(&inner.world, &posts)
+        data(&inner.world)
     }
 }
 
@@ -337,7 +337,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::AllGatherInPlace)
         };
         let bytes = bytes_of_mut(buf);
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             let s = bytes.len() / self.size;
             let own = bytes[self.rank * s..(self.rank + 1) * s].to_vec();
             world.all_gather_into(&own[..], bytes);
@@ -352,7 +352,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::AllGather)
         };
         let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             world.all_gather_into(send, recv);
             Ok(())
         })
@@ -366,7 +366,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::ReduceScatterInPlace)
         };
         let bytes = bytes_of_mut(buf);
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             let (v, r) = (self.size, self.rank);
             let s = me.len / v;
             let mut gathered = Scratch::new(bytes.len());
@@ -385,7 +385,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::AllReduce)
         };
         let bytes = bytes_of_mut(buf);
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             let (v, r, es) = (self.size, self.rank, elem_size(me.elem));
             let ranges: Vec<(usize, usize)> = (0..v).map(|k| part(me.len, v, k)).collect();
             // Phase 1: range r of every rank to rank r, reduced there in rank order.
@@ -426,15 +426,10 @@ impl Communicator for MpiComm {
         };
         let es = elem_size(post.send.elem);
         let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             let sc = counts(send_counts.iter().map(|&c| c * es));
             let rc = counts(recv_counts.iter().map(|&c| c * es));
             let (sd, rd) = (displs(&sc), displs(&rc));
-            debug_assert_eq!(
-                offset(send_counts, send_counts.len()) * es,
-                send.len(),
-                "validated"
-            );
             world.all_to_all_varcount_into(
                 &Partition::new(send, &sc[..], &sd[..]),
                 &mut PartitionMut::new(recv, &rc[..], &rd[..]),
@@ -450,7 +445,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::Broadcast)
         };
         let bytes = bytes_of_mut(buf);
-        self.collective(post, |world, _| {
+        self.collective(post, |world| {
             world.process_at_rank(root as i32).broadcast_into(bytes);
             Ok(())
         })
@@ -458,6 +453,6 @@ impl Communicator for MpiComm {
 
     fn barrier(&self) -> Result<()> {
         // The descriptor exchange is itself a barrier (an all-gather every rank must join).
-        self.collective(Post::new(Op::Barrier), |_, _| Ok(()))
+        self.collective(Post::new(Op::Barrier), |_| Ok(()))
     }
 }

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
-use super::collective::{check_counts, slice_len, DevBuf, DevBufMut, DeviceComm, Span};
+use super::collective::{check_counts, slice_len, DevBuf, DevBufMut, DeviceComm};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{ElemType, ReduceOp};
@@ -279,18 +279,19 @@ impl DeviceComm for NcclComm {
     fn all_gather(&self, send: DevBuf<'_>, mut recv: DevBufMut<'_>) -> Result<()> {
         const OP: &str = "NcclComm::all_gather";
         let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
-        let counts = vec![s.len; self.world];
-        check_counts(
-            OP,
-            self.world,
-            Span {
-                len: s.len * self.world,
-                ..s
-            },
-            &counts,
-            r,
-            &counts,
-        )?;
+        if s.elem != r.elem || Some(r.len) != s.len.checked_mul(self.world) {
+            return Err(Error::BadInput {
+                op: OP,
+                what: format!(
+                    "{} {:?} to send, {} {:?} to receive",
+                    s.len, s.elem, r.len, r.elem
+                ),
+                reason: format!(
+                    "an all-gather receives {} × the send, of one type",
+                    self.world
+                ),
+            });
+        }
         // SAFETY: `s.len` elements to send, `V·s.len` to receive, both borrowed for the call.
         self.call(OP, |comm, stream| unsafe {
             nccl::all_gather(
