@@ -17,7 +17,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
-use ragged::demo::{train_rank, StepReport, TransformerConfig};
+use ragged::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
 use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
 use ragged::optim::Optimizer;
 use ragged::{AtomicBlock, Result};
@@ -82,9 +82,14 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
-    /// Free the unsharded buffers between steps (keep only local shards).
+    /// Keep every unit gathered from its forward to its backward (no recomputation; more
+    /// memory). Default: free each unit after its forward stage, re-gather and recompute it in
+    /// backward.
     #[arg(long)]
-    reshard_after_forward: bool,
+    keep_units: bool,
+    /// Gather every unit at once and run one backward over the whole model (models that fit).
+    #[arg(long)]
+    whole_model: bool,
     /// Skip the unsharded reference run.
     #[arg(long)]
     no_reference: bool,
@@ -218,7 +223,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             Layout::Ragged => ShardLayout::Ragged,
             Layout::Fsdp2 => ShardLayout::Fsdp2,
         },
-        reshard_after_forward: args.reshard_after_forward,
+        reshard_after_forward: !args.keep_units,
         ..FsdpOptions::default()
     };
     println!(
@@ -231,6 +236,11 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             .expect("valid template"),
     );
     let started = Instant::now();
+    let mode = if args.whole_model {
+        TrainMode::WholeModel
+    } else {
+        TrainMode::UnitByUnit
+    };
     let rank_run = |comm: &dyn Communicator| {
         let progress = |step: usize, r: &StepReport| {
             if comm.rank() == 0 {
@@ -245,6 +255,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             opt,
             comm,
             opts.clone(),
+            mode,
             args.steps,
             args.batch,
             progress,
@@ -285,6 +296,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
         opt,
         &SingleRank,
         reference_opts,
+        TrainMode::UnitByUnit,
         args.steps,
         args.batch,
         progress,

@@ -5,12 +5,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder};
 
 use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::dbuffer::candle;
-use crate::fsdp::{fully_shard, FsdpOptions};
+use crate::fsdp::{fully_shard, FsdpOptions, ShardedModel, StageReport, Stages, UnitParams};
 use crate::optim::Optimizer;
 use crate::{Error, Result};
 
@@ -129,31 +129,80 @@ fn rms_norm(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     candle_nn::ops::rms_norm_slow(x, w, 1e-5)
 }
 
+impl Block {
+    /// Layer `i` from `vb` (names `layers.<i>.…`, as in [`TransformerConfig::param_shapes`]).
+    fn new(cfg: &TransformerConfig, i: usize, vb: &VarBuilder) -> candle_core::Result<Self> {
+        let (d, f) = (cfg.d_model, cfg.d_ff);
+        let vb = vb.pp(format!("layers.{i}"));
+        Ok(Block {
+            attn_norm: vb.get(d, "attn_norm.weight")?,
+            q: linear_no_bias(d, d, vb.pp("attn.q"))?,
+            k: linear_no_bias(d, d, vb.pp("attn.k"))?,
+            v: linear_no_bias(d, d, vb.pp("attn.v"))?,
+            o: linear_no_bias(d, d, vb.pp("attn.o"))?,
+            mlp_norm: vb.get(d, "mlp_norm.weight")?,
+            up: linear_no_bias(d, f, vb.pp("mlp.up"))?,
+            down: linear_no_bias(f, d, vb.pp("mlp.down"))?,
+            n_heads: cfg.n_heads,
+        })
+    }
+
+    /// Pre-norm attention and MLP, each with a residual.
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let x = (x + self.attention(&rms_norm(x, &self.attn_norm)?, mask)?)?;
+        let h = self.up.forward(&rms_norm(&x, &self.mlp_norm)?)?.gelu()?;
+        &x + self.down.forward(&h)?
+    }
+
+    fn attention(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let dh = d / self.n_heads;
+        let heads = |l: &Linear| -> candle_core::Result<Tensor> {
+            l.forward(x)?
+                .reshape((b, t, self.n_heads, dh))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (heads(&self.q)?, heads(&self.k)?, heads(&self.v)?);
+        let scores = (q.matmul(&k.t()?)? / (dh as f64).sqrt())?.broadcast_add(mask)?;
+        // The differentiable softmax: `softmax_last_dim` is forward-only in candle, and with it
+        // q and k would never get a gradient.
+        let attn = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let y = attn.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        self.o.forward(&y)
+    }
+}
+
+/// The model's input and target tokens of a batch `[batch, seq_len + 1]`.
+fn split_ids(ids: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let t = ids.dim(1)? - 1;
+    Ok((ids.narrow(1, 0, t)?, ids.narrow(1, 1, t)?))
+}
+
+/// Final norm, head and mean next-token cross-entropy.
+fn head_loss(
+    cfg: &TransformerConfig,
+    x: &Tensor,
+    norm: &Tensor,
+    head: &Linear,
+    targets: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let logits = head.forward(&rms_norm(x, norm)?)?;
+    let logits = logits.reshape(((), cfg.vocab))?;
+    candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+}
+
 impl Transformer {
     /// Builds the model from `vb` (names as in [`TransformerConfig::param_shapes`]).
     pub fn new(cfg: TransformerConfig, vb: VarBuilder) -> Result<Self> {
         let build = || -> candle_core::Result<Self> {
-            let (d, f) = (cfg.d_model, cfg.d_ff);
-            let embed = embedding(cfg.vocab, d, vb.pp("embed"))?;
+            let d = cfg.d_model;
             let blocks = (0..cfg.n_layers)
-                .map(|i| {
-                    let vb = vb.pp(format!("layers.{i}"));
-                    Ok(Block {
-                        attn_norm: vb.get(d, "attn_norm.weight")?,
-                        q: linear_no_bias(d, d, vb.pp("attn.q"))?,
-                        k: linear_no_bias(d, d, vb.pp("attn.k"))?,
-                        v: linear_no_bias(d, d, vb.pp("attn.v"))?,
-                        o: linear_no_bias(d, d, vb.pp("attn.o"))?,
-                        mlp_norm: vb.get(d, "mlp_norm.weight")?,
-                        up: linear_no_bias(d, f, vb.pp("mlp.up"))?,
-                        down: linear_no_bias(f, d, vb.pp("mlp.down"))?,
-                        n_heads: cfg.n_heads,
-                    })
-                })
+                .map(|i| Block::new(&cfg, i, &vb))
                 .collect::<candle_core::Result<_>>()?;
             Ok(Transformer {
                 cfg,
-                embed,
+                embed: embedding(cfg.vocab, d, vb.pp("embed"))?,
                 blocks,
                 norm: vb.get(d, "norm.weight")?,
                 head: linear_no_bias(d, cfg.vocab, vb.pp("head"))?,
@@ -168,37 +217,54 @@ impl Transformer {
     }
 
     fn loss_inner(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let t = ids.dim(1)? - 1;
-        let inputs = ids.narrow(1, 0, t)?;
-        let targets = ids.narrow(1, 1, t)?;
+        let (inputs, targets) = split_ids(ids)?;
         let mut x = self.embed.forward(&inputs)?;
-        let mask = causal_mask(t)?;
+        let mask = causal_mask(inputs.dim(1)?)?;
         for b in &self.blocks {
-            x = (&x + b.attention(&rms_norm(&x, &b.attn_norm)?, &mask)?)?;
-            let h = b.up.forward(&rms_norm(&x, &b.mlp_norm)?)?.gelu()?;
-            x = (&x + b.down.forward(&h)?)?;
+            x = b.forward(&x, &mask)?;
         }
-        let logits = self.head.forward(&rms_norm(&x, &self.norm)?)?;
-        let logits = logits.reshape(((), self.cfg.vocab))?;
-        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+        head_loss(&self.cfg, &x, &self.norm, &self.head, &targets)
     }
 }
 
-impl Block {
-    fn attention(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let dh = d / self.n_heads;
-        let heads = |l: &Linear| -> candle_core::Result<Tensor> {
-            l.forward(x)?
-                .reshape((b, t, self.n_heads, dh))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (heads(&self.q)?, heads(&self.k)?, heads(&self.v)?);
-        let scores = (q.matmul(&k.t()?)? / (dh as f64).sqrt())?.broadcast_add(mask)?;
-        let attn = candle_nn::ops::softmax_last_dim(&scores)?;
-        let y = attn.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
-        self.o.forward(&y)
+/// The transformer as stages for the unit-by-unit runtime: the embedding (unit `root`), one
+/// stage per layer (`layers.<i>`), then norm, head and loss (`root` again).
+#[derive(Clone, Copy, Debug)]
+pub struct TransformerStages(pub TransformerConfig);
+
+impl Stages for TransformerStages {
+    type Batch = Tensor;
+
+    fn stage_units(&self) -> Vec<String> {
+        let layers = (0..self.0.n_layers).map(|i| format!("layers.{i}"));
+        std::iter::once("root".to_string())
+            .chain(layers)
+            .chain(std::iter::once("root".to_string()))
+            .collect()
+    }
+
+    fn forward(
+        &self,
+        stage: usize,
+        params: &UnitParams,
+        x: Option<&Tensor>,
+        ids: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let cfg = &self.0;
+        let vb = params.vb();
+        let (inputs, targets) = split_ids(ids)?;
+        match (stage, x) {
+            (0, _) => embedding(cfg.vocab, cfg.d_model, vb.pp("embed"))?.forward(&inputs),
+            (s, Some(x)) if s <= cfg.n_layers => {
+                let mask = causal_mask(inputs.dim(1)?)?;
+                Block::new(cfg, s - 1, &vb)?.forward(x, &mask)
+            }
+            (_, Some(x)) => {
+                let head = linear_no_bias(cfg.d_model, cfg.vocab, vb.pp("head"))?;
+                head_loss(cfg, x, params.get("norm.weight")?, &head, &targets)
+            }
+            (s, None) => Err(candle_core::Error::Msg(format!("stage {s} has no input"))),
+        }
     }
 }
 
@@ -258,14 +324,27 @@ pub struct StepReport {
     pub loss: f32,
     /// Wall time of the whole step on this rank.
     pub seconds: f64,
-    /// The sharding part of it: unshard, gradient reduction, optimizer step and reshard.
+    /// The sharding part of it: gathers, gradient reductions and the optimizer step.
     pub fsdp_seconds: f64,
+    /// The forward and backward phases (whole-model mode: gathers and reductions only).
+    pub phases: StageReport,
+    /// The optimizer step.
+    pub step_seconds: f64,
     /// Bytes copied outside collectives so far (0 on the ragged path).
     pub copied_bytes: u64,
 }
 
 /// Per-step reports and the final full parameters (by name) of one training run.
 pub type TrainRun = (Vec<StepReport>, HashMap<String, Vec<f32>>);
+
+/// How [`train_rank`] runs a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainMode {
+    /// The FSDP rhythm: unit by unit ([`ShardedModel::forward_backward`]).
+    UnitByUnit,
+    /// Every unit gathered at once, the model built once ([`ShardedModel::unshard`]).
+    WholeModel,
+}
 
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
 /// `global_batch / V` rows of every global batch; gradients are averaged over ranks. Returns
@@ -277,6 +356,7 @@ pub fn train_rank<O: Optimizer>(
     optimizer: O,
     comm: &dyn Communicator,
     opts: FsdpOptions,
+    mode: TrainMode,
     steps: usize,
     global_batch: usize,
     mut on_step: impl FnMut(usize, &StepReport),
@@ -291,32 +371,63 @@ pub fn train_rank<O: Optimizer>(
     }
     let rows = global_batch / world;
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
+    let mut whole: Option<Transformer> = None;
+    let stages = TransformerStages(cfg);
     let mut reports = Vec::with_capacity(steps);
     for step in 0..steps {
         let start = Instant::now();
-        let views = sharded.unshard()?;
-        let mut fsdp_seconds = start.elapsed().as_secs_f64();
-        let vb = VarBuilder::from_tensors(views, DType::F32, &Device::Cpu);
-        let model = Transformer::new(cfg, vb)?;
         let ids = batch(corpus(), &cfg, step, comm.rank() * rows, rows)?;
-        let loss = model.loss(&ids)?;
-        let mut grads = loss.backward().map_err(candle("backward"))?;
-        drop(model);
-        let reduce_start = Instant::now();
-        sharded.reduce_gradients(&mut grads)?;
+        let phases = match mode {
+            TrainMode::UnitByUnit => sharded.forward_backward(&stages, &ids)?,
+            TrainMode::WholeModel => whole_model_step(&mut sharded, &mut whole, cfg, &ids)?,
+        };
+        let step_start = Instant::now();
         sharded.step()?;
-        sharded.reshard();
-        fsdp_seconds += reduce_start.elapsed().as_secs_f64();
-        let mut l = [loss.to_scalar::<f32>().map_err(candle("loss"))?];
+        let step_seconds = step_start.elapsed().as_secs_f64();
+        let mut l = [phases.loss];
         comm.all_reduce(BufMut::F32(&mut l), ReduceOp::Avg)?;
         let report = StepReport {
             loss: l[0],
             seconds: start.elapsed().as_secs_f64(),
-            fsdp_seconds,
+            fsdp_seconds: phases.gather_seconds + phases.reduce_seconds + step_seconds,
+            phases,
+            step_seconds,
             copied_bytes: sharded.stats().copied(),
         };
         on_step(step, &report);
         reports.push(report);
     }
     Ok((reports, sharded.full_params()?))
+}
+
+/// One forward and backward in whole-model mode: the model is built from the first gather's
+/// tensors and reused; later gathers rewrite them in place.
+fn whole_model_step<O: Optimizer>(
+    sharded: &mut ShardedModel<'_, O>,
+    model: &mut Option<Transformer>,
+    cfg: TransformerConfig,
+    ids: &Tensor,
+) -> Result<StageReport> {
+    let start = Instant::now();
+    let tensors = sharded.unshard()?;
+    let gather_seconds = start.elapsed().as_secs_f64();
+    if model.is_none() {
+        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+        *model = Some(Transformer::new(cfg, vb)?);
+    }
+    let compute = Instant::now();
+    let loss = model.as_ref().expect("built above").loss(ids)?;
+    let forward_seconds = compute.elapsed().as_secs_f64();
+    let backward = Instant::now();
+    loss.backward().map_err(candle("backward"))?;
+    let backward_seconds = backward.elapsed().as_secs_f64();
+    let reduce = Instant::now();
+    sharded.reduce_gradients()?;
+    Ok(StageReport {
+        loss: loss.to_scalar::<f32>().map_err(candle("loss"))?,
+        gather_seconds,
+        forward_seconds,
+        backward_seconds,
+        reduce_seconds: reduce.elapsed().as_secs_f64(),
+    })
 }

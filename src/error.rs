@@ -151,6 +151,17 @@ impl<T> Context<T> for Result<T> {
     }
 }
 
+/// `?` on candle results inside ragged code and user code returning [`Result`]. Library code
+/// names the operation instead (`map_err(dbuffer::candle("op"))`); this names it "candle".
+impl From<candle_core::Error> for Error {
+    fn from(source: candle_core::Error) -> Self {
+        Error::Candle {
+            op: "candle",
+            source,
+        }
+    }
+}
+
 impl Error {
     /// Wraps an I/O error with the operation and path.
     pub fn io(op: &'static str, path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {

@@ -3,11 +3,9 @@
 //! matrices refused, state round trips, config validation.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
-use ragged::dbuffer::CopyStats;
 use ragged::fsdp::fsdp2::Fsdp2Unit;
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
@@ -463,13 +461,8 @@ fn layout_shards(
                 name: "unit".into(),
                 tensors: spec.iter().collect(),
             };
-            let stats = Arc::new(CopyStats::default());
             (0..world)
-                .map(|r| {
-                    Fsdp2Unit::new(&unit, world, r, stats.clone())
-                        .unwrap()
-                        .local_shard(&unit)
-                })
+                .map(|r| Fsdp2Unit::new(&unit, world, r).unwrap().local_shard(&unit))
                 .collect()
         }
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::comm::threads::ThreadWorld;
 use crate::comm::{BufMut, Communicator, ReduceOp};
-use crate::demo::{train_rank, StepReport, TransformerConfig};
+use crate::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
 use crate::fsdp::{FsdpOptions, ShardLayout};
 use crate::optim::Optimizer;
 use crate::Result;
@@ -127,6 +127,7 @@ pub fn train_step<O: Optimizer + Clone>(
             optimizer.clone(),
             c,
             opts.clone(),
+            TrainMode::UnitByUnit,
             steps,
             global_batch,
             |_, _| {},

@@ -7,7 +7,7 @@
 
 use half::bf16;
 
-use super::{Communicator, ReduceOp};
+use super::{Communicator, ReduceOp, Segment};
 use crate::Result;
 
 /// Elements per rank slice in [`exercise`] (odd, so no buffer is a power of two).
@@ -92,14 +92,144 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     c.broadcast((&mut x[..]).into(), world - 1)?;
     out.push(u8_bits(&x));
     c.barrier()?;
+    // Out-of-place reduce-scatter, on the in-place form's inputs (results 2 and 6).
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        let mut x = f(rank + 3);
+        let mut own = vec![0f32; s];
+        c.reduce_scatter((&mut x[..]).into(), (&mut own[..]).into(), op)?;
+        out.push(f32_bits(&own));
+    }
+    // All-gather into uneven segments with gaps, on the all-gather's input (result 1).
+    let send = f(rank + 2)[..s].to_vec();
+    let mut parts: Vec<Vec<f32>> = segment_spans(world)
+        .iter()
+        .map(|r| vec![0f32; r.len()])
+        .collect();
+    let mut segments: Vec<Segment<'_>> = segment_spans(world)
+        .into_iter()
+        .zip(parts.iter_mut())
+        .map(|(r, p)| Segment {
+            offset: r.start,
+            buf: (&mut p[..]).into(),
+        })
+        .collect();
+    c.all_gather_segments((&send[..]).into(), &mut segments)?;
+    drop(segments);
+    out.push(f32_bits(&parts.concat()));
     Ok(out)
+}
+
+/// The segments [`exercise`] gathers into: uneven, with gaps, some crossing rank slices.
+pub fn segment_spans(world: usize) -> Vec<std::ops::Range<usize>> {
+    let full = world * SLICE;
+    let mut spans = Vec::new();
+    let mut at = 1;
+    let mut len = 3;
+    while at + len <= full {
+        spans.push(at..at + len);
+        at += len + 2;
+        len = len * 2 % 41 + 1;
+    }
+    spans
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::threads::ThreadWorld;
-    use crate::comm::SingleRank;
+    use crate::comm::threads::{ThreadComm, ThreadWorld};
+    use crate::comm::{Buf, BufMut, SingleRank};
+
+    /// The thread backend with only the required methods: the trait's staged defaults.
+    struct Defaults<'a>(&'a ThreadComm);
+
+    impl Communicator for Defaults<'_> {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+            self.0.all_gather_in_place(buf)
+        }
+        fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+            self.0.all_gather(send, recv)
+        }
+        fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+            self.0.reduce_scatter_in_place(buf, op)
+        }
+        fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+            self.0.all_reduce(buf, op)
+        }
+        fn all_to_all_v(
+            &self,
+            send: Buf<'_>,
+            sc: &[usize],
+            recv: BufMut<'_>,
+            rc: &[usize],
+        ) -> Result<()> {
+            self.0.all_to_all_v(send, sc, recv, rc)
+        }
+        fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+            self.0.broadcast(buf, root)
+        }
+        fn barrier(&self) -> Result<()> {
+            self.0.barrier()
+        }
+    }
+
+    #[test]
+    fn out_of_place_forms_equal_the_in_place_ones_natively_and_staged() {
+        for world in [1, 2, 3, 4] {
+            let native = ThreadWorld::run(world, |c| exercise(c)).unwrap();
+            let staged = ThreadWorld::run(world, |c| exercise(&Defaults(c))).unwrap();
+            assert_eq!(native, staged, "V={world}: native and staged forms differ");
+            for (r, out) in native.iter().enumerate() {
+                assert_eq!(out[13], out[2], "V={world} rank {r}: reduce-scatter sum");
+                assert_eq!(
+                    out[14], out[6],
+                    "V={world} rank {r}: reduce-scatter average"
+                );
+                let gathered: Vec<u32> = segment_spans(world)
+                    .into_iter()
+                    .flat_map(|span| out[1][span].to_vec())
+                    .collect();
+                assert_eq!(out[15], gathered, "V={world} rank {r}: segments");
+            }
+        }
+        let single = exercise(&SingleRank).unwrap();
+        assert_eq!(single[13], single[2]);
+        assert_eq!(
+            single[15],
+            segment_spans(1)
+                .into_iter()
+                .flat_map(|s| single[1][s].to_vec())
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn segments_that_overlap_or_overrun_are_refused_on_every_backend() {
+        let bad = |c: &dyn Communicator| {
+            let send = [1f32; SLICE];
+            let (mut a, mut b) = (vec![0f32; 4], vec![0f32; 4]);
+            let mut segs = [
+                Segment {
+                    offset: 2,
+                    buf: (&mut a[..]).into(),
+                },
+                Segment {
+                    offset: 4,
+                    buf: (&mut b[..]).into(),
+                },
+            ];
+            c.all_gather_segments((&send[..]).into(), &mut segs)
+        };
+        assert!(bad(&SingleRank).is_err());
+        for r in ThreadWorld::run(2, |c| Ok(bad(c).is_err())).unwrap() {
+            assert!(r);
+        }
+    }
 
     #[test]
     fn the_data_makes_the_reduction_order_visible() {

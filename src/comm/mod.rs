@@ -88,6 +88,14 @@ impl Buf<'_> {
 }
 
 impl BufMut<'_> {
+    /// The same buffer, borrowed for a shorter time.
+    pub fn reborrow(&mut self) -> BufMut<'_> {
+        match self {
+            BufMut::F32(b) => BufMut::F32(b),
+            BufMut::BF16(b) => BufMut::BF16(b),
+            BufMut::U8(b) => BufMut::U8(b),
+        }
+    }
     pub fn len(&self) -> usize {
         match self {
             BufMut::F32(b) => b.len(),
@@ -138,6 +146,42 @@ impl<'a> From<&'a mut [u8]> for BufMut<'a> {
     }
 }
 
+/// One tensor's storage inside a full buffer that is not one allocation: elements
+/// `offset..offset + buf.len()` of the `V·S`-element full buffer live in `buf`. The parts of the
+/// full buffer no segment covers (padding) are never materialized.
+#[derive(Debug)]
+pub struct Segment<'a> {
+    pub offset: usize,
+    pub buf: BufMut<'a>,
+}
+
+/// Checks that `segments` are of `elem`, ascending, disjoint and inside a buffer of `full`
+/// elements.
+pub fn check_segments(segments: &[Segment<'_>], elem: ElemType, full: usize) -> Result<()> {
+    let mut end = 0usize;
+    for (i, s) in segments.iter().enumerate() {
+        let bad = |reason: String| crate::Error::InvalidShard {
+            op: "all_gather_segments",
+            reason: format!("segment {i}: {reason}"),
+        };
+        if s.buf.elem_type() != elem {
+            return Err(bad(format!("{:?} for a {elem:?} input", s.buf.elem_type())));
+        }
+        if s.offset < end {
+            return Err(bad(format!(
+                "starts at {} inside the previous one",
+                s.offset
+            )));
+        }
+        end = s
+            .offset
+            .checked_add(s.buf.len())
+            .filter(|&e| e <= full)
+            .ok_or_else(|| bad(format!("ends past the full buffer of {full} elements")))?;
+    }
+    Ok(())
+}
+
 /// Collectives of one rank. Every rank of a world must call the same collectives in the same
 /// order with matching sizes; a mismatch, a rank that left, or a timeout is an `Err` on every
 /// rank, never a hang.
@@ -167,4 +211,111 @@ pub trait Communicator: Send + Sync {
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+
+    /// All-gather from an `S`-element input straight into the segments of a `V·S` full buffer
+    /// held in separate storages (one per tensor; see [`Segment`]). Returns the bytes the backend
+    /// staged through a contiguous buffer of its own (copies outside the wire, for the caller to
+    /// count): 0 for backends that write the segments directly (threads, one rank). This
+    /// default stages: it gathers into a contiguous buffer and copies the segments out.
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        let full = send.len() * self.world_size();
+        check_segments(segments, send.elem_type(), full)?;
+        let staged = staged_all_gather(self, send, segments)?;
+        Ok(staged)
+    }
+
+    /// Reduce-scatter from a `V·S`-element input into a separate `S`-element output (the input
+    /// may be clobbered). Returns the bytes staged (as [`Communicator::all_gather_segments`]):
+    /// this default reduces in place and copies the own slice out.
+    fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
+        staged_reduce_scatter(self, send, recv, op)
+    }
+}
+
+/// [`Communicator::all_gather_segments`] through a contiguous staging buffer.
+fn staged_all_gather<C: Communicator + ?Sized>(
+    comm: &C,
+    send: Buf<'_>,
+    segments: &mut [Segment<'_>],
+) -> Result<usize> {
+    fn scatter<T: Copy>(full: &[T], seg: &mut [T], offset: usize) {
+        seg.copy_from_slice(&full[offset..offset + seg.len()]);
+    }
+    let full = send.len() * comm.world_size();
+    let mut copied = 0;
+    match send {
+        Buf::F32(s) => {
+            let mut buf = vec![0f32; full];
+            comm.all_gather(Buf::F32(s), BufMut::F32(&mut buf))?;
+            for seg in segments.iter_mut() {
+                if let BufMut::F32(d) = &mut seg.buf {
+                    scatter(&buf, d, seg.offset);
+                    copied += 4 * d.len();
+                }
+            }
+        }
+        Buf::BF16(s) => {
+            let mut buf = vec![bf16::ZERO; full];
+            comm.all_gather(Buf::BF16(s), BufMut::BF16(&mut buf))?;
+            for seg in segments.iter_mut() {
+                if let BufMut::BF16(d) = &mut seg.buf {
+                    scatter(&buf, d, seg.offset);
+                    copied += 2 * d.len();
+                }
+            }
+        }
+        Buf::U8(s) => {
+            let mut buf = vec![0u8; full];
+            comm.all_gather(Buf::U8(s), BufMut::U8(&mut buf))?;
+            for seg in segments.iter_mut() {
+                if let BufMut::U8(d) = &mut seg.buf {
+                    scatter(&buf, d, seg.offset);
+                    copied += d.len();
+                }
+            }
+        }
+    }
+    Ok(copied)
+}
+
+/// [`Communicator::reduce_scatter`] as an in-place reduce-scatter plus a copy of the own slice.
+fn staged_reduce_scatter<C: Communicator + ?Sized>(
+    comm: &C,
+    send: BufMut<'_>,
+    recv: BufMut<'_>,
+    op: ReduceOp,
+) -> Result<usize> {
+    fn own<T: Copy>(full: &[T], recv: &mut [T], rank: usize) -> usize {
+        let s = recv.len();
+        recv.copy_from_slice(&full[rank * s..(rank + 1) * s]);
+        std::mem::size_of_val(recv)
+    }
+    let (v, r) = (comm.world_size(), comm.rank());
+    if Some(send.len()) != recv.len().checked_mul(v) || send.elem_type() != recv.elem_type() {
+        return Err(crate::Error::InvalidShard {
+            op: "reduce_scatter",
+            reason: format!(
+                "{} {:?} elements in, {} {:?} out, on a world of {v}",
+                send.len(),
+                send.elem_type(),
+                recv.len(),
+                recv.elem_type()
+            ),
+        });
+    }
+    Ok(match (send, recv) {
+        (BufMut::F32(s), BufMut::F32(d)) => {
+            comm.reduce_scatter_in_place(BufMut::F32(&mut *s), op)?;
+            own(s, d, r)
+        }
+        (BufMut::BF16(s), BufMut::BF16(d)) => {
+            comm.reduce_scatter_in_place(BufMut::BF16(&mut *s), op)?;
+            own(s, d, r)
+        }
+        (BufMut::U8(s), BufMut::U8(d)) => {
+            comm.reduce_scatter_in_place(BufMut::U8(&mut *s), op)?;
+            own(s, d, r)
+        }
+        _ => unreachable!("element types checked equal above"),
+    })
 }

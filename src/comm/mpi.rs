@@ -377,6 +377,27 @@ impl Communicator for MpiComm {
         })
     }
 
+    /// MPI moves the slices into a scratch buffer and the reduction runs locally into the
+    /// separate output (as the in-place form), so nothing is staged beyond what MPI receives.
+    fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
+        let post = Post {
+            send: Region::sized(send.len(), send.elem_type()),
+            recv: Region::sized(recv.len(), recv.elem_type()),
+            reduce: Some(op),
+            ..Post::new(Op::ReduceScatter)
+        };
+        let elem = recv.elem_type();
+        let (send, recv) = (bytes_of_mut(send), bytes_of_mut(recv));
+        self.collective(post, |world| {
+            let s = recv.len() / elem_size(elem);
+            let mut gathered = Scratch::new(send.len());
+            world.all_to_all_into(&send[..], gathered.bytes_mut());
+            reduce_runs(elem, gathered.bytes(), s, recv, op);
+            Ok(())
+        })?;
+        Ok(0)
+    }
+
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let me = Region::sized(buf.len(), buf.elem_type());
         let post = Post {

@@ -16,6 +16,7 @@ pub(crate) enum Op {
     AllGatherInPlace,
     AllGather,
     ReduceScatterInPlace,
+    ReduceScatter,
     AllReduce,
     AllToAllV,
     Broadcast,
@@ -28,6 +29,7 @@ impl Op {
             Op::AllGatherInPlace => "all_gather_in_place",
             Op::AllGather => "all_gather",
             Op::ReduceScatterInPlace => "reduce_scatter_in_place",
+            Op::ReduceScatter => "reduce_scatter",
             Op::AllReduce => "all_reduce",
             Op::AllToAllV => "all_to_all_v",
             Op::Broadcast => "broadcast",
@@ -106,6 +108,27 @@ impl Region {
             BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
         };
         Region { ptr, len, elem }
+    }
+
+    /// The region as a host buffer again.
+    ///
+    /// # Safety
+    /// The region must have come from [`Region::of_mut`] of a host buffer that is still alive,
+    /// and nothing else may access those elements while the result lives.
+    pub(crate) unsafe fn as_buf_mut<'a>(&self) -> BufMut<'a> {
+        // SAFETY: the caller's contract: `ptr` is the start of a live, exclusively held host
+        // slice of `len` elements of `elem` (aligned, since it came from a slice).
+        unsafe {
+            match self.elem {
+                ElemType::F32 => {
+                    BufMut::F32(std::slice::from_raw_parts_mut(self.ptr.cast(), self.len))
+                }
+                ElemType::BF16 => {
+                    BufMut::BF16(std::slice::from_raw_parts_mut(self.ptr.cast(), self.len))
+                }
+                ElemType::U8 => BufMut::U8(std::slice::from_raw_parts_mut(self.ptr, self.len)),
+            }
+        }
     }
 
     /// Address of element `i`, for `i <= len` (checked by the validation before any call).
@@ -196,6 +219,19 @@ pub(crate) fn validate(posts: &[Post]) -> std::result::Result<(), String> {
                     return Err(format!(
                         "rank {j}: recv has {} elements, expected {v} × {len}",
                         p.recv.len
+                    ));
+                }
+            }
+        }
+        Op::ReduceScatter => {
+            same_types(posts)?;
+            agree(posts, "reduce op", |p| p.reduce)?;
+            let len = agree(posts, "recv length", |p| p.recv.len)?;
+            for (j, p) in posts.iter().enumerate() {
+                if Some(p.send.len) != len.checked_mul(v) {
+                    return Err(format!(
+                        "rank {j}: send has {} elements, expected {v} × {len}",
+                        p.send.len
                     ));
                 }
             }

@@ -1,7 +1,7 @@
 //! The world of one rank: every collective is the identity (or a local copy). Unsharded
 //! reference runs use it, so they go through exactly the code path of sharded runs.
 
-use super::{Buf, BufMut, Communicator, ReduceOp};
+use super::{check_segments, Buf, BufMut, Communicator, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// A one-rank world.
@@ -80,5 +80,30 @@ impl Communicator for SingleRank {
     }
     fn barrier(&self) -> Result<()> {
         Ok(())
+    }
+    /// One rank's all-gather moves its shard into the segments: that is the collective's data
+    /// movement (on more ranks the same bytes cross the wire), not a staging copy.
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        check_segments(segments, send.elem_type(), send.len())?;
+        for seg in segments.iter_mut() {
+            let (lo, n) = (seg.offset, seg.buf.len());
+            let part = match &send {
+                Buf::F32(s) => Buf::F32(&s[lo..lo + n]),
+                Buf::BF16(s) => Buf::BF16(&s[lo..lo + n]),
+                Buf::U8(s) => Buf::U8(&s[lo..lo + n]),
+            };
+            copy(part, seg.buf.reborrow(), "all_gather_segments")?;
+        }
+        Ok(0)
+    }
+    /// The reduction over one rank is the identity (average divides by 1, exactly).
+    fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, _op: ReduceOp) -> Result<usize> {
+        let send = match send {
+            BufMut::F32(s) => Buf::F32(s),
+            BufMut::BF16(s) => Buf::BF16(s),
+            BufMut::U8(s) => Buf::U8(s),
+        };
+        copy(send, recv, "reduce_scatter")?;
+        Ok(0)
     }
 }

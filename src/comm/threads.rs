@@ -64,7 +64,7 @@ use std::time::{Duration, Instant};
 
 pub(crate) use super::protocol::{elem_size, Region};
 use super::protocol::{offset, part, reduce_dyn, validate, Op, Post};
-use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use super::{check_segments, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// How long a rank waits at a rendezvous for the others before the world fails.
@@ -487,6 +487,72 @@ impl ThreadComm {
         call.finish_phase(mem, phase)
     }
 
+    /// All-gather into segments of the full buffer (`(offset, region)` pairs, ascending and
+    /// disjoint, checked by the caller): each segment receives the parts of every rank's shard
+    /// that it covers, straight from that rank's input, so nothing is staged.
+    pub(crate) fn all_gather_segments_in(
+        &self,
+        mem: &dyn Memory,
+        send: Region,
+        segments: &[(usize, Region)],
+    ) -> Result<()> {
+        let full = send
+            .len
+            .checked_mul(self.world.size)
+            .ok_or_else(|| self.err(Op::AllGather, "the full buffer overflows usize".into()))?;
+        let post = Post {
+            send,
+            // Only the length: no other rank reads or writes our segments.
+            recv: Region::sized(full, send.elem),
+            ..Post::new(Op::AllGather)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let (s, es) = (send.len, elem_size(send.elem));
+        let phase = segments.iter().try_for_each(|&(offset, seg)| {
+            let end = offset + seg.len;
+            // The ranks whose shards the segment covers (none when shards are empty).
+            let ranks = match s {
+                0 => 0..0,
+                s => offset / s..end.div_ceil(s),
+            };
+            ranks.into_iter().try_for_each(|j| {
+                let (lo, hi) = (offset.max(j * s), end.min((j + 1) * s));
+                // SAFETY: send buffers are shared borrows, never written during the call, and
+                // hold s elements (validated), of which we read [lo − j·s, hi − j·s); the
+                // segment is ours alone and holds `seg.len` elements, of which we write
+                // [lo − offset, hi − offset).
+                unsafe {
+                    let src = posts[j].send.at(lo - j * s);
+                    mem.copy(src, seg.at(lo - offset), (hi - lo) * es)
+                }
+            })
+        });
+        call.finish_phase(mem, phase)
+    }
+
+    /// Reduce-scatter from a `V·S` input into a separate `S`-element output.
+    pub(crate) fn reduce_scatter_in(
+        &self,
+        mem: &dyn Memory,
+        send: Region,
+        recv: Region,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let post = Post {
+            send,
+            recv,
+            reduce: Some(op),
+            ..Post::new(Op::ReduceScatter)
+        };
+        let (call, posts) = self.enter_in(mem, post)?;
+        let lo = self.rank * recv.len;
+        let srcs: Vec<*const u8> = posts.iter().map(|p| p.send.at(lo).cast_const()).collect();
+        // SAFETY: send buffers are shared borrows, never written during the call, each of
+        // V·len elements (validated), so slice r exists in every one; the output is ours alone.
+        let phase = unsafe { mem.reduce(recv.elem, &srcs, recv.ptr, recv.len, op) };
+        call.finish_phase(mem, phase)
+    }
+
     pub(crate) fn reduce_scatter_in_place_in(
         &self,
         mem: &dyn Memory,
@@ -630,6 +696,22 @@ impl Communicator for ThreadComm {
 
     fn barrier(&self) -> Result<()> {
         self.barrier_in(&HostMemory)
+    }
+
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        check_segments(segments, send.elem_type(), send.len() * self.world.size)?;
+        let regions: Vec<(usize, Region)> = segments
+            .iter_mut()
+            .map(|s| (s.offset, Region::of_mut(s.buf.reborrow())))
+            .collect();
+        self.all_gather_segments_in(&HostMemory, Region::of(&send), &regions)?;
+        Ok(0)
+    }
+
+    fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
+        let (send, recv) = (Region::of_mut(send), Region::of_mut(recv));
+        self.reduce_scatter_in(&HostMemory, send, recv, op)?;
+        Ok(0)
     }
 }
 

@@ -5,17 +5,15 @@
 //! (`[rank 0: p0 | p1 | …][rank 1: …]`, `V·I` elements with `I = Σ c·row`), so after the
 //! all-gather every parameter is **copied out** into its own storage, and before the
 //! reduce-scatter every gradient is **copied in** to a rank-major padded buffer. Both copies are
-//! counted in [`CopyStats::copied`]; the ragged layout has neither.
+//! counted in [`CopyStats::copied`]; the ragged layout has neither. Here the copy-out writes
+//! the per-tensor compute storages, and the copy-in reads the parameter-major gradient buffer
+//! backward accumulated into.
 
-use std::sync::Arc;
-
-use candle_core::{DType, Device, Tensor, Var};
-
-use super::copy_between;
-use crate::dbuffer::{candle, CopyStats, DBuffer, Geometry, Role};
+use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
+use crate::dbuffer::{CopyStats, TensorSlot};
 use crate::model::Unit;
 use crate::optim::{Holding, LocalPiece, LocalShard, ParamMeta};
-use crate::{AtomicBlock, Result};
+use crate::{AtomicBlock, Error, Result};
 
 /// One parameter's FSDP2 geometry.
 #[derive(Clone, Debug)]
@@ -41,50 +39,52 @@ impl Param {
     }
 }
 
-/// A unit laid out the FSDP2 way: the collective buffer and the separate model buffer.
+/// A unit laid out the FSDP2 way: per-parameter chunks, a rank-major collective buffer.
 pub struct Fsdp2Unit {
     world: usize,
     rank: usize,
     params: Vec<Param>,
     /// Elements per rank, `I`.
     shard_len: usize,
-    /// The parameter-major buffer the model's parameters are views of.
-    model: Var,
-    stats: Arc<CopyStats>,
+    /// Elements of all parameters, unpadded (the parameter-major gradient buffer).
+    model_len: usize,
 }
 
 impl Fsdp2Unit {
-    pub fn new(unit: &Unit<'_>, world: usize, rank: usize, stats: Arc<CopyStats>) -> Result<Self> {
-        let (mut local, mut model) = (0, 0);
-        let params = unit
-            .tensors
-            .iter()
-            .map(|t| {
-                let rows = t.shape.first().copied().unwrap_or(1);
-                let row = t.numel() / rows;
-                let chunk_rows = rows.div_ceil(world);
-                let p = Param {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    rows,
-                    row,
-                    chunk_rows,
-                    local_offset: local,
-                    model_offset: model,
-                };
-                local += chunk_rows * row;
-                model += t.numel();
-                p
-            })
-            .collect();
-        let model = Var::zeros(model, DType::F32, &Device::Cpu).map_err(candle("fsdp2"))?;
+    pub fn new(unit: &Unit<'_>, world: usize, rank: usize) -> Result<Self> {
+        let (mut local, mut model) = (0usize, 0usize);
+        let mut params = Vec::with_capacity(unit.tensors.len());
+        for t in &unit.tensors {
+            let rows = t.shape.first().copied().unwrap_or(1);
+            let numel = t.numel();
+            let row = numel.checked_div(rows).unwrap_or(0);
+            let chunk_rows = rows.div_ceil(world);
+            params.push(Param {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                rows,
+                row,
+                chunk_rows,
+                local_offset: local,
+                model_offset: model,
+            });
+            let overflow = || Error::InvalidShape {
+                op: "fsdp2 layout",
+                shape: t.shape.clone(),
+                reason: "the unit's size overflows usize".into(),
+            };
+            local = chunk_rows
+                .checked_mul(row)
+                .and_then(|c| c.checked_add(local))
+                .ok_or_else(overflow)?;
+            model = model.checked_add(numel).ok_or_else(overflow)?;
+        }
         Ok(Fsdp2Unit {
             world,
             rank,
             params,
             shard_len: local,
-            model,
-            stats,
+            model_len: model,
         })
     }
 
@@ -131,71 +131,121 @@ impl Fsdp2Unit {
         }
     }
 
-    /// The rank-major collective buffer (`V·I`), with a persistent local shard.
-    pub fn collective_buffer(&self) -> Result<DBuffer> {
-        let geometry = Geometry {
-            world: self.world,
-            rank: self.rank,
-            shard_size: self.shard_len,
-            tensors: Vec::new(),
-        };
-        DBuffer::zeros(Role::Params, Arc::new(geometry), false, self.stats.clone())
-    }
-
-    /// The model buffer (gradients of the model's parameters land on it).
-    pub fn model_buffer(&self) -> &Var {
-        &self.model
-    }
-
-    /// Zero-copy views of the model buffer, by name.
-    pub fn views(&self) -> Result<Vec<(String, Tensor)>> {
+    pub(crate) fn slots(&self) -> Vec<TensorSlot> {
         self.params
             .iter()
-            .map(|p| {
-                let n = p.rows * p.row;
-                let view = self
-                    .model
-                    .as_tensor()
-                    .narrow(0, p.model_offset, n)
-                    .and_then(|t| t.reshape(p.shape.as_slice()))
-                    .map_err(candle("fsdp2 views"))?;
-                Ok((p.name.clone(), view))
+            .map(|p| TensorSlot {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
             })
             .collect()
     }
 
-    /// Copy-out: every rank's chunk of every parameter from the gathered rank-major buffer
-    /// into the model buffer.
-    pub fn copy_out(&self, gathered: &DBuffer) -> Result<()> {
-        let full = gathered.full()?.as_tensor();
-        self.for_each_chunk(|src, dst, len| {
-            copy_between(full, src, self.model.as_tensor(), dst, len)
-        })
+    /// Gradients land parameter-major, unpadded, as in a model's own `.grad` tensors.
+    pub(crate) fn grad_slots(&self) -> (Vec<(usize, usize)>, usize) {
+        let slots = self
+            .params
+            .iter()
+            .map(|p| (p.model_offset, p.rows * p.row))
+            .collect();
+        (slots, self.model_len)
     }
 
-    /// Copy-in: the model buffer's gradient into the rank-major padded reduce-scatter buffer.
-    pub fn copy_in(&self, grad: &Tensor, buffer: &DBuffer) -> Result<()> {
-        let full = buffer.full()?.as_tensor();
-        self.for_each_chunk(|rank_major, model, len| {
-            copy_between(grad, model, full, rank_major, len)
-        })
-    }
-
-    /// Calls `f(rank-major offset, model offset, length)` for every (rank, parameter) chunk and
-    /// counts the bytes.
-    fn for_each_chunk(&self, mut f: impl FnMut(usize, usize, usize) -> Result<()>) -> Result<()> {
-        for k in 0..self.world {
-            for p in &self.params {
-                let rows = p.rows_on(k);
-                let len = rows.len() * p.row;
-                if len == 0 {
-                    continue;
-                }
-                let rank_major = k * self.shard_len + p.local_offset;
-                f(rank_major, p.model_offset + rows.start * p.row, len)?;
-                self.stats.add_copied(4 * len);
+    /// All-gather into the rank-major buffer, then copy-out into every tensor's storage.
+    pub(crate) fn gather(
+        &self,
+        comm: &dyn Communicator,
+        master: Buf<'_>,
+        dsts: &mut [BufMut<'_>],
+        stats: &CopyStats,
+    ) -> Result<()> {
+        let full = self.world * self.shard_len;
+        match master {
+            Buf::F32(m) => {
+                let mut gathered = vec![0f32; full];
+                comm.all_gather(Buf::F32(m), BufMut::F32(&mut gathered))?;
+                stats.add_collective(4 * full);
+                self.copy_out(&gathered, dsts, stats, |d| match d {
+                    BufMut::F32(d) => Some(d),
+                    _ => None,
+                })
             }
+            Buf::BF16(m) => {
+                let mut gathered = vec![half::bf16::ZERO; full];
+                comm.all_gather(Buf::BF16(m), BufMut::BF16(&mut gathered))?;
+                stats.add_collective(2 * full);
+                self.copy_out(&gathered, dsts, stats, |d| match d {
+                    BufMut::BF16(d) => Some(d),
+                    _ => None,
+                })
+            }
+            Buf::U8(_) => Err(Error::InvalidShard {
+                op: "fsdp2 gather",
+                reason: "u8 parameters".into(),
+            }),
+        }
+    }
+
+    fn copy_out<T: Copy>(
+        &self,
+        gathered: &[T],
+        dsts: &mut [BufMut<'_>],
+        stats: &CopyStats,
+        as_slice: impl for<'a, 'b> Fn(&'a mut BufMut<'b>) -> Option<&'a mut [T]>,
+    ) -> Result<()> {
+        for (p, dst) in self.params.iter().zip(dsts.iter_mut()) {
+            let dst = as_slice(dst).ok_or_else(|| Error::InvalidShard {
+                op: "fsdp2 copy-out",
+                reason: format!("{}: destination of another dtype", p.name),
+            })?;
+            self.for_each_chunk(p, |rank_major, local, len| {
+                dst[local..local + len].copy_from_slice(&gathered[rank_major..rank_major + len]);
+                stats.add_copied(len * std::mem::size_of::<T>());
+            });
         }
         Ok(())
+    }
+
+    /// Copy-in of the parameter-major gradients into the rank-major padded buffer, then
+    /// reduce-scatter into `local`.
+    pub(crate) fn reduce(
+        &self,
+        comm: &dyn Communicator,
+        grads: &mut [f32],
+        local: &mut [f32],
+        op: ReduceOp,
+        stats: &CopyStats,
+    ) -> Result<()> {
+        let full = self.world * self.shard_len;
+        if grads.len() != self.model_len || local.len() != self.shard_len {
+            return Err(Error::InvalidShard {
+                op: "fsdp2 reduce",
+                reason: format!("buffers of {} and {} elements", grads.len(), local.len()),
+            });
+        }
+        let mut rank_major = vec![0f32; full];
+        for p in &self.params {
+            let src = &grads[p.model_offset..p.model_offset + p.rows * p.row];
+            self.for_each_chunk(p, |rm, off, len| {
+                rank_major[rm..rm + len].copy_from_slice(&src[off..off + len]);
+                stats.add_copied(4 * len);
+            });
+        }
+        let staged = comm.reduce_scatter(BufMut::F32(&mut rank_major), BufMut::F32(local), op)?;
+        stats.add_copied(staged);
+        stats.add_collective(4 * full);
+        Ok(())
+    }
+
+    /// Calls `f(rank-major offset, offset inside the parameter, length)` for every rank's chunk
+    /// of parameter `p`.
+    fn for_each_chunk(&self, p: &Param, mut f: impl FnMut(usize, usize, usize)) {
+        for k in 0..self.world {
+            let rows = p.rows_on(k);
+            let len = rows.len() * p.row;
+            if len > 0 {
+                f(k * self.shard_len + p.local_offset, rows.start * p.row, len);
+            }
+        }
     }
 }

@@ -1,63 +1,83 @@
 //! `fully_shard`: a candle model's parameters, sharded over the ranks of a communicator.
 //!
-//! # Note: the four buffers of a unit
-//! Each FSDP unit (one decoder layer, or the root) has, on every rank:
-//! - **params** ([`DBuffer`], role `Params`): the unsharded fp32 buffer the model's parameters
-//!   are views of, and the *master* local shard (its own slice, or a separate shard when the
-//!   full buffer is freed between steps);
-//! - **grads** (role `Grads`): the flat gradient candle computes for the params buffer, adopted
-//!   without copying, reduce-scattered in place;
-//! - **optimizer state**: the optimizer's `State`, laid out like the local shard;
-//! - for the FSDP2-style baseline only, a separate model buffer and the copies between it and
-//!   the collective buffer ([`fsdp2`]).
+//! # Note: the buffers of a unit
+//! Each FSDP unit (one decoder layer, or the root) has, on every rank (module
+//! [`crate::dbuffer`]):
+//! - **params** ([`ParamBuffer`]): the fp32 master shard, and while materialized, one compute
+//!   storage per tensor that the all-gather writes and the model uses as its parameter tensors;
+//! - **grads** ([`GradBuffer`]): the full gradient buffer backward accumulates into (it exists
+//!   from the unit's backward to its reduce-scatter) and the reduced local shard;
+//! - **optimizer state**: the optimizer's `State`, laid out like the local shard.
 //!
-//! A step is `unshard` (all-gather) → forward/backward → `reduce_gradients` (reduce-scatter)
-//! → `step` (optimizer on local shards) → `reshard`.
+//! # Two ways to run a step
+//! - **Unit by unit** ([`ShardedModel::forward_backward`], the FSDP rhythm): the model is a
+//!   sequence of stages ([`Stages`]); forward gathers each unit just before its stage and frees
+//!   it after (`reshard_after_forward`), backward re-gathers it, recomputes the stage from its
+//!   saved input, backpropagates, reduce-scatters the unit's gradients at once and frees them.
+//!   Peak memory: the shards plus about one unit's full parameters and gradients.
+//! - **Whole model** ([`ShardedModel::unshard`] / [`ShardedModel::reduce_gradients`]), for
+//!   models that fit: every unit gathered at once; the model is built once from the returned
+//!   tensors, which later `unshard`s rewrite in place.
 //!
-//! # Candle and zero copy
-//! The params buffer is one candle `Var`; the model's parameters are `narrow(..).reshape(..)`
-//! views of it, so all-gather writes straight into them. Backward then produces one gradient
-//! tensor for the whole buffer (padding zero) and the reduce-scatter runs on it in place.
-//! Candle builds that gradient by zero-padding each view's gradient to the buffer size, an
-//! O(params × buffer) cost inside backward; per-layer units keep it small.
+//! Either way a step ends with [`ShardedModel::step`] (the optimizer on local shards).
 
 pub mod fsdp2;
+mod layout;
+mod stages;
+
+pub use stages::{StageReport, Stages, UnitParams};
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
-use crate::comm::{Communicator, ReduceOp};
-use crate::dbuffer::{
-    candle, f32_mut, f32_ref, with_mut, with_ref, CopyStats, DBuffer, Geometry, Role,
-};
-use crate::model::{DType, Inventory, TensorSpec};
+use crate::comm::{Buf, Communicator, ReduceOp};
+use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
+use crate::model::{DType as ModelDType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::PlanOptions;
-use crate::{Error, Result};
+use crate::Result;
+use layout::UnitLayout;
 
 /// How parameters are laid out over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ShardLayout {
-    /// Planned RaggedShard layout: one buffer per unit, collectives in place, no copies.
+    /// Planned RaggedShard layout: collectives write the tensors' storages and read the
+    /// gradient buffer directly, no copies.
     Ragged,
     /// PyTorch FSDP2's layout: per-parameter even `Shard(0)` with padding, a rank-major
     /// collective buffer, copy-out after all-gather and copy-in before reduce-scatter.
     Fsdp2,
 }
 
+/// Element types of the compute copy and of the gradient reduction, as FSDP2's
+/// `MixedPrecisionPolicy`. Master weights and optimizer state are always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MixedPrecision {
+    /// The all-gathered compute copy (`F32` or `BF16`; bf16 gathers move half the bytes).
+    pub param_dtype: DType,
+}
+
+impl Default for MixedPrecision {
+    fn default() -> Self {
+        MixedPrecision {
+            param_dtype: DType::F32,
+        }
+    }
+}
+
 /// Options of [`fully_shard`].
 #[derive(Clone, Debug)]
 pub struct FsdpOptions {
     pub layout: ShardLayout,
-    /// Free the unsharded buffer after each step and keep only the local shard (re-gathered
-    /// by the next `unshard`). Off: the unsharded buffer is kept and the local shard is its own
-    /// slice, so all-gather runs in place.
+    /// Unit-by-unit runtime: free a unit's compute copies after its forward stage and
+    /// re-gather (recomputing the stage) in backward. Off: units stay gathered from forward to
+    /// backward and each stage's graph is kept (no recomputation, more memory).
     pub reshard_after_forward: bool,
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
+    pub mixed_precision: MixedPrecision,
     pub plan: PlanOptions,
 }
 
@@ -65,8 +85,9 @@ impl Default for FsdpOptions {
     fn default() -> Self {
         FsdpOptions {
             layout: ShardLayout::Ragged,
-            reshard_after_forward: false,
+            reshard_after_forward: true,
             reduce: ReduceOp::Avg,
+            mixed_precision: MixedPrecision::default(),
             plan: PlanOptions::default(),
         }
     }
@@ -76,11 +97,12 @@ impl Default for FsdpOptions {
 struct ShardedUnit<S> {
     name: String,
     local: LocalShard,
-    params: DBuffer,
-    grads: Option<DBuffer>,
+    layout: UnitLayout,
+    params: ParamBuffer,
+    grads: GradBuffer,
     state: S,
-    /// The FSDP2-style baseline's model buffer and copy geometry.
-    fsdp2: Option<fsdp2::Fsdp2Unit>,
+    /// Whether parameters without a gradient were looked for (on the first reduction).
+    reported: bool,
 }
 
 /// A model's parameters sharded over the ranks of `comm`, with their optimizer.
@@ -90,11 +112,14 @@ pub struct ShardedModel<'c, O: Optimizer> {
     opts: FsdpOptions,
     units: Vec<ShardedUnit<O::State>>,
     stats: Arc<CopyStats>,
+    /// Parameters that got no gradient in the first reduction of their unit.
+    without_gradient: Option<Vec<String>>,
 }
 
 /// Shards `params` (full initial values, identical on every rank) into FSDP units (one per
 /// decoder layer, `layers.<i>.`, plus a root unit), plans each unit from the optimizer's atomic
-/// blocks, and allocates parameters, gradients and optimizer state by that plan.
+/// blocks, and allocates master shards, gradient shards and optimizer state by that plan. No
+/// full buffer exists until the first gather.
 pub fn fully_shard<'c, O: Optimizer>(
     params: &[(String, Tensor)],
     optimizer: O,
@@ -104,41 +129,32 @@ pub fn fully_shard<'c, O: Optimizer>(
     let inv = inventory_of(params)?;
     let values: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let stats = Arc::new(CopyStats::default());
-    let (world, rank) = (comm.world_size(), comm.rank());
+    let anchor = anchor()?;
+    let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut units = Vec::new();
     for unit in inv.units() {
-        let (local, params, fsdp2) = match opts.layout {
-            ShardLayout::Ragged => {
-                let plan = optimizer.plan_unit(&unit, world, &opts.plan)?;
-                let geometry = Geometry {
-                    world,
-                    rank,
-                    shard_size: plan.shard_size,
-                    tensors: plan
-                        .placements
-                        .iter()
-                        .map(|p| (p.name.clone(), p.shape.clone(), p.offset))
-                        .collect(),
-                };
-                let keep = !opts.reshard_after_forward;
-                let params = DBuffer::zeros(Role::Params, Arc::new(geometry), keep, stats.clone())?;
-                (LocalShard::from_plan(&plan, rank)?, params, None)
-            }
-            ShardLayout::Fsdp2 => {
-                let f = fsdp2::Fsdp2Unit::new(&unit, world, rank, stats.clone())?;
-                (f.local_shard(&unit), f.collective_buffer()?, Some(f))
-            }
-        };
-        let mut sharded = ShardedUnit {
+        let (layout, local) = UnitLayout::new(&unit, &optimizer, comm, fsdp2, &opts.plan)?;
+        let (grad_slots, grad_len) = layout.grad_slots();
+        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?;
+        let grads = GradBuffer::new(sink, local.len);
+        let mut params = ParamBuffer::new(
+            layout.slots(),
+            local.len,
+            opts.mixed_precision.param_dtype,
+            grads.sink().clone(),
+            anchor.clone(),
+            stats.clone(),
+        )?;
+        load_local(&local, params.master_mut(), &values)?;
+        units.push(ShardedUnit {
             name: unit.name.clone(),
             state: optimizer.init(&local)?,
             local,
+            layout,
             params,
-            grads: None,
-            fsdp2,
-        };
-        load_local(&mut sharded, &values)?;
-        units.push(sharded);
+            grads,
+            reported: false,
+        });
     }
     Ok(ShardedModel {
         comm,
@@ -146,6 +162,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         opts,
         units,
         stats,
+        without_gradient: None,
     })
 }
 
@@ -154,7 +171,7 @@ pub fn fully_shard<'c, O: Optimizer>(
 pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
     let tensors = params
         .iter()
-        .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), DType::F32))
+        .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), ModelDType::F32))
         .collect::<Result<Vec<_>>>()?;
     Ok(Inventory {
         model: "fully_shard".into(),
@@ -162,113 +179,154 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
     })
 }
 
-/// Writes this rank's pieces of the initial values into the master local shard.
-fn load_local<S>(unit: &mut ShardedUnit<S>, values: &HashMap<&str, &Tensor>) -> Result<()> {
-    let local = &unit.local;
-    let mut flat = Vec::with_capacity(local.params.len());
-    for p in &local.params {
-        let t = values[p.name.as_str()];
-        flat.push(
-            t.flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(candle("fully_shard: initial values"))?,
-        );
+/// Writes this rank's pieces of the initial values into the master shard.
+fn load_local(
+    local: &LocalShard,
+    shard: &mut [f32],
+    values: &HashMap<&str, &Tensor>,
+) -> Result<()> {
+    for piece in &local.pieces {
+        let meta = &local.params[piece.param];
+        let t = values[meta.name.as_str()];
+        let flat = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.narrow(0, piece.range.start, piece.range.len()))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(crate::dbuffer::candle("fully_shard: initial values"))?;
+        shard[piece.offset..piece.offset + flat.len()].copy_from_slice(&flat);
     }
-    unit.params.with_local_mut(|shard| {
-        for piece in &local.pieces {
-            let src = &flat[piece.param][piece.range.clone()];
-            shard[piece.offset..piece.offset + src.len()].copy_from_slice(src);
-        }
-        Ok(())
-    })
+    Ok(())
 }
 
 impl<O: Optimizer> ShardedModel<'_, O> {
-    /// All-gathers every unit and returns zero-copy views of every parameter, by name (feed
-    /// them to `candle_nn::VarBuilder::from_tensors` to build the model).
+    /// Gathers unit `u`'s compute copies unless they are current.
+    fn gather_unit(&mut self, u: usize) -> Result<()> {
+        let comm = self.comm;
+        let stats = self.stats.clone();
+        let unit = &mut self.units[u];
+        if unit.params.state() == Materialized::Unsharded {
+            return Ok(());
+        }
+        let layout = &unit.layout;
+        match unit.params.dtype() {
+            DType::BF16 => {
+                // The cast before the all-gather (as FSDP2): one pass over the shard.
+                let cast: Vec<half::bf16> = unit
+                    .params
+                    .master()
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x))
+                    .collect();
+                unit.params
+                    .gather(|_, dsts| layout.gather(comm, Buf::BF16(&cast), dsts, &stats))
+            }
+            _ => unit
+                .params
+                .gather(|master, dsts| layout.gather(comm, Buf::F32(master), dsts, &stats)),
+        }
+    }
+
+    /// Reduce-scatters unit `u`'s gradient buffer into its local gradient shard, and records
+    /// parameters that got no gradient on the first reduction.
+    fn reduce_unit(&mut self, u: usize) -> Result<()> {
+        let (comm, op) = (self.comm, self.opts.reduce);
+        let stats = self.stats.clone();
+        let unit = &mut self.units[u];
+        let layout = &unit.layout;
+        let touched = unit.grads.reduce_with(&stats, |full, local| {
+            layout.reduce(comm, full, local, op, &stats)
+        })?;
+        let without = self.without_gradient.get_or_insert_with(Vec::new);
+        if !unit.reported {
+            unit.reported = true;
+            let slots = unit.params.slots().iter().zip(&touched);
+            without.extend(slots.filter(|(_, &t)| !t).map(|(s, _)| s.name.clone()));
+        }
+        Ok(())
+    }
+
+    /// Gathers every unit and returns its parameter tensors by name (feed them to
+    /// `candle_nn::VarBuilder::from_tensors` to build the model, once: later calls rewrite the
+    /// same tensors in place). Their gradients accumulate in the units' gradient buffers on
+    /// every `backward`.
     pub fn unshard(&mut self) -> Result<HashMap<String, Tensor>> {
         let mut views = HashMap::new();
-        for unit in &mut self.units {
-            unit.params.unshard(self.comm)?;
-            let named = match &unit.fsdp2 {
-                None => unit.params.views()?,
-                Some(f) => {
-                    f.copy_out(&unit.params)?;
-                    f.views()?
-                }
-            };
-            views.extend(named);
+        for u in 0..self.units.len() {
+            self.gather_unit(u)?;
+            let unit = &self.units[u];
+            let tensors = unit.params.tensors()?;
+            for (slot, t) in unit.params.slots().iter().zip(tensors) {
+                views.insert(slot.name.clone(), t.clone());
+            }
         }
         Ok(views)
     }
 
-    /// Takes each unit's flat gradient out of `grads` and reduce-scatters it (average or sum
-    /// over ranks, per [`FsdpOptions::reduce`]). A unit the loss did not reach gets zeros.
-    pub fn reduce_gradients(&mut self, grads: &mut GradStore) -> Result<()> {
-        for unit in &mut self.units {
-            let geometry = Arc::new(unit.params.geometry().clone());
-            let model_var = match &unit.fsdp2 {
-                None => unit.params.full()?,
-                Some(f) => f.model_buffer(),
-            };
-            let stats = self.stats.clone();
-            let mut buffer = match (grads.remove(model_var.as_tensor()), &unit.fsdp2) {
-                (Some(g), None) => DBuffer::from_full(Role::Grads, geometry, g, stats)?,
-                (Some(g), Some(f)) => {
-                    let buffer = DBuffer::zeros(Role::Grads, geometry, true, stats)?;
-                    f.copy_in(&g, &buffer)?;
-                    buffer
-                }
-                (None, _) => DBuffer::zeros(Role::Grads, geometry, true, stats)?,
-            };
-            buffer.reduce_scatter(self.comm, self.opts.reduce)?;
-            unit.grads = Some(buffer);
+    /// Reduce-scatters every unit's accumulated gradients (average or sum over ranks, per
+    /// [`FsdpOptions::reduce`]) into its local gradient shard. A unit the loss did not reach
+    /// reduces zeros, so every rank runs the same collectives.
+    pub fn reduce_gradients(&mut self) -> Result<()> {
+        for u in 0..self.units.len() {
+            self.reduce_unit(u)?;
         }
         Ok(())
     }
 
-    /// One optimizer step on every unit's local shard (after [`Self::reduce_gradients`]).
+    /// One optimizer step on every unit's local shard, with the gradients reduced since the
+    /// last step (several micro-batches accumulate).
     pub fn step(&mut self) -> Result<()> {
         for unit in &mut self.units {
             let ShardedUnit {
-                name,
                 local,
                 params,
                 grads,
                 state,
                 ..
             } = unit;
-            let grads = grads.take().ok_or_else(|| Error::InvalidShard {
-                op: "ShardedModel::step",
-                reason: format!("unit {name} has no reduced gradients"),
-            })?;
-            params.with_local_mut(|p| {
-                grads.with_local(|g| self.optimizer.step(state, local, p, g, self.comm))
-            })?;
+            let g = grads.local("ShardedModel::step")?;
+            self.optimizer
+                .step(state, local, params.master_mut(), g, self.comm)?;
+            grads.consume();
         }
         Ok(())
     }
 
-    /// Frees unsharded buffers where the policy says so.
+    /// Frees every unit's compute copies (their memory returns once the model holding them is
+    /// dropped; the next [`Self::unshard`] makes new tensors, so rebuild the model).
     pub fn reshard(&mut self) {
         for unit in &mut self.units {
-            unit.params.reshard();
+            unit.params.release();
         }
     }
 
-    /// The full value of every parameter, gathered (for checks and checkpoints; copies).
+    /// The full value of every parameter, gathered through a fresh all-gather (for checks
+    /// and checkpoints; copies).
     pub fn full_params(&mut self) -> Result<HashMap<String, Vec<f32>>> {
-        let views = self.unshard()?;
-        views
-            .into_iter()
-            .map(|(name, t)| {
+        let mut out = HashMap::new();
+        for u in 0..self.units.len() {
+            let was = self.units[u].params.state();
+            self.gather_unit(u)?;
+            let unit = &mut self.units[u];
+            for (slot, t) in unit.params.slots().iter().zip(unit.params.tensors()?) {
                 let v = t
                     .flatten_all()
+                    .and_then(|t| t.to_dtype(DType::F32))
                     .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(candle("full_params"))?;
-                Ok((name, v))
-            })
-            .collect()
+                    .map_err(crate::dbuffer::candle("full_params"))?;
+                out.insert(slot.name.clone(), v);
+            }
+            if was == Materialized::Sharded {
+                unit.params.release();
+            }
+        }
+        Ok(out)
+    }
+
+    /// Parameters that received no gradient in the first reduction of their unit (`None`
+    /// before any reduction). candle's forward-only kernels (`*_no_bwd`) are the usual cause.
+    pub fn params_without_gradient(&self) -> Option<&[String]> {
+        self.without_gradient.as_deref()
     }
 
     /// Bytes moved outside collectives since construction, and bytes moved by collectives.
@@ -284,17 +342,23 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .collect()
     }
 
+    /// Unit names, in order.
+    pub fn unit_names(&self) -> Vec<&str> {
+        self.units.iter().map(|u| u.name.as_str()).collect()
+    }
+
     /// `(unit, parameter, element offset in the unit's full buffer)` of every parameter of the
     /// ragged layout (empty for the FSDP2-style baseline, whose collective buffer is rank-major).
     pub fn offsets(&self) -> Vec<(String, String, usize)> {
         self.units
             .iter()
-            .flat_map(|u| {
-                u.params
-                    .geometry()
+            .flat_map(|u| match &u.layout {
+                UnitLayout::Ragged(g) => g
                     .tensors
                     .iter()
                     .map(|(name, _, off)| (u.name.clone(), name.clone(), *off))
+                    .collect(),
+                UnitLayout::Fsdp2(_) => Vec::new(),
             })
             .collect()
     }
@@ -309,32 +373,135 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         self.units.iter().map(|u| &u.local).collect()
     }
 
-    /// Runs `f` on every unit's master local shard (read-only), in unit order.
+    /// Runs `f` on every unit's master shard (read-only), in unit order.
     pub fn with_local_params(&self, mut f: impl FnMut(&LocalShard, &[f32])) -> Result<()> {
         for unit in &self.units {
-            unit.params.with_local(|p| {
-                f(&unit.local, p);
-                Ok(())
-            })?;
+            f(&unit.local, unit.params.master());
         }
         Ok(())
     }
+
+    /// Runs `f` on every unit's reduced local gradient shard, in unit order (`Err` before a
+    /// reduction).
+    pub fn with_local_grads(&self, mut f: impl FnMut(&LocalShard, &[f32])) -> Result<()> {
+        for unit in &self.units {
+            f(&unit.local, unit.grads.local("with_local_grads")?);
+        }
+        Ok(())
+    }
+
+    /// The gradient sink of unit `name` (storage identity checks: where backward writes).
+    pub fn grad_sink(&self, name: &str) -> Option<&Arc<GradSink>> {
+        self.units
+            .iter()
+            .find(|u| u.name == name)
+            .map(|u| u.grads.sink())
+    }
+
+    /// The memory this rank's runtime holds, predicted from the plans before any full buffer
+    /// exists.
+    pub fn memory_plan(&self) -> MemoryPlan {
+        let units = self
+            .units
+            .iter()
+            .map(|u| {
+                let (_, grad_len) = u.layout.grad_slots();
+                UnitMemory {
+                    name: u.name.clone(),
+                    shard_bytes: 8 * u.local.len,
+                    full_param_bytes: u.params.full_bytes(),
+                    full_grad_bytes: 4 * grad_len,
+                }
+            })
+            .collect();
+        MemoryPlan { units }
+    }
+
+    pub(crate) fn stats_arc(&self) -> &Arc<CopyStats> {
+        &self.stats
+    }
+
+    pub(crate) fn options(&self) -> &FsdpOptions {
+        &self.opts
+    }
+
+    pub(crate) fn unit_index(&self, name: &str) -> Option<usize> {
+        self.units.iter().position(|u| u.name == name)
+    }
+
+    /// Unit `u`'s parameter tensors by name: tracked (gradients reach the sink) or detached
+    /// (forward only, no graph).
+    pub(crate) fn unit_params(&self, u: usize, tracked: bool) -> Result<UnitParams> {
+        let unit = &self.units[u];
+        let tensors = unit.params.tensors()?;
+        let map = unit
+            .params
+            .slots()
+            .iter()
+            .zip(tensors)
+            .map(|(s, t)| {
+                let t = if tracked { t.clone() } else { t.detach() };
+                (s.name.clone(), t)
+            })
+            .collect();
+        Ok(UnitParams::new(map, unit.params.dtype()))
+    }
+
+    pub(crate) fn ensure_gathered(&mut self, u: usize) -> Result<()> {
+        self.gather_unit(u)
+    }
+
+    pub(crate) fn release_unit(&mut self, u: usize) {
+        self.units[u].params.release();
+    }
+
+    pub(crate) fn reduce_unit_now(&mut self, u: usize) -> Result<()> {
+        self.reduce_unit(u)
+    }
 }
 
-/// Copies `len` elements between two contiguous tensors at element offsets (used only by the
-/// FSDP2-style baseline; counted by the caller).
-pub(crate) fn copy_between(
-    src: &Tensor,
-    src_off: usize,
-    dst: &Tensor,
-    dst_off: usize,
-    len: usize,
-) -> Result<()> {
-    with_ref(src, |s| {
-        let s = f32_ref(s)?;
-        with_mut(dst, |d| {
-            f32_mut(d)?[dst_off..dst_off + len].copy_from_slice(&s[src_off..src_off + len]);
-            Ok(())
-        })
-    })
+/// A unit's memory on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitMemory {
+    pub name: String,
+    /// Master and gradient shards (f32 each), persistent.
+    pub shard_bytes: usize,
+    /// The compute copies while gathered.
+    pub full_param_bytes: usize,
+    /// The full gradient buffer between backward and reduce-scatter.
+    pub full_grad_bytes: usize,
+}
+
+/// What the runtime holds per rank, from the plans (optimizer state and activations apart).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    pub units: Vec<UnitMemory>,
+}
+
+impl MemoryPlan {
+    /// Master plus gradient shards of every unit.
+    pub fn shard_bytes(&self) -> usize {
+        self.units.iter().map(|u| u.shard_bytes).sum()
+    }
+
+    /// Peak of the unit-by-unit runtime running stages on `stage_units` (unit index per
+    /// stage), from a replay of its schedule ([`stages::peak_of_schedule`]).
+    pub fn peak_unit_by_unit(&self, stage_units: &[usize], reshard_after_forward: bool) -> usize {
+        let full: Vec<(usize, usize)> = self
+            .units
+            .iter()
+            .map(|u| (u.full_param_bytes, u.full_grad_bytes))
+            .collect();
+        self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, reshard_after_forward)
+    }
+
+    /// Peak of the whole-model mode: every shard and every unit's full parameters and gradients.
+    pub fn peak_whole_model(&self) -> usize {
+        self.shard_bytes()
+            + self
+                .units
+                .iter()
+                .map(|u| u.full_param_bytes + u.full_grad_bytes)
+                .sum::<usize>()
+    }
 }

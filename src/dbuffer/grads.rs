@@ -1,0 +1,202 @@
+//! A unit's gradients: the full buffer backward accumulates into, and the local shard the
+//! reduce-scatter leaves.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::Tensor;
+
+use super::{candle, with_ref, CopyStats};
+use crate::comm::Buf;
+use crate::{Error, Result};
+
+/// Where backward puts a unit's gradients: one flat buffer, each tensor's gradient at its slot.
+/// The buffer is allocated (zeroed) by the first gradient that arrives and taken by the
+/// reduction, so it exists only between a unit's backward and its reduce-scatter.
+pub struct GradSink {
+    /// `(offset, elements)` of every tensor's gradient in the flat buffer, in unit order.
+    slots: Vec<(usize, usize)>,
+    len: usize,
+    inner: Mutex<SinkState>,
+    stats: Arc<CopyStats>,
+}
+
+#[derive(Default)]
+struct SinkState {
+    buf: Option<Vec<f32>>,
+    /// Which tensors received a gradient since the buffer was last taken.
+    touched: Vec<bool>,
+}
+
+impl GradSink {
+    /// A sink for tensors at `slots` of a flat buffer of `len` elements.
+    pub fn new(slots: Vec<(usize, usize)>, len: usize, stats: Arc<CopyStats>) -> Result<Self> {
+        if let Some(i) = slots
+            .iter()
+            .position(|&(o, n)| o.checked_add(n).is_none_or(|e| e > len))
+        {
+            return Err(Error::InvalidShard {
+                op: "GradSink::new",
+                reason: format!("slot {i} {:?} outside a buffer of {len}", slots[i]),
+            });
+        }
+        let touched = vec![false; slots.len()];
+        Ok(GradSink {
+            slots,
+            len,
+            inner: Mutex::new(SinkState { buf: None, touched }),
+            stats,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SinkState> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Elements of the flat buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Adds `grad` (f32 or bf16, the tensor's shape) into tensor `tensor`'s slot: one pass over
+    /// the gradient, counted as accumulated bytes. A strided gradient is made contiguous first,
+    /// and that copy is counted as copied.
+    pub fn accumulate(&self, tensor: usize, grad: &Tensor) -> Result<()> {
+        let &(offset, n) = self.slots.get(tensor).ok_or_else(|| Error::InvalidShard {
+            op: "GradSink::accumulate",
+            reason: format!("no tensor {tensor} in a sink of {}", self.slots.len()),
+        })?;
+        if grad.elem_count() != n {
+            return Err(Error::InvalidShard {
+                op: "GradSink::accumulate",
+                reason: format!("gradient of {} elements for {n}", grad.elem_count()),
+            });
+        }
+        let grad = if grad.is_contiguous() {
+            grad.clone()
+        } else {
+            self.stats
+                .add_copied(grad.elem_count() * grad.dtype().size_in_bytes());
+            grad.contiguous().map_err(candle("GradSink::accumulate"))?
+        };
+        let mut st = self.lock();
+        let len = self.len;
+        let dst = &mut st.buf.get_or_insert_with(|| vec![0.0; len])[offset..offset + n];
+        let bytes = with_ref(&grad, |g| {
+            match g {
+                Buf::F32(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g),
+                Buf::BF16(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g.to_f32()),
+                Buf::U8(_) => {
+                    return Err(Error::InvalidShard {
+                        op: "GradSink::accumulate",
+                        reason: "u8 gradient".into(),
+                    })
+                }
+            }
+            Ok(n * grad.dtype().size_in_bytes())
+        })?;
+        st.touched[tensor] = true;
+        drop(st);
+        self.stats.add_accumulated(bytes);
+        Ok(())
+    }
+
+    /// Takes the flat buffer (zeros if no gradient arrived) and which tensors got a gradient,
+    /// leaving the sink empty for the next backward.
+    pub fn take(&self) -> (Vec<f32>, Vec<bool>) {
+        let mut st = self.lock();
+        let buf = st.buf.take().unwrap_or_else(|| vec![0.0; self.len]);
+        let touched = std::mem::replace(&mut st.touched, vec![false; self.slots.len()]);
+        (buf, touched)
+    }
+
+    /// Whether a gradient arrived since the last [`GradSink::take`].
+    pub fn holds_gradients(&self) -> bool {
+        self.lock().buf.is_some()
+    }
+
+    /// Address and length of the flat buffer while it exists (storage identity checks).
+    pub fn buffer_address(&self) -> Option<(usize, usize)> {
+        self.lock()
+            .buf
+            .as_ref()
+            .map(|b| (b.as_ptr() as usize, b.len()))
+    }
+}
+
+/// A unit's gradients on one rank: the sink backward writes and the reduced local shard.
+pub struct GradBuffer {
+    pub(crate) sink: Arc<GradSink>,
+    /// The reduced local shard, `S` elements (f32 for the optimizer).
+    local: Vec<f32>,
+    /// Micro-batches reduced into `local` since the last [`GradBuffer::consume`].
+    reduced: usize,
+}
+
+impl GradBuffer {
+    pub fn new(sink: GradSink, shard_len: usize) -> Self {
+        GradBuffer {
+            sink: Arc::new(sink),
+            local: vec![0.0; shard_len],
+            reduced: 0,
+        }
+    }
+
+    pub fn sink(&self) -> &Arc<GradSink> {
+        &self.sink
+    }
+
+    /// Micro-batches reduced since the last step.
+    pub fn reduced(&self) -> usize {
+        self.reduced
+    }
+
+    /// Runs the reduction `reduce(full, out)` of the sink's buffer into the local shard: the
+    /// first micro-batch writes it directly, later ones into a scratch shard that is then added
+    /// (counted as accumulated). Returns which tensors got a gradient.
+    pub fn reduce_with(
+        &mut self,
+        stats: &CopyStats,
+        reduce: impl FnOnce(&mut [f32], &mut [f32]) -> Result<()>,
+    ) -> Result<Vec<bool>> {
+        let (mut full, touched) = self.sink.take();
+        if self.reduced == 0 {
+            reduce(&mut full, &mut self.local)?;
+        } else {
+            let mut scratch = vec![0.0; self.local.len()];
+            reduce(&mut full, &mut scratch)?;
+            self.local
+                .iter_mut()
+                .zip(&scratch)
+                .for_each(|(a, b)| *a += b);
+            stats.add_accumulated(4 * scratch.len());
+        }
+        self.reduced += 1;
+        Ok(touched)
+    }
+
+    /// The reduced local shard for the optimizer; `Err` if nothing was reduced since the last
+    /// step.
+    pub fn local(&self, op: &'static str) -> Result<&[f32]> {
+        if self.reduced == 0 {
+            return Err(Error::InvalidShard {
+                op,
+                reason: "no reduced gradients since the last step".into(),
+            });
+        }
+        Ok(&self.local)
+    }
+
+    /// Mutable access to the reduced local shard (clipping, scaling).
+    pub fn local_mut(&mut self) -> &mut [f32] {
+        &mut self.local
+    }
+
+    /// Marks the gradients used by a step: the next reduction overwrites the shard.
+    pub fn consume(&mut self) {
+        self.reduced = 0;
+    }
+}

@@ -1,0 +1,198 @@
+//! A unit's parameters: the fp32 master shard this rank owns, and the compute copies the
+//! all-gather materializes (one storage per tensor, each a parameter tensor through
+//! [`super::tap`]).
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, DType, Device, Tensor, Var};
+
+use super::grads::GradSink;
+use super::{candle, tap, with_mut_all, CopyStats};
+use crate::comm::BufMut;
+use crate::{Error, Result};
+
+/// One tensor of a unit: name and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSlot {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSlot {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<usize>()
+    }
+}
+
+/// The state of a unit's compute copies (as FSDP2's `ShardedState`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Materialized {
+    /// Only the master shard exists: `S` elements per rank.
+    Sharded,
+    /// Every tensor's full value exists (one storage each), current with the master shard.
+    Unsharded,
+    /// The full values exist but the master shard changed since (after a step): the next
+    /// gather rewrites them in place.
+    Stale,
+}
+
+/// A unit's parameters on one rank.
+pub struct ParamBuffer {
+    slots: Vec<TensorSlot>,
+    /// The fp32 master shard, `S` elements (the optimizer steps on it).
+    master: Vec<f32>,
+    /// The compute copies, in slot order, while materialized.
+    tensors: Option<Vec<Tensor>>,
+    stale: bool,
+    /// The dtype of the compute copies (f32, or bf16 under mixed precision).
+    dtype: DType,
+    sink: Arc<GradSink>,
+    anchor: Var,
+    stats: Arc<CopyStats>,
+}
+
+impl ParamBuffer {
+    /// A zeroed master shard of `shard_len` elements for `slots`, whose gradients go to `sink`.
+    pub fn new(
+        slots: Vec<TensorSlot>,
+        shard_len: usize,
+        dtype: DType,
+        sink: Arc<GradSink>,
+        anchor: Var,
+        stats: Arc<CopyStats>,
+    ) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(Error::InvalidShard {
+                op: "ParamBuffer::new",
+                reason: format!("compute dtype {dtype:?} (f32 and bf16 are supported)"),
+            });
+        }
+        Ok(ParamBuffer {
+            slots,
+            master: vec![0.0; shard_len],
+            tensors: None,
+            stale: false,
+            dtype,
+            sink,
+            anchor,
+            stats,
+        })
+    }
+
+    pub fn slots(&self) -> &[TensorSlot] {
+        &self.slots
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn master(&self) -> &[f32] {
+        &self.master
+    }
+
+    /// The master shard, mutably; marks materialized copies stale.
+    pub fn master_mut(&mut self) -> &mut [f32] {
+        if self.tensors.is_some() {
+            self.stale = true;
+        }
+        &mut self.master
+    }
+
+    pub fn state(&self) -> Materialized {
+        match (&self.tensors, self.stale) {
+            (None, _) => Materialized::Sharded,
+            (Some(_), false) => Materialized::Unsharded,
+            (Some(_), true) => Materialized::Stale,
+        }
+    }
+
+    /// Materializes the compute copies unless they are current: `fill(master, dsts)` must write
+    /// every element of every tensor (`dsts` in slot order, in the compute dtype). Fresh
+    /// storages become parameter tensors without a copy; stale ones are rewritten in place, so
+    /// tensors handed out earlier stay valid.
+    pub fn gather(
+        &mut self,
+        fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        match self.state() {
+            Materialized::Unsharded => Ok(()),
+            Materialized::Stale => {
+                let tensors = self.tensors.as_ref().expect("stale implies materialized");
+                with_mut_all(tensors, |dsts| fill(&self.master, dsts))?;
+                self.stale = false;
+                Ok(())
+            }
+            Materialized::Sharded => {
+                let mut storages = self.fresh_storages();
+                let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
+                fill(&self.master, &mut dsts)?;
+                drop(dsts);
+                let tensors = storages
+                    .into_iter()
+                    .zip(&self.slots)
+                    .enumerate()
+                    .map(|(i, (storage, slot))| {
+                        tap::param_tensor(&self.anchor, storage, &slot.shape, self.sink.clone(), i)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                self.tensors = Some(tensors);
+                self.stale = false;
+                Ok(())
+            }
+        }
+    }
+
+    /// Zeroed storages, one per tensor (calloc'd: pages are touched only when written).
+    fn fresh_storages(&self) -> Vec<CpuStorage> {
+        self.slots
+            .iter()
+            .map(|s| match self.dtype {
+                DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; s.numel()]),
+                _ => CpuStorage::F32(vec![0.0; s.numel()]),
+            })
+            .collect()
+    }
+
+    /// The parameter tensors (tracked: their gradients reach the sink), in slot order.
+    pub fn tensors(&self) -> Result<&[Tensor]> {
+        match &self.tensors {
+            Some(t) if !self.stale => Ok(t),
+            _ => Err(Error::InvalidShard {
+                op: "ParamBuffer::tensors",
+                reason: format!("parameters are {:?}; gather first", self.state()),
+            }),
+        }
+    }
+
+    /// Drops this buffer's compute copies; their memory returns once the model and any graph
+    /// holding them are dropped.
+    pub fn release(&mut self) {
+        self.tensors = None;
+        self.stale = false;
+    }
+
+    /// Bytes of the compute copies when materialized.
+    pub fn full_bytes(&self) -> usize {
+        let n: usize = self.slots.iter().map(TensorSlot::numel).sum();
+        n * self.dtype.size_in_bytes()
+    }
+
+    pub fn stats(&self) -> &Arc<CopyStats> {
+        &self.stats
+    }
+}
+
+fn storage_buf(s: &mut CpuStorage) -> BufMut<'_> {
+    match s {
+        CpuStorage::BF16(v) => BufMut::BF16(v),
+        CpuStorage::F32(v) => BufMut::F32(v),
+        _ => unreachable!("fresh_storages makes f32 or bf16 only"),
+    }
+}
+
+/// The one-element f32 variable every parameter tensor of a model hangs off (see
+/// [`super::tap`]).
+pub fn anchor() -> Result<Var> {
+    Var::zeros((), DType::F32, &Device::Cpu).map_err(candle("anchor"))
+}

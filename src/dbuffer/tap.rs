@@ -1,0 +1,89 @@
+//! The candle op that makes a unit's gathered storage a parameter tensor, and routes its gradient
+//! into the unit's gradient buffer.
+//!
+//! candle has no way to hand a preallocated gradient buffer to backward, and a tensor sharing
+//! storage with others (a `narrow` view) gets its gradient zero-padded to the whole storage
+//! (`reference/rust-stack.md` §3.4). So every parameter gets its own storage, written by the
+//! all-gather (no copy), and enters the graph through [`ParamTap`], a custom op on one scalar
+//! anchor variable:
+//! - **forward** moves the storage into the output tensor (no copy: the all-gather's bytes *are*
+//!   the parameter);
+//! - **backward** adds the parameter's gradient into the unit's gradient buffer at the planned
+//!   offset ([`GradSink`]), once per backward, so micro-batches accumulate there, and returns no
+//!   gradient for the anchor.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, Var};
+
+use super::grads::GradSink;
+use crate::{Error, Result};
+
+/// The custom op behind one parameter tensor (module doc).
+pub(crate) struct ParamTap {
+    /// The gathered storage until forward moves it into the output.
+    storage: Mutex<Option<CpuStorage>>,
+    shape: Shape,
+    sink: Arc<GradSink>,
+    /// Index of the tensor in the sink.
+    tensor: usize,
+}
+
+impl CustomOp1 for ParamTap {
+    fn name(&self) -> &'static str {
+        "ragged-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _anchor: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let mut slot = self.storage.lock().unwrap_or_else(|e| e.into_inner());
+        let storage = slot
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("ragged-param: storage already taken".into()))?;
+        Ok((storage, self.shape.clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.sink
+            .accumulate(self.tensor, grad)
+            .map_err(candle_core::Error::wrap)?;
+        // The anchor is a variable, so candle does not ask for its gradient.
+        Ok(None)
+    }
+}
+
+/// Wraps `storage` (a tensor's full elements, in the tensor's shape) into a tracked parameter
+/// tensor whose gradient goes to `sink`'s tensor `tensor`. The storage is moved, not copied.
+pub(crate) fn param_tensor(
+    anchor: &Var,
+    storage: CpuStorage,
+    shape: &[usize],
+    sink: Arc<GradSink>,
+    tensor: usize,
+) -> Result<Tensor> {
+    let n = shape.iter().product::<usize>();
+    let len = match &storage {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        _ => usize::MAX,
+    };
+    if len != n {
+        return Err(Error::InvalidShard {
+            op: "param_tensor",
+            reason: format!("{len} elements for shape {shape:?}"),
+        });
+    }
+    let tap = ParamTap {
+        storage: Mutex::new(Some(storage)),
+        shape: Shape::from_dims(shape),
+        sink,
+        tensor,
+    };
+    anchor
+        .as_tensor()
+        .apply_op1(tap)
+        .map_err(super::candle("param_tensor"))
+}

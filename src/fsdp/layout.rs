@@ -1,0 +1,151 @@
+//! How one unit's tensors sit in its collective buffers, and the two collectives of the FSDP
+//! rhythm on that layout: gather the compute copies from the master shards, reduce the full
+//! gradient buffer into the local gradient shard.
+
+use std::sync::Arc;
+
+use super::fsdp2::Fsdp2Unit;
+use crate::comm::{Buf, BufMut, Communicator, ReduceOp, Segment};
+use crate::dbuffer::{CopyStats, Geometry, TensorSlot};
+use crate::model::Unit;
+use crate::optim::{LocalShard, Optimizer};
+use crate::plan::PlanOptions;
+use crate::{Error, Result};
+
+/// A unit's layout over ranks.
+pub(crate) enum UnitLayout {
+    /// The planned RaggedShard layout: tensors at plan offsets of one `V·S` buffer; the
+    /// all-gather writes the tensors' storages and the reduce-scatter reads the gradient buffer,
+    /// both directly.
+    Ragged(Arc<Geometry>),
+    /// PyTorch FSDP2's layout (per-parameter even `Shard(0)`, rank-major buffer), with its
+    /// copy-out after the all-gather and copy-in before the reduce-scatter.
+    Fsdp2(Fsdp2Unit),
+}
+
+impl UnitLayout {
+    /// Plans `unit` for `optimizer` in the ragged layout, or lays it out the FSDP2 way; returns
+    /// the layout and this rank's shard.
+    pub(crate) fn new<O: Optimizer>(
+        unit: &Unit<'_>,
+        optimizer: &O,
+        comm: &dyn Communicator,
+        fsdp2: bool,
+        plan: &PlanOptions,
+    ) -> Result<(Self, LocalShard)> {
+        let (world, rank) = (comm.world_size(), comm.rank());
+        if fsdp2 {
+            let f = Fsdp2Unit::new(unit, world, rank)?;
+            let local = f.local_shard(unit);
+            return Ok((UnitLayout::Fsdp2(f), local));
+        }
+        let plan = optimizer.plan_unit(unit, world, plan)?;
+        let geometry = Geometry {
+            world,
+            rank,
+            shard_size: plan.shard_size,
+            tensors: plan
+                .placements
+                .iter()
+                .map(|p| (p.name.clone(), p.shape.clone(), p.offset))
+                .collect(),
+        };
+        let local = LocalShard::from_plan(&plan, rank)?;
+        Ok((UnitLayout::Ragged(Arc::new(geometry)), local))
+    }
+
+    /// The unit's tensors, in the order the gathers fill them.
+    pub(crate) fn slots(&self) -> Vec<TensorSlot> {
+        match self {
+            UnitLayout::Ragged(g) => g
+                .tensors
+                .iter()
+                .map(|(name, shape, _)| TensorSlot {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                })
+                .collect(),
+            UnitLayout::Fsdp2(f) => f.slots(),
+        }
+    }
+
+    /// `(offset, elements)` of each tensor's gradient in the full gradient buffer, and its length.
+    pub(crate) fn grad_slots(&self) -> (Vec<(usize, usize)>, usize) {
+        match self {
+            UnitLayout::Ragged(g) => {
+                let slots = g
+                    .tensors
+                    .iter()
+                    .map(|(_, shape, off)| (*off, shape.iter().product()))
+                    .collect();
+                (slots, g.full_len())
+            }
+            UnitLayout::Fsdp2(f) => f.grad_slots(),
+        }
+    }
+
+    /// Fills every tensor's compute copy (`dsts`, slot order) from the master shards of all
+    /// ranks. `scratch` holds the master converted to the compute dtype when that is not f32.
+    pub(crate) fn gather(
+        &self,
+        comm: &dyn Communicator,
+        master: Buf<'_>,
+        dsts: &mut [BufMut<'_>],
+        stats: &CopyStats,
+    ) -> Result<()> {
+        let elem_bytes = match master {
+            Buf::BF16(_) => 2,
+            _ => 4,
+        };
+        match self {
+            UnitLayout::Ragged(g) => {
+                let mut segments: Vec<Segment<'_>> = g
+                    .tensors
+                    .iter()
+                    .zip(dsts.iter_mut())
+                    .map(|((_, _, offset), buf)| Segment {
+                        offset: *offset,
+                        buf: buf.reborrow(),
+                    })
+                    .collect();
+                let staged = comm.all_gather_segments(master, &mut segments)?;
+                stats.add_copied(staged);
+                stats.add_collective(g.full_len() * elem_bytes);
+            }
+            UnitLayout::Fsdp2(f) => f.gather(comm, master, dsts, stats)?,
+        }
+        Ok(())
+    }
+
+    /// Reduces the full gradient buffer `full` over ranks into `local` (average or sum).
+    pub(crate) fn reduce(
+        &self,
+        comm: &dyn Communicator,
+        full: &mut [f32],
+        local: &mut [f32],
+        op: ReduceOp,
+        stats: &CopyStats,
+    ) -> Result<()> {
+        match self {
+            UnitLayout::Ragged(g) => {
+                if full.len() != g.full_len() || local.len() != g.shard_size {
+                    return Err(Error::InvalidShard {
+                        op: "reduce gradients",
+                        reason: format!(
+                            "buffers of {} and {} for V·S = {} and S = {}",
+                            full.len(),
+                            local.len(),
+                            g.full_len(),
+                            g.shard_size
+                        ),
+                    });
+                }
+                let staged = comm.reduce_scatter(BufMut::F32(full), BufMut::F32(local), op)?;
+                stats.add_copied(staged);
+                stats.add_collective(g.full_len() * 4);
+                Ok(())
+            }
+            UnitLayout::Fsdp2(f) => f.reduce(comm, full, local, op, stats),
+        }
+    }
+}
