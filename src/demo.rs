@@ -219,7 +219,7 @@ impl Transformer {
     fn loss_inner(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (inputs, targets) = split_ids(ids)?;
         let mut x = self.embed.forward(&inputs)?;
-        let mask = causal_mask(inputs.dim(1)?)?;
+        let mask = causal_mask(inputs.dim(1)?)?.to_dtype(x.dtype())?;
         for b in &self.blocks {
             x = b.forward(&x, &mask)?;
         }
@@ -256,7 +256,7 @@ impl Stages for TransformerStages {
         match (stage, x) {
             (0, _) => embedding(cfg.vocab, cfg.d_model, vb.pp("embed"))?.forward(&inputs),
             (s, Some(x)) if s <= cfg.n_layers => {
-                let mask = causal_mask(inputs.dim(1)?)?;
+                let mask = causal_mask(inputs.dim(1)?)?.to_dtype(x.dtype())?;
                 Block::new(cfg, s - 1, &vb)?.forward(x, &mask)
             }
             (_, Some(x)) => {
@@ -412,7 +412,8 @@ fn whole_model_step<O: Optimizer>(
     let tensors = sharded.unshard()?;
     let gather_seconds = start.elapsed().as_secs_f64();
     if model.is_none() {
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
+        let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
+        let vb = VarBuilder::from_tensors(tensors, dtype, &Device::Cpu);
         *model = Some(Transformer::new(cfg, vb)?);
     }
     let compute = Instant::now();
@@ -423,11 +424,132 @@ fn whole_model_step<O: Optimizer>(
     let backward_seconds = backward.elapsed().as_secs_f64();
     let reduce = Instant::now();
     sharded.reduce_gradients()?;
+    let loss = loss.to_dtype(DType::F32).and_then(|l| l.to_scalar::<f32>());
     Ok(StageReport {
-        loss: loss.to_scalar::<f32>().map_err(candle("loss"))?,
+        loss: loss.map_err(candle("loss"))?,
         gather_seconds,
         forward_seconds,
         backward_seconds,
         reduce_seconds: reduce.elapsed().as_secs_f64(),
     })
+}
+
+/// A stack of MLP blocks, `Linear(width → hidden)`, GELU, `Linear(hidden → width)`, no bias:
+/// the training-step benchmark's model (transformer-sized layers without attention), trained
+/// to regress random targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlpConfig {
+    pub width: usize,
+    pub hidden: usize,
+    pub layers: usize,
+}
+
+impl MlpConfig {
+    /// 8 blocks of width 1024 and hidden 4096: 67 M parameters.
+    pub const BENCH: MlpConfig = MlpConfig {
+        width: 1024,
+        hidden: 4096,
+        layers: 8,
+    };
+
+    /// Every parameter's name and shape (`layers.<i>.up.weight`, `layers.<i>.down.weight`).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        (0..self.layers)
+            .flat_map(|i| {
+                [
+                    (
+                        format!("layers.{i}.up.weight"),
+                        vec![self.hidden, self.width],
+                    ),
+                    (
+                        format!("layers.{i}.down.weight"),
+                        vec![self.width, self.hidden],
+                    ),
+                ]
+            })
+            .collect()
+    }
+
+    /// Seeded values uniform in `±1/√fan_in`.
+    pub fn init_params(&self, seed: u64) -> Result<Vec<(String, Tensor)>> {
+        let mut rng = SplitMix(seed);
+        self.param_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let bound = 1.0 / (shape[1] as f32).sqrt();
+                let values: Vec<f32> = (0..shape[0] * shape[1])
+                    .map(|_| bound * rng.uniform())
+                    .collect();
+                let t = Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)
+                    .map_err(candle("MlpConfig::init_params"))?;
+                Ok((name, t))
+            })
+            .collect()
+    }
+
+    /// Seeded inputs and targets, `[rows, width]` each.
+    pub fn batch(&self, step: usize, rows: usize) -> Result<MlpBatch> {
+        let mut rng = SplitMix(0x5EED ^ step as u64);
+        let mut take = || -> Result<Tensor> {
+            let v: Vec<f32> = (0..rows * self.width).map(|_| rng.uniform()).collect();
+            Tensor::from_vec(v, (rows, self.width), &Device::Cpu)
+                .map_err(candle("MlpConfig::batch"))
+        };
+        Ok(MlpBatch {
+            x: take()?,
+            y: take()?,
+        })
+    }
+
+    /// Block `i` on `x`, with its weights from `params` (names as [`Self::param_shapes`]).
+    pub fn block(
+        &self,
+        i: usize,
+        get: impl Fn(&str) -> candle_core::Result<Tensor>,
+        x: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let up = Linear::new(get(&format!("layers.{i}.up.weight"))?, None);
+        let down = Linear::new(get(&format!("layers.{i}.down.weight"))?, None);
+        down.forward(&up.forward(x)?.gelu()?)
+    }
+
+    /// Mean squared error of the output against the targets.
+    pub fn loss(out: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        (out - y)?.sqr()?.mean_all()
+    }
+}
+
+/// Inputs and regression targets of the MLP stack.
+pub struct MlpBatch {
+    pub x: Tensor,
+    pub y: Tensor,
+}
+
+/// The MLP stack as stages: one per block (unit `layers.<i>`), the loss in the last.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpStages(pub MlpConfig);
+
+impl Stages for MlpStages {
+    type Batch = MlpBatch;
+
+    fn stage_units(&self) -> Vec<String> {
+        (0..self.0.layers).map(|i| format!("layers.{i}")).collect()
+    }
+
+    fn forward(
+        &self,
+        stage: usize,
+        params: &UnitParams,
+        x: Option<&Tensor>,
+        batch: &MlpBatch,
+    ) -> candle_core::Result<Tensor> {
+        let out = self
+            .0
+            .block(stage, |n| params.get(n).cloned(), x.unwrap_or(&batch.x))?;
+        if stage + 1 == self.0.layers {
+            MlpConfig::loss(&out, &batch.y)
+        } else {
+            Ok(out)
+        }
+    }
 }

@@ -13,7 +13,7 @@ use ragged::demo::{
     batch, corpus, train_rank, TrainMode, TrainRun, Transformer, TransformerConfig,
     TransformerStages,
 };
-use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout, Stages, UnitParams};
+use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout, Stages, UnitParams};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
 const CFG: TransformerConfig = TransformerConfig::TINY;
@@ -451,4 +451,88 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
         .collect();
     expected.sort();
     assert_eq!(missing, expected);
+}
+
+fn bf16_policy() -> FsdpOptions {
+    FsdpOptions {
+        mixed_precision: MixedPrecision {
+            param_dtype: DType::BF16,
+            reduce_dtype: DType::BF16,
+        },
+        ..FsdpOptions::default()
+    }
+}
+
+/// The mixed-precision contract. Under one policy the layouts and recomputation stay bitwise
+/// (same casts, same reductions in rank order), and the master weights stay f32. Sharded vs
+/// unsharded is a tolerance: every op of the bf16 forward and backward rounds to 8 mantissa
+/// bits, so per-rank mean gradients differ from the global batch's in about the third digit,
+/// and Adam steps each element by up to ~lr whatever its gradient's size: parameters may drift
+/// apart by up to ~lr per step (bound STEPS·lr), while the losses track within 2 %.
+#[test]
+fn bf16_mixed_precision_keeps_layouts_bitwise_and_tracks_unsharded() {
+    let ragged = train(3, bf16_policy(), TrainMode::UnitByUnit);
+    let fsdp2 = FsdpOptions {
+        layout: ShardLayout::Fsdp2,
+        ..bf16_policy()
+    };
+    assert_eq!(bits(&ragged), bits(&train(3, fsdp2, TrainMode::UnitByUnit)));
+    let keep = FsdpOptions {
+        reshard_after_forward: false,
+        ..bf16_policy()
+    };
+    assert_eq!(bits(&ragged), bits(&train(3, keep, TrainMode::UnitByUnit)));
+    let params = CFG.init_params(7).unwrap();
+    let one = train_rank(
+        CFG,
+        &params,
+        adamw(),
+        &SingleRank,
+        bf16_policy(),
+        TrainMode::UnitByUnit,
+        STEPS,
+        BATCH,
+        |_, _| {},
+    )
+    .unwrap();
+    let diff = max_abs_diff(&ragged.1, &one.1);
+    println!("bf16 V=3 vs unsharded: max |Δparam| = {diff:.3e}");
+    assert!(diff <= STEPS as f32 * LR as f32, "{diff}");
+    // Master weights are f32: some values are not representable in bf16.
+    let f32_only = ragged
+        .1
+        .values()
+        .flatten()
+        .filter(|x| half::bf16::from_f32(**x).to_f32() != **x)
+        .count();
+    assert!(
+        f32_only > 0,
+        "the master weights must not be rounded to bf16"
+    );
+    for (a, b) in ragged.0.iter().zip(&one.0) {
+        assert!(
+            (a.loss - b.loss).abs() <= 2e-2 * b.loss.abs(),
+            "loss {} vs {}",
+            a.loss,
+            b.loss
+        );
+    }
+}
+
+/// bf16 gathers and reductions move exactly half the collective bytes of f32 ones.
+#[test]
+fn bf16_collectives_move_half_the_bytes() {
+    let params = CFG.init_params(2).unwrap();
+    let bytes = |opts: FsdpOptions| {
+        ThreadWorld::run(2, |c| {
+            let mut sharded = fully_shard(&params, adamw(), c, opts.clone())?;
+            let ids = batch(corpus(), &CFG, 0, c.rank() * 2, 2)?;
+            sharded.forward_backward(&TransformerStages(CFG), &ids)?;
+            Ok(sharded.stats().collective())
+        })
+        .unwrap()[0]
+    };
+    let (f32_bytes, bf16_bytes) = (bytes(FsdpOptions::default()), bytes(bf16_policy()));
+    assert!(f32_bytes > 0);
+    assert_eq!(2 * bf16_bytes, f32_bytes);
 }

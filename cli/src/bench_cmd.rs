@@ -18,6 +18,34 @@ pub enum BenchCommand {
     Comm(CommBenchArgs),
     /// Optimizer steps (AdamW, 8-bit Adam, Muon) against the machine peak, memcpy and GEMM.
     Optim(OptimBenchArgs),
+    /// A training step of an MLP stack unit by unit: plain candle, ragged and FSDP2-style
+    /// layouts on thread ranks, with phases, bytes copied and peak memory per rank.
+    Train(TrainBenchArgs),
+}
+
+#[derive(Args)]
+pub struct TrainBenchArgs {
+    /// World sizes (thread ranks).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
+    worlds: Vec<usize>,
+    /// Blocks of the stack.
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    /// Width of the stack (in and out of every block).
+    #[arg(long, default_value_t = 1024)]
+    width: usize,
+    /// Hidden width of every block.
+    #[arg(long, default_value_t = 4096)]
+    hidden: usize,
+    /// Global batch rows.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Timed steps per variant (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Markdown file whose training section is replaced; - for stdout only.
+    #[arg(long, default_value = "docs/benchmarks.md")]
+    out: PathBuf,
 }
 
 /// Where `bench optim` runs the steps.
@@ -103,7 +131,63 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
         BenchCommand::Optim(args) => optim(args),
+        BenchCommand::Train(args) => train(args),
     }
+}
+
+fn train(args: &TrainBenchArgs) -> Result<()> {
+    use ragged::bench::train::{markdown, run, TrainBench};
+    use ragged::demo::MlpConfig;
+    let cfg = TrainBench {
+        model: MlpConfig {
+            width: args.width,
+            hidden: args.hidden,
+            layers: args.layers,
+        },
+        batch: args.batch,
+        worlds: args.worlds.clone(),
+        steps: args.steps,
+    };
+    let bar = ProgressBar::new(1 + 3 * args.worlds.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
+            .expect("valid template"),
+    );
+    let rows = run(&cfg, |what| {
+        bar.set_message(what.to_string());
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let table = markdown(&rows);
+    println!("{table}");
+    if args.out.as_os_str() != "-" {
+        let n = args.layers * 2 * args.width * args.hidden;
+        let body = format!(
+            "## Runtime: a training step unit by unit
+
+             Command: `cargo run --release --bin ragged -- bench train`. Model: {} blocks of \
+             Linear({w}→{h}), GELU, Linear({h}→{w}), no bias ({n} parameters, {} MiB f32), \
+             global batch {} rows, MSE loss, SGD (the step measures the runtime; `bench optim` \
+             the optimizers). Plain candle: one variable per parameter, candle-nn SGD. \
+             Sharded: thread ranks, the unit-by-unit runtime (one unit per block); `recompute`: \
+             each unit freed after its forward and re-gathered and recomputed in backward; \
+             `keep units`: gathered from forward to backward, graphs kept. Means of {} steps \
+             after a warm-up; times on rank 0; sharding % = (gather + reduce) / step, not \
+             overlapped. Memory per rank: predicted = master and gradient shards plus the \
+             largest set of full parameters and gradients the schedule holds at once (from the \
+             plans); measured = process heap peak above the bytes alive before, by a counting \
+             allocator, over V (the rest is activations and candle temporaries). Machine: {}.\n\n{table}",
+            args.layers,
+            n * 4 >> 20,
+            args.batch,
+            args.steps,
+            machine(),
+            w = args.width,
+            h = args.hidden,
+        );
+        replace_section(&args.out, "train", &body)?;
+        eprintln!("updated {}", args.out.display());
+    }
+    Ok(())
 }
 
 fn optim(args: &OptimBenchArgs) -> Result<()> {

@@ -5,6 +5,10 @@ mod plan_cmd;
 
 use clap::{Parser, Subcommand};
 
+/// Heap bytes counted, so `bench train` measures memory per rank.
+#[global_allocator]
+static ALLOC: ragged::bench::alloc::Counting = ragged::bench::alloc::Counting;
+
 #[derive(Parser)]
 #[command(
     name = "ragged",

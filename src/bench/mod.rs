@@ -1,4 +1,6 @@
 //! Benchmarks shared by `ragged bench` and `cargo bench`.
 
+pub mod alloc;
 pub mod comm;
 pub mod plan;
+pub mod train;

@@ -66,6 +66,9 @@ pub struct CopyStats {
     /// Bytes of activations copied at unit boundaries (a stage's output becomes the next stage's
     /// input variable): not on the parameter or gradient path.
     pub activations: AtomicU64,
+    /// Bytes written by dtype casts under mixed precision (the master shard cast to the
+    /// compute dtype before a gather, gradients cast to the reduce dtype and back).
+    pub converted: AtomicU64,
     /// Bytes read or written by collectives (for reference).
     pub collective: AtomicU64,
 }
@@ -80,8 +83,14 @@ impl CopyStats {
     pub fn activations(&self) -> u64 {
         self.activations.load(Ordering::Relaxed)
     }
+    pub fn converted(&self) -> u64 {
+        self.converted.load(Ordering::Relaxed)
+    }
     pub fn collective(&self) -> u64 {
         self.collective.load(Ordering::Relaxed)
+    }
+    pub fn add_converted(&self, bytes: usize) {
+        self.converted.fetch_add(bytes as u64, Ordering::Relaxed);
     }
     pub fn add_copied(&self, bytes: usize) {
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);

@@ -208,14 +208,17 @@ impl Fsdp2Unit {
 
     /// Copy-in of the parameter-major gradients into the rank-major padded buffer, then
     /// reduce-scatter into `local`.
-    pub(crate) fn reduce(
+    pub(crate) fn reduce<T: Copy + Default>(
         &self,
         comm: &dyn Communicator,
-        grads: &mut [f32],
-        local: &mut [f32],
+        grads: &mut [T],
+        local: &mut [T],
         op: ReduceOp,
         stats: &CopyStats,
-    ) -> Result<()> {
+    ) -> Result<()>
+    where
+        for<'a> BufMut<'a>: From<&'a mut [T]>,
+    {
         let full = self.world * self.shard_len;
         if grads.len() != self.model_len || local.len() != self.shard_len {
             return Err(Error::InvalidShard {
@@ -223,17 +226,18 @@ impl Fsdp2Unit {
                 reason: format!("buffers of {} and {} elements", grads.len(), local.len()),
             });
         }
-        let mut rank_major = vec![0f32; full];
+        let size = std::mem::size_of::<T>();
+        let mut rank_major = vec![T::default(); full];
         for p in &self.params {
             let src = &grads[p.model_offset..p.model_offset + p.rows * p.row];
             self.for_each_chunk(p, |rm, off, len| {
                 rank_major[rm..rm + len].copy_from_slice(&src[off..off + len]);
-                stats.add_copied(4 * len);
+                stats.add_copied(size * len);
             });
         }
-        let staged = comm.reduce_scatter(BufMut::F32(&mut rank_major), BufMut::F32(local), op)?;
+        let staged = comm.reduce_scatter((&mut rank_major[..]).into(), local.into(), op)?;
         stats.add_copied(staged);
-        stats.add_collective(4 * full);
+        stats.add_collective(size * full);
         Ok(())
     }
 

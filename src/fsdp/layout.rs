@@ -117,15 +117,21 @@ impl UnitLayout {
         Ok(())
     }
 
-    /// Reduces the full gradient buffer `full` over ranks into `local` (average or sum).
+    /// Reduces the full gradient buffer `full` over ranks into `local` (average or sum), in
+    /// their element type (f32, or bf16 under mixed precision).
     pub(crate) fn reduce(
         &self,
         comm: &dyn Communicator,
-        full: &mut [f32],
-        local: &mut [f32],
+        full: BufMut<'_>,
+        local: BufMut<'_>,
         op: ReduceOp,
         stats: &CopyStats,
     ) -> Result<()> {
+        let elem_bytes = if matches!(full, BufMut::BF16(_)) {
+            2
+        } else {
+            4
+        };
         match self {
             UnitLayout::Ragged(g) => {
                 if full.len() != g.full_len() || local.len() != g.shard_size {
@@ -140,12 +146,19 @@ impl UnitLayout {
                         ),
                     });
                 }
-                let staged = comm.reduce_scatter(BufMut::F32(full), BufMut::F32(local), op)?;
+                let staged = comm.reduce_scatter(full, local, op)?;
                 stats.add_copied(staged);
-                stats.add_collective(g.full_len() * 4);
+                stats.add_collective(g.full_len() * elem_bytes);
                 Ok(())
             }
-            UnitLayout::Fsdp2(f) => f.reduce(comm, full, local, op, stats),
+            UnitLayout::Fsdp2(f) => match (full, local) {
+                (BufMut::F32(full), BufMut::F32(local)) => f.reduce(comm, full, local, op, stats),
+                (BufMut::BF16(full), BufMut::BF16(local)) => f.reduce(comm, full, local, op, stats),
+                _ => Err(Error::InvalidShard {
+                    op: "fsdp2 reduce",
+                    reason: "gradient buffers of different element types".into(),
+                }),
+            },
         }
     }
 }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::comm::{Buf, Communicator, ReduceOp};
+use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
 use crate::model::{DType as ModelDType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
@@ -52,18 +52,42 @@ pub enum ShardLayout {
 }
 
 /// Element types of the compute copy and of the gradient reduction, as FSDP2's
-/// `MixedPrecisionPolicy`. Master weights and optimizer state are always f32.
+/// `MixedPrecisionPolicy`. Master weights, optimizer state and the gradient buffer backward
+/// accumulates into are always f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MixedPrecision {
-    /// The all-gathered compute copy (`F32` or `BF16`; bf16 gathers move half the bytes).
+    /// The all-gathered compute copy (`F32` or `BF16`; bf16 gathers move half the bytes). The
+    /// f32 master shard is cast once before each gather.
     pub param_dtype: DType,
+    /// The reduce-scatter's element type (`F32` or `BF16`: the full gradient buffer is cast
+    /// before the reduction, which sums in f32 and rounds once, and the shard widened after).
+    pub reduce_dtype: DType,
 }
 
 impl Default for MixedPrecision {
     fn default() -> Self {
         MixedPrecision {
             param_dtype: DType::F32,
+            reduce_dtype: DType::F32,
         }
+    }
+}
+
+impl MixedPrecision {
+    fn check(&self) -> Result<()> {
+        for (what, d) in [
+            ("param_dtype", self.param_dtype),
+            ("reduce_dtype", self.reduce_dtype),
+        ] {
+            if !matches!(d, DType::F32 | DType::BF16) {
+                return Err(crate::Error::BadInput {
+                    op: "fully_shard",
+                    what: format!("mixed precision {what}"),
+                    reason: format!("{d:?}; f32 and bf16 are supported"),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -126,6 +150,7 @@ pub fn fully_shard<'c, O: Optimizer>(
     comm: &'c dyn Communicator,
     opts: FsdpOptions,
 ) -> Result<ShardedModel<'c, O>> {
+    opts.mixed_precision.check()?;
     let inv = inventory_of(params)?;
     let values: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let stats = Arc::new(CopyStats::default());
@@ -231,11 +256,30 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// parameters that got no gradient on the first reduction.
     fn reduce_unit(&mut self, u: usize) -> Result<()> {
         let (comm, op) = (self.comm, self.opts.reduce);
+        let bf16 = self.opts.mixed_precision.reduce_dtype == DType::BF16;
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
         let layout = &unit.layout;
         let touched = unit.grads.reduce_with(&stats, |full, local| {
-            layout.reduce(comm, full, local, op, &stats)
+            if !bf16 {
+                return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
+            }
+            // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
+            let mut cast: Vec<half::bf16> = full.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let mut out = vec![half::bf16::ZERO; local.len()];
+            layout.reduce(
+                comm,
+                BufMut::BF16(&mut cast),
+                BufMut::BF16(&mut out),
+                op,
+                &stats,
+            )?;
+            local
+                .iter_mut()
+                .zip(&out)
+                .for_each(|(l, o)| *l = o.to_f32());
+            stats.add_converted(2 * cast.len() + 4 * out.len());
+            Ok(())
         })?;
         let without = self.without_gradient.get_or_insert_with(Vec::new);
         if !unit.reported {
@@ -300,25 +344,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         }
     }
 
-    /// The full value of every parameter, gathered through a fresh all-gather (for checks
-    /// and checkpoints; copies).
+    /// The full f32 value of every parameter (the master weights, whatever the compute
+    /// dtype), gathered by a fresh all-gather; for checks and checkpoints (copies).
     pub fn full_params(&mut self) -> Result<HashMap<String, Vec<f32>>> {
         let mut out = HashMap::new();
-        for u in 0..self.units.len() {
-            let was = self.units[u].params.state();
-            self.gather_unit(u)?;
-            let unit = &mut self.units[u];
-            for (slot, t) in unit.params.slots().iter().zip(unit.params.tensors()?) {
-                let v = t
-                    .flatten_all()
-                    .and_then(|t| t.to_dtype(DType::F32))
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(crate::dbuffer::candle("full_params"))?;
-                out.insert(slot.name.clone(), v);
-            }
-            if was == Materialized::Sharded {
-                unit.params.release();
-            }
+        for unit in &self.units {
+            let slots = unit.params.slots();
+            let mut values: Vec<Vec<f32>> = slots.iter().map(|s| vec![0.0; s.numel()]).collect();
+            let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| BufMut::F32(v)).collect();
+            let master = Buf::F32(unit.params.master());
+            unit.layout
+                .gather(self.comm, master, &mut dsts, &self.stats)?;
+            out.extend(slots.iter().map(|s| s.name.clone()).zip(values));
         }
         Ok(out)
     }

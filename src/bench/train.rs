@@ -1,0 +1,286 @@
+//! `ragged bench train`: one training step of the MLP stack ([`MlpConfig`]) on thread ranks,
+//! plain candle (no ragged: variables, candle-nn SGD) as the floor, next to the unit-by-unit
+//! runtime on the ragged and FSDP2-style layouts, with per-phase times, bytes copied, and peak
+//! heap per rank, predicted from the plans and measured by the counting allocator
+//! ([`super::alloc`]). The optimizer is SGD on both sides so the step measures the runtime;
+//! `bench optim` measures the optimizers.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Var};
+use candle_nn::{Optimizer as _, VarBuilder, SGD};
+
+use super::alloc;
+use crate::comm::threads::ThreadWorld;
+use crate::comm::Communicator;
+use crate::dbuffer::candle;
+use crate::demo::{MlpBatch, MlpConfig, MlpStages};
+use crate::fsdp::{fully_shard, FsdpOptions, ShardLayout, Stages};
+use crate::optim::Sgd;
+use crate::{Error, Result};
+
+const LR: f64 = 1e-3;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct TrainBench {
+    pub model: MlpConfig,
+    /// Global batch rows (split evenly over ranks).
+    pub batch: usize,
+    pub worlds: Vec<usize>,
+    /// Timed steps after one untimed warm-up step.
+    pub steps: usize,
+}
+
+/// One variant's measurement (means over the timed steps, on rank 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainRow {
+    pub variant: String,
+    pub world: usize,
+    pub step_seconds: f64,
+    pub forward_seconds: f64,
+    pub backward_seconds: f64,
+    pub gather_seconds: f64,
+    pub reduce_seconds: f64,
+    pub optimizer_seconds: f64,
+    /// Bytes copied outside collectives per step (all ranks).
+    pub copied_per_step: u64,
+    /// Bytes of all-gather traffic per step on rank 0 (the full buffers gathered).
+    pub gathered_per_step: u64,
+    /// Heap per rank: the runtime's buffers predicted from the plans (`None` for plain candle).
+    pub predicted_bytes: Option<usize>,
+    /// Heap per rank measured: process peak above the bytes alive before, over the ranks
+    /// (`None` without the counting allocator).
+    pub measured_bytes: Option<usize>,
+    pub loss: f32,
+}
+
+/// Runs every variant: plain candle once, then for each world size ragged with
+/// recomputation, ragged keeping units, and FSDP2-style with recomputation.
+pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<TrainRow>> {
+    validate(cfg)?;
+    let params = cfg.model.init_params(0)?;
+    progress("plain candle");
+    let mut rows = vec![plain(cfg, &params)?];
+    for &world in &cfg.worlds {
+        for (layout, reshard, name) in [
+            (ShardLayout::Ragged, true, "ragged, recompute"),
+            (ShardLayout::Ragged, false, "ragged, keep units"),
+            (ShardLayout::Fsdp2, true, "fsdp2-style, recompute"),
+        ] {
+            progress(&format!("{name} V={world}"));
+            let opts = FsdpOptions {
+                layout,
+                reshard_after_forward: reshard,
+                ..FsdpOptions::default()
+            };
+            rows.push(sharded(cfg, &params, world, opts, name)?);
+        }
+    }
+    Ok(rows)
+}
+
+fn validate(cfg: &TrainBench) -> Result<()> {
+    let bad = |reason: String| {
+        Err(Error::BadInput {
+            op: "bench train",
+            what: "configuration".into(),
+            reason,
+        })
+    };
+    if cfg.steps == 0 || cfg.worlds.is_empty() || cfg.model.layers == 0 {
+        return bad("steps, worlds and layers must be positive".into());
+    }
+    if let Some(w) = cfg.worlds.iter().find(|&&w| w == 0 || cfg.batch % w != 0) {
+        return bad(format!("batch {} does not split over {w} ranks", cfg.batch));
+    }
+    Ok(())
+}
+
+/// Plain candle: one variable per parameter, forward, backward, candle-nn SGD.
+fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<TrainRow> {
+    let before = alloc::current();
+    alloc::reset_peak();
+    let vars: Vec<(String, Var)> = params
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), Var::from_tensor(&t.copy()?)?)))
+        .collect::<Result<_>>()?;
+    let map: HashMap<String, candle_core::Tensor> = vars
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    let vb = VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+    let mut sgd =
+        SGD::new(vars.iter().map(|(_, v)| v.clone()).collect(), LR).map_err(candle("plain SGD"))?;
+    let m = cfg.model;
+    let mut row = empty_row("plain candle", 1);
+    for step in 0..=cfg.steps {
+        let batch = m.batch(step, cfg.batch)?;
+        let start = Instant::now();
+        let mut x = batch.x.clone();
+        for i in 0..m.layers {
+            let get = |n: &str| vb.get_unchecked_dtype(n, DType::F32);
+            x = m.block(i, get, &x).map_err(candle("plain forward"))?;
+        }
+        let loss = MlpConfig::loss(&x, &batch.y).map_err(candle("plain loss"))?;
+        let fwd = start.elapsed().as_secs_f64();
+        let grads = loss.backward().map_err(candle("plain backward"))?;
+        let bwd = start.elapsed().as_secs_f64() - fwd;
+        sgd.step(&grads).map_err(candle("plain step"))?;
+        let total = start.elapsed().as_secs_f64();
+        if step > 0 {
+            row.forward_seconds += fwd;
+            row.backward_seconds += bwd;
+            row.optimizer_seconds += total - fwd - bwd;
+            row.step_seconds += total;
+        }
+        row.loss = loss.to_scalar::<f32>().map_err(candle("plain loss"))?;
+    }
+    finish(&mut row, cfg.steps, None, before, 1);
+    Ok(row)
+}
+
+/// The unit-by-unit runtime on `world` thread ranks.
+fn sharded(
+    cfg: &TrainBench,
+    params: &[(String, candle_core::Tensor)],
+    world: usize,
+    opts: FsdpOptions,
+    name: &str,
+) -> Result<TrainRow> {
+    let stages = MlpStages(cfg.model);
+    let rows = cfg.batch / world;
+    let reshard = opts.reshard_after_forward;
+    let before = alloc::current();
+    alloc::reset_peak();
+    let runs = ThreadWorld::run(world, |c| {
+        let mut sharded = fully_shard(params, Sgd { lr: LR as f32 }, c, opts.clone())?;
+        let order: Vec<usize> = stages
+            .stage_units()
+            .iter()
+            .map(|n| {
+                sharded
+                    .unit_names()
+                    .iter()
+                    .position(|u| u == n)
+                    .unwrap_or(0)
+            })
+            .collect();
+        let predicted = sharded.memory_plan().peak_unit_by_unit(&order, reshard);
+        let mut row = empty_row(name, world);
+        for step in 0..=cfg.steps {
+            let full = cfg.model.batch(step, cfg.batch)?;
+            let batch = rank_rows(&full, c.rank() * rows, rows)?;
+            let (copied, gathered) = (sharded.stats().copied(), sharded.stats().collective());
+            let start = Instant::now();
+            let r = sharded.forward_backward(&stages, &batch)?;
+            let opt = Instant::now();
+            sharded.step()?;
+            if step > 0 {
+                row.optimizer_seconds += opt.elapsed().as_secs_f64();
+                row.step_seconds += start.elapsed().as_secs_f64();
+                row.forward_seconds += r.forward_seconds;
+                row.backward_seconds += r.backward_seconds;
+                row.gather_seconds += r.gather_seconds;
+                row.reduce_seconds += r.reduce_seconds;
+                row.copied_per_step += sharded.stats().copied() - copied;
+                row.gathered_per_step += sharded.stats().collective() - gathered;
+            }
+            row.loss = r.loss;
+        }
+        Ok((row, predicted))
+    })?;
+    let (mut row, predicted) = runs.into_iter().next().expect("rank 0");
+    row.copied_per_step *= world as u64;
+    finish(&mut row, cfg.steps, Some(predicted), before, world);
+    Ok(row)
+}
+
+/// Rows `first..first + n` of a batch.
+fn rank_rows(b: &MlpBatch, first: usize, n: usize) -> Result<MlpBatch> {
+    let take = |t: &candle_core::Tensor| t.narrow(0, first, n).map_err(candle("rank rows"));
+    Ok(MlpBatch {
+        x: take(&b.x)?,
+        y: take(&b.y)?,
+    })
+}
+
+fn empty_row(name: &str, world: usize) -> TrainRow {
+    TrainRow {
+        variant: name.to_string(),
+        world,
+        step_seconds: 0.0,
+        forward_seconds: 0.0,
+        backward_seconds: 0.0,
+        gather_seconds: 0.0,
+        reduce_seconds: 0.0,
+        optimizer_seconds: 0.0,
+        copied_per_step: 0,
+        gathered_per_step: 0,
+        predicted_bytes: None,
+        measured_bytes: None,
+        loss: 0.0,
+    }
+}
+
+/// Turns sums over the timed steps into means and adds the memory figures.
+fn finish(row: &mut TrainRow, steps: usize, predicted: Option<usize>, before: usize, world: usize) {
+    let n = steps as f64;
+    for t in [
+        &mut row.step_seconds,
+        &mut row.forward_seconds,
+        &mut row.backward_seconds,
+        &mut row.gather_seconds,
+        &mut row.reduce_seconds,
+        &mut row.optimizer_seconds,
+    ] {
+        *t /= n;
+    }
+    row.copied_per_step /= steps as u64;
+    row.gathered_per_step /= steps as u64;
+    row.predicted_bytes = predicted;
+    row.measured_bytes = alloc::installed().then(|| alloc::peak().saturating_sub(before) / world);
+}
+
+/// The table: times, the sharding share (gather + reduce, not overlapped), the step against
+/// plain candle at world 1, bytes, and memory per rank.
+pub fn markdown(rows: &[TrainRow]) -> String {
+    let plain = rows
+        .iter()
+        .find(|r| r.variant == "plain candle")
+        .map_or(f64::NAN, |r| r.step_seconds);
+    let mib = |b: Option<usize>| {
+        b.map_or("–".into(), |b| {
+            format!("{:.1}", b as f64 / (1 << 20) as f64)
+        })
+    };
+    let mut s = String::from(
+        "| variant | V | step s | vs plain | forward s | backward s | gather s | reduce s | \
+         optimizer s | sharding % | copied B/step | gathered B/step (rank 0) | \
+         predicted MiB/rank | measured MiB/rank | loss |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let sharding = 100.0 * (r.gather_seconds + r.reduce_seconds) / r.step_seconds;
+        s += &format!(
+            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |\n",
+            r.variant,
+            r.world,
+            r.step_seconds,
+            r.step_seconds / plain,
+            r.forward_seconds,
+            r.backward_seconds,
+            r.gather_seconds,
+            r.reduce_seconds,
+            r.optimizer_seconds,
+            sharding,
+            r.copied_per_step,
+            r.gathered_per_step,
+            mib(r.predicted_bytes),
+            mib(r.measured_bytes),
+            r.loss,
+        );
+    }
+    s
+}
