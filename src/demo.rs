@@ -188,7 +188,8 @@ fn head_loss(
     targets: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let logits = head.forward(&rms_norm(x, norm)?)?;
-    let logits = logits.reshape(((), cfg.vocab))?;
+    // The loss in f32 whatever the compute dtype (a bf16 log-softmax and mean lose digits).
+    let logits = logits.reshape(((), cfg.vocab))?.to_dtype(DType::F32)?;
     candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
 }
 
