@@ -195,7 +195,8 @@ fn print_muon_layout(args: &Args) -> Result<()> {
     let inventory = inventory_of(&params)?;
     let opt = muon(args.lr, args.muon_layout)?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
-    for unit in inventory.units() {
+    let wrap = FsdpOptions::default().wrap;
+    for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
         let (_, report) = opt.plan_layout(&unit, args.ranks, &FsdpOptions::default().plan)?;
         total += report.tensors.len();
         split += report

@@ -536,3 +536,93 @@ fn bf16_collectives_move_half_the_bytes() {
     assert!(f32_bytes > 0);
     assert_eq!(2 * bf16_bytes, f32_bytes);
 }
+
+/// Rank 1 given the same pairs in another order (a `HashMap`'s iteration order), or other
+/// initial values: every rank gets the same error, naming what differs, and nothing trains.
+#[test]
+fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
+    let params = CFG.init_params(7).unwrap();
+    let mut reversed = params.clone();
+    reversed.reverse();
+    let other_seed = CFG.init_params(8).unwrap();
+    for (what, rank1) in [
+        ("names and order", &reversed),
+        ("initial values", &other_seed),
+    ] {
+        let errors = ThreadWorld::run(3, |c| {
+            let mine = if c.rank() == 1 { rank1 } else { &params };
+            Ok(fully_shard(mine, adamw(), c, FsdpOptions::default())
+                .err()
+                .map(|e| e.to_string()))
+        })
+        .unwrap();
+        let first = errors[0].clone().expect("rank 0 must fail too");
+        assert!(
+            first.contains(what) && first.contains("ranks [1]"),
+            "{first}"
+        );
+        assert!(
+            errors.iter().all(|e| e.as_ref() == Some(&first)),
+            "{errors:?}"
+        );
+    }
+    // The same input everywhere passes.
+    ThreadWorld::run(3, |c| {
+        fully_shard(&params, adamw(), c, FsdpOptions::default()).map(|_| ())
+    })
+    .unwrap();
+}
+
+/// Units by default detect numbered blocks under any prefix (GPT-2's `transformer.h.N`, an
+/// MoE layer's experts stay inside their layer), and a custom rule regroups them.
+#[test]
+fn units_follow_numbered_blocks_or_a_custom_wrap_rule() {
+    let shape = |n: &str, s: &[usize]| {
+        (
+            n.to_string(),
+            Tensor::zeros(s, DType::F32, &Device::Cpu).unwrap(),
+        )
+    };
+    let params = vec![
+        shape("transformer.wte.weight", &[16, 8]),
+        shape("transformer.h.0.attn.c_attn.weight", &[8, 24]),
+        shape("transformer.h.0.mlp.experts.3.w1", &[8, 8]),
+        shape("transformer.h.1.attn.c_attn.weight", &[8, 24]),
+        shape("transformer.h.10.attn.c_attn.weight", &[8, 24]),
+        shape("transformer.ln_f.weight", &[8]),
+    ];
+    let names = |opts: FsdpOptions| {
+        let sharded = fully_shard(&params, adamw(), &SingleRank, opts).unwrap();
+        let units: Vec<String> = sharded.unit_names().iter().map(|s| s.to_string()).collect();
+        let sizes: Vec<usize> = sharded
+            .local_shards()
+            .iter()
+            .map(|l| l.params.len())
+            .collect();
+        (units, sizes)
+    };
+    let (units, sizes) = names(FsdpOptions::default());
+    assert_eq!(
+        units,
+        [
+            "root",
+            "transformer.h.0",
+            "transformer.h.1",
+            "transformer.h.10"
+        ]
+    );
+    assert_eq!(sizes, [2, 2, 1, 1]);
+    let pairs = ragged::fsdp::WrapPolicy::Custom(std::sync::Arc::new(|name: &str| {
+        let layer: usize = ragged::model::numbered_block_of(name)?
+            .rsplit('.')
+            .next()?
+            .parse()
+            .ok()?;
+        Some(format!("pair{}", layer / 2))
+    }));
+    let (units, _) = names(FsdpOptions {
+        wrap: pairs,
+        ..FsdpOptions::default()
+    });
+    assert_eq!(units, ["root", "pair0", "pair5"]);
+}

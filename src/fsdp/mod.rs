@@ -21,6 +21,7 @@
 //!
 //! Either way a step ends with [`ShardedModel::step`] (the optimizer on local shards).
 
+mod agree;
 pub mod fsdp2;
 mod layout;
 mod stages;
@@ -91,10 +92,42 @@ impl MixedPrecision {
     }
 }
 
+/// Which parameters form one FSDP unit (as FSDP's auto-wrap policy).
+#[derive(Clone, Default)]
+pub enum WrapPolicy {
+    /// One unit per repeated numbered block under any prefix (`layers.N`, `h.N`, `blocks.N`,
+    /// `layer.N`: [`crate::model::numbered_block_of`]), everything else in `root`.
+    #[default]
+    NumberedBlocks,
+    /// `unit_of(name)` names each parameter's unit; `None` puts it in `root`.
+    Custom(Arc<dyn Fn(&str) -> Option<String> + Send + Sync>),
+}
+
+impl WrapPolicy {
+    /// The unit of parameter `name` (`None`: root).
+    pub fn unit_of(&self, name: &str) -> Option<String> {
+        match self {
+            WrapPolicy::NumberedBlocks => crate::model::numbered_block_of(name).map(str::to_string),
+            WrapPolicy::Custom(f) => f(name),
+        }
+    }
+}
+
+impl std::fmt::Debug for WrapPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WrapPolicy::NumberedBlocks => f.write_str("NumberedBlocks"),
+            WrapPolicy::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
 /// Options of [`fully_shard`].
 #[derive(Clone, Debug)]
 pub struct FsdpOptions {
     pub layout: ShardLayout,
+    /// How parameters are grouped into units.
+    pub wrap: WrapPolicy,
     /// Unit-by-unit runtime: free a unit's compute copies after its forward stage and
     /// re-gather (recomputing the stage) in backward. Off: units stay gathered from forward to
     /// backward and each stage's graph is kept (no recomputation, more memory).
@@ -109,6 +142,7 @@ impl Default for FsdpOptions {
     fn default() -> Self {
         FsdpOptions {
             layout: ShardLayout::Ragged,
+            wrap: WrapPolicy::default(),
             reshard_after_forward: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
@@ -140,8 +174,8 @@ pub struct ShardedModel<'c, O: Optimizer> {
     without_gradient: Option<Vec<String>>,
 }
 
-/// Shards `params` (full initial values, identical on every rank) into FSDP units (one per
-/// decoder layer, `layers.<i>.`, plus a root unit), plans each unit from the optimizer's atomic
+/// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
+/// ([`FsdpOptions::wrap`]: by default one per numbered block plus a root unit), plans each unit from the optimizer's atomic
 /// blocks, and allocates master shards, gradient shards and optimizer state by that plan. No
 /// full buffer exists until the first gather.
 pub fn fully_shard<'c, O: Optimizer>(
@@ -156,9 +190,18 @@ pub fn fully_shard<'c, O: Optimizer>(
     let stats = Arc::new(CopyStats::default());
     let anchor = anchor()?;
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
-    let mut units = Vec::new();
-    for unit in inv.units() {
-        let (layout, local) = UnitLayout::new(&unit, &optimizer, comm, fsdp2, &opts.plan)?;
+    let planned = inv
+        .units_by(&|name| opts.wrap.unit_of(name))
+        .iter()
+        .map(|unit| {
+            let (layout, local) = UnitLayout::new(unit, &optimizer, comm, fsdp2, &opts.plan)?;
+            Ok((unit.name.clone(), layout, local))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l)| l).collect();
+    agree::check_ranks_agree(comm, params, &shards)?;
+    let mut units = Vec::with_capacity(planned.len());
+    for (name, layout, local) in planned {
         let (grad_slots, grad_len) = layout.grad_slots();
         let sink = GradSink::new(grad_slots, grad_len, stats.clone())?;
         let grads = GradBuffer::new(sink, local.len);
@@ -172,7 +215,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         )?;
         load_local(&local, params.master_mut(), &values)?;
         units.push(ShardedUnit {
-            name: unit.name.clone(),
+            name,
             state: optimizer.init(&local)?,
             local,
             layout,
@@ -191,8 +234,8 @@ pub fn fully_shard<'c, O: Optimizer>(
     })
 }
 
-/// The parameter list as an inventory (f32), so units are grouped exactly as [`fully_shard`]
-/// groups them.
+/// The parameter list as an inventory (f32); `inventory_of(p)?.units_by(..)` with the same
+/// wrap rule groups exactly as [`fully_shard`] does.
 pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
     let tensors = params
         .iter()

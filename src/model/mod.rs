@@ -211,36 +211,61 @@ impl Inventory {
     }
 
     /// FSDP units: `root` (everything outside decoder layers) first, then one unit per decoder
-    /// layer in order of first appearance. Tensors keep their inventory order inside a unit.
+    /// layer (`layers.<i>`, [`layer_of`]) in order of first appearance. Tensors keep their
+    /// inventory order inside a unit.
     pub fn units(&self) -> Vec<Unit<'_>> {
+        self.units_by(&|name| layer_of(name).map(str::to_string))
+    }
+
+    /// FSDP units by a wrap rule: `unit_of(name)` names a tensor's unit, `None` puts it in
+    /// `root`. `root` first (if not empty), then the units in order of first appearance.
+    pub fn units_by(&self, unit_of: &dyn Fn(&str) -> Option<String>) -> Vec<Unit<'_>> {
         let mut root = Unit {
             name: "root".into(),
             tensors: Vec::new(),
         };
-        let mut layers: Vec<Unit> = Vec::new();
-        let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut units: Vec<Unit> = Vec::new();
+        let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for t in &self.tensors {
-            match layer_of(&t.name) {
+            match unit_of(&t.name) {
                 None => root.tensors.push(t),
-                Some(layer) => {
-                    let i = *index.entry(layer).or_insert_with(|| {
-                        layers.push(Unit {
-                            name: layer.to_string(),
+                Some(unit) => {
+                    let i = *index.entry(unit.clone()).or_insert_with(|| {
+                        units.push(Unit {
+                            name: unit,
                             tensors: Vec::new(),
                         });
-                        layers.len() - 1
+                        units.len() - 1
                     });
-                    layers[i].tensors.push(t);
+                    units[i].tensors.push(t);
                 }
             }
         }
-        let mut units = Vec::with_capacity(layers.len() + 1);
+        let mut out = Vec::with_capacity(units.len() + 1);
         if !root.tensors.is_empty() {
-            units.push(root);
+            out.push(root);
         }
-        units.extend(layers);
-        units
+        out.extend(units);
+        out
     }
+}
+
+/// The repeated numbered block a parameter belongs to, under any prefix: the name up to its
+/// first all-digit component (`layers.3` of `layers.3.attn.q.weight`, `transformer.h.11` of
+/// GPT-2's `transformer.h.11.mlp.c_fc.weight`, `model.layers.2` of an expert weight
+/// `model.layers.2.mlp.experts.7.w1`). `None` for names without one (embeddings, final norm,
+/// head), which go to the root unit.
+pub fn numbered_block_of(name: &str) -> Option<&str> {
+    let mut end = 0;
+    for (i, part) in name.split('.').enumerate() {
+        let start = if i == 0 { 0 } else { end + 1 };
+        end = start + part.len();
+        let last = end == name.len();
+        if !last && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            return Some(&name[..end]);
+        }
+    }
+    None
 }
 
 /// The `layers.<i>` part of a parameter name, if it belongs to a decoder layer.

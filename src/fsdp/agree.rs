@@ -1,0 +1,117 @@
+//! Ranks agree or fail: before anything is allocated, every rank fingerprints what it was
+//! given (parameter names and their order, shapes, the plan, the initial values) and the
+//! fingerprints are exchanged once. Disagreeing ranks (a parameter list built from a `HashMap`
+//! in another order, another seed, another model) all get the same `Err`, naming what differs
+//! and which ranks, instead of training on scrambled parameters.
+
+use std::hash::Hasher;
+
+use candle_core::{DType, Tensor};
+
+use crate::comm::{Buf, BufMut, Communicator};
+use crate::dbuffer::candle;
+use crate::optim::LocalShard;
+use crate::{Error, Result};
+
+/// FNV-1a, 64 bits: small, stable across processes and platforms (unlike `DefaultHasher`'s
+/// unspecified algorithm), enough to tell inputs apart.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+/// What the fingerprints cover, in exchange order.
+const ASPECTS: [&str; 4] = [
+    "parameter names and order",
+    "parameter shapes",
+    "the plan",
+    "initial values",
+];
+
+/// The four fingerprints of one rank's input.
+fn fingerprints(params: &[(String, Tensor)], shards: &[&LocalShard]) -> Result<[u64; 4]> {
+    let mut h = [
+        Fnv::default(),
+        Fnv::default(),
+        Fnv::default(),
+        Fnv::default(),
+    ];
+    for (name, t) in params {
+        h[0].write(name.as_bytes());
+        h[0].write_u8(0);
+        h[1].write_usize(t.rank());
+        t.dims().iter().for_each(|&d| h[1].write_usize(d));
+        let values = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(candle("fully_shard: fingerprint"))?;
+        values.iter().for_each(|v| h[3].write_u32(v.to_bits()));
+    }
+    for shard in shards {
+        h[2].write_usize(shard.len);
+        for meta in &shard.params {
+            h[2].write(meta.name.as_bytes());
+            for hold in &meta.holdings {
+                h[2].write_usize(hold.rank);
+                h[2].write_usize(hold.range.start);
+                h[2].write_usize(hold.range.end);
+            }
+        }
+    }
+    Ok(h.map(|h| h.finish()))
+}
+
+/// Exchanges the fingerprints (one all-gather) and returns the same `Err` on every rank if any
+/// rank's differ from rank 0's.
+pub(crate) fn check_ranks_agree(
+    comm: &dyn Communicator,
+    params: &[(String, Tensor)],
+    shards: &[&LocalShard],
+) -> Result<()> {
+    let mine = fingerprints(params, shards)?;
+    let bytes: Vec<u8> = mine.iter().flat_map(|f| f.to_le_bytes()).collect();
+    let mut all = vec![0u8; bytes.len() * comm.world_size()];
+    comm.all_gather(Buf::U8(&bytes), BufMut::U8(&mut all))?;
+    let table: Vec<[u64; 4]> = all
+        .chunks_exact(32)
+        .map(|r| {
+            std::array::from_fn(|i| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap()))
+        })
+        .collect();
+    let differ: Vec<String> = (0..4)
+        .filter_map(|a| {
+            let ranks: Vec<usize> = (1..table.len())
+                .filter(|&r| table[r][a] != table[0][a])
+                .collect();
+            (!ranks.is_empty())
+                .then(|| format!("{} (ranks {ranks:?} differ from rank 0)", ASPECTS[a]))
+        })
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(Error::BadInput {
+        op: "fully_shard",
+        what: "the ranks' parameters".into(),
+        reason: format!(
+            "every rank must pass the same parameters in the same order with the same initial \
+             values; they disagree on {}",
+            differ.join(", ")
+        ),
+    })
+}
