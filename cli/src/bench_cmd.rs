@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, markdown, plan_row, BLOCKS, WORLDS};
+use ragged::limits::{at_least, positive_finite};
 use ragged::model::Inventory;
 use ragged::{AtomicBlock, Error, Result};
 use ragged_optimizers::bench::OptimKind;
@@ -43,8 +44,9 @@ pub struct OptimBenchArgs {
     /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
-    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz").
-    #[arg(long)]
+    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz"); finite and positive.
+    // Negative numbers reach the check, which says why they are refused.
+    #[arg(long, allow_negative_numbers = true)]
     ghz: Option<f64>,
     /// Print the table only; leave the markdown file alone.
     #[arg(long)]
@@ -71,7 +73,7 @@ pub struct CommBenchArgs {
     /// Ranks for the training-step comparison.
     #[arg(long, default_value_t = 4)]
     train_ranks: usize,
-    /// Training steps per layout (the first is not timed).
+    /// Training steps per layout (the first is not timed); 0 skips the training comparison.
     #[arg(long, default_value_t = 4)]
     train_steps: usize,
     /// Markdown file whose runtime section is replaced; - for stdout only.
@@ -106,7 +108,12 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     }
 }
 
+const OP_OPTIM: &str = "ragged bench optim";
+
 fn optim(args: &OptimBenchArgs) -> Result<()> {
+    if let Some(ghz) = args.ghz {
+        positive_finite(OP_OPTIM, "--ghz", ghz)?;
+    }
     if args.device == DeviceKind::Cuda {
         return optim_cuda(args);
     }
@@ -119,7 +126,8 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         only: args.only,
         ghz: args.ghz,
     };
-    let peak = Peak::detect(cfg.ghz);
+    at_least(OP_OPTIM, "--reps", args.reps, 1)?;
+    let peak = Peak::detect(cfg.ghz)?;
     eprintln!("peak: {}", peak.derivation());
     let base = baselines(cfg.memcpy_bytes(), cfg.gemm_n(), cfg.reps);
     eprintln!(
@@ -218,6 +226,10 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     } else {
         args.models.clone()
     };
+    at_least("ragged bench plan", "--repeats", args.repeats, 1)?;
+    for &world in &args.worlds {
+        at_least("ragged bench plan", "--worlds", world, 1)?;
+    }
     let blocks: Vec<AtomicBlock> = args
         .blocks
         .iter()
@@ -251,12 +263,28 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
 }
 
 fn comm(args: &CommBenchArgs) -> Result<()> {
-    use ragged::bench::comm::{collectives, markdown, train_step};
+    use ragged::bench::comm::{check_collectives, collectives, markdown, train_step};
     use ragged::demo::TransformerConfig;
     use ragged::fsdp::ShardLayout;
     use ragged::optim::Sgd;
 
-    let total = (args.worlds.len() + 2) as u64;
+    // Every refusal before the first measurement, not after minutes of them.
+    at_least(
+        "ragged bench comm",
+        "--worlds (how many)",
+        args.worlds.len(),
+        1,
+    )?;
+    for &world in &args.worlds {
+        check_collectives(world, args.shard, args.repeats)?;
+    }
+    let layouts: &[ShardLayout] = if args.train_steps == 0 {
+        &[]
+    } else {
+        at_least("ragged bench comm", "--train-ranks", args.train_ranks, 1)?;
+        &[ShardLayout::Ragged, ShardLayout::Fsdp2]
+    };
+    let total = (args.worlds.len() + layouts.len()) as u64;
     let bar = ProgressBar::new(total).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
@@ -269,7 +297,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     }
     let cfg = TransformerConfig::SMALL;
     let mut steps = Vec::new();
-    for layout in [ShardLayout::Ragged, ShardLayout::Fsdp2] {
+    for &layout in layouts {
         bar.set_message(format!("training step {layout:?}"));
         let sgd = Sgd { lr: 1e-2 };
         steps.push(train_step(
