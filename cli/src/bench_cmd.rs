@@ -101,6 +101,7 @@ pub struct PlanBenchArgs {
 }
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
+    check(cmd)?;
     match cmd {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
@@ -110,10 +111,47 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 
 const OP_OPTIM: &str = "ragged bench optim";
 
-fn optim(args: &OptimBenchArgs) -> Result<()> {
+/// Refuses a benchmark's bad flags before anything runs or allocates (also what the CLI fuzz
+/// test runs on every parsed `bench` command).
+pub fn check(cmd: &BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Plan(args) => check_plan(args),
+        BenchCommand::Comm(args) => check_comm(args),
+        BenchCommand::Optim(args) => check_optim(args),
+    }
+}
+
+fn check_optim(args: &OptimBenchArgs) -> Result<()> {
     if let Some(ghz) = args.ghz {
         positive_finite(OP_OPTIM, "--ghz", ghz)?;
     }
+    at_least(OP_OPTIM, "--reps", args.reps, 1).map(drop)
+}
+
+fn check_comm(args: &CommBenchArgs) -> Result<()> {
+    use ragged::bench::comm::check_collectives;
+    at_least(OP_COMM, "--worlds (how many)", args.worlds.len(), 1)?;
+    for &world in &args.worlds {
+        check_collectives(world, args.shard, args.repeats)?;
+    }
+    if args.train_steps > 0 {
+        at_least(OP_COMM, "--train-ranks", args.train_ranks, 1)?;
+    }
+    Ok(())
+}
+
+fn check_plan(args: &PlanBenchArgs) -> Result<()> {
+    at_least(OP_PLAN, "--repeats", args.repeats, 1)?;
+    for &world in &args.worlds {
+        at_least(OP_PLAN, "--worlds", world, 1)?;
+    }
+    Ok(())
+}
+
+const OP_COMM: &str = "ragged bench comm";
+const OP_PLAN: &str = "ragged bench plan";
+
+fn optim(args: &OptimBenchArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
         return optim_cuda(args);
     }
@@ -126,7 +164,6 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         only: args.only,
         ghz: args.ghz,
     };
-    at_least(OP_OPTIM, "--reps", args.reps, 1)?;
     let peak = Peak::detect(cfg.ghz)?;
     eprintln!("peak: {}", peak.derivation());
     let base = baselines(cfg.memcpy_bytes(), cfg.gemm_n(), cfg.reps);
@@ -226,10 +263,6 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     } else {
         args.models.clone()
     };
-    at_least("ragged bench plan", "--repeats", args.repeats, 1)?;
-    for &world in &args.worlds {
-        at_least("ragged bench plan", "--worlds", world, 1)?;
-    }
     let blocks: Vec<AtomicBlock> = args
         .blocks
         .iter()
@@ -263,25 +296,15 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
 }
 
 fn comm(args: &CommBenchArgs) -> Result<()> {
-    use ragged::bench::comm::{check_collectives, collectives, markdown, train_step};
+    use ragged::bench::comm::{collectives, markdown, train_step};
     use ragged::demo::TransformerConfig;
     use ragged::fsdp::ShardLayout;
     use ragged::optim::Sgd;
 
-    // Every refusal before the first measurement, not after minutes of them.
-    at_least(
-        "ragged bench comm",
-        "--worlds (how many)",
-        args.worlds.len(),
-        1,
-    )?;
-    for &world in &args.worlds {
-        check_collectives(world, args.shard, args.repeats)?;
-    }
+    // `check` has refused bad flags before the first measurement.
     let layouts: &[ShardLayout] = if args.train_steps == 0 {
         &[]
     } else {
-        at_least("ragged bench comm", "--train-ranks", args.train_ranks, 1)?;
         &[ShardLayout::Ragged, ShardLayout::Fsdp2]
     };
     let total = (args.worlds.len() + layouts.len()) as u64;
