@@ -861,8 +861,10 @@ fn a_rank_that_never_calls_makes_the_others_time_out() {
 /// bound, far below the world's timeout (`GENEROUS`), so only the leave-on-return path meets it.
 const AT_ONCE: Duration = Duration::from_secs(1);
 
-/// What a good rank saw: its error's text and how long after the bad rank's failure it came.
-type Seen = std::sync::Mutex<Vec<(usize, String, Duration)>>;
+/// What a good rank saw: its rank, its error's text and how long after the bad rank's failure
+/// it came.
+type Sighting = (usize, String, Duration);
+type Seen = std::sync::Mutex<Vec<Sighting>>;
 
 /// Runs a `v`-rank world through `ThreadWorld::run` (timeout `GENEROUS`): rank `bad` does one
 /// all-reduce with the others, then `fail` (which marks when it fails in `failed_at`); the
@@ -872,7 +874,7 @@ fn run_with_one_failing_rank(
     v: usize,
     bad: usize,
     fail: impl Fn(&std::sync::OnceLock<Instant>) -> ragged::Result<()> + Sync,
-) -> (ragged::Result<Vec<()>>, Vec<(usize, String, Duration)>) {
+) -> (ragged::Result<Vec<()>>, Vec<Sighting>) {
     let failed_at = std::sync::OnceLock::new();
     let seen = Seen::default();
     let result = ThreadWorld::run_with_timeout(v, GENEROUS, |c| {
@@ -895,7 +897,7 @@ fn run_with_one_failing_rank(
 }
 
 #[track_caller]
-fn assert_others_failed_at_once(seen: &[(usize, String, Duration)], v: usize, wants: &[&str]) {
+fn assert_others_failed_at_once(seen: &[Sighting], v: usize, wants: &[&str]) {
     assert_eq!(seen.len(), v - 1, "{seen:?}");
     for (rank, text, elapsed) in seen {
         for want in wants {
