@@ -263,7 +263,7 @@ fn bench_optim_on_cuda_without_a_gpu_build_or_device_fails_with_the_reason() {
 /// no abort on a huge allocation, no `Debug` struct), before anything runs.
 #[test]
 fn hostile_bench_inputs_are_refused_with_the_reason() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (
             &["bench", "comm", "--shard", "4000000000", "--out", "-"],
             "available",
@@ -271,6 +271,14 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
         (
             &["bench", "comm", "--worlds", "0", "--out", "-"],
             "--worlds 0",
+        ),
+        (
+            &["bench", "comm", "--worlds", "1", "--out", "-"],
+            "at least 2 ranks",
+        ),
+        (
+            &["bench", "comm", "--shard", "0", "--out", "-"],
+            "1 element per rank",
         ),
         (
             &["bench", "comm", "--repeats", "0", "--out", "-"],

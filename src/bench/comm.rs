@@ -58,9 +58,8 @@ pub fn memcpy_seconds(bytes: usize, repeats: usize, threads: usize) -> f64 {
 }
 
 /// Times in-place all-gather and reduce-scatter of `shard` f32 elements per rank on `world`
-/// thread ranks (best of `repeats`, slowest rank). `Err` before allocating anything when
-/// `world` or `repeats` is 0, or the buffers ([`collectives_bytes`]) overflow or exceed the
-/// available memory.
+/// thread ranks (best of `repeats`, slowest rank). `Err` before allocating anything for the
+/// inputs [`check_collectives`] refuses.
 pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<CollectiveRow>> {
     check_collectives(world, shard, repeats)?;
     let bytes = world * (world - 1) * shard * 4;
@@ -83,11 +82,21 @@ pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<Col
     Ok(rows)
 }
 
-/// What [`collectives`] refuses before allocating: `world` or `repeats` 0, buffers that
+/// What [`collectives`] refuses before allocating: fewer than 2 ranks, an empty shard or 0
+/// `repeats` (nothing to measure), buffers that
 /// overflow or exceed the available memory (the CLI checks every world size before starting).
 pub fn check_collectives(world: usize, shard: usize, repeats: usize) -> Result<()> {
     const OP: &str = "bench comm";
-    at_least(OP, "--worlds", world, 1)?;
+    if world < 2 || shard == 0 {
+        // Nothing would move between ranks: every GB/s and ratio would be 0 or 0/0.
+        return Err(crate::Error::BadInput {
+            op: OP,
+            what: format!("--worlds {world} with --shard {shard}"),
+            reason: "the collectives need at least 2 ranks and 1 element per rank to move any \
+                     bytes"
+                .into(),
+        });
+    }
     at_least(OP, "--repeats", repeats, 1)?;
     let what = format!("collectives of {shard} f32 elements per rank (--shard) on {world} ranks");
     fits_in_memory(OP, &what, collectives_bytes(world, shard)?).map(drop)
