@@ -278,6 +278,8 @@ fn run_rank<C: Member, T>(
     f: &(impl Fn(&C) -> Result<T> + Sync),
     failed: &Mutex<Vec<usize>>,
 ) -> Result<T> {
+    // Unwind-safe in effect: after a panic only `comm` is used again, and the world's state
+    // is consistent after any panic (`World::lock`); `f` and its captures are dropped unused.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&comm)))
         .unwrap_or_else(|payload| {
             Err(Error::Comm {
