@@ -15,6 +15,11 @@
 //!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise.
 //!
 //! Exits with status 1 on any failure.
+//!
+//! `mpi_check --fail-rank R --fail-how err|panic` instead checks how a failing rank ends the job:
+//! every rank enters a barrier except rank `R`, which returns an `Err` (passed to
+//! [`MpiComm::abort_job`]) or panics. The job must end at once with a message naming rank `R` and
+//! a nonzero status, not hang in the barrier; `.ci/run` checks both under `timeout`.
 
 use std::process::ExitCode;
 
@@ -41,6 +46,11 @@ fn main() -> ExitCode {
         }
     };
     let (rank, world) = (comm.rank(), comm.world_size());
+    match failure_mode() {
+        Ok(Some((bad, how))) => fail_on(&comm, bad, how),
+        Ok(None) => {}
+        Err(e) => comm.abort_job(&e),
+    }
     let checks: [(&str, Check); 3] = [
         ("collectives equal the thread backend", collectives),
         ("disagreeing ranks all get an Err", disagreement),
@@ -62,6 +72,64 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// How `--fail-rank R --fail-how err|panic` asks a rank to fail.
+#[derive(Clone, Copy)]
+enum FailHow {
+    Err,
+    Panic,
+}
+
+/// The failure mode from the command line: `None` for the ordinary checks.
+fn failure_mode() -> Result<Option<(usize, FailHow)>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .map(|i| args.get(i + 1).cloned().unwrap_or_default())
+    };
+    let bad_arg = |what: String| ragged::Error::BadInput {
+        op: "mpi_check",
+        what,
+        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic]".into(),
+    };
+    let (Some(rank), Some(how)) = (value("--fail-rank"), value("--fail-how")) else {
+        return match args.is_empty() {
+            true => Ok(None),
+            false => Err(bad_arg(args.join(" "))),
+        };
+    };
+    let rank = rank
+        .parse()
+        .map_err(|_| bad_arg(format!("--fail-rank {rank}")))?;
+    let how = match how.as_str() {
+        "err" => FailHow::Err,
+        "panic" => FailHow::Panic,
+        _ => return Err(bad_arg(format!("--fail-how {how}"))),
+    };
+    Ok(Some((rank, how)))
+}
+
+/// Rank `bad` fails while every other rank waits in a barrier; the job must end here.
+fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
+    let result = if comm.rank() == bad {
+        match how {
+            FailHow::Err => Err(ragged::Error::Msg(format!(
+                "rank {bad} fails on purpose (--fail-how err)"
+            ))),
+            FailHow::Panic => panic!("rank {bad} panics on purpose (--fail-how panic)"),
+        }
+    } else {
+        comm.barrier()
+    };
+    let e = result.err().unwrap_or_else(|| {
+        ragged::Error::Msg(format!(
+            "rank {} passed a barrier that rank {bad} never entered",
+            comm.rank()
+        ))
+    });
+    comm.abort_job(&e)
 }
 
 fn collectives(comm: &MpiComm) -> Result<Option<bool>> {

@@ -19,6 +19,7 @@ use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
 use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
+use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
 use ragged::optim::Optimizer;
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
@@ -166,19 +167,44 @@ fn shampoo(lr: f64) -> Result<Shampoo> {
     })
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    match train(&Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Refuses arguments that cannot train (a rate that is not a positive number, no ranks, a
+/// batch whose activations would not fit in memory) before anything is allocated.
+fn check_args(args: &Args) -> Result<()> {
+    const OP: &str = "train";
+    positive_finite(OP, "--lr", args.lr)?;
+    at_least(OP, "--ranks", args.ranks, 1)?;
+    at_least(OP, "--batch", args.batch, 1)?;
+    let c = model_config(args.size);
+    // Per token, about: the layers' kept activations (4·d + 2·d_ff + heads·seq) and the
+    // logits with their softmax and gradient (3·vocab), f32.
+    let per_token = c.n_layers * (4 * c.d_model + 2 * c.d_ff + c.n_heads * c.seq_len) + 3 * c.vocab;
+    let bytes = checked_product(OP, "--batch", &[args.batch, c.seq_len, per_token, 4])?;
+    fits_in_memory(OP, "--batch's activations", bytes).map(drop)
+}
+
+fn train(args: &Args) -> Result<()> {
+    check_args(args)?;
     match args.optimizer {
-        Opt::Adamw => run(&args, adamw),
+        Opt::Adamw => run(args, adamw),
         Opt::Muon => {
             if matches!(args.layout, Layout::Ragged) {
-                print_muon_layout(&args)?;
+                print_muon_layout(args)?;
             }
             let layout = args.muon_layout;
-            run(&args, move |lr| muon(lr, layout))
+            run(args, move |lr| muon(lr, layout))
         }
-        Opt::Adam8bit => run(&args, adam8bit),
-        Opt::Shampoo => run(&args, shampoo),
+        Opt::Adam8bit => run(args, adam8bit),
+        Opt::Shampoo => run(args, shampoo),
     }
 }
 
@@ -304,10 +330,17 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
     )?;
     bar.finish();
     print_table(&sharded, Some(&reference));
+    // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
         .iter()
         .flat_map(|(name, v)| v.iter().zip(&ref_full[name]).map(|(a, b)| (a - b).abs()))
-        .fold(0f32, f32::max);
+        .fold(0f32, |m, d| {
+            if m.is_nan() || d.is_nan() {
+                f32::NAN
+            } else {
+                m.max(d)
+            }
+        });
     println!(
         "\nsharded run {sharded_time:.1} s; bytes copied outside collectives: {}",
         sharded.last().map_or(0, |r| r.copied_bytes)

@@ -426,8 +426,10 @@ fn whole_model_step<O: Optimizer>(
     let reduce = Instant::now();
     sharded.reduce_gradients()?;
     let loss = loss.to_dtype(DType::F32).and_then(|l| l.to_scalar::<f32>());
+    let loss = loss.map_err(candle("loss"))?;
+    sharded.note_loss(loss);
     Ok(StageReport {
-        loss: loss.map_err(candle("loss"))?,
+        loss,
         gather_seconds,
         forward_seconds,
         backward_seconds,

@@ -98,6 +98,10 @@ pub enum Error {
     #[error("{op}: CUDA: {reason}")]
     Cuda { op: &'static str, reason: String },
 
+    /// A loss or gradient is NaN or infinite (detected on every rank alike, before a step).
+    #[error("{op}: non-finite values: {what}")]
+    NonFinite { op: &'static str, what: String },
+
     /// A free-form message, from [`bail!`](crate::bail).
     #[error("{0}")]
     Msg(String),

@@ -13,6 +13,7 @@ pub mod dbuffer;
 pub mod demo;
 pub mod error;
 pub mod fsdp;
+pub mod limits;
 pub mod model;
 pub mod optim;
 pub mod plan;

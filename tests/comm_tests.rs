@@ -853,3 +853,145 @@ fn a_rank_that_never_calls_makes_the_others_time_out() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Failures through `ThreadWorld::run` (the entry point the examples and benches use)
+
+/// How fast the other ranks must notice a rank that panicked, failed or returned: the issue's
+/// bound, far below the world's timeout (`GENEROUS`), so only the leave-on-return path meets it.
+const AT_ONCE: Duration = Duration::from_secs(1);
+
+/// What a good rank saw: its rank, its error's text and how long after the bad rank's failure
+/// it came.
+type Sighting = (usize, String, Duration);
+type Seen = std::sync::Mutex<Vec<Sighting>>;
+
+/// Runs a `v`-rank world through `ThreadWorld::run` (timeout `GENEROUS`): rank `bad` does one
+/// all-reduce with the others, then `fail` (which marks when it fails in `failed_at`); the
+/// others do the same all-reduce, then a barrier the bad rank never joins, and record what
+/// that barrier returned. Returns `run`'s result and what the good ranks saw.
+fn run_with_one_failing_rank(
+    v: usize,
+    bad: usize,
+    fail: impl Fn(&std::sync::OnceLock<Instant>) -> ragged::Result<()> + Sync,
+) -> (ragged::Result<Vec<()>>, Vec<Sighting>) {
+    let failed_at = std::sync::OnceLock::new();
+    let seen = Seen::default();
+    let result = ThreadWorld::run_with_timeout(v, GENEROUS, |c| {
+        let mut buf = vec![1.0f32; 8];
+        c.all_reduce(BufMut::F32(&mut buf), ReduceOp::Sum)?;
+        if c.rank() == bad {
+            return fail(&failed_at);
+        }
+        let res = c.barrier();
+        let elapsed = failed_at.get().map_or(Duration::MAX, Instant::elapsed);
+        let text = res
+            .as_ref()
+            .map_or_else(|e| e.to_string(), |()| "Ok".into());
+        seen.lock().unwrap().push((c.rank(), text, elapsed));
+        res
+    });
+    let mut seen = seen.into_inner().unwrap();
+    seen.sort_by_key(|s| s.0);
+    (result, seen)
+}
+
+#[track_caller]
+fn assert_others_failed_at_once(seen: &[Sighting], v: usize, wants: &[&str]) {
+    assert_eq!(seen.len(), v - 1, "{seen:?}");
+    for (rank, text, elapsed) in seen {
+        for want in wants {
+            assert!(text.contains(want), "rank {rank}: {text:?} lacks {want:?}");
+        }
+        assert!(
+            *elapsed < AT_ONCE,
+            "rank {rank} failed {elapsed:?} after the bad rank"
+        );
+    }
+}
+
+#[test]
+fn run_returns_a_panicking_ranks_error_and_the_others_fail_at_once() {
+    for (v, bad) in [(2, 1), (4, 2)] {
+        let (result, seen) = run_with_one_failing_rank(v, bad, |at| {
+            at.set(Instant::now()).unwrap();
+            panic!("rank fails on purpose (expected in this test)");
+        });
+        match result {
+            Err(Error::Comm { rank, reason, .. }) => {
+                assert_eq!(rank, bad);
+                assert!(
+                    reason.contains("panicked: rank fails on purpose"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected the panicking rank's Err, got {other:?}"),
+        }
+        assert_others_failed_at_once(&seen, v, &[&format!("rank {bad} left"), "panicked"]);
+    }
+}
+
+#[test]
+fn run_returns_a_failing_ranks_own_error_and_the_others_fail_at_once() {
+    let (result, seen) = run_with_one_failing_rank(3, 0, |at| {
+        at.set(Instant::now()).unwrap();
+        Err(Error::Msg("rank 0 gives up".into()))
+    });
+    assert!(
+        matches!(&result, Err(Error::Msg(m)) if m == "rank 0 gives up"),
+        "{result:?}"
+    );
+    assert_others_failed_at_once(&seen, 3, &["rank 0 left", "failed: rank 0 gives up"]);
+}
+
+#[test]
+fn a_rank_that_returns_ok_while_others_wait_is_noticed_at_once() {
+    let (result, seen) = run_with_one_failing_rank(3, 1, |at| {
+        at.set(Instant::now()).unwrap();
+        Ok(())
+    });
+    let err = result.expect_err("the waiting ranks cannot complete their barrier");
+    assert!(err.to_string().contains("rank 1 left the world"), "{err}");
+    assert_others_failed_at_once(&seen, 3, &["rank 1 left", "closure returned"]);
+}
+
+#[test]
+fn under_run_a_rank_that_stops_calling_is_bounded_by_the_configured_timeout() {
+    let timeout = Duration::from_millis(200);
+    let hold = Duration::from_millis(1500);
+    let start = Instant::now();
+    let result = ThreadWorld::run_with_timeout(3, timeout, |c| {
+        if c.rank() == 2 {
+            // Alive but absent from the barrier below: only the timeout ends the others' wait.
+            thread::sleep(hold);
+            return Ok(Duration::ZERO);
+        }
+        let res = c.barrier();
+        let elapsed = start.elapsed();
+        res.map(|()| elapsed)
+    });
+    let err = result.expect_err("the barrier cannot complete").to_string();
+    assert!(err.contains("timed out") && err.contains("[2]"), "{err}");
+    // Returned at the timeout (the error comes from a waiting rank, before the absent one ends).
+    assert!(
+        start.elapsed() >= hold,
+        "run returns once every rank is joined"
+    );
+}
+
+#[test]
+fn a_zero_timeout_is_refused() {
+    let err = ThreadWorld::run_with_timeout(2, Duration::ZERO, |_| Ok(())).unwrap_err();
+    assert!(err.to_string().contains("timeout 0 s"), "{err}");
+}
+
+#[test]
+fn run_returns_every_result_in_rank_order_when_all_succeed() {
+    let out = ThreadWorld::run(4, |c| {
+        let mut buf = [c.rank() as f32];
+        c.all_reduce(BufMut::F32(&mut buf), ReduceOp::Sum)?;
+        Ok((c.rank(), buf[0]))
+    })
+    .unwrap();
+    assert_eq!(out, vec![(0, 6.0), (1, 6.0), (2, 6.0), (3, 6.0)]);
+}

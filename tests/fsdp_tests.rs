@@ -626,3 +626,62 @@ fn units_follow_numbered_blocks_or_a_custom_wrap_rule() {
     });
     assert_eq!(units, ["root", "pair0", "pair5"]);
 }
+
+/// A diverging run (lr 1e30) is stopped before its first non-finite step on every rank, with an
+/// error saying why; under `SkipStep` the bad steps are skipped and counted, and the
+/// parameters stay finite.
+#[test]
+fn non_finite_values_stop_or_skip_the_step_on_every_rank() {
+    let params = CFG.init_params(7).unwrap();
+    let huge = || {
+        AdamW::new(AdamWConfig {
+            lr: 1e30,
+            ..AdamWConfig::default()
+        })
+        .unwrap()
+    };
+    let errors = ThreadWorld::run(2, |c| {
+        let out = train_rank(
+            CFG,
+            &params,
+            huge(),
+            c,
+            FsdpOptions::default(),
+            TrainMode::UnitByUnit,
+            4,
+            4,
+            |_, _| {},
+        );
+        Ok(out.err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in &errors {
+        let e = e.as_ref().expect("every rank must fail");
+        assert!(
+            e.contains("non-finite") && e.contains("NaN or infinite"),
+            "{e}"
+        );
+    }
+    let skipped = ThreadWorld::run(2, |c| {
+        let opts = FsdpOptions {
+            non_finite: ragged::fsdp::NonFinitePolicy::SkipStep,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, huge(), c, opts)?;
+        for step in 0..4 {
+            let ids = batch(corpus(), &CFG, step, c.rank() * 2, 2)?;
+            sharded.forward_backward(&TransformerStages(CFG), &ids)?;
+            sharded.step()?;
+        }
+        let finite = sharded
+            .full_params()?
+            .values()
+            .flatten()
+            .all(|x| x.is_finite());
+        Ok((sharded.skipped_steps(), finite))
+    })
+    .unwrap();
+    for (n, finite) in skipped {
+        assert!(n >= 1 && finite, "skipped {n}, finite {finite}");
+    }
+}

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, markdown, plan_row, BLOCKS, WORLDS};
+use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
 use ragged::model::Inventory;
 use ragged::{AtomicBlock, Error, Result};
 use ragged_optimizers::bench::OptimKind;
@@ -71,8 +72,9 @@ pub struct OptimBenchArgs {
     /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
-    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz").
-    #[arg(long)]
+    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz"); finite and positive.
+    // Negative numbers reach the check, which says why they are refused.
+    #[arg(long, allow_negative_numbers = true)]
     ghz: Option<f64>,
     /// Print the table only; leave the markdown file alone.
     #[arg(long)]
@@ -99,7 +101,7 @@ pub struct CommBenchArgs {
     /// Ranks for the training-step comparison.
     #[arg(long, default_value_t = 4)]
     train_ranks: usize,
-    /// Training steps per layout (the first is not timed).
+    /// Training steps per layout (the first is not timed); 0 skips the training comparison.
     #[arg(long, default_value_t = 4)]
     train_steps: usize,
     /// Markdown file whose runtime section is replaced; - for stdout only.
@@ -127,6 +129,7 @@ pub struct PlanBenchArgs {
 }
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
+    check(cmd)?;
     match cmd {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
@@ -162,8 +165,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
     if args.out.as_os_str() != "-" {
         let n = args.layers * 2 * args.width * args.hidden;
         let body = format!(
-            "## Runtime: a training step unit by unit
-
+            "## Runtime: a training step unit by unit\n\n\
              Command: `cargo run --release --bin ragged -- bench train`. Model: {} blocks of \
              Linear({w}→{h}), GELU, Linear({h}→{w}), no bias ({n} parameters, {} MiB f32), \
              global batch {} rows, MSE loss, SGD (the step measures the runtime; `bench optim` \
@@ -177,7 +179,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
              plans); measured = process heap peak above the bytes alive before, by a counting \
              allocator, over V (the rest is activations and candle temporaries). Machine: {}.\n\n{table}",
             args.layers,
-            n * 4 >> 20,
+            (n * 4) >> 20,
             args.batch,
             args.steps,
             machine(),
@@ -189,6 +191,78 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+const OP_OPTIM: &str = "ragged bench optim";
+
+/// Refuses a benchmark's bad flags before anything runs or allocates (also what the CLI fuzz
+/// test runs on every parsed `bench` command).
+pub fn check(cmd: &BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Plan(args) => check_plan(args),
+        BenchCommand::Comm(args) => check_comm(args),
+        BenchCommand::Optim(args) => check_optim(args),
+        BenchCommand::Train(args) => check_train(args),
+    }
+}
+
+fn check_train(args: &TrainBenchArgs) -> Result<()> {
+    const OP: &str = "ragged bench train";
+    at_least(OP, "--steps", args.steps, 1)?;
+    at_least(OP, "--worlds (how many)", args.worlds.len(), 1)?;
+    for (flag, n) in [
+        ("--layers", args.layers),
+        ("--width", args.width),
+        ("--hidden", args.hidden),
+    ] {
+        at_least(OP, flag, n, 1)?;
+    }
+    for &world in &args.worlds {
+        at_least(OP, "--worlds", world, 1)?;
+    }
+    // Parameters, master and gradient shards, and a unit's full buffers, f32, on every rank.
+    let params = checked_product(
+        OP,
+        "--layers × --width × --hidden",
+        &[2, args.layers, args.width, args.hidden, 4],
+    )?;
+    let ranks: usize = args.worlds.iter().copied().max().unwrap_or(1);
+    fits_in_memory(
+        OP,
+        "the model on every rank",
+        checked_product(OP, "the model on every rank", &[params, 3, ranks])?,
+    )?;
+    Ok(())
+}
+
+fn check_optim(args: &OptimBenchArgs) -> Result<()> {
+    if let Some(ghz) = args.ghz {
+        positive_finite(OP_OPTIM, "--ghz", ghz)?;
+    }
+    at_least(OP_OPTIM, "--reps", args.reps, 1).map(drop)
+}
+
+fn check_comm(args: &CommBenchArgs) -> Result<()> {
+    use ragged::bench::comm::check_collectives;
+    at_least(OP_COMM, "--worlds (how many)", args.worlds.len(), 1)?;
+    for &world in &args.worlds {
+        check_collectives(world, args.shard, args.repeats)?;
+    }
+    if args.train_steps > 0 {
+        at_least(OP_COMM, "--train-ranks", args.train_ranks, 1)?;
+    }
+    Ok(())
+}
+
+fn check_plan(args: &PlanBenchArgs) -> Result<()> {
+    at_least(OP_PLAN, "--repeats", args.repeats, 1)?;
+    for &world in &args.worlds {
+        at_least(OP_PLAN, "--worlds", world, 1)?;
+    }
+    Ok(())
+}
+
+const OP_COMM: &str = "ragged bench comm";
+const OP_PLAN: &str = "ragged bench plan";
 
 fn optim(args: &OptimBenchArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
@@ -203,7 +277,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         only: args.only,
         ghz: args.ghz,
     };
-    let peak = Peak::detect(cfg.ghz);
+    let peak = Peak::detect(cfg.ghz)?;
     eprintln!("peak: {}", peak.derivation());
     let base = baselines(cfg.memcpy_bytes(), cfg.gemm_n(), cfg.reps);
     eprintln!(
@@ -340,7 +414,13 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     use ragged::fsdp::ShardLayout;
     use ragged::optim::Sgd;
 
-    let total = (args.worlds.len() + 2) as u64;
+    // `check` has refused bad flags before the first measurement.
+    let layouts: &[ShardLayout] = if args.train_steps == 0 {
+        &[]
+    } else {
+        &[ShardLayout::Ragged, ShardLayout::Fsdp2]
+    };
+    let total = (args.worlds.len() + layouts.len()) as u64;
     let bar = ProgressBar::new(total).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
@@ -353,7 +433,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     }
     let cfg = TransformerConfig::SMALL;
     let mut steps = Vec::new();
-    for layout in [ShardLayout::Ragged, ShardLayout::Fsdp2] {
+    for &layout in layouts {
         bar.set_message(format!("training step {layout:?}"));
         let sgd = Sgd { lr: 1e-2 };
         steps.push(train_step(

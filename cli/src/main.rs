@@ -1,6 +1,8 @@
 //! The `ragged` command-line tool: `ragged plan` and `ragged bench`.
 
 mod bench_cmd;
+#[cfg(test)]
+mod fuzz_tests;
 mod plan_cmd;
 
 use clap::{Parser, Subcommand};

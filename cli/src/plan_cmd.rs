@@ -49,6 +49,13 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
+    // The smallest buffer a plan can have is V shards of --coll-align elements: refuse a V for
+    // which even that overflows, before the planner computes with it.
+    ragged::limits::checked_product(
+        "ragged plan",
+        "--devices × --coll-align elements",
+        &[args.devices, args.coll_align],
+    )?;
     let inv = Inventory::load(&args.model)?;
     let opts = PlanOptions {
         coll_align: args.coll_align,

@@ -258,3 +258,81 @@ fn bench_optim_on_cuda_without_a_gpu_build_or_device_fails_with_the_reason() {
     assert!(err.contains("CUDA unavailable"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// The hostile inputs of issue 14: each ends with a `Display` sentence saying why (no panic,
+/// no abort on a huge allocation, no `Debug` struct), before anything runs.
+#[test]
+fn hostile_bench_inputs_are_refused_with_the_reason() {
+    let cases: [(&[&str], &str); 10] = [
+        (
+            &["bench", "comm", "--shard", "4000000000", "--out", "-"],
+            "available",
+        ),
+        (
+            &["bench", "comm", "--worlds", "0", "--out", "-"],
+            "--worlds 0",
+        ),
+        (
+            &["bench", "comm", "--worlds", "1", "--out", "-"],
+            "at least 2 ranks",
+        ),
+        (
+            &["bench", "comm", "--shard", "0", "--out", "-"],
+            "1 element per rank",
+        ),
+        (
+            &["bench", "comm", "--repeats", "0", "--out", "-"],
+            "--repeats 0",
+        ),
+        (
+            &["bench", "comm", "--train-ranks", "0", "--out", "-"],
+            "--train-ranks 0",
+        ),
+        (&["bench", "optim", "--ghz", "-1", "--no-write"], "--ghz -1"),
+        (&["bench", "optim", "--ghz", "0", "--no-write"], "--ghz 0"),
+        (
+            &["bench", "optim", "--ghz", "nan", "--no-write"],
+            "--ghz NaN",
+        ),
+        (
+            &["bench", "optim", "--ghz", "inf", "--no-write"],
+            "--ghz inf",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = ragged(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+        assert!(!err.contains(" { "), "{args:?}: a Debug struct: {err}");
+    }
+}
+
+#[test]
+fn bench_comm_without_training_steps_prints_the_collectives_only() {
+    let args = [
+        "bench",
+        "comm",
+        "--worlds",
+        "2",
+        "--shard",
+        "1024",
+        "--repeats",
+        "1",
+        "--train-steps",
+        "0",
+        "--out",
+        "-",
+    ];
+    let out = ragged(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    // 2·(2−1)·1024·4 bytes, one row per collective, and no training table.
+    assert!(stdout.contains("| all-gather | 2 | 8192 |"), "{stdout}");
+    assert!(stdout.contains("| reduce-scatter | 2 | 8192 |"), "{stdout}");
+    assert!(!stdout.contains("Training step"), "{stdout}");
+}

@@ -204,6 +204,19 @@ impl Tiling {
         (r % TILE == 0).then(|| matrix * self.row_blocks_per_matrix() + r / TILE)
     }
 
+    /// Where flattened element `elem` falls, for an error about a cut inside a tile: its
+    /// matrix, row and column, and the rows of the tile it cuts.
+    pub fn describe_cut(&self, elem: usize) -> String {
+        let (row, col) = (elem / self.cols.max(1), elem % self.cols.max(1));
+        let (matrix, r) = (row / self.rows.max(1), row % self.rows.max(1));
+        let lo = r - r % TILE;
+        let hi = (lo + TILE).min(self.rows);
+        format!(
+            "the piece edge at element {elem} (matrix {matrix}, row {r}, column {col}) falls \
+             inside the tile of rows {lo}..{hi}"
+        )
+    }
+
     /// Tiles before flattened element `elem` (on a row-block edge), in the tile order of the
     /// module doc; `None` inside a tile.
     pub fn tiles_before(&self, elem: usize) -> Option<usize> {
@@ -381,11 +394,26 @@ impl Adam8bit {
                         tiling.tiles_before(piece.range.end),
                     );
                     let (Some(a), Some(b)) = (a, b) else {
+                        let cut = if a.is_none() {
+                            piece.range.start
+                        } else {
+                            piece.range.end
+                        };
                         return Err(Error::InvalidShard {
                             op,
                             reason: format!(
-                                "piece {:?} of {} {:?} cuts a {TILE}×{TILE} tile",
-                                piece.range, meta.name, meta.shape
+                                "8-bit Adam cannot hold rank {}'s elements {:?} of {} {:?}: {}; \
+                                 each 32×32 tile of the global shape is quantized with one \
+                                 absmax, so the whole tile must be on one rank. Plan with \
+                                 Adam8bit::atomic_block ({}); a layout that splits dim 0 into \
+                                 ⌈rows/V⌉-row chunks (the FSDP2-style layout) holds it only when \
+                                 every chunk edge falls on a tile edge",
+                                shard.rank,
+                                piece.range,
+                                meta.name,
+                                meta.shape,
+                                tiling.describe_cut(cut),
+                                tiling.block()
                             ),
                         });
                     };

@@ -73,14 +73,20 @@ pub struct Peak {
 impl Peak {
     /// Detects the peak of this machine; `ghz` overrides the clock read from `/proc/cpuinfo`
     /// (a VM reports its nominal clock there, and turbo is unknown). Without either, 2.0 GHz.
-    pub fn detect(ghz: Option<f64>) -> Peak {
+    /// `Err` when `ghz` is not finite and positive; a clock in `/proc/cpuinfo` that is not is
+    /// ignored.
+    pub fn detect(ghz: Option<f64>) -> Result<Peak> {
+        if let Some(g) = ghz {
+            ragged::limits::positive_finite("Peak::detect", "--ghz", g)?;
+        }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let mhz = cpuinfo
             .lines()
             .find(|l| l.starts_with("cpu MHz"))
             .and_then(|l| l.split(':').nth(1))
-            .and_then(|v| v.trim().parse::<f64>().ok());
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|m| m.is_finite() && *m > 0.0);
         let (ghz, clock_source) = match (ghz, mhz) {
             (Some(g), _) => (g, "--ghz"),
             (None, Some(m)) => (m / 1000.0, "/proc/cpuinfo cpu MHz"),
@@ -96,7 +102,7 @@ impl Peak {
         } else {
             ("no AMX: bf16 widened to the f32 unit", f32_flops_per_cycle)
         };
-        Peak {
+        Ok(Peak {
             cores,
             ghz,
             clock_source,
@@ -104,7 +110,7 @@ impl Peak {
             f32_flops_per_cycle,
             bf16_isa,
             bf16_flops_per_cycle,
-        }
+        })
     }
 
     /// Peak f32 GFLOP/s: cores × GHz × FLOP/cycle.

@@ -476,12 +476,29 @@ impl Shampoo {
             let block_elems = d.saturating_mul(cols).min(numel);
             let edge = |e: usize| e % block_elems == 0 || e == numel;
             if !edge(piece.range.start) || !edge(piece.range.end) {
+                let cut = if edge(piece.range.start) {
+                    piece.range.end
+                } else {
+                    piece.range.start
+                };
+                let rows = numel / cols;
+                let lo = (cut / block_elems) * (block_elems / cols);
+                let hi = (lo + block_elems / cols).min(rows);
                 return Err(Error::InvalidShard {
                     op: OP,
                     reason: format!(
-                        "rank {} holds elements {:?} of {} {:?}, which cuts a {d}-row block; \
-                         plan with AtomicBlock::Rows({d})",
-                        shard.rank, piece.range, meta.name, meta.shape
+                        "Shampoo cannot hold rank {}'s elements {:?} of {} {:?}: the piece edge \
+                         at element {cut} (row {} of {rows} rows of {cols}) falls inside the \
+                         Shampoo block of rows {lo}..{hi} (blocks are {d} rows, \
+                         max_preconditioner_dim), whose Kronecker factors are built from the \
+                         whole block's gradient on one rank. Plan with AtomicBlock::Rows({d}); \
+                         a layout that splits dim 0 into ⌈rows/V⌉-row chunks (the FSDP2-style \
+                         layout) cuts every tensor of at most {d} rows held by 2 or more ranks",
+                        shard.rank,
+                        piece.range,
+                        meta.name,
+                        meta.shape,
+                        cut / cols,
                     ),
                 });
             }

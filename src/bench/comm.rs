@@ -8,6 +8,7 @@ use crate::comm::threads::ThreadWorld;
 use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
 use crate::fsdp::{FsdpOptions, ShardLayout};
+use crate::limits::{at_least, checked_product, fits_in_memory};
 use crate::optim::Optimizer;
 use crate::Result;
 
@@ -57,8 +58,10 @@ pub fn memcpy_seconds(bytes: usize, repeats: usize, threads: usize) -> f64 {
 }
 
 /// Times in-place all-gather and reduce-scatter of `shard` f32 elements per rank on `world`
-/// thread ranks (best of `repeats`, slowest rank).
+/// thread ranks (best of `repeats`, slowest rank). `Err` before allocating anything for the
+/// inputs [`check_collectives`] refuses.
 pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<CollectiveRow>> {
+    check_collectives(world, shard, repeats)?;
     let bytes = world * (world - 1) * shard * 4;
     let memcpy = memcpy_seconds(bytes, repeats, 1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -77,6 +80,45 @@ pub fn collectives(world: usize, shard: usize, repeats: usize) -> Result<Vec<Col
         });
     }
     Ok(rows)
+}
+
+/// What [`collectives`] refuses before allocating: fewer than 2 ranks, an empty shard or 0
+/// `repeats` (nothing to measure), buffers that
+/// overflow or exceed the available memory (the CLI checks every world size before starting).
+pub fn check_collectives(world: usize, shard: usize, repeats: usize) -> Result<()> {
+    const OP: &str = "bench comm";
+    if world < 2 || shard == 0 {
+        // Nothing would move between ranks: every GB/s and ratio would be 0 or 0/0.
+        return Err(crate::Error::BadInput {
+            op: OP,
+            what: format!("--worlds {world} with --shard {shard}"),
+            reason: "the collectives need at least 2 ranks and 1 element per rank to move any \
+                     bytes"
+                .into(),
+        });
+    }
+    at_least(OP, "--repeats", repeats, 1)?;
+    let what = format!("collectives of {shard} f32 elements per rank (--shard) on {world} ranks");
+    fits_in_memory(OP, &what, collectives_bytes(world, shard)?).map(drop)
+}
+
+/// Bytes [`collectives`] allocates at once: the memcpy baseline's source and destination
+/// (`V·(V−1)·S·4` each) and one `V·S`-element buffer per rank (`V²·S·4`); `Err` on overflow.
+pub fn collectives_bytes(world: usize, shard: usize) -> Result<usize> {
+    let what = "collective benchmark buffers";
+    let received = checked_product(
+        "bench comm",
+        what,
+        &[world, world.saturating_sub(1), shard, 4],
+    )?;
+    let ranks = checked_product("bench comm", what, &[world, world, shard, 4])?;
+    checked_product("bench comm", what, &[received, 2])?
+        .checked_add(ranks)
+        .ok_or_else(|| crate::Error::BadInput {
+            op: "bench comm",
+            what: what.into(),
+            reason: "the size overflows this machine's address space".into(),
+        })
 }
 
 fn time_collective(c: &dyn Communicator, op: &str, shard: usize, repeats: usize) -> Result<f64> {
@@ -106,7 +148,8 @@ pub struct StepRow {
     pub final_loss: f32,
 }
 
-/// Trains `steps` steps of `cfg` on `world` thread ranks with `layout` and reports rank 0.
+/// Trains `steps` steps of `cfg` on `world` thread ranks with `layout` and reports rank 0
+/// (`steps` at least 1: the first step is reported when it is the only one).
 pub fn train_step<O: Optimizer + Clone>(
     cfg: TransformerConfig,
     optimizer: O,
@@ -115,6 +158,8 @@ pub fn train_step<O: Optimizer + Clone>(
     steps: usize,
     global_batch: usize,
 ) -> Result<StepRow> {
+    at_least("bench comm", "--train-steps", steps, 1)?;
+    at_least("bench comm", "--train-ranks", world, 1)?;
     let params = cfg.init_params(0)?;
     let opts = FsdpOptions {
         layout,
@@ -133,11 +178,14 @@ pub fn train_step<O: Optimizer + Clone>(
             |_, _| {},
         )
     })?;
-    let reports = runs.into_iter().next().expect("rank 0").0;
+    let reports = runs.into_iter().next().map(|r| r.0).unwrap_or_default();
+    let Some(last) = reports.last() else {
+        crate::bail!("bench comm: the training run returned no step reports");
+    };
+    // The first step is not timed, unless it is the only one.
     let timed = &reports[1.min(reports.len() - 1)..];
     let mean = |f: fn(&StepReport) -> f64| timed.iter().map(f).sum::<f64>() / timed.len() as f64;
     let (seconds, fsdp_seconds) = (mean(|r| r.seconds), mean(|r| r.fsdp_seconds));
-    let last = reports.last().expect("at least one step");
     Ok(StepRow {
         layout,
         world,
@@ -148,7 +196,7 @@ pub fn train_step<O: Optimizer + Clone>(
     })
 }
 
-/// The markdown section for `docs/benchmarks.md`.
+/// The markdown section for `docs/benchmarks.md` (no training table when `steps` is empty).
 pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -> String {
     let mut s = String::new();
     s.push_str(
@@ -167,6 +215,9 @@ pub fn markdown(collectives: &[CollectiveRow], steps: &[StepRow], model: &str) -
             r.memcpy_all_cores_gbps(),
             r.gbps() / r.memcpy_all_cores_gbps()
         );
+    }
+    if steps.is_empty() {
+        return s;
     }
     let _ = write!(
         s,

@@ -14,9 +14,18 @@
 //! (collective, element types, lengths, reduce op, root, and for all-to-all-v the counts) and
 //! runs the thread backend's [`validate`] on the table, plus the byte limits of MPI's `int`
 //! counts. Every rank reaches the same verdict, so either all move data or all return the same
-//! `Err`. A rank that panics aborts the whole job (`MPI_Abort` from a panic hook) instead of
-//! leaving the others waiting; a rank that never calls at all still blocks them inside MPI,
-//! which has no timeout.
+//! `Err`.
+//!
+//! # A failing rank ends the job
+//! MPI cannot take one process out of a running world, so a rank that fails ends the whole job
+//! with a message on stderr and a nonzero status from `mpirun`, instead of leaving the others
+//! waiting inside MPI:
+//!
+//! | the failing rank | how the job ends |
+//! |---|---|
+//! | panics | the panic hook set by [`MpiComm::init`] prints the panic and `MPI_Abort`s (code 101) |
+//! | returns `Err` | the program calls [`MpiComm::abort_job`] with it (as `examples/mpi_check.rs` does), which prints it and `MPI_Abort`s (code 1) |
+//! | is alive but never calls | the others block inside MPI, which has no timeout: run the job under `timeout` |
 //!
 //! # Start-up
 //! [`MpiComm::init`] initializes MPI once per process (`MPI_THREAD_SERIALIZED`: calls come from
@@ -91,6 +100,24 @@ impl MpiComm {
             rank,
             size,
         })
+    }
+
+    /// Ends the whole job from this rank: prints `rank r of V failed: {error}; aborting the MPI
+    /// job` to stderr and calls `MPI_Abort` with status 1, so every other rank is stopped,
+    /// whether or not it waits in a collective, and `mpirun` exits nonzero. Call it with the
+    /// `Err` a rank's work returned; returning from `main` instead would leave the other ranks
+    /// waiting for this one inside MPI (module doc, "A failing rank ends the job").
+    pub fn abort_job(&self, error: &Error) -> ! {
+        eprintln!(
+            "rank {} of {} failed: {error}; aborting the MPI job",
+            self.rank, self.size
+        );
+        // SAFETY: MPI is initialized (this communicator exists); MPI_Abort does not return.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 1);
+        }
+        // MPI_Abort is declared as returning; it never does, but should it, do not go on.
+        std::process::abort()
     }
 
     fn err(&self, op: Op, reason: String) -> Error {

@@ -41,10 +41,22 @@
 //!
 //! # Failures
 //! A disagreement between ranks (collective, element type, lengths, root, reduce op, counts), a
-//! rank that drops its [`ThreadComm`] (also when its thread panics, since unwinding drops it), a
-//! second call on a rank that is already inside a collective, or a rank waiting at a rendezvous
-//! for longer than the timeout: each poisons the world. Ranks waiting at a rendezvous wake up and
-//! return `Err` at once, and every later call returns `Err`.
+//! rank that leaves the world, a second call on a rank that is already inside a collective, or a
+//! rank waiting at a rendezvous for longer than the timeout: each poisons the world. Ranks
+//! waiting at a rendezvous wake up and return `Err` at once, and every later call returns `Err`.
+//! The reason names the rank that caused it.
+//!
+//! A rank leaves the world when its [`ThreadComm`] is dropped (also when its thread unwinds) or,
+//! under [`ThreadWorld::run`], as soon as its closure returns `Ok`, returns `Err` or panics:
+//! `run` owns the communicators and takes each rank out of the world right after its closure
+//! ends, so the others fail at once, never at the timeout. `run` then returns the `Err` of the
+//! rank that failed first (a panic becomes an [`Error::Comm`] with the panic's message), not a
+//! panic. The guarantees, per way a rank can fail:
+//!
+//! | the failing rank | every other rank, in its pending or next collective |
+//! |---|---|
+//! | panics, returns `Err`, or returns `Ok` early (under `run`), or drops its communicator | `Err` naming that rank, as soon as it is woken (no timeout involved) |
+//! | is alive but never calls the collective the others wait in | `Err` after the world's timeout ([`DEFAULT_TIMEOUT`], or [`ThreadWorld::run_with_timeout`] / [`ThreadWorld::with_timeout`]) naming the missing ranks |
 //!
 //! The timeout covers waiting for the other ranks to *arrive*. Once every rank has arrived and
 //! the buffers are shared, the syncs between and after data phases wait without a timeout:
@@ -86,9 +98,24 @@ impl ThreadWorld {
     }
 
     /// Runs `f` on every rank of a fresh `n`-rank world, one scoped thread per rank, and
-    /// returns the results in rank order; a rank that panics becomes an `Err`.
+    /// returns the results in rank order, with the default timeout ([`DEFAULT_TIMEOUT`]).
+    ///
+    /// A rank whose closure ends (`Ok`, `Err` or a panic) leaves the world at once, so ranks
+    /// still waiting for it fail without waiting for the timeout (module doc, "Failures"). If
+    /// any rank fails, `run` returns the `Err` of the rank that failed first; a panic becomes
+    /// an [`Error::Comm`] carrying the panic's message.
     pub fn run<T: Send>(n: usize, f: impl Fn(&ThreadComm) -> Result<T> + Sync) -> Result<Vec<T>> {
         run_ranks("ThreadWorld::run", Self::new(n)?, f)
+    }
+
+    /// As [`ThreadWorld::run`], with the time a rank waits at a rendezvous for a rank that is
+    /// alive but does not call (the only failure that needs a timeout to be noticed).
+    pub fn run_with_timeout<T: Send>(
+        n: usize,
+        timeout: Duration,
+        f: impl Fn(&ThreadComm) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        run_ranks("ThreadWorld::run", Self::with_timeout(n, timeout)?, f)
     }
 
     /// As [`ThreadWorld::new`], with the time a rank waits at a rendezvous before the world
@@ -99,6 +126,13 @@ impl ThreadWorld {
                 op: "ThreadWorld::new",
                 rank: 0,
                 reason: "a world needs at least one rank".into(),
+            });
+        }
+        if timeout.is_zero() {
+            return Err(Error::BadInput {
+                op: "ThreadWorld::with_timeout",
+                what: "timeout 0 s".into(),
+                reason: "every rendezvous would time out before the others arrive".into(),
             });
         }
         let world = Arc::new(World {
@@ -181,31 +215,121 @@ impl State {
     }
 }
 
-/// Runs `f` on every communicator of a world, one scoped thread each, and returns the results
-/// in rank order; a rank whose thread panics becomes an `Err` (ranks waiting for it at a
-/// rendezvous fail when the world's timeout runs out).
-pub(crate) fn run_ranks<C: Sync, T: Send>(
+/// A rank of a thread world, as [`run_ranks`] sees it: something that holds a [`ThreadComm`].
+pub(crate) trait Member: Send {
+    fn thread_comm(&self) -> &ThreadComm;
+}
+
+impl Member for ThreadComm {
+    fn thread_comm(&self) -> &ThreadComm {
+        self
+    }
+}
+
+/// Runs `f` on every communicator of a world, one scoped thread each (which owns it), and
+/// returns the results in rank order. Each rank leaves the world as soon as its closure ends,
+/// so nobody waits for it; if any rank fails, returns the `Err` of the rank that failed first
+/// (module doc, "Failures").
+pub(crate) fn run_ranks<C: Member, T: Send>(
     op: &'static str,
     comms: Vec<C>,
     f: impl Fn(&C) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms.iter().map(|c| s.spawn(move || f(c))).collect();
+    // Ranks whose closure failed, in the order they failed: a rank's failure is recorded before
+    // it leaves the world, so before any failure that its leaving causes on the others.
+    let failed = Mutex::new(Vec::new());
+    let failed_ref = &failed;
+    let results: Vec<Result<T>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, c)| s.spawn(move || run_rank(op, rank, c, f, failed_ref)))
+            .collect();
         handles
             .into_iter()
             .enumerate()
             .map(|(rank, h)| {
+                // `run_rank` catches the closure's panic; only a panic while leaving gets here.
                 h.join().unwrap_or_else(|_| {
                     Err(Error::Comm {
                         op,
                         rank,
-                        reason: "the rank's thread panicked".into(),
+                        reason: "the rank's thread panicked while leaving the world".into(),
                     })
                 })
             })
             .collect()
-    })
+    });
+    let first = failed
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .first()
+        .copied();
+    first_failure(results, first)
+}
+
+/// One rank's thread: runs `f`, records a failure, then takes the rank out of the world (which
+/// wakes every rank waiting for it) and drops its communicator.
+fn run_rank<C: Member, T>(
+    op: &'static str,
+    rank: usize,
+    comm: C,
+    f: &(impl Fn(&C) -> Result<T> + Sync),
+    failed: &Mutex<Vec<usize>>,
+) -> Result<T> {
+    // Unwind-safe in effect: after a panic only `comm` is used again, and the world's state
+    // is consistent after any panic (`World::lock`); `f` and its captures are dropped unused.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&comm)))
+        .unwrap_or_else(|payload| {
+            Err(Error::Comm {
+                op,
+                rank,
+                reason: format!("the rank panicked: {}", panic_message(payload.as_ref())),
+            })
+        });
+    let why = match &result {
+        Ok(_) => "its closure returned".to_string(),
+        Err(e) => {
+            failed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(rank);
+            format!("its closure failed: {e}")
+        }
+    };
+    comm.thread_comm().leave(&why);
+    result
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "(no message)"
+    }
+}
+
+/// Every result, or the `Err` of rank `first` (the first to fail), else the lowest rank's.
+fn first_failure<T>(results: Vec<Result<T>>, first: Option<usize>) -> Result<Vec<T>> {
+    let (mut oks, mut errs) = (Vec::new(), Vec::new());
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(v) => oks.push(v),
+            Err(e) => errs.push((rank, e)),
+        }
+    }
+    if errs.is_empty() {
+        return Ok(oks);
+    }
+    let k = errs
+        .iter()
+        .position(|&(r, _)| Some(r) == first)
+        .unwrap_or(0);
+    Err(errs.swap_remove(k).1)
 }
 
 /// One rank inside a collective, between a successful rendezvous and the exit sync.
@@ -354,19 +478,28 @@ impl ThreadComm {
     }
 }
 
-impl Drop for ThreadComm {
-    fn drop(&mut self) {
+impl ThreadComm {
+    /// Takes this rank out of the world: its pending and later collectives can no longer
+    /// complete, so the world is poisoned (keeping an earlier reason) with `why`, naming this
+    /// rank, and every waiting rank is woken.
+    pub(crate) fn leave(&self, why: &str) {
         let w = &*self.world;
         let mut st = w.lock();
+        let rank = self.rank;
+        st.poison
+            .get_or_insert_with(|| format!("rank {rank} left the world ({why})"));
+        w.cv.notify_all();
+    }
+}
+
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
         let how = if std::thread::panicking() {
             "its thread panicked"
         } else {
             "dropped its communicator"
         };
-        let rank = self.rank;
-        st.poison
-            .get_or_insert_with(|| format!("rank {rank} left the world ({how})"));
-        w.cv.notify_all();
+        self.leave(how);
     }
 }
 

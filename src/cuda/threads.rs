@@ -18,7 +18,7 @@ use cudarc::driver::PushKernelArg;
 
 use super::collective::{DevBuf, DevBufMut, DeviceComm, Span};
 use super::{count, elementwise, guarded, Device, REDUCE_RANKS};
-use crate::comm::threads::{run_ranks, Memory, Region, ThreadComm, ThreadWorld};
+use crate::comm::threads::{run_ranks, Member, Memory, Region, ThreadComm, ThreadWorld};
 use crate::comm::{Communicator, ElemType, ReduceOp};
 use crate::Result;
 
@@ -48,7 +48,8 @@ impl ThreadDeviceComm {
     }
 
     /// Runs `f` on every rank of a fresh `n`-rank world on `dev`, one scoped thread per rank,
-    /// and returns the results in rank order.
+    /// and returns the results in rank order; a rank whose closure ends leaves the world at
+    /// once, and a failure returns the first failing rank's `Err` (as [`ThreadWorld::run`]).
     pub fn run<T: Send>(
         dev: Arc<Device>,
         n: usize,
@@ -59,6 +60,12 @@ impl ThreadDeviceComm {
 
     fn mem(&self) -> DeviceMemory<'_> {
         DeviceMemory { dev: &self.dev }
+    }
+}
+
+impl Member for ThreadDeviceComm {
+    fn thread_comm(&self) -> &ThreadComm {
+        &self.host
     }
 }
 

@@ -92,6 +92,9 @@ impl MixedPrecision {
     }
 }
 
+/// A wrap rule: a parameter's unit by name (`None`: root).
+pub type UnitRule = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
 /// Which parameters form one FSDP unit (as FSDP's auto-wrap policy).
 #[derive(Clone, Default)]
 pub enum WrapPolicy {
@@ -100,7 +103,7 @@ pub enum WrapPolicy {
     #[default]
     NumberedBlocks,
     /// `unit_of(name)` names each parameter's unit; `None` puts it in `root`.
-    Custom(Arc<dyn Fn(&str) -> Option<String> + Send + Sync>),
+    Custom(UnitRule),
 }
 
 impl WrapPolicy {
@@ -122,6 +125,18 @@ impl std::fmt::Debug for WrapPolicy {
     }
 }
 
+/// What [`ShardedModel::step`] does when a loss or a reduced gradient is NaN or infinite on
+/// any rank (one flag, all-reduced, so every rank decides alike).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NonFinitePolicy {
+    /// Return [`crate::Error::NonFinite`] on every rank; nothing is changed.
+    #[default]
+    Error,
+    /// Skip the step (gradients dropped, parameters and state untouched) and count it
+    /// ([`ShardedModel::skipped_steps`]).
+    SkipStep,
+}
+
 /// Options of [`fully_shard`].
 #[derive(Clone, Debug)]
 pub struct FsdpOptions {
@@ -135,6 +150,10 @@ pub struct FsdpOptions {
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
     pub mixed_precision: MixedPrecision,
+    pub non_finite: NonFinitePolicy,
+    /// Fail the first reduction of a unit in which a parameter got no gradient (default: only
+    /// report it, [`ShardedModel::params_without_gradient`]).
+    pub require_gradients: bool,
     pub plan: PlanOptions,
 }
 
@@ -146,6 +165,8 @@ impl Default for FsdpOptions {
             reshard_after_forward: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
+            non_finite: NonFinitePolicy::default(),
+            require_gradients: false,
             plan: PlanOptions::default(),
         }
     }
@@ -172,6 +193,9 @@ pub struct ShardedModel<'c, O: Optimizer> {
     stats: Arc<CopyStats>,
     /// Parameters that got no gradient in the first reduction of their unit.
     without_gradient: Option<Vec<String>>,
+    /// A loss seen since the last step was not finite (on this rank).
+    loss_not_finite: bool,
+    skipped: usize,
 }
 
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
@@ -231,6 +255,8 @@ pub fn fully_shard<'c, O: Optimizer>(
         units,
         stats,
         without_gradient: None,
+        loss_not_finite: false,
+        skipped: 0,
     })
 }
 
@@ -328,7 +354,21 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         if !unit.reported {
             unit.reported = true;
             let slots = unit.params.slots().iter().zip(&touched);
-            without.extend(slots.filter(|(_, &t)| !t).map(|(s, _)| s.name.clone()));
+            let missing: Vec<String> = slots
+                .filter(|(_, &t)| !t)
+                .map(|(s, _)| s.name.clone())
+                .collect();
+            if self.opts.require_gradients && !missing.is_empty() {
+                return Err(crate::Error::BadInput {
+                    op: "reduce gradients",
+                    what: format!("unit {}", unit.name),
+                    reason: format!(
+                        "no gradient reached {missing:?} (a forward-only kernel, or a parameter \
+                         the loss does not use)"
+                    ),
+                });
+            }
+            without.extend(missing);
         }
         Ok(())
     }
@@ -361,8 +401,35 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 
     /// One optimizer step on every unit's local shard, with the gradients reduced since the
-    /// last step (several micro-batches accumulate).
+    /// last step (several micro-batches accumulate). If a loss or gradient is not finite on any
+    /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
     pub fn step(&mut self) -> Result<()> {
+        let mut bad = f32::from(u8::from(self.loss_not_finite));
+        for unit in &self.units {
+            let g = unit.grads.local("ShardedModel::step")?;
+            if g.iter().any(|x| !x.is_finite()) {
+                bad += 1.0;
+            }
+        }
+        let mut flag = [bad];
+        self.comm
+            .all_reduce(BufMut::F32(&mut flag), ReduceOp::Sum)?;
+        self.loss_not_finite = false;
+        if flag[0] > 0.0 {
+            self.units.iter_mut().for_each(|u| u.grads.consume());
+            if self.opts.non_finite == NonFinitePolicy::SkipStep {
+                self.skipped += 1;
+                return Ok(());
+            }
+            return Err(crate::Error::NonFinite {
+                op: "ShardedModel::step",
+                what: format!(
+                    "{} loss or gradient shards over all ranks are NaN or infinite; the step was \
+                     not taken (lower the learning rate, or set NonFinitePolicy::SkipStep)",
+                    flag[0]
+                ),
+            });
+        }
         for unit in &mut self.units {
             let ShardedUnit {
                 local,
@@ -377,6 +444,16 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             grads.consume();
         }
         Ok(())
+    }
+
+    /// Steps skipped for non-finite values ([`NonFinitePolicy::SkipStep`]).
+    pub fn skipped_steps(&self) -> usize {
+        self.skipped
+    }
+
+    /// Records a loss seen by this rank (checked by the next [`Self::step`]).
+    pub fn note_loss(&mut self, loss: f32) {
+        self.loss_not_finite |= !loss.is_finite();
     }
 
     /// Frees every unit's compute copies (their memory returns once the model holding them is

@@ -177,6 +177,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             report.forward_seconds += start.elapsed().as_secs_f64();
         }
         report.loss = scalar_loss(graphs[n - 1].as_ref().expect("the last graph is kept"))?;
+        self.note_loss(report.loss);
         let mut g: Option<Tensor> = None;
         for (s, &u) in stage_units.iter().enumerate().rev() {
             // A stage whose output no gradient reached (a later stage cut the graph) has nothing

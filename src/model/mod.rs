@@ -180,6 +180,17 @@ impl Inventory {
                 self.tensors.len()
             )));
         }
+        // Each shape's count fits `usize` (TensorSpec::new); their sum must fit `u64`, or every
+        // total and offset computed from the inventory later would wrap.
+        let sum = self
+            .tensors
+            .iter()
+            .try_fold(0u64, |acc, t| acc.checked_add(t.numel() as u64));
+        if sum.is_none() {
+            return Err(bad(
+                "the parameters' element counts sum past u64::MAX (overflow)".into(),
+            ));
+        }
         if let Some(n) = total.filter(|&n| n != self.total_params()) {
             return Err(bad(format!(
                 "total_params says {n}, params sum to {}",
@@ -206,8 +217,11 @@ impl Inventory {
     }
 
     /// Total number of parameters.
+    /// (Saturates at `u64::MAX`; a parsed inventory is refused before its total overflows.)
     pub fn total_params(&self) -> u64 {
-        self.tensors.iter().map(|t| t.numel() as u64).sum()
+        self.tensors
+            .iter()
+            .fold(0u64, |acc, t| acc.saturating_add(t.numel() as u64))
     }
 
     /// FSDP units: `root` (everything outside decoder layers) first, then one unit per decoder

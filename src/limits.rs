@@ -1,0 +1,175 @@
+//! Checks on numbers a user types: counts, rates and clocks, and sizes that must fit in this
+//! machine's memory. The `ragged` CLI, the benches and the examples call these before they
+//! allocate or divide, so bad input is an [`Error::BadInput`] saying why, never a panic, an
+//! abort on a huge allocation, a wrapped integer or a NaN in a table.
+//!
+//! | check | refuses |
+//! |---|---|
+//! | [`positive_finite`] | `0`, negatives, `NaN`, `±∞` (rates, clocks, learning rates) |
+//! | [`at_least`] | a count below its minimum (`--repeats 0`, a world of 0 ranks) |
+//! | [`checked_product`] | a product of sizes that overflows `usize` |
+//! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
+
+use crate::{Error, Result};
+
+/// `x` if it is finite and `> 0`, else `Err` naming `what` (a flag such as `--ghz`).
+pub fn positive_finite(op: &'static str, what: &str, x: f64) -> Result<f64> {
+    if x.is_finite() && x > 0.0 {
+        return Ok(x);
+    }
+    Err(Error::BadInput {
+        op,
+        what: format!("{what} {x}"),
+        reason: "must be a finite number greater than 0".into(),
+    })
+}
+
+/// `n` if it is at least `min`, else `Err` naming `what`.
+pub fn at_least(op: &'static str, what: &str, n: usize, min: usize) -> Result<usize> {
+    if n >= min {
+        return Ok(n);
+    }
+    Err(Error::BadInput {
+        op,
+        what: format!("{what} {n}"),
+        reason: format!("must be at least {min}"),
+    })
+}
+
+/// The product of `factors`, or `Err` naming `what` when it overflows `usize`.
+pub fn checked_product(op: &'static str, what: &str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| Error::BadInput {
+            op,
+            what: format!("{what} ({})", join(factors)),
+            reason: "the size overflows this machine's address space".into(),
+        })
+}
+
+/// `bytes` if they fit in the memory this machine has available now ([`available_memory`]),
+/// else `Err` saying how much `what` needs and how much there is. Where the available memory
+/// cannot be read (no `/proc/meminfo`), only `bytes` itself is returned: the allocation then
+/// fails the usual way.
+pub fn fits_in_memory(op: &'static str, what: &str, bytes: usize) -> Result<usize> {
+    match available_memory() {
+        Ok(free) if bytes as u64 > free => Err(Error::BadInput {
+            op,
+            what: what.to_string(),
+            reason: format!(
+                "needs {} but this machine has {} available (MemAvailable in /proc/meminfo)",
+                human_bytes(bytes as u64),
+                human_bytes(free)
+            ),
+        }),
+        _ => Ok(bytes),
+    }
+}
+
+/// Bytes of memory available to new allocations: `MemAvailable` of `/proc/meminfo`.
+pub fn available_memory() -> Result<u64> {
+    const PATH: &str = "/proc/meminfo";
+    let text = std::fs::read_to_string(PATH).map_err(|e| Error::io("available_memory", PATH, e))?;
+    mem_available(&text)
+}
+
+/// `MemAvailable` in bytes from the text of `/proc/meminfo` (a line `MemAvailable:  N kB`).
+pub fn mem_available(meminfo: &str) -> Result<u64> {
+    let bad = |reason: &str| Error::BadInput {
+        op: "mem_available",
+        what: "/proc/meminfo".into(),
+        reason: reason.into(),
+    };
+    let line = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .ok_or_else(|| bad("no MemAvailable line"))?;
+    let mut words = line.split_whitespace();
+    let kib: u64 = words
+        .next()
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| bad("MemAvailable is not a number"))?;
+    if words.next() != Some("kB") {
+        return Err(bad("MemAvailable is not in kB"));
+    }
+    kib.checked_mul(1024)
+        .ok_or_else(|| bad("MemAvailable overflows u64 bytes"))
+}
+
+/// `12.3 GiB`-style text for a byte count.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = bytes as f64;
+    let mut unit = 0;
+    while x >= 1024.0 && unit + 1 < UNITS.len() {
+        x /= 1024.0;
+        unit += 1;
+    }
+    format!("{x:.1} {}", UNITS[unit])
+}
+
+fn join(factors: &[usize]) -> String {
+    let parts: Vec<String> = factors.iter().map(usize::to_string).collect();
+    parts.join(" × ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_must_be_finite_and_positive() {
+        for bad in [0.0, -0.0, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let err = positive_finite("t", "--ghz", bad).unwrap_err().to_string();
+            assert!(err.contains("--ghz") && err.contains("finite"), "{err}");
+        }
+        assert_eq!(positive_finite("t", "--ghz", 2.5).unwrap(), 2.5);
+        assert_eq!(
+            positive_finite("t", "--ghz", f64::MIN_POSITIVE).unwrap(),
+            f64::MIN_POSITIVE
+        );
+    }
+
+    #[test]
+    fn counts_below_their_minimum_are_refused() {
+        assert!(at_least("t", "--repeats", 0, 1).is_err());
+        assert_eq!(at_least("t", "--repeats", 1, 1).unwrap(), 1);
+    }
+
+    #[test]
+    fn products_that_overflow_are_refused_and_others_are_exact() {
+        assert_eq!(checked_product("t", "x", &[3, 5, 7]).unwrap(), 105);
+        assert_eq!(checked_product("t", "x", &[]).unwrap(), 1);
+        let err = checked_product("t", "buffer", &[usize::MAX / 2, 3]).unwrap_err();
+        assert!(err.to_string().contains("overflows"), "{err}");
+    }
+
+    #[test]
+    fn meminfo_parses_and_malformed_text_is_an_error() {
+        let text = "MemTotal:       32000000 kB\nMemFree:  1 kB\nMemAvailable:   23000000 kB\n";
+        assert_eq!(mem_available(text).unwrap(), 23_000_000 * 1024);
+        for bad in [
+            "",
+            "MemAvailable: lots kB",
+            "MemAvailable: 5 MB",
+            "MemAvailable: 18446744073709551615 kB",
+        ] {
+            assert!(mem_available(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn more_than_the_available_memory_is_refused_saying_how_much() {
+        let free = available_memory().expect("this test runs on Linux");
+        assert!(fits_in_memory("t", "x", 1 << 20).is_ok());
+        let too_much = usize::try_from(free).unwrap().saturating_add(1 << 30);
+        let err = fits_in_memory("t", "the buffers", too_much)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the buffers") && err.contains("available"),
+            "{err}"
+        );
+    }
+}
