@@ -685,3 +685,82 @@ fn non_finite_values_stop_or_skip_the_step_on_every_rank() {
         assert!(n >= 1 && finite, "skipped {n}, finite {finite}");
     }
 }
+
+/// Clipping given the same gradients: rank 0 backpropagates the whole batch, the others a zero
+/// loss, and gradients are summed, so every sharding holds exactly the unsharded gradients.
+/// The global norm is then the same bits at V = 1, 2, 3, 4 and unsharded, so are the clipped
+/// gradients, and the norm agrees with a plain f64 sum (which rounds as it goes) to f32 rounding.
+#[test]
+fn clipping_is_bitwise_the_same_sharded_and_unsharded() {
+    let params = CFG.init_params(4).unwrap();
+    let ids = batch(corpus(), &CFG, 0, 0, 4).unwrap();
+    let clip = |c: &dyn Communicator| -> ragged::Result<(f32, HashMap<String, Vec<u32>>)> {
+        let opts = FsdpOptions {
+            reduce: ReduceOp::Sum,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, adamw(), c, opts)?;
+        let views = sharded.unshard()?;
+        let model = Transformer::new(
+            CFG,
+            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
+        )?;
+        let scale = if c.rank() == 0 { 1.0 } else { 0.0 };
+        (model.loss(&ids)? * scale)?.backward()?;
+        sharded.reduce_gradients()?;
+        let norm = sharded.clip_grad_norm(0.5)?;
+        let mut clipped = HashMap::new();
+        sharded.with_local_grads(|local, g| {
+            for p in &local.pieces {
+                let bits = g[p.offset..p.offset + p.range.len()]
+                    .iter()
+                    .map(|x| x.to_bits());
+                let name = format!("{}@{}", local.params[p.param].name, p.range.start);
+                clipped.insert(name, bits.collect());
+            }
+        })?;
+        Ok((norm, clipped))
+    };
+    let (norm, reference) = clip(&SingleRank).unwrap();
+    assert!(norm > 0.5, "the test must clip: norm {norm}");
+    for world in [1, 2, 3, 4] {
+        let runs = ThreadWorld::run(world, |c| clip(c)).unwrap();
+        for (r, (n, pieces)) in runs.iter().enumerate() {
+            assert_eq!(n.to_bits(), norm.to_bits(), "V={world} rank {r}: norm");
+            for (name, bits) in pieces {
+                let (param, start) = name.split_once('@').unwrap();
+                let start: usize = start.parse().unwrap();
+                let whole = reference
+                    .iter()
+                    .find(|(k, _)| k.starts_with(&format!("{param}@")))
+                    .unwrap()
+                    .1;
+                assert_eq!(
+                    &whole[start..start + bits.len()],
+                    &bits[..],
+                    "V={world}: {name}"
+                );
+            }
+        }
+    }
+    // Against a plain f64 sum of the unclipped gradients: the exact sum is within rounding.
+    let grads = {
+        let mut s = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+        let views = s.unshard().unwrap();
+        let m = Transformer::new(
+            CFG,
+            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
+        )
+        .unwrap();
+        m.loss(&ids).unwrap().backward().unwrap();
+        s.reduce_gradients().unwrap();
+        let mut sum = 0f64;
+        s.with_local_grads(|_, g| g.iter().for_each(|&x| sum += f64::from(x) * f64::from(x)))
+            .unwrap();
+        sum.sqrt()
+    };
+    assert!(
+        (f64::from(norm) - grads).abs() <= 1e-6 * grads,
+        "{norm} vs {grads}"
+    );
+}

@@ -22,6 +22,7 @@
 //! Either way a step ends with [`ShardedModel::step`] (the optimizer on local shards).
 
 mod agree;
+mod clip;
 pub mod fsdp2;
 mod layout;
 mod stages;
@@ -444,6 +445,28 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             grads.consume();
         }
         Ok(())
+    }
+
+    /// Clips the reduced gradients to a global L2 norm of at most `max_norm` (torch's
+    /// `clip_grad_norm_`: scaled by `max_norm / (norm + 1e-6)` when that is below 1) and returns
+    /// the norm before clipping. The norm is summed exactly ([`clip`]), so it is the same bits
+    /// on every rank and unsharded, given the same gradients; one all-gather. A non-finite
+    /// gradient gives a NaN norm and leaves the gradients to [`Self::step`]'s policy.
+    pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
+        crate::limits::positive_finite("clip_grad_norm", "max_norm", f64::from(max_norm))?;
+        let mut squares = clip::ExactSquares::new();
+        for unit in &self.units {
+            squares.add_all(unit.grads.local("clip_grad_norm")?);
+        }
+        let norm = squares.total(self.comm)?.sqrt();
+        let coef = f64::from(max_norm) / (norm + 1e-6);
+        if norm.is_finite() && coef < 1.0 {
+            let coef = coef as f32;
+            for unit in &mut self.units {
+                unit.grads.local_mut().iter_mut().for_each(|g| *g *= coef);
+            }
+        }
+        Ok(norm as f32)
     }
 
     /// Steps skipped for non-finite values ([`NonFinitePolicy::SkipStep`]).
