@@ -12,11 +12,15 @@
 //! | feasibility of one `S` for one order (greedy earliest fit) | [`fit`] |
 //! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
 //! | exact oracles for small inputs | [`oracle`] |
+//! | a unit as up to `K` buffers, each with its own `S`; the `k`-buffer floor | [`multi`] |
+//! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
 pub mod export;
 pub mod fit;
+pub mod multi;
+pub mod multi_model;
 pub mod oracle;
 pub mod search;
 
@@ -391,7 +395,7 @@ pub fn plan_unit(
     Ok(assemble(unit, &items, &blocks, &layout, opts))
 }
 
-fn unit_items(
+pub(crate) fn unit_items(
     unit: &Unit,
     block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
     opts: &PlanOptions,
@@ -409,7 +413,7 @@ fn unit_items(
     Ok((items, blocks))
 }
 
-fn assemble(
+pub(crate) fn assemble(
     unit: &Unit,
     items: &[Item],
     blocks: &[AtomicBlock],

@@ -1,0 +1,335 @@
+//! Multi-buffer units: one FSDP unit planned as up to `K` collective buffers, each with its own
+//! shard size, when that pads less than one buffer by more than the extra collectives cost.
+//!
+//! **Why.** In one buffer every case-3 tensor forces `S` onto the lcm of its block and the
+//! others'. A Mixtral layer at `V = 1024`, `rows:16`: the `w2` block (229,376 elements) and the
+//! `w1` block (65,536) force `S` to a multiple of 458,752 while the layer needs 1.42 M per rank,
+//! so `S` jumps to 1.83 M (29 % padding). With the `w2` tensors in a buffer of their own, each
+//! buffer's lattice is its own block.
+//!
+//! **Search.** Tensors are grouped by block size: the distinct block sizes, largest first, are
+//! cut into `k` contiguous runs and each run's tensors (in unit order) are planned as one
+//! ordinary buffer by [`plan_items`]. Every run is planned once and reused by every split, and
+//! the best split for each `k` comes from a small dynamic program over the runs. More than
+//! [`MAX_CLASSES`] block sizes are merged into that many classes first, so the work is bounded.
+//!
+//! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
+//! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
+//! padding is moved by both and stored in every role, and both are proportional to `Σ S`, so
+//! one term covers them: `cost(k) = 2k·α + 2(V−1)·Σ S_b·bytes / bandwidth`. The smallest cost
+//! wins; ties go to fewer buffers, so one buffer is kept wherever it is as good.
+//!
+//! **Floor** ([`floor_shard_sum`]): a lower bound on `Σ S_b` over every partition of the unit
+//! into at most `k` buffers and every layout of each, proved in that function's doc and tested
+//! against exhaustive search on small inputs.
+
+use super::{plan_items, Item, Layout, PlanOptions};
+use crate::{Error, Result};
+
+/// At most this many block-size classes are split (more distinct sizes are merged).
+pub const MAX_CLASSES: usize = 16;
+
+/// Knobs of the multi-buffer planner.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MultiOptions {
+    /// `K`: at most this many collective buffers per unit (1 = the single-buffer planner).
+    pub max_buffers: usize,
+    /// `α`: latency of one collective (all-gather or reduce-scatter), seconds.
+    pub collective_latency_s: f64,
+    /// Bandwidth of one rank's link, bytes per second.
+    pub link_bytes_per_s: f64,
+    /// Bytes per element on the wire.
+    pub elem_bytes: usize,
+}
+
+impl Default for MultiOptions {
+    /// `K = 3`; `α = 20 µs` (the order of an NCCL ring collective's launch-plus-hop latency
+    /// across nodes); 50 GB/s per rank (one 400 Gb/s NIC); bf16 (2 bytes) on the wire. At
+    /// `V = 1024` one more buffer then pays for itself once it saves about 250 elements of
+    /// `S`; at `V = 8`, about 36,000.
+    fn default() -> Self {
+        MultiOptions {
+            max_buffers: 3,
+            collective_latency_s: 20e-6,
+            link_bytes_per_s: 50e9,
+            elem_bytes: 2,
+        }
+    }
+}
+
+impl MultiOptions {
+    fn validate(&self) -> Result<()> {
+        let bad = |reason: &str| Error::BadInput {
+            op: "MultiOptions",
+            what: format!("{self:?}"),
+            reason: reason.into(),
+        };
+        if self.max_buffers == 0 {
+            return Err(bad("at least one buffer per unit"));
+        }
+        if !(self.collective_latency_s.is_finite() && self.collective_latency_s >= 0.0) {
+            return Err(bad(
+                "the collective latency must be finite and non-negative",
+            ));
+        }
+        if !(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0) {
+            return Err(bad("the link bandwidth must be finite and positive"));
+        }
+        if self.elem_bytes == 0 {
+            return Err(bad("elements have at least one byte"));
+        }
+        Ok(())
+    }
+
+    /// Seconds per step that `buffers` buffers with shard sizes summing to `shard_sum` spend
+    /// in collectives on `world` ranks (the module doc's cost model).
+    pub fn cost_s(&self, buffers: usize, shard_sum: usize, world: usize) -> f64 {
+        let moved = 2.0 * (world as f64 - 1.0) * shard_sum as f64 * self.elem_bytes as f64;
+        2.0 * buffers as f64 * self.collective_latency_s + moved / self.link_bytes_per_s
+    }
+}
+
+/// One unit planned as `k` buffers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MultiLayout {
+    /// Indices of the input items in each buffer (unit order inside a buffer).
+    pub groups: Vec<Vec<usize>>,
+    /// One layout per buffer; its offsets index the buffer's own items.
+    pub layouts: Vec<Layout>,
+    /// The single-buffer layout of all items (what `k = 1` gives).
+    pub single: Layout,
+    /// No partition into at most `groups.len()` buffers has a smaller `Σ S` ([`floor_shard_sum`]).
+    pub floor: usize,
+    /// [`MultiOptions::cost_s`] of the chosen layout.
+    pub cost_s: f64,
+}
+
+impl MultiLayout {
+    /// `Σ S_b` over the buffers.
+    pub fn shard_sum(&self) -> usize {
+        self.layouts.iter().map(|l| l.shard_size).sum()
+    }
+}
+
+/// Plans `items` as at most `mopts.max_buffers` buffers (see the module doc).
+pub fn plan_multi_items(
+    items: &[Item],
+    world: usize,
+    opts: &PlanOptions,
+    mopts: &MultiOptions,
+) -> Result<MultiLayout> {
+    mopts.validate()?;
+    let single = plan_items(items, world, opts)?;
+    let classes = block_classes(items);
+    let max_k = mopts.max_buffers.min(classes.len());
+    let mut best = Choice {
+        groups: vec![(0..items.len()).collect()],
+        layouts: vec![single.clone()],
+        cost_s: mopts.cost_s(1, single.shard_size, world),
+    };
+    let mut best_floor = single.lower_bound;
+    if max_k > 1 {
+        let runs = RunPlans::new(items, &classes, world, opts);
+        for k in 2..=max_k {
+            let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
+            // No k-buffer layout can beat the best so far: skip the search.
+            if mopts.cost_s(k, floor, world) >= best.cost_s {
+                continue;
+            }
+            if let Some(choice) = runs.best_split(k, world, mopts) {
+                if choice.cost_s < best.cost_s {
+                    best = choice;
+                    best_floor = floor;
+                }
+            }
+        }
+    }
+    Ok(MultiLayout {
+        groups: best.groups,
+        layouts: best.layouts,
+        single,
+        floor: best_floor,
+        cost_s: best.cost_s,
+    })
+}
+
+struct Choice {
+    groups: Vec<Vec<usize>>,
+    layouts: Vec<Layout>,
+    cost_s: f64,
+}
+
+/// Item indices of each block-size class, largest block first; at most [`MAX_CLASSES`]
+/// classes (adjacent sizes merged evenly when there are more).
+fn block_classes(items: &[Item]) -> Vec<Vec<usize>> {
+    let mut sizes: Vec<usize> = items.iter().map(|t| t.block).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.dedup();
+    let per_class = sizes.len().div_ceil(MAX_CLASSES);
+    let mut classes = vec![Vec::new(); sizes.len().div_ceil(per_class)];
+    for (i, t) in items.iter().enumerate() {
+        let rank = sizes.partition_point(|&s| s > t.block);
+        classes[rank / per_class].push(i);
+    }
+    classes
+}
+
+/// The single-buffer plan of every contiguous run of classes (`None`: that run cannot be
+/// planned, e.g. its `V·S` overflows).
+struct RunPlans {
+    classes: Vec<Vec<usize>>,
+    /// `plans[i][j]`: classes `i..=j`.
+    plans: Vec<Vec<Option<Layout>>>,
+}
+
+impl RunPlans {
+    fn new(items: &[Item], classes: &[Vec<usize>], world: usize, opts: &PlanOptions) -> Self {
+        let d = classes.len();
+        let mut plans = vec![vec![None; d]; d];
+        for (i, row) in plans.iter_mut().enumerate() {
+            for (j, slot) in row.iter_mut().enumerate().skip(i) {
+                let run: Vec<Item> = run_indices(classes, i, j).map(|x| items[x]).collect();
+                *slot = plan_items(&run, world, opts).ok();
+            }
+        }
+        RunPlans {
+            classes: classes.to_vec(),
+            plans,
+        }
+    }
+
+    /// The cheapest split of the classes into exactly `k` runs: a dynamic program over
+    /// (runs used, classes covered) minimising `Σ S`.
+    fn best_split(&self, k: usize, world: usize, mopts: &MultiOptions) -> Option<Choice> {
+        let d = self.classes.len();
+        // best[m][j]: (Σ S, start of the last run) covering classes 0..j with m runs.
+        let mut best = vec![vec![None::<(usize, usize)>; d + 1]; k + 1];
+        best[0][0] = Some((0, 0));
+        for m in 1..=k {
+            for j in m..=d {
+                best[m][j] = (m - 1..j)
+                    .filter_map(|i| {
+                        let (before, _) = best[m - 1][i]?;
+                        let s = self.plans[i][j - 1].as_ref()?.shard_size;
+                        Some((before.checked_add(s)?, i))
+                    })
+                    .min();
+            }
+        }
+        let (shard_sum, _) = best[k][d]?;
+        let mut cuts = Vec::with_capacity(k);
+        let (mut m, mut j) = (k, d);
+        while m > 0 {
+            let (_, i) = best[m][j]?;
+            cuts.push((i, j - 1));
+            (m, j) = (m - 1, i);
+        }
+        cuts.reverse();
+        let groups = cuts
+            .iter()
+            .map(|&(i, j)| {
+                let mut g: Vec<usize> = run_indices(&self.classes, i, j).collect();
+                g.sort_unstable();
+                g
+            })
+            .collect();
+        let layouts = cuts
+            .iter()
+            .map(|&(i, j)| self.plans[i][j].clone())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Choice {
+            groups,
+            layouts,
+            cost_s: mopts.cost_s(k, shard_sum, world),
+        })
+    }
+}
+
+/// Item indices of classes `i..=j`, in unit order.
+fn run_indices(classes: &[Vec<usize>], i: usize, j: usize) -> impl Iterator<Item = usize> + '_ {
+    let mut idx: Vec<usize> = classes[i..=j].iter().flatten().copied().collect();
+    idx.sort_unstable();
+    idx.into_iter()
+}
+
+/// Distinct block sizes beyond this are merged into this many ranges for [`floor_shard_sum`].
+const FLOOR_RANGES: usize = 64;
+
+/// A lower bound on `Σ S_b` for any partition of `items` into at most `k` buffers, each laid
+/// out in any order (sizes multiples of `coll`).
+///
+/// **Proof.** For one buffer the bound is [`super::search::any_order_lower_bound`]. For
+/// `k' ≥ 2` buffers, sort them by their largest block, `G_1 ≥ … ≥ G_k'`; `G_1` is the largest
+/// block of all, and every `G_i` is one of the block sizes. Buffer `i` needs
+/// `S_i ≥ c_i = ⌈G_i⌉_coll` (a block fits in one shard) and `V·S_i ≥ x_i`, its elements, so
+/// `Σ S_i ≥ Σ c_i + Σ (x_i − V·c_i)⁺ / V`. A tensor whose block exceeds `G_{i+1}` can only be
+/// in buffers `1..=i`, so with `M_i` the elements of those tensors,
+/// `Σ_{j≤i} (x_j − V·c_j)⁺ ≥ M_i − V·Σ_{j≤i} c_j`, and over all buffers `≥ E − V·Σ c_j`.
+/// Hence `Σ S ≥ Σ c + ⌈max(0, max_i (M_i − V·Σ_{j≤i} c_j)) / V⌉`, rounded up to `coll`
+/// (a sum of multiples of `coll`). The floor is the minimum of this over every non-increasing
+/// choice of `G_2..G_k'` and over `k' ≤ k`, and the one-buffer bound. With more than
+/// [`FLOOR_RANGES`] distinct block sizes, `G_i` is only known to lie in a range `[lo, hi]` of
+/// them; using `⌈lo⌉_coll` for `c_i` and the tensors with blocks above `hi` for `M` only lowers
+/// the bound, so it stays valid.
+pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> Result<usize> {
+    let one = super::search::any_order_lower_bound(items, world, coll)?;
+    let ranges = block_ranges(items);
+    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
+    let round = |g: usize| (g as u128).next_multiple_of(coll as u128);
+    let v = world as u128;
+    let mut best = one as u128;
+    // (buffers so far, range of the last G, Σ c, largest spill so far); G_1 is exact.
+    let largest = items.iter().map(|t| t.block).max().unwrap_or(1);
+    let mut stack = vec![(1usize, 0usize, round(largest), 0u128)];
+    while let Some((used, last, caps, spill)) = stack.pop() {
+        if used >= 2 {
+            let overflow = spill.max(total.saturating_sub(v * caps));
+            best = best.min((caps + overflow.div_ceil(v)).next_multiple_of(coll as u128));
+        }
+        if used == k {
+            continue;
+        }
+        for (c, r) in ranges.iter().enumerate().skip(last) {
+            // The next buffer's largest block lies in range c: every tensor with a larger block
+            // is in the buffers chosen so far.
+            let over = r.mass_above.saturating_sub(v * caps);
+            stack.push((used + 1, c, caps + round(r.lo), spill.max(over)));
+        }
+    }
+    usize::try_from(best).map_err(|_| Error::BadInput {
+        op: "floor_shard_sum",
+        what: format!("{} tensors", items.len()),
+        reason: "the floor overflows a 64-bit element count".into(),
+    })
+}
+
+/// A range of distinct block sizes, for [`floor_shard_sum`].
+struct BlockRange {
+    /// Smallest block size in the range.
+    lo: usize,
+    /// Elements of the tensors whose block is larger than every size in the range.
+    mass_above: u128,
+}
+
+/// The distinct block sizes, largest first, in at most [`FLOOR_RANGES`] ranges.
+fn block_ranges(items: &[Item]) -> Vec<BlockRange> {
+    let mut by_block: Vec<(usize, usize)> = items.iter().map(|t| (t.block, t.numel)).collect();
+    by_block.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    // (size, elements of tensors with a larger block), one per distinct size.
+    let mut distinct: Vec<(usize, u128)> = Vec::new();
+    let mut mass = 0u128;
+    for &(g, e) in &by_block {
+        if distinct.last().is_none_or(|&(s, _)| s != g) {
+            distinct.push((g, mass));
+        }
+        mass += e as u128;
+    }
+    let per_range = distinct.len().div_ceil(FLOOR_RANGES);
+    distinct
+        .chunks(per_range)
+        .map(|chunk| BlockRange {
+            lo: chunk[chunk.len() - 1].0,
+            mass_above: chunk[0].1,
+        })
+        .collect()
+}
