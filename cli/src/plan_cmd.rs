@@ -11,7 +11,7 @@ use ragged::model::Inventory;
 use ragged::plan::baselines;
 use ragged::plan::export::{svg_multi, write_multi_json};
 use ragged::plan::multi::MultiOptions;
-use ragged::plan::multi_model::{plan_model_multi, MultiModelPlan};
+use ragged::plan::multi_model::{coarse_wrap, plan_model_multi, MultiModelPlan};
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 
@@ -185,7 +185,7 @@ fn multi_summary(
         );
         i += same;
     }
-    if multi.layers_per_unit == 1 && multi.units.iter().any(|u| u.share_below_block()) {
+    if multi.layers_per_unit == 1 {
         if let Some(w) = coarse_wrap(multi) {
             let coarse = plan_multi(inv, args, w, opts, mopts)?;
             let _ = writeln!(
@@ -198,21 +198,6 @@ fn multi_summary(
         }
     }
     Ok(s)
-}
-
-/// The fewest layers per unit (a power of two, at most 64) for which every layer unit's share
-/// per rank reaches its largest block; `None` if even 64 does not.
-pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
-    let need = multi
-        .units
-        .iter()
-        .filter(|u| u.share_below_block())
-        .map(|u| {
-            let g = u.single.placements.iter().map(|p| p.block_elems).max()?;
-            Some(g as f64 / (u.numel() as f64 / multi.world as f64))
-        })
-        .try_fold(1.0f64, |acc, r| r.map(|r| acc.max(r)))?;
-    (1..=6).map(|p| 1usize << p).find(|&w| w as f64 >= need)
 }
 
 fn parse_orders(s: &str) -> Result<Vec<Order>> {

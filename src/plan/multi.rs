@@ -9,9 +9,10 @@
 //!
 //! **Search.** Tensors are grouped by block size: the distinct block sizes, largest first, are
 //! cut into `k` contiguous runs and each run's tensors (in unit order) are planned as one
-//! ordinary buffer by [`plan_items`]. Every run is planned once and reused by every split, and
-//! the best split for each `k` comes from a small dynamic program over the runs. More than
-//! [`MAX_CLASSES`] block sizes are merged into that many classes first, so the work is bounded.
+//! ordinary buffer by [`plan_items`]. Splits are tried in order of the summed lower bounds of
+//! their runs, each run planned at most once, until no remaining split can beat the best one.
+//! More than [`MAX_CLASSES`] block sizes are merged into that many classes first, so the work
+//! is bounded.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -129,14 +130,14 @@ pub fn plan_multi_items(
     };
     let mut best_floor = single.lower_bound;
     if max_k > 1 {
-        let runs = RunPlans::new(items, &classes, world, opts);
+        let mut runs = RunPlans::new(items, &classes, world, opts);
         for k in 2..=max_k {
             let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
             // No k-buffer layout can beat the best so far: skip the search.
             if mopts.cost_s(k, floor, world) >= best.cost_s {
                 continue;
             }
-            if let Some(choice) = runs.best_split(k, world, mopts) {
+            if let Some(choice) = runs.best_split(k, best.cost_s, mopts) {
                 if choice.cost_s < best.cost_s {
                     best = choice;
                     best_floor = floor;
@@ -174,75 +175,124 @@ fn block_classes(items: &[Item]) -> Vec<Vec<usize>> {
     classes
 }
 
-/// The single-buffer plan of every contiguous run of classes (`None`: that run cannot be
-/// planned, e.g. its `V·S` overflows).
-struct RunPlans {
+/// Single-buffer plans of contiguous runs of classes, made on demand and kept: a split is
+/// planned only if the lower bounds of its runs could still beat the best split found.
+struct RunPlans<'a> {
+    items: &'a [Item],
     classes: Vec<Vec<usize>>,
-    /// `plans[i][j]`: classes `i..=j`.
-    plans: Vec<Vec<Option<Layout>>>,
+    world: usize,
+    opts: &'a PlanOptions,
+    /// `bounds[i][j]`: [`super::search::any_order_lower_bound`] of classes `i..=j` (`None`:
+    /// the run's sizes overflow).
+    bounds: Vec<Vec<Option<usize>>>,
+    /// `plans[i][j]`: the plan of classes `i..=j`, once made (inner `None`: it failed).
+    plans: Vec<Vec<Option<Option<Layout>>>>,
 }
 
-impl RunPlans {
-    fn new(items: &[Item], classes: &[Vec<usize>], world: usize, opts: &PlanOptions) -> Self {
+impl<'a> RunPlans<'a> {
+    fn new(items: &'a [Item], classes: &[Vec<usize>], world: usize, opts: &'a PlanOptions) -> Self {
         let d = classes.len();
-        let mut plans = vec![vec![None; d]; d];
-        for (i, row) in plans.iter_mut().enumerate() {
+        let mut bounds = vec![vec![None; d]; d];
+        for (i, row) in bounds.iter_mut().enumerate() {
             for (j, slot) in row.iter_mut().enumerate().skip(i) {
                 let run: Vec<Item> = run_indices(classes, i, j).map(|x| items[x]).collect();
-                *slot = plan_items(&run, world, opts).ok();
+                *slot = super::search::any_order_lower_bound(&run, world, opts.coll_align).ok();
             }
         }
         RunPlans {
+            items,
             classes: classes.to_vec(),
-            plans,
+            world,
+            opts,
+            bounds,
+            plans: vec![vec![None; d]; d],
         }
     }
 
-    /// The cheapest split of the classes into exactly `k` runs: a dynamic program over
-    /// (runs used, classes covered) minimising `Σ S`.
-    fn best_split(&self, k: usize, world: usize, mopts: &MultiOptions) -> Option<Choice> {
-        let d = self.classes.len();
-        // best[m][j]: (Σ S, start of the last run) covering classes 0..j with m runs.
-        let mut best = vec![vec![None::<(usize, usize)>; d + 1]; k + 1];
-        best[0][0] = Some((0, 0));
-        for m in 1..=k {
-            for j in m..=d {
-                best[m][j] = (m - 1..j)
-                    .filter_map(|i| {
-                        let (before, _) = best[m - 1][i]?;
-                        let s = self.plans[i][j - 1].as_ref()?.shard_size;
-                        Some((before.checked_add(s)?, i))
-                    })
-                    .min();
-            }
+    fn plan(&mut self, i: usize, j: usize) -> Option<&Layout> {
+        if self.plans[i][j].is_none() {
+            let run: Vec<Item> = run_indices(&self.classes, i, j)
+                .map(|x| self.items[x])
+                .collect();
+            self.plans[i][j] = Some(plan_items(&run, self.world, self.opts).ok());
         }
-        let (shard_sum, _) = best[k][d]?;
-        let mut cuts = Vec::with_capacity(k);
-        let (mut m, mut j) = (k, d);
-        while m > 0 {
-            let (_, i) = best[m][j]?;
-            cuts.push((i, j - 1));
-            (m, j) = (m - 1, i);
-        }
-        cuts.reverse();
-        let groups = cuts
-            .iter()
-            .map(|&(i, j)| {
-                let mut g: Vec<usize> = run_indices(&self.classes, i, j).collect();
-                g.sort_unstable();
-                g
+        self.plans[i][j].as_ref().and_then(Option::as_ref)
+    }
+
+    /// The split of the classes into exactly `k` runs with the smallest `Σ S`, if it costs less
+    /// than `to_beat` seconds. Splits are tried in order of their runs' summed lower bounds, and
+    /// the search stops once that sum cannot beat the best split found.
+    fn best_split(&mut self, k: usize, to_beat: f64, mopts: &MultiOptions) -> Option<Choice> {
+        let mut splits: Vec<(usize, Vec<(usize, usize)>)> = splits(self.classes.len(), k)
+            .into_iter()
+            .filter_map(|runs| {
+                let lb = runs
+                    .iter()
+                    .try_fold(0usize, |acc, &(i, j)| acc.checked_add(self.bounds[i][j]?))?;
+                Some((lb, runs))
             })
             .collect();
-        let layouts = cuts
+        splits.sort_by_key(|(lb, _)| *lb);
+        let mut best: Option<(usize, Vec<(usize, usize)>)> = None;
+        for (lb, runs) in splits {
+            let limit = best.as_ref().map_or(usize::MAX, |b| b.0);
+            if lb >= limit || mopts.cost_s(k, lb, self.world) >= to_beat {
+                break;
+            }
+            let mut sum = Some(0usize);
+            for &(i, j) in &runs {
+                let s = self.plan(i, j).map(|l| l.shard_size);
+                sum = sum.zip(s).and_then(|(a, b)| a.checked_add(b));
+            }
+            if let Some(sum) = sum.filter(|&s| s < limit) {
+                best = Some((sum, runs));
+            }
+        }
+        let (shard_sum, runs) = best?;
+        let cost_s = mopts.cost_s(k, shard_sum, self.world);
+        let groups = runs
             .iter()
-            .map(|&(i, j)| self.plans[i][j].clone())
+            .map(|&(i, j)| run_indices(&self.classes, i, j).collect())
+            .collect();
+        let layouts = runs
+            .iter()
+            .map(|&(i, j)| self.plan(i, j).cloned())
             .collect::<Option<Vec<_>>>()?;
         Some(Choice {
             groups,
             layouts,
-            cost_s: mopts.cost_s(k, shard_sum, world),
+            cost_s,
         })
     }
+}
+
+/// Every split of classes `0..d` into exactly `k` non-empty contiguous runs `(first, last)`.
+fn splits(d: usize, k: usize) -> Vec<Vec<(usize, usize)>> {
+    fn go(
+        start: usize,
+        d: usize,
+        k: usize,
+        cur: &mut Vec<(usize, usize)>,
+        out: &mut Vec<Vec<(usize, usize)>>,
+    ) {
+        if k == 1 {
+            cur.push((start, d - 1));
+            out.push(cur.clone());
+            cur.pop();
+            return;
+        }
+        // Leave at least one class for each of the k − 1 runs after this one.
+        for end in start..d - (k - 1) {
+            cur.push((start, end));
+            go(end + 1, d, k - 1, cur, out);
+            cur.pop();
+        }
+    }
+    let mut out = Vec::new();
+    if k >= 1 && k <= d {
+        go(0, d, k, &mut Vec::new(), &mut out);
+    }
+    out
 }
 
 /// Item indices of classes `i..=j`, in unit order.
@@ -314,7 +364,7 @@ struct BlockRange {
 /// The distinct block sizes, largest first, in at most [`FLOOR_RANGES`] ranges.
 fn block_ranges(items: &[Item]) -> Vec<BlockRange> {
     let mut by_block: Vec<(usize, usize)> = items.iter().map(|t| (t.block, t.numel)).collect();
-    by_block.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    by_block.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
     // (size, elements of tensors with a larger block), one per distinct size.
     let mut distinct: Vec<(usize, u128)> = Vec::new();
     let mut mass = 0u128;

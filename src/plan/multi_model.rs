@@ -237,3 +237,21 @@ pub fn wrap_layers(units: Vec<Unit<'_>>, w: usize) -> Result<Vec<Unit<'_>>> {
     }
     Ok(out)
 }
+
+/// The fewest decoder layers per unit (a power of two, at most 64) for which every layer
+/// unit's share per rank reaches its largest block; `None` if even 64 does not (the root unit
+/// is not wrapped, so it does not count).
+pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
+    let mut need = None::<f64>;
+    for u in &multi.units {
+        if !(u.unit.starts_with("layers.") && u.share_below_block()) {
+            continue;
+        }
+        let g = u.single.placements.iter().map(|p| p.block_elems).max()?;
+        // Layers needed for one rank's share to reach one block.
+        let ratio = g as f64 * multi.world as f64 / u.numel() as f64;
+        need = Some(need.map_or(ratio, |n| n.max(ratio)));
+    }
+    let need = need?;
+    (1..=6).map(|p| 1usize << p).find(|&w| w as f64 >= need)
+}

@@ -16,12 +16,16 @@ use super::fit::{fits, greedy, lcm, total_numel};
 use super::Item;
 use crate::{Error, Result};
 
-/// Most candidate sizes the exact finish checks one by one. Below that, the search is exact for
-/// its order; past it (a gap of thousands of collective-alignment steps between the lower bound
-/// and the bisection's result, which only huge tensors with coarse blocks produce) the search
-/// keeps the bisection's size and says so in [`SearchStats::exact`]. This is what bounds the
-/// time of a search whatever the tensor sizes.
-pub const MAX_FINISH_CHECKS: usize = 4096;
+/// Fewest candidate sizes the exact finish may check one by one, whatever the unit's size.
+pub const MIN_FINISH_CHECKS: usize = 4096;
+
+/// Tensor placements the exact finish may spend in all (each check places every tensor once):
+/// a unit of `n` tensors may check `max(MIN_FINISH_CHECKS, MAX_FINISH_WORK / n)` sizes. Below
+/// that, the search is exact for its order; past it (a gap of thousands of collective-alignment
+/// steps between the lower bound and the bisection's result, which only huge tensors with
+/// coarse blocks produce) the search keeps the bisection's size and says so in
+/// [`SearchStats::exact`]. This is what bounds the time of a search whatever the tensor sizes.
+pub const MAX_FINISH_WORK: usize = 1 << 22;
 
 /// What one search did; reported by `ragged plan` and the benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,7 +34,7 @@ pub struct SearchStats {
     pub checks: usize,
     /// The bisection's upper bound `U`, before the exact finish.
     pub bisection_bound: usize,
-    /// The exact finish covered every candidate below `U` ([`MAX_FINISH_CHECKS`]), so the size
+    /// The exact finish covered every candidate below `U` ([`MAX_FINISH_WORK`]), so the size
     /// is the smallest feasible one for this order.
     pub exact: bool,
 }
@@ -109,7 +113,7 @@ pub fn min_shard(
 }
 
 /// Step 2: the smallest feasible candidate below `bound` (the forced lattice's sizes, from the
-/// lower bound up), checking at most [`MAX_FINISH_CHECKS`] of them. Returns the size and whether
+/// lower bound up), within the budget of [`MAX_FINISH_WORK`]. Returns the size and whether
 /// every candidate below it was checked.
 fn exact_finish(
     items: &[Item],
@@ -120,7 +124,8 @@ fn exact_finish(
 ) -> (usize, bool) {
     let lattice = ForcedLattice::new(items, coll);
     let mut s = lo;
-    for _ in 0..MAX_FINISH_CHECKS {
+    let budget = MIN_FINISH_CHECKS.max(MAX_FINISH_WORK / items.len().max(1));
+    for _ in 0..budget {
         match lattice.next_candidate(s) {
             Some(c) if c < bound => {
                 if feasible(c) {
