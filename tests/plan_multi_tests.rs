@@ -267,3 +267,39 @@ fn unit_runs_expand_to_units_per_rank() {
         }
     }
 }
+
+/// Llama-3-8B at `rows:16`, V = 1024: a layer's share per rank (213 K) is below the 229,376-
+/// element `down_proj` block; two layers per unit, or HSDP groups of 512, fix that. At V = 64
+/// nothing needs fixing.
+#[test]
+fn share_below_block_offers_the_coarser_wrap_and_hsdp() {
+    use ragged::plan::multi_model::{coarse_wrap, hsdp_group};
+    let inv = Inventory::load("llama3_8b").unwrap();
+    let rows16 = AtomicBlock::Rows(16);
+    let plan = |world, w| {
+        plan_model_multi(
+            &inv,
+            &|_| rows16,
+            world,
+            w,
+            &PlanOptions::default(),
+            &MultiOptions::default(),
+        )
+        .unwrap()
+    };
+    let at_1024 = plan(1024, 1);
+    assert!(at_1024
+        .units
+        .iter()
+        .filter(|u| u.unit != "root")
+        .all(|u| u.share_below_block()));
+    assert_eq!(coarse_wrap(&at_1024), Some(2));
+    assert_eq!(hsdp_group(&at_1024), Some(512));
+    let wrapped = plan(1024, 2);
+    assert_eq!(wrapped.units.len(), 17, "root and 16 units of two layers");
+    assert_eq!(wrapped.units[1].unit, "layers.0-1");
+    assert!(wrapped.units.iter().all(|u| !u.share_below_block()));
+    assert!(wrapped.padding_frac() < 0.1 && at_1024.padding_frac() > 0.8);
+    let at_64 = plan(64, 1);
+    assert_eq!((coarse_wrap(&at_64), hsdp_group(&at_64)), (None, None));
+}

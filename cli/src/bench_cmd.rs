@@ -327,7 +327,9 @@ fn section_text(table: &str) -> String {
          provable lower bound), the most buffers any unit uses, and its plan time (best of 3). \
          `share < block`: where one rank's share of a decoder layer is smaller than one of the \
          layer's blocks, no per-layer layout avoids that padding; the column gives the fewest \
-         layers per unit (a power of two) that fixes it and the multi-buffer padding with that wrap. \
+         layers per unit (a power of two) that fixes it and the multi-buffer padding with that wrap, \
+         then the largest HSDP shard group (`V/r` ranks, `r` replicas) that fixes it and the \
+         multi-buffer padding at that group size. \
          Machine: {}.\n\n{table}",
         machine()
     )

@@ -11,11 +11,11 @@ use ragged::model::Inventory;
 use ragged::plan::baselines;
 use ragged::plan::export::{svg_multi, write_multi_json};
 use ragged::plan::multi::MultiOptions;
-use ragged::plan::multi_model::{coarse_wrap, plan_model_multi, MultiModelPlan};
+use ragged::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct PlanArgs {
     /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b) or an
     /// inventory JSON file (format: models/README.md).
@@ -194,6 +194,19 @@ fn multi_summary(
                  avoids that padding; with --layers-per-unit {w}: padding {}% (floor {}%)",
                 pct(coarse.padding_frac()),
                 pct(coarse.floor_padding_frac())
+            );
+        }
+        if let Some(g) = hsdp_group(multi) {
+            let hsdp_args = PlanArgs {
+                devices: g,
+                ..args.clone()
+            };
+            let hsdp = plan_multi(inv, &hsdp_args, 1, opts, mopts)?;
+            let _ = writeln!(
+                s,
+                "or HSDP with shard groups of {g} ranks (replicated {}x): padding {}%",
+                multi.world / g,
+                pct(hsdp.padding_frac())
             );
         }
     }

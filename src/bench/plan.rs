@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::model::Inventory;
 use crate::plan::baselines::{self, Baseline, BaselineLayout, BaselineOptions};
 use crate::plan::multi::MultiOptions;
-use crate::plan::multi_model::{coarse_wrap, plan_model_multi, MultiModelPlan};
+use crate::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
 use crate::plan::{plan_model, ModelPlan, PlanOptions};
 use crate::{AtomicBlock, Context, Result};
 
@@ -57,6 +57,9 @@ pub struct MultiCell {
     /// Where a rank's share of a decoder layer is smaller than one of its blocks: the coarser
     /// wrap (layers per unit) that fixes that, and its multi-buffer padding.
     pub coarse: Option<(usize, f64)>,
+    /// The same case by HSDP instead: the largest shard group whose layer shares reach a
+    /// block, and the multi-buffer padding at that group size.
+    pub hsdp: Option<(usize, f64)>,
 }
 
 /// The ragged plan of `inv`, timed as the best of `repeats` runs.
@@ -117,12 +120,17 @@ pub fn multi_cell(
         Some(w) => Some((w, timed_multi_plan(inv, block, world, w, 1)?.padding_frac())),
         None => None,
     };
+    let hsdp = match hsdp_group(&plan) {
+        Some(g) => Some((g, timed_multi_plan(inv, block, g, 1, 1)?.padding_frac())),
+        None => None,
+    };
     Ok(MultiCell {
         padding_frac: plan.padding_frac(),
         floor_frac: plan.floor_padding_frac(),
         max_k: plan.max_k(),
         plan_time: plan.elapsed,
         coarse,
+        hsdp,
     })
 }
 
@@ -181,7 +189,7 @@ pub fn plan_row(
 pub fn markdown(rows: &[PlanRow]) -> String {
     let mut s = String::new();
     s.push_str("| model | V | block | ragged pad % | block floor % | plan ms |");
-    s.push_str(" k≤3 pad % | k≤3 floor % | max k | k≤3 ms | share < block: wrap, pad % |");
+    s.push_str(" k≤3 pad % | k≤3 floor % | max k | k≤3 ms | share < block: wrap, pad %; HSDP group, pad % |");
     for b in Baseline::ALL {
         let _ = write!(s, " {b} pad % |");
     }
@@ -203,10 +211,13 @@ pub fn markdown(rows: &[PlanRow]) -> String {
             r.plan_time.as_secs_f64() * 1e3
         );
         let m = &r.multi;
-        let coarse = match m.coarse {
+        let mut coarse = match m.coarse {
             Some((w, p)) => format!("{w} layers: {}", pct(p)),
             None => String::new(),
         };
+        if let Some((g, p)) = m.hsdp {
+            let _ = write!(coarse, "; HSDP {g}: {}", pct(p));
+        }
         let _ = write!(
             s,
             " {} | {} | {} | {:.2} | {coarse} |",

@@ -255,3 +255,23 @@ pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
     let need = need?;
     (1..=6).map(|p| 1usize << p).find(|&w| w as f64 >= need)
 }
+
+/// The largest HSDP shard group `V / r` (`r` = 2..=1024 replicas dividing `V`) in which every
+/// decoder-layer unit's share per rank reaches its largest block, if some layer unit is below
+/// a block at `V`. The model is then replicated over the `r` groups.
+pub fn hsdp_group(multi: &MultiModelPlan) -> Option<usize> {
+    let mut fits = None::<usize>;
+    let mut any_below = false;
+    for u in multi.units.iter().filter(|u| u.unit.starts_with("layers.")) {
+        any_below |= u.share_below_block();
+        let g = u.single.placements.iter().map(|p| p.block_elems).max()?;
+        // Ranks at which one rank's share is still at least one block.
+        let ranks = u.numel() / g;
+        fits = Some(fits.map_or(ranks, |f| f.min(ranks)));
+    }
+    let ranks = fits.filter(|_| any_below)?;
+    (2..=1024usize)
+        .filter(|r| multi.world % r == 0)
+        .map(|r| multi.world / r)
+        .find(|&group| group <= ranks)
+}
