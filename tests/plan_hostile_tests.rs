@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
+use ragged::plan::multi::{plan_multi_items, MultiOptions};
 use ragged::plan::{plan_items, Item, Layout, PlanOptions};
 
 /// Far above any real plan (milliseconds); a search scanning element by element takes minutes.
@@ -120,6 +121,38 @@ proptest! {
         if let Ok(layout) = timed(&items, world, &opts) {
             prop_assert_eq!(layout.world, world);
             check_layout(&items, &layout, coll);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// The multi-buffer planner on the same inputs, with up to 16 buffers: every buffer is a
+    /// valid layout of its tensors, or the answer is an error, in bounded time.
+    #[test]
+    fn multi_buffer_plans_are_valid_or_errors_in_bounded_time(
+        tensors in prop::collection::vec((size(), size()), 1..=8),
+        world in size(),
+        coll in prop_oneof![Just(1usize), Just(64), size()],
+        max_buffers in 1..=16usize,
+    ) {
+        let items: Vec<Item> = tensors
+            .iter()
+            .map(|&(e, g)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let opts = PlanOptions { coll_align: coll, ..PlanOptions::default() };
+        let mopts = MultiOptions { max_buffers, collective_latency_s: 0.0, ..MultiOptions::default() };
+        let start = Instant::now();
+        let out = plan_multi_items(&items, world, &opts, &mopts);
+        prop_assert!(start.elapsed() < HANG, "{:?}", start.elapsed());
+        if let Ok(plan) = out {
+            prop_assert!(plan.layouts.len() <= max_buffers);
+            prop_assert!(plan.floor <= plan.shard_sum());
+            for (group, layout) in plan.groups.iter().zip(&plan.layouts) {
+                let sub: Vec<Item> = group.iter().map(|&i| items[i]).collect();
+                check_layout(&sub, layout, coll);
+            }
         }
     }
 }

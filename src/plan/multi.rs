@@ -305,6 +305,10 @@ fn run_indices(classes: &[Vec<usize>], i: usize, j: usize) -> impl Iterator<Item
 /// Distinct block sizes beyond this are merged into this many ranges for [`floor_shard_sum`].
 const FLOOR_RANGES: usize = 64;
 
+/// [`floor_shard_sum`] enumerates the shapes of at most this many buffers (`C(64 + 2, 3)`
+/// sequences at most); for a larger `k` it also takes the bound that holds for any number.
+const FLOOR_MAX_BUFFERS: usize = 4;
+
 /// A lower bound on `Σ S_b` for any partition of `items` into at most `k` buffers, each laid
 /// out in any order (sizes multiples of `coll`).
 ///
@@ -317,32 +321,41 @@ const FLOOR_RANGES: usize = 64;
 /// `Σ_{j≤i} (x_j − V·c_j)⁺ ≥ M_i − V·Σ_{j≤i} c_j`, and over all buffers `≥ E − V·Σ c_j`.
 /// Hence `Σ S ≥ Σ c + ⌈max(0, max_i (M_i − V·Σ_{j≤i} c_j)) / V⌉`, rounded up to `coll`
 /// (a sum of multiples of `coll`). The floor is the minimum of this over every non-increasing
-/// choice of `G_2..G_k'` and over `k' ≤ k`, and the one-buffer bound. With more than
+/// choice of `G_2..G_k'` and over `k' ≤ k`, and the one-buffer bound. For `k` above
+/// [`FLOOR_MAX_BUFFERS`], shapes of more buffers are not enumerated; the bound that holds for
+/// any number, `max(⌈G_1⌉_coll, ⌈⌈E/V⌉⌉_coll)`, takes their place. With more than
 /// [`FLOOR_RANGES`] distinct block sizes, `G_i` is only known to lie in a range `[lo, hi]` of
 /// them; using `⌈lo⌉_coll` for `c_i` and the tensors with blocks above `hi` for `M` only lowers
 /// the bound, so it stays valid.
 pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> Result<usize> {
     let one = super::search::any_order_lower_bound(items, world, coll)?;
-    let ranges = block_ranges(items);
     let total: u128 = items.iter().map(|t| t.numel as u128).sum();
     let round = |g: usize| (g as u128).next_multiple_of(coll as u128);
     let v = world as u128;
-    let mut best = one as u128;
-    // (buffers so far, range of the last G, Σ c, largest spill so far); G_1 is exact.
     let largest = items.iter().map(|t| t.block).max().unwrap_or(1);
+    let mut best = one as u128;
+    if k > FLOOR_MAX_BUFFERS {
+        // Too many shapes to enumerate: any number of buffers holds the largest block in one
+        // shard and all elements in V shards.
+        let any = round(largest).max(total.div_ceil(v).next_multiple_of(coll as u128));
+        best = best.min(any);
+    }
+    let ranges = block_ranges(items);
+    // (buffers so far, range of the last G, Σ c, largest spill so far); G_1 is exact. The
+    // products saturate: a capacity past u128 absorbs any spill, which is what saturation says.
     let mut stack = vec![(1usize, 0usize, round(largest), 0u128)];
     while let Some((used, last, caps, spill)) = stack.pop() {
         if used >= 2 {
-            let overflow = spill.max(total.saturating_sub(v * caps));
+            let overflow = spill.max(total.saturating_sub(v.saturating_mul(caps)));
             best = best.min((caps + overflow.div_ceil(v)).next_multiple_of(coll as u128));
         }
-        if used == k {
+        if used == k.min(FLOOR_MAX_BUFFERS) {
             continue;
         }
         for (c, r) in ranges.iter().enumerate().skip(last) {
             // The next buffer's largest block lies in range c: every tensor with a larger block
             // is in the buffers chosen so far.
-            let over = r.mass_above.saturating_sub(v * caps);
+            let over = r.mass_above.saturating_sub(v.saturating_mul(caps));
             stack.push((used + 1, c, caps + round(r.lo), spill.max(over)));
         }
     }
