@@ -94,7 +94,7 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
         prop::sample::select(vec![1usize, 2, 4]),
     );
     let (mut tight, mut above_one_buffer_floor, mut cases) = (0, 0, 0);
-    for _ in 0..150 {
+    for _ in 0..400 {
         let (items, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
         for k in 1..=3 {
             let best = exhaustive_shard_sum(&items, world, coll, k);

@@ -12,13 +12,15 @@
 //! | feasibility of one `S` for one order (greedy earliest fit) | [`fit`] |
 //! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
 //! | exact oracles for small inputs | [`oracle`] |
-//! | a unit as up to `K` buffers, each with its own `S`; the `k`-buffer floor | [`multi`] |
+//! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
+//! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
 pub mod export;
 pub mod fit;
+pub mod floor;
 pub mod multi;
 pub mod multi_model;
 pub mod oracle;

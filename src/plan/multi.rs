@@ -20,10 +20,11 @@
 //! one term covers them: `cost(k) = 2k·α + 2(V−1)·Σ S_b·bytes / bandwidth`. The smallest cost
 //! wins; ties go to fewer buffers, so one buffer is kept wherever it is as good.
 //!
-//! **Floor** ([`floor_shard_sum`]): a lower bound on `Σ S_b` over every partition of the unit
-//! into at most `k` buffers and every layout of each, proved in that function's doc and tested
-//! against exhaustive search on small inputs.
+//! **Floor** ([`floor_shard_sum`], in [`super::floor`]): a lower bound on `Σ S_b` over every
+//! partition of the unit into at most `k` buffers and every layout of each, proved in that
+//! module's doc and tested against exhaustive search on small inputs.
 
+pub use super::floor::floor_shard_sum;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -300,99 +301,4 @@ fn run_indices(classes: &[Vec<usize>], i: usize, j: usize) -> impl Iterator<Item
     let mut idx: Vec<usize> = classes[i..=j].iter().flatten().copied().collect();
     idx.sort_unstable();
     idx.into_iter()
-}
-
-/// Distinct block sizes beyond this are merged into this many ranges for [`floor_shard_sum`].
-const FLOOR_RANGES: usize = 64;
-
-/// [`floor_shard_sum`] enumerates the shapes of at most this many buffers (`C(64 + 2, 3)`
-/// sequences at most); for a larger `k` it also takes the bound that holds for any number.
-const FLOOR_MAX_BUFFERS: usize = 4;
-
-/// A lower bound on `Σ S_b` for any partition of `items` into at most `k` buffers, each laid
-/// out in any order (sizes multiples of `coll`).
-///
-/// **Proof.** For one buffer the bound is [`super::search::any_order_lower_bound`]. For
-/// `k' ≥ 2` buffers, sort them by their largest block, `G_1 ≥ … ≥ G_k'`; `G_1` is the largest
-/// block of all, and every `G_i` is one of the block sizes. Buffer `i` needs
-/// `S_i ≥ c_i = ⌈G_i⌉_coll` (a block fits in one shard) and `V·S_i ≥ x_i`, its elements, so
-/// `Σ S_i ≥ Σ c_i + Σ (x_i − V·c_i)⁺ / V`. A tensor whose block exceeds `G_{i+1}` can only be
-/// in buffers `1..=i`, so with `M_i` the elements of those tensors,
-/// `Σ_{j≤i} (x_j − V·c_j)⁺ ≥ M_i − V·Σ_{j≤i} c_j`, and over all buffers `≥ E − V·Σ c_j`.
-/// Hence `Σ S ≥ Σ c + ⌈max(0, max_i (M_i − V·Σ_{j≤i} c_j)) / V⌉`, rounded up to `coll`
-/// (a sum of multiples of `coll`). The floor is the minimum of this over every non-increasing
-/// choice of `G_2..G_k'` and over `k' ≤ k`, and the one-buffer bound. For `k` above
-/// [`FLOOR_MAX_BUFFERS`], shapes of more buffers are not enumerated; the bound that holds for
-/// any number, `max(⌈G_1⌉_coll, ⌈⌈E/V⌉⌉_coll)`, takes their place. With more than
-/// [`FLOOR_RANGES`] distinct block sizes, `G_i` is only known to lie in a range `[lo, hi]` of
-/// them; using `⌈lo⌉_coll` for `c_i` and the tensors with blocks above `hi` for `M` only lowers
-/// the bound, so it stays valid.
-pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> Result<usize> {
-    let one = super::search::any_order_lower_bound(items, world, coll)?;
-    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
-    let round = |g: usize| (g as u128).next_multiple_of(coll as u128);
-    let v = world as u128;
-    let largest = items.iter().map(|t| t.block).max().unwrap_or(1);
-    let mut best = one as u128;
-    if k > FLOOR_MAX_BUFFERS {
-        // Too many shapes to enumerate: any number of buffers holds the largest block in one
-        // shard and all elements in V shards.
-        let any = round(largest).max(total.div_ceil(v).next_multiple_of(coll as u128));
-        best = best.min(any);
-    }
-    let ranges = block_ranges(items);
-    // (buffers so far, range of the last G, Σ c, largest spill so far); G_1 is exact. The
-    // products saturate: a capacity past u128 absorbs any spill, which is what saturation says.
-    let mut stack = vec![(1usize, 0usize, round(largest), 0u128)];
-    while let Some((used, last, caps, spill)) = stack.pop() {
-        if used >= 2 {
-            let overflow = spill.max(total.saturating_sub(v.saturating_mul(caps)));
-            best = best.min((caps + overflow.div_ceil(v)).next_multiple_of(coll as u128));
-        }
-        if used == k.min(FLOOR_MAX_BUFFERS) {
-            continue;
-        }
-        for (c, r) in ranges.iter().enumerate().skip(last) {
-            // The next buffer's largest block lies in range c: every tensor with a larger block
-            // is in the buffers chosen so far.
-            let over = r.mass_above.saturating_sub(v.saturating_mul(caps));
-            stack.push((used + 1, c, caps + round(r.lo), spill.max(over)));
-        }
-    }
-    usize::try_from(best).map_err(|_| Error::BadInput {
-        op: "floor_shard_sum",
-        what: format!("{} tensors", items.len()),
-        reason: "the floor overflows a 64-bit element count".into(),
-    })
-}
-
-/// A range of distinct block sizes, for [`floor_shard_sum`].
-struct BlockRange {
-    /// Smallest block size in the range.
-    lo: usize,
-    /// Elements of the tensors whose block is larger than every size in the range.
-    mass_above: u128,
-}
-
-/// The distinct block sizes, largest first, in at most [`FLOOR_RANGES`] ranges.
-fn block_ranges(items: &[Item]) -> Vec<BlockRange> {
-    let mut by_block: Vec<(usize, usize)> = items.iter().map(|t| (t.block, t.numel)).collect();
-    by_block.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
-    // (size, elements of tensors with a larger block), one per distinct size.
-    let mut distinct: Vec<(usize, u128)> = Vec::new();
-    let mut mass = 0u128;
-    for &(g, e) in &by_block {
-        if distinct.last().is_none_or(|&(s, _)| s != g) {
-            distinct.push((g, mass));
-        }
-        mass += e as u128;
-    }
-    let per_range = distinct.len().div_ceil(FLOOR_RANGES);
-    distinct
-        .chunks(per_range)
-        .map(|chunk| BlockRange {
-            lo: chunk[chunk.len() - 1].0,
-            mass_above: chunk[0].1,
-        })
-        .collect()
 }
