@@ -202,10 +202,16 @@ fn bad_multi_options_are_errors() {
     for m in bad {
         assert!(plan_multi_items(&items, 4, &opts(1), &m).is_err(), "{m:?}");
     }
+    assert!(plan_multi_items(&items, 0, &opts(1), &MultiOptions::default()).is_err());
+    for (world, coll, k) in [(0, 1, 2), (4, 0, 2), (4, 1, 0)] {
+        assert!(floor_shard_sum(&items, world, coll, k).is_err());
+    }
+    assert!(floor_shard_sum(&[], 4, 1, 2).is_err());
 }
 
 /// Issue 13's example: a Mixtral-8x7B layer at V = 1024 with 16-row blocks pads ~29 % in one
-/// buffer; the `w2` tensors in a buffer of their own need exactly S = 458,752.
+/// buffer; the `w2` tensors in a buffer of their own need exactly S = 458,752, and the k-buffer
+/// floor proves the result optimal for at most that many buffers.
 #[test]
 fn mixtral_layer_puts_w2_in_its_own_buffer() {
     let inv = Inventory::from_json_file("models/mixtral_8x7b.json").unwrap();
@@ -231,6 +237,9 @@ fn mixtral_layer_puts_w2_in_its_own_buffer() {
     assert_eq!(w2.shard_size, 458_752);
     let pad = (plan.buffer_elems() - plan.numel() as u64) as f64 / plan.numel() as f64;
     assert!(pad < 0.03, "multi-buffer padding {pad}");
+    // The k-buffer floor is met: no layout with at most two buffers pads less.
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.floor_shard_sum, shard_sum);
     for b in &plan.buffers {
         b.validate().unwrap();
     }

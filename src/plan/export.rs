@@ -157,7 +157,11 @@ fn write_multi_unit(unit: &MultiPlan, full_units: bool, out: &mut impl Write) ->
 /// The units of tensor `i` of `plan` per rank as runs `[first_rank, ranks, units]`, in O(1):
 /// the tensor touches ranks `first..=last`; the ones strictly between hold a whole shard each.
 pub fn unit_runs(plan: &Plan, i: usize) -> Result<Vec<[usize; 3]>> {
-    let p = &plan.placements[i];
+    let p = plan.placements.get(i).ok_or_else(|| Error::BadInput {
+        op: "unit_runs",
+        what: format!("tensor {i}"),
+        reason: format!("unit {} has {} tensors", plan.unit, plan.placements.len()),
+    })?;
     let (s, g) = (plan.shard_size, p.block_elems);
     let end = p
         .offset

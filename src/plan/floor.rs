@@ -38,6 +38,13 @@ pub const SIZES_PER_BUFFER: usize = 16;
 /// A lower bound on `Σ S_b` for any partition of `items` into at most `k` buffers, each laid
 /// out in any order (sizes multiples of `coll`); see the module doc for the proof.
 pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> Result<usize> {
+    if items.is_empty() || world == 0 || coll == 0 || k == 0 {
+        return Err(Error::BadInput {
+            op: "floor_shard_sum",
+            what: format!("{} tensors, V = {world}, coll {coll}, k = {k}", items.len()),
+            reason: "needs tensors, ranks, a collective alignment and a buffer".into(),
+        });
+    }
     let one = super::search::any_order_lower_bound(items, world, coll)?;
     let c = coll as u128;
     let v = world as u128;
