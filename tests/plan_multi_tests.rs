@@ -312,3 +312,16 @@ fn share_below_block_offers_the_coarser_wrap_and_hsdp() {
     let at_64 = plan(64, 1);
     assert_eq!((coarse_wrap(&at_64), hsdp_group(&at_64)), (None, None));
 }
+
+/// The defaults' break-even, as documented on `MultiOptions::default`: at V = 1024 one more
+/// buffer pays for itself once it saves about 490 elements of `S`, at V = 8 about 71,000.
+#[test]
+fn default_cost_model_break_even() {
+    let m = MultiOptions::default();
+    let s = 10_000_000;
+    for (world, even) in [(1024, 489), (8, 71_429)] {
+        let one = m.cost_s(1, s, world);
+        assert!(m.cost_s(2, s - even + 10, world) > one, "V={world}");
+        assert!(m.cost_s(2, s - even - 10, world) < one, "V={world}");
+    }
+}

@@ -47,8 +47,8 @@ pub struct MultiOptions {
 impl Default for MultiOptions {
     /// `K = 3`; `α = 20 µs` (the order of an NCCL ring collective's launch-plus-hop latency
     /// across nodes); 50 GB/s per rank (one 400 Gb/s NIC); bf16 (2 bytes) on the wire. At
-    /// `V = 1024` one more buffer then pays for itself once it saves about 250 elements of
-    /// `S`; at `V = 8`, about 36,000.
+    /// `V = 1024` one more buffer then pays for itself once it saves about 490 elements of
+    /// `S`; at `V = 8`, about 71,000.
     fn default() -> Self {
         MultiOptions {
             max_buffers: 3,
