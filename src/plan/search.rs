@@ -10,7 +10,12 @@
 //!    the lower bound up; the first feasible one is the true minimum for this order, because the
 //!    greedy is exact for a fixed order and `S`. The scan skips only sizes that violate a
 //!    necessary condition: a tensor with `e ≥ 2S` always has two interior boundaries (or one at
-//!    distance `S`), so `g | S` for all such tensors ([`ForcedLattice`]).
+//!    distance `S`), so `g | S` for all such tensors ([`ForcedLattice`]). The finish has a
+//!    budget ([`MAX_FINISH_WORK`]); [`SearchStats::exact`] says whether it covered every size.
+//!
+//! Every size, sum and product is checked: a unit whose sizes overflow 64 bits, or whose `V·S`
+//! cannot be addressed at any `S`, is an error. Bisection runs once per distinct prefix lattice;
+//! each is a proper multiple of the one before, so there are at most 64 of them.
 
 use super::fit::{fits, greedy, lcm, total_numel};
 use super::Item;
@@ -230,8 +235,9 @@ impl ForcedLattice {
     /// `None` when it overflows.
     pub fn next_candidate(&self, s: usize) -> Option<usize> {
         let mut s = s.checked_next_multiple_of(self.coll)?;
-        // Each pass either returns or moves `s` past half the smallest forced tensor, which
-        // shrinks the forced set, so there are at most `n + 1` passes.
+        // A pass returns, or moves `s` past half the smallest forced tensor (the forced set
+        // shrinks), or onto the lattice (the next pass returns unless the set shrank): at most
+        // `2(n + 1)` passes.
         loop {
             // e ≥ 2S ⇔ ⌊e/2⌋ ≥ S, which cannot overflow.
             let forced = self.sizes.partition_point(|&e| e / 2 >= s);
