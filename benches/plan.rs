@@ -1,12 +1,15 @@
 //! Criterion timing of whole-model plans (the `ragged bench plan` table has the padding).
 //! Baseline in the same run: the FSDP2 layout of the same model, which is plain arithmetic, so
-//! the ratio shows what the block-aware search costs on top of it.
+//! the ratio shows what the block-aware search costs on top of it. The multi-buffer plan (at most
+//! 3 buffers per unit) is timed next to the single-buffer plan of the same point.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ragged::model::Inventory;
 use ragged::plan::baselines::{layout, Baseline, BaselineOptions};
+use ragged::plan::multi::MultiOptions;
+use ragged::plan::multi_model::plan_model_multi;
 use ragged::plan::{plan_model, PlanOptions};
 use ragged::AtomicBlock;
 
@@ -19,6 +22,18 @@ fn plans(c: &mut Criterion) {
             let block: AtomicBlock = block.parse().expect("block");
             group.bench_function(format!("{name}/V1024/{block}"), |b| {
                 b.iter(|| plan_model(&inv, &|_| block, black_box(1024), &PlanOptions::default()))
+            });
+            group.bench_function(format!("{name}/V1024/{block}/multi-k3"), |b| {
+                b.iter(|| {
+                    plan_model_multi(
+                        &inv,
+                        &|_| block,
+                        black_box(1024),
+                        1,
+                        &PlanOptions::default(),
+                        &MultiOptions::default(),
+                    )
+                })
             });
         }
         group.bench_function(format!("{name}/V1024/fsdp2-baseline"), |b| {

@@ -485,6 +485,15 @@ fn section_text(table: &str) -> String {
          Padding is `(V·S − N)/N` summed over FSDP units (one per decoder layer plus the root). \
          Cut blocks: atomic blocks of the given size that a baseline's rank boundaries split; \
          ragged never splits one (every plan is validated). `bound` is `V·⌈N/V⌉`. \
+         `k≤3`: the multi-buffer planner (at most 3 collective buffers per unit, each with its own \
+         `S`; cost model α = 20 µs per collective, 50 GB/s per rank, bf16), its padding, the \
+         padding no layout with at most that many buffers per unit can avoid (`k≤3 floor`, a \
+         provable lower bound), the most buffers any unit uses, and its plan time (best of 3). \
+         `share < block`: where one rank's share of a decoder layer is smaller than one of the \
+         layer's blocks, no per-layer layout avoids that padding; the column gives the fewest \
+         layers per unit (a power of two) that fixes it and the multi-buffer padding with that wrap, \
+         then the largest HSDP shard group (`V/r` ranks, `r` replicas) that fixes it and the \
+         multi-buffer padding at that group size. \
          Machine: {}.\n\n{table}",
         machine()
     )

@@ -9,11 +9,13 @@ use clap::Args;
 use ragged::bench::plan::{baseline_layouts, pct};
 use ragged::model::Inventory;
 use ragged::plan::baselines;
-use ragged::plan::export::{svg, write_json};
+use ragged::plan::export::{svg_multi, write_multi_json};
+use ragged::plan::multi::MultiOptions;
+use ragged::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct PlanArgs {
     /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b) or an
     /// inventory JSON file (format: models/README.md).
@@ -34,10 +36,26 @@ pub struct PlanArgs {
     /// Orders to try: module, block-size, shape, or all.
     #[arg(long, default_value = "all")]
     order: String,
+    /// At most this many collective buffers per unit, each with its own shard size (1: one
+    /// buffer per unit).
+    #[arg(long, default_value_t = MultiOptions::default().max_buffers)]
+    max_buffers: usize,
+    /// Latency of one collective in microseconds (the price of one more buffer).
+    #[arg(long, default_value_t = MultiOptions::default().collective_latency_s * 1e6)]
+    alpha_us: f64,
+    /// Link bandwidth per rank in GB/s (the price of padding moved).
+    #[arg(long, default_value_t = MultiOptions::default().link_bytes_per_s / 1e9)]
+    link_gbs: f64,
+    /// Decoder layers per FSDP unit.
+    #[arg(long, default_value_t = 1)]
+    layers_per_unit: usize,
     /// Write the full plan as JSON to this file (- for standard output).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Draw one unit's layout as SVG to this file.
+    /// In the JSON, also write every tensor's V-entry units_per_rank list (large at big V).
+    #[arg(long)]
+    full_units: bool,
+    /// Draw one unit's layout (every buffer) as SVG to this file.
     #[arg(long)]
     svg: Option<PathBuf>,
     /// The unit to draw with --svg (default: the first decoder layer, else the first unit).
@@ -62,21 +80,144 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         start_align: args.start_align,
         orders: parse_orders(&args.order)?,
     };
+    let mopts = MultiOptions {
+        max_buffers: args.max_buffers,
+        collective_latency_s: args.alpha_us * 1e-6,
+        link_bytes_per_s: args.link_gbs * 1e9,
+        ..MultiOptions::default()
+    };
     let plan = plan_model(&inv, &|_| args.block, args.devices, &opts)?;
     for unit in &plan.units {
         unit.validate()?;
     }
+    let multi = plan_multi(&inv, args, args.layers_per_unit, &opts, &mopts)?;
     let quiet = matches!(&args.json, Some(p) if p.as_os_str() == "-");
     if !quiet {
-        print_stdout(&summary(&inv, &plan, args)?)?;
+        let mut text = summary(&inv, &plan, args)?;
+        text.push_str(&multi_summary(&inv, &multi, args, &opts, &mopts)?);
+        print_stdout(&text)?;
     }
     if let Some(path) = &args.json {
-        write_plan_json(&plan, path)?;
+        write_plan_json(&multi, args.full_units, path)?;
     }
     if let Some(path) = &args.svg {
-        write_svg(&plan, args.unit.as_deref(), path)?;
+        write_svg(&multi, args.unit.as_deref(), path)?;
     }
     Ok(())
+}
+
+fn plan_multi(
+    inv: &Inventory,
+    args: &PlanArgs,
+    layers_per_unit: usize,
+    opts: &PlanOptions,
+    mopts: &MultiOptions,
+) -> Result<MultiModelPlan> {
+    let plan = plan_model_multi(
+        inv,
+        &|_| args.block,
+        args.devices,
+        layers_per_unit,
+        opts,
+        mopts,
+    )?;
+    for unit in &plan.units {
+        for buffer in &unit.buffers {
+            buffer.validate()?;
+        }
+    }
+    Ok(plan)
+}
+
+/// The multi-buffer rows: padding and floor, per-unit buffers, and, where a rank's share of a
+/// unit is smaller than one block, the padding of a coarser wrap.
+fn multi_summary(
+    inv: &Inventory,
+    multi: &MultiModelPlan,
+    args: &PlanArgs,
+    opts: &PlanOptions,
+    mopts: &MultiOptions,
+) -> Result<String> {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\nmulti-buffer (at most {} buffers per unit, alpha {} us, {} GB/s), {} layer(s) per unit, plan time {:.2} ms:",
+        mopts.max_buffers,
+        args.alpha_us,
+        args.link_gbs,
+        multi.layers_per_unit,
+        multi.elapsed.as_secs_f64() * 1e3
+    );
+    let _ = writeln!(
+        s,
+        "{:<14} {:>20} {:>10}\n{:<14} {:>20} {:>10}   (no layout with at most k buffers per unit pads less)",
+        format!("ragged k<={}", mopts.max_buffers),
+        multi.buffer_elems(),
+        pct(multi.padding_frac()),
+        "k-buffer floor",
+        "",
+        pct(multi.floor_padding_frac()),
+    );
+    let mut i = 0;
+    while i < multi.units.len() {
+        let u = &multi.units[i];
+        let sizes: Vec<usize> = u.buffers.iter().map(|b| b.shard_size).collect();
+        let same = multi.units[i..]
+            .iter()
+            .take_while(|v| {
+                v.buffers
+                    .iter()
+                    .map(|b| b.shard_size)
+                    .eq(sizes.iter().copied())
+            })
+            .count();
+        let name = if same > 1 {
+            format!("{} .. {} ({same})", u.unit, multi.units[i + same - 1].unit)
+        } else {
+            u.unit.clone()
+        };
+        let pad = u.buffer_elems() - u.numel() as u64;
+        let floor_pad = u.floor_elems().saturating_sub(u.numel() as u64);
+        let _ = writeln!(
+            s,
+            "  {name:<32} k={} S={sizes:?} padding {}%  floor {}%{}",
+            u.k(),
+            pct(pad as f64 / u.numel() as f64),
+            pct(floor_pad as f64 / u.numel() as f64),
+            if u.share_below_block() {
+                "  (share per rank < one block)"
+            } else {
+                ""
+            }
+        );
+        i += same;
+    }
+    if multi.layers_per_unit == 1 {
+        if let Some(w) = coarse_wrap(multi) {
+            let coarse = plan_multi(inv, args, w, opts, mopts)?;
+            let _ = writeln!(
+                s,
+                "a rank's share of some unit is smaller than one of its blocks, so no per-layer layout \
+                 avoids that padding; with --layers-per-unit {w}: padding {}% (floor {}%)",
+                pct(coarse.padding_frac()),
+                pct(coarse.floor_padding_frac())
+            );
+        }
+        if let Some(g) = hsdp_group(multi) {
+            let hsdp_args = PlanArgs {
+                devices: g,
+                ..args.clone()
+            };
+            let hsdp = plan_multi(inv, &hsdp_args, 1, opts, mopts)?;
+            let _ = writeln!(
+                s,
+                "or HSDP with shard groups of {g} ranks (replicated {}x): padding {}%",
+                multi.world / g,
+                pct(hsdp.padding_frac())
+            );
+        }
+    }
+    Ok(s)
 }
 
 fn parse_orders(s: &str) -> Result<Vec<Order>> {
@@ -174,25 +315,25 @@ fn summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<String>
     Ok(s)
 }
 
-fn write_plan_json(plan: &ModelPlan, path: &PathBuf) -> Result<()> {
+fn write_plan_json(plan: &MultiModelPlan, full_units: bool, path: &PathBuf) -> Result<()> {
     if path.as_os_str() == "-" {
         let stdout = std::io::stdout();
         let mut out = BufWriter::new(stdout.lock());
-        write_json(plan, &mut out)?;
+        write_multi_json(plan, full_units, &mut out)?;
         return out
             .flush()
             .map_err(|e| Error::io("write plan json", "-", e));
     }
     let file = File::create(path).map_err(|e| Error::io("create", path, e))?;
     let mut out = BufWriter::new(file);
-    write_json(plan, &mut out).with_context(|| path.display())?;
+    write_multi_json(plan, full_units, &mut out).with_context(|| path.display())?;
     out.flush()
         .map_err(|e| Error::io("write plan json", path, e))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
 
-fn write_svg(plan: &ModelPlan, unit: Option<&str>, path: &PathBuf) -> Result<()> {
+fn write_svg(plan: &MultiModelPlan, unit: Option<&str>, path: &PathBuf) -> Result<()> {
     let chosen = match unit {
         Some(name) => plan.units.iter().find(|u| u.unit == name),
         None => plan
@@ -206,8 +347,13 @@ fn write_svg(plan: &ModelPlan, unit: Option<&str>, path: &PathBuf) -> Result<()>
         what: format!("unit {unit:?}"),
         reason: "no such unit".into(),
     })?;
-    std::fs::write(path, svg(chosen)).map_err(|e| Error::io("write svg", path, e))?;
-    eprintln!("wrote {} (unit {})", path.display(), chosen.unit);
+    std::fs::write(path, svg_multi(chosen)).map_err(|e| Error::io("write svg", path, e))?;
+    eprintln!(
+        "wrote {} (unit {}, {} buffer(s))",
+        path.display(),
+        chosen.unit,
+        chosen.k()
+    );
     Ok(())
 }
 

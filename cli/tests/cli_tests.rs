@@ -24,12 +24,17 @@ fn tmp(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-fn check_plan(plan: &PathBuf, model: &str, world: usize) -> (bool, String) {
-    let out = Command::new("python3")
-        .arg("tools/check_plan.py")
+/// Runs the independent checker; with a block spec it recomputes every block from the shape.
+fn check_plan(plan: &PathBuf, model: &str, world: usize, block: Option<&str>) -> (bool, String) {
+    let mut cmd = Command::new("python3");
+    cmd.arg("tools/check_plan.py")
         .arg(plan)
         .arg(format!("models/{model}.json"))
-        .arg(world.to_string())
+        .arg(world.to_string());
+    if let Some(block) = block {
+        cmd.args(["--block", block, "--coll-align", "64"]);
+    }
+    let out = cmd
         .current_dir(root())
         .output()
         .expect("python3 runs tools/check_plan.py");
@@ -39,11 +44,14 @@ fn check_plan(plan: &PathBuf, model: &str, world: usize) -> (bool, String) {
 
 #[test]
 fn json_plans_pass_the_independent_checker() {
+    // Multi-buffer units included: Mixtral at V = 1024 puts its w2 tensors in their own buffer.
     let cases = [
         ("llama3_8b", 64, "rows:16"),
         ("gpt_oss_20b", 24, "tile:32x32"),
         ("gpt_oss_20b", 7, "matrix"),
         ("llama3_70b", 1000, "rows:1"),
+        ("mixtral_8x7b", 1024, "rows:16"),
+        ("deepseek_v3_671b", 256, "tile:32x32"),
     ];
     for (model, world, block) in cases {
         let path = tmp(&format!("{model}-{world}.json"));
@@ -57,15 +65,29 @@ fn json_plans_pass_the_independent_checker() {
             block,
             "--json",
             path.to_str().unwrap(),
+            "--full-units",
+            "--no-baselines",
         ]);
         assert!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let (ok, report) = check_plan(&path, model, world);
+        let (ok, report) = check_plan(&path, model, world, Some(block));
         assert!(ok, "{model} V={world} {block}: {report}");
         assert!(report.starts_with("ok"), "{report}");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let plan: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let k_max = plan["units"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|u| u["buffers"].as_array().unwrap().len())
+            .max()
+            .unwrap();
+        if model == "mixtral_8x7b" {
+            assert!(k_max > 1, "Mixtral at V=1024 kept one buffer per unit");
+        }
     }
 }
 
@@ -87,11 +109,11 @@ fn checker_rejects_a_corrupted_plan() {
     assert!(out.status.success());
     let text = std::fs::read_to_string(&path).unwrap();
     let mut plan: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let t = &mut plan["units"][1]["tensors"][1];
+    let t = &mut plan["units"][1]["buffers"][0]["tensors"][1];
     let off = t["offset"].as_u64().unwrap();
     t["offset"] = (off + 1).into();
     std::fs::write(&path, serde_json::to_string(&plan).unwrap()).unwrap();
-    let (ok, report) = check_plan(&path, "llama3_8b", 16);
+    let (ok, report) = check_plan(&path, "llama3_8b", 16, Some("rows:1"));
     assert!(!ok, "corrupted plan accepted: {report}");
 }
 
@@ -131,8 +153,33 @@ fn summary_lists_every_baseline_and_svg_is_drawn() {
 
 #[test]
 fn bad_input_exits_with_a_message() {
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 8] = [
         &["plan", "--model", "no_such_model", "--devices", "8"],
+        &[
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "18446744073709551615",
+        ],
+        &[
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--max-buffers",
+            "0",
+        ],
+        &[
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--layers-per-unit",
+            "0",
+        ],
         &["plan", "--model", "llama3_8b", "--devices", "0"],
         &[
             "plan",
@@ -335,4 +382,42 @@ fn bench_comm_without_training_steps_prints_the_collectives_only() {
     assert!(stdout.contains("| all-gather | 2 | 8192 |"), "{stdout}");
     assert!(stdout.contains("| reduce-scatter | 2 | 8192 |"), "{stdout}");
     assert!(!stdout.contains("Training step"), "{stdout}");
+}
+
+#[test]
+fn svg_draws_every_buffer_of_a_multi_buffer_unit() {
+    let svg = tmp("mixtral-layer.svg");
+    let out = ragged(&[
+        "plan",
+        "--model",
+        "models/mixtral_8x7b.json",
+        "--devices",
+        "1024",
+        "--block",
+        "rows:16",
+        "--no-baselines",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("k-buffer floor") && text.contains("k=2"),
+        "{text}"
+    );
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    // One nested picture per buffer, each titled with its buffer's name.
+    assert_eq!(drawing.matches("<svg y=").count(), 2, "{drawing:.400}");
+    for name in [
+        "unit layers.0#0",
+        "unit layers.0#1",
+        "experts.0.w2.weight",
+        "q_proj",
+    ] {
+        assert!(drawing.contains(name), "drawing lacks {name}");
+    }
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use crate::model::Inventory;
 use crate::plan::baselines::{self, Baseline, BaselineLayout, BaselineOptions};
+use crate::plan::multi::MultiOptions;
+use crate::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
 use crate::plan::{plan_model, ModelPlan, PlanOptions};
 use crate::{AtomicBlock, Context, Result};
 
@@ -38,6 +40,26 @@ pub struct PlanRow {
     /// `V·⌈N/V⌉`: the element-granular bound, as a padding fraction.
     pub bound_frac: f64,
     pub baselines: Vec<BaselineCell>,
+    /// The multi-buffer plan ([`MultiOptions::default`]: at most 3 buffers per unit).
+    pub multi: MultiCell,
+}
+
+/// The multi-buffer numbers of one (model, V, block) point.
+#[derive(Clone, Debug)]
+pub struct MultiCell {
+    pub padding_frac: f64,
+    /// Padding no layout with at most each unit's `k` buffers can avoid.
+    pub floor_frac: f64,
+    /// The most buffers any unit uses.
+    pub max_k: usize,
+    /// Best of `repeats` runs of [`plan_model_multi`].
+    pub plan_time: Duration,
+    /// Where a rank's share of a decoder layer is smaller than one of its blocks: the coarser
+    /// wrap (layers per unit) that fixes that, and its multi-buffer padding.
+    pub coarse: Option<(usize, f64)>,
+    /// The same case by HSDP instead: the largest shard group whose layer shares reach a
+    /// block, and the multi-buffer padding at that group size.
+    pub hsdp: Option<(usize, f64)>,
 }
 
 /// The ragged plan of `inv`, timed as the best of `repeats` runs.
@@ -56,6 +78,60 @@ pub fn timed_plan(
         }
     }
     Ok(best.expect("at least one run"))
+}
+
+/// The multi-buffer plan of `inv` with `layers_per_unit` layers per unit, timed as the best
+/// of `repeats` runs; every buffer is validated.
+pub fn timed_multi_plan(
+    inv: &Inventory,
+    block: AtomicBlock,
+    world: usize,
+    layers_per_unit: usize,
+    repeats: usize,
+) -> Result<MultiModelPlan> {
+    let (opts, mopts) = (PlanOptions::default(), MultiOptions::default());
+    let mut best: Option<MultiModelPlan> = None;
+    for _ in 0..repeats.max(1) {
+        let p = plan_model_multi(inv, &|_| block, world, layers_per_unit, &opts, &mopts)?;
+        if best.as_ref().is_none_or(|b| p.elapsed < b.elapsed) {
+            best = Some(p);
+        }
+    }
+    let best = best.ok_or_else(|| crate::Error::BadInput {
+        op: "timed_multi_plan",
+        what: "repeats".into(),
+        reason: "no run".into(),
+    })?;
+    for buffer in best.units.iter().flat_map(|u| &u.buffers) {
+        buffer.validate()?;
+    }
+    Ok(best)
+}
+
+/// The multi-buffer cell of one point, with the coarser wrap where a share is below a block.
+pub fn multi_cell(
+    inv: &Inventory,
+    block: AtomicBlock,
+    world: usize,
+    repeats: usize,
+) -> Result<MultiCell> {
+    let plan = timed_multi_plan(inv, block, world, 1, repeats)?;
+    let coarse = match coarse_wrap(&plan) {
+        Some(w) => Some((w, timed_multi_plan(inv, block, world, w, 1)?.padding_frac())),
+        None => None,
+    };
+    let hsdp = match hsdp_group(&plan) {
+        Some(g) => Some((g, timed_multi_plan(inv, block, g, 1, 1)?.padding_frac())),
+        None => None,
+    };
+    Ok(MultiCell {
+        padding_frac: plan.padding_frac(),
+        floor_frac: plan.floor_padding_frac(),
+        max_k: plan.max_k(),
+        plan_time: plan.elapsed,
+        coarse,
+        hsdp,
+    })
 }
 
 /// Every baseline layout of `inv` at `world` (they do not depend on the block).
@@ -91,6 +167,7 @@ pub fn plan_row(
             })
         })
         .collect::<Result<_>>()?;
+    let multi = multi_cell(inv, block, world, repeats).with_context(ctx)?;
     Ok(PlanRow {
         model: inv.model.clone(),
         world,
@@ -100,22 +177,26 @@ pub fn plan_row(
         floor_frac: plan.lower_bound_padding_frac(),
         bound_frac: bound,
         baselines,
+        multi,
     })
 }
 
 /// A markdown table of `rows`: padding % of ragged, the padding its blocks force on any layout
-/// (`block floor`), padding % of each baseline, blocks cut by each
-/// baseline (ragged cuts none, checked by [`crate::plan::Plan::validate`]), plan time.
+/// (`block floor`), the multi-buffer padding, its floor, the most buffers a unit uses and its
+/// plan time, the coarser wrap where a rank's share of a layer is below one block, padding %
+/// of each baseline, blocks cut by each baseline (ragged cuts none, checked by
+/// [`crate::plan::Plan::validate`]), plan time.
 pub fn markdown(rows: &[PlanRow]) -> String {
     let mut s = String::new();
     s.push_str("| model | V | block | ragged pad % | block floor % | plan ms |");
+    s.push_str(" k≤3 pad % | k≤3 floor % | max k | k≤3 ms | share < block: wrap, pad %; HSDP group, pad % |");
     for b in Baseline::ALL {
         let _ = write!(s, " {b} pad % |");
     }
     for b in Baseline::ALL {
         let _ = write!(s, " {b} cuts |");
     }
-    s.push_str(" bound pad % |\n|---|---:|---|---:|---:|---:|");
+    s.push_str(" bound pad % |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|");
     s.push_str(&"---:|".repeat(2 * Baseline::ALL.len() + 1));
     s.push('\n');
     for r in rows {
@@ -128,6 +209,22 @@ pub fn markdown(rows: &[PlanRow]) -> String {
             pct(r.padding_frac),
             pct(r.floor_frac),
             r.plan_time.as_secs_f64() * 1e3
+        );
+        let m = &r.multi;
+        let mut coarse = match m.coarse {
+            Some((w, p)) => format!("{w} layers: {}", pct(p)),
+            None => String::new(),
+        };
+        if let Some((g, p)) = m.hsdp {
+            let _ = write!(coarse, "; HSDP {g}: {}", pct(p));
+        }
+        let _ = write!(
+            s,
+            " {} | {} | {} | {:.2} | {coarse} |",
+            pct(m.padding_frac),
+            pct(m.floor_frac),
+            m.max_k,
+            m.plan_time.as_secs_f64() * 1e3
         );
         for c in &r.baselines {
             let _ = write!(s, " {} |", pct(c.padding_frac));

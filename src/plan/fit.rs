@@ -15,19 +15,24 @@ use super::Item;
 /// boundary inside), or `d ≡ 0 (mod g)` and either a second boundary is not inside
 /// (`e − d ≤ S`) or every later boundary is aligned too (`g | S`).
 fn start_in_shard(c: usize, item: &Item, shard: usize) -> Option<usize> {
-    let boundary = (c / shard + 1) * shard;
-    let first = c.next_multiple_of(item.align);
+    // Past usize::MAX there is no boundary: a start whose next boundary overflows is useless
+    // anyway, since no buffer that large can be addressed.
+    let boundary = (c / shard + 1).checked_mul(shard)?;
+    let first = c.checked_next_multiple_of(item.align)?;
     if first >= boundary {
         return None;
     }
-    if first + item.numel <= boundary {
+    if item.numel <= boundary - first {
         return Some(first);
     }
     // Latest start whose second boundary is still outside the tensor (only matters if g ∤ S).
     let last = if shard % item.block == 0 {
         boundary - 1
     } else {
-        (boundary + shard).checked_sub(item.numel)?
+        match boundary.checked_add(shard) {
+            Some(second) => second.checked_sub(item.numel)?,
+            None => boundary - 1, // the second boundary lies past any addressable end
+        }
     };
     let s = aligned_start(first, boundary % item.block, item.block, item.align)?;
     (s <= last.min(boundary - 1)).then_some(s)
@@ -38,42 +43,60 @@ fn start_in_shard(c: usize, item: &Item, shard: usize) -> Option<usize> {
 /// Validity is periodic in `s mod S` (the alignment divides `S`), so looking at the rest of the
 /// current shard and at one full shard after it is exhaustive.
 pub fn earliest_start(c: usize, item: &Item, shard: usize) -> Option<usize> {
-    start_in_shard(c, item, shard).or_else(|| start_in_shard((c / shard + 1) * shard, item, shard))
+    start_in_shard(c, item, shard).or_else(|| {
+        let next = (c / shard + 1).checked_mul(shard)?;
+        start_in_shard(next, item, shard)
+    })
 }
 
 /// Places `items` in order with shard size `shard` on `world` ranks; returns the offsets, or
-/// `None` when they do not fit in `world · shard` elements.
+/// `None` when they do not fit in `world · shard` elements (or that product overflows).
 pub fn greedy(items: &[Item], shard: usize, world: usize) -> Option<Vec<usize>> {
     let mut offsets = Vec::with_capacity(items.len());
     fits(items, shard, world, |s| offsets.push(s)).then_some(offsets)
 }
 
 /// Whether `items` fit in order; calls `place` with each start. Stops as soon as the tensors
-/// still to place cannot fit behind the cursor.
+/// still to place cannot fit behind the cursor. Sizes whose sum or product overflows `usize`
+/// do not fit.
 pub fn fits(items: &[Item], shard: usize, world: usize, mut place: impl FnMut(usize)) -> bool {
+    if shard == 0 {
+        return false;
+    }
     let Some(capacity) = shard.checked_mul(world) else {
         return false;
     };
-    let mut rest: usize = items.iter().map(|t| t.numel).sum();
+    let Some(mut rest) = total_numel(items) else {
+        return false;
+    };
     let mut cursor = 0usize;
     for item in items {
         let Some(s) = earliest_start(cursor, item, shard) else {
             return false;
         };
         rest -= item.numel;
-        cursor = s + item.numel;
-        if cursor + rest > capacity {
-            return false;
+        // `rest` elements still follow; they need room behind this tensor.
+        match s.checked_add(item.numel) {
+            Some(end) if end <= capacity && capacity - end >= rest => cursor = end,
+            _ => return false,
         }
         place(s);
     }
     true
 }
 
-/// Smallest `s ≥ lo` with `s ≡ r (mod g)` and `s ≡ 0 (mod a)` (Chinese remainder theorem).
+/// `Σ numel`, `None` on overflow.
+pub fn total_numel(items: &[Item]) -> Option<usize> {
+    items
+        .iter()
+        .try_fold(0usize, |acc, t| acc.checked_add(t.numel))
+}
+
+/// Smallest `s ≥ lo` with `s ≡ r (mod g)` and `s ≡ 0 (mod a)` (Chinese remainder theorem);
+/// `None` when no such `s` exists or it overflows.
 fn aligned_start(lo: usize, r: usize, g: usize, a: usize) -> Option<usize> {
     if a == 1 {
-        return Some(lo + (r + g - lo % g) % g);
+        return lo.checked_add(steps_to_residue(lo, r, g));
     }
     let h = gcd(a, g);
     if r % h != 0 {
@@ -81,9 +104,20 @@ fn aligned_start(lo: usize, r: usize, g: usize, a: usize) -> Option<usize> {
     }
     let m = g / h;
     let x = ((r / h) as u128 * mod_inverse((a / h) % m, m) as u128 % m.max(1) as u128) as usize;
-    let period = a * m;
-    let s0 = (a * x) % period;
-    Some(lo + (s0 + period - lo % period) % period)
+    let period = a.checked_mul(m)?;
+    // x < m, so a·x < a·m = period.
+    let s0 = a * x;
+    lo.checked_add(steps_to_residue(lo, s0, period))
+}
+
+/// `(r − lo) mod p` for `r < p`, without overflow.
+fn steps_to_residue(lo: usize, r: usize, p: usize) -> usize {
+    let have = lo % p;
+    if r >= have {
+        r - have
+    } else {
+        p - (have - r)
+    }
 }
 
 /// Inverse of `x` modulo `m` (`gcd(x, m) = 1`); 0 when `m ≤ 1`.

@@ -12,11 +12,17 @@
 //! | feasibility of one `S` for one order (greedy earliest fit) | [`fit`] |
 //! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
 //! | exact oracles for small inputs | [`oracle`] |
+//! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
+//! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
+//! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
 pub mod export;
 pub mod fit;
+pub mod floor;
+pub mod multi;
+pub mod multi_model;
 pub mod oracle;
 pub mod search;
 
@@ -190,7 +196,17 @@ pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<La
             reason: format!("must divide the collective alignment {}", opts.coll_align),
         });
     }
-    let lower_bound = search::any_order_lower_bound(&items, world, opts.coll_align);
+    let lower_bound = search::any_order_lower_bound(&items, world, opts.coll_align)?;
+    if lower_bound.checked_mul(world).is_none() {
+        return Err(Error::BadInput {
+            op: "plan_items",
+            what: format!("{world} ranks"),
+            reason: format!(
+                "a buffer of {world} shards of at least {lower_bound} elements overflows a 64-bit \
+                 element count"
+            ),
+        });
+    }
     let mut best: Option<Layout> = None;
     let mut seen = Vec::new();
     for &order in &opts.orders {
@@ -199,7 +215,7 @@ pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<La
             continue;
         }
         let arranged: Vec<Item> = perm.iter().map(|&i| items[i]).collect();
-        let (shard_size, placed, stats) = search::min_shard(&arranged, world, opts.coll_align);
+        let (shard_size, placed, stats) = search::min_shard(&arranged, world, opts.coll_align)?;
         if best.as_ref().is_none_or(|b| shard_size < b.shard_size) {
             let mut offsets = vec![0; items.len()];
             for (k, &i) in perm.iter().enumerate() {
@@ -216,7 +232,11 @@ pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<La
         }
         seen.push(perm);
     }
-    Ok(best.expect("at least one order was tried"))
+    best.ok_or_else(|| Error::BadInput {
+        op: "plan_items",
+        what: "orders".into(),
+        reason: "no order to try".into(),
+    })
 }
 
 /// One tensor of a [`Plan`].
@@ -310,7 +330,7 @@ impl Plan {
             op: "Plan::validate",
             reason: format!("unit {}: {reason}", self.unit),
         };
-        if self.shard_size == 0 || self.shard_size % self.coll_align != 0 {
+        if self.shard_size == 0 || self.coll_align == 0 || self.shard_size % self.coll_align != 0 {
             return Err(bad(format!(
                 "shard size {} is not a positive multiple of {}",
                 self.shard_size, self.coll_align
@@ -318,29 +338,51 @@ impl Plan {
         }
         let mut by_offset: Vec<&Placement> = self.placements.iter().collect();
         by_offset.sort_by_key(|p| p.offset);
+        let capacity = self
+            .world
+            .checked_mul(self.shard_size)
+            .ok_or_else(|| bad(format!("{} x {} overflows", self.world, self.shard_size)))?;
         let mut end = 0;
         for p in by_offset {
             if p.offset < end {
                 return Err(bad(format!("{} overlaps the previous tensor", p.name)));
             }
-            end = p.offset + p.numel();
-            if end > self.buffer_elems() {
-                return Err(bad(format!("{} ends past the buffer", p.name)));
+            end = match p.offset.checked_add(p.numel()) {
+                Some(e) if e <= capacity => e,
+                _ => return Err(bad(format!("{} ends past the buffer", p.name))),
+            };
+            if p.block_elems == 0 {
+                return Err(bad(format!("{} has a block of 0 elements", p.name)));
             }
-            let first_cut = (p.offset / self.shard_size + 1) * self.shard_size;
-            for cut in (first_cut..end).step_by(self.shard_size) {
-                if (cut - p.offset) % p.block_elems != 0 {
-                    return Err(Error::BlockSplit {
-                        op: "Plan::validate",
-                        tensor: p.name.clone(),
-                        block: p.block_elems,
-                        offset: cut - p.offset,
-                    });
-                }
-            }
+            check_cuts(p, self.shard_size, end)?;
         }
         Ok(())
     }
+}
+
+/// No shard boundary strictly inside `[offset, end)` splits a block of `p`. If the block divides
+/// `S`, the first boundary decides for all; otherwise two boundaries `S` apart cannot both be
+/// block edges, so a valid tensor has at most one inside. Either way O(1), however many shards
+/// the tensor spans.
+fn check_cuts(p: &Placement, shard: usize, end: usize) -> Result<()> {
+    let split = |cut: usize| Error::BlockSplit {
+        op: "Plan::validate",
+        tensor: p.name.clone(),
+        block: p.block_elems,
+        offset: cut - p.offset,
+    };
+    // offset < end ≤ V·S, so the next boundary after the offset is addressable.
+    let first = (p.offset / shard + 1) * shard;
+    if first >= end {
+        return Ok(());
+    }
+    if (first - p.offset) % p.block_elems != 0 {
+        return Err(split(first));
+    }
+    if shard % p.block_elems != 0 && end - first > shard {
+        return Err(split(first + shard));
+    }
+    Ok(())
 }
 
 /// Plans one unit: `block_of` names the atomic block of each tensor (the optimizer's choice).
@@ -355,7 +397,7 @@ pub fn plan_unit(
     Ok(assemble(unit, &items, &blocks, &layout, opts))
 }
 
-fn unit_items(
+pub(crate) fn unit_items(
     unit: &Unit,
     block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
     opts: &PlanOptions,
@@ -373,7 +415,7 @@ fn unit_items(
     Ok((items, blocks))
 }
 
-fn assemble(
+pub(crate) fn assemble(
     unit: &Unit,
     items: &[Item],
     blocks: &[AtomicBlock],
@@ -470,6 +512,15 @@ pub fn plan_model(
         };
         units.push(assemble(&unit, &items, &blocks, &layout, opts));
     }
+    // The model-wide sums of `ModelPlan` are u64: make sure they cannot wrap.
+    units
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.buffer_elems() as u64))
+        .ok_or_else(|| Error::BadInput {
+            op: "plan_model",
+            what: format!("model {}", inv.model),
+            reason: "the buffers of all units together overflow a 64-bit element count".into(),
+        })?;
     Ok(ModelPlan {
         model: inv.model.clone(),
         world,

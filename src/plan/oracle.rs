@@ -16,12 +16,12 @@ use crate::{Error, Result};
 pub const MAX_PERMUTED: usize = 8;
 
 /// The smallest feasible `S` (multiple of `coll`) for `items` in this order.
-pub fn exact_for_order(items: &[Item], world: usize, coll: usize) -> usize {
-    let hi = upper_bound(items, coll);
-    (lower_bound(items, world, coll)..hi)
+pub fn exact_for_order(items: &[Item], world: usize, coll: usize) -> Result<usize> {
+    let hi = upper_bound(items, coll)?;
+    Ok((lower_bound(items, world, coll)?..hi)
         .step_by(coll)
         .find(|&s| greedy(items, s, world).is_some())
-        .unwrap_or(hi)
+        .unwrap_or(hi))
 }
 
 /// The smallest `S` over every order, with the order (a permutation of input indices) that
@@ -38,7 +38,7 @@ pub fn exact_any_order(items: &[Item], world: usize, coll: usize) -> Result<(usi
     let mut best = (usize::MAX, perm.clone());
     loop {
         let arranged: Vec<Item> = perm.iter().map(|&i| items[i]).collect();
-        let s = exact_for_order(&arranged, world, coll);
+        let s = exact_for_order(&arranged, world, coll)?;
         if s < best.0 {
             best = (s, perm.clone());
         }
@@ -62,16 +62,18 @@ pub fn exhaustive_fits(items: &[Item], shard: usize, world: usize) -> bool {
             .filter(|&s| s % t.align == 0 && block_rule_holds(s, t, shard))
             .any(|s| place(rest, s + t.numel, shard, capacity))
     }
-    place(items, 0, shard, shard * world)
+    shard
+        .checked_mul(world)
+        .is_some_and(|capacity| place(items, 0, shard, capacity))
 }
 
 /// The smallest `S` for this order found by [`exhaustive_fits`].
-pub fn exhaustive_for_order(items: &[Item], world: usize, coll: usize) -> usize {
-    let hi = upper_bound(items, coll);
-    (coll..hi)
+pub fn exhaustive_for_order(items: &[Item], world: usize, coll: usize) -> Result<usize> {
+    let hi = upper_bound(items, coll)?;
+    Ok((coll..hi)
         .step_by(coll)
         .find(|&s| exhaustive_fits(items, s, world))
-        .unwrap_or(hi)
+        .unwrap_or(hi))
 }
 
 /// Constraint 1 checked directly: every boundary strictly inside the tensor is a block edge.
