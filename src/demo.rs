@@ -282,10 +282,26 @@ fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
     Tensor::from_vec(m, (t, t), &Device::Cpu)
 }
 
-/// The training text that ships with the crate (`data/corpus.txt`: a frozen snapshot of the
-/// project's own documentation), as bytes.
-pub fn corpus() -> &'static [u8] {
-    include_bytes!("../data/corpus.txt")
+/// Where the demo's training text lives: `data/corpus.txt` of this source tree (a frozen
+/// snapshot of the project's own documentation). Read at run time, not embedded in the library.
+pub const CORPUS_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/corpus.txt");
+
+/// The demo's training text ([`CORPUS_PATH`]), read once.
+pub fn corpus() -> Result<&'static [u8]> {
+    static TEXT: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    if let Some(t) = TEXT.get() {
+        return Ok(t);
+    }
+    let text = std::fs::read(CORPUS_PATH)
+        .map_err(|e| Error::io("read the demo corpus", CORPUS_PATH, e))?;
+    if text.len() < 1024 {
+        return Err(Error::BadInput {
+            op: "demo corpus",
+            what: CORPUS_PATH.into(),
+            reason: format!("{} bytes; the demo needs at least 1024", text.len()),
+        });
+    }
+    Ok(TEXT.get_or_init(|| text))
 }
 
 /// Token windows `[batch, seq_len + 1]` for global step `step`: rows `first..first + batch` of
@@ -298,7 +314,15 @@ pub fn batch(
     rows: usize,
 ) -> Result<Tensor> {
     let window = cfg.seq_len + 1;
-    let span = corpus.len() - window;
+    let span = corpus
+        .len()
+        .checked_sub(window)
+        .filter(|&s| s > 0)
+        .ok_or_else(|| Error::BadInput {
+            op: "demo batch",
+            what: "corpus".into(),
+            reason: format!("{} bytes for windows of {window}", corpus.len()),
+        })?;
     let mut ids = Vec::with_capacity(rows * window);
     for r in first..first + rows {
         let mut rng = SplitMix((step as u64) << 32 | r as u64);
@@ -377,7 +401,7 @@ pub fn train_rank<O: Optimizer>(
     let mut reports = Vec::with_capacity(steps);
     for step in 0..steps {
         let start = Instant::now();
-        let ids = batch(corpus(), &cfg, step, comm.rank() * rows, rows)?;
+        let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;
         let phases = match mode {
             TrainMode::UnitByUnit => sharded.forward_backward(&stages, &ids)?,
             TrainMode::WholeModel => whole_model_step(&mut sharded, &mut whole, cfg, &ids)?,

@@ -286,7 +286,7 @@ fn collectives_run_on_the_storage_the_model_and_backward_use() {
             CFG,
             VarBuilder::from_tensors(views.clone(), DType::F32, &Device::Cpu),
         )?;
-        let ids = batch(corpus(), &CFG, 0, 0, 3)?;
+        let ids = batch(corpus().unwrap(), &CFG, 0, 0, 3)?;
         model.loss(&ids)?.backward()?;
         let sink = sharded
             .grad_sink("layers.0")
@@ -362,7 +362,7 @@ fn parameter_tensors_stay_valid_across_steps() {
         VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
     )
     .unwrap();
-    let ids = batch(corpus(), &CFG, 0, 0, 2).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
     let mut before = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     for _ in 0..2 {
         model.loss(&ids).unwrap().backward().unwrap();
@@ -389,7 +389,7 @@ fn parameter_tensors_stay_valid_across_steps() {
 fn every_parameter_of_the_demo_model_receives_a_nonzero_gradient() {
     let params = CFG.init_params(5).unwrap();
     let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
-    let ids = batch(corpus(), &CFG, 0, 0, 4).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 4).unwrap();
     sharded
         .forward_backward(&TransformerStages(CFG), &ids)
         .unwrap();
@@ -437,7 +437,7 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
     }
     let params = CFG.init_params(5).unwrap();
     let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
-    let ids = batch(corpus(), &CFG, 0, 0, 2).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
     sharded
         .forward_backward(&SkipsHead(TransformerStages(CFG)), &ids)
         .unwrap();
@@ -526,7 +526,7 @@ fn bf16_collectives_move_half_the_bytes() {
     let bytes = |opts: FsdpOptions| {
         ThreadWorld::run(2, |c| {
             let mut sharded = fully_shard(&params, adamw(), c, opts.clone())?;
-            let ids = batch(corpus(), &CFG, 0, c.rank() * 2, 2)?;
+            let ids = batch(corpus().unwrap(), &CFG, 0, c.rank() * 2, 2)?;
             sharded.forward_backward(&TransformerStages(CFG), &ids)?;
             Ok(sharded.stats().collective())
         })
@@ -669,7 +669,7 @@ fn non_finite_values_stop_or_skip_the_step_on_every_rank() {
         };
         let mut sharded = fully_shard(&params, huge(), c, opts)?;
         for step in 0..4 {
-            let ids = batch(corpus(), &CFG, step, c.rank() * 2, 2)?;
+            let ids = batch(corpus().unwrap(), &CFG, step, c.rank() * 2, 2)?;
             sharded.forward_backward(&TransformerStages(CFG), &ids)?;
             sharded.step()?;
         }
@@ -693,7 +693,7 @@ fn non_finite_values_stop_or_skip_the_step_on_every_rank() {
 #[test]
 fn clipping_is_bitwise_the_same_sharded_and_unsharded() {
     let params = CFG.init_params(4).unwrap();
-    let ids = batch(corpus(), &CFG, 0, 0, 4).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 4).unwrap();
     let clip = |c: &dyn Communicator| -> ragged::Result<(f32, HashMap<String, Vec<u32>>)> {
         let opts = FsdpOptions {
             reduce: ReduceOp::Sum,
