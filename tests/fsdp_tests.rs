@@ -764,3 +764,91 @@ fn clipping_is_bitwise_the_same_sharded_and_unsharded() {
         "{norm} vs {grads}"
     );
 }
+
+/// After a unit-by-unit step no unit holds a full gradient buffer or gathered parameters: each
+/// was reduced and freed during backward, and nothing reached it afterwards (a stage's input
+/// gradient carries a graph back into the next stage's weights unless it is detached; the MLP
+/// stack, whose input gradients are matmuls with the weights, shows it).
+#[test]
+fn forward_backward_leaves_only_shards_behind() {
+    fn check<M: Stages>(
+        sharded: &mut ragged::fsdp::ShardedModel<'_, AdamW>,
+        model: &M,
+        batch: &M::Batch,
+    ) {
+        for step in 0..2 {
+            sharded.forward_backward(model, batch).unwrap();
+            for name in sharded.unit_names() {
+                let sink = sharded.grad_sink(name).unwrap();
+                assert!(
+                    !sink.holds_gradients(),
+                    "step {step}: unit {name} still holds gradients"
+                );
+            }
+            let sharded_only = sharded
+                .unshard_state()
+                .iter()
+                .all(|s| *s == ragged::dbuffer::Materialized::Sharded);
+            assert!(sharded_only, "step {step}: a unit is still gathered");
+            sharded.step().unwrap();
+        }
+    }
+    let params = CFG.init_params(9).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
+    check(&mut sharded, &TransformerStages(CFG), &ids);
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 3,
+    };
+    let params = mlp.init_params(1).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    check(
+        &mut sharded,
+        &ragged::demo::MlpStages(mlp),
+        &mlp.batch(0, 4).unwrap(),
+    );
+}
+
+/// The MLP stack (whose stage-input gradients are matmuls with the weights) trains bitwise the
+/// same unit by unit, with recomputation, as in one whole-model backward, over several steps.
+#[test]
+fn mlp_stack_trains_the_same_unit_by_unit_and_whole() {
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 3,
+    };
+    let params = mlp.init_params(1).unwrap();
+    let run = |whole: bool| {
+        let mut sharded =
+            fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+        for step in 0..3 {
+            let b = mlp.batch(step, 4).unwrap();
+            if whole {
+                let views = sharded.unshard().unwrap();
+                let mut x = b.x.clone();
+                for i in 0..mlp.layers {
+                    x = mlp.block(i, |n| Ok(views[n].clone()), &x).unwrap();
+                }
+                ragged::demo::MlpConfig::loss(&x, &b.y)
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                sharded.reduce_gradients().unwrap();
+            } else {
+                sharded
+                    .forward_backward(&ragged::demo::MlpStages(mlp), &b)
+                    .unwrap();
+            }
+            sharded.step().unwrap();
+        }
+        let mut v: Vec<_> = sharded.full_params().unwrap().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.into_iter()
+            .map(|(n, x)| (n, x.iter().map(|f| f.to_bits()).collect::<Vec<_>>()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(false), run(true));
+}

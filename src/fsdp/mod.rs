@@ -570,6 +570,11 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(())
     }
 
+    /// Whether each unit's compute copies are materialized, in unit order.
+    pub fn unshard_state(&self) -> Vec<Materialized> {
+        self.units.iter().map(|u| u.params.state()).collect()
+    }
+
     /// The gradient sink of unit `name` (storage identity checks: where backward writes).
     pub fn grad_sink(&self, name: &str) -> Option<&Arc<GradSink>> {
         self.units

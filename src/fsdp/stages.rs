@@ -267,14 +267,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 /// Backpropagates one stage's output: from the loss itself (`g` is `None`) or from `Σ out · g`;
 /// returns the gradient of the stage's input (`None` if none reached it).
 fn backward_stage(out: Tensor, g: Option<&Tensor>, input: Option<&Var>) -> Result<Option<Tensor>> {
+    // candle's gradients are built from the graph's tensors (a matmul's input gradient from its
+    // weight), so they carry a graph of their own: detached, `g` is the constant of a
+    // vector-Jacobian product, and the next stage's parameters are neither kept alive nor
+    // reached again.
     let seed = match g {
         None => out,
-        Some(g) => (out * g)
+        Some(g) => (out * g.detach())
             .and_then(|t| t.sum_all())
             .map_err(candle("backward seed"))?,
     };
     let grads = seed.backward().map_err(candle("backward"))?;
-    Ok(input.and_then(|x| grads.get(x.as_tensor()).cloned()))
+    Ok(input.and_then(|x| grads.get(x.as_tensor()).map(Tensor::detach)))
 }
 
 /// The loss as f32, or an error if the last stage did not return a scalar.
