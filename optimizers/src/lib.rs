@@ -27,6 +27,7 @@ pub mod bench;
 pub mod common;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod drift;
 pub mod kernels;
 pub mod muon;
 pub mod muon_layout;
