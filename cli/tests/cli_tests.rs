@@ -258,3 +258,75 @@ fn bench_optim_on_cuda_without_a_gpu_build_or_device_fails_with_the_reason() {
     assert!(err.contains("CUDA unavailable"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn validate_passes_a_small_preset_and_fails_bad_input() {
+    let out = ragged(&[
+        "validate",
+        "--model",
+        "llama3_8b",
+        "--optimizer",
+        "adam8bit",
+        "--scale",
+        "32",
+        "--units",
+        "2",
+        "--worlds",
+        "1,2,3",
+        "--steps",
+        "2",
+        "--mesh-invariance",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(" 0 breaches of the numerics contract"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model.layers.0.mlp.down_proj.weight"),
+        "{text}"
+    );
+    assert!(
+        text.contains("same bits") && !text.contains("DIFFERENT"),
+        "{text}"
+    );
+    for bad in [
+        &[
+            "validate",
+            "--model",
+            "llama3_8b",
+            "--optimizer",
+            "adamw",
+            "--worlds",
+            "0",
+        ][..],
+        &[
+            "validate",
+            "--model",
+            "no_such_model",
+            "--optimizer",
+            "adamw",
+        ],
+        &["validate", "--model", "llama3_8b", "--optimizer", "sgd"],
+        &[
+            "validate",
+            "--model",
+            "llama3_8b",
+            "--optimizer",
+            "muon",
+            "--mesh-invariance",
+        ],
+    ] {
+        let out = ragged(bad);
+        assert!(!out.status.success(), "{bad:?} succeeded");
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("panicked"),
+            "{bad:?} panicked"
+        );
+    }
+}

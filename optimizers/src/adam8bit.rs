@@ -440,7 +440,7 @@ impl Adam8bit {
                         return Err(Error::InvalidShard {
                             op,
                             reason: format!(
-                                "piece {:?} of {} {:?} cuts a {TILE}×{TILE} tile",
+                                "piece {:?} of {} {:?} cuts a {TILE}-row block (its scale blocks)",
                                 piece.range, meta.name, meta.shape
                             ),
                         });

@@ -35,6 +35,7 @@ pub mod newton_schulz;
 pub mod quant;
 pub mod roots;
 pub mod shampoo;
+pub mod validate;
 
 pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
