@@ -43,7 +43,7 @@ pub struct OptimBenchArgs {
     /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
-    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz").
+    /// Clock in GHz for the peak (default: measured by an FMA loop on every core).
     #[arg(long)]
     ghz: Option<f64>,
     /// Print the table only; leave the markdown file alone.

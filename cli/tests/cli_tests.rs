@@ -185,8 +185,10 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
                 .any(|k| l.starts_with(&format!("| {} |", k.name())))
         })
         .collect();
-    // Five optimizers × (one layer + two squares) in quick mode.
-    assert_eq!(rows.len(), 15, "{text}");
+    // Five optimizers × (one layer + two squares) in quick mode, and the Llama-style stack
+    // for Muon in f32 and bf16.
+    assert_eq!(rows.len(), 17, "{text}");
+    assert_eq!(rows.iter().filter(|r| r.contains("(28 matrices)")).count(), 2, "{text}");
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), columns, "{row}");
@@ -204,7 +206,7 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     // One progress line per case on stderr.
     assert_eq!(
         err.lines().filter(|l| l.starts_with('[')).count(),
-        15,
+        17,
         "{err}"
     );
 }
