@@ -93,7 +93,8 @@ impl Peak {
                 let m = crate::peak_probe::measure_f32_peak(cores, 40);
                 let g = m.gflops / (cores as f64 * f32_flops_per_cycle);
                 let why = format!(
-                    "measured: {} on {} threads, {:.0} GFLOP/s; /proc/cpuinfo says {nominal}",
+                    "measured: {} on {} threads, {:.0} GFLOP/s; /proc/cpuinfo's nominal clock \
+                     is {nominal}",
                     m.kernel, m.threads, m.gflops
                 );
                 (g, why)
@@ -132,7 +133,7 @@ impl Peak {
     /// How the peaks were derived, in one line.
     pub fn derivation(&self) -> String {
         format!(
-            "f32: {} cores × {:.2} GHz ({}) × {} FLOP/cycle ({}) = {:.0} GFLOP/s; \
+            "f32: {} cores × {:.2} GHz effective ({}) × {} FLOP/cycle ({}) = {:.0} GFLOP/s; \
              bf16: × {} FLOP/cycle ({}) = {:.0} GFLOP/s",
             self.cores,
             self.ghz,
