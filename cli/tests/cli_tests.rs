@@ -188,7 +188,11 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     // Five optimizers × (one layer + two squares) in quick mode, and the Llama-style stack
     // for Muon in f32 and bf16.
     assert_eq!(rows.len(), 17, "{text}");
-    assert_eq!(rows.iter().filter(|r| r.contains("(28 matrices)")).count(), 2, "{text}");
+    assert_eq!(
+        rows.iter().filter(|r| r.contains("(28 matrices)")).count(),
+        2,
+        "{text}"
+    );
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), columns, "{row}");

@@ -67,7 +67,8 @@ pub struct Peak {
     pub f32_isa: &'static str,
     pub f32_flops_per_cycle: f64,
     /// The bf16 unit: `AMX-BF16` (≈1024 FLOP/cycle/core) when `/proc/cpuinfo` lists
-    /// `amx_bf16`; otherwise bf16 runs on the f32 unit (widened, as candle's CPU matmul does).
+    /// `amx_bf16`; AVX512-BF16 dot products (2× the f32 unit) when it lists `avx512_bf16`;
+    /// otherwise bf16 runs on the f32 unit (widened, as candle's CPU matmul does).
     pub bf16_isa: &'static str,
     pub bf16_flops_per_cycle: f64,
 }
@@ -100,12 +101,21 @@ impl Peak {
                 (g, why)
             }
         };
-        let amx = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("flags"))
-            .is_some_and(|l| l.split_whitespace().any(|f| f == "amx_bf16"));
-        let (bf16_isa, bf16_flops_per_cycle) = if amx {
+        let has = |flag: &str| {
+            cpuinfo
+                .lines()
+                .find(|l| l.starts_with("flags"))
+                .is_some_and(|l| l.split_whitespace().any(|f| f == flag))
+        };
+        // AVX512-BF16's `vdpbf16ps` does two bf16 multiply-adds per f32 lane, twice the f32
+        // FMA's FLOPs per instruction (what oneDNN's `brg:avx512_core_bf16` runs).
+        let (bf16_isa, bf16_flops_per_cycle) = if has("amx_bf16") {
             ("AMX-BF16", 1024.0)
+        } else if has("avx512_bf16") {
+            (
+                "AVX512-BF16 dot products, 2× the f32 unit",
+                2.0 * f32_flops_per_cycle,
+            )
         } else {
             ("no AMX: bf16 widened to the f32 unit", f32_flops_per_cycle)
         };
