@@ -37,6 +37,7 @@ pub mod quant;
 pub mod roots;
 pub mod shampoo;
 pub mod validate;
+pub mod validate_f64;
 
 pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};

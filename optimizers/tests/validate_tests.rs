@@ -50,8 +50,8 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
             .filter(|c| c.layout == LayoutKind::Ragged)
             .count();
         assert_eq!(ragged, 3 * 4, "{kind}");
-        if kind == OptimKind::AdamW {
-            assert_eq!(report.reference.len(), 3);
+        if kind == OptimKind::AdamW || kind == OptimKind::Muon {
+            assert_eq!(report.reference.len(), 3, "{kind}");
             assert!(
                 report.reference.iter().all(|r| r.max_rel > 0.0),
                 "f32 vs f64 differ"
@@ -191,4 +191,52 @@ fn scatter_and_gather_are_inverse_and_refuse_inconsistent_buffers() {
     assert!(LocalShard::gather(&shards, &short).is_err());
     assert!(LocalShard::gather(&shards[..2], &locals[..2]).is_err());
     assert!(LocalShard::gather::<f32>(&[], &[]).is_err());
+}
+
+#[test]
+fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
+    use ragged::comm::SingleRank;
+    use ragged_optimizers::validate_f64::muon_f64;
+    use ragged_optimizers::{Muon, MuonConfig};
+    let shape = [64usize, 96];
+    let n = shape[0] * shape[1];
+    let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.5) * s;
+    let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
+    let grads: Vec<Vec<f32>> = (0..3)
+        .map(|s| (0..n).map(|k| wave(k * (s + 2), 1.0)).collect())
+        .collect();
+    let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+    let c = MuonConfig::default();
+    let opt = Muon::new(c.clone()).unwrap();
+    let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
+    let shard = LocalShard::unsharded(
+        spec.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+        &|name, shape| opt.atomic_block(name, shape),
+    )
+    .unwrap();
+    let mut p = p0.clone();
+    let mut state = opt.init(&shard).unwrap();
+    for g in &grads {
+        opt.step(&mut state, &shard, &mut p, g, &SingleRank)
+            .unwrap();
+    }
+    let max_err = |want: &[f64]| {
+        p.iter()
+            .zip(want)
+            .map(|(&x, &w)| (f64::from(x) - w).abs())
+            .fold(0f64, f64::max)
+    };
+    // validate's tolerance for this matrix: 3 steps × (lr·scale·5e-4 + 4u·max|p|).
+    let tol = 3.0 * (1e-3 * 5e-4 + 4.0 * 2f64.powi(-24) * 1.5);
+    let right = max_err(&muon_f64(&c, &shape, &p0, &g));
+    assert!(right <= tol, "f32 Muon vs f64: {right} > {tol}");
+    let plain = MuonConfig {
+        nesterov: false,
+        ..c.clone()
+    };
+    let wrong = max_err(&muon_f64(&plain, &shape, &p0, &g));
+    assert!(
+        wrong > 10.0 * tol,
+        "without Nesterov: {wrong}, tolerance {tol}"
+    );
 }
