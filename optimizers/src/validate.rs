@@ -673,7 +673,7 @@ fn adamw_reference(
     let got = unsharded_result(&AdamW::new(*c)?, unit, &p0, &grads)?;
     for (k, t) in unit.tensors.iter().enumerate() {
         let g: Vec<&[f32]> = grads.iter().map(|s| s[k].as_slice()).collect();
-        let want = adamw_f64(c, c.decay_rule.decays(&t.shape), &p0[k], &g);
+        let want = adamw_f64(c, c.decay_rule.decays(&t.shape), &p0[k], &g)?;
         report
             .reference
             .push(adam_check(&t.name, &got[k], &want, cfg.steps));
@@ -697,13 +697,13 @@ fn muon_reference(
     for (k, t) in unit.tensors.iter().enumerate() {
         let g: Vec<&[f32]> = grads.iter().map(|s| s[k].as_slice()).collect();
         if !opt.uses_muon(&t.name, &t.shape) {
-            let want = adamw_f64(&c.adamw, c.adamw.decay_rule.decays(&t.shape), &p0[k], &g);
+            let want = adamw_f64(&c.adamw, c.adamw.decay_rule.decays(&t.shape), &p0[k], &g)?;
             report
                 .reference
                 .push(adam_check(&t.name, &got[k], &want, cfg.steps));
             continue;
         }
-        let want = muon_f64(c, &t.shape, &p0[k], &g);
+        let want = muon_f64(c, &t.shape, &p0[k], &g)?;
         let d = t.shape.len();
         let scale = c.lr * c.lr_scale.factor(t.shape[d - 2], t.shape[d - 1]);
         let p_max = want.iter().fold(0f64, |a, w| a.max(w.abs()));

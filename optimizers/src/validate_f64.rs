@@ -2,11 +2,26 @@
 //! (`torch.optim.AdamW`'s formula) and Muon (lerp momentum, Nesterov, Newton–Schulz, decoupled
 //! decay), written from the formulas, not from the f32 code.
 
+use ragged::{Error, Result};
+
 use crate::{AdamWConfig, MuonConfig, NsConfig};
+
+/// `Err` unless every gradient has `n` elements.
+fn check_grads(op: &'static str, n: usize, grads: &[&[f32]]) -> Result<()> {
+    match grads.iter().position(|g| g.len() != n) {
+        None => Ok(()),
+        Some(s) => Err(Error::BadInput {
+            op,
+            what: format!("gradient of step {s}: {} elements", grads[s].len()),
+            reason: format!("the parameter has {n}"),
+        }),
+    }
+}
 
 /// AdamW in f64 on one tensor: `p0` stepped with every `grads[step]`; `decays` for whether the
 /// parameter gets weight decay (applied before the update, as torch does).
-pub fn adamw_f64(c: &AdamWConfig, decays: bool, p0: &[f32], grads: &[&[f32]]) -> Vec<f64> {
+pub fn adamw_f64(c: &AdamWConfig, decays: bool, p0: &[f32], grads: &[&[f32]]) -> Result<Vec<f64>> {
+    check_grads("adamw_f64", p0.len(), grads)?;
     let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
     let (mut m, mut v) = (vec![0f64; p.len()], vec![0f64; p.len()]);
     for (step, g) in grads.iter().enumerate() {
@@ -22,13 +37,26 @@ pub fn adamw_f64(c: &AdamWConfig, decays: bool, p0: &[f32], grads: &[&[f32]]) ->
             p[i] -= c.lr / bc1 * m[i] / ((v[i] / bc2).sqrt() + c.eps);
         }
     }
-    p
+    Ok(p)
 }
 
 /// Muon in f64 on one parameter of `shape` (≥ 2-D: its trailing `rows × cols` matrices one by
-/// one), `p0` stepped with every `grads[step]`.
-pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -> Vec<f64> {
+/// one), `p0` stepped with every `grads[step]`. `Err` on a shape of fewer than two dimensions
+/// or with a zero side, or buffers of other lengths.
+pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -> Result<Vec<f64>> {
+    const OP: &str = "muon_f64";
     let d = shape.len();
+    if d < 2 || shape.contains(&0) || shape.iter().product::<usize>() != p0.len() {
+        return Err(Error::InvalidShape {
+            op: OP,
+            shape: shape.to_vec(),
+            reason: format!(
+                "needs ≥ 2 non-zero dimensions holding {} elements",
+                p0.len()
+            ),
+        });
+    }
+    check_grads(OP, p0.len(), grads)?;
     let (rows, cols) = (shape[d - 2], shape[d - 1]);
     let scale = c.lr * c.lr_scale.factor(rows, cols);
     let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
@@ -46,19 +74,27 @@ pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -
             buf.clone()
         };
         for (mp, mu) in p.chunks_mut(rows * cols).zip(u.chunks(rows * cols)) {
-            let o = newton_schulz_f64(mu, rows, cols, &c.ns);
+            let o = newton_schulz_f64(mu, rows, cols, &c.ns)?;
             for (x, o) in mp.iter_mut().zip(o) {
                 *x = *x * (1.0 - c.lr * c.weight_decay) - scale * o;
             }
         }
     }
-    p
+    Ok(p)
 }
 
 /// Newton–Schulz in f64 on a row-major `rows × cols` matrix: normalize by
 /// `norm_scale·‖X‖_F` (at least `eps`), work on the wide orientation, and iterate
-/// `X ← a·X + (b·A + c·A·A)·X` with `A = X·Xᵀ`.
-pub fn newton_schulz_f64(x: &[f64], rows: usize, cols: usize, c: &NsConfig) -> Vec<f64> {
+/// `X ← a·X + (b·A + c·A·A)·X` with `A = X·Xᵀ`. `Err` unless `x` holds `rows·cols > 0`
+/// elements.
+pub fn newton_schulz_f64(x: &[f64], rows: usize, cols: usize, c: &NsConfig) -> Result<Vec<f64>> {
+    if rows == 0 || cols == 0 || rows.checked_mul(cols) != Some(x.len()) {
+        return Err(Error::InvalidShape {
+            op: "newton_schulz_f64",
+            shape: vec![rows, cols],
+            reason: format!("{} elements", x.len()),
+        });
+    }
     let tall = rows > cols;
     let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
     let at = |i: usize, j: usize| {
@@ -85,7 +121,7 @@ pub fn newton_schulz_f64(x: &[f64], rows: usize, cols: usize, c: &NsConfig) -> V
         next.iter_mut().zip(&a).for_each(|(n, x)| *n += ca * x);
         a = next;
     }
-    (0..rows * cols)
+    Ok((0..rows * cols)
         .map(|k| {
             let (i, j) = (k / cols, k % cols);
             if tall {
@@ -94,7 +130,7 @@ pub fn newton_schulz_f64(x: &[f64], rows: usize, cols: usize, c: &NsConfig) -> V
                 a[i * l + j]
             }
         })
-        .collect()
+        .collect())
 }
 
 /// `x·yᵀ` (`transpose_y`: `x: n×k`, `y: n×k`, result `n×n`) or `x·y` (`x: n×k`, `y: k×?`,

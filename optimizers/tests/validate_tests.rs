@@ -228,13 +228,22 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
     };
     // validate's tolerance for this matrix: 3 steps × (lr·scale·5e-4 + 4u·max|p|).
     let tol = 3.0 * (1e-3 * 5e-4 + 4.0 * 2f64.powi(-24) * 1.5);
-    let right = max_err(&muon_f64(&c, &shape, &p0, &g));
+    let right = max_err(&muon_f64(&c, &shape, &p0, &g).unwrap());
     assert!(right <= tol, "f32 Muon vs f64: {right} > {tol}");
     let plain = MuonConfig {
         nesterov: false,
         ..c.clone()
     };
-    let wrong = max_err(&muon_f64(&plain, &shape, &p0, &g));
+    let wrong = max_err(&muon_f64(&plain, &shape, &p0, &g).unwrap());
+    // Bad input is an error, not a panic.
+    assert!(muon_f64(&c, &[n], &p0, &g).is_err());
+    assert!(muon_f64(
+        &c,
+        &shape,
+        &p0,
+        &g[..1].iter().map(|g| &g[1..]).collect::<Vec<_>>()
+    )
+    .is_err());
     assert!(
         wrong > 10.0 * tol,
         "without Nesterov: {wrong}, tolerance {tol}"
