@@ -1,19 +1,21 @@
-// 8-bit Adam on 32x32 tiles of the global shape (optimizers/src/adam8bit.rs): one thread block
-// per tile, the same dynamic maps, the same element order and the same quantizer as the CPU
-// path (bnb 0.50 CPU-backend order: decay, dequantize, moments, update with the fresh f32
-// moments, new per-tile absmax, requantize with ties going to the upper code, no sign fix-up).
+// 8-bit Adam on 256-element scale blocks inside 32-row blocks of the global shape
+// (optimizers/src/adam8bit.rs): one thread block per scale block, the same dynamic maps, the
+// same element order and the same quantizer as the CPU path (bnb 0.50 CPU-backend order:
+// decay, dequantize, moments, update with the fresh f32 moments, new per-block scales rounded
+// to 16 bits, requantize with ties going to the upper code, no sign fix-up, and a positive v
+// never on code 0).
 //
-// Grid: (tiles, 1, 1); block: 256 threads; static shared memory: 2 x 256 maps + 2 x 1024
-// staged moments + reductions (about 10 KiB). A tile is `rows` (<= 32) rows of 32 columns,
-// starting at element `tile_off[t]` of the local shard, rows `tile_stride[t]` elements apart;
-// its scales are absmax_m[t], absmax_v[t] (local tile order, as on the CPU).
+// Grid: (blocks, 1, 1); block: 256 threads, one element each; static shared memory: 2 x 256
+// maps + reductions (about 4 KiB). A scale block is `block_len[b]` (<= 256, a multiple of 32)
+// consecutive elements starting at element `block_off[b]` of the local shard; its scales are
+// scale_m[b], scale_v[b] (16-bit codes: bits 30..15 of the f32; local order, as on the CPU).
 // Compiled with --fmad=false, --prec-div=true, --prec-sqrt=true, --ftz=false: every element
 // operation is one IEEE f32 operation as on the CPU, and max is exact, so the result is
-// bitwise equal to the CPU step. Launcher: optimizers/src/cuda/adam8bit.rs (`ADAM8BIT_TILES`).
+// bitwise equal to the CPU step. Launcher: optimizers/src/cuda/adam8bit.rs (`ADAM8BIT_BLOCKS`).
 
-#define TILE 32
-#define THREADS 256
+#define BLOCK 256
 #define MAP_LEN 256
+#define SCALE_SHIFT 15
 
 __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     if (fabsf(w) < 0.5f) {
@@ -35,26 +37,36 @@ __device__ __forceinline__ unsigned char quantize(float x, const float* map) {
     return (map[hi] - x <= x - map[lo]) ? (unsigned char)hi : (unsigned char)lo;
 }
 
-__device__ __forceinline__ unsigned char quantize_scaled(float x, float absmax, const float* map,
+__device__ __forceinline__ unsigned char quantize_scaled(float x, float scale, const float* map,
                                                          unsigned char zero_code) {
-    return absmax == 0.0f ? zero_code : quantize(x / absmax, map);
+    return scale == 0.0f ? zero_code : quantize(x / scale, map);
 }
 
-extern "C" __global__ void adam8bit_tiles(
-    float* p, const float* g, unsigned char* mc, unsigned char* vc, float* absmax_m,
-    float* absmax_v, const float* qmap_m, const float* qmap_v,
-    const unsigned long long* tile_off, const unsigned int* tile_rows,
-    const unsigned int* tile_stride, const float* tile_decay, float w, float beta2,
-    float one_minus_beta2, float neg_step_size, float bc2_sqrt, float eps,
+// optimizers/src/quant.rs `encode_scale` / `decode_scale`.
+__device__ __forceinline__ unsigned short encode_scale(float absmax) {
+    const unsigned int bits = __float_as_uint(absmax) & 0x7fffffffu;
+    const unsigned int rounded = (bits + (1u << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
+    const unsigned int infinity = 0x7f800000u >> SCALE_SHIFT;
+    if (rounded == infinity && bits < 0x7f800000u) return (unsigned short)(infinity - 1);
+    return (unsigned short)rounded;
+}
+
+__device__ __forceinline__ float decode_scale(unsigned short code) {
+    return __uint_as_float(((unsigned int)code) << SCALE_SHIFT);
+}
+
+extern "C" __global__ void adam8bit_blocks(
+    float* p, const float* g, unsigned char* mc, unsigned char* vc, unsigned short* scale_m,
+    unsigned short* scale_v, const float* qmap_m, const float* qmap_v,
+    const unsigned long long* block_off, const unsigned int* block_len, const float* block_decay,
+    float w, float beta2, float one_minus_beta2, float neg_step_size, float bc2_sqrt, float eps,
     unsigned char m_zero_code, unsigned char v_zero_code) {
     __shared__ float smap_m[MAP_LEN];
     __shared__ float smap_v[MAP_LEN];
-    __shared__ float m_new[TILE * TILE];
-    __shared__ float v_new[TILE * TILE];
-    __shared__ float red_m[THREADS];
-    __shared__ float red_v[THREADS];
+    __shared__ float red_m[BLOCK];
+    __shared__ float red_v[BLOCK];
 
-    const unsigned int t = blockIdx.x;
+    const unsigned int b = blockIdx.x;
     const unsigned int tid = threadIdx.x;
     for (unsigned int k = tid; k < MAP_LEN; k += blockDim.x) {
         smap_m[k] = qmap_m[k];
@@ -62,30 +74,25 @@ extern "C" __global__ void adam8bit_tiles(
     }
     __syncthreads();
 
-    const unsigned long long off = tile_off[t];
-    const unsigned int rows = tile_rows[t];
-    const unsigned long long stride = tile_stride[t];
-    const float decay = tile_decay[t];
-    const float old_am = absmax_m[t];
-    const float old_av = absmax_v[t];
-    float my_am = 0.0f, my_av = 0.0f;
-    for (unsigned int e = tid; e < rows * TILE; e += blockDim.x) {
-        const unsigned long long i = off + (e / TILE) * stride + (e % TILE);
+    const unsigned long long i = block_off[b] + tid;
+    const bool mine = tid < block_len[b];
+    float m1 = 0.0f, v1 = 0.0f;
+    if (mine) {
+        const float old_sm = decode_scale(scale_m[b]);
+        const float old_sv = decode_scale(scale_v[b]);
         const float gi = g[i];
-        const float p0 = p[i] * decay;
-        const float m0 = smap_m[mc[i]] * old_am;
-        const float v0 = smap_v[vc[i]] * old_av;
-        const float m1 = lerp_elem(m0, gi, w);
-        const float v1 = v0 * beta2 + (one_minus_beta2 * gi) * gi;
+        const float p0 = p[i] * block_decay[b];
+        const float m0 = smap_m[mc[i]] * old_sm;
+        const float v0 = smap_v[vc[i]] * old_sv;
+        m1 = lerp_elem(m0, gi, w);
+        v1 = v0 * beta2 + (one_minus_beta2 * gi) * gi;
         p[i] = p0 + (neg_step_size * m1) / (sqrtf(v1) / bc2_sqrt + eps);
-        m_new[e] = m1;
-        v_new[e] = v1;
-        // fmaxf returns the non-NaN operand, as Rust's f32::max does.
-        my_am = fmaxf(my_am, fabsf(m1));
-        my_av = fmaxf(my_av, v1);
     }
-    red_m[tid] = my_am;
-    red_v[tid] = my_av;
+    // fmaxf returns the non-NaN operand, as Rust's f32::max does; every value enters as
+    // max(+0.0, x), where the CPU's maxima start (so a NaN never reaches the reduction), and
+    // idle threads add +0.0.
+    red_m[tid] = fmaxf(0.0f, fabsf(m1));
+    red_v[tid] = fmaxf(0.0f, v1);
     __syncthreads();
     for (unsigned int s = blockDim.x / 2; s > 0; s /= 2) {
         if (tid < s) {
@@ -94,15 +101,16 @@ extern "C" __global__ void adam8bit_tiles(
         }
         __syncthreads();
     }
-    const float new_am = red_m[0];
-    const float new_av = red_v[0];
-    for (unsigned int e = tid; e < rows * TILE; e += blockDim.x) {
-        const unsigned long long i = off + (e / TILE) * stride + (e % TILE);
-        mc[i] = quantize_scaled(m_new[e], new_am, smap_m, m_zero_code);
-        vc[i] = quantize_scaled(v_new[e], new_av, smap_v, v_zero_code);
+    const unsigned short new_m = encode_scale(red_m[0]);
+    const unsigned short new_v = encode_scale(red_v[0]);
+    if (mine) {
+        mc[i] = quantize_scaled(m1, decode_scale(new_m), smap_m, m_zero_code);
+        unsigned char cv = quantize_scaled(v1, decode_scale(new_v), smap_v, v_zero_code);
+        // The second-moment floor (quant.rs `keep_positive_nonzero`).
+        vc[i] = (cv == 0 && v1 > 0.0f) ? 1 : cv;
     }
     if (tid == 0) {
-        absmax_m[t] = new_am;
-        absmax_v[t] = new_av;
+        scale_m[b] = new_m;
+        scale_v[b] = new_v;
     }
 }

@@ -208,6 +208,90 @@ impl LocalShard {
         Ok(())
     }
 
+    /// This rank's local buffer of the global tensors `global` (one flattened buffer per
+    /// parameter, in `params` order): each piece copied to its offset, padding
+    /// `T::default()` (zero). `Err` when `global` does not hold one tensor of the right length
+    /// per parameter.
+    pub fn scatter<T: Copy + Default>(&self, global: &[Vec<T>]) -> Result<Vec<T>> {
+        check_globals("LocalShard::scatter", &self.params, global)?;
+        let mut local = vec![T::default(); self.len];
+        for p in &self.pieces {
+            local[p.offset..p.offset + p.range.len()]
+                .copy_from_slice(&global[p.param][p.range.clone()]);
+        }
+        Ok(local)
+    }
+
+    /// The global tensors from every rank's local buffer (`shards[r]` and `locals[r]` of one
+    /// plan): the inverse of [`LocalShard::scatter`]. `Err` unless the shards describe the
+    /// same parameters, each local buffer has its shard's length, and every element of every
+    /// parameter is owned by exactly one rank.
+    pub fn gather<T: Copy + Default>(
+        shards: &[LocalShard],
+        locals: &[Vec<T>],
+    ) -> Result<Vec<Vec<T>>> {
+        const OP: &str = "LocalShard::gather";
+        let bad = |reason: String| Err(crate::Error::InvalidShard { op: OP, reason });
+        let Some(first) = shards.first() else {
+            return bad("no shards".into());
+        };
+        if locals.len() != shards.len() {
+            return bad(format!(
+                "{} local buffers for {} shards",
+                locals.len(),
+                shards.len()
+            ));
+        }
+        let mut global: Vec<Vec<T>> = first
+            .params
+            .iter()
+            .map(|m| vec![T::default(); m.numel()])
+            .collect();
+        let mut owners: Vec<Vec<u8>> = first.params.iter().map(|m| vec![0; m.numel()]).collect();
+        for (shard, local) in shards.iter().zip(locals) {
+            let same = shard.params.len() == first.params.len()
+                && shard
+                    .params
+                    .iter()
+                    .zip(&first.params)
+                    .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+            if !same || local.len() != shard.len {
+                return bad(format!(
+                    "rank {}: {} elements for a shard of {}, or other parameters than rank {}'s",
+                    shard.rank,
+                    local.len(),
+                    shard.len,
+                    first.rank
+                ));
+            }
+            for p in &shard.pieces {
+                if p.param >= global.len()
+                    || p.range.end > global[p.param].len()
+                    || p.offset + p.range.len() > local.len()
+                {
+                    return bad(format!(
+                        "rank {}: piece {:?} of parameter {} out of bounds",
+                        shard.rank, p.range, p.param
+                    ));
+                }
+                global[p.param][p.range.clone()]
+                    .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
+                for o in &mut owners[p.param][p.range.clone()] {
+                    *o = o.saturating_add(1);
+                }
+            }
+        }
+        for (meta, own) in first.params.iter().zip(&owners) {
+            if let Some(e) = own.iter().position(|&o| o != 1) {
+                return bad(format!(
+                    "{}: element {e} owned by {} ranks",
+                    meta.name, own[e]
+                ));
+            }
+        }
+        Ok(global)
+    }
+
     /// Whether this rank holds all of parameter `param`.
     pub fn holds_whole(&self, param: usize) -> bool {
         let n = self.params[param].numel();
@@ -293,6 +377,20 @@ impl Optimizer for Sgd {
         }
         Ok(())
     }
+}
+
+/// `Err` unless `global` holds one tensor per parameter of `params`, each of its `numel`.
+fn check_globals<T>(op: &'static str, params: &[ParamMeta], global: &[Vec<T>]) -> Result<()> {
+    let want: Vec<usize> = params.iter().map(ParamMeta::numel).collect();
+    let got: Vec<usize> = global.iter().map(Vec::len).collect();
+    if want != got {
+        return Err(crate::Error::BadInput {
+            op,
+            what: format!("global tensors of {got:?} elements"),
+            reason: format!("the shard's parameters have {want:?}"),
+        });
+    }
+    Ok(())
 }
 
 /// Checks that `params` and `grads` cover exactly the local shard.

@@ -237,7 +237,7 @@ const ENTRIES: [(&str, &[&str]); 6] = [
         &["group_zero", "group_scale", "group_add", "group_copy"],
     ),
     ("adamw.cu", &["adamw_step"]),
-    ("adam8bit.cu", &["adam8bit_tiles"]),
+    ("adam8bit.cu", &["adam8bit_blocks"]),
     ("muon.cu", &["muon_momentum", "muon_apply"]),
     (
         "newton_schulz.cu",

@@ -72,7 +72,8 @@ pub struct OptimBenchArgs {
     /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
-    /// Clock in GHz for the peak (default: /proc/cpuinfo "cpu MHz"); finite and positive.
+    /// Clock in GHz for the peak (default: measured by an FMA loop on every core); finite
+    /// and positive.
     // Negative numbers reach the check, which says why they are refused.
     #[arg(long, allow_negative_numbers = true)]
     ghz: Option<f64>,

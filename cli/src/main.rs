@@ -1,9 +1,10 @@
-//! The `ragged` command-line tool: `ragged plan` and `ragged bench`.
+//! The `ragged` command-line tool: `ragged plan`, `ragged bench` and `ragged validate`.
 
 mod bench_cmd;
 #[cfg(test)]
 mod fuzz_tests;
 mod plan_cmd;
+mod validate_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +30,8 @@ enum Command {
     /// Run a benchmark and write its table.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Check the numerics contract on a model: sharded vs unsharded, f64 reference.
+    Validate(validate_cmd::ValidateArgs),
 }
 
 fn main() {
@@ -36,6 +39,7 @@ fn main() {
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Bench(cmd) => bench_cmd::run(&cmd),
+        Command::Validate(args) => validate_cmd::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

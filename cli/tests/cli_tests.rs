@@ -232,8 +232,14 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
                 .any(|k| l.starts_with(&format!("| {} |", k.name())))
         })
         .collect();
-    // Five optimizers × (one layer + two squares) in quick mode.
-    assert_eq!(rows.len(), 15, "{text}");
+    // Five optimizers × (one layer + two squares) in quick mode, and the Llama-style stack
+    // for Muon in f32 and bf16.
+    assert_eq!(rows.len(), 17, "{text}");
+    assert_eq!(
+        rows.iter().filter(|r| r.contains("(28 matrices)")).count(),
+        2,
+        "{text}"
+    );
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), columns, "{row}");
@@ -251,7 +257,7 @@ fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     // One progress line per case on stderr.
     assert_eq!(
         err.lines().filter(|l| l.starts_with('[')).count(),
-        15,
+        17,
         "{err}"
     );
 }
@@ -419,5 +425,77 @@ fn svg_draws_every_buffer_of_a_multi_buffer_unit() {
         "q_proj",
     ] {
         assert!(drawing.contains(name), "drawing lacks {name}");
+    }
+}
+
+#[test]
+fn validate_passes_a_small_preset_and_fails_bad_input() {
+    let out = ragged(&[
+        "validate",
+        "--model",
+        "llama3_8b",
+        "--optimizer",
+        "adam8bit",
+        "--scale",
+        "32",
+        "--units",
+        "2",
+        "--worlds",
+        "1,2,3",
+        "--steps",
+        "2",
+        "--mesh-invariance",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(" 0 breaches of the numerics contract"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model.layers.0.mlp.down_proj.weight"),
+        "{text}"
+    );
+    assert!(
+        text.contains("same bits") && !text.contains("DIFFERENT"),
+        "{text}"
+    );
+    for bad in [
+        &[
+            "validate",
+            "--model",
+            "llama3_8b",
+            "--optimizer",
+            "adamw",
+            "--worlds",
+            "0",
+        ][..],
+        &[
+            "validate",
+            "--model",
+            "no_such_model",
+            "--optimizer",
+            "adamw",
+        ],
+        &["validate", "--model", "llama3_8b", "--optimizer", "sgd"],
+        &[
+            "validate",
+            "--model",
+            "llama3_8b",
+            "--optimizer",
+            "muon",
+            "--mesh-invariance",
+        ],
+    ] {
+        let out = ragged(bad);
+        assert!(!out.status.success(), "{bad:?} succeeded");
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("panicked"),
+            "{bad:?} panicked"
+        );
     }
 }

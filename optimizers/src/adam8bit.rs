@@ -1,10 +1,11 @@
 //! 8-bit Adam on a local shard: bitsandbytes-style block-wise dynamic quantization of both
-//! Adam moments, with **32×32 tiles of the global shape** as quantization blocks, so that
-//! every block lies on one rank and the numerics cannot depend on the world size or layout.
+//! Adam moments, with **256-element scale blocks inside 32-row blocks of the global shape**,
+//! so that every block lies on one rank and the numerics cannot depend on the world size or
+//! layout.
 //!
 //! Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022
 //! (arXiv:2110.02861); reference text: `/work/shared/reference/optimizers.md` §3 (bnb layout,
-//! maps, update orders, small-tensor fallback) and §3.4 (tiles on the global shape).
+//! maps, update orders, small-tensor fallback) and §3.4 (blocks on the global shape).
 //!
 //! # Which parameters are 8-bit ([`Tiling::of`])
 //! A parameter gets 8-bit state when **all** of these hold; otherwise it keeps `f32` Adam
@@ -15,78 +16,95 @@
 //! - it has at least `min_8bit_size` elements (default 4096, bnb's), counted on the **global**
 //!   shape, never on the local piece.
 //!
-//! A shape that does not tile (1-D, 0-D, `n % 32 ≠ 0`) falls back to `f32` state; there are no
-//! partial-width tiles. So do parameters named by [`Adam8bitConfig::fp32_patterns`] (default:
-//! embeddings), as bnb's `StableEmbedding` does: an embedding row whose token is absent from a
-//! batch has a zero gradient, its `v` decays until it rounds to code 0 while `m` still holds a
-//! value, and the update `lr·m/ε` explodes. The decision depends on the name, the global
-//! shape and the config only.
+//! A shape that does not tile (1-D, 0-D, `n % 32 ≠ 0`) falls back to `f32` state. So do
+//! parameters named by [`Adam8bitConfig::fp32_patterns`] (default: embeddings), as bnb's
+//! `StableEmbedding` does. The decision depends on the name, the global shape and the config
+//! only.
 //!
-//! # Tiles
-//! A tile is 32 consecutive rows × 32 consecutive columns of **one** trailing matrix. Rows are
-//! grouped from each matrix's first row, so a matrix whose `m` is not a multiple of 32 ends with
-//! a short row block (`m mod 32` rows): its tiles have fewer rows. Each tile has its own
-//! `absmax` for `m` and for `v`.
+//! # Row blocks and scale blocks
+//! A row block is 32 consecutive rows of **one** trailing matrix (the unit the planner keeps on
+//! one rank). Rows are grouped from each matrix's first row, so a matrix whose `m` is not a
+//! multiple of 32 ends with a short row block (`m mod 32` rows). Each row block is cut,
+//! row-major from its first element, into **scale blocks** of [`SCALE_BLOCK`] (256)
+//! consecutive elements, each with its own scale for `m` and for `v`; a short row block may
+//! end with a shorter one (a multiple of 32 elements). A full row block holds `32·n / 256 =
+//! n / 8` scale blocks, so on a 2-D matrix with `m % 32 = 0` the scale blocks are exactly
+//! bitsandbytes' flat 256-element blocks.
 //!
-//! | shape | block ([`Optimizer::atomic_block`]) | tiles |
+//! | shape | block ([`Optimizer::atomic_block`]) | scale blocks |
 //! |---|---|---|
-//! | `[64, 96]` | `Tile { 32, 32 }` | 2 row blocks × 3 = 6 |
-//! | `[100, 64]` | `Tile { 32, 32 }` | 4 row blocks (32, 32, 32, 4 rows) × 2 = 8 |
-//! | `[3, 64, 64]` | `Tile { 32, 32 }` | 3 · 2 · 2 = 12 |
-//! | `[3, 40, 64]` | `Matrix` | 3 · 2 (32 rows, 8 rows) · 2 = 12 |
+//! | `[64, 96]` | `Tile { 32, 32 }` | 2 row blocks × 12 = 24 |
+//! | `[100, 64]` | `Tile { 32, 32 }` | 3 × 8 + 1 (4 rows = 256 elements) = 25 |
+//! | `[3, 64, 64]` | `Tile { 32, 32 }` | 3 · 2 · 8 = 48 |
+//! | `[3, 40, 64]` | `Matrix` | 3 · (8 + 2) = 30 |
 //! | `[33]`, `[5, 7]` | `Element` | fallback, `f32` state |
 //!
-//! The planner measures a `Tile` block as 32 rows of the flattened tensor from its first
-//! element ([`ragged::block`]). That keeps every per-matrix tile whole when the matrices hold
+//! The planner measures a `Tile { 32, 32 }` block as 32 rows of the flattened tensor from its
+//! first element ([`ragged::block`]). That keeps every row block whole when the matrices hold
 //! whole 32-row blocks (2-D, or `m % 32 = 0`). For a batch of matrices with `m % 32 ≠ 0` a
 //! 32-flat-row cut could fall inside a matrix's short block, so such parameters ask for
 //! `Matrix` (each matrix whole on one rank) instead. [`Adam8bit::step`] checks that every
 //! local piece starts and ends on a row-block edge and returns `Err` otherwise.
 //!
-//! # State layout ([`Adam8bitState`])
+//! # State layout ([`Adam8bitState`], 2 + 4/256 ≈ 2.016 bytes per parameter)
 //! - `m`, `v`: one code per element of the local shard (`shard.len` bytes each). Positions that
 //!   are not in an 8-bit piece (fallback pieces, padding) hold the code of 0.0 (127 in `m`, 0
 //!   in `v`) and never change.
-//! - `absmax_m`, `absmax_v`: one `f32` per tile held locally, ordered by local piece (shard
-//!   order), then within a piece by matrix, row block, and column block (row-major over tiles).
+//! - `scale_m`, `scale_v`: one 16-bit scale ([`crate::quant::encode_scale`]: `f32`'s exponent
+//!   and top 8 mantissa bits) per scale block held locally, ordered by local piece (shard
+//!   order), then within a piece row-major (matrix, row block, block).
 //! - `m32`, `v32`: `f32` moments of the fallback pieces only, concatenated in shard order.
 //!
 //! # The step (bnb 0.50 CPU backend order, reference §3.3)
-//! For every tile held locally, at step `t` (after the increment), for each element:
+//! For every scale block held locally, at step `t` (after the increment), for each element:
 //!
 //! | # | operation | piece |
 //! |---|---|---|
 //! | 1 | `p ← p·(1 − lr·wd)` (decoupled, **before** the update; if decayed) | [`crate::common::decay_elem`] |
-//! | 2 | `m = qmap₁[c₁]·absmax₁`, `v = qmap₂[c₂]·absmax₂` (dequantize to `f32`) | [`crate::quant::dequantize`] |
+//! | 2 | `m = qmap₁[c₁]·s₁`, `v = qmap₂[c₂]·s₂` (dequantize to `f32` with the decoded scales) | [`crate::quant::dequantize`] |
 //! | 3 | `m ← lerp(m, g, 1 − β₁)`, `v ← v·β₂ + ((1 − β₂)·g)·g` | [`crate::common::lerp_elem`], [`crate::common::ema_sq_elem`] |
 //! | 4 | `p ← p + (−lr/bc₁)·m / (√v/√bc₂ + ε)` with the **fresh, unquantized** `m`, `v` | [`crate::common::apply_adam_elem`] |
 //!
-//! then, per tile: 5. new `absmax₁ = max |m|`, `absmax₂ = max v` over the tile's updated
-//! `f32` moments; 6. requantize `c = nearest(m / absmax)` ([`crate::quant::quantize`], ties up),
-//! **no sign fix-up** (the CPU backend has none; bnb's CUDA kernel has one and decays after
-//! the update, §3.2). The moment updates are this crate's torch-AdamW forms (`lerp`, see
-//! [`crate::adamw`]); `ε` sits outside the square root, after the bias correction. Non-finite
-//! gradients are not special-cased (bnb's CUDA kernel zeroes the moments; the CPU backend
-//! propagates them, as here).
+//! then, per block: 5. new scales `s₁ = scale(max |m|)`, `s₂ = scale(max v)` over the block's
+//! updated `f32` moments, each rounded to the nearest 16-bit scale (within 2⁻⁹; a value just
+//! above its scale quantizes to the end code 1.0); 6. requantize `c = nearest(m / s)`
+//! ([`crate::quant::quantize`], ties up), **no sign fix-up** (the CPU backend has none; bnb's
+//! CUDA kernel has one and decays after the update, §3.2); and 7. the **second-moment
+//! floor**: a positive `v` whose nearest code is 0 takes code 1
+//! ([`crate::quant::keep_positive_nonzero`]). Without it an element whose `v` is tiny next to
+//! its block's maximum (below 1.6e-7 of it) while its `m` keeps a code steps by `lr·m/ε`; on
+//! gradients with row and column scales that multiplies the drift from fp32 Adam by 6.7
+//! (0.530 against 0.079, see [`crate::drift`]). bnb's CPU quantizer happens to avoid it differently: it never returns
+//! a `v` code below 7. The moment updates are this crate's torch-AdamW forms (`lerp`, see
+//! [`crate::adamw`]); `ε` sits outside the square root, after the bias correction.
+//! Non-finite gradients are not special-cased (bnb's CUDA kernel zeroes the moments; the CPU
+//! backend propagates them, as here).
 //!
 //! Every element operation is one IEEE `f32` operation, the scalars are computed in `f64` and
-//! rounded once ([`crate::common::AdamScale`]); every tile is local; so a sharded step is bitwise
-//! equal to the unsharded one at every world size and layout.
+//! rounded once ([`crate::common::AdamScale`]); every scale block is local; so a sharded step
+//! is bitwise equal to the unsharded one at every world size and layout.
+//!
+//! # Quality
+//! On the seeded streams of [`crate::drift`] (four 65 536-element matrices, 50 steps, lr
+//! 1e-3), the drift `‖p₈ − p₃₂‖ / ‖p₃₂ − p₀‖` is 0.01420 / 0.02477 / 0.07919 (i.i.d. /
+//! row-scaled / row- and column-scaled gradients) against bitsandbytes 0.50.2 `Adam8bit`'s
+//! 0.01418 / 0.03519 / 0.17577 on the same bits (`scripts/adam8bit_vs_bnb.py`). The previous
+//! layout (32×32 tiles, one `f32` scale per 1024 elements, no floor) drifted 0.01566 /
+//! 0.04572 / 1.2775.
 //!
 //! # Speed
-//! Row blocks (32 rows × `n`, their own tiles and absmax) are independent, so pieces of
-//! [`PAR_MIN_ELEMS`] or more run them as rayon tasks. A row block is stepped in panels of
-//! `PANEL` (8) tiles whose new moments stay in L2; the moment/update loop is branch-free and
-//! compiled for AVX2 + FMA where present (each lane the scalar operations in the scalar
-//! order; Rust never contracts to FMA), dequantizing gathers from the map, and requantizing
-//! uses [`crate::quant::CodeBook`], a threshold table that gives [`crate::quant::quantize`]'s
-//! code with one lookup (checked on all 2^32 `f32` inputs). None of this changes a bit.
+//! Row blocks are independent, so pieces of [`PAR_MIN_ELEMS`] or more run them as rayon
+//! tasks. A row block is stepped scale block by scale block, whose new moments (2 KiB) stay
+//! on the stack; the moment/update loop is branch-free and compiled for AVX2 + FMA where
+//! present (each lane the scalar operations in the scalar order; Rust never contracts to
+//! FMA), dequantizing gathers from the map, and requantizing uses
+//! [`crate::quant::CodeBook`], a threshold table that gives [`crate::quant::quantize`]'s code
+//! with one lookup (checked on all 2^32 `f32` inputs). None of this changes a bit.
 //!
 //! Per element the step needs four IEEE divisions or square roots (two in Adam's update, one
 //! per moment to scale it into the map) and four table gathers (two to dequantize, two to
-//! requantize); on the Zen 3 core this was tuned on those cost about 7 of the 9 cycles per
-//! element measured, which puts 8-bit Adam near a third of memcpy bandwidth rather than
-//! AdamW's above-memcpy rate (see `docs/benchmarks.md`).
+//! requantize), which puts 8-bit Adam near a third of memcpy bandwidth rather than AdamW's
+//! above-memcpy rate (see `docs/benchmarks.md`).
 
 use rayon::prelude::*;
 
@@ -103,11 +121,18 @@ use crate::common::{
 #[cfg(target_arch = "x86_64")]
 use crate::quant::dequantize_32_avx2;
 use crate::quant::{
-    dequantize_slice, dynamic_map, CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
+    decode_scale, dequantize_slice, dynamic_map, encode_scale, keep_positive_nonzero, CodeBook,
+    ScaleCode, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
 };
 
-/// Side of a square quantization tile, in elements (rows and columns).
+/// Rows of a row block (the planner's `Tile { 32, 32 }` block keeps 32 whole rows on one
+/// rank); 8-bit parameters need rows of a multiple of 32 elements.
 pub const TILE: usize = 32;
+
+/// Elements per scale block: each row block (32 rows of one matrix) is cut, row-major from
+/// its first element, into runs of 256 elements (bitsandbytes' block size), each with its own
+/// scale per moment; a short row block may end with a shorter run (a multiple of 32).
+pub const SCALE_BLOCK: usize = 256;
 
 /// bnb's default `min_8bit_size`: smaller parameters keep `f32` state.
 pub const MIN_8BIT_SIZE: usize = 4096;
@@ -179,6 +204,31 @@ impl Tiling {
         self.batch * self.row_blocks_per_matrix() * self.tiles_per_row_block()
     }
 
+    /// Scale blocks in a row block of `rows` rows (≤ 32): `⌈rows·n / 256⌉`.
+    pub fn scales_in_row_block(&self, rows: usize) -> usize {
+        (rows * self.cols).div_ceil(SCALE_BLOCK)
+    }
+
+    /// Scale blocks per matrix: its full row blocks, then the short one (if any).
+    pub fn scales_per_matrix(&self) -> usize {
+        (self.rows / TILE) * self.scales_in_row_block(TILE)
+            + self.scales_in_row_block(self.rows % TILE)
+    }
+
+    /// Scales per moment in the whole parameter.
+    pub fn num_scales(&self) -> usize {
+        self.batch * self.scales_per_matrix()
+    }
+
+    /// Scale blocks before flattened element `elem` (on a row-block edge), in the order of
+    /// the module doc; `None` inside a tile.
+    pub fn scales_before(&self, elem: usize) -> Option<usize> {
+        self.row_blocks_before(elem)?;
+        let row = elem / self.cols;
+        let (matrix, r) = (row / self.rows, row % self.rows);
+        Some(matrix * self.scales_per_matrix() + (r / TILE) * self.scales_in_row_block(TILE))
+    }
+
     /// The atomic block that keeps every tile on one rank: `Tile { 32, 32 }` when the planner's
     /// 32-flat-row blocks coincide with the per-matrix row blocks (one matrix, or `m % 32 = 0`),
     /// `Matrix` otherwise.
@@ -235,10 +285,11 @@ pub struct Adam8bitState {
     pub m: Vec<u8>,
     /// Second-moment codes in the unsigned dynamic map, one per local-shard element.
     pub v: Vec<u8>,
-    /// Per-tile scale of `m` (max |m| of the tile after the last step), local tile order.
-    pub absmax_m: Vec<f32>,
-    /// Per-tile scale of `v` (max v of the tile after the last step), local tile order.
-    pub absmax_v: Vec<f32>,
+    /// Scales of `m` ([`encode_scale`] of max |m| of each 256-element scale block after the
+    /// last step), local order (piece, then row-major within the piece).
+    pub scale_m: Vec<ScaleCode>,
+    /// Scales of `v` (max v of each scale block), in the order of `scale_m`.
+    pub scale_v: Vec<ScaleCode>,
     /// `f32` first moment of the fallback pieces, concatenated in shard order.
     pub m32: Vec<f32>,
     /// `f32` second moment of the fallback pieces, concatenated in shard order.
@@ -248,29 +299,26 @@ pub struct Adam8bitState {
 const HEADER_WORDS: usize = 4;
 
 impl Adam8bitState {
-    /// Serializes the state: `step`, `len` (codes per moment), `tiles` (absmax per moment),
-    /// `fp32` (fallback elements per moment), as u64; then `m`, `v` (bytes), `absmax_m`,
-    /// `absmax_v`, `m32`, `v32` (f32); all little-endian. Exact: loading gives back the same
-    /// bits.
+    /// Serializes the state: `step`, `len` (codes per moment), `scales` (scales per moment),
+    /// `fp32` (fallback elements per moment), as u64; then `m`, `v` (bytes), `scale_m`,
+    /// `scale_v` (u16), `m32`, `v32` (f32); all little-endian. Exact: loading gives back the
+    /// same bits.
     pub fn to_le_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         for w in [
             self.step,
             self.m.len() as u64,
-            self.absmax_m.len() as u64,
+            self.scale_m.len() as u64,
             self.m32.len() as u64,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
         out.extend_from_slice(&self.m);
         out.extend_from_slice(&self.v);
-        for x in self
-            .absmax_m
-            .iter()
-            .chain(&self.absmax_v)
-            .chain(&self.m32)
-            .chain(&self.v32)
-        {
+        for x in self.scale_m.iter().chain(&self.scale_v) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in self.m32.iter().chain(&self.v32) {
             out.extend_from_slice(&x.to_le_bytes());
         }
         out
@@ -287,37 +335,44 @@ impl Adam8bitState {
         if bytes.len() < 8 * HEADER_WORDS {
             return Err(bad("shorter than the 32-byte header".into()));
         }
-        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
-        let (step, len, tiles, fp32) = (word(0), word(1), word(2), word(3));
+        let word = |k: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[8 * k..8 * k + 8]);
+            u64::from_le_bytes(w)
+        };
+        let (step, len, scales, fp32) = (word(0), word(1), word(2), word(3));
         let size = |x: u64, each: usize| usize::try_from(x).ok()?.checked_mul(each);
         let want = (|| {
             (8 * HEADER_WORDS)
                 .checked_add(size(len, 2)?)?
-                .checked_add(size(tiles, 8)?)?
+                .checked_add(size(scales, 4)?)?
                 .checked_add(size(fp32, 8)?)
         })();
         if want != Some(bytes.len()) {
             return Err(bad(format!(
-                "header announces {len} codes, {tiles} tiles and {fp32} fp32 elements per moment"
+                "header announces {len} codes, {scales} scales and {fp32} fp32 elements per moment"
             )));
         }
-        let (len, tiles, fp32) = (len as usize, tiles as usize, fp32 as usize);
-        let h = 8 * HEADER_WORDS;
-        let m = bytes[h..h + len].to_vec();
-        let v = bytes[h + len..h + 2 * len].to_vec();
-        let floats: Vec<f32> = bytes[8 * HEADER_WORDS + 2 * len..]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        let (len, scales, fp32) = (len as usize, scales as usize, fp32 as usize);
+        let (m, rest) = bytes[8 * HEADER_WORDS..].split_at(len);
+        let (v, rest) = rest.split_at(len);
+        let (s16, f32s) = rest.split_at(4 * scales);
+        let halves: Vec<ScaleCode> = s16
+            .chunks_exact(2)
+            .map(|b| ScaleCode::from_le_bytes([b[0], b[1]]))
             .collect();
-        let (absmax_m, rest) = floats.split_at(tiles);
-        let (absmax_v, rest) = rest.split_at(tiles);
-        let (m32, v32) = rest.split_at(fp32);
+        let floats: Vec<f32> = f32s
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (scale_m, scale_v) = halves.split_at(scales);
+        let (m32, v32) = floats.split_at(fp32);
         Ok(Adam8bitState {
             step,
-            m,
-            v,
-            absmax_m: absmax_m.to_vec(),
-            absmax_v: absmax_v.to_vec(),
+            m: m.to_vec(),
+            v: v.to_vec(),
+            scale_m: scale_m.to_vec(),
+            scale_v: scale_v.to_vec(),
             m32: m32.to_vec(),
             v32: v32.to_vec(),
         })
@@ -327,15 +382,16 @@ impl Adam8bitState {
     pub fn state_bytes(&self) -> usize {
         self.m.len()
             + self.v.len()
-            + 4 * (self.absmax_m.len() + self.absmax_v.len() + self.m32.len() + self.v32.len())
+            + 2 * (self.scale_m.len() + self.scale_v.len())
+            + 4 * (self.m32.len() + self.v32.len())
     }
 }
 
 /// Where one local piece keeps its state.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PieceState {
-    /// 8-bit: tiling, first tile index into `absmax_*`, number of tiles.
-    Tiled { tiling: Tiling, first_tile: usize },
+    /// 8-bit: tiling, and the piece's first scale in `scale_*`.
+    Tiled { tiling: Tiling, first_scale: usize },
     /// fp32 fallback: offset into `m32`/`v32`.
     Fallback { at: usize },
 }
@@ -376,22 +432,22 @@ impl Adam8bit {
         Tiling::of(shape, self.config.min_8bit_size)
     }
 
-    /// Where each local piece keeps its state, and the totals (tiles, fallback elements).
+    /// Where each local piece keeps its state, and the totals (scales, fallback elements).
     /// `Err` when an 8-bit piece starts or ends inside a tile.
     pub(crate) fn layout(
         &self,
         op: &'static str,
         shard: &LocalShard,
     ) -> Result<(Vec<PieceState>, usize, usize)> {
-        let (mut tiles, mut fp32) = (0, 0);
+        let (mut scales, mut fp32) = (0, 0);
         let mut out = Vec::with_capacity(shard.pieces.len());
         for piece in &shard.pieces {
             let meta = &shard.params[piece.param];
             match self.tiling(&meta.name, &meta.shape) {
                 Some(tiling) => {
                     let (a, b) = (
-                        tiling.tiles_before(piece.range.start),
-                        tiling.tiles_before(piece.range.end),
+                        tiling.scales_before(piece.range.start),
+                        tiling.scales_before(piece.range.end),
                     );
                     let (Some(a), Some(b)) = (a, b) else {
                         let cut = if a.is_none() {
@@ -403,11 +459,11 @@ impl Adam8bit {
                             op,
                             reason: format!(
                                 "8-bit Adam cannot hold rank {}'s elements {:?} of {} {:?}: {}; \
-                                 each 32×32 tile of the global shape is quantized with one \
-                                 absmax, so the whole tile must be on one rank. Plan with \
-                                 Adam8bit::atomic_block ({}); a layout that splits dim 0 into \
-                                 ⌈rows/V⌉-row chunks (the FSDP2-style layout) holds it only when \
-                                 every chunk edge falls on a tile edge",
+                                 each 32-row block of the global shape keeps its scale blocks \
+                                 ({SCALE_BLOCK} elements each), so the whole block must be on \
+                                 one rank. Plan with Adam8bit::atomic_block ({}); a layout that \
+                                 splits dim 0 into ⌈rows/V⌉-row chunks (the FSDP2-style layout) \
+                                 holds it only when every chunk edge falls on a {TILE}-row edge",
                                 shard.rank,
                                 piece.range,
                                 meta.name,
@@ -419,9 +475,9 @@ impl Adam8bit {
                     };
                     out.push(PieceState::Tiled {
                         tiling,
-                        first_tile: tiles,
+                        first_scale: scales,
                     });
-                    tiles += b - a;
+                    scales += b - a;
                 }
                 None => {
                     out.push(PieceState::Fallback { at: fp32 });
@@ -429,7 +485,7 @@ impl Adam8bit {
                 }
             }
         }
-        Ok((out, tiles, fp32))
+        Ok((out, scales, fp32))
     }
 }
 
@@ -438,13 +494,14 @@ pub(crate) struct StateLens {
     pub params: usize,
     pub grads: usize,
     pub codes: [usize; 2],
-    pub absmax: [usize; 2],
+    pub scales: [usize; 2],
     pub fp32: [usize; 2],
 }
 
 impl Adam8bit {
     /// Checks a step's inputs and state against `shard` and returns where each piece keeps
-    /// its state, and the number of local tiles (the one prologue of the CPU and GPU steps).
+    /// its state, and the number of local scale blocks (the one prologue of the CPU and GPU
+    /// steps).
     pub(crate) fn checked_layout(
         &self,
         op: &'static str,
@@ -453,12 +510,12 @@ impl Adam8bit {
     ) -> Result<(Vec<PieceState>, usize)> {
         let [m, v] = lens.codes;
         check_step_inputs(op, shard, lens.params, lens.grads, m, v)?;
-        let (layout, tiles, fp32) = self.layout(op, shard)?;
-        check_len(op, "state.absmax_m", lens.absmax[0], tiles)?;
-        check_len(op, "state.absmax_v", lens.absmax[1], tiles)?;
+        let (layout, scales, fp32) = self.layout(op, shard)?;
+        check_len(op, "state.scale_m", lens.scales[0], scales)?;
+        check_len(op, "state.scale_v", lens.scales[1], scales)?;
         check_len(op, "state.m32", lens.fp32[0], fp32)?;
         check_len(op, "state.v32", lens.fp32[1], fp32)?;
-        Ok((layout, tiles))
+        Ok((layout, scales))
     }
 }
 
@@ -477,13 +534,13 @@ impl Optimizer for Adam8bit {
     fn init(&self, shard: &LocalShard) -> Result<Adam8bitState> {
         const OP: &str = "Adam8bit::init";
         check_shard(OP, shard)?;
-        let (_, tiles, fp32) = self.layout(OP, shard)?;
+        let (_, scales, fp32) = self.layout(OP, shard)?;
         Ok(Adam8bitState {
             step: 0,
             m: vec![SIGNED_ZERO_CODE; shard.len],
             v: vec![UNSIGNED_ZERO_CODE; shard.len],
-            absmax_m: vec![0.0; tiles],
-            absmax_v: vec![0.0; tiles],
+            scale_m: vec![0; scales],
+            scale_v: vec![0; scales],
             m32: vec![0.0; fp32],
             v32: vec![0.0; fp32],
         })
@@ -502,7 +559,7 @@ impl Optimizer for Adam8bit {
             params: params.len(),
             grads: grads.len(),
             codes: [state.m.len(), state.v.len()],
-            absmax: [state.absmax_m.len(), state.absmax_v.len()],
+            scales: [state.scale_m.len(), state.scale_v.len()],
             fp32: [state.m32.len(), state.v32.len()],
         };
         let (layout, _) = self.checked_layout(OP, shard, &lens)?;
@@ -528,47 +585,43 @@ impl Optimizer for Adam8bit {
                         &scale,
                     );
                 }
-                PieceState::Tiled { tiling, first_tile } => {
-                    // The piece's row blocks (up to 32 rows of one matrix, `n / 32` tiles
-                    // each) are independent: each has its own tiles and absmax, so they run
-                    // in parallel and the split changes no bit.
-                    let ntiles = tiling.tiles_per_row_block();
-                    let mut lens = Vec::new();
-                    let mut elem = piece.range.start;
-                    while elem < piece.range.end {
-                        let in_matrix = (elem / tiling.cols) % tiling.rows;
-                        let len = TILE.min(tiling.rows - in_matrix) * tiling.cols;
-                        lens.push(len);
-                        elem += len;
-                    }
-                    let tiles = first_tile..first_tile + lens.len() * ntiles;
+                PieceState::Tiled {
+                    tiling,
+                    first_scale,
+                } => {
+                    // The piece's row blocks (up to 32 rows of one matrix) are independent:
+                    // each has its own scale blocks, so they run in parallel and the split
+                    // changes no bit.
+                    let mut blocks = Vec::new();
                     let mut p = &mut params[r.clone()];
                     let mut g = &grads[r.clone()];
                     let mut mc = &mut state.m[r.clone()];
                     let mut vc = &mut state.v[r.clone()];
-                    let mut am = &mut state.absmax_m[tiles.clone()];
-                    let mut av = &mut state.absmax_v[tiles];
-                    let mut blocks = Vec::with_capacity(lens.len());
-                    for len in lens {
+                    let mut sm = &mut state.scale_m[first_scale..];
+                    let mut sv = &mut state.scale_v[first_scale..];
+                    let mut elem = piece.range.start;
+                    while elem < piece.range.end {
+                        let in_matrix = (elem / tiling.cols) % tiling.rows;
+                        let rows = TILE.min(tiling.rows - in_matrix);
+                        let (len, ns) = (rows * tiling.cols, tiling.scales_in_row_block(rows));
                         let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
                         let (g0, g1) = g.split_at(len);
                         let (m0, m1) = std::mem::take(&mut mc).split_at_mut(len);
                         let (v0, v1) = std::mem::take(&mut vc).split_at_mut(len);
-                        let (a0, a1) = std::mem::take(&mut am).split_at_mut(ntiles);
-                        let (b0, b1) = std::mem::take(&mut av).split_at_mut(ntiles);
+                        let (a0, a1) = std::mem::take(&mut sm).split_at_mut(ns);
+                        let (b0, b1) = std::mem::take(&mut sv).split_at_mut(ns);
                         blocks.push(RowBlock {
                             p: p0,
                             g: g0,
                             mc: m0,
                             vc: v0,
-                            absmax_m: a0,
-                            absmax_v: b0,
+                            scale_m: a0,
+                            scale_v: b0,
                         });
-                        (p, g, mc, vc, am, av) = (p1, g1, m1, v1, a1, b1);
+                        (p, g, mc, vc, sm, sv) = (p1, g1, m1, v1, a1, b1);
+                        elem += len;
                     }
-                    let run = |b: RowBlock| {
-                        self.update_row_block(b, tiling.cols, decay, &moments, &scale)
-                    };
+                    let run = |b: RowBlock| self.update_row_block(b, decay, &moments, &scale);
                     if r.len() >= PAR_MIN_ELEMS {
                         blocks.into_par_iter().for_each(run);
                     } else {
@@ -581,33 +634,16 @@ impl Optimizer for Adam8bit {
     }
 }
 
-/// One row block of a tiled piece: its elements and the absmax of its `n / 32` tiles.
+/// One row block of a tiled piece (up to 32 rows of one matrix): its elements and the scales
+/// of its 256-element scale blocks.
 struct RowBlock<'a> {
     p: &'a mut [f32],
     g: &'a [f32],
     mc: &'a mut [u8],
     vc: &'a mut [u8],
-    absmax_m: &'a mut [f32],
-    absmax_v: &'a mut [f32],
+    scale_m: &'a mut [ScaleCode],
+    scale_v: &'a mut [ScaleCode],
 }
-
-/// Per-thread scratch of [`Adam8bit::update_row_block`]: one panel's new `f32` moments.
-#[derive(Default)]
-struct Scratch {
-    m_new: Vec<f32>,
-    v_new: Vec<f32>,
-}
-
-thread_local! {
-    static SCRATCH: std::cell::Cell<Scratch> = const {
-        std::cell::Cell::new(Scratch { m_new: Vec::new(), v_new: Vec::new() })
-    };
-}
-
-/// Tiles per panel: a row block is stepped 32 rows × `PANEL·32` columns at a time, so a
-/// panel's new moments (64 KiB) stay in the core's L2 between the update and requantizing,
-/// while each row segment (1 KiB of `p`, of `g`) is still contiguous for the prefetchers.
-const PANEL: usize = 8;
 
 /// The loop-invariant inputs of a row block's step.
 #[derive(Clone, Copy)]
@@ -618,48 +654,33 @@ struct StepConsts<'a> {
 }
 
 impl Adam8bit {
-    /// Updates one row block (`rows = len / cols ≤ 32` rows of one matrix, `cols / 32` tiles):
-    /// steps 1–6 of the module table. Decides the decay and `lerp` branches once, and runs
-    /// the body compiled for AVX2 and FMA when the CPU has them (only the instruction
-    /// selection changes: every lane does the scalar operations in the scalar order, and Rust
-    /// never contracts a multiply and an add into an FMA, so the bits are the same).
-    fn update_row_block(
-        &self,
-        b: RowBlock,
-        cols: usize,
-        decay: Option<f32>,
-        mo: &MomentCoeffs,
-        s: &AdamScale,
-    ) {
+    /// Updates one row block: steps 1–6 of the module table on each of its scale blocks.
+    /// Decides the decay and `lerp` branches once, and runs the body compiled for AVX2 and
+    /// FMA when the CPU has them (only the instruction selection changes: every lane does the
+    /// scalar operations in the scalar order, and Rust never contracts a multiply and an add
+    /// into an FMA, so the bits are the same).
+    fn update_row_block(&self, b: RowBlock, decay: Option<f32>, mo: &MomentCoeffs, s: &AdamScale) {
         let small = lerp_weight_is_small(mo.lerp_weight);
         let k = StepConsts {
             decay: decay.unwrap_or(1.0),
             mo,
             s,
         };
-        let mut scratch = SCRATCH.take();
         match (decay.is_some(), small) {
-            (true, true) => self.row_block_dispatch::<true, true>(b, cols, k, &mut scratch),
-            (true, false) => self.row_block_dispatch::<true, false>(b, cols, k, &mut scratch),
-            (false, true) => self.row_block_dispatch::<false, true>(b, cols, k, &mut scratch),
-            (false, false) => self.row_block_dispatch::<false, false>(b, cols, k, &mut scratch),
+            (true, true) => self.row_block_dispatch::<true, true>(b, k),
+            (true, false) => self.row_block_dispatch::<true, false>(b, k),
+            (false, true) => self.row_block_dispatch::<false, true>(b, k),
+            (false, false) => self.row_block_dispatch::<false, false>(b, k),
         }
-        SCRATCH.set(scratch);
     }
 
-    fn row_block_dispatch<const DECAY: bool, const SMALL: bool>(
-        &self,
-        b: RowBlock,
-        cols: usize,
-        k: StepConsts,
-        scratch: &mut Scratch,
-    ) {
+    fn row_block_dispatch<const DECAY: bool, const SMALL: bool>(&self, b: RowBlock, k: StepConsts) {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { self.row_block_avx2::<DECAY, SMALL>(b, cols, k, scratch) };
+            return unsafe { self.row_block_avx2::<DECAY, SMALL>(b, k) };
         }
-        self.row_block::<DECAY, SMALL, false>(b, cols, k, scratch)
+        self.row_block::<DECAY, SMALL, false>(b, k)
     }
 
     /// [`Adam8bit::row_block`] compiled with AVX2 and FMA enabled.
@@ -671,96 +692,92 @@ impl Adam8bit {
     unsafe fn row_block_avx2<const DECAY: bool, const SMALL: bool>(
         &self,
         b: RowBlock,
-        cols: usize,
         k: StepConsts,
-        scratch: &mut Scratch,
     ) {
-        self.row_block::<DECAY, SMALL, true>(b, cols, k, scratch)
+        self.row_block::<DECAY, SMALL, true>(b, k)
     }
 
-    /// A row block, panel by panel ([`PANEL`] tiles): every row segment of the panel is
-    /// dequantized, stepped and folded into its tile's running maxima ([`segment_step`]);
-    /// then each tile's absmax is known and the panel is requantized. No closures here, so
-    /// the whole body inherits [`Adam8bit::row_block_avx2`]'s target features. `AVX2`:
-    /// called from there (the CPU has AVX2).
+    /// A row block, scale block by scale block: its 32-element segments are dequantized,
+    /// stepped and folded into the block's running maxima ([`segment_step`]), the new
+    /// moments staying on the stack (2 KiB, in L1); then the block's scales are known and it
+    /// is requantized. No closures here, so the whole body inherits
+    /// [`Adam8bit::row_block_avx2`]'s target features. `AVX2`: called from there.
     #[inline(always)]
     fn row_block<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
         &self,
         b: RowBlock,
-        cols: usize,
         k: StepConsts,
-        scratch: &mut Scratch,
     ) {
         let RowBlock {
             p,
             g,
             mc,
             vc,
-            absmax_m,
-            absmax_v,
+            scale_m,
+            scale_v,
         } = b;
-        let rows = p.len() / cols;
-        let ntiles = cols / TILE;
         let (map_m, map_v) = (self.book_m.map(), self.book_v.map());
-        let Scratch { m_new, v_new } = scratch;
-        let panel_len = rows * TILE * PANEL.min(ntiles);
-        m_new.resize(panel_len, 0.0);
-        v_new.resize(panel_len, 0.0);
-        for j0 in (0..ntiles).step_by(PANEL) {
-            let width = PANEL.min(ntiles - j0) * TILE;
-            let mut max_m = [[0f32; LANES]; PANEL];
-            let mut max_v = [[0f32; LANES]; PANEL];
-            for row in 0..rows {
-                let at = row * cols + j0 * TILE;
-                let out = row * width;
-                for jj in 0..width / TILE {
-                    let (e, o) = (at + jj * TILE, out + jj * TILE);
-                    let seg = Segment {
-                        p: (&mut p[e..e + TILE]).try_into().unwrap(),
-                        g: g[e..e + TILE].try_into().unwrap(),
-                        mc: mc[e..e + TILE].try_into().unwrap(),
-                        vc: vc[e..e + TILE].try_into().unwrap(),
-                        m_new: (&mut m_new[o..o + TILE]).try_into().unwrap(),
-                        v_new: (&mut v_new[o..o + TILE]).try_into().unwrap(),
-                    };
-                    let absmax = [absmax_m[j0 + jj], absmax_v[j0 + jj]];
-                    segment_step::<DECAY, SMALL, AVX2>(
-                        seg,
-                        absmax,
-                        [map_m, map_v],
-                        k,
-                        [&mut max_m[jj], &mut max_v[jj]],
-                    );
-                }
-            }
-            for jj in 0..width / TILE {
-                absmax_m[j0 + jj] = max_m[jj].iter().fold(0f32, |a, &x| a.max(x));
-                absmax_v[j0 + jj] = max_v[jj].iter().fold(0f32, |a, &x| a.max(x));
-            }
-            let tiles = j0..j0 + width / TILE;
-            for row in 0..rows {
-                let (e, o) = (row * cols + j0 * TILE, row * width);
-                self.book_m.quantize_scaled_segments(
-                    &m_new[o..o + width],
-                    &absmax_m[tiles.clone()],
-                    SIGNED_ZERO_CODE,
-                    &mut mc[e..e + width],
-                );
-                self.book_v.quantize_scaled_segments(
-                    &v_new[o..o + width],
-                    &absmax_v[tiles.clone()],
-                    UNSIGNED_ZERO_CODE,
-                    &mut vc[e..e + width],
+        let mut m_new = [0f32; SCALE_BLOCK];
+        let mut v_new = [0f32; SCALE_BLOCK];
+        for (blk, start) in (0..p.len()).step_by(SCALE_BLOCK).enumerate() {
+            let len = SCALE_BLOCK.min(p.len() - start);
+            let old = [decode_scale(scale_m[blk]), decode_scale(scale_v[blk])];
+            let mut max_m = [0f32; LANES];
+            let mut max_v = [0f32; LANES];
+            for o in (0..len).step_by(TILE) {
+                let e = start + o;
+                let seg = Segment {
+                    p: (&mut p[e..e + TILE]).try_into().unwrap(),
+                    g: g[e..e + TILE].try_into().unwrap(),
+                    mc: mc[e..e + TILE].try_into().unwrap(),
+                    vc: vc[e..e + TILE].try_into().unwrap(),
+                    m_new: (&mut m_new[o..o + TILE]).try_into().unwrap(),
+                    v_new: (&mut v_new[o..o + TILE]).try_into().unwrap(),
+                };
+                segment_step::<DECAY, SMALL, AVX2>(
+                    seg,
+                    old,
+                    [map_m, map_v],
+                    k,
+                    [&mut max_m, &mut max_v],
                 );
             }
+            let fold = |lanes: &[f32; LANES]| lanes.iter().fold(0f32, |a, &x| a.max(x));
+            scale_m[blk] = encode_scale(fold(&max_m));
+            scale_v[blk] = encode_scale(fold(&max_v));
+            let r = start..start + len;
+            self.book_m.quantize_scaled_slice(
+                &m_new[..len],
+                decode_scale(scale_m[blk]),
+                SIGNED_ZERO_CODE,
+                &mut mc[r.clone()],
+            );
+            self.book_v.quantize_scaled_slice(
+                &v_new[..len],
+                decode_scale(scale_v[blk]),
+                UNSIGNED_ZERO_CODE,
+                &mut vc[r.clone()],
+            );
+            keep_positive_nonzero(&v_new[..len], &mut vc[r]);
         }
     }
+}
+
+/// Which build of the row-block kernel [`Adam8bit::step`] runs on this CPU. (An AVX-512
+/// build of the same loop measured no faster on AVX-512 EPYC: the step is bound by its
+/// divisions, square roots and gathers, not by vector width.)
+pub fn kernel_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        return "AVX2+FMA build, AVX2 gathers, threshold-table quantizer";
+    }
+    "portable build, threshold-table quantizer"
 }
 
 /// Lanes of the running maxima (one AVX2 vector).
 const LANES: usize = 8;
 
-/// One row's 32 elements of one tile, and where their new moments go.
+/// 32 consecutive elements of one scale block, and where their new moments go.
 struct Segment<'a> {
     p: &'a mut [f32; TILE],
     g: &'a [f32; TILE],
@@ -770,18 +787,18 @@ struct Segment<'a> {
     v_new: &'a mut [f32; TILE],
 }
 
-/// Steps 1–5 of the module table on one segment: dequantize with the tile's old absmax,
+/// Steps 1–5 of the module table on one segment: dequantize with the block's old scales,
 /// decay, moments, update (each lane the scalar operations in the scalar order), and fold
-/// `|m|` and `v` into the tile's eight running maxima. The fold is a plain `>` select (which
-/// compiles to `maxps`); it equals `f32::max` here because the maxima start at `+0.0` and a
-/// NaN moment never replaces one (`NaN > a` is false, as `max` ignores NaN); and `max` is
-/// exact, so the fold order changes no bit of the absmax.
+/// `|m|` and `v` into the block's eight running maxima. The fold is a plain `>` select
+/// (which compiles to `maxps`); it equals `f32::max` here because the maxima start at `+0.0`
+/// and a NaN moment never replaces one (`NaN > a` is false, as `max` ignores NaN); and `max`
+/// is exact, so the fold order changes no bit.
 ///
 /// `AVX2` only when the CPU has AVX2 (the dequantizing gathers).
 #[inline(always)]
 fn segment_step<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
     seg: Segment,
-    [am, av]: [f32; 2],
+    [sm, sv]: [f32; 2],
     [map_m, map_v]: [&[f32; MAP_LEN]; 2],
     k: StepConsts,
     [mx_m, mx_v]: [&mut [f32; LANES]; 2],
@@ -792,13 +809,13 @@ fn segment_step<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
     if AVX2 {
         // SAFETY: `AVX2` is set only on CPUs with AVX2 (see `row_block_dispatch`).
         unsafe {
-            dequantize_32_avx2(seg.mc, am, map_m, seg.m_new);
-            dequantize_32_avx2(seg.vc, av, map_v, seg.v_new);
+            dequantize_32_avx2(seg.mc, sm, map_m, seg.m_new);
+            dequantize_32_avx2(seg.vc, sv, map_v, seg.v_new);
         }
     }
     if !AVX2 || cfg!(not(target_arch = "x86_64")) {
-        dequantize_slice(seg.mc, am, map_m, seg.m_new);
-        dequantize_slice(seg.vc, av, map_v, seg.v_new);
+        dequantize_slice(seg.mc, sm, map_m, seg.m_new);
+        dequantize_slice(seg.vc, sv, map_v, seg.v_new);
     }
     for i in 0..TILE {
         let g = seg.g[i];
@@ -845,7 +862,7 @@ mod tests {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        for (rows, cols) in [(32, 320), (8, 96)] {
+        for (rows, cols) in [(32, 320), (8, 96), (4, 96)] {
             let opt = Adam8bit::new(Adam8bitConfig::default()).unwrap();
             let n = rows * cols;
             let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.4) * s;
@@ -861,32 +878,27 @@ mod tests {
                 let mut p: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
                 let mut mc: Vec<u8> = (0..n).map(|k| (k * 31 % 256) as u8).collect();
                 let mut vc: Vec<u8> = (0..n).map(|k| (k * 17 % 256) as u8).collect();
-                let tiles = cols / TILE;
-                let mut am: Vec<f32> = (0..tiles).map(|j| 0.01 * (j + 1) as f32).collect();
-                let mut av: Vec<f32> = (0..tiles).map(|j| 1e-4 * (j + 1) as f32).collect();
-                am[1] = 0.0; // a zero scale: every code of the tile means 0
+                let scales = (rows * cols).div_ceil(SCALE_BLOCK);
+                let scale = |j: usize, s: f32| encode_scale(s * (j + 1) as f32);
+                let mut am: Vec<u16> = (0..scales).map(|j| scale(j, 0.01)).collect();
+                let mut av: Vec<u16> = (0..scales).map(|j| scale(j, 1e-4)).collect();
+                am[scales - 1] = 0; // a zero scale: every code of the block means 0
                 let b = RowBlock {
                     p: &mut p,
                     g: &g,
                     mc: &mut mc,
                     vc: &mut vc,
-                    absmax_m: &mut am,
-                    absmax_v: &mut av,
+                    scale_m: &mut am,
+                    scale_v: &mut av,
                 };
-                let mut scratch = Scratch::default();
                 if avx2 {
                     // SAFETY: checked above.
-                    unsafe { opt.row_block_avx2::<true, true>(b, cols, k, &mut scratch) };
+                    unsafe { opt.row_block_avx2::<true, true>(b, k) };
                 } else {
-                    opt.row_block::<true, true, false>(b, cols, k, &mut scratch);
+                    opt.row_block::<true, true, false>(b, k);
                 }
-                let bits: Vec<u32> = p
-                    .iter()
-                    .chain(&am)
-                    .chain(&av)
-                    .map(|x| x.to_bits())
-                    .collect();
-                (bits, mc, vc)
+                let bits: Vec<u32> = p.iter().map(|x| x.to_bits()).collect();
+                (bits, am, av, mc, vc)
             };
             assert!(run(true) == run(false), "{rows}×{cols}: the builds differ");
         }

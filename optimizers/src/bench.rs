@@ -50,31 +50,34 @@ use crate::{
 // Machine peak
 // ---------------------------------------------------------------------------------------------
 
-/// The machine's peak arithmetic rate, derived from cores × clock × FLOP/cycle of the widest
-/// vector (or matrix) unit the CPU reports.
+/// The machine's peak arithmetic rate: cores × clock × FLOP/cycle of the widest vector (or
+/// matrix) unit the CPU reports, where the effective clock is **measured** by an FMA loop on
+/// every core ([`crate::peak_probe`]) unless `--ghz` gives it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Peak {
     /// `std::thread::available_parallelism()`.
     pub cores: usize,
     /// Clock in GHz.
     pub ghz: f64,
-    /// Where the clock came from (`--ghz` or `/proc/cpuinfo "cpu MHz"`).
-    pub clock_source: &'static str,
+    /// Where the clock came from (`--ghz`, or the measured FMA rate, with the loop that ran
+    /// and `/proc/cpuinfo`'s nominal clock for comparison).
+    pub clock_source: String,
     /// The f32 unit: `AVX-512 f32` (64 FLOP/cycle/core: two 16-lane FMA ports), `AVX2+FMA f32`
     /// (32: two 8-lane FMA ports), or a scalar guess.
     pub f32_isa: &'static str,
     pub f32_flops_per_cycle: f64,
     /// The bf16 unit: `AMX-BF16` (≈1024 FLOP/cycle/core) when `/proc/cpuinfo` lists
-    /// `amx_bf16`; otherwise bf16 runs on the f32 unit (widened, as candle's CPU matmul does).
+    /// `amx_bf16`; AVX512-BF16 dot products (2× the f32 unit) when it lists `avx512_bf16`;
+    /// otherwise bf16 runs on the f32 unit (widened, as candle's CPU matmul does).
     pub bf16_isa: &'static str,
     pub bf16_flops_per_cycle: f64,
 }
 
 impl Peak {
-    /// Detects the peak of this machine; `ghz` overrides the clock read from `/proc/cpuinfo`
-    /// (a VM reports its nominal clock there, and turbo is unknown). Without either, 2.0 GHz.
-    /// `Err` when `ghz` is not finite and positive; a clock in `/proc/cpuinfo` that is not is
-    /// ignored.
+    /// Detects the peak of this machine; `ghz` overrides the clock. Without it the clock is
+    /// the measured FMA rate over all cores divided by cores × FLOP/cycle (a VM reports its
+    /// nominal clock in `/proc/cpuinfo`, and turbo is unknown), so the f32 peak is the
+    /// measured one. `Err` when `ghz` is not finite and positive.
     pub fn detect(ghz: Option<f64>) -> Result<Peak> {
         if let Some(g) = ghz {
             ragged::limits::positive_finite("Peak::detect", "--ghz", g)?;
@@ -87,18 +90,36 @@ impl Peak {
             .and_then(|l| l.split(':').nth(1))
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|m| m.is_finite() && *m > 0.0);
-        let (ghz, clock_source) = match (ghz, mhz) {
-            (Some(g), _) => (g, "--ghz"),
-            (None, Some(m)) => (m / 1000.0, "/proc/cpuinfo cpu MHz"),
-            (None, None) => (2.0, "assumed, no /proc/cpuinfo"),
-        };
         let (f32_isa, f32_flops_per_cycle) = f32_unit();
-        let amx = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("flags"))
-            .is_some_and(|l| l.split_whitespace().any(|f| f == "amx_bf16"));
-        let (bf16_isa, bf16_flops_per_cycle) = if amx {
+        let nominal = mhz.map_or_else(|| "unknown".into(), |m| format!("{:.2} GHz", m / 1000.0));
+        let (ghz, clock_source) = match ghz {
+            Some(g) => (g, "--ghz".to_string()),
+            None => {
+                let m = crate::peak_probe::measure_f32_peak(cores, 40);
+                let g = m.gflops / (cores as f64 * f32_flops_per_cycle);
+                let why = format!(
+                    "measured: {} on {} threads, {:.0} GFLOP/s; /proc/cpuinfo's nominal clock \
+                     is {nominal}",
+                    m.kernel, m.threads, m.gflops
+                );
+                (g, why)
+            }
+        };
+        let has = |flag: &str| {
+            cpuinfo
+                .lines()
+                .find(|l| l.starts_with("flags"))
+                .is_some_and(|l| l.split_whitespace().any(|f| f == flag))
+        };
+        // AVX512-BF16's `vdpbf16ps` does two bf16 multiply-adds per f32 lane, twice the f32
+        // FMA's FLOPs per instruction (what oneDNN's `brg:avx512_core_bf16` runs).
+        let (bf16_isa, bf16_flops_per_cycle) = if has("amx_bf16") {
             ("AMX-BF16", 1024.0)
+        } else if has("avx512_bf16") {
+            (
+                "AVX512-BF16 dot products, 2× the f32 unit",
+                2.0 * f32_flops_per_cycle,
+            )
         } else {
             ("no AMX: bf16 widened to the f32 unit", f32_flops_per_cycle)
         };
@@ -126,7 +147,7 @@ impl Peak {
     /// How the peaks were derived, in one line.
     pub fn derivation(&self) -> String {
         format!(
-            "f32: {} cores × {:.2} GHz ({}) × {} FLOP/cycle ({}) = {:.0} GFLOP/s; \
+            "f32: {} cores × {:.2} GHz effective ({}) × {} FLOP/cycle ({}) = {:.0} GFLOP/s; \
              bf16: × {} FLOP/cycle ({}) = {:.0} GFLOP/s",
             self.cores,
             self.ghz,
@@ -290,6 +311,32 @@ pub fn llama3_8b_layer(div: usize) -> ShapeSet {
     }
 }
 
+/// The matrices of a Llama-style stack of `layers` decoder layers of width `d`, Llama-3's
+/// ratios (kv = d/4, intermediate = 3.5·d): per layer q/o `d×d`, k/v `kv×d`, gate/up `i×d`,
+/// down `d×i`; no norms, so every parameter is a Muon matrix. `d = 1024, layers = 4` is the
+/// benchmark's 28-matrix row, the one `scripts/muon_vs_torch.py` times `torch.optim.Muon` on.
+pub fn llama_stack(d: usize, layers: usize) -> ShapeSet {
+    let (kv, i) = (d / 4, d * 7 / 2);
+    let mut params = Vec::with_capacity(7 * layers);
+    for l in 0..layers {
+        let p =
+            |name: &str, shape: [usize; 2]| (format!("layers.{l}.{name}.weight"), shape.to_vec());
+        params.extend([
+            p("self_attn.q_proj", [d, d]),
+            p("self_attn.k_proj", [kv, d]),
+            p("self_attn.v_proj", [kv, d]),
+            p("self_attn.o_proj", [d, d]),
+            p("mlp.gate_proj", [i, d]),
+            p("mlp.up_proj", [i, d]),
+            p("mlp.down_proj", [d, i]),
+        ]);
+    }
+    ShapeSet {
+        name: format!("llama d={d} ×{layers} ({} matrices)", params.len()),
+        params,
+    }
+}
+
 /// One square `s × s` matrix.
 pub fn square(s: usize) -> ShapeSet {
     ShapeSet {
@@ -345,6 +392,19 @@ impl OptimKind {
             OptimKind::MuonBf16 => "bf16",
             _ => "f32",
         }
+    }
+}
+
+/// The kernel a step of `kind` runs on this CPU, in a few words (the table's `kernel` column):
+/// the same run-time choice the optimizer makes.
+pub fn kernel_name(kind: OptimKind) -> String {
+    let ns = crate::ns_backend_info();
+    match kind {
+        OptimKind::AdamW => "fused element loop (compiler-vectorized, baseline ISA)".into(),
+        OptimKind::Adam8bit => crate::adam8bit::kernel_name().into(),
+        OptimKind::Muon => format!("NS f32: {:?}, {}", ns.f32_backend, ns.f32),
+        OptimKind::MuonBf16 => format!("NS bf16: {:?}, {}", ns.bf16_backend, ns.bf16),
+        OptimKind::Shampoo => "nalgebra eigh roots, plain f32 loops".into(),
     }
 }
 
@@ -777,12 +837,18 @@ impl BenchConfig {
             .collect()
     }
 
-    /// Every (optimizer, shape set) case, in table order.
+    /// Every (optimizer, shape set) case, in table order; the Muon rows end with the
+    /// Llama-style stack ([`llama_stack`]: d = 1024, 4 layers; d = 128 quick).
     pub fn cases(&self) -> Vec<(OptimKind, ShapeSet)> {
         let sets = self.shape_sets();
+        let stack = llama_stack(if self.quick { 128 } else { 1024 }, 4);
         self.kinds()
             .into_iter()
-            .flat_map(|k| sets.iter().map(move |s| (k, s.clone())))
+            .flat_map(|k| {
+                let muon = matches!(k, OptimKind::Muon | OptimKind::MuonBf16);
+                let extra = muon.then(|| (k, stack.clone()));
+                sets.iter().map(move |s| (k, s.clone())).chain(extra)
+            })
             .collect()
     }
 
@@ -814,7 +880,7 @@ pub struct Report {
 }
 
 /// Column headers of the optimizer table (the CLI test checks them).
-pub const COLUMNS: [&str; 16] = [
+pub const COLUMNS: [&str; 17] = [
     "optimizer",
     "shapes",
     "params",
@@ -831,6 +897,7 @@ pub const COLUMNS: [&str; 16] = [
     "state B/param",
     "comm B/step",
     "dtype",
+    "kernel",
 ];
 
 /// The peak GFLOP/s an optimizer's MFU is measured against.
@@ -889,7 +956,7 @@ pub fn markdown(r: &Report) -> String {
             .map_or_else(|| "n/a".to_string(), |c| c.to_string());
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} |",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
             row.optimizer,
             row.shapes,
             row.params,
@@ -906,6 +973,7 @@ pub fn markdown(r: &Report) -> String {
             row.state_bytes_per_param(),
             comm,
             row.optimizer.dtype(),
+            kernel_name(row.optimizer),
         );
     }
     out
@@ -937,6 +1005,15 @@ mod tests {
             assert!(row.cost.flops > 0.0 && row.cost.bytes > 0.0);
             assert!(row.timing.best > 0.0);
         }
+    }
+
+    #[test]
+    fn llama_stack_has_28_matrices_of_llama3_ratios() {
+        let set = llama_stack(1024, 4);
+        assert_eq!(set.params.len(), 28);
+        let per_layer = 2 * 1024 * 1024 + 2 * 256 * 1024 + 3 * 3584 * 1024;
+        assert_eq!(set.numel(), 4 * per_layer);
+        assert!(set.params.iter().all(|(_, s)| s.len() == 2));
     }
 
     #[test]

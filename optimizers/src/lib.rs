@@ -10,7 +10,7 @@
 //! |---|---|---|---|
 //! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
 //! | [`Muon`] | [`muon`], [`muon_layout`], [`roots`], [`newton_schulz`] | `Matrix`, or `Element` where [`muon_layout`]'s cost model splits a matrix (then gathered to a root); AdamW fallback: `Element` | `torch.optim.Muon` (fp32 NS by default; bf16 NS on oneDNN/AMX with `NsPrecision::Bf16`) |
-//! | [`Adam8bit`] | [`adam8bit`] | `Tile { 32, 32 }` (`Matrix` for stacked matrices with `m % 32 ≠ 0`; `Element` for the fp32 fallback) | bitsandbytes 8-bit Adam, CPU-backend order, 32×32 tiles of the global shape |
+//! | [`Adam8bit`] | [`adam8bit`], [`quant`], [`drift`] | `Tile { 32, 32 }` (32 whole rows; `Matrix` for stacked matrices with `m % 32 ≠ 0`; `Element` for the fp32 fallback) | bitsandbytes 8-bit Adam, CPU-backend order, 256-element scale blocks inside 32-row blocks of the global shape, 16-bit scales, positive-`v` floor |
 //! | [`Shampoo`] | [`shampoo`] | `Rows(max_preconditioner_dim)` (blocks of ≤ d rows × ≤ d columns, each local) | facebookresearch/optimizers `DistributedShampoo` (eigh root inverse, grafting, fp32 factors) |
 //!
 //! Newton–Schulz runs on the kernels in [`kernels`]: `f32` on the `gemm` crate (AVX-512), bf16
@@ -27,13 +27,17 @@ pub mod bench;
 pub mod common;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod drift;
 pub mod kernels;
 pub mod muon;
 pub mod muon_layout;
 pub mod newton_schulz;
+pub mod peak_probe;
 pub mod quant;
 pub mod roots;
 pub mod shampoo;
+pub mod validate;
+pub mod validate_f64;
 
 pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};

@@ -438,6 +438,29 @@ impl CodeBook {
     }
 }
 
+/// The second-moment floor: a code of 0 becomes 1 where its value `x` is positive, so a
+/// positive `v` never dequantizes to 0 (the nearest code of `v/absmax < 1.6e-7` is 0):
+/// `codes[i] = max(codes[i], [xs[i] > 0])`. Without it an element whose `v` is tiny next to
+/// its block's maximum while its `m` still has a code steps by `lr·m/ε`, orders of magnitude
+/// beyond Adam's `~lr` (the failure the fp32 embedding fallback avoids for rare rows; with
+/// row and column scales in the gradient it hits ordinary layers too). A NaN `x` keeps its
+/// code.
+///
+/// # Panics
+/// If `xs` and `codes` differ in length.
+#[inline(always)]
+#[track_caller]
+pub fn keep_positive_nonzero(xs: &[f32], codes: &mut [u8]) {
+    assert_eq!(
+        xs.len(),
+        codes.len(),
+        "keep_positive_nonzero: lengths differ"
+    );
+    for (c, &x) in codes.iter_mut().zip(xs) {
+        *c = (*c).max(u8::from(x > 0.0));
+    }
+}
+
 /// The value of `code` in a block whose scale is `absmax`: `map[code]·absmax` (one `f32`
 /// multiplication, bnb's `code[c] * absmax[block]`).
 #[inline(always)]
@@ -482,6 +505,45 @@ pub unsafe fn dequantize_32_avx2(
             _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), x);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-bit block scales
+// ---------------------------------------------------------------------------------------------
+
+/// Bits of an `f32` below a [`ScaleCode`]: the code keeps bits 30..15 (8 exponent bits and
+/// the top 8 mantissa bits; the sign bit is dropped because a scale is an absolute maximum).
+const SCALE_SHIFT: u32 = 15;
+
+/// A block scale stored in 16 bits ([`encode_scale`], [`decode_scale`]): an unsigned float
+/// with `f32`'s 8 exponent bits and 8 mantissa bits (relative spacing 2⁻⁸). Halving the
+/// scale's storage lets 8-bit Adam keep one scale per 256 elements (bitsandbytes' block
+/// size) at 2 + 4/256 ≈ 2.016 bytes per parameter instead of 2.031.
+pub type ScaleCode = u16;
+
+/// The 16-bit code of a block scale `absmax ≥ 0`: `absmax` rounded to the nearest value with
+/// 8 mantissa bits (ties away from zero), so the stored scale is within 2⁻⁹ relative of the
+/// block's maximum (a value just above the stored scale quantizes to the end code, 1.0).
+/// A finite `absmax` that would round to infinity (above ≈ 3.39e38) saturates at the largest
+/// finite code; `+∞` stays `+∞`; values below 2⁻¹³⁴ (subnormal) round to 0, which stores the
+/// whole block as 0 (the code of zero). The sign of a negative input is dropped; a NaN input
+/// gives a NaN scale.
+#[inline(always)]
+pub fn encode_scale(absmax: f32) -> ScaleCode {
+    let bits = absmax.to_bits() & 0x7fff_ffff;
+    let rounded = (bits + (1 << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
+    let infinity = 0x7f80_0000 >> SCALE_SHIFT;
+    if rounded == infinity && bits < 0x7f80_0000 {
+        (infinity - 1) as ScaleCode
+    } else {
+        rounded as ScaleCode
+    }
+}
+
+/// The scale a [`ScaleCode`] stands for (exact: the code's bits are the `f32`'s bits 30..15).
+#[inline(always)]
+pub fn decode_scale(code: ScaleCode) -> f32 {
+    f32::from_bits(u32::from(code) << SCALE_SHIFT)
 }
 
 /// Quantizes `x` in a block of scale `absmax`: `quantize(x / absmax)` (true `f32` division),
@@ -587,6 +649,33 @@ mod tests {
             CodeBook::new(bad).is_err(),
             "a constant map has no thresholds"
         );
+    }
+
+    #[test]
+    fn scale_codes_round_to_nearest_with_8_mantissa_bits_and_saturate() {
+        // Exact values survive; a value between two codes goes to the nearer one.
+        for x in [0.0f32, 1.0, 0.375, 2f32.powi(-100), 1.5 * 2f32.powi(90)] {
+            assert_eq!(decode_scale(encode_scale(x)), x, "{x:e}");
+        }
+        let one_up = f32::from_bits(1.0f32.to_bits() + (1 << 15)); // 1 + 2^-8
+        assert_eq!(decode_scale(encode_scale(1.0 + 2f32.powi(-10))), 1.0);
+        assert_eq!(
+            decode_scale(encode_scale(1.0 + 2f32.powi(-8) * 0.75)),
+            one_up
+        );
+        // Relative error at most 2^-9 over a sweep of magnitudes.
+        for k in 0..20_000u32 {
+            let x = f32::from_bits(0x0080_0000 + k * 0x0001_8001);
+            let r = decode_scale(encode_scale(x));
+            assert!(((r - x) / x).abs() <= 2f32.powi(-9), "{x:e} -> {r:e}");
+        }
+        assert_eq!(
+            decode_scale(encode_scale(f32::MAX)),
+            f32::from_bits(0x7f7f_8000)
+        );
+        assert_eq!(decode_scale(encode_scale(f32::INFINITY)), f32::INFINITY);
+        assert!(decode_scale(encode_scale(f32::NAN)).is_nan());
+        assert_eq!(decode_scale(encode_scale(1e-45)), 0.0);
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub const ADAMW: KernelSource = KernelSource {
     name: "adamw.cu",
     src: include_str!("../../kernels/adamw.cu"),
 };
-/// `kernels/adam8bit.cu`: 8-bit Adam on 32×32 tiles.
+/// `kernels/adam8bit.cu`: 8-bit Adam on 256-element scale blocks.
 pub const ADAM8BIT: KernelSource = KernelSource {
     name: "adam8bit.cu",
     src: include_str!("../../kernels/adam8bit.cu"),

@@ -1,7 +1,8 @@
-//! 8-bit Adam on the device: one thread block per 32×32 tile (`kernels/adam8bit.cu`), the
-//! fallback pieces through the AdamW kernel. The tiles, their order and the fallback offsets
-//! come from [`Adam8bit`]'s own layout (the CPU step's), so the device state has exactly the
-//! CPU state's layout and the step is bitwise equal to the CPU step.
+//! 8-bit Adam on the device: one thread block per 256-element scale block
+//! (`kernels/adam8bit.cu`), the fallback pieces through the AdamW kernel. The scale blocks,
+//! their order and the fallback offsets come from [`Adam8bit`]'s own layout (the CPU step's),
+//! so the device state has exactly the CPU state's layout and the step is bitwise equal to
+//! the CPU step.
 
 use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
@@ -9,23 +10,23 @@ use ragged::optim::LocalShard;
 use ragged::{Error, Result};
 
 use super::{launch_adamw, ADAMW_STEP};
-use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, TILE};
+use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, SCALE_BLOCK, TILE};
 use crate::common::{check_len, check_shard, next_step, AdamScale, MomentCoeffs};
-use crate::quant::{SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
+use crate::quant::{ScaleCode, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.
-pub const ADAM8BIT_TILES: &str = "adam8bit_tiles";
+pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
 
-/// Threads per tile block (the kernel's `THREADS`).
-const TILE_THREADS: u32 = 256;
+/// Threads per scale block (the kernel's `BLOCK`: one per element).
+const BLOCK_THREADS: u32 = SCALE_BLOCK as u32;
 
 /// [`Adam8bitState`] in device memory, field for field.
 pub struct DeviceAdam8bitState {
     pub step: u64,
     pub m: CudaSlice<u8>,
     pub v: CudaSlice<u8>,
-    pub absmax_m: CudaSlice<f32>,
-    pub absmax_v: CudaSlice<f32>,
+    pub scale_m: CudaSlice<ScaleCode>,
+    pub scale_v: CudaSlice<ScaleCode>,
     pub m32: CudaSlice<f32>,
     pub v32: CudaSlice<f32>,
 }
@@ -37,8 +38,8 @@ impl DeviceAdam8bitState {
             step: s.step,
             m: dev.upload(&s.m)?,
             v: dev.upload(&s.v)?,
-            absmax_m: dev.upload(&s.absmax_m)?,
-            absmax_v: dev.upload(&s.absmax_v)?,
+            scale_m: dev.upload(&s.scale_m)?,
+            scale_v: dev.upload(&s.scale_v)?,
             m32: dev.upload(&s.m32)?,
             v32: dev.upload(&s.v32)?,
         })
@@ -50,68 +51,64 @@ impl DeviceAdam8bitState {
             step: self.step,
             m: dev.download(&self.m)?,
             v: dev.download(&self.v)?,
-            absmax_m: dev.download(&self.absmax_m)?,
-            absmax_v: dev.download(&self.absmax_v)?,
+            scale_m: dev.download(&self.scale_m)?,
+            scale_v: dev.download(&self.scale_v)?,
             m32: dev.download(&self.m32)?,
             v32: dev.download(&self.v32)?,
         })
     }
 }
 
-/// The kernel's per-tile table, in local tile order (the CPU's `absmax` order).
+/// The kernel's per-block table, in local scale order (the CPU's `scale_*` order).
 #[derive(Debug, Default, PartialEq)]
-pub struct TileTable {
-    /// Local-shard element of the tile's first element.
+pub struct BlockTable {
+    /// Local-shard element of the block's first element.
     pub off: Vec<u64>,
-    /// Rows in the tile (32, or fewer in a matrix's last row block).
-    pub rows: Vec<u32>,
-    /// Elements between the tile's rows (the matrix's `cols`).
-    pub stride: Vec<u32>,
-    /// The decay factor of the tile's parameter (`1` when not decayed: `p·1 = p` exactly).
+    /// Elements in the block (256, or fewer at the end of a short row block).
+    pub len: Vec<u32>,
+    /// The decay factor of the block's parameter (`1` when not decayed: `p·1 = p` exactly).
     pub decay: Vec<f32>,
 }
 
 impl Adam8bit {
-    /// The tile table of `shard`: the CPU step's walk (piece, row block, column tile), so
-    /// tile `k` of the table is `absmax_*[k]` of the state.
-    pub fn tile_table(&self, shard: &LocalShard) -> Result<TileTable> {
-        const OP: &str = "Adam8bit::tile_table";
-        let (layout, tiles, _) = self.layout(OP, shard)?;
-        let mut t = TileTable::default();
+    /// The scale-block table of `shard`: the CPU step's walk (piece, row block, block), so
+    /// block `k` of the table is `scale_*[k]` of the state.
+    pub fn block_table(&self, shard: &LocalShard) -> Result<BlockTable> {
+        const OP: &str = "Adam8bit::block_table";
+        let (layout, scales, _) = self.layout(OP, shard)?;
+        let mut t = BlockTable::default();
         for (piece, place) in shard.pieces.iter().zip(&layout) {
-            let PieceState::Tiled { tiling, first_tile } = *place else {
+            let PieceState::Tiled {
+                tiling,
+                first_scale,
+            } = *place
+            else {
                 continue;
             };
-            if first_tile != t.off.len() {
+            if first_scale != t.off.len() {
                 return Err(Error::InvalidShard {
                     op: OP,
-                    reason: format!("tile order: {first_tile} != {}", t.off.len()),
+                    reason: format!("scale order: {first_scale} != {}", t.off.len()),
                 });
             }
             let decay = self
                 .adamw
                 .decay_for(&shard.params[piece.param])
                 .unwrap_or(1.0);
-            let cols = u32::try_from(tiling.cols).map_err(|_| Error::InvalidShape {
-                op: OP,
-                shape: shard.params[piece.param].shape.clone(),
-                reason: "rows longer than u32::MAX elements".into(),
-            })?;
             let (mut at, mut elem) = (0usize, piece.range.start);
             while elem < piece.range.end {
                 let in_matrix = (elem / tiling.cols) % tiling.rows;
-                let nrows = TILE.min(tiling.rows - in_matrix);
-                for j in 0..tiling.tiles_per_row_block() {
-                    t.off.push((piece.offset + at + j * TILE) as u64);
-                    t.rows.push(nrows as u32);
-                    t.stride.push(cols);
+                let len = TILE.min(tiling.rows - in_matrix) * tiling.cols;
+                for start in (0..len).step_by(SCALE_BLOCK) {
+                    t.off.push((piece.offset + at + start) as u64);
+                    t.len.push(SCALE_BLOCK.min(len - start) as u32);
                     t.decay.push(decay);
                 }
-                at += nrows * tiling.cols;
-                elem += nrows * tiling.cols;
+                at += len;
+                elem += len;
             }
         }
-        check_len(OP, "tile table", t.off.len(), tiles)?;
+        check_len(OP, "block table", t.off.len(), scales)?;
         Ok(t)
     }
 
@@ -123,8 +120,8 @@ impl Adam8bit {
     }
 
     /// [`Optimizer::step`](ragged::optim::Optimizer::step) on device buffers: one launch for
-    /// every tile of the shard, one AdamW launch per fallback piece. Bitwise equal to the CPU
-    /// step. The tile table and the two maps (a few KiB) are uploaded each call.
+    /// every scale block of the shard, one AdamW launch per fallback piece. Bitwise equal to
+    /// the CPU step. The block table and the two maps (a few KiB) are uploaded each call.
     pub fn step_cuda(
         &self,
         dev: &Device,
@@ -138,10 +135,10 @@ impl Adam8bit {
             params: params.len(),
             grads: grads.len(),
             codes: [state.m.len(), state.v.len()],
-            absmax: [state.absmax_m.len(), state.absmax_v.len()],
+            scales: [state.scale_m.len(), state.scale_v.len()],
             fp32: [state.m32.len(), state.v32.len()],
         };
-        let (layout, tiles) = self.checked_layout(OP, shard, &lens)?;
+        let (layout, scales) = self.checked_layout(OP, shard, &lens)?;
         let t = next_step(OP, state.step)?;
         let c = &self.config().adam;
         let mo = MomentCoeffs::new(c.beta1, c.beta2);
@@ -167,27 +164,30 @@ impl Adam8bit {
             }
         }
 
-        // Tiles: one block each.
-        if tiles > 0 {
-            let table = self.tile_table(shard)?;
-            let (off, rows) = (dev.upload(&table.off)?, dev.upload(&table.rows)?);
-            let (stride, decay) = (dev.upload(&table.stride)?, dev.upload(&table.decay)?);
+        // Scale blocks: one thread block each.
+        if scales > 0 {
+            let table = self.block_table(shard)?;
+            let (off, len) = (dev.upload(&table.off)?, dev.upload(&table.len)?);
+            let decay = dev.upload(&table.decay)?;
             let (qm, qv) = (
                 dev.upload(self.book_m.map())?,
                 dev.upload(self.book_v.map())?,
             );
-            let f = dev.function(&ADAM8BIT, ADAM8BIT_TILES)?;
-            let blocks = u32::try_from(tiles).map_err(|_| Error::BadInput {
+            let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
+            let blocks = u32::try_from(scales).map_err(|_| Error::BadInput {
                 op: OP,
-                what: format!("{tiles} tiles"),
-                reason: "more than u32::MAX tiles in one shard".into(),
+                what: format!("{scales} scale blocks"),
+                reason: "more than u32::MAX scale blocks in one shard".into(),
             })?;
             let cfg = LaunchConfig {
                 grid_dim: (blocks, 1, 1),
-                block_dim: (TILE_THREADS, 1, 1),
+                block_dim: (BLOCK_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
+            // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
+            // buffers have the lengths `checked_layout` verified, and every table block
+            // (offset + length, at most 256 = the threads) lies inside the local shard.
             guarded(OP, || unsafe {
                 dev.stream()
                     .launch_builder(&f)
@@ -195,13 +195,12 @@ impl Adam8bit {
                     .arg(grads)
                     .arg(&mut state.m)
                     .arg(&mut state.v)
-                    .arg(&mut state.absmax_m)
-                    .arg(&mut state.absmax_v)
+                    .arg(&mut state.scale_m)
+                    .arg(&mut state.scale_v)
                     .arg(&qm)
                     .arg(&qv)
                     .arg(&off)
-                    .arg(&rows)
-                    .arg(&stride)
+                    .arg(&len)
                     .arg(&decay)
                     .arg(&mo.lerp_weight)
                     .arg(&mo.beta2)

@@ -1,0 +1,781 @@
+//! `ragged validate`: the numerics contract checked on a user's model. Every FSDP unit of the
+//! model is stepped with seeded gradients on thread ranks at each world size and layout, and
+//! every parameter is compared with the unsharded run (the contract: bitwise equal) and, where
+//! an independent f64 reference exists, with it (the README's tolerance).
+//!
+//! | check | what | breach |
+//! |---|---|---|
+//! | sharded vs unsharded | per parameter: bitwise, max ulp, max abs and relative error | any bit differs |
+//! | f64 reference (AdamW; Muon with f32 Newton–Schulz) | the final parameters of [`crate::validate_f64`]'s f64 Adam / Muon on the same inputs | AdamW: relative error above [`ADAMW_F64_RTOL`] per step; Muon matrices: absolute error above `lr·scale·5e-4` per step (+ f32 rounding of `p`) |
+//! | mesh invariance (8-bit Adam) | the `m`/`v` codes and scales in global order | any bit differs from the unsharded state |
+//!
+//! A layout that an optimizer refuses (8-bit Adam on FSDP2's element cuts, which would split
+//! its scale blocks) is reported as refused, not as a breach: the optimizer returned `Err`
+//! before touching anything, which is the contract's answer to such a layout.
+
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::{Communicator, SingleRank};
+use ragged::demo::SplitMix;
+use ragged::fsdp::fsdp2::Fsdp2Unit;
+use ragged::model::{DType, Inventory, TensorSpec, Unit};
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::plan::PlanOptions;
+use ragged::{Error, Result};
+
+use crate::bench::{muon_config, shampoo_config, OptimKind};
+use crate::quant::ScaleCode;
+use crate::validate_f64::{adamw_f64, muon_f64};
+use crate::{
+    Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, Muon, NsPrecision, Shampoo,
+};
+
+/// Relative tolerance of AdamW's final parameters against the f64 Adam, per step: torch's f32
+/// order rounds ≲ 4.2 units of `2⁻²⁴` per element and step (`adamw_tests.rs`' derivation),
+/// relative to `|p| ≥ 0.5` here; `1e-6` leaves a factor ~4.
+pub const ADAMW_F64_RTOL: f64 = 1e-6;
+
+/// The layouts `--layouts` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// The optimizer's own plan ([`Optimizer::plan_unit`]: its atomic blocks, Muon's cost model).
+    Ragged,
+    /// FSDP2's `Shard(0)` layout (row cuts at `⌈rows / world⌉`, whatever the optimizer needs).
+    Fsdp2,
+}
+
+impl std::str::FromStr for LayoutKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "ragged" => Ok(LayoutKind::Ragged),
+            "fsdp2" => Ok(LayoutKind::Fsdp2),
+            _ => Err(Error::BadInput {
+                op: "LayoutKind::from_str",
+                what: s.into(),
+                reason: "expected ragged or fsdp2".into(),
+            }),
+        }
+    }
+}
+
+impl LayoutKind {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutKind::Ragged => "ragged",
+            LayoutKind::Fsdp2 => "fsdp2",
+        }
+    }
+}
+
+/// What to validate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidateConfig {
+    pub optimizer: OptimKind,
+    pub worlds: Vec<usize>,
+    pub layouts: Vec<LayoutKind>,
+    pub steps: usize,
+    pub seed: u64,
+    /// Also compare 8-bit Adam's state bits across world sizes.
+    pub mesh_invariance: bool,
+}
+
+/// Sharded against unsharded, one parameter at one world size and layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamCheck {
+    pub layout: LayoutKind,
+    pub world: usize,
+    pub name: String,
+    pub bitwise: bool,
+    pub max_ulp: u64,
+    pub max_abs: f64,
+    pub max_rel: f64,
+}
+
+/// Against the f64 reference, one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceCheck {
+    pub name: String,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    /// The bound, on `max_rel` or (when `absolute`) on `max_abs`.
+    pub tolerance: f64,
+    pub absolute: bool,
+}
+
+impl ReferenceCheck {
+    /// Within the tolerance (a NaN error fails).
+    pub fn passes(&self) -> bool {
+        let err = if self.absolute {
+            self.max_abs
+        } else {
+            self.max_rel
+        };
+        err <= self.tolerance
+    }
+}
+
+/// The whole run: every check, and the layouts an optimizer refused.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ValidateReport {
+    pub sharded: Vec<ParamCheck>,
+    pub reference: Vec<ReferenceCheck>,
+    /// `None` where no f64 reference exists for the optimizer.
+    pub reference_note: Option<String>,
+    /// `(unit, layout, world, bitwise)` of the 8-bit state against the unsharded state.
+    pub mesh: Vec<(String, LayoutKind, usize, bool)>,
+    /// `(layout, world, reason)`.
+    pub refused: Vec<(LayoutKind, usize, String)>,
+}
+
+impl ValidateReport {
+    /// Number of breaches of the numerics contract.
+    pub fn breaches(&self) -> usize {
+        self.sharded.iter().filter(|c| !c.bitwise).count()
+            + self.reference.iter().filter(|c| !c.passes()).count()
+            + self.mesh.iter().filter(|m| !m.3).count()
+    }
+}
+
+/// The model `--model` names: a preset, an inventory JSON file, or a `.safetensors` file
+/// (its header's floating-point tensors; integer buffers are left out).
+pub fn load_model(spec: &str) -> Result<Inventory> {
+    if spec.ends_with(".safetensors") {
+        safetensors_inventory(std::path::Path::new(spec))
+    } else {
+        Inventory::load(spec)
+    }
+}
+
+/// The tensors in a safetensors header (8-byte little-endian length, then that many bytes of
+/// JSON: name → `{dtype, shape, data_offsets}`; `__metadata__` is skipped).
+fn safetensors_inventory(path: &std::path::Path) -> Result<Inventory> {
+    use std::io::Read;
+    const OP: &str = "validate::load_model";
+    let io = |source| Error::Io {
+        op: OP,
+        path: path.display().to_string(),
+        source,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(io)?;
+    let len = u64::from_le_bytes(len);
+    // A real header is a few MB at most; a larger length means this is not a safetensors file.
+    if len > 100 << 20 {
+        return Err(Error::BadInput {
+            op: OP,
+            what: path.display().to_string(),
+            reason: format!("header length {len} bytes: not a safetensors file"),
+        });
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header).map_err(io)?;
+    let json: serde_json::Value = serde_json::from_slice(&header)?;
+    let entries = json.as_object().ok_or_else(|| Error::BadInput {
+        op: OP,
+        what: path.display().to_string(),
+        reason: "the header is not a JSON object".into(),
+    })?;
+    let mut tensors = Vec::new();
+    for (name, meta) in entries.iter().filter(|(n, _)| *n != "__metadata__") {
+        let dtype = meta["dtype"].as_str().unwrap_or("").to_ascii_lowercase();
+        let dtype = match dtype.as_str() {
+            d if d.starts_with("f8") => DType::F8,
+            d => match d.parse::<DType>() {
+                Ok(t) => t,
+                Err(_) => continue, // integer and boolean buffers are not parameters
+            },
+        };
+        let shape: Option<Vec<usize>> = meta["shape"]
+            .as_array()
+            .map(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+            .unwrap_or(None);
+        let shape = shape.ok_or_else(|| Error::BadInput {
+            op: OP,
+            what: name.clone(),
+            reason: "no integer shape in the header".into(),
+        })?;
+        tensors.push(TensorSpec::new(name.clone(), &shape, dtype)?);
+    }
+    Ok(Inventory {
+        model: path.display().to_string(),
+        tensors,
+    })
+}
+
+/// Every dimension of `tensors` divided by `scale` (rounded up; `scale = 1` keeps them).
+pub fn scaled(tensors: &[TensorSpec], scale: usize) -> Result<Vec<TensorSpec>> {
+    if scale == 0 {
+        return Err(Error::BadInput {
+            op: "validate::scaled",
+            what: "--scale 0".into(),
+            reason: "the scale divides every dimension; use 1 or more".into(),
+        });
+    }
+    tensors
+        .iter()
+        .map(|t| {
+            let shape: Vec<usize> = t.shape.iter().map(|&d| d.div_ceil(scale)).collect();
+            TensorSpec::new(t.name.clone(), &shape, t.dtype)
+        })
+        .collect()
+}
+
+/// Sharded against unsharded only, for any optimizer (`cfg.optimizer` is not consulted; no
+/// f64 reference, no mesh check): what [`validate`] runs for each optimizer, open to
+/// optimizers of other crates.
+pub fn validate_with<O: Optimizer>(
+    opt: &O,
+    units: &[Unit],
+    cfg: &ValidateConfig,
+) -> Result<ValidateReport> {
+    check_config(&ValidateConfig {
+        mesh_invariance: false,
+        ..cfg.clone()
+    })?;
+    let mut report = ValidateReport::default();
+    for u in units {
+        validate_unit(opt, u, cfg, &mut report)?;
+    }
+    Ok(report)
+}
+
+/// Validates `cfg.optimizer` on every unit of `units`.
+pub fn validate(units: &[Unit], cfg: &ValidateConfig) -> Result<ValidateReport> {
+    check_config(cfg)?;
+    let mut report = ValidateReport::default();
+    let adam = AdamWConfig::default();
+    match cfg.optimizer {
+        OptimKind::AdamW => {
+            for u in units {
+                validate_unit(&AdamW::new(adam)?, u, cfg, &mut report)?;
+                adamw_reference(&adam, u, cfg, &mut report)?;
+            }
+        }
+        OptimKind::Adam8bit => {
+            let opt = Adam8bit::new(Adam8bitConfig::default())?;
+            for u in units {
+                validate_adam8bit(&opt, u, cfg, &mut report)?;
+            }
+            report.reference_note = Some(
+                "adam8bit: the f64 reference with exact codes is adam8bit_tests.rs' (not run here)"
+                    .into(),
+            );
+        }
+        OptimKind::Muon | OptimKind::MuonBf16 => {
+            let precision = if cfg.optimizer == OptimKind::Muon {
+                NsPrecision::F32
+            } else {
+                NsPrecision::Bf16
+            };
+            let opt = Muon::new(muon_config(precision))?;
+            for u in units {
+                validate_unit(&opt, u, cfg, &mut report)?;
+                if precision == NsPrecision::F32 {
+                    muon_reference(&opt, u, cfg, &mut report)?;
+                }
+            }
+            if precision == NsPrecision::Bf16 {
+                report.reference_note = Some(
+                    "muon-bf16: no f64 reference (bf16 NS is within 3e-2 of f32 by design, \
+                     ns_kernel_tests.rs)"
+                        .into(),
+                );
+            }
+        }
+        OptimKind::Shampoo => {
+            let opt = Shampoo::new(shampoo_config())?;
+            for u in units {
+                validate_unit(&opt, u, cfg, &mut report)?;
+            }
+            report.reference_note = Some(
+                "shampoo: the f64 eigendecomposition reference is shampoo_tests.rs' (not run here)"
+                    .into(),
+            );
+        }
+    }
+    Ok(report)
+}
+
+fn check_config(cfg: &ValidateConfig) -> Result<()> {
+    let bad = |what: String, reason: &str| {
+        Err(Error::BadInput {
+            op: "validate",
+            what,
+            reason: reason.into(),
+        })
+    };
+    if cfg.worlds.is_empty() || cfg.worlds.contains(&0) {
+        return bad(
+            format!("worlds {:?}", cfg.worlds),
+            "needs one or more world sizes, each ≥ 1",
+        );
+    }
+    if cfg.layouts.is_empty() {
+        return bad("no layouts".into(), "name at least one of ragged, fsdp2");
+    }
+    if cfg.steps == 0 {
+        return bad("--steps 0".into(), "needs at least one step");
+    }
+    if cfg.mesh_invariance && cfg.optimizer != OptimKind::Adam8bit {
+        return bad(
+            cfg.optimizer.to_string(),
+            "--mesh-invariance compares 8-bit Adam's state",
+        );
+    }
+    Ok(())
+}
+
+/// Seeded inputs of one unit: initial parameters and every step's gradients, uniform in
+/// `[0.5, 1.5)` with a random sign and `[-1, 1)`.
+fn inputs(unit: &Unit, steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+    let mut rng = SplitMix(seed ^ fnv(&unit.name));
+    let p0 = unit
+        .tensors
+        .iter()
+        .map(|t| {
+            (0..t.numel())
+                .map(|_| {
+                    let u = rng.uniform();
+                    (0.5 + u.abs()).copysign(u)
+                })
+                .collect()
+        })
+        .collect();
+    let grads = (0..steps)
+        .map(|_| {
+            unit.tensors
+                .iter()
+                .map(|t| (0..t.numel()).map(|_| rng.uniform()).collect())
+                .collect()
+        })
+        .collect();
+    (p0, grads)
+}
+
+/// FNV-1a of a name, so every unit gets its own stream from one seed.
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Every rank's shard of `unit` at `world` in `layout`.
+fn shards<O: Optimizer>(
+    opt: &O,
+    unit: &Unit,
+    world: usize,
+    layout: LayoutKind,
+) -> Result<Vec<LocalShard>> {
+    match layout {
+        LayoutKind::Ragged => {
+            let plan = opt.plan_unit(unit, world, &PlanOptions::default())?;
+            (0..world)
+                .map(|r| LocalShard::from_plan(&plan, r))
+                .collect()
+        }
+        LayoutKind::Fsdp2 => (0..world)
+            .map(|r| Ok(Fsdp2Unit::new(unit, world, r)?.local_shard(unit)))
+            .collect(),
+    }
+}
+
+/// Runs `opt` on `shards` (one thread rank each) from `p0` with `grads`: final local params
+/// and states per rank.
+fn run_ranks<O: Optimizer>(
+    opt: &O,
+    shards: &[LocalShard],
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+) -> Result<Vec<(Vec<f32>, O::State)>> {
+    let rank = |shard: &LocalShard,
+                comm: &dyn ragged::comm::Communicator|
+     -> Result<(Vec<f32>, O::State)> {
+        let mut p = shard.scatter(p0)?;
+        let mut state = opt.init(shard)?;
+        for g in grads {
+            opt.step(&mut state, shard, &mut p, &shard.scatter(g)?, comm)?;
+        }
+        Ok((p, state))
+    };
+    if shards.len() == 1 {
+        return Ok(vec![rank(&shards[0], &SingleRank)?]);
+    }
+    ThreadWorld::run(shards.len(), |comm| rank(&shards[comm.rank()], comm))
+}
+
+/// 8-bit state in global order: codes per element, scales per parameter.
+#[derive(Clone, Debug, PartialEq)]
+struct StateBits {
+    m: Vec<Vec<u8>>,
+    v: Vec<Vec<u8>>,
+    scales: Vec<Vec<(ScaleCode, ScaleCode)>>,
+}
+
+fn state_bits(
+    opt: &Adam8bit,
+    shards: &[LocalShard],
+    states: &[Adam8bitState],
+) -> Result<StateBits> {
+    let m = LocalShard::gather(
+        shards,
+        &states.iter().map(|s| s.m.clone()).collect::<Vec<_>>(),
+    )?;
+    let v = LocalShard::gather(
+        shards,
+        &states.iter().map(|s| s.v.clone()).collect::<Vec<_>>(),
+    )?;
+    let params = &shards[0].params;
+    let mut scales: Vec<Vec<(ScaleCode, ScaleCode)>> = params
+        .iter()
+        .map(|p| vec![(0, 0); opt.tiling(&p.name, &p.shape).map_or(0, |t| t.num_scales())])
+        .collect();
+    for (shard, st) in shards.iter().zip(states) {
+        let mut at = 0;
+        for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            if let Some(t) = opt.tiling(&meta.name, &meta.shape) {
+                let (a, b) = (
+                    t.scales_before(piece.range.start),
+                    t.scales_before(piece.range.end),
+                );
+                let (Some(a), Some(b)) = (a, b) else {
+                    return Err(Error::InvalidShard {
+                        op: "validate",
+                        reason: format!("{} cut inside a row block", meta.name),
+                    });
+                };
+                for k in 0..b - a {
+                    scales[piece.param][a + k] = (st.scale_m[at + k], st.scale_v[at + k]);
+                }
+                at += b - a;
+            }
+        }
+    }
+    Ok(StateBits { m, v, scales })
+}
+
+/// [`validate_unit`] plus the state comparison of `--mesh-invariance`.
+fn validate_adam8bit(
+    opt: &Adam8bit,
+    unit: &Unit,
+    cfg: &ValidateConfig,
+    report: &mut ValidateReport,
+) -> Result<()> {
+    let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
+    let whole = vec![unsharded(opt, unit)?];
+    let base = run_ranks(opt, &whole, &p0, &grads)?;
+    let (base_p, base_s): (Vec<_>, Vec<_>) = base.into_iter().unzip();
+    let want_p = LocalShard::gather(&whole, &base_p)?;
+    let want_s = state_bits(opt, &whole, &base_s)?;
+    for &layout in &cfg.layouts {
+        for &world in &cfg.worlds {
+            let Some((sh, got)) = sharded_run(opt, unit, world, layout, &p0, &grads, report)?
+            else {
+                continue;
+            };
+            let (ps, ss): (Vec<_>, Vec<_>) = got.into_iter().unzip();
+            compare(
+                unit,
+                layout,
+                world,
+                &LocalShard::gather(&sh, &ps)?,
+                &want_p,
+                report,
+            );
+            if cfg.mesh_invariance {
+                let bits = state_bits(opt, &sh, &ss)?;
+                report
+                    .mesh
+                    .push((unit.name.clone(), layout, world, bits == want_s));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The unsharded shard of `unit` with `opt`'s blocks.
+fn unsharded<O: Optimizer>(opt: &O, unit: &Unit) -> Result<LocalShard> {
+    LocalShard::unsharded(
+        unit.tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice())),
+        &|name, shape| opt.atomic_block(name, shape),
+    )
+}
+
+/// The sharded run at one world and layout, or `None` (recorded as refused) when the layout
+/// or the optimizer refuses.
+#[allow(clippy::type_complexity)]
+fn sharded_run<O: Optimizer>(
+    opt: &O,
+    unit: &Unit,
+    world: usize,
+    layout: LayoutKind,
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+    report: &mut ValidateReport,
+) -> Result<Option<(Vec<LocalShard>, Vec<(Vec<f32>, O::State)>)>> {
+    let refuse = |report: &mut ValidateReport, e: Error| {
+        report
+            .refused
+            .push((layout, world, format!("{}: {e}", unit.name)));
+    };
+    let sh = match shards(opt, unit, world, layout) {
+        Ok(s) => s,
+        Err(e) => {
+            refuse(report, e);
+            return Ok(None);
+        }
+    };
+    match run_ranks(opt, &sh, p0, grads) {
+        Ok(got) => Ok(Some((sh, got))),
+        Err(
+            e @ (Error::InvalidShard { .. } | Error::BlockSplit { .. } | Error::Infeasible { .. }),
+        ) => {
+            refuse(report, e);
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Sharded against unsharded for one optimizer on one unit.
+fn validate_unit<O: Optimizer>(
+    opt: &O,
+    unit: &Unit,
+    cfg: &ValidateConfig,
+    report: &mut ValidateReport,
+) -> Result<()> {
+    let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
+    let whole = vec![unsharded(opt, unit)?];
+    let base: Vec<Vec<f32>> = run_ranks(opt, &whole, &p0, &grads)?
+        .into_iter()
+        .map(|r| r.0)
+        .collect();
+    let want = LocalShard::gather(&whole, &base)?;
+    for &layout in &cfg.layouts {
+        for &world in &cfg.worlds {
+            let Some((sh, got)) = sharded_run(opt, unit, world, layout, &p0, &grads, report)?
+            else {
+                continue;
+            };
+            let ps: Vec<Vec<f32>> = got.into_iter().map(|r| r.0).collect();
+            compare(
+                unit,
+                layout,
+                world,
+                &LocalShard::gather(&sh, &ps)?,
+                &want,
+                report,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Distance in units in the last place between two `f32`s (`u64::MAX` when one is NaN and
+/// the other is not).
+fn ulps(a: f32, b: f32) -> u64 {
+    if a.is_nan() || b.is_nan() {
+        return if a.is_nan() && b.is_nan() {
+            0
+        } else {
+            u64::MAX
+        };
+    }
+    let key = |x: f32| {
+        let b = x.to_bits() as i32;
+        i64::from(if b < 0 { i32::MIN - b } else { b })
+    };
+    key(a).abs_diff(key(b))
+}
+
+fn compare(
+    unit: &Unit,
+    layout: LayoutKind,
+    world: usize,
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    report: &mut ValidateReport,
+) {
+    for ((t, g), w) in unit.tensors.iter().zip(got).zip(want) {
+        let (mut ulp, mut abs, mut rel, mut bitwise) = (0u64, 0f64, 0f64, true);
+        for (&a, &b) in g.iter().zip(w) {
+            bitwise &= a.to_bits() == b.to_bits();
+            ulp = ulp.max(ulps(a, b));
+            let d = (f64::from(a) - f64::from(b)).abs();
+            abs = abs.max(d);
+            rel = rel.max(d / f64::from(b).abs().max(f64::MIN_POSITIVE));
+        }
+        report.sharded.push(ParamCheck {
+            layout,
+            world,
+            name: t.name.clone(),
+            bitwise,
+            max_ulp: ulp,
+            max_abs: abs,
+            max_rel: rel,
+        });
+    }
+}
+
+/// Relative tolerance of an f32 Adam step against f64, per step (see [`ADAMW_F64_RTOL`]).
+fn adam_check(name: &str, got: &[f32], want: &[f64], steps: usize) -> ReferenceCheck {
+    let (abs, rel) = errors(got, want);
+    ReferenceCheck {
+        name: name.to_string(),
+        max_abs: abs,
+        max_rel: rel,
+        tolerance: ADAMW_F64_RTOL * steps as f64,
+        absolute: false,
+    }
+}
+
+/// Max absolute and relative error of `got` against `want`.
+fn errors(got: &[f32], want: &[f64]) -> (f64, f64) {
+    got.iter().zip(want).fold((0f64, 0f64), |(a, r), (&x, &w)| {
+        let d = (f64::from(x) - w).abs();
+        (a.max(d), r.max(d / w.abs()))
+    })
+}
+
+/// The unsharded f32 run's final parameters of `unit`.
+fn unsharded_result<O: Optimizer>(
+    opt: &O,
+    unit: &Unit,
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+) -> Result<Vec<Vec<f32>>> {
+    let whole = vec![unsharded(opt, unit)?];
+    let locals: Vec<Vec<f32>> = run_ranks(opt, &whole, p0, grads)?
+        .into_iter()
+        .map(|r| r.0)
+        .collect();
+    LocalShard::gather(&whole, &locals)
+}
+
+/// AdamW against [`adamw_f64`] on the same inputs.
+fn adamw_reference(
+    c: &AdamWConfig,
+    unit: &Unit,
+    cfg: &ValidateConfig,
+    report: &mut ValidateReport,
+) -> Result<()> {
+    let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
+    let got = unsharded_result(&AdamW::new(*c)?, unit, &p0, &grads)?;
+    for (k, t) in unit.tensors.iter().enumerate() {
+        let g: Vec<&[f32]> = grads.iter().map(|s| s[k].as_slice()).collect();
+        let want = adamw_f64(c, c.decay_rule.decays(&t.shape), &p0[k], &g)?;
+        report
+            .reference
+            .push(adam_check(&t.name, &got[k], &want, cfg.steps));
+    }
+    Ok(())
+}
+
+/// Muon (f32 Newton–Schulz) against [`muon_f64`]; its AdamW parameters against
+/// [`adamw_f64`]. Muon's tolerance is the README's, absolute: per step `lr·scale·5e-4` (f32
+/// Newton–Schulz within 5e-4 of f64, `muon_tests.rs`) plus `4·2⁻²⁴·max|p|` for the f32
+/// roundings of the decay and the update.
+fn muon_reference(
+    opt: &Muon,
+    unit: &Unit,
+    cfg: &ValidateConfig,
+    report: &mut ValidateReport,
+) -> Result<()> {
+    let c = opt.config();
+    let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
+    let got = unsharded_result(opt, unit, &p0, &grads)?;
+    for (k, t) in unit.tensors.iter().enumerate() {
+        let g: Vec<&[f32]> = grads.iter().map(|s| s[k].as_slice()).collect();
+        if !opt.uses_muon(&t.name, &t.shape) {
+            let want = adamw_f64(&c.adamw, c.adamw.decay_rule.decays(&t.shape), &p0[k], &g)?;
+            report
+                .reference
+                .push(adam_check(&t.name, &got[k], &want, cfg.steps));
+            continue;
+        }
+        let want = muon_f64(c, &t.shape, &p0[k], &g)?;
+        let d = t.shape.len();
+        let scale = c.lr * c.lr_scale.factor(t.shape[d - 2], t.shape[d - 1]);
+        let p_max = want.iter().fold(0f64, |a, w| a.max(w.abs()));
+        let (abs, rel) = errors(&got[k], &want);
+        report.reference.push(ReferenceCheck {
+            name: t.name.clone(),
+            max_abs: abs,
+            max_rel: rel,
+            tolerance: cfg.steps as f64 * (scale * 5e-4 + 4.0 * 2f64.powi(-24) * p_max),
+            absolute: true,
+        });
+    }
+    Ok(())
+}
+
+/// The report as text: one line per parameter and check, then the verdict.
+pub fn render(report: &ValidateReport) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "sharded vs unsharded (contract: bitwise)");
+    let _ = writeln!(
+        out,
+        "{:<8} {:>5}  {:<48} {:>7} {:>8} {:>10} {:>10}",
+        "layout", "world", "parameter", "bitwise", "max ulp", "max abs", "max rel"
+    );
+    for c in &report.sharded {
+        let _ = writeln!(
+            out,
+            "{:<8} {:>5}  {:<48} {:>7} {:>8} {:>10.3e} {:>10.3e}",
+            c.layout.name(),
+            c.world,
+            c.name,
+            if c.bitwise { "yes" } else { "NO" },
+            c.max_ulp,
+            c.max_abs,
+            c.max_rel
+        );
+    }
+    if !report.reference.is_empty() {
+        let _ = writeln!(out, "\nagainst the f64 reference");
+        let _ = writeln!(
+            out,
+            "{:<48} {:>10} {:>10} {:>14} {:>6}",
+            "parameter", "max abs", "max rel", "tolerance", "ok"
+        );
+        for c in &report.reference {
+            let ok = if c.passes() { "yes" } else { "NO" };
+            let kind = if c.absolute { "abs" } else { "rel" };
+            let _ = writeln!(
+                out,
+                "{:<48} {:>10.3e} {:>10.3e} {:>10.1e} {kind} {:>6}",
+                c.name, c.max_abs, c.max_rel, c.tolerance, ok
+            );
+        }
+    }
+    if let Some(note) = &report.reference_note {
+        let _ = writeln!(out, "\nf64 reference: {note}");
+    }
+    if !report.mesh.is_empty() {
+        let _ = writeln!(out, "\nmesh invariance (8-bit state bits vs unsharded)");
+        for (unit, layout, world, same) in &report.mesh {
+            let verdict = if *same { "same bits" } else { "DIFFERENT" };
+            let _ = writeln!(
+                out,
+                "{:<8} {:>5}  {unit:<48} {verdict}",
+                layout.name(),
+                world
+            );
+        }
+    }
+    for (layout, world, why) in &report.refused {
+        let _ = writeln!(out, "refused: {} at world {world}: {why}", layout.name());
+    }
+    let b = report.breaches();
+    let _ = writeln!(
+        out,
+        "\n{} checks, {b} breaches of the numerics contract",
+        report.sharded.len() + report.reference.len() + report.mesh.len()
+    );
+    out
+}

@@ -1,0 +1,251 @@
+//! `ragged_optimizers::validate` and the public scatter/gather of `LocalShard`: the validator
+//! passes the real optimizers, catches an optimizer whose step depends on the world size, and
+//! rejects bad input; scatter and gather are inverse and refuse inconsistent buffers.
+
+use ragged::comm::Communicator;
+use ragged::model::{DType, TensorSpec, Unit};
+use ragged::optim::{LocalShard, Optimizer};
+use ragged::plan::PlanOptions;
+use ragged::{AtomicBlock, Result};
+use ragged_optimizers::bench::OptimKind;
+use ragged_optimizers::validate::{validate, validate_with, LayoutKind, ValidateConfig};
+use ragged_optimizers::{AdamState, AdamW, AdamWConfig};
+
+fn specs() -> Vec<TensorSpec> {
+    [
+        ("w.q", vec![64, 96]),
+        ("w.up", vec![96, 64]),
+        ("norm", vec![64]),
+    ]
+    .into_iter()
+    .map(|(n, s)| TensorSpec::new(n, &s, DType::F32).unwrap())
+    .collect()
+}
+
+fn config(optimizer: OptimKind) -> ValidateConfig {
+    ValidateConfig {
+        optimizer,
+        worlds: vec![1, 2, 3, 8],
+        layouts: vec![LayoutKind::Ragged, LayoutKind::Fsdp2],
+        steps: 2,
+        seed: 7,
+        mesh_invariance: optimizer == OptimKind::Adam8bit,
+    }
+}
+
+#[test]
+fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    for kind in [OptimKind::AdamW, OptimKind::Adam8bit, OptimKind::Muon] {
+        let report = validate(std::slice::from_ref(&unit), &config(kind)).unwrap();
+        assert_eq!(report.breaches(), 0, "{kind}: {report:?}");
+        // Every parameter at every world of the ragged layout was compared.
+        let ragged = report
+            .sharded
+            .iter()
+            .filter(|c| c.layout == LayoutKind::Ragged)
+            .count();
+        assert_eq!(ragged, 3 * 4, "{kind}");
+        if kind == OptimKind::AdamW || kind == OptimKind::Muon {
+            assert_eq!(report.reference.len(), 3, "{kind}");
+            assert!(
+                report.reference.iter().all(|r| r.max_rel > 0.0),
+                "f32 vs f64 differ"
+            );
+        }
+        if kind == OptimKind::Adam8bit {
+            assert!(report.mesh.len() >= 4, "{:?}", report.mesh);
+        }
+    }
+}
+
+/// AdamW whose step nudges its first element by one ulp when the world has more than one
+/// rank: the kind of layout dependence the contract forbids.
+struct WorldDependent(AdamW);
+
+impl Optimizer for WorldDependent {
+    type State = AdamState;
+    fn name(&self) -> &'static str {
+        "world-dependent"
+    }
+    fn atomic_block(&self, _: &str, _: &[usize]) -> AtomicBlock {
+        AtomicBlock::Element
+    }
+    fn init(&self, shard: &LocalShard) -> Result<AdamState> {
+        self.0.init(shard)
+    }
+    fn step(
+        &self,
+        state: &mut AdamState,
+        shard: &LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+        comm: &dyn Communicator,
+    ) -> Result<()> {
+        self.0.step(state, shard, params, grads, comm)?;
+        if shard.world > 1 {
+            if let Some(p) = shard.pieces.first() {
+                let x = &mut params[p.offset];
+                *x = f32::from_bits(x.to_bits() + 1);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_world_dependent_step_is_a_breach_with_its_ulps() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let opt = WorldDependent(AdamW::new(AdamWConfig::default()).unwrap());
+    let report = validate_with(&opt, &[unit], &config(OptimKind::AdamW)).unwrap();
+    assert!(report.breaches() > 0);
+    let bad: Vec<_> = report.sharded.iter().filter(|c| !c.bitwise).collect();
+    assert!(bad
+        .iter()
+        .all(|c| c.world > 1 && c.max_ulp >= 1 && c.max_abs > 0.0));
+    assert!(report
+        .sharded
+        .iter()
+        .filter(|c| c.world == 1)
+        .all(|c| c.bitwise));
+}
+
+#[test]
+fn bad_configurations_are_rejected() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let units = [unit];
+    let good = config(OptimKind::AdamW);
+    for bad in [
+        ValidateConfig {
+            worlds: vec![],
+            ..good.clone()
+        },
+        ValidateConfig {
+            worlds: vec![2, 0],
+            ..good.clone()
+        },
+        ValidateConfig {
+            steps: 0,
+            ..good.clone()
+        },
+        ValidateConfig {
+            layouts: vec![],
+            ..good.clone()
+        },
+        ValidateConfig {
+            mesh_invariance: true,
+            ..good.clone()
+        },
+    ] {
+        assert!(validate(&units, &bad).is_err(), "{bad:?}");
+    }
+    assert!("zero3".parse::<LayoutKind>().is_err());
+    assert!(ragged_optimizers::validate::scaled(&specs, 0).is_err());
+}
+
+#[test]
+fn scatter_and_gather_are_inverse_and_refuse_inconsistent_buffers() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let opt = AdamW::new(AdamWConfig::default()).unwrap();
+    let plan = opt.plan_unit(&unit, 3, &PlanOptions::default()).unwrap();
+    let shards: Vec<LocalShard> = (0..3)
+        .map(|r| LocalShard::from_plan(&plan, r).unwrap())
+        .collect();
+    let global: Vec<Vec<f32>> = specs
+        .iter()
+        .enumerate()
+        .map(|(k, t)| (0..t.numel()).map(|i| (k * 10_000 + i) as f32).collect())
+        .collect();
+    let locals: Vec<Vec<f32>> = shards.iter().map(|s| s.scatter(&global).unwrap()).collect();
+    let split = (0..specs.len())
+        .filter(|&i| {
+            shards
+                .iter()
+                .filter(|s| s.pieces.iter().any(|p| p.param == i))
+                .count()
+                > 1
+        })
+        .count();
+    assert!(split >= 1, "some tensor is split across ranks");
+    assert_eq!(LocalShard::gather(&shards, &locals).unwrap(), global);
+    // A missing tensor, a short local buffer, a missing rank: errors, not panics.
+    assert!(shards[0].scatter(&global[..2]).is_err());
+    let mut short = locals.clone();
+    short[1].pop();
+    assert!(LocalShard::gather(&shards, &short).is_err());
+    assert!(LocalShard::gather(&shards[..2], &locals[..2]).is_err());
+    assert!(LocalShard::gather::<f32>(&[], &[]).is_err());
+}
+
+#[test]
+fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
+    use ragged::comm::SingleRank;
+    use ragged_optimizers::validate_f64::muon_f64;
+    use ragged_optimizers::{Muon, MuonConfig};
+    let shape = [64usize, 96];
+    let n = shape[0] * shape[1];
+    let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.5) * s;
+    let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
+    let grads: Vec<Vec<f32>> = (0..3)
+        .map(|s| (0..n).map(|k| wave(k * (s + 2), 1.0)).collect())
+        .collect();
+    let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+    let c = MuonConfig::default();
+    let opt = Muon::new(c.clone()).unwrap();
+    let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
+    let shard = LocalShard::unsharded(
+        spec.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+        &|name, shape| opt.atomic_block(name, shape),
+    )
+    .unwrap();
+    let mut p = p0.clone();
+    let mut state = opt.init(&shard).unwrap();
+    for g in &grads {
+        opt.step(&mut state, &shard, &mut p, g, &SingleRank)
+            .unwrap();
+    }
+    let max_err = |want: &[f64]| {
+        p.iter()
+            .zip(want)
+            .map(|(&x, &w)| (f64::from(x) - w).abs())
+            .fold(0f64, f64::max)
+    };
+    // validate's tolerance for this matrix: 3 steps × (lr·scale·5e-4 + 4u·max|p|).
+    let tol = 3.0 * (1e-3 * 5e-4 + 4.0 * 2f64.powi(-24) * 1.5);
+    let right = max_err(&muon_f64(&c, &shape, &p0, &g).unwrap());
+    assert!(right <= tol, "f32 Muon vs f64: {right} > {tol}");
+    let plain = MuonConfig {
+        nesterov: false,
+        ..c.clone()
+    };
+    let wrong = max_err(&muon_f64(&plain, &shape, &p0, &g).unwrap());
+    // Bad input is an error, not a panic.
+    assert!(muon_f64(&c, &[n], &p0, &g).is_err());
+    assert!(muon_f64(
+        &c,
+        &shape,
+        &p0,
+        &g[..1].iter().map(|g| &g[1..]).collect::<Vec<_>>()
+    )
+    .is_err());
+    assert!(
+        wrong > 10.0 * tol,
+        "without Nesterov: {wrong}, tolerance {tol}"
+    );
+}
