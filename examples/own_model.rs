@@ -68,7 +68,7 @@ fn main() -> ragged::Result<()> {
     })?;
     // One thread per rank; every rank passes the same parameters (checked) and its own rows.
     let losses = ThreadWorld::run(2, |comm| {
-        let mut sharded = fully_shard(&params, adamw.clone(), comm, FsdpOptions::default())?;
+        let mut sharded = fully_shard(&params, adamw, comm, FsdpOptions::default())?;
         let rows = 32 / comm.world_size();
         let mine = |t: &Tensor| t.narrow(0, comm.rank() * rows, rows);
         let batch = (mine(&inputs)?, mine(&targets)?);
