@@ -165,10 +165,11 @@ fn abort_job_on_panic() {
 
 // --- Descriptors on the wire ---------------------------------------------------------------
 
-const OPS: [Op; 7] = [
+const OPS: [Op; 8] = [
     Op::AllGatherInPlace,
     Op::AllGather,
     Op::ReduceScatterInPlace,
+    Op::ReduceScatter,
     Op::AllReduce,
     Op::AllToAllV,
     Op::Broadcast,
