@@ -361,7 +361,11 @@ fn first<T>(results: Vec<T>) -> T {
 #[cfg(feature = "mpi")]
 fn mpi_rank<T>(f: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
     let comm = ragged::comm::mpi::MpiComm::init()?;
-    Ok((comm.rank(), f(&comm)?))
+    // A rank that fails ends the whole job (the others would wait inside MPI forever).
+    match f(&comm) {
+        Ok(out) => Ok((comm.rank(), out)),
+        Err(e) => comm.abort_job(&e),
+    }
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -18,6 +18,7 @@ pub mod model;
 pub mod optim;
 pub mod plan;
 pub mod ragged;
+pub mod schedule;
 
 pub use block::AtomicBlock;
 pub use error::{Context, Error, Result};

@@ -324,6 +324,24 @@ pub trait Optimizer: Send + Sync {
     /// Fresh state for one rank's shard of a group.
     fn init(&self, shard: &LocalShard) -> Result<Self::State>;
 
+    /// The learning rate of the main update (candle-nn's `Optimizer::learning_rate`); `None`
+    /// for an optimizer without one.
+    fn learning_rate(&self) -> Option<f64> {
+        None
+    }
+
+    /// Sets the learning rate of the main update; an optimizer with several rates (Muon's
+    /// element-wise fallback) scales the others by the same ratio. `Err` for a rate that is
+    /// negative or not finite, or an optimizer that does not support it (the default).
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        let _ = lr;
+        Err(crate::Error::BadInput {
+            op: "set_learning_rate",
+            what: self.name().into(),
+            reason: "this optimizer does not support changing its learning rate".into(),
+        })
+    }
+
     /// One update of the local shard in place. `params` and `grads` have `shard.len` elements.
     /// `comm` connects the ranks of this group (Muon gathers whole matrices to a root through
     /// it; element-wise optimizers ignore it).
@@ -360,6 +378,15 @@ impl Optimizer for Sgd {
         Ok(())
     }
 
+    fn learning_rate(&self) -> Option<f64> {
+        Some(f64::from(self.lr))
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.lr = check_learning_rate(lr)? as f32;
+        Ok(())
+    }
+
     fn step(
         &self,
         _state: &mut (),
@@ -391,6 +418,19 @@ fn check_globals<T>(op: &'static str, params: &[ParamMeta], global: &[Vec<T>]) -
         });
     }
     Ok(())
+}
+
+/// `lr` if it is finite and not negative (what [`Optimizer::set_learning_rate`] accepts).
+pub fn check_learning_rate(lr: f64) -> Result<f64> {
+    if lr.is_finite() && lr >= 0.0 {
+        Ok(lr)
+    } else {
+        Err(crate::Error::BadInput {
+            op: "set_learning_rate",
+            what: format!("learning rate {lr}"),
+            reason: "must be finite and not negative".into(),
+        })
+    }
 }
 
 /// Checks that `params` and `grads` cover exactly the local shard.

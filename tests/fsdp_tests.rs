@@ -852,3 +852,47 @@ fn mlp_stack_trains_the_same_unit_by_unit_and_whole() {
     };
     assert_eq!(run(false), run(true));
 }
+
+/// A schedule sets the rate of every step (factor of the step count times the configured
+/// rate); a rate of 0 leaves the parameters bitwise unchanged; bad rates are refused.
+#[test]
+fn schedules_and_set_learning_rate_drive_the_optimizer() {
+    use ragged::schedule::Schedule;
+    let params = CFG.init_params(6).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let schedule = Schedule::WarmupCosine {
+        warmup: 2,
+        total: 5,
+        min_factor: 0.0,
+    };
+    sharded.set_schedule(schedule).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
+    for step in 0..6 {
+        sharded
+            .forward_backward(&TransformerStages(CFG), &ids)
+            .unwrap();
+        let before = sharded.full_params().unwrap();
+        sharded.step().unwrap();
+        let lr = sharded.learning_rate().unwrap();
+        assert_eq!(lr, LR * schedule.factor(step), "step {step}");
+        let after = sharded.full_params().unwrap();
+        // Step 5 is past `total`: factor 0, so nothing moves.
+        assert_eq!(before == after, step == 5, "step {step}");
+    }
+    assert_eq!(sharded.steps_taken(), 6);
+    assert!(sharded.set_learning_rate(-1.0).is_err());
+    assert!(sharded.set_learning_rate(f64::NAN).is_err());
+    sharded.set_learning_rate(0.5).unwrap();
+    assert_eq!(sharded.learning_rate(), Some(0.5));
+}
+
+/// Muon's element-wise fallback follows its matrix rate in proportion.
+#[test]
+fn muon_set_learning_rate_scales_its_fallback() {
+    use ragged::optim::Optimizer;
+    let mut muon = ragged_optimizers::Muon::new(ragged_optimizers::MuonConfig::default()).unwrap();
+    let (lr, fallback) = (muon.config().lr, muon.config().adamw.lr);
+    muon.set_learning_rate(lr / 4.0).unwrap();
+    assert_eq!(muon.learning_rate(), Some(lr / 4.0));
+    assert_eq!(muon.config().adamw.lr, fallback / 4.0);
+}

@@ -526,6 +526,18 @@ impl Optimizer for Adam8bit {
         "adam8bit"
     }
 
+    fn learning_rate(&self) -> Option<f64> {
+        Some(self.config.adam.lr)
+    }
+
+    /// The 8-bit moments and the f32 fallback share one rate.
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        let lr = ragged::optim::check_learning_rate(lr)?;
+        self.adamw.set_learning_rate(lr)?;
+        self.config.adam.lr = lr;
+        Ok(())
+    }
+
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
         self.tiling(name, shape)
             .map_or(AtomicBlock::Element, |t| t.block())

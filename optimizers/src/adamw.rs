@@ -250,6 +250,15 @@ impl Optimizer for AdamW {
         "adamw"
     }
 
+    fn learning_rate(&self) -> Option<f64> {
+        Some(self.config.lr)
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.config.lr = ragged::optim::check_learning_rate(lr)?;
+        Ok(())
+    }
+
     fn atomic_block(&self, _name: &str, _shape: &[usize]) -> AtomicBlock {
         AtomicBlock::Element
     }

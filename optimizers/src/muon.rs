@@ -218,6 +218,25 @@ impl Optimizer for Muon {
         "muon"
     }
 
+    /// The matrices' rate; the element-wise fallback's follows it in proportion.
+    fn learning_rate(&self) -> Option<f64> {
+        Some(self.config.lr)
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        let lr = ragged::optim::check_learning_rate(lr)?;
+        let old = self.config.lr;
+        let fallback = if old > 0.0 {
+            self.config.adamw.lr * (lr / old)
+        } else {
+            self.config.adamw.lr
+        };
+        self.adamw.set_learning_rate(fallback)?;
+        self.config.adamw.lr = fallback;
+        self.config.lr = lr;
+        Ok(())
+    }
+
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
         if self.uses_muon(name, shape) {
             AtomicBlock::Matrix

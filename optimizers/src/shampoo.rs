@@ -558,6 +558,15 @@ impl Optimizer for Shampoo {
         "shampoo"
     }
 
+    fn learning_rate(&self) -> Option<f64> {
+        Some(self.config.lr)
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.config.lr = ragged::optim::check_learning_rate(lr)?;
+        Ok(())
+    }
+
     fn atomic_block(&self, _name: &str, _shape: &[usize]) -> AtomicBlock {
         AtomicBlock::Rows(self.config.max_preconditioner_dim)
     }

@@ -39,6 +39,7 @@ use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, Para
 use crate::model::{DType as ModelDType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::PlanOptions;
+use crate::schedule::Schedule;
 use crate::Result;
 use layout::UnitLayout;
 
@@ -197,6 +198,10 @@ pub struct ShardedModel<'c, O: Optimizer> {
     /// A loss seen since the last step was not finite (on this rank).
     loss_not_finite: bool,
     skipped: usize,
+    /// Steps taken (skipped ones not counted): the schedule's clock.
+    steps: usize,
+    /// The learning-rate schedule and the rate it multiplies.
+    schedule: Option<(Schedule, f64)>,
 }
 
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
@@ -258,6 +263,8 @@ pub fn fully_shard<'c, O: Optimizer>(
         without_gradient: None,
         loss_not_finite: false,
         skipped: 0,
+        steps: 0,
+        schedule: None,
     })
 }
 
@@ -431,6 +438,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 ),
             });
         }
+        if let Some((schedule, base)) = self.schedule {
+            self.optimizer
+                .set_learning_rate(base * schedule.factor(self.steps))?;
+        }
         for unit in &mut self.units {
             let ShardedUnit {
                 local,
@@ -444,7 +455,42 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 .step(state, local, params.master_mut(), g, self.comm)?;
             grads.consume();
         }
+        self.steps += 1;
         Ok(())
+    }
+
+    /// The optimizer's current learning rate (`None` if it has none).
+    pub fn learning_rate(&self) -> Option<f64> {
+        self.optimizer.learning_rate()
+    }
+
+    /// Sets the optimizer's learning rate (as candle-nn's `Optimizer::set_learning_rate`) and
+    /// drops any schedule.
+    pub fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.optimizer.set_learning_rate(lr)?;
+        self.schedule = None;
+        Ok(())
+    }
+
+    /// From the next step on, the learning rate is the current one times
+    /// `schedule.factor(step)`, `step` counting the steps taken so far.
+    pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
+        schedule.validate()?;
+        let base = self
+            .optimizer
+            .learning_rate()
+            .ok_or_else(|| crate::Error::BadInput {
+                op: "set_schedule",
+                what: self.optimizer.name().into(),
+                reason: "the optimizer has no learning rate to schedule".into(),
+            })?;
+        self.schedule = Some((schedule, base));
+        Ok(())
+    }
+
+    /// Steps taken since construction (skipped steps not counted).
+    pub fn steps_taken(&self) -> usize {
+        self.steps
     }
 
     /// Clips the reduced gradients to a global L2 norm of at most `max_norm` (torch's
