@@ -139,8 +139,29 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     }
 }
 
+/// glibc gives large freed blocks back to the kernel and faults in fresh zeroed pages on the
+/// next allocation. A training step frees and reallocates every unit's gradients (and, unit by
+/// unit, its gathered parameters), so without this both plain candle and ragged spend a large
+/// share of a step in page faults; with it, freed memory stays in the heap for the next unit
+/// (what PyTorch's caching allocator does for FSDP). Returns whether glibc took the settings.
+fn keep_freed_memory_in_the_heap() -> bool {
+    // The largest mmap threshold glibc accepts (32 MiB on 64-bit), no trimming, and a heap that
+    // grows in 64 MiB steps.
+    let settings = [
+        (libc::M_MMAP_THRESHOLD, 32 << 20),
+        (libc::M_TRIM_THRESHOLD, i32::MAX),
+        (libc::M_TOP_PAD, 64 << 20),
+    ];
+    settings.iter().all(|&(param, value)| {
+        // SAFETY: mallopt only changes allocator parameters; called before the benchmark
+        // allocates, from the main thread.
+        unsafe { libc::mallopt(param, value) == 1 }
+    })
+}
+
 fn train(args: &TrainBenchArgs) -> Result<()> {
     use ragged::bench::train::{markdown, run, TrainBench};
+    let heap = keep_freed_memory_in_the_heap();
     use ragged::demo::MlpConfig;
     let cfg = TrainBench {
         model: MlpConfig {
@@ -178,11 +199,14 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
              overlapped. Memory per rank: predicted = master and gradient shards plus the \
              largest set of full parameters and gradients the schedule holds at once (from the \
              plans); measured = process heap peak above the bytes alive before, by a counting \
-             allocator, over V (the rest is activations and candle temporaries). Machine: {}.\n\n{table}",
+             allocator, over V (the rest is activations and candle temporaries). glibc's trim \
+             threshold raised so freed buffers are reused instead of faulted in again, for both \
+             sides ({}). Machine: {}.\n\n{table}",
             args.layers,
             (n * 4) >> 20,
             args.batch,
             args.steps,
+            if heap { "set" } else { "mallopt refused it" },
             machine(),
             w = args.width,
             h = args.hidden,
