@@ -896,3 +896,90 @@ fn muon_set_learning_rate_scales_its_fallback() {
     assert_eq!(muon.learning_rate(), Some(lr / 4.0));
     assert_eq!(muon.config().adamw.lr, fallback / 4.0);
 }
+
+/// AdamW stepping on matrices planned in 8-row blocks (blocks of different sizes, whose lattice
+/// a single buffer must satisfy at once), so the multi-buffer planner has something to split; element-wise, so any layout steps the same.
+#[derive(Clone, Copy)]
+struct WholeMatrixAdamW(AdamW);
+
+impl ragged::optim::Optimizer for WholeMatrixAdamW {
+    type State = <AdamW as ragged::optim::Optimizer>::State;
+    fn name(&self) -> &'static str {
+        "adamw (whole matrices)"
+    }
+    fn atomic_block(&self, _: &str, shape: &[usize]) -> ragged::AtomicBlock {
+        if shape.len() == 2 {
+            ragged::AtomicBlock::Rows(8)
+        } else {
+            ragged::AtomicBlock::Element
+        }
+    }
+    fn init(&self, shard: &ragged::optim::LocalShard) -> ragged::Result<Self::State> {
+        self.0.init(shard)
+    }
+    fn step(
+        &self,
+        state: &mut Self::State,
+        shard: &ragged::optim::LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+        comm: &dyn Communicator,
+    ) -> ragged::Result<()> {
+        self.0.step(state, shard, params, grads, comm)
+    }
+}
+
+/// Units planned as several collective buffers (each with its own shard size, gathered and
+/// reduced on its own) train bitwise like one buffer per unit, and pad less. (The one-buffer
+/// run also covers a plan whose offsets are not in the unit's tensor order, which the gather
+/// once refused.)
+#[test]
+fn multi_buffer_units_train_bitwise_like_one_buffer() {
+    use ragged::plan::multi::MultiOptions;
+    let params = CFG.init_params(7).unwrap();
+    let run = |buffers: Option<MultiOptions>| {
+        let opts = FsdpOptions {
+            buffers,
+            ..FsdpOptions::default()
+        };
+        let runs = ThreadWorld::run(3, |c| {
+            let opt = WholeMatrixAdamW(adamw());
+            let mut sharded = fully_shard(&params, opt, c, opts.clone())?;
+            let per_unit: Vec<usize> = sharded.buffers_per_unit().iter().map(|(_, k)| *k).collect();
+            let s_sum: usize = sharded.shard_sizes().iter().map(|(_, s)| s).sum();
+            for step in 0..3 {
+                let ids = batch(corpus()?, &CFG, step, c.rank() * 4, 4)?;
+                sharded.forward_backward(&TransformerStages(CFG), &ids)?;
+                sharded.step()?;
+            }
+            Ok((per_unit, s_sum, sharded.full_params()?))
+        })
+        .unwrap();
+        runs.into_iter().next().unwrap()
+    };
+    let (one, s_one, reference) = run(None);
+    assert!(one.iter().all(|&k| k == 1));
+    let free_collectives = MultiOptions {
+        collective_latency_s: 0.0,
+        ..MultiOptions::default()
+    };
+    let (many, s_many, split) = run(Some(free_collectives));
+    println!("buffers per unit {many:?}; Σ S {s_one} -> {s_many}");
+    assert!(
+        many.iter().any(|&k| k > 1),
+        "the planner must split some unit: {many:?}"
+    );
+    assert!(
+        s_many < s_one,
+        "several buffers must pad less: {s_many} vs {s_one}"
+    );
+    let bits = |m: &HashMap<String, Vec<f32>>| {
+        let mut v: Vec<_> = m
+            .iter()
+            .map(|(n, x)| (n.clone(), x.iter().map(|f| f.to_bits()).collect::<Vec<_>>()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(bits(&reference), bits(&split));
+}

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use super::fsdp2::Fsdp2Unit;
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp, Segment};
 use crate::dbuffer::{CopyStats, Geometry, TensorSlot};
-use crate::model::Unit;
+use crate::model::{TensorSpec, Unit};
 use crate::optim::{LocalShard, Optimizer};
-use crate::plan::PlanOptions;
+use crate::plan::multi::MultiOptions;
+use crate::plan::multi_model::plan_multi_unit;
+use crate::plan::{Plan, PlanOptions};
 use crate::{Error, Result};
 
 /// A unit's layout over ranks.
@@ -24,24 +26,38 @@ pub(crate) enum UnitLayout {
 }
 
 impl UnitLayout {
-    /// Plans `unit` for `optimizer` in the ragged layout, or lays it out the FSDP2 way; returns
-    /// the layout and this rank's shard.
+    /// Plans `unit` for `optimizer`: the FSDP2 way (one buffer), or the ragged layout as one
+    /// buffer (the optimizer's own [`Optimizer::plan_unit`]) or, with `multi`, as up to
+    /// `multi.max_buffers` buffers (each tensor's [`Optimizer::atomic_block`], grouped by the
+    /// multi-buffer planner). Returns every buffer's layout and this rank's shard of it.
     pub(crate) fn new<O: Optimizer>(
         unit: &Unit<'_>,
         optimizer: &O,
         comm: &dyn Communicator,
         fsdp2: bool,
         plan: &PlanOptions,
-    ) -> Result<(Self, LocalShard)> {
+        multi: Option<&MultiOptions>,
+    ) -> Result<Vec<(Self, LocalShard)>> {
         let (world, rank) = (comm.world_size(), comm.rank());
         if fsdp2 {
             let f = Fsdp2Unit::new(unit, world, rank)?;
             let local = f.local_shard(unit);
-            return Ok((UnitLayout::Fsdp2(f), local));
+            return Ok(vec![(UnitLayout::Fsdp2(f), local)]);
         }
-        let plan = optimizer.plan_unit(unit, world, plan)?;
+        let plans = match multi {
+            None => vec![optimizer.plan_unit(unit, world, plan)?],
+            Some(m) => {
+                let block_of = |t: &TensorSpec| optimizer.atomic_block(&t.name, &t.shape);
+                plan_multi_unit(unit, &block_of, world, plan, m)?.buffers
+            }
+        };
+        plans.iter().map(|p| Self::ragged(p, rank)).collect()
+    }
+
+    /// One ragged buffer from its plan.
+    fn ragged(plan: &Plan, rank: usize) -> Result<(Self, LocalShard)> {
         let geometry = Geometry {
-            world,
+            world: plan.world,
             rank,
             shard_size: plan.shard_size,
             tensors: plan
@@ -50,7 +66,7 @@ impl UnitLayout {
                 .map(|p| (p.name.clone(), p.shape.clone(), p.offset))
                 .collect(),
         };
-        let local = LocalShard::from_plan(&plan, rank)?;
+        let local = LocalShard::from_plan(plan, rank)?;
         Ok((UnitLayout::Ragged(Arc::new(geometry)), local))
     }
 
@@ -108,6 +124,8 @@ impl UnitLayout {
                         buf: buf.reborrow(),
                     })
                     .collect();
+                // A plan may place tensors out of their unit order; segments go in offset order.
+                segments.sort_by_key(|s| s.offset);
                 let staged = comm.all_gather_segments(master, &mut segments)?;
                 stats.add_copied(staged);
                 stats.add_collective(g.full_len() * elem_bytes);

@@ -38,6 +38,7 @@ use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
 use crate::model::{DType as ModelDType, Inventory, TensorSpec};
 use crate::optim::{LocalShard, Optimizer};
+use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
 use crate::Result;
@@ -152,6 +153,10 @@ pub struct FsdpOptions {
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
     pub mixed_precision: MixedPrecision,
+    /// Plan each unit of the ragged layout as up to `max_buffers` collective buffers where that
+    /// pads less ([`crate::plan::multi`]); `None` (default): one buffer per unit, planned by the
+    /// optimizer's own [`Optimizer::plan_unit`]. The FSDP2-style layout has one buffer.
+    pub buffers: Option<MultiOptions>,
     pub non_finite: NonFinitePolicy,
     /// Fail the first reduction of a unit in which a parameter got no gradient (default: only
     /// report it, [`ShardedModel::params_without_gradient`]).
@@ -167,6 +172,7 @@ impl Default for FsdpOptions {
             reshard_after_forward: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
+            buffers: None,
             non_finite: NonFinitePolicy::default(),
             require_gradients: false,
             plan: PlanOptions::default(),
@@ -191,7 +197,11 @@ pub struct ShardedModel<'c, O: Optimizer> {
     comm: &'c dyn Communicator,
     optimizer: O,
     opts: FsdpOptions,
+    /// Every collective buffer of every unit, in unit order (one per unit unless
+    /// [`FsdpOptions::buffers`] splits it).
     units: Vec<ShardedUnit<O::State>>,
+    /// Each unit's name and the indices of its buffers in `units`.
+    groups: Vec<(String, Vec<usize>)>,
     stats: Arc<CopyStats>,
     /// Parameters that got no gradient in the first reduction of their unit.
     without_gradient: Option<Vec<String>>,
@@ -220,14 +230,21 @@ pub fn fully_shard<'c, O: Optimizer>(
     let stats = Arc::new(CopyStats::default());
     let anchor = anchor()?;
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
-    let planned = inv
-        .units_by(&|name| opts.wrap.unit_of(name))
-        .iter()
-        .map(|unit| {
-            let (layout, local) = UnitLayout::new(unit, &optimizer, comm, fsdp2, &opts.plan)?;
-            Ok((unit.name.clone(), layout, local))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut planned = Vec::new();
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for unit in inv.units_by(&|name| opts.wrap.unit_of(name)) {
+        let multi = opts.buffers.as_ref();
+        let buffers = UnitLayout::new(&unit, &optimizer, comm, fsdp2, &opts.plan, multi)?;
+        groups.push((
+            unit.name.clone(),
+            (planned.len()..planned.len() + buffers.len()).collect(),
+        ));
+        planned.extend(
+            buffers
+                .into_iter()
+                .map(|(layout, local)| (unit.name.clone(), layout, local)),
+        );
+    }
     let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l)| l).collect();
     agree::check_ranks_agree(comm, params, &shards)?;
     let mut units = Vec::with_capacity(planned.len());
@@ -259,6 +276,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         optimizer,
         opts,
         units,
+        groups,
         stats,
         without_gradient: None,
         loss_not_finite: false,
@@ -560,7 +578,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         &self.stats
     }
 
-    /// Unit names with their shard sizes `S` (elements per rank).
+    /// Every buffer's unit name and shard size `S` (elements per rank), in buffer order (a unit
+    /// planned as `k` buffers appears `k` times).
     pub fn shard_sizes(&self) -> Vec<(String, usize)> {
         self.units
             .iter()
@@ -570,7 +589,15 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     /// Unit names, in order.
     pub fn unit_names(&self) -> Vec<&str> {
-        self.units.iter().map(|u| u.name.as_str()).collect()
+        self.groups.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// Collective buffers per unit, in unit order.
+    pub fn buffers_per_unit(&self) -> Vec<(&str, usize)> {
+        self.groups
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.len()))
+            .collect()
     }
 
     /// `(unit, parameter, element offset in the unit's full buffer)` of every parameter of the
@@ -621,7 +648,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         self.units.iter().map(|u| u.params.state()).collect()
     }
 
-    /// The gradient sink of unit `name` (storage identity checks: where backward writes).
+    /// The gradient sink of unit `name`'s first buffer (storage identity checks: where backward
+    /// writes).
     pub fn grad_sink(&self, name: &str) -> Option<&Arc<GradSink>> {
         self.units
             .iter()
@@ -633,16 +661,21 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// exists.
     pub fn memory_plan(&self) -> MemoryPlan {
         let units = self
-            .units
+            .groups
             .iter()
-            .map(|u| {
-                let (_, grad_len) = u.layout.grad_slots();
-                UnitMemory {
-                    name: u.name.clone(),
-                    shard_bytes: 8 * u.local.len,
-                    full_param_bytes: u.params.full_bytes(),
-                    full_grad_bytes: 4 * grad_len,
+            .map(|(name, buffers)| {
+                let mut m = UnitMemory {
+                    name: name.clone(),
+                    shard_bytes: 0,
+                    full_param_bytes: 0,
+                    full_grad_bytes: 0,
+                };
+                for u in buffers.iter().map(|&b| &self.units[b]) {
+                    m.shard_bytes += 8 * u.local.len;
+                    m.full_param_bytes += u.params.full_bytes();
+                    m.full_grad_bytes += 4 * u.layout.grad_slots().1;
                 }
+                m
             })
             .collect();
         MemoryPlan { units }
@@ -656,38 +689,49 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         &self.opts
     }
 
+    /// The index of unit `name` (its group of buffers).
     pub(crate) fn unit_index(&self, name: &str) -> Option<usize> {
-        self.units.iter().position(|u| u.name == name)
+        self.groups.iter().position(|(n, _)| n == name)
     }
 
-    /// Unit `u`'s parameter tensors by name: tracked (gradients reach the sink) or detached
-    /// (forward only, no graph).
-    pub(crate) fn unit_params(&self, u: usize, tracked: bool) -> Result<UnitParams> {
-        let unit = &self.units[u];
-        let tensors = unit.params.tensors()?;
-        let map = unit
-            .params
-            .slots()
-            .iter()
-            .zip(tensors)
-            .map(|(s, t)| {
+    fn buffers_of(&self, g: usize) -> Vec<usize> {
+        self.groups[g].1.clone()
+    }
+
+    /// Unit `g`'s parameter tensors by name, from all its buffers: tracked (gradients reach the
+    /// sinks) or detached (forward only, no graph).
+    pub(crate) fn unit_params(&self, g: usize, tracked: bool) -> Result<UnitParams> {
+        let mut map = HashMap::new();
+        let mut dtype = self.opts.mixed_precision.param_dtype;
+        for b in self.buffers_of(g) {
+            let unit = &self.units[b];
+            dtype = unit.params.dtype();
+            for (s, t) in unit.params.slots().iter().zip(unit.params.tensors()?) {
                 let t = if tracked { t.clone() } else { t.detach() };
-                (s.name.clone(), t)
-            })
-            .collect();
-        Ok(UnitParams::new(map, unit.params.dtype()))
+                map.insert(s.name.clone(), t);
+            }
+        }
+        Ok(UnitParams::new(map, dtype))
     }
 
-    pub(crate) fn ensure_gathered(&mut self, u: usize) -> Result<()> {
-        self.gather_unit(u)
+    /// Gathers every buffer of unit `g` that is not current.
+    pub(crate) fn ensure_gathered(&mut self, g: usize) -> Result<()> {
+        self.buffers_of(g)
+            .into_iter()
+            .try_for_each(|b| self.gather_unit(b))
     }
 
-    pub(crate) fn release_unit(&mut self, u: usize) {
-        self.units[u].params.release();
+    pub(crate) fn release_unit(&mut self, g: usize) {
+        for b in self.buffers_of(g) {
+            self.units[b].params.release();
+        }
     }
 
-    pub(crate) fn reduce_unit_now(&mut self, u: usize) -> Result<()> {
-        self.reduce_unit(u)
+    /// Reduce-scatters every buffer of unit `g`.
+    pub(crate) fn reduce_unit_now(&mut self, g: usize) -> Result<()> {
+        self.buffers_of(g)
+            .into_iter()
+            .try_for_each(|b| self.reduce_unit(b))
     }
 }
 
