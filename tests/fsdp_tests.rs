@@ -983,3 +983,46 @@ fn multi_buffer_units_train_bitwise_like_one_buffer() {
     };
     assert_eq!(bits(&reference), bits(&split));
 }
+
+/// Frozen parameters are gathered for compute but take no gradient, are never reduced and
+/// never stepped: after training they are bitwise their initial values, everything else moved,
+/// and the collectives carry less (no reduce-scatter of the frozen buffers).
+#[test]
+fn frozen_parameters_stay_put_and_skip_the_reduction() {
+    let params = CFG.init_params(3).unwrap();
+    let frozen = |name: &str| name == "embed.weight" || name.starts_with("layers.0.");
+    let run = |freeze: bool| {
+        let opts = FsdpOptions {
+            frozen: freeze.then(|| ragged::fsdp::NameRule::new(frozen)),
+            ..FsdpOptions::default()
+        };
+        ThreadWorld::run(2, |c| {
+            let mut sharded = fully_shard(&params, adamw(), c, opts.clone())?;
+            for step in 0..3 {
+                let ids = batch(corpus()?, &CFG, step, c.rank() * 2, 2)?;
+                sharded.forward_backward(&TransformerStages(CFG), &ids)?;
+                sharded.step()?;
+            }
+            let without = sharded.params_without_gradient().map(<[String]>::to_vec);
+            Ok((
+                sharded.full_params()?,
+                sharded.stats().collective(),
+                without,
+            ))
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let (trained, bytes_frozen, without) = run(true);
+    let (_, bytes_all, _) = run(false);
+    for (name, init) in &params {
+        let init = init.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(trained[name] == init, frozen(name), "{name}");
+    }
+    assert!(bytes_frozen < bytes_all, "{bytes_frozen} vs {bytes_all}");
+    assert_eq!(
+        without,
+        Some(Vec::new()),
+        "frozen parameters are not reported as gradient-less"
+    );
+}

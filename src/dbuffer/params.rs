@@ -48,6 +48,8 @@ pub struct ParamBuffer {
     dtype: DType,
     sink: Arc<GradSink>,
     anchor: Var,
+    /// Frozen: the compute copies are plain tensors outside any graph (no gradient).
+    frozen: bool,
     stats: Arc<CopyStats>,
 }
 
@@ -75,8 +77,18 @@ impl ParamBuffer {
             dtype,
             sink,
             anchor,
+            frozen: false,
             stats,
         })
+    }
+
+    /// Makes the compute copies plain tensors that take no gradient (frozen parameters).
+    pub fn freeze(&mut self) {
+        self.frozen = true;
+    }
+
+    pub fn is_frozen(&self) -> bool {
+        self.frozen
     }
 
     pub fn slots(&self) -> &[TensorSlot] {
@@ -133,7 +145,15 @@ impl ParamBuffer {
                     .zip(&self.slots)
                     .enumerate()
                     .map(|(i, (storage, slot))| {
-                        tap::param_tensor(&self.anchor, storage, &slot.shape, self.sink.clone(), i)
+                        let t = tap::param_tensor(
+                            &self.anchor,
+                            storage,
+                            &slot.shape,
+                            self.sink.clone(),
+                            i,
+                        )?;
+                        // Detached, a frozen parameter shares the storage but leaves the graph.
+                        Ok(if self.frozen { t.detach() } else { t })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 self.tensors = Some(tensors);

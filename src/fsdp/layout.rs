@@ -54,6 +54,18 @@ impl UnitLayout {
         plans.iter().map(|p| Self::ragged(p, rank)).collect()
     }
 
+    /// A buffer for a unit's frozen parameters: element blocks (no optimizer touches them), one
+    /// buffer.
+    pub(crate) fn frozen(
+        unit: &Unit<'_>,
+        comm: &dyn Communicator,
+        plan: &PlanOptions,
+    ) -> Result<Vec<(Self, LocalShard)>> {
+        let element = |_: &TensorSpec| crate::AtomicBlock::Element;
+        let p = crate::plan::plan_unit(unit, &element, comm.world_size(), plan)?;
+        Ok(vec![Self::ragged(&p, comm.rank())?])
+    }
+
     /// One ragged buffer from its plan.
     fn ragged(plan: &Plan, rank: usize) -> Result<(Self, LocalShard)> {
         let geometry = Geometry {

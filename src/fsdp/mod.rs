@@ -36,7 +36,7 @@ use candle_core::{DType, Tensor};
 
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
-use crate::model::{DType as ModelDType, Inventory, TensorSpec};
+use crate::model::{DType as ModelDType, Inventory, TensorSpec, Unit};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
@@ -97,6 +97,26 @@ impl MixedPrecision {
 
 /// A wrap rule: a parameter's unit by name (`None`: root).
 pub type UnitRule = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
+/// A yes/no rule on parameter names (which parameters are frozen).
+#[derive(Clone)]
+pub struct NameRule(pub Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl NameRule {
+    pub fn new(rule: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        NameRule(Arc::new(rule))
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        (self.0)(name)
+    }
+}
+
+impl std::fmt::Debug for NameRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NameRule(..)")
+    }
+}
 
 /// Which parameters form one FSDP unit (as FSDP's auto-wrap policy).
 #[derive(Clone, Default)]
@@ -161,6 +181,10 @@ pub struct FsdpOptions {
     /// Fail the first reduction of a unit in which a parameter got no gradient (default: only
     /// report it, [`ShardedModel::params_without_gradient`]).
     pub require_gradients: bool,
+    /// Frozen parameters: those the rule matches are gathered for compute like the others, but
+    /// in a buffer of their own per unit that takes no gradient, is never reduce-scattered and
+    /// never stepped.
+    pub frozen: Option<NameRule>,
     pub plan: PlanOptions,
 }
 
@@ -175,6 +199,7 @@ impl Default for FsdpOptions {
             buffers: None,
             non_finite: NonFinitePolicy::default(),
             require_gradients: false,
+            frozen: None,
             plan: PlanOptions::default(),
         }
     }
@@ -232,23 +257,37 @@ pub fn fully_shard<'c, O: Optimizer>(
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+    let is_frozen = |name: &str| opts.frozen.as_ref().is_some_and(|f| f.matches(name));
     for unit in inv.units_by(&|name| opts.wrap.unit_of(name)) {
+        let (frozen, trained): (Vec<_>, Vec<_>) =
+            unit.tensors.iter().partition(|t| is_frozen(&t.name));
+        let first = planned.len();
         let multi = opts.buffers.as_ref();
-        let buffers = UnitLayout::new(&unit, &optimizer, comm, fsdp2, &opts.plan, multi)?;
-        groups.push((
-            unit.name.clone(),
-            (planned.len()..planned.len() + buffers.len()).collect(),
-        ));
-        planned.extend(
-            buffers
-                .into_iter()
-                .map(|(layout, local)| (unit.name.clone(), layout, local)),
-        );
+        for (tensors, frozen) in [(trained, false), (frozen, true)] {
+            if tensors.is_empty() {
+                continue;
+            }
+            let part = Unit {
+                name: unit.name.clone(),
+                tensors,
+            };
+            let buffers = if frozen {
+                UnitLayout::frozen(&part, comm, &opts.plan)?
+            } else {
+                UnitLayout::new(&part, &optimizer, comm, fsdp2, &opts.plan, multi)?
+            };
+            planned.extend(
+                buffers
+                    .into_iter()
+                    .map(|(l, s)| (unit.name.clone(), l, s, frozen)),
+            );
+        }
+        groups.push((unit.name.clone(), (first..planned.len()).collect()));
     }
-    let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l)| l).collect();
+    let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l, _)| l).collect();
     agree::check_ranks_agree(comm, params, &shards)?;
     let mut units = Vec::with_capacity(planned.len());
-    for (name, layout, local) in planned {
+    for (name, layout, local, frozen) in planned {
         let (grad_slots, grad_len) = layout.grad_slots();
         let sink = GradSink::new(grad_slots, grad_len, stats.clone())?;
         let grads = GradBuffer::new(sink, local.len);
@@ -261,6 +300,9 @@ pub fn fully_shard<'c, O: Optimizer>(
             stats.clone(),
         )?;
         load_local(&local, params.master_mut(), &values)?;
+        if frozen {
+            params.freeze();
+        }
         units.push(ShardedUnit {
             name,
             state: optimizer.init(&local)?,
@@ -350,6 +392,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Reduce-scatters unit `u`'s gradient buffer into its local gradient shard, and records
     /// parameters that got no gradient on the first reduction.
     fn reduce_unit(&mut self, u: usize) -> Result<()> {
+        if self.units[u].params.is_frozen() {
+            return Ok(());
+        }
         let (comm, op) = (self.comm, self.opts.reduce);
         let bf16 = self.opts.mixed_precision.reduce_dtype == DType::BF16;
         let stats = self.stats.clone();
@@ -431,7 +476,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
     pub fn step(&mut self) -> Result<()> {
         let mut bad = f32::from(u8::from(self.loss_not_finite));
-        for unit in &self.units {
+        for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
             let g = unit.grads.local("ShardedModel::step")?;
             if g.iter().any(|x| !x.is_finite()) {
                 bad += 1.0;
@@ -460,7 +505,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             self.optimizer
                 .set_learning_rate(base * schedule.factor(self.steps))?;
         }
-        for unit in &mut self.units {
+        for unit in self.units.iter_mut().filter(|u| !u.params.is_frozen()) {
             let ShardedUnit {
                 local,
                 params,
