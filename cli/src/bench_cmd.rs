@@ -27,7 +27,7 @@ pub enum BenchCommand {
 #[derive(Args)]
 pub struct TrainBenchArgs {
     /// World sizes (thread ranks).
-    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8])]
     worlds: Vec<usize>,
     /// Blocks of the stack.
     #[arg(long, default_value_t = 8)]
