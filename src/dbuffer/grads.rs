@@ -52,15 +52,6 @@ impl GradSink {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Elements of the flat buffer.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Adds `grad` (f32 or bf16, the tensor's shape) into tensor `tensor`'s slot: one pass over
     /// the gradient, counted as accumulated bytes. A strided gradient is made contiguous first,
     /// and that copy is counted as copied.
@@ -147,11 +138,6 @@ impl GradBuffer {
 
     pub fn sink(&self) -> &Arc<GradSink> {
         &self.sink
-    }
-
-    /// Micro-batches reduced since the last step.
-    pub fn reduced(&self) -> usize {
-        self.reduced
     }
 
     /// Runs the reduction `reduce(full, out)` of the sink's buffer into the local shard: the

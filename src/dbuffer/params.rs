@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, DType, Device, Tensor, Var};
 
 use super::grads::GradSink;
-use super::{candle, tap, with_mut_all, CopyStats};
+use super::{candle, tap, with_mut_all};
 use crate::comm::BufMut;
 use crate::{Error, Result};
 
@@ -50,7 +50,6 @@ pub struct ParamBuffer {
     anchor: Var,
     /// Frozen: the compute copies are plain tensors outside any graph (no gradient).
     frozen: bool,
-    stats: Arc<CopyStats>,
 }
 
 impl ParamBuffer {
@@ -61,7 +60,6 @@ impl ParamBuffer {
         dtype: DType,
         sink: Arc<GradSink>,
         anchor: Var,
-        stats: Arc<CopyStats>,
     ) -> Result<Self> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
             return Err(Error::InvalidShard {
@@ -78,7 +76,6 @@ impl ParamBuffer {
             sink,
             anchor,
             frozen: false,
-            stats,
         })
     }
 
@@ -196,10 +193,6 @@ impl ParamBuffer {
     pub fn full_bytes(&self) -> usize {
         let n: usize = self.slots.iter().map(TensorSlot::numel).sum();
         n * self.dtype.size_in_bytes()
-    }
-
-    pub fn stats(&self) -> &Arc<CopyStats> {
-        &self.stats
     }
 }
 

@@ -113,7 +113,7 @@ impl UnitLayout {
     }
 
     /// Fills every tensor's compute copy (`dsts`, slot order) from the master shards of all
-    /// ranks. `scratch` holds the master converted to the compute dtype when that is not f32.
+    /// ranks (`master` already in the compute dtype).
     pub(crate) fn gather(
         &self,
         comm: &dyn Communicator,

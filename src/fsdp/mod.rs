@@ -297,7 +297,6 @@ pub fn fully_shard<'c, O: Optimizer>(
             opts.mixed_precision.param_dtype,
             grads.sink().clone(),
             anchor.clone(),
-            stats.clone(),
         )?;
         load_local(&local, params.master_mut(), &values)?;
         if frozen {
@@ -813,15 +812,5 @@ impl MemoryPlan {
             .map(|u| (u.full_param_bytes, u.full_grad_bytes))
             .collect();
         self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, reshard_after_forward)
-    }
-
-    /// Peak of the whole-model mode: every shard and every unit's full parameters and gradients.
-    pub fn peak_whole_model(&self) -> usize {
-        self.shard_bytes()
-            + self
-                .units
-                .iter()
-                .map(|u| u.full_param_bytes + u.full_grad_bytes)
-                .sum::<usize>()
     }
 }
