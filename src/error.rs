@@ -85,6 +85,10 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A checkpoint cannot be written or read: the file (or folder) and what is wrong with it.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+
     /// JSON (de)serialization error.
     #[error("json: {0}")]
     Json(#[from] serde_json::Error),

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod block;
+pub mod checkpoint;
 pub mod comm;
 pub mod cuda;
 pub mod dbuffer;

@@ -36,6 +36,7 @@ pub mod peak_probe;
 pub mod quant;
 pub mod roots;
 pub mod shampoo;
+pub mod state_io;
 pub mod validate;
 pub mod validate_f64;
 

@@ -232,6 +232,32 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// Every rank's `bytes`, whatever their lengths, in rank order: two all-gathers (the lengths,
+/// then the bytes padded to the longest). For small records (checkpoint manifests, errors).
+pub fn all_gather_bytes(comm: &dyn Communicator, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let world = comm.world_size();
+    let mut lens = vec![0u8; 8 * world];
+    let own = (bytes.len() as u64).to_le_bytes();
+    comm.all_gather(Buf::U8(&own), BufMut::U8(&mut lens))?;
+    let lens: Vec<usize> = lens
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunks")) as usize)
+        .collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    if longest == 0 {
+        return Ok(vec![Vec::new(); world]);
+    }
+    let mut send = bytes.to_vec();
+    send.resize(longest, 0);
+    let mut recv = vec![0u8; longest * world];
+    comm.all_gather(Buf::U8(&send), BufMut::U8(&mut recv))?;
+    Ok(recv
+        .chunks_exact(longest)
+        .zip(lens)
+        .map(|(c, n)| c[..n].to_vec())
+        .collect())
+}
+
 /// [`Communicator::all_gather_segments`] through a contiguous staging buffer.
 fn staged_all_gather<C: Communicator + ?Sized>(
     comm: &C,

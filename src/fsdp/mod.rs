@@ -22,6 +22,7 @@
 //! Either way a step ends with [`ShardedModel::step`] (the optimizer on local shards).
 
 mod agree;
+mod checkpoint;
 mod clip;
 pub mod fsdp2;
 mod layout;

@@ -1,0 +1,254 @@
+//! Checkpointable states ([`ragged::checkpoint::CheckpointState`]): every optimizer's state as
+//! fields of global per-parameter arrays, so a checkpoint written at one world size loads at
+//! any other.
+//!
+//! | optimizer | field | type | global array per parameter |
+//! |---|---|---|---|
+//! | AdamW, Muon | `m`, `v` | f32 | one element per parameter element |
+//! | 8-bit Adam | `m`, `v` | u8 codes | one per element (fallback parameters hold the zero code) |
+//! | | `scale_m`, `scale_v` | u16 | one per 256-element scale block, in [`Tiling::scales_before`] order |
+//! | | `m32`, `v32` | f32 | one per element of a fallback parameter |
+//! | Shampoo | `m`, `v` (if grafting has one) | f32 | one per element |
+//! | | `factors`, `roots` | f32 | every block's `L` then `R`, row-major, blocks in row-block then column-chunk order |
+//!
+//! A rank holds whole blocks of each parameter (8-bit row blocks, Shampoo row blocks), so its
+//! range of every array is contiguous.
+
+use std::ops::Range;
+
+use ragged::checkpoint::{CheckpointState, FieldData, FieldDataMut, FieldLayout, FieldType};
+use ragged::optim::{LocalShard, ParamMeta};
+use ragged::{Error, Result};
+
+use crate::adam8bit::Tiling;
+use crate::{Adam8bit, Adam8bitState, AdamState, AdamW, Muon, Shampoo, ShampooState};
+
+/// `m` and `v` of an Adam-like state, both like the shard.
+fn adam_layout(shard: &LocalShard) -> Vec<FieldLayout> {
+    vec![
+        FieldLayout::like_shard("m", FieldType::F32, shard),
+        FieldLayout::like_shard("v", FieldType::F32, shard),
+    ]
+}
+
+fn adam_data(state: &AdamState) -> Vec<FieldData<'_>> {
+    vec![FieldData::F32(&state.m), FieldData::F32(&state.v)]
+}
+
+fn adam_data_mut(state: &mut AdamState) -> Vec<FieldDataMut<'_>> {
+    vec![
+        FieldDataMut::F32(&mut state.m),
+        FieldDataMut::F32(&mut state.v),
+    ]
+}
+
+/// The [`CheckpointState`] methods of an optimizer whose state is [`AdamState`].
+macro_rules! adam_like {
+    ($t:ty) => {
+        impl CheckpointState for $t {
+            fn config_string(&self) -> String {
+                format!("{:?}", self.config())
+            }
+            fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+                Ok(adam_layout(shard))
+            }
+            fn state_data<'a>(&self, state: &'a AdamState) -> Vec<FieldData<'a>> {
+                adam_data(state)
+            }
+            fn state_data_mut<'a>(&self, state: &'a mut AdamState) -> Vec<FieldDataMut<'a>> {
+                adam_data_mut(state)
+            }
+            fn state_step(&self, state: &AdamState) -> u64 {
+                state.step
+            }
+            fn set_state_step(&self, state: &mut AdamState, step: u64) {
+                state.step = step;
+            }
+        }
+    };
+}
+
+adam_like!(AdamW);
+adam_like!(Muon);
+
+fn cut_error(meta: &ParamMeta, range: &Range<usize>, what: &str) -> Error {
+    Error::InvalidShard {
+        op: "checkpoint state layout",
+        reason: format!(
+            "{}'s piece {range:?} does not start and end on a {what} edge",
+            meta.name
+        ),
+    }
+}
+
+impl Adam8bit {
+    /// The scale blocks a piece of an 8-bit parameter covers, and the parameter's total.
+    fn scale_span(
+        &self,
+        meta: &ParamMeta,
+        range: &Range<usize>,
+    ) -> Result<Option<(usize, Range<usize>)>> {
+        let Some(t) = self.tiling(&meta.name, &meta.shape) else {
+            return Ok(None);
+        };
+        match (t.scales_before(range.start), t.scales_before(range.end)) {
+            (Some(a), Some(b)) => Ok(Some((t.num_scales(), a..b))),
+            _ => Err(cut_error(meta, range, "32-row block")),
+        }
+    }
+
+    /// The elements of a fallback (f32-state) parameter a piece covers.
+    fn fallback_span(
+        &self,
+        meta: &ParamMeta,
+        range: &Range<usize>,
+    ) -> Option<(usize, Range<usize>)> {
+        let tiled: Option<Tiling> = self.tiling(&meta.name, &meta.shape);
+        tiled.is_none().then(|| (meta.numel(), range.clone()))
+    }
+}
+
+impl CheckpointState for Adam8bit {
+    fn config_string(&self) -> String {
+        format!("{:?}", self.config())
+    }
+
+    fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+        let scales =
+            |name| FieldLayout::packed(name, FieldType::U16, shard, |m, r| self.scale_span(m, r));
+        let fp32 = |name| {
+            FieldLayout::packed(name, FieldType::F32, shard, |m, r| {
+                Ok(self.fallback_span(m, r))
+            })
+        };
+        Ok(vec![
+            FieldLayout::like_shard("m", FieldType::U8, shard),
+            FieldLayout::like_shard("v", FieldType::U8, shard),
+            scales("scale_m")?,
+            scales("scale_v")?,
+            fp32("m32")?,
+            fp32("v32")?,
+        ])
+    }
+
+    fn state_data<'a>(&self, s: &'a Adam8bitState) -> Vec<FieldData<'a>> {
+        vec![
+            FieldData::U8(&s.m),
+            FieldData::U8(&s.v),
+            FieldData::U16(&s.scale_m),
+            FieldData::U16(&s.scale_v),
+            FieldData::F32(&s.m32),
+            FieldData::F32(&s.v32),
+        ]
+    }
+
+    fn state_data_mut<'a>(&self, s: &'a mut Adam8bitState) -> Vec<FieldDataMut<'a>> {
+        vec![
+            FieldDataMut::U8(&mut s.m),
+            FieldDataMut::U8(&mut s.v),
+            FieldDataMut::U16(&mut s.scale_m),
+            FieldDataMut::U16(&mut s.scale_v),
+            FieldDataMut::F32(&mut s.m32),
+            FieldDataMut::F32(&mut s.v32),
+        ]
+    }
+
+    fn state_step(&self, state: &Adam8bitState) -> u64 {
+        state.step
+    }
+
+    fn set_state_step(&self, state: &mut Adam8bitState, step: u64) {
+        state.step = step;
+    }
+}
+
+impl Shampoo {
+    /// Factor elements of one row block of `rows` rows of a parameter with `cols` columns
+    /// (column chunks of `d`; a dimension of 1 has no factor, as [`crate::shampoo::Block`]).
+    fn row_block_factor_len(rows: usize, cols: usize, d: usize) -> usize {
+        let mut len = 0;
+        let mut c0 = 0;
+        while c0 < cols {
+            let c = d.min(cols - c0);
+            len += if rows > 1 { rows * rows } else { 0 } + if c > 1 { c * c } else { 0 };
+            c0 += c;
+        }
+        len
+    }
+
+    /// The factor elements a piece covers, and the parameter's total.
+    fn factor_span(
+        &self,
+        meta: &ParamMeta,
+        range: &Range<usize>,
+    ) -> Result<Option<(usize, Range<usize>)>> {
+        let d = self.config().max_preconditioner_dim;
+        let cols = meta.shape.last().copied().unwrap_or(1).max(1);
+        let rows = meta.numel() / cols;
+        let full = Self::row_block_factor_len(d, cols, d);
+        let before = |elem: usize| -> Option<usize> {
+            let row = elem / cols;
+            if elem % cols != 0 || (row % d != 0 && row != rows) {
+                return None;
+            }
+            let tail = if row == rows && rows % d != 0 {
+                Self::row_block_factor_len(rows % d, cols, d)
+            } else {
+                0
+            };
+            Some((row / d) * full + tail)
+        };
+        match (before(range.start), before(range.end), before(meta.numel())) {
+            (Some(a), Some(b), Some(total)) => Ok(Some((total, a..b))),
+            _ => Err(cut_error(meta, range, "Shampoo row-block")),
+        }
+    }
+}
+
+impl CheckpointState for Shampoo {
+    fn config_string(&self) -> String {
+        format!("{:?}", self.config())
+    }
+
+    fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+        let mut fields = vec![FieldLayout::like_shard("m", FieldType::F32, shard)];
+        if self.config().grafting.has_accumulator() {
+            fields.push(FieldLayout::like_shard("v", FieldType::F32, shard));
+        }
+        for name in ["factors", "roots"] {
+            fields.push(FieldLayout::packed(name, FieldType::F32, shard, |m, r| {
+                self.factor_span(m, r)
+            })?);
+        }
+        Ok(fields)
+    }
+
+    fn state_data<'a>(&self, s: &'a ShampooState) -> Vec<FieldData<'a>> {
+        let mut out = vec![FieldData::F32(&s.m)];
+        if self.config().grafting.has_accumulator() {
+            out.push(FieldData::F32(&s.v));
+        }
+        out.extend([FieldData::F32(&s.factors), FieldData::F32(&s.roots)]);
+        out
+    }
+
+    fn state_data_mut<'a>(&self, s: &'a mut ShampooState) -> Vec<FieldDataMut<'a>> {
+        let mut out = vec![FieldDataMut::F32(&mut s.m)];
+        if self.config().grafting.has_accumulator() {
+            out.push(FieldDataMut::F32(&mut s.v));
+        }
+        out.extend([
+            FieldDataMut::F32(&mut s.factors),
+            FieldDataMut::F32(&mut s.roots),
+        ]);
+        out
+    }
+
+    fn state_step(&self, state: &ShampooState) -> u64 {
+        state.step
+    }
+
+    fn set_state_step(&self, state: &mut ShampooState, step: u64) {
+        state.step = step;
+    }
+}

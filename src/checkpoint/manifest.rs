@@ -1,0 +1,225 @@
+//! The manifest of a checkpoint folder (`manifest.json`): what was saved, how it was laid out,
+//! and a digest of every rank file.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::safetensors::FileDigest;
+use super::state::FieldType;
+use crate::ragged::RaggedShard;
+use crate::{Error, Result};
+
+/// `format` of every manifest.
+pub const FORMAT: &str = "ragged-checkpoint";
+
+/// The newest format version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+/// The field name of the parameters themselves (their f32 master values).
+pub const PARAM_FIELD: &str = "param";
+
+/// A checkpoint's description.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Ranks that wrote it (one file each).
+    pub world: usize,
+    /// `"ragged"` or `"fsdp2"`.
+    pub layout: String,
+    /// The model's parameters (name, global shape, saved element type), in unit order.
+    pub model: Vec<ModelTensor>,
+    pub optimizer: OptimizerRecord,
+    pub progress: Progress,
+    /// The plan: every unit's collective buffers, their shard size and tensor offsets.
+    pub units: Vec<UnitRecord>,
+    /// Every saved array: a parameter's values or one optimizer state field of it, as the
+    /// global array the ranks hold contiguous ranges of (its RaggedShard).
+    pub fields: Vec<FieldRecord>,
+    /// One per rank, in rank order.
+    pub files: Vec<FileRecord>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerRecord {
+    pub name: String,
+    /// The hyperparameters as the optimizer prints them (informational).
+    pub config: String,
+}
+
+/// Where training stood.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Steps taken (the schedule's clock).
+    pub steps: usize,
+    /// Steps skipped for non-finite values.
+    pub skipped: usize,
+    /// The optimizer states' step counter (bias corrections).
+    pub state_step: u64,
+    /// The optimizer's learning rate when saved.
+    pub learning_rate: Option<f64>,
+    /// The schedule and the base rate it multiplies, if one was set (its position is `steps`).
+    pub schedule: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitRecord {
+    pub name: String,
+    pub buffers: Vec<BufferRecord>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferRecord {
+    /// Elements per rank, `S`.
+    pub shard_size: usize,
+    /// Whether the buffer holds frozen parameters.
+    pub frozen: bool,
+    /// `(tensor, offset in the full buffer)`; empty for the FSDP2-style layout (rank-major).
+    pub tensors: Vec<(String, usize)>,
+}
+
+/// One saved global array and which rank holds which range of it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FieldRecord {
+    pub param: String,
+    /// [`PARAM_FIELD`] or an optimizer state field.
+    pub field: String,
+    pub dtype: FieldType,
+    /// Elements of the global array.
+    pub len: usize,
+    /// `[rank, start, end)`, ascending, tiling `0..len`.
+    pub holders: Vec<[usize; 3]>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRecord {
+    pub rank: usize,
+    /// File name inside the checkpoint folder.
+    pub file: String,
+    pub digest: FileDigest,
+}
+
+/// The name of a field's tensor inside a rank file.
+pub fn tensor_name(param: &str, field: &str) -> String {
+    if field == PARAM_FIELD {
+        param.to_string()
+    } else {
+        format!("{param}::{field}")
+    }
+}
+
+/// The name of rank `rank`'s file of a `world`-rank checkpoint.
+pub fn rank_file(rank: usize, world: usize) -> String {
+    format!("rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl FieldRecord {
+    /// The field's layout over the checkpoint's ranks: rank `k` holds `units[k]` elements.
+    pub fn ragged_shard(&self, world: usize) -> Result<RaggedShard> {
+        let mut units = vec![0; world];
+        for &[rank, start, end] in &self.holders {
+            units[rank] = end - start;
+        }
+        RaggedShard::new(&[self.len], 1, units)
+    }
+
+    /// `Err` unless the holders tile `0..len` in rank order on ranks of `world`.
+    fn check(&self, world: usize, path: &Path) -> Result<()> {
+        let mut at = 0;
+        let mut last_rank = None;
+        for &[rank, start, end] in &self.holders {
+            if start != at || end <= start || rank >= world || last_rank >= Some(rank) {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{} of {}: holder [{rank}, {start}, {end}) does not continue at {at} \
+                         on a later rank of {world}",
+                        self.field, self.param
+                    ),
+                ));
+            }
+            (at, last_rank) = (end, Some(rank));
+        }
+        if at != self.len || self.len == 0 {
+            return Err(bad(
+                path,
+                format!(
+                    "{} of {}: holders cover {at} of {} elements",
+                    self.field, self.param, self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Manifest {
+    /// Reads and checks `dir/manifest.json`: the format, a version this build reads, one file
+    /// per rank, and holders that tile every field.
+    pub fn read(dir: &Path) -> Result<Manifest> {
+        let path = dir.join("manifest.json");
+        let text = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => bad(
+                dir,
+                "no manifest.json (not a checkpoint folder, or a save that did not finish)",
+            ),
+            _ => Error::io("checkpoint: read manifest", &path, e),
+        })?;
+        let head: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| bad(&path, format!("not JSON (damaged?): {e}")))?;
+        if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+            return Err(bad(&path, format!("not a {FORMAT} manifest")));
+        }
+        match head.get("version").and_then(|v| v.as_u64()) {
+            Some(v) if v <= u64::from(VERSION) => {}
+            v => {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "format version {v:?}: this build of ragged reads versions up to \
+                         {VERSION} (written by a newer ragged?)"
+                    ),
+                ))
+            }
+        }
+        let m: Manifest = serde_json::from_value(head)
+            .map_err(|e| bad(&path, format!("malformed manifest: {e}")))?;
+        m.check(&path)?;
+        Ok(m)
+    }
+
+    fn check(&self, path: &Path) -> Result<()> {
+        let ranks: Vec<usize> = self.files.iter().map(|f| f.rank).collect();
+        if self.world == 0 || ranks != (0..self.world).collect::<Vec<_>>() {
+            return Err(bad(
+                path,
+                format!("files for ranks {ranks:?} in a world of {}", self.world),
+            ));
+        }
+        self.fields
+            .iter()
+            .try_for_each(|f| f.check(self.world, path))
+    }
+
+    /// Writes the manifest to `dir/manifest.json` and fsyncs it.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let path = dir.join("manifest.json");
+        let text = serde_json::to_vec_pretty(self)?;
+        super::fs::write_synced(&path, &text)
+    }
+}

@@ -1,0 +1,122 @@
+//! Sharded checkpoints: save from every rank, resume bit for bit, load at another world size
+//! or layout, and trade consolidated safetensors files with candle and Hugging Face.
+//!
+//! # Format (version [`manifest::VERSION`])
+//! A checkpoint is a folder `ROOT/step-00000042/` ([`fs`]) holding
+//! - `rank-00003-of-00004.safetensors` per rank ([`safetensors`]): the rank's range of every
+//!   parameter it holds (f32 master values, tensor named like the parameter) and of every
+//!   optimizer state field (`NAME::m`, `NAME::scale_v`, ...; [`state`]), each a 1-D tensor;
+//! - `manifest.json` ([`manifest::Manifest`]): the model's tensors, the plan, every saved
+//!   array's global length and which rank holds which range of it (its RaggedShard), the
+//!   optimizer and its config, the step counters and learning rate, the world size, the format
+//!   version, and SHA-256 digests of every rank file in 4 MiB chunks.
+//!
+//! # Guarantees
+//! - **Atomic:** files are written into `ROOT/.step-N.tmp/`, fsynced, and the folder is renamed
+//!   into place by rank 0 only after every rank has finished; a save that dies leaves the
+//!   previous checkpoint untouched (and the next save removes the leftover).
+//! - **Exact:** every saved array is the bits in memory; loading restores them bit for bit,
+//!   and the optimizer state's layout is global (per parameter, per block), so a load at any
+//!   world size or layout puts every element where that layout keeps it
+//!   ([`crate::ragged::redistribute`] from the saved RaggedShard to the new one).
+//! - **Checked:** every rank reads only the byte ranges it needs, and verifies each chunk it
+//!   touches; a truncated or damaged file, a missing rank file, another model, other shapes
+//!   or element types, or a manifest from a newer format is an `Err` naming the file and the
+//!   problem, on every rank.
+
+pub mod fs;
+pub mod manifest;
+pub mod read;
+pub mod safetensors;
+pub mod state;
+
+pub use manifest::Manifest;
+pub use state::{CheckpointState, FieldData, FieldDataMut, FieldLayout, FieldSpan, FieldType};
+
+use std::path::{Path, PathBuf};
+
+use crate::comm::{all_gather_bytes, Communicator};
+use crate::{Error, Result};
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("checkpoints write memory as little-endian bytes (safetensors' byte order)");
+
+/// Options of a save.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SaveOptions {
+    /// Keep only the newest `keep` checkpoints under the root (`0`: keep all).
+    pub keep: usize,
+    /// Bytes per checksum chunk.
+    pub chunk_bytes: u64,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            keep: 0,
+            chunk_bytes: safetensors::CHUNK_BYTES,
+        }
+    }
+}
+
+/// What a save wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Saved {
+    /// The checkpoint folder.
+    pub dir: PathBuf,
+    /// Bytes of all rank files.
+    pub bytes: u64,
+    /// Wall time of the save on this rank.
+    pub seconds: f64,
+    /// Older checkpoints removed by rotation.
+    pub removed: Vec<PathBuf>,
+}
+
+/// What a load read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Loaded {
+    pub dir: PathBuf,
+    /// The world size that wrote it.
+    pub saved_world: usize,
+    /// Steps taken when it was saved.
+    pub steps: usize,
+    /// Bytes this rank read.
+    pub bytes_read: u64,
+    pub seconds: f64,
+}
+
+/// Every rank's outcome of a local part of a checkpoint operation: every rank's payload when
+/// all succeeded, else the same `Err` on every rank naming each failed rank's problem (one
+/// exchange; on one rank the error itself).
+pub(crate) fn agree(
+    comm: &dyn Communicator,
+    dir: &Path,
+    local: Result<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>> {
+    if comm.world_size() == 1 {
+        return local.map(|p| vec![p]);
+    }
+    let msg = match &local {
+        Ok(p) => [&[0u8][..], p].concat(),
+        Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+    };
+    let all = all_gather_bytes(comm, &msg)?;
+    let failed: Vec<String> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.first() != Some(&0))
+        .map(|(r, m)| {
+            format!(
+                "rank {r}: {}",
+                String::from_utf8_lossy(m.get(1..).unwrap_or(&[]))
+            )
+        })
+        .collect();
+    if failed.is_empty() {
+        return Ok(all.into_iter().map(|m| m[1..].to_vec()).collect());
+    }
+    Err(Error::Checkpoint {
+        path: dir.display().to_string(),
+        reason: failed.join("; "),
+    })
+}

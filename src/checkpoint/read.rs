@@ -1,0 +1,125 @@
+//! Reading saved arrays back: any range of any field, from whichever ranks saved it, through
+//! [`redistribute`] from the saved layout (the one redistribution path), verifying every chunk
+//! it touches.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use super::manifest::{tensor_name, FieldRecord, Manifest};
+use super::safetensors::Reader;
+use super::state::{FieldDataMut, FieldType};
+use crate::ragged::{redistribute, RaggedShard};
+use crate::{Error, Result};
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The rank files of a checkpoint being read, opened on first use with their digests.
+pub struct SourceFiles<'a> {
+    dir: &'a Path,
+    manifest: &'a Manifest,
+    open: HashMap<usize, Reader>,
+    /// Bytes of saved arrays read so far.
+    pub bytes_read: u64,
+}
+
+/// Most rank files open at once (each caches one chunk).
+const MAX_OPEN: usize = 16;
+
+impl<'a> SourceFiles<'a> {
+    pub fn new(dir: &'a Path, manifest: &'a Manifest) -> Self {
+        SourceFiles {
+            dir,
+            manifest,
+            open: HashMap::new(),
+            bytes_read: 0,
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir
+    }
+
+    fn reader(&mut self, rank: usize) -> Result<&mut Reader> {
+        if !self.open.contains_key(&rank) {
+            if self.open.len() >= MAX_OPEN {
+                self.open.clear();
+            }
+            let rec = &self.manifest.files[rank];
+            let path = self.dir.join(&rec.file);
+            if !path.is_file() {
+                return Err(bad(&path, "missing (every rank's file is needed)"));
+            }
+            self.open
+                .insert(rank, Reader::open(&path, Some(&rec.digest))?);
+        }
+        Ok(self.open.get_mut(&rank).expect("inserted above"))
+    }
+
+    /// Reads elements `global` of a saved array into `out` starting at element `at`: the
+    /// transfers of [`redistribute`] from the saved layout to one where this reader holds
+    /// exactly `global`.
+    pub fn read_range(
+        &mut self,
+        rec: &FieldRecord,
+        global: std::ops::Range<usize>,
+        out: &mut FieldDataMut<'_>,
+        at: usize,
+    ) -> Result<()> {
+        if out.dtype() != rec.dtype || global.end > rec.len {
+            return Err(bad(
+                self.dir,
+                format!(
+                    "{} of {}: saved {} {:?} elements, asked for {global:?} as {:?}",
+                    rec.field,
+                    rec.param,
+                    rec.len,
+                    rec.dtype,
+                    out.dtype()
+                ),
+            ));
+        }
+        if global.is_empty() {
+            return Ok(());
+        }
+        let src = rec.ragged_shard(self.manifest.world)?;
+        let (a, b, len) = (global.start, global.end, rec.len);
+        let dst = RaggedShard::new(&[len], 1, vec![a, b - a, len - b])?;
+        let size = rec.dtype.size();
+        let tensor = tensor_name(&rec.param, &rec.field);
+        for t in redistribute(&src, &dst)?.iter().filter(|t| t.dst_rank == 1) {
+            let to = at + t.dst_offset;
+            let bytes = out.bytes_mut(to..to + t.len);
+            let from = (t.src_offset * size) as u64..((t.src_offset + t.len) * size) as u64;
+            self.reader(t.src_rank)?.read_tensor(&tensor, from, bytes)?;
+            self.bytes_read += (t.len * size) as u64;
+        }
+        Ok(())
+    }
+}
+
+/// A whole saved array as little-endian bytes (one tensor in memory: for tools and tests).
+pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result<Vec<u8>> {
+    let mut files = SourceFiles::new(dir, manifest);
+    let mut bytes = vec![0u8; rec.len * rec.dtype.size()];
+    match rec.dtype {
+        FieldType::F32 => {
+            let mut v = vec![0f32; rec.len];
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::F32(&mut v), 0)?;
+            bytes.copy_from_slice(bytemuck::cast_slice(&v));
+        }
+        FieldType::U16 => {
+            let mut v = vec![0u16; rec.len];
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::U16(&mut v), 0)?;
+            bytes.copy_from_slice(bytemuck::cast_slice(&v));
+        }
+        FieldType::U8 => {
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::U8(&mut bytes), 0)?;
+        }
+    }
+    Ok(bytes)
+}

@@ -1,0 +1,283 @@
+//! An optimizer state as checkpointable fields.
+//!
+//! Every state array of every optimizer here is, per parameter, a piece of one *global* array
+//! that does not depend on the world size or the layout: Adam's moments have one element per
+//! parameter element, 8-bit Adam's scales one per 256-element scale block of the global shape,
+//! Shampoo's factors one run per Kronecker block. A rank holds a contiguous range of each
+//! parameter's global array (blocks never straddle ranks), so a state is described by
+//! [`FieldLayout`]s: for each field, its element type, its global length per parameter, and
+//! where this rank's ranges lie in its local array. That is all a checkpoint needs to write a
+//! state at one world size and read it back at another ([`crate::ragged::redistribute`] on the
+//! global arrays).
+
+use std::ops::Range;
+
+use crate::optim::{LocalShard, Optimizer, ParamMeta, Sgd};
+use crate::{Error, Result};
+
+/// Element type of a state field (and of a checkpoint tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum FieldType {
+    F32,
+    U16,
+    U8,
+}
+
+impl FieldType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            FieldType::F32 => 4,
+            FieldType::U16 => 2,
+            FieldType::U8 => 1,
+        }
+    }
+
+    /// The safetensors `dtype` string.
+    pub fn safetensors(self) -> &'static str {
+        match self {
+            FieldType::F32 => "F32",
+            FieldType::U16 => "U16",
+            FieldType::U8 => "U8",
+        }
+    }
+}
+
+/// Elements `global` of parameter `param`'s global field array sit at `local` in this rank's
+/// local array of the field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldSpan {
+    /// Index into [`LocalShard::params`].
+    pub param: usize,
+    pub global: Range<usize>,
+    pub local: usize,
+}
+
+/// One field of a state on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldLayout {
+    /// Short and unique within the state (`"m"`, `"scale_v"`, `"factors"`).
+    pub name: &'static str,
+    pub dtype: FieldType,
+    /// Elements of the field's global array per parameter of the shard (`0`: the parameter has
+    /// no such field).
+    pub global_len: Vec<usize>,
+    /// This rank's ranges, in local order; at most one per parameter.
+    pub spans: Vec<FieldSpan>,
+    /// Elements of the local array (padding included).
+    pub local_len: usize,
+}
+
+impl FieldLayout {
+    /// A field laid out like the local shard: one element per parameter element, at the
+    /// pieces' offsets (padding between them belongs to no parameter).
+    pub fn like_shard(name: &'static str, dtype: FieldType, shard: &LocalShard) -> Self {
+        FieldLayout {
+            name,
+            dtype,
+            global_len: shard.params.iter().map(ParamMeta::numel).collect(),
+            spans: shard
+                .pieces
+                .iter()
+                .map(|p| FieldSpan {
+                    param: p.param,
+                    global: p.range.clone(),
+                    local: p.offset,
+                })
+                .collect(),
+            local_len: shard.len,
+        }
+    }
+
+    /// A field packed in shard order: `of(meta, piece range)` gives, for a parameter that has
+    /// the field, its global length and the global range the piece covers; the ranges are
+    /// concatenated without gaps in the local array.
+    pub fn packed(
+        name: &'static str,
+        dtype: FieldType,
+        shard: &LocalShard,
+        of: impl Fn(&ParamMeta, &Range<usize>) -> Result<Option<(usize, Range<usize>)>>,
+    ) -> Result<Self> {
+        let mut global_len = vec![0; shard.params.len()];
+        let (mut spans, mut at) = (Vec::new(), 0);
+        for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            let Some((len, global)) = of(meta, &piece.range)? else {
+                continue;
+            };
+            global_len[piece.param] = len;
+            let n = global.len();
+            if n == 0 {
+                // A piece of blocks without state (Shampoo's 1×1 blocks): nothing to hold.
+                continue;
+            }
+            spans.push(FieldSpan {
+                param: piece.param,
+                global,
+                local: at,
+            });
+            at += n;
+        }
+        Ok(FieldLayout {
+            name,
+            dtype,
+            global_len,
+            spans,
+            local_len: at,
+        })
+    }
+}
+
+/// A field's local array.
+#[derive(Debug)]
+pub enum FieldData<'a> {
+    F32(&'a [f32]),
+    U16(&'a [u16]),
+    U8(&'a [u8]),
+}
+
+/// A field's local array, to fill.
+#[derive(Debug)]
+pub enum FieldDataMut<'a> {
+    F32(&'a mut [f32]),
+    U16(&'a mut [u16]),
+    U8(&'a mut [u8]),
+}
+
+impl FieldData<'_> {
+    pub fn dtype(&self) -> FieldType {
+        match self {
+            FieldData::F32(_) => FieldType::F32,
+            FieldData::U16(_) => FieldType::U16,
+            FieldData::U8(_) => FieldType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            FieldData::F32(x) => x.len(),
+            FieldData::U16(x) => x.len(),
+            FieldData::U8(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range` as little-endian bytes (the checkpoint's byte order).
+    pub fn bytes(&self, range: Range<usize>) -> &[u8] {
+        match self {
+            FieldData::F32(x) => bytemuck::cast_slice(&x[range]),
+            FieldData::U16(x) => bytemuck::cast_slice(&x[range]),
+            FieldData::U8(x) => &x[range],
+        }
+    }
+}
+
+impl FieldDataMut<'_> {
+    pub fn dtype(&self) -> FieldType {
+        match self {
+            FieldDataMut::F32(_) => FieldType::F32,
+            FieldDataMut::U16(_) => FieldType::U16,
+            FieldDataMut::U8(_) => FieldType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            FieldDataMut::F32(x) => x.len(),
+            FieldDataMut::U16(x) => x.len(),
+            FieldDataMut::U8(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range` as little-endian bytes, to overwrite.
+    pub fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        match self {
+            FieldDataMut::F32(x) => bytemuck::cast_slice_mut(&mut x[range]),
+            FieldDataMut::U16(x) => bytemuck::cast_slice_mut(&mut x[range]),
+            FieldDataMut::U8(x) => &mut x[range],
+        }
+    }
+}
+
+/// An optimizer whose state can be written to a checkpoint and read back at any world size
+/// and layout. `state_layout`, `state_data` and `state_data_mut` list the same fields in the
+/// same order.
+pub trait CheckpointState: Optimizer {
+    /// The hyperparameters, for the manifest (informational: a resumed run may change them).
+    fn config_string(&self) -> String;
+
+    /// The fields of a state of `shard` (what [`Optimizer::init`] allocates).
+    fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>>;
+
+    /// The local arrays of `state`, in [`Self::state_layout`]'s order.
+    fn state_data<'a>(&self, state: &'a Self::State) -> Vec<FieldData<'a>>;
+
+    /// The local arrays of `state`, to fill, in [`Self::state_layout`]'s order.
+    fn state_data_mut<'a>(&self, state: &'a mut Self::State) -> Vec<FieldDataMut<'a>>;
+
+    /// Steps the state has taken.
+    fn state_step(&self, state: &Self::State) -> u64;
+
+    fn set_state_step(&self, state: &mut Self::State, step: u64);
+}
+
+/// `Err` unless `data` matches `layout` field by field (name order, element type, length).
+pub fn check_fields(
+    op: &'static str,
+    layout: &[FieldLayout],
+    types_and_lens: impl ExactSizeIterator<Item = (FieldType, usize)>,
+) -> Result<()> {
+    if layout.len() != types_and_lens.len() {
+        return Err(Error::InvalidShard {
+            op,
+            reason: format!(
+                "the state has {} fields, its layout {}",
+                types_and_lens.len(),
+                layout.len()
+            ),
+        });
+    }
+    for (f, (dtype, len)) in layout.iter().zip(types_and_lens) {
+        if f.dtype != dtype || f.local_len != len {
+            return Err(Error::InvalidShard {
+                op,
+                reason: format!(
+                    "state field {}: {len} {dtype:?} elements, its layout says {} {:?}",
+                    f.name, f.local_len, f.dtype
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl CheckpointState for Sgd {
+    fn config_string(&self) -> String {
+        format!("{self:?}")
+    }
+
+    fn state_layout(&self, _shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+        Ok(Vec::new())
+    }
+
+    fn state_data<'a>(&self, _state: &'a ()) -> Vec<FieldData<'a>> {
+        Vec::new()
+    }
+
+    fn state_data_mut<'a>(&self, _state: &'a mut ()) -> Vec<FieldDataMut<'a>> {
+        Vec::new()
+    }
+
+    fn state_step(&self, _state: &()) -> u64 {
+        0
+    }
+
+    fn set_state_step(&self, _state: &mut (), _step: u64) {}
+}

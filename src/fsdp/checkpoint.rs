@@ -1,0 +1,654 @@
+//! [`ShardedModel`]'s checkpoints (format and guarantees: [`crate::checkpoint`]): save, load
+//! at any world size and layout, consolidated safetensors export and import, and a digest of
+//! the parameters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{ShardLayout, ShardedModel, ShardedUnit};
+use crate::checkpoint::manifest::{
+    rank_file, tensor_name, BufferRecord, FieldRecord, FileRecord, Manifest, ModelTensor,
+    OptimizerRecord, Progress, UnitRecord, FORMAT, PARAM_FIELD, VERSION,
+};
+use crate::checkpoint::read::SourceFiles;
+use crate::checkpoint::safetensors::{hex, FileDigest, Reader, TensorHeader, Writer};
+use crate::checkpoint::{
+    agree, fs, CheckpointState, FieldDataMut, FieldLayout, FieldType, Loaded, SaveOptions, Saved,
+};
+use crate::comm::{Buf, BufMut};
+use crate::optim::{LocalShard, Optimizer};
+use crate::{Error, Result};
+
+/// One rank's range of one saved array (what each rank tells rank 0 for the manifest).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Held {
+    param: String,
+    field: String,
+    dtype: FieldType,
+    len: usize,
+    start: usize,
+    end: usize,
+}
+
+/// What one rank wrote.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RankWrite {
+    digest: FileDigest,
+    held: Vec<Held>,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// A unit's parameters as a field laid out like its shard.
+fn param_layout(local: &LocalShard) -> FieldLayout {
+    FieldLayout::like_shard(PARAM_FIELD, FieldType::F32, local)
+}
+
+impl<O: CheckpointState> ShardedModel<'_, O> {
+    /// Saves parameters, optimizer state and progress to `root/step-N/` (N = steps taken),
+    /// from every rank (call it on all ranks, between steps). Returns once the checkpoint is
+    /// complete and durable on every rank; rotates older ones per [`SaveOptions::keep`].
+    pub fn save(&mut self, root: impl AsRef<Path>, opts: &SaveOptions) -> Result<Saved> {
+        let (root, start) = (root.as_ref(), Instant::now());
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let step = self.steps;
+        let tmp = fs::tmp_dir(root, step);
+        let prepared = match (self.check_no_pending_gradients(root), rank) {
+            (Err(e), _) => Err(e),
+            (Ok(()), 0) => fs::prepare(root, step).map(|_| Vec::new()),
+            (Ok(()), _) => Ok(Vec::new()),
+        };
+        agree(self.comm, root, prepared)?;
+        let file = tmp.join(rank_file(rank, world));
+        let written = self
+            .write_rank_file(&file, opts.chunk_bytes)
+            .and_then(|w| Ok(serde_json::to_vec(&w)?));
+        let writes = agree(self.comm, root, written);
+        let writes = match writes {
+            Ok(w) => w,
+            Err(e) => {
+                if rank == 0 {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }
+                return Err(e);
+            }
+        };
+        let published = if rank == 0 {
+            self.publish(root, &tmp, &writes, opts)
+        } else {
+            Ok(Vec::new())
+        };
+        if published.is_err() && rank == 0 {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        let removed = agree(self.comm, root, published)?;
+        let removed: Vec<PathBuf> = serde_json::from_slice(&removed[0])?;
+        let mut bytes = 0;
+        for w in &writes {
+            bytes += serde_json::from_slice::<RankWrite>(w)?.digest.bytes;
+        }
+        Ok(Saved {
+            dir: fs::step_dir(root, step),
+            bytes,
+            seconds: start.elapsed().as_secs_f64(),
+            removed,
+        })
+    }
+
+    fn check_no_pending_gradients(&self, root: &Path) -> Result<()> {
+        let pending = self
+            .units
+            .iter()
+            .any(|u| u.grads.local("save").is_ok() || u.grads.sink().holds_gradients());
+        if pending {
+            return Err(bad(
+                root,
+                "gradients are pending (save between optimizer steps: after step(), before the \
+                 next backward)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every buffer's fields on this rank: the parameters, then the optimizer state's.
+    fn fields_of(&self, unit: &ShardedUnit<O::State>) -> Result<Vec<FieldLayout>> {
+        let mut fields = vec![param_layout(&unit.local)];
+        fields.extend(self.optimizer.state_layout(&unit.local)?);
+        let state = self.optimizer.state_data(&unit.state);
+        let lens = std::iter::once((FieldType::F32, unit.params.master().len()))
+            .chain(state.iter().map(|d| (d.dtype(), d.len())))
+            .collect::<Vec<_>>();
+        crate::checkpoint::state::check_fields("checkpoint", &fields, lens.into_iter())?;
+        Ok(fields)
+    }
+
+    /// Writes this rank's file: every field's every span as one 1-D tensor.
+    fn write_rank_file(&self, path: &Path, chunk_bytes: u64) -> Result<RankWrite> {
+        let mut headers = Vec::new();
+        let mut held = Vec::new();
+        let mut layouts = Vec::with_capacity(self.units.len());
+        for unit in &self.units {
+            let fields = self.fields_of(unit)?;
+            for f in &fields {
+                for s in &f.spans {
+                    let param = &unit.local.params[s.param].name;
+                    headers.push(TensorHeader {
+                        name: tensor_name(param, f.name),
+                        dtype: f.dtype.safetensors(),
+                        shape: vec![s.global.len()],
+                    });
+                    held.push(Held {
+                        param: param.clone(),
+                        field: f.name.to_string(),
+                        dtype: f.dtype,
+                        len: f.global_len[s.param],
+                        start: s.global.start,
+                        end: s.global.end,
+                    });
+                }
+            }
+            layouts.push(fields);
+        }
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let metadata = BTreeMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("rank".to_string(), rank.to_string()),
+            ("world".to_string(), world.to_string()),
+            ("step".to_string(), self.steps.to_string()),
+        ]);
+        let mut w = Writer::create(path, &headers, &metadata, chunk_bytes)?;
+        for (unit, fields) in self.units.iter().zip(&layouts) {
+            let data = std::iter::once(crate::checkpoint::FieldData::F32(unit.params.master()))
+                .chain(self.optimizer.state_data(&unit.state));
+            for (f, d) in fields.iter().zip(data) {
+                for s in &f.spans {
+                    w.write(d.bytes(s.local..s.local + s.global.len()))?;
+                }
+            }
+        }
+        Ok(RankWrite {
+            digest: w.finish()?,
+            held,
+        })
+    }
+
+    /// Rank 0: the manifest from every rank's writes, then the rename into place and rotation.
+    fn publish(
+        &self,
+        root: &Path,
+        tmp: &Path,
+        writes: &[Vec<u8>],
+        opts: &SaveOptions,
+    ) -> Result<Vec<u8>> {
+        let world = self.comm.world_size();
+        let mut fields: BTreeMap<(String, String), FieldRecord> = BTreeMap::new();
+        let mut files = Vec::with_capacity(world);
+        for (rank, bytes) in writes.iter().enumerate() {
+            let w: RankWrite = serde_json::from_slice(bytes)?;
+            for h in w.held {
+                let rec = fields
+                    .entry((h.param.clone(), h.field.clone()))
+                    .or_insert_with(|| FieldRecord {
+                        param: h.param.clone(),
+                        field: h.field.clone(),
+                        dtype: h.dtype,
+                        len: h.len,
+                        holders: Vec::new(),
+                    });
+                if rec.dtype != h.dtype || rec.len != h.len {
+                    return Err(bad(
+                        tmp,
+                        format!("ranks disagree on {} of {}", h.field, h.param),
+                    ));
+                }
+                rec.holders.push([rank, h.start, h.end]);
+            }
+            files.push(FileRecord {
+                rank,
+                file: rank_file(rank, world),
+                digest: w.digest,
+            });
+        }
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            world,
+            layout: match self.opts.layout {
+                ShardLayout::Ragged => "ragged".into(),
+                ShardLayout::Fsdp2 => "fsdp2".into(),
+            },
+            model: self.model_tensors(),
+            optimizer: OptimizerRecord {
+                name: self.optimizer.name().into(),
+                config: self.optimizer.config_string(),
+            },
+            progress: self.progress()?,
+            units: self.unit_records(),
+            fields: fields.into_values().collect(),
+            files,
+        };
+        manifest.write(tmp)?;
+        // Read back through the loader's checks: a manifest that would not load is not published.
+        Manifest::read(tmp)?;
+        fs::publish(root, tmp, self.steps)?;
+        let removed = if opts.keep > 0 {
+            fs::rotate(root, opts.keep)?
+        } else {
+            Vec::new()
+        };
+        Ok(serde_json::to_vec(&removed)?)
+    }
+
+    fn model_tensors(&self) -> Vec<ModelTensor> {
+        self.units
+            .iter()
+            .flat_map(|u| &u.local.params)
+            .map(|m| ModelTensor {
+                name: m.name.clone(),
+                shape: m.shape.clone(),
+                dtype: "F32".into(),
+            })
+            .collect()
+    }
+
+    fn progress(&self) -> Result<Progress> {
+        let mut steps = self
+            .units
+            .iter()
+            .filter(|u| !u.params.is_frozen())
+            .map(|u| self.optimizer.state_step(&u.state));
+        let first = steps.next().unwrap_or(0);
+        if steps.any(|s| s != first) {
+            return Err(Error::Msg(
+                "checkpoint: the units' optimizer states disagree on the step count".into(),
+            ));
+        }
+        Ok(Progress {
+            steps: self.steps,
+            skipped: self.skipped,
+            state_step: first,
+            learning_rate: self.optimizer.learning_rate(),
+            schedule: self
+                .schedule
+                .map(|(s, base)| format!("{s:?} of base rate {base}")),
+        })
+    }
+
+    fn unit_records(&self) -> Vec<UnitRecord> {
+        self.groups
+            .iter()
+            .map(|(name, buffers)| UnitRecord {
+                name: name.clone(),
+                buffers: buffers
+                    .iter()
+                    .map(|&b| {
+                        let u = &self.units[b];
+                        BufferRecord {
+                            shard_size: u.local.len,
+                            frozen: u.params.is_frozen(),
+                            tensors: match &u.layout {
+                                super::layout::UnitLayout::Ragged(g) => g
+                                    .tensors
+                                    .iter()
+                                    .map(|(n, _, off)| (n.clone(), *off))
+                                    .collect(),
+                                super::layout::UnitLayout::Fsdp2(_) => Vec::new(),
+                            },
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Loads a checkpoint saved at any world size and layout: `path` is a checkpoint folder or
+    /// a root holding `step-N` folders (the newest complete one is taken). Restores the
+    /// parameters, the optimizer state, the step counters and the learning rate; drops pending
+    /// gradients. Call it on every rank; every rank returns the same `Ok` or `Err`. After an
+    /// `Err` from a damaged file the model's values are unspecified: load again or rebuild.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<Loaded> {
+        let (path, start) = (path.as_ref(), Instant::now());
+        let resolved = fs::resolve(path);
+        let dir = match &resolved {
+            Ok(d) => d.clone(),
+            Err(_) => path.to_path_buf(),
+        };
+        let checked = resolved.and_then(|d| {
+            let m = Manifest::read(&d)?;
+            self.check_compatible(&m, &d)?;
+            Ok((d, m))
+        });
+        let (named, checked) = match checked {
+            Ok((d, m)) => (Ok(d.display().to_string().into_bytes()), Some((d, m))),
+            Err(e) => (Err(e), None),
+        };
+        let names = agree(self.comm, &dir, named)?;
+        if names.iter().any(|n| n != &names[0]) {
+            return Err(bad(&dir, "ranks resolved different checkpoint folders"));
+        }
+        let (dir, manifest) = checked.expect("every rank succeeded above");
+        let read = self
+            .read_all(&dir, &manifest)
+            .map(|n| n.to_le_bytes().to_vec());
+        let read = agree(self.comm, &dir, read)?;
+        self.restore_progress(&manifest.progress)?;
+        let rank = self.comm.rank();
+        Ok(Loaded {
+            saved_world: manifest.world,
+            steps: manifest.progress.steps,
+            bytes_read: u64::from_le_bytes(read[rank][..8].try_into().expect("8 bytes per rank")),
+            seconds: start.elapsed().as_secs_f64(),
+            dir,
+        })
+    }
+
+    /// `Err` unless the checkpoint holds this model (same names and shapes) and optimizer.
+    fn check_compatible(&self, m: &Manifest, dir: &Path) -> Result<()> {
+        let saved: HashMap<&str, &ModelTensor> =
+            m.model.iter().map(|t| (t.name.as_str(), t)).collect();
+        let ours = self.model_tensors();
+        for t in &ours {
+            match saved.get(t.name.as_str()) {
+                None => {
+                    return Err(bad(
+                        dir,
+                        format!(
+                            "the model's parameter {} is not in it (another model?)",
+                            t.name
+                        ),
+                    ))
+                }
+                Some(s) if s.shape != t.shape || s.dtype != t.dtype => {
+                    return Err(bad(
+                        dir,
+                        format!(
+                            "{}: saved as {:?} {}, the model has {:?} {}",
+                            t.name, s.shape, s.dtype, t.shape, t.dtype
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if ours.len() != m.model.len() {
+            let extra: Vec<&str> = m
+                .model
+                .iter()
+                .map(|t| t.name.as_str())
+                .filter(|n| !ours.iter().any(|t| t.name == *n))
+                .take(5)
+                .collect();
+            return Err(bad(
+                dir,
+                format!(
+                    "it holds {} parameters, the model {} (not in the model: {extra:?})",
+                    m.model.len(),
+                    ours.len()
+                ),
+            ));
+        }
+        if m.optimizer.name != self.optimizer.name() {
+            return Err(bad(
+                dir,
+                format!(
+                    "saved with optimizer {}, this model uses {}",
+                    m.optimizer.name,
+                    self.optimizer.name()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads this rank's ranges of every field; returns the bytes read.
+    fn read_all(&mut self, dir: &Path, m: &Manifest) -> Result<u64> {
+        let records: HashMap<(&str, &str), &FieldRecord> = m
+            .fields
+            .iter()
+            .map(|f| ((f.param.as_str(), f.field.as_str()), f))
+            .collect();
+        let mut files = SourceFiles::new(dir, m);
+        let optimizer = &self.optimizer;
+        for unit in &mut self.units {
+            let mut fields = vec![param_layout(&unit.local)];
+            fields.extend(optimizer.state_layout(&unit.local)?);
+            let ShardedUnit {
+                local,
+                params,
+                state,
+                grads,
+                ..
+            } = unit;
+            grads.consume();
+            let data = std::iter::once(FieldDataMut::F32(params.master_mut()))
+                .chain(optimizer.state_data_mut(state));
+            for (f, mut d) in fields.iter().zip(data) {
+                for span in &f.spans {
+                    let name = &local.params[span.param].name;
+                    let rec = records.get(&(name.as_str(), f.name)).ok_or_else(|| {
+                        bad(
+                            dir,
+                            format!(
+                                "no {} for {name} in it (saved with another optimizer config?)",
+                                f.name
+                            ),
+                        )
+                    })?;
+                    let len = f.global_len[span.param];
+                    if rec.len != len || rec.dtype != f.dtype {
+                        return Err(bad(
+                            dir,
+                            format!(
+                                "{} of {name}: saved {} {:?} elements, this model needs {len} {:?}",
+                                f.name, rec.len, rec.dtype, f.dtype
+                            ),
+                        ));
+                    }
+                    files.read_range(rec, span.global.clone(), &mut d, span.local)?;
+                }
+            }
+            optimizer.set_state_step(state, m.progress.state_step);
+        }
+        Ok(files.bytes_read)
+    }
+
+    fn restore_progress(&mut self, p: &Progress) -> Result<()> {
+        self.steps = p.steps;
+        self.skipped = p.skipped;
+        self.loss_not_finite = false;
+        if let (Some(lr), Some(_)) = (p.learning_rate, self.optimizer.learning_rate()) {
+            self.optimizer.set_learning_rate(lr)?;
+        }
+        Ok(())
+    }
+}
+
+impl<O: Optimizer> ShardedModel<'_, O> {
+    /// Writes every parameter (f32 master values, the model's own names and shapes) to one
+    /// safetensors file at `path` on rank 0 (`VarBuilder::from_mmaped_safetensors` loads it).
+    /// Call it on every rank: each unit is gathered in turn, so a rank holds one unit at a time.
+    pub fn export_safetensors(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let tmp = path.with_extension("safetensors.tmp");
+        let (mut writer, mut failed) = (None, None);
+        if self.comm.rank() == 0 {
+            let headers: Vec<TensorHeader> = self
+                .units
+                .iter()
+                .flat_map(|u| u.params.slots())
+                .map(|s| TensorHeader {
+                    name: s.name.clone(),
+                    dtype: "F32",
+                    shape: s.shape.clone(),
+                })
+                .collect();
+            let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+            match Writer::create(&tmp, &headers, &meta, u64::MAX) {
+                Ok(w) => writer = Some(w),
+                Err(e) => failed = Some(e),
+            }
+        }
+        // Every rank takes part in every gather, even after rank 0 failed to write.
+        for u in 0..self.units.len() {
+            let values = self.gather_buffer(u)?;
+            if let (Some(w), None) = (writer.as_mut(), &failed) {
+                failed = values
+                    .iter()
+                    .find_map(|v| w.write(bytemuck::cast_slice(v)).err());
+            }
+        }
+        let done = match (writer, failed) {
+            (_, Some(e)) => Err(e),
+            (Some(w), None) => w.finish().and_then(|_| {
+                std::fs::rename(&tmp, path).map_err(|e| Error::io("export", path, e))
+            }),
+            (None, None) => Ok(()),
+        };
+        agree(self.comm, path, done.map(|_| Vec::new())).map(|_| ())
+    }
+
+    /// Buffer `u`'s parameters, gathered in full (f32 master values), in slot order.
+    fn gather_buffer(&self, u: usize) -> Result<Vec<Vec<f32>>> {
+        let unit = &self.units[u];
+        let slots = unit.params.slots();
+        let mut values: Vec<Vec<f32>> = slots.iter().map(|s| vec![0.0; s.numel()]).collect();
+        let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| BufMut::F32(v)).collect();
+        unit.layout.gather(
+            self.comm,
+            Buf::F32(unit.params.master()),
+            &mut dsts,
+            &self.stats,
+        )?;
+        Ok(values)
+    }
+
+    /// SHA-256 (hex) of the parameters' f32 values, by name: the same for the same values
+    /// whatever the world size, layout or compute dtype (compare two runs by eye). Gathers one
+    /// unit at a time; call it on every rank.
+    pub fn param_digest(&mut self) -> Result<String> {
+        let mut per_tensor = Vec::new();
+        for u in 0..self.units.len() {
+            let values = self.gather_buffer(u)?;
+            for (slot, v) in self.units[u].params.slots().iter().zip(values) {
+                let mut h = Sha256::new();
+                h.update(slot.name.as_bytes());
+                slot.shape
+                    .iter()
+                    .for_each(|d| h.update((*d as u64).to_le_bytes()));
+                h.update(bytemuck::cast_slice::<f32, u8>(&v));
+                per_tensor.push((slot.name.clone(), h.finalize()));
+            }
+        }
+        per_tensor.sort();
+        let mut h = Sha256::new();
+        per_tensor.iter().for_each(|(_, d)| h.update(d));
+        Ok(hex(&h.finalize()))
+    }
+
+    /// Overwrites the parameters from a consolidated safetensors file (a Hugging Face or
+    /// [`Self::export_safetensors`] checkpoint): each rank reads only its ranges of each
+    /// tensor, converting F32, BF16 or F16 to the f32 master. Every model parameter must be in
+    /// the file with its shape; returns the file's tensors the model does not have. The
+    /// optimizer state is left as it is (fresh after `fully_shard`).
+    pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
+        let path = path.as_ref();
+        let local = self.import_local(path);
+        let unused = local.as_ref().map_or(Vec::new(), |u| u.clone());
+        let status = local.map(|_| Vec::new());
+        agree(self.comm, path, status)?;
+        Ok(unused)
+    }
+
+    fn import_local(&mut self, path: &Path) -> Result<Vec<String>> {
+        let mut file = Reader::open(path, None)?;
+        let mut used = std::collections::HashSet::new();
+        for unit in &mut self.units {
+            let local = &unit.local;
+            let master = unit.params.master_mut();
+            for piece in &local.pieces {
+                let meta = &local.params[piece.param];
+                let info = file.tensor(&meta.name)?.clone();
+                if info.shape != meta.shape {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "{}: {:?} in the file, {:?} in the model",
+                            meta.name, info.shape, meta.shape
+                        ),
+                    ));
+                }
+                let out = &mut master[piece.offset..piece.offset + piece.range.len()];
+                read_as_f32(&mut file, &meta.name, &info.dtype, piece.range.clone(), out)?;
+                used.insert(meta.name.clone());
+            }
+            unit.grads.consume();
+        }
+        let mut unused: Vec<String> = file
+            .tensors()
+            .keys()
+            .filter(|n| !used.contains(*n) && !self.has_param(n))
+            .cloned()
+            .collect();
+        unused.sort();
+        Ok(unused)
+    }
+
+    fn has_param(&self, name: &str) -> bool {
+        self.units
+            .iter()
+            .any(|u| u.local.params.iter().any(|m| m.name == name))
+    }
+}
+
+/// Reads elements `range` of tensor `name` (of `dtype`) as f32 into `out`.
+fn read_as_f32(
+    file: &mut Reader,
+    name: &str,
+    dtype: &str,
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    let size: usize = match dtype {
+        "F32" => 4,
+        "BF16" | "F16" => 2,
+        other => {
+            return Err(bad(
+                file.path(),
+                format!("{name}: dtype {other}; F32, BF16 and F16 load as f32"),
+            ))
+        }
+    };
+    let bytes_of = |r: std::ops::Range<usize>| (r.start * size) as u64..(r.end * size) as u64;
+    if size == 4 {
+        return file.read_tensor(name, bytes_of(range), bytemuck::cast_slice_mut(out));
+    }
+    // Half precision: convert in blocks, so no second copy of the piece exists.
+    const BLOCK: usize = 1 << 16;
+    let mut buf = vec![0u16; BLOCK.min(range.len())];
+    for (i, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let a = range.start + i * BLOCK;
+        let half = &mut buf[..chunk.len()];
+        file.read_tensor(
+            name,
+            bytes_of(a..a + chunk.len()),
+            bytemuck::cast_slice_mut(half),
+        )?;
+        for (o, &h) in chunk.iter_mut().zip(half.iter()) {
+            *o = if dtype == "BF16" {
+                half::bf16::from_bits(h).to_f32()
+            } else {
+                half::f16::from_bits(h).to_f32()
+            };
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,618 @@
+//! Checkpoints end to end, through the entry points users call (`ThreadWorld::run`,
+//! `fully_shard`, `ShardedModel::{save, load, export_safetensors, load_safetensors}`), on a
+//! real candle transformer, real files and (for the kill test) a real child process.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use ragged::checkpoint::read::read_global;
+use ragged::checkpoint::safetensors::Reader;
+use ragged::checkpoint::{fs as ckpt_fs, CheckpointState, Manifest, SaveOptions};
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::Communicator;
+use ragged::demo::{batch, corpus, Transformer, TransformerConfig, TransformerStages};
+use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout, ShardedModel};
+use ragged_optimizers::{
+    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
+    ShampooConfig,
+};
+
+/// Wide enough that 8-bit Adam keeps 8-bit state (rows of 64 and 96, ≥ 4096 elements) and
+/// falls back to f32 for the embedding; Shampoo blocks of 32 rows cut every matrix.
+const CFG: TransformerConfig = TransformerConfig {
+    vocab: 61,
+    d_model: 64,
+    n_layers: 2,
+    n_heads: 2,
+    d_ff: 96,
+    seq_len: 12,
+};
+/// Divisible by every world size used here (1, 2, 3, 4, 8).
+const BATCH: usize = 24;
+const LR: f64 = 1e-2;
+
+type Params = Vec<(String, Tensor)>;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir()
+        .join("ragged-checkpoint-tests")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn adamw() -> AdamW {
+    AdamW::new(AdamWConfig {
+        lr: LR,
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    })
+    .unwrap()
+}
+
+fn adam8bit() -> Adam8bit {
+    Adam8bit::new(Adam8bitConfig {
+        adam: AdamWConfig {
+            lr: LR,
+            ..AdamWConfig::default()
+        },
+        ..Adam8bitConfig::default()
+    })
+    .unwrap()
+}
+
+fn muon(layout: MatrixLayout) -> Muon {
+    Muon::new(MuonConfig {
+        lr: 0.02,
+        layout,
+        ..MuonConfig::default()
+    })
+    .unwrap()
+}
+
+/// `epsilon` 1e-4 rather than fb's 1e-12: with the default, the inverse roots of these
+/// rank-deficient factors amplify the last bit of a gradient by ~1e3, so runs at two world
+/// sizes (gradients averaged in another order) part by O(1) within two steps, whatever the
+/// checkpoint does; the state itself is compared bitwise either way.
+fn shampoo() -> Shampoo {
+    Shampoo::new(ShampooConfig {
+        lr: LR,
+        epsilon: 1e-4,
+        max_preconditioner_dim: 32,
+        precondition_frequency: 2,
+        ..ShampooConfig::default()
+    })
+    .unwrap()
+}
+
+/// Trains steps `steps` (the step number picks the batch, so a resumed run sees the batches
+/// an uninterrupted one would).
+fn train<O: CheckpointState>(
+    m: &mut ShardedModel<'_, O>,
+    comm: &dyn Communicator,
+    steps: std::ops::Range<usize>,
+) -> ragged::Result<()> {
+    let rows = BATCH / comm.world_size();
+    for step in steps {
+        let ids = batch(corpus()?, &CFG, step, comm.rank() * rows, rows)?;
+        m.forward_backward(&TransformerStages(CFG), &ids)?;
+        m.step()?;
+    }
+    Ok(())
+}
+
+/// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
+fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
+    let dir = ckpt_fs::resolve(root).unwrap();
+    let m = Manifest::read(&dir).unwrap();
+    m.fields
+        .iter()
+        .map(|f| {
+            let bytes = read_global(&dir, &m, f).unwrap();
+            ((f.param.clone(), f.field.clone()), bytes)
+        })
+        .collect()
+}
+
+fn opts(layout: ShardLayout) -> FsdpOptions {
+    FsdpOptions {
+        layout,
+        ..FsdpOptions::default()
+    }
+}
+
+/// Trains `steps` on `world` ranks from `start` (a checkpoint to load, or none) and saves the
+/// end state under `save_to`; returns rank 0's parameter digest.
+fn run<O: CheckpointState + Clone>(
+    world: usize,
+    params: &Params,
+    opt: &O,
+    layout: ShardLayout,
+    start: Option<&Path>,
+    steps: std::ops::Range<usize>,
+    save_to: &Path,
+) -> String {
+    let digests = ThreadWorld::run(world, |c| {
+        let mut m = fully_shard(params, opt.clone(), c, opts(layout))?;
+        if let Some(dir) = start {
+            let loaded = m.load(dir)?;
+            assert_eq!(loaded.steps, steps.start, "resumes where it was saved");
+            assert_eq!(m.steps_taken(), steps.start);
+        }
+        train(&mut m, c, steps.clone())?;
+        m.save(save_to, &SaveOptions::default())?;
+        m.param_digest()
+    })
+    .unwrap();
+    assert!(digests.iter().all(|d| d == &digests[0]), "ranks agree");
+    digests[0].clone()
+}
+
+/// Save at step 3, resume in a fresh world whose model was initialized differently, 3 more
+/// steps: parameters and every optimizer state array are bitwise those of 6 uninterrupted
+/// steps.
+fn resume_is_exact<O: CheckpointState + Clone>(label: &str, opt: O, world: usize) {
+    let (a, b) = (CFG.init_params(7).unwrap(), CFG.init_params(8).unwrap());
+    let root = scratch(label);
+    let (straight, half, resumed) = (
+        root.join("straight"),
+        root.join("half"),
+        root.join("resumed"),
+    );
+    let d1 = run(world, &a, &opt, ShardLayout::Ragged, None, 0..6, &straight);
+    run(world, &a, &opt, ShardLayout::Ragged, None, 0..3, &half);
+    let d2 = run(
+        world,
+        &b,
+        &opt,
+        ShardLayout::Ragged,
+        Some(&half),
+        3..6,
+        &resumed,
+    );
+    assert_eq!(
+        d1, d2,
+        "{label}: resumed parameters differ from an uninterrupted run"
+    );
+    let (x, y) = (saved_arrays(&straight), saved_arrays(&resumed));
+    assert_eq!(x.len(), y.len());
+    for (key, bytes) in &x {
+        assert!(y[key] == *bytes, "{label}: {key:?} differs after resuming");
+    }
+    let fields: std::collections::BTreeSet<&str> = x.keys().map(|(_, f)| f.as_str()).collect();
+    println!("{label}: bitwise after resume at V={world}; fields {fields:?}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn resume_is_bitwise_for_adamw_8bit_adam_muon_and_shampoo() {
+    resume_is_exact("adamw", adamw(), 2);
+    resume_is_exact("adam8bit", adam8bit(), 3);
+    resume_is_exact("muon", muon(MatrixLayout::Auto), 2);
+    resume_is_exact("shampoo", shampoo(), 3);
+}
+
+/// Saved at 4 ranks, loaded at 1, 2, 3 and 8 (and under another layout or Muon placement):
+/// saving again gives every array bitwise (nothing lost or misplaced), and training on from
+/// there tracks the unsharded run from the same checkpoint within the end-to-end tolerance of
+/// `fsdp_tests.rs` (lr/10: gradients are averaged in another order at each world size).
+fn reshard_is_exact<O: CheckpointState + Clone>(
+    label: &str,
+    save_with: O,
+    load_with: O,
+    layouts: &[ShardLayout],
+) {
+    let params = CFG.init_params(11).unwrap();
+    let root = scratch(&format!("reshard-{label}"));
+    let four = root.join("four");
+    run(
+        4,
+        &params,
+        &save_with,
+        ShardLayout::Ragged,
+        None,
+        0..3,
+        &four,
+    );
+    let saved = saved_arrays(&four);
+    let reference = root.join("reference");
+    run(
+        1,
+        &params,
+        &load_with,
+        ShardLayout::Ragged,
+        Some(&four),
+        3..5,
+        &reference,
+    );
+    let want = saved_arrays(&reference);
+    for &layout in layouts {
+        for world in [1, 2, 3, 8] {
+            let again = root.join(format!("again-{world}-{layout:?}"));
+            let digests = ThreadWorld::run(world, |c| {
+                let mut m = fully_shard(&params, load_with.clone(), c, opts(layout))?;
+                m.load(&four)?;
+                m.save(&again, &SaveOptions::default())?;
+                m.param_digest()
+            })
+            .unwrap();
+            assert!(digests.iter().all(|d| d == &digests[0]));
+            assert_eq!(
+                saved_arrays(&again),
+                saved,
+                "{label}: 4 → {world} ranks, {layout:?}"
+            );
+            let on = root.join(format!("on-{world}-{layout:?}"));
+            run(world, &params, &load_with, layout, Some(&four), 3..5, &on);
+            let got = saved_arrays(&on);
+            let mut worst = 0f32;
+            for ((name, field), bytes) in &want {
+                if field != "param" {
+                    continue;
+                }
+                let (p, q): (&[f32], &[f32]) = (
+                    bytemuck::cast_slice(bytes),
+                    bytemuck::cast_slice(&got[&(name.clone(), field.clone())]),
+                );
+                worst = p
+                    .iter()
+                    .zip(q)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(worst, f32::max);
+            }
+            println!("{label}: 4 → {world} ranks ({layout:?}): exact; then max |Δ| {worst:.2e}");
+            assert!(worst <= LR as f32 / 10.0, "{label} at {world}: {worst}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn checkpoints_reshard_exactly_to_other_world_sizes_layouts_and_muon_placements() {
+    let both = [ShardLayout::Ragged, ShardLayout::Fsdp2];
+    reshard_is_exact("adamw", adamw(), adamw(), &both);
+    reshard_is_exact("adam8bit", adam8bit(), adam8bit(), &[ShardLayout::Ragged]);
+    let (whole, split) = (muon(MatrixLayout::Whole), muon(MatrixLayout::Split));
+    reshard_is_exact("muon-whole-to-split", whole, split, &[ShardLayout::Ragged]);
+    reshard_is_exact("shampoo", shampoo(), shampoo(), &[ShardLayout::Ragged]);
+}
+
+/// The consolidated export is a plain safetensors file candle loads by the model's own names,
+/// and a consolidated file (here written by candle itself, in bf16, with one tensor the model
+/// does not have) starts a sharded run, each rank reading its ranges.
+#[test]
+fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
+    let root = scratch("interop");
+    let params = CFG.init_params(5).unwrap();
+    let exported = root.join("model.safetensors");
+    let full = ThreadWorld::run(3, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        train(&mut m, c, 0..2)?;
+        m.export_safetensors(&exported)?;
+        m.full_params()
+    })
+    .unwrap()
+    .remove(0);
+    // SAFETY: the file is written above and not modified while mapped.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&[&exported], DType::F32, &Device::Cpu)
+    }
+    .unwrap();
+    for (name, shape) in CFG.param_shapes() {
+        let t = vb.get(shape.as_slice(), &name).unwrap();
+        let got: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(got == full[&name], "{name}: exported values differ");
+    }
+    let model = Transformer::new(CFG, vb).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
+    assert!(model
+        .loss(&ids)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .is_finite());
+
+    let hf: std::collections::HashMap<String, Tensor> = CFG
+        .init_params(9)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_dtype(DType::BF16).unwrap()))
+        .chain([(
+            "rotary.inv_freq".to_string(),
+            Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+        )])
+        .collect();
+    let hf_path = root.join("hf.safetensors");
+    candle_core::safetensors::save(&hf, &hf_path).unwrap();
+    let zeros: Params = params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.zeros_like().unwrap()))
+        .collect();
+    let runs = ThreadWorld::run(3, |c| {
+        let mut m = fully_shard(&zeros, adamw(), c, FsdpOptions::default())?;
+        let unused = m.load_safetensors(&hf_path)?;
+        Ok((unused, m.full_params()?))
+    })
+    .unwrap();
+    for (unused, values) in runs {
+        assert_eq!(unused, vec!["rotary.inv_freq".to_string()]);
+        for (name, t) in &hf {
+            if let Some(v) = values.get(name) {
+                let want: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert!(*v == want, "{name}: imported values differ");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Loads `dir` on 2 ranks into a model of `params` with `opt`; every rank's error text.
+fn load_errors<O: CheckpointState + Clone>(params: &Params, opt: O, dir: &Path) -> Vec<String> {
+    ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(params, opt.clone(), c, FsdpOptions::default())?;
+        Ok(m.load(dir).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap()
+    .into_iter()
+    .map(|r| r.expect_err("a bad checkpoint must not load"))
+    .collect()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
+    let root = scratch("damaged");
+    let params = CFG.init_params(3).unwrap();
+    let good = root.join("good");
+    run(2, &params, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
+    let good = ckpt_fs::resolve(&good).unwrap();
+    let rank1 = "rank-00001-of-00002.safetensors";
+    type Damage = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Damage, Vec<&str>)> = vec![
+        (
+            "truncated",
+            Box::new(move |d: &Path| {
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(d.join(rank1))
+                    .unwrap();
+                let n = f.metadata().unwrap().len();
+                f.set_len(n / 2).unwrap();
+            }),
+            vec![rank1, "truncated"],
+        ),
+        (
+            "flipped byte",
+            Box::new(|d: &Path| {
+                let p = d.join("rank-00000-of-00002.safetensors");
+                let mut b = std::fs::read(&p).unwrap();
+                let i = b.len() - 100;
+                b[i] ^= 0x10;
+                std::fs::write(&p, b).unwrap();
+            }),
+            vec![
+                "rank-00000-of-00002.safetensors",
+                "do not match their checksum",
+            ],
+        ),
+        (
+            "missing rank file",
+            Box::new(move |d: &Path| std::fs::remove_file(d.join(rank1)).unwrap()),
+            vec![rank1, "missing"],
+        ),
+        (
+            "newer format",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["version"] = 99.into())),
+            vec!["manifest.json", "format version Some(99)", "newer"],
+        ),
+        (
+            "wrong dtype",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["model"][0]["dtype"] = "BF16".into())),
+            vec!["embed.weight", "BF16"],
+        ),
+        (
+            "damaged manifest",
+            Box::new(|d: &Path| std::fs::write(d.join("manifest.json"), b"{\"format\": ").unwrap()),
+            vec!["manifest.json", "not JSON"],
+        ),
+    ];
+    for (what, damage, needles) in cases {
+        let dir = root.join(what.replace(' ', "-"));
+        copy_dir(&good, &dir);
+        damage(&dir);
+        for e in load_errors(&params, adamw(), &dir) {
+            for n in &needles {
+                assert!(e.contains(n), "{what}: {e:?} lacks {n:?}");
+            }
+        }
+    }
+    // Another model (other shapes of the same names; other names) and another optimizer.
+    let wider = TransformerConfig { d_ff: 64, ..CFG }
+        .init_params(3)
+        .unwrap();
+    for e in load_errors(&wider, adamw(), &good) {
+        assert!(e.contains("[96, 64]") && e.contains("[64, 64]"), "{e}");
+    }
+    let mlp = ragged::demo::MlpConfig {
+        width: 32,
+        hidden: 64,
+        layers: 2,
+    }
+    .init_params(1)
+    .unwrap();
+    for e in load_errors(&mlp, adamw(), &good) {
+        assert!(e.contains("another model"), "{e}");
+    }
+    for e in load_errors(&params, adam8bit(), &good) {
+        assert!(e.contains("saved with optimizer adamw"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Rotation keeps the newest checkpoints; a save with gradients pending is refused.
+#[test]
+fn saves_rotate_and_refuse_pending_gradients() {
+    let root = scratch("rotate");
+    let params = CFG.init_params(2).unwrap();
+    let errors = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let keep = SaveOptions {
+            keep: 2,
+            ..SaveOptions::default()
+        };
+        for step in 0..4 {
+            train(&mut m, c, step..step + 1)?;
+            m.save(&root, &keep)?;
+        }
+        let ids = batch(corpus()?, &CFG, 9, 0, BATCH / 2)?;
+        m.forward_backward(&TransformerStages(CFG), &ids)?;
+        Ok(m.save(&root, &keep).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in errors {
+        assert!(e.unwrap_err().contains("gradients are pending"));
+    }
+    let steps: Vec<usize> = ckpt_fs::list(&root)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, vec![3, 4]);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The child of [`a_save_killed_midway_leaves_the_previous_checkpoint_loadable`]: trains and
+/// saves after every step until killed (ignored unless run by the parent).
+#[test]
+#[ignore]
+fn child_saves_until_killed() {
+    let Ok(root) = std::env::var("RAGGED_KILL_TEST_DIR") else {
+        return;
+    };
+    let cfg = TransformerConfig {
+        d_model: 256,
+        d_ff: 1024,
+        ..CFG
+    };
+    let params = cfg.init_params(1).unwrap();
+    ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        for step in 0..10_000 {
+            let rows = BATCH / 2;
+            let ids = batch(corpus()?, &cfg, step, c.rank() * rows, rows)?;
+            m.forward_backward(&TransformerStages(cfg), &ids)?;
+            m.step()?;
+            m.save(
+                &root,
+                &SaveOptions {
+                    keep: 2,
+                    ..SaveOptions::default()
+                },
+            )?;
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// SIGKILL a process in the middle of a save (seen by its temporary folder holding a rank
+/// file): the newest complete checkpoint still loads and verifies, and the next save
+/// replaces the leftover.
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
+    let root = scratch("killed");
+    let mut caught = false;
+    for attempt in 0..5 {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_saves_until_killed",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("RAGGED_KILL_TEST_DIR", &root)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        let mid_save = loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never saved"
+            );
+            let complete = ckpt_fs::list(&root).map(|l| !l.is_empty()).unwrap_or(false);
+            let tmp = std::fs::read_dir(&root).ok().and_then(|entries| {
+                entries.flatten().find(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    n.ends_with(".tmp")
+                        && std::fs::read_dir(e.path()).is_ok_and(|mut d| d.next().is_some())
+                })
+            });
+            if let (true, Some(t)) = (complete, tmp) {
+                break t.path();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let latest = ckpt_fs::resolve(&root).unwrap();
+        let m = Manifest::read(&latest).unwrap();
+        for f in &m.files {
+            Reader::open(&latest.join(&f.file), Some(&f.digest))
+                .unwrap()
+                .verify_all()
+                .unwrap();
+        }
+        if mid_save.exists() {
+            println!(
+                "attempt {attempt}: killed during the save into {mid_save:?}; {latest:?} loads"
+            );
+            caught = true;
+            break;
+        }
+    }
+    assert!(caught, "no kill landed during a save in 5 attempts");
+    let params = TransformerConfig {
+        d_model: 256,
+        d_ff: 1024,
+        ..CFG
+    }
+    .init_params(4)
+    .unwrap();
+    ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let loaded = m.load(&root)?;
+        assert!(loaded.steps >= 1);
+        m.save(&root, &SaveOptions::default())?;
+        Ok(())
+    })
+    .unwrap();
+    assert!(
+        ckpt_fs::leftovers(&root).unwrap().is_empty(),
+        "the next save removes the leftover"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
