@@ -11,16 +11,19 @@
 //! `--features cuda`. `mpi`: one process per rank under `mpirun` (`--features mpi`). The
 //! model itself runs on the CPU (candle) in every mode.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use ragged::checkpoint::CheckpointState;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
-use ragged::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
+use ragged::demo::{
+    train_rank, train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
+};
 use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
-use ragged::optim::Optimizer;
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, Grafting, MatrixLayout, Muon,
@@ -98,6 +101,22 @@ struct Args {
     /// per matrix by the byte cost model.
     #[arg(long, value_enum, default_value_t = MuonLayout::Auto)]
     muon_layout: MuonLayout,
+    /// Save checkpoints under this folder (one `step-N` folder each; see README "Checkpoints").
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Save every N steps, and after the last (needs --checkpoint-dir; 0: after the last only).
+    #[arg(long, default_value_t = 0)]
+    save_every: usize,
+    /// Keep only the newest N checkpoints (0: keep all).
+    #[arg(long, default_value_t = 0)]
+    keep: usize,
+    /// Resume from a checkpoint folder, or from the newest checkpoint under a root; any world
+    /// size and layout. --steps stays the total.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Write the final parameters to one safetensors file (candle's VarBuilder loads it).
+    #[arg(long)]
+    export: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -184,6 +203,13 @@ fn check_args(args: &Args) -> Result<()> {
     positive_finite(OP, "--lr", args.lr)?;
     at_least(OP, "--ranks", args.ranks, 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
+    if args.save_every > 0 && args.checkpoint_dir.is_none() {
+        return Err(ragged::Error::BadInput {
+            op: OP,
+            what: "--save-every".into(),
+            reason: "needs --checkpoint-dir (where to save)".into(),
+        });
+    }
     let c = model_config(args.size);
     // Per token, about: the layers' kept activations (4·d + 2·d_ff + heads·seq) and the
     // logits with their softmax and gradient (3·vocab), f32.
@@ -241,7 +267,7 @@ fn print_muon_layout(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -> Result<()> {
+fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -> Result<()> {
     let cfg = model_config(args.size);
     let params = cfg.init_params(0)?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
@@ -262,6 +288,13 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
         ProgressStyle::with_template("sharded   {bar:30} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
     );
+    let ckpt = Checkpointing {
+        dir: args.checkpoint_dir.clone(),
+        save_every: args.save_every,
+        keep: args.keep,
+        resume: args.resume.clone(),
+        export: args.export.clone(),
+    };
     let started = Instant::now();
     let mode = if args.whole_model {
         TrainMode::WholeModel
@@ -276,19 +309,10 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
             }
         };
         let opt = optimizer(args.lr)?;
-        train_rank(
-            cfg,
-            &params,
-            opt,
-            comm,
-            opts.clone(),
-            mode,
-            args.steps,
-            args.batch,
-            progress,
-        )
+        let job = (cfg, mode, args.steps, args.batch);
+        train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)
     };
-    let (rank, (sharded, full)) = match args.comm {
+    let (rank, trained) = match args.comm {
         CommKind::Threads => (0, first(ThreadWorld::run(args.ranks, |c| rank_run(c))?)),
         CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, &rank_run)?)),
         CommKind::Nccl => gpu::nccl(&rank_run)?,
@@ -299,9 +323,16 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
     if rank != 0 {
         return Ok(()); // rank 0 reports
     }
+    report_checkpoints(args, &trained);
+    let Trained {
+        reports: sharded,
+        params: full,
+        first_step,
+        ..
+    } = trained;
 
     if args.no_reference {
-        print_table(&sharded, None);
+        print_table(&sharded, None, first_step);
         return Ok(());
     }
     let bar = ProgressBar::new(args.steps as u64).with_style(
@@ -329,7 +360,7 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
         progress,
     )?;
     bar.finish();
-    print_table(&sharded, Some(&reference));
+    print_table(&sharded, Some(&reference), first_step);
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
         .iter()
@@ -435,12 +466,35 @@ mod gpu {
     }
 }
 
-fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>) {
+/// Where the run resumed, saved and exported, and the digest of its final parameters.
+fn report_checkpoints(args: &Args, trained: &Trained) {
+    if let Some(from) = &args.resume {
+        println!(
+            "resumed from {} at step {}",
+            from.display(),
+            trained.first_step
+        );
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        let saved = ragged::checkpoint::fs::list(dir).unwrap_or_default();
+        let steps: Vec<usize> = saved.iter().map(|(s, _)| *s).collect();
+        println!("checkpoints in {}: steps {steps:?}", dir.display());
+    }
+    if let Some(path) = &args.export {
+        println!("exported the parameters to {}", path.display());
+    }
+    println!(
+        "parameter digest (sha256 of the f32 values by name): {}",
+        trained.digest
+    );
+}
+
+fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>, first_step: usize) {
     println!(
         "\n{:>5} {:>12} {:>12} {:>10} {:>9}",
         "step", "loss", "unsharded", "|diff|", "step s"
     );
-    for (i, r) in sharded.iter().enumerate() {
+    for (i, r) in sharded.iter().enumerate().map(|(i, r)| (i + first_step, r)) {
         let (u, d) = match reference {
             Some(rf) => (
                 format!("{:.6}", rf[i].loss),

@@ -8,6 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder};
 
+use crate::checkpoint::{CheckpointState, SaveOptions};
 use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::dbuffer::candle;
 use crate::fsdp::{fully_shard, FsdpOptions, ShardedModel, StageReport, Stages, UnitParams};
@@ -371,11 +372,39 @@ pub enum TrainMode {
     WholeModel,
 }
 
+/// Where [`train_rank_with`] saves and resumes (all off by default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// Root folder of the checkpoints (`step-N` folders).
+    pub dir: Option<std::path::PathBuf>,
+    /// Save every this many steps (and after the last); `0`: only after the last.
+    pub save_every: usize,
+    /// Keep the newest this many checkpoints (`0`: all).
+    pub keep: usize,
+    /// Resume from this checkpoint folder or root (its newest checkpoint).
+    pub resume: Option<std::path::PathBuf>,
+    /// Write the final parameters to this consolidated safetensors file.
+    pub export: Option<std::path::PathBuf>,
+}
+
+/// What [`train_rank_with`] returns.
+#[derive(Clone, Debug)]
+pub struct Trained {
+    /// Reports of the steps run here (from `first_step`).
+    pub reports: Vec<StepReport>,
+    /// The final full parameters, by name.
+    pub params: HashMap<String, Vec<f32>>,
+    /// [`ShardedModel::param_digest`] of the final parameters.
+    pub digest: String,
+    /// The step this run started at (0, or where the resumed checkpoint was saved).
+    pub first_step: usize,
+}
+
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
 /// `global_batch / V` rows of every global batch; gradients are averaged over ranks. Returns
 /// the per-step reports and the final full parameters. `on_step` sees every report (progress).
 #[allow(clippy::too_many_arguments)]
-pub fn train_rank<O: Optimizer>(
+pub fn train_rank<O: CheckpointState>(
     cfg: TransformerConfig,
     params: &[(String, Tensor)],
     optimizer: O,
@@ -384,8 +413,28 @@ pub fn train_rank<O: Optimizer>(
     mode: TrainMode,
     steps: usize,
     global_batch: usize,
-    mut on_step: impl FnMut(usize, &StepReport),
+    on_step: impl FnMut(usize, &StepReport),
 ) -> Result<TrainRun> {
+    let job = (cfg, mode, steps, global_batch);
+    let none = Checkpointing::default();
+    let t = train_rank_with(params, optimizer, comm, opts, job, &none, on_step)?;
+    Ok((t.reports, t.params))
+}
+
+/// [`train_rank`] with checkpoints: resumes from [`Checkpointing::resume`] (the steps already
+/// taken are not run again; batches follow the step number, so a resumed run sees what an
+/// uninterrupted one would), saves every [`Checkpointing::save_every`] steps and after the
+/// last, and exports at the end. `job` is `(cfg, mode, steps, global_batch)`.
+pub fn train_rank_with<O: CheckpointState>(
+    params: &[(String, Tensor)],
+    optimizer: O,
+    comm: &dyn Communicator,
+    opts: FsdpOptions,
+    job: (TransformerConfig, TrainMode, usize, usize),
+    ckpt: &Checkpointing,
+    mut on_step: impl FnMut(usize, &StepReport),
+) -> Result<Trained> {
+    let (cfg, mode, steps, global_batch) = job;
     let world = comm.world_size();
     if global_batch % world != 0 || global_batch == 0 {
         return Err(Error::WorldSizeMismatch {
@@ -396,10 +445,18 @@ pub fn train_rank<O: Optimizer>(
     }
     let rows = global_batch / world;
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
+    if let Some(from) = &ckpt.resume {
+        sharded.load(from)?;
+    }
+    let first_step = sharded.steps_taken() + sharded.skipped_steps();
+    let save = SaveOptions {
+        keep: ckpt.keep,
+        ..SaveOptions::default()
+    };
     let mut whole: Option<Transformer> = None;
     let stages = TransformerStages(cfg);
-    let mut reports = Vec::with_capacity(steps);
-    for step in 0..steps {
+    let mut reports = Vec::with_capacity(steps.saturating_sub(first_step));
+    for step in first_step..steps {
         let start = Instant::now();
         let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;
         let phases = match mode {
@@ -421,8 +478,20 @@ pub fn train_rank<O: Optimizer>(
         };
         on_step(step, &report);
         reports.push(report);
+        let due = ckpt.save_every > 0 && (step + 1) % ckpt.save_every == 0;
+        if let (Some(dir), true) = (&ckpt.dir, due || step + 1 == steps) {
+            sharded.save(dir, &save)?;
+        }
     }
-    Ok((reports, sharded.full_params()?))
+    if let Some(path) = &ckpt.export {
+        sharded.export_safetensors(path)?;
+    }
+    Ok(Trained {
+        reports,
+        params: sharded.full_params()?,
+        digest: sharded.param_digest()?,
+        first_step,
+    })
 }
 
 /// One forward and backward in whole-model mode: the model is built from the first gather's

@@ -616,3 +616,70 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The main job's binary, built by `cargo test --all-targets` next to this test's.
+fn main_job() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
+    let train = profile_dir.join("examples").join("train");
+    assert!(
+        train.is_file(),
+        "{train:?} is missing: build the examples (`cargo test --all-targets` does)"
+    );
+    train
+}
+
+/// Runs the main job; returns its printed parameter digest.
+fn main_job_digest(args: &[&str]) -> String {
+    let out = std::process::Command::new(main_job())
+        .args([
+            "--size",
+            "tiny",
+            "--ranks",
+            "2",
+            "--batch",
+            "4",
+            "--no-reference",
+        ])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("parameter digest"))
+        .unwrap_or_else(|| panic!("no digest in {text}"));
+    line.rsplit(' ').next().unwrap().to_string()
+}
+
+/// Stop the process after step 3, start a new one with `--resume`: the final digest is the
+/// uninterrupted run's, for AdamW and 8-bit Adam; the export is written.
+#[test]
+fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
+    let root = scratch("main-job");
+    for opt in ["adamw", "adam8bit"] {
+        let dir = root.join(opt);
+        let d = dir.to_str().unwrap();
+        let straight = main_job_digest(&["--optimizer", opt, "--steps", "6"]);
+        main_job_digest(&["--optimizer", opt, "--steps", "3", "--checkpoint-dir", d]);
+        let export = root.join(format!("{opt}.safetensors"));
+        let resumed = main_job_digest(&[
+            "--optimizer",
+            opt,
+            "--steps",
+            "6",
+            "--resume",
+            d,
+            "--export",
+            export.to_str().unwrap(),
+        ]);
+        assert_eq!(straight, resumed, "{opt}");
+        assert!(export.is_file());
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -4,12 +4,12 @@
 use std::fmt::Write as _;
 use std::time::Instant;
 
+use crate::checkpoint::CheckpointState;
 use crate::comm::threads::ThreadWorld;
 use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
 use crate::fsdp::{FsdpOptions, ShardLayout};
 use crate::limits::{at_least, checked_product, fits_in_memory};
-use crate::optim::Optimizer;
 use crate::Result;
 
 /// A collective measured against memcpy.
@@ -150,7 +150,7 @@ pub struct StepRow {
 
 /// Trains `steps` steps of `cfg` on `world` thread ranks with `layout` and reports rank 0
 /// (`steps` at least 1: the first step is reported when it is the only one).
-pub fn train_step<O: Optimizer + Clone>(
+pub fn train_step<O: CheckpointState + Clone>(
     cfg: TransformerConfig,
     optimizer: O,
     layout: ShardLayout,

@@ -9,7 +9,7 @@
 //! - `manifest.json` ([`manifest::Manifest`]): the model's tensors, the plan, every saved
 //!   array's global length and which rank holds which range of it (its RaggedShard), the
 //!   optimizer and its config, the step counters and learning rate, the world size, the format
-//!   version, and SHA-256 digests of every rank file in 4 MiB chunks.
+//!   version, and checksums of every rank file (XXH3-128 per 4 MiB chunk, SHA-256 over them).
 //!
 //! # Guarantees
 //! - **Atomic:** files are written into `ROOT/.step-N.tmp/`, fsynced, and the folder is renamed

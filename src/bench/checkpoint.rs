@@ -1,0 +1,219 @@
+//! `ragged bench checkpoint`: a sharded save and load against this disk's sequential write
+//! and read bandwidth, measured in the same run on files of the same size, with the heap a
+//! rank adds while saving or loading (the counting allocator of [`super::alloc`]).
+//!
+//! Page cache: every file is fsynced after writing and then dropped from the cache
+//! (`posix_fadvise(DONTNEED)`), for the baseline and for the checkpoint alike, so reads come
+//! from the disk (as far as the kernel lets a process evict; shared caches below it aside).
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::bench::alloc;
+use crate::checkpoint::{fs as ckpt_fs, CheckpointState, SaveOptions};
+use crate::comm::threads::ThreadWorld;
+use crate::comm::Communicator;
+use crate::demo::{MlpConfig, MlpStages};
+use crate::fsdp::{fully_shard, FsdpOptions};
+use crate::{Error, Result};
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointBench {
+    pub model: MlpConfig,
+    pub worlds: Vec<usize>,
+    /// Scratch folder (emptied before and after).
+    pub dir: PathBuf,
+}
+
+/// One world size's measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointRow {
+    pub world: usize,
+    /// Bytes of all rank files.
+    pub bytes: u64,
+    pub disk_write_gbs: f64,
+    pub disk_read_gbs: f64,
+    pub save_gbs: f64,
+    pub load_gbs: f64,
+    /// Heap added above the model while saving / loading, per rank (all ranks' peak over V).
+    pub save_extra_per_rank: usize,
+    pub load_extra_per_rank: usize,
+    /// The largest parameter, f32.
+    pub largest_tensor: usize,
+    /// Bytes of one rank's file (its parameter and optimizer-state shards).
+    pub file_per_rank: u64,
+}
+
+const BLOCK: usize = 8 << 20;
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |e| Error::io(op, path, e)
+}
+
+/// Drops a file's clean pages from the page cache.
+fn evict(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(io("bench checkpoint: open", path))?;
+    // SAFETY: a valid open descriptor; fadvise only advises the kernel about its pages.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        return Err(Error::io(
+            "bench checkpoint: fadvise",
+            path,
+            std::io::Error::from_raw_os_error(rc),
+        ));
+    }
+    Ok(())
+}
+
+/// Sequential write (fsynced) and read of `bytes` in 8 MiB blocks: GB/s each.
+fn disk_baseline(dir: &Path, bytes: u64) -> Result<(f64, f64)> {
+    let path = dir.join("baseline.bin");
+    let block: Vec<u8> = (0..BLOCK).map(|i| (i * 2_654_435_761) as u8).collect();
+    let start = Instant::now();
+    let mut f = File::create(&path).map_err(io("bench checkpoint: create", &path))?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(BLOCK as u64) as usize;
+        f.write_all(&block[..n])
+            .map_err(io("bench checkpoint: write", &path))?;
+        left -= n as u64;
+    }
+    f.sync_all().map_err(io("bench checkpoint: fsync", &path))?;
+    let write = start.elapsed().as_secs_f64();
+    drop(f);
+    evict(&path)?;
+    let mut buf = vec![0u8; BLOCK];
+    let start = Instant::now();
+    let mut f = File::open(&path).map_err(io("bench checkpoint: open", &path))?;
+    while f
+        .read(&mut buf)
+        .map_err(io("bench checkpoint: read", &path))?
+        > 0
+    {}
+    let read = start.elapsed().as_secs_f64();
+    std::fs::remove_file(&path).map_err(io("bench checkpoint: remove", &path))?;
+    Ok((bytes as f64 / write / 1e9, bytes as f64 / read / 1e9))
+}
+
+/// Evicts every file of the newest checkpoint under `root`.
+fn evict_checkpoint(root: &Path) -> Result<()> {
+    let dir = ckpt_fs::resolve(root)?;
+    for e in std::fs::read_dir(&dir).map_err(io("bench checkpoint: list", &dir))? {
+        evict(&e.map_err(io("bench checkpoint: list", &dir))?.path())?;
+    }
+    Ok(())
+}
+
+/// Runs every world size with `optimizer`'s state.
+pub fn run<O: CheckpointState + Clone>(
+    cfg: &CheckpointBench,
+    optimizer: O,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<CheckpointRow>> {
+    let params = cfg.model.init_params(0)?;
+    let largest = params
+        .iter()
+        .map(|(_, t)| 4 * t.elem_count())
+        .max()
+        .unwrap_or(0);
+    let mut rows = Vec::new();
+    for &world in &cfg.worlds {
+        progress(&format!("save and load at V={world}"));
+        let _ = std::fs::remove_dir_all(&cfg.dir);
+        std::fs::create_dir_all(&cfg.dir).map_err(io("bench checkpoint: create", &cfg.dir))?;
+        let root = cfg.dir.join("ckpt");
+        let times = ThreadWorld::run(world, |c| {
+            save_and_load(cfg.model, &params, optimizer.clone(), c, &root)
+        })?;
+        let (save_s, load_s, save_extra, load_extra, bytes) = times[0];
+        progress(&format!("disk baseline at V={world}"));
+        let (w, r) = disk_baseline(&cfg.dir, bytes)?;
+        rows.push(CheckpointRow {
+            world,
+            bytes,
+            disk_write_gbs: w,
+            disk_read_gbs: r,
+            save_gbs: bytes as f64 / save_s / 1e9,
+            load_gbs: bytes as f64 / load_s / 1e9,
+            save_extra_per_rank: save_extra / world,
+            load_extra_per_rank: load_extra / world,
+            largest_tensor: largest,
+            file_per_rank: bytes / world as u64,
+        });
+    }
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    Ok(rows)
+}
+
+type Times = (f64, f64, usize, usize, u64);
+
+/// One rank: a model stepped once (so the state is not zeros), then a timed save and load;
+/// rank 0 times them between barriers and reads the heap peaks.
+fn save_and_load<O: CheckpointState>(
+    model: MlpConfig,
+    params: &[(String, candle_core::Tensor)],
+    optimizer: O,
+    c: &dyn Communicator,
+    root: &Path,
+) -> Result<Times> {
+    let mut m = fully_shard(params, optimizer, c, FsdpOptions::default())?;
+    let batch = model.batch(0, 8)?;
+    m.forward_backward(&MlpStages(model), &batch)?;
+    m.step()?;
+    let timed = |what: &mut dyn FnMut() -> Result<()>| -> Result<(f64, usize)> {
+        c.barrier()?;
+        let (before, start) = (alloc::current(), Instant::now());
+        if c.rank() == 0 {
+            alloc::reset_peak();
+        }
+        c.barrier()?;
+        what()?;
+        c.barrier()?;
+        Ok((
+            start.elapsed().as_secs_f64(),
+            alloc::peak().saturating_sub(before),
+        ))
+    };
+    let mut bytes = 0;
+    let (save_s, save_extra) = timed(&mut || {
+        bytes = m.save(root, &SaveOptions::default())?.bytes;
+        Ok(())
+    })?;
+    if c.rank() == 0 {
+        evict_checkpoint(root)?;
+    }
+    let (load_s, load_extra) = timed(&mut || m.load(root).map(drop))?;
+    Ok((save_s, load_s, save_extra, load_extra, bytes))
+}
+
+/// The rows as a markdown table.
+pub fn markdown(rows: &[CheckpointRow]) -> String {
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mut s = String::from(
+        "| V | checkpoint MB | disk write GB/s | save GB/s | save / disk | disk read GB/s | \
+         load GB/s | load / disk | rank file MiB | largest tensor MiB | save extra MiB/rank | \
+         load extra MiB/rank |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        s += &format!(
+            "| {} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            r.world,
+            r.bytes as f64 / 1e6,
+            r.disk_write_gbs,
+            r.save_gbs,
+            r.save_gbs / r.disk_write_gbs,
+            r.disk_read_gbs,
+            r.load_gbs,
+            r.load_gbs / r.disk_read_gbs,
+            mib(r.file_per_rank as usize),
+            mib(r.largest_tensor),
+            mib(r.save_extra_per_rank),
+            mib(r.load_extra_per_rank),
+        );
+    }
+    s
+}
