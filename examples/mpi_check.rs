@@ -12,7 +12,10 @@
 //! 2. ranks that disagree (a rank-dependent buffer length) all get an `Err`, and the world
 //!    still works afterwards;
 //! 3. a sharded Muon step whose matrices are split over the ranks (gathered to their roots
-//!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise.
+//!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise;
+//! 4. a checkpoint the MPI ranks save (two AdamW steps of the demo transformer) loads on 2
+//!    thread ranks in each process with the parameters the MPI run ended with (digests equal),
+//!    and those equal a `V`-thread run's.
 //!
 //! Exits with status 1 on any failure.
 //!
@@ -27,12 +30,13 @@ use ragged::comm::conformance::exercise;
 use ragged::comm::mpi::MpiComm;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
-use ragged::demo::SplitMix;
+use ragged::demo::{train_rank_with, Checkpointing, SplitMix, TrainMode, TransformerConfig};
+use ragged::fsdp::{fully_shard, FsdpOptions};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::{AtomicBlock, Result};
-use ragged_optimizers::{Muon, MuonConfig};
+use ragged_optimizers::{AdamW, AdamWConfig, Muon, MuonConfig};
 
 /// One check: `Some(passed)`, or `None` when it needs more ranks than this world has.
 type Check = fn(&MpiComm) -> Result<Option<bool>>;
@@ -51,10 +55,14 @@ fn main() -> ExitCode {
         Ok(None) => {}
         Err(e) => comm.abort_job(&e),
     }
-    let checks: [(&str, Check); 3] = [
+    let checks: [(&str, Check); 4] = [
         ("collectives equal the thread backend", collectives),
         ("disagreeing ranks all get an Err", disagreement),
         ("sharded Muon equals unsharded", sharded_muon),
+        (
+            "a checkpoint saved over MPI loads on thread ranks",
+            checkpoint,
+        ),
     ];
     let mut ok = true;
     for (what, check) in checks {
@@ -146,6 +154,38 @@ fn disagreement(comm: &MpiComm) -> Result<Option<bool>> {
     let refused = comm.all_gather_in_place((&mut x[..]).into()).is_err();
     comm.barrier()?;
     Ok(Some(refused))
+}
+
+fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
+    let world = comm.world_size();
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(3)?;
+    let adamw = || AdamW::new(AdamWConfig::default());
+    let dir = std::env::temp_dir().join(format!("ragged-mpi-check-checkpoint-{world}"));
+    if comm.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    comm.barrier()?;
+    let ckpt = Checkpointing {
+        dir: Some(dir.clone()),
+        ..Checkpointing::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
+    let opts = FsdpOptions::default();
+    let mpi = train_rank_with(&params, adamw()?, comm, opts.clone(), job, &ckpt, |_, _| {})?;
+    let none = Checkpointing::default();
+    let threads = ThreadWorld::run(world, |c| {
+        train_rank_with(&params, adamw()?, c, opts.clone(), job, &none, |_, _| {})
+    })?;
+    let loaded = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw()?, c, opts.clone())?;
+        m.load(&dir)?;
+        m.param_digest()
+    })?;
+    comm.barrier()?;
+    Ok(Some(
+        loaded.iter().all(|d| *d == mpi.digest) && threads[0].digest == mpi.digest,
+    ))
 }
 
 fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
