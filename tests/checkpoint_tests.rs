@@ -142,7 +142,12 @@ fn run<O: CheckpointState + Clone>(
             assert_eq!(m.steps_taken(), steps.start);
         }
         train(&mut m, c, steps.clone())?;
-        m.save(save_to, &SaveOptions::default())?;
+        // Small, odd chunks: reads cross many chunk edges inside elements and tensors.
+        let chunks = SaveOptions {
+            chunk_bytes: 1000 + world as u64,
+            ..SaveOptions::default()
+        };
+        m.save(save_to, &chunks)?;
         m.param_digest()
     })
     .unwrap();

@@ -42,6 +42,9 @@ pub struct CheckpointBenchArgs {
     /// Scratch folder on the disk to measure (emptied before and after).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Measurements per world size (rates are medians).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
     /// Markdown file whose checkpoint section is replaced; - for stdout only.
     #[arg(long, default_value = "docs/benchmarks.md")]
     out: PathBuf,
@@ -178,9 +181,10 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
         },
         worlds: args.worlds.clone(),
         dir: dir.clone(),
+        repeats: args.repeats,
     };
     let adamw = ragged_optimizers::AdamW::new(ragged_optimizers::AdamWConfig::default())?;
-    let bar = ProgressBar::new(2 * args.worlds.len() as u64).with_style(
+    let bar = ProgressBar::new((args.repeats * args.worlds.len()) as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
     );
@@ -203,10 +207,11 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
              cache (`posix_fadvise(DONTNEED)`) before it is read, baseline and checkpoint \
              alike. Save and load times are between barriers on rank 0 and include the \
              XXH3-128 checksum of every 4 MiB chunk (computed while writing, verified while reading), \
-             the manifest and the rename. Extra MiB/rank: heap peak above what was alive \
+             the manifest and the rename. Rates are medians of {} runs. Extra MiB/rank: heap peak above what was alive \
              before, all ranks together over V (counting allocator). Machine: {}.\n\n{table}",
             args.layers,
             dir.display(),
+            args.repeats,
             machine(),
             w = args.width,
             h = args.hidden,
@@ -312,6 +317,7 @@ pub fn check(cmd: &BenchCommand) -> Result<()> {
 fn check_checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench checkpoint";
     at_least(OP, "--worlds (how many)", args.worlds.len(), 1)?;
+    at_least(OP, "--repeats", args.repeats, 1)?;
     for (flag, n) in [
         ("--layers", args.layers),
         ("--width", args.width),

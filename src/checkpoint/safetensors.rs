@@ -407,16 +407,25 @@ impl Reader {
         while pos < end {
             let c = (pos / chunk) as usize;
             let (c0, c1) = (c as u64 * chunk, ((c as u64 + 1) * chunk).min(self.size()));
-            let dst = &mut out[(pos - at) as usize..(c1.min(end) - at) as usize];
             if pos == c0 && c1 <= end {
-                // A whole chunk: read it in place and verify it there.
+                // Whole chunks (up to 64 MiB at once): read in place, verify each there.
+                let most = ((64 << 20) / chunk).max(1);
+                let whole = ((end - c0) / chunk).min(most);
+                // No whole chunk fits only for the file's short last chunk.
+                let run_end = if whole == 0 { c1 } else { c0 + whole * chunk };
+                let dst = &mut out[(pos - at) as usize..(run_end - at) as usize];
                 self.raw(c0, dst)?;
-                self.verify(c, dst)?;
-            } else {
-                let bytes = self.cached_chunk(c, c0, c1)?;
-                let from = (pos - c0) as usize;
-                dst.copy_from_slice(&bytes[from..from + dst.len()]);
+                for (i, part) in dst.chunks(chunk as usize).enumerate() {
+                    self.verify(c + i, part)?;
+                }
+                pos = run_end;
+                continue;
             }
+            // Part of a chunk: verify the whole chunk once (cached), copy the part.
+            let dst = &mut out[(pos - at) as usize..(c1.min(end) - at) as usize];
+            let bytes = self.cached_chunk(c, c0, c1)?;
+            let from = (pos - c0) as usize;
+            dst.copy_from_slice(&bytes[from..from + dst.len()]);
             pos = c1.min(end);
         }
         Ok(())
