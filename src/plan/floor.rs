@@ -22,6 +22,9 @@
 //! dropped, which only lowers the bound. Shapes of more than [`FLOOR_MAX_BUFFERS`] buffers are
 //! not enumerated; for a larger `k`, `max(⌈G_1⌉_coll, ⌈⌈E/V⌉⌉_coll)`, true for any number of
 //! buffers, is taken as well.
+//!
+//! The result is the larger of this bound and [`super::heavy_floor`]'s, which places the
+//! unit's largest tensors one by one; both hold for every layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -70,6 +73,10 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
             next.push((range.need(c), range.mass_above.div_ceil(v)));
             stack.push((next, r));
         }
+    }
+    // Both bounds hold for every layout, so the larger one does.
+    if let Some(heavy) = super::heavy_floor::heavy_floor(items, world, coll, k) {
+        best = best.max(heavy as u128);
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",
