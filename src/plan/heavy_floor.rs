@@ -37,13 +37,29 @@ pub const SIZES_PER_BUFFER: usize = 12;
 /// The heavy-tensor lower bound on `Σ S_b` for at most `k` buffers (module doc); `None` when
 /// the unit's sizes overflow (the caller keeps its other bound).
 pub fn heavy_floor(items: &[Item], world: usize, coll: usize, k: usize) -> Option<usize> {
+    heavy_floor_of(items, world, coll, k, HEAVY_TENSORS)
+}
+
+/// [`heavy_floor`] with the `heavy` largest tensors placed one by one (a lower bound for any
+/// `heavy ≥ 1`; tests use small counts to check the tensors left out).
+pub fn heavy_floor_of(
+    items: &[Item],
+    world: usize,
+    coll: usize,
+    k: usize,
+    heavy: usize,
+) -> Option<usize> {
+    if items.is_empty() || world == 0 || coll == 0 || k == 0 || heavy == 0 {
+        return None;
+    }
     let total = items
         .iter()
         .try_fold(0usize, |acc, t| acc.checked_add(t.numel))?;
     let share = total.div_ceil(world).checked_next_multiple_of(coll)?;
+    let heavy_count = heavy;
     let mut heavy: Vec<Item> = items.to_vec();
     heavy.sort_by(|a, b| b.numel.cmp(&a.numel).then(a.block.cmp(&b.block)));
-    heavy.truncate(HEAVY_TENSORS);
+    heavy.truncate(heavy_count);
     let mut walk = Walk {
         heavy: &heavy,
         world,

@@ -14,6 +14,7 @@
 //! | exact oracles for small inputs | [`oracle`] |
 //! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
 //! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
+//! | moves of tensors between those buffers (local search) | [`refine`] |
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
@@ -28,6 +29,7 @@ pub mod multi;
 pub mod multi_model;
 pub mod oracle;
 pub mod partition;
+pub mod refine;
 pub mod search;
 
 use std::collections::HashMap;

@@ -10,7 +10,9 @@
 //! **Search** ([`super::partition`]): tensors are grouped by block size, and for each `k` every
 //! set partition of those classes into `k` buffers is ranked by the sum of its buffers'
 //! single-buffer lower bounds; the best-ranked ones are planned by [`plan_items`], each buffer
-//! at most once, until no partition left can beat the best one planned.
+//! at most once, until no partition left can beat the best one planned. Then
+//! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
+//! cost: tensors with the same block do not always belong together.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -24,6 +26,7 @@
 
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
+use super::refine::refine;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -124,9 +127,8 @@ pub fn plan_multi_items(
         shard_sum: single.shard_size,
     };
     let mut best_cost = mopts.cost_s(1, single.shard_size, world);
-    let mut best_floor = single.lower_bound;
-    let max_k = mopts.max_buffers.min(distinct_blocks(items));
-    for k in 2..=max_k {
+    let max_k = mopts.max_buffers.min(items.len());
+    for k in 2..=max_k.min(distinct_blocks(items)) {
         let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
         // No k-buffer layout can beat the best so far: skip the search.
         if mopts.cost_s(k, floor, world) >= best_cost {
@@ -135,14 +137,18 @@ pub fn plan_multi_items(
         if let Some(found) = best_partition(items, world, opts, mopts, k, best_cost) {
             best_cost = mopts.cost_s(k, found.shard_sum, world);
             best = found;
-            best_floor = floor;
         }
     }
+    if max_k > 1 {
+        best = refine(items, world, opts, mopts, best);
+        best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
+    }
+    let floor = floor_shard_sum(items, world, opts.coll_align, best.groups.len())?;
     Ok(MultiLayout {
         groups: best.groups,
         layouts: best.layouts,
         single,
-        floor: best_floor,
+        floor,
         cost_s: best_cost,
     })
 }
@@ -155,4 +161,3 @@ fn distinct_blocks(items: &[Item]) -> usize {
     sizes.dedup();
     sizes.len()
 }
-

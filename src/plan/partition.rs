@@ -77,18 +77,12 @@ pub fn best_partition(
         if plans.planned() >= PLAN_BUDGET && masks.iter().any(|&m| !plans.has(m)) {
             continue;
         }
-        let sum = masks.iter().try_fold(0usize, |acc, &m| {
-            acc.checked_add(plans.plan(m)?.shard_size)
-        });
-        if std::env::var("RAGGED_DEBUG_PART").is_ok() && plans.planned() < 80 {
-            eprintln!("  bound {bound} sum {sum:?} masks {masks:?}");
-        }
+        let sum = masks
+            .iter()
+            .try_fold(0usize, |acc, &m| acc.checked_add(plans.plan(m)?.shard_size));
         if let Some(sum) = sum.filter(|&s| s < limit) {
             best = Some((sum, masks));
         }
-    }
-    if std::env::var("RAGGED_DEBUG_PART").is_ok() {
-        eprintln!("k={k} classes={} planned={} best={:?}", classes.len(), plans.planned(), best.as_ref().map(|b| b.0));
     }
     let (shard_sum, masks) = best?;
     if mopts.cost_s(k, shard_sum, world) >= to_beat {
@@ -114,9 +108,7 @@ pub fn stirling2(n: usize, k: usize) -> u64 {
     row[0] = 1;
     for _ in 0..n {
         for j in (1..=k).rev() {
-            row[j] = (j as u64)
-                .saturating_mul(row[j])
-                .saturating_add(row[j - 1]);
+            row[j] = (j as u64).saturating_mul(row[j]).saturating_add(row[j - 1]);
         }
         row[0] = 0;
     }
@@ -243,9 +235,10 @@ fn partitions_by_bound(d: usize, k: usize, bounds: &GroupBounds) -> Vec<(usize, 
                 return;
             }
             if c == self.d {
-                let sum = self.masks.iter().try_fold(0usize, |acc, &m| {
-                    acc.checked_add(self.bounds.bound(m)?)
-                });
+                let sum = self
+                    .masks
+                    .iter()
+                    .try_fold(0usize, |acc, &m| acc.checked_add(self.bounds.bound(m)?));
                 if let Some(sum) = sum {
                     self.out.push((sum, self.masks.clone()));
                 }
