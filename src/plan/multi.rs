@@ -90,6 +90,26 @@ impl MultiOptions {
     }
 }
 
+impl MultiOptions {
+    /// An exclusive bound on `Σ S` for `k` buffers on `world` ranks to cost less than `cost`
+    /// seconds: every sum that does is below it (sums just under it are compared exactly by
+    /// [`MultiOptions::cost_s`]); `None` when even `Σ S = 0` does not.
+    pub fn shard_sum_below_cost(&self, k: usize, world: usize, cost: f64) -> Option<usize> {
+        let fixed = self.cost_s(k, 0, world);
+        let per_elem = self.cost_s(k, 1, world) - fixed;
+        let room = cost - fixed;
+        if room.is_nan() || room <= 0.0 {
+            return None;
+        }
+        if per_elem.is_nan() || per_elem <= 0.0 {
+            return Some(usize::MAX);
+        }
+        let limit = (room / per_elem).ceil();
+        // `as` saturates at usize::MAX; one more covers the rounding of the division.
+        Some((limit as usize).saturating_add(1))
+    }
+}
+
 /// One unit planned as `k` buffers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MultiLayout {

@@ -16,9 +16,12 @@
 //! **Search.** Each group's single-buffer lower bound ([`super::search::any_order_lower_bound`])
 //! is computed from class summaries (total elements, largest block, and per distinct block its
 //! largest tensor, which alone decides whether the block is forced), once per group. The
-//! partitions are sorted by the sum of their groups' bounds and planned in that order, each
-//! group at most once, until that sum cannot beat the best planned partition, or the cost model
-//! says no partition left can beat `to_beat`, or [`PLAN_BUDGET`] groups have been planned. The
+//! partitions are taken in order of the sum of their groups' bounds. A partition is tested
+//! group by group with the quick search of [`min_shard_below`]: only below the size that could
+//! still beat the best partition so far (or the cost of `to_beat`), with a bounded exact
+//! finish, so a group that cannot win costs little. The search stops when the next sum of
+//! bounds cannot win or after [`CHECK_BUDGET`] quick tests; the winner is then planned by
+//! [`plan_items`]. The
 //! enumeration is bounded: the classes are merged until at most [`MAX_PARTITIONS`] partitions
 //! remain (12 classes for `k = 3`), so the work does not grow with the number of tensors beyond
 //! computing the class summaries.
@@ -26,7 +29,7 @@
 use std::collections::HashMap;
 
 use super::multi::MultiOptions;
-use super::search::ForcedLattice;
+use super::search::{min_shard_below, ForcedLattice};
 use super::{plan_items, Item, Layout, PlanOptions};
 
 /// At most this many block-size classes (masks are `u32`; more distinct sizes are merged).
@@ -35,8 +38,11 @@ pub const MAX_CLASSES: usize = 20;
 /// At most this many set partitions are enumerated for one `k` (classes are merged to fit).
 pub const MAX_PARTITIONS: u64 = 100_000;
 
-/// At most this many distinct groups are planned exactly for one `k`.
-pub const PLAN_BUDGET: usize = 24;
+/// At most this many quick tests of a group's size ([`min_shard_below`]) for one `k`.
+pub const CHECK_BUDGET: usize = 48;
+
+/// Tensor placements one quick test may spend in its exact finish, per order.
+pub const QUICK_WORK: usize = 1 << 18;
 
 /// The best partition into exactly `k` groups found by [`best_partition`].
 #[derive(Clone, Debug)]
@@ -68,36 +74,53 @@ pub fn best_partition(
     let mut candidates = partitions_by_bound(classes.len(), k, &bounds);
     candidates.sort_unstable_by_key(|c| c.0);
     let mut plans = GroupPlans::new(items, &classes, world, opts);
+    let affordable = mopts.shard_sum_below_cost(k, world, to_beat)?;
     let mut best: Option<(usize, Vec<u32>)> = None;
     for (bound, masks) in candidates {
-        let limit = best.as_ref().map_or(usize::MAX, |b| b.0);
-        if bound >= limit || mopts.cost_s(k, bound, world) >= to_beat {
+        let limit = best.as_ref().map_or(affordable, |b| b.0.min(affordable));
+        if bound >= limit || plans.checked() >= CHECK_BUDGET {
             break;
         }
-        if plans.planned() >= PLAN_BUDGET && masks.iter().any(|&m| !plans.has(m)) {
-            continue;
-        }
-        let sum = masks
-            .iter()
-            .try_fold(0usize, |acc, &m| acc.checked_add(plans.plan(m)?.shard_size));
-        if let Some(sum) = sum.filter(|&s| s < limit) {
+        if let Some(sum) = sizes_below(&masks, bound, limit, &bounds, &mut plans) {
             best = Some((sum, masks));
         }
     }
-    let (shard_sum, masks) = best?;
+    // The winner is planned exactly; its layouts are what the caller keeps.
+    let (_, masks) = best?;
+    let layouts = masks
+        .iter()
+        .map(|&m| plans.plan(m))
+        .collect::<Option<Vec<_>>>()?;
+    let shard_sum = layouts
+        .iter()
+        .try_fold(0usize, |acc, l| acc.checked_add(l.shard_size))?;
     if mopts.cost_s(k, shard_sum, world) >= to_beat {
         return None;
     }
-    let groups = masks.iter().map(|&m| plans.indices(m)).collect();
-    let layouts = masks
-        .iter()
-        .map(|&m| plans.plan(m).cloned())
-        .collect::<Option<Vec<_>>>()?;
     Some(Partition {
-        groups,
+        groups: masks.iter().map(|&m| plans.indices(m)).collect(),
         layouts,
         shard_sum,
     })
+}
+
+/// Feasible sizes of the partition's groups summing below `limit`, if the quick test finds
+/// them: each group is searched only below what is left once the groups after it get their
+/// lower bounds (`bound` is the sum of all of them).
+fn sizes_below(
+    masks: &[u32],
+    bound: usize,
+    limit: usize,
+    bounds: &GroupBounds,
+    plans: &mut GroupPlans,
+) -> Option<usize> {
+    let (mut rest, mut sum) = (bound, 0usize);
+    for &m in masks {
+        rest = rest.checked_sub(bounds.bound(m)?)?;
+        let cap = limit.checked_sub(sum)?.checked_sub(rest)?;
+        sum += plans.size_below(m, cap)?;
+    }
+    (sum < limit).then_some(sum)
 }
 
 /// `S(n, k)`, the number of partitions of `n` things into exactly `k` non-empty groups,
@@ -267,14 +290,18 @@ fn partitions_by_bound(d: usize, k: usize, bounds: &GroupBounds) -> Vec<(usize, 
     walk.out
 }
 
-/// Single-buffer plans of groups of classes, made on demand and kept.
+/// Sizes and plans of groups of classes, found on demand and kept.
 struct GroupPlans<'a> {
     items: &'a [Item],
     classes: &'a [Vec<usize>],
     world: usize,
     opts: &'a PlanOptions,
-    /// `None` inside: planning the group failed (its sizes overflow).
-    plans: HashMap<u32, Option<Layout>>,
+    /// A feasible size found for the group by the quick test.
+    found: HashMap<u32, usize>,
+    /// The largest cap below which the quick test found no size.
+    none_below: HashMap<u32, usize>,
+    /// Quick tests run.
+    checks: usize,
 }
 
 impl<'a> GroupPlans<'a> {
@@ -289,16 +316,14 @@ impl<'a> GroupPlans<'a> {
             classes,
             world,
             opts,
-            plans: HashMap::new(),
+            found: HashMap::new(),
+            none_below: HashMap::new(),
+            checks: 0,
         }
     }
 
-    fn planned(&self) -> usize {
-        self.plans.len()
-    }
-
-    fn has(&self, mask: u32) -> bool {
-        self.plans.contains_key(&mask)
+    fn checked(&self) -> usize {
+        self.checks
     }
 
     /// Item indices of the group, in unit order.
@@ -311,12 +336,54 @@ impl<'a> GroupPlans<'a> {
         idx
     }
 
-    fn plan(&mut self, mask: u32) -> Option<&Layout> {
-        if !self.plans.contains_key(&mask) {
-            let group: Vec<Item> = self.indices(mask).iter().map(|&i| self.items[i]).collect();
-            let layout = plan_items(&group, self.world, self.opts).ok();
-            self.plans.insert(mask, layout);
+    /// The group's items as [`plan_items`] sees them (the start alignment applied).
+    fn group_items(&self, mask: u32) -> Option<Vec<Item>> {
+        self.indices(mask)
+            .iter()
+            .map(|&i| {
+                let t = self.items[i];
+                Item::new(t.numel, t.block, t.align.max(self.opts.start_align)).ok()
+            })
+            .collect()
+    }
+
+    /// A feasible size below `cap` for the group, by the quick test of [`min_shard_below`] over
+    /// the planner's orders ([`QUICK_WORK`] placements each).
+    fn size_below(&mut self, mask: u32, cap: usize) -> Option<usize> {
+        if let Some(&s) = self.found.get(&mask) {
+            if s < cap {
+                return Some(s);
+            }
         }
-        self.plans.get(&mask).and_then(Option::as_ref)
+        if self.none_below.get(&mask).is_some_and(|&c| c >= cap) {
+            return None;
+        }
+        self.checks += 1;
+        let group = self.group_items(mask)?;
+        let coll = self.opts.coll_align;
+        let size = self
+            .opts
+            .orders
+            .iter()
+            .filter_map(|order| {
+                let arranged: Vec<Item> = order.arrange(&group).iter().map(|&i| group[i]).collect();
+                min_shard_below(&arranged, self.world, coll, cap, QUICK_WORK)
+            })
+            .min();
+        match size {
+            Some(s) => {
+                self.found.insert(mask, s);
+            }
+            None => {
+                self.none_below.insert(mask, cap);
+            }
+        }
+        size
+    }
+
+    /// The group's single-buffer layout ([`plan_items`]).
+    fn plan(&self, mask: u32) -> Option<Layout> {
+        let group: Vec<Item> = self.indices(mask).iter().map(|&i| self.items[i]).collect();
+        plan_items(&group, self.world, self.opts).ok()
     }
 }

@@ -7,8 +7,10 @@
 //! with both expert tensors it pushes their buffer one 184,320-element lattice step up, while
 //! in a buffer of its own it needs exactly one block per rank.
 //!
-//! **Moves.** For each buffer and each shape `(elements, block)` in it, all its tensors of that
-//! shape, or one of them, go to another buffer or to a new one (at most `K` buffers). A move is
+//! **Moves.** For each buffer and each shape `(elements, block)` in it, some of its tensors of
+//! that shape go to another buffer or to a new one (at most `K` buffers): one, all, as many as
+//! fill the room the target's lattice leaves, or the fewest that lower the source's bound by a
+//! lattice step (identical experts can be spread over buffers this way). A move is
 //! ranked by the single-buffer lower bounds of the two changed buffers
 //! ([`super::search::any_order_lower_bound`], no layout); the best-ranked move that could lower
 //! the cost is planned by [`plan_items`] and kept if it does. The search stops when no move can
@@ -17,9 +19,9 @@
 use super::multi::MultiOptions;
 use super::partition::Partition;
 use super::search::{any_order_lower_bound, min_shard_below, ForcedLattice};
-use super::{plan_items, Item, PlanOptions};
+use super::{plan_items, Item, Layout, PlanOptions};
 
-/// At most this many moves are tried per unit.
+/// At most this many moves are tested per unit.
 pub const MOVE_PLANS: usize = 12;
 
 /// Tensor placements the quick test of one changed buffer may spend in its exact finish
@@ -38,18 +40,64 @@ pub fn refine(
     let mut tried: Vec<Vec<Vec<usize>>> = Vec::new();
     for _ in 0..MOVE_PLANS {
         let cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
-        let Some(moved) = best_ranked_move(items, world, opts, mopts, &best, cost, &tried) else {
+        let draft = Draft::of(&best);
+        let Some(moved) = best_ranked_move(items, world, opts, mopts, &draft, cost, &tried) else {
             break;
         };
         tried.push(moved.clone());
-        if let Some(planned) = plan_groups(items, world, opts, mopts, &best, moved, cost) {
-            if mopts.cost_s(planned.groups.len(), planned.shard_sum, world) < cost {
-                best = planned;
+        // The quick test first; only a move it confirms is planned exactly.
+        let planned = test_groups(items, world, opts, mopts, &draft, moved, cost)
+            .and_then(|next| finish(items, world, opts, next));
+        if let Some(p) = planned {
+            if mopts.cost_s(p.groups.len(), p.shard_sum, world) < cost {
+                best = p;
                 tried.clear();
             }
         }
     }
     best
+}
+
+/// A partition under test: sizes of changed buffers come from the quick test (feasible, maybe
+/// not the smallest), layouts only for the buffers the move left alone.
+struct Draft {
+    groups: Vec<Vec<usize>>,
+    sizes: Vec<usize>,
+    layouts: Vec<Option<Layout>>,
+}
+
+impl Draft {
+    fn of(p: &Partition) -> Self {
+        Draft {
+            groups: p.groups.clone(),
+            sizes: p.layouts.iter().map(|l| l.shard_size).collect(),
+            layouts: p.layouts.iter().cloned().map(Some).collect(),
+        }
+    }
+}
+
+/// Plans the buffers the moves changed ([`plan_items`]); `None` when one fails.
+fn finish(items: &[Item], world: usize, opts: &PlanOptions, draft: Draft) -> Option<Partition> {
+    let layouts = draft
+        .groups
+        .iter()
+        .zip(draft.layouts)
+        .map(|(group, known)| match known {
+            Some(l) => Some(l),
+            None => {
+                let sub: Vec<Item> = group.iter().map(|&i| items[i]).collect();
+                plan_items(&sub, world, opts).ok()
+            }
+        })
+        .collect::<Option<Vec<Layout>>>()?;
+    let shard_sum = layouts
+        .iter()
+        .try_fold(0usize, |acc, l| acc.checked_add(l.shard_size))?;
+    Some(Partition {
+        groups: draft.groups,
+        layouts,
+        shard_sum,
+    })
 }
 
 /// The groups after the move with the smallest summed lower bound that could still beat `cost`
@@ -60,26 +108,21 @@ fn best_ranked_move(
     world: usize,
     opts: &PlanOptions,
     mopts: &MultiOptions,
-    current: &Partition,
+    current: &Draft,
     cost: f64,
     tried: &[Vec<Vec<usize>>],
 ) -> Option<Vec<Vec<usize>>> {
     let shapes: Vec<Vec<Shape>> = current.groups.iter().map(|g| shapes_of(items, g)).collect();
-    let sizes: Vec<usize> = current.layouts.iter().map(|l| l.shard_size).collect();
+    let sizes = &current.sizes;
     let n = current.groups.len();
     let targets = n + usize::from(n < mopts.max_buffers);
     let no_shapes = Vec::new();
     let mut best: Option<(usize, Vec<Vec<usize>>)> = None;
     for from in 0..n {
         for shape in &shapes[from] {
-            let counts = if shape.count > 1 {
-                vec![1, shape.count]
-            } else {
-                vec![1]
-            };
-            for moved in counts {
-                for to in (0..targets).filter(|&t| t != from) {
-                    let target = shapes.get(to).unwrap_or(&no_shapes);
+            for to in (0..targets).filter(|&t| t != from) {
+                let target = shapes.get(to).unwrap_or(&no_shapes);
+                for moved in move_counts(&shapes[from], target, shape, world, opts) {
                     let bounds = [
                         shapes_bound(&shapes[from], shape, -(moved as i64), world, opts),
                         shapes_bound(target, shape, moved as i64, world, opts),
@@ -107,6 +150,54 @@ fn best_ranked_move(
         }
     }
     best.map(|b| b.1)
+}
+
+/// How many tensors of `shape` a move from `from` to `to` takes: one, all, as many as fit in
+/// `to` without raising its bound (filling the room its lattice leaves), and the fewest that
+/// lower the bound of `from` (one lattice step down).
+fn move_counts(
+    from: &[Shape],
+    to: &[Shape],
+    shape: &Shape,
+    world: usize,
+    opts: &PlanOptions,
+) -> Vec<usize> {
+    let all = shape.count;
+    let mut counts = vec![1, all];
+    let to_now = shapes_bound(to, shape, 0, world, opts);
+    if !to.is_empty() {
+        // Bounds only grow with more tensors added: the last m that keeps `to_now`.
+        let fits = |m: usize| shapes_bound(to, shape, m as i64, world, opts) <= to_now;
+        if let Some(m) = last_true(all, fits) {
+            counts.push(m);
+        }
+    }
+    let from_now = shapes_bound(from, shape, 0, world, opts);
+    // Bounds only shrink with more tensors removed: the first m that lowers `from_now`.
+    let keeps = |m: usize| shapes_bound(from, shape, -(m as i64), world, opts) >= from_now;
+    if let Some(m) = last_true(all, keeps).filter(|&m| m < all) {
+        counts.push(m + 1);
+    }
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// The largest `m` in `1..=n` with `pred(m)`, for a `pred` true up to some `m` and false after.
+fn last_true(n: usize, pred: impl Fn(usize) -> bool) -> Option<usize> {
+    if n == 0 || !pred(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1, n);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if pred(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
 }
 
 /// Tensors of one `(elements, block)` in a buffer.
@@ -191,32 +282,39 @@ fn apply_move(
     groups
 }
 
-/// Plans the changed groups (the others keep their layouts) if together they can make the
-/// cost lower than `cost`; `None` otherwise. Each changed group is first searched only below
-/// the size that could still win ([`min_shard_below`]), so a move that cannot win costs little;
-/// a winning one is then planned by [`plan_items`], whose layouts the caller keeps.
-fn plan_groups(
+/// The draft after the move to `groups` if the quick test finds sizes for the changed buffers
+/// that make the cost lower than `cost`; `None` otherwise. Each changed buffer is searched only
+/// below the size that could still win ([`min_shard_below`], [`MOVE_WORK`] placements), so a
+/// move that cannot win costs little.
+fn test_groups(
     items: &[Item],
     world: usize,
     opts: &PlanOptions,
     mopts: &MultiOptions,
-    current: &Partition,
+    current: &Draft,
     groups: Vec<Vec<usize>>,
     cost: f64,
-) -> Option<Partition> {
+) -> Option<Draft> {
     let known: Vec<Option<usize>> = groups
         .iter()
         .map(|g| current.groups.iter().position(|c| c == g))
         .collect();
-    let kept = known.iter().flatten().try_fold(0usize, |acc, &b| {
-        acc.checked_add(current.layouts[b].shard_size)
-    })?;
+    let kept = known
+        .iter()
+        .flatten()
+        .try_fold(0usize, |acc, &b| acc.checked_add(current.sizes[b]))?;
     // Σ S must stay below this for the cost to drop.
-    let mut budget = max_shard_sum(mopts, groups.len(), world, cost)?.checked_sub(kept)?;
+    let mut budget = mopts
+        .shard_sum_below_cost(groups.len(), world, cost)?
+        .checked_sub(kept)?;
     let changed: Vec<usize> = (0..groups.len()).filter(|&g| known[g].is_none()).collect();
+    let mut sizes: Vec<usize> = known
+        .iter()
+        .map(|b| b.map_or(0, |b| current.sizes[b]))
+        .collect();
     for (n, &g) in changed.iter().enumerate() {
         let sub = normalized(items, &groups[g], opts)?;
-        // The groups after this one need at least their lower bounds.
+        // The buffers after this one need at least their lower bounds.
         let later = changed[n + 1..].iter().try_fold(0usize, |acc, &h| {
             let rest = normalized(items, &groups[h], opts)?;
             acc.checked_add(any_order_lower_bound(&rest, world, opts.coll_align).ok()?)
@@ -231,25 +329,16 @@ fn plan_groups(
             })
             .min()?;
         budget -= size;
+        sizes[g] = size;
     }
-    let mut layouts = Vec::with_capacity(groups.len());
-    for (g, group) in groups.iter().enumerate() {
-        let layout = match known[g] {
-            Some(b) => current.layouts[b].clone(),
-            None => {
-                let sub: Vec<Item> = group.iter().map(|&i| items[i]).collect();
-                plan_items(&sub, world, opts).ok()?
-            }
-        };
-        layouts.push(layout);
-    }
-    let shard_sum = layouts
+    let layouts = known
         .iter()
-        .try_fold(0usize, |acc, l| acc.checked_add(l.shard_size))?;
-    Some(Partition {
+        .map(|b| b.and_then(|b| current.layouts[b].clone()))
+        .collect();
+    Some(Draft {
         groups,
+        sizes,
         layouts,
-        shard_sum,
     })
 }
 
@@ -262,24 +351,4 @@ fn normalized(items: &[Item], group: &[usize], opts: &PlanOptions) -> Option<Vec
             Item::new(t.numel, t.block, t.align.max(opts.start_align)).ok()
         })
         .collect()
-}
-
-/// The largest `Σ S` below which `k` buffers cost less than `cost` seconds (exclusive bound);
-/// `None` when none does.
-fn max_shard_sum(mopts: &MultiOptions, k: usize, world: usize, cost: f64) -> Option<usize> {
-    let per_elem = mopts.cost_s(k, 1, world) - mopts.cost_s(k, 0, world);
-    let room = cost - mopts.cost_s(k, 0, world);
-    if !(room > 0.0) {
-        return None;
-    }
-    if !(per_elem > 0.0) {
-        return Some(usize::MAX);
-    }
-    // Round up: sizes at the boundary are checked exactly by the caller's cost comparison.
-    let limit = (room / per_elem).ceil();
-    Some(if limit >= usize::MAX as f64 {
-        usize::MAX
-    } else {
-        (limit as usize).saturating_add(1)
-    })
 }
