@@ -6,6 +6,7 @@
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use ragged::model::Inventory;
+use ragged::plan::class_floor::class_floor;
 use ragged::plan::export::unit_runs;
 use ragged::plan::heavy_floor::heavy_floor_of;
 use ragged::plan::multi::{floor_shard_sum, plan_multi_items, MultiOptions};
@@ -69,8 +70,16 @@ fn exhaustive_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> 
         .unwrap()
 }
 
+/// Up to 5 tensors; half the inputs draw them from 2 shapes, so identical tensors (what the
+/// shape-class floor follows together) are common.
 fn arb_items() -> impl Strategy<Value = Vec<Item>> {
-    prop::collection::vec((1..=48usize, 1..=16usize), 1..=5).prop_map(|v| {
+    let any = prop::collection::vec((1..=48usize, 1..=16usize), 1..=5);
+    let copies = (
+        prop::collection::vec((1..=48usize, 1..=16usize), 2),
+        prop::collection::vec(0..2usize, 1..=5),
+    )
+        .prop_map(|(shapes, picks)| picks.into_iter().map(|p| shapes[p]).collect::<Vec<_>>());
+    prop_oneof![any, copies].prop_map(|v| {
         v.into_iter()
             .map(|(e, g)| Item::new(e, g, 1).unwrap())
             .collect()
@@ -95,7 +104,7 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
         prop::sample::select(vec![1usize, 2, 4]),
     );
     let (mut tight, mut above_one_buffer_floor, mut cases) = (0, 0, 0);
-    let mut heavy_tight = 0;
+    let (mut heavy_tight, mut class_tight) = (0, 0);
     for _ in 0..400 {
         let (items, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
         for k in 1..=3 {
@@ -105,6 +114,15 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
                 floor <= best,
                 "{items:?} V={world} coll={coll} k={k}: floor {floor} > {best}"
             );
+            // The shape-class bound alone (it tracks at most 4 shapes, so some inputs leave one
+            // out).
+            if let Some(c) = class_floor(&items, world, coll, k) {
+                assert!(
+                    c <= best,
+                    "{items:?} V={world} coll={coll} k={k}: classes {c} > {best}"
+                );
+                class_tight += usize::from(c == best);
+            }
             // The heavy-tensor bound alone, also when it leaves tensors out.
             for heavy in 1..=items.len() {
                 let h = heavy_floor_of(&items, world, coll, k, heavy).unwrap();
