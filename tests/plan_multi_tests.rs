@@ -149,6 +149,7 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
         heavy_tight > 0,
         "the heavy bound with tensors left out is never tight"
     );
+    assert!(class_tight > 0, "the shape-class bound is never tight");
     assert!(tight * 2 > cases, "floor tight in only {tight} of {cases}");
     assert!(
         above_one_buffer_floor > 0,
