@@ -269,13 +269,24 @@ fn apply_move(
     if to == groups.len() {
         groups.push(Vec::new());
     }
-    let mut moving: Vec<usize> = groups[from]
+    // The last `count` tensors of the shape move; one pass, whatever the number of tensors.
+    let matching = groups[from]
         .iter()
-        .copied()
-        .filter(|&i| same_shape(&items[i], &shape.item))
-        .collect();
-    moving.drain(..moving.len() - count);
-    groups[from].retain(|i| !moving.contains(i));
+        .filter(|&&i| same_shape(&items[i], &shape.item))
+        .count();
+    let keep = matching.saturating_sub(count);
+    let (mut seen, mut moving, mut staying) = (0usize, Vec::new(), Vec::new());
+    for &i in &groups[from] {
+        if same_shape(&items[i], &shape.item) {
+            seen += 1;
+            if seen > keep {
+                moving.push(i);
+                continue;
+            }
+        }
+        staying.push(i);
+    }
+    groups[from] = staying;
     groups[to].extend_from_slice(&moving);
     groups[to].sort_unstable();
     groups.retain(|g| !g.is_empty());
