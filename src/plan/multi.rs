@@ -12,7 +12,9 @@
 //! single-buffer lower bounds; the best-ranked ones are planned by [`plan_items`], each buffer
 //! at most once, until no partition left can beat the best one planned. Then
 //! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
-//! cost: tensors with the same block do not always belong together.
+//! cost: tensors with the same block do not always belong together. The moves start from one
+//! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
+//! the cheapest result wins.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -148,19 +150,32 @@ pub fn plan_multi_items(
     };
     let mut best_cost = mopts.cost_s(1, single.shard_size, world);
     let max_k = mopts.max_buffers.min(items.len());
+    // The best partition of each k is a starting point of the moves, not only the best one:
+    // moves from a worse partition sometimes end lower.
+    let single_cost = best_cost;
+    let mut starts = Vec::new();
     for k in 2..=max_k.min(distinct_blocks(items)) {
         let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
-        // No k-buffer layout can beat the best so far: skip the search.
-        if mopts.cost_s(k, floor, world) >= best_cost {
+        // No k-buffer layout can beat one buffer: skip the search.
+        if mopts.cost_s(k, floor, world) >= single_cost {
             continue;
         }
-        if let Some(found) = best_partition(items, world, opts, mopts, k, best_cost) {
-            best_cost = mopts.cost_s(k, found.shard_sum, world);
-            best = found;
+        if let Some(found) = best_partition(items, world, opts, mopts, k, single_cost) {
+            starts.push(found);
         }
     }
     if max_k > 1 {
-        best = refine(items, world, opts, mopts, best);
+        starts.push(best);
+        best = starts
+            .into_iter()
+            .map(|start| refine(items, world, opts, mopts, start))
+            .min_by(|a, b| {
+                let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+                cost(a)
+                    .total_cmp(&cost(b))
+                    .then(a.groups.len().cmp(&b.groups.len()))
+            })
+            .expect("the single buffer is a start");
         best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
     }
     let floor = floor_shard_sum(items, world, opts.coll_align, best.groups.len())?;
