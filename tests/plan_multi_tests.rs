@@ -271,9 +271,10 @@ fn mixtral_layer_puts_w2_in_its_own_buffer() {
     assert_eq!(w2.shard_size, 458_752);
     let pad = (plan.buffer_elems() - plan.numel() as u64) as f64 / plan.numel() as f64;
     assert!(pad < 0.03, "multi-buffer padding {pad}");
-    // The k-buffer floor is met: no layout with at most two buffers pads less.
+    // The k-buffer floor is met: no layout with at most two buffers pads less, nor with three.
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(plan.floor_shard_sum, shard_sum);
+    assert_eq!(floor_of(&plan, 3), shard_sum);
     for b in &plan.buffers {
         b.validate().unwrap();
     }
@@ -331,6 +332,19 @@ fn gpt_oss_120b_layer_groups_the_expert_tensors_around_o_proj() {
     assert!(pad < 0.02, "padding {pad}");
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(plan.floor_shard_sum, shard_sum, "k = {}", plan.k());
+    // A third buffer would not help either: the 3-buffer floor is the same.
+    assert_eq!(floor_of(&plan, 3), shard_sum);
+}
+
+/// The k-buffer floor of a planned unit's tensors.
+fn floor_of(plan: &ragged::plan::multi_model::MultiPlan, k: usize) -> usize {
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    floor_shard_sum(&items, plan.world, plan.single.coll_align, k).unwrap()
 }
 
 /// A gpt-oss-20b layer at `tile:32x32`, V = 256: `q_proj` shares its block with the experts'
@@ -421,6 +435,10 @@ fn share_below_block_offers_the_coarser_wrap_and_hsdp() {
         .iter()
         .filter(|u| u.unit != "root")
         .all(|u| u.share_below_block()));
+    // No per-layer layout with at most 3 buffers does better (the floor is the plan).
+    let layer = at_1024.units.iter().find(|u| u.unit == "layers.0").unwrap();
+    let shard_sum: usize = layer.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(floor_of(layer, 3), shard_sum);
     assert_eq!(coarse_wrap(&at_1024), Some(2));
     assert_eq!(hsdp_group(&at_1024), Some(512));
     let wrapped = plan(1024, 2);
