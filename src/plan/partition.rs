@@ -1,9 +1,11 @@
 //! Which tensors of a unit share a collective buffer: the partition search of [`super::multi`].
 //!
-//! **Classes.** Tensors are grouped by block size (the distinct sizes, largest first; with more
-//! than the enumeration allows, adjacent sizes are merged evenly), and a buffer holds whole
-//! classes. A class is what forces a lattice: every tensor of at least `2S` elements needs its
-//! block to divide `S`, so tensors with the same block never disagree about it.
+//! **Classes.** Tensors that can force a lattice are grouped by block size (the distinct sizes,
+//! largest first; with more than the enumeration allows, adjacent sizes are merged evenly), the
+//! ones that never can (fewer than two blocks) form one more class, and a buffer holds whole
+//! classes. A block size is what forces a lattice: every tensor of at least `2S` elements needs
+//! its block to divide `S`, so tensors with the same block never disagree about it.
+//! ([`super::refine`] later moves single tensors between buffers.)
 //!
 //! **Any grouping, not only runs of sizes.** The lattices that agree are not always neighbours
 //! in size: in a gpt-oss-120b layer at `rows:16`, the experts' `gate_up_proj` block (92,160)
@@ -21,10 +23,9 @@
 //! still beat the best partition so far (or the cost of `to_beat`), with a bounded exact
 //! finish, so a group that cannot win costs little. The search stops when the next sum of
 //! bounds cannot win or after [`CHECK_BUDGET`] quick tests; the winner is then planned by
-//! [`plan_items`]. The
-//! enumeration is bounded: the classes are merged until at most [`MAX_PARTITIONS`] partitions
-//! remain (12 classes for `k = 3`), so the work does not grow with the number of tensors beyond
-//! computing the class summaries.
+//! [`plan_items`]. The enumeration is bounded: the classes are merged until at most
+//! [`MAX_PARTITIONS`] partitions remain (12 classes for `k = 3`), so the work does not grow
+//! with the number of tensors beyond the class summaries and the quick tests.
 
 use std::collections::HashMap;
 

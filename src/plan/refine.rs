@@ -12,9 +12,11 @@
 //! fill the room the target's lattice leaves, or the fewest that lower the source's bound by a
 //! lattice step (identical experts can be spread over buffers this way). A move is
 //! ranked by the single-buffer lower bounds of the two changed buffers
-//! ([`super::search::any_order_lower_bound`], no layout); the best-ranked move that could lower
-//! the cost is planned by [`plan_items`] and kept if it does. The search stops when no move can
-//! lower the cost or after [`MOVE_PLANS`] planned moves, so its time is bounded.
+//! ([`super::search::any_order_lower_bound`], no layout). The best-ranked move that could lower
+//! the cost is tested by the quick search of [`min_shard_below`] (only below the sizes that
+//! could still win, bounded work), then planned by [`plan_items`] and kept if it lowers the
+//! cost. The search stops when no move can lower the cost or after [`MOVE_PLANS`] tested
+//! moves, so its time is bounded.
 
 use super::multi::MultiOptions;
 use super::partition::Partition;
