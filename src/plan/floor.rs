@@ -22,6 +22,10 @@
 //! dropped, which only lowers the bound. Shapes of more than [`FLOOR_MAX_BUFFERS`] buffers are
 //! not enumerated; for a larger `k`, `max(⌈G_1⌉_coll, ⌈⌈E/V⌉⌉_coll)`, true for any number of
 //! buffers, is taken as well.
+//!
+//! The result is the largest of this bound, [`super::heavy_floor`]'s, which places the unit's
+//! largest tensors one by one, and [`super::class_floor`]'s, which follows the tensors of each
+//! large shape together; all three hold for every layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -70,6 +74,13 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
             next.push((range.need(c), range.mass_above.div_ceil(v)));
             stack.push((next, r));
         }
+    }
+    // Every bound holds for every layout, so the largest one does.
+    if let Some(heavy) = super::heavy_floor::heavy_floor(items, world, coll, k) {
+        best = best.max(heavy as u128);
+    }
+    if let Some(classes) = super::class_floor::class_floor(items, world, coll, k) {
+        best = best.max(classes as u128);
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",

@@ -13,17 +13,25 @@
 //! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
 //! | exact oracles for small inputs | [`oracle`] |
 //! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
+//! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
+//! | moves of tensors between those buffers (local search) | [`refine`] |
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
+//! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
+//! | its third bound, following the tensors of each large shape together | [`class_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
+pub mod class_floor;
 pub mod export;
 pub mod fit;
 pub mod floor;
+pub mod heavy_floor;
 pub mod multi;
 pub mod multi_model;
 pub mod oracle;
+pub mod partition;
+pub mod refine;
 pub mod search;
 
 use std::collections::HashMap;

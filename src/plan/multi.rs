@@ -7,12 +7,14 @@
 //! so `S` jumps to 1.83 M (29 % padding). With the `w2` tensors in a buffer of their own, each
 //! buffer's lattice is its own block.
 //!
-//! **Search.** Tensors are grouped by block size: the distinct block sizes, largest first, are
-//! cut into `k` contiguous runs and each run's tensors (in unit order) are planned as one
-//! ordinary buffer by [`plan_items`]. Splits are tried in order of the summed lower bounds of
-//! their runs, each run planned at most once, until no remaining split can beat the best one.
-//! More than [`MAX_CLASSES`] block sizes are merged into that many classes first, so the work
-//! is bounded.
+//! **Search** ([`super::partition`]): tensors are grouped by block size, and for each `k` every
+//! set partition of those classes into `k` buffers is ranked by the sum of its buffers'
+//! single-buffer lower bounds; the best-ranked ones are planned by [`plan_items`], each buffer
+//! at most once, until no partition left can beat the best one planned. Then
+//! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
+//! cost: tensors with the same block do not always belong together. The moves start from one
+//! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
+//! the cheapest result wins.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -25,11 +27,10 @@
 //! module's doc and tested against exhaustive search on small inputs.
 
 pub use super::floor::floor_shard_sum;
+use super::partition::{best_partition, Partition};
+use super::refine::refine;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
-
-/// At most this many block-size classes are split (more distinct sizes are merged).
-pub const MAX_CLASSES: usize = 16;
 
 /// Knobs of the multi-buffer planner.
 #[derive(Clone, Debug, PartialEq)]
@@ -91,6 +92,26 @@ impl MultiOptions {
     }
 }
 
+impl MultiOptions {
+    /// An exclusive bound on `Σ S` for `k` buffers on `world` ranks to cost less than `cost`
+    /// seconds: every sum that does is below it (sums just under it are compared exactly by
+    /// [`MultiOptions::cost_s`]); `None` when even `Σ S = 0` does not.
+    pub fn shard_sum_below_cost(&self, k: usize, world: usize, cost: f64) -> Option<usize> {
+        let fixed = self.cost_s(k, 0, world);
+        let per_elem = self.cost_s(k, 1, world) - fixed;
+        let room = cost - fixed;
+        if room.is_nan() || room <= 0.0 {
+            return None;
+        }
+        if per_elem.is_nan() || per_elem <= 0.0 {
+            return Some(usize::MAX);
+        }
+        let limit = (room / per_elem).ceil();
+        // `as` saturates at usize::MAX; one more covers the rounding of the division.
+        Some((limit as usize).saturating_add(1))
+    }
+}
+
 /// One unit planned as `k` buffers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MultiLayout {
@@ -122,183 +143,56 @@ pub fn plan_multi_items(
 ) -> Result<MultiLayout> {
     mopts.validate()?;
     let single = plan_items(items, world, opts)?;
-    let classes = block_classes(items);
-    let max_k = mopts.max_buffers.min(classes.len());
-    let mut best = Choice {
+    let mut best = Partition {
         groups: vec![(0..items.len()).collect()],
         layouts: vec![single.clone()],
-        cost_s: mopts.cost_s(1, single.shard_size, world),
+        shard_sum: single.shard_size,
     };
-    let mut best_floor = single.lower_bound;
-    if max_k > 1 {
-        let mut runs = RunPlans::new(items, &classes, world, opts);
-        for k in 2..=max_k {
-            let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
-            // No k-buffer layout can beat the best so far: skip the search.
-            if mopts.cost_s(k, floor, world) >= best.cost_s {
-                continue;
-            }
-            if let Some(choice) = runs.best_split(k, best.cost_s, mopts) {
-                if choice.cost_s < best.cost_s {
-                    best = choice;
-                    best_floor = floor;
-                }
-            }
+    let mut best_cost = mopts.cost_s(1, single.shard_size, world);
+    let max_k = mopts.max_buffers.min(items.len());
+    // The best partition of each k is a starting point of the moves, not only the best one:
+    // moves from a worse partition sometimes end lower.
+    let single_cost = best_cost;
+    let mut starts = Vec::new();
+    for k in 2..=max_k.min(distinct_blocks(items)) {
+        let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
+        // No k-buffer layout can beat one buffer: skip the search.
+        if mopts.cost_s(k, floor, world) >= single_cost {
+            continue;
+        }
+        if let Some(found) = best_partition(items, world, opts, mopts, k, single_cost) {
+            starts.push(found);
         }
     }
+    if max_k > 1 {
+        starts.push(best);
+        best = starts
+            .into_iter()
+            .map(|start| refine(items, world, opts, mopts, start))
+            .min_by(|a, b| {
+                let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+                cost(a)
+                    .total_cmp(&cost(b))
+                    .then(a.groups.len().cmp(&b.groups.len()))
+            })
+            .expect("the single buffer is a start");
+        best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
+    }
+    let floor = floor_shard_sum(items, world, opts.coll_align, best.groups.len())?;
     Ok(MultiLayout {
         groups: best.groups,
         layouts: best.layouts,
         single,
-        floor: best_floor,
-        cost_s: best.cost_s,
+        floor,
+        cost_s: best_cost,
     })
 }
 
-struct Choice {
-    groups: Vec<Vec<usize>>,
-    layouts: Vec<Layout>,
-    cost_s: f64,
-}
-
-/// Item indices of each block-size class, largest block first; at most [`MAX_CLASSES`]
-/// classes (adjacent sizes merged evenly when there are more).
-fn block_classes(items: &[Item]) -> Vec<Vec<usize>> {
+/// Number of distinct block sizes: a buffer holds whole classes of equal blocks, so at most
+/// this many buffers are useful.
+fn distinct_blocks(items: &[Item]) -> usize {
     let mut sizes: Vec<usize> = items.iter().map(|t| t.block).collect();
-    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.sort_unstable();
     sizes.dedup();
-    let per_class = sizes.len().div_ceil(MAX_CLASSES);
-    let mut classes = vec![Vec::new(); sizes.len().div_ceil(per_class)];
-    for (i, t) in items.iter().enumerate() {
-        let rank = sizes.partition_point(|&s| s > t.block);
-        classes[rank / per_class].push(i);
-    }
-    classes
-}
-
-/// Single-buffer plans of contiguous runs of classes, made on demand and kept: a split is
-/// planned only if the lower bounds of its runs could still beat the best split found.
-struct RunPlans<'a> {
-    items: &'a [Item],
-    classes: Vec<Vec<usize>>,
-    world: usize,
-    opts: &'a PlanOptions,
-    /// `bounds[i][j]`: [`super::search::any_order_lower_bound`] of classes `i..=j` (`None`:
-    /// the run's sizes overflow).
-    bounds: Vec<Vec<Option<usize>>>,
-    /// `plans[i][j]`: the plan of classes `i..=j`, once made (inner `None`: it failed).
-    plans: Vec<Vec<Option<Option<Layout>>>>,
-}
-
-impl<'a> RunPlans<'a> {
-    fn new(items: &'a [Item], classes: &[Vec<usize>], world: usize, opts: &'a PlanOptions) -> Self {
-        let d = classes.len();
-        let mut bounds = vec![vec![None; d]; d];
-        for (i, row) in bounds.iter_mut().enumerate() {
-            for (j, slot) in row.iter_mut().enumerate().skip(i) {
-                let run: Vec<Item> = run_indices(classes, i, j).map(|x| items[x]).collect();
-                *slot = super::search::any_order_lower_bound(&run, world, opts.coll_align).ok();
-            }
-        }
-        RunPlans {
-            items,
-            classes: classes.to_vec(),
-            world,
-            opts,
-            bounds,
-            plans: vec![vec![None; d]; d],
-        }
-    }
-
-    fn plan(&mut self, i: usize, j: usize) -> Option<&Layout> {
-        if self.plans[i][j].is_none() {
-            let run: Vec<Item> = run_indices(&self.classes, i, j)
-                .map(|x| self.items[x])
-                .collect();
-            self.plans[i][j] = Some(plan_items(&run, self.world, self.opts).ok());
-        }
-        self.plans[i][j].as_ref().and_then(Option::as_ref)
-    }
-
-    /// The split of the classes into exactly `k` runs with the smallest `Σ S`, if it costs less
-    /// than `to_beat` seconds. Splits are tried in order of their runs' summed lower bounds, and
-    /// the search stops once that sum cannot beat the best split found.
-    fn best_split(&mut self, k: usize, to_beat: f64, mopts: &MultiOptions) -> Option<Choice> {
-        let mut splits: Vec<(usize, Vec<(usize, usize)>)> = splits(self.classes.len(), k)
-            .into_iter()
-            .filter_map(|runs| {
-                let lb = runs
-                    .iter()
-                    .try_fold(0usize, |acc, &(i, j)| acc.checked_add(self.bounds[i][j]?))?;
-                Some((lb, runs))
-            })
-            .collect();
-        splits.sort_by_key(|(lb, _)| *lb);
-        let mut best: Option<(usize, Vec<(usize, usize)>)> = None;
-        for (lb, runs) in splits {
-            let limit = best.as_ref().map_or(usize::MAX, |b| b.0);
-            if lb >= limit || mopts.cost_s(k, lb, self.world) >= to_beat {
-                break;
-            }
-            let mut sum = Some(0usize);
-            for &(i, j) in &runs {
-                let s = self.plan(i, j).map(|l| l.shard_size);
-                sum = sum.zip(s).and_then(|(a, b)| a.checked_add(b));
-            }
-            if let Some(sum) = sum.filter(|&s| s < limit) {
-                best = Some((sum, runs));
-            }
-        }
-        let (shard_sum, runs) = best?;
-        let cost_s = mopts.cost_s(k, shard_sum, self.world);
-        let groups = runs
-            .iter()
-            .map(|&(i, j)| run_indices(&self.classes, i, j).collect())
-            .collect();
-        let layouts = runs
-            .iter()
-            .map(|&(i, j)| self.plan(i, j).cloned())
-            .collect::<Option<Vec<_>>>()?;
-        Some(Choice {
-            groups,
-            layouts,
-            cost_s,
-        })
-    }
-}
-
-/// Every split of classes `0..d` into exactly `k` non-empty contiguous runs `(first, last)`.
-fn splits(d: usize, k: usize) -> Vec<Vec<(usize, usize)>> {
-    fn go(
-        start: usize,
-        d: usize,
-        k: usize,
-        cur: &mut Vec<(usize, usize)>,
-        out: &mut Vec<Vec<(usize, usize)>>,
-    ) {
-        if k == 1 {
-            cur.push((start, d - 1));
-            out.push(cur.clone());
-            cur.pop();
-            return;
-        }
-        // Leave at least one class for each of the k − 1 runs after this one.
-        for end in start..d - (k - 1) {
-            cur.push((start, end));
-            go(end + 1, d, k - 1, cur, out);
-            cur.pop();
-        }
-    }
-    let mut out = Vec::new();
-    if k >= 1 && k <= d {
-        go(0, d, k, &mut Vec::new(), &mut out);
-    }
-    out
-}
-
-/// Item indices of classes `i..=j`, in unit order.
-fn run_indices(classes: &[Vec<usize>], i: usize, j: usize) -> impl Iterator<Item = usize> + '_ {
-    let mut idx: Vec<usize> = classes[i..=j].iter().flatten().copied().collect();
-    idx.sort_unstable();
-    idx.into_iter()
+    sizes.len()
 }

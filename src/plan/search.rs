@@ -102,7 +102,8 @@ pub fn min_shard(
     let lo = lower_bound(items, world, coll)?;
     let hi = upper_bound(items, coll)?;
     let bound = prefix_bisection(items, coll, lo, hi, &mut feasible);
-    let (exact, complete) = exact_finish(items, coll, lo, bound, &mut feasible);
+    let checks = MIN_FINISH_CHECKS.max(MAX_FINISH_WORK / items.len().max(1));
+    let (exact, complete) = exact_finish(items, coll, lo, bound, checks, &mut feasible);
     stats.bisection_bound = bound;
     stats.exact = complete;
     let offsets = greedy(items, exact, world).ok_or_else(|| Error::Infeasible {
@@ -117,19 +118,43 @@ pub fn min_shard(
     Ok((exact, offsets, stats))
 }
 
+/// A feasible `S` below `cap` for `items` in the given order, searched as [`min_shard`] does
+/// but only below `cap` and with the exact finish limited to `work` tensor placements: a quick
+/// test of whether a group can beat a known size. `Some` is always feasible (and the smallest
+/// one when the finish was complete); `None` means none was found, not that none exists.
+pub fn min_shard_below(
+    items: &[Item],
+    world: usize,
+    coll: usize,
+    cap: usize,
+    work: usize,
+) -> Option<usize> {
+    let mut feasible = |s: usize| fits(items, s, world, |_| {});
+    let lo = lower_bound(items, world, coll).ok()?;
+    if lo >= cap {
+        return None;
+    }
+    let hi = upper_bound(items, coll).ok()?.min(cap);
+    // Sizes the bisection or the finish return below `cap` were checked feasible.
+    let bound = prefix_bisection(items, coll, lo, hi, &mut feasible);
+    let checks = (work / items.len().max(1)).max(1);
+    let (found, _) = exact_finish(items, coll, lo, bound, checks, &mut feasible);
+    (found < cap).then_some(found)
+}
+
 /// Step 2: the smallest feasible candidate below `bound` (the forced lattice's sizes, from the
-/// lower bound up), within the budget of [`MAX_FINISH_WORK`]. Returns the size and whether
-/// every candidate below it was checked.
+/// lower bound up), checking at most `budget` of them. Returns the size and whether every
+/// candidate below it was checked.
 fn exact_finish(
     items: &[Item],
     coll: usize,
     lo: usize,
     bound: usize,
+    budget: usize,
     feasible: &mut impl FnMut(usize) -> bool,
 ) -> (usize, bool) {
     let lattice = ForcedLattice::new(items, coll);
     let mut s = lo;
-    let budget = MIN_FINISH_CHECKS.max(MAX_FINISH_WORK / items.len().max(1));
     for _ in 0..budget {
         match lattice.next_candidate(s) {
             Some(c) if c < bound => {
