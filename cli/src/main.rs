@@ -1,6 +1,8 @@
-//! The `ragged` command-line tool: `ragged plan`, `ragged bench` and `ragged validate`.
+//! The `ragged` command-line tool: `ragged plan`, `ragged bench`, `ragged validate` and
+//! `ragged checkpoint`.
 
 mod bench_cmd;
+mod checkpoint_cmd;
 #[cfg(test)]
 mod fuzz_tests;
 mod plan_cmd;
@@ -32,6 +34,9 @@ enum Command {
     Bench(bench_cmd::BenchCommand),
     /// Check the numerics contract on a model: sharded vs unsharded, f64 reference.
     Validate(validate_cmd::ValidateArgs),
+    /// Inspect, verify or export a checkpoint folder (no training world needed).
+    #[command(subcommand)]
+    Checkpoint(checkpoint_cmd::CheckpointCommand),
 }
 
 fn main() {
@@ -40,6 +45,7 @@ fn main() {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Bench(cmd) => bench_cmd::run(&cmd),
         Command::Validate(args) => validate_cmd::run(&args),
+        Command::Checkpoint(cmd) => checkpoint_cmd::run(&cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

@@ -499,3 +499,59 @@ fn validate_passes_a_small_preset_and_fails_bad_input() {
         );
     }
 }
+
+/// `ragged checkpoint info|verify|export` on a checkpoint 3 thread ranks saved: info names it,
+/// verify passes and then fails on a flipped byte (naming the file), export writes the
+/// parameters bitwise with the model's names and shapes.
+#[test]
+fn checkpoint_info_verify_and_export_work_without_a_training_world() {
+    use ragged::checkpoint::safetensors::Reader;
+    use ragged::checkpoint::SaveOptions;
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::demo::TransformerConfig;
+    use ragged::fsdp::{fully_shard, FsdpOptions};
+    use ragged_optimizers::{AdamW, AdamWConfig};
+
+    let root = tmp("checkpoint-cli");
+    let _ = std::fs::remove_dir_all(&root);
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(1).unwrap();
+    let full = ThreadWorld::run(3, |c| {
+        let adamw = AdamW::new(AdamWConfig::default())?;
+        let mut m = fully_shard(&params, adamw, c, FsdpOptions::default())?;
+        m.save(&root, &SaveOptions::default())?;
+        m.full_params()
+    })
+    .unwrap()
+    .remove(0);
+    let dir = root.to_str().unwrap();
+    let out = ragged(&["checkpoint", "info", dir]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("3 ranks") && text.contains("adamw"), "{text}");
+    assert!(ragged(&["checkpoint", "verify", dir]).status.success());
+
+    let exported = root.join("model.safetensors");
+    let out = ragged(&["checkpoint", "export", dir, exported.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut file = Reader::open(&exported, None).unwrap();
+    for (name, shape) in cfg.param_shapes() {
+        let info = file.tensor(&name).unwrap().clone();
+        assert_eq!(info.shape, shape, "{name}");
+        let mut bytes = vec![0u8; (info.bytes.end - info.bytes.start) as usize];
+        file.read_tensor(&name, 0..bytes.len() as u64, &mut bytes).unwrap();
+        let want: Vec<u8> = full[&name].iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(bytes == want, "{name}: exported values differ");
+    }
+
+    let rank2 = root.join("step-00000000/rank-00002-of-00003.safetensors");
+    let mut b = std::fs::read(&rank2).unwrap();
+    let i = b.len() / 2;
+    b[i] ^= 1;
+    std::fs::write(&rank2, b).unwrap();
+    let out = ragged(&["checkpoint", "verify", dir]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("rank-00002-of-00003.safetensors") && err.contains("checksum"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}

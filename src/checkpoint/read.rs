@@ -123,3 +123,56 @@ pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result
     }
     Ok(bytes)
 }
+
+/// Reads and verifies every chunk of every rank file of the checkpoint in `dir`; returns the
+/// bytes checked. `progress(file, bytes)` is called after each file.
+pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
+    let manifest = Manifest::read(dir)?;
+    let mut total = 0;
+    for f in &manifest.files {
+        let path = dir.join(&f.file);
+        if !path.is_file() {
+            return Err(bad(&path, "missing (every rank's file is needed)"));
+        }
+        Reader::open(&path, Some(&f.digest))?.verify_all()?;
+        total += f.digest.bytes;
+        progress(&f.file, f.digest.bytes);
+    }
+    Ok(total)
+}
+
+/// Writes the checkpoint's parameters (f32, the model's names and shapes) to one safetensors
+/// file at `out`, with no training world: one tensor at a time is read from the rank files
+/// and written. `progress(tensor)` is called after each.
+pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<()> {
+    use super::manifest::PARAM_FIELD;
+    use super::safetensors::{TensorHeader, Writer};
+    let manifest = Manifest::read(dir)?;
+    let records: HashMap<&str, &FieldRecord> = manifest
+        .fields
+        .iter()
+        .filter(|f| f.field == PARAM_FIELD)
+        .map(|f| (f.param.as_str(), f))
+        .collect();
+    let headers: Vec<TensorHeader> = manifest
+        .model
+        .iter()
+        .map(|t| TensorHeader {
+            name: t.name.clone(),
+            dtype: "F32",
+            shape: t.shape.clone(),
+        })
+        .collect();
+    let tmp = out.with_extension("safetensors.tmp");
+    let meta = std::collections::BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    let mut w = Writer::create(&tmp, &headers, &meta, u64::MAX)?;
+    for t in &manifest.model {
+        let rec = records
+            .get(t.name.as_str())
+            .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
+        w.write(&read_global(dir, &manifest, rec)?)?;
+        progress(&t.name);
+    }
+    w.finish()?;
+    std::fs::rename(&tmp, out).map_err(|e| Error::io("checkpoint export", out, e))
+}

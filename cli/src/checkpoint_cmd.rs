@@ -1,0 +1,102 @@
+//! `ragged checkpoint info|verify|export`: look at, check and convert a checkpoint folder
+//! without a training world.
+
+use std::path::PathBuf;
+
+use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressStyle};
+use ragged::checkpoint::{fs, read, Manifest};
+use ragged::Result;
+
+#[derive(Subcommand)]
+pub enum CheckpointCommand {
+    /// What a checkpoint holds: step, world, layout, optimizer, tensors, files.
+    Info {
+        /// A checkpoint folder, or a root holding `step-N` folders (the newest is taken).
+        path: PathBuf,
+    },
+    /// Read every byte of every rank file and check it against the manifest's checksums.
+    Verify { path: PathBuf },
+    /// Write the parameters to one safetensors file (f32, the model's names) that candle and
+    /// Hugging Face tools load, one tensor in memory at a time.
+    Export { path: PathBuf, out: PathBuf },
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let style = format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}]");
+    ProgressBar::new(len).with_style(ProgressStyle::with_template(&style).expect("valid template"))
+}
+
+pub fn run(cmd: &CheckpointCommand) -> Result<()> {
+    match cmd {
+        CheckpointCommand::Info { path } => info(path),
+        CheckpointCommand::Verify { path } => {
+            let dir = fs::resolve(path)?;
+            let m = Manifest::read(&dir)?;
+            let b = bar(m.files.len() as u64, "verify");
+            let bytes = read::verify(&dir, |file, _| {
+                b.set_message(file.to_string());
+                b.inc(1);
+            })?;
+            b.finish_and_clear();
+            println!(
+                "{}: {} files, {bytes} bytes, every checksum matches",
+                dir.display(),
+                m.files.len()
+            );
+            Ok(())
+        }
+        CheckpointCommand::Export { path, out } => {
+            let dir = fs::resolve(path)?;
+            let m = Manifest::read(&dir)?;
+            let b = bar(m.model.len() as u64, "export");
+            read::export(&dir, out, |name| {
+                b.set_message(name.to_string());
+                b.inc(1);
+            })?;
+            b.finish_and_clear();
+            println!(
+                "wrote {} tensors of {} to {}",
+                m.model.len(),
+                dir.display(),
+                out.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn info(path: &std::path::Path) -> Result<()> {
+    let dir = fs::resolve(path)?;
+    let m = Manifest::read(&dir)?;
+    let params: usize = m
+        .model
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>())
+        .sum();
+    let bytes: u64 = m.files.iter().map(|f| f.digest.bytes).sum();
+    let p = &m.progress;
+    println!("{}", dir.display());
+    println!("  format {} version {}", m.format, m.version);
+    println!(
+        "  {} ranks, {} layout, {} units",
+        m.world,
+        m.layout,
+        m.units.len()
+    );
+    println!("  model: {} tensors, {params} parameters", m.model.len());
+    println!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config);
+    println!(
+        "  steps {} (skipped {}), optimizer step {}, learning rate {:?}",
+        p.steps, p.skipped, p.state_step, p.learning_rate
+    );
+    if let Some(s) = &p.schedule {
+        println!("  schedule: {s}");
+    }
+    let mut fields: Vec<&str> = m.fields.iter().map(|f| f.field.as_str()).collect();
+    fields.sort_unstable();
+    fields.dedup();
+    println!("  arrays per parameter: {}", fields.join(", "));
+    println!("  {} rank files, {bytes} bytes", m.files.len());
+    Ok(())
+}
