@@ -143,6 +143,45 @@ fn ragged_and_fsdp2_layouts_train_bitwise_identically() {
 /// Recomputing a stage in backward runs the same kernels on the same bits as its forward, so
 /// freeing units between forward and backward changes memory, never values; and the
 /// whole-model mode (one graph, one backward) computes the same gradients.
+/// Prefetching (the next unit gathered on a second thread while a stage computes; the
+/// default) gives the same bits as gathering each unit just before its stage, and the gathers
+/// really ran behind compute (time spent in prefetched gathers on every rank).
+#[test]
+fn prefetching_changes_nothing_but_when_units_are_gathered() {
+    let serial = FsdpOptions {
+        prefetch: false,
+        ..FsdpOptions::default()
+    };
+    for keep in [true, false] {
+        let with = |prefetch| FsdpOptions {
+            prefetch,
+            reshard_after_forward: keep,
+            ..serial.clone()
+        };
+        assert_eq!(
+            bits(&train(3, with(true), TrainMode::UnitByUnit)),
+            bits(&train(3, with(false), TrainMode::UnitByUnit)),
+            "reshard_after_forward {keep}"
+        );
+    }
+    // Stages long enough (milliseconds) that a gather overlaps them on every rank.
+    let cfg = TransformerConfig {
+        d_model: 128,
+        d_ff: 512,
+        seq_len: 32,
+        ..CFG
+    };
+    let params = cfg.init_params(7).unwrap();
+    let prefetched = ThreadWorld::run(3, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let ids = ragged::demo::batch(corpus()?, &cfg, 0, c.rank() * 8, 8)?;
+        let r = m.forward_backward(&TransformerStages(cfg), &ids)?;
+        Ok(r.prefetch_seconds)
+    })
+    .unwrap();
+    assert!(prefetched.iter().all(|&t| t > 0.0), "{prefetched:?}");
+}
+
 #[test]
 fn recomputation_and_whole_model_mode_change_nothing_but_memory() {
     let freed = train(3, FsdpOptions::default(), TrainMode::UnitByUnit);

@@ -256,7 +256,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         worlds: args.worlds.clone(),
         steps: args.steps,
     };
-    let bar = ProgressBar::new(1 + 3 * args.worlds.len() as u64).with_style(
+    let bar = ProgressBar::new(1 + 4 * args.worlds.len() as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
             .expect("valid template"),
     );
@@ -277,9 +277,12 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
              the optimizers). Plain candle: one variable per parameter, candle-nn SGD. \
              Sharded: thread ranks, the unit-by-unit runtime (one unit per block); `recompute`: \
              each unit freed after its forward and re-gathered and recomputed in backward; \
-             `keep units`: gathered from forward to backward, graphs kept. Means of {} steps \
-             after a warm-up; times on rank 0; sharding % = (gather + reduce) / step, not \
-             overlapped. Memory per rank: predicted = master and gradient shards plus the \
+             `keep units`: gathered from forward to backward, graphs kept; every variant but \
+             `no prefetch` gathers the next unit on a second thread while a stage computes \
+             (`FsdpOptions::prefetch`). Means of {} steps after a warm-up; times on rank 0; \
+             gather s = time the step waited for gathers (prefetched gathers that finished \
+             behind compute do not count), sharding % = (gather + reduce) / step; reductions \
+             are not overlapped. Memory per rank: predicted = master and gradient shards plus the \
              largest set of full parameters and gradients the schedule holds at once (from the \
              plans); measured = process heap peak above the bytes alive before, by a counting \
              allocator, over V (the rest is activations and candle temporaries). glibc's trim \

@@ -533,13 +533,18 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
 
     let exported = root.join("model.safetensors");
     let out = ragged(&["checkpoint", "export", dir, exported.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut file = Reader::open(&exported, None).unwrap();
     for (name, shape) in cfg.param_shapes() {
         let info = file.tensor(&name).unwrap().clone();
         assert_eq!(info.shape, shape, "{name}");
         let mut bytes = vec![0u8; (info.bytes.end - info.bytes.start) as usize];
-        file.read_tensor(&name, 0..bytes.len() as u64, &mut bytes).unwrap();
+        file.read_tensor(&name, 0..bytes.len() as u64, &mut bytes)
+            .unwrap();
         let want: Vec<u8> = full[&name].iter().flat_map(|x| x.to_le_bytes()).collect();
         assert!(bytes == want, "{name}: exported values differ");
     }
@@ -552,6 +557,9 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     let out = ragged(&["checkpoint", "verify", dir]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("rank-00002-of-00003.safetensors") && err.contains("checksum"), "{err}");
+    assert!(
+        err.contains("rank-00002-of-00003.safetensors") && err.contains("checksum"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }

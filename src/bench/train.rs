@@ -64,15 +64,22 @@ pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<Train
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
-        for (layout, reshard, name) in [
-            (ShardLayout::Ragged, true, "ragged, recompute"),
-            (ShardLayout::Ragged, false, "ragged, keep units"),
-            (ShardLayout::Fsdp2, true, "fsdp2-style, recompute"),
+        for (layout, reshard, prefetch, name) in [
+            (ShardLayout::Ragged, true, true, "ragged, recompute"),
+            (
+                ShardLayout::Ragged,
+                true,
+                false,
+                "ragged, recompute, no prefetch",
+            ),
+            (ShardLayout::Ragged, false, true, "ragged, keep units"),
+            (ShardLayout::Fsdp2, true, true, "fsdp2-style, recompute"),
         ] {
             progress(&format!("{name} V={world}"));
             let opts = FsdpOptions {
                 layout,
                 reshard_after_forward: reshard,
+                prefetch,
                 ..FsdpOptions::default()
             };
             rows.push(sharded(cfg, &params, world, opts, name)?);
@@ -167,7 +174,10 @@ fn sharded(
                     .unwrap_or(0)
             })
             .collect();
-        let predicted = sharded.memory_plan().peak_unit_by_unit(&order, reshard);
+        let prefetch = opts.prefetch;
+        let predicted = sharded
+            .memory_plan()
+            .peak_unit_by_unit(&order, reshard, prefetch);
         let mut row = empty_row(name, world);
         for step in 0..=cfg.steps {
             let full = cfg.model.batch(step, cfg.batch)?;

@@ -171,6 +171,10 @@ pub struct FsdpOptions {
     /// re-gather (recomputing the stage) in backward. Off: units stay gathered from forward to
     /// backward and each stage's graph is kept (no recomputation, more memory).
     pub reshard_after_forward: bool,
+    /// Unit-by-unit runtime: gather the next stage's unit (forward) or the previous one
+    /// (backward) on a second thread while the current stage computes, as FSDP2's forward and
+    /// backward prefetch (default on). Costs one more unit's full parameters at the peak.
+    pub prefetch: bool,
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
     pub mixed_precision: MixedPrecision,
@@ -195,6 +199,7 @@ impl Default for FsdpOptions {
             layout: ShardLayout::Ragged,
             wrap: WrapPolicy::default(),
             reshard_after_forward: true,
+            prefetch: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
             buffers: None,
@@ -766,6 +771,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .try_for_each(|b| self.gather_unit(b))
     }
 
+    /// Whether every buffer of unit `g` holds current compute copies.
+    pub(crate) fn is_gathered(&self, g: usize) -> bool {
+        self.groups[g]
+            .1
+            .iter()
+            .all(|&b| self.units[b].params.state() == Materialized::Unsharded)
+    }
+
     pub(crate) fn release_unit(&mut self, g: usize) {
         for b in self.buffers_of(g) {
             self.units[b].params.release();
@@ -805,13 +818,20 @@ impl MemoryPlan {
     }
 
     /// Peak of the unit-by-unit runtime running stages on `stage_units` (unit index per
-    /// stage), from a replay of its schedule ([`stages::peak_of_schedule`]).
-    pub fn peak_unit_by_unit(&self, stage_units: &[usize], reshard_after_forward: bool) -> usize {
+    /// stage) with these options, from a replay of its schedule
+    /// ([`stages::peak_of_schedule`]).
+    pub fn peak_unit_by_unit(
+        &self,
+        stage_units: &[usize],
+        reshard_after_forward: bool,
+        prefetch: bool,
+    ) -> usize {
         let full: Vec<(usize, usize)> = self
             .units
             .iter()
             .map(|u| (u.full_param_bytes, u.full_grad_bytes))
             .collect();
-        self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, reshard_after_forward)
+        self.shard_bytes()
+            + stages::peak_of_schedule(&full, stage_units, reshard_after_forward, prefetch)
     }
 }

@@ -81,8 +81,11 @@ impl UnitParams {
 pub struct StageReport {
     /// This rank's loss (the last stage's output).
     pub loss: f32,
-    /// All-gathers (forward gathers and backward re-gathers).
+    /// Time the step waited for all-gathers (forward gathers and backward re-gathers): the
+    /// gathers not hidden behind compute.
     pub gather_seconds: f64,
+    /// Time prefetched gathers ran while a stage computed ([`super::FsdpOptions::prefetch`]).
+    pub prefetch_seconds: f64,
     pub forward_seconds: f64,
     /// Backward, recomputation included.
     pub backward_seconds: f64,
@@ -109,6 +112,7 @@ pub(crate) fn peak_of_schedule(
     full: &[(usize, usize)],
     stage_units: &[usize],
     reshard_after_forward: bool,
+    prefetch: bool,
 ) -> usize {
     let (first, last) = uses(stage_units, full.len());
     let n = stage_units.len();
@@ -121,6 +125,9 @@ pub(crate) fn peak_of_schedule(
     let mut peak = 0;
     for (s, &u) in stage_units.iter().enumerate() {
         params[u] = true;
+        if prefetch && s + 1 < n {
+            params[stage_units[s + 1]] = true;
+        }
         peak = peak.max(alive(&params, &grads));
         if reshard_after_forward && s + 1 < n && last[u] == s {
             params[u] = false;
@@ -129,6 +136,9 @@ pub(crate) fn peak_of_schedule(
     for (s, &u) in stage_units.iter().enumerate().rev() {
         params[u] = true;
         grads[u] = true;
+        if prefetch && s > 0 {
+            params[stage_units[s - 1]] = true;
+        }
         peak = peak.max(alive(&params, &grads));
         if first[u] == s {
             grads[u] = false;
@@ -157,11 +167,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut report = StageReport::default();
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
+        let prefetch = self.options().prefetch;
         for (s, &u) in stage_units.iter().enumerate() {
             self.timed_gather(u, &mut report)?;
             let start = Instant::now();
             let tracked = s + 1 == n || !reshard;
-            let out = self.run_stage(model, s, u, tracked, inputs[s].as_ref(), batch)?;
+            let params = self.unit_params(u, tracked)?;
+            let next = stage_units.get(s + 1).copied().filter(|_| prefetch);
+            let input = inputs[s].as_ref();
+            let out = self.overlapped(next, &mut report, || {
+                stage_forward(model, s, &params, tracked, input, batch)
+            })?;
+            let out = out.with_context(|| format!("stage {s} (unit {})", self.unit_names()[u]))?;
             if s + 1 < n {
                 let next = Var::from_tensor(&out.detach()).map_err(candle("stage output"))?;
                 self.stats_arc()
@@ -184,19 +201,28 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             // to backpropagate: its parameters get no gradient, and are reported as such.
             let graph = graphs[s].take();
             if s + 1 == n || g.is_some() {
-                let out = match graph {
-                    Some(out) => out,
+                let params = match graph {
+                    Some(_) => None,
                     None => {
                         self.timed_gather(u, &mut report)?;
-                        let start = Instant::now();
-                        let out = self.run_stage(model, s, u, true, inputs[s].as_ref(), batch)?;
-                        report.backward_seconds += start.elapsed().as_secs_f64();
-                        out
+                        Some(self.unit_params(u, true)?)
                     }
                 };
+                let prev = s
+                    .checked_sub(1)
+                    .map(|p| stage_units[p])
+                    .filter(|_| prefetch);
+                let (input, seed) = (inputs[s].as_ref(), g.take());
                 let start = Instant::now();
-                g = backward_stage(out, g.as_ref(), inputs[s].as_ref())
-                    .with_context(|| format!("backward of stage {s}"))?;
+                let grad = self.overlapped(prev, &mut report, || {
+                    let out = match (graph, &params) {
+                        (Some(out), _) => out,
+                        (None, Some(p)) => stage_forward(model, s, p, true, input, batch)?,
+                        (None, None) => unreachable!("params are gathered when no graph is kept"),
+                    };
+                    backward_stage(out, seed.as_ref(), input)
+                })?;
+                g = grad.with_context(|| format!("backward of stage {s}"))?;
                 report.backward_seconds += start.elapsed().as_secs_f64();
             }
             if first[u] == s {
@@ -239,29 +265,60 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// Runs stage `s` on unit `u`'s parameters: tracked (a graph to backpropagate) or detached.
-    fn run_stage<M: Stages>(
-        &self,
-        model: &M,
-        s: usize,
-        u: usize,
-        tracked: bool,
-        input: Option<&Var>,
-        batch: &M::Batch,
-    ) -> Result<Tensor> {
-        let params = self.unit_params(u, tracked)?;
-        let x = input.map(|v| {
-            if tracked {
-                v.as_tensor().clone()
-            } else {
-                v.as_tensor().detach()
-            }
+    /// Runs `work` (a stage's compute, which touches no runtime state) while unit `next` is
+    /// gathered on a second thread, when `next` is given and not yet current. The gather is
+    /// the only collective in flight meanwhile, so every rank issues its collectives in the
+    /// same order. Time spent waiting for it after `work` counts as gather time.
+    fn overlapped<T>(
+        &mut self,
+        next: Option<usize>,
+        report: &mut StageReport,
+        work: impl FnOnce() -> T,
+    ) -> Result<T> {
+        let Some(next) = next.filter(|&v| !self.is_gathered(v)) else {
+            return Ok(work());
+        };
+        let (out, gathered, work_span, waited) = std::thread::scope(|scope| {
+            let this = &mut *self;
+            let gather = scope.spawn(move || {
+                let start = Instant::now();
+                this.ensure_gathered(next).map(|()| (start, Instant::now()))
+            });
+            let start = Instant::now();
+            let out = work();
+            let end = Instant::now();
+            let gathered = gather.join();
+            (out, gathered, (start, end), end.elapsed().as_secs_f64())
         });
-        model
-            .forward(s, &params, x.as_ref(), batch)
-            .map_err(candle("stage forward"))
-            .with_context(|| format!("stage {s} (unit {})", self.unit_names()[u]))
+        let (g0, g1) =
+            gathered.map_err(|_| Error::Msg("the prefetch thread panicked".into()))??;
+        // The part of the gather that ran while the stage computed.
+        let (from, to) = (g0.max(work_span.0), g1.min(work_span.1));
+        report.prefetch_seconds += to.saturating_duration_since(from).as_secs_f64();
+        report.gather_seconds += waited;
+        Ok(out)
     }
+}
+
+/// Runs stage `s` of `model` on `params`: tracked (a graph to backpropagate) or detached.
+fn stage_forward<M: Stages>(
+    model: &M,
+    s: usize,
+    params: &UnitParams,
+    tracked: bool,
+    input: Option<&Var>,
+    batch: &M::Batch,
+) -> Result<Tensor> {
+    let x = input.map(|v| {
+        if tracked {
+            v.as_tensor().clone()
+        } else {
+            v.as_tensor().detach()
+        }
+    });
+    model
+        .forward(s, params, x.as_ref(), batch)
+        .map_err(candle("stage forward"))
 }
 
 /// Backpropagates one stage's output: from the loss itself (`g` is `None`) or from `Σ out · g`;
