@@ -527,7 +527,7 @@ fn whole_model_step<O: Optimizer>(
         forward_seconds,
         backward_seconds,
         reduce_seconds: reduce.elapsed().as_secs_f64(),
-        prefetch_seconds: 0.0,
+        overlapped_seconds: 0.0,
     })
 }
 

@@ -143,18 +143,18 @@ fn ragged_and_fsdp2_layouts_train_bitwise_identically() {
 /// Recomputing a stage in backward runs the same kernels on the same bits as its forward, so
 /// freeing units between forward and backward changes memory, never values; and the
 /// whole-model mode (one graph, one backward) computes the same gradients.
-/// Prefetching (the next unit gathered on a second thread while a stage computes; the
-/// default) gives the same bits as gathering each unit just before its stage, and the gathers
-/// really ran behind compute (time spent in prefetched gathers on every rank).
+/// Overlap (the next unit gathered, and the last unit's gradients reduce-scattered, on a
+/// second thread while a stage computes; the default) gives the same bits as running each
+/// collective in turn, and the collectives really ran behind compute on every rank.
 #[test]
-fn prefetching_changes_nothing_but_when_units_are_gathered() {
+fn overlapped_collectives_change_nothing_but_when_they_run() {
     let serial = FsdpOptions {
-        prefetch: false,
+        overlap: false,
         ..FsdpOptions::default()
     };
     for keep in [true, false] {
-        let with = |prefetch| FsdpOptions {
-            prefetch,
+        let with = |overlap| FsdpOptions {
+            overlap,
             reshard_after_forward: keep,
             ..serial.clone()
         };
@@ -176,7 +176,7 @@ fn prefetching_changes_nothing_but_when_units_are_gathered() {
         let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
         let ids = ragged::demo::batch(corpus()?, &cfg, 0, c.rank() * 8, 8)?;
         let r = m.forward_backward(&TransformerStages(cfg), &ids)?;
-        Ok(r.prefetch_seconds)
+        Ok(r.overlapped_seconds)
     })
     .unwrap();
     assert!(prefetched.iter().all(|&t| t > 0.0), "{prefetched:?}");

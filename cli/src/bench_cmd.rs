@@ -278,11 +278,11 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
              Sharded: thread ranks, the unit-by-unit runtime (one unit per block); `recompute`: \
              each unit freed after its forward and re-gathered and recomputed in backward; \
              `keep units`: gathered from forward to backward, graphs kept; every variant but \
-             `no prefetch` gathers the next unit on a second thread while a stage computes \
-             (`FsdpOptions::prefetch`). Means of {} steps after a warm-up; times on rank 0; \
-             gather s = time the step waited for gathers (prefetched gathers that finished \
-             behind compute do not count), sharding % = (gather + reduce) / step; reductions \
-             are not overlapped. Memory per rank: predicted = master and gradient shards plus the \
+             `no overlap` runs collectives on a second thread while a stage computes (the next \
+             unit's gather, the previous unit's reduce-scatter; `FsdpOptions::overlap`). Means \
+             of {} steps after a warm-up; times on rank 0; gather s and reduce s = time the \
+             step waited for them (what ran behind compute does not count), sharding % = \
+             (gather + reduce) / step. Memory per rank: predicted = master and gradient shards plus the \
              largest set of full parameters and gradients the schedule holds at once (from the \
              plans); measured = process heap peak above the bytes alive before, by a counting \
              allocator, over V (the rest is activations and candle temporaries). glibc's trim \

@@ -64,13 +64,13 @@ pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<Train
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
-        for (layout, reshard, prefetch, name) in [
+        for (layout, reshard, overlap, name) in [
             (ShardLayout::Ragged, true, true, "ragged, recompute"),
             (
                 ShardLayout::Ragged,
                 true,
                 false,
-                "ragged, recompute, no prefetch",
+                "ragged, recompute, no overlap",
             ),
             (ShardLayout::Ragged, false, true, "ragged, keep units"),
             (ShardLayout::Fsdp2, true, true, "fsdp2-style, recompute"),
@@ -79,7 +79,7 @@ pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<Train
             let opts = FsdpOptions {
                 layout,
                 reshard_after_forward: reshard,
-                prefetch,
+                overlap,
                 ..FsdpOptions::default()
             };
             rows.push(sharded(cfg, &params, world, opts, name)?);
@@ -174,10 +174,9 @@ fn sharded(
                     .unwrap_or(0)
             })
             .collect();
-        let prefetch = opts.prefetch;
         let predicted = sharded
             .memory_plan()
-            .peak_unit_by_unit(&order, reshard, prefetch);
+            .peak_unit_by_unit(&order, reshard, opts.overlap);
         let mut row = empty_row(name, world);
         for step in 0..=cfg.steps {
             let full = cfg.model.batch(step, cfg.batch)?;

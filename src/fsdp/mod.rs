@@ -171,10 +171,11 @@ pub struct FsdpOptions {
     /// re-gather (recomputing the stage) in backward. Off: units stay gathered from forward to
     /// backward and each stage's graph is kept (no recomputation, more memory).
     pub reshard_after_forward: bool,
-    /// Unit-by-unit runtime: gather the next stage's unit (forward) or the previous one
-    /// (backward) on a second thread while the current stage computes, as FSDP2's forward and
-    /// backward prefetch (default on). Costs one more unit's full parameters at the peak.
-    pub prefetch: bool,
+    /// Unit-by-unit runtime: run collectives on a second thread while a stage computes (default
+    /// on): gather the next stage's unit (forward) or the previous one (backward), as FSDP2's
+    /// forward and backward prefetch, and reduce-scatter a unit's gradients behind the next
+    /// stage's backward. Costs about one more unit's full buffers at the peak.
+    pub overlap: bool,
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
     pub mixed_precision: MixedPrecision,
@@ -199,7 +200,7 @@ impl Default for FsdpOptions {
             layout: ShardLayout::Ragged,
             wrap: WrapPolicy::default(),
             reshard_after_forward: true,
-            prefetch: true,
+            overlap: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
             buffers: None,
@@ -824,7 +825,7 @@ impl MemoryPlan {
         &self,
         stage_units: &[usize],
         reshard_after_forward: bool,
-        prefetch: bool,
+        overlap: bool,
     ) -> usize {
         let full: Vec<(usize, usize)> = self
             .units
@@ -832,6 +833,6 @@ impl MemoryPlan {
             .map(|u| (u.full_param_bytes, u.full_grad_bytes))
             .collect();
         self.shard_bytes()
-            + stages::peak_of_schedule(&full, stage_units, reshard_after_forward, prefetch)
+            + stages::peak_of_schedule(&full, stage_units, reshard_after_forward, overlap)
     }
 }

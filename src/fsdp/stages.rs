@@ -84,12 +84,13 @@ pub struct StageReport {
     /// Time the step waited for all-gathers (forward gathers and backward re-gathers): the
     /// gathers not hidden behind compute.
     pub gather_seconds: f64,
-    /// Time prefetched gathers ran while a stage computed ([`super::FsdpOptions::prefetch`]).
-    pub prefetch_seconds: f64,
+    /// Time collectives (prefetched gathers, deferred reduce-scatters) ran while a stage
+    /// computed ([`super::FsdpOptions::overlap`]).
+    pub overlapped_seconds: f64,
     pub forward_seconds: f64,
     /// Backward, recomputation included.
     pub backward_seconds: f64,
-    /// Reduce-scatters of the units' gradients.
+    /// Time the step waited for reduce-scatters of the units' gradients.
     pub reduce_seconds: f64,
 }
 
@@ -112,7 +113,7 @@ pub(crate) fn peak_of_schedule(
     full: &[(usize, usize)],
     stage_units: &[usize],
     reshard_after_forward: bool,
-    prefetch: bool,
+    overlap: bool,
 ) -> usize {
     let (first, last) = uses(stage_units, full.len());
     let n = stage_units.len();
@@ -125,7 +126,7 @@ pub(crate) fn peak_of_schedule(
     let mut peak = 0;
     for (s, &u) in stage_units.iter().enumerate() {
         params[u] = true;
-        if prefetch && s + 1 < n {
+        if overlap && s + 1 < n {
             params[stage_units[s + 1]] = true;
         }
         peak = peak.max(alive(&params, &grads));
@@ -133,17 +134,30 @@ pub(crate) fn peak_of_schedule(
             params[u] = false;
         }
     }
+    // With overlap a unit's reduce-scatter (and its release) runs behind the next stage's
+    // backward, so its buffers live one stage longer.
+    let mut pending = None;
     for (s, &u) in stage_units.iter().enumerate().rev() {
         params[u] = true;
         grads[u] = true;
-        if prefetch && s > 0 {
+        if overlap && s > 0 {
             params[stage_units[s - 1]] = true;
         }
         peak = peak.max(alive(&params, &grads));
-        if first[u] == s {
-            grads[u] = false;
+        let free = |v: usize, p: &mut [bool], g: &mut [bool]| {
+            g[v] = false;
             if reshard_after_forward {
-                params[u] = false;
+                p[v] = false;
+            }
+        };
+        if let Some(v) = pending.take() {
+            free(v, &mut params, &mut grads);
+        }
+        if first[u] == s {
+            if overlap && s > 0 {
+                pending = Some(u);
+            } else {
+                free(u, &mut params, &mut grads);
             }
         }
     }
@@ -167,15 +181,16 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut report = StageReport::default();
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
-        let prefetch = self.options().prefetch;
+        let overlap = self.options().overlap;
         for (s, &u) in stage_units.iter().enumerate() {
             self.timed_gather(u, &mut report)?;
             let start = Instant::now();
             let tracked = s + 1 == n || !reshard;
             let params = self.unit_params(u, tracked)?;
-            let next = stage_units.get(s + 1).copied().filter(|_| prefetch);
+            let next = stage_units.get(s + 1).copied().filter(|_| overlap);
             let input = inputs[s].as_ref();
-            let out = self.overlapped(next, &mut report, || {
+            let jobs: Vec<Job> = next.map(Job::Gather).into_iter().collect();
+            let out = self.overlapped(&jobs, &mut report, || {
                 stage_forward(model, s, &params, tracked, input, batch)
             })?;
             let out = out.with_context(|| format!("stage {s} (unit {})", self.unit_names()[u]))?;
@@ -196,41 +211,42 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         report.loss = scalar_loss(graphs[n - 1].as_ref().expect("the last graph is kept"))?;
         self.note_loss(report.loss);
         let mut g: Option<Tensor> = None;
+        // A unit whose gradients are complete, reduce-scattered behind the next stage's backward.
+        let mut pending: Option<usize> = None;
         for (s, &u) in stage_units.iter().enumerate().rev() {
             // A stage whose output no gradient reached (a later stage cut the graph) has nothing
             // to backpropagate: its parameters get no gradient, and are reported as such.
             let graph = graphs[s].take();
+            let mut jobs: Vec<Job> = pending.take().map(Job::Reduce).into_iter().collect();
             if s + 1 == n || g.is_some() {
-                let params = match graph {
-                    Some(_) => None,
+                let source = match graph {
+                    Some(out) => Ok(out),
                     None => {
                         self.timed_gather(u, &mut report)?;
-                        Some(self.unit_params(u, true)?)
+                        Err(self.unit_params(u, true)?)
                     }
                 };
-                let prev = s
-                    .checked_sub(1)
-                    .map(|p| stage_units[p])
-                    .filter(|_| prefetch);
+                let prev = s.checked_sub(1).map(|p| stage_units[p]);
+                jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
                 let (input, seed) = (inputs[s].as_ref(), g.take());
                 let start = Instant::now();
-                let grad = self.overlapped(prev, &mut report, || {
-                    let out = match (graph, &params) {
-                        (Some(out), _) => out,
-                        (None, Some(p)) => stage_forward(model, s, p, true, input, batch)?,
-                        (None, None) => unreachable!("params are gathered when no graph is kept"),
+                let grad = self.overlapped(&jobs, &mut report, || {
+                    let out = match source {
+                        Ok(out) => out,
+                        Err(params) => stage_forward(model, s, &params, true, input, batch)?,
                     };
                     backward_stage(out, seed.as_ref(), input)
                 })?;
                 g = grad.with_context(|| format!("backward of stage {s}"))?;
                 report.backward_seconds += start.elapsed().as_secs_f64();
+            } else {
+                self.run_now(&jobs, &mut report)?;
             }
             if first[u] == s {
-                let start = Instant::now();
-                self.reduce_unit_now(u)?;
-                report.reduce_seconds += start.elapsed().as_secs_f64();
-                if reshard {
-                    self.release_unit(u);
+                if overlap && s > 0 {
+                    pending = Some(u);
+                } else {
+                    self.run_now(&[Job::Reduce(u)], &mut report)?;
                 }
             }
         }
@@ -265,39 +281,89 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// Runs `work` (a stage's compute, which touches no runtime state) while unit `next` is
-    /// gathered on a second thread, when `next` is given and not yet current. The gather is
-    /// the only collective in flight meanwhile, so every rank issues its collectives in the
-    /// same order. Time spent waiting for it after `work` counts as gather time.
+    /// Runs one collective job now: gathers unit `u` unless current, or reduce-scatters its
+    /// gradients and (with `reshard_after_forward`) frees it. Returns its time span.
+    fn run_job(&mut self, job: Job) -> Result<(Instant, Instant)> {
+        let start = Instant::now();
+        match job {
+            Job::Gather(u) => self.ensure_gathered(u)?,
+            Job::Reduce(u) => {
+                self.reduce_unit_now(u)?;
+                if self.options().reshard_after_forward {
+                    self.release_unit(u);
+                }
+            }
+        }
+        Ok((start, Instant::now()))
+    }
+
+    /// Runs `jobs` on this thread, all their time exposed.
+    fn run_now(&mut self, jobs: &[Job], report: &mut StageReport) -> Result<()> {
+        for &job in jobs {
+            let (a, b) = self.run_job(job)?;
+            match job {
+                Job::Gather(_) => report.gather_seconds += (b - a).as_secs_f64(),
+                Job::Reduce(_) => report.reduce_seconds += (b - a).as_secs_f64(),
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `work` (a stage's compute, which touches no runtime state) while `jobs` run in
+    /// order on a second thread. They are the only collectives in flight meanwhile, and every
+    /// rank issues the same jobs at the same point, so collectives stay in the same order on
+    /// every rank. A job's time not hidden behind `work` counts as gather or reduce time; the
+    /// hidden part as [`StageReport::overlapped_seconds`].
     fn overlapped<T>(
         &mut self,
-        next: Option<usize>,
+        jobs: &[Job],
         report: &mut StageReport,
         work: impl FnOnce() -> T,
     ) -> Result<T> {
-        let Some(next) = next.filter(|&v| !self.is_gathered(v)) else {
+        let jobs: Vec<Job> = jobs
+            .iter()
+            .copied()
+            .filter(|j| !matches!(j, Job::Gather(u) if self.is_gathered(*u)))
+            .collect();
+        if jobs.is_empty() {
             return Ok(work());
-        };
-        let (out, gathered, work_span, waited) = std::thread::scope(|scope| {
+        }
+        let (out, spans, work_span) = std::thread::scope(|scope| {
             let this = &mut *self;
-            let gather = scope.spawn(move || {
-                let start = Instant::now();
-                this.ensure_gathered(next).map(|()| (start, Instant::now()))
+            let comm = scope.spawn(move || {
+                jobs.into_iter()
+                    .map(|j| this.run_job(j).map(|span| (j, span)))
+                    .collect::<Result<Vec<_>>>()
             });
             let start = Instant::now();
             let out = work();
             let end = Instant::now();
-            let gathered = gather.join();
-            (out, gathered, (start, end), end.elapsed().as_secs_f64())
+            (out, comm.join(), (start, end))
         });
-        let (g0, g1) =
-            gathered.map_err(|_| Error::Msg("the prefetch thread panicked".into()))??;
-        // The part of the gather that ran while the stage computed.
-        let (from, to) = (g0.max(work_span.0), g1.min(work_span.1));
-        report.prefetch_seconds += to.saturating_duration_since(from).as_secs_f64();
-        report.gather_seconds += waited;
+        let spans = spans.map_err(|_| Error::Msg("the collectives thread panicked".into()))??;
+        for (job, (a, b)) in spans {
+            let hidden = b
+                .min(work_span.1)
+                .saturating_duration_since(a.max(work_span.0))
+                .as_secs_f64();
+            let exposed = (b - a).as_secs_f64() - hidden;
+            report.overlapped_seconds += hidden;
+            match job {
+                Job::Gather(_) => report.gather_seconds += exposed,
+                Job::Reduce(_) => report.reduce_seconds += exposed,
+            }
+        }
         Ok(out)
     }
+}
+
+/// A collective the runtime runs beside a stage's compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Job {
+    /// All-gather unit `u` (unless current).
+    Gather(usize),
+    /// Reduce-scatter unit `u`'s gradients, then free it under `reshard_after_forward`.
+    Reduce(usize),
 }
 
 /// Runs stage `s` of `model` on `params`: tracked (a graph to backpropagate) or detached.
