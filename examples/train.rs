@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{train_rank, StepReport, TrainMode, TransformerConfig};
-use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
+use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
 use ragged::optim::Optimizer;
 use ragged::{AtomicBlock, Result};
@@ -134,7 +134,6 @@ fn muon(lr: f64, layout: MuonLayout) -> Result<Muon> {
             decay_rule: DecayRule::NoDecayFor1D,
             ..AdamWConfig::default()
         },
-        adamw_patterns: vec!["embed".into(), "head".into()],
         ..MuonConfig::default()
     })
 }
@@ -275,6 +274,11 @@ fn run<O: Optimizer>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -
                 bar.set_message(format!("loss {:.4}", r.loss));
             }
         };
+        // The start-up table: every parameter's role, unit, block and holding ranks.
+        let table = fully_shard(&params, optimizer(args.lr)?, comm, opts.clone())?.describe();
+        if comm.rank() == 0 {
+            bar.suspend(|| println!("{table}\n"));
+        }
         let opt = optimizer(args.lr)?;
         train_rank(
             cfg,
