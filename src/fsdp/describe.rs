@@ -55,22 +55,19 @@ fn ranks_text(ranks: &[usize]) -> String {
 
 impl fmt::Display for ParamTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let width = self
-            .rows
-            .iter()
-            .map(|r| r.name.len())
-            .max()
-            .unwrap_or(9)
-            .max(9);
+        let widest = |len: fn(&ParamRow) -> usize, min: usize| {
+            self.rows.iter().map(len).max().unwrap_or(min).max(min)
+        };
+        let (width, unit) = (widest(|r| r.name.len(), 9), widest(|r| r.unit.len(), 4));
         writeln!(
             f,
-            "{:<width$}  {:<14} {:<12} {:<10} {:<12} layout",
+            "{:<width$}  {:<14} {:<12} {:<unit$}  {:<12} layout",
             "parameter", "shape", "role", "unit", "block"
         )?;
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<width$}  {:<14} {:<12} {:<10} {:<12} {}",
+                "{:<width$}  {:<14} {:<12} {:<unit$}  {:<12} {}",
                 r.name,
                 format!("{:?}", r.shape),
                 r.role.to_string(),
