@@ -70,7 +70,8 @@ pub type RoleFn = fn(&str, &[usize]) -> Option<Role>;
 
 /// The role of every parameter, and each role's hyperparameters. Decided in this order: the
 /// custom function, then the first name pattern contained in the name, then [`default_role`].
-#[derive(Clone, Copy, Debug)]
+/// The default: no custom function, no patterns, every role at the optimizer's rates.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct RoleRule {
     /// A rule of its own, asked first.
     pub custom: Option<RoleFn>,
@@ -79,18 +80,6 @@ pub struct RoleRule {
     pub matrix: RoleSettings,
     pub element_wise: RoleSettings,
     pub fp32_state: RoleSettings,
-}
-
-impl Default for RoleRule {
-    fn default() -> Self {
-        RoleRule {
-            custom: None,
-            patterns: &[],
-            matrix: RoleSettings::default(),
-            element_wise: RoleSettings::default(),
-            fp32_state: RoleSettings::default(),
-        }
-    }
 }
 
 impl PartialEq for RoleRule {

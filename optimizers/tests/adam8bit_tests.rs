@@ -174,7 +174,6 @@ fn loud(min: usize) -> Adam8bitConfig {
             ..AdamWConfig::default()
         },
         min_8bit_size: min,
-        ..Adam8bitConfig::default()
     }
 }
 
