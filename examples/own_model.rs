@@ -1,6 +1,7 @@
 //! `fully_shard` on a model of your own: the README's "use it on your own model" section is
 //! this file (a test checks that the README shows it verbatim). A two-block MLP with its own
-//! parameter names, trained unit by unit on 2 thread ranks with AdamW and gradient clipping.
+//! parameter names, trained unit by unit on 2 thread ranks with AdamW, parameter roles (a
+//! learning rate and weight decay per role), a warmup + cosine schedule and gradient clipping.
 //!
 //! `cargo run --release --example own_model`
 
@@ -9,6 +10,8 @@ use candle_nn::linear_no_bias;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::Communicator;
 use ragged::fsdp::{fully_shard, FsdpOptions, Stages, UnitParams};
+use ragged::schedule::Schedule;
+use ragged::{RoleRule, RoleSettings};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
 // README:begin
@@ -62,13 +65,32 @@ fn main() -> ragged::Result<()> {
     ];
     let inputs = Tensor::randn(0f32, 1.0, (32, 64), &dev)?;
     let targets = Tensor::randn(0f32, 1.0, (32, 8), &dev)?;
+    // Parameter groups by role: the head (role ElementWise by its name) at half the rate and
+    // without weight decay; the hidden matrices (role Matrix) at the full rate.
+    let roles = RoleRule {
+        element_wise: RoleSettings {
+            lr_scale: 0.5,
+            weight_decay: Some(0.0),
+        },
+        ..RoleRule::default()
+    };
     let adamw = AdamW::new(AdamWConfig {
         lr: 1e-2,
+        roles,
         ..AdamWConfig::default()
     })?;
     // One thread per rank; every rank passes the same parameters (checked) and its own rows.
     let losses = ThreadWorld::run(2, |comm| {
         let mut sharded = fully_shard(&params, adamw, comm, FsdpOptions::default())?;
+        if comm.rank() == 0 {
+            println!("{}", sharded.describe()); // parameter, shape, role, unit, block, ranks
+        }
+        let schedule = Schedule::WarmupCosine {
+            warmup: 2,
+            total: 20,
+            min_factor: 0.1,
+        };
+        sharded.set_schedule(schedule)?; // the learning rate times a factor of the step
         let rows = 32 / comm.world_size();
         let mine = |t: &Tensor| t.narrow(0, comm.rank() * rows, rows);
         let batch = (mine(&inputs)?, mine(&targets)?);

@@ -22,7 +22,7 @@ use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{
     train_rank, train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
 };
-use ragged::fsdp::{inventory_of, FsdpOptions, ShardLayout};
+use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
@@ -153,7 +153,6 @@ fn muon(lr: f64, layout: MuonLayout) -> Result<Muon> {
             decay_rule: DecayRule::NoDecayFor1D,
             ..AdamWConfig::default()
         },
-        adamw_patterns: vec!["embed".into(), "head".into()],
         ..MuonConfig::default()
     })
 }
@@ -308,6 +307,11 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
                 bar.set_message(format!("loss {:.4}", r.loss));
             }
         };
+        // The start-up table: every parameter's role, unit, block and holding ranks.
+        let table = fully_shard(&params, optimizer(args.lr)?, comm, opts.clone())?.describe();
+        if comm.rank() == 0 {
+            bar.suspend(|| println!("{table}\n"));
+        }
         let opt = optimizer(args.lr)?;
         let job = (cfg, mode, args.steps, args.batch);
         train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)

@@ -19,7 +19,9 @@ pub mod model;
 pub mod optim;
 pub mod plan;
 pub mod ragged;
+pub mod roles;
 pub mod schedule;
 
 pub use block::AtomicBlock;
 pub use error::{Context, Error, Result};
+pub use roles::{Role, RoleRule, RoleSettings};

@@ -17,7 +17,7 @@ use std::ops::Range;
 use crate::comm::Communicator;
 use crate::model::Unit;
 use crate::plan::{self, Plan, PlanOptions};
-use crate::{AtomicBlock, Result};
+use crate::{AtomicBlock, Result, Role};
 
 /// A parameter of a group, as the optimizer sees it (global shape, not the local one).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -313,6 +313,15 @@ pub trait Optimizer: Send + Sync {
     /// The block this optimizer's math needs kept on one rank for a parameter of this name and
     /// global shape (AdamW: `Element`; 8-bit Adam: 32-row tiles; Muon: the whole matrix).
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock;
+
+    /// The role of a parameter of this name and global shape ([`crate::roles`]): which update
+    /// and state it gets, and whether it is frozen ([`Role::Frozen`] parameters are never
+    /// stepped, and `fully_shard` gives them no gradient). The default is
+    /// [`crate::roles::default_role`]; the optimizers of `ragged-optimizers` ask their
+    /// [`crate::RoleRule`].
+    fn role(&self, name: &str, shape: &[usize]) -> Role {
+        crate::roles::default_role(name, shape)
+    }
 
     /// Plans one unit (an FSDP group) for this optimizer. The default keeps every tensor's
     /// [`Optimizer::atomic_block`] on one rank; an optimizer whose blocks are negotiable

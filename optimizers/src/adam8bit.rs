@@ -17,9 +17,10 @@
 //!   shape, never on the local piece.
 //!
 //! A shape that does not tile (1-D, 0-D, `n % 32 ≠ 0`) falls back to `f32` state. So do
-//! parameters named by [`Adam8bitConfig::fp32_patterns`] (default: embeddings), as bnb's
-//! `StableEmbedding` does. The decision depends on the name, the global shape and the config
-//! only.
+//! parameters whose role ([`AdamWConfig::roles`] of [`Adam8bitConfig::adam`],
+//! [`ragged::roles`]) is `Fp32State` (by default: embeddings), as bnb's `StableEmbedding` does;
+//! `Frozen` ones are not stepped. The decision depends on the name, the global shape and the
+//! config only.
 //!
 //! # Row blocks and scale blocks
 //! A row block is 32 consecutive rows of **one** trailing matrix (the unit the planner keeps on
@@ -111,7 +112,7 @@ use rayon::prelude::*;
 use ragged::block::numel;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
-use ragged::{AtomicBlock, Error, Result};
+use ragged::{AtomicBlock, Error, Result, Role};
 
 use crate::adamw::{adamw_update, AdamW, AdamWConfig, PAR_MIN_ELEMS};
 use crate::common::{
@@ -145,9 +146,6 @@ pub struct Adam8bitConfig {
     pub adam: AdamWConfig,
     /// Parameters with fewer elements (global shape) keep `f32` state (default 4096).
     pub min_8bit_size: usize,
-    /// Parameters whose name contains one of these keep `f32` state whatever their shape
-    /// (default `["embed"]`, bnb's `StableEmbedding`; see the module doc).
-    pub fp32_patterns: &'static [&'static str],
 }
 
 impl Default for Adam8bitConfig {
@@ -155,7 +153,6 @@ impl Default for Adam8bitConfig {
         Adam8bitConfig {
             adam: AdamWConfig::default(),
             min_8bit_size: MIN_8BIT_SIZE,
-            fp32_patterns: &["embed"],
         }
     }
 }
@@ -424,12 +421,12 @@ impl Adam8bit {
     }
 
     /// The tiling of a parameter of this name and global shape, `None` for the `f32`
-    /// fallback (a name matching [`Adam8bitConfig::fp32_patterns`], or [`Tiling::of`]).
+    /// fallback (role `Fp32State` or `Frozen`, or no [`Tiling::of`] its shape).
     pub fn tiling(&self, name: &str, shape: &[usize]) -> Option<Tiling> {
-        if self.config.fp32_patterns.iter().any(|p| name.contains(p)) {
-            return None;
+        match self.config.adam.roles.role_of(name, shape) {
+            Role::Fp32State | Role::Frozen => None,
+            Role::Matrix | Role::ElementWise => Tiling::of(shape, self.config.min_8bit_size),
         }
-        Tiling::of(shape, self.config.min_8bit_size)
     }
 
     /// Where each local piece keeps its state, and the totals (scales, fallback elements).
@@ -538,6 +535,10 @@ impl Optimizer for Adam8bit {
         Ok(())
     }
 
+    fn role(&self, name: &str, shape: &[usize]) -> Role {
+        self.config.adam.roles.role_of(name, shape)
+    }
+
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
         self.tiling(name, shape)
             .map_or(AtomicBlock::Element, |t| t.block())
@@ -580,9 +581,12 @@ impl Optimizer for Adam8bit {
 
         let c = &self.config.adam;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        let scale = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
         for (piece, place) in shard.pieces.iter().zip(&layout) {
             let r = piece.offset..piece.offset + piece.range.len();
+            // The piece's role's rates; a frozen piece is not stepped.
+            let Some(scale) = self.adamw.scale_for(&shard.params[piece.param], t) else {
+                continue;
+            };
             let decay = self.adamw.decay_for(&shard.params[piece.param]);
             match *place {
                 PieceState::Fallback { at } => {

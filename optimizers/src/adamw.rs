@@ -46,15 +46,16 @@
 //! # Sharding
 //! The update is element-wise, so a shard only needs its own elements
 //! ([`AtomicBlock::Element`]). The step walks the local pieces of the shard — never the
-//! padding, which therefore stays zero in parameters and in both moments — and decays each
-//! piece according to its parameter's global shape ([`DecayRule`]). A sharded step is bitwise
+//! padding, which therefore stays zero in parameters and in both moments — and steps each
+//! piece at its parameter's role's rates ([`AdamWConfig::roles`]; a frozen one not at all),
+//! decayed according to its global shape ([`DecayRule`]). A sharded step is bitwise
 //! equal to the unsharded one at every world size and layout.
 
 use rayon::prelude::*;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer, ParamMeta};
-use ragged::{AtomicBlock, Error, Result};
+use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::common::{
     self, apply_adam_elem, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
@@ -95,8 +96,13 @@ pub struct AdamWConfig {
     pub eps: f64,
     /// Decoupled weight decay `wd`: `p ← p·(1 − lr·wd)` each step (default `1e-2`).
     pub weight_decay: f64,
-    /// Which parameters `weight_decay` applies to (default: all).
+    /// Which parameters `weight_decay` applies to (default: all), by shape, on top of the
+    /// roles' weight decays.
     pub decay_rule: DecayRule,
+    /// Each parameter's role ([`ragged::roles`]) and each role's learning-rate scale and weight
+    /// decay (default: [`RoleRule::default`], every role at this config's rates). `Frozen`
+    /// parameters are not stepped.
+    pub roles: RoleRule,
 }
 
 impl Default for AdamWConfig {
@@ -108,6 +114,7 @@ impl Default for AdamWConfig {
             eps: 1e-8,
             weight_decay: 1e-2,
             decay_rule: DecayRule::All,
+            roles: RoleRule::default(),
         }
     }
 }
@@ -133,7 +140,7 @@ impl AdamWConfig {
                 });
             }
         }
-        Ok(())
+        self.roles.validate()
     }
 }
 
@@ -234,12 +241,34 @@ impl AdamW {
         &self.config
     }
 
-    /// The decay factor `1 − lr·wd` applied to parameter `meta`, or `None` when it is not
-    /// decayed (`wd = 0`, as torch skips the multiplication, or excluded by the rule).
-    pub fn decay_for(&self, meta: &ParamMeta) -> Option<f32> {
+    /// The role of parameter `meta` ([`AdamWConfig::roles`]).
+    pub fn role_of(&self, meta: &ParamMeta) -> Role {
+        self.config.roles.role_of(&meta.name, &meta.shape)
+    }
+
+    /// The learning rate and weight decay of parameter `meta`: the config's, scaled and
+    /// replaced by its role's settings; `None` for a frozen parameter (not stepped).
+    pub fn rates_for(&self, meta: &ParamMeta) -> Option<(f64, f64)> {
         let c = &self.config;
-        (c.weight_decay != 0.0 && c.decay_rule.decays(&meta.shape))
-            .then(|| common::decay_factor(c.lr, c.weight_decay))
+        let s = c.roles.settings(self.role_of(meta))?;
+        Some((c.lr * s.lr_scale, s.weight_decay.unwrap_or(c.weight_decay)))
+    }
+
+    /// The decay factor `1 − lr·wd` applied to parameter `meta` (its role's rates), or `None`
+    /// when it is not decayed (`wd = 0`, as torch skips the multiplication, excluded by the
+    /// rule, or frozen).
+    pub fn decay_for(&self, meta: &ParamMeta) -> Option<f32> {
+        let (lr, wd) = self.rates_for(meta)?;
+        (wd != 0.0 && self.config.decay_rule.decays(&meta.shape))
+            .then(|| common::decay_factor(lr, wd))
+    }
+
+    /// The Adam scalars of step `t` for parameter `meta` at its role's learning rate; `None`
+    /// for a frozen parameter.
+    pub fn scale_for(&self, meta: &ParamMeta, t: u64) -> Option<AdamScale> {
+        let c = &self.config;
+        let (lr, _) = self.rates_for(meta)?;
+        Some(AdamScale::new(lr, c.beta1, c.beta2, c.eps, t))
     }
 }
 
@@ -261,6 +290,10 @@ impl Optimizer for AdamW {
 
     fn atomic_block(&self, _name: &str, _shape: &[usize]) -> AtomicBlock {
         AtomicBlock::Element
+    }
+
+    fn role(&self, name: &str, shape: &[usize]) -> Role {
+        self.config.roles.role_of(name, shape)
     }
 
     fn init(&self, shard: &LocalShard) -> Result<AdamState> {
@@ -290,15 +323,18 @@ impl Optimizer for AdamW {
 
         let c = &self.config;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        let scale = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
         for piece in &shard.pieces {
+            let meta = &shard.params[piece.param];
+            let Some(scale) = self.scale_for(meta, t) else {
+                continue; // frozen
+            };
             let r = piece.offset..piece.offset + piece.range.len();
             adamw_update(
                 &mut params[r.clone()],
                 &grads[r.clone()],
                 &mut state.m[r.clone()],
                 &mut state.v[r],
-                self.decay_for(&shard.params[piece.param]),
+                self.decay_for(meta),
                 &moments,
                 &scale,
             );

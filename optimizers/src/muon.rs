@@ -6,11 +6,12 @@
 //! arXiv:2502.16982).
 //!
 //! # Which parameters Muon updates
-//! A parameter of two or more dimensions whose name contains none of
-//! [`MuonConfig::adamw_patterns`] (default `embed`, `lm_head`) is a *Muon parameter*: its
-//! trailing `rows × cols` matrices (each expert of `[E, m, n]`) are orthogonalized one by one.
-//! Every other parameter (0-D, 1-D, embeddings, output heads) is updated by
-//! [`AdamW`] with the `adamw` settings of [`MuonConfig`].
+//! A parameter of two or more dimensions whose role ([`MuonConfig::roles`], [`ragged::roles`])
+//! is [`Role::Matrix`] is a *Muon parameter*: its trailing `rows × cols` matrices (each expert
+//! of `[E, m, n]`) are orthogonalized one by one. Every other parameter (0-D, 1-D, embeddings,
+//! output heads: by default) is updated by [`AdamW`] with the `adamw` settings of
+//! [`MuonConfig`]; a `Frozen` one is not stepped. Each role's settings scale its learning rate
+//! and can replace its weight decay.
 //!
 //! # The step of one matrix, in torch's operation order
 //! `μ` = momentum, `g` = gradient, `B` = momentum buffer (state `m`), all `f32`:
@@ -61,11 +62,11 @@ use ragged::comm::Communicator;
 use ragged::model::Unit;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{Plan, PlanOptions};
-use ragged::{AtomicBlock, Error, Result};
+use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::adamw::{adamw_update, AdamState, AdamW, AdamWConfig};
 use crate::common::{
-    self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, AdamScale, MomentCoeffs,
+    self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::MatrixLayout;
 use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_backend, NsConfig};
@@ -112,9 +113,11 @@ pub struct MuonConfig {
     pub lr_scale: LrScale,
     /// Hyperparameters of the AdamW that updates non-Muon parameters.
     pub adamw: AdamWConfig,
-    /// Parameters whose name contains one of these go to AdamW whatever their shape
-    /// (default `["embed", "lm_head"]`).
-    pub adamw_patterns: Vec<String>,
+    /// Which parameters Muon updates (role `Matrix`, two or more dimensions), which go to the
+    /// AdamW fallback, which are frozen, and each role's learning-rate scale and weight decay
+    /// (default [`RoleRule::default`]: embeddings and heads to AdamW). It replaces the roles of
+    /// `adamw` (the fallback follows this rule).
+    pub roles: RoleRule,
     /// Whole or split matrices when planning (default [`MatrixLayout::Auto`], a per-tensor
     /// byte cost model; see [`crate::muon_layout`]).
     pub layout: MatrixLayout,
@@ -130,7 +133,7 @@ impl Default for MuonConfig {
             ns: NsConfig::default(),
             lr_scale: LrScale::Original,
             adamw: AdamWConfig::default(),
-            adamw_patterns: vec!["embed".into(), "lm_head".into()],
+            roles: RoleRule::default(),
             layout: MatrixLayout::Auto,
         }
     }
@@ -161,6 +164,7 @@ impl MuonConfig {
             }
         }
         self.ns.validate()?;
+        self.roles.validate()?;
         self.adamw.validate()
     }
 }
@@ -182,7 +186,11 @@ impl Muon {
     /// A Muon with validated hyperparameters ([`MuonConfig::validate`]).
     pub fn new(config: MuonConfig) -> Result<Self> {
         config.validate()?;
-        let adamw = AdamW::new(config.adamw)?;
+        // The fallback decides by Muon's roles (one rule for both).
+        let adamw = AdamW::new(AdamWConfig {
+            roles: config.roles,
+            ..config.adamw
+        })?;
         Ok(Muon { config, adamw })
     }
 
@@ -193,21 +201,25 @@ impl Muon {
 
     /// Whether Muon (not AdamW) updates a parameter of this name and global shape.
     pub fn uses_muon(&self, name: &str, shape: &[usize]) -> bool {
-        shape.len() >= 2
-            && !self
-                .config
-                .adamw_patterns
-                .iter()
-                .any(|p| name.contains(p.as_str()))
+        shape.len() >= 2 && self.config.roles.role_of(name, shape) == Role::Matrix
+    }
+
+    /// The learning rate and weight decay of Muon matrices: the config's, scaled and replaced
+    /// by the `Matrix` role's settings.
+    fn matrix_rates(&self) -> (f64, f64) {
+        let (c, s) = (&self.config, &self.config.roles.matrix);
+        (c.lr * s.lr_scale, s.weight_decay.unwrap_or(c.weight_decay))
     }
 
     pub(crate) fn is_muon(&self, meta: &ParamMeta) -> bool {
         self.uses_muon(&meta.name, &meta.shape)
     }
 
-    /// The `f32` multiplier `−lr·scale(rows, cols)` of step 5.
+    /// The `f32` multiplier `−lr·scale(rows, cols)` of step 5 (`lr` scaled by the `Matrix`
+    /// role's setting).
     pub fn neg_adjusted_lr(&self, rows: usize, cols: usize) -> f32 {
-        (-(self.config.lr * self.config.lr_scale.factor(rows, cols))) as f32
+        let (lr, _) = self.matrix_rates();
+        (-(lr * self.config.lr_scale.factor(rows, cols))) as f32
     }
 }
 
@@ -235,6 +247,10 @@ impl Optimizer for Muon {
         self.config.adamw.lr = fallback;
         self.config.lr = lr;
         Ok(())
+    }
+
+    fn role(&self, name: &str, shape: &[usize]) -> Role {
+        self.config.roles.role_of(name, shape)
     }
 
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
@@ -275,14 +291,14 @@ impl Optimizer for Muon {
         // Steps 1–2 on Muon pieces (the NS input `U` goes to `u`); AdamW on the others.
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
-        let scale = AdamScale::new(a.lr, a.beta1, a.beta2, a.eps, t);
         let mut u = vec![0.0f32; shard.len];
         for piece in &shard.pieces {
             let r = piece.offset..piece.offset + piece.range.len();
             let meta = &shard.params[piece.param];
-            match self.matrix_step(meta) {
-                Some(step) => step.momentum(&grads[r.clone()], &mut state.m[r.clone()], &mut u[r]),
-                None => adamw_update(
+            if let Some(step) = self.matrix_step(meta) {
+                step.momentum(&grads[r.clone()], &mut state.m[r.clone()], &mut u[r]);
+            } else if let Some(scale) = self.adamw.scale_for(meta, t) {
+                adamw_update(
                     &mut params[r.clone()],
                     &grads[r.clone()],
                     &mut state.m[r.clone()],
@@ -290,8 +306,8 @@ impl Optimizer for Muon {
                     self.adamw.decay_for(meta),
                     &moments,
                     &scale,
-                ),
-            }
+                );
+            } // else frozen: not stepped
         }
 
         // Step 3: whole local matrices in place; split ones on their roots.
@@ -362,12 +378,13 @@ impl Muon {
         }
         let c = &self.config;
         let (rows, cols) = trailing(&meta.shape);
+        let (lr, wd) = self.matrix_rates();
         Some(MatrixStep {
             rows,
             cols,
             momentum: c.momentum,
             nesterov: c.nesterov,
-            decay: (c.weight_decay != 0.0).then(|| common::decay_factor(c.lr, c.weight_decay)),
+            decay: (wd != 0.0).then(|| common::decay_factor(lr, wd)),
             neg_lr: self.neg_adjusted_lr(rows, cols),
             ns: &c.ns,
         })

@@ -7,7 +7,7 @@ use ragged::comm::SingleRank;
 use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged::AtomicBlock;
+use ragged::{AtomicBlock, Role, RoleRule};
 use ragged_optimizers::adam8bit::SCALE_BLOCK;
 use ragged_optimizers::drift::{DriftStream, GradStructure, DRIFT_LR};
 use ragged_optimizers::quant::{decode_scale, dynamic_map, encode_scale, ScaleCode, MAP_LEN};
@@ -171,9 +171,9 @@ fn loud(min: usize) -> Adam8bitConfig {
             eps: 1e-3,
             weight_decay: 0.2,
             decay_rule: DecayRule::All,
+            ..AdamWConfig::default()
         },
         min_8bit_size: min,
-        ..Adam8bitConfig::default()
     }
 }
 
@@ -625,32 +625,34 @@ fn rare_rows_run<O: Optimizer>(opt: &O, name: &str) -> (f32, Vec<f32>) {
 #[test]
 fn rare_rows_step_like_adam_under_8bit_state_and_embeddings_keep_f32_state() {
     let lr = 1e-3;
-    let cfg = |fp32_patterns: &'static [&'static str]| Adam8bitConfig {
+    let cfg = |roles: RoleRule| Adam8bitConfig {
         adam: AdamWConfig {
             lr,
+            roles,
             ..AdamWConfig::default()
         },
-        fp32_patterns,
         ..Adam8bitConfig::default()
     };
     // The hazard: were a rare row's `v` stored as code 0, its update would be lr·m/ε, far
     // beyond Adam's ~lr. The positive-`v` floor keeps it on code 1, so steps stay Adam-sized.
-    let eight_bit = Adam8bit::new(cfg(&[])).unwrap();
+    let quantized = RoleRule::with_patterns(&[("tok_embed", Role::ElementWise)]);
+    let eight_bit = Adam8bit::new(cfg(quantized)).unwrap();
     assert_eq!(
         eight_bit.atomic_block("tok_embed", &[64, 64]),
         AtomicBlock::Tile { rows: 32, cols: 32 }
     );
     let (worst, _) = rare_rows_run(&eight_bit, "tok_embed");
     assert!(worst <= 1.5 * lr as f32, "8-bit worst step {worst}");
-    // The default keeps embeddings on f32 state: the step is AdamW's, bit for bit.
-    let stable = Adam8bit::new(cfg(&["embed"])).unwrap();
+    // The default keeps embeddings on f32 state (role Fp32State): the step is AdamW's, bit
+    // for bit.
+    let stable = Adam8bit::new(cfg(RoleRule::default())).unwrap();
     assert_eq!(
         stable.atomic_block("tok_embed", &[64, 64]),
         AtomicBlock::Element
     );
     assert!(stable.tiling("tok_embed", &[64, 64]).is_none());
     let (worst, p) = rare_rows_run(&stable, "tok_embed");
-    let (_, q) = rare_rows_run(&AdamW::new(cfg(&[]).adam).unwrap(), "tok_embed");
+    let (_, q) = rare_rows_run(&AdamW::new(cfg(quantized).adam).unwrap(), "tok_embed");
     assert_eq!(bits(&p), bits(&q));
     assert!(worst <= 1.1 * lr as f32, "f32 worst step {worst}");
 }

@@ -92,6 +92,7 @@ fn loud(decay_rule: DecayRule) -> AdamWConfig {
         eps: 1e-3,
         weight_decay: 0.2,
         decay_rule,
+        ..AdamWConfig::default()
     }
 }
 

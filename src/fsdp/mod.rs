@@ -24,10 +24,12 @@
 mod agree;
 mod checkpoint;
 mod clip;
+mod describe;
 pub mod fsdp2;
 mod layout;
 mod stages;
 
+pub use describe::{ParamRow, ParamTable};
 pub use stages::{StageReport, Stages, UnitParams};
 
 use std::collections::HashMap;
@@ -189,7 +191,8 @@ pub struct FsdpOptions {
     pub require_gradients: bool,
     /// Frozen parameters: those the rule matches are gathered for compute like the others, but
     /// in a buffer of their own per unit that takes no gradient, is never reduce-scattered and
-    /// never stepped.
+    /// never stepped. A name rule kept for convenience: the optimizer's role rule
+    /// ([`Optimizer::role`] returning [`crate::Role::Frozen`]) freezes parameters the same way.
     pub frozen: Option<NameRule>,
     pub plan: PlanOptions,
 }
@@ -264,10 +267,13 @@ pub fn fully_shard<'c, O: Optimizer>(
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    let is_frozen = |name: &str| opts.frozen.as_ref().is_some_and(|f| f.matches(name));
+    // Frozen: by the optimizer's role rule, or by the older name rule.
+    let is_frozen = |t: &TensorSpec| {
+        optimizer.role(&t.name, &t.shape) == crate::Role::Frozen
+            || opts.frozen.as_ref().is_some_and(|f| f.matches(&t.name))
+    };
     for unit in inv.units_by(&|name| opts.wrap.unit_of(name)) {
-        let (frozen, trained): (Vec<_>, Vec<_>) =
-            unit.tensors.iter().partition(|t| is_frozen(&t.name));
+        let (frozen, trained): (Vec<_>, Vec<_>) = unit.tensors.iter().partition(|t| is_frozen(t));
         let first = planned.len();
         let multi = opts.buffers.as_ref();
         for (tensors, frozen) in [(trained, false), (frozen, true)] {
@@ -570,14 +576,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
         crate::limits::positive_finite("clip_grad_norm", "max_norm", f64::from(max_norm))?;
         let mut squares = clip::ExactSquares::new();
-        for unit in &self.units {
+        for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
             squares.add_all(unit.grads.local("clip_grad_norm")?);
         }
         let norm = squares.total(self.comm)?.sqrt();
         let coef = f64::from(max_norm) / (norm + 1e-6);
         if norm.is_finite() && coef < 1.0 {
             let coef = coef as f32;
-            for unit in &mut self.units {
+            for unit in self.units.iter_mut().filter(|u| !u.params.is_frozen()) {
                 unit.grads.local_mut().iter_mut().for_each(|g| *g *= coef);
             }
         }
@@ -686,9 +692,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 
     /// Runs `f` on every unit's reduced local gradient shard, in unit order (`Err` before a
-    /// reduction).
+    /// reduction); frozen buffers, which have none, are skipped.
     pub fn with_local_grads(&self, mut f: impl FnMut(&LocalShard, &[f32])) -> Result<()> {
-        for unit in &self.units {
+        for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
             f(&unit.local, unit.grads.local("with_local_grads")?);
         }
         Ok(())

@@ -144,10 +144,26 @@ impl Adam8bit {
         let mo = MomentCoeffs::new(c.beta1, c.beta2);
         let s = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
 
-        // Fallback pieces: AdamW on their f32 moments.
+        // Fallback pieces: AdamW on their f32 moments, at their role's rates (frozen: not
+        // stepped). The scale-block kernel takes one learning rate for every block.
         let adamw = dev.function(&ADAMW, ADAMW_STEP)?;
         for (piece, place) in shard.pieces.iter().zip(&layout) {
+            let meta = &shard.params[piece.param];
+            if matches!(place, PieceState::Tiled { .. })
+                && self.adamw.rates_for(meta).map(|r| r.0) != Some(c.lr)
+            {
+                return Err(Error::BadInput {
+                    op: OP,
+                    what: meta.name.clone(),
+                    reason: "the device step runs every 8-bit block at one learning rate; a \
+                             role lr_scale other than 1 on 8-bit parameters needs the host step"
+                        .into(),
+                });
+            }
             if let PieceState::Fallback { at } = *place {
+                let Some(s) = self.adamw.scale_for(meta, t) else {
+                    continue;
+                };
                 let r = piece.offset..piece.offset + piece.range.len();
                 let sr = at..at + piece.range.len();
                 launch_adamw(

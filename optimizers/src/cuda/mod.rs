@@ -142,8 +142,11 @@ impl AdamW {
         let t = next_step(OP, state.step)?;
         let c = self.config();
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        let scale = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
         for piece in &shard.pieces {
+            // The piece's role's rates; a frozen piece is not stepped.
+            let Some(scale) = self.scale_for(&shard.params[piece.param], t) else {
+                continue;
+            };
             let r = piece.offset..piece.offset + piece.range.len();
             launch_adamw(
                 dev,

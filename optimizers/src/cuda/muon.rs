@@ -17,7 +17,7 @@ use ragged::Result;
 
 use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
-use crate::common::{check_shard, next_step, AdamScale, MomentCoeffs};
+use crate::common::{check_shard, next_step, MomentCoeffs};
 use crate::muon::{whole_matrices, Muon};
 use crate::roots::Exchange;
 
@@ -78,7 +78,6 @@ impl Muon {
         let t = next_step(OP, state.step)?;
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
-        let scale = AdamScale::new(a.lr, a.beta1, a.beta2, a.eps, t);
         let adamw = dev.function(&ADAMW, ADAMW_STEP)?;
         let momentum = dev.function(&MUON, MUON_MOMENTUM)?;
         let apply = dev.function(&MUON, MUON_APPLY)?;
@@ -111,17 +110,23 @@ impl Muon {
                             .launch(elementwise(n))
                     })?;
                 }
-                None => launch_adamw(
-                    dev,
-                    &adamw,
-                    &mut params.slice_mut(r.clone()),
-                    &grads.slice(r.clone()),
-                    &mut state.m.slice_mut(r.clone()),
-                    &mut state.v.slice_mut(r),
-                    self.adamw.decay_for(meta),
-                    &moments,
-                    &scale,
-                )?,
+                None => {
+                    // The piece's role's rates; a frozen piece is not stepped.
+                    let Some(scale) = self.adamw.scale_for(meta, t) else {
+                        continue;
+                    };
+                    launch_adamw(
+                        dev,
+                        &adamw,
+                        &mut params.slice_mut(r.clone()),
+                        &grads.slice(r.clone()),
+                        &mut state.m.slice_mut(r.clone()),
+                        &mut state.v.slice_mut(r),
+                        self.adamw.decay_for(meta),
+                        &moments,
+                        &scale,
+                    )?
+                }
             }
         }
 
