@@ -42,8 +42,8 @@ use ragged::model::{DType, TensorSpec, Unit};
 use ragged::plan::PlanOptions;
 
 use crate::{
-    Adam8bit, Adam8bitConfig, Adam8bitState, AdamState, AdamW, Grafting, MatrixLayout, Muon,
-    MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
+    Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
+    MatrixLayout, Muon, MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -641,6 +641,16 @@ impl Case {
     /// Builds the optimizer (default hyperparameters), a one-rank shard of `set`, its state,
     /// and seeded random parameters and gradients.
     pub fn new(kind: OptimKind, set: &ShapeSet) -> Result<Case> {
+        Self::with_adam8bit_kernel(kind, set, Adam8bitKernel::detect())
+    }
+
+    /// [`Case::new`] with 8-bit Adam on `adam8bit_kernel` (ignored by the other optimizers);
+    /// `Err` when this CPU cannot run it.
+    pub fn with_adam8bit_kernel(
+        kind: OptimKind,
+        set: &ShapeSet,
+        adam8bit_kernel: Adam8bitKernel,
+    ) -> Result<Case> {
         fn make<O: Optimizer + 'static>(
             opt: O,
             set: &ShapeSet,
@@ -666,7 +676,7 @@ impl Case {
         let runner = match kind {
             OptimKind::AdamW => make(AdamW::default(), set, adam_state_bytes)?,
             OptimKind::Adam8bit => make(
-                Adam8bit::new(Adam8bitConfig::default())?,
+                Adam8bit::new(Adam8bitConfig::default())?.with_kernel(adam8bit_kernel)?,
                 set,
                 adam8bit_state_bytes,
             )?,
@@ -736,6 +746,9 @@ pub struct Row {
     pub cost: Cost,
     /// Optimizer-state bytes after the timed steps.
     pub state_bytes: usize,
+    /// The kernel that ran ([`kernel_name`]), and for 8-bit Adam on a CPU with a faster
+    /// build than AVX2, the AVX2 build's time on the same case, interleaved step by step.
+    pub kernel: String,
 }
 
 impl Row {
@@ -755,17 +768,38 @@ impl Row {
 /// Times `kind` on `set`: one untimed step, then `reps` timed steps; fewer when a step takes
 /// longer than [`CASE_SECONDS`]` / reps`, and when the first step alone takes longer than
 /// [`CASE_SECONDS`], that step is the only sample (`Timing::reps` is then 0).
+///
+/// For 8-bit Adam on a CPU whose default build is faster than AVX2, the AVX2 build steps the
+/// same case too, alternating step by step with the default one (so both see the same
+/// machine load), and the kernel column gives its best time and the speed-up.
 pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
-    let mut case = Case::new(kind, set)?;
+    let default = Adam8bitKernel::detect();
+    let compare = (kind == OptimKind::Adam8bit
+        && default == Adam8bitKernel::Avx512
+        && Adam8bitKernel::Avx2.is_available())
+    .then_some(Adam8bitKernel::Avx2);
+    let mut case = Case::with_adam8bit_kernel(kind, set, default)?;
+    let mut other = compare
+        .map(|k| Case::with_adam8bit_kernel(kind, set, k))
+        .transpose()?;
     let t = Instant::now();
     case.step()?;
     let first = t.elapsed().as_secs_f64();
+    if let Some(o) = other.as_mut() {
+        o.step()?;
+    }
     let reps = reps.max(1).min((CASE_SECONDS / first) as usize);
     let mut times = Vec::with_capacity(reps.max(1));
+    let mut other_times = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t = Instant::now();
         case.step()?;
         times.push(t.elapsed().as_secs_f64());
+        if let Some(o) = other.as_mut() {
+            let t = Instant::now();
+            o.step()?;
+            other_times.push(t.elapsed().as_secs_f64());
+        }
     }
     let timing = if times.is_empty() {
         Timing {
@@ -775,6 +809,18 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
     } else {
         Timing::of(times)
     };
+    let mut kernel = kernel_name(kind);
+    if let (Some(k), false) = (compare, other_times.is_empty()) {
+        let o = Timing::of(other_times);
+        kernel = format!(
+            "{kernel}; same run, interleaved: {} {:.3} ms best, {:.3} median: {:.2}× faster (best), {:.2}× (median)",
+            k.name(),
+            1e3 * o.best,
+            1e3 * o.median,
+            o.best / timing.best,
+            o.median / timing.median
+        );
+    }
     Ok(Row {
         optimizer: kind,
         shapes: set.name.clone(),
@@ -782,6 +828,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         timing,
         cost: cost(kind, set)?,
         state_bytes: case.state_bytes(),
+        kernel,
     })
 }
 
@@ -973,7 +1020,7 @@ pub fn markdown(r: &Report) -> String {
             row.state_bytes_per_param(),
             comm,
             row.optimizer.dtype(),
-            kernel_name(row.optimizer),
+            row.kernel,
         );
     }
     out
