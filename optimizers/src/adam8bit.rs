@@ -181,7 +181,7 @@ impl Tiling {
     pub fn of(shape: &[usize], min_8bit_size: usize) -> Option<Tiling> {
         let n = numel(shape).ok()?;
         let d = shape.len();
-        if d < 2 || shape[d - 1] % TILE != 0 || n < min_8bit_size {
+        if d < 2 || !shape[d - 1].is_multiple_of(TILE) || n < min_8bit_size {
             return None;
         }
         Some(Tiling {
@@ -235,7 +235,7 @@ impl Tiling {
     /// 32-flat-row blocks coincide with the per-matrix row blocks (one matrix, or `m % 32 = 0`),
     /// `Matrix` otherwise.
     pub fn block(&self) -> AtomicBlock {
-        if self.batch == 1 || self.rows % TILE == 0 {
+        if self.batch == 1 || self.rows.is_multiple_of(TILE) {
             AtomicBlock::Tile {
                 rows: TILE,
                 cols: TILE,
@@ -248,7 +248,7 @@ impl Tiling {
     /// Row blocks before flattened element `elem` of the parameter, when `elem` lies on a
     /// row-block edge (or at the end); `None` when it falls inside a tile.
     pub fn row_blocks_before(&self, elem: usize) -> Option<usize> {
-        if elem % self.cols != 0 {
+        if !elem.is_multiple_of(self.cols) {
             return None;
         }
         let row = elem / self.cols;

@@ -44,8 +44,8 @@ fn edgy(rng: &mut Rng, scale: f32, wild: bool) -> f32 {
         2 => rng.signed(1e-45, 1e-38), // subnormal
         3 => rng.signed(1e-30, 1e-20),
         4 if wild => rng.signed(1e18, 1e20), // g² overflows above ~1.8e19
-        5 if wild && rng.next_u64() % 8 == 0 => f32::INFINITY,
-        6 if wild && rng.next_u64() % 8 == 0 => f32::NAN,
+        5 if wild && rng.next_u64().is_multiple_of(8) => f32::INFINITY,
+        6 if wild && rng.next_u64().is_multiple_of(8) => f32::NAN,
         _ => rng.signed(0.0, scale),
     }
 }
@@ -115,9 +115,8 @@ fn nan_as_one(b: u32) -> u32 {
     }
 }
 
-fn state_bits(
-    s: &Adam8bitState,
-) -> (
+/// A state's fields as comparable bits (NaN as one NaN in the `f32` ones).
+type StateBits = (
     u64,
     Vec<u8>,
     Vec<u8>,
@@ -125,7 +124,9 @@ fn state_bits(
     Vec<u16>,
     Vec<u32>,
     Vec<u32>,
-) {
+);
+
+fn state_bits(s: &Adam8bitState) -> StateBits {
     (
         s.step,
         s.m.clone(),
