@@ -316,3 +316,68 @@ unsafe fn requantize_block(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dynamic_map, quantize, CodeBook};
+    use rayon::prelude::*;
+
+    /// [`quantize_16`] on `xs` (a multiple of 16 long).
+    fn quantize_lanes(book: &CodeBook, xs: &[f32]) -> Vec<u8> {
+        let ix = book.index();
+        let mut out = vec![0u8; xs.len()];
+        for (x, o) in xs.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            // SAFETY: callers run this only where `available()`; 16 lanes in, 16 bytes out.
+            unsafe {
+                let codes = quantize_16(_mm512_loadu_ps(x.as_ptr()), &ix);
+                _mm_storeu_si128(o.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(codes));
+            }
+        }
+        out
+    }
+
+    /// The 16-lane quantizer against bisection on every `f32` whose top 16 bits are in
+    /// `his` (both maps).
+    fn agrees_on(his: impl ParallelIterator<Item = u32>) -> Option<u32> {
+        let books = [true, false].map(|s| CodeBook::new(dynamic_map(s)).unwrap());
+        his.find_any(|&hi| {
+            let xs: Vec<f32> = (0..=0xffffu32)
+                .map(|lo| f32::from_bits(hi << 16 | lo))
+                .collect();
+            books.iter().any(|book| {
+                let codes = quantize_lanes(book, &xs);
+                xs.iter()
+                    .zip(&codes)
+                    .any(|(&x, &c)| c != quantize(x, book.map()))
+            })
+        })
+    }
+
+    /// A sample of bit patterns (every 251st block of 65 536, both signs: zeros, subnormals,
+    /// the map's range, infinities and NaNs among them) in CI.
+    #[test]
+    fn lane_quantizer_equals_bisection_on_a_sample_of_f32_bit_patterns() {
+        if !available() {
+            println!("skipped: this CPU has no AVX-512 F/BW/VBMI");
+            return;
+        }
+        let his: Vec<u32> = (0..=0xffffu32)
+            .step_by(251)
+            .chain([0x0000, 0x8000, 0x3f80, 0xbf80, 0x7f80, 0xff80, 0x7fc0])
+            .collect();
+        assert_eq!(agrees_on(his.into_par_iter()), None);
+    }
+
+    /// Every one of the 2^32 bit patterns; by hand after an index change:
+    /// `cargo test --release -p ragged-optimizers --lib lane_quantizer -- --ignored`.
+    #[test]
+    #[ignore = "2^32 inputs × 2 maps: run by hand after changing the index"]
+    fn lane_quantizer_equals_bisection_on_every_f32() {
+        if !available() {
+            println!("skipped: this CPU has no AVX-512 F/BW/VBMI");
+            return;
+        }
+        assert_eq!(agrees_on((0..=0xffffu32).into_par_iter()), None);
+    }
+}
