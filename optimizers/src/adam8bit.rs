@@ -107,7 +107,8 @@
 //! - **AVX-512 F/BW/VBMI** ([`crate::kernels::adam8bit_avx512`]): dequantizes with VBMI byte
 //!   permutes over the maps held as four 256-byte planes (no gathers), steps 16 lanes, and
 //!   requantizes with the threshold table in 16 lanes. On an AVX-512 EPYC it steps the same
-//!   case 1.6–1.7× faster than the AVX2 build, interleaved in one run (`ragged bench optim`).
+//!   case 1.4–1.8× faster than the AVX2 build (median step times, interleaved in one run by
+//!   `ragged bench optim`; 1.27–4.71× over all rows of six runs).
 //!
 //! Per element the step needs five IEEE divisions or square roots (three in Adam's update,
 //! one per moment to scale it into the map) and two table gathers (the requantizing index),
