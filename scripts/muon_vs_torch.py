@@ -12,9 +12,18 @@ Run (from the repository root):
 and compare with the `llama d=1024 x4 (28 matrices)` rows of
     cargo run --release --bin ragged -- bench optim --only muon --no-write
 Without torch (or a torch without torch.optim.Muon) it prints why and exits 0 (skipped).
+
+On a shared machine the load moves between runs, so the ratio of two separate runs is noisy.
+`--interleave muon,muon-bf16` starts ragged's `muon_steps` example (one Muon step on the same
+28 matrices per request; build it first with
+    cargo build --release -p ragged-optimizers --example muon_steps
+) once per listed variant and alternates: one torch step, then one step of each ragged
+variant, `--reps` times, so every ratio compares steps taken seconds apart. It prints each
+round and the median (and range) of the per-round ratios ragged / torch.
 """
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -41,6 +50,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--interleave", default="",
+                    help="comma-separated ragged variants (muon, muon-bf16) to step between torch's")
+    ap.add_argument("--steps-bin", default="target/release/examples/muon_steps")
     args = ap.parse_args()
     try:
         import torch
@@ -57,11 +69,32 @@ def main():
         p.grad = torch.randn_like(p)
     opt = torch.optim.Muon(params, lr=0.02)
     opt.step()  # untimed: state allocation
+    variants = [v for v in args.interleave.split(",") if v]
+    ragged = {}
+    for v in variants:
+        proc = subprocess.Popen([args.steps_bin, v], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        print(proc.stdout.readline().strip(), flush=True)  # "ready ..." after its first step
+        ragged[v] = (proc, [])
     times = []
-    for _ in range(args.reps):
+    for r in range(args.reps):
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)
+        line = f"round {r + 1}: torch {times[-1]:.2f} s"
+        for v, (proc, ts) in ragged.items():
+            proc.stdin.write("step\n")
+            proc.stdin.flush()
+            ts.append(float(proc.stdout.readline()))
+            line += f", ragged {v} {ts[-1]:.2f} s ({ts[-1] / times[-1]:.2f}x)"
+        print(line, flush=True)
+    for v, (proc, ts) in ragged.items():
+        proc.stdin.write("quit\n")
+        proc.stdin.flush()
+        proc.wait()
+        ratios = sorted(a / b for a, b in zip(ts, times))
+        print(f"ragged {v} / torch.optim.Muon, per round: median {ratios[len(ratios) // 2]:.2f}, "
+              f"range {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} rounds")
     times.sort()
     n = sum(p.numel() for p in params)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(params)} matrices, {n} params")

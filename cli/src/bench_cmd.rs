@@ -457,9 +457,16 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              compulsory traffic (params and state read and written, grads read; scratch not \
              counted); memcpy GB/s counts read + write bytes too, and `vs memcpy` is against \
              the all-threads copy. MFU against the peak of the row's dtype (below); `vs GEMM` \
-             against the same-run f32 GEMM. Newton–Schulz FLOPs are nominal: the gemm backend \
-             computes the symmetric products `X·Xᵀ` and `P·P` as half-products, about 60 % of \
-             the nominal work at 1024–2048, so its MFU can exceed what a plain GEMM reaches. \
+             against the same-run f32 GEMM; for Muon, `vs GEMM, interleaved` times an f32 GEMM \
+             of the matrices' longest side (256 to 2048) right after every timed step and gives \
+             the median, range and count of the per-step ratios, which the machine's load moves \
+             far less than the ratio to the GEMM measured once at the start. 8-bit Adam on a CPU \
+             with its AVX-512 build also steps the same case on the AVX2 build, alternating step \
+             by step, and the kernel column gives that build's times and the speed-up. \
+             Newton–Schulz FLOPs are nominal: the gemm backend computes the symmetric \
+             products `X·Xᵀ` and `P·P` as half-products (recursive halves down to 256-wide \
+             blocks), 71–75 % of the nominal work at 1024–2048, so its MFU can exceed what a \
+             plain GEMM reaches. \
              Machine: {}.\n\n{table}",
             if args.full { " --full" } else { "" },
             machine()

@@ -42,8 +42,8 @@ use ragged::model::{DType, TensorSpec, Unit};
 use ragged::plan::PlanOptions;
 
 use crate::{
-    Adam8bit, Adam8bitConfig, Adam8bitState, AdamState, AdamW, Grafting, MatrixLayout, Muon,
-    MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
+    Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
+    MatrixLayout, Muon, MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -205,17 +205,42 @@ pub fn memcpy_gbps(bytes: usize, reps: usize, threads: usize) -> f64 {
     2.0 * bytes as f64 / ragged::bench::comm::memcpy_seconds(bytes, reps, threads) / 1e9
 }
 
-/// `C = A·B` for square row-major `n × n` f32 matrices with the `gemm` crate (AVX-512 kernels
-/// compiled in, picked at run time), on rayon's threads: best and median GFLOP/s (`2n³/t`)
-/// of `reps` runs after one warm-up.
-pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
-    let mut rng = SplitMix(7);
-    let a: Vec<f32> = (0..n * n).map(|_| rng.uniform()).collect();
-    let b: Vec<f32> = (0..n * n).map(|_| rng.uniform()).collect();
-    let mut c = vec![0.0f32; n * n];
-    let threads = rayon::current_num_threads();
-    let ni = n as isize;
-    let mut run = || {
+/// A square `f32` GEMM `C = A·B` (row-major `n × n`, seeded operands) with the `gemm` crate
+/// (AVX-512 kernels compiled in, picked at run time) on rayon's threads, ready to time again
+/// and again: the baseline GEMM, and the one `run_case` interleaves with Muon's steps.
+pub struct GemmProbe {
+    n: usize,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl GemmProbe {
+    /// Operands for side `n`.
+    pub fn new(n: usize) -> Self {
+        let mut rng = SplitMix(7);
+        GemmProbe {
+            n,
+            a: (0..n * n).map(|_| rng.uniform()).collect(),
+            b: (0..n * n).map(|_| rng.uniform()).collect(),
+            c: vec![0.0; n * n],
+        }
+    }
+
+    /// Side of the matrices.
+    pub fn side(&self) -> usize {
+        self.n
+    }
+
+    /// FLOPs of one product, `2n³`.
+    pub fn flops(&self) -> f64 {
+        2.0 * (self.n as f64).powi(3)
+    }
+
+    /// Seconds of one product.
+    pub fn seconds(&mut self) -> f64 {
+        let (n, ni) = (self.n, self.n as isize);
+        let threads = rayon::current_num_threads();
         let t = Instant::now();
         // SAFETY: a, b and c hold n·n elements each, row-major (column stride 1, row stride
         // n), and c does not alias a or b.
@@ -224,14 +249,14 @@ pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
                 n,
                 n,
                 n,
-                c.as_mut_ptr(),
+                self.c.as_mut_ptr(),
                 1,
                 ni,
                 false,
-                a.as_ptr(),
+                self.a.as_ptr(),
                 1,
                 ni,
-                b.as_ptr(),
+                self.b.as_ptr(),
                 1,
                 ni,
                 0.0,
@@ -242,14 +267,26 @@ pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
                 gemm::Parallelism::Rayon(threads),
             );
         }
-        std::hint::black_box(&mut c);
+        std::hint::black_box(&mut self.c);
         t.elapsed().as_secs_f64()
-    };
-    run();
-    let times: Vec<f64> = (0..reps.max(1)).map(|_| run()).collect();
+    }
+}
+
+/// [`GemmProbe`] of side `n`: best and median GFLOP/s (`2n³/t`) of `reps` runs after one
+/// warm-up.
+pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
+    let mut probe = GemmProbe::new(n);
+    probe.seconds();
+    let times: Vec<f64> = (0..reps.max(1)).map(|_| probe.seconds()).collect();
     let t = Timing::of(times);
-    let flops = 2.0 * (n as f64).powi(3);
-    (flops / t.best / 1e9, flops / t.median / 1e9)
+    (probe.flops() / t.best / 1e9, probe.flops() / t.median / 1e9)
+}
+
+/// Side of the GEMM interleaved with Muon's steps on `set`: its longest matrix side, within
+/// 256..=2048.
+pub fn interleaved_gemm_side(set: &ShapeSet) -> usize {
+    let longest = set.params.iter().flat_map(|(_, s)| s.iter().copied()).max();
+    longest.unwrap_or(256).clamp(256, 2048)
 }
 
 /// Runs both baselines.
@@ -641,6 +678,16 @@ impl Case {
     /// Builds the optimizer (default hyperparameters), a one-rank shard of `set`, its state,
     /// and seeded random parameters and gradients.
     pub fn new(kind: OptimKind, set: &ShapeSet) -> Result<Case> {
+        Self::with_adam8bit_kernel(kind, set, Adam8bitKernel::detect())
+    }
+
+    /// [`Case::new`] with 8-bit Adam on `adam8bit_kernel` (ignored by the other optimizers);
+    /// `Err` when this CPU cannot run it.
+    pub fn with_adam8bit_kernel(
+        kind: OptimKind,
+        set: &ShapeSet,
+        adam8bit_kernel: Adam8bitKernel,
+    ) -> Result<Case> {
         fn make<O: Optimizer + 'static>(
             opt: O,
             set: &ShapeSet,
@@ -666,7 +713,7 @@ impl Case {
         let runner = match kind {
             OptimKind::AdamW => make(AdamW::default(), set, adam_state_bytes)?,
             OptimKind::Adam8bit => make(
-                Adam8bit::new(Adam8bitConfig::default())?,
+                Adam8bit::new(Adam8bitConfig::default())?.with_kernel(adam8bit_kernel)?,
                 set,
                 adam8bit_state_bytes,
             )?,
@@ -736,6 +783,12 @@ pub struct Row {
     pub cost: Cost,
     /// Optimizer-state bytes after the timed steps.
     pub state_bytes: usize,
+    /// The kernel that ran ([`kernel_name`]), and for 8-bit Adam on a CPU with a faster
+    /// build than AVX2, the AVX2 build's time on the same case, interleaved step by step.
+    pub kernel: String,
+    /// Muon only: per timed step, the step's nominal GFLOP/s over the rate of an `f32` GEMM
+    /// ([`GemmProbe`], side [`interleaved_gemm_side`]) timed right after it; sorted.
+    pub vs_interleaved_gemm: Vec<f64>,
 }
 
 impl Row {
@@ -755,18 +808,52 @@ impl Row {
 /// Times `kind` on `set`: one untimed step, then `reps` timed steps; fewer when a step takes
 /// longer than [`CASE_SECONDS`]` / reps`, and when the first step alone takes longer than
 /// [`CASE_SECONDS`], that step is the only sample (`Timing::reps` is then 0).
+///
+/// For 8-bit Adam on a CPU whose default build is faster than AVX2, the AVX2 build steps the
+/// same case too, alternating step by step with the default one (so both see the same
+/// machine load), and the kernel column gives its best time and the speed-up.
 pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
-    let mut case = Case::new(kind, set)?;
+    let default = Adam8bitKernel::detect();
+    let compare = (kind == OptimKind::Adam8bit
+        && default == Adam8bitKernel::Avx512
+        && Adam8bitKernel::Avx2.is_available())
+    .then_some(Adam8bitKernel::Avx2);
+    let mut case = Case::with_adam8bit_kernel(kind, set, default)?;
+    let mut other = compare
+        .map(|k| Case::with_adam8bit_kernel(kind, set, k))
+        .transpose()?;
+    let mut gemm = matches!(kind, OptimKind::Muon | OptimKind::MuonBf16)
+        .then(|| GemmProbe::new(interleaved_gemm_side(set)));
     let t = Instant::now();
     case.step()?;
     let first = t.elapsed().as_secs_f64();
+    if let Some(o) = other.as_mut() {
+        o.step()?;
+    }
+    if let Some(g) = gemm.as_mut() {
+        g.seconds();
+    }
     let reps = reps.max(1).min((CASE_SECONDS / first) as usize);
+    let flops = cost(kind, set)?.flops;
     let mut times = Vec::with_capacity(reps.max(1));
+    let mut other_times = Vec::with_capacity(reps);
+    let mut vs_gemm = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t = Instant::now();
         case.step()?;
-        times.push(t.elapsed().as_secs_f64());
+        let step = t.elapsed().as_secs_f64();
+        times.push(step);
+        if let Some(o) = other.as_mut() {
+            let t = Instant::now();
+            o.step()?;
+            other_times.push(t.elapsed().as_secs_f64());
+        }
+        if let Some(g) = gemm.as_mut() {
+            let rate = g.flops() / g.seconds();
+            vs_gemm.push(flops / step / rate);
+        }
     }
+    vs_gemm.sort_by(f64::total_cmp);
     let timing = if times.is_empty() {
         Timing {
             reps: 0,
@@ -775,6 +862,18 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
     } else {
         Timing::of(times)
     };
+    let mut kernel = kernel_name(kind);
+    if let (Some(k), false) = (compare, other_times.is_empty()) {
+        let o = Timing::of(other_times);
+        kernel = format!(
+            "{kernel}; same run, interleaved: {} {:.3} ms best, {:.3} median: {:.2}× faster (best), {:.2}× (median)",
+            k.name(),
+            1e3 * o.best,
+            1e3 * o.median,
+            o.best / timing.best,
+            o.median / timing.median
+        );
+    }
     Ok(Row {
         optimizer: kind,
         shapes: set.name.clone(),
@@ -782,6 +881,8 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         timing,
         cost: cost(kind, set)?,
         state_bytes: case.state_bytes(),
+        kernel,
+        vs_interleaved_gemm: vs_gemm,
     })
 }
 
@@ -880,7 +981,7 @@ pub struct Report {
 }
 
 /// Column headers of the optimizer table (the CLI test checks them).
-pub const COLUMNS: [&str; 17] = [
+pub const COLUMNS: [&str; 18] = [
     "optimizer",
     "shapes",
     "params",
@@ -898,6 +999,7 @@ pub const COLUMNS: [&str; 17] = [
     "comm B/step",
     "dtype",
     "kernel",
+    "vs GEMM, interleaved (median, min–max, n)",
 ];
 
 /// The peak GFLOP/s an optimizer's MFU is measured against.
@@ -905,6 +1007,14 @@ fn peak_of(p: &Peak, kind: OptimKind) -> f64 {
     match kind.dtype() {
         "bf16" => p.bf16_gflops(),
         _ => p.f32_gflops(),
+    }
+}
+
+/// A sorted sample of ratios as `median (min–max, n)`; `–` when empty.
+fn interleaved(r: &[f64]) -> String {
+    match (r.first(), r.last()) {
+        (Some(lo), Some(hi)) => format!("{:.2} ({lo:.2}–{hi:.2}, {})", r[r.len() / 2], r.len()),
+        _ => "–".into(),
     }
 }
 
@@ -956,7 +1066,7 @@ pub fn markdown(r: &Report) -> String {
             .map_or_else(|| "n/a".to_string(), |c| c.to_string());
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.3} | {:.1} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |",
             row.optimizer,
             row.shapes,
             row.params,
@@ -973,7 +1083,8 @@ pub fn markdown(r: &Report) -> String {
             row.state_bytes_per_param(),
             comm,
             row.optimizer.dtype(),
-            kernel_name(row.optimizer),
+            row.kernel,
+            interleaved(&row.vs_interleaved_gemm),
         );
     }
     out

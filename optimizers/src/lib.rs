@@ -40,7 +40,7 @@ pub mod state_io;
 pub mod validate;
 pub mod validate_f64;
 
-pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitState, Tiling};
+pub use adam8bit::{Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, Tiling};
 pub use adamw::{AdamState, AdamW, AdamWConfig, DecayRule};
 pub use muon::{LrScale, Muon, MuonConfig, MuonState};
 pub use muon_layout::{LayoutReport, MatrixLayout, TensorChoice};

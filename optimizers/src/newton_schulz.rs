@@ -573,7 +573,7 @@ pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) ->
 /// experts of `[E, rows, cols]`); see [`orthogonalize_many`] for the threading.
 pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) -> Result<()> {
     let mn = rows * cols;
-    if (mn == 0 && !x.is_empty()) || (mn != 0 && x.len() % mn != 0) {
+    if (mn == 0 && !x.is_empty()) || (mn != 0 && !x.len().is_multiple_of(mn)) {
         return Err(Error::BadInput {
             op: "orthogonalize_batch",
             what: format!("{} elements", x.len()),

@@ -189,7 +189,20 @@ fn threshold(lo: f32, hi: f32) -> f32 {
 }
 
 /// Bits of a table entry below `base`.
-const BASE_SHIFT: u32 = 24;
+pub(crate) const BASE_SHIFT: u32 = 24;
+
+/// A [`CodeBook`]'s threshold index, borrowed (see the `CodeBook` doc for its meaning).
+#[derive(Clone, Copy)]
+pub(crate) struct BucketIndex<'a> {
+    /// Per bucket, positive half then negative half: `base << 24 | threshold low key`.
+    pub table: &'a [u32],
+    /// Mantissa bits per bucket index.
+    pub bits: u32,
+    /// The biased exponent of the first octave with its own buckets.
+    pub min_exp: u32,
+    /// Buckets per sign.
+    pub buckets: usize,
+}
 
 impl CodeBook {
     /// The index of `map`; `Err` unless `map` is finite and strictly increasing, or when no
@@ -271,6 +284,17 @@ impl CodeBook {
     /// The map.
     pub fn map(&self) -> &[f32; MAP_LEN] {
         &self.map
+    }
+
+    /// The threshold index, for vector kernels that evaluate [`CodeBook::quantize`] lane by
+    /// lane (`crate::kernels::adam8bit_avx512`).
+    pub(crate) fn index(&self) -> BucketIndex<'_> {
+        BucketIndex {
+            table: &self.table,
+            bits: self.bits,
+            min_exp: self.min_exp,
+            buckets: self.buckets,
+        }
     }
 
     /// [`quantize`]`(x, map)`, bit for bit, without branches.

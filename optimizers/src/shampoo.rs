@@ -282,7 +282,7 @@ impl ShampooConfig {
     /// Whether the inverse roots are recomputed at step `t` (fb's `compute_root_inverse`).
     pub fn computes_roots_at(&self, t: u64) -> bool {
         let start = self.start_step();
-        t == start || (t > start && t % self.precondition_frequency == 0)
+        t == start || (t > start && t.is_multiple_of(self.precondition_frequency))
     }
 }
 
@@ -474,7 +474,7 @@ impl Shampoo {
             let numel = meta.numel();
             let cols = meta.shape.last().copied().unwrap_or(1).max(1);
             let block_elems = d.saturating_mul(cols).min(numel);
-            let edge = |e: usize| e % block_elems == 0 || e == numel;
+            let edge = |e: usize| e.is_multiple_of(block_elems) || e == numel;
             if !edge(piece.range.start) || !edge(piece.range.end) {
                 let cut = if edge(piece.range.start) {
                     piece.range.end

@@ -368,7 +368,7 @@ impl RefShampoo {
             .start_preconditioning_step
             .unwrap_or(c.precondition_frequency);
         let roots_now =
-            self.t == start || (self.t > start && self.t % c.precondition_frequency == 0);
+            self.t == start || (self.t > start && self.t.is_multiple_of(c.precondition_frequency));
         let mut gbar = vec![0.0; g.len()];
         let mut pg = vec![0.0; g.len()];
         for i in 0..g.len() {
