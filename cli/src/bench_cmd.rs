@@ -317,20 +317,21 @@ pub fn check(cmd: &BenchCommand) -> Result<()> {
     }
 }
 
+/// `Err` unless an MLP stack benchmark has at least one world, every world and size ≥ 1.
+fn check_stack(op: &'static str, worlds: &[usize], sizes: [usize; 3]) -> Result<()> {
+    at_least(op, "--worlds (how many)", worlds.len(), 1)?;
+    for (flag, n) in ["--layers", "--width", "--hidden"].into_iter().zip(sizes) {
+        at_least(op, flag, n, 1)?;
+    }
+    worlds
+        .iter()
+        .try_for_each(|&world| at_least(op, "--worlds", world, 1).map(drop))
+}
+
 fn check_checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench checkpoint";
-    at_least(OP, "--worlds (how many)", args.worlds.len(), 1)?;
     at_least(OP, "--repeats", args.repeats, 1)?;
-    for (flag, n) in [
-        ("--layers", args.layers),
-        ("--width", args.width),
-        ("--hidden", args.hidden),
-    ] {
-        at_least(OP, flag, n, 1)?;
-    }
-    for &world in &args.worlds {
-        at_least(OP, "--worlds", world, 1)?;
-    }
+    check_stack(OP, &args.worlds, [args.layers, args.width, args.hidden])?;
     // The model's initial values, master, gradient and two AdamW moments, f32.
     let bytes = checked_product(
         OP,
@@ -343,17 +344,7 @@ fn check_checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
 fn check_train(args: &TrainBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench train";
     at_least(OP, "--steps", args.steps, 1)?;
-    at_least(OP, "--worlds (how many)", args.worlds.len(), 1)?;
-    for (flag, n) in [
-        ("--layers", args.layers),
-        ("--width", args.width),
-        ("--hidden", args.hidden),
-    ] {
-        at_least(OP, flag, n, 1)?;
-    }
-    for &world in &args.worlds {
-        at_least(OP, "--worlds", world, 1)?;
-    }
+    check_stack(OP, &args.worlds, [args.layers, args.width, args.hidden])?;
     // Parameters, master and gradient shards, and a unit's full buffers, f32, on every rank.
     let params = checked_product(
         OP,

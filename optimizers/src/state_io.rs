@@ -188,10 +188,10 @@ impl Shampoo {
         let full = Self::row_block_factor_len(d, cols, d);
         let before = |elem: usize| -> Option<usize> {
             let row = elem / cols;
-            if elem % cols != 0 || (row % d != 0 && row != rows) {
+            if !elem.is_multiple_of(cols) || (!row.is_multiple_of(d) && row != rows) {
                 return None;
             }
-            let tail = if row == rows && rows % d != 0 {
+            let tail = if row == rows && !rows.is_multiple_of(d) {
                 Self::row_block_factor_len(rows % d, cols, d)
             } else {
                 0
