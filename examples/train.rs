@@ -3,6 +3,11 @@
 //!
 //! `cargo run --release --example train -- --ranks 4 --steps 30`
 //!
+//! Checkpoints (README "Checkpoints"): `--checkpoint-dir DIR --save-every N [--keep K]` saves,
+//! `--resume DIR` continues (at any `--ranks`; `--steps` stays the total), `--export FILE`
+//! writes the final parameters as one safetensors file; every run prints a digest of its final
+//! parameters.
+//!
 //! Ranks and their collectives (`--comm`): thread ranks in this process (default); thread
 //! ranks whose collectives run on GPU 0 (`gpu-threads`); or one process per GPU over NCCL
 //! (`nccl`: start one process per rank with `RAGGED_RANK`, `RAGGED_WORLD_SIZE`,

@@ -821,8 +821,9 @@ pub struct Transfer {
     pub len: usize,
 }
 
-/// The transfers that turn `src`'s layout of a tensor into `dst`'s (Muon's gather to a root and
-/// scatter back; checkpoint resharding, so the world sizes may differ).
+/// The transfers that turn `src`'s layout of a tensor into `dst`'s (checkpoint resharding, so
+/// the world sizes may differ: `checkpoint::read`; Muon's batched gather to its roots still
+/// builds its own routes, `ragged_optimizers::roots`).
 ///
 /// Every non-empty intersection of a source range with a destination range becomes one
 /// [`Transfer`], `src_rank == dst_rank` pieces (local copies) included. A two-pointer sweep over

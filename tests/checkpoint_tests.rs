@@ -11,7 +11,10 @@ use ragged::checkpoint::safetensors::Reader;
 use ragged::checkpoint::{fs as ckpt_fs, CheckpointState, Manifest, SaveOptions};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::Communicator;
-use ragged::demo::{batch, corpus, Transformer, TransformerConfig, TransformerStages};
+use ragged::demo::{
+    batch, corpus, train_rank_with, Checkpointing, TrainMode, Transformer, TransformerConfig,
+    TransformerStages,
+};
 use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout, ShardedModel};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
@@ -642,47 +645,69 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// The main job's binary, built by `cargo test --all-targets` next to this test's.
-fn main_job() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let train = profile_dir.join("examples").join("train");
-    assert!(
-        train.is_file(),
-        "{train:?} is missing: build the examples (`cargo test --all-targets` does)"
-    );
-    train
+/// The child of [`the_main_job_resumes_bit_for_bit_in_a_new_process`]: the main job's
+/// training entry point (`demo::train_rank_with`, what `examples/train.rs` runs with its
+/// checkpoint flags) on 2 thread ranks, configured by `RAGGED_MAIN_JOB` (`optimizer steps
+/// [save DIR] [resume DIR] [export FILE]`); prints `digest <hex>`.
+#[test]
+#[ignore]
+fn child_runs_the_main_job() {
+    let Ok(spec) = std::env::var("RAGGED_MAIN_JOB") else {
+        return;
+    };
+    let words: Vec<&str> = spec.split(' ').collect();
+    let (opt, steps) = (words[0], words[1].parse::<usize>().unwrap());
+    let mut ckpt = Checkpointing::default();
+    for pair in words[2..].chunks(2) {
+        let path = Some(PathBuf::from(pair[1]));
+        match pair[0] {
+            "save" => ckpt.dir = path,
+            "resume" => ckpt.resume = path,
+            "export" => ckpt.export = path,
+            other => panic!("unknown {other}"),
+        }
+    }
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(0).unwrap();
+    let job = (cfg, TrainMode::UnitByUnit, steps, 4);
+    let digests = ThreadWorld::run(2, |c| {
+        let opts = FsdpOptions::default();
+        let run = match opt {
+            "adamw" => train_rank_with(&params, adamw(), c, opts, job, &ckpt, |_, _| {}),
+            _ => train_rank_with(&params, adam8bit(), c, opts, job, &ckpt, |_, _| {}),
+        };
+        run.map(|t| t.digest)
+    })
+    .unwrap();
+    println!("digest {}", digests[0]);
 }
 
-/// Runs the main job; returns its printed parameter digest.
-fn main_job_digest(args: &[&str]) -> String {
-    let out = std::process::Command::new(main_job())
+/// Runs [`child_runs_the_main_job`] in a new process; returns its digest.
+fn main_job_digest(spec: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
-            "--size",
-            "tiny",
-            "--ranks",
-            "2",
-            "--batch",
-            "4",
-            "--no-reference",
+            "--exact",
+            "child_runs_the_main_job",
+            "--ignored",
+            "--nocapture",
         ])
-        .args(args)
+        .env("RAGGED_MAIN_JOB", spec)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "{args:?}: {}{text}",
+        "{spec}: {}{text}",
         String::from_utf8_lossy(&out.stderr)
     );
     let line = text
         .lines()
-        .find(|l| l.starts_with("parameter digest"))
+        .find(|l| l.starts_with("digest "))
         .unwrap_or_else(|| panic!("no digest in {text}"));
-    line.rsplit(' ').next().unwrap().to_string()
+    line["digest ".len()..].to_string()
 }
 
-/// Stop the process after step 3, start a new one with `--resume`: the final digest is the
+/// Stop the process after step 3, start a new one that resumes: the final digest is the
 /// uninterrupted run's, for AdamW and 8-bit Adam; the export is written.
 #[test]
 fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
@@ -690,19 +715,10 @@ fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
     for opt in ["adamw", "adam8bit"] {
         let dir = root.join(opt);
         let d = dir.to_str().unwrap();
-        let straight = main_job_digest(&["--optimizer", opt, "--steps", "6"]);
-        main_job_digest(&["--optimizer", opt, "--steps", "3", "--checkpoint-dir", d]);
         let export = root.join(format!("{opt}.safetensors"));
-        let resumed = main_job_digest(&[
-            "--optimizer",
-            opt,
-            "--steps",
-            "6",
-            "--resume",
-            d,
-            "--export",
-            export.to_str().unwrap(),
-        ]);
+        let straight = main_job_digest(&format!("{opt} 6"));
+        main_job_digest(&format!("{opt} 3 save {d}"));
+        let resumed = main_job_digest(&format!("{opt} 6 resume {d} export {}", export.display()));
         assert_eq!(straight, resumed, "{opt}");
         assert!(export.is_file());
     }
