@@ -180,6 +180,14 @@ fn sharded_equals_unsharded<O: Optimizer + Clone>(
     reference
 }
 
+/// The largest |element| of `t` (f32).
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .and_then(|a| a.max_all())
+        .and_then(|m| m.to_scalar::<f32>())
+        .unwrap()
+}
+
 /// The default rule on candle-transformers' Llama names, Meta's names, GPT-2's and BERT's, an
 /// MoE expert batch; and the two ways to override it.
 #[test]
@@ -284,21 +292,8 @@ fn the_differentiable_llama_computes_candle_transformers_logits_and_trains_every
     let ours = DiffLlama::load(vb, &cfg).unwrap();
     let logits = ours.forward(&batch).unwrap();
     let ours_last = logits.i((.., 15, ..)).unwrap();
-    let diff = (ours_last - &last)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let scale = last
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs(&(ours_last - &last).unwrap());
+    let scale = max_abs(&last);
     assert!(
         diff <= 1e-5 * scale.max(1.0),
         "logits differ by {diff} (scale {scale})"
@@ -307,17 +302,7 @@ fn the_differentiable_llama_computes_candle_transformers_logits_and_trains_every
     let reached = |loss: Tensor| -> Vec<String> {
         let grads = loss.backward().unwrap();
         vars.iter()
-            .filter(|(_, v)| {
-                grads.get(v).is_some_and(|g| {
-                    g.abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap()
-                        > 0.0
-                })
-            })
+            .filter(|(_, v)| grads.get(v).is_some_and(|g| max_abs(g) > 0.0))
             .map(|(n, _)| n.clone())
             .collect()
     };

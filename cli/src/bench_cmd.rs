@@ -184,10 +184,7 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
         repeats: args.repeats,
     };
     let adamw = ragged_optimizers::AdamW::new(ragged_optimizers::AdamWConfig::default())?;
-    let bar = ProgressBar::new((args.repeats * args.worlds.len()) as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
+    let bar = sweep_bar((args.repeats * args.worlds.len()) as u64);
     let rows = run(&cfg, adamw, |what| {
         bar.set_message(what.to_string());
         bar.inc(1);
@@ -256,10 +253,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         worlds: args.worlds.clone(),
         steps: args.steps,
     };
-    let bar = ProgressBar::new(1 + 4 * args.worlds.len() as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
+    let bar = sweep_bar(1 + 4 * args.worlds.len() as u64);
     let rows = run(&cfg, |what| {
         bar.set_message(what.to_string());
         bar.inc(1);
@@ -301,6 +295,12 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         eprintln!("updated {}", args.out.display());
     }
     Ok(())
+}
+
+/// The progress bar of a benchmark sweep of `len` points.
+fn sweep_bar(len: u64) -> ProgressBar {
+    let style = ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]");
+    ProgressBar::new(len).with_style(style.expect("valid template"))
 }
 
 const OP_OPTIM: &str = "ragged bench optim";
@@ -515,10 +515,7 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
         .map(|b| b.parse())
         .collect::<Result<_>>()?;
     let total = (models.len() * args.worlds.len() * blocks.len()) as u64;
-    let bar = ProgressBar::new(total).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
+    let bar = sweep_bar(total);
     let mut rows = Vec::new();
     for name in &models {
         let inv = Inventory::load(name)?;
@@ -554,10 +551,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
         &[ShardLayout::Ragged, ShardLayout::Fsdp2]
     };
     let total = (args.worlds.len() + layouts.len()) as u64;
-    let bar = ProgressBar::new(total).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
+    let bar = sweep_bar(total);
     let mut rows = Vec::new();
     for &world in &args.worlds {
         bar.set_message(format!("collectives V={world}"));

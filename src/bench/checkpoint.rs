@@ -79,16 +79,21 @@ fn evict(path: &Path) -> Result<()> {
 /// which would favour whichever side runs second.)
 fn prime_page_cache(dir: &Path, bytes: u64, block: &[u8]) -> Result<()> {
     let path = dir.join("prime.bin");
-    let mut f = File::create(&path).map_err(io("bench checkpoint: create", &path))?;
+    drop(write_blocks(&path, bytes, block)?);
+    std::fs::remove_file(&path).map_err(io("bench checkpoint: remove", &path))
+}
+
+/// Creates `path` and writes `bytes` of `block` repeated (not synced).
+fn write_blocks(path: &Path, bytes: u64, block: &[u8]) -> Result<File> {
+    let mut f = File::create(path).map_err(io("bench checkpoint: create", path))?;
     let mut left = bytes;
     while left > 0 {
         let n = left.min(block.len() as u64) as usize;
         f.write_all(&block[..n])
-            .map_err(io("bench checkpoint: write", &path))?;
+            .map_err(io("bench checkpoint: write", path))?;
         left -= n as u64;
     }
-    drop(f);
-    std::fs::remove_file(&path).map_err(io("bench checkpoint: remove", &path))
+    Ok(f)
 }
 
 /// Random bytes: a storage layer that compresses or deduplicates must not flatter the
@@ -106,14 +111,7 @@ fn disk_baseline(dir: &Path, bytes: u64) -> Result<(f64, f64)> {
     let block = random_block();
     prime_page_cache(dir, bytes, &block)?;
     let start = Instant::now();
-    let mut f = File::create(&path).map_err(io("bench checkpoint: create", &path))?;
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(BLOCK as u64) as usize;
-        f.write_all(&block[..n])
-            .map_err(io("bench checkpoint: write", &path))?;
-        left -= n as u64;
-    }
+    let f = write_blocks(&path, bytes, &block)?;
     f.sync_all().map_err(io("bench checkpoint: fsync", &path))?;
     let write = start.elapsed().as_secs_f64();
     drop(f);

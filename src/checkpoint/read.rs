@@ -146,7 +146,7 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
 /// and written. `progress(tensor)` is called after each.
 pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<()> {
     use super::manifest::PARAM_FIELD;
-    use super::safetensors::{TensorHeader, Writer};
+    use super::safetensors::Consolidated;
     let manifest = Manifest::read(dir)?;
     let records: HashMap<&str, &FieldRecord> = manifest
         .fields
@@ -154,25 +154,17 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
         .filter(|f| f.field == PARAM_FIELD)
         .map(|f| (f.param.as_str(), f))
         .collect();
-    let headers: Vec<TensorHeader> = manifest
+    let tensors = manifest
         .model
         .iter()
-        .map(|t| TensorHeader {
-            name: t.name.clone(),
-            dtype: "F32",
-            shape: t.shape.clone(),
-        })
-        .collect();
-    let tmp = out.with_extension("safetensors.tmp");
-    let meta = std::collections::BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    let mut w = Writer::create(&tmp, &headers, &meta, u64::MAX)?;
+        .map(|t| (t.name.clone(), t.shape.clone()));
+    let mut file = Consolidated::create(out, tensors)?;
     for t in &manifest.model {
         let rec = records
             .get(t.name.as_str())
             .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
-        w.write(&read_global(dir, &manifest, rec)?)?;
+        file.write(&read_global(dir, &manifest, rec)?)?;
         progress(&t.name);
     }
-    w.finish()?;
-    std::fs::rename(&tmp, out).map_err(|e| Error::io("checkpoint export", out, e))
+    file.finish()
 }

@@ -512,3 +512,48 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
     }
     Ok(())
 }
+
+/// A consolidated checkpoint being written: one f32 tensor per parameter (names and shapes as
+/// given), under a temporary name that [`Consolidated::finish`] renames to the destination,
+/// so a failed export never leaves a partial file under the real name.
+pub struct Consolidated {
+    writer: Writer,
+    tmp: PathBuf,
+    out: PathBuf,
+}
+
+impl Consolidated {
+    /// Creates `out`'s temporary file and writes the header of `tensors` (name, shape).
+    pub fn create(
+        out: &Path,
+        tensors: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self> {
+        let headers: Vec<TensorHeader> = tensors
+            .into_iter()
+            .map(|(name, shape)| TensorHeader {
+                name,
+                dtype: "F32",
+                shape,
+            })
+            .collect();
+        let tmp = out.with_extension("safetensors.tmp");
+        let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        Ok(Consolidated {
+            writer: Writer::create(&tmp, &headers, &meta, u64::MAX)?,
+            tmp,
+            out: out.to_path_buf(),
+        })
+    }
+
+    /// The next bytes, in header order (little-endian f32).
+    pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.writer.write(bytes)
+    }
+
+    /// Fsyncs the file and renames it into place.
+    pub fn finish(self) -> Result<()> {
+        self.writer.finish()?;
+        std::fs::rename(&self.tmp, &self.out)
+            .map_err(|e| Error::io("checkpoint: export", &self.out, e))
+    }
+}

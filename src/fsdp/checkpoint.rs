@@ -2,7 +2,7 @@
 //! at any world size and layout, consolidated safetensors export and import, and a digest of
 //! the parameters.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -15,12 +15,12 @@ use crate::checkpoint::manifest::{
     OptimizerRecord, Progress, UnitRecord, FORMAT, PARAM_FIELD, VERSION,
 };
 use crate::checkpoint::read::SourceFiles;
-use crate::checkpoint::safetensors::{hex, FileDigest, Reader, TensorHeader, Writer};
+use crate::checkpoint::safetensors::{hex, Consolidated, FileDigest, Reader, TensorHeader, Writer};
 use crate::checkpoint::{
     agree, fs, CheckpointState, FieldDataMut, FieldLayout, FieldType, Loaded, SaveOptions, Saved,
 };
 use crate::comm::{Buf, BufMut};
-use crate::optim::{LocalShard, Optimizer};
+use crate::optim::Optimizer;
 use crate::{Error, Result};
 
 /// One rank's range of one saved array (what each rank tells rank 0 for the manifest).
@@ -48,9 +48,24 @@ fn bad(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-/// A unit's parameters as a field laid out like its shard.
-fn param_layout(local: &LocalShard) -> FieldLayout {
-    FieldLayout::like_shard(PARAM_FIELD, FieldType::F32, local)
+/// A buffer's fields on this rank, the parameters then the optimizer state's, checked
+/// against the arrays they describe (what a save writes and a load fills).
+fn fields_of<O: CheckpointState>(
+    optimizer: &O,
+    unit: &ShardedUnit<O::State>,
+) -> Result<Vec<FieldLayout>> {
+    let mut fields = vec![FieldLayout::like_shard(
+        PARAM_FIELD,
+        FieldType::F32,
+        &unit.local,
+    )];
+    fields.extend(optimizer.state_layout(&unit.local)?);
+    let state = optimizer.state_data(&unit.state);
+    let lens = std::iter::once((FieldType::F32, unit.params.master().len()))
+        .chain(state.iter().map(|d| (d.dtype(), d.len())))
+        .collect::<Vec<_>>();
+    crate::checkpoint::state::check_fields("checkpoint", &fields, lens.into_iter())?;
+    Ok(fields)
 }
 
 impl<O: CheckpointState> ShardedModel<'_, O> {
@@ -72,7 +87,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let written = self
             .write_rank_file(&file, opts.chunk_bytes)
             .and_then(|w| Ok(serde_json::to_vec(&w)?));
-        let writes = agree(self.comm, root, written);
+        let writes = agree(self.comm, root, written).and_then(|all| {
+            all.iter()
+                .map(|w| Ok(serde_json::from_slice::<RankWrite>(w)?))
+                .collect::<Result<Vec<RankWrite>>>()
+        });
         let writes = match writes {
             Ok(w) => w,
             Err(e) => {
@@ -92,13 +111,9 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         }
         let removed = agree(self.comm, root, published)?;
         let removed: Vec<PathBuf> = serde_json::from_slice(&removed[0])?;
-        let mut bytes = 0;
-        for w in &writes {
-            bytes += serde_json::from_slice::<RankWrite>(w)?.digest.bytes;
-        }
         Ok(Saved {
             dir: fs::step_dir(root, step),
-            bytes,
+            bytes: writes.iter().map(|w| w.digest.bytes).sum(),
             seconds: start.elapsed().as_secs_f64(),
             removed,
         })
@@ -119,25 +134,13 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// Every buffer's fields on this rank: the parameters, then the optimizer state's.
-    fn fields_of(&self, unit: &ShardedUnit<O::State>) -> Result<Vec<FieldLayout>> {
-        let mut fields = vec![param_layout(&unit.local)];
-        fields.extend(self.optimizer.state_layout(&unit.local)?);
-        let state = self.optimizer.state_data(&unit.state);
-        let lens = std::iter::once((FieldType::F32, unit.params.master().len()))
-            .chain(state.iter().map(|d| (d.dtype(), d.len())))
-            .collect::<Vec<_>>();
-        crate::checkpoint::state::check_fields("checkpoint", &fields, lens.into_iter())?;
-        Ok(fields)
-    }
-
     /// Writes this rank's file: every field's every span as one 1-D tensor.
     fn write_rank_file(&self, path: &Path, chunk_bytes: u64) -> Result<RankWrite> {
         let mut headers = Vec::new();
         let mut held = Vec::new();
         let mut layouts = Vec::with_capacity(self.units.len());
         for unit in &self.units {
-            let fields = self.fields_of(unit)?;
+            let fields = fields_of(&self.optimizer, unit)?;
             for f in &fields {
                 for s in &f.spans {
                     let param = &unit.local.params[s.param].name;
@@ -186,15 +189,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         &self,
         root: &Path,
         tmp: &Path,
-        writes: &[Vec<u8>],
+        writes: &[RankWrite],
         opts: &SaveOptions,
     ) -> Result<Vec<u8>> {
         let world = self.comm.world_size();
         let mut fields: BTreeMap<(String, String), FieldRecord> = BTreeMap::new();
         let mut files = Vec::with_capacity(world);
-        for (rank, bytes) in writes.iter().enumerate() {
-            let w: RankWrite = serde_json::from_slice(bytes)?;
-            for h in w.held {
+        for (rank, w) in writes.iter().enumerate() {
+            for h in w.held.iter().cloned() {
                 let rec = fields
                     .entry((h.param.clone(), h.field.clone()))
                     .or_insert_with(|| FieldRecord {
@@ -215,7 +217,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             files.push(FileRecord {
                 rank,
                 file: rank_file(rank, world),
-                digest: w.digest,
+                digest: w.digest.clone(),
             });
         }
         let manifest = Manifest {
@@ -246,18 +248,6 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             Vec::new()
         };
         Ok(serde_json::to_vec(&removed)?)
-    }
-
-    fn model_tensors(&self) -> Vec<ModelTensor> {
-        self.units
-            .iter()
-            .flat_map(|u| &u.local.params)
-            .map(|m| ModelTensor {
-                name: m.name.clone(),
-                shape: m.shape.clone(),
-                dtype: "F32".into(),
-            })
-            .collect()
     }
 
     fn progress(&self) -> Result<Progress> {
@@ -336,16 +326,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             return Err(bad(&dir, "ranks resolved different checkpoint folders"));
         }
         let (dir, manifest) = checked.expect("every rank succeeded above");
-        let read = self
-            .read_all(&dir, &manifest)
-            .map(|n| n.to_le_bytes().to_vec());
-        let read = agree(self.comm, &dir, read)?;
+        let read = self.read_all(&dir, &manifest);
+        let bytes_read = *read.as_ref().unwrap_or(&0);
+        agree(self.comm, &dir, read.map(|_| Vec::new()))?;
         self.restore_progress(&manifest.progress)?;
-        let rank = self.comm.rank();
         Ok(Loaded {
             saved_world: manifest.world,
             steps: manifest.progress.steps,
-            bytes_read: u64::from_le_bytes(read[rank][..8].try_into().expect("8 bytes per rank")),
+            bytes_read,
             seconds: start.elapsed().as_secs_f64(),
             dir,
         })
@@ -380,11 +368,12 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             }
         }
         if ours.len() != m.model.len() {
+            let names: HashSet<&str> = ours.iter().map(|t| t.name.as_str()).collect();
             let extra: Vec<&str> = m
                 .model
                 .iter()
                 .map(|t| t.name.as_str())
-                .filter(|n| !ours.iter().any(|t| t.name == *n))
+                .filter(|n| !names.contains(n))
                 .take(5)
                 .collect();
             return Err(bad(
@@ -419,8 +408,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let mut files = SourceFiles::new(dir, m);
         let optimizer = &self.optimizer;
         for unit in &mut self.units {
-            let mut fields = vec![param_layout(&unit.local)];
-            fields.extend(optimizer.state_layout(&unit.local)?);
+            let fields = fields_of(optimizer, unit)?;
             let ShardedUnit {
                 local,
                 params,
@@ -478,39 +466,26 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Call it on every rank: each unit is gathered in turn, so a rank holds one unit at a time.
     pub fn export_safetensors(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let tmp = path.with_extension("safetensors.tmp");
-        let (mut writer, mut failed) = (None, None);
+        let (mut file, mut failed) = (None, None);
         if self.comm.rank() == 0 {
-            let headers: Vec<TensorHeader> = self
-                .units
-                .iter()
-                .flat_map(|u| u.params.slots())
-                .map(|s| TensorHeader {
-                    name: s.name.clone(),
-                    dtype: "F32",
-                    shape: s.shape.clone(),
-                })
-                .collect();
-            let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-            match Writer::create(&tmp, &headers, &meta, u64::MAX) {
-                Ok(w) => writer = Some(w),
+            let tensors = self.units.iter().flat_map(|u| u.params.slots());
+            match Consolidated::create(path, tensors.map(|s| (s.name.clone(), s.shape.clone()))) {
+                Ok(f) => file = Some(f),
                 Err(e) => failed = Some(e),
             }
         }
         // Every rank takes part in every gather, even after rank 0 failed to write.
         for u in 0..self.units.len() {
             let values = self.gather_buffer(u)?;
-            if let (Some(w), None) = (writer.as_mut(), &failed) {
+            if let (Some(f), None) = (file.as_mut(), &failed) {
                 failed = values
                     .iter()
-                    .find_map(|v| w.write(bytemuck::cast_slice(v)).err());
+                    .find_map(|v| f.write(bytemuck::cast_slice(v)).err());
             }
         }
-        let done = match (writer, failed) {
+        let done = match (file, failed) {
             (_, Some(e)) => Err(e),
-            (Some(w), None) => w.finish().and_then(|_| {
-                std::fs::rename(&tmp, path).map_err(|e| Error::io("export", path, e))
-            }),
+            (Some(f), None) => f.finish(),
             (None, None) => Ok(()),
         };
         agree(self.comm, path, done.map(|_| Vec::new())).map(|_| ())
@@ -561,16 +536,29 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// optimizer state is left as it is (fresh after `fully_shard`).
     pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
         let path = path.as_ref();
-        let local = self.import_local(path);
-        let unused = local.as_ref().map_or(Vec::new(), |u| u.clone());
-        let status = local.map(|_| Vec::new());
+        let (unused, status) = match self.import_local(path) {
+            Ok(unused) => (unused, Ok(Vec::new())),
+            Err(e) => (Vec::new(), Err(e)),
+        };
         agree(self.comm, path, status)?;
         Ok(unused)
     }
 
+    /// Every parameter (name, global shape, the saved f32), in unit order.
+    fn model_tensors(&self) -> Vec<ModelTensor> {
+        self.units
+            .iter()
+            .flat_map(|u| &u.local.params)
+            .map(|m| ModelTensor {
+                name: m.name.clone(),
+                shape: m.shape.clone(),
+                dtype: "F32".into(),
+            })
+            .collect()
+    }
+
     fn import_local(&mut self, path: &Path) -> Result<Vec<String>> {
         let mut file = Reader::open(path, None)?;
-        let mut used = std::collections::HashSet::new();
         for unit in &mut self.units {
             let local = &unit.local;
             let master = unit.params.master_mut();
@@ -588,24 +576,19 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 }
                 let out = &mut master[piece.offset..piece.offset + piece.range.len()];
                 read_as_f32(&mut file, &meta.name, &info.dtype, piece.range.clone(), out)?;
-                used.insert(meta.name.clone());
             }
             unit.grads.consume();
         }
+        let model = self.model_tensors();
+        let names: HashSet<&str> = model.iter().map(|t| t.name.as_str()).collect();
         let mut unused: Vec<String> = file
             .tensors()
             .keys()
-            .filter(|n| !used.contains(*n) && !self.has_param(n))
+            .filter(|n| !names.contains(n.as_str()))
             .cloned()
             .collect();
         unused.sort();
         Ok(unused)
-    }
-
-    fn has_param(&self, name: &str) -> bool {
-        self.units
-            .iter()
-            .any(|u| u.local.params.iter().any(|m| m.name == name))
     }
 }
 

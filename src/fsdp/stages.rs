@@ -94,6 +94,16 @@ pub struct StageReport {
     pub reduce_seconds: f64,
 }
 
+impl StageReport {
+    /// Counts `seconds` the step waited for `job` as gather or reduce time.
+    fn add_exposed(&mut self, job: Job, seconds: f64) {
+        match job {
+            Job::Gather(_) => self.gather_seconds += seconds,
+            Job::Reduce(_) => self.reduce_seconds += seconds,
+        }
+    }
+}
+
 /// First and last stage of every unit (`usize::MAX` for unused units).
 fn uses(stage_units: &[usize], units: usize) -> (Vec<usize>, Vec<usize>) {
     let (mut first, mut last) = (vec![usize::MAX; units], vec![usize::MAX; units]);
@@ -301,10 +311,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     fn run_now(&mut self, jobs: &[Job], report: &mut StageReport) -> Result<()> {
         for &job in jobs {
             let (a, b) = self.run_job(job)?;
-            match job {
-                Job::Gather(_) => report.gather_seconds += (b - a).as_secs_f64(),
-                Job::Reduce(_) => report.reduce_seconds += (b - a).as_secs_f64(),
-            }
+            report.add_exposed(job, (b - a).as_secs_f64());
         }
         Ok(())
     }
@@ -346,12 +353,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 .min(work_span.1)
                 .saturating_duration_since(a.max(work_span.0))
                 .as_secs_f64();
-            let exposed = (b - a).as_secs_f64() - hidden;
             report.overlapped_seconds += hidden;
-            match job {
-                Job::Gather(_) => report.gather_seconds += exposed,
-                Job::Reduce(_) => report.reduce_seconds += exposed,
-            }
+            report.add_exposed(job, (b - a).as_secs_f64() - hidden);
         }
         Ok(out)
     }
