@@ -423,19 +423,20 @@ mod gpu {
     use std::sync::Arc;
 
     use ragged::comm::Communicator;
-    use ragged::cuda::collective::Staged;
+    use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::nccl::NcclComm;
     use ragged::cuda::threads::ThreadDeviceComm;
     use ragged::cuda::Device;
     use ragged::Result;
 
-    /// `n` thread ranks whose collectives run on GPU 0.
+    /// `n` thread ranks whose collectives run on GPU 0 (the host buffers of this CPU runtime
+    /// on device copies).
     pub fn threads<T: Send>(
         n: usize,
         f: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
     ) -> Result<Vec<T>> {
         let dev = Arc::new(Device::open(0)?);
-        ThreadDeviceComm::run(dev, n, |c| f(&Staged::new(c)))
+        ThreadDeviceComm::run(dev, n, |c| f(&ViaDevice::new(c, c.device())))
     }
 
     /// This process as one NCCL rank (environment in the module doc), on GPU `LOCAL_RANK`.
@@ -444,7 +445,8 @@ mod gpu {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let comm = Staged::new(NcclComm::from_env(Arc::new(Device::open(local)?))?);
+        // Host buffers go through device copies inside NcclComm.
+        let comm = NcclComm::from_env(Arc::new(Device::open(local)?))?;
         let rank = comm.rank();
         Ok((rank, f(&comm)?))
     }

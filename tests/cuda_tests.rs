@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use ragged::comm::conformance::exercise;
-use ragged::comm::Communicator;
+use ragged::comm::{Communicator, ReduceOp};
+use ragged::cuda::collective::ViaDevice;
 use ragged::cuda::dbuffer::DeviceDBuffer;
 use ragged::cuda::Device;
 use ragged::dbuffer::{Geometry, Role};
@@ -123,7 +124,6 @@ fn bits(x: &[f32]) -> Vec<u32> {
 
 #[test]
 fn nccl_world_of_one_gathers_and_reduces_in_place() {
-    use ragged::comm::ReduceOp;
     use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer};
     use ragged::cuda::nccl::{unique_id, NcclComm};
     let Some(dev) = device() else { return };
@@ -155,12 +155,14 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     // A buffer of another world is refused before NCCL sees it.
     let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
     assert!(all_gather_dbuffer(&comm, &mut y).is_err());
-    // Behind the host trait: every collective of a world of one returns its input, and the
-    // grouped send/recv of all-to-all-v moves a rank's segment to itself.
-    let host = ragged::cuda::collective::Staged::new(comm);
-    let results = exercise(&host).unwrap();
-    assert_eq!(results, exercise(&ragged::comm::SingleRank).unwrap());
-    let bad = host.all_to_all_v(
+    // Host buffers (staged through device copies) and device buffers: every collective of a
+    // world of one returns its input, and the grouped send/recv of all-to-all-v moves a rank's
+    // segment to itself.
+    let want = exercise(&ragged::comm::SingleRank).unwrap();
+    assert_eq!(exercise(&comm).unwrap(), want, "host buffers");
+    let on_device = ViaDevice::new(&comm, &dev);
+    assert_eq!(exercise(&on_device).unwrap(), want, "device buffers");
+    let bad = comm.all_to_all_v(
         (&hx[..]).into(),
         &[3],
         (&mut vec![0f32; 4][..]).into(),
@@ -172,27 +174,30 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
 #[test]
 fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
     use ragged::comm::threads::ThreadWorld;
-    use ragged::cuda::collective::Staged;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {
         let cpu = ThreadWorld::run(world, |c| exercise(c)).unwrap();
-        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| exercise(&Staged::new(c))).unwrap();
-        assert_eq!(gpu, cpu, "world of {world}");
+        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            exercise(&ViaDevice::new(c, c.device()))
+        })
+        .unwrap();
+        assert_eq!(gpu, cpu, "world of {world}, device buffers");
+        let host = ThreadDeviceComm::run(dev.clone(), world, |c| exercise(c)).unwrap();
+        assert_eq!(host, cpu, "world of {world}, host buffers");
     }
 }
 
 #[test]
 fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
-    use ragged::cuda::collective::{DevBufMut, DeviceComm};
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);
     // Rank 1 posts a buffer of another length: both ranks get the same Err, nobody hangs.
     let outcomes = ThreadDeviceComm::run(dev.clone(), 2, |c| {
         let mut x = c.device().zeros::<f32>(8 + 2 * c.rank()).unwrap();
-        Ok(c.all_gather_in_place(DevBufMut::F32(x.slice_mut(..)))
+        Ok(c.all_gather_in_place(x.slice_mut(..).into())
             .map_err(|e| e.to_string()))
     })
     .unwrap();
@@ -201,8 +206,7 @@ fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
 
 #[test]
 fn dbuffer_collectives_over_gpu_thread_ranks_gather_and_reduce_like_the_cpu_dbuffer() {
-    use ragged::comm::ReduceOp;
-    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer, DeviceComm};
+    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer};
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);

@@ -331,13 +331,13 @@ fn split_rows(opt: &Muon, spec: &[TensorSpec], world: usize) -> Vec<LocalShard> 
 }
 
 /// Sharded Muon with split matrices over thread ranks on one GPU (host Muon step, the
-/// all-to-alls through [`Staged`] device collectives) is bitwise the CPU thread-rank run: data
+/// all-to-alls on device copies through the GPU thread ranks' device path, [`ViaDevice`]) is bitwise the CPU thread-rank run: data
 /// movement is exact on both backends.
 #[test]
 fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     use ragged::comm::threads::ThreadWorld;
     use ragged::comm::Communicator;
-    use ragged::cuda::collective::Staged;
+    use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = std::sync::Arc::new(dev);
@@ -364,8 +364,7 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     };
     let cpu = ThreadWorld::run(world, |c| run(c.rank(), c)).unwrap();
     let gpu = ThreadDeviceComm::run(dev, world, |c| {
-        let staged = Staged::new(c);
-        run(staged.rank(), &staged)
+        run(c.rank(), &ViaDevice::new(c, c.device()))
     })
     .unwrap();
     assert_eq!(gpu, cpu);
@@ -378,7 +377,6 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
 fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     use ragged::comm::threads::ThreadWorld;
     use ragged::comm::Communicator;
-    use ragged::cuda::collective::DeviceComm;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let dev = std::sync::Arc::new(dev);
@@ -413,7 +411,7 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
         let mut st = opt.init_cuda(d, shard)?;
         for g in &grads {
             let g = d.upload(&scatter(shard, g))?;
-            opt.step_cuda_comm(&mut st, shard, &mut p.slice_mut(..), &g.slice(..), c)?;
+            opt.step_cuda_comm(d, &mut st, shard, &mut p.slice_mut(..), &g.slice(..), c)?;
         }
         let st = st.download(d)?;
         Ok((d.download(&p)?, st.m, st.v))
@@ -434,6 +432,7 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     let g = d.zeros::<f32>(shard.len).unwrap();
     let err = opt
         .step_cuda_comm(
+            d,
             &mut st,
             shard,
             &mut p.slice_mut(..),

@@ -51,20 +51,39 @@ pub enum ElemType {
     U8,
 }
 
-/// A read-only buffer of one of the supported element types.
+/// A read-only buffer of one of the supported element types, in host memory or (feature
+/// `cuda`) device memory. Backends take the storage they support and return a
+/// clear `Err` for the other ([`host_only`]).
 #[derive(Debug)]
 pub enum Buf<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     U8(&'a [u8]),
+    /// Device memory (NCCL and GPU thread ranks move it; see [`crate::cuda::collective`]).
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::collective::DevBuf<'a>),
 }
 
-/// A writable buffer of one of the supported element types.
+/// A writable buffer of one of the supported element types (host or device, as [`Buf`]).
 #[derive(Debug)]
 pub enum BufMut<'a> {
     F32(&'a mut [f32]),
     BF16(&'a mut [bf16]),
     U8(&'a mut [u8]),
+    /// Device memory.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::collective::DevBufMut<'a>),
+}
+
+/// The error of a backend that moves host memory only, given device memory.
+pub fn host_only(op: &'static str) -> crate::Error {
+    crate::Error::BadInput {
+        op,
+        what: "a device buffer".into(),
+        reason: "this communicator moves host memory; device memory goes through NCCL \
+                 (cuda::nccl::NcclComm) or GPU thread ranks (cuda::threads::ThreadDeviceComm)"
+            .into(),
+    }
 }
 
 impl Buf<'_> {
@@ -73,6 +92,8 @@ impl Buf<'_> {
             Buf::F32(b) => b.len(),
             Buf::BF16(b) => b.len(),
             Buf::U8(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            Buf::Device(b) => b.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -83,7 +104,17 @@ impl Buf<'_> {
             Buf::F32(_) => ElemType::F32,
             Buf::BF16(_) => ElemType::BF16,
             Buf::U8(_) => ElemType::U8,
+            #[cfg(feature = "cuda")]
+            Buf::Device(b) => b.elem_type(),
         }
+    }
+    /// Whether the elements live in device memory.
+    pub fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Buf::Device(_) = self {
+            return true;
+        }
+        false
     }
 }
 
@@ -94,6 +125,18 @@ impl BufMut<'_> {
             BufMut::F32(b) => BufMut::F32(b),
             BufMut::BF16(b) => BufMut::BF16(b),
             BufMut::U8(b) => BufMut::U8(b),
+            #[cfg(feature = "cuda")]
+            BufMut::Device(b) => BufMut::Device(b.reborrow()),
+        }
+    }
+    /// The same buffer, read-only.
+    pub fn as_buf(&self) -> Buf<'_> {
+        match self {
+            BufMut::F32(b) => Buf::F32(b),
+            BufMut::BF16(b) => Buf::BF16(b),
+            BufMut::U8(b) => Buf::U8(b),
+            #[cfg(feature = "cuda")]
+            BufMut::Device(b) => Buf::Device(b.as_dev_buf()),
         }
     }
     pub fn len(&self) -> usize {
@@ -101,6 +144,8 @@ impl BufMut<'_> {
             BufMut::F32(b) => b.len(),
             BufMut::BF16(b) => b.len(),
             BufMut::U8(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            BufMut::Device(b) => b.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -111,7 +156,17 @@ impl BufMut<'_> {
             BufMut::F32(_) => ElemType::F32,
             BufMut::BF16(_) => ElemType::BF16,
             BufMut::U8(_) => ElemType::U8,
+            #[cfg(feature = "cuda")]
+            BufMut::Device(b) => b.elem_type(),
         }
+    }
+    /// Whether the elements live in device memory.
+    pub fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let BufMut::Device(_) = self {
+            return true;
+        }
+        false
     }
 }
 
@@ -300,6 +355,8 @@ fn staged_all_gather<C: Communicator + ?Sized>(
                 }
             }
         }
+        #[cfg(feature = "cuda")]
+        Buf::Device(_) => return Err(host_only("all_gather_segments (staged)")),
     }
     Ok(copied)
 }
@@ -342,6 +399,6 @@ fn staged_reduce_scatter<C: Communicator + ?Sized>(
             comm.reduce_scatter_in_place(BufMut::U8(&mut *s), op)?;
             own(s, d, r)
         }
-        _ => unreachable!("element types checked equal above"),
+        _ => return Err(host_only("reduce_scatter (staged)")),
     })
 }

@@ -273,25 +273,30 @@ fn check_mpi_limits(posts: &[Post]) -> std::result::Result<(), String> {
 
 // --- Buffers as bytes ------------------------------------------------------------------------
 
-fn bytes_of<'a>(buf: &Buf<'a>) -> &'a [u8] {
+/// A host buffer as bytes (`Err` for device memory: MPI here moves host memory).
+fn bytes_of<'a>(buf: &Buf<'a>) -> Result<&'a [u8]> {
     let (ptr, len) = match *buf {
         Buf::F32(b) => (b.as_ptr().cast::<u8>(), std::mem::size_of_val(b)),
         Buf::BF16(b) => (b.as_ptr().cast::<u8>(), std::mem::size_of_val(b)),
         Buf::U8(b) => (b.as_ptr(), b.len()),
+        #[cfg(feature = "cuda")]
+        Buf::Device(_) => return Err(super::host_only("MpiComm")),
     };
     // SAFETY: the same memory, read as bytes (every element type is plain old data).
-    unsafe { std::slice::from_raw_parts(ptr, len) }
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
-fn bytes_of_mut<'a>(buf: BufMut<'a>) -> &'a mut [u8] {
+fn bytes_of_mut<'a>(buf: BufMut<'a>) -> Result<&'a mut [u8]> {
     let (ptr, len) = match buf {
         BufMut::F32(b) => (b.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(b)),
         BufMut::BF16(b) => (b.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(b)),
         BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
+        #[cfg(feature = "cuda")]
+        BufMut::Device(_) => return Err(super::host_only("MpiComm")),
     };
     // SAFETY: the same exclusive borrow, written as bytes (every bit pattern is a valid
     // element of these types).
-    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
 }
 
 /// A zeroed scratch buffer of `n` bytes, aligned for every element type (backed by `u64`s).
@@ -364,7 +369,7 @@ impl Communicator for MpiComm {
             recv: me,
             ..Post::new(Op::AllGatherInPlace)
         };
-        let bytes = bytes_of_mut(buf);
+        let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let s = bytes.len() / self.size;
             let own = bytes[self.rank * s..(self.rank + 1) * s].to_vec();
@@ -375,11 +380,11 @@ impl Communicator for MpiComm {
 
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
         let post = Post {
-            send: Region::of(&send),
+            send: Region::of(&send)?,
             recv: Region::sized(recv.len(), recv.elem_type()),
             ..Post::new(Op::AllGather)
         };
-        let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
+        let (send, recv) = (bytes_of(&send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
             world.all_gather_into(send, recv);
             Ok(())
@@ -393,7 +398,7 @@ impl Communicator for MpiComm {
             reduce: Some(op),
             ..Post::new(Op::ReduceScatterInPlace)
         };
-        let bytes = bytes_of_mut(buf);
+        let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let (v, r) = (self.size, self.rank);
             let s = me.len / v;
@@ -415,7 +420,7 @@ impl Communicator for MpiComm {
             ..Post::new(Op::ReduceScatter)
         };
         let elem = recv.elem_type();
-        let (send, recv) = (bytes_of_mut(send), bytes_of_mut(recv));
+        let (send, recv) = (bytes_of_mut(send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
             let s = recv.len() / elem_size(elem);
             let mut gathered = Scratch::new(send.len());
@@ -433,7 +438,7 @@ impl Communicator for MpiComm {
             reduce: Some(op),
             ..Post::new(Op::AllReduce)
         };
-        let bytes = bytes_of_mut(buf);
+        let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let (v, r, es) = (self.size, self.rank, elem_size(me.elem));
             let ranges: Vec<(usize, usize)> = (0..v).map(|k| part(me.len, v, k)).collect();
@@ -467,14 +472,14 @@ impl Communicator for MpiComm {
         recv_counts: &[usize],
     ) -> Result<()> {
         let post = Post {
-            send: Region::of(&send),
+            send: Region::of(&send)?,
             recv: Region::sized(recv.len(), recv.elem_type()),
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
             ..Post::new(Op::AllToAllV)
         };
         let es = elem_size(post.send.elem);
-        let (send, recv) = (bytes_of(&send), bytes_of_mut(recv));
+        let (send, recv) = (bytes_of(&send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
             let sc = counts(send_counts.iter().map(|&c| c * es));
             let rc = counts(recv_counts.iter().map(|&c| c * es));
@@ -493,7 +498,7 @@ impl Communicator for MpiComm {
             root,
             ..Post::new(Op::Broadcast)
         };
-        let bytes = bytes_of_mut(buf);
+        let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             world.process_at_rank(root as i32).broadcast_into(bytes);
             Ok(())

@@ -10,6 +10,7 @@ use std::fmt;
 use half::bf16;
 
 use super::{Buf, BufMut, ElemType, ReduceOp};
+use crate::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -86,28 +87,34 @@ impl Region {
         elem: ElemType::U8,
     };
 
-    pub(crate) fn of(buf: &Buf<'_>) -> Region {
+    /// A host buffer's region (`Err` for device memory: the host protocol's memory is the
+    /// host's).
+    pub(crate) fn of(buf: &Buf<'_>) -> Result<Region> {
         let (ptr, len) = match buf {
             Buf::F32(b) => (b.as_ptr().cast::<u8>(), b.len()),
             Buf::BF16(b) => (b.as_ptr().cast::<u8>(), b.len()),
             Buf::U8(b) => (b.as_ptr(), b.len()),
+            #[cfg(feature = "cuda")]
+            Buf::Device(_) => return Err(super::host_only("host collective")),
         };
-        Region {
+        Ok(Region {
             ptr: ptr.cast_mut(),
             len,
             elem: buf.elem_type(),
-        }
+        })
     }
 
-    /// Takes the buffer's borrow: from here on it is only accessed through the pointer.
-    pub(crate) fn of_mut(buf: BufMut<'_>) -> Region {
+    /// Takes the host buffer's borrow: from here on it is only accessed through the pointer.
+    pub(crate) fn of_mut(buf: BufMut<'_>) -> Result<Region> {
         let elem = buf.elem_type();
         let (ptr, len) = match buf {
             BufMut::F32(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
             BufMut::BF16(b) => (b.as_mut_ptr().cast::<u8>(), b.len()),
             BufMut::U8(b) => (b.as_mut_ptr(), b.len()),
+            #[cfg(feature = "cuda")]
+            BufMut::Device(_) => return Err(super::host_only("host collective")),
         };
-        Region { ptr, len, elem }
+        Ok(Region { ptr, len, elem })
     }
 
     /// The region as a host buffer again.

@@ -17,6 +17,7 @@ fn copy(send: Buf<'_>, recv: BufMut<'_>, op: &'static str) -> Result<()> {
         (Buf::F32(s), BufMut::F32(r)) if s.len() == r.len() => r.copy_from_slice(s),
         (Buf::BF16(s), BufMut::BF16(r)) if s.len() == r.len() => r.copy_from_slice(s),
         (Buf::U8(s), BufMut::U8(r)) if s.len() == r.len() => r.copy_from_slice(s),
+        (s, r) if s.is_device() || r.is_device() => return Err(super::host_only(op)),
         (s, r) if s.elem_type() != r.elem_type() => {
             return Err(Error::InvalidShard {
                 op,
@@ -91,6 +92,8 @@ impl Communicator for SingleRank {
                 Buf::F32(s) => Buf::F32(&s[lo..lo + n]),
                 Buf::BF16(s) => Buf::BF16(&s[lo..lo + n]),
                 Buf::U8(s) => Buf::U8(&s[lo..lo + n]),
+                #[cfg(feature = "cuda")]
+                Buf::Device(_) => return Err(super::host_only("all_gather_segments")),
             };
             copy(part, seg.buf.reborrow(), "all_gather_segments")?;
         }
@@ -102,6 +105,8 @@ impl Communicator for SingleRank {
             BufMut::F32(s) => Buf::F32(s),
             BufMut::BF16(s) => Buf::BF16(s),
             BufMut::U8(s) => Buf::U8(s),
+            #[cfg(feature = "cuda")]
+            BufMut::Device(_) => return Err(super::host_only("reduce_scatter")),
         };
         copy(send, recv, "reduce_scatter")?;
         Ok(0)

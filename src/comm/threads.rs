@@ -797,19 +797,19 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
-        self.all_gather_in_place_in(&HostMemory, Region::of_mut(buf))
+        self.all_gather_in_place_in(&HostMemory, Region::of_mut(buf)?)
     }
 
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
-        self.all_gather_in(&HostMemory, Region::of(&send), Region::of_mut(recv))
+        self.all_gather_in(&HostMemory, Region::of(&send)?, Region::of_mut(recv)?)
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_in_place_in(&HostMemory, Region::of_mut(buf), op)
+        self.reduce_scatter_in_place_in(&HostMemory, Region::of_mut(buf)?, op)
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce_in(&HostMemory, Region::of_mut(buf), op)
+        self.all_reduce_in(&HostMemory, Region::of_mut(buf)?, op)
     }
 
     fn all_to_all_v(
@@ -819,12 +819,12 @@ impl Communicator for ThreadComm {
         recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let (send, recv) = (Region::of(&send), Region::of_mut(recv));
+        let (send, recv) = (Region::of(&send)?, Region::of_mut(recv)?);
         self.all_to_all_v_in(&HostMemory, send, send_counts, recv, recv_counts)
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.broadcast_in(&HostMemory, Region::of_mut(buf), root)
+        self.broadcast_in(&HostMemory, Region::of_mut(buf)?, root)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -835,14 +835,14 @@ impl Communicator for ThreadComm {
         check_segments(segments, send.elem_type(), send.len() * self.world.size)?;
         let regions: Vec<(usize, Region)> = segments
             .iter_mut()
-            .map(|s| (s.offset, Region::of_mut(s.buf.reborrow())))
-            .collect();
-        self.all_gather_segments_in(&HostMemory, Region::of(&send), &regions)?;
+            .map(|s| Ok((s.offset, Region::of_mut(s.buf.reborrow())?)))
+            .collect::<Result<_>>()?;
+        self.all_gather_segments_in(&HostMemory, Region::of(&send)?, &regions)?;
         Ok(0)
     }
 
     fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
-        let (send, recv) = (Region::of_mut(send), Region::of_mut(recv));
+        let (send, recv) = (Region::of_mut(send)?, Region::of_mut(recv)?);
         self.reduce_scatter_in(&HostMemory, send, recv, op)?;
         Ok(0)
     }

@@ -1,15 +1,16 @@
-//! Collectives on device memory: one [`DeviceComm`] trait with two backends, and
-//! [`Staged`], which puts any of them behind the host [`Communicator`] trait.
+//! Device memory in the one collective trait ([`crate::comm::Communicator`]): the device
+//! variants of [`Buf`] / [`BufMut`] ([`DevBuf`], [`DevBufMut`]) and two backends that take
+//! them.
 //!
-//! | backend | file | ranks are |
-//! |---|---|---|
-//! | NCCL | [`super::nccl`] | processes (one GPU each), or one process driving several GPUs |
-//! | thread ranks on one GPU | [`super::threads`] | threads of one process sharing a GPU: device-to-device copies, the CPU thread backend's protocol and reduction order |
+//! | backend | file | ranks are | host buffers |
+//! |---|---|---|---|
+//! | NCCL | [`super::nccl`] | processes (one GPU each), or one process driving several GPUs | staged through a device copy ([`on_device_mut`], [`on_device_pair`]) |
+//! | thread ranks on one GPU | [`super::threads`] | threads of one process sharing a GPU: device-to-device copies, the CPU thread backend's protocol and reduction order | the CPU thread backend itself |
 //!
-//! The semantics are the host trait's ([`crate::comm`], "In-place semantics"): a buffer of
-//! `V·S` elements is split into `V` slices, rank `r` owns `[r·S, (r+1)·S)`; all-to-all-v sends
-//! `send_counts[j]` elements to rank `j` in rank order. Every call is queued on the
-//! communicator's device stream, in order with the rest of this crate's device work.
+//! The host backends (threads, one rank, MPI) return a clear `Err` for device buffers
+//! ([`crate::comm::host_only`]). The semantics are the trait's ([`crate::comm`], "In-place
+//! semantics"). Device collectives are queued on the communicator's device stream, in order
+//! with the rest of this crate's device work.
 //!
 //! The DBuffer collectives ([`all_gather_dbuffer`], [`reduce_scatter_dbuffer`]) are written
 //! once on the trait, for every backend.
@@ -50,6 +51,24 @@ pub struct Span {
 }
 
 impl DevBuf<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            DevBuf::F32(v) => v.len(),
+            DevBuf::BF16(v) => v.len(),
+            DevBuf::U8(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn elem_type(&self) -> ElemType {
+        match self {
+            DevBuf::F32(_) => ElemType::F32,
+            DevBuf::BF16(_) => ElemType::BF16,
+            DevBuf::U8(_) => ElemType::U8,
+        }
+    }
+
     /// The buffer's address (after the stream waits for its pending writes), length and type.
     pub fn span(&self, dev: &Device) -> Span {
         let s = dev.stream();
@@ -63,6 +82,40 @@ impl DevBuf<'_> {
 }
 
 impl DevBufMut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            DevBufMut::F32(v) => v.len(),
+            DevBufMut::BF16(v) => v.len(),
+            DevBufMut::U8(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn elem_type(&self) -> ElemType {
+        match self {
+            DevBufMut::F32(_) => ElemType::F32,
+            DevBufMut::BF16(_) => ElemType::BF16,
+            DevBufMut::U8(_) => ElemType::U8,
+        }
+    }
+    /// The same buffer, borrowed for a shorter time.
+    pub fn reborrow(&mut self) -> DevBufMut<'_> {
+        match self {
+            DevBufMut::F32(v) => DevBufMut::F32(v.slice_mut(..)),
+            DevBufMut::BF16(v) => DevBufMut::BF16(v.slice_mut(..)),
+            DevBufMut::U8(v) => DevBufMut::U8(v.slice_mut(..)),
+        }
+    }
+    /// The same buffer, read-only.
+    pub fn as_dev_buf(&self) -> DevBuf<'_> {
+        match self {
+            DevBufMut::F32(v) => DevBuf::F32(v.as_view()),
+            DevBufMut::BF16(v) => DevBuf::BF16(v.as_view()),
+            DevBufMut::U8(v) => DevBuf::U8(v.as_view()),
+        }
+    }
+
     /// As [`DevBuf::span`].
     pub fn span(&mut self, dev: &Device) -> Span {
         let s = dev.stream();
@@ -87,83 +140,21 @@ macro_rules! dev_buf_from {
                 DevBufMut::$variant(v)
             }
         }
+        impl<'a> From<CudaView<'a, $t>> for Buf<'a> {
+            fn from(v: CudaView<'a, $t>) -> Self {
+                Buf::Device(DevBuf::$variant(v))
+            }
+        }
+        impl<'a> From<CudaViewMut<'a, $t>> for BufMut<'a> {
+            fn from(v: CudaViewMut<'a, $t>) -> Self {
+                BufMut::Device(DevBufMut::$variant(v))
+            }
+        }
     };
 }
 dev_buf_from!(f32, F32);
 dev_buf_from!(bf16, BF16);
 dev_buf_from!(u8, U8);
-
-/// Collectives of one rank on device buffers (module doc). Every rank of a world must call the
-/// same collectives in the same order with matching sizes; the thread backend checks that and
-/// returns `Err` on every rank, NCCL documents it as the caller's duty.
-pub trait DeviceComm: Send + Sync {
-    /// This rank, `0..world_size`.
-    fn rank(&self) -> usize;
-    /// Number of ranks `V`.
-    fn world_size(&self) -> usize;
-    /// The device this rank's buffers live on (its stream orders the collectives).
-    fn device(&self) -> &Device;
-    /// In-place all-gather over a buffer of `V·S` elements.
-    fn all_gather_in_place(&self, buf: DevBufMut<'_>) -> Result<()>;
-    /// All-gather from an `S`-element input into a `V·S`-element output.
-    fn all_gather(&self, send: DevBuf<'_>, recv: DevBufMut<'_>) -> Result<()>;
-    /// In-place reduce-scatter over `V·S` elements; the result is the rank's own slice.
-    fn reduce_scatter_in_place(&self, buf: DevBufMut<'_>, op: ReduceOp) -> Result<()>;
-    /// In-place all-reduce of the whole buffer.
-    fn all_reduce_in_place(&self, buf: DevBufMut<'_>, op: ReduceOp) -> Result<()>;
-    /// All-to-all with uneven counts, as [`Communicator::all_to_all_v`].
-    fn all_to_all_v(
-        &self,
-        send: DevBuf<'_>,
-        send_counts: &[usize],
-        recv: DevBufMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()>;
-    /// Copies `root`'s buffer to every rank.
-    fn broadcast_in_place(&self, buf: DevBufMut<'_>, root: usize) -> Result<()>;
-    /// Waits for every rank (and for this rank's queued work).
-    fn barrier(&self) -> Result<()>;
-}
-
-/// A borrowed communicator is one too (so [`Staged`] can wrap `&C` in scoped threads).
-impl<C: DeviceComm + ?Sized> DeviceComm for &C {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn device(&self) -> &Device {
-        (**self).device()
-    }
-    fn all_gather_in_place(&self, buf: DevBufMut<'_>) -> Result<()> {
-        (**self).all_gather_in_place(buf)
-    }
-    fn all_gather(&self, send: DevBuf<'_>, recv: DevBufMut<'_>) -> Result<()> {
-        (**self).all_gather(send, recv)
-    }
-    fn reduce_scatter_in_place(&self, buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
-        (**self).reduce_scatter_in_place(buf, op)
-    }
-    fn all_reduce_in_place(&self, buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
-        (**self).all_reduce_in_place(buf, op)
-    }
-    fn all_to_all_v(
-        &self,
-        send: DevBuf<'_>,
-        send_counts: &[usize],
-        recv: DevBufMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        (**self).all_to_all_v(send, send_counts, recv, recv_counts)
-    }
-    fn broadcast_in_place(&self, buf: DevBufMut<'_>, root: usize) -> Result<()> {
-        (**self).broadcast_in_place(buf, root)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-}
 
 /// The checks a rank can make alone before any collective (both backends): one element type,
 /// and, for all-to-all-v, `V` counts on each side that add up to the buffer lengths.
@@ -213,7 +204,7 @@ pub fn slice_len(op: &'static str, len: usize, world: usize) -> Result<usize> {
 /// Checks that `buf` belongs to `comm`'s world and rank, and keeps its full buffer.
 fn dbuffer_view<'a>(
     op: &'static str,
-    comm: &dyn DeviceComm,
+    comm: &dyn Communicator,
     buf: &'a mut DeviceDBuffer,
 ) -> Result<CudaViewMut<'a, f32>> {
     let g = buf.geometry();
@@ -239,7 +230,7 @@ fn dbuffer_view<'a>(
 
 /// In-place all-gather of a DBuffer that keeps its full `V·S` elements: every rank's local
 /// shard goes to every rank (no copy-in, no copy-out).
-pub fn all_gather_dbuffer(comm: &dyn DeviceComm, buf: &mut DeviceDBuffer) -> Result<()> {
+pub fn all_gather_dbuffer(comm: &dyn Communicator, buf: &mut DeviceDBuffer) -> Result<()> {
     let view = dbuffer_view("cuda::all_gather_dbuffer", comm, buf)?;
     comm.all_gather_in_place(view.into())
 }
@@ -247,33 +238,12 @@ pub fn all_gather_dbuffer(comm: &dyn DeviceComm, buf: &mut DeviceDBuffer) -> Res
 /// In-place reduce-scatter of a full DBuffer: the local shard ends up holding the reduction
 /// over ranks (other slices unspecified), as the CPU `reduce_scatter_in_place`.
 pub fn reduce_scatter_dbuffer(
-    comm: &dyn DeviceComm,
+    comm: &dyn Communicator,
     buf: &mut DeviceDBuffer,
     op: ReduceOp,
 ) -> Result<()> {
     let view = dbuffer_view("cuda::reduce_scatter_dbuffer", comm, buf)?;
     comm.reduce_scatter_in_place(view.into(), op)
-}
-
-/// A device communicator behind the host [`Communicator`] trait: each call copies the host
-/// buffers to the device, runs the device collective, and copies the results back. So every
-/// host-side user of the trait (the FSDP runtime, Muon's all-to-alls, the benchmarks) runs over
-/// NCCL or GPU thread ranks unchanged. Device-resident code should call the [`DeviceComm`]
-/// directly and skip the copies.
-#[derive(Debug)]
-pub struct Staged<C> {
-    inner: C,
-}
-
-impl<C: DeviceComm> Staged<C> {
-    pub fn new(inner: C) -> Self {
-        Staged { inner }
-    }
-
-    /// The device communicator.
-    pub fn inner(&self) -> &C {
-        &self.inner
-    }
 }
 
 /// Copies a host buffer to a fresh device buffer (one element at least: drivers refuse empty
@@ -282,7 +252,9 @@ fn upload<T: DeviceRepr + ValidAsZeroBits>(dev: &Device, host: &[T]) -> Result<C
     let mut d = dev.zeros::<T>(host.len().max(1))?;
     if !host.is_empty() {
         let mut view = d.slice_mut(..host.len());
-        guarded("cuda::Staged", || dev.stream().memcpy_htod(host, &mut view))?;
+        guarded("cuda (staged)", || {
+            dev.stream().memcpy_htod(host, &mut view)
+        })?;
     }
     Ok(d)
 }
@@ -295,99 +267,157 @@ fn download_into<T: DeviceRepr>(
 ) -> Result<()> {
     if !host.is_empty() {
         let view = dev_buf.slice(..host.len());
-        guarded("cuda::Staged", || dev.stream().memcpy_dtoh(&view, host))?;
+        guarded("cuda (staged)", || dev.stream().memcpy_dtoh(&view, host))?;
     }
     dev.sync()
 }
 
-/// Runs `f` on a device copy of `host`, then copies the result back into `host`.
-fn staged_mut(
-    dev: &Device,
-    host: BufMut<'_>,
-    f: impl FnOnce(DevBufMut<'_>) -> Result<()>,
-) -> Result<()> {
-    fn run<T: DeviceRepr + ValidAsZeroBits>(
-        dev: &Device,
-        host: &mut [T],
-        f: impl FnOnce(CudaViewMut<'_, T>) -> Result<()>,
-    ) -> Result<()> {
-        let mut d = upload(dev, host)?;
-        f(d.slice_mut(..host.len()))?;
-        download_into(dev, &d, host)
+/// A device copy of a host buffer: what a device backend runs on when handed host memory.
+enum DevCopy {
+    F32(CudaSlice<f32>),
+    BF16(CudaSlice<bf16>),
+    U8(CudaSlice<u8>),
+}
+
+impl DevCopy {
+    /// Uploads a host buffer (`Err` for device memory, which needs no copy).
+    fn upload(dev: &Device, host: &Buf<'_>) -> Result<DevCopy> {
+        Ok(match host {
+            Buf::F32(h) => DevCopy::F32(upload(dev, h)?),
+            Buf::BF16(h) => DevCopy::BF16(upload(dev, h)?),
+            Buf::U8(h) => DevCopy::U8(upload(dev, h)?),
+            Buf::Device(_) => return Err(staging("a device buffer needs no staging")),
+        })
     }
-    match host {
-        BufMut::F32(h) => run(dev, h, |v| f(v.into())),
-        BufMut::BF16(h) => run(dev, h, |v| f(v.into())),
-        BufMut::U8(h) => run(dev, h, |v| f(v.into())),
+
+    fn view(&self, len: usize) -> DevBuf<'_> {
+        match self {
+            DevCopy::F32(d) => DevBuf::F32(d.slice(..len)),
+            DevCopy::BF16(d) => DevBuf::BF16(d.slice(..len)),
+            DevCopy::U8(d) => DevBuf::U8(d.slice(..len)),
+        }
+    }
+
+    fn view_mut(&mut self, len: usize) -> DevBufMut<'_> {
+        match self {
+            DevCopy::F32(d) => DevBufMut::F32(d.slice_mut(..len)),
+            DevCopy::BF16(d) => DevBufMut::BF16(d.slice_mut(..len)),
+            DevCopy::U8(d) => DevBufMut::U8(d.slice_mut(..len)),
+        }
+    }
+
+    /// Copies the result back into the host buffer it was made from.
+    fn download(&self, dev: &Device, host: BufMut<'_>) -> Result<()> {
+        match (self, host) {
+            (DevCopy::F32(d), BufMut::F32(h)) => download_into(dev, d, h),
+            (DevCopy::BF16(d), BufMut::BF16(h)) => download_into(dev, d, h),
+            (DevCopy::U8(d), BufMut::U8(h)) => download_into(dev, d, h),
+            _ => Err(staging(
+                "the host buffer is not the one the copy was made from",
+            )),
+        }
     }
 }
 
-/// Runs `f` on a device copy of `send` and a device buffer for `recv` (uploaded too, so the
-/// parts `f` leaves alone come back unchanged), then copies the result into `recv`.
-fn staged_pair(
+fn staging(reason: &str) -> Error {
+    Error::BadInput {
+        op: "cuda collective (staged)",
+        what: "a staged buffer".into(),
+        reason: reason.into(),
+    }
+}
+
+/// Runs a device collective `f` on `buf`: device memory as it is, host memory through a
+/// device copy (uploaded, run on, downloaded back: staged, so host code runs over NCCL).
+pub fn on_device_mut(
+    dev: &Device,
+    buf: BufMut<'_>,
+    f: impl FnOnce(DevBufMut<'_>) -> Result<()>,
+) -> Result<()> {
+    match buf {
+        BufMut::Device(d) => f(d),
+        host => {
+            let len = host.len();
+            let mut copy = DevCopy::upload(dev, &host.as_buf())?;
+            f(copy.view_mut(len))?;
+            copy.download(dev, host)
+        }
+    }
+}
+
+/// As [`on_device_mut`] for a send and a receive buffer, each staged when it is host memory
+/// (a host receive buffer is uploaded too, so the parts `f` leaves alone come back unchanged).
+pub fn on_device_pair(
     dev: &Device,
     send: Buf<'_>,
     recv: BufMut<'_>,
     f: impl FnOnce(DevBuf<'_>, DevBufMut<'_>) -> Result<()>,
 ) -> Result<()> {
-    fn run<T: DeviceRepr + ValidAsZeroBits>(
-        dev: &Device,
-        send: &[T],
-        recv: &mut [T],
-        f: impl FnOnce(CudaView<'_, T>, CudaViewMut<'_, T>) -> Result<()>,
-    ) -> Result<()> {
-        let s = upload(dev, send)?;
-        let mut r = upload(dev, recv)?;
-        f(s.slice(..send.len()), r.slice_mut(..recv.len()))?;
-        download_into(dev, &r, recv)
+    if send.elem_type() != recv.elem_type() {
+        return Err(Error::BadInput {
+            op: "cuda collective",
+            what: format!("{:?} send, {:?} recv", send.elem_type(), recv.elem_type()),
+            reason: "one element type per collective".into(),
+        });
     }
-    let op = "cuda::Staged";
-    let mismatch = |a: ElemType, b: ElemType| Error::BadInput {
-        op,
-        what: format!("{a:?} send, {b:?} recv"),
-        reason: "one element type per collective".into(),
-    };
-    match (send, recv) {
-        (Buf::F32(s), BufMut::F32(r)) => run(dev, s, r, |a, b| f(a.into(), b.into())),
-        (Buf::BF16(s), BufMut::BF16(r)) => run(dev, s, r, |a, b| f(a.into(), b.into())),
-        (Buf::U8(s), BufMut::U8(r)) => run(dev, s, r, |a, b| f(a.into(), b.into())),
-        (s, r) => Err(mismatch(s.elem_type(), r.elem_type())),
+    match send {
+        Buf::Device(s) => on_device_mut(dev, recv, |r| f(s, r)),
+        host => {
+            let copy = DevCopy::upload(dev, &host)?;
+            on_device_mut(dev, recv, |r| f(copy.view(host.len()), r))
+        }
     }
 }
 
-impl<C: DeviceComm> Communicator for Staged<C> {
+/// A communicator that runs every collective of `inner` on device copies of the host buffers
+/// it is given: the device data path of a backend under host code (the conformance suite,
+/// host optimizer steps), for tests and benchmarks. Device buffers pass through.
+pub struct ViaDevice<'a> {
+    inner: &'a dyn Communicator,
+    dev: &'a Device,
+}
+
+impl<'a> ViaDevice<'a> {
+    pub fn new(inner: &'a dyn Communicator, dev: &'a Device) -> Self {
+        ViaDevice { inner, dev }
+    }
+}
+
+impl std::fmt::Debug for ViaDevice<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ViaDevice")
+            .field("rank", &self.inner.rank())
+            .finish()
+    }
+}
+
+impl Communicator for ViaDevice<'_> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
-
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
-
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
-        staged_mut(self.inner.device(), buf, |d| {
-            self.inner.all_gather_in_place(d)
+        on_device_mut(self.dev, buf, |d| {
+            self.inner.all_gather_in_place(BufMut::Device(d))
         })
     }
-
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
-        staged_pair(self.inner.device(), send, recv, |s, r| {
-            self.inner.all_gather(s, r)
+        on_device_pair(self.dev, send, recv, |s, r| {
+            self.inner.all_gather(Buf::Device(s), BufMut::Device(r))
         })
     }
-
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        staged_mut(self.inner.device(), buf, |d| {
-            self.inner.reduce_scatter_in_place(d, op)
+        on_device_mut(self.dev, buf, |d| {
+            self.inner.reduce_scatter_in_place(BufMut::Device(d), op)
         })
     }
-
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        staged_mut(self.inner.device(), buf, |d| {
-            self.inner.all_reduce_in_place(d, op)
+        on_device_mut(self.dev, buf, |d| {
+            self.inner.all_reduce(BufMut::Device(d), op)
         })
     }
-
     fn all_to_all_v(
         &self,
         send: Buf<'_>,
@@ -395,17 +425,16 @@ impl<C: DeviceComm> Communicator for Staged<C> {
         recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        staged_pair(self.inner.device(), send, recv, |s, r| {
+        on_device_pair(self.dev, send, recv, |s, r| {
+            let (s, r) = (Buf::Device(s), BufMut::Device(r));
             self.inner.all_to_all_v(s, send_counts, r, recv_counts)
         })
     }
-
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        staged_mut(self.inner.device(), buf, |d| {
-            self.inner.broadcast_in_place(d, root)
+        on_device_mut(self.dev, buf, |d| {
+            self.inner.broadcast(BufMut::Device(d), root)
         })
     }
-
     fn barrier(&self) -> Result<()> {
         self.inner.barrier()
     }

@@ -7,7 +7,7 @@
 //! starts zero and no op here writes outside the local shard. The group ops are single IEEE
 //! `f32` operations per element, so they equal the CPU ops bit for bit.
 //!
-//! In-place collectives on any device communicator ([`super::collective::DeviceComm`]: NCCL
+//! In-place collectives on any communicator that takes device buffers (NCCL
 //! or thread ranks on one GPU): [`super::collective::all_gather_dbuffer`] and
 //! [`super::collective::reduce_scatter_dbuffer`], on buffers that keep their full buffer.
 

@@ -1,10 +1,10 @@
-//! NCCL between GPUs behind [`DeviceComm`]: one process per GPU bootstrapped from the
+//! NCCL between GPUs behind the one collective trait ([`Communicator`]): one process per GPU bootstrapped from the
 //! environment with a TCP or file rendezvous for NCCL's unique id ([`NcclComm::from_env`]),
 //! inside an MPI job with the id broadcast over MPI (`NcclComm::from_mpi`, features `cuda` and
 //! `mpi`), from an explicit rank and id ([`NcclComm::from_rank`]), or one process driving
-//! several GPUs ([`NcclComm::from_devices`]). Host code reaches it through
-//! [`Staged`](super::collective::Staged), which implements the host
-//! [`Communicator`](crate::comm::Communicator).
+//! several GPUs ([`NcclComm::from_devices`]). Device buffers ([`Buf::Device`]) go to NCCL
+//! as they are; host buffers through a device copy per call, so host code runs over NCCL
+//! unchanged.
 //!
 //! # Bootstrapping ([`NcclComm::from_env`])
 //! | variable | meaning |
@@ -35,10 +35,12 @@ use std::sync::{Arc, Mutex};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
-use super::collective::{check_counts, slice_len, DevBuf, DevBufMut, DeviceComm};
+use super::collective::{
+    check_counts, on_device_mut, on_device_pair, slice_len, DevBuf, DevBufMut,
+};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
-use crate::comm::{ElemType, ReduceOp};
+use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::{Error, Result};
 
 /// Bytes of an NCCL unique id.
@@ -223,7 +225,6 @@ impl NcclComm {
     /// MPI's, and rank 0's fresh NCCL id reaches the others by an MPI broadcast.
     #[cfg(feature = "mpi")]
     pub fn from_mpi(dev: Arc<Device>, mpi: &crate::comm::mpi::MpiComm) -> Result<Self> {
-        use crate::comm::Communicator;
         let (rank, world) = (mpi.rank(), mpi.world_size());
         let mut id = if rank == 0 {
             unique_id()?
@@ -251,20 +252,14 @@ impl NcclComm {
     }
 }
 
-impl DeviceComm for NcclComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn device(&self) -> &Device {
+/// The device collectives (the trait's methods below stage host buffers into these).
+impl NcclComm {
+    /// The device this rank's buffers live on (its stream orders the collectives).
+    pub fn device(&self) -> &Device {
         &self.dev
     }
 
-    fn all_gather_in_place(&self, mut buf: DevBufMut<'_>) -> Result<()> {
+    fn all_gather_in_place_dev(&self, mut buf: DevBufMut<'_>) -> Result<()> {
         const OP: &str = "NcclComm::all_gather_in_place";
         let b = buf.span(&self.dev);
         let s = slice_len(OP, b.len, self.world)?;
@@ -276,7 +271,7 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn all_gather(&self, send: DevBuf<'_>, mut recv: DevBufMut<'_>) -> Result<()> {
+    fn all_gather_dev(&self, send: DevBuf<'_>, mut recv: DevBufMut<'_>) -> Result<()> {
         const OP: &str = "NcclComm::all_gather";
         let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
         if s.elem != r.elem || Some(r.len) != s.len.checked_mul(self.world) {
@@ -306,7 +301,7 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn reduce_scatter_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_in_place_dev(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
         const OP: &str = "NcclComm::reduce_scatter_in_place";
         let b = buf.span(&self.dev);
         let s = slice_len(OP, b.len, self.world)?;
@@ -318,7 +313,7 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn all_reduce_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
+    fn all_reduce_in_place_dev(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
         const OP: &str = "NcclComm::all_reduce_in_place";
         let b = buf.span(&self.dev);
         let (t, o) = (nccl_type(b.elem), nccl_op(op));
@@ -328,7 +323,7 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn all_to_all_v(
+    fn all_to_all_v_dev(
         &self,
         send: DevBuf<'_>,
         send_counts: &[usize],
@@ -365,7 +360,7 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn broadcast_in_place(&self, mut buf: DevBufMut<'_>, root: usize) -> Result<()> {
+    fn broadcast_in_place_dev(&self, mut buf: DevBufMut<'_>, root: usize) -> Result<()> {
         const OP: &str = "NcclComm::broadcast_in_place";
         if root >= self.world {
             return Err(Error::BadInput {
@@ -390,10 +385,58 @@ impl DeviceComm for NcclComm {
         })
     }
 
-    fn barrier(&self) -> Result<()> {
+    fn barrier_dev(&self) -> Result<()> {
         // An all-reduce of one byte, then the stream: every rank has reached this point.
         let mut flag = self.dev.zeros::<u8>(1)?;
-        self.all_reduce_in_place(DevBufMut::U8(flag.slice_mut(..)), ReduceOp::Sum)?;
+        self.all_reduce_in_place_dev(DevBufMut::U8(flag.slice_mut(..)), ReduceOp::Sum)?;
         self.dev.sync()
+    }
+}
+
+/// Device buffers go to NCCL as they are; host buffers through a device copy each call
+/// ([`on_device_mut`]: what lets the host runtime and optimizers run over NCCL unchanged).
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+        on_device_mut(&self.dev, buf, |d| self.all_gather_in_place_dev(d))
+    }
+
+    fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        on_device_pair(&self.dev, send, recv, |s, r| self.all_gather_dev(s, r))
+    }
+
+    fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        on_device_mut(&self.dev, buf, |d| self.reduce_scatter_in_place_dev(d, op))
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        on_device_mut(&self.dev, buf, |d| self.all_reduce_in_place_dev(d, op))
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: Buf<'_>,
+        send_counts: &[usize],
+        recv: BufMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        on_device_pair(&self.dev, send, recv, |s, r| {
+            self.all_to_all_v_dev(s, send_counts, r, recv_counts)
+        })
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        on_device_mut(&self.dev, buf, |d| self.broadcast_in_place_dev(d, root))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.barrier_dev()
     }
 }

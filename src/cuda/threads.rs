@@ -16,10 +16,10 @@ use std::sync::Arc;
 
 use cudarc::driver::PushKernelArg;
 
-use super::collective::{DevBuf, DevBufMut, DeviceComm, Span};
+use super::collective::Span;
 use super::{count, elementwise, guarded, Device, REDUCE_RANKS};
 use crate::comm::threads::{run_ranks, Member, Memory, Region, ThreadComm, ThreadWorld};
-use crate::comm::{Communicator, ElemType, ReduceOp};
+use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::Result;
 
 /// Entry points of `kernels/reduce_ranks.cu`, by element type.
@@ -60,6 +60,11 @@ impl ThreadDeviceComm {
 
     fn mem(&self) -> DeviceMemory<'_> {
         DeviceMemory { dev: &self.dev }
+    }
+
+    /// The device this rank's buffers live on.
+    pub fn device(&self) -> &Device {
+        &self.dev
     }
 }
 
@@ -143,7 +148,58 @@ impl Memory for DeviceMemory<'_> {
     }
 }
 
-impl DeviceComm for ThreadDeviceComm {
+/// The regions of a call's buffers when all are device memory (`None` when all are host
+/// memory: the CPU backend moves those; `Err` for a mix).
+fn device_regions(dev: &Device, bufs: &mut [&mut dyn DeviceSide]) -> Result<Option<Vec<Region>>> {
+    let on_device = bufs.iter().filter(|b| b.on_device()).count();
+    if on_device == 0 {
+        return Ok(None);
+    }
+    if on_device != bufs.len() {
+        return Err(crate::Error::BadInput {
+            op: "ThreadDeviceComm",
+            what: "host and device buffers in one collective".into(),
+            reason: "a collective's buffers are all host or all device memory".into(),
+        });
+    }
+    Ok(Some(
+        bufs.iter_mut().filter_map(|b| b.region(dev)).collect(),
+    ))
+}
+
+/// A collective's buffer as [`device_regions`] sees it.
+trait DeviceSide {
+    fn on_device(&self) -> bool;
+    fn region(&mut self, dev: &Device) -> Option<Region>;
+}
+
+impl DeviceSide for Buf<'_> {
+    fn on_device(&self) -> bool {
+        self.is_device()
+    }
+    fn region(&mut self, dev: &Device) -> Option<Region> {
+        match self {
+            Buf::Device(d) => Some(region(d.span(dev))),
+            _ => None,
+        }
+    }
+}
+
+impl DeviceSide for BufMut<'_> {
+    fn on_device(&self) -> bool {
+        self.is_device()
+    }
+    fn region(&mut self, dev: &Device) -> Option<Region> {
+        match self {
+            BufMut::Device(d) => Some(region(d.span(dev))),
+            _ => None,
+        }
+    }
+}
+
+/// Device buffers through the device memory (copies and the reduction kernel on the GPU), host
+/// buffers through the CPU thread backend: the same protocol, ranks and order either way.
+impl Communicator for ThreadDeviceComm {
     fn rank(&self) -> usize {
         self.host.rank()
     }
@@ -152,50 +208,72 @@ impl DeviceComm for ThreadDeviceComm {
         self.host.world_size()
     }
 
-    fn device(&self) -> &Device {
-        &self.dev
+    fn all_gather_in_place(&self, mut buf: BufMut<'_>) -> Result<()> {
+        match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
+            Some(&[me]) => self.host.all_gather_in_place_in(&self.mem(), me),
+            _ => self.host.all_gather_in_place(buf),
+        }
     }
 
-    fn all_gather_in_place(&self, mut buf: DevBufMut<'_>) -> Result<()> {
-        let me = buf.span(&self.dev);
-        self.host.all_gather_in_place_in(&self.mem(), region(me))
+    fn all_gather(&self, mut send: Buf<'_>, mut recv: BufMut<'_>) -> Result<()> {
+        match device_regions(&self.dev, &mut [&mut send, &mut recv])?.as_deref() {
+            Some(&[s, r]) => self.host.all_gather_in(&self.mem(), s, r),
+            _ => self.host.all_gather(send, recv),
+        }
     }
 
-    fn all_gather(&self, send: DevBuf<'_>, mut recv: DevBufMut<'_>) -> Result<()> {
-        let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
-        self.host.all_gather_in(&self.mem(), region(s), region(r))
+    fn reduce_scatter_in_place(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
+            Some(&[me]) => self.host.reduce_scatter_in_place_in(&self.mem(), me, op),
+            _ => self.host.reduce_scatter_in_place(buf, op),
+        }
     }
 
-    fn reduce_scatter_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = buf.span(&self.dev);
-        self.host
-            .reduce_scatter_in_place_in(&self.mem(), region(me), op)
-    }
-
-    fn all_reduce_in_place(&self, mut buf: DevBufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = buf.span(&self.dev);
-        self.host.all_reduce_in(&self.mem(), region(me), op)
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
+            Some(&[me]) => self.host.all_reduce_in(&self.mem(), me, op),
+            _ => self.host.all_reduce(buf, op),
+        }
     }
 
     fn all_to_all_v(
         &self,
-        send: DevBuf<'_>,
+        mut send: Buf<'_>,
         send_counts: &[usize],
-        mut recv: DevBufMut<'_>,
+        mut recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let (s, r) = (send.span(&self.dev), recv.span(&self.dev));
-        let mem = self.mem();
-        self.host
-            .all_to_all_v_in(&mem, region(s), send_counts, region(r), recv_counts)
+        match device_regions(&self.dev, &mut [&mut send, &mut recv])?.as_deref() {
+            Some(&[s, r]) => self
+                .host
+                .all_to_all_v_in(&self.mem(), s, send_counts, r, recv_counts),
+            _ => self.host.all_to_all_v(send, send_counts, recv, recv_counts),
+        }
     }
 
-    fn broadcast_in_place(&self, mut buf: DevBufMut<'_>, root: usize) -> Result<()> {
-        let me = buf.span(&self.dev);
-        self.host.broadcast_in(&self.mem(), region(me), root)
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
+            Some(&[me]) => self.host.broadcast_in(&self.mem(), me, root),
+            _ => self.host.broadcast(buf, root),
+        }
     }
 
     fn barrier(&self) -> Result<()> {
         self.host.barrier_in(&self.mem())
+    }
+
+    fn reduce_scatter(
+        &self,
+        mut send: BufMut<'_>,
+        mut recv: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<usize> {
+        match device_regions(&self.dev, &mut [&mut send, &mut recv])?.as_deref() {
+            Some(&[s, r]) => {
+                self.host.reduce_scatter_in(&self.mem(), s, r, op)?;
+                Ok(0)
+            }
+            _ => self.host.reduce_scatter(send, recv, op),
+        }
     }
 }

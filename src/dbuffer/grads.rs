@@ -80,10 +80,10 @@ impl GradSink {
             match g {
                 Buf::F32(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g),
                 Buf::BF16(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g.to_f32()),
-                Buf::U8(_) => {
+                _ => {
                     return Err(Error::InvalidShard {
                         op: "GradSink::accumulate",
-                        reason: "u8 gradient".into(),
+                        reason: "a gradient that is not f32 or bf16 host memory".into(),
                     })
                 }
             }

@@ -184,10 +184,9 @@ pub fn with_mut_all<R>(
 ) -> Result<R> {
     let mut seen = std::collections::HashSet::new();
     for t in tensors {
-        let addr = with_ref(
-            t,
-            |b| Ok(crate::comm::protocol::Region::of(&b).ptr as usize),
-        )?;
+        let addr = with_ref(t, |b| {
+            Ok(crate::comm::protocol::Region::of(&b)?.ptr as usize)
+        })?;
         if t.elem_count() > 0 && !seen.insert(addr) {
             return Err(Error::InvalidShard {
                 op: "with_mut_all",
@@ -221,7 +220,7 @@ fn lock_all<R>(
         return f(&mut bufs);
     };
     with_mut(first, |b| {
-        raw.push(Region::of_mut(b));
+        raw.push(Region::of_mut(b)?);
         lock_all(rest, raw, f)
     })
 }

@@ -179,9 +179,9 @@ impl Fsdp2Unit {
                     _ => None,
                 })
             }
-            Buf::U8(_) => Err(Error::InvalidShard {
+            _ => Err(Error::InvalidShard {
                 op: "fsdp2 gather",
-                reason: "u8 parameters".into(),
+                reason: "parameters that are not f32 or bf16 host memory".into(),
             }),
         }
     }

@@ -5,11 +5,11 @@
 //! Matrices whole on their rank are orthogonalized in place. Matrices the layout splits over
 //! ranks travel to their root and back exactly as on the CPU ([`crate::roots`]: the same
 //! roots, the same two [`Exchange`]s of copy runs around one all-to-all each), here with
-//! device-to-device copies and a [`DeviceComm`] (NCCL's grouped send/recv, or thread ranks on
-//! one GPU): [`Muon::step_cuda_comm`]. [`Muon::step_cuda`] has no communicator and refuses
+//! device-to-device copies and a [`Communicator`] that takes device buffers (NCCL's grouped
+//! send/recv, or thread ranks on one GPU): [`Muon::step_cuda_comm`]. [`Muon::step_cuda`] has no communicator and refuses
 //! such shards.
 
-use ragged::cuda::collective::DeviceComm;
+use ragged::comm::Communicator;
 use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::optim::LocalShard;
@@ -49,17 +49,19 @@ impl Muon {
     }
 
     /// [`Muon::step_cuda`] for any layout: split matrices go to their roots and back through
-    /// `comm` (every rank of the shard's world must call it). `Err` before anything is modified
-    /// when `comm` is not this shard's world and rank, or lives on another device.
+    /// `comm`, a communicator that takes device buffers on `dev` (every rank of the shard's
+    /// world must call it). `Err` before anything is modified when `comm` is not this shard's
+    /// world and rank.
     pub fn step_cuda_comm(
         &self,
+        dev: &Device,
         state: &mut DeviceAdamState,
         shard: &LocalShard,
         params: &mut CudaViewMut<'_, f32>,
         grads: &CudaView<'_, f32>,
-        comm: &dyn DeviceComm,
+        comm: &dyn Communicator,
     ) -> Result<()> {
-        self.step_device(comm.device(), state, shard, params, grads, Some(comm))
+        self.step_device(dev, state, shard, params, grads, Some(comm))
     }
 
     fn step_device(
@@ -69,7 +71,7 @@ impl Muon {
         shard: &LocalShard,
         params: &mut CudaViewMut<'_, f32>,
         grads: &CudaView<'_, f32>,
-        comm: Option<&dyn DeviceComm>,
+        comm: Option<&dyn Communicator>,
     ) -> Result<()> {
         const OP: &str = "Muon::step_cuda";
         let lens = [params.len(), grads.len(), state.m.len(), state.v.len()];
@@ -206,7 +208,7 @@ fn exchange(
     dev: &Device,
     from: &CudaSlice<f32>,
     to: &mut CudaSlice<f32>,
-    comm: &dyn DeviceComm,
+    comm: &dyn Communicator,
 ) -> Result<()> {
     let (ns, nr) = (ex.send_len(), ex.recv_len());
     let mut send = dev.zeros::<f32>(ns.max(1))?;
