@@ -122,7 +122,7 @@ use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::{AtomicBlock, Error, Result, Role};
 
-use crate::adamw::{adamw_update, AdamW, AdamWConfig, PAR_MIN_ELEMS};
+use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_MIN_ELEMS};
 use crate::common::{
     apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
@@ -193,6 +193,27 @@ impl Tiling {
             batch: shape[..d - 2].iter().product(),
             rows: shape[d - 2],
             cols: shape[d - 1],
+        })
+    }
+
+    /// The row blocks of the elements `range` of the flattened parameter (starting on a row
+    /// block's edge, as a piece's do), in order: each block's rows (up to 32 rows of one
+    /// matrix) and its elements. The one walk the host step and the device block table share.
+    pub fn row_blocks(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, usize)> {
+        let tiling = *self;
+        let mut elem = range.start;
+        std::iter::from_fn(move || {
+            if elem >= range.end || tiling.cols == 0 {
+                return None;
+            }
+            let in_matrix = (elem / tiling.cols) % tiling.rows;
+            let rows = TILE.min(tiling.rows - in_matrix);
+            let len = rows * tiling.cols;
+            elem += len;
+            Some((rows, len))
         })
     }
 
@@ -624,12 +645,15 @@ impl Optimizer for Adam8bit {
         let c = &self.config.adam;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
         for (piece, place) in shard.pieces.iter().zip(&layout) {
-            let r = piece.offset..piece.offset + piece.range.len();
             // The piece's role's rates; a frozen piece is not stepped.
-            let Some(scale) = self.adamw.scale_for(&shard.params[piece.param], t) else {
+            let Some(AdamRun {
+                range: r,
+                decay,
+                scale,
+            }) = self.adamw.run_of(shard, piece, t)
+            else {
                 continue;
             };
-            let decay = self.adamw.decay_for(&shard.params[piece.param]);
             match *place {
                 PieceState::Fallback { at } => {
                     let s = at..at + piece.range.len();
@@ -657,11 +681,8 @@ impl Optimizer for Adam8bit {
                     let mut vc = &mut state.v[r.clone()];
                     let mut sm = &mut state.scale_m[first_scale..];
                     let mut sv = &mut state.scale_v[first_scale..];
-                    let mut elem = piece.range.start;
-                    while elem < piece.range.end {
-                        let in_matrix = (elem / tiling.cols) % tiling.rows;
-                        let rows = TILE.min(tiling.rows - in_matrix);
-                        let (len, ns) = (rows * tiling.cols, tiling.scales_in_row_block(rows));
+                    for (rows, len) in tiling.row_blocks(piece.range.clone()) {
+                        let ns = tiling.scales_in_row_block(rows);
                         let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
                         let (g0, g1) = g.split_at(len);
                         let (m0, m1) = std::mem::take(&mut mc).split_at_mut(len);
@@ -677,7 +698,6 @@ impl Optimizer for Adam8bit {
                             scale_v: b0,
                         });
                         (p, g, mc, vc, sm, sv) = (p1, g1, m1, v1, a1, b1);
-                        elem += len;
                     }
                     let run = |b: RowBlock| self.update_row_block(b, decay, &moments, &scale);
                     if r.len() >= PAR_MIN_ELEMS {

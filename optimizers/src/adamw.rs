@@ -54,7 +54,7 @@
 use rayon::prelude::*;
 
 use ragged::comm::Communicator;
-use ragged::optim::{LocalShard, Optimizer, ParamMeta};
+use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::common::{
@@ -270,6 +270,28 @@ impl AdamW {
         let (lr, _) = self.rates_for(meta)?;
         Some(AdamScale::new(lr, c.beta1, c.beta2, c.eps, t))
     }
+
+    /// The AdamW update of local piece `piece` at step `t` (`None` when its parameter is
+    /// frozen): what the host and device steps of AdamW and of Muon's and 8-bit Adam's
+    /// fallbacks apply, each on its own storage.
+    pub fn run_of(&self, shard: &LocalShard, piece: &LocalPiece, t: u64) -> Option<AdamRun> {
+        let meta = &shard.params[piece.param];
+        Some(AdamRun {
+            range: piece.offset..piece.offset + piece.range.len(),
+            decay: self.decay_for(meta),
+            scale: self.scale_for(meta, t)?,
+        })
+    }
+}
+
+/// One AdamW update of a run of the local shard ([`AdamW::run_of`]).
+#[derive(Clone, Debug)]
+pub struct AdamRun {
+    /// The elements, in the local shard.
+    pub range: std::ops::Range<usize>,
+    /// `1 − lr·wd`, or `None` for no decay.
+    pub decay: Option<f32>,
+    pub scale: AdamScale,
 }
 
 impl Optimizer for AdamW {
@@ -323,20 +345,17 @@ impl Optimizer for AdamW {
 
         let c = &self.config;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        for piece in &shard.pieces {
-            let meta = &shard.params[piece.param];
-            let Some(scale) = self.scale_for(meta, t) else {
-                continue; // frozen
-            };
-            let r = piece.offset..piece.offset + piece.range.len();
+        // Frozen pieces have no run.
+        for run in shard.pieces.iter().filter_map(|p| self.run_of(shard, p, t)) {
+            let r = run.range;
             adamw_update(
                 &mut params[r.clone()],
                 &grads[r.clone()],
                 &mut state.m[r.clone()],
                 &mut state.v[r],
-                self.decay_for(meta),
+                run.decay,
                 &moments,
-                &scale,
+                &run.scale,
             );
         }
         Ok(())

@@ -64,7 +64,7 @@ use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{Plan, PlanOptions};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
-use crate::adamw::{adamw_update, AdamState, AdamW, AdamWConfig};
+use crate::adamw::{adamw_update, AdamRun, AdamState, AdamW, AdamWConfig};
 use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
@@ -287,47 +287,123 @@ impl Optimizer for Muon {
         resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
         let t = next_step(OP, state.step)?;
         state.step = t;
+        let mut host = HostMuon {
+            params,
+            grads,
+            m: &mut state.m,
+            v: &mut state.v,
+            u: vec![0.0f32; shard.len],
+        };
+        let plan = StepPlan {
+            shard,
+            t,
+            roots: &roots,
+            routes: routes.as_ref(),
+            comm: Some(comm),
+        };
+        self.run_step(&mut host, &plan)
+    }
+}
 
-        // Steps 1–2 on Muon pieces (the NS input `U` goes to `u`); AdamW on the others.
+/// What one Muon step works on besides the storage: the shard, the step count, the roots of
+/// the split matrices and this rank's routes to them (from [`Muon::prologue`]), and the
+/// communicator (`None` when no matrix is split).
+pub(crate) struct StepPlan<'a> {
+    pub shard: &'a LocalShard,
+    pub t: u64,
+    pub roots: &'a RootPlan,
+    pub routes: Option<&'a Routes>,
+    pub comm: Option<&'a dyn Communicator>,
+}
+
+/// The operations of a Muon step on one kind of storage: host slices ([`HostMuon`]) or device
+/// memory (`cuda::muon`). [`Muon::run_step`] is the one piece walk both run; `r` is always a
+/// piece's range in the local shard, and the NS input `U` lives in the backend.
+pub(crate) trait MuonKernels {
+    /// Steps 1–2 on elements `r`: `m` and `U`.
+    fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()>;
+    /// The AdamW fallback on one run.
+    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()>;
+    /// Step 3: Newton–Schulz on every matrix this rank works on, in `U`: the whole local ones
+    /// in place, the split ones gathered to their roots and back along `plan.routes`.
+    fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()>;
+    /// Steps 4–5 on elements `r`.
+    fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()>;
+}
+
+impl Muon {
+    /// The step after its checks, on any storage: steps 1–2 on Muon pieces and AdamW on the
+    /// others (frozen ones skipped), step 3, then steps 4–5.
+    pub(crate) fn run_step(&self, k: &mut impl MuonKernels, plan: &StepPlan<'_>) -> Result<()> {
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
-        let mut u = vec![0.0f32; shard.len];
-        for piece in &shard.pieces {
-            let r = piece.offset..piece.offset + piece.range.len();
-            let meta = &shard.params[piece.param];
-            if let Some(step) = self.matrix_step(meta) {
-                step.momentum(&grads[r.clone()], &mut state.m[r.clone()], &mut u[r]);
-            } else if let Some(scale) = self.adamw.scale_for(meta, t) {
-                adamw_update(
-                    &mut params[r.clone()],
-                    &grads[r.clone()],
-                    &mut state.m[r.clone()],
-                    &mut state.v[r],
-                    self.adamw.decay_for(meta),
-                    &moments,
-                    &scale,
-                );
-            } // else frozen: not stepped
-        }
-
-        // Step 3: whole local matrices in place; split ones on their roots.
-        let mut gathered = match &routes {
-            Some(r) => r.gather(&u, comm)?,
-            None => Vec::new(),
-        };
-        let sizes = routes.as_ref().map_or(&[][..], |r| r.sizes());
-        self.orthogonalize_all(shard, &roots, &mut u, &mut gathered, sizes)?;
-        if let Some(r) = &routes {
-            r.scatter(&gathered, &mut u, comm)?;
-        }
-
-        // Steps 4–5.
+        let shard = plan.shard;
         for piece in &shard.pieces {
             let r = piece.offset..piece.offset + piece.range.len();
             if let Some(step) = self.matrix_step(&shard.params[piece.param]) {
-                step.update(&mut params[r.clone()], &u[r]);
+                k.momentum(&step, r)?;
+            } else if let Some(run) = self.adamw.run_of(shard, piece, plan.t) {
+                k.adamw(&run, &moments)?;
             }
         }
+        k.orthogonalize(self, plan)?;
+        for piece in &shard.pieces {
+            if let Some(step) = self.matrix_step(&shard.params[piece.param]) {
+                k.update(&step, piece.offset..piece.offset + piece.range.len())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// [`MuonKernels`] on host slices: the local shard's parameters, gradients and state, and `U`.
+struct HostMuon<'a> {
+    params: &'a mut [f32],
+    grads: &'a [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    u: Vec<f32>,
+}
+
+impl MuonKernels for HostMuon<'_> {
+    fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
+        step.momentum(
+            &self.grads[r.clone()],
+            &mut self.m[r.clone()],
+            &mut self.u[r],
+        );
+        Ok(())
+    }
+
+    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()> {
+        let r = run.range.clone();
+        adamw_update(
+            &mut self.params[r.clone()],
+            &self.grads[r.clone()],
+            &mut self.m[r.clone()],
+            &mut self.v[r],
+            run.decay,
+            moments,
+            &run.scale,
+        );
+        Ok(())
+    }
+
+    fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
+        let mut gathered = match (plan.routes, plan.comm) {
+            (Some(r), Some(c)) => r.gather(&self.u, c)?,
+            _ => Vec::new(),
+        };
+        let sizes = plan.routes.map_or(&[][..], |r| r.sizes());
+        muon.orthogonalize_all(plan.shard, plan.roots, &mut self.u, &mut gathered, sizes)?;
+        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
+            r.scatter(&gathered, &mut self.u, c)?;
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
+        step.update(&mut self.params[r.clone()], &self.u[r]);
         Ok(())
     }
 }

@@ -10,7 +10,7 @@ use ragged::optim::LocalShard;
 use ragged::{Error, Result};
 
 use super::{launch_adamw, ADAMW_STEP};
-use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, SCALE_BLOCK, TILE};
+use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, SCALE_BLOCK};
 use crate::common::{check_len, check_shard, next_step, AdamScale, MomentCoeffs};
 use crate::quant::{ScaleCode, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
@@ -95,17 +95,14 @@ impl Adam8bit {
                 .adamw
                 .decay_for(&shard.params[piece.param])
                 .unwrap_or(1.0);
-            let (mut at, mut elem) = (0usize, piece.range.start);
-            while elem < piece.range.end {
-                let in_matrix = (elem / tiling.cols) % tiling.rows;
-                let len = TILE.min(tiling.rows - in_matrix) * tiling.cols;
+            let mut at = 0usize;
+            for (_, len) in tiling.row_blocks(piece.range.clone()) {
                 for start in (0..len).step_by(SCALE_BLOCK) {
                     t.off.push((piece.offset + at + start) as u64);
                     t.len.push(SCALE_BLOCK.min(len - start) as u32);
                     t.decay.push(decay);
                 }
                 at += len;
-                elem += len;
             }
         }
         check_len(OP, "block table", t.off.len(), scales)?;
@@ -161,10 +158,11 @@ impl Adam8bit {
                 });
             }
             if let PieceState::Fallback { at } = *place {
-                let Some(s) = self.adamw.scale_for(meta, t) else {
+                // The host step's run (none when frozen).
+                let Some(run) = self.adamw.run_of(shard, piece, t) else {
                     continue;
                 };
-                let r = piece.offset..piece.offset + piece.range.len();
+                let r = run.range.clone();
                 let sr = at..at + piece.range.len();
                 launch_adamw(
                     dev,
@@ -173,9 +171,8 @@ impl Adam8bit {
                     &grads.slice(r),
                     &mut state.m32.slice_mut(sr.clone()),
                     &mut state.v32.slice_mut(sr),
-                    self.adamw.decay_for(&shard.params[piece.param]),
+                    &run,
                     &mo,
-                    &s,
                 )?;
             }
         }

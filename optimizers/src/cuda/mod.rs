@@ -27,8 +27,8 @@ use ragged::cuda::{count, elementwise, guarded, Device, ADAMW};
 use ragged::optim::LocalShard;
 use ragged::Result;
 
-use crate::adamw::{AdamState, AdamW};
-use crate::common::{check_shard, check_step_inputs, next_step, AdamScale, MomentCoeffs};
+use crate::adamw::{AdamRun, AdamState, AdamW};
+use crate::common::{check_shard, check_step_inputs, next_step, MomentCoeffs};
 
 pub use newton_schulz::orthogonalize_cuda;
 
@@ -71,7 +71,8 @@ impl DeviceAdamState {
     }
 }
 
-/// Launches `kernels/adamw.cu` on one run (`decay = None`: no decay, passed as the exact `×1`).
+/// Launches `kernels/adamw.cu` on one run (`decay = None`: no decay, passed as the exact `×1`);
+/// the slices are the run's elements.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_adamw(
     dev: &Device,
@@ -80,16 +81,16 @@ pub(crate) fn launch_adamw(
     g: &CudaView<'_, f32>,
     m: &mut CudaViewMut<'_, f32>,
     v: &mut CudaViewMut<'_, f32>,
-    decay: Option<f32>,
+    run: &AdamRun,
     mc: &MomentCoeffs,
-    s: &AdamScale,
 ) -> Result<()> {
     let n = p.len();
     if n == 0 {
         return Ok(());
     }
     let len = count(n);
-    let decay = decay.unwrap_or(1.0);
+    let decay = run.decay.unwrap_or(1.0);
+    let s = &run.scale;
     guarded("adamw_step launch", || unsafe {
         dev.stream()
             .launch_builder(f)
@@ -142,12 +143,9 @@ impl AdamW {
         let t = next_step(OP, state.step)?;
         let c = self.config();
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        for piece in &shard.pieces {
-            // The piece's role's rates; a frozen piece is not stepped.
-            let Some(scale) = self.scale_for(&shard.params[piece.param], t) else {
-                continue;
-            };
-            let r = piece.offset..piece.offset + piece.range.len();
+        // The host step's runs (a frozen piece has none).
+        for run in shard.pieces.iter().filter_map(|p| self.run_of(shard, p, t)) {
+            let r = run.range.clone();
             launch_adamw(
                 dev,
                 &f,
@@ -155,9 +153,8 @@ impl AdamW {
                 &grads.slice(r.clone()),
                 &mut state.m.slice_mut(r.clone()),
                 &mut state.v.slice_mut(r),
-                self.decay_for(&shard.params[piece.param]),
+                &run,
                 &moments,
-                &scale,
             )?;
         }
         state.step = t;

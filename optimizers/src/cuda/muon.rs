@@ -10,15 +10,18 @@
 //! such shards.
 
 use ragged::comm::Communicator;
-use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use std::ops::Range;
+
+use ragged::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::optim::LocalShard;
 use ragged::Result;
 
 use super::newton_schulz::orthogonalize_cuda;
 use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
+use crate::adamw::AdamRun;
 use crate::common::{check_shard, next_step, MomentCoeffs};
-use crate::muon::{whole_matrices, Muon};
+use crate::muon::{whole_matrices, MatrixStep, Muon, MuonKernels, StepPlan};
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
@@ -78,67 +81,95 @@ impl Muon {
         let world = comm.map(|c| (c.world_size(), c.rank()));
         let (roots, routes) = self.prologue(OP, shard, lens, world)?;
         let t = next_step(OP, state.step)?;
-        let a = self.adamw.config();
-        let moments = MomentCoeffs::new(a.beta1, a.beta2);
-        let adamw = dev.function(&ADAMW, ADAMW_STEP)?;
-        let momentum = dev.function(&MUON, MUON_MOMENTUM)?;
-        let apply = dev.function(&MUON, MUON_APPLY)?;
-        let mut u = dev.zeros::<f32>(shard.len)?;
+        let mut device = DeviceMuon {
+            dev,
+            adamw: dev.function(&ADAMW, ADAMW_STEP)?,
+            momentum: dev.function(&MUON, MUON_MOMENTUM)?,
+            apply: dev.function(&MUON, MUON_APPLY)?,
+            params,
+            grads,
+            state: &mut *state,
+            u: dev.zeros::<f32>(shard.len)?,
+        };
+        let plan = StepPlan {
+            shard,
+            t,
+            roots: &roots,
+            routes: routes.as_ref(),
+            comm,
+        };
+        self.run_step(&mut device, &plan)?;
+        state.step = t;
+        Ok(())
+    }
+}
 
-        // Steps 1–2 (Muon pieces) and AdamW (the others).
-        for piece in &shard.pieces {
-            let r = piece.offset..piece.offset + piece.range.len();
-            let meta = &shard.params[piece.param];
-            match self.matrix_step(meta) {
-                Some(step) => {
-                    let n = r.len();
-                    let len = count(n);
-                    let w = (1.0 - step.momentum) as f32;
-                    let mu = step.momentum as f32;
-                    let nesterov = i32::from(step.nesterov);
-                    let g = grads.slice(r.clone());
-                    let mut m = state.m.slice_mut(r.clone());
-                    let mut uu = u.slice_mut(r);
-                    guarded(OP, || unsafe {
-                        dev.stream()
-                            .launch_builder(&momentum)
-                            .arg(&g)
-                            .arg(&mut m)
-                            .arg(&mut uu)
-                            .arg(&len)
-                            .arg(&w)
-                            .arg(&mu)
-                            .arg(&nesterov)
-                            .launch(elementwise(n))
-                    })?;
-                }
-                None => {
-                    // The piece's role's rates; a frozen piece is not stepped.
-                    let Some(scale) = self.adamw.scale_for(meta, t) else {
-                        continue;
-                    };
-                    launch_adamw(
-                        dev,
-                        &adamw,
-                        &mut params.slice_mut(r.clone()),
-                        &grads.slice(r.clone()),
-                        &mut state.m.slice_mut(r.clone()),
-                        &mut state.v.slice_mut(r),
-                        self.adamw.decay_for(meta),
-                        &moments,
-                        &scale,
-                    )?
-                }
-            }
-        }
+/// [`MuonKernels`] on device memory: the kernels of `kernels/muon.cu` and `kernels/adamw.cu`,
+/// Newton–Schulz on cuBLAS, `U` in device memory.
+struct DeviceMuon<'a, 'p, 'g> {
+    dev: &'a Device,
+    adamw: CudaFunction,
+    momentum: CudaFunction,
+    apply: CudaFunction,
+    params: &'a mut CudaViewMut<'p, f32>,
+    grads: &'a CudaView<'g, f32>,
+    state: &'a mut DeviceAdamState,
+    u: CudaSlice<f32>,
+}
 
-        // Step 3: the whole matrices of each piece in place; split ones on their roots.
-        let mut arena = dev.zeros::<f32>(routes.as_ref().map_or(0, |r| r.arena_len()).max(1))?;
-        if let (Some(r), Some(c)) = (&routes, comm) {
-            exchange(&r.gather_exchange(), dev, &u, &mut arena, c)?;
+const OP: &str = "Muon::step_cuda";
+
+impl MuonKernels for DeviceMuon<'_, '_, '_> {
+    fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
+        let n = r.len();
+        let len = count(n);
+        let w = (1.0 - step.momentum) as f32;
+        let mu = step.momentum as f32;
+        let nesterov = i32::from(step.nesterov);
+        let g = self.grads.slice(r.clone());
+        let mut m = self.state.m.slice_mut(r.clone());
+        let mut u = self.u.slice_mut(r);
+        // SAFETY: the arguments follow `muon_momentum`'s signature; the three views hold `n`
+        // elements each (a piece's range, checked against the shard by the prologue).
+        guarded(OP, || unsafe {
+            self.dev
+                .stream()
+                .launch_builder(&self.momentum)
+                .arg(&g)
+                .arg(&mut m)
+                .arg(&mut u)
+                .arg(&len)
+                .arg(&w)
+                .arg(&mu)
+                .arg(&nesterov)
+                .launch(elementwise(n))
+        })
+        .map(drop)
+    }
+
+    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()> {
+        let r = run.range.clone();
+        launch_adamw(
+            self.dev,
+            &self.adamw,
+            &mut self.params.slice_mut(r.clone()),
+            &self.grads.slice(r.clone()),
+            &mut self.state.m.slice_mut(r.clone()),
+            &mut self.state.v.slice_mut(r),
+            run,
+            moments,
+        )
+    }
+
+    fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
+        let (dev, shard) = (self.dev, plan.shard);
+        let arena_len = plan.routes.map_or(0, |r| r.arena_len()).max(1);
+        let mut arena = dev.zeros::<f32>(arena_len)?;
+        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
+            exchange(&r.gather_exchange(), dev, &self.u, &mut arena, c)?;
         }
         for piece in &shard.pieces {
-            let Some(step) = self.matrix_step(&shard.params[piece.param]) else {
+            let Some(step) = muon.matrix_step(&shard.params[piece.param]) else {
                 continue;
             };
             let mn = step.rows * step.cols;
@@ -146,58 +177,42 @@ impl Muon {
                 continue;
             };
             let batch = whole.len() / mn;
-            orthogonalize_cuda(
-                dev,
-                &mut u.slice_mut(whole),
-                batch,
-                step.rows,
-                step.cols,
-                step.ns,
-            )?;
+            let mut x = self.u.slice_mut(whole);
+            orthogonalize_cuda(dev, &mut x, batch, step.rows, step.cols, step.ns)?;
         }
-        if let (Some(r), Some(c)) = (&routes, comm) {
+        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
             let mut at = 0;
-            for (&n, k) in r.sizes().iter().zip(roots.rooted_here(shard.rank)) {
-                let job = &roots.jobs[k];
-                let ns = &self.config().ns;
-                orthogonalize_cuda(
-                    dev,
-                    &mut arena.slice_mut(at..at + n),
-                    1,
-                    job.rows,
-                    job.cols,
-                    ns,
-                )?;
+            for (&n, k) in r.sizes().iter().zip(plan.roots.rooted_here(shard.rank)) {
+                let job = &plan.roots.jobs[k];
+                let mut x = arena.slice_mut(at..at + n);
+                orthogonalize_cuda(dev, &mut x, 1, job.rows, job.cols, &muon.config().ns)?;
                 at += n;
             }
-            exchange(&r.scatter_exchange(), dev, &arena, &mut u, c)?;
+            exchange(&r.scatter_exchange(), dev, &arena, &mut self.u, c)?;
         }
-
-        // Steps 4–5.
-        for piece in &shard.pieces {
-            let Some(step) = self.matrix_step(&shard.params[piece.param]) else {
-                continue;
-            };
-            let r = piece.offset..piece.offset + piece.range.len();
-            let n = r.len();
-            let len = count(n);
-            let decay = step.decay.unwrap_or(1.0);
-            let neg_lr = step.neg_lr;
-            let mut p = params.slice_mut(r.clone());
-            let o = u.slice(r);
-            guarded(OP, || unsafe {
-                dev.stream()
-                    .launch_builder(&apply)
-                    .arg(&mut p)
-                    .arg(&o)
-                    .arg(&len)
-                    .arg(&decay)
-                    .arg(&neg_lr)
-                    .launch(elementwise(n))
-            })?;
-        }
-        state.step = t;
         Ok(())
+    }
+
+    fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
+        let n = r.len();
+        let len = count(n);
+        let decay = step.decay.unwrap_or(1.0);
+        let neg_lr = step.neg_lr;
+        let mut p = self.params.slice_mut(r.clone());
+        let o = self.u.slice(r);
+        // SAFETY: the arguments follow `muon_apply`'s signature; both views hold `n` elements.
+        guarded(OP, || unsafe {
+            self.dev
+                .stream()
+                .launch_builder(&self.apply)
+                .arg(&mut p)
+                .arg(&o)
+                .arg(&len)
+                .arg(&decay)
+                .arg(&neg_lr)
+                .launch(elementwise(n))
+        })
+        .map(drop)
     }
 }
 
