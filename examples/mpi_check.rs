@@ -232,7 +232,7 @@ fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
         let mut p = scatter(shard, &p0);
         let mut state = opt.init(shard)?;
         for g in &grads {
-            opt.step(&mut state, shard, &mut p, &scatter(shard, g), comm)?;
+            opt.step_slices(&mut state, shard, &mut p, &scatter(shard, g), comm)?;
         }
         Ok(p)
     };

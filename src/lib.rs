@@ -21,6 +21,7 @@ pub mod plan;
 pub mod ragged;
 pub mod roles;
 pub mod schedule;
+pub mod storage;
 
 pub use block::AtomicBlock;
 pub use error::{Context, Error, Result};

@@ -17,6 +17,7 @@ use std::ops::Range;
 use crate::comm::Communicator;
 use crate::model::Unit;
 use crate::plan::{self, Plan, PlanOptions};
+use crate::storage::{Placement, View, ViewMut};
 use crate::{AtomicBlock, Result, Role};
 
 /// A parameter of a group, as the optimizer sees it (global shape, not the local one).
@@ -330,8 +331,22 @@ pub trait Optimizer: Send + Sync {
         plan::plan_unit(unit, &|t| self.atomic_block(&t.name, &t.shape), world, opts)
     }
 
-    /// Fresh state for one rank's shard of a group.
+    /// Fresh state for one rank's shard of a group, in host memory.
     fn init(&self, shard: &LocalShard) -> Result<Self::State>;
+
+    /// Fresh state in the memory `place` names: the host ([`Optimizer::init`]) or a device,
+    /// for an optimizer with a device backend (AdamW, Muon, 8-bit Adam); the default refuses
+    /// devices.
+    fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<Self::State> {
+        if place.is_cpu() {
+            return self.init(shard);
+        }
+        Err(crate::Error::BadInput {
+            op: "Optimizer::init_on",
+            what: self.name().into(),
+            reason: "this optimizer runs on the host only".into(),
+        })
+    }
 
     /// The learning rate of the main update (candle-nn's `Optimizer::learning_rate`); `None`
     /// for an optimizer without one.
@@ -351,17 +366,30 @@ pub trait Optimizer: Send + Sync {
         })
     }
 
-    /// One update of the local shard in place. `params` and `grads` have `shard.len` elements.
-    /// `comm` connects the ranks of this group (Muon gathers whole matrices to a root through
-    /// it; element-wise optimizers ignore it).
+    /// One update of the local shard in place. `params` and `grads` have `shard.len` elements,
+    /// in host or device memory ([`crate::storage`]), where the state lives too (a mix is
+    /// `Err`); the step runs that storage's backend. `comm` connects the ranks of this group
+    /// (Muon gathers whole matrices to a root through it; element-wise optimizers ignore it).
     fn step(
+        &self,
+        state: &mut Self::State,
+        shard: &LocalShard,
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
+        comm: &dyn Communicator,
+    ) -> Result<()>;
+
+    /// [`Optimizer::step`] on host slices (the state in host memory).
+    fn step_slices(
         &self,
         state: &mut Self::State,
         shard: &LocalShard,
         params: &mut [f32],
         grads: &[f32],
         comm: &dyn Communicator,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.step(state, shard, params.into(), grads.into(), comm)
+    }
 }
 
 /// Plain gradient descent, `p ← p − lr·g`: the smallest real optimizer, used by `ragged bench
@@ -400,11 +428,13 @@ impl Optimizer for Sgd {
         &self,
         _state: &mut (),
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
         _comm: &dyn Communicator,
     ) -> Result<()> {
-        check_shard_lengths(shard, params.len(), grads.len(), "Sgd::step")?;
+        const OP: &str = "Sgd::step";
+        let (params, grads) = (params.cpu(OP)?, grads.cpu(OP)?);
+        check_shard_lengths(shard, params.len(), grads.len(), OP)?;
         for piece in &shard.pieces {
             let span = piece.offset..piece.offset + piece.range.len();
             for (p, g) in params[span.clone()].iter_mut().zip(&grads[span]) {

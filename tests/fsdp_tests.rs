@@ -960,8 +960,8 @@ impl ragged::optim::Optimizer for WholeMatrixAdamW {
         &self,
         state: &mut Self::State,
         shard: &ragged::optim::LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ragged::storage::ViewMut<'_, f32>,
+        grads: ragged::storage::View<'_, f32>,
         comm: &dyn Communicator,
     ) -> ragged::Result<()> {
         self.0.step(state, shard, params, grads, comm)

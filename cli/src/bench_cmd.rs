@@ -472,7 +472,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
 /// `optim-cuda` section.
 #[cfg(feature = "cuda")]
 fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
-    let dev = ragged::cuda::Device::open(0)?;
+    let dev = std::sync::Arc::new(ragged::cuda::Device::open(0)?);
     eprintln!("device: {}", dev.name()?);
     let report = ragged_optimizers::cuda::bench::bench_gpu(&dev, args.quick)?;
     let table = report.markdown();

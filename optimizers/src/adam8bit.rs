@@ -120,6 +120,7 @@ use rayon::prelude::*;
 use ragged::block::numel;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
+use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role};
 
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_MIN_ELEMS};
@@ -305,51 +306,95 @@ impl Tiling {
 
 /// 8-bit Adam state of one rank's shard of one group; see the module doc for the layout.
 /// Checkpointing is [`Adam8bitState::to_le_bytes`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct Adam8bitState {
     /// Steps taken (`t`). `0` before the first step.
     pub step: u64,
     /// First-moment codes in the signed dynamic map, one per local-shard element.
-    pub m: Vec<u8>,
+    pub m: Storage<u8>,
     /// Second-moment codes in the unsigned dynamic map, one per local-shard element.
-    pub v: Vec<u8>,
+    pub v: Storage<u8>,
     /// Scales of `m` ([`encode_scale`] of max |m| of each 256-element scale block after the
     /// last step), local order (piece, then row-major within the piece).
-    pub scale_m: Vec<ScaleCode>,
+    pub scale_m: Storage<ScaleCode>,
     /// Scales of `v` (max v of each scale block), in the order of `scale_m`.
-    pub scale_v: Vec<ScaleCode>,
+    pub scale_v: Storage<ScaleCode>,
     /// `f32` first moment of the fallback pieces, concatenated in shard order.
-    pub m32: Vec<f32>,
+    pub m32: Storage<f32>,
     /// `f32` second moment of the fallback pieces, concatenated in shard order.
-    pub v32: Vec<f32>,
+    pub v32: Storage<f32>,
+}
+
+/// The arrays of an [`Adam8bitState`] in host memory ([`Adam8bitState::host_mut`]).
+pub(crate) struct HostArrays<'a> {
+    pub m: &'a mut [u8],
+    pub v: &'a mut [u8],
+    pub scale_m: &'a mut [ScaleCode],
+    pub scale_v: &'a mut [ScaleCode],
+    pub m32: &'a mut [f32],
+    pub v32: &'a mut [f32],
 }
 
 const HEADER_WORDS: usize = 4;
 
 impl Adam8bitState {
+    /// Every array as a host slice (`Err` when the state lives on a device).
+    pub(crate) fn host_mut(&mut self) -> Result<HostArrays<'_>> {
+        Ok(HostArrays {
+            m: self.m.cpu_mut()?,
+            v: self.v.cpu_mut()?,
+            scale_m: self.scale_m.cpu_mut()?,
+            scale_v: self.scale_v.cpu_mut()?,
+            m32: self.m32.cpu_mut()?,
+            v32: self.v32.cpu_mut()?,
+        })
+    }
+
+    /// A copy in the same memory.
+    pub fn try_clone(&self) -> Result<Self> {
+        self.to_placement(&self.m.placement())
+    }
+
+    /// The same state in the memory `place` names (a copy of every array).
+    pub fn to_placement(&self, place: &Placement) -> Result<Self> {
+        Ok(Adam8bitState {
+            step: self.step,
+            m: place.put(self.m.to_vec()?)?,
+            v: place.put(self.v.to_vec()?)?,
+            scale_m: place.put(self.scale_m.to_vec()?)?,
+            scale_v: place.put(self.scale_v.to_vec()?)?,
+            m32: place.put(self.m32.to_vec()?)?,
+            v32: place.put(self.v32.to_vec()?)?,
+        })
+    }
+
     /// Serializes the state: `step`, `len` (codes per moment), `scales` (scales per moment),
     /// `fp32` (fallback elements per moment), as u64; then `m`, `v` (bytes), `scale_m`,
-    /// `scale_v` (u16), `m32`, `v32` (f32); all little-endian. Exact: loading gives back the
-    /// same bits.
-    pub fn to_le_bytes(&self) -> Vec<u8> {
+    /// `scale_v` (u16), `m32`, `v32` (f32); all little-endian (device arrays are downloaded).
+    /// Exact: loading gives back the same bits.
+    pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
+        let host = self.to_placement(&Placement::Cpu)?;
+        let (m, v) = (host.m.cpu()?, host.v.cpu()?);
+        let (scale_m, scale_v) = (host.scale_m.cpu()?, host.scale_v.cpu()?);
+        let (m32, v32) = (host.m32.cpu()?, host.v32.cpu()?);
         let mut out = Vec::new();
         for w in [
             self.step,
-            self.m.len() as u64,
-            self.scale_m.len() as u64,
-            self.m32.len() as u64,
+            m.len() as u64,
+            scale_m.len() as u64,
+            m32.len() as u64,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
-        out.extend_from_slice(&self.m);
-        out.extend_from_slice(&self.v);
-        for x in self.scale_m.iter().chain(&self.scale_v) {
+        out.extend_from_slice(m);
+        out.extend_from_slice(v);
+        for x in scale_m.iter().chain(scale_v) {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        for x in self.m32.iter().chain(&self.v32) {
+        for x in m32.iter().chain(v32) {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        out
+        Ok(out)
     }
 
     /// Loads a state written by [`Adam8bitState::to_le_bytes`]; `Err` when the byte count is
@@ -397,12 +442,12 @@ impl Adam8bitState {
         let (m32, v32) = floats.split_at(fp32);
         Ok(Adam8bitState {
             step,
-            m: m.to_vec(),
-            v: v.to_vec(),
-            scale_m: scale_m.to_vec(),
-            scale_v: scale_v.to_vec(),
-            m32: m32.to_vec(),
-            v32: v32.to_vec(),
+            m: m.to_vec().into(),
+            v: v.to_vec().into(),
+            scale_m: scale_m.to_vec().into(),
+            scale_v: scale_v.to_vec().into(),
+            m32: m32.to_vec().into(),
+            v32: v32.to_vec().into(),
         })
     }
 
@@ -608,17 +653,21 @@ impl Optimizer for Adam8bit {
     }
 
     fn init(&self, shard: &LocalShard) -> Result<Adam8bitState> {
+        self.init_on(shard, &Placement::Cpu)
+    }
+
+    fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<Adam8bitState> {
         const OP: &str = "Adam8bit::init";
         check_shard(OP, shard)?;
         let (_, scales, fp32) = self.layout(OP, shard)?;
         Ok(Adam8bitState {
             step: 0,
-            m: vec![SIGNED_ZERO_CODE; shard.len],
-            v: vec![UNSIGNED_ZERO_CODE; shard.len],
-            scale_m: vec![0; scales],
-            scale_v: vec![0; scales],
-            m32: vec![0.0; fp32],
-            v32: vec![0.0; fp32],
+            m: place.put(vec![SIGNED_ZERO_CODE; shard.len])?,
+            v: place.put(vec![UNSIGNED_ZERO_CODE; shard.len])?,
+            scale_m: place.zeros(scales)?,
+            scale_v: place.zeros(scales)?,
+            m32: place.zeros(fp32)?,
+            v32: place.zeros(fp32)?,
         })
     }
 
@@ -626,8 +675,8 @@ impl Optimizer for Adam8bit {
         &self,
         state: &mut Adam8bitState,
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Adam8bit::step";
@@ -638,13 +687,40 @@ impl Optimizer for Adam8bit {
             scales: [state.scale_m.len(), state.scale_v.len()],
             fp32: [state.m32.len(), state.v32.len()],
         };
-        let (layout, _) = self.checked_layout(OP, shard, &lens)?;
+        let (layout, scales) = self.checked_layout(OP, shard, &lens)?;
         let t = next_step(OP, state.step)?;
+        match params {
+            ViewMut::Cpu(params) => {
+                let grads = grads.cpu(OP)?;
+                self.step_host(state.host_mut()?, shard, &layout, params, grads, t);
+            }
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(mut params) => {
+                let sizes = (layout.as_slice(), scales);
+                crate::cuda::adam8bit::step(self, state, shard, sizes, &mut params, grads, t)?;
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = scales; // the device step's launch size
         state.step = t;
+        Ok(())
+    }
+}
 
+impl Adam8bit {
+    /// The step on host memory (after [`Adam8bit::checked_layout`]).
+    fn step_host(
+        &self,
+        state: HostArrays<'_>,
+        shard: &LocalShard,
+        layout: &[PieceState],
+        params: &mut [f32],
+        grads: &[f32],
+        t: u64,
+    ) {
         let c = &self.config.adam;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        for (piece, place) in shard.pieces.iter().zip(&layout) {
+        for (piece, place) in shard.pieces.iter().zip(layout) {
             // The piece's role's rates; a frozen piece is not stepped.
             let Some(AdamRun {
                 range: r,
@@ -708,7 +784,6 @@ impl Optimizer for Adam8bit {
                 }
             }
         }
-        Ok(())
     }
 }
 

@@ -55,6 +55,7 @@ use rayon::prelude::*;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
+use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::common::{
@@ -145,39 +146,65 @@ impl AdamWConfig {
 }
 
 /// AdamW state of one rank's shard of one group. Both moments are laid out like the local
-/// shard (`shard.len` elements each; padding stays zero), so a checkpoint is these three
-/// fields ([`AdamState::to_le_bytes`]).
-#[derive(Clone, Debug, PartialEq)]
+/// shard (`shard.len` elements each; padding stays zero), in host or device memory
+/// ([`Storage`]), so a checkpoint is these three fields ([`AdamState::to_le_bytes`]).
+#[derive(Debug, PartialEq)]
 pub struct AdamState {
     /// Steps taken (`t`; torch's `state["step"]`). `0` before the first step.
     pub step: u64,
     /// First moment `m` (torch's `exp_avg`), `f32`, `shard.len` elements.
-    pub m: Vec<f32>,
+    pub m: Storage<f32>,
     /// Second moment `v` (torch's `exp_avg_sq`), `f32`, `shard.len` elements.
-    pub v: Vec<f32>,
+    pub v: Storage<f32>,
 }
 
 impl AdamState {
-    /// Zero moments for a shard of `len` elements, step 0.
+    /// Zero moments in host memory for a shard of `len` elements, step 0.
     pub fn zeros(len: usize) -> Self {
         AdamState {
             step: 0,
-            m: vec![0.0; len],
-            v: vec![0.0; len],
+            m: Storage::Cpu(vec![0.0; len]),
+            v: Storage::Cpu(vec![0.0; len]),
         }
     }
 
+    /// Zero moments in the memory `place` names.
+    pub fn zeros_on(place: &Placement, len: usize) -> Result<Self> {
+        Ok(AdamState {
+            step: 0,
+            m: place.zeros(len)?,
+            v: place.zeros(len)?,
+        })
+    }
+
+    /// A copy in the same memory (a device copy for device moments).
+    pub fn try_clone(&self) -> Result<Self> {
+        let place = self.m.placement();
+        Ok(AdamState {
+            step: self.step,
+            m: place.put(self.m.to_vec()?)?,
+            v: place.put(self.v.to_vec()?)?,
+        })
+    }
+
+    /// Both moments as host slices (`Err` when they live on a device).
+    pub fn host_mut(&mut self) -> Result<(&mut [f32], &mut [f32])> {
+        Ok((self.m.cpu_mut()?, self.v.cpu_mut()?))
+    }
+
     /// Serializes the state: `step` (u64), `len` (u64), then `m` and `v` as `len` `f32` each,
-    /// all little-endian; `16 + 8·len` bytes. Exact: loading gives back the same bits. (`len`
-    /// is `m`'s length; a state whose moments differ in length writes bytes that do not load.)
-    pub fn to_le_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + 4 * (self.m.len() + self.v.len()));
+    /// all little-endian; `16 + 8·len` bytes (device moments are downloaded). Exact: loading
+    /// gives back the same bits. (`len` is `m`'s length; a state whose moments differ in
+    /// length writes bytes that do not load.)
+    pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
+        let (m, v) = (self.m.to_vec()?, self.v.to_vec()?);
+        let mut out = Vec::with_capacity(16 + 4 * (m.len() + v.len()));
         out.extend_from_slice(&self.step.to_le_bytes());
-        out.extend_from_slice(&(self.m.len() as u64).to_le_bytes());
-        for x in self.m.iter().chain(&self.v) {
+        out.extend_from_slice(&(m.len() as u64).to_le_bytes());
+        for x in m.iter().chain(&v) {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        out
+        Ok(out)
     }
 
     /// Loads a state written by [`AdamState::to_le_bytes`]; `Err` if the length is not the
@@ -208,8 +235,8 @@ impl AdamState {
         let (m, v) = floats.split_at(len);
         Ok(AdamState {
             step,
-            m: m.to_vec(),
-            v: v.to_vec(),
+            m: m.to_vec().into(),
+            v: v.to_vec().into(),
         })
     }
 }
@@ -323,12 +350,20 @@ impl Optimizer for AdamW {
         Ok(AdamState::zeros(shard.len))
     }
 
+    fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<AdamState> {
+        check_shard("AdamW::init_on", shard)?;
+        AdamState::zeros_on(place, shard.len)
+    }
+
+    /// One fused update per local piece (frozen pieces skipped), on the host or, for device
+    /// memory, one launch of `kernels/adamw.cu` per piece (bitwise the host step; queued on the
+    /// device's stream).
     fn step(
         &self,
         state: &mut AdamState,
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "AdamW::step";
@@ -341,23 +376,35 @@ impl Optimizer for AdamW {
             state.v.len(),
         )?;
         let t = next_step(OP, state.step)?;
-        state.step = t;
-
         let c = &self.config;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
         // Frozen pieces have no run.
-        for run in shard.pieces.iter().filter_map(|p| self.run_of(shard, p, t)) {
-            let r = run.range;
-            adamw_update(
-                &mut params[r.clone()],
-                &grads[r.clone()],
-                &mut state.m[r.clone()],
-                &mut state.v[r],
-                run.decay,
-                &moments,
-                &run.scale,
-            );
+        let runs = shard.pieces.iter().filter_map(|p| self.run_of(shard, p, t));
+        match params {
+            ViewMut::Cpu(params) => {
+                let grads = grads.cpu(OP)?;
+                let (m, v) = state.host_mut()?;
+                for run in runs {
+                    let r = run.range;
+                    adamw_update(
+                        &mut params[r.clone()],
+                        &grads[r.clone()],
+                        &mut m[r.clone()],
+                        &mut v[r],
+                        run.decay,
+                        &moments,
+                        &run.scale,
+                    );
+                }
+            }
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(mut params) => {
+                let grads = crate::cuda::device_view(OP, grads)?;
+                let (dev, m, v) = crate::cuda::device_moments(OP, state)?;
+                crate::cuda::adamw_runs(&dev, runs, &mut params, &grads, m, v, &moments)?;
+            }
         }
+        state.step = t;
         Ok(())
     }
 }

@@ -521,8 +521,8 @@ impl<O: Optimizer> Stepper for Run<O> {
         self.opt.step(
             &mut self.state,
             &self.shard,
-            &mut self.params,
-            &self.grads,
+            (&mut self.params).into(),
+            (&self.grads).into(),
             &SingleRank,
         )
     }

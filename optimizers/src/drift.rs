@@ -206,7 +206,13 @@ impl DriftStream {
         let mut p = flat(&self.p0);
         let mut state = opt.init(&shard)?;
         for g in &self.grads {
-            opt.step(&mut state, &shard, &mut p, &flat(g), &SingleRank)?;
+            opt.step(
+                &mut state,
+                &shard,
+                (&mut p).into(),
+                (&flat(g)).into(),
+                &SingleRank,
+            )?;
         }
         let mut out = Vec::with_capacity(self.p0.len());
         let mut at = 0;

@@ -62,6 +62,7 @@ use ragged::comm::Communicator;
 use ragged::model::Unit;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{Plan, PlanOptions};
+use ragged::storage::{Placement, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::adamw::{adamw_update, AdamRun, AdamState, AdamW, AdamWConfig};
@@ -271,29 +272,27 @@ impl Optimizer for Muon {
         Ok(AdamState::zeros(shard.len))
     }
 
+    fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<MuonState> {
+        check_shard("Muon::init_on", shard)?;
+        AdamState::zeros_on(place, shard.len)
+    }
+
+    /// The step on host slices, or on device memory (kernels, Newton–Schulz on cuBLAS in
+    /// `config.ns.precision`; its host `backend` is ignored there; split matrices travel
+    /// through `comm`, which must then take device buffers: NCCL or GPU thread ranks).
     fn step(
         &self,
         state: &mut MuonState,
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
         comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Muon::step";
         let lens = [params.len(), grads.len(), state.m.len(), state.v.len()];
         let world = Some((comm.world_size(), comm.rank()));
         let (roots, routes) = self.prologue(OP, shard, lens, world)?;
-        // Fail on an unavailable Newton–Schulz backend before anything is modified.
-        resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
         let t = next_step(OP, state.step)?;
-        state.step = t;
-        let mut host = HostMuon {
-            params,
-            grads,
-            m: &mut state.m,
-            v: &mut state.v,
-            u: vec![0.0f32; shard.len],
-        };
         let plan = StepPlan {
             shard,
             t,
@@ -301,7 +300,31 @@ impl Optimizer for Muon {
             routes: routes.as_ref(),
             comm: Some(comm),
         };
-        self.run_step(&mut host, &plan)
+        match params {
+            ViewMut::Cpu(params) => {
+                // Fail on an unavailable Newton–Schulz backend before anything is modified.
+                resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
+                let grads = grads.cpu(OP)?;
+                let (m, v) = state.host_mut()?;
+                let u = vec![0.0f32; shard.len];
+                self.run_step(
+                    &mut HostMuon {
+                        params,
+                        grads,
+                        m,
+                        v,
+                        u,
+                    },
+                    &plan,
+                )?;
+            }
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(mut params) => {
+                crate::cuda::muon::step(self, state, &mut params, grads, &plan)?;
+            }
+        }
+        state.step = t;
+        Ok(())
     }
 }
 
@@ -431,8 +454,7 @@ impl Muon {
             return Err(Error::InvalidShard {
                 op,
                 reason: "a Muon matrix is split over ranks: its gather to a root needs a \
-                         communicator (on the device: Muon::step_cuda_comm), or plan with \
-                         MatrixLayout::Whole"
+                         communicator of this shard's world, or plan with MatrixLayout::Whole"
                     .into(),
             });
         };

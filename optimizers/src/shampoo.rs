@@ -102,6 +102,7 @@ use rayon::prelude::*;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
+use ragged::storage::{View, ViewMut};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::common::{check_len, check_shard, ema_sq_elem, lerp_elem, next_step};
@@ -591,11 +592,13 @@ impl Optimizer for Shampoo {
         &self,
         state: &mut ShampooState,
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
+        params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Shampoo::step";
+        // Host memory only (its eigendecompositions run on the CPU).
+        let (params, grads) = (params.cpu(OP)?, grads.cpu(OP)?);
         let c = &self.config;
         check_len(OP, "params", params.len(), shard.len)?;
         check_len(OP, "grads", grads.len(), shard.len)?;

@@ -31,15 +31,16 @@ fn adam_layout(shard: &LocalShard) -> Vec<FieldLayout> {
     ]
 }
 
-fn adam_data(state: &AdamState) -> Vec<FieldData<'_>> {
-    vec![FieldData::F32(&state.m), FieldData::F32(&state.v)]
+fn adam_data(state: &AdamState) -> Result<Vec<FieldData<'_>>> {
+    Ok(vec![
+        FieldData::F32(state.m.cpu()?),
+        FieldData::F32(state.v.cpu()?),
+    ])
 }
 
-fn adam_data_mut(state: &mut AdamState) -> Vec<FieldDataMut<'_>> {
-    vec![
-        FieldDataMut::F32(&mut state.m),
-        FieldDataMut::F32(&mut state.v),
-    ]
+fn adam_data_mut(state: &mut AdamState) -> Result<Vec<FieldDataMut<'_>>> {
+    let (m, v) = state.host_mut()?;
+    Ok(vec![FieldDataMut::F32(m), FieldDataMut::F32(v)])
 }
 
 /// The [`CheckpointState`] methods of an optimizer whose state is [`AdamState`].
@@ -52,10 +53,13 @@ macro_rules! adam_like {
             fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
                 Ok(adam_layout(shard))
             }
-            fn state_data<'a>(&self, state: &'a AdamState) -> Vec<FieldData<'a>> {
+            fn state_data<'a>(&self, state: &'a AdamState) -> Result<Vec<FieldData<'a>>> {
                 adam_data(state)
             }
-            fn state_data_mut<'a>(&self, state: &'a mut AdamState) -> Vec<FieldDataMut<'a>> {
+            fn state_data_mut<'a>(
+                &self,
+                state: &'a mut AdamState,
+            ) -> Result<Vec<FieldDataMut<'a>>> {
                 adam_data_mut(state)
             }
             fn state_step(&self, state: &AdamState) -> u64 {
@@ -131,26 +135,27 @@ impl CheckpointState for Adam8bit {
         ])
     }
 
-    fn state_data<'a>(&self, s: &'a Adam8bitState) -> Vec<FieldData<'a>> {
-        vec![
-            FieldData::U8(&s.m),
-            FieldData::U8(&s.v),
-            FieldData::U16(&s.scale_m),
-            FieldData::U16(&s.scale_v),
-            FieldData::F32(&s.m32),
-            FieldData::F32(&s.v32),
-        ]
+    fn state_data<'a>(&self, s: &'a Adam8bitState) -> Result<Vec<FieldData<'a>>> {
+        Ok(vec![
+            FieldData::U8(s.m.cpu()?),
+            FieldData::U8(s.v.cpu()?),
+            FieldData::U16(s.scale_m.cpu()?),
+            FieldData::U16(s.scale_v.cpu()?),
+            FieldData::F32(s.m32.cpu()?),
+            FieldData::F32(s.v32.cpu()?),
+        ])
     }
 
-    fn state_data_mut<'a>(&self, s: &'a mut Adam8bitState) -> Vec<FieldDataMut<'a>> {
-        vec![
-            FieldDataMut::U8(&mut s.m),
-            FieldDataMut::U8(&mut s.v),
-            FieldDataMut::U16(&mut s.scale_m),
-            FieldDataMut::U16(&mut s.scale_v),
-            FieldDataMut::F32(&mut s.m32),
-            FieldDataMut::F32(&mut s.v32),
-        ]
+    fn state_data_mut<'a>(&self, s: &'a mut Adam8bitState) -> Result<Vec<FieldDataMut<'a>>> {
+        let h = s.host_mut()?;
+        Ok(vec![
+            FieldDataMut::U8(h.m),
+            FieldDataMut::U8(h.v),
+            FieldDataMut::U16(h.scale_m),
+            FieldDataMut::U16(h.scale_v),
+            FieldDataMut::F32(h.m32),
+            FieldDataMut::F32(h.v32),
+        ])
     }
 
     fn state_step(&self, state: &Adam8bitState) -> u64 {
@@ -223,16 +228,16 @@ impl CheckpointState for Shampoo {
         Ok(fields)
     }
 
-    fn state_data<'a>(&self, s: &'a ShampooState) -> Vec<FieldData<'a>> {
+    fn state_data<'a>(&self, s: &'a ShampooState) -> Result<Vec<FieldData<'a>>> {
         let mut out = vec![FieldData::F32(&s.m)];
         if self.config().grafting.has_accumulator() {
             out.push(FieldData::F32(&s.v));
         }
         out.extend([FieldData::F32(&s.factors), FieldData::F32(&s.roots)]);
-        out
+        Ok(out)
     }
 
-    fn state_data_mut<'a>(&self, s: &'a mut ShampooState) -> Vec<FieldDataMut<'a>> {
+    fn state_data_mut<'a>(&self, s: &'a mut ShampooState) -> Result<Vec<FieldDataMut<'a>>> {
         let mut out = vec![FieldDataMut::F32(&mut s.m)];
         if self.config().grafting.has_accumulator() {
             out.push(FieldDataMut::F32(&mut s.v));
@@ -241,7 +246,7 @@ impl CheckpointState for Shampoo {
             FieldDataMut::F32(&mut s.factors),
             FieldDataMut::F32(&mut s.roots),
         ]);
-        out
+        Ok(out)
     }
 
     fn state_step(&self, state: &ShampooState) -> u64 {

@@ -395,7 +395,13 @@ fn run_ranks<O: Optimizer>(
         let mut p = shard.scatter(p0)?;
         let mut state = opt.init(shard)?;
         for g in grads {
-            opt.step(&mut state, shard, &mut p, &shard.scatter(g)?, comm)?;
+            opt.step(
+                &mut state,
+                shard,
+                (&mut p).into(),
+                (&shard.scatter(g)?).into(),
+                comm,
+            )?;
         }
         Ok((p, state))
     };
@@ -420,11 +426,17 @@ fn state_bits(
 ) -> Result<StateBits> {
     let m = LocalShard::gather(
         shards,
-        &states.iter().map(|s| s.m.clone()).collect::<Vec<_>>(),
+        &states
+            .iter()
+            .map(|s| s.m.to_vec())
+            .collect::<Result<Vec<_>>>()?,
     )?;
     let v = LocalShard::gather(
         shards,
-        &states.iter().map(|s| s.v.clone()).collect::<Vec<_>>(),
+        &states
+            .iter()
+            .map(|s| s.v.to_vec())
+            .collect::<Result<Vec<_>>>()?,
     )?;
     let params = &shards[0].params;
     let mut scales: Vec<Vec<(ScaleCode, ScaleCode)>> = params
@@ -432,6 +444,7 @@ fn state_bits(
         .map(|p| vec![(0, 0); opt.tiling(&p.name, &p.shape).map_or(0, |t| t.num_scales())])
         .collect();
     for (shard, st) in shards.iter().zip(states) {
+        let (scale_m, scale_v) = (st.scale_m.cpu()?, st.scale_v.cpu()?);
         let mut at = 0;
         for piece in &shard.pieces {
             let meta = &shard.params[piece.param];
@@ -447,7 +460,7 @@ fn state_bits(
                     });
                 };
                 for k in 0..b - a {
-                    scales[piece.param][a + k] = (st.scale_m[at + k], st.scale_v[at + k]);
+                    scales[piece.param][a + k] = (scale_m[at + k], scale_v[at + k]);
                 }
                 at += b - a;
             }

@@ -55,10 +55,21 @@ fn edgy(rng: &mut Rng, scale: f32, wild: bool) -> f32 {
 fn random_state(opt: &Adam8bit, shard: &ragged::optim::LocalShard, rng: &mut Rng) -> Adam8bitState {
     let mut s = opt.init(shard).unwrap();
     s.step = 4;
-    for c in s.m.iter_mut().chain(s.v.iter_mut()) {
+    for c in
+        s.m.cpu_mut()
+            .unwrap()
+            .iter_mut()
+            .chain(s.v.cpu_mut().unwrap().iter_mut())
+    {
         *c = rng.next_u64() as u8;
     }
-    for x in s.scale_m.iter_mut().chain(s.scale_v.iter_mut()) {
+    for x in s
+        .scale_m
+        .cpu_mut()
+        .unwrap()
+        .iter_mut()
+        .chain(s.scale_v.cpu_mut().unwrap().iter_mut())
+    {
         *x = match rng.next_u64() % 40 {
             0 => 0,
             1 => encode_scale(1e-40),
@@ -68,10 +79,10 @@ fn random_state(opt: &Adam8bit, shard: &ragged::optim::LocalShard, rng: &mut Rng
             _ => encode_scale(rng.uniform(1e-6, 1.0)),
         };
     }
-    for x in s.m32.iter_mut() {
+    for x in s.m32.cpu_mut().unwrap().iter_mut() {
         *x = rng.signed(0.0, 0.1);
     }
-    for x in s.v32.iter_mut() {
+    for x in s.v32.cpu_mut().unwrap().iter_mut() {
         *x = rng.uniform(0.0, 0.01);
     }
     s
@@ -90,13 +101,13 @@ fn run(
     let shard = whole_shard_by(&specs, &|t| opt.atomic_block(&t.name, &t.shape));
     let mut rng = Rng::new(seed);
     let state0 = random_state(&opt, &shard, &mut rng);
-    let mut state = state0.clone();
+    let mut state = state0.try_clone().unwrap();
     let mut params: Vec<f32> = (0..shard.len).map(|_| edgy(&mut rng, 2.0, true)).collect();
     for _ in 0..steps {
         let grads: Vec<f32> = (0..shard.len)
             .map(|i| edgy(&mut rng, 0.05, (i / 4096) % 4 == 0))
             .collect();
-        opt.step(&mut state, &shard, &mut params, &grads, &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut params, &grads, &SingleRank)
             .unwrap();
     }
     (bits(&params), state0, state)
@@ -129,12 +140,18 @@ type StateBits = (
 fn state_bits(s: &Adam8bitState) -> StateBits {
     (
         s.step,
-        s.m.clone(),
-        s.v.clone(),
-        s.scale_m.clone(),
-        s.scale_v.clone(),
-        bits(&s.m32).into_iter().map(nan_as_one).collect(),
-        bits(&s.v32).into_iter().map(nan_as_one).collect(),
+        s.m.to_vec().unwrap(),
+        s.v.to_vec().unwrap(),
+        s.scale_m.to_vec().unwrap(),
+        s.scale_v.to_vec().unwrap(),
+        bits(s.m32.cpu().unwrap())
+            .into_iter()
+            .map(nan_as_one)
+            .collect(),
+        bits(s.v32.cpu().unwrap())
+            .into_iter()
+            .map(nan_as_one)
+            .collect(),
     )
 }
 
@@ -183,12 +200,18 @@ fn every_kernel_build_steps_to_the_same_bits_as_the_portable_one() {
         let (p_ref, s0, s_ref) = run(config, Adam8bitKernel::Portable, 3, 7);
         // The inputs have teeth: all 256 codes occur in the start state, the steps move codes,
         // scales and parameters, and some parameters stay finite.
-        for codes in [&s0.m, &s0.v] {
+        for codes in [s0.m.cpu().unwrap(), s0.v.cpu().unwrap()] {
             let mut seen = [false; 256];
             codes.iter().for_each(|&c| seen[c as usize] = true);
             assert!(seen.iter().all(|&x| x), "{what}: not every code occurs");
         }
-        let changed = s0.m.iter().zip(&s_ref.m).filter(|(a, b)| a != b).count();
+        let changed =
+            s0.m.cpu()
+                .unwrap()
+                .iter()
+                .zip(s_ref.m.cpu().unwrap())
+                .filter(|(a, b)| a != b)
+                .count();
         assert!(
             changed > s0.m.len() / 4,
             "{what}: only {changed} m codes moved"

@@ -105,12 +105,20 @@ fn run(
             for i in padding(shard) {
                 local_g[i] = 1.0;
             }
-            opt.step(&mut states[r], shard, &mut params[r], &local_g, &SingleRank)
+            opt.step_slices(&mut states[r], shard, &mut params[r], &local_g, &SingleRank)
                 .unwrap();
             for i in padding(shard) {
                 assert_eq!(params[r][i].to_bits(), 0, "param padding at {i}");
-                assert_eq!(states[r].m[i], 127, "m padding must stay the code of 0");
-                assert_eq!(states[r].v[i], 0, "v padding must stay the code of 0");
+                assert_eq!(
+                    states[r].m.cpu().unwrap()[i],
+                    127,
+                    "m padding must stay the code of 0"
+                );
+                assert_eq!(
+                    states[r].v.cpu().unwrap()[i],
+                    0,
+                    "v padding must stay the code of 0"
+                );
             }
         }
     }
@@ -120,27 +128,33 @@ fn run(
     let m32: Vec<Vec<f32>> = shards
         .iter()
         .zip(&states)
-        .map(|(s, st)| fallback_local(opt, s, &st.m32))
+        .map(|(s, st)| fallback_local(opt, s, st.m32.cpu().unwrap()))
         .collect();
     let v32: Vec<Vec<f32>> = shards
         .iter()
         .zip(&states)
-        .map(|(s, st)| fallback_local(opt, s, &st.v32))
+        .map(|(s, st)| fallback_local(opt, s, st.v32.cpu().unwrap()))
         .collect();
     Global {
         params: u32s(gather(shards, &params, &n)),
         m: gather(
             shards,
-            &states.iter().map(|s| s.m.clone()).collect::<Vec<_>>(),
+            &states
+                .iter()
+                .map(|s| s.m.to_vec().unwrap())
+                .collect::<Vec<_>>(),
             &n,
         ),
         v: gather(
             shards,
-            &states.iter().map(|s| s.v.clone()).collect::<Vec<_>>(),
+            &states
+                .iter()
+                .map(|s| s.v.to_vec().unwrap())
+                .collect::<Vec<_>>(),
             &n,
         ),
-        scale_m: gather_scales(opt, shards, &take(&|s| s.scale_m.clone()), spec),
-        scale_v: gather_scales(opt, shards, &take(&|s| s.scale_v.clone()), spec),
+        scale_m: gather_scales(opt, shards, &take(&|s| s.scale_m.to_vec().unwrap()), spec),
+        scale_v: gather_scales(opt, shards, &take(&|s| s.scale_v.to_vec().unwrap()), spec),
         m32: u32s(gather(shards, &m32, &n)),
         v32: u32s(gather(shards, &v32, &n)),
     }
@@ -391,7 +405,7 @@ fn adam8bit_matches_an_f64_reference_with_exact_codes() {
     let mut state = opt.init(&shard).unwrap();
     let mut p = scatter(&shard, &p0);
     for g in &grads {
-        opt.step(&mut state, &shard, &mut p, &scatter(&shard, g), &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &scatter(&shard, g), &SingleRank)
             .unwrap();
         let (mut at, mut scale_at) = (0, 0);
         for (ti, (t, r)) in spec.iter().zip(&mut refs).enumerate() {
@@ -399,10 +413,13 @@ fn adam8bit_matches_an_f64_reference_with_exact_codes() {
             r.step(
                 &c.adam,
                 &g[ti],
-                [&state.m[at..at + n], &state.v[at..at + n]],
                 [
-                    &state.scale_m[scale_at..scale_at + ns],
-                    &state.scale_v[scale_at..scale_at + ns],
+                    &state.m.cpu().unwrap()[at..at + n],
+                    &state.v.cpu().unwrap()[at..at + n],
+                ],
+                [
+                    &state.scale_m.cpu().unwrap()[scale_at..scale_at + ns],
+                    &state.scale_v.cpu().unwrap()[scale_at..scale_at + ns],
                 ],
             );
             at += n;
@@ -439,7 +456,7 @@ fn codes_are_not_all_trivial_so_the_golden_test_has_teeth() {
     let mut state = opt.init(&shard).unwrap();
     for _ in 0..2 {
         let g = rng.vec(shard.len, 1e-4, 1.0);
-        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
     }
     let distinct = |c: &[u8]| {
@@ -448,14 +465,14 @@ fn codes_are_not_all_trivial_so_the_golden_test_has_teeth() {
         seen.iter().filter(|&&s| s).count()
     };
     assert!(
-        distinct(&state.m) > 100,
+        distinct(state.m.cpu().unwrap()) > 100,
         "m uses {} codes",
-        distinct(&state.m)
+        distinct(state.m.cpu().unwrap())
     );
     assert!(
-        distinct(&state.v) > 60,
+        distinct(state.v.cpu().unwrap()) > 60,
         "v uses {} codes",
-        distinct(&state.v)
+        distinct(state.v.cpu().unwrap())
     );
 }
 
@@ -550,25 +567,25 @@ fn state_round_trip_through_bytes_continues_bitwise() {
             let mut p = scatter(shard, &p0);
             let mut state = opt.init(shard).unwrap();
             for g in &grads[..2] {
-                opt.step(&mut state, shard, &mut p, &scatter(shard, g), &SingleRank)
+                opt.step_slices(&mut state, shard, &mut p, &scatter(shard, g), &SingleRank)
                     .unwrap();
             }
-            let bytes = state.to_le_bytes();
+            let bytes = state.to_le_bytes().unwrap();
             let mut loaded = Adam8bitState::from_le_bytes(&bytes).unwrap();
             assert_eq!(loaded, state);
-            assert_eq!(loaded.to_le_bytes(), bytes);
+            assert_eq!(loaded.to_le_bytes().unwrap(), bytes);
             let mut p2 = p.clone();
             for g in &grads[2..] {
                 let g = scatter(shard, g);
-                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
                     .unwrap();
-                opt.step(&mut loaded, shard, &mut p2, &g, &SingleRank)
+                opt.step_slices(&mut loaded, shard, &mut p2, &g, &SingleRank)
                     .unwrap();
             }
             assert_eq!(bits(&p), bits(&p2), "world {world}: params after resume");
             assert_eq!(
-                loaded.to_le_bytes(),
-                state.to_le_bytes(),
+                loaded.to_le_bytes().unwrap(),
+                state.to_le_bytes().unwrap(),
                 "world {world}: state"
             );
         }
@@ -580,7 +597,7 @@ fn truncated_or_inconsistent_state_bytes_are_rejected() {
     let spec = specs(&[&[64, 64], &[5, 7]]);
     let shard = whole_shard(&spec);
     let opt = default_opt();
-    let bytes = opt.init(&shard).unwrap().to_le_bytes();
+    let bytes = opt.init(&shard).unwrap().to_le_bytes().unwrap();
     assert!(Adam8bitState::from_le_bytes(&bytes[..bytes.len() - 1]).is_err());
     assert!(Adam8bitState::from_le_bytes(&bytes[..20]).is_err());
     let mut longer = bytes.clone();
@@ -613,7 +630,7 @@ fn rare_rows_run<O: Optimizer>(opt: &O, name: &str) -> (f32, Vec<f32>) {
             row.iter_mut().for_each(|g| *g *= 1e-4);
         }
         let before = p.clone();
-        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         for (a, b) in p.iter().zip(&before) {
             worst = worst.max((a - b).abs());
@@ -692,17 +709,17 @@ fn a_piece_that_cuts_a_tile_is_rejected() {
     assert!(opt.init(&shard).is_err());
     let mut state = Adam8bitState {
         step: 0,
-        m: vec![127; shard.len],
-        v: vec![0; shard.len],
-        scale_m: vec![],
-        scale_v: vec![],
-        m32: vec![],
-        v32: vec![],
+        m: vec![127; shard.len].into(),
+        v: vec![0; shard.len].into(),
+        scale_m: vec![].into(),
+        scale_v: vec![].into(),
+        m32: vec![].into(),
+        v32: vec![].into(),
     };
     let mut p = vec![1.0; shard.len];
     let g = vec![1.0; shard.len];
     assert!(opt
-        .step(&mut state, &shard, &mut p, &g, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
         .is_err());
     assert_eq!(state.step, 0);
 }
@@ -715,32 +732,34 @@ fn step_with_wrong_lengths_errs_and_changes_nothing() {
     let fresh = opt.init(&shard).unwrap();
     let good_g = vec![0.5f32; shard.len];
     let short = vec![0.5f32; shard.len - 1];
-    let mut state = fresh.clone();
+    let mut state = fresh.try_clone().unwrap();
     let mut p = vec![1.0f32; shard.len];
     assert!(opt
-        .step(&mut state, &shard, &mut p, &short, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &short, &SingleRank)
         .is_err());
     let mut p_short = short.clone();
     assert!(opt
-        .step(&mut state, &shard, &mut p_short, &good_g, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p_short, &good_g, &SingleRank)
         .is_err());
     let corruptions: [fn(&mut Adam8bitState); 3] = [
         |s: &mut Adam8bitState| {
-            s.m.pop();
+            let m = s.m.cpu().unwrap();
+            s.m = m[..m.len() - 1].to_vec().into();
         },
         |s: &mut Adam8bitState| {
-            s.scale_v.pop();
+            let v = s.scale_v.cpu().unwrap();
+            s.scale_v = v[..v.len() - 1].to_vec().into();
         },
         |s: &mut Adam8bitState| {
-            s.m32.push(0.0);
+            s.m32 = [s.m32.cpu().unwrap(), &[0.0]].concat().into();
         },
     ];
     for corrupt in corruptions {
-        let mut bad = fresh.clone();
+        let mut bad = fresh.try_clone().unwrap();
         corrupt(&mut bad);
-        let before = bad.clone();
+        let before = bad.try_clone().unwrap();
         assert!(opt
-            .step(&mut bad, &shard, &mut p, &good_g, &SingleRank)
+            .step_slices(&mut bad, &shard, &mut p, &good_g, &SingleRank)
             .is_err());
         assert_eq!(bad, before, "a failed step must not touch the state");
     }
@@ -749,7 +768,7 @@ fn step_with_wrong_lengths_errs_and_changes_nothing() {
         p.iter().all(|&x| x == 1.0),
         "a failed step must not touch params"
     );
-    opt.step(&mut state, &shard, &mut p, &good_g, &SingleRank)
+    opt.step_slices(&mut state, &shard, &mut p, &good_g, &SingleRank)
         .unwrap();
     assert_eq!(state.step, 1);
 }

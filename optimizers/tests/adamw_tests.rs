@@ -46,10 +46,14 @@ fn run(
             for i in padding(shard) {
                 local_g[i] = 1.0;
             }
-            opt.step(&mut states[r], shard, &mut params[r], &local_g, &SingleRank)
+            opt.step_slices(&mut states[r], shard, &mut params[r], &local_g, &SingleRank)
                 .unwrap();
             for i in padding(shard) {
-                let (p, m, v) = (params[r][i], states[r].m[i], states[r].v[i]);
+                let (p, m, v) = (
+                    params[r][i],
+                    states[r].m.cpu().unwrap()[i],
+                    states[r].v.cpu().unwrap()[i],
+                );
                 assert!(
                     p.to_bits() == 0 && m.to_bits() == 0 && v.to_bits() == 0,
                     "rank {r}/{}: padding at {i} became p={p} m={m} v={v}",
@@ -58,8 +62,8 @@ fn run(
             }
         }
     }
-    let ms: Vec<Vec<f32>> = states.iter().map(|s| s.m.clone()).collect();
-    let vs: Vec<Vec<f32>> = states.iter().map(|s| s.v.clone()).collect();
+    let ms: Vec<Vec<f32>> = states.iter().map(|s| s.m.to_vec().unwrap()).collect();
+    let vs: Vec<Vec<f32>> = states.iter().map(|s| s.v.to_vec().unwrap()).collect();
     [
         gather(shards, &params, numels),
         gather(shards, &ms, numels),
@@ -195,7 +199,7 @@ fn adamw_matches_an_f64_reference_within_f32_rounding() {
         let mut state = opt.init(&shard).unwrap();
         let mut p = p0.clone();
         for (k, g) in grads.iter().enumerate() {
-            opt.step(&mut state, &shard, &mut p, g, &SingleRank)
+            opt.step_slices(&mut state, &shard, &mut p, g, &SingleRank)
                 .unwrap();
             let gs: Vec<&[f32]> = grads[..=k].iter().map(Vec::as_slice).collect();
             let (rp, rm, rv) = reference_f64(c, true, &p0, &gs);
@@ -205,8 +209,8 @@ fn adamw_matches_an_f64_reference_within_f32_rounding() {
                 .fold(0f64, |a, &g| a.max(g.abs() as f64));
             for i in 0..n {
                 let ep = (p[i] as f64 - rp[i]).abs() / rp[i].abs();
-                let em = (state.m[i] as f64 - rm[i]).abs() / gmax;
-                let ev = (state.v[i] as f64 - rv[i]).abs() / (gmax * gmax);
+                let em = (state.m.cpu().unwrap()[i] as f64 - rm[i]).abs() / gmax;
+                let ev = (state.v.cpu().unwrap()[i] as f64 - rv[i]).abs() / (gmax * gmax);
                 assert!(
                     ep <= GOLDEN_RTOL && em <= GOLDEN_RTOL && ev <= GOLDEN_RTOL,
                     "config {ci}, step {}, element {i}: relative errors p {ep:e}, m {em:e}, \
@@ -214,9 +218,9 @@ fn adamw_matches_an_f64_reference_within_f32_rounding() {
                     k + 1,
                     p[i],
                     rp[i],
-                    state.m[i],
+                    state.m.cpu().unwrap()[i],
                     rm[i],
-                    state.v[i],
+                    state.v.cpu().unwrap()[i],
                     rv[i]
                 );
             }
@@ -275,12 +279,20 @@ fn adamw_follows_torch_operation_order_bitwise() {
         let (mut tp, mut tm, mut tv) = (p.clone(), vec![0.0; n], vec![0.0; n]);
         for t in 1..=6 {
             let g = rng.vec(n, 1e-5, 2.0);
-            opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+            opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
                 .unwrap();
             torch_order_f32(&c, &mut tp, &mut tm, &mut tv, &g, t);
             assert_eq!(bits(&p), bits(&tp), "config {ci}, step {t}: params");
-            assert_eq!(bits(&state.m), bits(&tm), "config {ci}, step {t}: m");
-            assert_eq!(bits(&state.v), bits(&tv), "config {ci}, step {t}: v");
+            assert_eq!(
+                bits(state.m.cpu().unwrap()),
+                bits(&tm),
+                "config {ci}, step {t}: m"
+            );
+            assert_eq!(
+                bits(state.v.cpu().unwrap()),
+                bits(&tv),
+                "config {ci}, step {t}: v"
+            );
         }
     }
 }
@@ -448,10 +460,10 @@ fn state_round_trip_through_bytes_continues_bitwise() {
     let mut state = opt.init(&shard).unwrap();
     let mut p = flat(&p0);
     for g in &grads[..3] {
-        opt.step(&mut state, &shard, &mut p, &flat(g), &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &flat(g), &SingleRank)
             .unwrap();
     }
-    let saved_state = state.to_le_bytes();
+    let saved_state = state.to_le_bytes().unwrap();
     let saved_params = f32s_to_le(&p);
     assert_eq!(saved_state.len(), 16 + 8 * shard.len);
     assert_eq!(saved_state[..8], 3u64.to_le_bytes());
@@ -459,19 +471,19 @@ fn state_round_trip_through_bytes_continues_bitwise() {
     let mut loaded = AdamState::from_le_bytes(&saved_state).unwrap();
     let mut lp = f32s_from_le(&saved_params);
     assert_eq!(loaded.step, state.step);
-    assert_eq!(bits(&loaded.m), bits(&state.m));
-    assert_eq!(bits(&loaded.v), bits(&state.v));
+    assert_eq!(bits(loaded.m.cpu().unwrap()), bits(state.m.cpu().unwrap()));
+    assert_eq!(bits(loaded.v.cpu().unwrap()), bits(state.v.cpu().unwrap()));
 
     for g in &grads[3..] {
-        opt.step(&mut state, &shard, &mut p, &flat(g), &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &flat(g), &SingleRank)
             .unwrap();
-        opt.step(&mut loaded, &shard, &mut lp, &flat(g), &SingleRank)
+        opt.step_slices(&mut loaded, &shard, &mut lp, &flat(g), &SingleRank)
             .unwrap();
     }
     assert_eq!(loaded.step, 6);
     assert_eq!(bits(&lp), bits(&p));
-    assert_eq!(bits(&loaded.m), bits(&state.m));
-    assert_eq!(bits(&loaded.v), bits(&state.v));
+    assert_eq!(bits(loaded.m.cpu().unwrap()), bits(state.m.cpu().unwrap()));
+    assert_eq!(bits(loaded.v.cpu().unwrap()), bits(state.v.cpu().unwrap()));
 }
 
 #[test]
@@ -489,7 +501,7 @@ fn state_saved_on_one_world_size_resumes_bitwise_on_another() {
     let mut states: Vec<AdamState> = before.iter().map(|s| opt.init(s).unwrap()).collect();
     for g in &grads[..3] {
         for (r, s) in before.iter().enumerate() {
-            opt.step(
+            opt.step_slices(
                 &mut states[r],
                 s,
                 &mut params[r],
@@ -501,17 +513,23 @@ fn state_saved_on_one_world_size_resumes_bitwise_on_another() {
     }
     let loaded: Vec<AdamState> = states
         .iter()
-        .map(|s| AdamState::from_le_bytes(&s.to_le_bytes()).unwrap())
+        .map(|s| AdamState::from_le_bytes(&s.to_le_bytes().unwrap()).unwrap())
         .collect();
     let gp = gather(&before, &params, &n);
     let gm = gather(
         &before,
-        &loaded.iter().map(|s| s.m.clone()).collect::<Vec<_>>(),
+        &loaded
+            .iter()
+            .map(|s| s.m.to_vec().unwrap())
+            .collect::<Vec<_>>(),
         &n,
     );
     let gv = gather(
         &before,
-        &loaded.iter().map(|s| s.v.clone()).collect::<Vec<_>>(),
+        &loaded
+            .iter()
+            .map(|s| s.v.to_vec().unwrap())
+            .collect::<Vec<_>>(),
         &n,
     );
 
@@ -522,13 +540,13 @@ fn state_saved_on_one_world_size_resumes_bitwise_on_another() {
         .iter()
         .map(|s| AdamState {
             step: loaded[0].step,
-            m: scatter(s, &gm),
-            v: scatter(s, &gv),
+            m: scatter(s, &gm).into(),
+            v: scatter(s, &gv).into(),
         })
         .collect();
     for g in &grads[3..] {
         for (r, s) in after.iter().enumerate() {
-            opt.step(
+            opt.step_slices(
                 &mut states[r],
                 s,
                 &mut params[r],
@@ -542,12 +560,18 @@ fn state_saved_on_one_world_size_resumes_bitwise_on_another() {
         gather(&after, &params, &n),
         gather(
             &after,
-            &states.iter().map(|s| s.m.clone()).collect::<Vec<_>>(),
+            &states
+                .iter()
+                .map(|s| s.m.to_vec().unwrap())
+                .collect::<Vec<_>>(),
             &n,
         ),
         gather(
             &after,
-            &states.iter().map(|s| s.v.clone()).collect::<Vec<_>>(),
+            &states
+                .iter()
+                .map(|s| s.v.to_vec().unwrap())
+                .collect::<Vec<_>>(),
             &n,
         ),
     ];
@@ -558,10 +582,10 @@ fn state_saved_on_one_world_size_resumes_bitwise_on_another() {
 fn truncated_or_inconsistent_state_bytes_are_rejected() {
     let state = AdamState {
         step: 4,
-        m: vec![1.0, -2.0, 3.5],
-        v: vec![0.25, 0.0, 9.0],
+        m: vec![1.0, -2.0, 3.5].into(),
+        v: vec![0.25, 0.0, 9.0].into(),
     };
-    let bytes = state.to_le_bytes();
+    let bytes = state.to_le_bytes().unwrap();
     assert_eq!(AdamState::from_le_bytes(&bytes).unwrap(), state);
     assert!(AdamState::from_le_bytes(&bytes[..bytes.len() - 1]).is_err());
     assert!(AdamState::from_le_bytes(&bytes[..10]).is_err());
@@ -676,18 +700,18 @@ fn step_with_wrong_lengths_errs_and_changes_nothing() {
 
     let mut p = short.clone();
     assert!(opt
-        .step(&mut state, &shard, &mut p, &good_g, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &good_g, &SingleRank)
         .is_err());
     let mut p = long.clone();
     assert!(opt
-        .step(&mut state, &shard, &mut p, &good_g, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &good_g, &SingleRank)
         .is_err());
     let mut p = good_p.clone();
     assert!(opt
-        .step(&mut state, &shard, &mut p, &short, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &short, &SingleRank)
         .is_err());
     assert!(opt
-        .step(&mut state, &shard, &mut p, &long, &SingleRank)
+        .step_slices(&mut state, &shard, &mut p, &long, &SingleRank)
         .is_err());
     assert_eq!(
         bits(&p),
@@ -702,21 +726,21 @@ fn step_with_wrong_lengths_errs_and_changes_nothing() {
 
     let mut bad_state = AdamState {
         step: 0,
-        m: vec![0.0; shard.len - 1],
-        v: vec![0.0; shard.len],
+        m: vec![0.0; shard.len - 1].into(),
+        v: vec![0.0; shard.len].into(),
     };
     assert!(opt
-        .step(&mut bad_state, &shard, &mut p, &good_g, &SingleRank)
+        .step_slices(&mut bad_state, &shard, &mut p, &good_g, &SingleRank)
         .is_err());
-    bad_state.m.push(0.0);
-    bad_state.v.push(0.0);
+    bad_state.m = vec![0.0; shard.len].into();
+    bad_state.v = vec![0.0; shard.len + 1].into();
     assert!(opt
-        .step(&mut bad_state, &shard, &mut p, &good_g, &SingleRank)
+        .step_slices(&mut bad_state, &shard, &mut p, &good_g, &SingleRank)
         .is_err());
     assert_eq!(bad_state.step, 0);
 
     // And with correct lengths the same call succeeds.
-    opt.step(&mut state, &shard, &mut p, &good_g, &SingleRank)
+    opt.step_slices(&mut state, &shard, &mut p, &good_g, &SingleRank)
         .unwrap();
     assert_eq!(state.step, 1);
 }
@@ -745,7 +769,8 @@ fn inconsistent_shards_are_rejected_not_indexed() {
         let mut p = vec![1.0; s.len];
         let g = vec![1.0; s.len];
         assert!(
-            opt.step(&mut state, s, &mut p, &g, &SingleRank).is_err(),
+            opt.step_slices(&mut state, s, &mut p, &g, &SingleRank)
+                .is_err(),
             "case {k}: step"
         );
     }
@@ -800,6 +825,12 @@ fn adamw_needs_element_blocks_and_starts_from_zero_state() {
         let state = opt.init(&shard).unwrap();
         assert_eq!(state.step, 0);
         assert_eq!(state.m.len(), shard.len);
-        assert!(state.m.iter().chain(&state.v).all(|x| x.to_bits() == 0));
+        assert!(state
+            .m
+            .cpu()
+            .unwrap()
+            .iter()
+            .chain(state.v.cpu().unwrap())
+            .all(|x| x.to_bits() == 0));
     }
 }

@@ -10,13 +10,15 @@
 //! (8 significant bits per operand).
 #![cfg(feature = "cuda")]
 
+use std::sync::Arc;
+
 use ragged::comm::SingleRank;
 use ragged::cuda::Device;
 use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged_optimizers::cuda::adam8bit::DeviceAdam8bitState;
-use ragged_optimizers::cuda::{orthogonalize_cuda, DeviceAdamState};
+use ragged::storage::Placement;
+use ragged_optimizers::cuda::orthogonalize_cuda;
 use ragged_optimizers::newton_schulz::NsPrecision;
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
@@ -26,9 +28,9 @@ mod harness;
 use harness::{bits, planned_shards, scatter, whole_shard_by, Rng};
 
 /// Device 0, or `None` after printing why the test is skipped.
-fn device() -> Option<Device> {
+fn device() -> Option<Arc<Device>> {
     match Device::open(0) {
-        Ok(d) => Some(d),
+        Ok(d) => Some(Arc::new(d)),
         Err(e) => {
             println!("skipped: {e}");
             None
@@ -80,20 +82,27 @@ fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
             let mut p = scatter(shard, &p0);
             let mut state = opt.init(shard).unwrap();
             let mut dp = dev.upload(&p).unwrap();
-            let mut ds = opt.init_cuda(&dev, shard).unwrap();
+            let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
             for _ in 0..STEPS {
                 let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
                     .unwrap();
                 let dg = dev.upload(&g).unwrap();
-                opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
-                    .unwrap();
+                let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+                opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
             }
-            let got = ds.download(&dev).unwrap();
-            assert_eq!(got.step, state.step);
+            assert_eq!(ds.step, state.step);
             assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
-            assert_eq!(bits(&got.m), bits(&state.m), "m");
-            assert_eq!(bits(&got.v), bits(&state.v), "v");
+            assert_eq!(
+                bits(&ds.m.to_vec().unwrap()),
+                bits(state.m.cpu().unwrap()),
+                "m"
+            );
+            assert_eq!(
+                bits(&ds.v.to_vec().unwrap()),
+                bits(state.v.cpu().unwrap()),
+                "v"
+            );
         }
     }
 }
@@ -122,24 +131,24 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
             let mut p = scatter(shard, &p0);
             let mut state = opt.init(shard).unwrap();
             let mut dp = dev.upload(&p).unwrap();
-            let mut ds = opt.init_cuda(&dev, shard).unwrap();
+            let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
             for _ in 0..STEPS {
                 let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+                opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
                     .unwrap();
                 let dg = dev.upload(&g).unwrap();
-                opt.step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
-                    .unwrap();
+                let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+                opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
             }
-            let got = ds.download(&dev).unwrap();
+            let got = ds.to_placement(&Placement::Cpu).unwrap();
             assert_eq!(got.step, state.step);
             assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
             assert_eq!(got.m, state.m, "m codes");
             assert_eq!(got.v, state.v, "v codes");
             assert_eq!(got.scale_m, state.scale_m, "scale_m");
             assert_eq!(got.scale_v, state.scale_v, "scale_v");
-            assert_eq!(bits(&got.m32), bits(&state.m32), "m32");
-            assert_eq!(bits(&got.v32), bits(&state.v32), "v32");
+            assert_eq!(got.m32, state.m32, "m32");
+            assert_eq!(got.v32, state.v32, "v32");
         }
     }
 }
@@ -158,10 +167,11 @@ fn adam8bit_state_round_trips_through_the_device() {
     let mut rng = Rng::new(3);
     let mut p = scatter(shard, &globals(&spec, &mut rng, 1.0));
     let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-    opt.step(&mut state, shard, &mut p, &g, &SingleRank)
+    opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
         .unwrap();
-    let back = DeviceAdam8bitState::upload(&dev, &state)
-        .and_then(|d| d.download(&dev))
+    let back = state
+        .to_placement(&Placement::Cuda(dev.clone()))
+        .and_then(|d| d.to_placement(&Placement::Cpu))
         .unwrap();
     assert_eq!(back, state);
 }
@@ -276,43 +286,50 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     let mut p = scatter(&shard, &globals(&spec, &mut rng, 1.0));
     let mut state = opt.init(&shard).unwrap();
     let mut dp = dev.upload(&p).unwrap();
-    let mut ds = opt.init_cuda(&dev, &shard).unwrap();
+    let mut ds = opt.init_on(&shard, &Placement::Cuda(dev.clone())).unwrap();
     for _ in 0..STEPS {
         let g = scatter(&shard, &globals(&spec, &mut rng, 0.1));
-        opt.step(&mut state, &shard, &mut p, &g, &SingleRank)
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         let dg = dev.upload(&g).unwrap();
-        opt.step_cuda(&dev, &mut ds, &shard, &mut dp.slice_mut(..), &dg.slice(..))
-            .unwrap();
+        let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+        opt.step(&mut ds, &shard, pv, gv, &SingleRank).unwrap();
     }
-    let got = ds.download(&dev).unwrap();
     // Momentum and the AdamW moments never see Newton–Schulz: bitwise. The parameters differ
     // by lr·scale·(NS difference) per step: ≤ 3 · 1e-2 · 1.5 · 2e-3 ≈ 1e-4.
-    assert_eq!(bits(&got.m), bits(&state.m), "m");
-    assert_eq!(bits(&got.v), bits(&state.v), "v");
+    assert_eq!(
+        bits(&ds.m.to_vec().unwrap()),
+        bits(state.m.cpu().unwrap()),
+        "m"
+    );
+    assert_eq!(
+        bits(&ds.v.to_vec().unwrap()),
+        bits(state.v.cpu().unwrap()),
+        "v"
+    );
     let (abs, _) = diffs(&dev.download(&dp).unwrap(), &p);
     assert!(abs <= 1e-4, "params: max |Δ| = {abs}");
 }
 
 #[test]
-fn muon_step_cuda_refuses_split_matrices() {
+fn muon_step_on_device_memory_refuses_host_state_and_host_gradients() {
     let Some(dev) = device() else { return };
-    let spec = specs(&[("w0", &[48, 32]), ("w1", &[48, 32]), ("w2", &[48, 32])]);
+    let spec = specs(&[("w0", &[48, 32]), ("b", &[7])]);
     let opt = Muon::new(MuonConfig::default()).unwrap();
-    // Row blocks on 2 ranks (2304 elements each): w1 is cut between them.
-    let shards = split_rows(&opt, &spec, 2);
-    let shard = shards
-        .iter()
-        .find(|s| opt.roots(s).has_split())
-        .expect("a split layout");
-    let mut ds: DeviceAdamState = opt.init_cuda(&dev, shard).unwrap();
+    let shard = muon_shard(&opt, &spec);
+    let mut host_state = opt.init(&shard).unwrap();
     let mut dp = dev.zeros::<f32>(shard.len).unwrap();
     let dg = dev.zeros::<f32>(shard.len).unwrap();
+    let hg = vec![0.0f32; shard.len];
+    let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
     let err = opt
-        .step_cuda(&dev, &mut ds, shard, &mut dp.slice_mut(..), &dg.slice(..))
+        .step(&mut host_state, &shard, pv, gv, &SingleRank)
         .unwrap_err();
-    assert!(err.to_string().contains("split"), "{err}");
-    assert_eq!(ds.step, 0, "nothing modified");
+    assert!(err.to_string().contains("device memory"), "{err}");
+    let mut ds = opt.init_on(&shard, &Placement::Cuda(dev.clone())).unwrap();
+    let (pv, gv) = (dp.slice_mut(..).into(), (&hg).into());
+    assert!(opt.step(&mut ds, &shard, pv, gv, &SingleRank).is_err());
+    assert_eq!((host_state.step, ds.step), (0, 0), "nothing modified");
 }
 
 /// Row-granular shards of `spec` on `world` ranks, in which some Muon matrix is split.
@@ -340,7 +357,6 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = std::sync::Arc::new(dev);
     let spec = specs(&[
         ("w0", &[48, 32]),
         ("w1", &[48, 32]),
@@ -358,9 +374,9 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
         let mut p = scatter(shard, &p0);
         let mut state = opt.init(shard)?;
         for g in &grads {
-            opt.step(&mut state, shard, &mut p, &scatter(shard, g), comm)?;
+            opt.step_slices(&mut state, shard, &mut p, &scatter(shard, g), comm)?;
         }
-        Ok(bits(&p).into_iter().chain(bits(&state.m)).collect())
+        Ok(bits(&p).into_iter().chain(bits(state.m.cpu()?)).collect())
     };
     let cpu = ThreadWorld::run(world, |c| run(c.rank(), c)).unwrap();
     let gpu = ThreadDeviceComm::run(dev, world, |c| {
@@ -379,7 +395,6 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     use ragged::comm::Communicator;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = std::sync::Arc::new(dev);
     let spec = specs(&[
         ("w0", &[48, 32]),
         ("w1", &[48, 32]),
@@ -400,21 +415,26 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
         let shard = &shards[c.rank()];
         let (mut p, mut st) = (scatter(shard, &p0), opt.init(shard)?);
         for g in &grads {
-            opt.step(&mut st, shard, &mut p, &scatter(shard, g), c)?;
+            opt.step_slices(&mut st, shard, &mut p, &scatter(shard, g), c)?;
         }
-        Ok((p, st.m, st.v))
+        Ok((p, st.m.to_vec()?, st.v.to_vec()?))
     })
     .unwrap();
-    let gpu = ThreadDeviceComm::run(dev, world, |c| {
+    let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
         let (shard, d) = (&shards[c.rank()], c.device());
         let mut p = d.upload(&scatter(shard, &p0))?;
-        let mut st = opt.init_cuda(d, shard)?;
+        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
         for g in &grads {
             let g = d.upload(&scatter(shard, g))?;
-            opt.step_cuda_comm(d, &mut st, shard, &mut p.slice_mut(..), &g.slice(..), c)?;
+            opt.step(
+                &mut st,
+                shard,
+                p.slice_mut(..).into(),
+                g.slice(..).into(),
+                c,
+            )?;
         }
-        let st = st.download(d)?;
-        Ok((d.download(&p)?, st.m, st.v))
+        Ok((d.download(&p)?, st.m.to_vec()?, st.v.to_vec()?))
     })
     .unwrap();
     for (r, ((gp, gm, gv), (cp, cm, cv))) in gpu.iter().zip(&cpu).enumerate() {
@@ -424,22 +444,14 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
         assert!(abs <= 1e-4, "rank {r}: params max |Δ| = {abs}");
     }
     // A communicator of another world is refused before anything changes.
-    let lonely = ThreadDeviceComm::world(std::sync::Arc::new(device().unwrap()), 1).unwrap();
+    let lonely = ThreadDeviceComm::world(dev.clone(), 1).unwrap();
     let shard = shards.iter().find(|s| opt.roots(s).has_split()).unwrap();
     let d = lonely[0].device();
-    let mut st = opt.init_cuda(d, shard).unwrap();
+    let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
     let mut p = d.zeros::<f32>(shard.len).unwrap();
     let g = d.zeros::<f32>(shard.len).unwrap();
-    let err = opt
-        .step_cuda_comm(
-            d,
-            &mut st,
-            shard,
-            &mut p.slice_mut(..),
-            &g.slice(..),
-            &lonely[0],
-        )
-        .unwrap_err();
+    let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+    let err = opt.step(&mut st, shard, pv, gv, &lonely[0]).unwrap_err();
     assert!(
         matches!(err, ragged::Error::WorldSizeMismatch { .. }),
         "{err}"

@@ -62,7 +62,7 @@ fn run_rank(
         for i in padding(shard) {
             local_g[i] = 1.0;
         }
-        opt.step(&mut state, shard, &mut params, &local_g, &SingleRank)
+        opt.step_slices(&mut state, shard, &mut params, &local_g, &SingleRank)
             .unwrap();
         for i in padding(shard) {
             assert_eq!(params[i].to_bits(), 0, "padding param {i}");
@@ -723,7 +723,7 @@ fn a_piece_cutting_a_row_block_is_refused() {
                 };
                 let before = state.clone();
                 let mut p = vec![0.5; shard.len];
-                let res = opt.step(
+                let res = opt.step_slices(
                     &mut state,
                     shard,
                     &mut p,
@@ -840,7 +840,7 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
         let (p2, s2) = run_rank(&opt, &shard, &p0, &grads[..2]);
         let mut p3 = p2.clone();
         let mut s3 = s2.clone();
-        opt.step(&mut s3, &shard, &mut p3, &grads[2][0], &SingleRank)
+        opt.step_slices(&mut s3, &shard, &mut p3, &grads[2][0], &SingleRank)
             .unwrap();
         // The grafting direction at step 3, from the element formulas.
         let t = 3.0f64;
@@ -897,7 +897,7 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
     let mut params = scatter(&shard, &p0);
     let mut roots = vec![bits(&state.roots)];
     for g in &grads {
-        opt.step(
+        opt.step_slices(
             &mut state,
             &shard,
             &mut params,
@@ -978,7 +978,7 @@ fn state_round_trip_through_bytes_continues_bitwise() {
             assert_eq!(s, s_half);
             assert_eq!(s.to_le_bytes(), bytes);
             for g in &grads[3..] {
-                opt.step(&mut s, shard, &mut p, &scatter(shard, g), &SingleRank)
+                opt.step_slices(&mut s, shard, &mut p, &scatter(shard, g), &SingleRank)
                     .unwrap();
             }
             assert_eq!(bits(&p), bits(&p_all), "rank {}: params", shard.rank);
@@ -1022,13 +1022,13 @@ fn corrupted_or_mismatched_state_bytes_are_refused() {
     let mut s = ShampooState::from_le_bytes(&shifted).unwrap();
     let mut p = vec![0.0; shard.len];
     assert!(opt
-        .step(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
+        .step_slices(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
         .is_err());
     // A state of another shard is refused.
     let other = whole_shard(&opt, &specs(&[("w", &[3, 10])]));
     let mut s = opt.init(&other).unwrap();
     assert!(opt
-        .step(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
+        .step_slices(&mut s, &shard, &mut p, &vec![0.1; shard.len], &SingleRank)
         .is_err());
 }
 
@@ -1116,7 +1116,7 @@ fn non_finite_gradients_are_refused_before_anything_changes() {
             let mut g = scatter(&shard, &grads[0]);
             g[at] = bad;
             let (mut p, mut s) = (params.clone(), state.clone());
-            let res = opt.step(&mut s, &shard, &mut p, &g, &SingleRank);
+            let res = opt.step_slices(&mut s, &shard, &mut p, &g, &SingleRank);
             assert!(
                 matches!(res, Err(Error::BadInput { .. })),
                 "{bad} at {at}: {res:?}"
@@ -1136,10 +1136,10 @@ fn step_refuses_buffers_of_the_wrong_length() {
     let mut p = vec![0.0; 12];
     let mut s = good.clone();
     assert!(opt
-        .step(&mut s, &shard, &mut [0.0; 11], &g, &SingleRank)
+        .step_slices(&mut s, &shard, &mut [0.0; 11], &g, &SingleRank)
         .is_err());
     assert!(opt
-        .step(&mut s, &shard, &mut p, &g[..11], &SingleRank)
+        .step_slices(&mut s, &shard, &mut p, &g[..11], &SingleRank)
         .is_err());
     for k in 0..4 {
         let mut s = good.clone();
@@ -1151,7 +1151,8 @@ fn step_refuses_buffers_of_the_wrong_length() {
         };
         let before = s.clone();
         assert!(
-            opt.step(&mut s, &shard, &mut p, &g, &SingleRank).is_err(),
+            opt.step_slices(&mut s, &shard, &mut p, &g, &SingleRank)
+                .is_err(),
             "case {k}"
         );
         assert_eq!(s, before);
@@ -1164,7 +1165,9 @@ fn step_refuses_buffers_of_the_wrong_length() {
     .unwrap();
     assert!(sgd.init(&shard).unwrap().v.is_empty());
     let mut s = good;
-    assert!(sgd.step(&mut s, &shard, &mut p, &g, &SingleRank).is_err());
+    assert!(sgd
+        .step_slices(&mut s, &shard, &mut p, &g, &SingleRank)
+        .is_err());
 }
 
 /// Step time of one 1024×1024 parameter at d = 1024 (one block; roots every step). Run with
@@ -1200,7 +1203,7 @@ fn time_a_1024_square_step() {
         for (k, g) in grads.iter().enumerate() {
             let g = scatter(&shard, g);
             let t0 = std::time::Instant::now();
-            opt.step(&mut state, &shard, &mut params, &g, &SingleRank)
+            opt.step_slices(&mut state, &shard, &mut params, &g, &SingleRank)
                 .unwrap();
             eprintln!(
                 "{what}, step {}: {:.3} s ({} rayon threads)",

@@ -216,11 +216,12 @@ pub trait CheckpointState: Optimizer {
     /// The fields of a state of `shard` (what [`Optimizer::init`] allocates).
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>>;
 
-    /// The local arrays of `state`, in [`Self::state_layout`]'s order.
-    fn state_data<'a>(&self, state: &'a Self::State) -> Vec<FieldData<'a>>;
+    /// The local arrays of `state`, in [`Self::state_layout`]'s order (`Err` for a state in
+    /// device memory: checkpoints read host memory).
+    fn state_data<'a>(&self, state: &'a Self::State) -> Result<Vec<FieldData<'a>>>;
 
     /// The local arrays of `state`, to fill, in [`Self::state_layout`]'s order.
-    fn state_data_mut<'a>(&self, state: &'a mut Self::State) -> Vec<FieldDataMut<'a>>;
+    fn state_data_mut<'a>(&self, state: &'a mut Self::State) -> Result<Vec<FieldDataMut<'a>>>;
 
     /// Steps the state has taken.
     fn state_step(&self, state: &Self::State) -> u64;
@@ -267,12 +268,12 @@ impl CheckpointState for Sgd {
         Ok(Vec::new())
     }
 
-    fn state_data<'a>(&self, _state: &'a ()) -> Vec<FieldData<'a>> {
-        Vec::new()
+    fn state_data<'a>(&self, _state: &'a ()) -> Result<Vec<FieldData<'a>>> {
+        Ok(Vec::new())
     }
 
-    fn state_data_mut<'a>(&self, _state: &'a mut ()) -> Vec<FieldDataMut<'a>> {
-        Vec::new()
+    fn state_data_mut<'a>(&self, _state: &'a mut ()) -> Result<Vec<FieldDataMut<'a>>> {
+        Ok(Vec::new())
     }
 
     fn state_step(&self, _state: &()) -> u64 {

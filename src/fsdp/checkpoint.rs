@@ -60,7 +60,7 @@ fn fields_of<O: CheckpointState>(
         &unit.local,
     )];
     fields.extend(optimizer.state_layout(&unit.local)?);
-    let state = optimizer.state_data(&unit.state);
+    let state = optimizer.state_data(&unit.state)?;
     let lens = std::iter::once((FieldType::F32, unit.params.master().len()))
         .chain(state.iter().map(|d| (d.dtype(), d.len())))
         .collect::<Vec<_>>();
@@ -171,7 +171,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let mut w = Writer::create(path, &headers, &metadata, chunk_bytes)?;
         for (unit, fields) in self.units.iter().zip(&layouts) {
             let data = std::iter::once(crate::checkpoint::FieldData::F32(unit.params.master()))
-                .chain(self.optimizer.state_data(&unit.state));
+                .chain(self.optimizer.state_data(&unit.state)?);
             for (f, d) in fields.iter().zip(data) {
                 for s in &f.spans {
                     w.write(d.bytes(s.local..s.local + s.global.len()))?;
@@ -418,7 +418,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             } = unit;
             grads.consume();
             let data = std::iter::once(FieldDataMut::F32(params.master_mut()))
-                .chain(optimizer.state_data_mut(state));
+                .chain(optimizer.state_data_mut(state)?);
             for (f, mut d) in fields.iter().zip(data) {
                 for span in &f.spans {
                     let name = &local.params[span.param].name;

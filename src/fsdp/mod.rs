@@ -526,8 +526,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 ..
             } = unit;
             let g = grads.local("ShardedModel::step")?;
-            self.optimizer
-                .step(state, local, params.master_mut(), g, self.comm)?;
+            self.optimizer.step(
+                state,
+                local,
+                params.master_mut().into(),
+                g.into(),
+                self.comm,
+            )?;
             grads.consume();
         }
         self.steps += 1;

@@ -1,63 +1,25 @@
-//! 8-bit Adam on the device: one thread block per 256-element scale block
+//! 8-bit Adam's device backend: one thread block per 256-element scale block
 //! (`kernels/adam8bit.cu`), the fallback pieces through the AdamW kernel. The scale blocks,
-//! their order and the fallback offsets come from [`Adam8bit`]'s own layout (the CPU step's),
-//! so the device state has exactly the CPU state's layout and the step is bitwise equal to
-//! the CPU step.
+//! their order and the fallback offsets come from [`Adam8bit`]'s own layout and row-block walk
+//! (the host step's), so the device state has exactly the host state's layout and the step is
+//! bitwise equal to the host step.
 
-use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
-use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
+use ragged::cuda::cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
+use ragged::cuda::{guarded, ADAM8BIT, ADAMW};
 use ragged::optim::LocalShard;
+use ragged::storage::View;
 use ragged::{Error, Result};
 
-use super::{launch_adamw, ADAMW_STEP};
-use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, StateLens, SCALE_BLOCK};
-use crate::common::{check_len, check_shard, next_step, AdamScale, MomentCoeffs};
-use crate::quant::{ScaleCode, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
+use super::{device_array, device_view, launch_adamw, ADAMW_STEP};
+use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, SCALE_BLOCK};
+use crate::common::{check_len, AdamScale, MomentCoeffs};
+use crate::quant::{SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.
 pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
 
 /// Threads per scale block (the kernel's `BLOCK`: one per element).
 const BLOCK_THREADS: u32 = SCALE_BLOCK as u32;
-
-/// [`Adam8bitState`] in device memory, field for field.
-pub struct DeviceAdam8bitState {
-    pub step: u64,
-    pub m: CudaSlice<u8>,
-    pub v: CudaSlice<u8>,
-    pub scale_m: CudaSlice<ScaleCode>,
-    pub scale_v: CudaSlice<ScaleCode>,
-    pub m32: CudaSlice<f32>,
-    pub v32: CudaSlice<f32>,
-}
-
-impl DeviceAdam8bitState {
-    /// A device copy of a host state.
-    pub fn upload(dev: &Device, s: &Adam8bitState) -> Result<Self> {
-        Ok(DeviceAdam8bitState {
-            step: s.step,
-            m: dev.upload(&s.m)?,
-            v: dev.upload(&s.v)?,
-            scale_m: dev.upload(&s.scale_m)?,
-            scale_v: dev.upload(&s.scale_v)?,
-            m32: dev.upload(&s.m32)?,
-            v32: dev.upload(&s.v32)?,
-        })
-    }
-
-    /// A host copy (for checkpoints and tests).
-    pub fn download(&self, dev: &Device) -> Result<Adam8bitState> {
-        Ok(Adam8bitState {
-            step: self.step,
-            m: dev.download(&self.m)?,
-            v: dev.download(&self.v)?,
-            scale_m: dev.download(&self.scale_m)?,
-            scale_v: dev.download(&self.scale_v)?,
-            m32: dev.download(&self.m32)?,
-            v32: dev.download(&self.v32)?,
-        })
-    }
-}
 
 /// The kernel's per-block table, in local scale order (the CPU's `scale_*` order).
 #[derive(Debug, Default, PartialEq)]
@@ -108,125 +70,113 @@ impl Adam8bit {
         check_len(OP, "block table", t.off.len(), scales)?;
         Ok(t)
     }
+}
 
-    /// Zero device state for `shard`, laid out as [`Optimizer::init`](ragged::optim::Optimizer::init)'s.
-    pub fn init_cuda(&self, dev: &Device, shard: &LocalShard) -> Result<DeviceAdam8bitState> {
-        use ragged::optim::Optimizer;
-        check_shard("Adam8bit::init_cuda", shard)?;
-        DeviceAdam8bitState::upload(dev, &self.init(shard)?)
-    }
-
-    /// [`Optimizer::step`](ragged::optim::Optimizer::step) on device buffers: one launch for
-    /// every scale block of the shard, one AdamW launch per fallback piece. Bitwise equal to
-    /// the CPU step. The block table and the two maps (a few KiB) are uploaded each call.
-    pub fn step_cuda(
-        &self,
-        dev: &Device,
-        state: &mut DeviceAdam8bitState,
-        shard: &LocalShard,
-        params: &mut CudaViewMut<'_, f32>,
-        grads: &CudaView<'_, f32>,
-    ) -> Result<()> {
-        const OP: &str = "Adam8bit::step_cuda";
-        let lens = StateLens {
-            params: params.len(),
-            grads: grads.len(),
-            codes: [state.m.len(), state.v.len()],
-            scales: [state.scale_m.len(), state.scale_v.len()],
-            fp32: [state.m32.len(), state.v32.len()],
-        };
-        let (layout, scales) = self.checked_layout(OP, shard, &lens)?;
-        let t = next_step(OP, state.step)?;
-        let c = &self.config().adam;
-        let mo = MomentCoeffs::new(c.beta1, c.beta2);
-        let s = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
-
-        // Fallback pieces: AdamW on their f32 moments, at their role's rates (frozen: not
-        // stepped). The scale-block kernel takes one learning rate for every block.
-        let adamw = dev.function(&ADAMW, ADAMW_STEP)?;
-        for (piece, place) in shard.pieces.iter().zip(&layout) {
-            let meta = &shard.params[piece.param];
-            if matches!(place, PieceState::Tiled { .. })
-                && self.adamw.rates_for(meta).map(|r| r.0) != Some(c.lr)
-            {
-                return Err(Error::BadInput {
-                    op: OP,
-                    what: meta.name.clone(),
-                    reason: "the device step runs every 8-bit block at one learning rate; a \
-                             role lr_scale other than 1 on 8-bit parameters needs the host step"
-                        .into(),
-                });
-            }
-            if let PieceState::Fallback { at } = *place {
-                // The host step's run (none when frozen).
-                let Some(run) = self.adamw.run_of(shard, piece, t) else {
-                    continue;
-                };
-                let r = run.range.clone();
-                let sr = at..at + piece.range.len();
-                launch_adamw(
-                    dev,
-                    &adamw,
-                    &mut params.slice_mut(r.clone()),
-                    &grads.slice(r),
-                    &mut state.m32.slice_mut(sr.clone()),
-                    &mut state.v32.slice_mut(sr),
-                    &run,
-                    &mo,
-                )?;
-            }
-        }
-
-        // Scale blocks: one thread block each.
-        if scales > 0 {
-            let table = self.block_table(shard)?;
-            let (off, len) = (dev.upload(&table.off)?, dev.upload(&table.len)?);
-            let decay = dev.upload(&table.decay)?;
-            let (qm, qv) = (
-                dev.upload(self.book_m.map())?,
-                dev.upload(self.book_v.map())?,
-            );
-            let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
-            let blocks = u32::try_from(scales).map_err(|_| Error::BadInput {
+/// 8-bit Adam's step on device memory: one launch for every scale block of the shard, one
+/// AdamW launch per fallback piece; bitwise the host step. The block table and the two maps
+/// (a few KiB) are uploaded each call. `layout` and `scales` come from the host step's checks.
+pub(crate) fn step(
+    opt: &Adam8bit,
+    state: &mut Adam8bitState,
+    shard: &LocalShard,
+    (layout, scales): (&[PieceState], usize),
+    params: &mut CudaViewMut<'_, f32>,
+    grads: View<'_, f32>,
+    t: u64,
+) -> Result<()> {
+    const OP: &str = "Adam8bit::step (device)";
+    let grads = device_view(OP, grads)?;
+    let (dev, m) = device_array(OP, &mut state.m)?;
+    let (_, v) = device_array(OP, &mut state.v)?;
+    let (_, scale_m) = device_array(OP, &mut state.scale_m)?;
+    let (_, scale_v) = device_array(OP, &mut state.scale_v)?;
+    let (_, m32) = device_array(OP, &mut state.m32)?;
+    let (_, v32) = device_array(OP, &mut state.v32)?;
+    let c = &opt.config().adam;
+    let mo = MomentCoeffs::new(c.beta1, c.beta2);
+    let s = AdamScale::new(c.lr, c.beta1, c.beta2, c.eps, t);
+    let dev = &*dev;
+    // Fallback pieces: AdamW on their f32 moments, at their role's rates (frozen: not
+    // stepped). The scale-block kernel takes one learning rate for every block.
+    let adamw = dev.function(&ADAMW, ADAMW_STEP)?;
+    for (piece, place) in shard.pieces.iter().zip(layout) {
+        let meta = &shard.params[piece.param];
+        if matches!(place, PieceState::Tiled { .. })
+            && opt.adamw.rates_for(meta).map(|r| r.0) != Some(c.lr)
+        {
+            return Err(Error::BadInput {
                 op: OP,
-                what: format!("{scales} scale blocks"),
-                reason: "more than u32::MAX scale blocks in one shard".into(),
-            })?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (BLOCK_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
-            // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
-            // buffers have the lengths `checked_layout` verified, and every table block
-            // (offset + length, at most 256 = the threads) lies inside the local shard.
-            guarded(OP, || unsafe {
-                dev.stream()
-                    .launch_builder(&f)
-                    .arg(&mut *params)
-                    .arg(grads)
-                    .arg(&mut state.m)
-                    .arg(&mut state.v)
-                    .arg(&mut state.scale_m)
-                    .arg(&mut state.scale_v)
-                    .arg(&qm)
-                    .arg(&qv)
-                    .arg(&off)
-                    .arg(&len)
-                    .arg(&decay)
-                    .arg(&mo.lerp_weight)
-                    .arg(&mo.beta2)
-                    .arg(&mo.one_minus_beta2)
-                    .arg(&s.neg_step_size)
-                    .arg(&s.bc2_sqrt)
-                    .arg(&s.eps)
-                    .arg(&mz)
-                    .arg(&vz)
-                    .launch(cfg)
-            })?;
+                what: meta.name.clone(),
+                reason: "the device step runs every 8-bit block at one learning rate; a \
+                         role lr_scale other than 1 on 8-bit parameters needs the host step"
+                    .into(),
+            });
         }
-        state.step = t;
-        Ok(())
+        if let PieceState::Fallback { at } = *place {
+            // The host step's run (none when frozen).
+            let Some(run) = opt.adamw.run_of(shard, piece, t) else {
+                continue;
+            };
+            let r = run.range.clone();
+            let sr = at..at + piece.range.len();
+            launch_adamw(
+                dev,
+                &adamw,
+                &mut params.slice_mut(r.clone()),
+                &grads.slice(r),
+                &mut m32.slice_mut(sr.clone()),
+                &mut v32.slice_mut(sr),
+                &run,
+                &mo,
+            )?;
+        }
     }
+
+    // Scale blocks: one thread block each.
+    if scales > 0 {
+        let table = opt.block_table(shard)?;
+        let (off, len) = (dev.upload(&table.off)?, dev.upload(&table.len)?);
+        let decay = dev.upload(&table.decay)?;
+        let (qm, qv) = (dev.upload(opt.book_m.map())?, dev.upload(opt.book_v.map())?);
+        let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
+        let blocks = u32::try_from(scales).map_err(|_| Error::BadInput {
+            op: OP,
+            what: format!("{scales} scale blocks"),
+            reason: "more than u32::MAX scale blocks in one shard".into(),
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
+        // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
+        // buffers have the lengths `checked_layout` verified, and every table block
+        // (offset + length, at most 256 = the threads) lies inside the local shard.
+        guarded(OP, || unsafe {
+            dev.stream()
+                .launch_builder(&f)
+                .arg(&mut *params)
+                .arg(&grads)
+                .arg(&mut *m)
+                .arg(&mut *v)
+                .arg(&mut *scale_m)
+                .arg(&mut *scale_v)
+                .arg(&qm)
+                .arg(&qv)
+                .arg(&off)
+                .arg(&len)
+                .arg(&decay)
+                .arg(&mo.lerp_weight)
+                .arg(&mo.beta2)
+                .arg(&mo.one_minus_beta2)
+                .arg(&s.neg_step_size)
+                .arg(&s.bc2_sqrt)
+                .arg(&s.eps)
+                .arg(&mz)
+                .arg(&vz)
+                .launch(cfg)
+        })?;
+    }
+    Ok(())
 }

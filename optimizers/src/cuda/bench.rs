@@ -11,11 +11,14 @@
 //! Sizes: `n = 4096`, `len = 2^26` (`quick`: 512 and 2^20, for tests). Every timing
 //! synchronizes the device before reading the clock, after one untimed warm-up.
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use ragged::comm::SingleRank;
 use ragged::cuda::Device;
 use ragged::demo::SplitMix;
 use ragged::optim::{LocalShard, Optimizer};
+use ragged::storage::Placement;
 use ragged::Result;
 
 use super::newton_schulz::{gemm_seconds, orthogonalize_cuda_with, GramProduct};
@@ -86,7 +89,7 @@ fn units(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Runs every case (module doc) on `dev`; `quick` shrinks the sizes.
-pub fn bench_gpu(dev: &Device, quick: bool) -> Result<GpuReport> {
+pub fn bench_gpu(dev: &Arc<Device>, quick: bool) -> Result<GpuReport> {
     let (n, len) = if quick {
         (512, 1 << 20)
     } else {
@@ -142,7 +145,7 @@ pub fn bench_gpu(dev: &Device, quick: bool) -> Result<GpuReport> {
 }
 
 /// AdamW and 8-bit Adam on one `len`-element shard against a device memcpy.
-fn bench_elementwise(dev: &Device, len: usize) -> Result<Vec<GpuRow>> {
+fn bench_elementwise(dev: &Arc<Device>, len: usize) -> Result<Vec<GpuRow>> {
     let src = dev.upload(&units(len, 1))?;
     let mut dst = dev.zeros::<f32>(len)?;
     let copy = time(dev, 5, &mut || {
@@ -159,9 +162,11 @@ fn bench_elementwise(dev: &Device, len: usize) -> Result<Vec<GpuRow>> {
 
     let adamw = AdamW::new(AdamWConfig::default())?;
     let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| adamw.atomic_block(n, s))?;
-    let mut st = adamw.init_cuda(dev, &shard)?;
+    let on_gpu = Placement::Cuda(Arc::clone(dev));
+    let mut st = adamw.init_on(&shard, &on_gpu)?;
     let secs = time(dev, 5, &mut || {
-        adamw.step_cuda(dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+        let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+        adamw.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
     rows.push(GpuRow {
         case: format!("AdamW step, {len} elements"),
@@ -173,9 +178,10 @@ fn bench_elementwise(dev: &Device, len: usize) -> Result<Vec<GpuRow>> {
 
     let a8 = Adam8bit::new(Adam8bitConfig::default())?;
     let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| a8.atomic_block(n, s))?;
-    let mut st = a8.init_cuda(dev, &shard)?;
+    let mut st = a8.init_on(&shard, &on_gpu)?;
     let secs = time(dev, 5, &mut || {
-        a8.step_cuda(dev, &mut st, &shard, &mut p.slice_mut(..), &g.slice(..))
+        let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+        a8.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
     rows.push(GpuRow {
         case: format!("8-bit Adam step, {len} elements"),

@@ -1,107 +1,57 @@
-//! Muon on the device: momentum and apply as kernels (`kernels/muon.cu`, bitwise the CPU's
-//! element steps), Newton–Schulz on cuBLAS (an `[E, m, n]` piece of whole matrices is one
-//! strided-batched call), AdamW for the other parameters.
+//! Muon's device backend ([`MuonKernels`] on device memory): momentum and apply as kernels
+//! (`kernels/muon.cu`, bitwise the host's element steps), Newton–Schulz on cuBLAS (an
+//! `[E, m, n]` piece of whole matrices is one strided-batched call), AdamW for the other
+//! parameters; the piece walk is the host's ([`Muon::run_step`]).
 //!
 //! Matrices whole on their rank are orthogonalized in place. Matrices the layout splits over
-//! ranks travel to their root and back exactly as on the CPU ([`crate::roots`]: the same
+//! ranks travel to their root and back exactly as on the host ([`crate::roots`]: the same
 //! roots, the same two [`Exchange`]s of copy runs around one all-to-all each), here with
 //! device-to-device copies and a [`Communicator`] that takes device buffers (NCCL's grouped
-//! send/recv, or thread ranks on one GPU): [`Muon::step_cuda_comm`]. [`Muon::step_cuda`] has no communicator and refuses
-//! such shards.
+//! send/recv, or thread ranks on one GPU).
+
+use std::ops::Range;
 
 use ragged::comm::Communicator;
-use std::ops::Range;
 
 use ragged::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
-use ragged::optim::LocalShard;
+use ragged::storage::View;
 use ragged::Result;
 
 use super::newton_schulz::orthogonalize_cuda;
-use super::{launch_adamw, DeviceAdamState, ADAMW_STEP};
+use super::{device_moments, device_view, launch_adamw, ADAMW_STEP};
 use crate::adamw::AdamRun;
-use crate::common::{check_shard, next_step, MomentCoeffs};
-use crate::muon::{whole_matrices, MatrixStep, Muon, MuonKernels, StepPlan};
+use crate::common::MomentCoeffs;
+use crate::muon::{whole_matrices, MatrixStep, Muon, MuonKernels, MuonState, StepPlan};
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
 pub const MUON_MOMENTUM: &str = "muon_momentum";
 pub const MUON_APPLY: &str = "muon_apply";
 
-impl Muon {
-    /// Zero device state for `shard` (the layout of [`crate::MuonState`]).
-    pub fn init_cuda(&self, dev: &Device, shard: &LocalShard) -> Result<DeviceAdamState> {
-        check_shard("Muon::init_cuda", shard)?;
-        DeviceAdamState::zeros(dev, shard.len)
-    }
-
-    /// [`Optimizer::step`](ragged::optim::Optimizer::step) on device buffers, for shards whose
-    /// Muon matrices are all whole here (`Err` otherwise, before anything is modified).
-    /// Newton–Schulz runs on cuBLAS in `config.ns.precision` (its CPU `backend` is ignored);
-    /// the step equals the CPU step up to the GEMM summation order (see
-    /// [`super::newton_schulz`]).
-    pub fn step_cuda(
-        &self,
-        dev: &Device,
-        state: &mut DeviceAdamState,
-        shard: &LocalShard,
-        params: &mut CudaViewMut<'_, f32>,
-        grads: &CudaView<'_, f32>,
-    ) -> Result<()> {
-        self.step_device(dev, state, shard, params, grads, None)
-    }
-
-    /// [`Muon::step_cuda`] for any layout: split matrices go to their roots and back through
-    /// `comm`, a communicator that takes device buffers on `dev` (every rank of the shard's
-    /// world must call it). `Err` before anything is modified when `comm` is not this shard's
-    /// world and rank.
-    pub fn step_cuda_comm(
-        &self,
-        dev: &Device,
-        state: &mut DeviceAdamState,
-        shard: &LocalShard,
-        params: &mut CudaViewMut<'_, f32>,
-        grads: &CudaView<'_, f32>,
-        comm: &dyn Communicator,
-    ) -> Result<()> {
-        self.step_device(dev, state, shard, params, grads, Some(comm))
-    }
-
-    fn step_device(
-        &self,
-        dev: &Device,
-        state: &mut DeviceAdamState,
-        shard: &LocalShard,
-        params: &mut CudaViewMut<'_, f32>,
-        grads: &CudaView<'_, f32>,
-        comm: Option<&dyn Communicator>,
-    ) -> Result<()> {
-        const OP: &str = "Muon::step_cuda";
-        let lens = [params.len(), grads.len(), state.m.len(), state.v.len()];
-        let world = comm.map(|c| (c.world_size(), c.rank()));
-        let (roots, routes) = self.prologue(OP, shard, lens, world)?;
-        let t = next_step(OP, state.step)?;
-        let mut device = DeviceMuon {
-            dev,
-            adamw: dev.function(&ADAMW, ADAMW_STEP)?,
-            momentum: dev.function(&MUON, MUON_MOMENTUM)?,
-            apply: dev.function(&MUON, MUON_APPLY)?,
-            params,
-            grads,
-            state: &mut *state,
-            u: dev.zeros::<f32>(shard.len)?,
-        };
-        let plan = StepPlan {
-            shard,
-            t,
-            roots: &roots,
-            routes: routes.as_ref(),
-            comm,
-        };
-        self.run_step(&mut device, &plan)?;
-        state.step = t;
-        Ok(())
-    }
+/// Muon's step on device memory ([`Muon::run_step`] over [`DeviceMuon`]); the caller checked
+/// the shard and built `plan`.
+pub(crate) fn step(
+    muon: &Muon,
+    state: &mut MuonState,
+    params: &mut CudaViewMut<'_, f32>,
+    grads: View<'_, f32>,
+    plan: &StepPlan<'_>,
+) -> Result<()> {
+    let grads = device_view(OP, grads)?;
+    let (dev, m, v) = device_moments(OP, state)?;
+    let mut device = DeviceMuon {
+        adamw: dev.function(&ADAMW, ADAMW_STEP)?,
+        momentum: dev.function(&MUON, MUON_MOMENTUM)?,
+        apply: dev.function(&MUON, MUON_APPLY)?,
+        u: dev.zeros::<f32>(plan.shard.len)?,
+        dev: &dev,
+        params,
+        grads: &grads,
+        m,
+        v,
+    };
+    muon.run_step(&mut device, plan)
 }
 
 /// [`MuonKernels`] on device memory: the kernels of `kernels/muon.cu` and `kernels/adamw.cu`,
@@ -113,7 +63,8 @@ struct DeviceMuon<'a, 'p, 'g> {
     apply: CudaFunction,
     params: &'a mut CudaViewMut<'p, f32>,
     grads: &'a CudaView<'g, f32>,
-    state: &'a mut DeviceAdamState,
+    m: &'a mut CudaSlice<f32>,
+    v: &'a mut CudaSlice<f32>,
     u: CudaSlice<f32>,
 }
 
@@ -127,7 +78,7 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
         let mu = step.momentum as f32;
         let nesterov = i32::from(step.nesterov);
         let g = self.grads.slice(r.clone());
-        let mut m = self.state.m.slice_mut(r.clone());
+        let mut m = self.m.slice_mut(r.clone());
         let mut u = self.u.slice_mut(r);
         // SAFETY: the arguments follow `muon_momentum`'s signature; the three views hold `n`
         // elements each (a piece's range, checked against the shard by the prologue).
@@ -154,8 +105,8 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
             &self.adamw,
             &mut self.params.slice_mut(r.clone()),
             &self.grads.slice(r.clone()),
-            &mut self.state.m.slice_mut(r.clone()),
-            &mut self.state.v.slice_mut(r),
+            &mut self.m.slice_mut(r.clone()),
+            &mut self.v.slice_mut(r),
             run,
             moments,
         )

@@ -1,0 +1,317 @@
+//! Where a buffer's elements live: host memory or (feature `cuda`) device memory, behind one
+//! type, as candle's `Storage { Cpu, Cuda }`.
+//!
+//! - [`Storage`] owns elements (an optimizer's state arrays);
+//! - [`View`] / [`ViewMut`] borrow them (the local shard an optimizer steps on, its gradients);
+//! - [`Placement`] says where new storage goes ([`crate::optim::Optimizer::init_on`]).
+//!
+//! An optimizer's step takes views and state of either kind and runs the backend of that
+//! storage over one piece walk; a step given host and device memory at once returns `Err`
+//! ([`mixed`]). Without the `cuda` feature only the host variants exist, so generic code needs
+//! no `#[cfg]`.
+
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+
+#[cfg(feature = "cuda")]
+use crate::cuda::Device;
+use crate::{Error, Result};
+
+/// The element types storage holds (plain data; on a `cuda` build also device-representable).
+#[cfg(feature = "cuda")]
+pub trait Elem: Copy + Default + Send + Sync + 'static + DeviceRepr + ValidAsZeroBits {}
+/// The element types storage holds (plain data; on a `cuda` build also device-representable).
+#[cfg(not(feature = "cuda"))]
+pub trait Elem: Copy + Default + Send + Sync + 'static {}
+
+impl Elem for f32 {}
+impl Elem for u8 {}
+impl Elem for u16 {}
+impl Elem for u32 {}
+impl Elem for u64 {}
+
+/// Elements in device memory, with the device that holds them (its stream orders every
+/// operation on them).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DeviceVec<T> {
+    pub data: CudaSlice<T>,
+    pub dev: Arc<Device>,
+}
+
+/// Owned elements, in host or device memory.
+#[derive(Debug)]
+pub enum Storage<T> {
+    Cpu(Vec<T>),
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceVec<T>),
+}
+
+/// Borrowed elements, read-only.
+#[derive(Debug)]
+pub enum View<'a, T> {
+    Cpu(&'a [T]),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaView<'a, T>),
+}
+
+/// Borrowed elements, writable.
+#[derive(Debug)]
+pub enum ViewMut<'a, T> {
+    Cpu(&'a mut [T]),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaViewMut<'a, T>),
+}
+
+/// Where new storage is allocated.
+#[derive(Clone, Debug, Default)]
+pub enum Placement {
+    #[default]
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<Device>),
+}
+
+/// The error of an operation given host and device memory at once (or device memory where
+/// only host memory is supported).
+pub fn mixed(op: &'static str, what: &str) -> Error {
+    Error::BadInput {
+        op,
+        what: what.into(),
+        reason: "the local shard, its gradients and the state must all be host memory or all \
+                 device memory of one device (and this operation must support that storage)"
+            .into(),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn on_device(op: &'static str) -> Error {
+    Error::BadInput {
+        op,
+        what: "device memory".into(),
+        reason: "the elements live on a GPU: read them with Storage::to_vec".into(),
+    }
+}
+
+impl Placement {
+    /// `len` zeroed elements here.
+    pub fn zeros<T: Elem>(&self, len: usize) -> Result<Storage<T>> {
+        match self {
+            Placement::Cpu => Ok(Storage::Cpu(vec![T::default(); len])),
+            #[cfg(feature = "cuda")]
+            Placement::Cuda(dev) => Ok(Storage::Cuda(DeviceVec {
+                data: dev.zeros(len)?,
+                dev: Arc::clone(dev),
+            })),
+        }
+    }
+
+    /// A copy of `host` here (the vector itself for the host).
+    pub fn put<T: Elem>(&self, host: Vec<T>) -> Result<Storage<T>> {
+        match self {
+            Placement::Cpu => Ok(Storage::Cpu(host)),
+            #[cfg(feature = "cuda")]
+            Placement::Cuda(dev) => Ok(Storage::Cuda(DeviceVec {
+                data: dev.upload(&host)?,
+                dev: Arc::clone(dev),
+            })),
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Placement::Cpu)
+    }
+}
+
+impl<T: Elem> Storage<T> {
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => d.data.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the elements live.
+    pub fn placement(&self) -> Placement {
+        match self {
+            Storage::Cpu(_) => Placement::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => Placement::Cuda(Arc::clone(&d.dev)),
+        }
+    }
+
+    /// The host elements (`Err` for device memory).
+    pub fn cpu(&self) -> Result<&[T]> {
+        match self {
+            Storage::Cpu(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(on_device("Storage::cpu")),
+        }
+    }
+
+    /// The host elements, writable (`Err` for device memory).
+    pub fn cpu_mut(&mut self) -> Result<&mut [T]> {
+        match self {
+            Storage::Cpu(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(on_device("Storage::cpu_mut")),
+        }
+    }
+
+    /// A host copy (downloaded from the device, waiting for its stream).
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        match self {
+            Storage::Cpu(v) => Ok(v.clone()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => d.dev.download(&d.data),
+        }
+    }
+
+    pub fn view(&self) -> View<'_, T> {
+        match self {
+            Storage::Cpu(v) => View::Cpu(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => View::Cuda(d.data.slice(..)),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> ViewMut<'_, T> {
+        match self {
+            Storage::Cpu(v) => ViewMut::Cpu(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => ViewMut::Cuda(d.data.slice_mut(..)),
+        }
+    }
+}
+
+impl<T> From<Vec<T>> for Storage<T> {
+    fn from(v: Vec<T>) -> Self {
+        Storage::Cpu(v)
+    }
+}
+
+/// Host storage compares by value; device storage is never equal to anything (compare
+/// [`Storage::to_vec`] copies instead).
+impl<T: PartialEq> PartialEq for Storage<T> {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => a == b,
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
+    }
+}
+
+impl<'a, T> View<'a, T> {
+    pub fn len(&self) -> usize {
+        match self {
+            View::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            View::Cuda(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host elements (`Err(mixed)` for device memory).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn cpu(self, op: &'static str) -> Result<&'a [T]> {
+        match self {
+            View::Cpu(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            View::Cuda(_) => Err(mixed(op, "device gradients")),
+        }
+    }
+}
+
+impl<'a, T> ViewMut<'a, T> {
+    pub fn len(&self) -> usize {
+        match self {
+            ViewMut::Cpu(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host elements (`Err(mixed)` for device memory).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub fn cpu(self, op: &'static str) -> Result<&'a mut [T]> {
+        match self {
+            ViewMut::Cpu(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(_) => Err(mixed(op, "device parameters")),
+        }
+    }
+}
+
+impl<'a, T> From<&'a [T]> for View<'a, T> {
+    fn from(v: &'a [T]) -> Self {
+        View::Cpu(v)
+    }
+}
+
+impl<'a, T> From<&'a mut [T]> for ViewMut<'a, T> {
+    fn from(v: &'a mut [T]) -> Self {
+        ViewMut::Cpu(v)
+    }
+}
+
+impl<'a, T> From<&'a Vec<T>> for View<'a, T> {
+    fn from(v: &'a Vec<T>) -> Self {
+        View::Cpu(v)
+    }
+}
+
+impl<'a, T> From<&'a mut Vec<T>> for ViewMut<'a, T> {
+    fn from(v: &'a mut Vec<T>) -> Self {
+        ViewMut::Cpu(v)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<'a, T> From<CudaView<'a, T>> for View<'a, T> {
+    fn from(v: CudaView<'a, T>) -> Self {
+        View::Cuda(v)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl<'a, T> From<CudaViewMut<'a, T>> for ViewMut<'a, T> {
+    fn from(v: CudaViewMut<'a, T>) -> Self {
+        ViewMut::Cuda(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_storage_round_trips_and_reports_its_placement() {
+        let mut s = Placement::Cpu.zeros::<f32>(4).unwrap();
+        assert_eq!(s.len(), 4);
+        s.cpu_mut().unwrap()[2] = 7.0;
+        assert_eq!(s.to_vec().unwrap(), vec![0.0, 0.0, 7.0, 0.0]);
+        assert!(s.placement().is_cpu());
+        s.view_mut().cpu("test").unwrap()[0] = 1.0;
+        assert_eq!(s.cpu().unwrap()[0], 1.0);
+        assert_eq!(
+            Placement::Cpu.put(vec![3u8, 4]).unwrap(),
+            Storage::Cpu(vec![3u8, 4])
+        );
+    }
+}
