@@ -3,7 +3,7 @@
 //! its nominal (base) clock, and turbo and the number of FMA ports are not reported at all, so
 //! a peak derived from them can sit below what the cores do (MFU above 100 %); this one cannot.
 //!
-//! Each thread keeps [`CHAINS`] independent accumulators (more than FMA latency × ports, 4 ×
+//! Each thread keeps `CHAINS` independent accumulators (more than FMA latency × ports, 4 ×
 //! 2), so the loop is throughput-bound. Each thread times its own short repeats and keeps its
 //! best (a shared machine deschedules threads now and then; the best repeat is the one that
 //! ran undisturbed); the peak is the sum over the threads, which start together.

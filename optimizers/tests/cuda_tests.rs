@@ -60,6 +60,40 @@ fn globals(specs: &[TensorSpec], rng: &mut Rng, scale: f32) -> Vec<Vec<f32>> {
 
 const STEPS: usize = 3;
 
+/// Local parameters and the state after some steps.
+type Trained<S> = (Vec<f32>, S);
+
+/// `opt`'s steps on `shard` from the local parameters `p` with the local gradients `grads`,
+/// once on host memory and once on device memory (state from `init_on`): the parameters and
+/// states of both, the device ones still on the device.
+fn host_and_device<O: Optimizer>(
+    opt: &O,
+    shard: &LocalShard,
+    dev: &Arc<Device>,
+    mut p: Vec<f32>,
+    grads: &[Vec<f32>],
+) -> (Trained<O::State>, Trained<O::State>) {
+    let mut state = opt.init(shard).unwrap();
+    let mut dp = dev.upload(&p).unwrap();
+    let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
+    for g in grads {
+        opt.step_slices(&mut state, shard, &mut p, g, &SingleRank)
+            .unwrap();
+        let dg = dev.upload(g).unwrap();
+        let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+        opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
+    }
+    ((p, state), (dev.download(&dp).unwrap(), ds))
+}
+
+/// Bitwise equality of the moments of a host and a device Adam state.
+fn assert_moments_equal(host: &ragged_optimizers::AdamState, dev: &ragged_optimizers::AdamState) {
+    let m = (host.m.cpu().unwrap(), dev.m.to_vec().unwrap());
+    assert_eq!(bits(m.0), bits(&m.1), "m");
+    let v = (host.v.cpu().unwrap(), dev.v.to_vec().unwrap());
+    assert_eq!(bits(v.0), bits(&v.1), "v");
+}
+
 #[test]
 fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
     let Some(dev) = device() else { return };
@@ -79,30 +113,14 @@ fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
         let mut rng = Rng::new(7 + world as u64);
         let p0 = globals(&spec, &mut rng, 1.0);
         for shard in &shards {
-            let mut p = scatter(shard, &p0);
-            let mut state = opt.init(shard).unwrap();
-            let mut dp = dev.upload(&p).unwrap();
-            let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
-            for _ in 0..STEPS {
-                let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
-                    .unwrap();
-                let dg = dev.upload(&g).unwrap();
-                let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
-                opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
-            }
+            let grads: Vec<Vec<f32>> = (0..STEPS)
+                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
+                .collect();
+            let ((p, state), (dp, ds)) =
+                host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
             assert_eq!(ds.step, state.step);
-            assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
-            assert_eq!(
-                bits(&ds.m.to_vec().unwrap()),
-                bits(state.m.cpu().unwrap()),
-                "m"
-            );
-            assert_eq!(
-                bits(&ds.v.to_vec().unwrap()),
-                bits(state.v.cpu().unwrap()),
-                "v"
-            );
+            assert_eq!(bits(&dp), bits(&p), "params");
+            assert_moments_equal(&state, &ds);
         }
     }
 }
@@ -128,21 +146,14 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
         let mut rng = Rng::new(11 + world as u64);
         let p0 = globals(&spec, &mut rng, 1.0);
         for shard in &shards {
-            let mut p = scatter(shard, &p0);
-            let mut state = opt.init(shard).unwrap();
-            let mut dp = dev.upload(&p).unwrap();
-            let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
-            for _ in 0..STEPS {
-                let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
-                opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
-                    .unwrap();
-                let dg = dev.upload(&g).unwrap();
-                let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
-                opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
-            }
+            let grads: Vec<Vec<f32>> = (0..STEPS)
+                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
+                .collect();
+            let ((p, state), (dp, ds)) =
+                host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
             let got = ds.to_placement(&Placement::Cpu).unwrap();
             assert_eq!(got.step, state.step);
-            assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p), "params");
+            assert_eq!(bits(&dp), bits(&p), "params");
             assert_eq!(got.m, state.m, "m codes");
             assert_eq!(got.v, state.v, "v codes");
             assert_eq!(got.scale_m, state.scale_m, "scale_m");
@@ -283,31 +294,15 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     .unwrap();
     let shard = muon_shard(&opt, &spec);
     let mut rng = Rng::new(9);
-    let mut p = scatter(&shard, &globals(&spec, &mut rng, 1.0));
-    let mut state = opt.init(&shard).unwrap();
-    let mut dp = dev.upload(&p).unwrap();
-    let mut ds = opt.init_on(&shard, &Placement::Cuda(dev.clone())).unwrap();
-    for _ in 0..STEPS {
-        let g = scatter(&shard, &globals(&spec, &mut rng, 0.1));
-        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
-            .unwrap();
-        let dg = dev.upload(&g).unwrap();
-        let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
-        opt.step(&mut ds, &shard, pv, gv, &SingleRank).unwrap();
-    }
+    let p0 = scatter(&shard, &globals(&spec, &mut rng, 1.0));
+    let grads: Vec<Vec<f32>> = (0..STEPS)
+        .map(|_| scatter(&shard, &globals(&spec, &mut rng, 0.1)))
+        .collect();
+    let ((p, state), (dp, ds)) = host_and_device(&opt, &shard, &dev, p0, &grads);
     // Momentum and the AdamW moments never see Newton–Schulz: bitwise. The parameters differ
     // by lr·scale·(NS difference) per step: ≤ 3 · 1e-2 · 1.5 · 2e-3 ≈ 1e-4.
-    assert_eq!(
-        bits(&ds.m.to_vec().unwrap()),
-        bits(state.m.cpu().unwrap()),
-        "m"
-    );
-    assert_eq!(
-        bits(&ds.v.to_vec().unwrap()),
-        bits(state.v.cpu().unwrap()),
-        "v"
-    );
-    let (abs, _) = diffs(&dev.download(&dp).unwrap(), &p);
+    assert_moments_equal(&state, &ds);
+    let (abs, _) = diffs(&dp, &p);
     assert!(abs <= 1e-4, "params: max |Δ| = {abs}");
 }
 

@@ -6,7 +6,7 @@
 //! (`posix_fadvise(DONTNEED)`), for the baseline and for the checkpoint alike, so reads come
 //! from the disk (as far as the kernel lets a process evict; shared caches below it aside).
 //! Before each timed write, as much scratch as will be written is written and deleted, so
-//! both sides write into recycled page-cache memory ([`prime_page_cache`]).
+//! both sides write into recycled page-cache memory (`prime_page_cache`).
 
 use std::fs::File;
 use std::io::{Read, Write};

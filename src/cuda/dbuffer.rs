@@ -1,4 +1,4 @@
-//! The device twin of [`crate::dbuffer::DBuffer`]: one device allocation per group and role,
+//! The device twin of the host DBuffer ([`crate::dbuffer`]): one device allocation per group and role,
 //! laid out by the same [`Geometry`] (the plan's shard size and per-tensor offsets), with the
 //! fused group ops (zero, scale, add, copy) as one kernel launch each (`kernels/group_ops.cu`).
 //!

@@ -1,7 +1,7 @@
 //! The GPU backend (feature `cuda`): a gated CUDA device, NVRTC kernels from `kernels/*.cu`
-//! compiled at first use and cached per device, cuBLAS, device DBuffers ([`dbuffer`]), and
-//! device collectives behind one trait ([`collective`]) with two backends: NCCL ([`nccl`]) and
-//! thread ranks on one GPU ([`threads`]).
+//! compiled at first use and cached per device, cuBLAS, device DBuffers (`dbuffer`), and
+//! device memory in the one collective trait (`collective`) with two backends: NCCL (`nccl`)
+//! and thread ranks on one GPU (`threads`); these modules exist in `cuda` builds.
 //!
 //! # The gate
 //! cudarc loads the driver, NVRTC and cuBLAS libraries at run time (so the crate builds and
@@ -14,9 +14,9 @@
 //! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), never a panic.
 //!
 //! # Kernels
-//! One `.cu` file per operation under `kernels/` ([`KernelSource`] constants below), embedded
+//! One `.cu` file per operation under `kernels/` (`KernelSource` constants), embedded
 //! with `include_str!`, compiled by NVRTC for the device's own architecture the first time one
-//! of its entry points is asked for ([`Device::function`]), and kept for the device's
+//! of its entry points is asked for (`Device::function`), and kept for the device's
 //! lifetime. Options: `--fmad=false` (no contraction of `a*b + c` into an FMA, which would
 //! round once instead of twice), `--prec-div=true`, `--prec-sqrt=true` (IEEE-exact `/` and
 //! `sqrtf`, NVRTC's defaults, stated anyway) and `--ftz=false` (subnormals kept, as on the CPU).

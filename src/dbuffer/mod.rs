@@ -6,7 +6,7 @@
 //! - [`ParamBuffer`] (role `Params`): the fp32 **master shard** (`S` elements, what the optimizer
 //!   steps on) and, while materialized, the **compute copies**: one storage per tensor, which
 //!   the all-gather writes straight into ([`crate::comm::Communicator::all_gather_segments`]) and
-//!   which become the model's parameter tensors without a copy ([`tap`]).
+//!   which become the model's parameter tensors without a copy (`tap`).
 //! - [`GradBuffer`] (role `Grads`): the **full gradient buffer** (`V·S`, each tensor's gradient at
 //!   its planned offset, padding zero) that backward accumulates into ([`GradSink`]), and the
 //!   reduced **local shard** the reduce-scatter writes (`S`, separate, so the full buffer is

@@ -1,7 +1,7 @@
-//! Muon's device backend ([`MuonKernels`] on device memory): momentum and apply as kernels
+//! Muon's device backend (its `MuonKernels` on device memory): momentum and apply as kernels
 //! (`kernels/muon.cu`, bitwise the host's element steps), Newton–Schulz on cuBLAS (an
 //! `[E, m, n]` piece of whole matrices is one strided-batched call), AdamW for the other
-//! parameters; the piece walk is the host's ([`Muon::run_step`]).
+//! parameters; the piece walk is the host's (`Muon::run_step`).
 //!
 //! Matrices whole on their rank are orthogonalized in place. Matrices the layout splits over
 //! ranks travel to their root and back exactly as on the host ([`crate::roots`]: the same

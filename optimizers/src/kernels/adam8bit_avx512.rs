@@ -55,7 +55,7 @@ impl BytePlanes {
     }
 }
 
-/// Whether this CPU runs [`row_block`]: AVX-512 F and BW, and VBMI's byte permutes.
+/// Whether this CPU runs `row_block`: AVX-512 F and BW, and VBMI's byte permutes.
 pub fn available() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
