@@ -7,8 +7,9 @@
 //!
 //! An optimizer's step takes views and state of either kind and runs the backend of that
 //! storage over one piece walk; a step given host and device memory at once returns `Err`
-//! ([`mixed`]). Without the `cuda` feature only the host variants exist, so generic code needs
-//! no `#[cfg]`.
+//! ([`mixed`]). Without the `cuda` feature only the host variants exist. The enums are
+//! `#[non_exhaustive]`: code in other crates matches them with a last arm for the storage it
+//! has no backend for (see [`no_backend`]), so it builds whichever features are on.
 
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
@@ -44,6 +45,7 @@ pub struct DeviceVec<T> {
 
 /// Owned elements, in host or device memory.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Storage<T> {
     Cpu(Vec<T>),
     #[cfg(feature = "cuda")]
@@ -52,6 +54,7 @@ pub enum Storage<T> {
 
 /// Borrowed elements, read-only.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum View<'a, T> {
     Cpu(&'a [T]),
     #[cfg(feature = "cuda")]
@@ -60,6 +63,7 @@ pub enum View<'a, T> {
 
 /// Borrowed elements, writable.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum ViewMut<'a, T> {
     Cpu(&'a mut [T]),
     #[cfg(feature = "cuda")]
@@ -68,6 +72,7 @@ pub enum ViewMut<'a, T> {
 
 /// Where new storage is allocated.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub enum Placement {
     #[default]
     Cpu,
@@ -83,6 +88,18 @@ pub fn mixed(op: &'static str, what: &str) -> Error {
         what: what.into(),
         reason: "the local shard, its gradients and the state must all be host memory or all \
                  device memory of one device (and this operation must support that storage)"
+            .into(),
+    }
+}
+
+/// The error of an operation given a storage it has no backend for in this build (device
+/// memory to a crate built without its `cuda` feature).
+pub fn no_backend(op: &'static str) -> Error {
+    Error::BadInput {
+        op,
+        what: "device memory".into(),
+        reason: "this build has no device backend for the operation (build the crate that \
+                 provides it with its `cuda` feature)"
             .into(),
     }
 }

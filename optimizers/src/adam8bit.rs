@@ -699,6 +699,7 @@ impl Optimizer for Adam8bit {
                 let sizes = (layout.as_slice(), scales);
                 crate::cuda::adam8bit::step(self, state, shard, sizes, &mut params, grads, t)?;
             }
+            _ => return Err(ragged::storage::no_backend(OP)),
         }
         #[cfg(not(feature = "cuda"))]
         let _ = scales; // the device step's launch size

@@ -403,6 +403,7 @@ impl Optimizer for AdamW {
                 let (dev, m, v) = crate::cuda::device_moments(OP, state)?;
                 crate::cuda::adamw_runs(&dev, runs, &mut params, &grads, m, v, &moments)?;
             }
+            _ => return Err(ragged::storage::no_backend(OP)),
         }
         state.step = t;
         Ok(())

@@ -322,6 +322,7 @@ impl Optimizer for Muon {
             ViewMut::Cuda(mut params) => {
                 crate::cuda::muon::step(self, state, &mut params, grads, &plan)?;
             }
+            _ => return Err(ragged::storage::no_backend(OP)),
         }
         state.step = t;
         Ok(())

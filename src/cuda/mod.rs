@@ -40,6 +40,8 @@ pub mod dbuffer;
 pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod threads;
+#[cfg(feature = "cuda")]
+pub mod watchdog;
 
 #[cfg(not(feature = "cuda"))]
 mod stub {

@@ -12,7 +12,7 @@
 //! | `RAGGED_RANK` (else `RANK`) | this process's rank |
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
 //! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
-//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there (default 120) |
+//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there, and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
 //! ordinal chooses which. NCCL refuses two ranks on one GPU: multi-rank code paths on a single
@@ -31,6 +31,7 @@
 //! to summation order (bitwise for data movement: gathers, all-to-all, broadcast).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
@@ -38,6 +39,7 @@ use cudarc::nccl::sys;
 use super::collective::{
     check_counts, on_device_mut, on_device_pair, slice_len, DevBuf, DevBufMut,
 };
+use super::watchdog::{self, Progress};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
@@ -69,8 +71,8 @@ pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// The communicator handle. NCCL calls on one communicator must not run concurrently, so it
-/// sits behind [`NcclComm`]'s mutex.
+/// The communicator handle (null once aborted). NCCL calls on one communicator must not run
+/// concurrently, so it sits behind [`NcclComm`]'s mutex.
 struct Handle(sys::ncclComm_t);
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time (the mutex).
@@ -78,17 +80,50 @@ unsafe impl Send for Handle {}
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        if self.0.is_null() {
+            return; // aborted: NCCL freed it
+        }
         // SAFETY: created by ncclCommInitRank / ncclCommInitAll, destroyed once, here.
         let _ = unsafe { nccl::comm_destroy(self.0) };
     }
 }
 
+/// One look at the collective just queued on `stream` ([`watchdog::Progress`]): the stream's
+/// state, and NCCL's asynchronous error while it runs.
+fn progress(comm: sys::ncclComm_t, stream: sys::cudaStream_t) -> Progress {
+    use cudarc::driver::sys::{cuStreamQuery, CUresult};
+    // SAFETY: the stream belongs to this communicator's device context, current on this thread.
+    match unsafe { cuStreamQuery(stream as _) } {
+        CUresult::CUDA_SUCCESS => return Progress::Done,
+        CUresult::CUDA_ERROR_NOT_READY => {}
+        other => return Progress::Failed(format!("cuStreamQuery: {other:?}")),
+    }
+    let mut state = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: a live communicator handle (the caller holds its lock) and a valid out pointer.
+    let asked = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
+    match (asked, state) {
+        (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
+        | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => Progress::Pending,
+        (sys::ncclResult_t::ncclSuccess, err) => Progress::Failed(format!("{err:?}")),
+        (err, _) => Progress::Failed(format!("ncclCommGetAsyncError: {err:?}")),
+    }
+}
+
 /// One rank of an NCCL communicator, on its device's stream.
+///
+/// # Failures
+/// Each collective waits for its own completion, at most the timeout
+/// ([`NcclComm::set_timeout`]; default `RAGGED_NCCL_TIMEOUT_S`, 120 s), watching NCCL's
+/// asynchronous error meanwhile ([`super::watchdog`]). A peer that failed or stopped calling
+/// makes this rank return `Err` within that bound, and the communicator is aborted
+/// (`ncclCommAbort`): every later call returns `Err` too. With the timeout off, collectives
+/// return once queued (faster; a dead peer then hangs the stream, NCCL's own behaviour).
 pub struct NcclComm {
     handle: Mutex<Handle>,
     dev: Arc<Device>,
     rank: usize,
     world: usize,
+    timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -182,6 +217,7 @@ impl NcclComm {
             dev,
             rank,
             world,
+            timeout: watchdog::timeout_from_env()?,
         })
     }
 
@@ -198,6 +234,7 @@ impl NcclComm {
         guarded(OP, || unsafe {
             nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr())
         })?;
+        let timeout = watchdog::timeout_from_env()?;
         Ok(comms
             .into_iter()
             .zip(devs)
@@ -207,6 +244,7 @@ impl NcclComm {
                 dev: Arc::clone(dev),
                 rank,
                 world: devs.len(),
+                timeout,
             })
             .collect())
     }
@@ -235,20 +273,44 @@ impl NcclComm {
         Self::from_rank(dev, rank, world, &id)
     }
 
-    /// Runs `f` with the communicator handle and the stream, the device's context current.
+    /// How long each collective may take before this rank gives up and aborts the
+    /// communicator (`None`: no wait, collectives return once queued).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// Runs `f` with the communicator handle and the stream, the device's context current,
+    /// then waits for it within the timeout (aborting the communicator when that fails).
     fn call(
         &self,
         op: &'static str,
         f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), nccl::NcclError>,
     ) -> Result<()> {
-        let handle = self.handle.lock().map_err(|_| Error::Comm {
+        let mut handle = self.handle.lock().map_err(|_| Error::Comm {
             op,
             rank: self.rank,
             reason: "an earlier NCCL call panicked".into(),
         })?;
+        if handle.0.is_null() {
+            return Err(Error::Comm {
+                op,
+                rank: self.rank,
+                reason: "the communicator was aborted after an earlier failure".into(),
+            });
+        }
         guarded(op, || self.dev.context().bind_to_thread())?;
         let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
-        guarded(op, || f(handle.0, stream))
+        guarded(op, || f(handle.0, stream))?;
+        let Some(limit) = self.timeout else {
+            return Ok(());
+        };
+        let comm = handle.0;
+        watchdog::wait(op, self.rank, limit, || progress(comm, stream)).inspect_err(|_| {
+            // SAFETY: a live handle, aborted once: NCCL stops its kernels and frees it; the
+            // null marks it so that nothing uses or destroys it again.
+            let _ = unsafe { nccl::comm_abort(comm) };
+            handle.0 = std::ptr::null_mut();
+        })
     }
 }
 

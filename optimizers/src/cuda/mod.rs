@@ -44,7 +44,7 @@ pub const ADAMW_STEP: &str = "adamw_step";
 pub(crate) fn device_view<'a>(op: &'static str, v: View<'a, f32>) -> Result<CudaView<'a, f32>> {
     match v {
         View::Cuda(v) => Ok(v),
-        View::Cpu(_) => Err(mixed(op, "host gradients for device parameters")),
+        _ => Err(mixed(op, "host gradients for device parameters")),
     }
 }
 
@@ -56,7 +56,7 @@ pub(crate) fn device_array<'a, T>(
 ) -> Result<(Arc<Device>, &'a mut CudaSlice<T>)> {
     match s {
         Storage::Cuda(d) => Ok((Arc::clone(&d.dev), &mut d.data)),
-        Storage::Cpu(_) => Err(mixed(op, "host state for device parameters")),
+        _ => Err(mixed(op, "host state for device parameters")),
     }
 }
 
