@@ -59,14 +59,30 @@ pub const REDUCE_RANKS: KernelSource = KernelSource {
 /// Threads per block of the element-wise kernels.
 pub const BLOCK: u32 = 256;
 
+/// Whether cudarc's library `$m` (`driver`, `nvrtc`, `cublas`, `nccl`) can be used, asked
+/// without letting cudarc panic (`std::thread::Result<bool>`). With dynamic loading (the `cuda`
+/// feature alone) this is cudarc's probe, which tries `dlopen` on every candidate name and
+/// returns false on failure: the one cudarc call that never panics on a missing library. When
+/// candle's CUDA backend links the libraries instead (`candle-cuda`), a process that started
+/// has them.
+macro_rules! library_loads {
+    ($m:ident) => {{
+        #[cfg(not(feature = "candle-cuda"))]
+        // SAFETY: the probe only calls dlopen on cudarc's candidate names; it dereferences
+        // nothing of ours.
+        let loads = std::panic::catch_unwind(|| unsafe { cudarc::$m::sys::is_culib_present() });
+        #[cfg(feature = "candle-cuda")]
+        let loads: std::thread::Result<bool> = Ok(true);
+        loads
+    }};
+}
+pub(crate) use library_loads;
+
 /// Whether the CUDA driver library (`libcuda.so.1`, …) can be loaded, asked without letting
 /// cudarc panic: `Err(CudaUnavailable)` with the reason otherwise. Every entry point of the
 /// GPU backend calls this first ([`Device::open`]).
 pub fn driver_available() -> Result<()> {
-    // `is_culib_present` tries `dlopen` on every candidate name and returns false on failure;
-    // it is the one cudarc call that never panics on a missing library.
-    let present = catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() });
-    match present {
+    match library_loads!(driver) {
         Ok(true) => Ok(()),
         Ok(false) => Err(Error::CudaUnavailable {
             op: "cuda::driver_available",
@@ -82,7 +98,7 @@ pub fn driver_available() -> Result<()> {
 }
 
 fn nvrtc_available() -> Result<()> {
-    match catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }) {
+    match library_loads!(nvrtc) {
         Ok(true) => Ok(()),
         _ => Err(Error::CudaUnavailable {
             op: "cuda::nvrtc",
@@ -95,7 +111,7 @@ fn nvrtc_available() -> Result<()> {
 }
 
 fn cublas_available() -> Result<()> {
-    match catch_unwind(|| unsafe { cudarc::cublas::sys::is_culib_present() }) {
+    match library_loads!(cublas) {
         Ok(true) => Ok(()),
         _ => Err(Error::CudaUnavailable {
             op: "cuda::cublas",

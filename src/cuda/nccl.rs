@@ -52,7 +52,7 @@ pub const ID_BYTES: usize = 128;
 /// `libnccl.so.2` soname: put a `libnccl.so` symlink on the loader path; see
 /// `scripts/gpu-check.sh`).
 pub fn nccl_available() -> Result<()> {
-    match std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }) {
+    match super::imp::library_loads!(nccl) {
         Ok(true) => Ok(()),
         _ => Err(Error::CudaUnavailable {
             op: "cuda::nccl",
