@@ -29,6 +29,7 @@
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
+use super::split::split_partition;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -161,6 +162,16 @@ pub fn plan_multi_items(
             continue;
         }
         if let Some(found) = best_partition(items, world, opts, mopts, k, single_cost) {
+            starts.push(found);
+        }
+    }
+    // Identical tensors split by count can use more buffers than there are block sizes.
+    for k in 2..=max_k {
+        let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
+        if mopts.cost_s(k, floor, world) >= single_cost {
+            continue;
+        }
+        if let Some(found) = split_partition(items, world, opts, mopts, k, single_cost) {
             starts.push(found);
         }
     }
