@@ -18,9 +18,10 @@
 //! of the lcm of `coll` with any subset of the largest distinct blocks), fills each buffer in
 //! turn as full as its capacity allows (coarse blocks first, so the last buffer keeps the fine
 //! ones), and gives the rest to the last buffer at the smallest size its forced lattice
-//! accepts ([`ForcedLattice`]). The model ignores gaps that start alignment leaves, so the
-//! [`TOP_CANDIDATES`] best sums are checked in order by the quick search of
-//! [`min_shard_below`] and the first one it confirms is planned by [`plan_items`].
+//! accepts ([`ForcedLattice`]). The model ignores gaps that start alignment leaves and the
+//! block edges that unforced tensors crossing a boundary need, so the [`TOP_CANDIDATES`] best
+//! sums are sized for real by the quick search of [`min_shard_below`], and the best of them
+//! is planned by [`plan_items`].
 //!
 //! **Work.** At most [`MAX_SIZES`] candidate sizes per buffer and [`MAX_SPLIT_BUFFERS`]
 //! buffers, so at most `MAX_SIZES²` fills, each quadratic in the number of distinct shapes:
@@ -45,7 +46,7 @@ pub const MULTIPLES: usize = 32;
 pub const MAX_SIZES: usize = 96;
 
 /// Modelled results checked against real layouts, best first.
-pub const TOP_CANDIDATES: usize = 8;
+pub const TOP_CANDIDATES: usize = 16;
 
 /// The tensors of one shape `(elements, block, start alignment)`, in unit order.
 struct Shape {
@@ -82,10 +83,16 @@ pub fn split_partition(
     walk.go(&counts, &mut Vec::new(), 0);
     let mut found = walk.best;
     found.sort_by_key(|c| c.shard_sum);
-    let confirmed = found
-        .iter()
-        .find(|c| confirm(items, &shapes, c, world, opts))?;
-    let groups = groups_of(&shapes, &confirmed.fills);
+    // The model ignores alignment gaps and the block edges of tensors that cross a boundary
+    // without being forced: the quick search sizes each candidate for real.
+    let mut best: Option<(usize, &Candidate)> = None;
+    for c in &found {
+        let bar = best.map_or(limit, |b| b.0);
+        if let Some(sum) = quick_sum(items, &shapes, c, world, opts, bar) {
+            best = Some((sum, c));
+        }
+    }
+    let groups = groups_of(&shapes, &best?.1.fills);
     let layouts = groups
         .iter()
         .map(|g| {
@@ -334,24 +341,31 @@ fn groups_of(shapes: &[Shape], fills: &[Vec<usize>]) -> Vec<Vec<usize>> {
     groups
 }
 
-/// Whether the quick search finds, for every buffer, a layout no larger than the model said.
-fn confirm(
+/// `Σ S` of the candidate's buffers as the quick search of [`min_shard_below`] sizes them,
+/// if it finds one below `bar`.
+fn quick_sum(
     items: &[Item],
     shapes: &[Shape],
     candidate: &Candidate,
     world: usize,
     opts: &PlanOptions,
-) -> bool {
-    let groups = groups_of(shapes, &candidate.fills);
-    groups.len() == candidate.sizes.len()
-        && groups.iter().zip(&candidate.sizes).all(|(g, &size)| {
-            let sub: Vec<Item> = g.iter().map(|&i| normalized(items[i], opts)).collect();
-            let cap = size.saturating_add(1);
-            opts.orders.iter().any(|order| {
+    bar: usize,
+) -> Option<usize> {
+    let mut sum = 0usize;
+    for g in groups_of(shapes, &candidate.fills) {
+        let sub: Vec<Item> = g.iter().map(|&i| normalized(items[i], opts)).collect();
+        let cap = bar.checked_sub(sum)?;
+        let size = opts
+            .orders
+            .iter()
+            .filter_map(|order| {
                 let arranged: Vec<Item> = order.arrange(&sub).iter().map(|&i| sub[i]).collect();
-                min_shard_below(&arranged, world, opts.coll_align, cap, QUICK_WORK).is_some()
+                min_shard_below(&arranged, world, opts.coll_align, cap, QUICK_WORK)
             })
-        })
+            .min()?;
+        sum = sum.checked_add(size)?;
+    }
+    (sum < bar).then_some(sum)
 }
 
 /// The item as [`plan_items`] sees it (the start alignment applied; `Item`s are valid).
