@@ -18,47 +18,148 @@
 //! `V·Σ S ≥ E` for all tensors, `Σ S ≥ min(T, max(⌈M_F/V⌉_d, ⌈E/V⌉_coll))`. `F` only changes
 //! where `T − 1` passes half a tensor, so it suffices to take, for each tensor size `e_j`
 //! (largest first), `T = ⌊e_j/2⌋ + 1` and `F` = the tensors of at least `e_j` elements. The
-//! floor is the largest of these bounds. Every product is taken in `u128`; a lattice past
-//! 64 bits cannot be any buffer's size, so the threshold's bound is `T` alone then.
+//! floor is the largest of these bounds.
+//!
+//! **The tensors outside `F`.** Let `N` be the rest and `Q ⊆ N` the tensors that lie in
+//! buffers holding nothing of `F`. The buffers with `F` hold `F` and `N ∖ Q`, so
+//! `x ≥ ⌈(M_F + M_{N∖Q})/V⌉_d`; the others hold exactly `Q`, and removing tensors from a
+//! layout keeps it valid, so their sizes sum to at least any lower bound for `Q` alone: this
+//! floor without this refinement, `y`. So `Σ S ≥ max(⌈E/V⌉_coll, x + y)` for the `Q` of the
+//! layout, and the smallest value over every `Q` is a bound. Tensors of `N` of one shape are
+//! interchangeable, so `Q` is a count per shape: the [`TRACKED_SHAPES`] shapes of `N` with the
+//! most elements are enumerated by count while at most [`MAX_SPLITS`] choices result, and the
+//! other tensors of `N` are dropped from both sides (fewer tensors only lower a bound). In a
+//! Mixtral-8x7B layer at `rows:128`, `V = 64`, this is what sees that the attention tensors
+//! need a lattice of their own wherever they go. Every product is taken in `u128`; a lattice
+//! past 64 bits cannot be any buffer's size, so the threshold's bound is `T` alone then.
 
-use super::fit::gcd;
 use super::Item;
 
+/// Shapes of `N` (module doc) whose counts in buffers without `F` are enumerated.
+pub const TRACKED_SHAPES: usize = 4;
+
+/// At most this many choices of those counts per threshold.
+pub const MAX_SPLITS: u128 = 256;
+
 /// The common-step lower bound on `Σ S_b` for any number of buffers (module doc); `None`
-/// when the inputs are empty or zero.
+/// when the inputs are empty or zero, or the bound passes 64 bits.
 pub fn step_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
     if items.is_empty() || world == 0 || coll == 0 {
         return None;
     }
-    let (v, c) = (world as u128, coll as u128);
-    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
+    let shapes = shapes_of(items.iter().map(|&t| (t, 1u128)));
+    let bound = step_bound(&shapes, world as u128, coll as u128, true);
+    usize::try_from(bound).ok()
+}
+
+/// Tensors of one `(elements, block)` and how many there are.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    numel: u128,
+    block: usize,
+    count: u128,
+}
+
+/// Shapes with their counts, largest tensors first.
+fn shapes_of(items: impl Iterator<Item = (Item, u128)>) -> Vec<Shape> {
+    let mut shapes: Vec<Shape> = Vec::new();
+    for (t, n) in items.filter(|x| x.1 > 0) {
+        let numel = t.numel as u128;
+        match shapes
+            .iter_mut()
+            .find(|s| s.numel == numel && s.block == t.block)
+        {
+            Some(s) => s.count += n,
+            None => shapes.push(Shape {
+                numel,
+                block: t.block,
+                count: n,
+            }),
+        }
+    }
+    shapes.sort_by_key(|s| std::cmp::Reverse(s.numel));
+    shapes
+}
+
+/// The bound of the module doc for `shapes` (largest first); `refine` enumerates `Q`.
+fn step_bound(shapes: &[Shape], v: u128, c: u128, refine: bool) -> u128 {
+    let total: u128 = shapes.iter().map(|s| s.numel * s.count).sum();
     let share = total.div_ceil(v).next_multiple_of(c);
-    let mut by_size: Vec<&Item> = items.iter().collect();
-    by_size.sort_by_key(|t| std::cmp::Reverse(t.numel));
     // `step`: the gcd of F's lattices; `None` once one passes 64 bits (no buffer holds it).
-    let (mut mass, mut step, mut best) = (0u128, Some(0u128), 0u128);
-    for (j, t) in by_size.iter().enumerate() {
-        mass += t.numel as u128;
-        step = step
-            .zip(lattice(t.block, coll))
-            .map(|(s, l)| gcd_u128(s, l));
-        // Ties belong to the same F: take the bound after the last of them.
-        if by_size.get(j + 1).is_some_and(|n| n.numel == t.numel) {
+    let (mut mass, mut step, mut best) = (0u128, Some(0u128), share);
+    for (j, s) in shapes.iter().enumerate() {
+        mass += s.numel * s.count;
+        step = step.zip(lattice(s.block, c)).map(|(a, l)| gcd_u128(a, l));
+        // Shapes of one size belong to the same F: take the bound after the last of them.
+        if shapes.get(j + 1).is_some_and(|n| n.numel == s.numel) {
             continue;
         }
-        let threshold = (t.numel / 2) as u128 + 1;
+        let threshold = s.numel / 2 + 1;
         let bound = match step {
+            Some(d) if refine => threshold.min(split_bound(mass, d, &shapes[j + 1..], v, c, share)),
             Some(d) => threshold.min(mass.div_ceil(v).next_multiple_of(d).max(share)),
             None => threshold,
         };
         best = best.max(bound);
     }
-    usize::try_from(best.max(share)).ok()
+    best
+}
+
+/// The smallest `max(share, x + y)` over every count of each tracked shape of `rest` (the
+/// module doc's `N`) in buffers without `F`.
+fn split_bound(mass_f: u128, d: u128, rest: &[Shape], v: u128, c: u128, share: u128) -> u128 {
+    let mut tracked: Vec<Shape> = rest.to_vec();
+    tracked.sort_by_key(|s| std::cmp::Reverse(s.numel * s.count));
+    tracked.truncate(TRACKED_SHAPES);
+    while tracked.iter().map(|s| s.count + 1).product::<u128>() > MAX_SPLITS {
+        tracked.pop();
+    }
+    let mut q = vec![0u128; tracked.len()];
+    let mut best: Option<u128> = None;
+    loop {
+        let kept: u128 = tracked
+            .iter()
+            .zip(&q)
+            .map(|(s, &n)| s.numel * (s.count - n))
+            .sum();
+        let x = (mass_f + kept).div_ceil(v).next_multiple_of(d);
+        let alone = shapes_of(tracked.iter().zip(&q).map(|(s, &n)| (item_of(s), n)));
+        let y = if alone.is_empty() {
+            0
+        } else {
+            step_bound(&alone, v, c, false)
+        };
+        let value = share.max(x + y);
+        best = Some(best.map_or(value, |b| b.min(value)));
+        // Next count vector (mixed radix over the shapes' counts).
+        let mut i = 0;
+        while i < q.len() {
+            q[i] += 1;
+            if q[i] <= tracked[i].count {
+                break;
+            }
+            q[i] = 0;
+            i += 1;
+        }
+        if i == q.len() {
+            return best.unwrap_or(share);
+        }
+    }
+}
+
+/// A shape as an [`Item`] again (its sizes came from one, so they fit).
+fn item_of(s: &Shape) -> Item {
+    Item {
+        numel: s.numel as usize,
+        block: s.block,
+        align: 1,
+    }
 }
 
 /// `lcm(coll, g)`, `None` past 64 bits.
-fn lattice(block: usize, coll: usize) -> Option<u128> {
-    let l = (block / gcd(block, coll)) as u128 * coll as u128;
+fn lattice(block: usize, coll: u128) -> Option<u128> {
+    let g = block as u128;
+    let l = g / gcd_u128(g, coll) * coll;
     (l <= u64::MAX as u128).then_some(l)
 }
 
