@@ -71,17 +71,23 @@ pub fn split_partition(
     let limit = mopts.shard_sum_below_cost(k, world, to_beat)?;
     let sizes = candidate_sizes(&shapes, opts.coll_align, limit);
     let counts: Vec<usize> = shapes.iter().map(|s| s.members.len()).collect();
-    let mut walk = Walk {
-        shapes: &shapes,
-        sizes: &sizes,
-        world: world as u128,
-        coll: opts.coll_align,
-        k,
-        limit,
-        best: Vec::new(),
-    };
-    walk.go(&counts, &mut Vec::new(), 0);
-    let mut found = walk.best;
+    let orders = fill_orders(&shapes);
+    let mut found = Vec::new();
+    for strict in [false, true] {
+        let mut walk = Walk {
+            shapes: &shapes,
+            orders: &orders,
+            sizes: &sizes,
+            world: world as u128,
+            coll: opts.coll_align,
+            k,
+            limit,
+            strict,
+            best: Vec::new(),
+        };
+        walk.go(&counts, &mut Vec::new(), 0);
+        found.extend(walk.best);
+    }
     found.sort_by_key(|c| c.shard_sum);
     // The model ignores alignment gaps and the block edges of tensors that cross a boundary
     // without being forced: the quick search sizes each candidate for real.
@@ -174,12 +180,16 @@ struct Candidate {
 /// The depth-first search over the sizes of the first `k − 1` buffers.
 struct Walk<'a> {
     shapes: &'a [Shape],
+    /// The orders in which a fill takes shapes ([`fill_orders`]).
+    orders: &'a [Vec<usize>],
     sizes: &'a [usize],
     world: u128,
     coll: usize,
     k: usize,
     /// Every kept result is below this `Σ S`.
     limit: usize,
+    /// The strict model: a tensor that crosses a boundary (`e > S`) needs `g | S`.
+    strict: bool,
     /// The [`TOP_CANDIDATES`] smallest modelled `Σ S`.
     best: Vec<Candidate>,
 }
@@ -210,15 +220,35 @@ impl Walk<'_> {
             if prefix.saturating_add(s.max(rest_share)) >= self.bar() {
                 break;
             }
-            let taken = fill(self.shapes, left, s, self.world);
-            if taken.iter().all(|&n| n == 0) {
-                continue;
+            let mut tried: Vec<Vec<usize>> = Vec::new();
+            for order in self.orders {
+                let taken = fill(self.shapes, order, left, s, self.world, self.strict);
+                if taken.iter().all(|&n| n == 0) || tried.contains(&taken) {
+                    continue;
+                }
+                let after: Vec<usize> = left.iter().zip(&taken).map(|(l, t)| l - t).collect();
+                fills.push((taken.clone(), s));
+                self.go(&after, fills, prefix + s);
+                fills.pop();
+                tried.push(taken);
             }
-            let after: Vec<usize> = left.iter().zip(&taken).map(|(l, t)| l - t).collect();
-            fills.push((taken, s));
-            self.go(&after, fills, prefix + s);
-            fills.pop();
         }
+    }
+
+    /// The tensors as the lattice sees them: in the strict model a tensor is forced from
+    /// `e ≥ S` on (it crosses a boundary), which [`ForcedLattice`] sees as twice the elements.
+    fn modelled(&self, present: &[Item]) -> Vec<Item> {
+        present
+            .iter()
+            .map(|&t| Item {
+                numel: if self.strict {
+                    t.numel.saturating_mul(2)
+                } else {
+                    t.numel
+                },
+                ..t
+            })
+            .collect()
     }
 
     /// The last buffer takes what is left at the smallest size its lattice allows.
@@ -237,7 +267,8 @@ impl Walk<'_> {
             let share = usize::try_from(mass_of(self.shapes, left).div_ceil(self.world)).ok();
             let largest = present.iter().map(|t| t.block).max().unwrap_or(1);
             let last = share.and_then(|s| {
-                ForcedLattice::new(&present, self.coll).next_candidate(s.max(largest))
+                ForcedLattice::new(&self.modelled(&present), self.coll)
+                    .next_candidate(s.max(largest))
             });
             last.and_then(|s| {
                 all.push((left.to_vec(), s));
@@ -276,44 +307,78 @@ fn mass_of(shapes: &[Shape], counts: &[usize]) -> u128 {
         .sum()
 }
 
-/// Whether a buffer of shard size `s` can hold tensors of this shape (the module doc's model).
-fn admissible(t: &Item, s: usize) -> bool {
-    t.block <= s && (s % t.block == 0 || t.numel / 2 < s)
+/// Whether a buffer of shard size `s` can hold tensors of this shape (the module doc's model;
+/// `strict`: a tensor that crosses a boundary without `g | S` is refused).
+fn admissible(t: &Item, s: usize, strict: bool) -> bool {
+    let free = if strict {
+        t.numel <= s
+    } else {
+        t.numel / 2 < s
+    };
+    t.block <= s && (s % t.block == 0 || free)
+}
+
+/// The orders in which [`fill`] takes shapes: coarse blocks first (the shapes' order), and
+/// the shapes of one tensor first, then the others. The first leaves fine lattices to the last
+/// buffer; the second places tensors that fit few lattices (a DeepSeek-V3 `q_b_proj`, whose
+/// block agrees with neither the experts' nor `o_proj`'s) while there is room.
+fn fill_orders(shapes: &[Shape]) -> Vec<Vec<usize>> {
+    let coarse: Vec<usize> = (0..shapes.len()).collect();
+    let (mut singles, rest): (Vec<usize>, Vec<usize>) =
+        coarse.iter().partition(|&&c| shapes[c].members.len() == 1);
+    singles.extend(rest);
+    if singles == coarse {
+        vec![coarse]
+    } else {
+        vec![coarse, singles]
+    }
 }
 
 /// How many tensors of each shape a buffer of shard size `s` takes from `left`: as many as
-/// fit in `V·s` elements, shapes in order (coarse blocks first), then the fill is improved by
-/// taking one or two fewer of one shape and refilling with the shapes after it.
-fn fill(shapes: &[Shape], left: &[usize], s: usize, world: u128) -> Vec<usize> {
+/// fit in `V·s` elements, shapes in `order`, then the fill is improved by taking one or two
+/// fewer of one shape and refilling with the shapes after it.
+fn fill(
+    shapes: &[Shape],
+    order: &[usize],
+    left: &[usize],
+    s: usize,
+    world: u128,
+    strict: bool,
+) -> Vec<usize> {
     let capacity = s as u128 * world;
-    let allowed: Vec<bool> = shapes.iter().map(|sh| admissible(&sh.item, s)).collect();
+    let allowed: Vec<bool> = shapes
+        .iter()
+        .map(|sh| admissible(&sh.item, s, strict))
+        .collect();
+    let elems = |c: usize| shapes[c].item.numel as u128;
+    // Greedy over `order[start..]`; returns the room left.
     let greedy_from = |start: usize, taken: &mut Vec<usize>, mut room: u128| {
-        for c in start..shapes.len() {
-            let e = shapes[c].item.numel as u128;
+        for &c in &order[start..] {
             let n = if allowed[c] {
-                (room / e).min(left[c] as u128) as usize
+                (room / elems(c)).min(left[c] as u128) as usize
             } else {
                 0
             };
             taken[c] = n;
-            room -= n as u128 * e;
+            room -= n as u128 * elems(c);
         }
         room
     };
     let mut best = vec![0; shapes.len()];
     let mut best_room = greedy_from(0, &mut best, capacity);
     let first = best.clone();
-    for c in 0..shapes.len() {
+    for (pos, &c) in order.iter().enumerate() {
         for fewer in 1..=2usize {
             let Some(n) = first[c].checked_sub(fewer) else {
                 break;
             };
             let mut taken = first.clone();
             taken[c] = n;
-            let used: u128 = (0..=c)
-                .map(|j| taken[j] as u128 * shapes[j].item.numel as u128)
+            let used: u128 = order[..=pos]
+                .iter()
+                .map(|&j| taken[j] as u128 * elems(j))
                 .sum();
-            let room = greedy_from(c + 1, &mut taken, capacity - used);
+            let room = greedy_from(pos + 1, &mut taken, capacity - used);
             if room < best_room {
                 (best, best_room) = (taken, room);
             }
