@@ -46,7 +46,7 @@ pub const MULTIPLES: usize = 32;
 pub const MAX_SIZES: usize = 96;
 
 /// Modelled results checked against real layouts, best first.
-pub const TOP_CANDIDATES: usize = 16;
+pub const TOP_CANDIDATES: usize = 8;
 
 /// The tensors of one shape `(elements, block, start alignment)`, in unit order.
 struct Shape {
@@ -89,6 +89,8 @@ pub fn split_partition(
         found.extend(walk.best);
     }
     found.sort_by_key(|c| c.shard_sum);
+    // Both models often find the same counts.
+    found.dedup_by(|a, b| a.fills == b.fills);
     // The model ignores alignment gaps and the block edges of tensors that cross a boundary
     // without being forced: the quick search sizes each candidate for real.
     let mut best: Option<(usize, &Candidate)> = None;
