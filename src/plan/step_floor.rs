@@ -14,8 +14,10 @@
 //! `e_t ≥ 2·S_b` in the buffer holding it, so `g_t | S_b` (planner.md §2) and `coll | S_b`:
 //! `S_b` is a multiple of `ℓ_t = lcm(coll, g_t)`. Let `F` be those tensors, `M_F` their
 //! elements and `d = gcd_{t∈F} ℓ_t`. Every buffer holding a tensor of `F` has a size that is a
-//! multiple of `d`, so their sum `x` is one, and `V·x ≥ M_F`: `Σ S ≥ x ≥ ⌈M_F/V⌉_d`. With
-//! `V·Σ S ≥ E` for all tensors, `Σ S ≥ min(T, max(⌈M_F/V⌉_d, ⌈E/V⌉_coll))`. `F` only changes
+//! multiple of `d`, so their sum `x` is one, and `V·x ≥ M_F`: `Σ S ≥ x ≥ ⌈M_F/V⌉_d`. Any
+//! layout also has `Σ S ≥ B = max(⌈E/V⌉_coll, ⌈g_max⌉_coll)` (all tensors fit; the shard of
+//! the buffer holding the largest block holds that block), so
+//! `Σ S ≥ min(T, max(⌈M_F/V⌉_d, B))`. `F` only changes
 //! where `T − 1` passes half a tensor, so it suffices to take, for each tensor size `e_j`
 //! (largest first), `T = ⌊e_j/2⌋ + 1` and `F` = the tensors of at least `e_j` elements. The
 //! floor is the largest of these bounds.
@@ -24,13 +26,14 @@
 //! buffers holding nothing of `F`. The buffers with `F` hold `F` and `N ∖ Q`, so
 //! `x ≥ ⌈(M_F + M_{N∖Q})/V⌉_d`; the others hold exactly `Q`, and removing tensors from a
 //! layout keeps it valid, so their sizes sum to at least any lower bound for `Q` alone: this
-//! floor without this refinement, `y`. So `Σ S ≥ max(⌈E/V⌉_coll, x + y)` for the `Q` of the
+//! floor for `Q`, refined [`NESTING`] levels deep, `y`. So `Σ S ≥ max(B, x + y)` for the `Q` of the
 //! layout, and the smallest value over every `Q` is a bound. Tensors of `N` of one shape are
 //! interchangeable, so `Q` is a count per shape: the [`TRACKED_SHAPES`] shapes of `N` with the
 //! most elements are enumerated by count while at most [`MAX_SPLITS`] choices result, and the
 //! other tensors of `N` are dropped from both sides (fewer tensors only lower a bound). In a
 //! Mixtral-8x7B layer at `rows:128`, `V = 64`, this is what sees that the attention tensors
-//! need a lattice of their own wherever they go. Every product is taken in `u128`; a lattice
+//! need a lattice of their own wherever they go, and at `rows:16` that the router (one
+//! 32,768-element block) needs a shard of 32,768 wherever it goes. Every product is taken in `u128`; a lattice
 //! past 64 bits cannot be any buffer's size, so the threshold's bound is `T` alone then.
 
 use super::Item;
@@ -41,6 +44,10 @@ pub const TRACKED_SHAPES: usize = 4;
 /// At most this many choices of those counts per threshold.
 pub const MAX_SPLITS: u128 = 256;
 
+/// Levels of the refinement: the bound for `Q` alone is refined once more (its own `F` and
+/// `N`), then taken plain.
+pub const NESTING: usize = 2;
+
 /// The common-step lower bound on `Σ S_b` for any number of buffers (module doc); `None`
 /// when the inputs are empty or zero, or the bound passes 64 bits.
 pub fn step_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
@@ -48,7 +55,7 @@ pub fn step_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
         return None;
     }
     let shapes = shapes_of(items.iter().map(|&t| (t, 1u128)));
-    let bound = step_bound(&shapes, world as u128, coll as u128, true);
+    let bound = step_bound(&shapes, world as u128, coll as u128, NESTING);
     usize::try_from(bound).ok()
 }
 
@@ -81,10 +88,14 @@ fn shapes_of(items: impl Iterator<Item = (Item, u128)>) -> Vec<Shape> {
     shapes
 }
 
-/// The bound of the module doc for `shapes` (largest first); `refine` enumerates `Q`.
-fn step_bound(shapes: &[Shape], v: u128, c: u128, refine: bool) -> u128 {
+/// The bound of the module doc for `shapes` (largest first), `Q` enumerated `nesting` levels
+/// deep.
+fn step_bound(shapes: &[Shape], v: u128, c: u128, nesting: usize) -> u128 {
     let total: u128 = shapes.iter().map(|s| s.numel * s.count).sum();
     let share = total.div_ceil(v).next_multiple_of(c);
+    // The buffer holding the largest block has a shard at least that large.
+    let largest = shapes.iter().map(|s| s.block as u128).max().unwrap_or(0);
+    let share = share.max(largest.next_multiple_of(c));
     // `step`: the gcd of F's lattices; `None` once one passes 64 bits (no buffer holds it).
     let (mut mass, mut step, mut best) = (0u128, Some(0u128), share);
     for (j, s) in shapes.iter().enumerate() {
@@ -96,7 +107,10 @@ fn step_bound(shapes: &[Shape], v: u128, c: u128, refine: bool) -> u128 {
         }
         let threshold = s.numel / 2 + 1;
         let bound = match step {
-            Some(d) if refine => threshold.min(split_bound(mass, d, &shapes[j + 1..], v, c, share)),
+            Some(d) if nesting > 0 => {
+                let split = split_bound(mass, d, &shapes[j + 1..], v, c, share, nesting - 1);
+                threshold.min(split)
+            }
             Some(d) => threshold.min(mass.div_ceil(v).next_multiple_of(d).max(share)),
             None => threshold,
         };
@@ -107,7 +121,15 @@ fn step_bound(shapes: &[Shape], v: u128, c: u128, refine: bool) -> u128 {
 
 /// The smallest `max(share, x + y)` over every count of each tracked shape of `rest` (the
 /// module doc's `N`) in buffers without `F`.
-fn split_bound(mass_f: u128, d: u128, rest: &[Shape], v: u128, c: u128, share: u128) -> u128 {
+fn split_bound(
+    mass_f: u128,
+    d: u128,
+    rest: &[Shape],
+    v: u128,
+    c: u128,
+    share: u128,
+    nesting: usize,
+) -> u128 {
     let mut tracked: Vec<Shape> = rest.to_vec();
     tracked.sort_by_key(|s| std::cmp::Reverse(s.numel * s.count));
     tracked.truncate(TRACKED_SHAPES);
@@ -127,7 +149,7 @@ fn split_bound(mass_f: u128, d: u128, rest: &[Shape], v: u128, c: u128, share: u
         let y = if alone.is_empty() {
             0
         } else {
-            step_bound(&alone, v, c, false)
+            step_bound(&alone, v, c, nesting)
         };
         let value = share.max(x + y);
         best = Some(best.map_or(value, |b| b.min(value)));
