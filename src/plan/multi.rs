@@ -193,7 +193,7 @@ pub fn plan_multi_items(
         best_cost = cost(&best);
     }
     let floor = match floors.get(best.groups.len()) {
-        Some(&f) if best.groups.len() > 0 => f,
+        Some(&f) if !best.groups.is_empty() => f,
         _ => floor_shard_sum(items, world, opts.coll_align, best.groups.len())?,
     };
     Ok(MultiLayout {
