@@ -24,25 +24,31 @@
 //!
 //! **The tensors outside `F`.** Let `N` be the rest and `Q ⊆ N` the tensors that lie in
 //! buffers holding nothing of `F`. The buffers with `F` hold `F` and `N ∖ Q`, so
-//! `x ≥ ⌈(M_F + M_{N∖Q})/V⌉_d`; the others hold exactly `Q`, and removing tensors from a
+//! `x ≥ ⌈(M_F + M_{N∖Q})/V⌉_d` and `x ≥ ⌈g_F⌉_coll` for the largest block of `F`; the others
+//! hold exactly `Q`, and removing tensors from a
 //! layout keeps it valid, so their sizes sum to at least any lower bound for `Q` alone: this
 //! floor for `Q`, refined [`NESTING`] levels deep, `y`. So `Σ S ≥ max(B, x + y)` for the `Q` of the
 //! layout, and the smallest value over every `Q` is a bound. Tensors of `N` of one shape are
-//! interchangeable, so `Q` is a count per shape: the [`TRACKED_SHAPES`] shapes of `N` with the
-//! most elements are enumerated by count while at most [`MAX_SPLITS`] choices result, and the
-//! other tensors of `N` are dropped from both sides (fewer tensors only lower a bound). In a
+//! interchangeable, so `Q` is a count per shape: the counts of the [`TRACKED_SHAPES`] shapes
+//! of `N` with the most elements are searched best first in boxes of ranges (a range
+//! `[lo, hi]` takes `x` at `hi` and `y` at `lo`: the least `Σ S` of a set of tensors only grows
+//! with more of them; at most [`MAX_BOXES`] boxes), and the other tensors of `N` are dropped
+//! from both sides (fewer tensors only lower a bound). In a
 //! Mixtral-8x7B layer at `rows:128`, `V = 64`, this is what sees that the attention tensors
 //! need a lattice of their own wherever they go, and at `rows:16` that the router (one
 //! 32,768-element block) needs a shard of 32,768 wherever it goes. Every product is taken in `u128`; a lattice
 //! past 64 bits cannot be any buffer's size, so the threshold's bound is `T` alone then.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use super::Item;
 
 /// Shapes of `N` (module doc) whose counts in buffers without `F` are enumerated.
 pub const TRACKED_SHAPES: usize = 4;
 
-/// At most this many choices of those counts per threshold.
-pub const MAX_SPLITS: u128 = 256;
+/// Boxes of counts evaluated per threshold, by nesting level (the outer level is the last).
+pub const MAX_BOXES: [usize; NESTING + 1] = [1, 24, 600];
 
 /// Levels of the refinement: the bound for `Q` alone is refined once more (its own `F` and
 /// `N`), then taken plain.
@@ -98,8 +104,11 @@ fn step_bound(shapes: &[Shape], v: u128, c: u128, nesting: usize) -> u128 {
     let share = share.max(largest.next_multiple_of(c));
     // `step`: the gcd of F's lattices; `None` once one passes 64 bits (no buffer holds it).
     let (mut mass, mut step, mut best) = (0u128, Some(0u128), share);
+    // The largest block of F, rounded to `coll`: some buffer with F holds it.
+    let mut block_f = 0u128;
     for (j, s) in shapes.iter().enumerate() {
         mass += s.numel * s.count;
+        block_f = block_f.max((s.block as u128).next_multiple_of(c));
         step = step.zip(lattice(s.block, c)).map(|(a, l)| gcd_u128(a, l));
         // Shapes of one size belong to the same F: take the bound after the last of them.
         if shapes.get(j + 1).is_some_and(|n| n.numel == s.numel) {
@@ -108,7 +117,8 @@ fn step_bound(shapes: &[Shape], v: u128, c: u128, nesting: usize) -> u128 {
         let threshold = s.numel / 2 + 1;
         let bound = match step {
             Some(d) if nesting > 0 => {
-                let split = split_bound(mass, d, &shapes[j + 1..], v, c, share, nesting - 1);
+                let rest = &shapes[j + 1..];
+                let split = split_bound(mass, block_f, d, rest, v, c, share, nesting - 1);
                 threshold.min(split)
             }
             Some(d) => threshold.min(mass.div_ceil(v).next_multiple_of(d).max(share)),
@@ -120,9 +130,16 @@ fn step_bound(shapes: &[Shape], v: u128, c: u128, nesting: usize) -> u128 {
 }
 
 /// The smallest `max(share, x + y)` over every count of each tracked shape of `rest` (the
-/// module doc's `N`) in buffers without `F`.
+/// module doc's `N`) in buffers without `F`, or a lower bound of it. Counts are searched as
+/// boxes of ranges, best first: a box `[lo, hi]` per shape bounds every count in it by taking
+/// `x` with `hi` tensors out of the `F` buffers and `y` with `lo` in the others (the least
+/// `Σ S` of a set of tensors only grows with more tensors); the box with the smallest bound is
+/// split in half along its widest range, until that box is a single count vector (its value
+/// is then the minimum) or [`MAX_BOXES`] boxes were evaluated (the smallest bound left holds).
+#[allow(clippy::too_many_arguments)]
 fn split_bound(
     mass_f: u128,
+    block_f: u128,
     d: u128,
     rest: &[Shape],
     v: u128,
@@ -133,40 +150,42 @@ fn split_bound(
     let mut tracked: Vec<Shape> = rest.to_vec();
     tracked.sort_by_key(|s| std::cmp::Reverse(s.numel * s.count));
     tracked.truncate(TRACKED_SHAPES);
-    while tracked.iter().map(|s| s.count + 1).product::<u128>() > MAX_SPLITS {
-        tracked.pop();
-    }
-    let mut q = vec![0u128; tracked.len()];
-    let mut best: Option<u128> = None;
-    loop {
+    let bound_of = |b: &[(u128, u128)]| -> u128 {
         let kept: u128 = tracked
             .iter()
-            .zip(&q)
-            .map(|(s, &n)| s.numel * (s.count - n))
+            .zip(b)
+            .map(|(s, &(_, hi))| s.numel * (s.count - hi))
             .sum();
-        let x = (mass_f + kept).div_ceil(v).next_multiple_of(d);
-        let alone = shapes_of(tracked.iter().zip(&q).map(|(s, &n)| (item_of(s), n)));
+        let x = (mass_f + kept).div_ceil(v).next_multiple_of(d).max(block_f);
+        let alone = shapes_of(tracked.iter().zip(b).map(|(s, &(lo, _))| (item_of(s), lo)));
         let y = if alone.is_empty() {
             0
         } else {
             step_bound(&alone, v, c, nesting)
         };
-        let value = share.max(x + y);
-        best = Some(best.map_or(value, |b| b.min(value)));
-        // Next count vector (mixed radix over the shapes' counts).
-        let mut i = 0;
-        while i < q.len() {
-            q[i] += 1;
-            if q[i] <= tracked[i].count {
-                break;
-            }
-            q[i] = 0;
-            i += 1;
+        share.max(x + y)
+    };
+    let whole: Vec<(u128, u128)> = tracked.iter().map(|s| (0, s.count)).collect();
+    let mut heap = BinaryHeap::new();
+    heap.push(Reverse((bound_of(&whole), whole)));
+    let mut evaluated = 1usize;
+    while let Some(Reverse((bound, b))) = heap.pop() {
+        let widest = (0..b.len()).max_by_key(|&i| b[i].1 - b[i].0);
+        let Some(i) = widest.filter(|&i| b[i].1 > b[i].0) else {
+            return bound; // a single count vector: the smallest value of all
+        };
+        if evaluated >= MAX_BOXES[nesting + 1] {
+            return bound; // every box left bounds at least this
         }
-        if i == q.len() {
-            return best.unwrap_or(share);
+        let mid = b[i].0 + (b[i].1 - b[i].0) / 2;
+        for half in [(b[i].0, mid), (mid + 1, b[i].1)] {
+            let mut next = b.clone();
+            next[i] = half;
+            heap.push(Reverse((bound_of(&next), next)));
+            evaluated += 1;
         }
     }
+    share
 }
 
 /// A shape as an [`Item`] again (its sizes came from one, so they fit).
