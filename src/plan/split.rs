@@ -16,16 +16,20 @@
 //! its block divides `S`: planner.md §2); it holds at most `V·S` elements. The search takes
 //! the sizes of the first `k − 1` buffers from a list of candidates (multiples of `coll` and
 //! of the lcm of `coll` with any subset of the largest distinct blocks), fills each buffer in
-//! turn as full as its capacity allows (coarse blocks first, so the last buffer keeps the fine
-//! ones), and gives the rest to the last buffer at the smallest size its forced lattice
-//! accepts ([`ForcedLattice`]). The model ignores gaps that start alignment leaves and the
-//! block edges that unforced tensors crossing a boundary need, so the [`TOP_CANDIDATES`] best
-//! sums are sized for real by the quick search of [`min_shard_below`], and the best of them
-//! is planned by [`plan_items`].
+//! turn as full as its capacity allows, in two orders ([`fill_orders`]: coarse blocks first,
+//! so the last buffer keeps the fine ones; or single tensors first), and gives the rest to the
+//! last buffer at the smallest size its forced lattice accepts ([`ForcedLattice`]). The model
+//! ignores gaps that start alignment leaves and the block edges that an unforced tensor
+//! crossing a boundary needs, which makes big buffers of unforced experts look exact when they
+//! are not; so the search also runs a strict model, in which a tensor that crosses a boundary
+//! (`e > S`) needs `g | S`, and the [`TOP_CANDIDATES`] best sums of each model are sized for
+//! real by the quick search of [`min_shard_below`]; the best of them is planned by
+//! [`plan_items`].
 //!
 //! **Work.** At most [`MAX_SIZES`] candidate sizes per buffer and [`MAX_SPLIT_BUFFERS`]
-//! buffers, so at most `MAX_SIZES²` fills, each quadratic in the number of distinct shapes:
-//! nothing grows with the tensors' sizes or counts beyond grouping them.
+//! buffers, so at most `2 · 2² · MAX_SIZES²` fills (two models, two orders per buffer), each
+//! quadratic in the number of distinct shapes, and `2 · TOP_CANDIDATES` quick searches per
+//! buffer: nothing grows with the tensors' sizes or counts beyond grouping them.
 
 use super::fit::lcm;
 use super::multi::MultiOptions;
