@@ -16,7 +16,7 @@
 //! its block divides `S`: planner.md §2); it holds at most `V·S` elements. The search takes
 //! the sizes of the first `k − 1` buffers from a list of candidates (multiples of `coll` and
 //! of the lcm of `coll` with any subset of the largest distinct blocks), fills each buffer in
-//! turn as full as its capacity allows, in two orders ([`fill_orders`]: coarse blocks first,
+//! turn as full as its capacity allows, in two orders (`fill_orders`: coarse blocks first,
 //! so the last buffer keeps the fine ones; or single tensors first), and gives the rest to the
 //! last buffer at the smallest size its forced lattice accepts ([`ForcedLattice`]). The model
 //! ignores gaps that start alignment leaves and the block edges that an unforced tensor
