@@ -607,7 +607,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
 fn section_text(table: &str) -> String {
     format!(
         "## Planner: padding and plan time\n\n\
-         Command: `cargo run --release --bin ragged -- bench plan` (default collective alignment 64 elements; \
+         Command: `target/release/ragged bench plan` (default collective alignment 64 elements; \
          plan time is the best of 3 runs of the whole-model plan, identical units planned once). \
          Padding is `(V·S − N)/N` summed over FSDP units (one per decoder layer plus the root). \
          Cut blocks: atomic blocks of the given size that a baseline's rank boundaries split; \

@@ -24,8 +24,10 @@
 //! buffers, is taken as well.
 //!
 //! The result is the largest of this bound, [`super::heavy_floor`]'s, which places the unit's
-//! largest tensors one by one, and [`super::class_floor`]'s, which follows the tensors of each
-//! large shape together; all three hold for every layout.
+//! largest tensors one by one, [`super::class_floor`]'s, which follows the tensors of each
+//! large shape together, and [`super::step_floor`]'s, which uses that the sizes of buffers
+//! holding forced tensors sum to a multiple of their lattices' gcd; all four hold for every
+//! layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -81,6 +83,9 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     }
     if let Some(classes) = super::class_floor::class_floor(items, world, coll, k) {
         best = best.max(classes as u128);
+    }
+    if let Some(step) = super::step_floor::step_floor(items, world, coll) {
+        best = best.max(step as u128);
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",

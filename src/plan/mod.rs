@@ -15,9 +15,11 @@
 //! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
 //! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
 //! | moves of tensors between those buffers (local search) | [`refine`] |
+//! | identical tensors split across buffers by count | [`split`] |
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | its third bound, following the tensors of each large shape together | [`class_floor`] |
+//! | its fourth bound, the gcd of the forced tensors' lattices | [`step_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -33,6 +35,8 @@ pub mod oracle;
 pub mod partition;
 pub mod refine;
 pub mod search;
+pub mod split;
+pub mod step_floor;
 
 use std::collections::HashMap;
 use std::fmt;

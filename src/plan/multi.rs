@@ -29,6 +29,7 @@
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
+use super::split::split_partition;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -153,32 +154,48 @@ pub fn plan_multi_items(
     // The best partition of each k is a starting point of the moves, not only the best one:
     // moves from a worse partition sometimes end lower.
     let single_cost = best_cost;
+    // floors[k]: the k-buffer floor; a k whose floor cannot beat one buffer is not searched.
+    let mut floors = vec![0usize; max_k + 1];
+    for (k, slot) in floors.iter_mut().enumerate().skip(1) {
+        *slot = floor_shard_sum(items, world, opts.coll_align, k)?;
+    }
+    let worth = |k: usize| mopts.cost_s(k, floors[k], world) < single_cost;
     let mut starts = Vec::new();
-    for k in 2..=max_k.min(distinct_blocks(items)) {
-        let floor = floor_shard_sum(items, world, opts.coll_align, k)?;
-        // No k-buffer layout can beat one buffer: skip the search.
-        if mopts.cost_s(k, floor, world) >= single_cost {
-            continue;
-        }
+    for k in (2..=max_k.min(distinct_blocks(items))).filter(|&k| worth(k)) {
         if let Some(found) = best_partition(items, world, opts, mopts, k, single_cost) {
             starts.push(found);
         }
     }
+    // Identical tensors split by count can use more buffers than there are block sizes. These
+    // buffers are filled to their lattices already, so they are candidates, not starts of the
+    // moves (which would double the time for no gain on the benchmark's models).
+    let mut filled: Vec<Partition> = Vec::new();
+    for k in (2..=max_k).filter(|&k| worth(k)) {
+        if let Some(found) = split_partition(items, world, opts, mopts, k, single_cost) {
+            if !filled.iter().any(|f| f.groups == found.groups) {
+                filled.push(found);
+            }
+        }
+    }
     if max_k > 1 {
         starts.push(best);
+        let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
         best = starts
             .into_iter()
             .map(|start| refine(items, world, opts, mopts, start))
+            .chain(filled)
             .min_by(|a, b| {
-                let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
                 cost(a)
                     .total_cmp(&cost(b))
                     .then(a.groups.len().cmp(&b.groups.len()))
             })
             .expect("the single buffer is a start");
-        best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
+        best_cost = cost(&best);
     }
-    let floor = floor_shard_sum(items, world, opts.coll_align, best.groups.len())?;
+    let floor = match floors.get(best.groups.len()) {
+        Some(&f) if !best.groups.is_empty() => f,
+        _ => floor_shard_sum(items, world, opts.coll_align, best.groups.len())?,
+    };
     Ok(MultiLayout {
         groups: best.groups,
         layouts: best.layouts,

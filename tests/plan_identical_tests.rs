@@ -1,0 +1,175 @@
+//! Units made of many identical tensors (an MoE layer's experts, shrunk): the k-buffer floor
+//! and its common-step part are true lower bounds, and the planner's split by count meets the
+//! optimum on most inputs, against exhaustive search over every count of each shape in each
+//! buffer and every distinct order of each buffer.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use ragged::plan::multi::{floor_shard_sum, plan_multi_items, MultiOptions};
+use ragged::plan::oracle::exact_for_order;
+use ragged::plan::step_floor::step_floor;
+use ragged::plan::{Item, PlanOptions};
+
+/// The smallest `S` of one buffer holding `counts[c]` tensors of `shapes[c]`, over every
+/// distinct order of that multiset.
+fn exact_buffer(shapes: &[Item], counts: &[usize], world: usize, coll: usize) -> usize {
+    fn orders(
+        left: &mut [usize],
+        shapes: &[Item],
+        prefix: &mut Vec<Item>,
+        out: &mut Vec<Vec<Item>>,
+    ) {
+        if left.iter().all(|&n| n == 0) {
+            out.push(prefix.clone());
+            return;
+        }
+        for c in 0..left.len() {
+            if left[c] > 0 {
+                left[c] -= 1;
+                prefix.push(shapes[c]);
+                orders(left, shapes, prefix, out);
+                prefix.pop();
+                left[c] += 1;
+            }
+        }
+    }
+    let mut all = Vec::new();
+    orders(&mut counts.to_vec(), shapes, &mut Vec::new(), &mut all);
+    all.iter()
+        .map(|order| exact_for_order(order, world, coll).unwrap())
+        .min()
+        .unwrap()
+}
+
+/// The smallest `Σ S` over every way to give each buffer (at most `k`) a count of each shape.
+fn exhaustive(shapes: &[Item], counts: &[usize], world: usize, coll: usize, k: usize) -> usize {
+    let mut memo: HashMap<Vec<usize>, usize> = HashMap::new();
+    let mut best = usize::MAX;
+    // Buffer b's counts: `taken[b]`; the last buffer gets what is left.
+    fn go(
+        c: usize,
+        taken: &mut Vec<Vec<usize>>,
+        ctx: (&[Item], &[usize], usize, usize),
+        memo: &mut HashMap<Vec<usize>, usize>,
+        best: &mut usize,
+    ) {
+        let (shapes, counts, world, coll) = ctx;
+        if c == shapes.len() {
+            let mut sum = 0;
+            for buffer in taken.iter().filter(|b| b.iter().any(|&n| n > 0)) {
+                sum += *memo
+                    .entry(buffer.clone())
+                    .or_insert_with(|| exact_buffer(shapes, buffer, world, coll));
+            }
+            *best = (*best).min(sum);
+            return;
+        }
+        // Every split of shape c's count over the buffers.
+        fn split(
+            b: usize,
+            left: usize,
+            c: usize,
+            taken: &mut Vec<Vec<usize>>,
+            ctx: (&[Item], &[usize], usize, usize),
+            memo: &mut HashMap<Vec<usize>, usize>,
+            best: &mut usize,
+        ) {
+            if b + 1 == taken.len() {
+                taken[b][c] = left;
+                go(c + 1, taken, ctx, memo, best);
+                return;
+            }
+            for n in 0..=left {
+                taken[b][c] = n;
+                split(b + 1, left - n, c, taken, ctx, memo, best);
+            }
+        }
+        split(0, counts[c], c, taken, ctx, memo, best);
+    }
+    let mut taken = vec![vec![0; shapes.len()]; k];
+    go(
+        0,
+        &mut taken,
+        (shapes, counts, world, coll),
+        &mut memo,
+        &mut best,
+    );
+    best
+}
+
+/// Free collectives: any split that lowers `Σ S` is taken.
+fn free(k: usize) -> MultiOptions {
+    MultiOptions {
+        max_buffers: k,
+        collective_latency_s: 0.0,
+        ..MultiOptions::default()
+    }
+}
+
+#[test]
+fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // 2 or 3 shapes, 1 to 6 copies each (at most 10 tensors).
+    let strategy = (
+        prop::collection::vec((1..=40usize, 1..=12usize, 1..=6usize), 2..=3),
+        1..=8usize,
+        prop::sample::select(vec![1usize, 2, 4]),
+    );
+    let (mut cases, mut plan_optimal, mut floor_tight, mut step_raised) = (0, 0, 0, 0);
+    while cases < 360 {
+        let (spec, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
+        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        if counts.iter().sum::<usize>() > 10 {
+            continue;
+        }
+        let shapes: Vec<Item> = spec
+            .iter()
+            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let items: Vec<Item> = shapes
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+            .collect();
+        let opts = PlanOptions {
+            coll_align: coll,
+            ..PlanOptions::default()
+        };
+        let step = step_floor(&items, world, coll).unwrap();
+        for k in 1..=3 {
+            let best = exhaustive(&shapes, &counts, world, coll, k);
+            let floor = floor_shard_sum(&items, world, coll, k).unwrap();
+            let ctx = format!("{spec:?} V={world} coll={coll} k={k}");
+            assert!(floor <= best, "{ctx}: floor {floor} > optimum {best}");
+            // The common-step bound holds for any number of buffers.
+            assert!(step <= best, "{ctx}: step floor {step} > optimum {best}");
+            let plan = plan_multi_items(&items, world, &opts, &free(k)).unwrap();
+            assert!(
+                plan.shard_sum() >= best,
+                "{ctx}: planner beat exhaustive search"
+            );
+            plan_optimal += usize::from(plan.shard_sum() == best);
+            floor_tight += usize::from(floor == best);
+            let share = items.iter().map(|t| t.numel).sum::<usize>().div_ceil(world);
+            step_raised += usize::from(step > share.next_multiple_of(coll));
+            cases += 1;
+        }
+    }
+    println!("planner optimal {plan_optimal}, floor tight {floor_tight}, of {cases}");
+    // The misses are the single-buffer planner's: its three orders do not always hold the
+    // best one (80 % optimal when this was written).
+    assert!(
+        plan_optimal * 4 >= cases * 3,
+        "planner optimal in {plan_optimal} of {cases}"
+    );
+    assert!(
+        floor_tight * 2 > cases,
+        "floor tight in only {floor_tight} of {cases}"
+    );
+    assert!(
+        step_raised > 0,
+        "the common-step bound never rose above the share"
+    );
+}
