@@ -234,6 +234,24 @@ impl Device {
         })
     }
 
+    /// The device of a candle CUDA device, on candle's own stream (feature `candle-cuda`), so
+    /// this crate's kernels, copies and collectives are ordered with candle's work on the same
+    /// tensors without events.
+    #[cfg(feature = "candle-cuda")]
+    pub fn from_candle(dev: &candle_core::CudaDevice) -> Result<Device> {
+        const OP: &str = "cuda::Device::from_candle";
+        let stream = dev.cuda_stream();
+        let ctx = stream.context().clone();
+        let (major, minor) = guarded(OP, || ctx.compute_capability())?;
+        Ok(Device {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+        })
+    }
+
     /// The device's name (e.g. "NVIDIA H200").
     pub fn name(&self) -> Result<String> {
         guarded("cuda::Device::name", || self.ctx.name())

@@ -144,7 +144,8 @@ fn span(layout: &Layout, op: &'static str) -> Result<std::ops::Range<usize>> {
     Ok(a..b)
 }
 
-/// Runs `f` on a contiguous CPU tensor's elements, read-only, without copying.
+/// Runs `f` on a contiguous tensor's elements, read-only, without copying: host memory for a
+/// CPU tensor, device memory ([`Buf::Device`]) for a CUDA tensor (feature `candle-cuda`).
 pub fn with_ref<R>(t: &Tensor, f: impl FnOnce(Buf<'_>) -> Result<R>) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let range = span(layout, "with_ref")?;
@@ -152,6 +153,8 @@ pub fn with_ref<R>(t: &Tensor, f: impl FnOnce(Buf<'_>) -> Result<R>) -> Result<R
         Storage::Cpu(CpuStorage::F32(v)) => f(Buf::F32(&v[range])),
         Storage::Cpu(CpuStorage::BF16(v)) => f(Buf::BF16(&v[range])),
         Storage::Cpu(CpuStorage::U8(v)) => f(Buf::U8(&v[range])),
+        #[cfg(feature = "candle-cuda")]
+        Storage::Cuda(cs) => f(Buf::Device(cuda_view(cs, t.dtype(), range)?)),
         _ => Err(Error::InvalidShard {
             op: "with_ref",
             reason: format!("unsupported storage {:?} on {:?}", t.dtype(), t.device()),
@@ -159,8 +162,9 @@ pub fn with_ref<R>(t: &Tensor, f: impl FnOnce(Buf<'_>) -> Result<R>) -> Result<R
     }
 }
 
-/// Runs `f` on a contiguous CPU tensor's elements, mutably, without copying (through candle's
-/// in-place op hook, which holds the storage's write lock while `f` runs).
+/// Runs `f` on a contiguous tensor's elements, mutably, without copying (through candle's
+/// in-place op hook, which holds the storage's write lock while `f` runs): host memory for a
+/// CPU tensor, device memory for a CUDA tensor (feature `candle-cuda`).
 pub fn with_mut<R>(t: &Tensor, f: impl FnOnce(BufMut<'_>) -> Result<R>) -> Result<R> {
     let op = WithMut {
         f: Cell::new(Some(f)),
@@ -258,4 +262,69 @@ impl<F: FnOnce(BufMut<'_>) -> Result<R>, R> InplaceOp1 for WithMut<F, R> {
         self.out.set(Some(out));
         Ok(())
     }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let Some(f) = self.f.take() else {
+            return Ok(());
+        };
+        let out = span(layout, "with_mut")
+            .and_then(|range| cuda_view_mut(storage, range))
+            .and_then(|buf| f(BufMut::Device(buf)));
+        self.out.set(Some(out));
+        Ok(())
+    }
+}
+
+/// Elements `range` of a CUDA tensor's storage, as a device buffer.
+#[cfg(feature = "candle-cuda")]
+fn cuda_view(
+    cs: &candle_core::CudaStorage,
+    dtype: candle_core::DType,
+    range: std::ops::Range<usize>,
+) -> Result<crate::cuda::collective::DevBuf<'_>> {
+    use crate::cuda::collective::DevBuf;
+    use candle_core::DType;
+    let op = candle("with_ref (cuda)");
+    Ok(match dtype {
+        DType::F32 => DevBuf::F32(cs.as_cuda_slice::<f32>().map_err(&op)?.slice(range)),
+        DType::BF16 => DevBuf::BF16(cs.as_cuda_slice::<half::bf16>().map_err(&op)?.slice(range)),
+        DType::U8 => DevBuf::U8(cs.as_cuda_slice::<u8>().map_err(&op)?.slice(range)),
+        other => {
+            return Err(Error::InvalidShard {
+                op: "with_ref",
+                reason: format!("unsupported dtype {other:?} on a CUDA tensor"),
+            })
+        }
+    })
+}
+
+/// Elements `range` of a CUDA tensor's storage, writable.
+#[cfg(feature = "candle-cuda")]
+fn cuda_view_mut(
+    cs: &mut candle_core::CudaStorage,
+    range: std::ops::Range<usize>,
+) -> Result<crate::cuda::collective::DevBufMut<'_>> {
+    use crate::cuda::collective::DevBufMut;
+    use candle_core::DType;
+    let op = candle("with_mut (cuda)");
+    Ok(match candle_core::backend::BackendStorage::dtype(&*cs) {
+        DType::F32 => DevBufMut::F32(cs.as_cuda_slice_mut::<f32>().map_err(&op)?.slice_mut(range)),
+        DType::BF16 => DevBufMut::BF16(
+            cs.as_cuda_slice_mut::<half::bf16>()
+                .map_err(&op)?
+                .slice_mut(range),
+        ),
+        DType::U8 => DevBufMut::U8(cs.as_cuda_slice_mut::<u8>().map_err(&op)?.slice_mut(range)),
+        other => {
+            return Err(Error::InvalidShard {
+                op: "with_mut",
+                reason: format!("unsupported dtype {other:?} on a CUDA tensor"),
+            })
+        }
+    })
 }
