@@ -313,8 +313,8 @@ pub fn all_gather_bytes(comm: &dyn Communicator, bytes: &[u8]) -> Result<Vec<Vec
         .collect())
 }
 
-/// [`Communicator::all_gather_segments`] through a contiguous staging buffer.
-fn staged_all_gather<C: Communicator + ?Sized>(
+/// [`Communicator::all_gather_segments`] through a contiguous staging buffer (host memory).
+pub(crate) fn staged_all_gather<C: Communicator + ?Sized>(
     comm: &C,
     send: Buf<'_>,
     segments: &mut [Segment<'_>],

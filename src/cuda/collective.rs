@@ -22,7 +22,7 @@ use half::bf16;
 
 use super::dbuffer::DeviceDBuffer;
 use super::{guarded, Device};
-use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// A read-only device buffer of one of the supported element types.
@@ -437,5 +437,35 @@ impl Communicator for ViaDevice<'_> {
     }
     fn barrier(&self) -> Result<()> {
         self.inner.barrier()
+    }
+
+    /// Host segments become device segments (and come back): the inner backend's device
+    /// segment path.
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        if send.is_device() {
+            return self.inner.all_gather_segments(send, segments);
+        }
+        let send_copy = DevCopy::upload(self.dev, &send)?;
+        let mut copies = segments
+            .iter()
+            .map(|seg| DevCopy::upload(self.dev, &seg.buf.as_buf()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut device_segments: Vec<Segment<'_>> = copies
+            .iter_mut()
+            .zip(segments.iter())
+            .map(|(c, seg)| Segment {
+                offset: seg.offset,
+                buf: BufMut::Device(c.view_mut(seg.buf.len())),
+            })
+            .collect();
+        let send_view = Buf::Device(send_copy.view(send.len()));
+        let staged = self
+            .inner
+            .all_gather_segments(send_view, &mut device_segments)?;
+        drop(device_segments);
+        for (c, seg) in copies.iter().zip(segments.iter_mut()) {
+            c.download(self.dev, seg.buf.reborrow())?;
+        }
+        Ok(staged)
     }
 }

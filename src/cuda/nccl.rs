@@ -42,7 +42,9 @@ use super::collective::{
 use super::watchdog::{self, Progress};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
-use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use crate::comm::{
+    check_segments, staged_all_gather, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment,
+};
 use crate::{Error, Result};
 
 /// Bytes of an NCCL unique id.
@@ -500,5 +502,40 @@ impl Communicator for NcclComm {
 
     fn barrier(&self) -> Result<()> {
         self.barrier_dev()
+    }
+
+    /// Device segments: NCCL all-gathers into one contiguous device buffer, then each segment
+    /// is a device-to-device copy out of it (staged: the bytes are returned for the caller to
+    /// count); host segments through a host staging buffer, as the trait's default.
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        let Buf::Device(s) = send else {
+            let full = send.len() * self.world;
+            check_segments(segments, send.elem_type(), full)?;
+            return staged_all_gather(self, send, segments);
+        };
+        check_segments(segments, s.elem_type(), s.len() * self.world)?;
+        macro_rules! gather_then_copy {
+            ($t:ty, $variant:ident, $v:expr) => {{
+                let full = $v.len() * self.world;
+                let mut all = self.dev.zeros::<$t>(full.max(1))?;
+                self.all_gather_dev(DevBuf::$variant($v), all.slice_mut(..full).into())?;
+                let mut staged = 0;
+                for seg in segments.iter_mut() {
+                    let BufMut::Device(DevBufMut::$variant(dst)) = &mut seg.buf else {
+                        return Err(crate::comm::host_only("NcclComm::all_gather_segments"));
+                    };
+                    let src = all.slice(seg.offset..seg.offset + dst.len());
+                    let op = "NcclComm::all_gather_segments";
+                    guarded(op, || self.dev.stream().memcpy_dtod(&src, dst))?;
+                    staged += std::mem::size_of::<$t>() * dst.len();
+                }
+                Ok(staged)
+            }};
+        }
+        match s {
+            DevBuf::F32(v) => gather_then_copy!(f32, F32, v),
+            DevBuf::BF16(v) => gather_then_copy!(half::bf16, BF16, v),
+            DevBuf::U8(v) => gather_then_copy!(u8, U8, v),
+        }
     }
 }

@@ -19,7 +19,7 @@ use cudarc::driver::PushKernelArg;
 use super::collective::Span;
 use super::{count, elementwise, guarded, Device, REDUCE_RANKS};
 use crate::comm::threads::{run_ranks, Member, Memory, Region, ThreadComm, ThreadWorld};
-use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use crate::comm::{check_segments, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::Result;
 
 /// Entry points of `kernels/reduce_ranks.cu`, by element type.
@@ -260,6 +260,34 @@ impl Communicator for ThreadDeviceComm {
 
     fn barrier(&self) -> Result<()> {
         self.host.barrier_in(&self.mem())
+    }
+
+    /// Device segments straight from every rank's device input (device-to-device copies, no
+    /// staging), as the CPU backend does on host memory; host segments through the CPU backend.
+    fn all_gather_segments(
+        &self,
+        mut send: Buf<'_>,
+        segments: &mut [Segment<'_>],
+    ) -> Result<usize> {
+        if !send.is_device() {
+            return self.host.all_gather_segments(send, segments);
+        }
+        const OP: &str = "ThreadDeviceComm::all_gather_segments";
+        check_segments(segments, send.elem_type(), send.len() * self.world_size())?;
+        let Some(&[me]) = device_regions(&self.dev, &mut [&mut send])?.as_deref() else {
+            return Err(crate::comm::host_only(OP));
+        };
+        let mut regions = Vec::with_capacity(segments.len());
+        for seg in segments.iter_mut() {
+            let mut buf = seg.buf.reborrow();
+            match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
+                Some(&[r]) => regions.push((seg.offset, r)),
+                _ => return Err(crate::comm::host_only(OP)),
+            }
+        }
+        self.host
+            .all_gather_segments_in(&self.mem(), me, &regions)?;
+        Ok(0)
     }
 
     fn reduce_scatter(
