@@ -253,7 +253,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         worlds: args.worlds.clone(),
         steps: args.steps,
     };
-    let bar = sweep_bar(1 + 4 * args.worlds.len() as u64);
+    let bar = sweep_bar(1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64);
     let rows = run(&cfg, |what| {
         bar.set_message(what.to_string());
         bar.inc(1);

@@ -56,36 +56,40 @@ pub struct TrainRow {
     pub loss: f32,
 }
 
-/// Runs every variant: plain candle once, then for each world size ragged with
-/// recomputation, ragged keeping units, and FSDP2-style with recomputation.
+/// Runs every variant: plain candle once, then for each world size every runtime variant of
+/// [`variants`].
 pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<TrainRow>> {
     validate(cfg)?;
     let params = cfg.model.init_params(0)?;
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
-        for (layout, reshard, overlap, name) in [
-            (ShardLayout::Ragged, true, true, "ragged, recompute"),
-            (
-                ShardLayout::Ragged,
-                true,
-                false,
-                "ragged, recompute, no overlap",
-            ),
-            (ShardLayout::Ragged, false, true, "ragged, keep units"),
-            (ShardLayout::Fsdp2, true, true, "fsdp2-style, recompute"),
-        ] {
+        for (name, opts) in variants() {
             progress(&format!("{name} V={world}"));
-            let opts = FsdpOptions {
-                layout,
-                reshard_after_forward: reshard,
-                overlap,
-                ..FsdpOptions::default()
-            };
             rows.push(sharded(cfg, &params, world, opts, name)?);
         }
     }
     Ok(rows)
+}
+
+/// The runtime variants measured at every world size, by name.
+pub fn variants() -> Vec<(&'static str, FsdpOptions)> {
+    let with = |layout, reshard_after_forward, recompute, overlap| FsdpOptions {
+        layout,
+        reshard_after_forward,
+        recompute,
+        overlap,
+        ..FsdpOptions::default()
+    };
+    use ShardLayout::{Fsdp2, Ragged};
+    vec![
+        ("ragged, reshard, keep graph", with(Ragged, true, false, true)),
+        ("ragged, reshard, keep graph, no overlap", with(Ragged, true, false, false)),
+        ("ragged, recompute", with(Ragged, true, true, true)),
+        ("ragged, recompute, no overlap", with(Ragged, true, true, false)),
+        ("ragged, keep units", with(Ragged, false, false, true)),
+        ("fsdp2-style, reshard, keep graph", with(Fsdp2, true, false, true)),
+    ]
 }
 
 fn validate(cfg: &TrainBench) -> Result<()> {
@@ -158,7 +162,6 @@ fn sharded(
 ) -> Result<TrainRow> {
     let stages = MlpStages(cfg.model);
     let rows = cfg.batch / world;
-    let reshard = opts.reshard_after_forward;
     let before = alloc::current();
     alloc::reset_peak();
     let runs = ThreadWorld::run(world, |c| {
@@ -174,9 +177,9 @@ fn sharded(
                     .unwrap_or(0)
             })
             .collect();
-        let predicted = sharded
-            .memory_plan()
-            .peak_unit_by_unit(&order, reshard, opts.overlap);
+        // Parameters and gradients from the plans; activations as measured on the warm-up step.
+        let plan = sharded.memory_plan();
+        let mut predicted = 0;
         let mut row = empty_row(name, world);
         for step in 0..=cfg.steps {
             let full = cfg.model.batch(step, cfg.batch)?;
@@ -184,6 +187,9 @@ fn sharded(
             let (copied, gathered) = (sharded.stats().copied(), sharded.stats().collective());
             let start = Instant::now();
             let r = sharded.forward_backward(&stages, &batch)?;
+            if step == 0 {
+                predicted = plan.peak_unit_by_unit(&order, &opts, sharded.activations());
+            }
             let opt = Instant::now();
             sharded.step()?;
             if step > 0 {
