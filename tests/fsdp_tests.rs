@@ -1119,7 +1119,10 @@ impl Stages for Watched {
         let mut params = self.params.lock().unwrap();
         let earlier = params.iter().flatten().map(|(_, t)| storage_elements(t));
         self.lengths_seen.lock().unwrap().push(earlier.collect());
-        let names = [format!("layers.{s}.up.weight"), format!("layers.{s}.down.weight")];
+        let names = [
+            format!("layers.{s}.up.weight"),
+            format!("layers.{s}.down.weight"),
+        ];
         params.push(
             names
                 .into_iter()
@@ -1235,9 +1238,80 @@ fn measured_activations_are_the_graphs_tensors() {
             .unwrap();
         let acts = sharded.activations();
         let graphs: Vec<usize> = acts.iter().map(|a| a.graph_bytes).collect();
-        assert_eq!(graphs, [block, block, block + 2 * output + 8], "recompute {recompute}");
+        assert_eq!(
+            graphs,
+            [block, block, block + 2 * output + 8],
+            "recompute {recompute}"
+        );
         let outputs: Vec<usize> = acts.iter().map(|a| a.output_bytes).collect();
         assert_eq!(outputs, [output, output, 4]);
         assert!(plan.peak_unit_by_unit(&order, &opts, acts) > without);
     }
+}
+
+/// Full gradient buffers are reused from unit to unit (a spare kept after each reduce-scatter)
+/// and a tensor's first gradient is copied, not added, into its slot: a reused buffer still
+/// reduces exact zeros for a parameter no gradient reached (here `layers.0.down.weight`,
+/// detached in the second step, whose buffer is the spare another unit's gradients filled).
+#[test]
+fn a_reused_gradient_buffer_holds_zeros_where_no_gradient_arrived() {
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 2,
+    };
+    let params = mlp.init_params(4).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let views = sharded.unshard().unwrap();
+    let skipped = "layers.0.down.weight";
+    let grads_of = |sharded: &ragged::fsdp::ShardedModel<'_, AdamW>| {
+        let mut out = HashMap::new();
+        sharded
+            .with_local_grads(|local, g| {
+                for piece in &local.pieces {
+                    let span = g[piece.offset..piece.offset + piece.range.len()].to_vec();
+                    out.insert(local.params[piece.param].name.clone(), span);
+                }
+            })
+            .unwrap();
+        out
+    };
+    let mut addresses = Vec::new();
+    for step in 0..2 {
+        let b = mlp.batch(step, 4).unwrap();
+        let mut x = b.x.clone();
+        for i in 0..mlp.layers {
+            let get = |n: &str| {
+                let t = views[n].clone();
+                Ok(if step == 1 && n == skipped {
+                    t.detach()
+                } else {
+                    t
+                })
+            };
+            x = mlp.block(i, get, &x).unwrap();
+        }
+        let loss = ragged::demo::MlpConfig::loss(&x, &b.y).unwrap();
+        loss.backward().unwrap();
+        let sinks = ["layers.0", "layers.1"].map(|u| sharded.grad_sink(u).unwrap());
+        addresses.push(sinks.map(|s| s.buffer_address().unwrap().0));
+        sharded.reduce_gradients().unwrap();
+        let grads = grads_of(&sharded);
+        let zero = grads[skipped].iter().all(|&g| g == 0.0);
+        assert_eq!(
+            zero,
+            step == 1,
+            "step {step}: {skipped} gradient {:?}",
+            &grads[skipped][..4]
+        );
+        assert!(grads["layers.0.up.weight"].iter().any(|&g| g != 0.0));
+        sharded.step().unwrap();
+        sharded.unshard().unwrap();
+    }
+    // The second step's buffers are the first step's, handed from unit to unit.
+    let mut first = addresses[0].to_vec();
+    let mut second = addresses[1].to_vec();
+    first.sort_unstable();
+    second.sort_unstable();
+    assert_eq!(first, second, "the buffers were not reused");
 }

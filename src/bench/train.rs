@@ -83,12 +83,24 @@ pub fn variants() -> Vec<(&'static str, FsdpOptions)> {
     };
     use ShardLayout::{Fsdp2, Ragged};
     vec![
-        ("ragged, reshard, keep graph", with(Ragged, true, false, true)),
-        ("ragged, reshard, keep graph, no overlap", with(Ragged, true, false, false)),
+        (
+            "ragged, reshard, keep graph",
+            with(Ragged, true, false, true),
+        ),
+        (
+            "ragged, reshard, keep graph, no overlap",
+            with(Ragged, true, false, false),
+        ),
         ("ragged, recompute", with(Ragged, true, true, true)),
-        ("ragged, recompute, no overlap", with(Ragged, true, true, false)),
+        (
+            "ragged, recompute, no overlap",
+            with(Ragged, true, true, false),
+        ),
         ("ragged, keep units", with(Ragged, false, false, true)),
-        ("fsdp2-style, reshard, keep graph", with(Fsdp2, true, false, true)),
+        (
+            "fsdp2-style, reshard, keep graph",
+            with(Fsdp2, true, false, true),
+        ),
     ]
 }
 

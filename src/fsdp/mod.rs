@@ -42,7 +42,9 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
-use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
+use crate::dbuffer::{
+    anchor, CopyStats, GradBuffer, GradPool, GradSink, Materialized, ParamBuffer,
+};
 use crate::model::{DType as ModelDType, Inventory, TensorSpec, Unit};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
@@ -315,9 +317,11 @@ pub fn fully_shard<'c, O: Optimizer>(
     let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l, _)| l).collect();
     agree::check_ranks_agree(comm, params, &shards)?;
     let mut units = Vec::with_capacity(planned.len());
+    // Full gradient buffers are reused from one unit's backward to the next.
+    let pool = Arc::new(GradPool::default());
     for (name, layout, local, frozen) in planned {
         let (grad_slots, grad_len) = layout.grad_slots();
-        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?;
+        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?.with_pool(pool.clone());
         let grads = GradBuffer::new(sink, local.len);
         let mut params = ParamBuffer::new(
             layout.slots(),

@@ -148,7 +148,11 @@ pub(crate) fn peak_of_schedule(
     let act = |s: usize| acts.get(s).copied().unwrap_or_default();
     let tracked = |s: usize| s + 1 == n || !opts.recompute;
     // Saved inputs: stage t's output copied for stage t + 1, kept until backward ends.
-    let inputs_before = |s: usize| (0..s.min(n - 1)).map(|t| act(t).output_bytes).sum::<usize>();
+    let inputs_before = |s: usize| {
+        (0..s.min(n - 1))
+            .map(|t| act(t).output_bytes)
+            .sum::<usize>()
+    };
     let kept_graphs = |range: std::ops::Range<usize>| {
         range
             .filter(|&t| tracked(t))
