@@ -1261,57 +1261,67 @@ fn a_reused_gradient_buffer_holds_zeros_where_no_gradient_arrived() {
         layers: 2,
     };
     let params = mlp.init_params(4).unwrap();
-    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
-    let views = sharded.unshard().unwrap();
-    let skipped = "layers.0.down.weight";
-    let grads_of = |sharded: &ragged::fsdp::ShardedModel<'_, AdamW>| {
-        let mut out = HashMap::new();
-        sharded
-            .with_local_grads(|local, g| {
-                for piece in &local.pieces {
-                    let span = g[piece.offset..piece.offset + piece.range.len()].to_vec();
-                    out.insert(local.params[piece.param].name.clone(), span);
-                }
-            })
-            .unwrap();
-        out
-    };
-    let mut addresses = Vec::new();
-    for step in 0..2 {
-        let b = mlp.batch(step, 4).unwrap();
-        let mut x = b.x.clone();
-        for i in 0..mlp.layers {
-            let get = |n: &str| {
-                let t = views[n].clone();
-                Ok(if step == 1 && n == skipped {
-                    t.detach()
-                } else {
-                    t
+    // Two ranks: at world 1 the full buffer becomes the local shard instead (no reduction).
+    let held = ThreadWorld::run(2, |c| {
+        let mut sharded = fully_shard(&params, adamw(), c, FsdpOptions::default()).unwrap();
+        let views = sharded.unshard().unwrap();
+        let skipped = "layers.0.down.weight";
+        let grads_of = |sharded: &ragged::fsdp::ShardedModel<'_, AdamW>| {
+            let mut out = HashMap::new();
+            sharded
+                .with_local_grads(|local, g| {
+                    for piece in &local.pieces {
+                        let span = g[piece.offset..piece.offset + piece.range.len()].to_vec();
+                        out.insert(local.params[piece.param].name.clone(), span);
+                    }
                 })
-            };
-            x = mlp.block(i, get, &x).unwrap();
+                .unwrap();
+            out
+        };
+        let mut addresses = Vec::new();
+        let mut held = 0;
+        for step in 0..2 {
+            let b = mlp.batch(step, 4).unwrap();
+            let mut x = b.x.clone();
+            for i in 0..mlp.layers {
+                let get = |n: &str| {
+                    let t = views[n].clone();
+                    Ok(if step == 1 && n == skipped {
+                        t.detach()
+                    } else {
+                        t
+                    })
+                };
+                x = mlp.block(i, get, &x).unwrap();
+            }
+            let loss = ragged::demo::MlpConfig::loss(&x, &b.y).unwrap();
+            loss.backward().unwrap();
+            let sinks = ["layers.0", "layers.1"].map(|u| sharded.grad_sink(u).unwrap());
+            addresses.push(sinks.map(|s| s.buffer_address().unwrap().0));
+            sharded.reduce_gradients().unwrap();
+            let grads = grads_of(&sharded);
+            // Pieces of the skipped tensor this rank owns (every element is owned by one rank).
+            if let Some(g) = grads.get(skipped) {
+                held += g.len();
+                let zero = g.iter().all(|&x| x == 0.0);
+                assert_eq!(zero, step == 1, "step {step}: {skipped} gradient {g:?}");
+            }
+            sharded.step().unwrap();
+            sharded.unshard().unwrap();
         }
-        let loss = ragged::demo::MlpConfig::loss(&x, &b.y).unwrap();
-        loss.backward().unwrap();
-        let sinks = ["layers.0", "layers.1"].map(|u| sharded.grad_sink(u).unwrap());
-        addresses.push(sinks.map(|s| s.buffer_address().unwrap().0));
-        sharded.reduce_gradients().unwrap();
-        let grads = grads_of(&sharded);
-        let zero = grads[skipped].iter().all(|&g| g == 0.0);
-        assert_eq!(
-            zero,
-            step == 1,
-            "step {step}: {skipped} gradient {:?}",
-            &grads[skipped][..4]
-        );
-        assert!(grads["layers.0.up.weight"].iter().any(|&g| g != 0.0));
-        sharded.step().unwrap();
-        sharded.unshard().unwrap();
-    }
-    // The second step's buffers are the first step's, handed from unit to unit.
-    let mut first = addresses[0].to_vec();
-    let mut second = addresses[1].to_vec();
-    first.sort_unstable();
-    second.sort_unstable();
-    assert_eq!(first, second, "the buffers were not reused");
+        // The second step's buffers are the first step's, handed from unit to unit.
+        let mut first = addresses[0].to_vec();
+        let mut second = addresses[1].to_vec();
+        first.sort_unstable();
+        second.sort_unstable();
+        assert_eq!(first, second, "the buffers were not reused");
+        Ok(held)
+    })
+    .unwrap();
+    let n = mlp.width * mlp.hidden;
+    assert_eq!(
+        held.iter().sum::<usize>(),
+        2 * n,
+        "two steps of every element"
+    );
 }

@@ -70,6 +70,9 @@ pub struct TrainBenchArgs {
     /// Timed steps per variant (after one warm-up step).
     #[arg(long, default_value_t = 3)]
     steps: usize,
+    /// Run only the runtime variants whose name contains this (plain candle always runs).
+    #[arg(long)]
+    only: Option<String>,
     /// Markdown file whose training section is replaced; - for stdout only.
     #[arg(long, default_value = "docs/benchmarks.md")]
     out: PathBuf,
@@ -252,6 +255,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         batch: args.batch,
         worlds: args.worlds.clone(),
         steps: args.steps,
+        only: args.only.clone(),
     };
     let bar = sweep_bar(1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64);
     let rows = run(&cfg, |what| {

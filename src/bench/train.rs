@@ -31,6 +31,8 @@ pub struct TrainBench {
     pub worlds: Vec<usize>,
     /// Timed steps after one untimed warm-up step.
     pub steps: usize,
+    /// Run only the runtime variants whose name contains this (plain candle always runs).
+    pub only: Option<String>,
 }
 
 /// One variant's measurement (means over the timed steps, on rank 0).
@@ -64,7 +66,10 @@ pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<Train
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
-        for (name, opts) in variants() {
+        let chosen = variants()
+            .into_iter()
+            .filter(|(name, _)| cfg.only.as_deref().is_none_or(|only| name.contains(only)));
+        for (name, opts) in chosen {
             progress(&format!("{name} V={world}"));
             rows.push(sharded(cfg, &params, world, opts, name)?);
         }

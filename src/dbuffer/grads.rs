@@ -257,6 +257,33 @@ impl GradBuffer {
         Ok(touched)
     }
 
+    /// At world 1 a reduce-scatter is the identity: the first micro-batch's full buffer becomes
+    /// the local shard (moved, no pass over it; the old shard goes to the pool), later ones are
+    /// added in. Returns which tensors got a gradient.
+    pub fn adopt_as_local(&mut self, stats: &CopyStats) -> Result<Vec<bool>> {
+        let (full, touched) = self.sink.take();
+        if full.len() != self.local.len() {
+            return Err(Error::InvalidShard {
+                op: "GradBuffer::adopt_as_local",
+                reason: format!(
+                    "a full buffer of {} for a shard of {}",
+                    full.len(),
+                    self.local.len()
+                ),
+            });
+        }
+        if self.reduced == 0 {
+            let old = std::mem::replace(&mut self.local, full);
+            self.sink.recycle(old);
+        } else {
+            self.local.iter_mut().zip(&full).for_each(|(a, b)| *a += b);
+            stats.add_accumulated(4 * full.len());
+            self.sink.recycle(full);
+        }
+        self.reduced += 1;
+        Ok(touched)
+    }
+
     /// The reduced local shard for the optimizer; `Err` if nothing was reduced since the last
     /// step.
     pub fn local(&self, op: &'static str) -> Result<&[f32]> {

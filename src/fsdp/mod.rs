@@ -432,27 +432,33 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
         let layout = &unit.layout;
-        let touched = unit.grads.reduce_with(&stats, |full, local| {
-            if !bf16 {
-                return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
-            }
-            // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
-            let mut cast: Vec<half::bf16> = full.iter().map(|&x| half::bf16::from_f32(x)).collect();
-            let mut out = vec![half::bf16::ZERO; local.len()];
-            layout.reduce(
-                comm,
-                BufMut::BF16(&mut cast),
-                BufMut::BF16(&mut out),
-                op,
-                &stats,
-            )?;
-            local
-                .iter_mut()
-                .zip(&out)
-                .for_each(|(l, o)| *l = o.to_f32());
-            stats.add_converted(2 * cast.len() + 4 * out.len());
-            Ok(())
-        })?;
+        let single = comm.world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
+        let touched = if single && !bf16 {
+            unit.grads.adopt_as_local(&stats)?
+        } else {
+            unit.grads.reduce_with(&stats, |full, local| {
+                if !bf16 {
+                    return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
+                }
+                // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
+                let mut cast: Vec<half::bf16> =
+                    full.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                let mut out = vec![half::bf16::ZERO; local.len()];
+                layout.reduce(
+                    comm,
+                    BufMut::BF16(&mut cast),
+                    BufMut::BF16(&mut out),
+                    op,
+                    &stats,
+                )?;
+                local
+                    .iter_mut()
+                    .zip(&out)
+                    .for_each(|(l, o)| *l = o.to_f32());
+                stats.add_converted(2 * cast.len() + 4 * out.len());
+                Ok(())
+            })?
+        };
         let without = self.without_gradient.get_or_insert_with(Vec::new);
         if !unit.reported {
             unit.reported = true;
