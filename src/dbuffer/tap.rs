@@ -8,9 +8,13 @@
 //! anchor variable:
 //! - **forward** moves the storage into the output tensor (no copy: the all-gather's bytes *are*
 //!   the parameter);
-//! - **backward** adds the parameter's gradient into the unit's gradient buffer at the planned
-//!   offset ([`GradSink`]), once per backward, so micro-batches accumulate there, and returns no
-//!   gradient for the anchor.
+//! - **backward** writes the parameter's gradient into the unit's gradient buffer at the
+//!   planned offset ([`GradSink`]: copied the first time, added after, so micro-batches
+//!   accumulate there), and returns no gradient for the anchor.
+//!
+//! Between a unit's forward and backward the runtime may empty a parameter tensor's storage and
+//! move a re-gathered one in later ([`free_storage`], [`refill_storage`]): the graph keeps the
+//! tensor, and every tensor derived from it without a copy shares the storage object.
 
 use std::sync::{Arc, Mutex};
 

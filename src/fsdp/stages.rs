@@ -1,15 +1,17 @@
 //! The unit-by-unit runtime: a model as a sequence of stages, each computing with one FSDP
 //! unit's parameters, run in the FSDP rhythm.
 //!
-//! Forward runs the stages in order. Before stage `s` its unit is gathered; with
-//! `reshard_after_forward` the stage runs without a graph (detached inputs and parameters) and
-//! the unit is freed after its last forward use, keeping only the stage's input. Backward runs
-//! the stages in reverse: the unit is re-gathered, the stage recomputed from its saved input
-//! with a graph, and backpropagated from the next stage's input gradient (candle's `backward`
-//! starts at a scalar, so the seed is `Σ out · g`). After a unit's first stage is done its
-//! gradients are reduce-scattered at once and its buffers freed. Without
-//! `reshard_after_forward`, units stay gathered and each stage's forward graph is kept until its
-//! backward (no recomputation).
+//! Forward runs the stages in order, each on its unit's gathered parameters. Backward runs them
+//! in reverse from the next stage's input gradient (candle's `backward` starts at a scalar, so
+//! the seed is `Σ out · g`); after a unit's first stage is done its gradients are
+//! reduce-scattered at once and its buffers freed. Between the two, per [`super::FsdpOptions`]:
+//! - `reshard_after_forward` without `recompute` (FSDP2's rhythm): each stage's graph is kept;
+//!   after a unit's last forward stage its parameters' storages are emptied (the graph keeps the
+//!   tensors) and before its backward the re-gather moves fresh storages into the same tensors;
+//! - with `recompute`: stages run forward without a graph (detached inputs and parameters),
+//!   only their inputs are kept, the unit is freed, and backward re-gathers it and recomputes
+//!   the stage with a graph;
+//! - without `reshard_after_forward`: units stay gathered from forward to backward.
 //!
 //! The last stage returns the loss; its graph is always kept (its unit stays gathered for the
 //! backward that starts right after). A unit used by several stages (the root: embedding first,
@@ -183,14 +185,17 @@ pub(crate) fn peak_of_schedule(
         }
     }
     // With overlap a unit's reduce-scatter (and its release) runs behind the next stage's
-    // backward, so its buffers live one stage longer.
-    let mut pending = None;
+    // backward, so its buffers live one stage longer; the collectives thread finishes it before
+    // it prefetches the previous stage's unit, so the two are never alive at once.
+    let mut pending: Option<usize> = None;
     for (s, &u) in stage_units.iter().enumerate().rev() {
         params[u] = true;
         grads[u] = true;
-        if overlap && s > 0 {
-            params[stage_units[s - 1]] = true;
-        }
+        let prev = s.checked_sub(1).map(|p| stage_units[p]).filter(|_| overlap);
+        let prefetch = prev.filter(|&p| !params[p]).map_or(0, |p| full[p].params);
+        let deferred = pending.filter(|&v| v != u).map_or(0, |v| {
+            full[v].grads + if reshard { full[v].params } else { 0 }
+        });
         let recomputed = if tracked(s) { 0 } else { act(s).graph_bytes };
         // The gradient arriving at the stage's output has the output's size.
         let activations = inputs_before(n)
@@ -198,7 +203,8 @@ pub(crate) fn peak_of_schedule(
             + recomputed
             + act(s).output_bytes
             + full[u].backward_temporaries;
-        peak = peak.max(alive(&params, &grads) + activations);
+        let buffers = alive(&params, &grads) - deferred + deferred.max(prefetch);
+        peak = peak.max(buffers + activations);
         let free = |v: usize, p: &mut [bool], g: &mut [bool]| {
             g[v] = false;
             if reshard {
@@ -207,6 +213,9 @@ pub(crate) fn peak_of_schedule(
         };
         if let Some(v) = pending.take() {
             free(v, &mut params, &mut grads);
+        }
+        if let Some(p) = prev {
+            params[p] = true;
         }
         if first[u] == s {
             if overlap && s > 0 {
