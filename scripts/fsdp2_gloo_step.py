@@ -10,15 +10,15 @@ Model: `layers` blocks of Linear(width→hidden), GELU, Linear(hidden→width), 
 plus the root (as ragged's unit per block), reshard_after_forward=True (FSDP2's default; ragged's
 default `reshard, keep graph` variant is the same rhythm: parameters freed after forward, graph and
 activations kept, re-gathered for backward), f32. Mean of `steps` steps after one warm-up, rank 0.
-Memory per rank: each torch process's peak RSS (getrusage) above its RSS just before the model is
-built (torch imported, process group up), the largest over the ranks; ragged's is the bench's
-counting-allocator heap peak above the bytes alive before, per rank (heap, not RSS: torch's figure
-also holds allocator slack). Then runs `target/release/ragged bench train` with the same sizes and
+Memory per rank: each torch process's peak RSS during the timed steps (sampled every 2 ms by a
+thread) above its RSS just before the model is built (torch imported, process group up), the
+largest over the ranks; ragged's is the bench's counting-allocator heap peak above the bytes
+alive before (the initial full values excluded), per rank (heap, not RSS: torch's figure also
+holds allocator slack and pages glibc kept). Then runs `target/release/ragged bench train` with the same sizes and
 prints both. Prints `skipped` and exits 0 when torch is missing.
 """
 import argparse
 import os
-import resource
 import re
 import subprocess
 import sys
@@ -50,7 +50,10 @@ def rank_main(rank, world, args, port, out):
     x = torch.randn(rows, args.width, generator=g)
     y = torch.randn(rows, args.width, generator=g)
     times = []
+    sampler = RssSampler()
     for step in range(args.steps + 1):
+        if step == 1:
+            sampler.start()
         dist.barrier()
         t = time.perf_counter()
         loss = nn.functional.mse_loss(blocks(x), y)
@@ -60,9 +63,31 @@ def rank_main(rank, world, args, port, out):
         dist.barrier()
         if step > 0:
             times.append(time.perf_counter() - t)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    peak = sampler.stop() - rss_before
     out.put((rank, sum(times) / len(times), peak))
     dist.destroy_process_group()
+
+
+class RssSampler:
+    """The peak RSS of this process while running, sampled every 2 ms on a thread."""
+
+    def __init__(self):
+        import threading
+        self.peak = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def run(self):
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, rss_bytes())
 
 
 def rss_bytes():
@@ -120,7 +145,7 @@ def main():
     nan = (float("nan"), "-")
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus; step seconds, mean of {args.steps} after a warm-up")
     print("| V | torch FSDP2 + gloo s | ragged (reshard, keep graph) s | ragged / FSDP2 | ragged (recompute) s "
-          "| ragged FSDP2-style layout s | torch MiB/rank (peak RSS) | ragged MiB/rank (heap, keep graph) |")
+          "| ragged FSDP2-style layout s | torch MiB/rank (peak RSS in steps) | ragged MiB/rank (heap, keep graph) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in worlds:
         t, mem = torch_s[w]
