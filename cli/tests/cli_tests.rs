@@ -346,7 +346,9 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
             "--only \"nothing\" matches no variant",
         ),
         (
-            &["bench", "train", "--paired", "--only", "nothing", "--out", "-"],
+            &[
+                "bench", "train", "--paired", "--only", "nothing", "--out", "-",
+            ],
             "--only \"nothing\" matches no variant",
         ),
         (&["bench", "optim", "--ghz", "-1", "--no-write"], "--ghz -1"),
