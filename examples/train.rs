@@ -91,11 +91,15 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
-    /// Keep every unit gathered from its forward to its backward (no recomputation; more
-    /// memory). Default: free each unit after its forward stage, re-gather and recompute it in
-    /// backward.
+    /// Keep every unit gathered from its forward to its backward (more memory). Default: free
+    /// each unit's parameters after its forward stage (its graph kept) and re-gather them for
+    /// its backward.
     #[arg(long)]
     keep_units: bool,
+    /// Run each stage forward without a graph and recompute it in backward (activation
+    /// checkpointing: fewer activations, one more forward).
+    #[arg(long)]
+    recompute: bool,
     /// Gather every unit at once and run one backward over the whole model (models that fit).
     #[arg(long)]
     whole_model: bool,
@@ -281,6 +285,7 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
             Layout::Fsdp2 => ShardLayout::Fsdp2,
         },
         reshard_after_forward: !args.keep_units,
+        recompute: args.recompute,
         ..FsdpOptions::default()
     };
     println!(

@@ -152,16 +152,17 @@ fn overlapped_collectives_change_nothing_but_when_they_run() {
         overlap: false,
         ..FsdpOptions::default()
     };
-    for keep in [true, false] {
+    for (reshard, recompute) in [(true, false), (true, true), (false, false)] {
         let with = |overlap| FsdpOptions {
             overlap,
-            reshard_after_forward: keep,
+            reshard_after_forward: reshard,
+            recompute,
             ..serial.clone()
         };
         assert_eq!(
             bits(&train(3, with(true), TrainMode::UnitByUnit)),
             bits(&train(3, with(false), TrainMode::UnitByUnit)),
-            "reshard_after_forward {keep}"
+            "reshard_after_forward {reshard}, recompute {recompute}"
         );
     }
     // Stages long enough (milliseconds) that a gather overlaps them on every rank.
@@ -184,7 +185,16 @@ fn overlapped_collectives_change_nothing_but_when_they_run() {
 
 #[test]
 fn recomputation_and_whole_model_mode_change_nothing_but_memory() {
+    // The default: storages freed after forward, graphs kept, storages refilled for backward.
     let freed = train(3, FsdpOptions::default(), TrainMode::UnitByUnit);
+    let recompute = FsdpOptions {
+        recompute: true,
+        ..FsdpOptions::default()
+    };
+    assert_eq!(
+        bits(&freed),
+        bits(&train(3, recompute, TrainMode::UnitByUnit))
+    );
     let kept = FsdpOptions {
         reshard_after_forward: false,
         ..FsdpOptions::default()
@@ -206,9 +216,10 @@ fn ragged_path_copies_nothing_and_fsdp2_copies_each_parameter_twice_per_step() {
         .iter()
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum();
-    for reshard_after_forward in [true, false] {
+    for (reshard_after_forward, recompute) in [(true, false), (true, true), (false, false)] {
         let opts = FsdpOptions {
             reshard_after_forward,
+            recompute,
             ..FsdpOptions::default()
         };
         let ragged = train(2, opts, TrainMode::UnitByUnit);
@@ -521,6 +532,14 @@ fn bf16_mixed_precision_keeps_layouts_bitwise_and_tracks_unsharded() {
         ..bf16_policy()
     };
     assert_eq!(bits(&ragged), bits(&train(3, keep, TrainMode::UnitByUnit)));
+    let recompute = FsdpOptions {
+        recompute: true,
+        ..bf16_policy()
+    };
+    assert_eq!(
+        bits(&ragged),
+        bits(&train(3, recompute, TrainMode::UnitByUnit))
+    );
     let params = CFG.init_params(7).unwrap();
     let one = train_rank(
         CFG,
@@ -1063,5 +1082,246 @@ fn frozen_parameters_stay_put_and_skip_the_reduction() {
         without,
         Some(Vec::new()),
         "frozen parameters are not reported as gradient-less"
+    );
+}
+
+/// Elements of `t`'s whole storage object, read through candle's own API (0 once freed).
+fn storage_elements(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+        candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => v.len(),
+        _ => unreachable!("CPU f32 or bf16 parameters"),
+    }
+}
+
+/// The MLP stack's stages, recording (clones of) each stage's parameter tensors, which share
+/// their storage objects with the graph, and, at every stage's forward, the storage lengths of
+/// the earlier stages' parameters.
+struct Watched {
+    mlp: ragged::demo::MlpStages,
+    params: Mutex<Vec<Vec<(String, Tensor)>>>,
+    lengths_seen: Mutex<Vec<Vec<usize>>>,
+}
+
+impl Stages for Watched {
+    type Batch = ragged::demo::MlpBatch;
+    fn stage_units(&self) -> Vec<String> {
+        self.mlp.stage_units()
+    }
+    fn forward(
+        &self,
+        s: usize,
+        p: &UnitParams,
+        x: Option<&Tensor>,
+        b: &Self::Batch,
+    ) -> candle_core::Result<Tensor> {
+        let mut params = self.params.lock().unwrap();
+        let earlier = params.iter().flatten().map(|(_, t)| storage_elements(t));
+        self.lengths_seen.lock().unwrap().push(earlier.collect());
+        let names = [
+            format!("layers.{s}.up.weight"),
+            format!("layers.{s}.down.weight"),
+        ];
+        params.push(
+            names
+                .into_iter()
+                .map(|n| Ok((n.clone(), p.get(&n)?.clone())))
+                .collect::<candle_core::Result<_>>()?,
+        );
+        self.mlp.forward(s, p, x, b)
+    }
+}
+
+/// FSDP2's rhythm without recomputation (the default), proven on the storage objects the
+/// graph holds: after a unit's forward its parameters' storages are empty (0 elements) while
+/// later stages run, and after the step's backward the very same storage objects hold the
+/// re-gathered parameters (every element). The gradients, and so the trained weights, are
+/// bitwise those of keeping units gathered and of recomputing: a backward that read a freed
+/// storage could not match them.
+#[test]
+fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 4,
+    };
+    let params = mlp.init_params(2).unwrap();
+    let run = |opts: FsdpOptions| {
+        ThreadWorld::run(2, |c| {
+            let mut sharded = fully_shard(&params, adamw(), c, opts.clone())?;
+            let mut storages = Vec::new();
+            for step in 0..2 {
+                let watched = Watched {
+                    mlp: ragged::demo::MlpStages(mlp),
+                    params: Mutex::new(Vec::new()),
+                    lengths_seen: Mutex::new(Vec::new()),
+                };
+                let full = sharded.full_params()?;
+                let b = mlp.batch(step, 4)?;
+                let rows = |t: &Tensor| t.narrow(0, 2 * c.rank(), 2);
+                let b = ragged::demo::MlpBatch {
+                    x: rows(&b.x)?,
+                    y: rows(&b.y)?,
+                };
+                sharded.forward_backward(&watched, &b)?;
+                // After backward: the graph's storage objects were refilled with the values.
+                for (name, t) in watched.params.into_inner().unwrap().into_iter().flatten() {
+                    let values = t.flatten_all()?.to_vec1::<f32>()?;
+                    assert_eq!(values, full[&name], "{name} not refilled before backward");
+                }
+                storages.push(watched.lengths_seen.into_inner().unwrap());
+                sharded.step()?;
+            }
+            Ok((storages, sharded.full_params()?))
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let (lengths, trained) = run(FsdpOptions::default());
+    for (step, seen) in lengths.iter().enumerate() {
+        for (stage, earlier) in seen.iter().enumerate() {
+            assert_eq!(earlier.len(), 2 * stage);
+            assert!(
+                earlier.iter().all(|&n| n == 0),
+                "step {step}, stage {stage}: earlier units' storages {earlier:?} not freed"
+            );
+        }
+    }
+    let sorted = |m: HashMap<String, Vec<f32>>| {
+        let mut v: Vec<_> = m.into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let keep_units = FsdpOptions {
+        reshard_after_forward: false,
+        ..FsdpOptions::default()
+    };
+    let recompute = FsdpOptions {
+        recompute: true,
+        ..FsdpOptions::default()
+    };
+    let (kept_lengths, kept) = run(keep_units);
+    // Kept units keep their storages whole: the check above can tell the two apart.
+    assert!(kept_lengths[0][1].iter().all(|&n| n > 0));
+    assert_eq!(sorted(trained.clone()), sorted(kept));
+    assert_eq!(sorted(trained), sorted(run(recompute).1));
+}
+
+/// The activations the runtime measures are what candle's graph of an MLP block holds: the
+/// up projection, its GELU and the down projection (rows × (2·hidden + width) f32), the last
+/// stage's loss adding the difference, its square, their sum and the mean (two scalars); the
+/// same whether the graph
+/// is kept from forward or rebuilt by recomputation. The memory plan adds them.
+#[test]
+fn measured_activations_are_the_graphs_tensors() {
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 3,
+    };
+    let params = mlp.init_params(2).unwrap();
+    let rows = 5;
+    let block = 4 * rows * (2 * mlp.hidden + mlp.width);
+    let output = 4 * rows * mlp.width;
+    for recompute in [false, true] {
+        let opts = FsdpOptions {
+            recompute,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, adamw(), &SingleRank, opts.clone()).unwrap();
+        let plan = sharded.memory_plan();
+        let order = [0, 1, 2];
+        let without = plan.peak_unit_by_unit(&order, &opts, &[]);
+        sharded
+            .forward_backward(&ragged::demo::MlpStages(mlp), &mlp.batch(0, rows).unwrap())
+            .unwrap();
+        let acts = sharded.activations();
+        let graphs: Vec<usize> = acts.iter().map(|a| a.graph_bytes).collect();
+        assert_eq!(
+            graphs,
+            [block, block, block + 2 * output + 8],
+            "recompute {recompute}"
+        );
+        let outputs: Vec<usize> = acts.iter().map(|a| a.output_bytes).collect();
+        assert_eq!(outputs, [output, output, 4]);
+        assert!(plan.peak_unit_by_unit(&order, &opts, acts) > without);
+    }
+}
+
+/// Full gradient buffers are reused from unit to unit (a spare kept after each reduce-scatter)
+/// and a tensor's first gradient is copied, not added, into its slot: a reused buffer still
+/// reduces exact zeros for a parameter no gradient reached (here `layers.0.down.weight`,
+/// detached in the second step, whose buffer is the spare another unit's gradients filled).
+#[test]
+fn a_reused_gradient_buffer_holds_zeros_where_no_gradient_arrived() {
+    let mlp = ragged::demo::MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 2,
+    };
+    let params = mlp.init_params(4).unwrap();
+    // Two ranks: at world 1 the full buffer becomes the local shard instead (no reduction).
+    let held = ThreadWorld::run(2, |c| {
+        let mut sharded = fully_shard(&params, adamw(), c, FsdpOptions::default()).unwrap();
+        let views = sharded.unshard().unwrap();
+        let skipped = "layers.0.down.weight";
+        let grads_of = |sharded: &ragged::fsdp::ShardedModel<'_, AdamW>| {
+            let mut out = HashMap::new();
+            sharded
+                .with_local_grads(|local, g| {
+                    for piece in &local.pieces {
+                        let span = g[piece.offset..piece.offset + piece.range.len()].to_vec();
+                        out.insert(local.params[piece.param].name.clone(), span);
+                    }
+                })
+                .unwrap();
+            out
+        };
+        let mut addresses = Vec::new();
+        let mut held = 0;
+        for step in 0..2 {
+            let b = mlp.batch(step, 4).unwrap();
+            let mut x = b.x.clone();
+            for i in 0..mlp.layers {
+                let get = |n: &str| {
+                    let t = views[n].clone();
+                    Ok(if step == 1 && n == skipped {
+                        t.detach()
+                    } else {
+                        t
+                    })
+                };
+                x = mlp.block(i, get, &x).unwrap();
+            }
+            let loss = ragged::demo::MlpConfig::loss(&x, &b.y).unwrap();
+            loss.backward().unwrap();
+            let sinks = ["layers.0", "layers.1"].map(|u| sharded.grad_sink(u).unwrap());
+            addresses.push(sinks.map(|s| s.buffer_address().unwrap().0));
+            sharded.reduce_gradients().unwrap();
+            let grads = grads_of(&sharded);
+            // Pieces of the skipped tensor this rank owns (every element is owned by one rank).
+            if let Some(g) = grads.get(skipped) {
+                held += g.len();
+                let zero = g.iter().all(|&x| x == 0.0);
+                assert_eq!(zero, step == 1, "step {step}: {skipped} gradient {g:?}");
+            }
+            sharded.step().unwrap();
+            sharded.unshard().unwrap();
+        }
+        // The second step's buffers are the first step's, handed from unit to unit.
+        let mut first = addresses[0].to_vec();
+        let mut second = addresses[1].to_vec();
+        first.sort_unstable();
+        second.sort_unstable();
+        assert_eq!(first, second, "the buffers were not reused");
+        Ok(held)
+    })
+    .unwrap();
+    let n = mlp.width * mlp.hidden;
+    assert_eq!(
+        held.iter().sum::<usize>(),
+        2 * n,
+        "two steps of every element"
     );
 }

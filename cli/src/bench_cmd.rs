@@ -70,6 +70,14 @@ pub struct TrainBenchArgs {
     /// Timed steps per variant (after one warm-up step).
     #[arg(long, default_value_t = 3)]
     steps: usize,
+    /// Run only the runtime variants whose name contains this (plain candle always runs).
+    #[arg(long)]
+    only: Option<String>,
+    /// Instead: world 1 only, each ragged variant's steps interleaved with plain candle's
+    /// (ratios of neighbouring steps, robust to load that comes and goes); section
+    /// `train-paired`.
+    #[arg(long)]
+    paired: bool,
     /// Markdown file whose training section is replaced; - for stdout only.
     #[arg(long, default_value = "docs/benchmarks.md")]
     out: PathBuf,
@@ -252,8 +260,12 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         batch: args.batch,
         worlds: args.worlds.clone(),
         steps: args.steps,
+        only: args.only.clone(),
     };
-    let bar = sweep_bar(1 + 4 * args.worlds.len() as u64);
+    if args.paired {
+        return train_paired(args, &cfg, heap);
+    }
+    let bar = sweep_bar(1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64);
     let rows = run(&cfg, |what| {
         bar.set_message(what.to_string());
         bar.inc(1);
@@ -265,22 +277,28 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
         let n = args.layers * 2 * args.width * args.hidden;
         let body = format!(
             "## Runtime: a training step unit by unit\n\n\
-             Command: `cargo run --release --bin ragged -- bench train`. Model: {} blocks of \
+             Command: `target/release/ragged bench train`. Model: {} blocks of \
              Linear({w}→{h}), GELU, Linear({h}→{w}), no bias ({n} parameters, {} MiB f32), \
              global batch {} rows, MSE loss, SGD (the step measures the runtime; `bench optim` \
              the optimizers). Plain candle: one variable per parameter, candle-nn SGD. \
-             Sharded: thread ranks, the unit-by-unit runtime (one unit per block); `recompute`: \
-             each unit freed after its forward and re-gathered and recomputed in backward; \
-             `keep units`: gathered from forward to backward, graphs kept; every variant but \
-             `no overlap` runs collectives on a second thread while a stage computes (the next \
-             unit's gather, the previous unit's reduce-scatter; `FsdpOptions::overlap`). Means \
-             of {} steps after a warm-up; times on rank 0; gather s and reduce s = time the \
-             step waited for them (what ran behind compute does not count), sharding % = \
-             (gather + reduce) / step. Memory per rank: predicted = master and gradient shards plus the \
-             largest set of full parameters and gradients the schedule holds at once (from the \
-             plans); measured = process heap peak above the bytes alive before, by a counting \
-             allocator, over V (the rest is activations and candle temporaries). glibc's trim \
-             threshold raised so freed buffers are reused instead of faulted in again, for both \
+             Sharded: thread ranks, the unit-by-unit runtime (one unit per block). `reshard, keep \
+             graph` (the default, FSDP2's rhythm): each unit's parameter storages freed after its \
+             forward while the stage's graph is kept, re-gathered into the same tensors before \
+             its backward; `recompute`: each stage run forward without a graph, its unit freed, \
+             re-gathered and the stage recomputed in backward; `keep units`: gathered from \
+             forward to backward, graphs kept; every variant but `no overlap` runs collectives \
+             on a second thread while a stage computes (the next unit's gather, the previous \
+             unit's reduce-scatter; `FsdpOptions::overlap`). Means of {} steps after a warm-up; \
+             times on rank 0; gather s and reduce s = time the step waited for them (what ran \
+             behind compute does not count), sharding % = (gather + reduce) / step. Memory per \
+             rank: predicted = master and gradient shards plus the largest set of full \
+             parameters and gradients the schedule holds at once (from the plans) plus the \
+             activations alive then (saved stage inputs and kept or recomputed graphs, as \
+             measured on the warm-up step by walking each stage's graph) and candle's gradient \
+             temporaries in backward (3 × the unit's largest parameter); measured = process \
+             heap peak above the bytes alive before, by a counting allocator, over V. glibc's \
+             trim threshold raised so freed buffers are reused instead of faulted in again, for \
+             both \
              sides ({}). Machine: {}.\n\n{table}",
             args.layers,
             (n * 4) >> 20,
@@ -292,6 +310,44 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
             h = args.hidden,
         );
         replace_section(&args.out, "train", &body)?;
+        eprintln!("updated {}", args.out.display());
+    }
+    Ok(())
+}
+
+/// `bench train --paired`: world-1 ratios with interleaved steps.
+fn train_paired(
+    args: &TrainBenchArgs,
+    cfg: &ragged::bench::train::TrainBench,
+    heap: bool,
+) -> Result<()> {
+    use ragged::bench::train::{paired, paired_markdown, variants};
+    let bar = sweep_bar(variants().len() as u64);
+    let rows = paired(cfg, |what| {
+        bar.set_message(what.to_string());
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let table = paired_markdown(&rows);
+    println!("{table}");
+    if args.out.as_os_str() != "-" {
+        let body = format!(
+            "### World 1, steps interleaved with plain candle\n\n\
+             Command: `target/release/ragged bench train --paired --steps {}`. Same model and \
+             batch; plain candle and the variant alive at once, their steps alternating ({} \
+             pairs after a warm-up pair); each ratio is a variant step over the plain step just \
+             before it, so load that comes and goes on this shared machine weighs on both \
+             alike. glibc trim threshold {}. Machine: {}.\n\n{table}",
+            args.steps,
+            args.steps,
+            if heap {
+                "raised"
+            } else {
+                "not raised (mallopt refused)"
+            },
+            machine(),
+        );
+        replace_section(&args.out, "train-paired", &body)?;
         eprintln!("updated {}", args.out.display());
     }
     Ok(())

@@ -316,7 +316,7 @@ fn bench_optim_on_cuda_without_a_gpu_build_or_device_fails_with_the_reason() {
 /// no abort on a huge allocation, no `Debug` struct), before anything runs.
 #[test]
 fn hostile_bench_inputs_are_refused_with_the_reason() {
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 12] = [
         (
             &["bench", "comm", "--shard", "4000000000", "--out", "-"],
             "available",
@@ -340,6 +340,16 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
         (
             &["bench", "comm", "--train-ranks", "0", "--out", "-"],
             "--train-ranks 0",
+        ),
+        (
+            &["bench", "train", "--only", "nothing", "--out", "-"],
+            "--only \"nothing\" matches no variant",
+        ),
+        (
+            &[
+                "bench", "train", "--paired", "--only", "nothing", "--out", "-",
+            ],
+            "--only \"nothing\" matches no variant",
         ),
         (&["bench", "optim", "--ghz", "-1", "--no-write"], "--ghz -1"),
         (&["bench", "optim", "--ghz", "0", "--no-write"], "--ghz 0"),

@@ -31,6 +31,8 @@ pub struct TrainBench {
     pub worlds: Vec<usize>,
     /// Timed steps after one untimed warm-up step.
     pub steps: usize,
+    /// Run only the runtime variants whose name contains this (plain candle always runs).
+    pub only: Option<String>,
 }
 
 /// One variant's measurement (means over the timed steps, on rank 0).
@@ -39,6 +41,8 @@ pub struct TrainRow {
     pub variant: String,
     pub world: usize,
     pub step_seconds: f64,
+    /// The fastest timed step (robust to a machine loaded now and then).
+    pub best_step_seconds: f64,
     pub forward_seconds: f64,
     pub backward_seconds: f64,
     pub gather_seconds: f64,
@@ -56,36 +60,55 @@ pub struct TrainRow {
     pub loss: f32,
 }
 
-/// Runs every variant: plain candle once, then for each world size ragged with
-/// recomputation, ragged keeping units, and FSDP2-style with recomputation.
+/// Runs every variant: plain candle once, then for each world size every runtime variant of
+/// [`variants`].
 pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<TrainRow>> {
     validate(cfg)?;
     let params = cfg.model.init_params(0)?;
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
-        for (layout, reshard, overlap, name) in [
-            (ShardLayout::Ragged, true, true, "ragged, recompute"),
-            (
-                ShardLayout::Ragged,
-                true,
-                false,
-                "ragged, recompute, no overlap",
-            ),
-            (ShardLayout::Ragged, false, true, "ragged, keep units"),
-            (ShardLayout::Fsdp2, true, true, "fsdp2-style, recompute"),
-        ] {
+        let chosen = variants()
+            .into_iter()
+            .filter(|(name, _)| cfg.only.as_deref().is_none_or(|only| name.contains(only)));
+        for (name, opts) in chosen {
             progress(&format!("{name} V={world}"));
-            let opts = FsdpOptions {
-                layout,
-                reshard_after_forward: reshard,
-                overlap,
-                ..FsdpOptions::default()
-            };
             rows.push(sharded(cfg, &params, world, opts, name)?);
         }
     }
     Ok(rows)
+}
+
+/// The runtime variants measured at every world size, by name.
+pub fn variants() -> Vec<(&'static str, FsdpOptions)> {
+    let with = |layout, reshard_after_forward, recompute, overlap| FsdpOptions {
+        layout,
+        reshard_after_forward,
+        recompute,
+        overlap,
+        ..FsdpOptions::default()
+    };
+    use ShardLayout::{Fsdp2, Ragged};
+    vec![
+        (
+            "ragged, reshard, keep graph",
+            with(Ragged, true, false, true),
+        ),
+        (
+            "ragged, reshard, keep graph, no overlap",
+            with(Ragged, true, false, false),
+        ),
+        ("ragged, recompute", with(Ragged, true, true, true)),
+        (
+            "ragged, recompute, no overlap",
+            with(Ragged, true, true, false),
+        ),
+        ("ragged, keep units", with(Ragged, false, false, true)),
+        (
+            "fsdp2-style, reshard, keep graph",
+            with(Fsdp2, true, false, true),
+        ),
+    ]
 }
 
 fn validate(cfg: &TrainBench) -> Result<()> {
@@ -99,53 +122,184 @@ fn validate(cfg: &TrainBench) -> Result<()> {
     if cfg.steps == 0 || cfg.worlds.is_empty() || cfg.model.layers == 0 {
         return bad("steps, worlds and layers must be positive".into());
     }
+    if let Some(only) = &cfg.only {
+        if !variants()
+            .iter()
+            .any(|(name, _)| name.contains(only.as_str()))
+        {
+            let names: Vec<&str> = variants().iter().map(|(n, _)| *n).collect();
+            return bad(format!("--only {only:?} matches no variant of {names:?}"));
+        }
+    }
     if let Some(w) = cfg.worlds.iter().find(|&&w| w == 0 || cfg.batch % w != 0) {
         return bad(format!("batch {} does not split over {w} ranks", cfg.batch));
     }
     Ok(())
 }
 
-/// Plain candle: one variable per parameter, forward, backward, candle-nn SGD.
-fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<TrainRow> {
-    let before = alloc::current();
-    alloc::reset_peak();
-    let vars: Vec<(String, Var)> = params
-        .iter()
-        .map(|(n, t)| Ok((n.clone(), Var::from_tensor(&t.copy()?)?)))
-        .collect::<Result<_>>()?;
-    let map: HashMap<String, candle_core::Tensor> = vars
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect();
-    let vb = VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
-    let mut sgd =
-        SGD::new(vars.iter().map(|(_, v)| v.clone()).collect(), LR).map_err(candle("plain SGD"))?;
-    let m = cfg.model;
-    let mut row = empty_row("plain candle", 1);
-    for step in 0..=cfg.steps {
-        let batch = m.batch(step, cfg.batch)?;
+/// Plain candle: one variable per parameter, candle-nn SGD.
+struct Plain {
+    vb: VarBuilder<'static>,
+    sgd: SGD,
+}
+
+/// One step's times (forward, backward, whole step) and loss.
+struct StepTimes {
+    forward: f64,
+    backward: f64,
+    total: f64,
+    loss: f32,
+}
+
+impl Plain {
+    fn new(params: &[(String, candle_core::Tensor)]) -> Result<Self> {
+        let vars: Vec<(String, Var)> = params
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), Var::from_tensor(&t.copy()?)?)))
+            .collect::<Result<_>>()?;
+        let map: HashMap<String, candle_core::Tensor> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let vb = VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+        let sgd = SGD::new(vars.into_iter().map(|(_, v)| v).collect(), LR)
+            .map_err(candle("plain SGD"))?;
+        Ok(Plain { vb, sgd })
+    }
+
+    /// Forward, backward and SGD step on `batch`.
+    fn step(&mut self, m: &MlpConfig, batch: &MlpBatch) -> Result<StepTimes> {
         let start = Instant::now();
         let mut x = batch.x.clone();
         for i in 0..m.layers {
-            let get = |n: &str| vb.get_unchecked_dtype(n, DType::F32);
+            let get = |n: &str| self.vb.get_unchecked_dtype(n, DType::F32);
             x = m.block(i, get, &x).map_err(candle("plain forward"))?;
         }
         let loss = MlpConfig::loss(&x, &batch.y).map_err(candle("plain loss"))?;
-        let fwd = start.elapsed().as_secs_f64();
+        let forward = start.elapsed().as_secs_f64();
         let grads = loss.backward().map_err(candle("plain backward"))?;
-        let bwd = start.elapsed().as_secs_f64() - fwd;
-        sgd.step(&grads).map_err(candle("plain step"))?;
+        let backward = start.elapsed().as_secs_f64() - forward;
+        self.sgd.step(&grads).map_err(candle("plain step"))?;
         let total = start.elapsed().as_secs_f64();
+        let loss = loss.to_scalar::<f32>().map_err(candle("plain loss"))?;
+        Ok(StepTimes {
+            forward,
+            backward,
+            total,
+            loss,
+        })
+    }
+}
+
+/// Plain candle's row: forward, backward, candle-nn SGD.
+fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<TrainRow> {
+    let before = alloc::current();
+    alloc::reset_peak();
+    let mut model = Plain::new(params)?;
+    let mut row = empty_row("plain candle", 1);
+    for step in 0..=cfg.steps {
+        let t = model.step(&cfg.model, &cfg.model.batch(step, cfg.batch)?)?;
         if step > 0 {
-            row.forward_seconds += fwd;
-            row.backward_seconds += bwd;
-            row.optimizer_seconds += total - fwd - bwd;
-            row.step_seconds += total;
+            row.forward_seconds += t.forward;
+            row.backward_seconds += t.backward;
+            row.optimizer_seconds += t.total - t.forward - t.backward;
+            row.step_seconds += t.total;
+            row.best_step_seconds = row.best_step_seconds.min(t.total);
         }
-        row.loss = loss.to_scalar::<f32>().map_err(candle("plain loss"))?;
+        row.loss = t.loss;
     }
     finish(&mut row, cfg.steps, None, before, 1);
     Ok(row)
+}
+
+/// A world-1 variant against plain candle with their steps interleaved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PairedRow {
+    pub variant: String,
+    /// Median over the pairs of (variant step / the plain step just before it).
+    pub median_ratio: f64,
+    pub min_ratio: f64,
+    pub max_ratio: f64,
+    pub plain_median_seconds: f64,
+    pub variant_median_seconds: f64,
+}
+
+/// Step-time ratios at world 1 against plain candle, with the steps interleaved (plain,
+/// variant, plain, variant, ...; both models alive): each ratio compares neighbouring steps,
+/// so load that comes and goes on a shared machine weighs on both sides alike. `cfg.steps`
+/// pairs after one warm-up pair.
+pub fn paired(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<PairedRow>> {
+    validate(cfg)?;
+    let params = cfg.model.init_params(0)?;
+    let chosen = variants()
+        .into_iter()
+        .filter(|(name, _)| cfg.only.as_deref().is_none_or(|only| name.contains(only)));
+    let mut rows = Vec::new();
+    for (name, opts) in chosen.filter(|(_, o)| o.layout == ShardLayout::Ragged) {
+        progress(name);
+        let runs = ThreadWorld::run(1, |c| {
+            let mut plain = Plain::new(&params)?;
+            let mut sharded = fully_shard(&params, Sgd { lr: LR as f32 }, c, opts.clone())?;
+            let stages = MlpStages(cfg.model);
+            let mut pairs = Vec::new();
+            for step in 0..=cfg.steps {
+                let batch = cfg.model.batch(step, cfg.batch)?;
+                let p = plain.step(&cfg.model, &batch)?.total;
+                let start = Instant::now();
+                sharded.forward_backward(&stages, &batch)?;
+                sharded.step()?;
+                if step > 0 {
+                    pairs.push((p, start.elapsed().as_secs_f64()));
+                }
+            }
+            Ok(pairs)
+        })?;
+        let pairs = runs.into_iter().next().expect("rank 0");
+        rows.push(paired_row(name, &pairs));
+    }
+    Ok(rows)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn paired_row(name: &str, pairs: &[(f64, f64)]) -> PairedRow {
+    let ratios: Vec<f64> = pairs.iter().map(|(p, v)| v / p).collect();
+    PairedRow {
+        variant: name.to_string(),
+        median_ratio: median(ratios.clone()),
+        min_ratio: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        max_ratio: ratios.iter().copied().fold(0.0, f64::max),
+        plain_median_seconds: median(pairs.iter().map(|p| p.0).collect()),
+        variant_median_seconds: median(pairs.iter().map(|p| p.1).collect()),
+    }
+}
+
+/// The paired table.
+pub fn paired_markdown(rows: &[PairedRow]) -> String {
+    let mut s = String::from(
+        "| variant (V = 1) | step / plain step, median | min | max | plain s (median) | \
+         variant s (median) |\n|---|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        s += &format!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+            r.variant,
+            r.median_ratio,
+            r.min_ratio,
+            r.max_ratio,
+            r.plain_median_seconds,
+            r.variant_median_seconds
+        );
+    }
+    s
 }
 
 /// The unit-by-unit runtime on `world` thread ranks.
@@ -158,7 +312,6 @@ fn sharded(
 ) -> Result<TrainRow> {
     let stages = MlpStages(cfg.model);
     let rows = cfg.batch / world;
-    let reshard = opts.reshard_after_forward;
     let before = alloc::current();
     alloc::reset_peak();
     let runs = ThreadWorld::run(world, |c| {
@@ -174,9 +327,9 @@ fn sharded(
                     .unwrap_or(0)
             })
             .collect();
-        let predicted = sharded
-            .memory_plan()
-            .peak_unit_by_unit(&order, reshard, opts.overlap);
+        // Parameters and gradients from the plans; activations as measured on the warm-up step.
+        let plan = sharded.memory_plan();
+        let mut predicted = 0;
         let mut row = empty_row(name, world);
         for step in 0..=cfg.steps {
             let full = cfg.model.batch(step, cfg.batch)?;
@@ -184,11 +337,16 @@ fn sharded(
             let (copied, gathered) = (sharded.stats().copied(), sharded.stats().collective());
             let start = Instant::now();
             let r = sharded.forward_backward(&stages, &batch)?;
+            if step == 0 {
+                predicted = plan.peak_unit_by_unit(&order, &opts, sharded.activations());
+            }
             let opt = Instant::now();
             sharded.step()?;
             if step > 0 {
                 row.optimizer_seconds += opt.elapsed().as_secs_f64();
-                row.step_seconds += start.elapsed().as_secs_f64();
+                let total = start.elapsed().as_secs_f64();
+                row.step_seconds += total;
+                row.best_step_seconds = row.best_step_seconds.min(total);
                 row.forward_seconds += r.forward_seconds;
                 row.backward_seconds += r.backward_seconds;
                 row.gather_seconds += r.gather_seconds;
@@ -220,6 +378,7 @@ fn empty_row(name: &str, world: usize) -> TrainRow {
         variant: name.to_string(),
         world,
         step_seconds: 0.0,
+        best_step_seconds: f64::INFINITY,
         forward_seconds: 0.0,
         backward_seconds: 0.0,
         gather_seconds: 0.0,
@@ -258,26 +417,30 @@ pub fn markdown(rows: &[TrainRow]) -> String {
     let plain = rows
         .iter()
         .find(|r| r.variant == "plain candle")
-        .map_or(f64::NAN, |r| r.step_seconds);
+        .map_or((f64::NAN, f64::NAN), |r| {
+            (r.step_seconds, r.best_step_seconds)
+        });
     let mib = |b: Option<usize>| {
         b.map_or("–".into(), |b| {
             format!("{:.1}", b as f64 / (1 << 20) as f64)
         })
     };
     let mut s = String::from(
-        "| variant | V | step s | vs plain | forward s | backward s | gather s | reduce s | \
+        "| variant | V | step s | vs plain | best step s | best vs plain | forward s | backward s | gather s | reduce s | \
          optimizer s | sharding % | copied B/step | gathered B/step (rank 0) | \
          predicted MiB/rank | measured MiB/rank | loss |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let sharding = 100.0 * (r.gather_seconds + r.reduce_seconds) / r.step_seconds;
         s += &format!(
-            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |\n",
+            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |\n",
             r.variant,
             r.world,
             r.step_seconds,
-            r.step_seconds / plain,
+            r.step_seconds / plain.0,
+            r.best_step_seconds,
+            r.best_step_seconds / plain.1,
             r.forward_seconds,
             r.backward_seconds,
             r.gather_seconds,

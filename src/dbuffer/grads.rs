@@ -9,15 +9,73 @@ use super::{candle, with_ref, CopyStats};
 use crate::comm::Buf;
 use crate::{Error, Result};
 
+/// Full gradient buffers handed back after their reduce-scatter, for the next unit's backward
+/// (what PyTorch's caching allocator does for FSDP): glibc serves a buffer of 32 MiB or more
+/// from fresh `mmap` pages, so without reuse every step faults in and zeroes each unit's
+/// gradient buffer again. Holds at most [`GradPool::SPARE`] buffers, the most the schedule has
+/// in flight, so the peak does not grow.
+#[derive(Debug, Default)]
+pub struct GradPool {
+    spare: Mutex<Vec<Vec<f32>>>,
+}
+
+impl GradPool {
+    /// Spare buffers kept at most.
+    pub const SPARE: usize = 2;
+
+    /// A spare buffer of exactly `len` elements (contents left over), if one is kept.
+    fn take(&self, len: usize) -> Option<Vec<f32>> {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        let i = spare.iter().position(|b| b.len() == len)?;
+        Some(spare.swap_remove(i))
+    }
+
+    /// Keeps `buf` for a later backward unless enough are kept.
+    pub fn give_back(&self, buf: Vec<f32>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.len() < Self::SPARE {
+            spare.push(buf);
+        }
+    }
+
+    /// Bytes held by spare buffers.
+    pub fn spare_bytes(&self) -> usize {
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        spare.iter().map(|b| 4 * b.len()).sum()
+    }
+}
+
 /// Where backward puts a unit's gradients: one flat buffer, each tensor's gradient at its slot.
-/// The buffer is allocated (zeroed) by the first gradient that arrives and taken by the
-/// reduction, so it exists only between a unit's backward and its reduce-scatter.
+/// The buffer is taken (from the pool, or allocated zeroed) by the first gradient that arrives
+/// and taken by the reduction, so it exists only between a unit's backward and its
+/// reduce-scatter. A tensor's first gradient is copied into its slot and later ones added, so
+/// a reused buffer needs no zeroing but of its padding and of slots no gradient reached.
 pub struct GradSink {
     /// `(offset, elements)` of every tensor's gradient in the flat buffer, in unit order.
     slots: Vec<(usize, usize)>,
+    /// Element ranges of the flat buffer no slot covers (zero in every buffer handed out).
+    padding: Vec<std::ops::Range<usize>>,
     len: usize,
     inner: Mutex<SinkState>,
     stats: Arc<CopyStats>,
+    pool: Arc<GradPool>,
+}
+
+/// Ranges of `0..len` that no slot covers.
+fn gaps(slots: &[(usize, usize)], len: usize) -> Vec<std::ops::Range<usize>> {
+    let mut covered: Vec<(usize, usize)> = slots.iter().map(|&(o, n)| (o, o + n)).collect();
+    covered.sort_unstable();
+    let (mut gaps, mut at) = (Vec::new(), 0);
+    for (a, b) in covered {
+        if a > at {
+            gaps.push(at..a);
+        }
+        at = at.max(b);
+    }
+    if at < len {
+        gaps.push(at..len);
+    }
+    gaps
 }
 
 #[derive(Default)]
@@ -41,11 +99,37 @@ impl GradSink {
         }
         let touched = vec![false; slots.len()];
         Ok(GradSink {
+            padding: gaps(&slots, len),
             slots,
             len,
             inner: Mutex::new(SinkState { buf: None, touched }),
             stats,
+            pool: Arc::default(),
         })
+    }
+
+    /// Takes buffers from, and gives them back to, `pool` (shared by a model's sinks).
+    pub fn with_pool(mut self, pool: Arc<GradPool>) -> Self {
+        self.pool = pool;
+        self
+    }
+
+    /// A buffer for the next backward: a spare one with its padding zeroed, or a zeroed one.
+    fn fresh_buffer(&self) -> Vec<f32> {
+        match self.pool.take(self.len) {
+            Some(mut buf) => {
+                for gap in &self.padding {
+                    buf[gap.clone()].fill(0.0);
+                }
+                buf
+            }
+            None => vec![0.0; self.len],
+        }
+    }
+
+    /// Gives a reduced buffer back to the pool.
+    pub(crate) fn recycle(&self, buf: Vec<f32>) {
+        self.pool.give_back(buf);
     }
 
     fn lock(&self) -> MutexGuard<'_, SinkState> {
@@ -74,12 +158,17 @@ impl GradSink {
             grad.contiguous().map_err(candle("GradSink::accumulate"))?
         };
         let mut st = self.lock();
-        let len = self.len;
-        let dst = &mut st.buf.get_or_insert_with(|| vec![0.0; len])[offset..offset + n];
+        if st.buf.is_none() {
+            st.buf = Some(self.fresh_buffer());
+        }
+        let first = !st.touched[tensor];
+        let dst = &mut st.buf.as_mut().expect("just set")[offset..offset + n];
         let bytes = with_ref(&grad, |g| {
-            match g {
-                Buf::F32(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g),
-                Buf::BF16(g) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g.to_f32()),
+            match (g, first) {
+                (Buf::F32(g), true) => dst.copy_from_slice(g),
+                (Buf::F32(g), false) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g),
+                (Buf::BF16(g), true) => dst.iter_mut().zip(g).for_each(|(d, g)| *d = g.to_f32()),
+                (Buf::BF16(g), false) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g.to_f32()),
                 _ => {
                     return Err(Error::InvalidShard {
                         op: "GradSink::accumulate",
@@ -95,12 +184,15 @@ impl GradSink {
         Ok(())
     }
 
-    /// Takes the flat buffer (zeros if no gradient arrived) and which tensors got a gradient,
-    /// leaving the sink empty for the next backward.
+    /// Takes the flat buffer (zeros where no gradient arrived) and which tensors got a
+    /// gradient, leaving the sink empty for the next backward.
     pub fn take(&self) -> (Vec<f32>, Vec<bool>) {
         let mut st = self.lock();
-        let buf = st.buf.take().unwrap_or_else(|| vec![0.0; self.len]);
+        let mut buf = st.buf.take().unwrap_or_else(|| self.fresh_buffer());
         let touched = std::mem::replace(&mut st.touched, vec![false; self.slots.len()]);
+        for (&(offset, n), _) in self.slots.iter().zip(&touched).filter(|(_, &t)| !t) {
+            buf[offset..offset + n].fill(0.0);
+        }
         (buf, touched)
     }
 
@@ -159,6 +251,34 @@ impl GradBuffer {
                 .zip(&scratch)
                 .for_each(|(a, b)| *a += b);
             stats.add_accumulated(4 * scratch.len());
+        }
+        self.sink.recycle(full);
+        self.reduced += 1;
+        Ok(touched)
+    }
+
+    /// At world 1 a reduce-scatter is the identity: the first micro-batch's full buffer becomes
+    /// the local shard (moved, no pass over it; the old shard goes to the pool), later ones are
+    /// added in. Returns which tensors got a gradient.
+    pub fn adopt_as_local(&mut self, stats: &CopyStats) -> Result<Vec<bool>> {
+        let (full, touched) = self.sink.take();
+        if full.len() != self.local.len() {
+            return Err(Error::InvalidShard {
+                op: "GradBuffer::adopt_as_local",
+                reason: format!(
+                    "a full buffer of {} for a shard of {}",
+                    full.len(),
+                    self.local.len()
+                ),
+            });
+        }
+        if self.reduced == 0 {
+            let old = std::mem::replace(&mut self.local, full);
+            self.sink.recycle(old);
+        } else {
+            self.local.iter_mut().zip(&full).for_each(|(a, b)| *a += b);
+            stats.add_accumulated(4 * full.len());
+            self.sink.recycle(full);
         }
         self.reduced += 1;
         Ok(touched)

@@ -34,7 +34,7 @@ mod grads;
 mod params;
 pub(crate) mod tap;
 
-pub use grads::{GradBuffer, GradSink};
+pub use grads::{GradBuffer, GradPool, GradSink};
 pub use params::{anchor, Materialized, ParamBuffer, TensorSlot};
 
 use std::cell::Cell;

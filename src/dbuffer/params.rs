@@ -34,6 +34,10 @@ pub enum Materialized {
     /// The full values exist but the master shard changed since (after a step): the next
     /// gather rewrites them in place.
     Stale,
+    /// The parameter tensors exist (a kept graph holds them) but their storages were emptied
+    /// after forward ([`ParamBuffer::free_storages`]): the next gather moves fresh storages into
+    /// the same tensors.
+    Freed,
 }
 
 /// A unit's parameters on one rank.
@@ -44,6 +48,8 @@ pub struct ParamBuffer {
     /// The compute copies, in slot order, while materialized.
     tensors: Option<Vec<Tensor>>,
     stale: bool,
+    /// The tensors' storages are empty ([`Materialized::Freed`]).
+    freed: bool,
     /// The dtype of the compute copies (f32, or bf16 under mixed precision).
     dtype: DType,
     sink: Arc<GradSink>,
@@ -72,6 +78,7 @@ impl ParamBuffer {
             master: vec![0.0; shard_len],
             tensors: None,
             stale: false,
+            freed: false,
             dtype,
             sink,
             anchor,
@@ -109,17 +116,18 @@ impl ParamBuffer {
     }
 
     pub fn state(&self) -> Materialized {
-        match (&self.tensors, self.stale) {
-            (None, _) => Materialized::Sharded,
-            (Some(_), false) => Materialized::Unsharded,
-            (Some(_), true) => Materialized::Stale,
+        match (&self.tensors, self.freed, self.stale) {
+            (None, _, _) => Materialized::Sharded,
+            (Some(_), true, _) => Materialized::Freed,
+            (Some(_), false, false) => Materialized::Unsharded,
+            (Some(_), false, true) => Materialized::Stale,
         }
     }
 
     /// Materializes the compute copies unless they are current: `fill(master, dsts)` must write
     /// every element of every tensor (`dsts` in slot order, in the compute dtype). Fresh
-    /// storages become parameter tensors without a copy; stale ones are rewritten in place, so
-    /// tensors handed out earlier stay valid.
+    /// storages become parameter tensors without a copy; stale ones are rewritten in place, and
+    /// freed ones get fresh storages moved in, so tensors handed out earlier stay valid.
     pub fn gather(
         &mut self,
         fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
@@ -129,6 +137,19 @@ impl ParamBuffer {
             Materialized::Stale => {
                 let tensors = self.tensors.as_ref().expect("stale implies materialized");
                 with_mut_all(tensors, |dsts| fill(&self.master, dsts))?;
+                self.stale = false;
+                Ok(())
+            }
+            Materialized::Freed => {
+                let mut storages = self.fresh_storages();
+                let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
+                fill(&self.master, &mut dsts)?;
+                drop(dsts);
+                let tensors = self.tensors.as_ref().expect("freed implies materialized");
+                for (t, storage) in tensors.iter().zip(storages) {
+                    tap::refill_storage(t, storage)?;
+                }
+                self.freed = false;
                 self.stale = false;
                 Ok(())
             }
@@ -174,7 +195,7 @@ impl ParamBuffer {
     /// The parameter tensors (tracked: their gradients reach the sink), in slot order.
     pub fn tensors(&self) -> Result<&[Tensor]> {
         match &self.tensors {
-            Some(t) if !self.stale => Ok(t),
+            Some(t) if !self.stale && !self.freed => Ok(t),
             _ => Err(Error::InvalidShard {
                 op: "ParamBuffer::tensors",
                 reason: format!("parameters are {:?}; gather first", self.state()),
@@ -187,6 +208,23 @@ impl ParamBuffer {
     pub fn release(&mut self) {
         self.tensors = None;
         self.stale = false;
+        self.freed = false;
+    }
+
+    /// Frees the compute copies' elements now but keeps the tensors (FSDP2's
+    /// `reshard_after_forward` with autograd's graph kept): a graph holding them keeps only
+    /// empty storages until the next [`Self::gather`] moves fresh ones into the same tensors.
+    /// Returns the bytes freed.
+    pub fn free_storages(&mut self) -> Result<usize> {
+        let Some(tensors) = &self.tensors else {
+            return Ok(0);
+        };
+        let mut elements = 0;
+        for t in tensors {
+            elements += tap::free_storage(t)?;
+        }
+        self.freed = true;
+        Ok(elements * self.dtype.size_in_bytes())
     }
 
     /// Bytes of the compute copies when materialized.

@@ -8,9 +8,13 @@
 //! anchor variable:
 //! - **forward** moves the storage into the output tensor (no copy: the all-gather's bytes *are*
 //!   the parameter);
-//! - **backward** adds the parameter's gradient into the unit's gradient buffer at the planned
-//!   offset ([`GradSink`]), once per backward, so micro-batches accumulate there, and returns no
-//!   gradient for the anchor.
+//! - **backward** writes the parameter's gradient into the unit's gradient buffer at the
+//!   planned offset ([`GradSink`]: copied the first time, added after, so micro-batches
+//!   accumulate there), and returns no gradient for the anchor.
+//!
+//! Between a unit's forward and backward the runtime may empty a parameter tensor's storage and
+//! move a re-gathered one in later ([`free_storage`], [`refill_storage`]): the graph keeps the
+//! tensor, and every tensor derived from it without a copy shares the storage object.
 
 use std::sync::{Arc, Mutex};
 
@@ -86,4 +90,76 @@ pub(crate) fn param_tensor(
         .as_tensor()
         .apply_op1(tap)
         .map_err(super::candle("param_tensor"))
+}
+
+/// Replaces a parameter tensor's storage wholesale, in place (FSDP2's free and re-allocation of
+/// the unsharded parameter's storage while autograd keeps the graph): every tensor the graph
+/// holds that shares the storage (the tensor itself, its transposes and broadcasts) sees the
+/// new elements; none is copied.
+struct SwapStorage {
+    new: std::cell::Cell<Option<CpuStorage>>,
+    old: std::cell::Cell<Option<CpuStorage>>,
+}
+
+impl candle_core::InplaceOp1 for SwapStorage {
+    fn name(&self) -> &'static str {
+        "ragged-swap-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        if let Some(new) = self.new.take() {
+            self.old.set(Some(std::mem::replace(storage, new)));
+        }
+        Ok(())
+    }
+}
+
+/// Elements of an f32 or bf16 storage (`None` for other dtypes).
+pub(crate) fn storage_len(s: &CpuStorage) -> Option<usize> {
+    match s {
+        CpuStorage::F32(v) => Some(v.len()),
+        CpuStorage::BF16(v) => Some(v.len()),
+        _ => None,
+    }
+}
+
+/// Moves `storage` into `t`'s storage object and returns what it held.
+fn replace_storage(t: &Tensor, storage: CpuStorage) -> Result<CpuStorage> {
+    let op = SwapStorage {
+        new: std::cell::Cell::new(Some(storage)),
+        old: std::cell::Cell::new(None),
+    };
+    t.inplace_op1(&op).map_err(super::candle("swap storage"))?;
+    op.old.take().ok_or_else(|| Error::InvalidShard {
+        op: "swap storage",
+        reason: "the tensor is not on the CPU".into(),
+    })
+}
+
+/// Frees parameter tensor `t`'s elements: its storage object (shared with every tensor of a
+/// kept graph derived from it without a copy) is left empty. Returns the elements freed.
+pub(crate) fn free_storage(t: &Tensor) -> Result<usize> {
+    let empty = match t.dtype() {
+        candle_core::DType::BF16 => CpuStorage::BF16(Vec::new()),
+        _ => CpuStorage::F32(Vec::new()),
+    };
+    let old = replace_storage(t, empty)?;
+    Ok(storage_len(&old).unwrap_or(0))
+}
+
+/// Moves `storage` (exactly `t`'s elements) into parameter tensor `t`'s storage object, so every
+/// tensor of a kept graph sharing it reads the new elements; nothing is copied.
+pub(crate) fn refill_storage(t: &Tensor, storage: CpuStorage) -> Result<()> {
+    let len = storage_len(&storage);
+    if t.layout().start_offset() != 0 || len != Some(t.elem_count()) {
+        return Err(Error::InvalidShard {
+            op: "refill_storage",
+            reason: format!(
+                "a storage of {len:?} elements for a tensor of {} at offset {}",
+                t.elem_count(),
+                t.layout().start_offset()
+            ),
+        });
+    }
+    replace_storage(t, storage).map(drop)
 }

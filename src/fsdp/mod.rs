@@ -12,15 +12,18 @@
 //! # Two ways to run a step
 //! - **Unit by unit** ([`ShardedModel::forward_backward`], the FSDP rhythm): the model is a
 //!   sequence of stages ([`Stages`]); forward gathers each unit just before its stage and frees
-//!   it after (`reshard_after_forward`), backward re-gathers it, recomputes the stage from its
-//!   saved input, backpropagates, reduce-scatters the unit's gradients at once and frees them.
-//!   Peak memory: the shards plus about one unit's full parameters and gradients.
+//!   its parameters' storages after (`reshard_after_forward`) while the stage's graph is kept;
+//!   backward re-gathers them into the same tensors (or, with `recompute`, recomputes the stage
+//!   from its saved input), backpropagates, reduce-scatters the unit's gradients at once and
+//!   frees them. Peak memory: the shards plus about one unit's full parameters and gradients,
+//!   plus the activations.
 //! - **Whole model** ([`ShardedModel::unshard`] / [`ShardedModel::reduce_gradients`]), for
 //!   models that fit: every unit gathered at once; the model is built once from the returned
 //!   tensors, which later `unshard`s rewrite in place.
 //!
 //! Either way a step ends with [`ShardedModel::step`] (the optimizer on local shards).
 
+mod activations;
 mod agree;
 mod checkpoint;
 mod clip;
@@ -29,6 +32,7 @@ pub mod fsdp2;
 mod layout;
 mod stages;
 
+pub use activations::StageActivations;
 pub use describe::{ParamRow, ParamTable};
 pub use stages::{StageReport, Stages, UnitParams};
 
@@ -38,7 +42,9 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
-use crate::dbuffer::{anchor, CopyStats, GradBuffer, GradSink, Materialized, ParamBuffer};
+use crate::dbuffer::{
+    anchor, CopyStats, GradBuffer, GradPool, GradSink, Materialized, ParamBuffer,
+};
 use crate::model::{DType as ModelDType, Inventory, TensorSpec, Unit};
 use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
@@ -169,10 +175,18 @@ pub struct FsdpOptions {
     pub layout: ShardLayout,
     /// How parameters are grouped into units.
     pub wrap: WrapPolicy,
-    /// Unit-by-unit runtime: free a unit's compute copies after its forward stage and
-    /// re-gather (recomputing the stage) in backward. Off: units stay gathered from forward to
-    /// backward and each stage's graph is kept (no recomputation, more memory).
+    /// Unit-by-unit runtime: free a unit's full parameters after its last forward stage and
+    /// re-gather them before its backward (default on, as FSDP2). Off: units stay gathered from
+    /// forward to backward.
     pub reshard_after_forward: bool,
+    /// Unit-by-unit runtime: how backward gets a stage's graph back. Off (default, FSDP2's
+    /// rhythm): each stage's graph is kept from forward to backward; a resharded unit's
+    /// parameter tensors stay in it with their storages emptied, and the re-gather moves fresh
+    /// storages into the same tensors (no copy, no recomputation; the activations stay). On
+    /// (activation checkpointing): stages run forward without a graph, only their inputs are
+    /// kept, and backward recomputes each stage with a graph (one more forward, fewer
+    /// activations).
+    pub recompute: bool,
     /// Unit-by-unit runtime: run collectives on a second thread while a stage computes (default
     /// on): gather the next stage's unit (forward) or the previous one (backward), as FSDP2's
     /// forward and backward prefetch, and reduce-scatter a unit's gradients behind the next
@@ -203,6 +217,7 @@ impl Default for FsdpOptions {
             layout: ShardLayout::Ragged,
             wrap: WrapPolicy::default(),
             reshard_after_forward: true,
+            recompute: false,
             overlap: true,
             reduce: ReduceOp::Avg,
             mixed_precision: MixedPrecision::default(),
@@ -247,6 +262,8 @@ pub struct ShardedModel<'c, O: Optimizer> {
     steps: usize,
     /// The learning-rate schedule and the rate it multiplies.
     schedule: Option<(Schedule, f64)>,
+    /// Activation bytes per stage, measured by the last `forward_backward`.
+    activations: Vec<StageActivations>,
 }
 
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
@@ -300,9 +317,11 @@ pub fn fully_shard<'c, O: Optimizer>(
     let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l, _)| l).collect();
     agree::check_ranks_agree(comm, params, &shards)?;
     let mut units = Vec::with_capacity(planned.len());
+    // Full gradient buffers are reused from one unit's backward to the next.
+    let pool = Arc::new(GradPool::default());
     for (name, layout, local, frozen) in planned {
         let (grad_slots, grad_len) = layout.grad_slots();
-        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?;
+        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?.with_pool(pool.clone());
         let grads = GradBuffer::new(sink, local.len);
         let mut params = ParamBuffer::new(
             layout.slots(),
@@ -337,6 +356,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         skipped: 0,
         steps: 0,
         schedule: None,
+        activations: Vec::new(),
     })
 }
 
@@ -412,27 +432,33 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
         let layout = &unit.layout;
-        let touched = unit.grads.reduce_with(&stats, |full, local| {
-            if !bf16 {
-                return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
-            }
-            // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
-            let mut cast: Vec<half::bf16> = full.iter().map(|&x| half::bf16::from_f32(x)).collect();
-            let mut out = vec![half::bf16::ZERO; local.len()];
-            layout.reduce(
-                comm,
-                BufMut::BF16(&mut cast),
-                BufMut::BF16(&mut out),
-                op,
-                &stats,
-            )?;
-            local
-                .iter_mut()
-                .zip(&out)
-                .for_each(|(l, o)| *l = o.to_f32());
-            stats.add_converted(2 * cast.len() + 4 * out.len());
-            Ok(())
-        })?;
+        let single = comm.world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
+        let touched = if single && !bf16 {
+            unit.grads.adopt_as_local(&stats)?
+        } else {
+            unit.grads.reduce_with(&stats, |full, local| {
+                if !bf16 {
+                    return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
+                }
+                // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
+                let mut cast: Vec<half::bf16> =
+                    full.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                let mut out = vec![half::bf16::ZERO; local.len()];
+                layout.reduce(
+                    comm,
+                    BufMut::BF16(&mut cast),
+                    BufMut::BF16(&mut out),
+                    op,
+                    &stats,
+                )?;
+                local
+                    .iter_mut()
+                    .zip(&out)
+                    .for_each(|(l, o)| *l = o.to_f32());
+                stats.add_converted(2 * cast.len() + 4 * out.len());
+                Ok(())
+            })?
+        };
         let without = self.without_gradient.get_or_insert_with(Vec::new);
         if !unit.reported {
             unit.reported = true;
@@ -731,16 +757,31 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     shard_bytes: 0,
                     full_param_bytes: 0,
                     full_grad_bytes: 0,
+                    largest_param_bytes: 0,
                 };
                 for u in buffers.iter().map(|&b| &self.units[b]) {
                     m.shard_bytes += 8 * u.local.len;
                     m.full_param_bytes += u.params.full_bytes();
                     m.full_grad_bytes += 4 * u.layout.grad_slots().1;
+                    let elem = u.params.dtype().size_in_bytes();
+                    let largest = u.params.slots().iter().map(|s| s.numel() * elem).max();
+                    m.largest_param_bytes = m.largest_param_bytes.max(largest.unwrap_or(0));
                 }
                 m
             })
             .collect();
         MemoryPlan { units }
+    }
+
+    /// Activation bytes per stage measured by the last [`Self::forward_backward`] (walking each
+    /// stage's graph: [`StageActivations`]); empty before the first. Feed them to
+    /// [`MemoryPlan::peak_unit_by_unit`].
+    pub fn activations(&self) -> &[StageActivations] {
+        &self.activations
+    }
+
+    pub(crate) fn set_activations(&mut self, activations: Vec<StageActivations>) {
+        self.activations = activations;
     }
 
     pub(crate) fn stats_arc(&self) -> &Arc<CopyStats> {
@@ -791,6 +832,15 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .all(|&b| self.units[b].params.state() == Materialized::Unsharded)
     }
 
+    /// Empties the storages of every buffer of unit `g` but keeps its tensors (a kept graph
+    /// holds them); the next gather refills them.
+    pub(crate) fn free_unit_storages(&mut self, g: usize) -> Result<()> {
+        for b in self.buffers_of(g) {
+            self.units[b].params.free_storages()?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn release_unit(&mut self, g: usize) {
         for b in self.buffers_of(g) {
             self.units[b].params.release();
@@ -815,7 +865,17 @@ pub struct UnitMemory {
     pub full_param_bytes: usize,
     /// The full gradient buffer between backward and reduce-scatter.
     pub full_grad_bytes: usize,
+    /// The unit's largest parameter in the compute dtype (sizes candle's gradient temporaries).
+    pub largest_param_bytes: usize,
 }
+
+/// Tensors of a parameter's size candle's backward holds at once while it computes one
+/// parameter's gradient, besides the unit's gradient buffer: measured with the counting
+/// allocator on the `bench train` model (Linear 1024×4096, candle 0.11.1: 84 MiB for 16 MiB
+/// weights). By candle's code there are at least three (the matmul's weight gradient, the zeros
+/// `GradStore::or_insert` accumulates into, their sum; again through the transpose node); the
+/// constant is the measurement, not a derivation.
+const CANDLE_GRADIENT_TEMPORARIES: usize = 5;
 
 /// What the runtime holds per rank, from the plans (optimizer state and activations apart).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -830,20 +890,25 @@ impl MemoryPlan {
     }
 
     /// Peak of the unit-by-unit runtime running stages on `stage_units` (unit index per
-    /// stage) with these options, from a replay of its schedule
-    /// ([`stages::peak_of_schedule`]).
+    /// stage) with `opts`' reshard, recompute and overlap settings, from a replay of its
+    /// schedule ([`stages::peak_of_schedule`]): the shards and full buffers from the plans, plus
+    /// `activations` per stage ([`ShardedModel::activations`], measured on a step; empty: none)
+    /// and candle's gradient temporaries in backward.
     pub fn peak_unit_by_unit(
         &self,
         stage_units: &[usize],
-        reshard_after_forward: bool,
-        overlap: bool,
+        opts: &FsdpOptions,
+        activations: &[StageActivations],
     ) -> usize {
-        let full: Vec<(usize, usize)> = self
+        let full: Vec<stages::UnitBytes> = self
             .units
             .iter()
-            .map(|u| (u.full_param_bytes, u.full_grad_bytes))
+            .map(|u| stages::UnitBytes {
+                params: u.full_param_bytes,
+                grads: u.full_grad_bytes,
+                backward_temporaries: CANDLE_GRADIENT_TEMPORARIES * u.largest_param_bytes,
+            })
             .collect();
-        self.shard_bytes()
-            + stages::peak_of_schedule(&full, stage_units, reshard_after_forward, overlap)
+        self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations)
     }
 }

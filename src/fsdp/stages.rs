@@ -1,15 +1,17 @@
 //! The unit-by-unit runtime: a model as a sequence of stages, each computing with one FSDP
 //! unit's parameters, run in the FSDP rhythm.
 //!
-//! Forward runs the stages in order. Before stage `s` its unit is gathered; with
-//! `reshard_after_forward` the stage runs without a graph (detached inputs and parameters) and
-//! the unit is freed after its last forward use, keeping only the stage's input. Backward runs
-//! the stages in reverse: the unit is re-gathered, the stage recomputed from its saved input
-//! with a graph, and backpropagated from the next stage's input gradient (candle's `backward`
-//! starts at a scalar, so the seed is `Σ out · g`). After a unit's first stage is done its
-//! gradients are reduce-scattered at once and its buffers freed. Without
-//! `reshard_after_forward`, units stay gathered and each stage's forward graph is kept until its
-//! backward (no recomputation).
+//! Forward runs the stages in order, each on its unit's gathered parameters. Backward runs them
+//! in reverse from the next stage's input gradient (candle's `backward` starts at a scalar, so
+//! the seed is `Σ out · g`); after a unit's first stage is done its gradients are
+//! reduce-scattered at once and its buffers freed. Between the two, per [`super::FsdpOptions`]:
+//! - `reshard_after_forward` without `recompute` (FSDP2's rhythm): each stage's graph is kept;
+//!   after a unit's last forward stage its parameters' storages are emptied (the graph keeps the
+//!   tensors) and before its backward the re-gather moves fresh storages into the same tensors;
+//! - with `recompute`: stages run forward without a graph (detached inputs and parameters),
+//!   only their inputs are kept, the unit is freed, and backward re-gathers it and recomputes
+//!   the stage with a graph;
+//! - without `reshard_after_forward`: units stay gathered from forward to backward.
 //!
 //! The last stage returns the loss; its graph is always kept (its unit stays gathered for the
 //! backward that starts right after). A unit used by several stages (the root: embedding first,
@@ -21,6 +23,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 
+use super::activations::{graph_bytes, StageActivations};
 use super::ShardedModel;
 use crate::dbuffer::candle;
 use crate::optim::Optimizer;
@@ -63,6 +66,11 @@ impl UnitParams {
         self.map.get(name).ok_or_else(|| {
             candle_core::Error::Msg(format!("stage parameters have no tensor {name}"))
         })
+    }
+
+    /// The tensors, in no particular order.
+    pub(crate) fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        self.map.values()
     }
 
     /// A `VarBuilder` over these tensors (candle-nn layers built from it share their storage).
@@ -116,21 +124,47 @@ fn uses(stage_units: &[usize], units: usize) -> (Vec<usize>, Vec<usize>) {
     (first, last)
 }
 
-/// The largest sum of full parameter and gradient bytes alive at once while the schedule runs
-/// (`full[u]` = (parameters, gradients) of unit `u`), replaying the gathers, frees, gradient
-/// allocations and reductions of [`ShardedModel::forward_backward`].
+/// What the memory replay knows of one unit: bytes of its full parameters, of its full
+/// gradient buffer, and of candle's gradient temporaries while one of its stages backpropagates.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct UnitBytes {
+    pub params: usize,
+    pub grads: usize,
+    pub backward_temporaries: usize,
+}
+
+/// The largest number of bytes alive at once while the schedule of
+/// [`ShardedModel::forward_backward`] runs: full parameters and gradient buffers (replaying its
+/// gathers, frees, gradient allocations and reductions under `opts`' reshard, recompute and
+/// overlap settings) plus activations (`acts`, per stage; missing stages count zero): saved
+/// stage inputs, kept or recomputed graphs, and candle's temporaries during a stage's backward.
 pub(crate) fn peak_of_schedule(
-    full: &[(usize, usize)],
+    full: &[UnitBytes],
     stage_units: &[usize],
-    reshard_after_forward: bool,
-    overlap: bool,
+    opts: &super::FsdpOptions,
+    acts: &[super::StageActivations],
 ) -> usize {
+    let (reshard, overlap) = (opts.reshard_after_forward, opts.overlap);
     let (first, last) = uses(stage_units, full.len());
     let n = stage_units.len();
+    let act = |s: usize| acts.get(s).copied().unwrap_or_default();
+    let tracked = |s: usize| s + 1 == n || !opts.recompute;
+    // Saved inputs: stage t's output copied for stage t + 1, kept until backward ends.
+    let inputs_before = |s: usize| {
+        (0..s.min(n - 1))
+            .map(|t| act(t).output_bytes)
+            .sum::<usize>()
+    };
+    let kept_graphs = |range: std::ops::Range<usize>| {
+        range
+            .filter(|&t| tracked(t))
+            .map(|t| act(t).graph_bytes)
+            .sum::<usize>()
+    };
     let (mut params, mut grads) = (vec![false; full.len()], vec![false; full.len()]);
     let alive = |p: &[bool], g: &[bool]| -> usize {
         (0..full.len())
-            .map(|u| usize::from(p[u]) * full[u].0 + usize::from(g[u]) * full[u].1)
+            .map(|u| usize::from(p[u]) * full[u].params + usize::from(g[u]) * full[u].grads)
             .sum()
     };
     let mut peak = 0;
@@ -139,29 +173,49 @@ pub(crate) fn peak_of_schedule(
         if overlap && s + 1 < n {
             params[stage_units[s + 1]] = true;
         }
-        peak = peak.max(alive(&params, &grads));
-        if reshard_after_forward && s + 1 < n && last[u] == s {
+        let running = if tracked(s) {
+            act(s).graph_bytes
+        } else {
+            act(s).output_bytes
+        };
+        let activations = inputs_before(s) + kept_graphs(0..s) + running;
+        peak = peak.max(alive(&params, &grads) + activations);
+        if reshard && s + 1 < n && last[u] == s {
             params[u] = false;
         }
     }
     // With overlap a unit's reduce-scatter (and its release) runs behind the next stage's
-    // backward, so its buffers live one stage longer.
-    let mut pending = None;
+    // backward, so its buffers live one stage longer; the collectives thread finishes it before
+    // it prefetches the previous stage's unit, so the two are never alive at once.
+    let mut pending: Option<usize> = None;
     for (s, &u) in stage_units.iter().enumerate().rev() {
         params[u] = true;
         grads[u] = true;
-        if overlap && s > 0 {
-            params[stage_units[s - 1]] = true;
-        }
-        peak = peak.max(alive(&params, &grads));
+        let prev = s.checked_sub(1).map(|p| stage_units[p]).filter(|_| overlap);
+        let prefetch = prev.filter(|&p| !params[p]).map_or(0, |p| full[p].params);
+        let deferred = pending.filter(|&v| v != u).map_or(0, |v| {
+            full[v].grads + if reshard { full[v].params } else { 0 }
+        });
+        let recomputed = if tracked(s) { 0 } else { act(s).graph_bytes };
+        // The gradient arriving at the stage's output has the output's size.
+        let activations = inputs_before(n)
+            + kept_graphs(0..s + 1)
+            + recomputed
+            + act(s).output_bytes
+            + full[u].backward_temporaries;
+        let buffers = alive(&params, &grads) - deferred + deferred.max(prefetch);
+        peak = peak.max(buffers + activations);
         let free = |v: usize, p: &mut [bool], g: &mut [bool]| {
             g[v] = false;
-            if reshard_after_forward {
+            if reshard {
                 p[v] = false;
             }
         };
         if let Some(v) = pending.take() {
             free(v, &mut params, &mut grads);
+        }
+        if let Some(p) = prev {
+            params[p] = true;
         }
         if first[u] == s {
             if overlap && s > 0 {
@@ -188,14 +242,16 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let n = stage_units.len();
         let (first, last) = uses(&stage_units, self.unit_names().len());
         let reshard = self.options().reshard_after_forward;
+        let recompute = self.options().recompute;
         let mut report = StageReport::default();
+        let mut activations = vec![StageActivations::default(); n];
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
         let overlap = self.options().overlap;
         for (s, &u) in stage_units.iter().enumerate() {
             self.timed_gather(u, &mut report)?;
             let start = Instant::now();
-            let tracked = s + 1 == n || !reshard;
+            let tracked = s + 1 == n || !recompute;
             let params = self.unit_params(u, tracked)?;
             let next = stage_units.get(s + 1).copied().filter(|_| overlap);
             let input = inputs[s].as_ref();
@@ -204,17 +260,25 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 stage_forward(model, s, &params, tracked, input, batch)
             })?;
             let out = out.with_context(|| format!("stage {s} (unit {})", self.unit_names()[u]))?;
+            let output_bytes = out.elem_count() * out.dtype().size_in_bytes();
+            activations[s].output_bytes = output_bytes;
             if s + 1 < n {
                 let next = Var::from_tensor(&out.detach()).map_err(candle("stage output"))?;
-                self.stats_arc()
-                    .add_activations(out.elem_count() * out.dtype().size_in_bytes());
+                self.stats_arc().add_activations(output_bytes);
                 inputs[s + 1] = Some(next);
             }
             if tracked {
+                activations[s].graph_bytes = graph_bytes(&out, &params);
                 graphs[s] = Some(out);
             }
+            drop(params);
             if reshard && s + 1 < n && last[u] == s {
-                self.release_unit(u);
+                if tracked {
+                    // The graph keeps the tensors; only their elements go (FSDP2's rhythm).
+                    self.free_unit_storages(u)?;
+                } else {
+                    self.release_unit(u);
+                }
             }
             report.forward_seconds += start.elapsed().as_secs_f64();
         }
@@ -229,21 +293,26 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             let graph = graphs[s].take();
             let mut jobs: Vec<Job> = pending.take().map(Job::Reduce).into_iter().collect();
             if s + 1 == n || g.is_some() {
+                // A kept graph whose unit was resharded gets its storages back (the same
+                // tensors); a dropped one is recomputed from the saved input.
+                self.timed_gather(u, &mut report)?;
                 let source = match graph {
                     Some(out) => Ok(out),
-                    None => {
-                        self.timed_gather(u, &mut report)?;
-                        Err(self.unit_params(u, true)?)
-                    }
+                    None => Err(self.unit_params(u, true)?),
                 };
                 let prev = s.checked_sub(1).map(|p| stage_units[p]);
                 jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
                 let (input, seed) = (inputs[s].as_ref(), g.take());
                 let start = Instant::now();
+                let recomputed = &mut activations[s].graph_bytes;
                 let grad = self.overlapped(&jobs, &mut report, || {
                     let out = match source {
                         Ok(out) => out,
-                        Err(params) => stage_forward(model, s, &params, true, input, batch)?,
+                        Err(params) => {
+                            let out = stage_forward(model, s, &params, true, input, batch)?;
+                            *recomputed = graph_bytes(&out, &params);
+                            out
+                        }
                     };
                     backward_stage(out, seed.as_ref(), input)
                 })?;
@@ -260,6 +329,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 }
             }
         }
+        self.set_activations(activations);
         Ok(report)
     }
 
