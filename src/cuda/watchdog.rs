@@ -28,7 +28,7 @@ const MAX_PAUSE: Duration = Duration::from_millis(1);
 
 /// Polls `probe` until it reports `Done` (`Ok`), `Failed` or `timeout` passes (`Err` naming
 /// `op`, this `rank` and what happened). The first look is immediate; the pause between looks
-/// grows from a few microseconds to [`MAX_PAUSE`], so short collectives cost little.
+/// grows from a few microseconds to `MAX_PAUSE`, so short collectives cost little.
 pub fn wait(
     op: &'static str,
     rank: usize,

@@ -145,7 +145,7 @@ fn span(layout: &Layout, op: &'static str) -> Result<std::ops::Range<usize>> {
 }
 
 /// Runs `f` on a contiguous tensor's elements, read-only, without copying: host memory for a
-/// CPU tensor, device memory ([`Buf::Device`]) for a CUDA tensor (feature `candle-cuda`).
+/// CPU tensor, device memory (`Buf::Device`) for a CUDA tensor (feature `candle-cuda`).
 pub fn with_ref<R>(t: &Tensor, f: impl FnOnce(Buf<'_>) -> Result<R>) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let range = span(layout, "with_ref")?;

@@ -243,7 +243,7 @@ fn storage_buf(s: &mut CpuStorage) -> BufMut<'_> {
 }
 
 /// The one-element f32 variable every parameter tensor of a model hangs off (see
-/// [`super::tap`]).
+/// `tap`).
 pub fn anchor() -> Result<Var> {
     Var::zeros((), DType::F32, &Device::Cpu).map_err(candle("anchor"))
 }

@@ -601,7 +601,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     /// Clips the reduced gradients to a global L2 norm of at most `max_norm` (torch's
     /// `clip_grad_norm_`: scaled by `max_norm / (norm + 1e-6)` when that is below 1) and returns
-    /// the norm before clipping. The norm is summed exactly ([`clip`]), so it is the same bits
+    /// the norm before clipping. The norm is summed exactly (`fsdp::clip`), so it is the same bits
     /// on every rank and unsharded, given the same gradients; one all-gather. A non-finite
     /// gradient gives a NaN norm and leaves the gradients to [`Self::step`]'s policy.
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
@@ -891,7 +891,7 @@ impl MemoryPlan {
 
     /// Peak of the unit-by-unit runtime running stages on `stage_units` (unit index per
     /// stage) with `opts`' reshard, recompute and overlap settings, from a replay of its
-    /// schedule ([`stages::peak_of_schedule`]): the shards and full buffers from the plans, plus
+    /// schedule (`stages::peak_of_schedule`): the shards and full buffers from the plans, plus
     /// `activations` per stage ([`ShardedModel::activations`], measured on a step; empty: none)
     /// and candle's gradient temporaries in backward.
     pub fn peak_unit_by_unit(
