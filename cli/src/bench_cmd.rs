@@ -204,7 +204,7 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
         let n = args.layers * 2 * args.width * args.hidden;
         let body = format!(
             "## Checkpoints: save and load against the disk\n\n\
-             Command: `cargo run --release --bin ragged -- bench checkpoint`. Model: {} blocks \
+             Command: `target/release/ragged bench checkpoint`. Model: {} blocks \
              of Linear({w}→{h}) and back ({n} parameters) with AdamW state (one step taken), \
              on V thread ranks writing their rank files in parallel into `{}`. Disk \
              baseline: one file of the checkpoint's size written sequentially in 8 MiB blocks \
@@ -495,7 +495,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
     if !args.no_write {
         let body = format!(
             "## Optimizers: step time against peak, memcpy and GEMM\n\n\
-             Command: `cargo run --release --bin ragged -- bench optim`{}. Each case is one \
+             Command: `target/release/ragged bench optim`{}. Each case is one \
              `Optimizer::step` on a one-rank shard holding the whole shape set (default \
              hyperparameters; best and median of the timed steps after one untimed step; `reps` 0: \
              the first step took over 20 s and is the only sample). \
@@ -644,7 +644,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     if args.out.as_os_str() != "-" {
         let body = format!(
             "## Runtime: collectives and training step\n\n\
-             Command: `cargo run --release --bin ragged -- bench comm`. Collectives: in-place all-gather and \
+             Command: `target/release/ragged bench comm`. Collectives: in-place all-gather and \
              reduce-scatter (sum) of {} f32 elements per rank on thread ranks; `bytes` is what \
              all ranks receive together, `V·(V−1)·S·4`; memcpy copies the same bytes in the same \
              run, on one thread and split over all cores (the ranks share those cores; best of \
