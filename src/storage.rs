@@ -185,10 +185,32 @@ impl<T: Elem> Storage<T> {
 
     /// A host copy (downloaded from the device, waiting for its stream).
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        Ok(self.host()?.into_owned())
+    }
+
+    /// The elements on the host: borrowed from host storage, downloaded from a device.
+    pub fn host(&self) -> Result<std::borrow::Cow<'_, [T]>> {
         match self {
-            Storage::Cpu(v) => Ok(v.clone()),
+            Storage::Cpu(v) => Ok(std::borrow::Cow::Borrowed(v)),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(d) => d.dev.download(&d.data),
+            Storage::Cuda(d) => Ok(std::borrow::Cow::Owned(d.dev.download(&d.data)?)),
+        }
+    }
+
+    /// A copy in the same memory (device to device for device storage).
+    pub fn try_clone(&self) -> Result<Self> {
+        match self {
+            Storage::Cpu(v) => Ok(Storage::Cpu(v.clone())),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => {
+                let stream = d.dev.stream();
+                let data =
+                    crate::cuda::guarded("Storage::try_clone", || stream.clone_dtod(&d.data))?;
+                Ok(Storage::Cuda(DeviceVec {
+                    data,
+                    dev: Arc::clone(&d.dev),
+                }))
+            }
         }
     }
 

@@ -192,12 +192,8 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
         repeats: args.repeats,
     };
     let adamw = ragged_optimizers::AdamW::new(ragged_optimizers::AdamWConfig::default())?;
-    let bar = sweep_bar((args.repeats * args.worlds.len()) as u64);
-    let rows = run(&cfg, adamw, |what| {
-        bar.set_message(what.to_string());
-        bar.inc(1);
-    })?;
-    bar.finish_and_clear();
+    let steps = (args.repeats * args.worlds.len()) as u64;
+    let rows = with_progress(steps, |step| run(&cfg, adamw, step))?;
     let table = markdown(&rows);
     println!("{table}");
     if args.out.as_os_str() != "-" {
@@ -265,12 +261,8 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
     if args.paired {
         return train_paired(args, &cfg, heap);
     }
-    let bar = sweep_bar(1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64);
-    let rows = run(&cfg, |what| {
-        bar.set_message(what.to_string());
-        bar.inc(1);
-    })?;
-    bar.finish_and_clear();
+    let steps = 1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64;
+    let rows = with_progress(steps, |step| run(&cfg, step))?;
     let table = markdown(&rows);
     println!("{table}");
     if args.out.as_os_str() != "-" {
@@ -322,12 +314,7 @@ fn train_paired(
     heap: bool,
 ) -> Result<()> {
     use ragged::bench::train::{paired, paired_markdown, variants};
-    let bar = sweep_bar(variants().len() as u64);
-    let rows = paired(cfg, |what| {
-        bar.set_message(what.to_string());
-        bar.inc(1);
-    })?;
-    bar.finish_and_clear();
+    let rows = with_progress(variants().len() as u64, |step| paired(cfg, step))?;
     let table = paired_markdown(&rows);
     println!("{table}");
     if args.out.as_os_str() != "-" {
@@ -357,6 +344,18 @@ fn train_paired(
 fn sweep_bar(len: u64) -> ProgressBar {
     let style = ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]");
     ProgressBar::new(len).with_style(style.expect("valid template"))
+}
+
+/// Runs a sweep of `len` steps under a progress bar: `sweep` gets the callback that names each
+/// step as it starts. The bar is cleared however the sweep ends.
+fn with_progress<T>(len: u64, sweep: impl FnOnce(&mut dyn FnMut(&str)) -> Result<T>) -> Result<T> {
+    let bar = sweep_bar(len);
+    let out = sweep(&mut |what: &str| {
+        bar.set_message(what.to_string());
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    out
 }
 
 const OP_OPTIM: &str = "ragged bench optim";

@@ -352,7 +352,15 @@ impl Adam8bitState {
 
     /// A copy in the same memory.
     pub fn try_clone(&self) -> Result<Self> {
-        self.to_placement(&self.m.placement())
+        Ok(Adam8bitState {
+            step: self.step,
+            m: self.m.try_clone()?,
+            v: self.v.try_clone()?,
+            scale_m: self.scale_m.try_clone()?,
+            scale_v: self.scale_v.try_clone()?,
+            m32: self.m32.try_clone()?,
+            v32: self.v32.try_clone()?,
+        })
     }
 
     /// The same state in the memory `place` names (a copy of every array).
@@ -373,10 +381,9 @@ impl Adam8bitState {
     /// `scale_v` (u16), `m32`, `v32` (f32); all little-endian (device arrays are downloaded).
     /// Exact: loading gives back the same bits.
     pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
-        let host = self.to_placement(&Placement::Cpu)?;
-        let (m, v) = (host.m.cpu()?, host.v.cpu()?);
-        let (scale_m, scale_v) = (host.scale_m.cpu()?, host.scale_v.cpu()?);
-        let (m32, v32) = (host.m32.cpu()?, host.v32.cpu()?);
+        let (m, v) = (self.m.host()?, self.v.host()?);
+        let (scale_m, scale_v) = (self.scale_m.host()?, self.scale_v.host()?);
+        let (m32, v32) = (self.m32.host()?, self.v32.host()?);
         let mut out = Vec::new();
         for w in [
             self.step,
@@ -386,12 +393,12 @@ impl Adam8bitState {
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
-        out.extend_from_slice(m);
-        out.extend_from_slice(v);
-        for x in scale_m.iter().chain(scale_v) {
+        out.extend_from_slice(&m);
+        out.extend_from_slice(&v);
+        for x in scale_m.iter().chain(scale_v.iter()) {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        for x in m32.iter().chain(v32) {
+        for x in m32.iter().chain(v32.iter()) {
             out.extend_from_slice(&x.to_le_bytes());
         }
         Ok(out)
@@ -687,7 +694,8 @@ impl Optimizer for Adam8bit {
             scales: [state.scale_m.len(), state.scale_v.len()],
             fp32: [state.m32.len(), state.v32.len()],
         };
-        let (layout, scales) = self.checked_layout(OP, shard, &lens)?;
+        // `checked_layout` also checks the scale arrays' lengths (the device launch size).
+        let (layout, _) = self.checked_layout(OP, shard, &lens)?;
         let t = next_step(OP, state.step)?;
         match params {
             ViewMut::Cpu(params) => {
@@ -696,13 +704,10 @@ impl Optimizer for Adam8bit {
             }
             #[cfg(feature = "cuda")]
             ViewMut::Cuda(mut params) => {
-                let sizes = (layout.as_slice(), scales);
-                crate::cuda::adam8bit::step(self, state, shard, sizes, &mut params, grads, t)?;
+                crate::cuda::adam8bit::step(self, state, shard, &layout, &mut params, grads, t)?;
             }
             _ => return Err(ragged::storage::no_backend(OP)),
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = scales; // the device step's launch size
         state.step = t;
         Ok(())
     }

@@ -179,11 +179,10 @@ impl AdamState {
 
     /// A copy in the same memory (a device copy for device moments).
     pub fn try_clone(&self) -> Result<Self> {
-        let place = self.m.placement();
         Ok(AdamState {
             step: self.step,
-            m: place.put(self.m.to_vec()?)?,
-            v: place.put(self.v.to_vec()?)?,
+            m: self.m.try_clone()?,
+            v: self.v.try_clone()?,
         })
     }
 
@@ -197,11 +196,11 @@ impl AdamState {
     /// gives back the same bits. (`len` is `m`'s length; a state whose moments differ in
     /// length writes bytes that do not load.)
     pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
-        let (m, v) = (self.m.to_vec()?, self.v.to_vec()?);
+        let (m, v) = (self.m.host()?, self.v.host()?);
         let mut out = Vec::with_capacity(16 + 4 * (m.len() + v.len()));
         out.extend_from_slice(&self.step.to_le_bytes());
         out.extend_from_slice(&(m.len() as u64).to_le_bytes());
-        for x in m.iter().chain(&v) {
+        for x in m.iter().chain(v.iter()) {
             out.extend_from_slice(&x.to_le_bytes());
         }
         Ok(out)

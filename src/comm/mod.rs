@@ -273,10 +273,7 @@ pub trait Communicator: Send + Sync {
     /// count): 0 for backends that write the segments directly (threads, one rank). This
     /// default stages: it gathers into a contiguous buffer and copies the segments out.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
-        let full = send.len() * self.world_size();
-        check_segments(segments, send.elem_type(), full)?;
-        let staged = staged_all_gather(self, send, segments)?;
-        Ok(staged)
+        staged_all_gather(self, send, segments)
     }
 
     /// Reduce-scatter from a `V·S`-element input into a separate `S`-element output (the input
@@ -313,7 +310,8 @@ pub fn all_gather_bytes(comm: &dyn Communicator, bytes: &[u8]) -> Result<Vec<Vec
         .collect())
 }
 
-/// [`Communicator::all_gather_segments`] through a contiguous staging buffer (host memory).
+/// [`Communicator::all_gather_segments`] through a contiguous staging buffer (host memory),
+/// after checking the segments.
 pub(crate) fn staged_all_gather<C: Communicator + ?Sized>(
     comm: &C,
     send: Buf<'_>,
@@ -323,6 +321,7 @@ pub(crate) fn staged_all_gather<C: Communicator + ?Sized>(
         seg.copy_from_slice(&full[offset..offset + seg.len()]);
     }
     let full = send.len() * comm.world_size();
+    check_segments(segments, send.elem_type(), full)?;
     let mut copied = 0;
     match send {
         Buf::F32(s) => {

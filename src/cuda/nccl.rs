@@ -509,8 +509,6 @@ impl Communicator for NcclComm {
     /// count); host segments through a host staging buffer, as the trait's default.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         let Buf::Device(s) = send else {
-            let full = send.len() * self.world;
-            check_segments(segments, send.elem_type(), full)?;
             return staged_all_gather(self, send, segments);
         };
         check_segments(segments, s.elem_type(), s.len() * self.world)?;

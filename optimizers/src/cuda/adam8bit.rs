@@ -74,12 +74,13 @@ impl Adam8bit {
 
 /// 8-bit Adam's step on device memory: one launch for every scale block of the shard, one
 /// AdamW launch per fallback piece; bitwise the host step. The block table and the two maps
-/// (a few KiB) are uploaded each call. `layout` and `scales` come from the host step's checks.
+/// (a few KiB) are uploaded each call. `layout` comes from the host step's checks, which also
+/// checked the scale arrays against it (one block per scale).
 pub(crate) fn step(
     opt: &Adam8bit,
     state: &mut Adam8bitState,
     shard: &LocalShard,
-    (layout, scales): (&[PieceState], usize),
+    layout: &[PieceState],
     params: &mut CudaViewMut<'_, f32>,
     grads: View<'_, f32>,
     t: u64,
@@ -90,6 +91,7 @@ pub(crate) fn step(
     let (_, v) = device_array(OP, &mut state.v)?;
     let (_, scale_m) = device_array(OP, &mut state.scale_m)?;
     let (_, scale_v) = device_array(OP, &mut state.scale_v)?;
+    let scales = scale_m.len();
     let (_, m32) = device_array(OP, &mut state.m32)?;
     let (_, v32) = device_array(OP, &mut state.v32)?;
     let c = &opt.config().adam;
