@@ -1096,11 +1096,12 @@ fn storage_elements(t: &Tensor) -> usize {
 }
 
 /// The MLP stack's stages, recording (clones of) each stage's parameter tensors, which share
-/// their storage objects with the graph, and, at every stage's forward, the storage lengths of
-/// the earlier stages' parameters.
+/// their storage objects with the graph, their values at the stage's forward, and, at every
+/// stage's forward, the storage lengths of the earlier stages' parameters.
 struct Watched {
     mlp: ragged::demo::MlpStages,
     params: Mutex<Vec<Vec<(String, Tensor)>>>,
+    values_seen: Mutex<Vec<(String, Vec<f32>)>>,
     lengths_seen: Mutex<Vec<Vec<usize>>>,
 }
 
@@ -1123,22 +1124,26 @@ impl Stages for Watched {
             format!("layers.{s}.up.weight"),
             format!("layers.{s}.down.weight"),
         ];
-        params.push(
-            names
-                .into_iter()
-                .map(|n| Ok((n.clone(), p.get(&n)?.clone())))
-                .collect::<candle_core::Result<_>>()?,
-        );
+        let mine: Vec<(String, Tensor)> = names
+            .into_iter()
+            .map(|n| Ok((n.clone(), p.get(&n)?.clone())))
+            .collect::<candle_core::Result<_>>()?;
+        let mut values = self.values_seen.lock().unwrap();
+        for (n, t) in &mine {
+            values.push((n.clone(), t.flatten_all()?.to_vec1::<f32>()?));
+        }
+        params.push(mine);
         self.mlp.forward(s, p, x, b)
     }
 }
 
 /// FSDP2's rhythm without recomputation (the default), proven on the storage objects the
 /// graph holds: after a unit's forward its parameters' storages are empty (0 elements) while
-/// later stages run, and after the step's backward the very same storage objects hold the
-/// re-gathered parameters (every element). The gradients, and so the trained weights, are
-/// bitwise those of keeping units gathered and of recomputing: a backward that read a freed
-/// storage could not match them.
+/// later stages run; every stage's forward reads the current parameters (also from storages
+/// another unit left, whose old values the gather overwrote); after the step every unit's
+/// storages were handed on (0 elements again), and two units' are kept for the next gathers.
+/// The gradients, and so the trained weights, are bitwise those of keeping units gathered and
+/// of recomputing: a backward that read a freed or stale storage could not match them.
 #[test]
 fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
     let mlp = ragged::demo::MlpConfig {
@@ -1151,10 +1156,12 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
         ThreadWorld::run(2, |c| {
             let mut sharded = fully_shard(&params, adamw(), c, opts.clone())?;
             let mut storages = Vec::new();
-            for step in 0..2 {
+            let mut after = Vec::new();
+            for step in 0..3 {
                 let watched = Watched {
                     mlp: ragged::demo::MlpStages(mlp),
                     params: Mutex::new(Vec::new()),
+                    values_seen: Mutex::new(Vec::new()),
                     lengths_seen: Mutex::new(Vec::new()),
                 };
                 let full = sharded.full_params()?;
@@ -1165,20 +1172,34 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
                     y: rows(&b.y)?,
                 };
                 sharded.forward_backward(&watched, &b)?;
-                // After backward: the graph's storage objects were refilled with the values.
-                for (name, t) in watched.params.into_inner().unwrap().into_iter().flatten() {
-                    let values = t.flatten_all()?.to_vec1::<f32>()?;
-                    assert_eq!(values, full[&name], "{name} not refilled before backward");
+                for (name, values) in watched.values_seen.into_inner().unwrap() {
+                    assert_eq!(values, full[&name], "step {step}: {name} read stale values");
                 }
+                let params = watched.params.into_inner().unwrap();
+                let lengths: Vec<usize> = params
+                    .iter()
+                    .flatten()
+                    .map(|(_, t)| storage_elements(t))
+                    .collect();
+                after.push((lengths, sharded.spare_param_bytes()));
                 storages.push(watched.lengths_seen.into_inner().unwrap());
                 sharded.step()?;
             }
-            Ok((storages, sharded.full_params()?))
+            Ok((storages, after, sharded.full_params()?))
         })
         .unwrap()
         .remove(0)
     };
-    let (lengths, trained) = run(FsdpOptions::default());
+    let (lengths, after, trained) = run(FsdpOptions::default());
+    // A layer unit: up and down weights, width × hidden f32 each.
+    let unit_bytes = 2 * 4 * mlp.width * mlp.hidden;
+    for (step, (lengths, spare)) in after.iter().enumerate() {
+        assert!(
+            lengths.iter().all(|&n| n == 0),
+            "step {step}: {lengths:?} kept after the step"
+        );
+        assert_eq!(*spare, 2 * unit_bytes, "step {step}: spare storages");
+    }
     for (step, seen) in lengths.iter().enumerate() {
         for (stage, earlier) in seen.iter().enumerate() {
             assert_eq!(earlier.len(), 2 * stage);
@@ -1201,11 +1222,12 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
         recompute: true,
         ..FsdpOptions::default()
     };
-    let (kept_lengths, kept) = run(keep_units);
-    // Kept units keep their storages whole: the check above can tell the two apart.
+    let (kept_lengths, kept_after, kept) = run(keep_units);
+    // Kept units keep their storages whole: the checks above can tell the two apart.
     assert!(kept_lengths[0][1].iter().all(|&n| n > 0));
+    assert!(kept_after[0].0.iter().all(|&n| n > 0) && kept_after[0].1 == 0);
     assert_eq!(sorted(trained.clone()), sorted(kept));
-    assert_eq!(sorted(trained), sorted(run(recompute).1));
+    assert_eq!(sorted(trained), sorted(run(recompute).2));
 }
 
 /// The activations the runtime measures are what candle's graph of an MLP block holds: the

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Tensor, Var};
 
 use super::grads::GradSink;
@@ -132,6 +133,18 @@ impl ParamBuffer {
         &mut self,
         fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
     ) -> Result<()> {
+        self.gather_into(None, fill)
+    }
+
+    /// [`Self::gather`], writing into `spare` storages (another buffer's, from
+    /// [`Self::take_storages`]) where they match this buffer's tensors in number, dtype and
+    /// length, instead of allocating: their old contents are overwritten by `fill`, so no
+    /// zero-fill is paid. Spares are dropped when the copies are current already.
+    pub fn gather_into(
+        &mut self,
+        spare: Option<Vec<CpuStorage>>,
+        fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
         match self.state() {
             Materialized::Unsharded => Ok(()),
             Materialized::Stale => {
@@ -141,7 +154,7 @@ impl ParamBuffer {
                 Ok(())
             }
             Materialized::Freed => {
-                let mut storages = self.fresh_storages();
+                let mut storages = self.storages_for_gather(spare);
                 let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
                 fill(&self.master, &mut dsts)?;
                 drop(dsts);
@@ -154,7 +167,7 @@ impl ParamBuffer {
                 Ok(())
             }
             Materialized::Sharded => {
-                let mut storages = self.fresh_storages();
+                let mut storages = self.storages_for_gather(spare);
                 let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
                 fill(&self.master, &mut dsts)?;
                 drop(dsts);
@@ -181,15 +194,28 @@ impl ParamBuffer {
         }
     }
 
-    /// Zeroed storages, one per tensor (calloc'd: pages are touched only when written).
-    fn fresh_storages(&self) -> Vec<CpuStorage> {
-        self.slots
-            .iter()
-            .map(|s| match self.dtype {
-                DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; s.numel()]),
-                _ => CpuStorage::F32(vec![0.0; s.numel()]),
+    /// One storage per tensor for a gather to fill: `spare` if it fits every tensor, else
+    /// zeroed ones (calloc'd: pages are touched only when written).
+    fn storages_for_gather(&self, spare: Option<Vec<CpuStorage>>) -> Vec<CpuStorage> {
+        match spare {
+            Some(spare) if self.fits(&spare) => spare,
+            _ => self
+                .slots
+                .iter()
+                .map(|s| match self.dtype {
+                    DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; s.numel()]),
+                    _ => CpuStorage::F32(vec![0.0; s.numel()]),
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether `storages` hold exactly this buffer's tensors, in slot order and compute dtype.
+    fn fits(&self, storages: &[CpuStorage]) -> bool {
+        storages.len() == self.slots.len()
+            && storages.iter().zip(&self.slots).all(|(st, slot)| {
+                st.dtype() == self.dtype && tap::storage_len(st) == Some(slot.numel())
             })
-            .collect()
     }
 
     /// The parameter tensors (tracked: their gradients reach the sink), in slot order.
@@ -216,15 +242,24 @@ impl ParamBuffer {
     /// empty storages until the next [`Self::gather`] moves fresh ones into the same tensors.
     /// Returns the bytes freed.
     pub fn free_storages(&mut self) -> Result<usize> {
-        let Some(tensors) = &self.tensors else {
-            return Ok(0);
-        };
-        let mut elements = 0;
-        for t in tensors {
-            elements += tap::free_storage(t)?;
-        }
-        self.freed = true;
+        let storages = self.take_storages()?;
+        let elements: usize = storages.iter().filter_map(tap::storage_len).sum();
         Ok(elements * self.dtype.size_in_bytes())
+    }
+
+    /// [`Self::free_storages`], handing the storages over (in slot order; empty when there
+    /// were none) for another buffer's [`Self::gather_into`]. Every tensor sharing them, the
+    /// kept graph's included, is left with an empty storage until the next gather.
+    pub fn take_storages(&mut self) -> Result<Vec<CpuStorage>> {
+        let Some(tensors) = self.tensors.as_ref().filter(|_| !self.freed) else {
+            return Ok(Vec::new());
+        };
+        let storages = tensors
+            .iter()
+            .map(tap::take_storage)
+            .collect::<Result<Vec<_>>>()?;
+        self.freed = true;
+        Ok(storages)
     }
 
     /// Bytes of the compute copies when materialized.
@@ -246,4 +281,92 @@ fn storage_buf(s: &mut CpuStorage) -> BufMut<'_> {
 /// `tap`).
 pub fn anchor() -> Result<Var> {
     Var::zeros((), DType::F32, &Device::Cpu).map_err(candle("anchor"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dbuffer::CopyStats;
+
+    fn buffer(shapes: &[&[usize]], master: &[f32]) -> ParamBuffer {
+        let slots: Vec<TensorSlot> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TensorSlot {
+                name: format!("t{i}"),
+                shape: s.to_vec(),
+            })
+            .collect();
+        let sink = GradSink::new(Vec::new(), 0, Arc::new(CopyStats::default())).unwrap();
+        let mut b = ParamBuffer::new(
+            slots,
+            master.len(),
+            DType::F32,
+            Arc::new(sink),
+            anchor().unwrap(),
+        )
+        .unwrap();
+        b.master_mut().copy_from_slice(master);
+        b
+    }
+
+    /// Fills the tensors with the master's elements, in order (a one-rank gather).
+    fn fill(master: &[f32], dsts: &mut [BufMut<'_>]) -> Result<()> {
+        let mut at = 0;
+        for d in dsts {
+            let BufMut::F32(d) = d else { unreachable!() };
+            d.copy_from_slice(&master[at..at + d.len()]);
+            at += d.len();
+        }
+        Ok(())
+    }
+
+    fn data_ptrs(b: &ParamBuffer) -> Vec<usize> {
+        b.tensors()
+            .unwrap()
+            .iter()
+            .map(|t| match &*t.storage_and_layout().0 {
+                candle_core::Storage::Cpu(CpuStorage::F32(v)) => v.as_ptr() as usize,
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
+    /// Storages taken from one buffer become another's parameters: the very allocations (they
+    /// are moved, never freed in between, so equal addresses are the same memory), their old
+    /// values overwritten by the gather. Storages of other sizes are not used.
+    #[test]
+    fn gather_into_reuses_spare_storages_of_the_same_sizes() {
+        let shapes: [&[usize]; 2] = [&[2, 3], &[4]];
+        let mut a = buffer(&shapes, &[1.0; 10]);
+        a.gather(fill).unwrap();
+        let before = data_ptrs(&a);
+        let spare = a.take_storages().unwrap();
+        assert_eq!(a.state(), Materialized::Freed);
+        assert!(a.tensors().is_err());
+
+        let values: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let mut b = buffer(&shapes, &values);
+        b.gather_into(Some(spare), fill).unwrap();
+        assert_eq!(data_ptrs(&b), before);
+        let got: Vec<f32> = b
+            .tensors()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect();
+        assert_eq!(got, values);
+
+        // Another buffer's sizes: fresh storages (the spares do not fit), right values.
+        let spare = b.take_storages().unwrap();
+        let mut c = buffer(&[&[5], &[5]], &values);
+        c.gather_into(Some(spare), fill).unwrap();
+        let got: Vec<f32> = c
+            .tensors()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect();
+        assert_eq!(got, values);
+    }
 }

@@ -13,7 +13,7 @@
 //!   accumulate there), and returns no gradient for the anchor.
 //!
 //! Between a unit's forward and backward the runtime may empty a parameter tensor's storage and
-//! move a re-gathered one in later ([`free_storage`], [`refill_storage`]): the graph keeps the
+//! move a re-gathered one in later ([`take_storage`], [`refill_storage`]): the graph keeps the
 //! tensor, and every tensor derived from it without a copy shares the storage object.
 
 use std::sync::{Arc, Mutex};
@@ -136,15 +136,14 @@ fn replace_storage(t: &Tensor, storage: CpuStorage) -> Result<CpuStorage> {
     })
 }
 
-/// Frees parameter tensor `t`'s elements: its storage object (shared with every tensor of a
-/// kept graph derived from it without a copy) is left empty. Returns the elements freed.
-pub(crate) fn free_storage(t: &Tensor) -> Result<usize> {
+/// Takes parameter tensor `t`'s elements out: its storage object (shared with every tensor of a
+/// kept graph derived from it without a copy) is left empty. Returns what it held.
+pub(crate) fn take_storage(t: &Tensor) -> Result<CpuStorage> {
     let empty = match t.dtype() {
         candle_core::DType::BF16 => CpuStorage::BF16(Vec::new()),
         _ => CpuStorage::F32(Vec::new()),
     };
-    let old = replace_storage(t, empty)?;
-    Ok(storage_len(&old).unwrap_or(0))
+    replace_storage(t, empty)
 }
 
 /// Moves `storage` (exactly `t`'s elements) into parameter tensor `t`'s storage object, so every

@@ -30,6 +30,7 @@ mod clip;
 mod describe;
 pub mod fsdp2;
 mod layout;
+mod param_pool;
 mod stages;
 
 pub use activations::StageActivations;
@@ -39,7 +40,7 @@ pub use stages::{StageReport, Stages, UnitParams};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Tensor};
 
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{
@@ -52,6 +53,7 @@ use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
 use crate::Result;
 use layout::UnitLayout;
+use param_pool::ParamPool;
 
 /// How parameters are laid out over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -264,6 +266,8 @@ pub struct ShardedModel<'c, O: Optimizer> {
     schedule: Option<(Schedule, f64)>,
     /// Activation bytes per stage, measured by the last `forward_backward`.
     activations: Vec<StageActivations>,
+    /// Compute-copy storages between a unit's free and the next gather.
+    param_pool: ParamPool,
 }
 
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
@@ -344,6 +348,11 @@ pub fn fully_shard<'c, O: Optimizer>(
             reported: false,
         });
     }
+    let buffers: Vec<Vec<&ParamBuffer>> = groups
+        .iter()
+        .map(|(_, bs)| bs.iter().map(|&b| &units[b].params).collect())
+        .collect();
+    let param_pool = ParamPool::new(&buffers);
     Ok(ShardedModel {
         comm,
         optimizer,
@@ -357,6 +366,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         steps: 0,
         schedule: None,
         activations: Vec::new(),
+        param_pool,
     })
 }
 
@@ -395,7 +405,8 @@ fn load_local(
 
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers unit `u`'s compute copies unless they are current.
-    fn gather_unit(&mut self, u: usize) -> Result<()> {
+    /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
+    fn gather_unit(&mut self, u: usize, spare: Option<Vec<CpuStorage>>) -> Result<()> {
         let comm = self.comm;
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
@@ -412,12 +423,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     .iter()
                     .map(|&x| half::bf16::from_f32(x))
                     .collect();
-                unit.params
-                    .gather(|_, dsts| layout.gather(comm, Buf::BF16(&cast), dsts, &stats))
+                unit.params.gather_into(spare, |_, dsts| {
+                    layout.gather(comm, Buf::BF16(&cast), dsts, &stats)
+                })
             }
-            _ => unit
-                .params
-                .gather(|master, dsts| layout.gather(comm, Buf::F32(master), dsts, &stats)),
+            _ => unit.params.gather_into(spare, |master, dsts| {
+                layout.gather(comm, Buf::F32(master), dsts, &stats)
+            }),
         }
     }
 
@@ -489,7 +501,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn unshard(&mut self) -> Result<HashMap<String, Tensor>> {
         let mut views = HashMap::new();
         for u in 0..self.units.len() {
-            self.gather_unit(u)?;
+            self.gather_unit(u, None)?;
             let unit = &self.units[u];
             let tensors = unit.params.tensors()?;
             for (slot, t) in unit.params.slots().iter().zip(tensors) {
@@ -751,13 +763,15 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let units = self
             .groups
             .iter()
-            .map(|(name, buffers)| {
+            .enumerate()
+            .map(|(g, (name, buffers))| {
                 let mut m = UnitMemory {
                     name: name.clone(),
                     shard_bytes: 0,
                     full_param_bytes: 0,
                     full_grad_bytes: 0,
                     largest_param_bytes: 0,
+                    storage_class: self.param_pool.class_of(g),
                 };
                 for u in buffers.iter().map(|&b| &self.units[b]) {
                     m.shard_bytes += 8 * u.local.len;
@@ -819,9 +833,22 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     /// Gathers every buffer of unit `g` that is not current.
     pub(crate) fn ensure_gathered(&mut self, g: usize) -> Result<()> {
-        self.buffers_of(g)
-            .into_iter()
-            .try_for_each(|b| self.gather_unit(b))
+        let buffers = self.buffers_of(g);
+        let needs_storage = buffers.iter().any(|&b| {
+            matches!(
+                self.units[b].params.state(),
+                Materialized::Sharded | Materialized::Freed
+            )
+        });
+        let mut spare = needs_storage
+            .then(|| self.param_pool.take(g))
+            .flatten()
+            .unwrap_or_default();
+        for (i, b) in buffers.into_iter().enumerate() {
+            let mine = spare.get_mut(i).map(std::mem::take);
+            self.gather_unit(b, mine)?;
+        }
+        Ok(())
     }
 
     /// Whether every buffer of unit `g` holds current compute copies.
@@ -835,16 +862,29 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Empties the storages of every buffer of unit `g` but keeps its tensors (a kept graph
     /// holds them); the next gather refills them.
     pub(crate) fn free_unit_storages(&mut self, g: usize) -> Result<()> {
+        let storages = self
+            .buffers_of(g)
+            .into_iter()
+            .map(|b| self.units[b].params.take_storages())
+            .collect::<Result<Vec<_>>>()?;
+        self.param_pool.give_back(g, storages);
+        Ok(())
+    }
+
+    /// Frees unit `g`'s compute copies for good (until the next gather makes new tensors), their
+    /// storages kept for the next gather of a unit like it. Only for units no graph or caller
+    /// still reads: their tensors are left with empty storages.
+    pub(crate) fn recycle_unit(&mut self, g: usize) -> Result<()> {
+        self.free_unit_storages(g)?;
         for b in self.buffers_of(g) {
-            self.units[b].params.free_storages()?;
+            self.units[b].params.release();
         }
         Ok(())
     }
 
-    pub(crate) fn release_unit(&mut self, g: usize) {
-        for b in self.buffers_of(g) {
-            self.units[b].params.release();
-        }
+    /// Bytes of compute-copy storages kept for the next gathers.
+    pub fn spare_param_bytes(&self) -> usize {
+        self.param_pool.spare_bytes()
     }
 
     /// Reduce-scatters every buffer of unit `g`.
@@ -867,6 +907,9 @@ pub struct UnitMemory {
     pub full_grad_bytes: usize,
     /// The unit's largest parameter in the compute dtype (sizes candle's gradient temporaries).
     pub largest_param_bytes: usize,
+    /// The first unit whose tensors have the same sizes and dtypes: units of one class reuse
+    /// each other's freed compute-copy storages.
+    pub storage_class: usize,
 }
 
 /// Tensors of a parameter's size candle's backward holds at once while it computes one
@@ -907,6 +950,7 @@ impl MemoryPlan {
                 params: u.full_param_bytes,
                 grads: u.full_grad_bytes,
                 backward_temporaries: CANDLE_GRADIENT_TEMPORARIES * u.largest_param_bytes,
+                class: u.storage_class,
             })
             .collect();
         self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations)

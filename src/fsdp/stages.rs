@@ -24,6 +24,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 
 use super::activations::{graph_bytes, StageActivations};
+use super::param_pool::ParamPool;
 use super::ShardedModel;
 use crate::dbuffer::candle;
 use crate::optim::Optimizer;
@@ -125,27 +126,94 @@ fn uses(stage_units: &[usize], units: usize) -> (Vec<usize>, Vec<usize>) {
 }
 
 /// What the memory replay knows of one unit: bytes of its full parameters, of its full
-/// gradient buffer, and of candle's gradient temporaries while one of its stages backpropagates.
+/// gradient buffer, and of candle's gradient temporaries while one of its stages backpropagates;
+/// and its storage class (units of one class reuse each other's freed parameter storages).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct UnitBytes {
     pub params: usize,
     pub grads: usize,
     pub backward_temporaries: usize,
+    pub class: usize,
+}
+
+/// The runtime's buffers during a replay: which units' full parameters and gradient buffers
+/// exist, and whose freed parameter storages wait in the pool (`param_pool`, same policy).
+struct Buffers<'a> {
+    full: &'a [UnitBytes],
+    params: Vec<bool>,
+    grads: Vec<bool>,
+    /// Units whose freed storages are kept, at most [`ParamPool::SPARE`].
+    pool: Vec<usize>,
+}
+
+impl Buffers<'_> {
+    fn gather(&mut self, u: usize) {
+        if !self.params[u] {
+            self.params[u] = true;
+            let class = self.full[u].class;
+            if let Some(i) = self.pool.iter().position(|&v| self.full[v].class == class) {
+                self.pool.swap_remove(i);
+            }
+        }
+    }
+
+    fn free_params(&mut self, u: usize) {
+        if self.params[u] {
+            self.params[u] = false;
+            if self.pool.len() < ParamPool::SPARE {
+                self.pool.push(u);
+            }
+        }
+    }
+
+    fn alive(&self) -> usize {
+        let units: usize = (0..self.full.len())
+            .map(|u| {
+                usize::from(self.params[u]) * self.full[u].params
+                    + usize::from(self.grads[u]) * self.full[u].grads
+            })
+            .sum();
+        units
+            + self
+                .pool
+                .iter()
+                .map(|&v| self.full[v].params)
+                .sum::<usize>()
+    }
 }
 
 /// The largest number of bytes alive at once while the schedule of
-/// [`ShardedModel::forward_backward`] runs: full parameters and gradient buffers (replaying its
-/// gathers, frees, gradient allocations and reductions under `opts`' reshard, recompute and
-/// overlap settings) plus activations (`acts`, per stage; missing stages count zero): saved
-/// stage inputs, kept or recomputed graphs, and candle's temporaries during a stage's backward.
+/// [`ShardedModel::forward_backward`] runs: full parameters, gradient buffers and spare
+/// parameter storages (replaying its gathers, frees, gradient allocations and reductions under
+/// `opts`' reshard, recompute and overlap settings, over two steps so the second starts with
+/// the storages the first left in the pool) plus activations (`acts`, per stage; missing
+/// stages count zero): saved stage inputs, kept or recomputed graphs, and candle's temporaries
+/// during a stage's backward.
 pub(crate) fn peak_of_schedule(
     full: &[UnitBytes],
     stage_units: &[usize],
     opts: &super::FsdpOptions,
     acts: &[super::StageActivations],
 ) -> usize {
+    let mut buffers = Buffers {
+        full,
+        params: vec![false; full.len()],
+        grads: vec![false; full.len()],
+        pool: Vec::new(),
+    };
+    let first = replay_step(&mut buffers, stage_units, opts, acts);
+    first.max(replay_step(&mut buffers, stage_units, opts, acts))
+}
+
+/// One step of [`peak_of_schedule`]'s replay, from `b`'s state; returns its peak.
+fn replay_step(
+    b: &mut Buffers<'_>,
+    stage_units: &[usize],
+    opts: &super::FsdpOptions,
+    acts: &[super::StageActivations],
+) -> usize {
     let (reshard, overlap) = (opts.reshard_after_forward, opts.overlap);
-    let (first, last) = uses(stage_units, full.len());
+    let (first, last) = uses(stage_units, b.full.len());
     let n = stage_units.len();
     let act = |s: usize| acts.get(s).copied().unwrap_or_default();
     let tracked = |s: usize| s + 1 == n || !opts.recompute;
@@ -161,17 +229,11 @@ pub(crate) fn peak_of_schedule(
             .map(|t| act(t).graph_bytes)
             .sum::<usize>()
     };
-    let (mut params, mut grads) = (vec![false; full.len()], vec![false; full.len()]);
-    let alive = |p: &[bool], g: &[bool]| -> usize {
-        (0..full.len())
-            .map(|u| usize::from(p[u]) * full[u].params + usize::from(g[u]) * full[u].grads)
-            .sum()
-    };
-    let mut peak = 0;
+    let mut peak = b.alive();
     for (s, &u) in stage_units.iter().enumerate() {
-        params[u] = true;
+        b.gather(u);
         if overlap && s + 1 < n {
-            params[stage_units[s + 1]] = true;
+            b.gather(stage_units[s + 1]);
         }
         let running = if tracked(s) {
             act(s).graph_bytes
@@ -179,53 +241,48 @@ pub(crate) fn peak_of_schedule(
             act(s).output_bytes
         };
         let activations = inputs_before(s) + kept_graphs(0..s) + running;
-        peak = peak.max(alive(&params, &grads) + activations);
+        peak = peak.max(b.alive() + activations);
         if reshard && s + 1 < n && last[u] == s {
-            params[u] = false;
+            b.free_params(u);
         }
     }
     // With overlap a unit's reduce-scatter (and its release) runs behind the next stage's
-    // backward, so its buffers live one stage longer; the collectives thread finishes it before
-    // it prefetches the previous stage's unit, so the two are never alive at once.
+    // backward, so its buffers live one stage longer; the collectives thread finishes it (its
+    // storages going to the pool) before it prefetches the previous stage's unit.
     let mut pending: Option<usize> = None;
+    let free = |b: &mut Buffers<'_>, v: usize| {
+        b.grads[v] = false;
+        if reshard {
+            b.free_params(v);
+        }
+    };
     for (s, &u) in stage_units.iter().enumerate().rev() {
-        params[u] = true;
-        grads[u] = true;
-        let prev = s.checked_sub(1).map(|p| stage_units[p]).filter(|_| overlap);
-        let prefetch = prev.filter(|&p| !params[p]).map_or(0, |p| full[p].params);
-        let deferred = pending.filter(|&v| v != u).map_or(0, |v| {
-            full[v].grads + if reshard { full[v].params } else { 0 }
-        });
+        b.gather(u);
+        b.grads[u] = true;
         let recomputed = if tracked(s) { 0 } else { act(s).graph_bytes };
         // The gradient arriving at the stage's output has the output's size.
         let activations = inputs_before(n)
             + kept_graphs(0..s + 1)
             + recomputed
             + act(s).output_bytes
-            + full[u].backward_temporaries;
-        let buffers = alive(&params, &grads) - deferred + deferred.max(prefetch);
-        peak = peak.max(buffers + activations);
-        let free = |v: usize, p: &mut [bool], g: &mut [bool]| {
-            g[v] = false;
-            if reshard {
-                p[v] = false;
-            }
-        };
+            + b.full[u].backward_temporaries;
+        let before = b.alive();
         if let Some(v) = pending.take() {
-            free(v, &mut params, &mut grads);
+            free(b, v);
         }
-        if let Some(p) = prev {
-            params[p] = true;
+        if let Some(p) = s.checked_sub(1).filter(|_| overlap) {
+            b.gather(stage_units[p]);
         }
+        peak = peak.max(before.max(b.alive()) + activations);
         if first[u] == s {
             if overlap && s > 0 {
                 pending = Some(u);
             } else {
-                free(u, &mut params, &mut grads);
+                free(b, u);
             }
         }
     }
-    peak
+    peak.max(b.alive())
 }
 
 impl<O: Optimizer> ShardedModel<'_, O> {
@@ -277,7 +334,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     // The graph keeps the tensors; only their elements go (FSDP2's rhythm).
                     self.free_unit_storages(u)?;
                 } else {
-                    self.release_unit(u);
+                    self.recycle_unit(u)?;
                 }
             }
             report.forward_seconds += start.elapsed().as_secs_f64();
@@ -370,7 +427,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             Job::Reduce(u) => {
                 self.reduce_unit_now(u)?;
                 if self.options().reshard_after_forward {
-                    self.release_unit(u);
+                    self.recycle_unit(u)?;
                 }
             }
         }
