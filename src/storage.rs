@@ -188,6 +188,15 @@ impl<T: Elem> Storage<T> {
         Ok(self.host()?.into_owned())
     }
 
+    /// The elements as a host vector: moved out of host storage, downloaded from a device.
+    pub fn into_vec(self) -> Result<Vec<T>> {
+        match self {
+            Storage::Cpu(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => d.dev.download(&d.data),
+        }
+    }
+
     /// The elements on the host: borrowed from host storage, downloaded from a device.
     pub fn host(&self) -> Result<std::borrow::Cow<'_, [T]>> {
         match self {
@@ -228,6 +237,70 @@ impl<T: Elem> Storage<T> {
             #[cfg(feature = "cuda")]
             Storage::Cuda(d) => ViewMut::Cuda(d.data.slice_mut(..)),
         }
+    }
+}
+
+/// Element ops on `f32` storage, by a host loop or one device kernel (`cuda::ops`): each is
+/// one IEEE `f32` operation per element, so both give the same bits.
+impl Storage<f32> {
+    /// `self[range] ← src`, or `self[range] += src` when `add`.
+    pub fn write_range(
+        &mut self,
+        range: std::ops::Range<usize>,
+        src: View<'_, f32>,
+        add: bool,
+    ) -> Result<()> {
+        const OP: &str = "Storage::write_range";
+        if range.end > self.len() || src.len() != range.len() {
+            return Err(Error::InvalidShard {
+                op: OP,
+                reason: format!("{} elements into {range:?} of {}", src.len(), self.len()),
+            });
+        }
+        match (self, src) {
+            (Storage::Cpu(v), View::Cpu(src)) if add => {
+                v[range].iter_mut().zip(src).for_each(|(d, s)| *d += s)
+            }
+            (Storage::Cpu(v), View::Cpu(src)) => v[range].copy_from_slice(src),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(d), View::Cuda(src)) => {
+                let mut dst = d.data.slice_mut(range);
+                if add {
+                    crate::cuda::ops::add(&d.dev, &mut dst, &src)?
+                } else {
+                    crate::cuda::ops::copy(&d.dev, &mut dst, &src)?
+                }
+            }
+            #[cfg(feature = "cuda")]
+            _ => return Err(mixed(OP, "host and device memory")),
+        }
+        Ok(())
+    }
+
+    /// `self[range] ← 0`.
+    pub fn zero_range(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        if range.end > self.len() {
+            return Err(Error::InvalidShard {
+                op: "Storage::zero_range",
+                reason: format!("{range:?} of {}", self.len()),
+            });
+        }
+        match self {
+            Storage::Cpu(v) => v[range].fill(0.0),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => crate::cuda::ops::zero(&d.dev, &mut d.data.slice_mut(range))?,
+        }
+        Ok(())
+    }
+
+    /// `self ← a·self`.
+    pub fn scale(&mut self, a: f32) -> Result<()> {
+        match self {
+            Storage::Cpu(v) => v.iter_mut().for_each(|x| *x *= a),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => crate::cuda::ops::scale(&d.dev, &mut d.data.slice_mut(..), a)?,
+        }
+        Ok(())
     }
 }
 

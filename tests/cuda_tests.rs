@@ -1,6 +1,6 @@
-//! The GPU backend's gate and device DBuffer (feature `cuda`). Tests that need a GPU open
-//! device 0 through the gate and, without a driver or GPU, print `skipped: <reason>` and
-//! return. The group ops are one IEEE `f32` operation per element, compared bit for bit.
+//! The GPU backend's gate, device storage ops and collectives (feature `cuda`). Tests that need
+//! a GPU open device 0 through the gate and, without a driver or GPU, print `skipped: <reason>`
+//! and return. The element ops are one IEEE `f32` operation per element, compared bit for bit.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -8,9 +8,8 @@ use std::sync::Arc;
 use ragged::comm::conformance::exercise;
 use ragged::comm::{Communicator, ReduceOp};
 use ragged::cuda::collective::ViaDevice;
-use ragged::cuda::dbuffer::DeviceDBuffer;
 use ragged::cuda::Device;
-use ragged::dbuffer::{Geometry, Role};
+use ragged::storage::{Placement, Storage};
 use ragged::Error;
 
 fn device() -> Option<Device> {
@@ -57,15 +56,6 @@ fn gate_error_names_the_missing_library_on_a_machine_without_a_driver() {
     assert!(e.to_string().contains("libcuda"), "{e}");
 }
 
-fn geometry(world: usize, rank: usize, shard_size: usize) -> Arc<Geometry> {
-    Arc::new(Geometry {
-        world,
-        rank,
-        shard_size,
-        tensors: vec![("t".into(), vec![world * shard_size], 0)],
-    })
-}
-
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
         .map(|i| {
@@ -75,47 +65,37 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// The same element ops on host and device storage give the same bits, and touch only their
+/// ranges.
 #[test]
-fn device_group_ops_equal_the_cpu_ops_bitwise() {
+fn device_storage_ops_equal_the_host_ops_bitwise() {
     let Some(dev) = device() else { return };
-    for (world, rank, keep_full) in [(1, 0, true), (3, 1, true), (4, 3, false)] {
-        let s = 1000;
-        let g = geometry(world, rank, s);
-        let mut x = DeviceDBuffer::zeros(&dev, Role::Params, g.clone(), keep_full).unwrap();
-        let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, g.clone(), keep_full).unwrap();
-        let (hx, hy) = (values(s, 1), values(s, 2));
-        x.upload_local(&dev, &hx).unwrap();
-        y.upload_local(&dev, &hy).unwrap();
-
-        x.scale_local(&dev, 0.3).unwrap();
-        let want: Vec<f32> = hx.iter().map(|v| v * 0.3).collect();
-        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "scale");
-
-        x.add_local(&dev, &y).unwrap();
-        let want: Vec<f32> = want.iter().zip(&hy).map(|(a, b)| a + b).collect();
-        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&want), "add");
-
-        x.copy_local_from(&dev, &y).unwrap();
-        assert_eq!(bits(&x.download_local(&dev).unwrap()), bits(&hy), "copy");
-
-        x.zero_local(&dev).unwrap();
-        assert!(x
-            .download_local(&dev)
-            .unwrap()
-            .iter()
-            .all(|v| v.to_bits() == 0));
-
-        // Padding and other ranks' slices of a kept full buffer are untouched (zero).
-        if keep_full {
-            let full = dev.download(&x.full_view().unwrap()).unwrap();
-            assert!(
-                full.iter().all(|v| v.to_bits() == 0),
-                "outside the local shard"
-            );
-        } else {
-            assert!(x.full_view().is_err());
-        }
+    let dev = Arc::new(dev);
+    let n = 1000;
+    let run = |place: Placement| -> Vec<Vec<f32>> {
+        let mut x = place.put(values(n, 1)).unwrap();
+        let y = place.put(values(300, 2)).unwrap();
+        let mut seen = Vec::new();
+        x.scale(0.3).unwrap();
+        seen.push(x.to_vec().unwrap());
+        x.write_range(100..400, y.view(), true).unwrap();
+        seen.push(x.to_vec().unwrap());
+        x.write_range(500..800, y.view(), false).unwrap();
+        seen.push(x.to_vec().unwrap());
+        x.zero_range(0..50).unwrap();
+        seen.push(x.to_vec().unwrap());
+        seen
+    };
+    let (host, device) = (run(Placement::Cpu), run(Placement::Cuda(dev.clone())));
+    for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+        assert_eq!(bits(d), bits(h), "op {i}");
     }
+    // A range past the end, and host elements into device storage, are refused.
+    let mut x = Placement::Cuda(dev).zeros::<f32>(10).unwrap();
+    assert!(x.zero_range(5..11).is_err());
+    let host = [1.0f32; 4];
+    assert!(x.write_range(0..4, (&host[..]).into(), false).is_err());
+    assert!(matches!(x, Storage::Cuda(_)));
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -124,7 +104,6 @@ fn bits(x: &[f32]) -> Vec<u32> {
 
 #[test]
 fn nccl_world_of_one_gathers_and_reduces_in_place() {
-    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer};
     use ragged::cuda::nccl::{unique_id, NcclComm};
     let Some(dev) = device() else { return };
     let id = match unique_id() {
@@ -137,24 +116,17 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     let dev = Arc::new(dev);
     let comm = NcclComm::from_rank(dev.clone(), 0, 1, &id).unwrap();
     let s = 1000;
-    let mut x = DeviceDBuffer::zeros(&dev, Role::Params, geometry(1, 0, s), true).unwrap();
     let hx = values(s, 5);
-    x.upload_local(&dev, &hx).unwrap();
-    all_gather_dbuffer(&comm, &mut x).unwrap();
+    let mut x = dev.upload(&hx).unwrap();
+    comm.all_gather_in_place(x.slice_mut(..).into()).unwrap();
+    assert_eq!(bits(&dev.download(&x).unwrap()), bits(&hx), "all-gather");
+    comm.reduce_scatter_in_place(x.slice_mut(..).into(), ReduceOp::Sum)
+        .unwrap();
     assert_eq!(
-        bits(&x.download_local(&dev).unwrap()),
-        bits(&hx),
-        "all-gather"
-    );
-    reduce_scatter_dbuffer(&comm, &mut x, ReduceOp::Sum).unwrap();
-    assert_eq!(
-        bits(&x.download_local(&dev).unwrap()),
+        bits(&dev.download(&x).unwrap()),
         bits(&hx),
         "reduce-scatter"
     );
-    // A buffer of another world is refused before NCCL sees it.
-    let mut y = DeviceDBuffer::zeros(&dev, Role::Grads, geometry(2, 0, s), true).unwrap();
-    assert!(all_gather_dbuffer(&comm, &mut y).is_err());
     // Host buffers (staged through device copies) and device buffers: every collective of a
     // world of one returns its input, and the grouped send/recv of all-to-all-v moves a rank's
     // segment to itself.
@@ -202,36 +174,6 @@ fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
     })
     .unwrap();
     assert!(outcomes.iter().all(|o| o.is_err()), "{outcomes:?}");
-}
-
-#[test]
-fn dbuffer_collectives_over_gpu_thread_ranks_gather_and_reduce_like_the_cpu_dbuffer() {
-    use ragged::cuda::collective::{all_gather_dbuffer, reduce_scatter_dbuffer};
-    use ragged::cuda::threads::ThreadDeviceComm;
-    let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
-    let (world, s) = (3, 500);
-    let shards = ThreadDeviceComm::run(dev.clone(), world, |c| {
-        let r = c.rank();
-        let d = c.device();
-        let mut x = DeviceDBuffer::zeros(d, Role::Params, geometry(world, r, s), true)?;
-        x.upload_local(d, &values(s, r as u32))?;
-        all_gather_dbuffer(c, &mut x)?;
-        let gathered = d.download(&x.full_view()?)?;
-        reduce_scatter_dbuffer(c, &mut x, ReduceOp::Sum)?;
-        let reduced = x.download_local(d)?;
-        Ok((gathered, reduced))
-    })
-    .unwrap();
-    let full: Vec<f32> = (0..world).flat_map(|r| values(s, r as u32)).collect();
-    for (r, (gathered, reduced)) in shards.iter().enumerate() {
-        assert_eq!(bits(gathered), bits(&full), "rank {r} gathered");
-        // Every rank held the full gathered buffer: the reduction of slice r is V copies of
-        // it, summed in rank order.
-        let slice = &full[r * s..(r + 1) * s];
-        let want: Vec<f32> = slice.iter().map(|&v| (v + v) + v).collect();
-        assert_eq!(bits(reduced), bits(&want), "rank {r} reduced");
-    }
 }
 
 /// Entry points of every kernel file (the launchers' constants).

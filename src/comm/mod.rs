@@ -200,6 +200,26 @@ impl<'a> From<&'a mut [u8]> for BufMut<'a> {
         BufMut::U8(b)
     }
 }
+/// A host or device `f32` view as a collective's buffer.
+impl<'a> From<crate::storage::View<'a, f32>> for Buf<'a> {
+    fn from(v: crate::storage::View<'a, f32>) -> Self {
+        match v {
+            crate::storage::View::Cpu(v) => Buf::F32(v),
+            #[cfg(feature = "cuda")]
+            crate::storage::View::Cuda(v) => v.into(),
+        }
+    }
+}
+/// A writable host or device `f32` view as a collective's buffer.
+impl<'a> From<crate::storage::ViewMut<'a, f32>> for BufMut<'a> {
+    fn from(v: crate::storage::ViewMut<'a, f32>) -> Self {
+        match v {
+            crate::storage::ViewMut::Cpu(v) => BufMut::F32(v),
+            #[cfg(feature = "cuda")]
+            crate::storage::ViewMut::Cuda(v) => v.into(),
+        }
+    }
+}
 
 /// One tensor's storage inside a full buffer that is not one allocation: elements
 /// `offset..offset + buf.len()` of the `V·S`-element full buffer live in `buf`. The parts of the

@@ -12,15 +12,14 @@
 //! semantics"). Device collectives are queued on the communicator's device stream, in order
 //! with the rest of this crate's device work.
 //!
-//! The DBuffer collectives ([`all_gather_dbuffer`], [`reduce_scatter_dbuffer`]) are written
-//! once on the trait, for every backend.
+//! The runtime's collectives on device DBuffers go through this trait like host ones
+//! (`fsdp::layout`), so every backend serves both.
 
 use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use half::bf16;
 
-use super::dbuffer::DeviceDBuffer;
 use super::{guarded, Device};
 use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
@@ -199,51 +198,6 @@ pub fn slice_len(op: &'static str, len: usize, world: usize) -> Result<usize> {
         });
     }
     Ok(len / world)
-}
-
-/// Checks that `buf` belongs to `comm`'s world and rank, and keeps its full buffer.
-fn dbuffer_view<'a>(
-    op: &'static str,
-    comm: &dyn Communicator,
-    buf: &'a mut DeviceDBuffer,
-) -> Result<CudaViewMut<'a, f32>> {
-    let g = buf.geometry();
-    if g.world != comm.world_size() {
-        return Err(Error::WorldSizeMismatch {
-            op,
-            expected: g.world,
-            got: comm.world_size(),
-        });
-    }
-    if g.rank != comm.rank() {
-        return Err(Error::InvalidShard {
-            op,
-            reason: format!(
-                "buffer of rank {}, communicator of rank {}",
-                g.rank,
-                comm.rank()
-            ),
-        });
-    }
-    Ok(buf.full_slice_mut(op)?.slice_mut(..))
-}
-
-/// In-place all-gather of a DBuffer that keeps its full `V·S` elements: every rank's local
-/// shard goes to every rank (no copy-in, no copy-out).
-pub fn all_gather_dbuffer(comm: &dyn Communicator, buf: &mut DeviceDBuffer) -> Result<()> {
-    let view = dbuffer_view("cuda::all_gather_dbuffer", comm, buf)?;
-    comm.all_gather_in_place(view.into())
-}
-
-/// In-place reduce-scatter of a full DBuffer: the local shard ends up holding the reduction
-/// over ranks (other slices unspecified), as the CPU `reduce_scatter_in_place`.
-pub fn reduce_scatter_dbuffer(
-    comm: &dyn Communicator,
-    buf: &mut DeviceDBuffer,
-    op: ReduceOp,
-) -> Result<()> {
-    let view = dbuffer_view("cuda::reduce_scatter_dbuffer", comm, buf)?;
-    comm.reduce_scatter_in_place(view.into(), op)
 }
 
 /// Copies a host buffer to a fresh device buffer (one element at least: drivers refuse empty

@@ -1,5 +1,5 @@
 //! The GPU backend (feature `cuda`): a gated CUDA device, NVRTC kernels from `kernels/*.cu`
-//! compiled at first use and cached per device, cuBLAS, device DBuffers (`dbuffer`), and
+//! compiled at first use and cached per device, cuBLAS, element ops on device runs (`ops`), and
 //! device memory in the one collective trait (`collective`) with two backends: NCCL (`nccl`)
 //! and thread ranks on one GPU (`threads`); these modules exist in `cuda` builds.
 //!
@@ -35,9 +35,9 @@ pub use imp::*;
 #[cfg(feature = "cuda")]
 pub mod collective;
 #[cfg(feature = "cuda")]
-pub mod dbuffer;
-#[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod ops;
 #[cfg(feature = "cuda")]
 pub mod threads;
 #[cfg(feature = "cuda")]

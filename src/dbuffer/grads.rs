@@ -7,6 +7,7 @@ use candle_core::Tensor;
 
 use super::{candle, with_ref, CopyStats};
 use crate::comm::Buf;
+use crate::storage::{Placement, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// Full gradient buffers handed back after their reduce-scatter, for the next unit's backward
@@ -16,7 +17,7 @@ use crate::{Error, Result};
 /// in flight, so the peak does not grow.
 #[derive(Debug, Default)]
 pub struct GradPool {
-    spare: Mutex<Vec<Vec<f32>>>,
+    spare: Mutex<Vec<Storage<f32>>>,
 }
 
 impl GradPool {
@@ -24,14 +25,14 @@ impl GradPool {
     pub const SPARE: usize = 2;
 
     /// A spare buffer of exactly `len` elements (contents left over), if one is kept.
-    fn take(&self, len: usize) -> Option<Vec<f32>> {
+    fn take(&self, len: usize) -> Option<Storage<f32>> {
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
         let i = spare.iter().position(|b| b.len() == len)?;
         Some(spare.swap_remove(i))
     }
 
     /// Keeps `buf` for a later backward unless enough are kept.
-    pub fn give_back(&self, buf: Vec<f32>) {
+    pub fn give_back(&self, buf: Storage<f32>) {
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
         if spare.len() < Self::SPARE {
             spare.push(buf);
@@ -59,6 +60,8 @@ pub struct GradSink {
     inner: Mutex<SinkState>,
     stats: Arc<CopyStats>,
     pool: Arc<GradPool>,
+    /// Where new buffers go (the parameters' device).
+    placement: Placement,
 }
 
 /// Ranges of `0..len` that no slot covers.
@@ -80,7 +83,7 @@ fn gaps(slots: &[(usize, usize)], len: usize) -> Vec<std::ops::Range<usize>> {
 
 #[derive(Default)]
 struct SinkState {
-    buf: Option<Vec<f32>>,
+    buf: Option<Storage<f32>>,
     /// Which tensors received a gradient since the buffer was last taken.
     touched: Vec<bool>,
 }
@@ -105,7 +108,14 @@ impl GradSink {
             inner: Mutex::new(SinkState { buf: None, touched }),
             stats,
             pool: Arc::default(),
+            placement: Placement::Cpu,
         })
+    }
+
+    /// Allocates its buffers at `placement` (the parameters' device; the host by default).
+    pub fn on(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
     }
 
     /// Takes buffers from, and gives them back to, `pool` (shared by a model's sinks).
@@ -115,20 +125,20 @@ impl GradSink {
     }
 
     /// A buffer for the next backward: a spare one with its padding zeroed, or a zeroed one.
-    fn fresh_buffer(&self) -> Vec<f32> {
+    fn fresh_buffer(&self) -> Result<Storage<f32>> {
         match self.pool.take(self.len) {
             Some(mut buf) => {
                 for gap in &self.padding {
-                    buf[gap.clone()].fill(0.0);
+                    buf.zero_range(gap.clone())?;
                 }
-                buf
+                Ok(buf)
             }
-            None => vec![0.0; self.len],
+            None => self.placement.zeros(self.len),
         }
     }
 
     /// Gives a reduced buffer back to the pool.
-    pub(crate) fn recycle(&self, buf: Vec<f32>) {
+    pub(crate) fn recycle(&self, buf: Storage<f32>) {
         self.pool.give_back(buf);
     }
 
@@ -159,20 +169,30 @@ impl GradSink {
         };
         let mut st = self.lock();
         if st.buf.is_none() {
-            st.buf = Some(self.fresh_buffer());
+            st.buf = Some(self.fresh_buffer()?);
         }
         let first = !st.touched[tensor];
-        let dst = &mut st.buf.as_mut().expect("just set")[offset..offset + n];
+        let dst = st.buf.as_mut().expect("just set");
         let bytes = with_ref(&grad, |g| {
-            match (g, first) {
-                (Buf::F32(g), true) => dst.copy_from_slice(g),
-                (Buf::F32(g), false) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g),
-                (Buf::BF16(g), true) => dst.iter_mut().zip(g).for_each(|(d, g)| *d = g.to_f32()),
-                (Buf::BF16(g), false) => dst.iter_mut().zip(g).for_each(|(d, g)| *d += g.to_f32()),
+            match g {
+                Buf::F32(g) => dst.write_range(offset..offset + n, View::Cpu(g), !first)?,
+                #[cfg(feature = "cuda")]
+                Buf::Device(crate::cuda::collective::DevBuf::F32(g)) => {
+                    dst.write_range(offset..offset + n, View::Cuda(g), !first)?
+                }
+                Buf::BF16(g) => {
+                    let dst = &mut dst.cpu_mut()?[offset..offset + n];
+                    let cast = g.iter().map(|g| g.to_f32());
+                    if first {
+                        dst.iter_mut().zip(cast).for_each(|(d, g)| *d = g);
+                    } else {
+                        dst.iter_mut().zip(cast).for_each(|(d, g)| *d += g);
+                    }
+                }
                 _ => {
                     return Err(Error::InvalidShard {
                         op: "GradSink::accumulate",
-                        reason: "a gradient that is not f32 or bf16 host memory".into(),
+                        reason: "a gradient that is not f32 (host or device) or bf16 (host)".into(),
                     })
                 }
             }
@@ -186,14 +206,17 @@ impl GradSink {
 
     /// Takes the flat buffer (zeros where no gradient arrived) and which tensors got a
     /// gradient, leaving the sink empty for the next backward.
-    pub fn take(&self) -> (Vec<f32>, Vec<bool>) {
+    pub fn take(&self) -> Result<(Storage<f32>, Vec<bool>)> {
         let mut st = self.lock();
-        let mut buf = st.buf.take().unwrap_or_else(|| self.fresh_buffer());
+        let mut buf = match st.buf.take() {
+            Some(buf) => buf,
+            None => self.fresh_buffer()?,
+        };
         let touched = std::mem::replace(&mut st.touched, vec![false; self.slots.len()]);
         for (&(offset, n), _) in self.slots.iter().zip(&touched).filter(|(_, &t)| !t) {
-            buf[offset..offset + n].fill(0.0);
+            buf.zero_range(offset..offset + n)?;
         }
-        (buf, touched)
+        Ok((buf, touched))
     }
 
     /// Whether a gradient arrived since the last [`GradSink::take`].
@@ -201,11 +224,13 @@ impl GradSink {
         self.lock().buf.is_some()
     }
 
-    /// Address and length of the flat buffer while it exists (storage identity checks).
+    /// Address and length of the flat buffer while it exists in host memory (storage identity
+    /// checks).
     pub fn buffer_address(&self) -> Option<(usize, usize)> {
         self.lock()
             .buf
             .as_ref()
+            .and_then(|b| b.cpu().ok())
             .map(|b| (b.as_ptr() as usize, b.len()))
     }
 }
@@ -213,19 +238,20 @@ impl GradSink {
 /// A unit's gradients on one rank: the sink backward writes and the reduced local shard.
 pub struct GradBuffer {
     pub(crate) sink: Arc<GradSink>,
-    /// The reduced local shard, `S` elements (f32 for the optimizer).
-    local: Vec<f32>,
+    /// The reduced local shard, `S` elements (f32 for the optimizer), where the sink's buffers
+    /// live.
+    local: Storage<f32>,
     /// Micro-batches reduced into `local` since the last [`GradBuffer::consume`].
     reduced: usize,
 }
 
 impl GradBuffer {
-    pub fn new(sink: GradSink, shard_len: usize) -> Self {
-        GradBuffer {
+    pub fn new(sink: GradSink, shard_len: usize) -> Result<Self> {
+        Ok(GradBuffer {
+            local: sink.placement.zeros(shard_len)?,
             sink: Arc::new(sink),
-            local: vec![0.0; shard_len],
             reduced: 0,
-        }
+        })
     }
 
     pub fn sink(&self) -> &Arc<GradSink> {
@@ -238,19 +264,17 @@ impl GradBuffer {
     pub fn reduce_with(
         &mut self,
         stats: &CopyStats,
-        reduce: impl FnOnce(&mut [f32], &mut [f32]) -> Result<()>,
+        reduce: impl FnOnce(ViewMut<'_, f32>, ViewMut<'_, f32>) -> Result<()>,
     ) -> Result<Vec<bool>> {
-        let (mut full, touched) = self.sink.take();
+        let (mut full, touched) = self.sink.take()?;
         if self.reduced == 0 {
-            reduce(&mut full, &mut self.local)?;
+            reduce(full.view_mut(), self.local.view_mut())?;
         } else {
-            let mut scratch = vec![0.0; self.local.len()];
-            reduce(&mut full, &mut scratch)?;
-            self.local
-                .iter_mut()
-                .zip(&scratch)
-                .for_each(|(a, b)| *a += b);
-            stats.add_accumulated(4 * scratch.len());
+            let mut scratch = self.local.placement().zeros(self.local.len())?;
+            reduce(full.view_mut(), scratch.view_mut())?;
+            let len = self.local.len();
+            self.local.write_range(0..len, scratch.view(), true)?;
+            stats.add_accumulated(4 * len);
         }
         self.sink.recycle(full);
         self.reduced += 1;
@@ -261,7 +285,7 @@ impl GradBuffer {
     /// the local shard (moved, no pass over it; the old shard goes to the pool), later ones are
     /// added in. Returns which tensors got a gradient.
     pub fn adopt_as_local(&mut self, stats: &CopyStats) -> Result<Vec<bool>> {
-        let (full, touched) = self.sink.take();
+        let (full, touched) = self.sink.take()?;
         if full.len() != self.local.len() {
             return Err(Error::InvalidShard {
                 op: "GradBuffer::adopt_as_local",
@@ -276,29 +300,46 @@ impl GradBuffer {
             let old = std::mem::replace(&mut self.local, full);
             self.sink.recycle(old);
         } else {
-            self.local.iter_mut().zip(&full).for_each(|(a, b)| *a += b);
-            stats.add_accumulated(4 * full.len());
+            let len = full.len();
+            self.local.write_range(0..len, full.view(), true)?;
+            stats.add_accumulated(4 * len);
             self.sink.recycle(full);
         }
         self.reduced += 1;
         Ok(touched)
     }
 
-    /// The reduced local shard for the optimizer; `Err` if nothing was reduced since the last
-    /// step.
-    pub fn local(&self, op: &'static str) -> Result<&[f32]> {
+    /// The reduced local shard for the optimizer, where it lives; `Err` if nothing was reduced
+    /// since the last step.
+    pub fn local(&self, op: &'static str) -> Result<View<'_, f32>> {
+        self.check_reduced(op)?;
+        Ok(self.local.view())
+    }
+
+    /// The reduced local shard on the host (borrowed; downloaded from a device).
+    pub fn local_host(&self, op: &'static str) -> Result<std::borrow::Cow<'_, [f32]>> {
+        self.check_reduced(op)?;
+        self.local.host()
+    }
+
+    fn check_reduced(&self, op: &'static str) -> Result<()> {
         if self.reduced == 0 {
             return Err(Error::InvalidShard {
                 op,
                 reason: "no reduced gradients since the last step".into(),
             });
         }
-        Ok(&self.local)
+        Ok(())
     }
 
-    /// Mutable access to the reduced local shard (clipping, scaling).
-    pub fn local_mut(&mut self) -> &mut [f32] {
-        &mut self.local
+    /// `local ← a·local` (clipping).
+    pub fn scale_local(&mut self, a: f32) -> Result<()> {
+        self.local.scale(a)
+    }
+
+    /// The local shard, writable, where it lives.
+    pub fn local_mut(&mut self) -> ViewMut<'_, f32> {
+        self.local.view_mut()
     }
 
     /// Marks the gradients used by a step: the next reduction overwrites the shard.

@@ -35,7 +35,7 @@ mod params;
 pub(crate) mod tap;
 
 pub use grads::{GradBuffer, GradPool, GradSink};
-pub use params::{anchor, Materialized, ParamBuffer, TensorSlot};
+pub use params::{anchor, anchor_on, placement_of, Materialized, ParamBuffer, TensorSlot};
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};

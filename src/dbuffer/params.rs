@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Storage as CandleStorage, Tensor, Var};
 
 use super::grads::GradSink;
 use super::{candle, tap, with_mut_all};
-use crate::comm::BufMut;
+use crate::comm::{Buf, BufMut};
+use crate::storage::{Placement, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// One tensor of a unit: name and shape.
@@ -44,8 +44,9 @@ pub enum Materialized {
 /// A unit's parameters on one rank.
 pub struct ParamBuffer {
     slots: Vec<TensorSlot>,
-    /// The fp32 master shard, `S` elements (the optimizer steps on it).
-    master: Vec<f32>,
+    /// The fp32 master shard, `S` elements (the optimizer steps on it), on the host or the
+    /// device the compute copies live on.
+    master: Storage<f32>,
     /// The compute copies, in slot order, while materialized.
     tensors: Option<Vec<Tensor>>,
     stale: bool,
@@ -60,9 +61,13 @@ pub struct ParamBuffer {
 }
 
 impl ParamBuffer {
-    /// A zeroed master shard of `shard_len` elements for `slots`, whose gradients go to `sink`.
+    /// A zeroed master shard of `shard_len` elements for `slots`, whose gradients go to `sink`,
+    /// at `placement`: the host for a CPU `anchor`, the anchor's GPU (feature `candle-cuda`;
+    /// [`placement_of`] gives it, made once per model so its buffers share one device handle),
+    /// where the compute copies live too.
     pub fn new(
         slots: Vec<TensorSlot>,
+        placement: &Placement,
         shard_len: usize,
         dtype: DType,
         sink: Arc<GradSink>,
@@ -74,9 +79,26 @@ impl ParamBuffer {
                 reason: format!("compute dtype {dtype:?} (f32 and bf16 are supported)"),
             });
         }
+        if placement.is_cpu() != anchor.device().is_cpu() {
+            return Err(Error::InvalidShard {
+                op: "ParamBuffer::new",
+                reason: format!(
+                    "a master shard at {placement:?} for parameters on {:?}",
+                    anchor.device()
+                ),
+            });
+        }
+        if !placement.is_cpu() && dtype != DType::F32 {
+            return Err(Error::InvalidShard {
+                op: "ParamBuffer::new",
+                reason: "bf16 compute copies on a GPU are not supported yet (the master's cast \
+                         runs on the host); use f32"
+                    .into(),
+            });
+        }
         Ok(ParamBuffer {
             slots,
-            master: vec![0.0; shard_len],
+            master: placement.zeros(shard_len)?,
             tensors: None,
             stale: false,
             freed: false,
@@ -104,16 +126,60 @@ impl ParamBuffer {
         self.dtype
     }
 
-    pub fn master(&self) -> &[f32] {
-        &self.master
+    /// The master shard in host memory (`Err` on a GPU: see [`Self::master_view`]).
+    pub fn master(&self) -> Result<&[f32]> {
+        self.master.cpu()
     }
 
-    /// The master shard, mutably; marks materialized copies stale.
-    pub fn master_mut(&mut self) -> &mut [f32] {
+    /// The master shard, mutably, in host memory; marks materialized copies stale.
+    pub fn master_mut(&mut self) -> Result<&mut [f32]> {
+        self.mark_stale();
+        self.master.cpu_mut()
+    }
+
+    /// The master shard on the host (borrowed; downloaded from a device).
+    pub fn master_host(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        self.master.host()
+    }
+
+    /// The master shard where it lives (host or device).
+    pub fn master_view(&self) -> View<'_, f32> {
+        self.master.view()
+    }
+
+    /// The master shard where it lives, writable; marks materialized copies stale.
+    pub fn master_view_mut(&mut self) -> ViewMut<'_, f32> {
+        self.mark_stale();
+        self.master.view_mut()
+    }
+
+    /// Replaces the master shard by `host` (`S` elements), moved on the host, uploaded to a
+    /// device; marks materialized copies stale.
+    pub fn set_master(&mut self, host: Vec<f32>) -> Result<()> {
+        if host.len() != self.master.len() {
+            return Err(Error::InvalidShard {
+                op: "ParamBuffer::set_master",
+                reason: format!(
+                    "{} elements for a shard of {}",
+                    host.len(),
+                    self.master.len()
+                ),
+            });
+        }
+        self.mark_stale();
+        self.master = self.master.placement().put(host)?;
+        Ok(())
+    }
+
+    /// Where the master shard (and the compute copies) live.
+    pub fn placement(&self) -> Placement {
+        self.master.placement()
+    }
+
+    fn mark_stale(&mut self) {
         if self.tensors.is_some() {
             self.stale = true;
         }
-        &mut self.master
     }
 
     pub fn state(&self) -> Materialized {
@@ -131,7 +197,7 @@ impl ParamBuffer {
     /// freed ones get fresh storages moved in, so tensors handed out earlier stay valid.
     pub fn gather(
         &mut self,
-        fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
+        fill: impl FnOnce(Buf<'_>, &mut [BufMut<'_>]) -> Result<()>,
     ) -> Result<()> {
         self.gather_into(None, fill)
     }
@@ -142,21 +208,24 @@ impl ParamBuffer {
     /// zero-fill is paid. Spares are dropped when the copies are current already.
     pub fn gather_into(
         &mut self,
-        spare: Option<Vec<CpuStorage>>,
-        fill: impl FnOnce(&[f32], &mut [BufMut<'_>]) -> Result<()>,
+        spare: Option<Vec<CandleStorage>>,
+        fill: impl FnOnce(Buf<'_>, &mut [BufMut<'_>]) -> Result<()>,
     ) -> Result<()> {
         match self.state() {
             Materialized::Unsharded => Ok(()),
             Materialized::Stale => {
                 let tensors = self.tensors.as_ref().expect("stale implies materialized");
-                with_mut_all(tensors, |dsts| fill(&self.master, dsts))?;
+                with_mut_all(tensors, |dsts| fill(self.master.view().into(), dsts))?;
                 self.stale = false;
                 Ok(())
             }
             Materialized::Freed => {
-                let mut storages = self.storages_for_gather(spare);
-                let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
-                fill(&self.master, &mut dsts)?;
+                let mut storages = self.storages_for_gather(spare)?;
+                let mut dsts = storages
+                    .iter_mut()
+                    .map(storage_buf)
+                    .collect::<Result<Vec<_>>>()?;
+                fill(self.master.view().into(), &mut dsts)?;
                 drop(dsts);
                 let tensors = self.tensors.as_ref().expect("freed implies materialized");
                 for (t, storage) in tensors.iter().zip(storages) {
@@ -167,9 +236,12 @@ impl ParamBuffer {
                 Ok(())
             }
             Materialized::Sharded => {
-                let mut storages = self.storages_for_gather(spare);
-                let mut dsts: Vec<BufMut<'_>> = storages.iter_mut().map(storage_buf).collect();
-                fill(&self.master, &mut dsts)?;
+                let mut storages = self.storages_for_gather(spare)?;
+                let mut dsts = storages
+                    .iter_mut()
+                    .map(storage_buf)
+                    .collect::<Result<Vec<_>>>()?;
+                fill(self.master.view().into(), &mut dsts)?;
                 drop(dsts);
                 let tensors = storages
                     .into_iter()
@@ -195,26 +267,27 @@ impl ParamBuffer {
     }
 
     /// One storage per tensor for a gather to fill: `spare` if it fits every tensor, else
-    /// zeroed ones (calloc'd: pages are touched only when written).
-    fn storages_for_gather(&self, spare: Option<Vec<CpuStorage>>) -> Vec<CpuStorage> {
+    /// zeroed ones on the anchor's device (calloc'd on the host: pages are touched only when
+    /// written).
+    fn storages_for_gather(&self, spare: Option<Vec<CandleStorage>>) -> Result<Vec<CandleStorage>> {
         match spare {
-            Some(spare) if self.fits(&spare) => spare,
+            Some(spare) if self.fits(&spare) => Ok(spare),
             _ => self
                 .slots
                 .iter()
-                .map(|s| match self.dtype {
-                    DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; s.numel()]),
-                    _ => CpuStorage::F32(vec![0.0; s.numel()]),
-                })
+                .map(|s| zeroed(self.anchor.device(), self.dtype, s.numel()))
                 .collect(),
         }
     }
 
-    /// Whether `storages` hold exactly this buffer's tensors, in slot order and compute dtype.
-    fn fits(&self, storages: &[CpuStorage]) -> bool {
+    /// Whether `storages` hold exactly this buffer's tensors, in slot order and compute dtype,
+    /// on its device.
+    fn fits(&self, storages: &[CandleStorage]) -> bool {
         storages.len() == self.slots.len()
             && storages.iter().zip(&self.slots).all(|(st, slot)| {
-                st.dtype() == self.dtype && tap::storage_len(st) == Some(slot.numel())
+                st.dtype() == self.dtype
+                    && st.device().same_device(self.anchor.device())
+                    && tap::storage_len(st) == Some(slot.numel())
             })
     }
 
@@ -250,7 +323,7 @@ impl ParamBuffer {
     /// [`Self::free_storages`], handing the storages over (in slot order; empty when there
     /// were none) for another buffer's [`Self::gather_into`]. Every tensor sharing them, the
     /// kept graph's included, is left with an empty storage until the next gather.
-    pub fn take_storages(&mut self) -> Result<Vec<CpuStorage>> {
+    pub fn take_storages(&mut self) -> Result<Vec<CandleStorage>> {
         let Some(tensors) = self.tensors.as_ref().filter(|_| !self.freed) else {
             return Ok(Vec::new());
         };
@@ -269,18 +342,76 @@ impl ParamBuffer {
     }
 }
 
-fn storage_buf(s: &mut CpuStorage) -> BufMut<'_> {
+/// `n` zeroed elements of `dtype` on `device`.
+fn zeroed(device: &Device, dtype: DType, n: usize) -> Result<CandleStorage> {
+    match device {
+        Device::Cpu => Ok(CandleStorage::Cpu(match dtype {
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
+            _ => CpuStorage::F32(vec![0.0; n]),
+        })),
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(dev) => {
+            let data = dev
+                .alloc_zeros::<f32>(n)
+                .map_err(candle("ParamBuffer: device storage"))?;
+            Ok(CandleStorage::Cuda(
+                candle_core::CudaStorage::wrap_cuda_slice(data, dev.clone()),
+            ))
+        }
+        other => Err(no_device(other)),
+    }
+}
+
+fn no_device(device: &Device) -> Error {
+    Error::InvalidShard {
+        op: "ParamBuffer",
+        reason: format!(
+            "parameters on {device:?}: this build has the CPU backend (and CUDA with the \
+             `candle-cuda` feature)"
+        ),
+    }
+}
+
+/// Where a model whose parameters live on `device` keeps its shards (one device handle per
+/// call: make it once per model).
+pub fn placement_of(device: &Device) -> Result<Placement> {
+    match device {
+        Device::Cpu => Ok(Placement::Cpu),
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(dev) => Ok(Placement::Cuda(Arc::new(crate::cuda::Device::from_candle(
+            dev,
+        )?))),
+        other => Err(no_device(other)),
+    }
+}
+
+/// A gather's destination for one tensor's storage.
+fn storage_buf(s: &mut CandleStorage) -> Result<BufMut<'_>> {
     match s {
-        CpuStorage::BF16(v) => BufMut::BF16(v),
-        CpuStorage::F32(v) => BufMut::F32(v),
-        _ => unreachable!("fresh_storages makes f32 or bf16 only"),
+        CandleStorage::Cpu(CpuStorage::BF16(v)) => Ok(BufMut::BF16(v)),
+        CandleStorage::Cpu(CpuStorage::F32(v)) => Ok(BufMut::F32(v)),
+        #[cfg(feature = "candle-cuda")]
+        CandleStorage::Cuda(cs) => Ok(cs
+            .as_cuda_slice_mut::<f32>()
+            .map_err(candle("ParamBuffer: device storage"))?
+            .slice_mut(..)
+            .into()),
+        _ => Err(Error::InvalidShard {
+            op: "ParamBuffer::gather",
+            reason: "a storage that is not f32 or bf16".into(),
+        }),
     }
 }
 
 /// The one-element f32 variable every parameter tensor of a model hangs off (see
-/// `tap`).
+/// `tap`), on the CPU.
 pub fn anchor() -> Result<Var> {
-    Var::zeros((), DType::F32, &Device::Cpu).map_err(candle("anchor"))
+    anchor_on(&Device::Cpu)
+}
+
+/// [`anchor`] on `device`: the parameter tensors hanging off it live there.
+pub fn anchor_on(device: &Device) -> Result<Var> {
+    Var::zeros((), DType::F32, device).map_err(candle("anchor"))
 }
 
 #[cfg(test)]
@@ -300,18 +431,22 @@ mod tests {
         let sink = GradSink::new(Vec::new(), 0, Arc::new(CopyStats::default())).unwrap();
         let mut b = ParamBuffer::new(
             slots,
+            &Placement::Cpu,
             master.len(),
             DType::F32,
             Arc::new(sink),
             anchor().unwrap(),
         )
         .unwrap();
-        b.master_mut().copy_from_slice(master);
+        b.master_mut().unwrap().copy_from_slice(master);
         b
     }
 
     /// Fills the tensors with the master's elements, in order (a one-rank gather).
-    fn fill(master: &[f32], dsts: &mut [BufMut<'_>]) -> Result<()> {
+    fn fill(master: Buf<'_>, dsts: &mut [BufMut<'_>]) -> Result<()> {
+        let Buf::F32(master) = master else {
+            unreachable!()
+        };
         let mut at = 0;
         for d in dsts {
             let BufMut::F32(d) = d else { unreachable!() };

@@ -18,7 +18,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, Var};
 
 use super::grads::GradSink;
 use crate::{Error, Result};
@@ -26,11 +26,23 @@ use crate::{Error, Result};
 /// The custom op behind one parameter tensor (module doc).
 pub(crate) struct ParamTap {
     /// The gathered storage until forward moves it into the output.
-    storage: Mutex<Option<CpuStorage>>,
+    storage: Mutex<Option<Storage>>,
     shape: Shape,
     sink: Arc<GradSink>,
     /// Index of the tensor in the sink.
     tensor: usize,
+}
+
+impl ParamTap {
+    fn take(&self) -> candle_core::Result<Storage> {
+        let mut slot = self.storage.lock().unwrap_or_else(|e| e.into_inner());
+        slot.take()
+            .ok_or_else(|| candle_core::Error::Msg("ragged-param: storage already taken".into()))
+    }
+}
+
+fn wrong_device() -> candle_core::Error {
+    candle_core::Error::Msg("ragged-param: the storage is not on the anchor's device".into())
 }
 
 impl CustomOp1 for ParamTap {
@@ -43,11 +55,22 @@ impl CustomOp1 for ParamTap {
         _anchor: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut slot = self.storage.lock().unwrap_or_else(|e| e.into_inner());
-        let storage = slot
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("ragged-param: storage already taken".into()))?;
-        Ok((storage, self.shape.clone()))
+        match self.take()? {
+            Storage::Cpu(storage) => Ok((storage, self.shape.clone())),
+            _ => Err(wrong_device()),
+        }
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        _anchor: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(storage) => Ok((storage, self.shape.clone())),
+            _ => Err(wrong_device()),
+        }
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -59,25 +82,22 @@ impl CustomOp1 for ParamTap {
     }
 }
 
-/// Wraps `storage` (a tensor's full elements, in the tensor's shape) into a tracked parameter
-/// tensor whose gradient goes to `sink`'s tensor `tensor`. The storage is moved, not copied.
+/// Wraps `storage` (a tensor's full elements, in the tensor's shape, on the anchor's device)
+/// into a tracked parameter tensor whose gradient goes to `sink`'s tensor `tensor`. The storage
+/// is moved, not copied.
 pub(crate) fn param_tensor(
     anchor: &Var,
-    storage: CpuStorage,
+    storage: Storage,
     shape: &[usize],
     sink: Arc<GradSink>,
     tensor: usize,
 ) -> Result<Tensor> {
     let n = shape.iter().product::<usize>();
-    let len = match &storage {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        _ => usize::MAX,
-    };
-    if len != n {
+    let len = storage_len(&storage);
+    if len != Some(n) {
         return Err(Error::InvalidShard {
             op: "param_tensor",
-            reason: format!("{len} elements for shape {shape:?}"),
+            reason: format!("{len:?} elements for shape {shape:?}"),
         });
     }
     let tap = ParamTap {
@@ -97,8 +117,8 @@ pub(crate) fn param_tensor(
 /// holds that shares the storage (the tensor itself, its transposes and broadcasts) sees the
 /// new elements; none is copied.
 struct SwapStorage {
-    new: std::cell::Cell<Option<CpuStorage>>,
-    old: std::cell::Cell<Option<CpuStorage>>,
+    new: std::cell::Cell<Option<Storage>>,
+    old: std::cell::Cell<Option<Storage>>,
 }
 
 impl candle_core::InplaceOp1 for SwapStorage {
@@ -107,24 +127,50 @@ impl candle_core::InplaceOp1 for SwapStorage {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        if let Some(new) = self.new.take() {
-            self.old.set(Some(std::mem::replace(storage, new)));
+        match self.new.take() {
+            Some(Storage::Cpu(new)) => {
+                self.old
+                    .set(Some(Storage::Cpu(std::mem::replace(storage, new))));
+                Ok(())
+            }
+            _ => Err(wrong_device()),
         }
-        Ok(())
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        match self.new.take() {
+            Some(Storage::Cuda(new)) => {
+                self.old
+                    .set(Some(Storage::Cuda(std::mem::replace(storage, new))));
+                Ok(())
+            }
+            _ => Err(wrong_device()),
+        }
     }
 }
 
 /// Elements of an f32 or bf16 storage (`None` for other dtypes).
-pub(crate) fn storage_len(s: &CpuStorage) -> Option<usize> {
+pub(crate) fn storage_len(s: &Storage) -> Option<usize> {
     match s {
-        CpuStorage::F32(v) => Some(v.len()),
-        CpuStorage::BF16(v) => Some(v.len()),
+        Storage::Cpu(CpuStorage::F32(v)) => Some(v.len()),
+        Storage::Cpu(CpuStorage::BF16(v)) => Some(v.len()),
+        #[cfg(feature = "candle-cuda")]
+        Storage::Cuda(cs) => match &cs.slice {
+            candle_core::cuda_backend::CudaStorageSlice::F32(v) => Some(v.len()),
+            candle_core::cuda_backend::CudaStorageSlice::BF16(v) => Some(v.len()),
+            _ => None,
+        },
         _ => None,
     }
 }
 
 /// Moves `storage` into `t`'s storage object and returns what it held.
-fn replace_storage(t: &Tensor, storage: CpuStorage) -> Result<CpuStorage> {
+fn replace_storage(t: &Tensor, storage: Storage) -> Result<Storage> {
     let op = SwapStorage {
         new: std::cell::Cell::new(Some(storage)),
         old: std::cell::Cell::new(None),
@@ -132,23 +178,52 @@ fn replace_storage(t: &Tensor, storage: CpuStorage) -> Result<CpuStorage> {
     t.inplace_op1(&op).map_err(super::candle("swap storage"))?;
     op.old.take().ok_or_else(|| Error::InvalidShard {
         op: "swap storage",
-        reason: "the tensor is not on the CPU".into(),
+        reason: "the tensor is on a device this build has no backend for".into(),
     })
 }
 
+/// The smallest storage of `t`'s dtype on `t`'s device: what a freed parameter holds (empty on
+/// the host; one element on a GPU, whose driver refuses empty allocations).
+fn placeholder(t: &Tensor) -> Result<Storage> {
+    let bf16 = t.dtype() == candle_core::DType::BF16;
+    match t.device() {
+        candle_core::Device::Cpu => Ok(Storage::Cpu(if bf16 {
+            CpuStorage::BF16(Vec::new())
+        } else {
+            CpuStorage::F32(Vec::new())
+        })),
+        #[cfg(feature = "candle-cuda")]
+        candle_core::Device::Cuda(dev) => {
+            let op = super::candle("free a parameter's storage");
+            let storage = if bf16 {
+                candle_core::CudaStorage::wrap_cuda_slice(
+                    dev.alloc_zeros::<half::bf16>(1).map_err(&op)?,
+                    dev.clone(),
+                )
+            } else {
+                candle_core::CudaStorage::wrap_cuda_slice(
+                    dev.alloc_zeros::<f32>(1).map_err(&op)?,
+                    dev.clone(),
+                )
+            };
+            Ok(Storage::Cuda(storage))
+        }
+        other => Err(Error::InvalidShard {
+            op: "free a parameter's storage",
+            reason: format!("parameters on {other:?}"),
+        }),
+    }
+}
+
 /// Takes parameter tensor `t`'s elements out: its storage object (shared with every tensor of a
-/// kept graph derived from it without a copy) is left empty. Returns what it held.
-pub(crate) fn take_storage(t: &Tensor) -> Result<CpuStorage> {
-    let empty = match t.dtype() {
-        candle_core::DType::BF16 => CpuStorage::BF16(Vec::new()),
-        _ => CpuStorage::F32(Vec::new()),
-    };
-    replace_storage(t, empty)
+/// kept graph derived from it without a copy) is left with a placeholder. Returns what it held.
+pub(crate) fn take_storage(t: &Tensor) -> Result<Storage> {
+    replace_storage(t, placeholder(t)?)
 }
 
 /// Moves `storage` (exactly `t`'s elements) into parameter tensor `t`'s storage object, so every
 /// tensor of a kept graph sharing it reads the new elements; nothing is copied.
-pub(crate) fn refill_storage(t: &Tensor, storage: CpuStorage) -> Result<()> {
+pub(crate) fn refill_storage(t: &Tensor, storage: Storage) -> Result<()> {
     let len = storage_len(&storage);
     if t.layout().start_offset() != 0 || len != Some(t.elem_count()) {
         return Err(Error::InvalidShard {

@@ -19,7 +19,7 @@ use crate::checkpoint::safetensors::{hex, Consolidated, FileDigest, Reader, Tens
 use crate::checkpoint::{
     agree, fs, CheckpointState, FieldDataMut, FieldLayout, FieldType, Loaded, SaveOptions, Saved,
 };
-use crate::comm::{Buf, BufMut};
+use crate::comm::BufMut;
 use crate::optim::Optimizer;
 use crate::{Error, Result};
 
@@ -61,7 +61,7 @@ fn fields_of<O: CheckpointState>(
     )];
     fields.extend(optimizer.state_layout(&unit.local)?);
     let state = optimizer.state_data(&unit.state)?;
-    let lens = std::iter::once((FieldType::F32, unit.params.master().len()))
+    let lens = std::iter::once((FieldType::F32, unit.local.len))
         .chain(state.iter().map(|d| (d.dtype(), d.len())))
         .collect::<Vec<_>>();
     crate::checkpoint::state::check_fields("checkpoint", &fields, lens.into_iter())?;
@@ -170,7 +170,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         ]);
         let mut w = Writer::create(path, &headers, &metadata, chunk_bytes)?;
         for (unit, fields) in self.units.iter().zip(&layouts) {
-            let data = std::iter::once(crate::checkpoint::FieldData::F32(unit.params.master()))
+            let data = std::iter::once(crate::checkpoint::FieldData::F32(unit.params.master()?))
                 .chain(self.optimizer.state_data(&unit.state)?);
             for (f, d) in fields.iter().zip(data) {
                 for s in &f.spans {
@@ -417,7 +417,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                 ..
             } = unit;
             grads.consume();
-            let data = std::iter::once(FieldDataMut::F32(params.master_mut()))
+            let data = std::iter::once(FieldDataMut::F32(params.master_mut()?))
                 .chain(optimizer.state_data_mut(state)?);
             for (f, mut d) in fields.iter().zip(data) {
                 for span in &f.spans {
@@ -499,7 +499,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| BufMut::F32(v)).collect();
         unit.layout.gather(
             self.comm,
-            Buf::F32(unit.params.master()),
+            unit.params.master_view().into(),
             &mut dsts,
             &self.stats,
         )?;
@@ -561,7 +561,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut file = Reader::open(path, None)?;
         for unit in &mut self.units {
             let local = &unit.local;
-            let master = unit.params.master_mut();
+            let master = unit.params.master_mut()?;
             for piece in &local.pieces {
                 let meta = &local.params[piece.param];
                 let info = file.tensor(&meta.name)?.clone();

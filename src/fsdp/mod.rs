@@ -40,11 +40,11 @@ pub use stages::{StageReport, Stages, UnitParams};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, DType, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{
-    anchor, CopyStats, GradBuffer, GradPool, GradSink, Materialized, ParamBuffer,
+    anchor_on, placement_of, CopyStats, GradBuffer, GradPool, GradSink, Materialized, ParamBuffer,
 };
 use crate::model::{DType as ModelDType, Inventory, TensorSpec, Unit};
 use crate::optim::{LocalShard, Optimizer};
@@ -284,7 +284,18 @@ pub fn fully_shard<'c, O: Optimizer>(
     let inv = inventory_of(params)?;
     let values: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let stats = Arc::new(CopyStats::default());
-    let anchor = anchor()?;
+    let device = device_of(params)?;
+    let placement = placement_of(&device)?;
+    let anchor = anchor_on(&device)?;
+    if !placement.is_cpu() && opts.layout == ShardLayout::Fsdp2 {
+        return Err(crate::Error::BadInput {
+            op: "fully_shard",
+            what: "ShardLayout::Fsdp2 on a GPU".into(),
+            reason: "the FSDP2-style comparison layout copies in and out on the host only; use \
+                     the ragged layout"
+                .into(),
+        });
+    }
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
@@ -325,22 +336,27 @@ pub fn fully_shard<'c, O: Optimizer>(
     let pool = Arc::new(GradPool::default());
     for (name, layout, local, frozen) in planned {
         let (grad_slots, grad_len) = layout.grad_slots();
-        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?.with_pool(pool.clone());
-        let grads = GradBuffer::new(sink, local.len);
+        let sink = GradSink::new(grad_slots, grad_len, stats.clone())?
+            .with_pool(pool.clone())
+            .on(placement.clone());
+        let grads = GradBuffer::new(sink, local.len)?;
         let mut params = ParamBuffer::new(
             layout.slots(),
+            &placement,
             local.len,
             opts.mixed_precision.param_dtype,
             grads.sink().clone(),
             anchor.clone(),
         )?;
-        load_local(&local, params.master_mut(), &values)?;
+        let mut master = vec![0.0; local.len];
+        load_local(&local, &mut master, &values)?;
+        params.set_master(master)?;
         if frozen {
             params.freeze();
         }
         units.push(ShardedUnit {
             name,
-            state: optimizer.init(&local)?,
+            state: optimizer.init_on(&local, &placement)?,
             local,
             layout,
             params,
@@ -406,7 +422,7 @@ fn load_local(
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers unit `u`'s compute copies unless they are current.
     /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
-    fn gather_unit(&mut self, u: usize, spare: Option<Vec<CpuStorage>>) -> Result<()> {
+    fn gather_unit(&mut self, u: usize, spare: Option<Vec<candle_core::Storage>>) -> Result<()> {
         let comm = self.comm;
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
@@ -419,7 +435,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 // The cast before the all-gather (as FSDP2): one pass over the shard.
                 let cast: Vec<half::bf16> = unit
                     .params
-                    .master()
+                    .master()?
                     .iter()
                     .map(|&x| half::bf16::from_f32(x))
                     .collect();
@@ -428,7 +444,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 })
             }
             _ => unit.params.gather_into(spare, |master, dsts| {
-                layout.gather(comm, Buf::F32(master), dsts, &stats)
+                layout.gather(comm, master, dsts, &stats)
             }),
         }
     }
@@ -450,8 +466,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         } else {
             unit.grads.reduce_with(&stats, |full, local| {
                 if !bf16 {
-                    return layout.reduce(comm, BufMut::F32(full), BufMut::F32(local), op, &stats);
+                    return layout.reduce(comm, full.into(), local.into(), op, &stats);
                 }
+                let (full, local) = (full.cpu("reduce (bf16)")?, local.cpu("reduce (bf16)")?);
                 // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
                 let mut cast: Vec<half::bf16> =
                     full.iter().map(|&x| half::bf16::from_f32(x)).collect();
@@ -527,7 +544,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn step(&mut self) -> Result<()> {
         let mut bad = f32::from(u8::from(self.loss_not_finite));
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            let g = unit.grads.local("ShardedModel::step")?;
+            // On a GPU this downloads the shard (a device-side check is not written yet).
+            let g = unit.grads.local_host("ShardedModel::step")?;
             if g.iter().any(|x| !x.is_finite()) {
                 bad += 1.0;
             }
@@ -564,13 +582,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 ..
             } = unit;
             let g = grads.local("ShardedModel::step")?;
-            self.optimizer.step(
-                state,
-                local,
-                params.master_mut().into(),
-                g.into(),
-                self.comm,
-            )?;
+            self.optimizer
+                .step(state, local, params.master_view_mut(), g, self.comm)?;
             grads.consume();
         }
         self.steps += 1;
@@ -620,14 +633,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         crate::limits::positive_finite("clip_grad_norm", "max_norm", f64::from(max_norm))?;
         let mut squares = clip::ExactSquares::new();
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            squares.add_all(unit.grads.local("clip_grad_norm")?);
+            squares.add_all(&unit.grads.local_host("clip_grad_norm")?);
         }
         let norm = squares.total(self.comm)?.sqrt();
         let coef = f64::from(max_norm) / (norm + 1e-6);
         if norm.is_finite() && coef < 1.0 {
             let coef = coef as f32;
             for unit in self.units.iter_mut().filter(|u| !u.params.is_frozen()) {
-                unit.grads.local_mut().iter_mut().for_each(|g| *g *= coef);
+                unit.grads.scale_local(coef)?;
             }
         }
         Ok(norm as f32)
@@ -656,13 +669,21 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn full_params(&mut self) -> Result<HashMap<String, Vec<f32>>> {
         let mut out = HashMap::new();
         for unit in &self.units {
-            let slots = unit.params.slots();
-            let mut values: Vec<Vec<f32>> = slots.iter().map(|s| vec![0.0; s.numel()]).collect();
-            let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| BufMut::F32(v)).collect();
-            let master = Buf::F32(unit.params.master());
+            // Gathered where the master lives (device to device on a GPU), then read.
+            let (slots, placement) = (unit.params.slots(), unit.params.placement());
+            let mut values = slots
+                .iter()
+                .map(|s| placement.zeros::<f32>(s.numel()))
+                .collect::<Result<Vec<_>>>()?;
+            let mut dsts: Vec<BufMut<'_>> =
+                values.iter_mut().map(|v| v.view_mut().into()).collect();
+            let master = unit.params.master_view().into();
             unit.layout
                 .gather(self.comm, master, &mut dsts, &self.stats)?;
-            out.extend(slots.iter().map(|s| s.name.clone()).zip(values));
+            drop(dsts);
+            for (slot, v) in slots.iter().zip(values) {
+                out.insert(slot.name.clone(), v.into_vec()?);
+            }
         }
         Ok(out)
     }
@@ -729,7 +750,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Runs `f` on every unit's master shard (read-only), in unit order.
     pub fn with_local_params(&self, mut f: impl FnMut(&LocalShard, &[f32])) -> Result<()> {
         for unit in &self.units {
-            f(&unit.local, unit.params.master());
+            f(&unit.local, &unit.params.master_host()?);
         }
         Ok(())
     }
@@ -738,7 +759,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// reduction); frozen buffers, which have none, are skipped.
     pub fn with_local_grads(&self, mut f: impl FnMut(&LocalShard, &[f32])) -> Result<()> {
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            f(&unit.local, unit.grads.local("with_local_grads")?);
+            f(&unit.local, &unit.grads.local_host("with_local_grads")?);
         }
         Ok(())
     }
@@ -892,6 +913,28 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         self.buffers_of(g)
             .into_iter()
             .try_for_each(|b| self.reduce_unit(b))
+    }
+}
+
+/// The device every parameter of `params` lives on (the CPU for none); `Err` for a mix.
+fn device_of(params: &[(String, Tensor)]) -> Result<candle_core::Device> {
+    let device = params
+        .first()
+        .map_or(candle_core::Device::Cpu, |(_, t)| t.device().clone());
+    match params
+        .iter()
+        .find(|(_, t)| !t.device().same_device(&device))
+    {
+        None => Ok(device),
+        Some((name, t)) => Err(crate::Error::BadInput {
+            op: "fully_shard",
+            what: format!("parameter {name}"),
+            reason: format!(
+                "on {:?} while the first parameter is on {device:?}: every parameter must live \
+                 on one device",
+                t.device()
+            ),
+        }),
     }
 }
 

@@ -8,8 +8,7 @@
 //! so at most [`ParamPool::SPARE`] units' storages wait here at any time, and the memory replay
 //! (`stages::peak_of_schedule`) counts them.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType};
+use candle_core::{DType, Storage};
 
 use crate::dbuffer::{tap, ParamBuffer};
 
@@ -19,7 +18,7 @@ pub(crate) struct ParamPool {
     /// Per unit: the first unit with the same buffers (dtypes and tensor lengths, in order).
     class: Vec<usize>,
     /// One unit's storages each: per buffer of the unit, per tensor.
-    spare: Vec<(usize, Vec<Vec<CpuStorage>>)>,
+    spare: Vec<(usize, Vec<Vec<Storage>>)>,
 }
 
 impl ParamPool {
@@ -40,7 +39,7 @@ impl ParamPool {
     }
 
     /// Spare storages for unit `u` (per buffer), if a unit of its class left some.
-    pub fn take(&mut self, u: usize) -> Option<Vec<Vec<CpuStorage>>> {
+    pub fn take(&mut self, u: usize) -> Option<Vec<Vec<Storage>>> {
         let class = self.class_of(u);
         let i = self.spare.iter().position(|(c, _)| *c == class)?;
         Some(self.spare.swap_remove(i).1)
@@ -48,7 +47,7 @@ impl ParamPool {
 
     /// Keeps unit `u`'s storages unless [`Self::SPARE`] units' are kept already (then they are
     /// dropped, and their memory returns).
-    pub fn give_back(&mut self, u: usize, storages: Vec<Vec<CpuStorage>>) {
+    pub fn give_back(&mut self, u: usize, storages: Vec<Vec<Storage>>) {
         let empty = storages.iter().all(Vec::is_empty);
         if !empty && self.spare.len() < Self::SPARE {
             self.spare.push((self.class_of(u), storages));

@@ -1,0 +1,78 @@
+//! Element ops on device `f32` runs (a gradient slot, a local shard), one kernel launch each
+//! (`kernels/group_ops.cu`): zero, scale, add, copy. Each is one IEEE `f32` operation per
+//! element, so it equals the host loop bit for bit; [`crate::storage`] dispatches host and
+//! device views to the loop or the kernel, so callers have one code path.
+
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
+
+use super::{check_len, count, elementwise, guarded, Device, GROUP_OPS};
+use crate::Result;
+
+/// Entry points of `kernels/group_ops.cu`.
+pub const GROUP_ZERO: &str = "group_zero";
+pub const GROUP_SCALE: &str = "group_scale";
+pub const GROUP_ADD: &str = "group_add";
+pub const GROUP_COPY: &str = "group_copy";
+
+/// `x ← 0`.
+pub fn zero(dev: &Device, x: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    let f = dev.function(&GROUP_OPS, GROUP_ZERO)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    // SAFETY: `group_zero(float*, u64)` writes elements `[0, n)` of `x`, which holds `n`.
+    guarded("cuda::ops::zero", || unsafe {
+        dev.stream().launch_builder(&f).arg(x).arg(&n).launch(cfg)
+    })
+    .map(drop)
+}
+
+/// `x ← a·x`.
+pub fn scale(dev: &Device, x: &mut CudaViewMut<'_, f32>, a: f32) -> Result<()> {
+    let f = dev.function(&GROUP_OPS, GROUP_SCALE)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    // SAFETY: `group_scale(float*, float, u64)` reads and writes elements `[0, n)` of `x`.
+    guarded("cuda::ops::scale", || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(&a)
+            .arg(&n)
+            .launch(cfg)
+    })
+    .map(drop)
+}
+
+/// `x ← x + y` (same lengths).
+pub fn add(dev: &Device, x: &mut CudaViewMut<'_, f32>, y: &CudaView<'_, f32>) -> Result<()> {
+    binary(dev, x, y, GROUP_ADD, "cuda::ops::add")
+}
+
+/// `x ← y` (same lengths).
+pub fn copy(dev: &Device, x: &mut CudaViewMut<'_, f32>, y: &CudaView<'_, f32>) -> Result<()> {
+    binary(dev, x, y, GROUP_COPY, "cuda::ops::copy")
+}
+
+fn binary(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    y: &CudaView<'_, f32>,
+    entry: &str,
+    op: &'static str,
+) -> Result<()> {
+    check_len(op, y.len(), x.len())?;
+    let f = dev.function(&GROUP_OPS, entry)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    // SAFETY: the kernel `(float* x, const float* y, u64 n)` touches elements `[0, n)` of both,
+    // and both hold `n` (checked above).
+    guarded(op, || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(y)
+            .arg(&n)
+            .launch(cfg)
+    })
+    .map(drop)
+}
