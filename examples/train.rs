@@ -14,7 +14,9 @@
 //! `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE`, and, for the GPU, `LOCAL_RANK`; rank 0
 //! reports). The GPU modes need
 //! `--features cuda`. `mpi`: one process per rank under `mpirun` (`--features mpi`). The
-//! model itself runs on the CPU (candle) in every mode.
+//! model runs on the CPU (candle) unless `--device cuda` (`--features candle-cuda`, with
+//! `gpu-threads` or `nccl`) puts it, its shards and the optimizer state on the GPU; the
+//! unsharded reference always trains on the CPU, so the drift column compares the two.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -49,6 +51,15 @@ enum Opt {
     Shampoo,
 }
 
+/// Where the model, its shards and the optimizer state live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Place {
+    Cpu,
+    /// GPU 0 (`LOCAL_RANK` under NCCL): candle CUDA tensors, device DBuffers; needs
+    /// `--features candle-cuda` and `--comm gpu-threads` or `nccl`.
+    Cuda,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CommKind {
     Threads,
@@ -72,6 +83,9 @@ struct Args {
     /// Where the ranks and their collectives run (module doc).
     #[arg(long, value_enum, default_value_t = CommKind::Threads)]
     comm: CommKind,
+    /// Where the model and the sharded state live.
+    #[arg(long, value_enum, default_value_t = Place::Cpu)]
+    device: Place,
     /// Training steps.
     #[arg(long, default_value_t = 30)]
     steps: usize,
@@ -310,6 +324,11 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
     } else {
         TrainMode::UnitByUnit
     };
+    let cpu_params = params;
+    let params = match args.device {
+        Place::Cpu => cpu_params.clone(),
+        Place::Cuda => gpu::to_gpu(&cpu_params)?,
+    };
     let rank_run = |comm: &dyn Communicator| {
         let progress = |step: usize, r: &StepReport| {
             if comm.rank() == 0 {
@@ -328,9 +347,16 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
     };
     let (rank, trained) = match args.comm {
         CommKind::Threads => (0, first(ThreadWorld::run(args.ranks, |c| rank_run(c))?)),
-        CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, &rank_run)?)),
-        CommKind::Nccl => gpu::nccl(&rank_run)?,
-        CommKind::Mpi => mpi_rank(&rank_run)?,
+        CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, args.device, &rank_run)?)),
+        CommKind::Nccl => gpu::nccl(args.device, &rank_run)?,
+        CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
+        CommKind::Mpi => {
+            return Err(ragged::Error::BadInput {
+                op: "train",
+                what: "--device cuda --comm mpi".into(),
+                reason: "MPI moves host memory; use --comm nccl or gpu-threads".into(),
+            })
+        }
     };
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
@@ -364,7 +390,7 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
     let opt = optimizer(args.lr)?;
     let (reference, ref_full) = train_rank(
         cfg,
-        &params,
+        &cpu_params,
         opt,
         &SingleRank,
         reference_opts,
@@ -422,11 +448,13 @@ fn mpi_rank<T>(_: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)>
     })
 }
 
-/// The GPU-backed communicators (feature `cuda`).
+/// The GPU-backed communicators (feature `cuda`), and the model on the GPU (feature
+/// `candle-cuda`).
 #[cfg(feature = "cuda")]
 mod gpu {
     use std::sync::Arc;
 
+    use candle_core::Tensor;
     use ragged::comm::Communicator;
     use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::nccl::NcclComm;
@@ -434,24 +462,80 @@ mod gpu {
     use ragged::cuda::Device;
     use ragged::Result;
 
-    /// `n` thread ranks whose collectives run on GPU 0 (the host buffers of this CPU runtime
-    /// on device copies).
+    use super::Place;
+
+    /// The GPU of this process (`LOCAL_RANK`, default 0).
+    fn ordinal() -> usize {
+        std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// candle's device on this process's GPU and this crate's handle on its stream, made once:
+    /// the model, the shards and the collectives then run on one stream.
+    #[cfg(feature = "candle-cuda")]
+    fn candle_gpu() -> Result<&'static (candle_core::Device, Arc<Device>)> {
+        static GPU: std::sync::OnceLock<(candle_core::Device, Arc<Device>)> =
+            std::sync::OnceLock::new();
+        if let Some(g) = GPU.get() {
+            return Ok(g);
+        }
+        let cd = candle_core::Device::new_cuda(ordinal())
+            .map_err(ragged::dbuffer::candle("train --device cuda"))?;
+        let candle_core::Device::Cuda(cuda) = &cd else {
+            unreachable!("new_cuda makes a CUDA device")
+        };
+        let dev = Arc::new(Device::from_candle(cuda)?);
+        Ok(GPU.get_or_init(|| (cd, dev)))
+    }
+
+    #[cfg(not(feature = "candle-cuda"))]
+    fn candle_gpu() -> Result<&'static (candle_core::Device, Arc<Device>)> {
+        Err(ragged::Error::CudaUnavailable {
+            op: "train --device cuda",
+            reason: "the model on the GPU needs a build with --features candle-cuda".into(),
+        })
+    }
+
+    /// `params` copied to this process's GPU.
+    pub fn to_gpu(params: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+        let (cd, _) = candle_gpu()?;
+        params
+            .iter()
+            .map(|(n, t)| {
+                let t = t
+                    .to_device(cd)
+                    .map_err(ragged::dbuffer::candle("train --device cuda"))?;
+                Ok((n.clone(), t))
+            })
+            .collect()
+    }
+
+    /// `n` thread ranks whose collectives run on the GPU: on the model's device buffers
+    /// (`--device cuda`), or on device copies of this CPU runtime's host buffers.
     pub fn threads<T: Send>(
         n: usize,
+        place: Place,
         f: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
     ) -> Result<Vec<T>> {
-        let dev = Arc::new(Device::open(0)?);
-        ThreadDeviceComm::run(dev, n, |c| f(&ViaDevice::new(c, c.device())))
+        match place {
+            Place::Cpu => {
+                let dev = Arc::new(Device::open(0)?);
+                ThreadDeviceComm::run(dev, n, |c| f(&ViaDevice::new(c, c.device())))
+            }
+            Place::Cuda => ThreadDeviceComm::run(candle_gpu()?.1.clone(), n, |c| f(c)),
+        }
     }
 
     /// This process as one NCCL rank (environment in the module doc), on GPU `LOCAL_RANK`.
-    pub fn nccl<T>(f: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
-        let local = std::env::var("LOCAL_RANK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        // Host buffers go through device copies inside NcclComm.
-        let comm = NcclComm::from_env(Arc::new(Device::open(local)?))?;
+    pub fn nccl<T>(place: Place, f: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+        // Host buffers (`--device cpu`) go through device copies inside NcclComm.
+        let dev = match place {
+            Place::Cpu => Arc::new(Device::open(ordinal())?),
+            Place::Cuda => candle_gpu()?.1.clone(),
+        };
+        let comm = NcclComm::from_env(dev)?;
         let rank = comm.rank();
         Ok((rank, f(&comm)?))
     }
@@ -460,24 +544,34 @@ mod gpu {
 /// Without the `cuda` feature the GPU modes explain how to get them.
 #[cfg(not(feature = "cuda"))]
 mod gpu {
+    use candle_core::Tensor;
     use ragged::comm::Communicator;
     use ragged::{Error, Result};
 
+    use super::Place;
+
     fn unavailable() -> Error {
         Error::CudaUnavailable {
-            op: "train --comm",
-            reason: "gpu-threads and nccl need a build with --features cuda".into(),
+            op: "train --comm / --device",
+            reason: "gpu-threads, nccl and --device cuda need a build with --features cuda \
+                     (the model on the GPU: candle-cuda)"
+                .into(),
         }
+    }
+
+    pub fn to_gpu(_: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+        Err(unavailable())
     }
 
     pub fn threads<T: Send>(
         _: usize,
+        _: Place,
         _: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
     ) -> Result<Vec<T>> {
         Err(unavailable())
     }
 
-    pub fn nccl<T>(_: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
+    pub fn nccl<T>(_: Place, _: &dyn Fn(&dyn Communicator) -> Result<T>) -> Result<(usize, T)> {
         Err(unavailable())
     }
 }

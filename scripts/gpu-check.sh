@@ -120,6 +120,19 @@ if [[ -x $bins/train ]]; then
         say "train --comm nccl (world of 1): FAILED (exit $?)"
         status=1
     fi
+    # The model itself on the GPU (`--device cuda`) needs a train binary built with
+    # candle-cuda (scripts/build-gpu-bins.sh says whether it could); without it, a skip.
+    timeout 600 "$bins/train" --size tiny --steps 5 --ranks 2 --comm gpu-threads --device cuda \
+        >"$res/train-device-cuda.txt" 2>&1
+    rc=$?
+    if [[ $rc == 0 ]]; then
+        say "train --device cuda --comm gpu-threads: ok"
+    elif grep -q 'candle-cuda' "$res/train-device-cuda.txt"; then
+        say "train --device cuda: skipped: the train binary was built without candle-cuda"
+    else
+        say "train --device cuda --comm gpu-threads: FAILED (exit $rc)"
+        status=1
+    fi
     grep -h "max |parameter difference|" "$res"/train-*.txt | tee -a "$log"
 fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then

@@ -221,7 +221,7 @@ impl Transformer {
     fn loss_inner(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (inputs, targets) = split_ids(ids)?;
         let mut x = self.embed.forward(&inputs)?;
-        let mask = causal_mask(inputs.dim(1)?)?.to_dtype(x.dtype())?;
+        let mask = causal_mask(inputs.dim(1)?, x.device())?.to_dtype(x.dtype())?;
         for b in &self.blocks {
             x = b.forward(&x, &mask)?;
         }
@@ -258,7 +258,7 @@ impl Stages for TransformerStages {
         match (stage, x) {
             (0, _) => embedding(cfg.vocab, cfg.d_model, vb.pp("embed"))?.forward(&inputs),
             (s, Some(x)) if s <= cfg.n_layers => {
-                let mask = causal_mask(inputs.dim(1)?)?.to_dtype(x.dtype())?;
+                let mask = causal_mask(inputs.dim(1)?, x.device())?.to_dtype(x.dtype())?;
                 Block::new(cfg, s - 1, &vb)?.forward(x, &mask)
             }
             (_, Some(x)) => {
@@ -270,7 +270,7 @@ impl Stages for TransformerStages {
     }
 }
 
-fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
+fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
     let m: Vec<f32> = (0..t * t)
         .map(|i| {
             if i % t > i / t {
@@ -280,7 +280,7 @@ fn causal_mask(t: usize) -> candle_core::Result<Tensor> {
             }
         })
         .collect();
-    Tensor::from_vec(m, (t, t), &Device::Cpu)
+    Tensor::from_vec(m, (t, t), device)
 }
 
 /// Where the demo's training text lives: `data/corpus.txt` of this source tree (a frozen
@@ -459,6 +459,13 @@ pub fn train_rank_with<O: CheckpointState>(
     for step in first_step..steps {
         let start = Instant::now();
         let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;
+        // The batch goes where the parameters live.
+        let ids = match params.first() {
+            Some((_, t)) if !t.device().is_cpu() => {
+                ids.to_device(t.device()).map_err(candle("batch"))?
+            }
+            _ => ids,
+        };
         let phases = match mode {
             TrainMode::UnitByUnit => sharded.forward_backward(&stages, &ids)?,
             TrainMode::WholeModel => whole_model_step(&mut sharded, &mut whole, cfg, &ids)?,
@@ -506,8 +513,10 @@ fn whole_model_step<O: Optimizer>(
     let tensors = sharded.unshard()?;
     let gather_seconds = start.elapsed().as_secs_f64();
     if model.is_none() {
-        let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
-        let vb = VarBuilder::from_tensors(tensors, dtype, &Device::Cpu);
+        let first = tensors.values().next();
+        let dtype = first.map_or(DType::F32, |t| t.dtype());
+        let device = first.map_or(Device::Cpu, |t| t.device().clone());
+        let vb = VarBuilder::from_tensors(tensors, dtype, &device);
         *model = Some(Transformer::new(cfg, vb)?);
     }
     let compute = Instant::now();

@@ -426,4 +426,19 @@ mod tests {
             Storage::Cpu(vec![3u8, 4])
         );
     }
+
+    #[test]
+    fn host_element_ops_touch_only_their_range() {
+        let mut s = Placement::Cpu.put(vec![1.0f32; 6]).unwrap();
+        let src = [2.0f32, 3.0];
+        s.write_range(1..3, (&src[..]).into(), true).unwrap();
+        s.write_range(4..6, (&src[..]).into(), false).unwrap();
+        assert_eq!(s.cpu().unwrap(), &[1.0, 3.0, 4.0, 1.0, 2.0, 3.0]);
+        s.zero_range(0..2).unwrap();
+        s.scale(0.5).unwrap();
+        assert_eq!(s.cpu().unwrap(), &[0.0, 0.0, 2.0, 0.5, 1.0, 1.5]);
+        assert!(s.write_range(5..7, (&src[..]).into(), false).is_err());
+        assert!(s.write_range(0..3, (&src[..]).into(), false).is_err());
+        assert!(s.zero_range(3..7).is_err());
+    }
 }

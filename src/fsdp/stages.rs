@@ -74,9 +74,18 @@ impl UnitParams {
         self.map.values()
     }
 
-    /// A `VarBuilder` over these tensors (candle-nn layers built from it share their storage).
+    /// A `VarBuilder` over these tensors (candle-nn layers built from it share their storage),
+    /// on their device.
     pub fn vb(&self) -> VarBuilder<'static> {
-        VarBuilder::from_tensors(self.map.clone(), self.dtype, &Device::Cpu)
+        VarBuilder::from_tensors(self.map.clone(), self.dtype, &self.device())
+    }
+
+    /// The device the tensors live on (the CPU for none).
+    pub fn device(&self) -> Device {
+        self.map
+            .values()
+            .next()
+            .map_or(Device::Cpu, |t| t.device().clone())
     }
 
     /// The compute dtype (f32, or bf16 under mixed precision).
