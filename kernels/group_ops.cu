@@ -1,8 +1,8 @@
-// DBuffer fused group ops on one f32 run (a local shard): zero, scale, add, copy.
+// Element ops on one f32 run (a gradient slot, a local shard): zero, scale, add, axpy, copy.
 //
 // Grid: any (grid-stride loops); block: 256 threads. One IEEE f32 operation per element, so
-// the results equal the CPU DBuffer ops (src/dbuffer.rs) bit for bit.
-// Launchers: src/cuda/dbuffer.rs (entry names `GROUP_*` there).
+// the results equal the host loops (src/storage.rs, ragged::optim::Sgd) bit for bit.
+// Launchers: src/cuda/ops.rs (entry names `GROUP_*` there).
 
 extern "C" __global__ void group_zero(float* x, unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -24,6 +24,15 @@ extern "C" __global__ void group_add(float* x, const float* y, unsigned long lon
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] = x[i] + y[i];
+    }
+}
+
+// x <- x + a*y (the product rounded, then the sum: two operations, as the CPU's `x -= lr * y`
+// with a = -lr; needs --fmad=false)
+extern "C" __global__ void group_axpy(float* x, const float* y, float a, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        x[i] = x[i] + a * y[i];
     }
 }
 

@@ -401,7 +401,8 @@ pub struct Sgd {
 }
 
 impl Optimizer for Sgd {
-    type State = ();
+    /// Where the shard lives (its device's kernels step it).
+    type State = Placement;
 
     fn name(&self) -> &'static str {
         "sgd"
@@ -411,8 +412,12 @@ impl Optimizer for Sgd {
         AtomicBlock::Element
     }
 
-    fn init(&self, _shard: &LocalShard) -> Result<()> {
-        Ok(())
+    fn init(&self, _shard: &LocalShard) -> Result<Placement> {
+        Ok(Placement::Cpu)
+    }
+
+    fn init_on(&self, _shard: &LocalShard, place: &Placement) -> Result<Placement> {
+        Ok(place.clone())
     }
 
     fn learning_rate(&self) -> Option<f64> {
@@ -424,24 +429,42 @@ impl Optimizer for Sgd {
         Ok(())
     }
 
+    /// `p ← p − lr·g` on every piece: a host loop, or one `axpy` kernel per piece with
+    /// `a = −lr` (the same two roundings, so the same bits).
     fn step(
         &self,
-        _state: &mut (),
+        place: &mut Placement,
         shard: &LocalShard,
         params: ViewMut<'_, f32>,
         grads: View<'_, f32>,
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Sgd::step";
-        let (params, grads) = (params.cpu(OP)?, grads.cpu(OP)?);
         check_shard_lengths(shard, params.len(), grads.len(), OP)?;
-        for piece in &shard.pieces {
-            let span = piece.offset..piece.offset + piece.range.len();
-            for (p, g) in params[span.clone()].iter_mut().zip(&grads[span]) {
-                *p -= self.lr * g;
+        let spans = shard
+            .pieces
+            .iter()
+            .map(|piece| piece.offset..piece.offset + piece.range.len());
+        match (params, grads, &*place) {
+            (ViewMut::Cpu(params), View::Cpu(grads), Placement::Cpu) => {
+                for span in spans {
+                    for (p, g) in params[span.clone()].iter_mut().zip(&grads[span]) {
+                        *p -= self.lr * g;
+                    }
+                }
+                Ok(())
             }
+            #[cfg(feature = "cuda")]
+            (ViewMut::Cuda(mut params), View::Cuda(grads), Placement::Cuda(dev)) => {
+                for span in spans {
+                    let mut p = params.slice_mut(span.clone());
+                    crate::cuda::ops::axpy(dev, &mut p, &grads.slice(span), -self.lr)?;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            _ => Err(crate::storage::mixed(OP, "parameters, gradients and state")),
         }
-        Ok(())
     }
 }
 

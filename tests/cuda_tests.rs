@@ -90,6 +90,14 @@ fn device_storage_ops_equal_the_host_ops_bitwise() {
     for (i, (h, d)) in host.iter().zip(&device).enumerate() {
         assert_eq!(bits(d), bits(h), "op {i}");
     }
+    // SGD's update: `axpy` with a = −lr gives the bits of the host's `p -= lr * g`.
+    let (p, g, lr) = (values(n, 3), values(n, 4), 0.0123f32);
+    let mut want = p.clone();
+    want.iter_mut().zip(&g).for_each(|(p, g)| *p -= lr * g);
+    let mut dp = dev.upload(&p).unwrap();
+    let dg = dev.upload(&g).unwrap();
+    ragged::cuda::ops::axpy(&dev, &mut dp.slice_mut(..), &dg.slice(..), -lr).unwrap();
+    assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&want), "axpy");
     // A range past the end, and host elements into device storage, are refused.
     let mut x = Placement::Cuda(dev).zeros::<f32>(10).unwrap();
     assert!(x.zero_range(5..11).is_err());
@@ -180,7 +188,13 @@ fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
 const ENTRIES: [(&str, &[&str]); 6] = [
     (
         "group_ops.cu",
-        &["group_zero", "group_scale", "group_add", "group_copy"],
+        &[
+            "group_zero",
+            "group_scale",
+            "group_add",
+            "group_axpy",
+            "group_copy",
+        ],
     ),
     ("adamw.cu", &["adamw_step"]),
     ("adam8bit.cu", &["adam8bit_blocks"]),

@@ -3,7 +3,11 @@
 //! runtime on the ragged and FSDP2-style layouts, with per-phase times, bytes copied, and peak
 //! heap per rank, predicted from the plans and measured by the counting allocator
 //! ([`super::alloc`]). The optimizer is SGD on both sides so the step measures the runtime;
-//! `bench optim` measures the optimizers.
+//! `bench optim` measures the optimizers. On a GPU ([`TrainBench::device`] CUDA, feature
+//! `candle-cuda`) the same rows run on candle's CUDA tensors and thread ranks on the GPU's
+//! stream, each step ends with a device synchronization, the heap column is left out (device
+//! memory is not the host allocator's), and every row gets its MFU against a same-run cuBLAS
+//! f32 GEMM.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -33,6 +37,8 @@ pub struct TrainBench {
     pub steps: usize,
     /// Run only the runtime variants whose name contains this (plain candle always runs).
     pub only: Option<String>,
+    /// Where the model and the sharded state live (the CPU, or a CUDA device).
+    pub device: Device,
 }
 
 /// One variant's measurement (means over the timed steps, on rank 0).
@@ -55,8 +61,10 @@ pub struct TrainRow {
     /// Heap per rank: the runtime's buffers predicted from the plans (`None` for plain candle).
     pub predicted_bytes: Option<usize>,
     /// Heap per rank measured: process peak above the bytes alive before, over the ranks
-    /// (`None` without the counting allocator).
+    /// (`None` without the counting allocator, and on a GPU).
     pub measured_bytes: Option<usize>,
+    /// Model FLOPs per second over a same-run GEMM's (GPU rows only).
+    pub mfu: Option<f64>,
     pub loss: f32,
 }
 
@@ -64,7 +72,13 @@ pub struct TrainRow {
 /// [`variants`].
 pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<TrainRow>> {
     validate(cfg)?;
-    let params = cfg.model.init_params(0)?;
+    let params = on_device(cfg.model.init_params(0)?, &cfg.device)?;
+    let gemm = if cfg.device.is_cpu() {
+        None
+    } else {
+        progress("same-run GEMM");
+        Some(gemm_flops_per_second(&cfg.device)?)
+    };
     progress("plain candle");
     let mut rows = vec![plain(cfg, &params)?];
     for &world in &cfg.worlds {
@@ -72,11 +86,116 @@ pub fn run(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<Train
             .into_iter()
             .filter(|(name, _)| cfg.only.as_deref().is_none_or(|only| name.contains(only)));
         for (name, opts) in chosen {
+            if !cfg.device.is_cpu() && opts.layout == ShardLayout::Fsdp2 {
+                continue; // host only (fully_shard says so)
+            }
             progress(&format!("{name} V={world}"));
             rows.push(sharded(cfg, &params, world, opts, name)?);
         }
     }
+    if let Some(gemm) = gemm {
+        // Forward 2, backward 4 FLOPs per weight and row (no biases).
+        let weights: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
+        let flops = 6.0 * weights as f64 * cfg.batch as f64;
+        for r in &mut rows {
+            r.mfu = Some(flops / r.step_seconds / gemm);
+        }
+    }
     Ok(rows)
+}
+
+/// The CPU, as [`TrainBench::device`] (callers need no candle dependency).
+pub fn cpu_device() -> Device {
+    Device::Cpu
+}
+
+/// candle's CUDA device `ordinal` (feature `candle-cuda`; `Err` in other builds).
+pub fn cuda_device(ordinal: usize) -> Result<Device> {
+    #[cfg(feature = "candle-cuda")]
+    {
+        Device::new_cuda(ordinal).map_err(candle("bench train --device cuda"))
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    {
+        let _ = ordinal;
+        Err(Error::CudaUnavailable {
+            op: "bench train --device cuda",
+            reason: "the model on the GPU needs a build with --features candle-cuda".into(),
+        })
+    }
+}
+
+/// `params` on `device`.
+fn on_device(
+    params: Vec<(String, candle_core::Tensor)>,
+    device: &Device,
+) -> Result<Vec<(String, candle_core::Tensor)>> {
+    if device.is_cpu() {
+        return Ok(params);
+    }
+    params
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_device(device).map_err(candle("bench train"))?)))
+        .collect()
+}
+
+/// A batch on `device`.
+fn batch_on(b: MlpBatch, device: &Device) -> Result<MlpBatch> {
+    if device.is_cpu() {
+        return Ok(b);
+    }
+    let to = |t: candle_core::Tensor| t.to_device(device).map_err(candle("bench train batch"));
+    Ok(MlpBatch {
+        x: to(b.x)?,
+        y: to(b.y)?,
+    })
+}
+
+/// Waits for `device`'s queued work (a no-op on the CPU), so a step's time is its own.
+fn sync(device: &Device) -> Result<()> {
+    device.synchronize().map_err(candle("bench train sync"))
+}
+
+/// FLOP/s of a 4096³ f32 matmul on `device` (candle's cuBLAS call), best of 5 after a warm-up.
+fn gemm_flops_per_second(device: &Device) -> Result<f64> {
+    let n = 4096;
+    let op = candle("bench train GEMM");
+    let a = candle_core::Tensor::ones((n, n), DType::F32, device).map_err(&op)?;
+    let mut best = f64::INFINITY;
+    for rep in 0..6 {
+        sync(device)?;
+        let start = Instant::now();
+        let c = a.matmul(&a).map_err(&op)?;
+        sync(device)?;
+        drop(c);
+        if rep > 0 {
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (n as f64).powi(3) / best)
+}
+
+/// Runs `f` on `world` thread ranks: CPU ones, or (a CUDA `device`) ones whose collectives run
+/// on the GPU, on candle's stream.
+fn on_ranks<T: Send>(
+    device: &Device,
+    world: usize,
+    f: impl Fn(&dyn Communicator) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    match device {
+        Device::Cpu => ThreadWorld::run(world, |c| f(c)),
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(cuda) => {
+            let dev = std::sync::Arc::new(crate::cuda::Device::from_candle(cuda)?);
+            crate::cuda::threads::ThreadDeviceComm::run(dev, world, |c| f(c))
+        }
+        #[allow(unreachable_patterns)]
+        other => Err(Error::BadInput {
+            op: "bench train",
+            what: format!("device {other:?}"),
+            reason: "the CPU, or CUDA in a build with --features candle-cuda".into(),
+        }),
+    }
 }
 
 /// The runtime variants measured at every world size, by name.
@@ -161,7 +280,10 @@ impl Plain {
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        let vb = VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+        let device = params
+            .first()
+            .map_or(Device::Cpu, |(_, t)| t.device().clone());
+        let vb = VarBuilder::from_tensors(map, DType::F32, &device);
         let sgd = SGD::new(vars.into_iter().map(|(_, v)| v).collect(), LR)
             .map_err(candle("plain SGD"))?;
         Ok(Plain { vb, sgd })
@@ -180,6 +302,7 @@ impl Plain {
         let grads = loss.backward().map_err(candle("plain backward"))?;
         let backward = start.elapsed().as_secs_f64() - forward;
         self.sgd.step(&grads).map_err(candle("plain step"))?;
+        sync(batch.x.device())?;
         let total = start.elapsed().as_secs_f64();
         let loss = loss.to_scalar::<f32>().map_err(candle("plain loss"))?;
         Ok(StepTimes {
@@ -198,7 +321,8 @@ fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<T
     let mut model = Plain::new(params)?;
     let mut row = empty_row("plain candle", 1);
     for step in 0..=cfg.steps {
-        let t = model.step(&cfg.model, &cfg.model.batch(step, cfg.batch)?)?;
+        let batch = batch_on(cfg.model.batch(step, cfg.batch)?, &cfg.device)?;
+        let t = model.step(&cfg.model, &batch)?;
         if step > 0 {
             row.forward_seconds += t.forward;
             row.backward_seconds += t.backward;
@@ -209,6 +333,9 @@ fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<T
         row.loss = t.loss;
     }
     finish(&mut row, cfg.steps, None, before, 1);
+    if !cfg.device.is_cpu() {
+        row.measured_bytes = None;
+    }
     Ok(row)
 }
 
@@ -230,6 +357,13 @@ pub struct PairedRow {
 /// pairs after one warm-up pair.
 pub fn paired(cfg: &TrainBench, mut progress: impl FnMut(&str)) -> Result<Vec<PairedRow>> {
     validate(cfg)?;
+    if !cfg.device.is_cpu() {
+        return Err(Error::BadInput {
+            op: "bench train --paired",
+            what: "device".into(),
+            reason: "the paired run is a CPU measurement; use bench train --device cuda".into(),
+        });
+    }
     let params = cfg.model.init_params(0)?;
     let chosen = variants()
         .into_iter()
@@ -314,7 +448,7 @@ fn sharded(
     let rows = cfg.batch / world;
     let before = alloc::current();
     alloc::reset_peak();
-    let runs = ThreadWorld::run(world, |c| {
+    let runs = on_ranks(&cfg.device, world, |c| {
         let mut sharded = fully_shard(params, Sgd { lr: LR as f32 }, c, opts.clone())?;
         let order: Vec<usize> = stages
             .stage_units()
@@ -333,7 +467,7 @@ fn sharded(
         let mut row = empty_row(name, world);
         for step in 0..=cfg.steps {
             let full = cfg.model.batch(step, cfg.batch)?;
-            let batch = rank_rows(&full, c.rank() * rows, rows)?;
+            let batch = batch_on(rank_rows(&full, c.rank() * rows, rows)?, &cfg.device)?;
             let (copied, gathered) = (sharded.stats().copied(), sharded.stats().collective());
             let start = Instant::now();
             let r = sharded.forward_backward(&stages, &batch)?;
@@ -342,6 +476,7 @@ fn sharded(
             }
             let opt = Instant::now();
             sharded.step()?;
+            sync(&cfg.device)?;
             if step > 0 {
                 row.optimizer_seconds += opt.elapsed().as_secs_f64();
                 let total = start.elapsed().as_secs_f64();
@@ -361,6 +496,9 @@ fn sharded(
     let (mut row, predicted) = runs.into_iter().next().expect("rank 0");
     row.copied_per_step *= world as u64;
     finish(&mut row, cfg.steps, Some(predicted), before, world);
+    if !cfg.device.is_cpu() {
+        row.measured_bytes = None;
+    }
     Ok(row)
 }
 
@@ -388,6 +526,7 @@ fn empty_row(name: &str, world: usize) -> TrainRow {
         gathered_per_step: 0,
         predicted_bytes: None,
         measured_bytes: None,
+        mfu: None,
         loss: 0.0,
     }
 }
@@ -431,10 +570,18 @@ pub fn markdown(rows: &[TrainRow]) -> String {
          predicted MiB/rank | measured MiB/rank | loss |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
+    let with_mfu = rows.iter().any(|r| r.mfu.is_some());
+    if with_mfu {
+        s = s.replacen(" loss |\n", " loss | MFU % (vs same-run GEMM) |\n", 1);
+        s = s.replacen("---:|\n", "---:|---:|\n", 1);
+    }
     for r in rows {
         let sharding = 100.0 * (r.gather_seconds + r.reduce_seconds) / r.step_seconds;
+        let mfu = r
+            .mfu
+            .map_or(String::new(), |m| format!(" {:.1} |", 100.0 * m));
         s += &format!(
-            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |\n",
+            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |{mfu}\n",
             r.variant,
             r.world,
             r.step_seconds,

@@ -13,6 +13,7 @@
 use std::ops::Range;
 
 use crate::optim::{LocalShard, Optimizer, ParamMeta, Sgd};
+use crate::storage::Placement;
 use crate::{Error, Result};
 
 /// Element type of a state field (and of a checkpoint tensor).
@@ -268,17 +269,17 @@ impl CheckpointState for Sgd {
         Ok(Vec::new())
     }
 
-    fn state_data<'a>(&self, _state: &'a ()) -> Result<Vec<FieldData<'a>>> {
+    fn state_data<'a>(&self, _state: &'a Placement) -> Result<Vec<FieldData<'a>>> {
         Ok(Vec::new())
     }
 
-    fn state_data_mut<'a>(&self, _state: &'a mut ()) -> Result<Vec<FieldDataMut<'a>>> {
+    fn state_data_mut<'a>(&self, _state: &'a mut Placement) -> Result<Vec<FieldDataMut<'a>>> {
         Ok(Vec::new())
     }
 
-    fn state_step(&self, _state: &()) -> u64 {
+    fn state_step(&self, _state: &Placement) -> u64 {
         0
     }
 
-    fn set_state_step(&self, _state: &mut (), _step: u64) {}
+    fn set_state_step(&self, _state: &mut Placement, _step: u64) {}
 }

@@ -1,5 +1,5 @@
 //! Element ops on device `f32` runs (a gradient slot, a local shard), one kernel launch each
-//! (`kernels/group_ops.cu`): zero, scale, add, copy. Each is one IEEE `f32` operation per
+//! (`kernels/group_ops.cu`): zero, scale, add, axpy, copy. Each is one IEEE `f32` operation per
 //! element, so it equals the host loop bit for bit; [`crate::storage`] dispatches host and
 //! device views to the loop or the kernel, so callers have one code path.
 
@@ -13,6 +13,7 @@ pub const GROUP_ZERO: &str = "group_zero";
 pub const GROUP_SCALE: &str = "group_scale";
 pub const GROUP_ADD: &str = "group_add";
 pub const GROUP_COPY: &str = "group_copy";
+pub const GROUP_AXPY: &str = "group_axpy";
 
 /// `x ← 0`.
 pub fn zero(dev: &Device, x: &mut CudaViewMut<'_, f32>) -> Result<()> {
@@ -51,6 +52,32 @@ pub fn add(dev: &Device, x: &mut CudaViewMut<'_, f32>, y: &CudaView<'_, f32>) ->
 /// `x ← y` (same lengths).
 pub fn copy(dev: &Device, x: &mut CudaViewMut<'_, f32>, y: &CudaView<'_, f32>) -> Result<()> {
     binary(dev, x, y, GROUP_COPY, "cuda::ops::copy")
+}
+
+/// `x ← x + a·y` (same lengths; the product rounded before the sum).
+pub fn axpy(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    y: &CudaView<'_, f32>,
+    a: f32,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::axpy";
+    check_len(OP, y.len(), x.len())?;
+    let f = dev.function(&GROUP_OPS, GROUP_AXPY)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    // SAFETY: `group_axpy(float* x, const float* y, float a, u64 n)` touches elements `[0, n)`
+    // of both, and both hold `n` (checked above).
+    guarded(OP, || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(y)
+            .arg(&a)
+            .arg(&n)
+            .launch(cfg)
+    })
+    .map(drop)
 }
 
 fn binary(
