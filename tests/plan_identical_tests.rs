@@ -173,3 +173,61 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
         "the common-step bound never rose above the share"
     );
 }
+
+/// Unforced experts, shrunk: tensors of one size `D·u` with two blocks that are multiples of
+/// `D` (a Qwen3 layer's gate/up and down experts), and sometimes a norm-like tensor that is
+/// not. Each part of an expert inside a shard is a multiple of `D`, which the piece floor
+/// sees and the share does not. It holds against exhaustive search for any number of buffers
+/// and raises the floor above the share on some inputs.
+#[test]
+fn piece_floor_holds_on_unforced_experts() {
+    use ragged::plan::piece_floor::piece_floor;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // (D, u, two blocks in units of D, copies of each, norm elements, V).
+    let strategy = (
+        2..=4usize,
+        3..=8usize,
+        (1..=4usize, 1..=4usize),
+        (1..=4usize, 1..=4usize),
+        0..=3usize,
+        2..=8usize,
+    );
+    let (mut cases, mut raised, mut tight) = (0, 0, 0);
+    while cases < 240 {
+        let (d, u, (b1, b2), (n1, n2), norm, world) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let mut spec = vec![(d * u, d * b1, n1), (d * u, d * b2, n2)];
+        if b1 == b2 {
+            spec.pop();
+            spec[0].2 += n2;
+        }
+        if norm > 0 {
+            spec.push((norm, norm, 1));
+        }
+        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        let shapes: Vec<Item> = spec
+            .iter()
+            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let items: Vec<Item> = shapes
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+            .collect();
+        let piece = piece_floor(&items, world, 1).unwrap();
+        let share = items.iter().map(|t| t.numel).sum::<usize>().div_ceil(world);
+        for k in 1..=3 {
+            let best = exhaustive(&shapes, &counts, world, 1, k);
+            let ctx = format!("{spec:?} V={world} k={k}");
+            assert!(piece <= best, "{ctx}: piece floor {piece} > optimum {best}");
+            let floor = floor_shard_sum(&items, world, 1, k).unwrap();
+            assert!(floor >= piece, "{ctx}: the k-buffer floor drops the piece floor");
+            raised += usize::from(piece > share);
+            tight += usize::from(floor == best);
+            cases += 1;
+        }
+    }
+    println!("piece floor above the share in {raised}, k-buffer floor tight in {tight}, of {cases}");
+    assert!(raised * 10 > cases, "the piece floor rose above the share in {raised} of {cases}");
+    assert!(tight * 2 > cases, "floor tight in only {tight} of {cases}");
+}

@@ -462,3 +462,26 @@ fn default_cost_model_break_even() {
         assert!(m.cost_s(2, s - even - 10, world) < one, "V={world}");
     }
 }
+
+/// A Qwen3-30B-A3B layer at `rows:128`, V = 256: the 384 expert tensors (1,572,864 elements,
+/// blocks of 262,144 or 98,304) are shorter than `2S`, so no lattice is forced, yet every part
+/// of one inside a shard is a multiple of 32,768. The 2,434,048 expert elements per rank then
+/// need 75 of those: 2,457,600, which the plan reaches and the piece floor proves optimal
+/// (0.97 % padding where the share alone suggests 0.002 %).
+#[test]
+fn qwen3_30b_layer_meets_the_piece_floor() {
+    use ragged::plan::piece_floor::piece_floor;
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(128), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 75 * 32_768);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(piece_floor(&items, 256, 64), Some(shard_sum));
+    // The share alone is some 23,000 elements lower: the other floors stopped there.
+    assert!(plan.numel().div_ceil(256) + 20_000 < shard_sum);
+}
