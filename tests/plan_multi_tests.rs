@@ -285,9 +285,18 @@ fn layer_plan(
     block: AtomicBlock,
     world: usize,
 ) -> ragged::plan::multi_model::MultiPlan {
+    unit_plan(model, "layers.0", block, world)
+}
+
+fn unit_plan(
+    model: &str,
+    unit: &str,
+    block: AtomicBlock,
+    world: usize,
+) -> ragged::plan::multi_model::MultiPlan {
     let inv = Inventory::from_json_file(model).unwrap();
     let units = inv.units();
-    let layer = units.iter().find(|u| u.name == "layers.0").unwrap();
+    let layer = units.iter().find(|u| u.name == unit).unwrap();
     let plan = plan_multi_unit(
         layer,
         &|_| block,
@@ -484,4 +493,32 @@ fn qwen3_30b_layer_meets_the_piece_floor() {
     assert_eq!(piece_floor(&items, 256, 64), Some(shard_sum));
     // The share alone is some 23,000 elements lower: the other floors stopped there.
     assert!(plan.numel().div_ceil(256) + 20_000 < shard_sum);
+}
+
+/// A DeepSeek-V3 MoE layer at `rows:16`, V = 4096: every large tensor is forced, with lattices
+/// that are multiples of 16,384 except `kv_b_proj` (8,192) and `q_b_proj` (24,576). The plan's
+/// 344 × 8,192 is optimal although 343 hold the layer: an odd multiple needs a buffer of those
+/// two alone, which they fill too little. The two-lattice floor proves it; the common-step
+/// floor (the gcd of all lattices) stops at 343.
+#[test]
+fn deepseek_v3_moe_layer_meets_the_two_lattice_floor() {
+    use ragged::plan::lattice_floor::lattice_floor;
+    use ragged::plan::step_floor::step_floor;
+    let plan = unit_plan(
+        "models/deepseek_v3_671b.json",
+        "layers.3",
+        AtomicBlock::Rows(16),
+        4096,
+    );
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 344 * 8192);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(lattice_floor(&items, 4096, 64), Some(shard_sum));
+    assert_eq!(step_floor(&items, 4096, 64), Some(343 * 8192));
 }
