@@ -522,3 +522,27 @@ fn deepseek_v3_moe_layer_meets_the_two_lattice_floor() {
     assert_eq!(lattice_floor(&items, 4096, 64), Some(shard_sum));
     assert_eq!(step_floor(&items, 4096, 64), Some(343 * 8192));
 }
+
+/// A Mixtral-8x7B layer at `rows:1`, V = 1024: `w2`'s lattice (14,336 = 7 × 2,048) and the
+/// others' (4,096) have a gcd of 2,048, and 693 × 2,048 hold the layer, yet the plan's 694 are
+/// optimal. The forced tensors fill 346 × 4,096 per rank exactly when `w2` has buffers of its
+/// own (4 × 14,336 per tensor), so the router's 32 elements per rank cost one more step
+/// wherever they go: next to `w1` (4,096), next to `w2` (14,336) or alone (one 4,096 block).
+/// The two-lattice floor, which follows the router and norms into each kind of buffer,
+/// proves it.
+#[test]
+fn mixtral_rows1_layer_meets_the_two_lattice_floor() {
+    use ragged::plan::lattice_floor::lattice_floor;
+    let plan = layer_plan("models/mixtral_8x7b.json", AtomicBlock::Rows(1), 1024);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 694 * 2048);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(lattice_floor(&items, 1024, 64), Some(shard_sum));
+    assert!(plan.numel().div_ceil(1024) <= 693 * 2048);
+}

@@ -14,21 +14,30 @@
 //! **Proof.** Fix a threshold `T` and, as in [`super::step_floor`], either some `S_b ≥ T` or
 //! every tensor `t` of `F` (the tensors of at least `2(T − 1)` elements) is forced wherever it
 //! lies: its buffer's size is a multiple of `ℓ_t = lcm(coll, g_t)`. Pick `D` and split `F` into
-//! `F_2`, the tensors with `D | ℓ_t`, and `F_1`, the rest. A buffer holding a tensor of `F_2`
-//! has a size that is a multiple of `D`; call their sum `X_2`. A buffer holding tensors of
-//! `F_1` and none of `F_2` has a size that is a multiple of every `ℓ_t` of its `F_1` tensors;
-//! call their sum `X_1`. Let `c` count, per shape of `F_1`, its tensors in the second kind of
-//! buffer, `m(c)` their elements and `ℓ(c)` the gcd of the lattices of the shapes with
-//! `c > 0`. Then `X_2` is a multiple of `D` holding the rest of `F`, so
-//! `X_2 ≥ ⌈(M_F − m(c))/V⌉_D`, and at least the largest block of `F_2`; `X_1` is a multiple of
-//! `ℓ(c)` with `V·X_1 ≥ m(c)`, and at least the largest block among those shapes. Tensors
-//! outside `F`, and shapes of `F_1` beyond the [`TRACKED_SHAPES`] largest, are dropped (a
-//! layout without them stays valid, so a bound for the rest is one for all). So
-//! `Σ S ≥ min(T, min_c (X_2(c) + X_1(c)))`. The counts are searched in boxes, best first, as in
-//! [`super::step_floor`]: a box `[lo, hi]` per shape takes `X_2` at `hi` and `X_1` at `lo`, with
-//! `ℓ` over the shapes with `hi > 0` (a gcd of more lattices divides it); after [`MAX_BOXES`]
-//! boxes the smallest bound left holds. `D` runs over the gcds of the lattices of some of
-//! `F`'s shapes, above the gcd of all of them, and the largest bound wins.
+//! `F_2`, the tensors with `D | ℓ_t`, and `F_1`, the rest; call the tensors outside `F` free.
+//! Three kinds of buffers partition the layout's:
+//! - those holding a tensor of `F_2`: each a multiple of `D`; their sum `X_2`;
+//! - those holding tensors of `F_1` and none of `F_2`: each a multiple of every `ℓ_t` of its
+//!   `F_1` tensors; their sum `X_1`;
+//! - those holding no tensor of `F`: their sum `Y`.
+//!
+//! Let `c` count, per shape of `F_1`, its tensors in the second kind, and per free shape its
+//! tensors in the second and in the third kind; `ℓ(c)` is the gcd of the lattices of the `F_1`
+//! shapes present in the second kind. Then `X_2` is a multiple of `D` holding every tensor not
+//! counted, so `X_2 ≥ ⌈m_2(c)/V⌉_D`, and at least the largest block of `F_2`; `X_1` is a
+//! multiple of `ℓ(c)` with `V·X_1 ≥ m_1(c)`, and at least the largest block it holds (zero
+//! when it holds nothing, and free tensors need an `F_1` tensor to be there); `Y` is a
+//! multiple of `coll` with `V·Y ≥ m_Y(c)`, and at least the largest block it holds. Also
+//! `X_2 + X_1` is a multiple of `gcd(D, ℓ(c))` holding everything but `Y`'s tensors. Shapes of
+//! `F_1` beyond the [`TRACKED_SHAPES`] largest and free shapes beyond the [`TRACKED_FREE`]
+//! largest are dropped (a layout without them stays valid, so a bound for the rest is one for
+//! all). So `Σ S ≥ min(T, min_c (X_2(c) + X_1(c) + Y(c)))`. The counts are searched in boxes,
+//! best first, as in [`super::step_floor`]: a box of ranges takes each mass where it is least
+//! and each lattice gcd over every shape that may be present (a gcd of more lattices divides
+//! it), so its value bounds every count vector in it; boxes that hold none (more free tensors
+//! in the second and third kinds than there are) are dropped, and after [`MAX_BOXES`] boxes
+//! the smallest bound left holds. `D` runs over the gcds of the lattices of some of `F`'s
+//! shapes, above the gcd of all of them, and the largest bound wins.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -38,8 +47,12 @@ use super::Item;
 /// Shapes of `F_1` whose counts are enumerated; the others are dropped.
 pub const TRACKED_SHAPES: usize = 4;
 
+/// Shapes outside `F` (the most elements first) whose counts are enumerated; the others are
+/// dropped.
+pub const TRACKED_FREE: usize = 3;
+
 /// Boxes of counts evaluated per threshold and `D`.
-pub const MAX_BOXES: usize = 64;
+pub const MAX_BOXES: usize = 1024;
 
 /// Candidate `D` per threshold, at most.
 pub const MAX_SPLITS: usize = 16;
@@ -54,14 +67,17 @@ pub fn lattice_floor(items: &[Item], world: usize, coll: usize) -> Option<usize>
     let mut best = 0u128;
     for j in 0..shapes.len() {
         // Shapes of one size belong to the same F: take the bound after the last of them.
-        if shapes.get(j + 1).is_some_and(|n| n.numel == shapes[j].numel) {
+        if shapes
+            .get(j + 1)
+            .is_some_and(|n| n.numel == shapes[j].numel)
+        {
             continue;
         }
         let threshold = shapes[j].numel / 2 + 1;
-        let forced = &shapes[..=j];
+        let (forced, free) = shapes.split_at(j + 1);
         let split = splits(forced)
             .into_iter()
-            .map(|d| split_bound(forced, d, world as u128, coll as u128))
+            .map(|d| split_bound(forced, free, d, world as u128, coll as u128))
             .max()
             .unwrap_or(0);
         best = best.max(threshold.min(split));
@@ -135,48 +151,38 @@ fn splits(forced: &[Shape]) -> Vec<u128> {
     found
 }
 
-/// `min_c (X_2(c) + X_1(c))` of the module doc for one `D`, or a lower bound of it.
-fn split_bound(forced: &[Shape], d: u128, v: u128, c: u128) -> u128 {
+/// `min (X_2 + X_1 + Y)` of the module doc for one `D`, or a lower bound of it: `forced` are
+/// the shapes of `F`, `free` the others.
+fn split_bound(forced: &[Shape], free: &[Shape], d: u128, v: u128, c: u128) -> u128 {
     let (coarse, mut fine): (Vec<Shape>, Vec<Shape>) =
         forced.iter().partition(|s| s.lattice % d == 0);
     fine.sort_by_key(|s| Reverse(s.numel * s.count));
     fine.truncate(TRACKED_SHAPES);
-    let mass: u128 = coarse
-        .iter()
-        .chain(&fine)
-        .map(|s| s.numel * s.count)
-        .sum();
+    let mut free = free.to_vec();
+    free.sort_by_key(|s| Reverse(s.numel * s.count));
+    free.truncate(TRACKED_FREE);
+    let coarse_mass: u128 = coarse.iter().map(|s| s.numel * s.count).sum();
     let coarse_block = coarse.iter().map(|s| s.block).max().unwrap_or(0);
-    let coarse_floor = coarse_block.next_multiple_of(c).next_multiple_of(d);
-    let bound_of = |b: &[(u128, u128)]| -> u128 {
-        let moved_most: u128 = fine.iter().zip(b).map(|(s, &(_, hi))| s.numel * hi).sum();
-        let x2 = (mass - moved_most)
-            .div_ceil(v)
-            .next_multiple_of(d)
-            .max(coarse_floor);
-        let moved_least: u128 = fine.iter().zip(b).map(|(s, &(lo, _))| s.numel * lo).sum();
-        let x1 = if moved_least == 0 {
-            0
-        } else {
-            let step = fine
-                .iter()
-                .zip(b)
-                .filter(|(_, &(_, hi))| hi > 0)
-                .fold(0u128, |a, (s, _)| gcd_u128(a, s.lattice));
-            let block = fine
-                .iter()
-                .zip(b)
-                .filter(|(_, &(lo, _))| lo > 0)
-                .map(|(s, _)| s.block.next_multiple_of(c))
-                .max()
-                .unwrap_or(0);
-            moved_least.div_ceil(v).next_multiple_of(step).max(block)
-        };
-        x2 + x1
+    let split = Split {
+        fine: &fine,
+        free: &free,
+        coarse_mass,
+        coarse_floor: coarse_block.next_multiple_of(c).next_multiple_of(d),
+        d,
+        v,
+        c,
     };
-    let whole: Vec<(u128, u128)> = fine.iter().map(|s| (0, s.count)).collect();
+    // One range per fine shape (its count in X_1), two per free shape (in X_1, in Y).
+    let whole: Vec<(u128, u128)> = fine
+        .iter()
+        .map(|s| (0, s.count))
+        .chain(free.iter().flat_map(|s| [(0, s.count), (0, s.count)]))
+        .collect();
+    let Some(first) = split.bound_of(&whole) else {
+        return 0;
+    };
     let mut heap = BinaryHeap::new();
-    heap.push(Reverse((bound_of(&whole), whole)));
+    heap.push(Reverse((first, whole)));
     let mut evaluated = 1usize;
     while let Some(Reverse((bound, b))) = heap.pop() {
         let widest = (0..b.len()).max_by_key(|&i| b[i].1 - b[i].0);
@@ -190,11 +196,140 @@ fn split_bound(forced: &[Shape], d: u128, v: u128, c: u128) -> u128 {
         for half in [(b[i].0, mid), (mid + 1, b[i].1)] {
             let mut next = b.clone();
             next[i] = half;
-            heap.push(Reverse((bound_of(&next), next)));
+            if let Some(x) = split.bound_of(&next) {
+                heap.push(Reverse((x, next)));
+            }
             evaluated += 1;
         }
     }
+    // Every count vector with everything in X_2 is a box left; not reached.
     0
+}
+
+/// One `D`'s classes: what [`Split::bound_of`] needs.
+struct Split<'a> {
+    fine: &'a [Shape],
+    free: &'a [Shape],
+    coarse_mass: u128,
+    /// The largest block of `F_2`, rounded to `coll` and `D`.
+    coarse_floor: u128,
+    d: u128,
+    v: u128,
+    c: u128,
+}
+
+impl Split<'_> {
+    /// The least `X_2 + X_1 + Y` over the count vectors of the box `b` (ranges of the fine
+    /// shapes' counts in X_1, then of each free shape's counts in X_1 and in Y); `None` when no
+    /// layout has counts in it.
+    fn bound_of(&self, b: &[(u128, u128)]) -> Option<u128> {
+        let (fine_b, free_b) = b.split_at(self.fine.len());
+        let pairs: Vec<((u128, u128), (u128, u128))> =
+            free_b.chunks(2).map(|p| (p[0], p[1])).collect();
+        // A free shape cannot have more tensors in X_1 and Y than it has.
+        if self
+            .free
+            .iter()
+            .zip(&pairs)
+            .any(|(s, (x1, y))| x1.0 + y.0 > s.count)
+        {
+            return None;
+        }
+        // Without a fine tensor in X_1 there is no X_1 buffer for free tensors.
+        let fine_possible = fine_b.iter().any(|r| r.1 > 0);
+        if !fine_possible && pairs.iter().any(|(x1, _)| x1.0 > 0) {
+            return None;
+        }
+        // X_2 holds the rest: least when the most moved out.
+        let kept_fine: u128 = self
+            .fine
+            .iter()
+            .zip(fine_b)
+            .map(|(s, r)| s.numel * (s.count - r.1))
+            .sum();
+        let kept_free: u128 = self
+            .free
+            .iter()
+            .zip(&pairs)
+            .map(|(s, (x1, y))| s.numel * s.count.saturating_sub(x1.1 + y.1))
+            .sum();
+        let x2 = (self.coarse_mass + kept_fine + kept_free)
+            .div_ceil(self.v)
+            .next_multiple_of(self.d)
+            .max(self.coarse_floor);
+        let x1_mass: u128 = self
+            .fine
+            .iter()
+            .zip(fine_b)
+            .map(|(s, r)| s.numel * r.0)
+            .sum::<u128>()
+            + self
+                .free
+                .iter()
+                .zip(&pairs)
+                .map(|(s, (x1, _))| s.numel * x1.0)
+                .sum::<u128>();
+        let x1 = if x1_mass == 0 {
+            0
+        } else {
+            // Each X_1 buffer is a multiple of a fine lattice present there.
+            let step = self
+                .fine
+                .iter()
+                .zip(fine_b)
+                .filter(|(_, r)| r.1 > 0)
+                .fold(0u128, |a, (s, _)| gcd_u128(a, s.lattice));
+            let fine_blocks = self.fine.iter().zip(fine_b).filter(|(_, r)| r.0 > 0);
+            let free_blocks = self.free.iter().zip(&pairs).filter(|(_, (x1, _))| x1.0 > 0);
+            let block = fine_blocks
+                .map(|(s, _)| s.block)
+                .chain(free_blocks.map(|(s, _)| s.block))
+                .max()
+                .unwrap_or(0);
+            x1_mass
+                .div_ceil(self.v)
+                .next_multiple_of(step)
+                .max(block.next_multiple_of(self.c))
+        };
+        let y_mass: u128 = self
+            .free
+            .iter()
+            .zip(&pairs)
+            .map(|(s, (_, y))| s.numel * y.0)
+            .sum();
+        let y = if y_mass == 0 {
+            0
+        } else {
+            let block = self
+                .free
+                .iter()
+                .zip(&pairs)
+                .filter(|(_, (_, y))| y.0 > 0)
+                .map(|(s, _)| s.block)
+                .max()
+                .unwrap_or(0);
+            y_mass.div_ceil(self.v).max(block).next_multiple_of(self.c)
+        };
+        // Every point of the box has X_2 + X_1 a multiple of gcd(D, step) holding all but the
+        // most Y can take: this is what bounds a wide box.
+        let step_all = self
+            .fine
+            .iter()
+            .zip(fine_b)
+            .filter(|(_, r)| r.1 > 0)
+            .fold(self.d, |a, (s, _)| gcd_u128(a, s.lattice));
+        let y_most: u128 = self
+            .free
+            .iter()
+            .zip(&pairs)
+            .map(|(s, (_, y))| s.numel * y.1.min(s.count))
+            .sum();
+        let all = self.coarse_mass
+            + self.fine.iter().map(|s| s.numel * s.count).sum::<u128>()
+            + self.free.iter().map(|s| s.numel * s.count).sum::<u128>();
+        let together = (all - y_most).div_ceil(self.v).next_multiple_of(step_all);
+        Some((x2 + x1).max(together) + y)
+    }
 }
 
 fn gcd_u128(mut a: u128, mut b: u128) -> u128 {
