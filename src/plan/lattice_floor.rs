@@ -36,8 +36,10 @@
 //! and each lattice gcd over every shape that may be present (a gcd of more lattices divides
 //! it), so its value bounds every count vector in it; boxes that hold none (more free tensors
 //! in the second and third kinds than there are) are dropped, and after [`MAX_BOXES`] boxes
-//! the smallest bound left holds. `D` runs over the gcds of the lattices of some of `F`'s
-//! shapes, above the gcd of all of them, and the largest bound wins.
+//! the smallest bound left holds. `D` runs over the gcds of some of the [`SPLIT_BASE`]
+//! lattices of `F` with the most elements, above the gcd of all of them; thresholds run from
+//! the largest down, at most [`MAX_THRESHOLDS`], until one is no larger than the best bound so
+//! far (every bound is at most its threshold); the largest bound wins.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -54,6 +56,12 @@ pub const TRACKED_FREE: usize = 3;
 /// Boxes of counts evaluated per threshold and `D`.
 pub const MAX_BOXES: usize = 1024;
 
+/// Thresholds evaluated, at most (the largest first; any of them gives a valid bound).
+pub const MAX_THRESHOLDS: usize = 16;
+
+/// Distinct lattices (of the most elements) whose gcds are candidate `D`.
+pub const SPLIT_BASE: usize = 32;
+
 /// Candidate `D` per threshold, at most.
 pub const MAX_SPLITS: usize = 16;
 
@@ -65,6 +73,7 @@ pub fn lattice_floor(items: &[Item], world: usize, coll: usize) -> Option<usize>
     }
     let shapes = shapes_of(items, coll)?;
     let mut best = 0u128;
+    let mut thresholds = 0;
     for j in 0..shapes.len() {
         // Shapes of one size belong to the same F: take the bound after the last of them.
         if shapes
@@ -73,7 +82,12 @@ pub fn lattice_floor(items: &[Item], world: usize, coll: usize) -> Option<usize>
         {
             continue;
         }
+        // Thresholds fall with j and a bound is at most its threshold: the rest cannot win.
         let threshold = shapes[j].numel / 2 + 1;
+        if threshold <= best || thresholds == MAX_THRESHOLDS {
+            break;
+        }
+        thresholds += 1;
         let (forced, free) = shapes.split_at(j + 1);
         let split = splits(forced)
             .into_iter()
@@ -96,34 +110,39 @@ struct Shape {
 
 /// Shapes with their counts, largest tensors first; `None` when a lattice passes 64 bits.
 fn shapes_of(items: &[Item], coll: usize) -> Option<Vec<Shape>> {
-    let mut shapes: Vec<Shape> = Vec::new();
+    let mut counts: std::collections::HashMap<(usize, usize), u128> =
+        std::collections::HashMap::new();
     for t in items {
-        let (numel, block) = (t.numel as u128, t.block as u128);
-        match shapes
-            .iter_mut()
-            .find(|s| s.numel == numel && s.block == block)
-        {
-            Some(s) => s.count += 1,
-            None => {
-                let lattice = super::fit::lcm(t.block, coll)? as u128;
-                shapes.push(Shape {
-                    numel,
-                    block,
-                    lattice,
-                    count: 1,
-                });
-            }
-        }
+        *counts.entry((t.numel, t.block)).or_insert(0) += 1;
     }
-    shapes.sort_by_key(|s| Reverse(s.numel));
+    let mut shapes = counts
+        .into_iter()
+        .map(|((numel, block), count)| {
+            Some(Shape {
+                numel: numel as u128,
+                block: block as u128,
+                lattice: super::fit::lcm(block, coll)? as u128,
+                count,
+            })
+        })
+        .collect::<Option<Vec<Shape>>>()?;
+    // Largest tensors first; the rest of the order only makes the result deterministic.
+    shapes.sort_by_key(|s| (Reverse(s.numel), s.block));
     Some(shapes)
 }
 
 /// The candidate `D`: gcds of the lattices of some shapes, larger than the gcd of all of them
 /// (at most [`MAX_SPLITS`], coarsest first).
 fn splits(forced: &[Shape]) -> Vec<u128> {
-    let base: Vec<u128> = forced.iter().map(|s| s.lattice).collect();
-    let all_gcd = base.iter().fold(0u128, |a, &l| gcd_u128(a, l));
+    let all_gcd = forced.iter().fold(0u128, |a, s| gcd_u128(a, s.lattice));
+    let mut by_mass: Vec<&Shape> = forced.iter().collect();
+    by_mass.sort_by_key(|s| Reverse(s.numel * s.count));
+    let mut base: Vec<u128> = Vec::new();
+    for s in by_mass {
+        if !base.contains(&s.lattice) && base.len() < SPLIT_BASE {
+            base.push(s.lattice);
+        }
+    }
     let mut found: Vec<u128> = base.clone();
     found.sort_unstable();
     found.dedup();

@@ -29,6 +29,11 @@ use super::Item;
 /// them gives a valid bound, so the closure may stop there.
 pub const MAX_DIVISORS: usize = 512;
 
+/// At most this many distinct `d_t` (those of the most elements) are followed; the tensors of
+/// the others are dropped (a layout without them stays valid), so the work does not grow with
+/// the number of tensors beyond grouping them.
+pub const MAX_STEPS: usize = 64;
+
 /// The piece lower bound on `Σ S_b` for any number of buffers (module doc); `None` when the
 /// inputs are empty or zero, or the bound passes 64 bits.
 pub fn piece_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
@@ -37,13 +42,10 @@ pub fn piece_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
     }
     let v = world as u128;
     let c = coll as u128;
+    let groups = step_groups(items);
     let mut best = 0u128;
-    for d in divisors(items) {
-        let mass: u128 = items
-            .iter()
-            .filter(|t| piece_step(t) % d == 0)
-            .map(|t| t.numel as u128)
-            .sum();
+    for d in divisors(&groups) {
+        let mass: u128 = groups.iter().filter(|g| g.0 % d == 0).map(|g| g.1).sum();
         let d = d as u128;
         let bound = (mass.div_ceil(v * d) * d).next_multiple_of(c);
         best = best.max(bound);
@@ -56,12 +58,23 @@ fn piece_step(t: &Item) -> usize {
     gcd(t.numel, t.block).max(1)
 }
 
+/// `(d, elements of the tensors with d_t = d)`, the [`MAX_STEPS`] with the most elements.
+fn step_groups(items: &[Item]) -> Vec<(usize, u128)> {
+    let mut groups: std::collections::HashMap<usize, u128> = std::collections::HashMap::new();
+    for t in items {
+        *groups.entry(piece_step(t)).or_insert(0) += t.numel as u128;
+    }
+    let mut groups: Vec<(usize, u128)> = groups.into_iter().collect();
+    groups.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    groups.truncate(MAX_STEPS);
+    groups
+}
+
 /// The distinct `d_t` and the gcds of any of them (up to [`MAX_DIVISORS`]), largest first.
-fn divisors(items: &[Item]) -> Vec<usize> {
-    let mut all: Vec<usize> = items.iter().map(piece_step).collect();
+fn divisors(groups: &[(usize, u128)]) -> Vec<usize> {
+    let base: Vec<usize> = groups.iter().map(|g| g.0).collect();
+    let mut all = base.clone();
     all.sort_unstable();
-    all.dedup();
-    let base = all.clone();
     // Each pass adds the gcd of a known value with one `d_t`; gcds of any subset appear after
     // at most `base.len()` passes, and a pass that adds nothing ends the closure.
     loop {
