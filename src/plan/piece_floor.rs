@@ -97,3 +97,30 @@ fn divisors(groups: &[(usize, u128)]) -> Vec<usize> {
     all.reverse();
     all
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divisors_are_the_gcd_closure_of_the_steps() {
+        let groups = [(12usize, 1u128), (18, 1), (8, 1)];
+        assert_eq!(divisors(&groups), vec![18, 12, 8, 6, 4, 2]);
+    }
+
+    #[test]
+    fn parts_of_unforced_tensors_round_the_share_up() {
+        // Three tensors of 12 elements in blocks of 4 and 6 (parts are multiples of 2) on
+        // 4 ranks: 9 elements per rank, so at least 10; the norm-like 1-element tensor is
+        // not a multiple of 2 and does not count.
+        let items = [
+            Item::new(12, 4, 1).unwrap(),
+            Item::new(12, 6, 1).unwrap(),
+            Item::new(12, 6, 1).unwrap(),
+            Item::new(1, 1, 1).unwrap(),
+        ];
+        assert_eq!(piece_floor(&items, 4, 1), Some(10));
+        assert_eq!(piece_floor(&items, 4, 4), Some(12));
+        assert_eq!(piece_floor(&[], 4, 1), None);
+    }
+}
