@@ -545,4 +545,10 @@ fn mixtral_rows1_layer_meets_the_two_lattice_floor() {
         .collect();
     assert_eq!(lattice_floor(&items, 1024, 64), Some(shard_sum));
     assert!(plan.numel().div_ceil(1024) <= 693 * 2048);
+    // At V = 256 `k_proj` and `v_proj` are not forced next to the experts, but they are in a
+    // buffer of their own, whose size is then a multiple of 4,096 holding the router too, or
+    // one more buffer for the router: either way the step the plan pays.
+    let plan = layer_plan("models/mixtral_8x7b.json", AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.floor_shard_sum, shard_sum);
 }

@@ -27,12 +27,18 @@
 //! counted, so `X_2 ≥ ⌈m_2(c)/V⌉_D`, and at least the largest block of `F_2`; `X_1` is a
 //! multiple of `ℓ(c)` with `V·X_1 ≥ m_1(c)`, and at least the largest block it holds (zero
 //! when it holds nothing, and free tensors need an `F_1` tensor to be there); `Y` is a
-//! multiple of `coll` with `V·Y ≥ m_Y(c)`, and at least the largest block it holds. Also
+//! multiple of `coll` with `V·Y ≥ m_Y(c)`, and at least the largest block it holds; and for
+//! each size `e_j` of its tensors, either one of its buffers reaches `⌊e_j/2⌋ + 1`, or its
+//! tensors of at least `e_j` elements are forced there, so the buffers holding them are a
+//! multiple of their lattices' gcd, and the rest of `Y`'s tensors join them or add a buffer of
+//! at least the smallest of their blocks (`k_proj` and `v_proj` of a Mixtral layer at `rows:1`,
+//! V = 256, not forced next to the experts but forced in a buffer of their own). Also
 //! `X_2 + X_1` is a multiple of `gcd(D, ℓ(c))` holding everything but `Y`'s tensors. Shapes of
 //! `F_1` beyond the [`TRACKED_SHAPES`] largest and free shapes beyond the [`TRACKED_FREE`]
 //! largest are dropped (a layout without them stays valid, so a bound for the rest is one for
 //! all). So `Σ S ≥ min(T, min_c (X_2(c) + X_1(c) + Y(c)))`. The counts are searched in boxes,
-//! best first, as in [`super::step_floor`]: a box of ranges takes each mass where it is least
+//! best first, as in [`super::step_floor`] (split along the narrowest open range, which closes
+//! the free shapes' few counts first): a box of ranges takes each mass where it is least
 //! and each lattice gcd over every shape that may be present (a gcd of more lattices divides
 //! it), so its value bounds every count vector in it; boxes that hold none (more free tensors
 //! in the second and third kinds than there are) are dropped, and after [`MAX_BOXES`] boxes
@@ -204,8 +210,12 @@ fn split_bound(forced: &[Shape], free: &[Shape], d: u128, v: u128, c: u128) -> u
     heap.push(Reverse((first, whole)));
     let mut evaluated = 1usize;
     while let Some(Reverse((bound, b))) = heap.pop() {
-        let widest = (0..b.len()).max_by_key(|&i| b[i].1 - b[i].0);
-        let Some(i) = widest.filter(|&i| b[i].1 > b[i].0) else {
+        // The narrowest open range first: the free shapes' few tensors decide which kind of
+        // buffer pays a step, and their ranges close in one or two splits.
+        let narrowest = (0..b.len())
+            .filter(|&i| b[i].1 > b[i].0)
+            .min_by_key(|&i| b[i].1 - b[i].0);
+        let Some(i) = narrowest else {
             return bound; // a single count vector: the smallest value of all
         };
         if evaluated >= MAX_BOXES {
@@ -310,25 +320,14 @@ impl Split<'_> {
                 .next_multiple_of(step)
                 .max(block.next_multiple_of(self.c))
         };
-        let y_mass: u128 = self
+        let alone: Vec<(Shape, u128)> = self
             .free
             .iter()
             .zip(&pairs)
-            .map(|(s, (_, y))| s.numel * y.0)
-            .sum();
-        let y = if y_mass == 0 {
-            0
-        } else {
-            let block = self
-                .free
-                .iter()
-                .zip(&pairs)
-                .filter(|(_, (_, y))| y.0 > 0)
-                .map(|(s, _)| s.block)
-                .max()
-                .unwrap_or(0);
-            y_mass.div_ceil(self.v).max(block).next_multiple_of(self.c)
-        };
+            .filter(|(_, (_, y))| y.0 > 0)
+            .map(|(s, (_, y))| (*s, y.0))
+            .collect();
+        let y = own_buffers_bound(&alone, self.v, self.c);
         // Every point of the box has X_2 + X_1 a multiple of gcd(D, step) holding all but the
         // most Y can take: this is what bounds a wide box.
         let step_all = self
@@ -349,6 +348,44 @@ impl Split<'_> {
         let together = (all - y_most).div_ceil(self.v).next_multiple_of(step_all);
         Some((x2 + x1).max(together) + y)
     }
+}
+
+/// A lower bound on the sizes of buffers holding no tensor of `F`, which hold `count` tensors of
+/// each shape (largest first after sorting): they hold the elements and the largest block;
+/// and for each size `e_j` of theirs, either one of them reaches `⌊e_j/2⌋ + 1` or the tensors
+/// of at least `e_j` elements are forced there, so the buffers holding them sum to a multiple
+/// `x` of their lattices' gcd with `V·x` holding them, and the other tensors either join those
+/// buffers or add a buffer of at least the smallest of their blocks.
+fn own_buffers_bound(alone: &[(Shape, u128)], v: u128, c: u128) -> u128 {
+    if alone.is_empty() {
+        return 0;
+    }
+    let mut sorted = alone.to_vec();
+    sorted.sort_by_key(|(s, _)| Reverse(s.numel));
+    let mass: u128 = sorted.iter().map(|(s, n)| s.numel * n).sum();
+    let block = sorted.iter().map(|(s, _)| s.block).max().unwrap_or(0);
+    let mut best = mass.div_ceil(v).max(block).next_multiple_of(c);
+    let (mut forced_mass, mut step) = (0u128, 0u128);
+    for (j, (s, n)) in sorted.iter().enumerate() {
+        forced_mass += s.numel * n;
+        step = gcd_u128(step, s.lattice);
+        if sorted
+            .get(j + 1)
+            .is_some_and(|(next, _)| next.numel == s.numel)
+        {
+            continue;
+        }
+        let forced = forced_mass.div_ceil(v).next_multiple_of(step);
+        let rest = &sorted[j + 1..];
+        let with_rest = match rest.iter().map(|(r, _)| r.block).min() {
+            None => forced,
+            Some(smallest) => {
+                (mass.div_ceil(v).next_multiple_of(step)).min(forced + smallest.next_multiple_of(c))
+            }
+        };
+        best = best.max((s.numel / 2 + 1).min(with_rest));
+    }
+    best
 }
 
 fn gcd_u128(mut a: u128, mut b: u128) -> u128 {
