@@ -173,3 +173,131 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
         "the common-step bound never rose above the share"
     );
 }
+
+/// Unforced experts, shrunk: tensors of one size `D·u` with two blocks that are multiples of
+/// `D` (a Qwen3 layer's gate/up and down experts), and sometimes a norm-like tensor that is
+/// not. Each part of an expert inside a shard is a multiple of `D`, which the piece floor
+/// sees and the share does not. It holds against exhaustive search for any number of buffers
+/// and raises the floor above the share on some inputs.
+#[test]
+fn piece_floor_holds_on_unforced_experts() {
+    use ragged::plan::piece_floor::piece_floor;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // (D, u, two blocks in units of D, copies of each, norm elements, V).
+    let strategy = (
+        2..=4usize,
+        3..=8usize,
+        (1..=4usize, 1..=4usize),
+        (1..=4usize, 1..=4usize),
+        0..=3usize,
+        2..=8usize,
+    );
+    let (mut cases, mut raised, mut tight) = (0, 0, 0);
+    while cases < 240 {
+        let (d, u, (b1, b2), (n1, n2), norm, world) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let mut spec = vec![(d * u, d * b1, n1), (d * u, d * b2, n2)];
+        if b1 == b2 {
+            spec.pop();
+            spec[0].2 += n2;
+        }
+        if norm > 0 {
+            spec.push((norm, norm, 1));
+        }
+        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        let shapes: Vec<Item> = spec
+            .iter()
+            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let items: Vec<Item> = shapes
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+            .collect();
+        let piece = piece_floor(&items, world, 1).unwrap();
+        let share = items.iter().map(|t| t.numel).sum::<usize>().div_ceil(world);
+        for k in 1..=3 {
+            let best = exhaustive(&shapes, &counts, world, 1, k);
+            let ctx = format!("{spec:?} V={world} k={k}");
+            assert!(piece <= best, "{ctx}: piece floor {piece} > optimum {best}");
+            let floor = floor_shard_sum(&items, world, 1, k).unwrap();
+            assert!(
+                floor >= piece,
+                "{ctx}: the k-buffer floor drops the piece floor"
+            );
+            raised += usize::from(piece > share);
+            tight += usize::from(floor == best);
+            cases += 1;
+        }
+    }
+    println!(
+        "piece floor above the share in {raised}, k-buffer floor tight in {tight}, of {cases}"
+    );
+    assert!(
+        raised * 10 > cases,
+        "the piece floor rose above the share in {raised} of {cases}"
+    );
+    assert!(tight * 2 > cases, "floor tight in only {tight} of {cases}");
+}
+
+/// Forced tensors with coarse and fine lattices, shrunk (a DeepSeek-V3 layer's experts next to
+/// `kv_b_proj`, a Mixtral layer's `w1` next to `w2`): tensors long enough to be forced at the
+/// share, blocks that are multiples of 2 or 4, one shape with an odd block, and sometimes small
+/// tensors (a router, norms) that are never forced. The two-lattice floor holds against
+/// exhaustive search for any number of buffers, and rises above the common-step floor on some
+/// inputs.
+#[test]
+fn lattice_floor_holds_on_coarse_and_fine_forced_tensors() {
+    use ragged::plan::lattice_floor::lattice_floor;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // (elements and even block of the coarse shape, copies; elements and odd block of the
+    // fine shape, copies; elements, block and copies of the small shape; V).
+    let strategy = (
+        (8..=40usize, prop::sample::select(vec![2usize, 4, 6, 8])),
+        1..=4usize,
+        (4..=30usize, prop::sample::select(vec![1usize, 3, 5])),
+        1..=3usize,
+        (1..=4usize, 1..=4usize, 0..=2usize),
+        4..=12usize,
+    );
+    let (mut cases, mut raised) = (0, 0);
+    while cases < 240 {
+        let ((e1, g1), n1, (e2, g2), n2, (e3, g3, n3), world) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let mut spec = vec![(e1, g1, n1), (e2, g2, n2)];
+        if n3 > 0 {
+            spec.push((e3, g3.min(e3), n3));
+        }
+        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        let shapes: Vec<Item> = spec
+            .iter()
+            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let items: Vec<Item> = shapes
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+            .collect();
+        let lattice = lattice_floor(&items, world, 1).unwrap();
+        let step = step_floor(&items, world, 1).unwrap();
+        for k in 1..=3 {
+            let best = exhaustive(&shapes, &counts, world, 1, k);
+            let ctx = format!("{spec:?} V={world} k={k}");
+            assert!(
+                lattice <= best,
+                "{ctx}: lattice floor {lattice} > optimum {best}"
+            );
+            assert!(
+                floor_shard_sum(&items, world, 1, k).unwrap() >= lattice,
+                "{ctx}"
+            );
+            raised += usize::from(lattice > step);
+            cases += 1;
+        }
+    }
+    println!("two-lattice floor above the common-step floor in {raised} of {cases}");
+    assert!(
+        raised > 0,
+        "the two-lattice floor never rose above the common-step floor"
+    );
+}

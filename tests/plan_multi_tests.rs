@@ -285,9 +285,18 @@ fn layer_plan(
     block: AtomicBlock,
     world: usize,
 ) -> ragged::plan::multi_model::MultiPlan {
+    unit_plan(model, "layers.0", block, world)
+}
+
+fn unit_plan(
+    model: &str,
+    unit: &str,
+    block: AtomicBlock,
+    world: usize,
+) -> ragged::plan::multi_model::MultiPlan {
     let inv = Inventory::from_json_file(model).unwrap();
     let units = inv.units();
-    let layer = units.iter().find(|u| u.name == "layers.0").unwrap();
+    let layer = units.iter().find(|u| u.name == unit).unwrap();
     let plan = plan_multi_unit(
         layer,
         &|_| block,
@@ -461,4 +470,85 @@ fn default_cost_model_break_even() {
         assert!(m.cost_s(2, s - even + 10, world) > one, "V={world}");
         assert!(m.cost_s(2, s - even - 10, world) < one, "V={world}");
     }
+}
+
+/// A Qwen3-30B-A3B layer at `rows:128`, V = 256: the 384 expert tensors (1,572,864 elements,
+/// blocks of 262,144 or 98,304) are shorter than `2S`, so no lattice is forced, yet every part
+/// of one inside a shard is a multiple of 32,768. The 2,434,048 expert elements per rank then
+/// need 75 of those: 2,457,600, which the plan reaches and the piece floor proves optimal
+/// (0.97 % padding where the share alone suggests 0.002 %).
+#[test]
+fn qwen3_30b_layer_meets_the_piece_floor() {
+    use ragged::plan::piece_floor::piece_floor;
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(128), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 75 * 32_768);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(piece_floor(&items, 256, 64), Some(shard_sum));
+    // The share alone is some 23,000 elements lower: the other floors stopped there.
+    assert!(plan.numel().div_ceil(256) + 20_000 < shard_sum);
+}
+
+/// A DeepSeek-V3 MoE layer at `rows:16`, V = 4096: every large tensor is forced, with lattices
+/// that are multiples of 16,384 except `kv_b_proj` (8,192) and `q_b_proj` (24,576). The plan's
+/// 344 × 8,192 is optimal although 343 hold the layer: an odd multiple needs a buffer of those
+/// two alone, which they fill too little. The two-lattice floor proves it; the common-step
+/// floor (the gcd of all lattices) stops at 343.
+#[test]
+fn deepseek_v3_moe_layer_meets_the_two_lattice_floor() {
+    use ragged::plan::lattice_floor::lattice_floor;
+    use ragged::plan::step_floor::step_floor;
+    let plan = unit_plan(
+        "models/deepseek_v3_671b.json",
+        "layers.3",
+        AtomicBlock::Rows(16),
+        4096,
+    );
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 344 * 8192);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(lattice_floor(&items, 4096, 64), Some(shard_sum));
+    assert_eq!(step_floor(&items, 4096, 64), Some(343 * 8192));
+}
+
+/// A Mixtral-8x7B layer at `rows:1`, V = 1024: `w2`'s lattice (14,336 = 7 × 2,048) and the
+/// others' (4,096) have a gcd of 2,048, and 693 × 2,048 hold the layer, yet the plan's 694 are
+/// optimal. The forced tensors fill 346 × 4,096 per rank exactly when `w2` has buffers of its
+/// own (4 × 14,336 per tensor), so the router's 32 elements per rank cost one more step
+/// wherever they go: next to `w1` (4,096), next to `w2` (14,336) or alone (one 4,096 block).
+/// The two-lattice floor, which follows the router and norms into each kind of buffer,
+/// proves it.
+#[test]
+fn mixtral_rows1_layer_meets_the_two_lattice_floor() {
+    use ragged::plan::lattice_floor::lattice_floor;
+    let plan = layer_plan("models/mixtral_8x7b.json", AtomicBlock::Rows(1), 1024);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 694 * 2048);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(lattice_floor(&items, 1024, 64), Some(shard_sum));
+    assert!(plan.numel().div_ceil(1024) <= 693 * 2048);
+    // At V = 256 `k_proj` and `v_proj` are not forced next to the experts, but they are in a
+    // buffer of their own, whose size is then a multiple of 4,096 holding the router too, or
+    // one more buffer for the router: either way the step the plan pays.
+    let plan = layer_plan("models/mixtral_8x7b.json", AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.floor_shard_sum, shard_sum);
 }

@@ -201,16 +201,20 @@ impl Search<'_> {
         // Condition 3 for every set whose last buffer is j.
         let mut floor = 0usize;
         for mask in (1usize << j)..(1usize << (j + 1)) {
-            let before: usize = (0..j)
+            // Saturating: a sum past 64 bits already covers any need.
+            let before = (0..j)
                 .filter(|&i| mask & (1 << i) != 0)
-                .map(|i| sizes[i])
-                .sum();
+                .fold(0usize, |acc, i| acc.saturating_add(sizes[i]));
             floor = floor.max(self.need[mask].saturating_sub(before));
         }
         if j + 1 == n && !self.free {
             floor = floor.max(self.share.saturating_sub(prefix));
         }
-        let rest: usize = self.buffers[j + 1..].iter().map(|b| b.min).sum();
+        // Saturating: past 64 bits no sum below is offered, and none of those layouts has a
+        // sum that small.
+        let rest = self.buffers[j + 1..]
+            .iter()
+            .fold(0usize, |acc, b| acc.saturating_add(b.min));
         let Some(mut s) = self.buffers[j].next(floor) else {
             return;
         };

@@ -26,8 +26,10 @@
 //! The result is the largest of this bound, [`super::heavy_floor`]'s, which places the unit's
 //! largest tensors one by one, [`super::class_floor`]'s, which follows the tensors of each
 //! large shape together, and [`super::step_floor`]'s, which uses that the sizes of buffers
-//! holding forced tensors sum to a multiple of their lattices' gcd; all four hold for every
-//! layout.
+//! holding forced tensors sum to a multiple of their lattices' gcd,
+//! [`super::lattice_floor`]'s, which splits those tensors into a coarse and a fine lattice, and
+//! [`super::piece_floor`]'s, which uses that the part of a tensor inside one shard is a
+//! multiple of `gcd(e, g)`; all six hold for every layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -86,6 +88,12 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     }
     if let Some(step) = super::step_floor::step_floor(items, world, coll) {
         best = best.max(step as u128);
+    }
+    if let Some(pieces) = super::piece_floor::piece_floor(items, world, coll) {
+        best = best.max(pieces as u128);
+    }
+    if let Some(lattices) = super::lattice_floor::lattice_floor(items, world, coll) {
+        best = best.max(lattices as u128);
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",

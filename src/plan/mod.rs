@@ -20,6 +20,8 @@
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | its third bound, following the tensors of each large shape together | [`class_floor`] |
 //! | its fourth bound, the gcd of the forced tensors' lattices | [`step_floor`] |
+//! | its fifth bound, the parts of tensors inside one shard | [`piece_floor`] |
+//! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -29,10 +31,12 @@ pub mod export;
 pub mod fit;
 pub mod floor;
 pub mod heavy_floor;
+pub mod lattice_floor;
 pub mod multi;
 pub mod multi_model;
 pub mod oracle;
 pub mod partition;
+pub mod piece_floor;
 pub mod refine;
 pub mod search;
 pub mod split;
