@@ -456,6 +456,15 @@ mod tests {
         Ok(())
     }
 
+    /// Every tensor's elements, in slot order.
+    fn elements(b: &ParamBuffer) -> Vec<f32> {
+        b.tensors()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    }
+
     fn data_ptrs(b: &ParamBuffer) -> Vec<usize> {
         b.tensors()
             .unwrap()
@@ -484,24 +493,12 @@ mod tests {
         let mut b = buffer(&shapes, &values);
         b.gather_into(Some(spare), fill).unwrap();
         assert_eq!(data_ptrs(&b), before);
-        let got: Vec<f32> = b
-            .tensors()
-            .unwrap()
-            .iter()
-            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-            .collect();
-        assert_eq!(got, values);
+        assert_eq!(elements(&b), values);
 
         // Another buffer's sizes: fresh storages (the spares do not fit), right values.
         let spare = b.take_storages().unwrap();
         let mut c = buffer(&[&[5], &[5]], &values);
         c.gather_into(Some(spare), fill).unwrap();
-        let got: Vec<f32> = c
-            .tensors()
-            .unwrap()
-            .iter()
-            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-            .collect();
-        assert_eq!(got, values);
+        assert_eq!(elements(&c), values);
     }
 }
