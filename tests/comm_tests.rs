@@ -995,3 +995,23 @@ fn run_returns_every_result_in_rank_order_when_all_succeed() {
     .unwrap();
     assert_eq!(out, vec![(0, 6.0), (1, 6.0), (2, 6.0), (3, 6.0)]);
 }
+
+/// Copies of 4 MiB or more run in parts on several threads: a world of one and of three gather
+/// shards of a few million odd-sized elements, every byte in place.
+#[test]
+fn large_gathers_copy_every_element() {
+    for world in [1, 3] {
+        let s = 1_500_001; // 6 MB per shard, odd, so the halves are not aligned to elements
+        let out = ThreadWorld::run(world, |c| {
+            let shard: Vec<f32> = (0..s).map(|i| (c.rank() * s + i) as f32).collect();
+            let mut full = vec![0.0f32; world * s];
+            c.all_gather(Buf::F32(&shard), BufMut::F32(&mut full))?;
+            Ok(full)
+        })
+        .unwrap();
+        let want: Vec<f32> = (0..world * s).map(|i| i as f32).collect();
+        for (r, full) in out.iter().enumerate() {
+            assert!(full == &want, "world {world}, rank {r}");
+        }
+    }
+}
