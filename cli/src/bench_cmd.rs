@@ -508,7 +508,8 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              baseline's memcpy on every core for AdamW and 8-bit Adam, and gives the median, \
              range and count of the per-step ratios (GFLOP/s to the GEMM's, GB/s to the copy's), \
              which the machine's load moves far less than the ratios to the baselines measured \
-             once at the start. 8-bit Adam on a CPU \
+             once at the start; the copy evicts the caches, so those steps start from memory, \
+             as they do in training. 8-bit Adam on a CPU \
              with its AVX-512 build also steps the same case on the AVX2 build, alternating step \
              by step, and the kernel column gives that build's times and the speed-up. \
              Newton–Schulz FLOPs are nominal: the gemm backend computes the symmetric \
