@@ -505,7 +505,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              the all-threads copy. MFU against the peak of the row's dtype (below); `vs GEMM` \
              against the same-run f32 GEMM; the interleaved column times, right after every \
              timed step, an f32 GEMM of the matrices' longest side (256 to 2048) for Muon, or the \
-             baseline's memcpy on every core for AdamW and 8-bit Adam, and gives the median, \
+             baseline's memcpy (on rayon's threads) for AdamW and 8-bit Adam, and gives the median, \
              range and count of the per-step ratios (GFLOP/s to the GEMM's, GB/s to the copy's), \
              which the machine's load moves far less than the ratios to the baselines measured \
              once at the start; the copy evicts the caches, so those steps start from memory, \

@@ -29,6 +29,7 @@
 //! [`Case::new`], and give its per-parameter [`Cost`] in [`cost`]; the CLI, the criterion
 //! bench and the table pick it up from there.
 
+use rayon::prelude::*;
 use std::fmt::Write as _;
 use std::str::FromStr;
 use std::time::Instant;
@@ -205,38 +206,35 @@ pub fn memcpy_gbps(bytes: usize, reps: usize, threads: usize) -> f64 {
     2.0 * bytes as f64 / ragged::bench::comm::memcpy_seconds(bytes, reps, threads) / 1e9
 }
 
-/// A memcpy of a fixed buffer on every core (the baseline's copy, [`memcpy_gbps`]), ready to
-/// time again and again: the one `run_case` interleaves with the element-wise optimizers'
-/// steps, so that each step's GB/s is compared with a copy under the same machine load.
+/// A memcpy of a fixed buffer (the baseline's size, [`memcpy_gbps`]) on rayon's threads, one
+/// contiguous chunk each, ready to time again and again: the one `run_case` interleaves with
+/// the element-wise optimizers' steps, so that each step's GB/s is compared with a copy under
+/// the same machine load. On rayon's threads, not the baseline's fresh ones, so that the
+/// steps do not pay for waking rayon's workers after a copy.
 pub struct MemcpyProbe {
     src: Vec<f32>,
     dst: Vec<f32>,
-    threads: usize,
 }
 
 impl MemcpyProbe {
     /// Buffers of `bytes` each (touched once, so no timed copy faults pages in).
     pub fn new(bytes: usize) -> Self {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut probe = MemcpyProbe {
             src: vec![1.0; (bytes / 4).max(1)],
             dst: vec![0.0; (bytes / 4).max(1)],
-            threads,
         };
         probe.gbps();
         probe
     }
 
-    /// GB/s of one copy, read + write bytes (`2·bytes / t`), split in one contiguous chunk per
-    /// core.
+    /// GB/s of one copy, read + write bytes (`2·bytes / t`).
     pub fn gbps(&mut self) -> f64 {
-        let chunk = self.src.len().div_ceil(self.threads);
+        let chunk = self.src.len().div_ceil(rayon::current_num_threads());
         let t = Instant::now();
-        std::thread::scope(|s| {
-            for (d, src) in self.dst.chunks_mut(chunk).zip(self.src.chunks(chunk)) {
-                s.spawn(move || d.copy_from_slice(std::hint::black_box(src)));
-            }
-        });
+        self.dst
+            .par_chunks_mut(chunk)
+            .zip(self.src.par_chunks(chunk))
+            .for_each(|(d, src)| d.copy_from_slice(std::hint::black_box(src)));
         std::hint::black_box(&mut self.dst);
         8.0 * self.src.len() as f64 / t.elapsed().as_secs_f64() / 1e9
     }
@@ -853,7 +851,7 @@ impl Row {
 /// same case too, alternating step by step with the default one (so both see the same
 /// machine load), and the kernel column gives its best time and the speed-up.
 ///
-/// AdamW and 8-bit Adam steps alternate with a memcpy of `memcpy_bytes` on every core
+/// AdamW and 8-bit Adam steps alternate with a memcpy of `memcpy_bytes` on rayon's threads
 /// ([`Row::vs_interleaved_memcpy`]); Muon's with an `f32` GEMM ([`Row::vs_interleaved_gemm`]).
 pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usize) -> Result<Row> {
     let default = Adam8bitKernel::detect();
