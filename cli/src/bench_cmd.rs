@@ -504,7 +504,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
     let cases = cfg.cases();
     let mut rows = Vec::with_capacity(cases.len());
     for (k, (kind, set)) in cases.iter().enumerate() {
-        let row = run_case(*kind, set, cfg.reps)?;
+        let row = run_case(*kind, set, cfg.reps, cfg.memcpy_bytes())?;
         eprintln!(
             "[{}/{}] {kind} {}: best {:.3} ms, median {:.3} ms, {:.1} GFLOP/s, {:.1} GB/s",
             k + 1,
@@ -535,10 +535,13 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              compulsory traffic (params and state read and written, grads read; scratch not \
              counted); memcpy GB/s counts read + write bytes too, and `vs memcpy` is against \
              the all-threads copy. MFU against the peak of the row's dtype (below); `vs GEMM` \
-             against the same-run f32 GEMM; for Muon, `vs GEMM, interleaved` times an f32 GEMM \
-             of the matrices' longest side (256 to 2048) right after every timed step and gives \
-             the median, range and count of the per-step ratios, which the machine's load moves \
-             far less than the ratio to the GEMM measured once at the start. 8-bit Adam on a CPU \
+             against the same-run f32 GEMM; the interleaved column times, right after every \
+             timed step, an f32 GEMM of the matrices' longest side (256 to 2048) for Muon, or the \
+             baseline's memcpy (on rayon's threads) for AdamW and 8-bit Adam, and gives the median, \
+             range and count of the per-step ratios (GFLOP/s to the GEMM's, GB/s to the copy's), \
+             which the machine's load moves far less than the ratios to the baselines measured \
+             once at the start; the copy evicts the caches, so those steps start from memory, \
+             as they do in training. 8-bit Adam on a CPU \
              with its AVX-512 build also steps the same case on the AVX2 build, alternating step \
              by step, and the kernel column gives that build's times and the speed-up. \
              Newton–Schulz FLOPs are nominal: the gemm backend computes the symmetric \

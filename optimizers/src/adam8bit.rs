@@ -105,15 +105,15 @@
 //!   code with one lookup (checked on all 2^32 `f32` inputs);
 //! - **AVX2 + FMA**: the same loop compiled for AVX2, dequantizing and requantizing with
 //!   8-lane gathers;
-//! - **AVX-512 F/BW/VBMI** ([`crate::kernels::adam8bit_avx512`]): dequantizes with VBMI byte
-//!   permutes over the maps held as four 256-byte planes (no gathers), steps 16 lanes, and
-//!   requantizes with the threshold table in 16 lanes. On an AVX-512 EPYC it steps the same
-//!   case 1.4–1.8× faster than the AVX2 build (median step times, interleaved in one run by
-//!   `ragged bench optim`; 1.27–4.71× over all rows of six runs).
+//! - **AVX-512 F/BW/VBMI** ([`crate::kernels::adam8bit_avx512`]): no gathers. It
+//!   dequantizes with VBMI byte permutes over the maps held as four 256-byte planes, steps 16
+//!   lanes, and requantizes 64 lanes at a time with byte permutes over a 512-bucket
+//!   nearest-code index ([`crate::kernels::octave_index`]).
 //!
 //! Per element the step needs five IEEE divisions or square roots (three in Adam's update,
-//! one per moment to scale it into the map) and two table gathers (the requantizing index),
-//! which the AVX-512 build's profile shows as its largest cost.
+//! one per moment to scale it into the map); the portable and AVX2 builds also two table
+//! lookups (gathers in AVX2) to requantize, which were the AVX-512 build's largest cost
+//! before its byte-permute quantizer.
 
 use rayon::prelude::*;
 
@@ -129,7 +129,7 @@ use crate::common::{
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::adam8bit_avx512::BytePlanes;
+use crate::kernels::adam8bit_avx512::{BytePlanes, LaneIndex};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::dequantize_32_avx2;
 use crate::quant::{
@@ -490,6 +490,9 @@ pub struct Adam8bit {
     /// The maps as byte planes, for the AVX-512 kernel's byte-permute dequantization.
     #[cfg(target_arch = "x86_64")]
     planes: Box<[BytePlanes; 2]>,
+    /// The maps' nearest-code indexes for the AVX-512 kernel's byte-permute quantizer.
+    #[cfg(target_arch = "x86_64")]
+    lanes: Box<[LaneIndex; 2]>,
 }
 
 impl Adam8bit {
@@ -504,6 +507,8 @@ impl Adam8bit {
             adamw: AdamW::new(config.adam)?,
             #[cfg(target_arch = "x86_64")]
             planes: Box::new([BytePlanes::of(book_m.map()), BytePlanes::of(book_v.map())]),
+            #[cfg(target_arch = "x86_64")]
+            lanes: Box::new([lane_index(&book_m)?, lane_index(&book_v)?]),
             book_m,
             book_v,
             kernel: Adam8bitKernel::detect(),
@@ -599,6 +604,17 @@ impl Adam8bit {
         }
         Ok((out, scales, fp32))
     }
+}
+
+/// The AVX-512 quantizer's index of `book`'s map (both dynamic maps fit; a map that does not
+/// is an `Err`, never a silent fallback).
+#[cfg(target_arch = "x86_64")]
+fn lane_index(book: &CodeBook) -> Result<LaneIndex> {
+    LaneIndex::of(book).ok_or_else(|| Error::BadInput {
+        op: "Adam8bit::new",
+        what: "quantization map".into(),
+        reason: "its thresholds need more than 512 byte-permute buckets".into(),
+    })
 }
 
 /// Buffer lengths of one step's inputs and 8-bit state, host or device: `[m, v]` each.
@@ -820,8 +836,8 @@ pub enum Adam8bitKernel {
     Portable,
     /// The same loop compiled for AVX2 + FMA, AVX2 gathers for the tables.
     Avx2,
-    /// AVX-512 F/BW/VBMI: byte-permute dequantization, 16-lane moments and update, 16-lane
-    /// threshold-index quantizer (`kernels/adam8bit_avx512.rs`).
+    /// AVX-512 F/BW/VBMI, no gathers: byte-permute dequantization, 16-lane moments and
+    /// update, 64-lane byte-permute quantizer (`kernels/adam8bit_avx512.rs`).
     Avx512,
 }
 
@@ -863,7 +879,7 @@ impl Adam8bitKernel {
             Adam8bitKernel::Portable => "portable build, threshold-table quantizer",
             Adam8bitKernel::Avx2 => "AVX2+FMA build, AVX2 gathers, threshold-table quantizer",
             Adam8bitKernel::Avx512 => {
-                "AVX-512 F/BW/VBMI: VBMI byte-permute dequantize, 16-lane step, 16-lane threshold-table quantizer"
+                "AVX-512 F/BW/VBMI: VBMI byte-permute dequantize, 16-lane step, 64-lane byte-permute quantizer"
             }
         }
     }
@@ -897,7 +913,7 @@ impl Adam8bit {
                 use crate::kernels::adam8bit_avx512::{row_block, Tables};
                 let t = Tables {
                     planes: [&self.planes[0], &self.planes[1]],
-                    index: [self.book_m.index(), self.book_v.index()],
+                    index: [&self.lanes[0], &self.lanes[1]],
                 };
                 // SAFETY: `with_kernel` and `detect` choose Avx512 only where the CPU has
                 // AVX-512 F/BW/VBMI; `step` builds the row block's slices as it requires.

@@ -29,6 +29,7 @@
 //! [`Case::new`], and give its per-parameter [`Cost`] in [`cost`]; the CLI, the criterion
 //! bench and the table pick it up from there.
 
+use rayon::prelude::*;
 use std::fmt::Write as _;
 use std::str::FromStr;
 use std::time::Instant;
@@ -203,6 +204,40 @@ pub struct Baselines {
 /// the copy split over `threads` threads.
 pub fn memcpy_gbps(bytes: usize, reps: usize, threads: usize) -> f64 {
     2.0 * bytes as f64 / ragged::bench::comm::memcpy_seconds(bytes, reps, threads) / 1e9
+}
+
+/// A memcpy of a fixed buffer (the baseline's size, [`memcpy_gbps`]) on rayon's threads, one
+/// contiguous chunk each, ready to time again and again: the one `run_case` interleaves with
+/// the element-wise optimizers' steps, so that each step's GB/s is compared with a copy under
+/// the same machine load. On rayon's threads, not the baseline's fresh ones, so that the
+/// steps do not pay for waking rayon's workers after a copy.
+pub struct MemcpyProbe {
+    src: Vec<f32>,
+    dst: Vec<f32>,
+}
+
+impl MemcpyProbe {
+    /// Buffers of `bytes` each (touched once, so no timed copy faults pages in).
+    pub fn new(bytes: usize) -> Self {
+        let mut probe = MemcpyProbe {
+            src: vec![1.0; (bytes / 4).max(1)],
+            dst: vec![0.0; (bytes / 4).max(1)],
+        };
+        probe.gbps();
+        probe
+    }
+
+    /// GB/s of one copy, read + write bytes (`2·bytes / t`).
+    pub fn gbps(&mut self) -> f64 {
+        let chunk = self.src.len().div_ceil(rayon::current_num_threads());
+        let t = Instant::now();
+        self.dst
+            .par_chunks_mut(chunk)
+            .zip(self.src.par_chunks(chunk))
+            .for_each(|(d, src)| d.copy_from_slice(std::hint::black_box(src)));
+        std::hint::black_box(&mut self.dst);
+        8.0 * self.src.len() as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
 }
 
 /// A square `f32` GEMM `C = A·B` (row-major `n × n`, seeded operands) with the `gemm` crate
@@ -789,6 +824,9 @@ pub struct Row {
     /// Muon only: per timed step, the step's nominal GFLOP/s over the rate of an `f32` GEMM
     /// ([`GemmProbe`], side [`interleaved_gemm_side`]) timed right after it; sorted.
     pub vs_interleaved_gemm: Vec<f64>,
+    /// AdamW and 8-bit Adam only: per timed step, the step's GB/s of compulsory traffic over
+    /// that of a memcpy ([`MemcpyProbe`], the baseline's size) timed right after it; sorted.
+    pub vs_interleaved_memcpy: Vec<f64>,
 }
 
 impl Row {
@@ -812,7 +850,10 @@ impl Row {
 /// For 8-bit Adam on a CPU whose default build is faster than AVX2, the AVX2 build steps the
 /// same case too, alternating step by step with the default one (so both see the same
 /// machine load), and the kernel column gives its best time and the speed-up.
-pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
+///
+/// AdamW and 8-bit Adam steps alternate with a memcpy of `memcpy_bytes` on rayon's threads
+/// ([`Row::vs_interleaved_memcpy`]); Muon's with an `f32` GEMM ([`Row::vs_interleaved_gemm`]).
+pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usize) -> Result<Row> {
     let default = Adam8bitKernel::detect();
     let compare = (kind == OptimKind::Adam8bit
         && default == Adam8bitKernel::Avx512
@@ -824,6 +865,8 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         .transpose()?;
     let mut gemm = matches!(kind, OptimKind::Muon | OptimKind::MuonBf16)
         .then(|| GemmProbe::new(interleaved_gemm_side(set)));
+    let mut memcpy = matches!(kind, OptimKind::AdamW | OptimKind::Adam8bit)
+        .then(|| MemcpyProbe::new(memcpy_bytes));
     let t = Instant::now();
     case.step()?;
     let first = t.elapsed().as_secs_f64();
@@ -834,10 +877,11 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         g.seconds();
     }
     let reps = reps.max(1).min((CASE_SECONDS / first) as usize);
-    let flops = cost(kind, set)?.flops;
+    let Cost { flops, bytes, .. } = cost(kind, set)?;
     let mut times = Vec::with_capacity(reps.max(1));
     let mut other_times = Vec::with_capacity(reps);
     let mut vs_gemm = Vec::with_capacity(reps);
+    let mut vs_memcpy = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t = Instant::now();
         case.step()?;
@@ -852,8 +896,12 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
             let rate = g.flops() / g.seconds();
             vs_gemm.push(flops / step / rate);
         }
+        if let Some(m) = memcpy.as_mut() {
+            vs_memcpy.push(bytes / step / 1e9 / m.gbps());
+        }
     }
     vs_gemm.sort_by(f64::total_cmp);
+    vs_memcpy.sort_by(f64::total_cmp);
     let timing = if times.is_empty() {
         Timing {
             reps: 0,
@@ -883,6 +931,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize) -> Result<Row> {
         state_bytes: case.state_bytes(),
         kernel,
         vs_interleaved_gemm: vs_gemm,
+        vs_interleaved_memcpy: vs_memcpy,
     })
 }
 
@@ -999,7 +1048,7 @@ pub const COLUMNS: [&str; 18] = [
     "comm B/step",
     "dtype",
     "kernel",
-    "vs GEMM, interleaved (median, min–max, n)",
+    "vs interleaved GEMM or memcpy (median, min–max, n)",
 ];
 
 /// The peak GFLOP/s an optimizer's MFU is measured against.
@@ -1015,6 +1064,15 @@ fn interleaved(r: &[f64]) -> String {
     match (r.first(), r.last()) {
         (Some(lo), Some(hi)) => format!("{:.2} ({lo:.2}–{hi:.2}, {})", r[r.len() / 2], r.len()),
         _ => "–".into(),
+    }
+}
+
+/// The interleaved column of `row`: `GEMM …` (Muon), `memcpy …` (AdamW, 8-bit Adam), `–`.
+fn interleaved_cell(row: &Row) -> String {
+    match (&row.vs_interleaved_gemm[..], &row.vs_interleaved_memcpy[..]) {
+        ([], []) => "–".into(),
+        (gemm, []) => format!("GEMM {}", interleaved(gemm)),
+        (_, memcpy) => format!("memcpy {}", interleaved(memcpy)),
     }
 }
 
@@ -1084,7 +1142,7 @@ pub fn markdown(r: &Report) -> String {
             comm,
             row.optimizer.dtype(),
             row.kernel,
-            interleaved(&row.vs_interleaved_gemm),
+            interleaved_cell(row),
         );
     }
     out
@@ -1111,10 +1169,20 @@ mod tests {
             ..BenchConfig::default()
         };
         for (kind, set) in cfg.cases() {
-            let row = run_case(kind, &set, 1).unwrap();
+            let row = run_case(kind, &set, 1, 1 << 20).unwrap();
             assert_eq!(row.params, set.numel());
             assert!(row.cost.flops > 0.0 && row.cost.bytes > 0.0);
             assert!(row.timing.best > 0.0);
+            // One interleaved ratio per timed step, against the GEMM or the copy.
+            let n = row.timing.reps;
+            let want = match kind {
+                OptimKind::AdamW | OptimKind::Adam8bit => (0, n),
+                OptimKind::Muon | OptimKind::MuonBf16 => (n, 0),
+                OptimKind::Shampoo => (0, 0),
+            };
+            let (gemm, memcpy) = (&row.vs_interleaved_gemm, &row.vs_interleaved_memcpy);
+            assert_eq!((gemm.len(), memcpy.len()), want, "{kind}");
+            assert!(gemm.iter().chain(memcpy).all(|r| r.is_finite() && *r > 0.0));
         }
     }
 

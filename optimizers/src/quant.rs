@@ -189,20 +189,7 @@ fn threshold(lo: f32, hi: f32) -> f32 {
 }
 
 /// Bits of a table entry below `base`.
-pub(crate) const BASE_SHIFT: u32 = 24;
-
-/// A [`CodeBook`]'s threshold index, borrowed (see the `CodeBook` doc for its meaning).
-#[derive(Clone, Copy)]
-pub(crate) struct BucketIndex<'a> {
-    /// Per bucket, positive half then negative half: `base << 24 | threshold low key`.
-    pub table: &'a [u32],
-    /// Mantissa bits per bucket index.
-    pub bits: u32,
-    /// The biased exponent of the first octave with its own buckets.
-    pub min_exp: u32,
-    /// Buckets per sign.
-    pub buckets: usize,
-}
+const BASE_SHIFT: u32 = 24;
 
 impl CodeBook {
     /// The index of `map`; `Err` unless `map` is finite and strictly increasing, or when no
@@ -286,15 +273,14 @@ impl CodeBook {
         &self.map
     }
 
-    /// The threshold index, for vector kernels that evaluate [`CodeBook::quantize`] lane by
-    /// lane (`crate::kernels::adam8bit_avx512`).
-    pub(crate) fn index(&self) -> BucketIndex<'_> {
-        BucketIndex {
-            table: &self.table,
-            bits: self.bits,
-            min_exp: self.min_exp,
-            buckets: self.buckets,
+    /// The thresholds `T_c` (`c = 0..255`): the smallest `f32` from which code `c + 1` is
+    /// the nearest, so that the code of `x` is the number of thresholds `≤ x`.
+    pub(crate) fn thresholds(&self) -> [f32; MAP_LEN - 1] {
+        let mut t = [0f32; MAP_LEN - 1];
+        for (out, w) in t.iter_mut().zip(self.map.windows(2)) {
+            *out = threshold(w[0], w[1]);
         }
+        t
     }
 
     /// [`quantize`]`(x, map)`, bit for bit, without branches.

@@ -1,32 +1,36 @@
 //! 8-bit Adam's row-block step in AVX-512 lanes (F, BW, VBMI): the same operations as the
 //! portable [`crate::adam8bit`] kernel, 16 elements per vector, bit for bit.
 //!
-//! # Where the portable and AVX2 builds spend their time
-//! Profiled with `perf` on `ragged bench optim --only adam8bit` (AVX-512 EPYC, 2 threads):
-//! the step's IEEE divisions and square roots are cheap next to its **table gathers**. A
-//! 16-lane `vpgatherdd` retires one per ~4.7 ns here (~1.1 cycle per element) while a 16-lane
-//! `vdivps` takes ~0.6 ns, and the step needs four gathers per element (two to dequantize the
-//! moments, two in the threshold-table quantizer); the AVX2 build also folded the block maxima
-//! in 128-bit halves. So this kernel:
+//! # Where the time went, and this kernel's answer
+//! Profiled with `perf` (`examples/adam8bit_steps.rs`, one thread, AVX-512 EPYC): the step's
+//! IEEE divisions and square roots are cheap next to **table gathers**. A 16-lane
+//! `vpgatherdd` costs ~7 ns here even from L1, while a 64-lane lookup in a 256-byte table held
+//! in registers (two `vpermi2b` and a blend) costs ~1 ns; replacing every division and square
+//! root of the step by a multiplication saves only ~10 %. So this kernel has no gathers:
 //!
-//! 1. **dequantizes with byte permutes, no gathers**: a 256-entry `f32` map is four 256-byte
-//!    planes (byte `k` of every entry), each four 64-byte registers. `vpermi2b` looks up 64
-//!    codes in two registers (7 index bits) and a blend on the code's top bit picks the half:
-//!    six instructions per plane for 64 codes. The codes are first permuted once (`vpermb`) so
+//! 1. **dequantizes with byte permutes**: a 256-entry `f32` map is four 256-byte planes (byte
+//!    `k` of every entry), each four 64-byte registers. `vpermi2b` looks up 64 codes in two
+//!    registers (7 index bits) and a blend on the code's top bit picks the half: six
+//!    instructions per plane for 64 codes. The codes are first permuted once (`vpermb`) so
 //!    that interleaving the four planes (`vpunpck{l,h}bw`, `vpunpck{l,h}wd`, which work within
 //!    128-bit lanes) leaves the `f32`s in element order;
 //! 2. steps the moments and the parameters in 16 `f32` lanes, each lane the scalar operations
 //!    of [`crate::common`] in the scalar order (intrinsics are never contracted into FMAs);
 //! 3. folds `|m|` and `v` into 16-lane running maxima (`vmaxps` is the scalar `>` select);
-//! 4. requantizes with the [`crate::quant::CodeBook`] threshold index in 16 lanes (one gather
-//!    per 16 elements and moment) and applies the second-moment floor in lanes.
+//! 4. **requantizes with byte permutes** (`quantize_64`, 64 lanes): the nearest-code index
+//!    of [`crate::kernels::octave_index`] has at most 512 buckets, one threshold at most in
+//!    each, so a bucket's base code is one 512-byte lookup and its threshold one lookup in the
+//!    thresholds' byte planes; then the second-moment floor in lanes.
+//!
+//! Single-threaded on `square 1024`, the gathers' replacement took the step from 1.84–1.95
+//! to 1.39–1.40 ns per element (interleaved runs of the two builds).
 
 use std::arch::x86_64::*;
 
 use crate::adam8bit::{RowBlock, StepConsts, SCALE_BLOCK};
+use crate::kernels::octave_index::{OctaveIndex, BUCKETS};
 use crate::quant::{
-    decode_scale, encode_scale, BucketIndex, BASE_SHIFT, MAP_LEN, SIGNED_ZERO_CODE,
-    UNSIGNED_ZERO_CODE,
+    decode_scale, encode_scale, CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
 };
 
 /// A 256-entry `f32` map as four byte planes: `planes[k][c]` is byte `k` (little-endian) of
@@ -62,10 +66,26 @@ pub fn available() -> bool {
         && is_x86_feature_detected!("avx512vbmi")
 }
 
+/// A map's [`OctaveIndex`], with its thresholds as byte planes for [`quantize_64`].
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct LaneIndex {
+    index: OctaveIndex,
+    thresholds: BytePlanes,
+}
+
+impl LaneIndex {
+    /// The index of `book`'s map; `None` when it does not fit ([`OctaveIndex::new`]).
+    pub(crate) fn of(book: &CodeBook) -> Option<Self> {
+        let index = OctaveIndex::new(&book.thresholds())?;
+        let thresholds = BytePlanes::of(&index.thresholds);
+        Some(LaneIndex { index, thresholds })
+    }
+}
+
 /// Both moments' lookup tables for one kernel call.
 pub(crate) struct Tables<'a> {
     pub planes: [&'a BytePlanes; 2],
-    pub index: [BucketIndex<'a>; 2],
+    pub index: [&'a LaneIndex; 2],
 }
 
 /// The `vpermb` index that puts code `16q + 4L + i` at byte `16L + 4q + i` (`q`, `L`, `i` in
@@ -98,16 +118,10 @@ unsafe fn plane_lookup(plane: &[u8; MAP_LEN], codes: __m512i, upper: __mmask64) 
     }
 }
 
-/// `map[codes[j]] · absmax` for 64 codes (a code vector in element order), as four vectors
-/// of 16 `f32`s in element order: the same `f32` multiplication as
-/// [`crate::quant::dequantize`].
+/// `map[codes[j]]` for 64 codes (a code vector in element order), as four vectors of 16
+/// `f32`s in element order.
 #[inline(always)]
-unsafe fn dequantize_64(
-    codes: __m512i,
-    planes: &BytePlanes,
-    order: __m512i,
-    absmax: __m512,
-) -> [__m512; 4] {
+unsafe fn map_64(codes: __m512i, planes: &BytePlanes, order: __m512i) -> [__m512; 4] {
     // SAFETY: register operations and in-bounds plane loads ([`plane_lookup`]).
     unsafe {
         let c = _mm512_permutexvar_epi8(order, codes);
@@ -118,7 +132,7 @@ unsafe fn dequantize_64(
         let hi01 = _mm512_unpackhi_epi8(b0, b1);
         let lo23 = _mm512_unpacklo_epi8(b2, b3);
         let hi23 = _mm512_unpackhi_epi8(b2, b3);
-        let f = |x: __m512i| _mm512_mul_ps(_mm512_castsi512_ps(x), absmax);
+        let f = _mm512_castsi512_ps;
         [
             f(_mm512_unpacklo_epi16(lo01, lo23)),
             f(_mm512_unpackhi_epi16(lo01, lo23)),
@@ -128,39 +142,111 @@ unsafe fn dequantize_64(
     }
 }
 
-/// [`crate::quant::CodeBook::quantize`] of 16 lanes `x` (already divided by the scale):
-/// bucket from the exponent and top mantissa bits, one gather of the bucket's entry, then
-/// `base + [low key bits ≥ the threshold's]`; 0 for NaN. The same integer steps as the
-/// scalar code, so the same codes.
+/// `map[codes[j]] · absmax` for 64 codes (a code vector in element order), as four vectors
+/// of 16 `f32`s in element order: the same `f32` multiplication as
+/// [`crate::quant::dequantize`].
 #[inline(always)]
-unsafe fn quantize_16(x: __m512, ix: &BucketIndex) -> __m512i {
-    // SAFETY: the gather index is a bucket clamped to `0..buckets` plus `buckets` for
-    // negatives, inside the `2·buckets` table.
+unsafe fn dequantize_64(
+    codes: __m512i,
+    planes: &BytePlanes,
+    order: __m512i,
+    absmax: __m512,
+) -> [__m512; 4] {
+    // SAFETY: as [`map_64`].
+    unsafe { map_64(codes, planes, order).map(|x| _mm512_mul_ps(x, absmax)) }
+}
+
+/// Byte `table[i]` of a 512-entry table for 64 bucket indices `i`: bits 0–7 in the bytes of
+/// `idx`, bit 8 in `high`. Four `vpermi2b` (bits 0–6 within a 128-entry quarter) and three
+/// blends (bit 7, then bit 8).
+#[inline(always)]
+unsafe fn lookup_512(table: &[u8; BUCKETS], idx: __m512i, high: __mmask64) -> __m512i {
+    // SAFETY: eight 64-byte loads inside the 512-byte table.
     unsafe {
-        let bits = _mm512_castps_si512(x);
-        let sign = _mm512_srai_epi32::<31>(bits);
-        let shift = _mm512_set1_epi32(23 - ix.bits as i32);
-        let mag = _mm512_srlv_epi32(
-            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff)),
-            shift,
-        );
-        let first = _mm512_set1_epi32((ix.min_exp << ix.bits) as i32);
-        let bucket = _mm512_min_epi32(
-            _mm512_max_epi32(_mm512_sub_epi32(mag, first), _mm512_setzero_si512()),
-            _mm512_set1_epi32(ix.buckets as i32 - 1),
-        );
-        let idx = _mm512_add_epi32(
-            bucket,
-            _mm512_and_si512(sign, _mm512_set1_epi32(ix.buckets as i32)),
-        );
-        let entry = _mm512_i32gather_epi32::<4>(idx, ix.table.as_ptr().cast());
-        let low_mask = _mm512_set1_epi32((1 << (23 - ix.bits)) - 1);
-        let low = _mm512_and_si512(_mm512_xor_si512(bits, sign), low_mask);
-        let field = _mm512_and_si512(entry, _mm512_set1_epi32((1 << BASE_SHIFT) - 1));
-        let above = _mm512_cmpge_epu32_mask(low, field);
-        let base = _mm512_srli_epi32::<{ BASE_SHIFT }>(entry);
-        let code = _mm512_mask_add_epi32(base, above, base, _mm512_set1_epi32(1));
-        _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x), code)
+        let t = |j: usize| _mm512_loadu_si512(table.as_ptr().add(64 * j).cast());
+        let bit7 = _mm512_movepi8_mask(idx);
+        let q0 = _mm512_permutex2var_epi8(t(0), idx, t(1));
+        let q1 = _mm512_permutex2var_epi8(t(2), idx, t(3));
+        let q2 = _mm512_permutex2var_epi8(t(4), idx, t(5));
+        let q3 = _mm512_permutex2var_epi8(t(6), idx, t(7));
+        let low = _mm512_mask_blend_epi8(bit7, q0, q1);
+        let up = _mm512_mask_blend_epi8(bit7, q2, q3);
+        _mm512_mask_blend_epi8(high, low, up)
+    }
+}
+
+/// The word index that picks the high 16 bits of each of 32 `f32` lanes (16 from each of two
+/// vectors) in lane order, for `vpermt2w`.
+const HIGH_WORDS: [u16; 32] = {
+    let mut idx = [0u16; 32];
+    let mut k = 0;
+    while k < 32 {
+        idx[k] = 2 * k as u16 + 1;
+        k += 1;
+    }
+    idx
+};
+
+/// [`OctaveIndex::code`] of 64 lanes `x` (four vectors in element order), as 64 code bytes
+/// in element order. The bucket depends on the top 16 bits of each lane only, so those are
+/// packed into two vectors of 32 words, where the octave slot, its shift and offset (two
+/// `vpermw` from the 32-word slot tables) and the bucket take one instruction per 32 lanes;
+/// then the bucket's `base` comes from the 512-byte table ([`lookup_512`]), `T_base` from the
+/// thresholds' byte planes ([`map_64`]), and the code is `base + [x ≥ T_base]`, 0 for NaN.
+/// The same integer and comparison steps as the scalar code, so the same codes.
+///
+/// `SIGNED`: `ix` is a signed map's (negative `x` have their own buckets).
+#[inline(always)]
+unsafe fn quantize_64<const SIGNED: bool>(
+    x: &[__m512; 4],
+    ix: &LaneIndex,
+    order: __m512i,
+) -> __m512i {
+    let o = &ix.index;
+    debug_assert_eq!(o.signed, SIGNED);
+    // SAFETY: 64-byte loads of the 32-word tables; [`lookup_512`] and [`map_64`] read inside
+    // their tables; the rest are register operations.
+    unsafe {
+        let ld = |p: *const u16| _mm512_loadu_si512(p.cast());
+        let (shift, add) = (ld(o.shift.as_ptr()), ld(o.add.as_ptr().cast()));
+        let high_words = ld(HIGH_WORDS.as_ptr());
+        let e_base = _mm512_set1_epi16(o.e_base as i16);
+        let last_slot = _mm512_set1_epi16(31);
+        let abs_mask = _mm512_set1_epi16(0x7fff);
+        let half = _mm512_set1_epi16(BUCKETS as i16 / 2);
+        let mut low = [_mm256_setzero_si256(); 2];
+        let mut high = 0u64;
+        for (p, pair) in x.chunks_exact(2).enumerate() {
+            let (a, b) = (_mm512_castps_si512(pair[0]), _mm512_castps_si512(pair[1]));
+            let w = _mm512_permutex2var_epi16(a, high_words, b);
+            let h = _mm512_and_si512(w, abs_mask);
+            let slot = _mm512_min_epu16(
+                _mm512_subs_epu16(_mm512_srli_epi16::<7>(h), e_base),
+                last_slot,
+            );
+            let bucket = _mm512_add_epi16(
+                _mm512_srlv_epi16(h, _mm512_permutexvar_epi16(slot, shift)),
+                _mm512_permutexvar_epi16(slot, add),
+            );
+            let negative = _mm512_cmplt_epi16_mask(w, _mm512_setzero_si512());
+            let bucket = if SIGNED {
+                _mm512_mask_add_epi16(bucket, negative, bucket, half)
+            } else {
+                _mm512_maskz_mov_epi16(!negative, bucket)
+            };
+            low[p] = _mm512_cvtepi16_epi8(bucket);
+            high |= u64::from(_mm512_test_epi16_mask(bucket, half)) << (32 * p);
+        }
+        let idx = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low[0]), low[1]);
+        let base = lookup_512(&o.base, idx, high);
+        let t = map_64(base, &ix.thresholds, order);
+        let (mut at_or_above, mut ordered) = (0u64, 0u64);
+        for (j, (&xj, &tj)) in x.iter().zip(&t).enumerate() {
+            at_or_above |= u64::from(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(xj, tj)) << (16 * j);
+            ordered |= u64::from(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(xj, xj)) << (16 * j);
+        }
+        let code = _mm512_mask_sub_epi8(base, at_or_above, base, _mm512_set1_epi8(-1));
+        _mm512_maskz_mov_epi8(ordered, code)
     }
 }
 
@@ -197,7 +283,7 @@ pub(crate) unsafe fn row_block<const DECAY: bool, const SMALL: bool>(
         b.scale_v[blk] = encode_scale(max_v);
         let scales = [decode_scale(b.scale_m[blk]), decode_scale(b.scale_v[blk])];
         // SAFETY: as above.
-        unsafe { requantize_block(&mut b, start, len, scales, t, &fresh) };
+        unsafe { requantize_block(&mut b, start, len, scales, t, order, &fresh) };
     }
 }
 
@@ -277,11 +363,12 @@ unsafe fn fold_max(x: __m512) -> f32 {
     lanes.iter().fold(0f32, |a, &x| a.max(x))
 }
 
-/// Steps 6–7 on the scale block `start..start + len`: codes of `fresh / scale` (the code of
-/// zero for a zero scale), then the second-moment floor.
+/// Steps 6–7 on the scale block `start..start + len`, 64 elements at a time: codes of
+/// `fresh / scale` (the code of zero for a zero scale), then the second-moment floor. A
+/// 32-element tail reads 32 more lanes of `fresh` (inside its 256) and stores only its own.
 ///
 /// # Safety
-/// AVX-512 F/BW; `start + len ≤ b.p.len()`, `len ≤ 256` a multiple of 16.
+/// AVX-512 F/BW/VBMI; `start + len ≤ b.p.len()`, `len ≤ 256` a multiple of 32.
 #[inline(always)]
 unsafe fn requantize_block(
     b: &mut RowBlock,
@@ -289,30 +376,40 @@ unsafe fn requantize_block(
     len: usize,
     [sm, sv]: [f32; 2],
     t: &Tables,
+    order: __m512i,
     fresh: &Fresh,
 ) {
-    // SAFETY: 16-lane loads from `fresh` below `len ≤ 256` and 16-byte stores inside
-    // `start..start + len` of the exclusive code slices.
+    // SAFETY: 16-lane loads from `fresh` at `q + 16j < q + 64 ≤ 256` (`q` a multiple of 64
+    // below `len ≤ 256`), masked 64-byte stores inside `start..start + len` of the
+    // exclusive code slices.
     unsafe {
         let (mc, vc) = (b.mc.as_mut_ptr(), b.vc.as_mut_ptr());
-        let one = _mm512_set1_epi32(1);
-        for q in (0..len).step_by(16) {
-            let m = _mm512_loadu_ps(fresh.m.as_ptr().add(q));
-            let v = _mm512_loadu_ps(fresh.v.as_ptr().add(q));
+        for q in (0..len).step_by(64) {
+            let n = 64.min(len - q);
+            let lanes: __mmask64 = if n == 64 { !0 } else { (1 << n) - 1 };
+            let load = |src: &[f32; SCALE_BLOCK]| -> [__m512; 4] {
+                std::array::from_fn(|j| _mm512_loadu_ps(src.as_ptr().add(q + 16 * j)))
+            };
+            let (m, v) = (load(&fresh.m), load(&fresh.v));
+            let scaled = |x: [__m512; 4], s: f32| x.map(|x| _mm512_div_ps(x, _mm512_set1_ps(s)));
             let code_m = if sm == 0.0 {
-                _mm512_set1_epi32(i32::from(SIGNED_ZERO_CODE))
+                _mm512_set1_epi8(SIGNED_ZERO_CODE as i8)
             } else {
-                quantize_16(_mm512_div_ps(m, _mm512_set1_ps(sm)), &t.index[0])
+                quantize_64::<true>(&scaled(m, sm), t.index[0], order)
             };
             let code_v = if sv == 0.0 {
-                _mm512_set1_epi32(i32::from(UNSIGNED_ZERO_CODE))
+                _mm512_set1_epi8(UNSIGNED_ZERO_CODE as i8)
             } else {
-                quantize_16(_mm512_div_ps(v, _mm512_set1_ps(sv)), &t.index[1])
+                quantize_64::<false>(&scaled(v, sv), t.index[1], order)
             };
-            let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, _mm512_setzero_ps());
-            let code_v = _mm512_mask_max_epu32(code_v, positive, code_v, one);
-            _mm_storeu_si128(mc.add(start + q).cast(), _mm512_cvtepi32_epi8(code_m));
-            _mm_storeu_si128(vc.add(start + q).cast(), _mm512_cvtepi32_epi8(code_v));
+            let mut positive = 0u64;
+            for (j, &vj) in v.iter().enumerate() {
+                let p = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(vj, _mm512_setzero_ps());
+                positive |= u64::from(p) << (16 * j);
+            }
+            let code_v = _mm512_mask_max_epu8(code_v, positive, code_v, _mm512_set1_epi8(1));
+            _mm512_mask_storeu_epi8(mc.add(start + q).cast(), lanes, code_m);
+            _mm512_mask_storeu_epi8(vc.add(start + q).cast(), lanes, code_v);
         }
     }
 }
@@ -323,21 +420,37 @@ mod tests {
     use crate::quant::{dynamic_map, quantize, CodeBook};
     use rayon::prelude::*;
 
-    /// [`quantize_16`] on `xs` (a multiple of 16 long).
+    /// [`quantize_64`] on `xs` (a multiple of 64 long).
     fn quantize_lanes(book: &CodeBook, xs: &[f32]) -> Vec<u8> {
-        let ix = book.index();
+        let ix = LaneIndex::of(book).expect("the dynamic maps fit");
         let mut out = vec![0u8; xs.len()];
-        for (x, o) in xs.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
-            // SAFETY: callers run this only where `available()`; 16 lanes in, 16 bytes out.
-            unsafe {
-                let codes = quantize_16(_mm512_loadu_ps(x.as_ptr()), &ix);
-                _mm_storeu_si128(o.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(codes));
-            }
-        }
+        // SAFETY: callers run this only where `available()`.
+        unsafe { quantize_all(&ix, xs, &mut out) };
         out
     }
 
-    /// The 16-lane quantizer against bisection on every `f32` whose top 16 bits are in
+    /// 64 lanes at a time, compiled for AVX-512 so that the lanes inline.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI; `xs` and `out` of one length, a multiple of 64.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn quantize_all(ix: &LaneIndex, xs: &[f32], out: &mut [u8]) {
+        let order = plane_order();
+        for (x, o) in xs.chunks_exact(64).zip(out.chunks_exact_mut(64)) {
+            // SAFETY: 64 lanes in, 64 bytes out.
+            unsafe {
+                let lanes = std::array::from_fn(|j| _mm512_loadu_ps(x.as_ptr().add(16 * j)));
+                let codes = if ix.index.signed {
+                    quantize_64::<true>(&lanes, ix, order)
+                } else {
+                    quantize_64::<false>(&lanes, ix, order)
+                };
+                _mm512_storeu_si512(o.as_mut_ptr().cast(), codes);
+            }
+        }
+    }
+
+    /// The 64-lane quantizer against bisection on every `f32` whose top 16 bits are in
     /// `his` (both maps).
     fn agrees_on(his: impl ParallelIterator<Item = u32>) -> Option<u32> {
         let books = [true, false].map(|s| CodeBook::new(dynamic_map(s)).unwrap());
@@ -370,7 +483,7 @@ mod tests {
     }
 
     /// Every one of the 2^32 bit patterns; by hand after an index change:
-    /// `cargo test -p ragged-optimizers --lib lane_quantizer -- --ignored` (about 5 min on 2 cores).
+    /// `cargo test -p ragged-optimizers --lib lane_quantizer -- --ignored`.
     #[test]
     #[ignore = "2^32 inputs × 2 maps: run by hand after changing the index"]
     fn lane_quantizer_equals_bisection_on_every_f32() {

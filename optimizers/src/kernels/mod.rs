@@ -4,12 +4,14 @@
 //! | file | product | precision | threads | availability |
 //! |---|---|---|---|---|
 //! | [`gemm_f32`] | `gemm` crate 0.19 (AVX-512 microkernels with `x86-v4`) | `f32` | rayon (`gemm::Parallelism`) | always |
-//! | [`adam8bit_avx512`] | 8-bit Adam's row-block step (not a matrix product) | `f32` lanes, 8-bit codes | the caller's (rayon over row blocks) | x86-64 with AVX-512 F/BW/VBMI, chosen at run time |
+//! | [`adam8bit_avx512`] | 8-bit Adam's row-block step (not a matrix product), on [`octave_index`]'s byte-permute quantizer index | `f32` lanes, 8-bit codes | the caller's (rayon over row blocks) | x86-64 with AVX-512 F/BW/VBMI, chosen at run time |
 //! | [`onednn`] | oneDNN 2.x matmul primitive (`brg:avx512_core_amx_bf16` on AMX) | bf16 in, `f32` accumulation, bf16 out | oneDNN's OpenMP threads | when `libdnnl.so.2` loads at run time |
 
 #[cfg(target_arch = "x86_64")]
 pub mod adam8bit_avx512;
 pub mod gemm_f32;
+#[cfg(target_arch = "x86_64")]
+pub mod octave_index;
 pub mod onednn;
 
 pub use gemm::Parallelism;
