@@ -279,16 +279,28 @@ fn shard_fill_layouts_are_valid_and_sometimes_beat_every_fixed_order() {
 }
 
 /// A Qwen3-30B-A3B layer at `rows:128`, V = 8: every expert part inside a shard is a multiple
-/// of 32,768 (a piece). The three orders of the single-buffer planner need 2,379 pieces per
-/// rank; shard by shard, choosing the tensor that crosses each boundary, 2,378 suffice.
+/// of 32,768 (a piece), and the pieces fill exactly 2,377 per rank. The three orders of the
+/// single-buffer planner need 2,379 per rank; shard by shard, choosing the tensor that crosses
+/// each boundary, 2,378 suffice, and the residue floor proves that one buffer cannot do with
+/// 2,377 (the piece floor alone allows 2,377 and the norms).
 #[test]
-fn qwen3_30b_layer_at_v8_is_filled_shard_by_shard() {
+fn qwen3_30b_layer_at_v8_is_filled_shard_by_shard_and_proved_optimal() {
+    use ragged::plan::piece_floor::piece_floor;
+    use ragged::plan::residue_floor::residue_floor;
     let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(128), 8);
     assert_eq!(plan.k(), 1);
     assert_eq!(plan.single.shard_size, 2379 * 32_768);
     assert_eq!(plan.buffers[0].shard_size, 2378 * 32_768);
     assert_eq!(plan.buffers[0].order, Order::Filled);
-    assert!(plan.floor_shard_sum <= plan.buffers[0].shard_size);
+    assert_eq!(plan.floor_shard_sum, 2378 * 32_768);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.numel(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(residue_floor(&items, 8, 64, 32_768), Some(2378 * 32_768));
+    assert!(piece_floor(&items, 8, 64).unwrap() < 2378 * 32_768);
 }
 
 #[test]

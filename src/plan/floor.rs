@@ -95,6 +95,13 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     if let Some(lattices) = super::lattice_floor::lattice_floor(items, world, coll) {
         best = best.max(lattices as u128);
     }
+    // The residue floor bounds one buffer only.
+    let residue = super::piece_floor::main_step(items)
+        .filter(|_| k == 1)
+        .and_then(|d| super::residue_floor::residue_floor(items, world, coll, d));
+    if let Some(residue) = residue {
+        best = best.max(residue as u128);
+    }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",
         what: format!("{} tensors", items.len()),

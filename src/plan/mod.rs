@@ -23,6 +23,7 @@
 //! | its fourth bound, the gcd of the forced tensors' lattices | [`step_floor`] |
 //! | its fifth bound, the parts of tensors inside one shard | [`piece_floor`] |
 //! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
+//! | its seventh bound (one buffer), the residues of pieces when the shards hold exactly `m` | [`residue_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -39,6 +40,7 @@ pub mod oracle;
 pub mod partition;
 pub mod piece_floor;
 pub mod refine;
+pub mod residue_floor;
 pub mod search;
 pub mod shard_fill;
 pub mod split;

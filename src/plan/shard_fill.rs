@@ -31,7 +31,7 @@
 
 use std::collections::HashSet;
 
-use super::fit::{earliest_start, gcd, greedy, lcm, total_numel};
+use super::fit::{earliest_start, greedy, lcm, total_numel};
 use super::search::{any_order_lower_bound, SearchStats};
 use super::{piece_floor, Item, Layout, Order};
 use crate::{Error, Result};
@@ -46,10 +46,10 @@ pub const REDUCTIONS: usize = 2;
 pub const CANDIDATES: usize = 8;
 
 /// Fills ranked per shard, at most.
-pub const LEAVES: usize = 1024;
+pub const LEAVES: usize = 4096;
 
 /// Shards visited per trial size, at most (with backtracking).
-pub const NODES: usize = 64;
+pub const NODES: usize = 256;
 
 /// Trial sizes per buffer, at most.
 pub const SIZES: usize = 4;
@@ -57,9 +57,6 @@ pub const SIZES: usize = 4;
 /// Units of more distinct shapes than this are not filled (the fills of a shard grow with
 /// the product of the shapes' choices).
 pub const MAX_SHAPES: usize = 16;
-
-/// Share of the elements whose piece step sets the spacing of the trial sizes.
-const MAIN_SHARE: f64 = 0.99;
 
 /// The tensors of one shape, in unit order.
 struct Shape {
@@ -149,7 +146,7 @@ pub fn improve_layout(
 ) -> Result<Option<Layout>> {
     let bound = any_order_lower_bound(items, world, coll)?;
     let bound = piece_floor::piece_floor(items, world, coll).map_or(bound, |p| p.max(bound));
-    let step = main_step(items)
+    let step = piece_floor::main_step(items)
         .and_then(|d| lcm(d, coll))
         .unwrap_or(coll)
         .max(1);
@@ -181,25 +178,6 @@ pub fn improve_layout(
         }
     }
     Ok(None)
-}
-
-/// The gcd of `gcd(e, g)` over the shapes holding [`MAIN_SHARE`] of the elements, largest
-/// shapes first: the unit of most parts of tensors inside a shard.
-fn main_step(items: &[Item]) -> Option<usize> {
-    let shapes = shapes_of(items);
-    let mass = |s: &Shape| s.item.numel as f64 * s.members.len() as f64;
-    let total: f64 = shapes.iter().map(mass).sum();
-    let mut by_mass: Vec<&Shape> = shapes.iter().collect();
-    by_mass.sort_by(|a, b| mass(b).total_cmp(&mass(a)));
-    let (mut step, mut covered) = (0usize, 0.0);
-    for s in by_mass {
-        if covered >= MAIN_SHARE * total {
-            break;
-        }
-        step = gcd(step, gcd(s.item.numel, s.item.block));
-        covered += mass(s);
-    }
-    (step > 0).then_some(step)
 }
 
 /// Items grouped by `(elements, block)`, coarse blocks first, larger tensors first.
