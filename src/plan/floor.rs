@@ -29,7 +29,9 @@
 //! holding forced tensors sum to a multiple of their lattices' gcd,
 //! [`super::lattice_floor`]'s, which splits those tensors into a coarse and a fine lattice, and
 //! [`super::piece_floor`]'s, which uses that the part of a tensor inside one shard is a
-//! multiple of `gcd(e, g)`; all six hold for every layout.
+//! multiple of `gcd(e, g)`, and, for `k = 1`, [`super::residue_floor`]'s, which follows the
+//! residues of those parts when every shard must hold exactly `m` pieces; all seven hold for
+//! every layout.
 
 use super::Item;
 use crate::{Error, Result};

@@ -14,7 +14,9 @@
 //! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
 //! cost: tensors with the same block do not always belong together. The moves start from one
 //! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
-//! the cheapest result wins.
+//! the cheapest result wins. A last pass ([`super::shard_fill`]) rebuilds each chosen buffer,
+//! and the single buffer, shard by shard where that is smaller, and the two are compared
+//! again by cost.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
