@@ -47,7 +47,7 @@ pub const MAX_RARE: usize = 8;
 pub const MAX_RANKS: usize = 64;
 
 /// At most this many ways to cross one boundary.
-pub const MAX_OPTIONS: usize = 1024;
+pub const MAX_OPTIONS: usize = 16384;
 
 /// At most this many `(shard, tail, rare tensors used)` states are visited.
 pub const MAX_STATES: usize = 1 << 16;
