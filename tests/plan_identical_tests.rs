@@ -301,3 +301,64 @@ fn lattice_floor_holds_on_coarse_and_fine_forced_tensors() {
         "the two-lattice floor never rose above the common-step floor"
     );
 }
+
+/// Units whose piece tensors fill exactly `m` pieces per rank (a Qwen3 MoE layer at V = 8,
+/// shrunk): five or six copies of one expert-like shape and one or two rare tensors, in pieces
+/// of `D` elements, sometimes with a norm-like tensor outside the pieces. Where the residue
+/// floor applies it holds against exhaustive search over every order of one buffer, and it
+/// rises above the piece floor on some inputs.
+#[test]
+fn residue_floor_holds_when_the_shards_hold_exactly_m_pieces() {
+    use ragged::plan::piece_floor::piece_floor;
+    use ragged::plan::residue_floor::residue_floor;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // (D, expert pieces and block, copies, rare tensors (pieces, block), norm, V).
+    let strategy = (
+        1..=2usize,
+        (3..=6usize, 1..=3usize),
+        5..=6usize,
+        prop::collection::vec((1..=6usize, 1..=3usize), 1..=2),
+        0..=1usize,
+        2..=4usize,
+    );
+    let (mut applied, mut raised, mut tried) = (0, 0, 0);
+    while tried < 3000 && applied < 60 {
+        tried += 1;
+        let (d, (u, b), copies, rare, norm, world) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let mut spec = vec![(d * u, d * b.min(u), copies)];
+        for &(w, rb) in &rare {
+            spec.push((d * w, d * rb.min(w), 1));
+        }
+        if norm > 0 {
+            spec.push((1, 1, 1));
+        }
+        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        let shapes: Vec<Item> = spec
+            .iter()
+            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+            .collect();
+        let items: Vec<Item> = shapes
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+            .collect();
+        let Some(bound) = residue_floor(&items, world, 1, d) else {
+            continue;
+        };
+        let best = exhaustive(&shapes, &counts, world, 1, 1);
+        assert!(
+            bound <= best,
+            "{spec:?} V={world}: residue floor {bound} > optimum {best}"
+        );
+        let floor = floor_shard_sum(&items, world, 1, 1).unwrap();
+        assert!(floor <= best, "{spec:?} V={world}: floor {floor} > {best}");
+        applied += 1;
+        raised += usize::from(bound > piece_floor(&items, world, 1).unwrap());
+    }
+    println!("residue floor applied in {applied} of {tried}, above the piece floor in {raised}");
+    assert!(
+        applied >= 20 && raised > 0,
+        "applied {applied}, raised {raised}"
+    );
+}

@@ -29,7 +29,9 @@
 //! holding forced tensors sum to a multiple of their lattices' gcd,
 //! [`super::lattice_floor`]'s, which splits those tensors into a coarse and a fine lattice, and
 //! [`super::piece_floor`]'s, which uses that the part of a tensor inside one shard is a
-//! multiple of `gcd(e, g)`; all six hold for every layout.
+//! multiple of `gcd(e, g)`, and, for `k = 1`, [`super::residue_floor`]'s, which follows the
+//! residues of those parts when every shard must hold exactly `m` pieces; all seven hold for
+//! every layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -94,6 +96,13 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     }
     if let Some(lattices) = super::lattice_floor::lattice_floor(items, world, coll) {
         best = best.max(lattices as u128);
+    }
+    // The residue floor bounds one buffer only.
+    let residue = super::piece_floor::main_step(items)
+        .filter(|_| k == 1)
+        .and_then(|d| super::residue_floor::residue_floor(items, world, coll, d));
+    if let Some(residue) = residue {
+        best = best.max(residue as u128);
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",

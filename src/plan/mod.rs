@@ -16,12 +16,14 @@
 //! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
 //! | moves of tensors between those buffers (local search) | [`refine`] |
 //! | identical tensors split across buffers by count | [`split`] |
+//! | a layout built shard by shard (a last pass over the chosen buffers) | [`shard_fill`] |
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | its third bound, following the tensors of each large shape together | [`class_floor`] |
 //! | its fourth bound, the gcd of the forced tensors' lattices | [`step_floor`] |
 //! | its fifth bound, the parts of tensors inside one shard | [`piece_floor`] |
 //! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
+//! | its seventh bound (one buffer), the residues of pieces when the shards hold exactly `m` | [`residue_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -38,7 +40,9 @@ pub mod oracle;
 pub mod partition;
 pub mod piece_floor;
 pub mod refine;
+pub mod residue_floor;
 pub mod search;
+pub mod shard_fill;
 pub mod split;
 pub mod step_floor;
 
@@ -90,6 +94,9 @@ pub enum Order {
     BlockSize,
     /// Largest tensor first, smaller block first on ties (keeps the lattice small).
     Shape,
+    /// Built shard by shard ([`shard_fill`]): not a rule over the tensors, so it is never in
+    /// [`PlanOptions::orders`]; the layout's offsets record it.
+    Filled,
 }
 
 impl Order {
@@ -100,7 +107,8 @@ impl Order {
     pub fn arrange(self, items: &[Item]) -> Vec<usize> {
         let mut perm: Vec<usize> = (0..items.len()).collect();
         match self {
-            Order::Module => {}
+            // A filled layout's order is in its offsets; as a rule it is the module order.
+            Order::Module | Order::Filled => {}
             Order::BlockSize => perm.sort_by_key(|&i| std::cmp::Reverse(items[i].block)),
             Order::Shape => perm.sort_by(|&a, &b| {
                 let (a, b) = (&items[a], &items[b]);
@@ -117,6 +125,7 @@ impl fmt::Display for Order {
             Order::Module => "module",
             Order::BlockSize => "block-size",
             Order::Shape => "shape",
+            Order::Filled => "shard-fill",
         })
     }
 }

@@ -14,7 +14,9 @@
 //! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
 //! cost: tensors with the same block do not always belong together. The moves start from one
 //! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
-//! the cheapest result wins.
+//! the cheapest result wins. A last pass ([`super::shard_fill`]) rebuilds each chosen buffer,
+//! and the single buffer, shard by shard where that is smaller; the single buffer replaces
+//! the chosen ones where it then costs less.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -29,6 +31,7 @@
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
+use super::shard_fill::improve_layout;
 use super::split::split_partition;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
@@ -149,11 +152,10 @@ pub fn plan_multi_items(
         layouts: vec![single.clone()],
         shard_sum: single.shard_size,
     };
-    let mut best_cost = mopts.cost_s(1, single.shard_size, world);
+    let single_cost = mopts.cost_s(1, single.shard_size, world);
     let max_k = mopts.max_buffers.min(items.len());
     // The best partition of each k is a starting point of the moves, not only the best one:
     // moves from a worse partition sometimes end lower.
-    let single_cost = best_cost;
     // floors[k]: the k-buffer floor; a k whose floor cannot beat one buffer is not searched.
     let mut floors = vec![0usize; max_k + 1];
     for (k, slot) in floors.iter_mut().enumerate().skip(1) {
@@ -190,8 +192,25 @@ pub fn plan_multi_items(
                     .then(a.groups.len().cmp(&b.groups.len()))
             })
             .expect("the single buffer is a start");
-        best_cost = cost(&best);
     }
+    // The last pass: the chosen buffers, and the single buffer, built shard by shard where
+    // that is smaller (super::shard_fill). The rebuilt single buffer replaces the chosen ones
+    // where it costs less; with α > 0 that includes an equal Σ S. (At α = 0 an equal Σ S keeps
+    // the buffers chosen: the multi-buffer runtime tests rely on free collectives splitting.)
+    fill_buffers(items, world, opts, &mut best)?;
+    if best.groups.len() > 1 {
+        let mut alone = Partition {
+            groups: vec![(0..items.len()).collect()],
+            layouts: vec![single.clone()],
+            shard_sum: single.shard_size,
+        };
+        fill_buffers(items, world, opts, &mut alone)?;
+        let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+        if cost(&alone) < cost(&best) {
+            best = alone;
+        }
+    }
+    let best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
     let floor = match floors.get(best.groups.len()) {
         Some(&f) if !best.groups.is_empty() => f,
         _ => floor_shard_sum(items, world, opts.coll_align, best.groups.len())?,
@@ -203,6 +222,41 @@ pub fn plan_multi_items(
         floor,
         cost_s: best_cost,
     })
+}
+
+/// Replaces each buffer's layout by [`improve_layout`]'s where that finds a smaller size.
+fn fill_buffers(
+    items: &[Item],
+    world: usize,
+    opts: &PlanOptions,
+    partition: &mut Partition,
+) -> Result<()> {
+    for (group, layout) in partition.groups.iter().zip(partition.layouts.iter_mut()) {
+        // The items as plan_items sees them (the start alignment applied).
+        let sub = group
+            .iter()
+            .map(|&i| {
+                Item::new(
+                    items[i].numel,
+                    items[i].block,
+                    items[i].align.max(opts.start_align),
+                )
+            })
+            .collect::<Result<Vec<Item>>>()?;
+        if let Some(better) = improve_layout(&sub, world, opts.coll_align, layout)? {
+            *layout = better;
+        }
+    }
+    partition.shard_sum = partition
+        .layouts
+        .iter()
+        .try_fold(0usize, |acc, l| acc.checked_add(l.shard_size))
+        .ok_or_else(|| Error::BadInput {
+            op: "plan_multi_items",
+            what: format!("{} buffers", partition.layouts.len()),
+            reason: "their shard sizes overflow a 64-bit element count".into(),
+        })?;
+    Ok(())
 }
 
 /// Number of distinct block sizes: a buffer holds whole classes of equal blocks, so at most

@@ -79,7 +79,8 @@ fn assemble_multi(
 ) -> MultiPlan {
     let single = assemble(unit, items, blocks, &layout.single, opts);
     let buffers = if layout.groups.len() == 1 {
-        vec![single.clone()]
+        // One buffer under the unit's own name; its layout may be the last pass's, not `single`.
+        vec![assemble(unit, items, blocks, &layout.layouts[0], opts)]
     } else {
         let parts = layout.groups.iter().zip(&layout.layouts).enumerate();
         parts

@@ -53,6 +53,25 @@ pub fn piece_floor(items: &[Item], world: usize, coll: usize) -> Option<usize> {
     usize::try_from(best).ok()
 }
 
+/// Share of the elements whose piece steps give [`main_step`].
+pub const MAIN_SHARE: f64 = 0.99;
+
+/// The gcd of `d_t` over the tensors holding [`MAIN_SHARE`] of the elements, the largest
+/// groups of equal `d_t` first: the piece most parts of tensors inside a shard are made of.
+pub fn main_step(items: &[Item]) -> Option<usize> {
+    let groups = step_groups(items);
+    let total: u128 = groups.iter().map(|g| g.1).sum();
+    let (mut step, mut covered) = (0usize, 0u128);
+    for (d, mass) in groups {
+        if covered as f64 >= MAIN_SHARE * total as f64 {
+            break;
+        }
+        step = gcd(step, d);
+        covered += mass;
+    }
+    (step > 0).then_some(step)
+}
+
 /// `d_t = gcd(e_t, g_t)`: every part of the tensor inside one shard is a multiple of it.
 fn piece_step(t: &Item) -> usize {
     gcd(t.numel, t.block).max(1)
