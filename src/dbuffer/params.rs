@@ -220,13 +220,7 @@ impl ParamBuffer {
                 Ok(())
             }
             Materialized::Freed => {
-                let mut storages = self.storages_for_gather(spare)?;
-                let mut dsts = storages
-                    .iter_mut()
-                    .map(storage_buf)
-                    .collect::<Result<Vec<_>>>()?;
-                fill(self.master.view().into(), &mut dsts)?;
-                drop(dsts);
+                let storages = self.filled_storages(spare, fill)?;
                 let tensors = self.tensors.as_ref().expect("freed implies materialized");
                 for (t, storage) in tensors.iter().zip(storages) {
                     tap::refill_storage(t, storage)?;
@@ -236,13 +230,7 @@ impl ParamBuffer {
                 Ok(())
             }
             Materialized::Sharded => {
-                let mut storages = self.storages_for_gather(spare)?;
-                let mut dsts = storages
-                    .iter_mut()
-                    .map(storage_buf)
-                    .collect::<Result<Vec<_>>>()?;
-                fill(self.master.view().into(), &mut dsts)?;
-                drop(dsts);
+                let storages = self.filled_storages(spare, fill)?;
                 let tensors = storages
                     .into_iter()
                     .zip(&self.slots)
@@ -264,6 +252,22 @@ impl ParamBuffer {
                 Ok(())
             }
         }
+    }
+
+    /// Storages for every tensor (`spare` where it fits), written by `fill` from the master.
+    fn filled_storages(
+        &self,
+        spare: Option<Vec<CandleStorage>>,
+        fill: impl FnOnce(Buf<'_>, &mut [BufMut<'_>]) -> Result<()>,
+    ) -> Result<Vec<CandleStorage>> {
+        let mut storages = self.storages_for_gather(spare)?;
+        let mut dsts = storages
+            .iter_mut()
+            .map(storage_buf)
+            .collect::<Result<Vec<_>>>()?;
+        fill(self.master.view().into(), &mut dsts)?;
+        drop(dsts);
+        Ok(storages)
     }
 
     /// One storage per tensor for a gather to fill: `spare` if it fits every tensor, else
