@@ -33,6 +33,7 @@ use std::collections::HashSet;
 
 use super::fit::{earliest_start, greedy, lcm, total_numel};
 use super::search::{any_order_lower_bound, SearchStats};
+use super::split::{group_shapes, Shape};
 use super::{piece_floor, Item, Layout, Order};
 use crate::{Error, Result};
 
@@ -57,12 +58,6 @@ pub const SIZES: usize = 4;
 /// Units of more distinct shapes than this are not filled (the fills of a shard grow with
 /// the product of the shapes' choices).
 pub const MAX_SHAPES: usize = 16;
-
-/// The tensors of one shape, in unit order.
-struct Shape {
-    item: Item,
-    members: Vec<usize>,
-}
 
 /// One way to fill the shard at the cursor.
 #[derive(Clone, Debug, PartialEq)]
@@ -99,7 +94,7 @@ pub fn shard_fill(items: &[Item], world: usize, shard: usize) -> Result<Option<V
     let Some(spare) = capacity.checked_sub(total) else {
         return Ok(None);
     };
-    let shapes = shapes_of(items);
+    let shapes = group_shapes(items);
     if shapes.len() > MAX_SHAPES {
         return Ok(None);
     }
@@ -178,22 +173,6 @@ pub fn improve_layout(
         }
     }
     Ok(None)
-}
-
-/// Items grouped by `(elements, block)`, coarse blocks first, larger tensors first.
-fn shapes_of(items: &[Item]) -> Vec<Shape> {
-    let mut shapes: Vec<Shape> = Vec::new();
-    for (i, t) in items.iter().enumerate() {
-        match shapes.iter_mut().find(|s| s.item == *t) {
-            Some(s) => s.members.push(i),
-            None => shapes.push(Shape {
-                item: *t,
-                members: vec![i],
-            }),
-        }
-    }
-    shapes.sort_by(|a, b| (b.item.block.cmp(&a.item.block)).then(b.item.numel.cmp(&a.item.numel)));
-    shapes
 }
 
 /// The backtracking search over the fills of each shard.

@@ -53,9 +53,9 @@ pub const MAX_SIZES: usize = 96;
 pub const TOP_CANDIDATES: usize = 8;
 
 /// The tensors of one shape `(elements, block, start alignment)`, in unit order.
-struct Shape {
-    item: Item,
-    members: Vec<usize>,
+pub(super) struct Shape {
+    pub item: Item,
+    pub members: Vec<usize>,
 }
 
 /// The best layout with `k` buffers that the search of the module doc finds, if one costs
@@ -125,9 +125,18 @@ pub fn split_partition(
 /// Items grouped by shape (the start alignment applied, as [`plan_items`] sees them), coarse
 /// blocks first, larger tensors first among equal blocks.
 fn shapes_of(items: &[Item], opts: &PlanOptions) -> Option<Vec<Shape>> {
+    let aligned = items
+        .iter()
+        .map(|t| Item::new(t.numel, t.block, t.align.max(opts.start_align)).ok())
+        .collect::<Option<Vec<_>>>()?;
+    Some(group_shapes(&aligned))
+}
+
+/// `items` grouped by equal item (members in unit order), coarse blocks first, larger tensors
+/// first among equal blocks.
+pub(super) fn group_shapes(items: &[Item]) -> Vec<Shape> {
     let mut shapes: Vec<Shape> = Vec::new();
-    for (i, t) in items.iter().enumerate() {
-        let item = Item::new(t.numel, t.block, t.align.max(opts.start_align)).ok()?;
+    for (i, &item) in items.iter().enumerate() {
         match shapes.iter_mut().find(|s| s.item == item) {
             Some(s) => s.members.push(i),
             None => shapes.push(Shape {
@@ -137,7 +146,7 @@ fn shapes_of(items: &[Item], opts: &PlanOptions) -> Option<Vec<Shape>> {
         }
     }
     shapes.sort_by(|a, b| (b.item.block.cmp(&a.item.block)).then(b.item.numel.cmp(&a.item.numel)));
-    Some(shapes)
+    shapes
 }
 
 /// Multiples of `coll` and of the lcm of `coll` with every subset of the [`LATTICE_BLOCKS`]
