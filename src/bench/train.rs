@@ -332,10 +332,7 @@ fn plain(cfg: &TrainBench, params: &[(String, candle_core::Tensor)]) -> Result<T
         }
         row.loss = t.loss;
     }
-    finish(&mut row, cfg.steps, None, before, 1);
-    if !cfg.device.is_cpu() {
-        row.measured_bytes = None;
-    }
+    finish(&mut row, cfg, None, before, 1);
     Ok(row)
 }
 
@@ -495,10 +492,7 @@ fn sharded(
     })?;
     let (mut row, predicted) = runs.into_iter().next().expect("rank 0");
     row.copied_per_step *= world as u64;
-    finish(&mut row, cfg.steps, Some(predicted), before, world);
-    if !cfg.device.is_cpu() {
-        row.measured_bytes = None;
-    }
+    finish(&mut row, cfg, Some(predicted), before, world);
     Ok(row)
 }
 
@@ -531,8 +525,16 @@ fn empty_row(name: &str, world: usize) -> TrainRow {
     }
 }
 
-/// Turns sums over the timed steps into means and adds the memory figures.
-fn finish(row: &mut TrainRow, steps: usize, predicted: Option<usize>, before: usize, world: usize) {
+/// Turns sums over the timed steps into means and adds the memory figures (the measured heap
+/// only on the CPU: device memory is not the host allocator's).
+fn finish(
+    row: &mut TrainRow,
+    cfg: &TrainBench,
+    predicted: Option<usize>,
+    before: usize,
+    world: usize,
+) {
+    let steps = cfg.steps;
     let n = steps as f64;
     for t in [
         &mut row.step_seconds,
@@ -547,7 +549,8 @@ fn finish(row: &mut TrainRow, steps: usize, predicted: Option<usize>, before: us
     row.copied_per_step /= steps as u64;
     row.gathered_per_step /= steps as u64;
     row.predicted_bytes = predicted;
-    row.measured_bytes = alloc::installed().then(|| alloc::peak().saturating_sub(before) / world);
+    row.measured_bytes = (alloc::installed() && cfg.device.is_cpu())
+        .then(|| alloc::peak().saturating_sub(before) / world);
 }
 
 /// The table: times, the sharding share (gather + reduce, not overlapped), the step against

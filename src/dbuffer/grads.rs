@@ -337,11 +337,6 @@ impl GradBuffer {
         self.local.scale(a)
     }
 
-    /// The local shard, writable, where it lives.
-    pub fn local_mut(&mut self) -> ViewMut<'_, f32> {
-        self.local.view_mut()
-    }
-
     /// Marks the gradients used by a step: the next reduction overwrites the shard.
     pub fn consume(&mut self) {
         self.reduced = 0;

@@ -36,7 +36,7 @@ pub enum Materialized {
     /// gather rewrites them in place.
     Stale,
     /// The parameter tensors exist (a kept graph holds them) but their storages were emptied
-    /// after forward ([`ParamBuffer::free_storages`]): the next gather moves fresh storages into
+    /// after forward ([`ParamBuffer::take_storages`]): the next gather moves fresh storages into
     /// the same tensors.
     Freed,
 }
@@ -315,18 +315,10 @@ impl ParamBuffer {
     }
 
     /// Frees the compute copies' elements now but keeps the tensors (FSDP2's
-    /// `reshard_after_forward` with autograd's graph kept): a graph holding them keeps only
-    /// empty storages until the next [`Self::gather`] moves fresh ones into the same tensors.
-    /// Returns the bytes freed.
-    pub fn free_storages(&mut self) -> Result<usize> {
-        let storages = self.take_storages()?;
-        let elements: usize = storages.iter().filter_map(tap::storage_len).sum();
-        Ok(elements * self.dtype.size_in_bytes())
-    }
-
-    /// [`Self::free_storages`], handing the storages over (in slot order; empty when there
-    /// were none) for another buffer's [`Self::gather_into`]. Every tensor sharing them, the
-    /// kept graph's included, is left with an empty storage until the next gather.
+    /// `reshard_after_forward` with autograd's graph kept), handing the storages over (in slot
+    /// order; empty when there were none) for another buffer's [`Self::gather_into`]. Every
+    /// tensor sharing them, the kept graph's included, is left with a placeholder storage (empty
+    /// on the host) until the next [`Self::gather`] moves fresh ones into the same tensors.
     pub fn take_storages(&mut self) -> Result<Vec<CandleStorage>> {
         let Some(tensors) = self.tensors.as_ref().filter(|_| !self.freed) else {
             return Ok(Vec::new());

@@ -420,7 +420,6 @@ fn load_local(
 }
 
 impl<O: Optimizer> ShardedModel<'_, O> {
-    /// Gathers unit `u`'s compute copies unless they are current.
     /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
     fn gather_unit(&mut self, u: usize, spare: Option<Vec<candle_core::Storage>>) -> Result<()> {
         let comm = self.comm;
