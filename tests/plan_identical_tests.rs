@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use ragged::plan::multi::{floor_shard_sum, plan_multi_items, MultiOptions};
 use ragged::plan::oracle::exact_for_order;
-use ragged::plan::step_floor::step_floor;
+use ragged::plan::step_floor::{step_floor, step_floor_deep, step_floor_k};
 use ragged::plan::{Item, PlanOptions};
 
 /// The smallest `S` of one buffer holding `counts[c]` tensors of `shapes[c]`, over every
@@ -118,6 +118,7 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
         prop::sample::select(vec![1usize, 2, 4]),
     );
     let (mut cases, mut plan_optimal, mut floor_tight, mut step_raised) = (0, 0, 0, 0);
+    let mut step_k_raised = 0;
     while cases < 360 {
         let (spec, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
         let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
@@ -143,8 +144,19 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
             let floor = floor_shard_sum(&items, world, coll, k).unwrap();
             let ctx = format!("{spec:?} V={world} coll={coll} k={k}");
             assert!(floor <= best, "{ctx}: floor {floor} > optimum {best}");
-            // The common-step bound holds for any number of buffers.
+            // The common-step bound holds for any number of buffers, and for at most k.
             assert!(step <= best, "{ctx}: step floor {step} > optimum {best}");
+            let step_k = step_floor_k(&items, world, coll, k).unwrap();
+            assert!(
+                step_k <= best,
+                "{ctx}: k-buffer step floor {step_k} > optimum {best}"
+            );
+            step_k_raised += usize::from(step_k > step);
+            let deep = step_floor_deep(&items, world, coll, k).unwrap();
+            assert!(
+                deep <= best,
+                "{ctx}: deep step floor {deep} > optimum {best}"
+            );
             let plan = plan_multi_items(&items, world, &opts, &free(k)).unwrap();
             assert!(
                 plan.shard_sum() >= best,
@@ -171,6 +183,12 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
     assert!(
         step_raised > 0,
         "the common-step bound never rose above the share"
+    );
+    // With one or two buffers the forced tensors' lcm (and Q's fewer buffers) counts.
+    println!("k-buffer step floor above the any-k one in {step_k_raised} of {cases}");
+    assert!(
+        step_k_raised > 0,
+        "the k-buffer common-step bound never rose above the any-k one"
     );
 }
 

@@ -125,6 +125,17 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
                 );
                 class_tight += usize::from(c == best);
             }
+            // The common-step bound for at most k buffers, with both budgets.
+            for step in [
+                ragged::plan::step_floor::step_floor_k(&items, world, coll, k),
+                ragged::plan::step_floor::step_floor_deep(&items, world, coll, k),
+            ] {
+                let step = step.unwrap();
+                assert!(
+                    step <= best,
+                    "{items:?} V={world} coll={coll} k={k}: common step {step} > {best}"
+                );
+            }
             // The heavy-tensor bound alone, also when it leaves tensors out.
             for heavy in 1..=items.len() {
                 let h = heavy_floor_of(&items, world, coll, k, heavy).unwrap();
@@ -455,6 +466,35 @@ fn gpt_oss_120b_layer_groups_the_expert_tensors_around_o_proj() {
     assert_eq!(plan.floor_shard_sum, shard_sum, "k = {}", plan.k());
     // A third buffer would not help either: the 3-buffer floor is the same.
     assert_eq!(floor_of(&plan, 3), shard_sum);
+}
+
+/// A gpt-oss-120b layer at `rows:1`, V = 256: the fused expert tensors are forced, with
+/// lattices 5,760 (`gate_up_proj`) and 2,880 (`down_proj`). In two buffers either each has a
+/// buffer and every other tensor joins one of them (sizes summing to a multiple of 2,880:
+/// 4,359 × 2,880 at least, the plan), or one buffer holds both (a multiple of 5,760) and the
+/// other only tensors that never force a lattice, whose blocks (the 4,096-element `q_proj`
+/// bias) and elements then cost more. The usual budget of the common-step search stops at the
+/// share; the deeper one, which the planner runs for small units above their floor, proves the
+/// plan optimal for two buffers.
+#[test]
+fn gpt_oss_120b_layer_at_rows_1_is_proved_optimal_for_two_buffers() {
+    use ragged::plan::step_floor::{step_floor_deep, step_floor_k};
+    let plan = layer_plan("models/gpt_oss_120b.json", AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 2);
+    assert_eq!(shard_sum, 4359 * 2880);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items: Vec<Item> = plan
+        .single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect();
+    assert_eq!(step_floor_deep(&items, 256, 64, 2), Some(shard_sum));
+    let usual = step_floor_k(&items, 256, 64, 2).unwrap();
+    assert!(usual < shard_sum, "usual budget {usual}");
+    // Without the limit of two buffers the small tensors could take a third one.
+    assert!(step_floor_deep(&items, 256, 64, 3).unwrap() < shard_sum);
 }
 
 /// The k-buffer floor of a planned unit's tensors.

@@ -26,7 +26,8 @@
 //! The result is the largest of this bound, [`super::heavy_floor`]'s, which places the unit's
 //! largest tensors one by one, [`super::class_floor`]'s, which follows the tensors of each
 //! large shape together, and [`super::step_floor`]'s, which uses that the sizes of buffers
-//! holding forced tensors sum to a multiple of their lattices' gcd,
+//! holding forced tensors sum to a multiple of their lattices' gcd (of their lcm where `k`
+//! leaves them one buffer),
 //! [`super::lattice_floor`]'s, which splits those tensors into a coarse and a fine lattice, and
 //! [`super::piece_floor`]'s, which uses that the part of a tensor inside one shard is a
 //! multiple of `gcd(e, g)`, and, for `k = 1`, [`super::residue_floor`]'s, which follows the
@@ -88,7 +89,7 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     if let Some(classes) = super::class_floor::class_floor(items, world, coll, k) {
         best = best.max(classes as u128);
     }
-    if let Some(step) = super::step_floor::step_floor(items, world, coll) {
+    if let Some(step) = super::step_floor::step_floor_k(items, world, coll, k) {
         best = best.max(step as u128);
     }
     if let Some(pieces) = super::piece_floor::piece_floor(items, world, coll) {

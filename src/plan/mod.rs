@@ -20,7 +20,7 @@
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | its third bound, following the tensors of each large shape together | [`class_floor`] |
-//! | its fourth bound, the gcd of the forced tensors' lattices | [`step_floor`] |
+//! | its fourth bound, the gcd of the forced tensors' lattices (their lcm in one buffer) | [`step_floor`] |
 //! | its fifth bound, the parts of tensors inside one shard | [`piece_floor`] |
 //! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
 //! | its seventh bound (one buffer), the residues of pieces when the shards hold exactly `m` | [`residue_floor`] |

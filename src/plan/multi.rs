@@ -26,13 +26,16 @@
 //!
 //! **Floor** ([`floor_shard_sum`], in [`super::floor`]): a lower bound on `Σ S_b` over every
 //! partition of the unit into at most `k` buffers and every layout of each, proved in that
-//! module's doc and tested against exhaustive search on small inputs.
+//! module's doc and tested against exhaustive search on small inputs. Where the chosen layout
+//! of a small unit has two buffers and is above it, a deeper search of the common-step bound
+//! ([`super::step_floor::step_floor_deep`]) is tried.
 
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
 use super::shard_fill::improve_layout;
 use super::split::split_partition;
+use super::step_floor::step_floor_deep;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -215,6 +218,7 @@ pub fn plan_multi_items(
         Some(&f) if !best.groups.is_empty() => f,
         _ => floor_shard_sum(items, world, opts.coll_align, best.groups.len())?,
     };
+    let floor = deepen_floor(items, world, opts.coll_align, &best, floor);
     Ok(MultiLayout {
         groups: best.groups,
         layouts: best.layouts,
@@ -222,6 +226,31 @@ pub fn plan_multi_items(
         floor,
         cost_s: best_cost,
     })
+}
+
+/// Units of at most this many tensors whose two-buffer plan is above its floor get the deeper
+/// common-step search ([`step_floor_deep`]); larger units (MoE layers of one tensor per expert)
+/// have too many combinations for it to help within its budget.
+pub const DEEP_FLOOR_MAX_TENSORS: usize = 64;
+
+/// The floor of `partition`'s number of buffers, raised by [`step_floor_deep`] where the plan
+/// has two buffers, is above it and the unit is small (a lower bound either way: both are).
+/// Two buffers is where the deeper search pays: there a `Q` of its own leaves the forced
+/// tensors one buffer (their lattices' lcm), so which small tensors join them matters; with
+/// three or more it found nothing on the benchmark's units and cost up to 0.4 s per unit.
+fn deepen_floor(
+    items: &[Item],
+    world: usize,
+    coll: usize,
+    partition: &Partition,
+    floor: usize,
+) -> usize {
+    let k = partition.groups.len();
+    if k != 2 || partition.shard_sum <= floor || items.len() > DEEP_FLOOR_MAX_TENSORS {
+        return floor;
+    }
+    let deep = step_floor_deep(items, world, coll, k);
+    floor.max(deep.unwrap_or(0))
 }
 
 /// Replaces each buffer's layout by [`improve_layout`]'s where that finds a smaller size.
