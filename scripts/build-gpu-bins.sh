@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries and the `ragged` CLI (feature cuda) on a machine with a Rust toolchain (no GPU or CUDA needed) and
-# copies them, under stable names, to target/gpu-bin/ for scripts/gpu-check.sh to run on a GPU
-# machine that has no Rust toolchain. Carry target/gpu-bin with the working tree.
+# Builds the CUDA test binaries, the `ragged` CLI and the training example on a machine with a
+# Rust toolchain (no GPU or CUDA needed) and copies them, under stable names, to target/gpu-bin/
+# for scripts/gpu-check.sh to run on a GPU machine that has no Rust toolchain. Carry
+# target/gpu-bin with the working tree.
 #
 #   scripts/build-gpu-bins.sh
 #
-# Equivalent by hand: `cargo test --features cuda --no-run --test cuda_tests` and
-# `cargo test -p ragged-optimizers --features cuda --no-run --test cuda_tests`; cargo prints
-# each binary's path (target/debug/deps/cuda_tests-<hash>). The test profile is already
-# optimized (opt-level 3, see Cargo.toml), so this reuses the `cargo test` build; the copies are
-# stripped of debug info to keep them small enough to carry.
+# Two builds:
+# - feature `cuda` (ragged's kernels, cuBLAS, NCCL; cudarc loads the libraries at run time, so
+#   these binaries start anywhere and their tests skip without a GPU): ragged-cuda-tests,
+#   optimizers-cuda-tests, ragged, train;
+# - feature `candle-cuda` (candle's own CUDA backend: the model itself on the GPU), when nvcc
+#   can be fetched (scripts/candle-cuda-env.sh): optimizers-candle-cuda-tests,
+#   ragged-candle-cuda, train-candle-cuda. candle links the CUDA libraries, so these start only
+#   where they are installed; here they link against stubs (scripts/cuda-link-stubs.sh).
+#
+# Equivalent by hand: `cargo test --features cuda --no-run --test cuda_tests` (cargo prints each
+# binary's path, target/debug/deps/cuda_tests-<hash>). The test profile is already optimized
+# (opt-level 3, see Cargo.toml); the copies are stripped to keep them small enough to carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-bin
 mkdir -p "$out"
-build() { # <name> <cargo args...>
+keep() { # <source> <name>
+    cp "$1" "$out/$2"
+    strip "$out/$2" 2>/dev/null || true
+    echo "$out/$2 <- $1 ($(du -h "$out/$2" | cut -f1))"
+}
+test_bin() { # <name> <cargo args...>
     local name=$1
     shift
     local exe
-    exe=$(cargo test --features cuda --no-run --message-format=json "$@" 2>/dev/null |
+    exe=$(cargo test --no-run --message-format=json "$@" 2>/dev/null |
         python3 -c 'import json,sys
 for line in sys.stdin:
     try: m = json.loads(line)
@@ -26,21 +39,26 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_tests":
         print(m["executable"])' | tail -n 1)
     if [[ -z "$exe" ]]; then
-        echo "build-gpu-bins: no test binary for $name" >&2
+        echo "build-gpu-bins: no test binary for $name (cargo test --no-run $*)" >&2
         exit 1
     fi
-    cp "$exe" "$out/$name"
-    strip "$out/$name" 2>/dev/null || true
-    echo "$out/$name <- $exe ($(du -h "$out/$name" | cut -f1))"
+    keep "$exe" "$name"
 }
-build ragged-cuda-tests -p ragged --test cuda_tests
-build optimizers-cuda-tests -p ragged-optimizers --test cuda_tests
-# The CLI (`ragged bench optim --device cuda`) and the training example (`--comm gpu-threads`,
-# `--comm nccl`).
-cargo build --release -p ragged-cli --features cuda
-cargo build --release -p ragged --example train --features cuda
-for exe in target/release/ragged target/release/examples/train; do
-    cp "$exe" "$out/$(basename "$exe")"
-    strip "$out/$(basename "$exe")" 2>/dev/null || true
-    echo "$out/$(basename "$exe") <- $exe ($(du -h "$out/$(basename "$exe")" | cut -f1))"
-done
+release_bins() { # <suffix> <features>: the CLI (`ragged bench optim|train --device cuda`) and
+    # the training example (`--comm gpu-threads`, `--comm nccl`, `--device cuda`).
+    cargo build --release -p ragged-cli --features "ragged-cli/$2"
+    keep target/release/ragged "ragged$1"
+    cargo build --release -p ragged --example train --features "ragged/$2"
+    keep target/release/examples/train "train$1"
+}
+test_bin ragged-cuda-tests -p ragged --features cuda --test cuda_tests
+test_bin optimizers-cuda-tests -p ragged-optimizers --features cuda --test cuda_tests
+release_bins "" cuda
+if source scripts/candle-cuda-env.sh; then
+    test_bin optimizers-candle-cuda-tests -p ragged-optimizers --features candle-cuda --test cuda_tests
+    release_bins -candle-cuda candle-cuda
+else
+    echo "build-gpu-bins: no nvcc, so no candle-cuda binaries (the model stays on the CPU)" >&2
+    rm -f "$out"/*candle-cuda*
+fi
+du -sh "$out"

@@ -6,11 +6,12 @@
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
 # target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
-# cuda` into bench.md and the optim-cuda section of a copy of docs/benchmarks.md.
-# CUDA libraries: the driver
-# (libcuda.so.1) must be installed; cuBLAS, NVRTC and NCCL are taken from pip wheels
-# (nvidia-cublas, nvidia-cuda-nvrtc, nvidia-nccl-cu13) when any are installed, else from the
-# system (CUDA toolkit on the loader path). NCCL's soname is libnccl.so.2, which cudarc does not
+# cuda` into bench.md and the optim-cuda section of a copy of docs/benchmarks.md, then (with the
+# candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and section
+# train-cuda. CUDA libraries: the driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
+# NVRTC and NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
+# nvidia-nccl-cu13) when any are installed, else from the system (CUDA toolkit on the loader
+# path). NCCL's soname is libnccl.so.2, which cudarc does not
 # search for, so a libnccl.so symlink is made in a private folder put first on LD_LIBRARY_PATH.
 # Nothing is downloaded: the machine may have no network.
 set -uo pipefail
@@ -43,7 +44,8 @@ for sp in $sitedirs /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-
         d=$(dirname "$lib")
         [[ " ${libdirs[*]-} " == *" $d "* ]] || libdirs+=("$d")
     done < <(find "$sp/nvidia" -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libnccl.so*' \
-        -o -name 'libcublasLt.so*' -o -name 'libnvrtc-builtins.so*' 2>/dev/null)
+        -o -name 'libcublasLt.so*' -o -name 'libnvrtc-builtins.so*' -o -name 'libcurand.so*' \
+        2>/dev/null)
 done
 for d in "${libdirs[@]-}"; do
     [[ -n $d ]] || continue
@@ -66,9 +68,15 @@ ls -l "$links" >>"$log" 2>&1
 {
     echo "== date"; date -u
     echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi not available"
-    echo "== libraries"; for l in libcuda.so.1 libcublas.so.13 libnvrtc.so.13 libnccl.so; do
+    echo "== libraries"; for l in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 \
+        libnvrtc.so.13 libnccl.so libnccl.so.2; do
         printf '%s: ' "$l"
         python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print('loads')" "$l" 2>&1 | tail -n 1
+    done
+    for exe in "$bins"/*candle-cuda*; do
+        [[ -x $exe ]] || continue
+        echo "== ldd $(basename "$exe") (libraries not found)"
+        ldd "$exe" 2>&1 | grep 'not found' || echo "none"
     done
 } >"$res/machine.txt" 2>&1
 cat "$res/machine.txt" >>"$log"
@@ -102,6 +110,19 @@ if [[ -x $bins/ragged ]]; then
     fi
     tee -a "$log" <"$res/bench.md"
 fi
+if [[ -x $bins/ragged-candle-cuda ]]; then
+    say "== bench train"
+    if timeout 600 "$bins/ragged-candle-cuda" bench train --device cuda --out "$res/benchmarks.md" \
+        >"$res/bench-train.md" 2>"$res/bench-train.log"; then
+        say "bench train: ok (table in bench-train.md; section train-cuda of benchmarks.md updated)"
+    else
+        say "bench train: FAILED (exit $?), see bench-train.log"
+        status=1
+    fi
+    tee -a "$log" <"$res/bench-train.md"
+else
+    say "bench train --device cuda: skipped: no ragged-candle-cuda binary (built without nvcc)"
+fi
 # --- Training: thread ranks with GPU collectives, and a one-process NCCL world -------------
 if [[ -x $bins/train ]]; then
     say "== train"
@@ -120,18 +141,23 @@ if [[ -x $bins/train ]]; then
         say "train --comm nccl (world of 1): FAILED (exit $?)"
         status=1
     fi
-    # The model itself on the GPU (`--device cuda`) needs a train binary built with
-    # candle-cuda (scripts/build-gpu-bins.sh says whether it could); without it, a skip.
-    timeout 600 "$bins/train" --size tiny --steps 5 --ranks 2 --comm gpu-threads --device cuda \
-        >"$res/train-device-cuda.txt" 2>&1
-    rc=$?
-    if [[ $rc == 0 ]]; then
-        say "train --device cuda --comm gpu-threads: ok"
-    elif grep -q 'candle-cuda' "$res/train-device-cuda.txt"; then
-        say "train --device cuda: skipped: the train binary was built without candle-cuda"
+    # The model itself on the GPU (`--device cuda`) needs the candle-cuda build of the example
+    # (scripts/build-gpu-bins.sh says whether it could make one); without it, a skip.
+    if [[ -x $bins/train-candle-cuda ]]; then
+        for comm in gpu-threads nccl; do
+            ranks=(--ranks 2)
+            [[ $comm == nccl ]] && ranks=(--batch 4)
+            if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id-device" \
+                timeout 600 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
+                --comm "$comm" --device cuda >"$res/train-device-cuda-$comm.txt" 2>&1; then
+                say "train --device cuda --comm $comm: ok"
+            else
+                say "train --device cuda --comm $comm: FAILED (exit $?)"
+                status=1
+            fi
+        done
     else
-        say "train --device cuda --comm gpu-threads: FAILED (exit $rc)"
-        status=1
+        say "train --device cuda: skipped: no train-candle-cuda binary (built without nvcc)"
     fi
     grep -h "max |parameter difference|" "$res"/train-*.txt | tee -a "$log"
 fi
