@@ -1,4 +1,5 @@
-// Element ops on one f32 run (a gradient slot, a local shard): zero, scale, add, axpy, copy.
+// Element ops on one f32 run (a gradient slot, a local shard): zero, scale, add, axpy, copy,
+// and a count of non-finite elements.
 //
 // Grid: any (grid-stride loops); block: 256 threads. One IEEE f32 operation per element, so
 // the results equal the host loops (src/storage.rs, ragged::optim::Sgd) bit for bit.
@@ -41,5 +42,19 @@ extern "C" __global__ void group_copy(float* x, const float* y, unsigned long lo
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         x[i] = y[i];
+    }
+}
+
+// *count += the elements of x that are NaN or infinite (exponent bits all ones: a bit test, so
+// no compiler flag can turn it into an approximation). One atomic per thread that found any.
+extern "C" __global__ void group_count_non_finite(const float* x, unsigned long long n,
+                                                  unsigned long long* count) {
+    unsigned long long mine = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        mine += (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u;
+    }
+    if (mine != 0) {
+        atomicAdd(count, mine);
     }
 }

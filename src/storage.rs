@@ -312,6 +312,15 @@ impl Storage<f32> {
         Ok(())
     }
 
+    /// How many elements are NaN or infinite (on a device: one kernel, 8 bytes downloaded).
+    pub fn count_non_finite(&self) -> Result<u64> {
+        match self {
+            Storage::Cpu(v) => Ok(v.iter().filter(|x| !x.is_finite()).count() as u64),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => crate::cuda::ops::count_non_finite(&d.dev, &d.data.slice(..)),
+        }
+    }
+
     /// `self ← a·self`.
     pub fn scale(&mut self, a: f32) -> Result<()> {
         match self {
@@ -459,6 +468,16 @@ mod tests {
         assert!(s.write_range(5..7, (&src[..]).into(), false).is_err());
         assert!(s.write_range(0..3, (&src[..]).into(), false).is_err());
         assert!(s.zero_range(3..7).is_err());
+    }
+
+    #[test]
+    fn non_finite_elements_are_counted_and_extremes_are_not() {
+        let odd = [f32::NAN, 1.0, f32::INFINITY, f32::MAX, f32::NEG_INFINITY];
+        let s = Placement::Cpu.put(odd.to_vec()).unwrap();
+        assert_eq!(s.count_non_finite().unwrap(), 3);
+        let tiny = [f32::from_bits(1), -0.0, f32::MIN, f32::MIN_POSITIVE];
+        let s = Placement::Cpu.put(tiny.to_vec()).unwrap();
+        assert_eq!(s.count_non_finite().unwrap(), 0);
     }
 
     #[test]

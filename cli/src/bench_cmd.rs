@@ -727,7 +727,20 @@ fn machine() -> String {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    format!("{cpu}, {threads} threads")
+    format!("{cpu}, {threads} threads{}", load_average())
+}
+
+/// The load averages when the table is written (this run's own threads count in the 1-minute
+/// one): other work on the machine is what makes a shared machine's timings wander.
+fn load_average() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let loads: Vec<&str> = text.split_whitespace().take(3).collect();
+    match loads[..] {
+        [one, five, fifteen] => {
+            format!("; load average when written {one} / {five} / {fifteen} (1 / 5 / 15 min)")
+        }
+        _ => String::new(),
+    }
 }
 
 /// Every `*.json` inventory in `dir`, sorted.

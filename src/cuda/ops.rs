@@ -1,6 +1,7 @@
 //! Element ops on device `f32` runs (a gradient slot, a local shard), one kernel launch each
 //! (`kernels/group_ops.cu`): zero, scale, add, axpy, copy. Each is one IEEE `f32` operation per
-//! element, so it equals the host loop bit for bit; [`crate::storage`] dispatches host and
+//! element, so it equals the host loop bit for bit (and the count of non-finite elements is an
+//! exact integer); [`crate::storage`] dispatches host and
 //! device views to the loop or the kernel, so callers have one code path.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
@@ -14,6 +15,7 @@ pub const GROUP_SCALE: &str = "group_scale";
 pub const GROUP_ADD: &str = "group_add";
 pub const GROUP_COPY: &str = "group_copy";
 pub const GROUP_AXPY: &str = "group_axpy";
+pub const GROUP_COUNT_NON_FINITE: &str = "group_count_non_finite";
 
 /// `x ← 0`.
 pub fn zero(dev: &Device, x: &mut CudaViewMut<'_, f32>) -> Result<()> {
@@ -102,4 +104,25 @@ fn binary(
             .launch(cfg)
     })
     .map(drop)
+}
+
+/// How many elements of `x` are NaN or infinite: one kernel and an 8-byte download (waits for
+/// the stream), instead of downloading `x`.
+pub fn count_non_finite(dev: &Device, x: &CudaView<'_, f32>) -> Result<u64> {
+    const OP: &str = "cuda::ops::count_non_finite";
+    let f = dev.function(&GROUP_OPS, GROUP_COUNT_NON_FINITE)?;
+    let mut total = dev.zeros::<u64>(1)?;
+    let n = count(x.len());
+    let cfg = elementwise(x.len());
+    // SAFETY: `group_count_non_finite(const float* x, u64 n, u64* count)` reads elements
+    // `[0, n)` of `x`, which holds `n`, and adds to the one element of `total`.
+    guarded(OP, || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(x)
+            .arg(&n)
+            .arg(&mut total)
+            .launch(cfg)
+    })?;
+    Ok(dev.download(&total)?[0])
 }

@@ -316,6 +316,13 @@ impl GradBuffer {
         Ok(self.local.view())
     }
 
+    /// How many elements of the reduced local shard are NaN or infinite (counted where the
+    /// shard lives).
+    pub fn local_non_finite(&self, op: &'static str) -> Result<u64> {
+        self.check_reduced(op)?;
+        self.local.count_non_finite()
+    }
+
     /// The reduced local shard on the host (borrowed; downloaded from a device).
     pub fn local_host(&self, op: &'static str) -> Result<std::borrow::Cow<'_, [f32]>> {
         self.check_reduced(op)?;

@@ -543,9 +543,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn step(&mut self) -> Result<()> {
         let mut bad = f32::from(u8::from(self.loss_not_finite));
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            // On a GPU this downloads the shard (a device-side check is not written yet).
-            let g = unit.grads.local_host("ShardedModel::step")?;
-            if g.iter().any(|x| !x.is_finite()) {
+            if unit.grads.local_non_finite("ShardedModel::step")? > 0 {
                 bad += 1.0;
             }
         }
