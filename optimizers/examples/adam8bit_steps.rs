@@ -8,7 +8,7 @@
 //! `warm` (the default) steps back to back, so a case that fits the caches steps from them.
 //! `cold` runs, before every step, a 256 MiB copy on rayon's threads (which evicts the caches,
 //! as the benchmark's interleaved probe does) and times, after another such eviction, a copy
-//! of the step's compulsory bytes on rayon's threads ([`MemcpyProbe`]): the like-for-like
+//! of the step's compulsory bytes ([`MemcpyProbe::gbps_shared`]): the like-for-like
 //! baseline of a small step that starts from memory; it prints both and their ratio.
 //!
 //! `threshold [STEPS] [warm | cold]` measures where sharing a step with rayon's workers pays
@@ -87,7 +87,7 @@ fn main() -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
         if let (Some(e), Some(s)) = (evict.as_mut(), same.as_mut()) {
             e.gbps();
-            copies.push(s.gbps());
+            copies.push(s.gbps_shared());
         }
     }
     let (best, median) = best_median(&mut times);

@@ -801,10 +801,12 @@ pub const CHUNK_ELEMS: usize = 32 * SCALE_BLOCK;
 const FALLBACK_CHUNK: usize = crate::adamw::PAR_CHUNK;
 
 /// Steps of at least this many elements share their work with rayon's workers; smaller ones
-/// run on the calling thread. Measured on a 2-vCPU AVX-512 EPYC
-/// (`examples/adam8bit_steps.rs`'s `threshold` mode; README, "8-bit Adam"): below it a second
-/// thread does not pay back waking it.
-pub const PARALLEL_MIN_ELEMS: usize = 1 << 14;
+/// run on the calling thread. Measured on a 2-vCPU AVX-512 EPYC under other builds' load
+/// (`adam8bit_steps threshold 300 cold`: always-shared against calling-thread steps,
+/// alternating, each after a 256 MiB copy): shared steps took 1.19× / 1.12× / 1.07× the time
+/// at 4096 / 8192 / 16 384 elements and 0.89× at 32 768 (README, "8-bit Adam on small
+/// matrices").
+pub const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
 /// One independent unit of a step.
 enum Work<'a> {
