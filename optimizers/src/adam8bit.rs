@@ -94,9 +94,14 @@
 //! 0.04572 / 1.2775.
 //!
 //! # Speed
-//! Row blocks are independent, so pieces of [`PAR_MIN_ELEMS`] or more run them as rayon
-//! tasks. A row block is stepped scale block by scale block, whose new moments (2 KiB) stay
-//! on the stack. Three builds of that kernel ([`Adam8bitKernel`]), chosen at run time
+//! Scale blocks are independent, so a step cuts every stepped piece into work items (runs of
+//! at most [`CHUNK_ELEMS`] elements of one row block; `f32` fallback pieces into AdamW-sized
+//! runs) and puts all of them, over every piece of the shard, in **one queue**: the calling
+//! thread and rayon's workers claim items from it ([`crate::kernels::work_share`]; the
+//! caller works from the first item on, instead of sleeping while rayon's workers wake), and
+//! steps of fewer than [`PARALLEL_MIN_ELEMS`] elements stay on the calling thread. No bit
+//! depends on who runs an item. A run is stepped scale block by scale block, whose new
+//! moments (2 KiB) stay on the stack. Three builds of that kernel ([`Adam8bitKernel`]), chosen at run time
 //! ([`Adam8bitKernel::detect`]; [`Adam8bit::with_kernel`] forces one), compute the same bits
 //! (each lane the scalar operations in the scalar order; Rust never contracts to FMA;
 //! `tests/adam8bit_kernel_tests.rs` compares them on random states and edge inputs):
@@ -115,21 +120,20 @@
 //! lookups (gathers in AVX2) to requantize, which were the AVX-512 build's largest cost
 //! before its byte-permute quantizer.
 
-use rayon::prelude::*;
-
 use ragged::block::numel;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role};
 
-use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_MIN_ELEMS};
+use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig};
 use crate::common::{
     apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::adam8bit_avx512::{BytePlanes, LaneIndex};
+use crate::kernels::work_share;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::dequantize_32_avx2;
 use crate::quant::{
@@ -493,6 +497,8 @@ pub struct Adam8bit {
     /// The maps' nearest-code indexes for the AVX-512 kernel's byte-permute quantizer.
     #[cfg(target_arch = "x86_64")]
     lanes: Box<[LaneIndex; 2]>,
+    /// Steps of fewer elements run on the calling thread ([`PARALLEL_MIN_ELEMS`] by default).
+    parallel_min: usize,
 }
 
 impl Adam8bit {
@@ -512,7 +518,17 @@ impl Adam8bit {
             book_m,
             book_v,
             kernel: Adam8bitKernel::detect(),
+            parallel_min: PARALLEL_MIN_ELEMS,
         })
+    }
+
+    /// This optimizer with steps of fewer than `elems` elements (summed over the stepped
+    /// pieces) on the calling thread, larger ones shared with rayon's workers (default
+    /// [`PARALLEL_MIN_ELEMS`]; `0` always shares, `usize::MAX` never). No bit of a step
+    /// depends on it; it exists to measure the threshold and to test both paths.
+    pub fn with_parallel_min(mut self, elems: usize) -> Result<Self> {
+        self.parallel_min = elems;
+        Ok(self)
     }
 
     /// This optimizer with its steps on `kernel`; `Err` when this CPU cannot run it. Every
@@ -730,7 +746,9 @@ impl Optimizer for Adam8bit {
 }
 
 impl Adam8bit {
-    /// The step on host memory (after [`Adam8bit::checked_layout`]).
+    /// The step on host memory (after [`Adam8bit::checked_layout`]): every piece's work
+    /// ([`step_items`]) in one queue, shared by the calling thread and rayon's workers
+    /// ([`work_share::share`]) when there are at least `parallel_min` elements to step.
     fn step_host(
         &self,
         state: HostArrays<'_>,
@@ -742,71 +760,172 @@ impl Adam8bit {
     ) {
         let c = &self.config.adam;
         let moments = MomentCoeffs::new(c.beta1, c.beta2);
-        for (piece, place) in shard.pieces.iter().zip(layout) {
-            // The piece's role's rates; a frozen piece is not stepped.
-            let Some(AdamRun {
-                range: r,
+        let runs = shard
+            .pieces
+            .iter()
+            .zip(layout)
+            .filter_map(|(piece, place)| {
+                Some((self.adamw.run_of(shard, piece, t)?, piece, *place))
+            });
+        let (items, elems) = step_items(runs, state, params, grads);
+        let helpers = if elems >= self.parallel_min {
+            rayon::current_num_threads().saturating_sub(1)
+        } else {
+            0
+        };
+        work_share::share(items, helpers, |item| match item {
+            Work::Tiled {
+                block,
                 decay,
                 scale,
-            }) = self.adamw.run_of(shard, piece, t)
-            else {
-                continue;
-            };
-            match *place {
-                PieceState::Fallback { at } => {
-                    let s = at..at + piece.range.len();
-                    adamw_update(
-                        &mut params[r.clone()],
-                        &grads[r],
-                        &mut state.m32[s.clone()],
-                        &mut state.v32[s],
-                        decay,
-                        &moments,
-                        &scale,
+            } => self.update_row_block(block, decay, &moments, &scale),
+            Work::Fallback {
+                p,
+                g,
+                m,
+                v,
+                decay,
+                scale,
+            } => adamw_update(p, g, m, v, decay, &moments, &scale),
+        });
+    }
+}
+
+/// Elements of one work item of a tiled piece: 32 scale blocks of one row block (scale blocks
+/// are independent, so a row block can be cut at any of their edges). Small enough that the
+/// calling thread and a late-waking worker split a 256 × 256 matrix's eight items evenly,
+/// large enough (~10 µs) that claiming one costs nothing.
+pub const CHUNK_ELEMS: usize = 32 * SCALE_BLOCK;
+
+/// Elements of one work item of an `f32` fallback piece (AdamW's task size).
+const FALLBACK_CHUNK: usize = crate::adamw::PAR_CHUNK;
+
+/// Steps of at least this many elements share their work with rayon's workers; smaller ones
+/// run on the calling thread. Measured on a 2-vCPU AVX-512 EPYC under other builds' load
+/// (`adam8bit_steps threshold 300 cold`: always-shared against calling-thread steps,
+/// alternating, each after a 256 MiB copy): shared steps took 1.19× / 1.12× / 1.07× the time
+/// at 4096 / 8192 / 16 384 elements and 0.89× at 32 768 (README, "8-bit Adam on small
+/// matrices").
+pub const PARALLEL_MIN_ELEMS: usize = 1 << 15;
+
+/// One independent unit of a step.
+enum Work<'a> {
+    /// A run of whole scale blocks of one row block, with its piece's decay and rates.
+    Tiled {
+        block: RowBlock<'a>,
+        decay: Option<f32>,
+        scale: AdamScale,
+    },
+    /// A run of an `f32` fallback piece (AdamW's element-wise update).
+    Fallback {
+        p: &'a mut [f32],
+        g: &'a [f32],
+        m: &'a mut [f32],
+        v: &'a mut [f32],
+        decay: Option<f32>,
+        scale: AdamScale,
+    },
+}
+
+/// Cuts the front of a slice by absolute position: the pieces of a shard are in offset order
+/// and do not overlap ([`check_shard`]), and so are their scales and fallback moments, so each
+/// array is split once, front to back, into disjoint borrows.
+struct Cursor<'a, T> {
+    rest: &'a mut [T],
+    at: usize,
+}
+
+impl<'a, T> Cursor<'a, T> {
+    fn new(all: &'a mut [T]) -> Self {
+        Cursor { rest: all, at: 0 }
+    }
+
+    /// The elements `range` (at or after the previous range's end).
+    fn take(&mut self, range: std::ops::Range<usize>) -> &'a mut [T] {
+        let rest = std::mem::take(&mut self.rest);
+        let (_, rest) = rest.split_at_mut(range.start - self.at);
+        let (taken, rest) = rest.split_at_mut(range.len());
+        (self.rest, self.at) = (rest, range.end);
+        taken
+    }
+}
+
+/// The work items of every stepped piece (`runs`, in shard order) and their element count:
+/// tiled pieces cut into row blocks and those into [`CHUNK_ELEMS`] runs, fallback pieces into
+/// [`FALLBACK_CHUNK`] runs. One queue for the whole step (a multi-tensor step, as torch's
+/// `foreach`): a shard of many small tensors costs one hand-off, not one per tensor.
+fn step_items<'a>(
+    runs: impl Iterator<Item = (AdamRun, &'a ragged::optim::LocalPiece, PieceState)>,
+    state: HostArrays<'a>,
+    params: &'a mut [f32],
+    grads: &'a [f32],
+) -> (Vec<Work<'a>>, usize) {
+    let (mut p, mut mc, mut vc) = (
+        Cursor::new(params),
+        Cursor::new(state.m),
+        Cursor::new(state.v),
+    );
+    let (mut sm, mut sv) = (Cursor::new(state.scale_m), Cursor::new(state.scale_v));
+    let (mut m32, mut v32) = (Cursor::new(state.m32), Cursor::new(state.v32));
+    let (mut items, mut elems) = (Vec::new(), 0);
+    for (run, piece, place) in runs {
+        let AdamRun {
+            range: r,
+            decay,
+            scale,
+        } = run;
+        elems += r.len();
+        match place {
+            PieceState::Fallback { at } => {
+                let g = &grads[r.clone()];
+                let s = at..at + r.len();
+                let (p, m, v) = (p.take(r), m32.take(s.clone()), v32.take(s));
+                let chunks = p
+                    .chunks_mut(FALLBACK_CHUNK)
+                    .zip(g.chunks(FALLBACK_CHUNK))
+                    .zip(
+                        m.chunks_mut(FALLBACK_CHUNK)
+                            .zip(v.chunks_mut(FALLBACK_CHUNK)),
                     );
-                }
-                PieceState::Tiled {
-                    tiling,
-                    first_scale,
-                } => {
-                    // The piece's row blocks (up to 32 rows of one matrix) are independent:
-                    // each has its own scale blocks, so they run in parallel and the split
-                    // changes no bit.
-                    let mut blocks = Vec::new();
-                    let mut p = &mut params[r.clone()];
-                    let mut g = &grads[r.clone()];
-                    let mut mc = &mut state.m[r.clone()];
-                    let mut vc = &mut state.v[r.clone()];
-                    let mut sm = &mut state.scale_m[first_scale..];
-                    let mut sv = &mut state.scale_v[first_scale..];
-                    for (rows, len) in tiling.row_blocks(piece.range.clone()) {
-                        let ns = tiling.scales_in_row_block(rows);
-                        let (p0, p1) = std::mem::take(&mut p).split_at_mut(len);
-                        let (g0, g1) = g.split_at(len);
-                        let (m0, m1) = std::mem::take(&mut mc).split_at_mut(len);
-                        let (v0, v1) = std::mem::take(&mut vc).split_at_mut(len);
-                        let (a0, a1) = std::mem::take(&mut sm).split_at_mut(ns);
-                        let (b0, b1) = std::mem::take(&mut sv).split_at_mut(ns);
-                        blocks.push(RowBlock {
-                            p: p0,
-                            g: g0,
-                            mc: m0,
-                            vc: v0,
-                            scale_m: a0,
-                            scale_v: b0,
+                items.extend(chunks.map(|((p, g), (m, v))| Work::Fallback {
+                    p,
+                    g,
+                    m,
+                    v,
+                    decay,
+                    scale,
+                }));
+            }
+            PieceState::Tiled {
+                tiling,
+                first_scale,
+            } => {
+                let (mut at, mut s_at) = (r.start, first_scale);
+                for (rows, len) in tiling.row_blocks(piece.range.clone()) {
+                    let ns = tiling.scales_in_row_block(rows);
+                    let mut block = RowBlock {
+                        p: p.take(at..at + len),
+                        g: &grads[at..at + len],
+                        mc: mc.take(at..at + len),
+                        vc: vc.take(at..at + len),
+                        scale_m: sm.take(s_at..s_at + ns),
+                        scale_v: sv.take(s_at..s_at + ns),
+                    };
+                    (at, s_at) = (at + len, s_at + ns);
+                    while !block.p.is_empty() {
+                        let (front, rest) = block.split_front(CHUNK_ELEMS);
+                        items.push(Work::Tiled {
+                            block: front,
+                            decay,
+                            scale,
                         });
-                        (p, g, mc, vc, sm, sv) = (p1, g1, m1, v1, a1, b1);
-                    }
-                    let run = |b: RowBlock| self.update_row_block(b, decay, &moments, &scale);
-                    if r.len() >= PAR_MIN_ELEMS {
-                        blocks.into_par_iter().for_each(run);
-                    } else {
-                        blocks.into_iter().for_each(run);
+                        block = rest;
                     }
                 }
             }
         }
     }
+    (items, elems)
 }
 
 /// One row block of a tiled piece (up to 32 rows of one matrix): its elements and the scales
@@ -818,6 +937,38 @@ pub(crate) struct RowBlock<'a> {
     pub vc: &'a mut [u8],
     pub scale_m: &'a mut [ScaleCode],
     pub scale_v: &'a mut [ScaleCode],
+}
+
+impl<'a> RowBlock<'a> {
+    /// The first `elems` elements (a multiple of [`SCALE_BLOCK`]; all when fewer are left)
+    /// with their scales, and the rest: both are runs of whole scale blocks, stepped alike.
+    fn split_front(self, elems: usize) -> (RowBlock<'a>, RowBlock<'a>) {
+        let n = elems.min(self.p.len());
+        let ns = n.div_ceil(SCALE_BLOCK);
+        let (p0, p1) = self.p.split_at_mut(n);
+        let (g0, g1) = self.g.split_at(n);
+        let (m0, m1) = self.mc.split_at_mut(n);
+        let (v0, v1) = self.vc.split_at_mut(n);
+        let (a0, a1) = self.scale_m.split_at_mut(ns);
+        let (b0, b1) = self.scale_v.split_at_mut(ns);
+        let front = RowBlock {
+            p: p0,
+            g: g0,
+            mc: m0,
+            vc: v0,
+            scale_m: a0,
+            scale_v: b0,
+        };
+        let rest = RowBlock {
+            p: p1,
+            g: g1,
+            mc: m1,
+            vc: v1,
+            scale_m: a1,
+            scale_v: b1,
+        };
+        (front, rest)
+    }
 }
 
 /// The loop-invariant inputs of a row block's step.

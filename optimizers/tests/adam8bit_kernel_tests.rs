@@ -1,7 +1,8 @@
 //! 8-bit Adam's kernel builds (portable, AVX2 + FMA, AVX-512 F/BW/VBMI) compute the same bits:
 //! whole steps through `Optimizer::step` on every build this CPU has, from random states that
 //! use every code and edge scales, on gradients with zeros, signed zeros, subnormals, huge and
-//! non-finite values, with fallback pieces, short row blocks and 32-element scale blocks.
+//! non-finite values, with fallback pieces, short row blocks and 32-element scale blocks; and
+//! the step shared with rayon's workers computes the same bits as on the calling thread.
 
 use ragged::comm::SingleRank;
 use ragged::model::{DType, TensorSpec};
@@ -18,8 +19,11 @@ use harness::{bits, whole_shard_by, Rng};
 /// 256), a short row block that ends in a 128-element scale block (`[100, 96]`: 4 rows),
 /// stacked matrices with `m % 32 ≠ 0` (`[3, 50, 96]`: an 18-row block ending in 192), a
 /// single-row block of 32 elements (`[33, 32]`), a 1-D fallback and an embedding fallback.
-const SHAPES: [(&str, &[usize]); 6] = [
+/// `[64, 320]`'s 10 240-element row blocks are cut into a work item of 8192 elements and one
+/// of 2048, `bias.long`'s 20 000 into two fallback items.
+const SHAPES: [(&str, &[usize]); 7] = [
     ("layer.w", &[64, 320]),
+    ("bias.long", &[20000]),
     ("layer.short", &[100, 96]),
     ("experts.w", &[3, 50, 96]),
     ("narrow", &[33, 32]),
@@ -88,14 +92,20 @@ fn random_state(opt: &Adam8bit, shard: &ragged::optim::LocalShard, rng: &mut Rng
     s
 }
 
-/// Params, state and every step's codes after `steps` steps on `kernel`.
+/// Params, state and every step's codes after `steps` steps on `kernel`; steps of at least
+/// `parallel_min` elements shared with rayon's workers.
 fn run(
     config: Adam8bitConfig,
-    kernel: Adam8bitKernel,
+    (kernel, parallel_min): (Adam8bitKernel, usize),
     steps: usize,
     seed: u64,
 ) -> (Vec<u32>, Adam8bitState, Adam8bitState) {
-    let opt = Adam8bit::new(config).unwrap().with_kernel(kernel).unwrap();
+    let opt = Adam8bit::new(config)
+        .unwrap()
+        .with_kernel(kernel)
+        .unwrap()
+        .with_parallel_min(parallel_min)
+        .unwrap();
     assert_eq!(opt.kernel(), kernel);
     let specs = specs();
     let shard = whole_shard_by(&specs, &|t| opt.atomic_block(&t.name, &t.shape));
@@ -197,7 +207,9 @@ fn every_kernel_build_steps_to_the_same_bits_as_the_portable_one() {
         .collect();
     println!("kernel builds on this CPU: {available:?}");
     for (what, config) in configs() {
-        let (p_ref, s0, s_ref) = run(config, Adam8bitKernel::Portable, 3, 7);
+        // The reference: the portable build, every item on the calling thread.
+        let reference = (Adam8bitKernel::Portable, usize::MAX);
+        let (p_ref, s0, s_ref) = run(config, reference, 3, 7);
         // The inputs have teeth: all 256 codes occur in the start state, the steps move codes,
         // scales and parameters, and some parameters stay finite.
         for codes in [s0.m.cpu().unwrap(), s0.v.cpu().unwrap()] {
@@ -233,7 +245,10 @@ fn every_kernel_build_steps_to_the_same_bits_as_the_portable_one() {
             "{what}: {finite} finite parameters"
         );
         assert!(nan > 0, "{what}: no NaN reached a parameter");
-        for &kernel in &available {
+        // Every build, on the calling thread and always shared (on rayon's threads: 2 or more
+        // in CI, so the helpers run items).
+        let runs = available.iter().flat_map(|&k| [(k, usize::MAX), (k, 0)]);
+        for kernel in runs {
             let (p, _, s) = run(config, kernel, 3, 7);
             let diffs: Vec<(usize, f32, f32)> = p
                 .iter()
