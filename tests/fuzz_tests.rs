@@ -6,8 +6,10 @@
 //! below as ordinary regression tests.
 
 use proptest::prelude::*;
-use ragged::model::Inventory;
+use ragged::model::{Inventory, TensorSpec};
 use ragged::plan::export::write_json;
+use ragged::plan::multi::MultiOptions;
+use ragged::plan::multi_model::{plan_model_multi, plan_multi_unit};
 use ragged::plan::{plan_model, PlanOptions};
 use ragged::AtomicBlock;
 use serde_json::{json, Map, Value};
@@ -159,7 +161,8 @@ proptest! {
 
     #[test]
     fn plan_json_of_arbitrary_small_inventories_round_trips(
-        // Small dimensions only: huge ones overflow inside the planner (ignored test below).
+        // Small dimensions, so most plans succeed and have JSON to check; huge ones are errors
+        // (the regression tests below, and tests/plan_hostile_tests.rs).
         v in inventory_json(1usize..40),
         block in block(),
         world in 1usize..6,
@@ -188,14 +191,53 @@ fn an_inventory_whose_total_overflows_is_an_error_not_a_panic() {
 }
 
 /// Found by `plan_json_of_arbitrary_small_inventories_round_trips` with huge dimensions: one
-/// tensor of `2^63 − 1` elements, `Rows(1)`, one rank panics with "attempt to multiply with
-/// overflow" at `src/plan/search.rs:167` (`2 * s` in `ForcedLattice::next_candidate`); so does
-/// `ragged plan --model <that file> --devices 1`. The planner is outside this change; run with
-/// `--ignored` once it checks its arithmetic.
+/// 1-D tensor of `2^63 − 1` elements, `Rows(1)` (one row, so one block of the whole tensor),
+/// used to panic on an overflow in the search. On one rank its buffer is addressable
+/// (`S = 2^63`, rounded to the collective alignment): one buffer and at most 3 buffers both
+/// return that valid plan. On two or more ranks each shard still needs the whole block, and
+/// `V·2^63` overflows: an error naming it, from every entry point; never a panic.
 #[test]
-#[ignore = "src/plan/search.rs:167 overflows on a 2^63-element tensor (planner owner's fix)"]
-fn planning_a_tensor_near_usize_max_is_an_error_not_a_panic() {
+fn planning_a_tensor_near_usize_max_is_exact_or_an_error_not_a_panic() {
     let text = r#"{"params":[{"name":"a0","shape":[9223372036854775807]}]}"#;
     let inv = Inventory::from_json_str(text).expect("parses: its count fits usize");
-    assert!(plan_model(&inv, &|_| AtomicBlock::Rows(1), 1, &PlanOptions::default()).is_err());
+    let block = |_: &TensorSpec| AtomicBlock::Rows(1);
+    let opts = PlanOptions::default();
+    let three = MultiOptions {
+        max_buffers: 3,
+        ..MultiOptions::default()
+    };
+    let overflow = |r: ragged::Result<()>| {
+        let err = r.unwrap_err().to_string();
+        assert!(err.contains("overflow"), "{err}");
+    };
+    let plan = plan_model(&inv, &block, 1, &opts).unwrap();
+    plan.units[0].validate().unwrap();
+    assert_eq!(plan.units[0].shard_size, 1 << 63);
+    let unit = &inv.units()[0];
+    let multi = plan_multi_unit(unit, &block, 1, &opts, &three).unwrap();
+    assert_eq!(multi.k(), 1);
+    multi.buffers[0].validate().unwrap();
+    assert_eq!(multi.buffers[0].shard_size, 1 << 63);
+    // The model-wide totals add the single-buffer plan to the chosen one: 2 · 2^63 elements
+    // overflow their 64-bit count, an error too.
+    overflow(plan_model_multi(&inv, &block, 1, 1, &opts, &three).map(drop));
+    for world in [2, 8, usize::MAX] {
+        overflow(plan_model(&inv, &block, world, &opts).map(drop));
+        overflow(plan_multi_unit(unit, &block, world, &opts, &three).map(drop));
+        overflow(plan_model_multi(&inv, &block, world, 1, &opts, &three).map(drop));
+    }
+}
+
+/// A world of `2^64 − 1` ranks on a real model: no shard size gives an addressable buffer, so
+/// the single- and multi-buffer model planners both return an error naming the overflow.
+#[test]
+fn a_world_of_usize_max_is_an_error_for_every_model_planner() {
+    let inv = Inventory::load("llama3_8b").expect("a preset");
+    let block = |_: &TensorSpec| AtomicBlock::Rows(16);
+    let opts = PlanOptions::default();
+    let err = plan_model(&inv, &block, usize::MAX, &opts).unwrap_err();
+    assert!(err.to_string().contains("overflow"), "{err}");
+    let three = MultiOptions::default();
+    let err = plan_model_multi(&inv, &block, usize::MAX, 1, &opts, &three).unwrap_err();
+    assert!(err.to_string().contains("overflow"), "{err}");
 }

@@ -8,6 +8,7 @@ use proptest::strategy::ValueTree;
 use ragged::model::DType;
 use ragged::model::Inventory;
 use ragged::plan::class_floor::class_floor;
+use ragged::plan::exact_partition::exact_partition;
 use ragged::plan::export::unit_runs;
 use ragged::plan::heavy_floor::heavy_floor_of;
 use ragged::plan::multi::{floor_shard_sum, plan_multi_items, MultiOptions};
@@ -168,6 +169,51 @@ fn floor_is_a_true_lower_bound_against_exhaustive_search() {
         above_one_buffer_floor > 0,
         "the block terms never raised the floor"
     );
+}
+
+/// The subset-DP exact search (the gap-analysis tool, `examples/exact_unit.rs`) agrees with
+/// enumerating every partition and every permutation, and its cap is exact: at the optimum it
+/// finds it, one below it finds nothing.
+#[test]
+fn exact_partition_matches_exhaustive_search_and_respects_its_cap() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = (
+        arb_items(),
+        1..=6usize,
+        prop::sample::select(vec![1usize, 2, 4]),
+    );
+    for _ in 0..200 {
+        let (items, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
+        for k in 1..=3 {
+            let best = exhaustive_shard_sum(&items, world, coll, k);
+            let found = exact_partition(&items, world, coll, k, usize::MAX)
+                .unwrap()
+                .expect("an uncapped search finds a partition");
+            assert_eq!(
+                found.shard_sum(),
+                best,
+                "{items:?} V={world} coll={coll} k={k}"
+            );
+            assert!(found.groups.len() <= k);
+            let mut all: Vec<usize> = found.groups.concat();
+            all.sort_unstable();
+            assert_eq!(all, (0..items.len()).collect::<Vec<_>>());
+            for (g, &s) in found.groups.iter().zip(&found.shards) {
+                let sub: Vec<Item> = g.iter().map(|&i| items[i]).collect();
+                assert_eq!(exact_any_order(&sub, world, coll).unwrap().0, s);
+            }
+            let capped = exact_partition(&items, world, coll, k, best).unwrap();
+            assert_eq!(capped.map(|p| p.shard_sum()), Some(best));
+            assert_eq!(
+                exact_partition(&items, world, coll, k, best - 1).unwrap(),
+                None
+            );
+        }
+    }
+    let one = [Item::new(4, 1, 1).unwrap()];
+    assert!(exact_partition(&one, 0, 1, 1, 10).is_err());
+    assert!(exact_partition(&one, 1, 1, 0, 10).is_err());
+    assert!(exact_partition(&[one[0]; 17], 1, 1, 1, 10).is_err());
 }
 
 /// Each buffer is a valid layout of its own items and the buffers partition the unit.

@@ -210,6 +210,38 @@ fn bad_input_exits_with_a_message() {
     }
 }
 
+/// A tensor of `2^63 − 1` elements (from the fuzz tests): on one rank, with one buffer or up to
+/// three, `ragged plan` exits with a message naming the overflow, never a panic.
+#[test]
+fn plan_of_a_tensor_near_usize_max_exits_with_a_message() {
+    let model = tmp("huge_tensor.json");
+    std::fs::write(
+        &model,
+        r#"{"params":[{"name":"a0","shape":[9223372036854775807]}]}"#,
+    )
+    .unwrap();
+    let model = model.to_str().unwrap();
+    for extra in [&[][..], &["--max-buffers", "1"], &["--max-buffers", "3"]] {
+        for devices in ["1", "18446744073709551615"] {
+            let mut args = vec![
+                "plan",
+                "--model",
+                model,
+                "--devices",
+                devices,
+                "--block",
+                "rows:1",
+            ];
+            args.extend_from_slice(extra);
+            let out = ragged(&args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{args:?} succeeded");
+            assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+            assert!(err.contains("overflow"), "{args:?}: {err}");
+        }
+    }
+}
+
 #[test]
 fn bench_optim_prints_a_full_table_for_every_optimizer_and_shape_set() {
     let out = ragged(&["bench", "optim", "--quick", "--reps", "1", "--no-write"]);

@@ -12,6 +12,7 @@
 //! | feasibility of one `S` for one order (greedy earliest fit) | [`fit`] |
 //! | search over `S` (prefix lattices, bisection, exact finish) | [`search`] |
 //! | exact oracles for small inputs | [`oracle`] |
+//! | the exact optimum of a small unit over partitions and orders (gap analysis) | [`exact_partition`] |
 //! | a unit as up to `K` buffers, each with its own `S` | [`multi`] |
 //! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
 //! | moves of tensors between those buffers (local search) | [`refine`] |
@@ -29,6 +30,7 @@
 
 pub mod baselines;
 pub mod class_floor;
+pub mod exact_partition;
 pub mod export;
 pub mod fit;
 pub mod floor;
