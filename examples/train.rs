@@ -481,6 +481,8 @@ mod gpu {
         if let Some(g) = GPU.get() {
             return Ok(g);
         }
+        // The gate first: its error says why (no driver, no device), candle's is the driver's.
+        Device::open(ordinal())?;
         let cd = candle_core::Device::new_cuda(ordinal())
             .map_err(ragged::dbuffer::candle("train --device cuda"))?;
         let candle_core::Device::Cuda(cuda) = &cd else {

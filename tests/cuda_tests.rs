@@ -100,14 +100,23 @@ fn device_storage_ops_equal_the_host_ops_bitwise() {
     assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&want), "axpy");
     // The non-finite count (the step's check) equals the host's, past one block of threads.
     let mut odd = values(70_000, 6);
-    for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN].iter().enumerate() {
+    for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN]
+        .iter()
+        .enumerate()
+    {
         odd[i * 17_000 + 3] = *v;
     }
     odd[5] = f32::MAX;
     odd[6] = f32::from_bits(1); // subnormal: finite
     for place in [Placement::Cpu, Placement::Cuda(dev.clone())] {
-        assert_eq!(place.put(odd.clone()).unwrap().count_non_finite().unwrap(), 4);
-        assert_eq!(place.put(values(n, 7)).unwrap().count_non_finite().unwrap(), 0);
+        assert_eq!(
+            place.put(odd.clone()).unwrap().count_non_finite().unwrap(),
+            4
+        );
+        assert_eq!(
+            place.put(values(n, 7)).unwrap().count_non_finite().unwrap(),
+            0
+        );
     }
     // A range past the end, and host elements into device storage, are refused.
     let mut x = Placement::Cuda(dev).zeros::<f32>(10).unwrap();

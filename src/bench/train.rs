@@ -113,6 +113,8 @@ pub fn cpu_device() -> Device {
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     #[cfg(feature = "candle-cuda")]
     {
+        // The gate first: its error says why (no driver, no device), candle's is the driver's.
+        crate::cuda::Device::open(ordinal)?;
         Device::new_cuda(ordinal).map_err(candle("bench train --device cuda"))
     }
     #[cfg(not(feature = "candle-cuda"))]
