@@ -6,9 +6,9 @@
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
 # target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
-# cuda` into bench.md and the optim-cuda section of a copy of docs/benchmarks.md, then (with the
-# candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and section
-# train-cuda. CUDA libraries: the driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
+# cuda` into bench-optim.md and the optim-cuda section of a copy of docs/benchmarks.md, then
+# (with the candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and
+# section train-cuda. CUDA libraries: the driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
 # NVRTC and NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
 # nvidia-nccl-cu13) when any are installed, else from the system (CUDA toolkit on the loader
 # path). NCCL's soname is libnccl.so.2, which cudarc does not
@@ -97,29 +97,23 @@ for exe in "$bins"/*-tests; do
     fi
     grep -E '^test |skipped:|test result' "$res/$name.txt" | tee -a "$log"
 done
-# --- Benchmark: `ragged bench optim --device cuda` into a copy of docs/benchmarks.md ----------
-if [[ -x $bins/ragged ]]; then
-    say "== bench"
-    cp docs/benchmarks.md "$res/benchmarks.md" 2>/dev/null || : >"$res/benchmarks.md"
-    if timeout 600 "$bins/ragged" bench optim --device cuda --out "$res/benchmarks.md" \
-        >"$res/bench.md" 2>"$res/bench.log"; then
-        say "bench: ok (table in bench.md; section optim-cuda of benchmarks.md updated)"
+# --- Benchmarks on the GPU, each into bench-<what>.md and its section of a copy of -----------
+# docs/benchmarks.md
+cp docs/benchmarks.md "$res/benchmarks.md" 2>/dev/null || : >"$res/benchmarks.md"
+gpu_bench() { # <binary> <what: optim | train> <section>
+    say "== bench $2"
+    if timeout 600 "$bins/$1" bench "$2" --device cuda --out "$res/benchmarks.md" \
+        >"$res/bench-$2.md" 2>"$res/bench-$2.log"; then
+        say "bench $2: ok (table in bench-$2.md; section $3 of benchmarks.md updated)"
     else
-        say "bench: FAILED (exit $?), see bench.log"
+        say "bench $2: FAILED (exit $?), see bench-$2.log"
         status=1
     fi
-    tee -a "$log" <"$res/bench.md"
-fi
+    tee -a "$log" <"$res/bench-$2.md"
+}
+[[ -x $bins/ragged ]] && gpu_bench ragged optim optim-cuda
 if [[ -x $bins/ragged-candle-cuda ]]; then
-    say "== bench train"
-    if timeout 600 "$bins/ragged-candle-cuda" bench train --device cuda --out "$res/benchmarks.md" \
-        >"$res/bench-train.md" 2>"$res/bench-train.log"; then
-        say "bench train: ok (table in bench-train.md; section train-cuda of benchmarks.md updated)"
-    else
-        say "bench train: FAILED (exit $?), see bench-train.log"
-        status=1
-    fi
-    tee -a "$log" <"$res/bench-train.md"
+    gpu_bench ragged-candle-cuda train train-cuda
 else
     say "bench train --device cuda: skipped: no ragged-candle-cuda binary (built without nvcc)"
 fi

@@ -350,12 +350,7 @@ fn qwen3_30b_layer_at_v8_is_filled_shard_by_shard_and_proved_optimal() {
     assert_eq!(plan.buffers[0].shard_size, 2378 * 32_768);
     assert_eq!(plan.buffers[0].order, Order::Filled);
     assert_eq!(plan.floor_shard_sum, 2378 * 32_768);
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.numel(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     assert_eq!(residue_floor(&items, 8, 64, 32_768), Some(2378 * 32_768));
     assert!(piece_floor(&items, 8, 64).unwrap() < 2378 * 32_768);
 }
@@ -449,6 +444,15 @@ fn mixtral_layer_puts_w2_in_its_own_buffer() {
     }
 }
 
+/// The planner's items (size, block, no alignment) of a unit's one-buffer placements.
+fn placement_items(plan: &ragged::plan::multi_model::MultiPlan) -> Vec<Item> {
+    plan.single
+        .placements
+        .iter()
+        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
+        .collect()
+}
+
 fn layer_plan(
     model: &str,
     block: AtomicBlock,
@@ -530,12 +534,7 @@ fn gpt_oss_120b_layer_at_rows_1_is_proved_optimal_for_two_buffers() {
     assert_eq!(plan.k(), 2);
     assert_eq!(shard_sum, 4359 * 2880);
     assert_eq!(plan.floor_shard_sum, shard_sum);
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     assert_eq!(step_floor_deep(&items, 256, 64, 2), Some(shard_sum));
     let usual = step_floor_k(&items, 256, 64, 2).unwrap();
     assert!(usual < shard_sum, "usual budget {usual}");
@@ -545,12 +544,7 @@ fn gpt_oss_120b_layer_at_rows_1_is_proved_optimal_for_two_buffers() {
 
 /// The k-buffer floor of a planned unit's tensors.
 fn floor_of(plan: &ragged::plan::multi_model::MultiPlan, k: usize) -> usize {
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     floor_shard_sum(&items, plan.world, plan.single.coll_align, k).unwrap()
 }
 
@@ -682,12 +676,7 @@ fn qwen3_30b_layer_meets_the_piece_floor() {
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(shard_sum, 75 * 32_768);
     assert_eq!(plan.floor_shard_sum, shard_sum);
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     assert_eq!(piece_floor(&items, 256, 64), Some(shard_sum));
     // The share alone is some 23,000 elements lower: the other floors stopped there.
     assert!(plan.numel().div_ceil(256) + 20_000 < shard_sum);
@@ -711,12 +700,7 @@ fn deepseek_v3_moe_layer_meets_the_two_lattice_floor() {
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(shard_sum, 344 * 8192);
     assert_eq!(plan.floor_shard_sum, shard_sum);
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     assert_eq!(lattice_floor(&items, 4096, 64), Some(shard_sum));
     assert_eq!(step_floor(&items, 4096, 64), Some(343 * 8192));
 }
@@ -735,12 +719,7 @@ fn mixtral_rows1_layer_meets_the_two_lattice_floor() {
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(shard_sum, 694 * 2048);
     assert_eq!(plan.floor_shard_sum, shard_sum);
-    let items: Vec<Item> = plan
-        .single
-        .placements
-        .iter()
-        .map(|p| Item::new(p.shape.iter().product(), p.block_elems, 1).unwrap())
-        .collect();
+    let items = placement_items(&plan);
     assert_eq!(lattice_floor(&items, 1024, 64), Some(shard_sum));
     assert!(plan.numel().div_ceil(1024) <= 693 * 2048);
     // At V = 256 `k_proj` and `v_proj` are not forced next to the experts, but they are in a

@@ -97,7 +97,7 @@
 //! Scale blocks are independent, so a step cuts every stepped piece into work items (runs of
 //! at most [`CHUNK_ELEMS`] elements of one row block; `f32` fallback pieces into AdamW-sized
 //! runs) and puts all of them, over every piece of the shard, in **one queue**: the calling
-//! thread and rayon's workers claim items from it ([`crate::kernels::work_share`]; the
+//! thread and rayon's workers claim items from it (`kernels::work_share`; the
 //! caller works from the first item on, instead of sleeping while rayon's workers wake), and
 //! steps of fewer than [`PARALLEL_MIN_ELEMS`] elements stay on the calling thread. No bit
 //! depends on who runs an item. A run is stepped scale block by scale block, whose new

@@ -246,7 +246,7 @@ impl MemcpyProbe {
 impl MemcpyProbe {
     /// GB/s of one copy (read + write bytes) dispatched as 8-bit Adam's step is: 64 KiB
     /// chunks claimed by the calling thread and rayon's workers
-    /// ([`crate::kernels::work_share`]). The same-bytes baseline of a small step: a
+    /// (`kernels::work_share`). The same-bytes baseline of a small step: a
     /// `par_chunks` copy from outside rayon's pool would pay the sleep and wake-up hand-off
     /// that the step no longer does, and be slower than the copy can be.
     pub fn gbps_shared(&mut self) -> f64 {
