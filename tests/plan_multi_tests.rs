@@ -544,7 +544,7 @@ fn gpt_oss_120b_layer_at_rows_1_is_proved_optimal_for_two_buffers() {
 
 /// The k-buffer floor of a planned unit's tensors.
 fn floor_of(plan: &ragged::plan::multi_model::MultiPlan, k: usize) -> usize {
-    let items = placement_items(&plan);
+    let items = placement_items(plan);
     floor_shard_sum(&items, plan.world, plan.single.coll_align, k).unwrap()
 }
 
