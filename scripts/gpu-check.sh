@@ -30,7 +30,24 @@ fi
 
 # --- CUDA libraries ------------------------------------------------------------------------
 links=$(mktemp -d)
-trap 'rm -rf "$links"' EXIT
+unpacked=$(mktemp -d)
+trap 'rm -rf "$links" "$unpacked"' EXIT
+# build-gpu-bins.sh leaves the binaries xz-compressed (what travels to this machine is limited
+# to 64 MiB, and the candle-cuda ones hold candle's kernels as PTX text): unpack them with
+# Python's lzma, which every python3 has.
+if compgen -G "$bins/*.xz" >/dev/null; then
+    python3 - "$bins" "$unpacked" <<'PY' || { say "could not unpack $bins"; exit 2; }
+import lzma, os, shutil, sys
+src, dst = sys.argv[1:3]
+for name in sorted(os.listdir(src)):
+    if name.endswith(".xz"):
+        out = os.path.join(dst, name[: -len(".xz")])
+        with lzma.open(os.path.join(src, name)) as packed, open(out, "wb") as plain:
+            shutil.copyfileobj(packed, plain)
+        os.chmod(out, 0o755)
+PY
+    bins=$unpacked
+fi
 libdirs=()
 sitedirs=$(python3 - <<'PY' 2>/dev/null
 import site, sys
