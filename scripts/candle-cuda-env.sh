@@ -10,8 +10,9 @@
 # the version of the GPU test machine (and of the `cuda-13000` feature ragged uses).
 #
 # Linking a binary needs the CUDA libraries (candle links them dynamically): where they are
-# missing, link-only stubs (scripts/cuda-link-stubs.sh) go into $CUDA_ROOT/lib/stubs, which
-# cudarc's build searches, so binaries link here and load the real libraries on a GPU machine.
+# missing, link-only stubs (scripts/cuda-link-stubs.sh) go into $CUDA_ROOT/lib beside the
+# wheel's CUDA runtime (a folder cudarc's build script always finds: it lists only folders that
+# exist when it runs), so binaries link here and load the real libraries on a GPU machine.
 ragged_cu13=${1:-${TMPDIR:-/tmp}/ragged-cu13}
 if [[ ! -x $ragged_cu13/x/nvidia/cu13/bin/nvcc ]]; then
     mkdir -p "$ragged_cu13/whl" &&
@@ -27,8 +28,8 @@ if [[ -x $ragged_cu13/x/nvidia/cu13/bin/nvcc ]]; then
     export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} CUDARC_CUDA_VERSION=13000
     # candle's MoE kernels are a static library that calls the CUDA runtime: link the wheel's.
     [[ -e $CUDA_ROOT/lib/libcudart.so ]] || ln -sf libcudart.so.13 "$CUDA_ROOT/lib/libcudart.so"
-    if [[ ! -e $CUDA_ROOT/lib/stubs/libnccl.so.2 ]]; then
-        "$(dirname "${BASH_SOURCE[0]}")/cuda-link-stubs.sh" "$CUDA_ROOT/lib/stubs" >/dev/null ||
+    if [[ ! -e $CUDA_ROOT/lib/libnccl.so.2 ]]; then
+        "$(dirname "${BASH_SOURCE[0]}")/cuda-link-stubs.sh" "$CUDA_ROOT/lib" >/dev/null ||
             echo "candle-cuda-env: no link stubs; binaries will not link without CUDA" >&2
     fi
     echo "candle-cuda build environment: $("$CUDA_ROOT/bin/nvcc" --version | tail -n 2 | head -n 1)"
