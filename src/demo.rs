@@ -148,11 +148,22 @@ impl Block {
         })
     }
 
-    /// Pre-norm attention and MLP, each with a residual.
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    /// Pre-norm attention and MLP, each with a residual. In a stage (`params`), the MLP's down
+    /// projection feeds only the residual add, so recomputation may skip its value
+    /// ([`UnitParams::output_linear`]).
+    fn forward(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        params: Option<&UnitParams>,
+    ) -> candle_core::Result<Tensor> {
         let x = (x + self.attention(&rms_norm(x, &self.attn_norm)?, mask)?)?;
         let h = self.up.forward(&rms_norm(&x, &self.mlp_norm)?)?.gelu()?;
-        &x + self.down.forward(&h)?
+        let down = match params {
+            Some(p) => p.output_linear(&h, self.down.weight())?,
+            None => self.down.forward(&h)?,
+        };
+        &x + down
     }
 
     fn attention(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
@@ -223,7 +234,7 @@ impl Transformer {
         let mut x = self.embed.forward(&inputs)?;
         let mask = causal_mask(inputs.dim(1)?, x.device())?.to_dtype(x.dtype())?;
         for b in &self.blocks {
-            x = b.forward(&x, &mask)?;
+            x = b.forward(&x, &mask, None)?;
         }
         head_loss(&self.cfg, &x, &self.norm, &self.head, &targets)
     }
@@ -259,7 +270,7 @@ impl Stages for TransformerStages {
             (0, _) => embedding(cfg.vocab, cfg.d_model, vb.pp("embed"))?.forward(&inputs),
             (s, Some(x)) if s <= cfg.n_layers => {
                 let mask = causal_mask(inputs.dim(1)?, x.device())?.to_dtype(x.dtype())?;
-                Block::new(cfg, s - 1, &vb)?.forward(x, &mask)
+                Block::new(cfg, s - 1, &vb)?.forward(x, &mask, Some(params))
             }
             (_, Some(x)) => {
                 let head = linear_no_bias(cfg.d_model, cfg.vocab, vb.pp("head"))?;
@@ -614,9 +625,20 @@ impl MlpConfig {
         get: impl Fn(&str) -> candle_core::Result<Tensor>,
         x: &Tensor,
     ) -> candle_core::Result<Tensor> {
+        let (h, down) = self.hidden(i, get, x)?;
+        Linear::new(down, None).forward(&h)
+    }
+
+    /// Block `i`'s hidden activations on `x`, and its down projection's weight.
+    fn hidden(
+        &self,
+        i: usize,
+        get: impl Fn(&str) -> candle_core::Result<Tensor>,
+        x: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let up = Linear::new(get(&format!("layers.{i}.up.weight"))?, None);
-        let down = Linear::new(get(&format!("layers.{i}.down.weight"))?, None);
-        down.forward(&up.forward(x)?.gelu()?)
+        let h = up.forward(x)?.gelu()?;
+        Ok((h, get(&format!("layers.{i}.down.weight"))?))
     }
 
     /// Mean squared error of the output against the targets.
@@ -649,9 +671,11 @@ impl Stages for MlpStages {
         x: Option<&Tensor>,
         batch: &MlpBatch,
     ) -> candle_core::Result<Tensor> {
-        let out = self
+        let (h, down) = self
             .0
-            .block(stage, |n| params.get(n).cloned(), x.unwrap_or(&batch.x))?;
+            .hidden(stage, |n| params.get(n).cloned(), x.unwrap_or(&batch.x))?;
+        // The block's output is the stage's: recomputation may skip its value.
+        let out = params.output_linear(&h, &down)?;
         if stage + 1 == self.0.layers {
             MlpConfig::loss(&out, &batch.y)
         } else {

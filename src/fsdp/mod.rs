@@ -30,6 +30,7 @@ mod clip;
 mod describe;
 pub mod fsdp2;
 mod layout;
+mod output_linear;
 mod param_pool;
 mod stages;
 

@@ -55,11 +55,35 @@ pub trait Stages {
 pub struct UnitParams {
     map: HashMap<String, Tensor>,
     dtype: DType,
+    /// False while backward recomputes the stage only for its graph.
+    output_value_needed: bool,
 }
 
 impl UnitParams {
     pub(crate) fn new(map: HashMap<String, Tensor>, dtype: DType) -> Self {
-        UnitParams { map, dtype }
+        UnitParams {
+            map,
+            dtype,
+            output_value_needed: true,
+        }
+    }
+
+    /// These parameters for a recomputation whose output value nothing reads.
+    fn for_gradients_only(self) -> Self {
+        UnitParams {
+            output_value_needed: false,
+            ..self
+        }
+    }
+
+    /// `x · wᵀ`, as candle-nn's `Linear::new(w, None)`, for a product that is the stage's output
+    /// or reaches it only through ops whose backward reads no values (a residual add). When
+    /// backward recomputes the stage (`FsdpOptions::recompute`) the product is not computed
+    /// (zeros stand in; nothing reads them), and its gradients are still `Linear`'s, bitwise.
+    /// Anywhere else (before a norm, an activation, a product with another tensor, the loss)
+    /// use `Linear`: there the value is needed and skipping it would give wrong gradients.
+    pub fn output_linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        super::output_linear::output_linear(x, w, self.output_value_needed)
     }
 
     /// The tensor named `name` (full name, as given to `fully_shard`).
@@ -364,7 +388,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 self.timed_gather(u, &mut report)?;
                 let source = match graph {
                     Some(out) => Ok(out),
-                    None => Err(self.unit_params(u, true)?),
+                    None => Err(self.unit_params(u, true)?.for_gradients_only()),
                 };
                 let prev = s.checked_sub(1).map(|p| stage_units[p]);
                 jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
