@@ -1015,3 +1015,21 @@ fn large_gathers_copy_every_element() {
         }
     }
 }
+
+/// The rendezvous wait is measured where it happens: the rank that arrives first waits for the
+/// late one, the late one does not wait; backends that cannot tell say so.
+#[test]
+fn thread_ranks_report_time_spent_waiting_for_late_peers() {
+    let waits = ThreadWorld::run(2, |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        c.barrier()?;
+        Ok(c.peer_wait_seconds()
+            .expect("thread ranks report their waits"))
+    })
+    .unwrap();
+    assert!(waits[0] >= 0.2, "the early rank waited {:.3} s", waits[0]);
+    assert!(waits[1] < 0.2, "the late rank waited {:.3} s", waits[1]);
+    assert_eq!(ragged::comm::single::SingleRank.peer_wait_seconds(), None);
+}

@@ -293,7 +293,12 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
              on a second thread while a stage computes (the next unit's gather, the previous \
              unit's reduce-scatter; `FsdpOptions::overlap`). Means of {} steps after a warm-up; \
              times on rank 0; gather s and reduce s = time the step waited for them (what ran \
-             behind compute does not count), sharding % = (gather + reduce) / step. Memory per \
+             behind compute does not count), sharding % = (gather + reduce) / step; \
+             peer wait s (rows without overlap, where every collective runs on the step's own \
+             thread) = of that, the time rank 0 waited at the collectives' rendezvous for \
+             slower ranks (load imbalance: V ranks share this machine's cores, so they reach \
+             a collective at different times), and sharding % less peer wait = the rest (the \
+             transfers) over the step. Memory per \
              rank: predicted = master and gradient shards plus the largest set of full \
              parameters and gradients the schedule holds at once (from the plans) plus the \
              activations alive then (saved stage inputs and kept or recomputed graphs, as \

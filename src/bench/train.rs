@@ -54,6 +54,10 @@ pub struct TrainRow {
     pub gather_seconds: f64,
     pub reduce_seconds: f64,
     pub optimizer_seconds: f64,
+    /// Of `gather_seconds + reduce_seconds`, the time spent waiting at the collectives'
+    /// rendezvous for slower ranks (load imbalance, not transfer; thread ranks only, and only
+    /// without overlap, where every collective runs on the step's own thread).
+    pub peer_wait_seconds: Option<f64>,
     /// Bytes copied outside collectives per step (all ranks).
     pub copied_per_step: u64,
     /// Bytes of all-gather traffic per step on rank 0 (the full buffers gathered).
@@ -468,8 +472,10 @@ fn sharded(
             let full = cfg.model.batch(step, cfg.batch)?;
             let batch = batch_on(rank_rows(&full, c.rank() * rows, rows)?, &cfg.device)?;
             let (copied, gathered) = (sharded.stats().copied(), sharded.stats().collective());
+            let waited = c.peer_wait_seconds();
             let start = Instant::now();
             let r = sharded.forward_backward(&stages, &batch)?;
+            let waited = c.peer_wait_seconds().zip(waited).map(|(b, a)| b - a);
             if step == 0 {
                 predicted = plan.peak_unit_by_unit(&order, &opts, sharded.activations());
             }
@@ -485,6 +491,10 @@ fn sharded(
                 row.backward_seconds += r.backward_seconds;
                 row.gather_seconds += r.gather_seconds;
                 row.reduce_seconds += r.reduce_seconds;
+                if !opts.overlap {
+                    row.peer_wait_seconds =
+                        waited.map(|w| w + row.peer_wait_seconds.unwrap_or(0.0));
+                }
                 row.copied_per_step += sharded.stats().copied() - copied;
                 row.gathered_per_step += sharded.stats().collective() - gathered;
             }
@@ -518,6 +528,7 @@ fn empty_row(name: &str, world: usize) -> TrainRow {
         gather_seconds: 0.0,
         reduce_seconds: 0.0,
         optimizer_seconds: 0.0,
+        peer_wait_seconds: None,
         copied_per_step: 0,
         gathered_per_step: 0,
         predicted_bytes: None,
@@ -548,6 +559,7 @@ fn finish(
     ] {
         *t /= n;
     }
+    row.peer_wait_seconds = row.peer_wait_seconds.map(|w| w / n);
     row.copied_per_step /= steps as u64;
     row.gathered_per_step /= steps as u64;
     row.predicted_bytes = predicted;
@@ -571,9 +583,9 @@ pub fn markdown(rows: &[TrainRow]) -> String {
     };
     let mut s = String::from(
         "| variant | V | step s | vs plain | best step s | best vs plain | forward s | backward s | gather s | reduce s | \
-         optimizer s | sharding % | copied B/step | gathered B/step (rank 0) | \
+         optimizer s | sharding % | peer wait s | sharding % less peer wait | copied B/step | gathered B/step (rank 0) | \
          predicted MiB/rank | measured MiB/rank | loss |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let with_mfu = rows.iter().any(|r| r.mfu.is_some());
     if with_mfu {
@@ -581,12 +593,17 @@ pub fn markdown(rows: &[TrainRow]) -> String {
         s = s.replacen("---:|\n", "---:|---:|\n", 1);
     }
     for r in rows {
-        let sharding = 100.0 * (r.gather_seconds + r.reduce_seconds) / r.step_seconds;
+        let exposed = r.gather_seconds + r.reduce_seconds;
+        let sharding = 100.0 * exposed / r.step_seconds;
+        let (wait, less_wait) = r.peer_wait_seconds.map_or(("–".into(), "–".into()), |w| {
+            let transfer = 100.0 * (exposed - w).max(0.0) / r.step_seconds;
+            (format!("{w:.3}"), format!("{transfer:.1}"))
+        });
         let mfu = r
             .mfu
             .map_or(String::new(), |m| format!(" {:.1} |", 100.0 * m));
         s += &format!(
-            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} | {:.5} |{mfu}\n",
+            "| {} | {} | {:.3} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {wait} | {less_wait} | {} | {} | {} | {} | {:.5} |{mfu}\n",
             r.variant,
             r.world,
             r.step_seconds,

@@ -287,6 +287,13 @@ pub trait Communicator: Send + Sync {
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
 
+    /// Seconds this rank has spent, since it was created, at its collectives' rendezvous
+    /// waiting for the other ranks to arrive: load imbalance ahead of a collective, not its
+    /// transfer. `None` where the backend cannot tell (it is thread ranks' alone).
+    fn peer_wait_seconds(&self) -> Option<f64> {
+        None
+    }
+
     /// All-gather from an `S`-element input straight into the segments of a `V·S` full buffer
     /// held in separate storages (one per tensor; see [`Segment`]). Returns the bytes the backend
     /// staged through a contiguous buffer of its own (copies outside the wire, for the caller to

@@ -71,6 +71,7 @@
 //! for their stream) on entry and before every sync.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -151,6 +152,7 @@ impl ThreadWorld {
             .map(|rank| ThreadComm {
                 rank,
                 world: Arc::clone(&world),
+                peer_wait_ns: AtomicU64::new(0),
             })
             .collect())
     }
@@ -161,6 +163,9 @@ impl ThreadWorld {
 pub struct ThreadComm {
     rank: usize,
     world: Arc<World>,
+    /// Nanoseconds spent at rendezvous waiting for the other ranks to post (load imbalance
+    /// before a collective, as opposed to its transfer).
+    peer_wait_ns: AtomicU64,
 }
 
 impl fmt::Debug for ThreadComm {
@@ -440,7 +445,8 @@ impl ThreadComm {
         st.posts[r] = post;
         st.reached[r] = point;
         w.cv.notify_all();
-        let deadline = Instant::now() + w.timeout;
+        let posted = Instant::now();
+        let deadline = posted + w.timeout;
         // Arrival first: once every rank has posted, the rendezvous has happened, whatever
         // poisons the world afterwards. A rank that fails the world first makes the next arrival
         // stop at the poison check above, so the rendezvous can no longer complete.
@@ -462,6 +468,8 @@ impl ThreadComm {
             }
             st = w.wait(st, deadline - now);
         }
+        let waited = u64::try_from(posted.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.peer_wait_ns.fetch_add(waited, Ordering::Relaxed);
         let posts = st.posts.clone();
         if let Err(reason) = validate(&posts) {
             st.in_call[r] = false;
@@ -843,6 +851,10 @@ impl Communicator for ThreadComm {
 
     fn barrier(&self) -> Result<()> {
         self.barrier_in(&HostMemory)
+    }
+
+    fn peer_wait_seconds(&self) -> Option<f64> {
+        Some(self.peer_wait_ns.load(Ordering::Relaxed) as f64 * 1e-9)
     }
 
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {

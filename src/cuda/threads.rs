@@ -262,6 +262,10 @@ impl Communicator for ThreadDeviceComm {
         self.host.barrier_in(&self.mem())
     }
 
+    fn peer_wait_seconds(&self) -> Option<f64> {
+        self.host.peer_wait_seconds()
+    }
+
     /// Device segments straight from every rank's device input (device-to-device copies, no
     /// staging), as the CPU backend does on host memory; host segments through the CPU backend.
     fn all_gather_segments(
