@@ -540,8 +540,10 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              compulsory traffic (params and state read and written, grads read; scratch not \
              counted); memcpy GB/s counts read + write bytes too, and `vs memcpy` is against \
              the all-threads copy. MFU against the peak of the row's dtype (below); `vs GEMM` \
-             against the same-run f32 GEMM; the interleaved column times, right after every \
-             timed step, an f32 GEMM of the matrices' longest side (256 to 2048) for Muon, or the \
+             against the same-run GEMM of the row's precision (bf16 Newton–Schulz on oneDNN: \
+             oneDNN's bf16 matmul; otherwise the f32 GEMM); the interleaved column times, right \
+             after every timed step, a GEMM of the matrices' longest side (256 to 2048) in the \
+             same precision for Muon (named in the cell), or the \
              baseline's memcpy (on rayon's threads) for AdamW and 8-bit Adam, and gives the median, \
              range and count of the per-step ratios (GFLOP/s to the GEMM's, GB/s to the copy's), \
              which the machine's load moves far less than the ratios to the baselines measured \

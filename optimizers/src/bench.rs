@@ -45,10 +45,12 @@ use ragged::{Error, Result};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::plan::PlanOptions;
 
+use crate::newton_schulz::{resolve_backend, NsBackend};
 use crate::{
     Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
     MatrixLayout, Muon, MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
 };
+use half::bf16;
 
 // ---------------------------------------------------------------------------------------------
 // Machine peak
@@ -201,6 +203,8 @@ pub struct Baselines {
     /// `2n³ / t`, best and median of the reps, GFLOP/s.
     pub gemm_best_gflops: f64,
     pub gemm_median_gflops: f64,
+    /// The same on oneDNN's bf16 matmul (best, median), where bf16 Newton–Schulz runs on it.
+    pub bf16_gemm_gflops: Option<(f64, f64)>,
 }
 
 /// memcpy bandwidth in GB/s counting read + write bytes (`2·bytes / t`), best of `reps`, with
@@ -266,25 +270,68 @@ impl MemcpyProbe {
     }
 }
 
-/// A square `f32` GEMM `C = A·B` (row-major `n × n`, seeded operands) with the `gemm` crate
-/// (AVX-512 kernels compiled in, picked at run time) on rayon's threads, ready to time again
-/// and again: the baseline GEMM, and the one `run_case` interleaves with Muon's steps.
+/// A square GEMM `C = A·B` (row-major `n × n`, seeded operands), ready to time again and
+/// again: the baselines, and the one `run_case` interleaves with Muon's steps. `f32` on the
+/// `gemm` crate (AVX-512 kernels compiled in, picked at run time) on rayon's threads, or `bf16`
+/// on oneDNN's matmul primitive (what bf16 Newton–Schulz runs on where oneDNN has it).
 pub struct GemmProbe {
     n: usize,
-    a: Vec<f32>,
-    b: Vec<f32>,
-    c: Vec<f32>,
+    operands: Operands,
+}
+
+enum Operands {
+    F32([Vec<f32>; 3]),
+    Bf16([Vec<bf16>; 3]),
 }
 
 impl GemmProbe {
-    /// Operands for side `n`.
+    /// `f32` operands for side `n`.
     pub fn new(n: usize) -> Self {
         let mut rng = SplitMix(7);
+        let mut v = |len| (0..len).map(|_| rng.uniform()).collect::<Vec<f32>>();
+        let (a, b) = (v(n * n), v(n * n));
         GemmProbe {
             n,
-            a: (0..n * n).map(|_| rng.uniform()).collect(),
-            b: (0..n * n).map(|_| rng.uniform()).collect(),
-            c: vec![0.0; n * n],
+            operands: Operands::F32([a, b, vec![0.0; n * n]]),
+        }
+    }
+
+    /// `bf16` operands for side `n` on oneDNN; `Err` where oneDNN has no bf16 matmul here.
+    pub fn bf16_onednn(n: usize) -> Result<Self> {
+        crate::kernels::onednn::onednn()
+            .and_then(|d| d.bf16_impl())
+            .map_err(unsupported)?;
+        let Operands::F32([a, b, _]) = GemmProbe::new(n).operands else {
+            unreachable!("GemmProbe::new makes f32 operands")
+        };
+        let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+        Ok(GemmProbe {
+            n,
+            operands: Operands::Bf16([to_bf16(a), to_bf16(b), vec![bf16::ZERO; n * n]]),
+        })
+    }
+
+    /// The GEMM Newton–Schulz for `kind` is compared with: oneDNN's bf16 matmul where bf16
+    /// Newton–Schulz runs on it, else `f32` (the portable bf16 path rounds operands around
+    /// the `f32` GEMM).
+    pub fn for_ns(kind: OptimKind, n: usize) -> Self {
+        let onednn = matches!(
+            resolve_backend(NsPrecision::Bf16, NsBackend::Auto),
+            Ok(NsBackend::OneDnn)
+        );
+        match (kind, onednn) {
+            (OptimKind::MuonBf16, true) => {
+                GemmProbe::bf16_onednn(n).unwrap_or_else(|_| GemmProbe::new(n))
+            }
+            _ => GemmProbe::new(n),
+        }
+    }
+
+    /// `f32 GEMM` or `bf16 GEMM (oneDNN)`.
+    pub fn label(&self) -> &'static str {
+        match self.operands {
+            Operands::F32(_) => "f32 GEMM",
+            Operands::Bf16(_) => "bf16 GEMM (oneDNN)",
         }
     }
 
@@ -299,48 +346,46 @@ impl GemmProbe {
     }
 
     /// Seconds of one product.
-    pub fn seconds(&mut self) -> f64 {
-        let (n, ni) = (self.n, self.n as isize);
-        let threads = rayon::current_num_threads();
+    pub fn seconds(&mut self) -> Result<f64> {
+        let n = self.n;
         let t = Instant::now();
-        // SAFETY: a, b and c hold n·n elements each, row-major (column stride 1, row stride
-        // n), and c does not alias a or b.
-        unsafe {
-            gemm::gemm(
-                n,
-                n,
-                n,
-                self.c.as_mut_ptr(),
-                1,
-                ni,
-                false,
-                self.a.as_ptr(),
-                1,
-                ni,
-                self.b.as_ptr(),
-                1,
-                ni,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(threads),
-            );
+        match &mut self.operands {
+            Operands::F32([a, b, c]) => {
+                let par = gemm::Parallelism::Rayon(rayon::current_num_threads());
+                crate::kernels::gemm_f32::matmul(n, n, n, a, b, c, false, 0.0, 1.0, par);
+                std::hint::black_box(c);
+            }
+            Operands::Bf16([a, b, c]) => {
+                let dnnl = crate::kernels::onednn::onednn().map_err(unsupported)?;
+                dnnl.matmul(n, n, n, a, b, false, c, 1.0, None)
+                    .map_err(unsupported)?;
+                std::hint::black_box(c);
+            }
         }
-        std::hint::black_box(&mut self.c);
-        t.elapsed().as_secs_f64()
+        Ok(t.elapsed().as_secs_f64())
     }
 }
 
-/// [`GemmProbe`] of side `n`: best and median GFLOP/s (`2n³/t`) of `reps` runs after one
-/// warm-up.
-pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
-    let mut probe = GemmProbe::new(n);
-    probe.seconds();
-    let times: Vec<f64> = (0..reps.max(1)).map(|_| probe.seconds()).collect();
+fn unsupported(e: impl std::fmt::Display) -> Error {
+    Error::Infeasible {
+        op: "bf16 GEMM baseline",
+        reason: e.to_string(),
+    }
+}
+
+/// [`GemmProbe`] `probe`: best and median GFLOP/s (`2n³/t`) of `reps` runs after one warm-up.
+pub fn probe_gflops(mut probe: GemmProbe, reps: usize) -> Result<(f64, f64)> {
+    probe.seconds()?;
+    let times = (0..reps.max(1))
+        .map(|_| probe.seconds())
+        .collect::<Result<Vec<f64>>>()?;
     let t = Timing::of(times);
-    (probe.flops() / t.best / 1e9, probe.flops() / t.median / 1e9)
+    Ok((probe.flops() / t.best / 1e9, probe.flops() / t.median / 1e9))
+}
+
+/// The `f32` [`GemmProbe`] of side `n`: best and median GFLOP/s.
+pub fn gemm_gflops(n: usize, reps: usize) -> (f64, f64) {
+    probe_gflops(GemmProbe::new(n), reps).unwrap_or((f64::NAN, f64::NAN))
 }
 
 /// Side of the GEMM interleaved with Muon's steps on `set`: its longest matrix side, within
@@ -362,6 +407,9 @@ pub fn baselines(memcpy_bytes: usize, gemm_n: usize, reps: usize) -> Baselines {
         gemm_n,
         gemm_best_gflops,
         gemm_median_gflops,
+        bf16_gemm_gflops: GemmProbe::bf16_onednn(gemm_n)
+            .and_then(|p| probe_gflops(p, reps))
+            .ok(),
     }
 }
 
@@ -861,6 +909,9 @@ pub struct Row {
     /// Muon only: per timed step, the step's nominal GFLOP/s over the rate of an `f32` GEMM
     /// ([`GemmProbe`], side [`interleaved_gemm_side`]) timed right after it; sorted.
     pub vs_interleaved_gemm: Vec<f64>,
+    /// Muon only: which GEMM that is ([`GemmProbe::label`]: oneDNN's bf16 matmul for bf16
+    /// Newton–Schulz on oneDNN, else `f32`).
+    pub interleaved_gemm: &'static str,
     /// AdamW and 8-bit Adam only: per timed step, the step's GB/s of compulsory traffic over
     /// that of a memcpy ([`MemcpyProbe`], the baseline's size) timed right after it; sorted.
     pub vs_interleaved_memcpy: Vec<f64>,
@@ -906,7 +957,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usiz
         .map(|k| Case::with_adam8bit_kernel(kind, set, k))
         .transpose()?;
     let mut gemm = matches!(kind, OptimKind::Muon | OptimKind::MuonBf16)
-        .then(|| GemmProbe::new(interleaved_gemm_side(set)));
+        .then(|| GemmProbe::for_ns(kind, interleaved_gemm_side(set)));
     let elementwise = matches!(kind, OptimKind::AdamW | OptimKind::Adam8bit);
     let mut memcpy = elementwise.then(|| MemcpyProbe::new(memcpy_bytes));
     let Cost { flops, bytes, .. } = cost(kind, set)?;
@@ -919,7 +970,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usiz
         o.step()?;
     }
     if let Some(g) = gemm.as_mut() {
-        g.seconds();
+        g.seconds()?;
     }
     let reps = reps.max(1).min((CASE_SECONDS / first) as usize);
     let mut times = Vec::with_capacity(reps.max(1));
@@ -941,7 +992,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usiz
             other_times.push(t.elapsed().as_secs_f64());
         }
         if let Some(g) = gemm.as_mut() {
-            let rate = g.flops() / g.seconds();
+            let rate = g.flops() / g.seconds()?;
             vs_gemm.push(flops / step / rate);
         }
         if let (Some(m), Some(same)) = (memcpy.as_mut(), same_bytes.as_mut()) {
@@ -983,6 +1034,7 @@ pub fn run_case(kind: OptimKind, set: &ShapeSet, reps: usize, memcpy_bytes: usiz
         state_bytes: case.state_bytes(),
         kernel,
         vs_interleaved_gemm: vs_gemm,
+        interleaved_gemm: gemm.as_ref().map_or("", GemmProbe::label),
         vs_interleaved_memcpy: vs_memcpy,
         vs_same_bytes_memcpy: vs_same,
     })
@@ -1113,6 +1165,15 @@ fn peak_of(p: &Peak, kind: OptimKind) -> f64 {
     }
 }
 
+/// The baseline GEMM rate (best, GFLOP/s) of `kind`'s precision: oneDNN's bf16 matmul for
+/// bf16 Newton–Schulz where it was measured, else the `f32` GEMM.
+fn gemm_of(b: &Baselines, kind: OptimKind) -> f64 {
+    match (kind, b.bf16_gemm_gflops) {
+        (OptimKind::MuonBf16, Some((best, _))) => best,
+        _ => b.gemm_best_gflops,
+    }
+}
+
 /// A sorted sample of ratios as `median (min–max, n)`; `–` when empty.
 fn interleaved(r: &[f64]) -> String {
     match (r.first(), r.last()) {
@@ -1125,7 +1186,7 @@ fn interleaved(r: &[f64]) -> String {
 fn interleaved_cell(row: &Row) -> String {
     match (&row.vs_interleaved_gemm[..], &row.vs_interleaved_memcpy[..]) {
         ([], []) => "–".into(),
-        (gemm, []) => format!("GEMM {}", interleaved(gemm)),
+        (gemm, []) => format!("{} {}", row.interleaved_gemm, interleaved(gemm)),
         (_, memcpy) => format!("memcpy {}", interleaved(memcpy)),
     }
 }
@@ -1178,6 +1239,16 @@ pub fn markdown(r: &Report) -> String {
         100.0 * b.gemm_best_gflops / p.f32_gflops(),
         n = b.gemm_n
     );
+    if let Some((best, median)) = b.bf16_gemm_gflops {
+        // Before the blank line that ends the baseline table.
+        out.pop();
+        let _ = writeln!(
+            out,
+            "| bf16 GEMM (oneDNN matmul) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |\n",
+            100.0 * best / p.bf16_gflops(),
+            n = b.gemm_n
+        );
+    }
     let _ = writeln!(out, "| {} |", COLUMNS.join(" | "));
     let _ = writeln!(out, "|{}", "---|".repeat(COLUMNS.len()));
     for row in &r.rows {
@@ -1197,7 +1268,7 @@ pub fn markdown(r: &Report) -> String {
             row.cost.flops / 1e9,
             row.gflops(),
             100.0 * row.gflops() / peak_of(p, row.optimizer),
-            row.gflops() / b.gemm_best_gflops,
+            row.gflops() / gemm_of(b, row.optimizer),
             row.cost.bytes / 1e6,
             row.gbps(),
             row.gbps() / b.memcpy_all_gbps,
@@ -1248,8 +1319,53 @@ mod tests {
             let same = &row.vs_same_bytes_memcpy;
             assert_eq!((gemm.len(), memcpy.len()), want, "{kind}");
             assert_eq!(same.len(), memcpy.len(), "{kind}");
+            let onednn = matches!(
+                resolve_backend(NsPrecision::Bf16, NsBackend::Auto),
+                Ok(NsBackend::OneDnn)
+            );
+            let probe = match kind {
+                OptimKind::MuonBf16 if onednn => "bf16 GEMM (oneDNN)",
+                OptimKind::Muon | OptimKind::MuonBf16 => "f32 GEMM",
+                _ => "",
+            };
+            assert_eq!(row.interleaved_gemm, probe, "{kind}");
             let ratios = gemm.iter().chain(memcpy).chain(same);
             assert!(ratios.into_iter().all(|r| r.is_finite() && *r > 0.0));
+        }
+    }
+
+    /// Both baseline GEMMs compute the product they time (bf16: within bf16's rounding of the
+    /// output, against f32 on the same rounded operands).
+    #[test]
+    fn gemm_probes_compute_the_product() {
+        let n = 48;
+        let mut f = GemmProbe::new(n);
+        f.seconds().unwrap();
+        let Operands::F32([a, b, c]) = &f.operands else {
+            panic!("f32 operands")
+        };
+        let product = |a: &dyn Fn(usize) -> f32, b: &dyn Fn(usize) -> f32, i: usize, j: usize| {
+            (0..n).map(|k| a(i * n + k) * b(k * n + j)).sum::<f32>()
+        };
+        for (i, j) in [(0, 0), (5, 17), (47, 47)] {
+            let want = product(&|x| a[x], &|x| b[x], i, j);
+            assert!((c[i * n + j] - want).abs() <= 1e-4 * want.abs().max(1.0));
+        }
+        let Ok(mut h) = GemmProbe::bf16_onednn(n) else {
+            println!("skipped the bf16 probe: oneDNN has no bf16 matmul here");
+            return;
+        };
+        h.seconds().unwrap();
+        let Operands::Bf16([a, b, c]) = &h.operands else {
+            panic!("bf16 operands")
+        };
+        for (i, j) in [(0, 0), (5, 17), (47, 47)] {
+            let want = product(&|x| a[x].to_f32(), &|x| b[x].to_f32(), i, j);
+            let got = c[i * n + j].to_f32();
+            assert!(
+                (got - want).abs() <= 1e-2 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
         }
     }
 
