@@ -682,6 +682,29 @@ fn qwen3_30b_layer_meets_the_piece_floor() {
     assert!(plan.numel().div_ceil(256) + 20_000 < shard_sum);
 }
 
+/// A DeepSeek-V3 dense layer at `rows:128`, V = 8: the split by count gives `o_proj`, the MLP
+/// and the rest of the attention a buffer each (73,072,640 per rank), and one move of
+/// `kv_b_proj` next to `o_proj` fills that buffer to its eighth `o_proj` block exactly while
+/// the third drops from 45 to 34 `q_b_proj` blocks: 73,007,104, the exact optimum over every
+/// partition into at most 3 buffers and every order in each (`exact_unit`, 21 s, so not run
+/// here). The moves now also start from the split's result.
+#[test]
+fn deepseek_v3_dense_layer_moves_kv_b_proj_next_to_o_proj() {
+    let plan = unit_plan(
+        "models/deepseek_v3_671b.json",
+        "layers.0",
+        AtomicBlock::Rows(128),
+        8,
+    );
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 73_007_104);
+    let o = buffer_of(&plan, "o_proj.weight");
+    assert!(std::ptr::eq(o, buffer_of(&plan, "kv_b_proj.weight")));
+    assert_eq!(o.shard_size, 8 * 2_097_152);
+    assert_eq!(buffer_of(&plan, "q_b_proj.weight").shard_size, 34 * 196_608);
+    assert!(plan.floor_shard_sum <= shard_sum);
+}
+
 /// A DeepSeek-V3 MoE layer at `rows:16`, V = 4096: every large tensor is forced, with lattices
 /// that are multiples of 16,384 except `kv_b_proj` (8,192) and `q_b_proj` (24,576). The plan's
 /// 344 × 8,192 is optimal although 343 hold the layer: an odd multiple needs a buffer of those

@@ -183,18 +183,8 @@ pub fn plan_multi_items(
         }
     }
     if max_k > 1 {
-        starts.push(best);
-        let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
-        best = starts
-            .into_iter()
-            .map(|start| refine(items, world, opts, mopts, start))
-            .chain(filled)
-            .min_by(|a, b| {
-                cost(a)
-                    .total_cmp(&cost(b))
-                    .then(a.groups.len().cmp(&b.groups.len()))
-            })
-            .expect("the single buffer is a start");
+        // `choose` always has the single buffer; `None` cannot happen, keep it then.
+        best = choose(items, world, opts, mopts, best.clone(), starts, filled).unwrap_or(best);
     }
     // The last pass: the chosen buffers, and the single buffer, built shard by shard where
     // that is smaller (super::shard_fill). The rebuilt single buffer replaces the chosen ones
@@ -225,6 +215,43 @@ pub fn plan_multi_items(
         single,
         floor,
         cost_s: best_cost,
+    })
+}
+
+/// The cheapest of the refined `starts` and the `filled` candidates (ties: fewer buffers). A
+/// filled winner is refined too: its buffers are full by count, but a tensor of another shape
+/// may still belong elsewhere. In a DeepSeek-V3 dense layer at `rows:128`, `V = 8`, the split
+/// gives `o_proj`, the MLP and the rest of the attention a buffer each; moving `kv_b_proj`
+/// next to `o_proj` fills that buffer to the next `o_proj` block exactly and takes 11 blocks
+/// of `q_b_proj` off the third (the exact optimum). From one buffer that layout is several
+/// moves away, each ranked behind moves that fail; from the filled one it is one move.
+fn choose(
+    items: &[Item],
+    world: usize,
+    opts: &PlanOptions,
+    mopts: &MultiOptions,
+    single: Partition,
+    starts: Vec<Partition>,
+    filled: Vec<Partition>,
+) -> Option<Partition> {
+    let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+    let cheaper = |a: &Partition, b: &Partition| {
+        cost(a)
+            .total_cmp(&cost(b))
+            .then(a.groups.len().cmp(&b.groups.len()))
+    };
+    // The first of equals wins, as in the order of `starts` (the single buffer last).
+    let pick = |a: Partition, b: Partition| if cheaper(&b, &a).is_lt() { b } else { a };
+    let refined = starts
+        .into_iter()
+        .chain(std::iter::once(single))
+        .map(|start| refine(items, world, opts, mopts, start))
+        .reduce(pick)?;
+    Some(match filled.into_iter().reduce(pick) {
+        Some(f) if cheaper(&f, &refined).is_lt() => {
+            pick(f.clone(), refine(items, world, opts, mopts, f))
+        }
+        _ => refined,
     })
 }
 
