@@ -705,6 +705,39 @@ fn deepseek_v3_dense_layer_moves_kv_b_proj_next_to_o_proj() {
     assert!(plan.floor_shard_sum <= shard_sum);
 }
 
+/// A Qwen3-235B-A22B layer at `rows:1`: `o_proj` (block 8,192) and `q_proj` (4,096) are forced,
+/// the experts are not at V = 256 and are at V = 1024 (`gate/up_proj` 4,096, `down_proj`
+/// 1,536). The moves take the router with the norms (tensors that never force a lattice)
+/// in one move, which neither does alone.
+/// - V = 256: `q_proj` next to `o_proj` (262,144 per rank, exactly full) leaves the rest with
+///   no forced lattice, 9,718,272 in all: the floor.
+/// - V = 1024: `o_proj` alone, the attention with the `gate/up_proj` (393 × 4,096, exactly
+///   full), and the `down_proj` with the router and the norms (513 × 1,536): 2,430,464, where
+///   one buffer needs 99 × 24,576 = 2,433,024. The start (`o_proj`, the tensors of block
+///   4,096, the rest) costs more than one buffer.
+#[test]
+fn qwen3_235b_layer_at_rows_1_moves_the_router_with_the_norms() {
+    let model = "models/qwen3_235b_a22b.json";
+    let plan = layer_plan(model, AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 9_718_272);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let o = buffer_of(&plan, "o_proj.weight");
+    assert!(std::ptr::eq(o, buffer_of(&plan, "q_proj.weight")));
+    let plan = layer_plan(model, AtomicBlock::Rows(1), 1024);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(shard_sum, 2_430_464);
+    assert!(shard_sum < plan.single.shard_size);
+    let down = buffer_of(&plan, "down_proj.weight");
+    assert!(std::ptr::eq(down, buffer_of(&plan, "mlp.gate.weight")));
+    assert!(std::ptr::eq(
+        down,
+        buffer_of(&plan, "input_layernorm.weight")
+    ));
+    assert_eq!(down.shard_size, 513 * 1536);
+    assert_eq!(buffer_of(&plan, "o_proj.weight").placements.len(), 1);
+}
+
 /// A DeepSeek-V3 MoE layer at `rows:16`, V = 4096: every large tensor is forced, with lattices
 /// that are multiples of 16,384 except `kv_b_proj` (8,192) and `q_b_proj` (24,576). The plan's
 /// 344 × 8,192 is optimal although 343 hold the layer: an odd multiple needs a buffer of those
