@@ -30,6 +30,7 @@
 //! of a small unit has two buffers and is above it, a deeper search of the common-step bound
 //! ([`super::step_floor::step_floor_deep`]) is tried.
 
+use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
@@ -272,8 +273,9 @@ fn choose(
 /// have too many combinations for it to help within its budget.
 pub const DEEP_FLOOR_MAX_TENSORS: usize = 64;
 
-/// The floor of `partition`'s number of buffers, raised by [`step_floor_deep`] where the plan
-/// has two buffers, is above it and the unit is small (a lower bound either way: both are).
+/// The floor of `partition`'s number of buffers, raised where the plan is above it by
+/// [`content_floor`] and, where the plan has two buffers and the unit is small, by
+/// [`step_floor_deep`] (a lower bound either way: all are).
 /// Two buffers is where the deeper search pays: there a `Q` of its own leaves the forced
 /// tensors one buffer (their lattices' lcm), so which small tensors join them matters; with
 /// three or more it found nothing on the benchmark's units and cost up to 0.4 s per unit.
@@ -285,6 +287,16 @@ fn deepen_floor(
     floor: usize,
 ) -> usize {
     let k = partition.groups.len();
+    if partition.shard_sum <= floor {
+        return floor;
+    }
+    // The content floor holds for any number of buffers; it only runs above the others.
+    let floor = floor.max(
+        content_floor(items, world, coll)
+            .ok()
+            .flatten()
+            .unwrap_or(0),
+    );
     if k != 2 || partition.shard_sum <= floor || items.len() > DEEP_FLOOR_MAX_TENSORS {
         return floor;
     }

@@ -13,7 +13,7 @@
 //! lattice step (identical experts can be spread over buffers this way); each of those also
 //! together with every tensor of the source that never forces a lattice (fewer than two
 //! blocks: norms), and those alone, since small tensors that cost the source a lattice step
-//! only move as one (see [`bundles`]). A move is
+//! only move as one (`bundles`). A move is
 //! ranked by the single-buffer lower bounds of the two changed buffers
 //! ([`super::search::any_order_lower_bound`], no layout). The best-ranked move that could lower
 //! the cost is tested by the quick search of [`min_shard_below`] (only below the sizes that
