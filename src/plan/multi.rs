@@ -13,10 +13,11 @@
 //! at most once, until no partition left can beat the best one planned. Then
 //! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
 //! cost: tensors with the same block do not always belong together. The moves start from one
-//! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
-//! the cheapest result wins. A last pass ([`super::shard_fill`]) rebuilds each chosen buffer,
-//! and the single buffer, shard by shard where that is smaller; the single buffer replaces
-//! the chosen ones where it then costs less.
+//! buffer, from the best partition of every `k` (a worse start sometimes ends lower, even one
+//! a little above one buffer, [`START_SLACK_DIVISOR`]) and from the split by count's result
+//! where that wins ([`super::split`]), and the cheapest result wins. A last pass
+//! ([`super::shard_fill`]) rebuilds each chosen buffer, and the single buffer, shard by shard
+//! where that is smaller; the single buffer replaces the chosen ones where it then costs less.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -27,8 +28,9 @@
 //! **Floor** ([`floor_shard_sum`], in [`super::floor`]): a lower bound on `Σ S_b` over every
 //! partition of the unit into at most `k` buffers and every layout of each, proved in that
 //! module's doc and tested against exhaustive search on small inputs. Where the chosen layout
-//! of a small unit has two buffers and is above it, a deeper search of the common-step bound
-//! ([`super::step_floor::step_floor_deep`]) is tried.
+//! of a unit is above it, the content floor ([`super::content_floor`]) is taken too, and where
+//! such a layout of a small unit has two buffers, a deeper search of the common-step bound
+//! ([`super::step_floor::step_floor_deep`]).
 
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
