@@ -25,11 +25,13 @@
 //! | its fifth bound, the parts of tensors inside one shard | [`piece_floor`] |
 //! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
 //! | its seventh bound (one buffer), the residues of pieces when the shards hold exactly `m` | [`residue_floor`] |
+//! | an eighth bound, the padding of the buffer holding a given shape (residues of contents) | [`content_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
 pub mod baselines;
 pub mod class_floor;
+pub mod content_floor;
 pub mod exact_partition;
 pub mod export;
 pub mod fit;

@@ -13,10 +13,11 @@
 //! at most once, until no partition left can beat the best one planned. Then
 //! [`super::refine`] moves tensors between buffers (or into a new one) while that lowers the
 //! cost: tensors with the same block do not always belong together. The moves start from one
-//! buffer and from the best partition of every `k` (a worse start sometimes ends lower), and
-//! the cheapest result wins. A last pass ([`super::shard_fill`]) rebuilds each chosen buffer,
-//! and the single buffer, shard by shard where that is smaller; the single buffer replaces
-//! the chosen ones where it then costs less.
+//! buffer, from the best partition of every `k` (a worse start sometimes ends lower, even one
+//! a little above one buffer, [`START_SLACK_DIVISOR`]) and from the split by count's result
+//! where that wins ([`super::split`]), and the cheapest result wins. A last pass
+//! ([`super::shard_fill`]) rebuilds each chosen buffer, and the single buffer, shard by shard
+//! where that is smaller; the single buffer replaces the chosen ones where it then costs less.
 //!
 //! **Choice of `k`** ([`MultiOptions`]): per training step each buffer costs one all-gather
 //! and one reduce-scatter, each a latency `α` plus `(V−1)·S·bytes / bandwidth` on the link. The
@@ -27,9 +28,11 @@
 //! **Floor** ([`floor_shard_sum`], in [`super::floor`]): a lower bound on `Σ S_b` over every
 //! partition of the unit into at most `k` buffers and every layout of each, proved in that
 //! module's doc and tested against exhaustive search on small inputs. Where the chosen layout
-//! of a small unit has two buffers and is above it, a deeper search of the common-step bound
-//! ([`super::step_floor::step_floor_deep`]) is tried.
+//! of a unit is above it, the content floor ([`super::content_floor`]) is taken too, and where
+//! such a layout of a small unit has two buffers, a deeper search of the common-step bound
+//! ([`super::step_floor::step_floor_deep`]).
 
+use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
 use super::refine::refine;
@@ -141,6 +144,15 @@ impl MultiLayout {
     }
 }
 
+/// The best partition of each `k` is a start of the moves if its cost is below one buffer's
+/// with `Σ S` raised by this fraction of it (1/`START_SLACK_DIVISOR`): a start that costs a
+/// little more than one buffer may still end lower. In a Qwen3-235B-A22B layer at `rows:1`,
+/// `V = 1024`, `o_proj` alone, the attention with the experts' `gate/up_proj`, and the
+/// `down_proj` tensors need 0.06 % more than one buffer, and moving the router and the norms
+/// to the `down_proj` buffer then makes it 0.1 % less. Wider starts cost time (every start is
+/// refined) for nothing more on the benchmark's models.
+pub const START_SLACK_DIVISOR: usize = 1024;
+
 /// Plans `items` as at most `mopts.max_buffers` buffers (see the module doc).
 pub fn plan_multi_items(
     items: &[Item],
@@ -165,9 +177,12 @@ pub fn plan_multi_items(
         *slot = floor_shard_sum(items, world, opts.coll_align, k)?;
     }
     let worth = |k: usize| mopts.cost_s(k, floors[k], world) < single_cost;
+    // A start may cost a little more than one buffer: the moves can still take it lower.
+    let start_slack = single.shard_size / START_SLACK_DIVISOR;
+    let start_cost = mopts.cost_s(1, single.shard_size.saturating_add(start_slack), world);
     let mut starts = Vec::new();
     for k in (2..=max_k.min(distinct_blocks(items))).filter(|&k| worth(k)) {
-        if let Some(found) = best_partition(items, world, opts, mopts, k, single_cost) {
+        if let Some(found) = best_partition(items, world, opts, mopts, k, start_cost) {
             starts.push(found);
         }
     }
@@ -183,18 +198,8 @@ pub fn plan_multi_items(
         }
     }
     if max_k > 1 {
-        starts.push(best);
-        let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
-        best = starts
-            .into_iter()
-            .map(|start| refine(items, world, opts, mopts, start))
-            .chain(filled)
-            .min_by(|a, b| {
-                cost(a)
-                    .total_cmp(&cost(b))
-                    .then(a.groups.len().cmp(&b.groups.len()))
-            })
-            .expect("the single buffer is a start");
+        // `choose` always has the single buffer; `None` cannot happen, keep it then.
+        best = choose(items, world, opts, mopts, best.clone(), starts, filled).unwrap_or(best);
     }
     // The last pass: the chosen buffers, and the single buffer, built shard by shard where
     // that is smaller (super::shard_fill). The rebuilt single buffer replaces the chosen ones
@@ -228,13 +233,51 @@ pub fn plan_multi_items(
     })
 }
 
+/// The cheapest of the refined `starts` and the `filled` candidates (ties: fewer buffers). A
+/// filled winner is refined too: its buffers are full by count, but a tensor of another shape
+/// may still belong elsewhere. In a DeepSeek-V3 dense layer at `rows:128`, `V = 8`, the split
+/// gives `o_proj`, the MLP and the rest of the attention a buffer each; moving `kv_b_proj`
+/// next to `o_proj` fills that buffer to the next `o_proj` block exactly and takes 11 blocks
+/// of `q_b_proj` off the third (the exact optimum). From one buffer that layout is several
+/// moves away, each ranked behind moves that fail; from the filled one it is one move.
+fn choose(
+    items: &[Item],
+    world: usize,
+    opts: &PlanOptions,
+    mopts: &MultiOptions,
+    single: Partition,
+    starts: Vec<Partition>,
+    filled: Vec<Partition>,
+) -> Option<Partition> {
+    let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+    let cheaper = |a: &Partition, b: &Partition| {
+        cost(a)
+            .total_cmp(&cost(b))
+            .then(a.groups.len().cmp(&b.groups.len()))
+    };
+    // The first of equals wins, as in the order of `starts` (the single buffer last).
+    let pick = |a: Partition, b: Partition| if cheaper(&b, &a).is_lt() { b } else { a };
+    let refined = starts
+        .into_iter()
+        .chain(std::iter::once(single))
+        .map(|start| refine(items, world, opts, mopts, start))
+        .reduce(pick)?;
+    Some(match filled.into_iter().reduce(pick) {
+        Some(f) if cheaper(&f, &refined).is_lt() => {
+            pick(f.clone(), refine(items, world, opts, mopts, f))
+        }
+        _ => refined,
+    })
+}
+
 /// Units of at most this many tensors whose two-buffer plan is above its floor get the deeper
 /// common-step search ([`step_floor_deep`]); larger units (MoE layers of one tensor per expert)
 /// have too many combinations for it to help within its budget.
 pub const DEEP_FLOOR_MAX_TENSORS: usize = 64;
 
-/// The floor of `partition`'s number of buffers, raised by [`step_floor_deep`] where the plan
-/// has two buffers, is above it and the unit is small (a lower bound either way: both are).
+/// The floor of `partition`'s number of buffers, raised where the plan is above it by
+/// [`content_floor`] and, where the plan has two buffers and the unit is small, by
+/// [`step_floor_deep`] (a lower bound either way: all are).
 /// Two buffers is where the deeper search pays: there a `Q` of its own leaves the forced
 /// tensors one buffer (their lattices' lcm), so which small tensors join them matters; with
 /// three or more it found nothing on the benchmark's units and cost up to 0.4 s per unit.
@@ -246,6 +289,16 @@ fn deepen_floor(
     floor: usize,
 ) -> usize {
     let k = partition.groups.len();
+    if partition.shard_sum <= floor {
+        return floor;
+    }
+    // The content floor holds for any number of buffers; it only runs above the others.
+    let floor = floor.max(
+        content_floor(items, world, coll)
+            .ok()
+            .flatten()
+            .unwrap_or(0),
+    );
     if k != 2 || partition.shard_sum <= floor || items.len() > DEEP_FLOOR_MAX_TENSORS {
         return floor;
     }

@@ -10,7 +10,10 @@
 //! **Moves.** For each buffer and each shape `(elements, block)` in it, some of its tensors of
 //! that shape go to another buffer or to a new one (at most `K` buffers): one, all, as many as
 //! fill the room the target's lattice leaves, or the fewest that lower the source's bound by a
-//! lattice step (identical experts can be spread over buffers this way). A move is
+//! lattice step (identical experts can be spread over buffers this way); each of those also
+//! together with every tensor of the source that never forces a lattice (fewer than two
+//! blocks: norms), and those alone, since small tensors that cost the source a lattice step
+//! only move as one (`bundles`). A move is
 //! ranked by the single-buffer lower bounds of the two changed buffers
 //! ([`super::search::any_order_lower_bound`], no layout). The best-ranked move that could lower
 //! the cost is tested by the quick search of [`min_shard_below`] (only below the sizes that
@@ -121,37 +124,63 @@ fn best_ranked_move(
     let no_shapes = Vec::new();
     let mut best: Option<(usize, Vec<Vec<usize>>)> = None;
     for from in 0..n {
-        for shape in &shapes[from] {
-            for to in (0..targets).filter(|&t| t != from) {
-                let target = shapes.get(to).unwrap_or(&no_shapes);
-                for moved in move_counts(&shapes[from], target, shape, world, opts) {
-                    let bounds = [
-                        shapes_bound(&shapes[from], shape, -(moved as i64), world, opts),
-                        shapes_bound(target, shape, moved as i64, world, opts),
-                    ];
-                    let others = (0..n)
-                        .filter(|&b| b != from && b != to)
-                        .map(|b| Some(sizes[b]));
-                    let sum = bounds
-                        .into_iter()
-                        .chain(others)
-                        .try_fold(0usize, |acc, x| acc.checked_add(x?));
-                    let Some(sum) = sum else { continue };
-                    let emptied = moved == shape.count && shapes[from].len() == 1;
-                    let k = n + usize::from(to == n) - usize::from(emptied);
-                    let worse = best.as_ref().is_some_and(|b| sum >= b.0);
-                    if worse || mopts.cost_s(k, sum, world) >= cost {
-                        continue;
-                    }
-                    let groups = apply_move(items, &current.groups, from, to, *shape, moved);
-                    if !tried.contains(&groups) {
-                        best = Some((sum, groups));
-                    }
+        for to in (0..targets).filter(|&t| t != from) {
+            let target = shapes.get(to).unwrap_or(&no_shapes);
+            for bundle in bundles(&shapes[from], target, world, opts) {
+                let bounds = [
+                    shapes_bound(&shapes[from], &bundle, -1, world, opts),
+                    shapes_bound(target, &bundle, 1, world, opts),
+                ];
+                let others = (0..n)
+                    .filter(|&b| b != from && b != to)
+                    .map(|b| Some(sizes[b]));
+                let sum = bounds
+                    .into_iter()
+                    .chain(others)
+                    .try_fold(0usize, |acc, x| acc.checked_add(x?));
+                let Some(sum) = sum else { continue };
+                let moved: usize = bundle.iter().map(|s| s.count).sum();
+                let held: usize = shapes[from].iter().map(|s| s.count).sum();
+                let k = n + usize::from(to == n) - usize::from(moved == held);
+                let worse = best.as_ref().is_some_and(|b| sum >= b.0);
+                if worse || mopts.cost_s(k, sum, world) >= cost {
+                    continue;
+                }
+                let groups = apply_move(items, &current.groups, from, to, &bundle);
+                if !tried.contains(&groups) {
+                    best = Some((sum, groups));
                 }
             }
         }
     }
     best.map(|b| b.1)
+}
+
+/// What one move from a buffer holding `from` to one holding `to` takes, as shapes with the
+/// number of their tensors that move: tensors of one shape ([`move_counts`]), each of those
+/// together with every tensor of the source that never forces a lattice (fewer than two
+/// blocks: norms, biases), and those alone. The second kind moves a tensor with the small
+/// ones that would otherwise cost the source a lattice step by themselves: in a Qwen3-235B
+/// layer at `rows:1`, `V = 1024`, the router and the norms leave the attention and the
+/// experts' `gate/up_proj` exactly 393 steps of 4,096 per rank, and join the `down_proj`
+/// buffer, which has room for them; either move alone raises the sum of the bounds.
+fn bundles(from: &[Shape], to: &[Shape], world: usize, opts: &PlanOptions) -> Vec<Vec<Shape>> {
+    let free = |s: &Shape| s.item.numel / 2 < s.item.block;
+    let small: Vec<Shape> = from.iter().copied().filter(free).collect();
+    let mut out = Vec::new();
+    for shape in from {
+        for m in move_counts(from, to, shape, world, opts) {
+            let one = Shape { count: m, ..*shape };
+            out.push(vec![one]);
+            if !small.is_empty() && !free(shape) {
+                out.push(std::iter::once(one).chain(small.iter().copied()).collect());
+            }
+        }
+    }
+    if small.len() > 1 {
+        out.push(small);
+    }
+    out
 }
 
 /// How many tensors of `shape` a move from `from` to `to` takes: one, all, as many as fit in
@@ -166,17 +195,18 @@ fn move_counts(
 ) -> Vec<usize> {
     let all = shape.count;
     let mut counts = vec![1, all];
-    let to_now = shapes_bound(to, shape, 0, world, opts);
+    let with = |m: usize| [Shape { count: m, ..*shape }];
+    let to_now = shapes_bound(to, &with(0), 1, world, opts);
     if !to.is_empty() {
         // Bounds only grow with more tensors added: the last m that keeps `to_now`.
-        let fits = |m: usize| shapes_bound(to, shape, m as i64, world, opts) <= to_now;
+        let fits = |m: usize| shapes_bound(to, &with(m), 1, world, opts) <= to_now;
         if let Some(m) = last_true(all, fits) {
             counts.push(m);
         }
     }
-    let from_now = shapes_bound(from, shape, 0, world, opts);
+    let from_now = shapes_bound(from, &with(0), -1, world, opts);
     // Bounds only shrink with more tensors removed: the first m that lowers `from_now`.
-    let keeps = |m: usize| shapes_bound(from, shape, -(m as i64), world, opts) >= from_now;
+    let keeps = |m: usize| shapes_bound(from, &with(m), -1, world, opts) >= from_now;
     if let Some(m) = last_true(all, keeps).filter(|&m| m < all) {
         counts.push(m + 1);
     }
@@ -225,24 +255,24 @@ fn shapes_of(items: &[Item], group: &[usize]) -> Vec<Shape> {
     shapes
 }
 
-/// [`super::search::any_order_lower_bound`] of a buffer's shapes with `delta` tensors of
-/// `changed` added (or removed, negative): only the largest tensor of each block decides
+/// [`super::search::any_order_lower_bound`] of a buffer's shapes with the tensors of `changed`
+/// added (`sign` 1) or removed (`sign` -1): only the largest tensor of each block decides
 /// whether it is forced, so the shapes suffice. 0 for an emptied buffer, `None` on overflow.
 fn shapes_bound(
     shapes: &[Shape],
-    changed: &Shape,
-    delta: i64,
+    changed: &[Shape],
+    sign: i8,
     world: usize,
     opts: &PlanOptions,
 ) -> Option<usize> {
     let mut list: Vec<Shape> = shapes.to_vec();
-    match list.iter_mut().find(|s| same_shape(&s.item, &changed.item)) {
-        Some(s) => s.count = (s.count as i64 + delta).max(0) as usize,
-        None if delta > 0 => list.push(Shape {
-            item: changed.item,
-            count: delta as usize,
-        }),
-        None => {}
+    for c in changed {
+        match list.iter_mut().find(|s| same_shape(&s.item, &c.item)) {
+            Some(s) if sign > 0 => s.count = s.count.checked_add(c.count)?,
+            Some(s) => s.count = s.count.saturating_sub(c.count),
+            None if sign > 0 => list.push(*c),
+            None => {}
+        }
     }
     list.retain(|s| s.count > 0);
     if list.is_empty() {
@@ -257,28 +287,40 @@ fn shapes_bound(
         .next_candidate(total.div_ceil(world).max(largest).max(1))
 }
 
-/// The groups after moving `count` tensors of `shape` (the last ones in unit order) from
-/// buffer `from` to buffer `to` (`to == groups.len()`: a new buffer); emptied buffers dropped.
+/// The groups after moving, for each shape of `bundle`, its `count` last tensors (in unit
+/// order) from buffer `from` to buffer `to` (`to == groups.len()`: a new buffer); emptied
+/// buffers dropped.
 fn apply_move(
     items: &[Item],
     groups: &[Vec<usize>],
     from: usize,
     to: usize,
-    shape: Shape,
-    count: usize,
+    bundle: &[Shape],
 ) -> Vec<Vec<usize>> {
     let mut groups = groups.to_vec();
     if to == groups.len() {
         groups.push(Vec::new());
     }
-    // The last `count` tensors of the shape move; one pass, whatever the number of tensors.
-    let matching = groups[from]
+    for shape in bundle {
+        let (staying, moving) = split_last(items, &groups[from], shape);
+        groups[from] = staying;
+        groups[to].extend_from_slice(&moving);
+    }
+    groups[to].sort_unstable();
+    groups.retain(|g| !g.is_empty());
+    groups
+}
+
+/// `group` without, and the list of, its last `shape.count` tensors of that shape: one pass,
+/// whatever the number of tensors.
+fn split_last(items: &[Item], group: &[usize], shape: &Shape) -> (Vec<usize>, Vec<usize>) {
+    let matching = group
         .iter()
         .filter(|&&i| same_shape(&items[i], &shape.item))
         .count();
-    let keep = matching.saturating_sub(count);
+    let keep = matching.saturating_sub(shape.count);
     let (mut seen, mut moving, mut staying) = (0usize, Vec::new(), Vec::new());
-    for &i in &groups[from] {
+    for &i in group {
         if same_shape(&items[i], &shape.item) {
             seen += 1;
             if seen > keep {
@@ -288,11 +330,7 @@ fn apply_move(
         }
         staying.push(i);
     }
-    groups[from] = staying;
-    groups[to].extend_from_slice(&moving);
-    groups[to].sort_unstable();
-    groups.retain(|g| !g.is_empty());
-    groups
+    (staying, moving)
 }
 
 /// The draft after the move to `groups` if the quick test finds sizes for the changed buffers
