@@ -32,9 +32,12 @@
 //! `Σ S ≥ min(T, ⌈⌈(E + max_w W_w)/V⌉⌉_coll)`. Shapes beyond the [`TRACKED_FORCED`] of `F`
 //! and the [`TRACKED_OTHER`] others with the most elements are dropped (a layout without
 //! their tensors stays valid with the same sizes, so a bound for the rest is one for all).
-//! Start alignment only adds constraints, so it is ignored. `T` runs over `⌊e/2⌋ + 1` for the
+//! Start alignment only adds constraints, so it is ignored. The residue search has a budget
+//! per call ([`MAX_WORK`]). `T` runs over `⌊e/2⌋ + 1` for the
 //! tracked sizes, largest first, at most [`MAX_THRESHOLDS`], until one is no larger than the
 //! best bound so far; the largest bound wins.
+
+use std::cell::Cell;
 
 use super::fit::gcd;
 use super::Item;
@@ -51,6 +54,10 @@ pub const MAX_THRESHOLDS: usize = 6;
 
 /// Residues enumerated per kind of buffer, at most (past it the kind's residue bound is 0).
 pub const MAX_RESIDUES: usize = 1 << 14;
+
+/// Residue steps one call may spend in all; past it every kind's residue bound is 0 (still a
+/// bound), so the time is bounded whatever the counts and sizes.
+pub const MAX_WORK: usize = 1 << 23;
 
 /// One shape `(e, g)` and how many tensors have it.
 #[derive(Clone, Copy, Debug)]
@@ -76,12 +83,13 @@ pub fn content_floor(items: &[Item], world: usize, coll: usize) -> Result<Option
     sizes.sort_unstable_by(|a, b| b.cmp(a));
     sizes.dedup();
     let mut best: Option<u128> = None;
+    let budget = Cell::new(MAX_WORK);
     for e in sizes.into_iter().take(MAX_THRESHOLDS) {
         let t = e / 2 + 1;
         if best.is_some_and(|b| t <= b) {
             break;
         }
-        if let Some(b) = bound_below(&shapes, world as u128, coll as u128, t) {
+        if let Some(b) = bound_below(&shapes, world as u128, coll as u128, t, &budget) {
             best = Some(best.map_or(b, |x| x.max(b)));
         }
     }
@@ -98,12 +106,18 @@ fn shapes_of(items: &[Item]) -> Vec<Shape> {
             None => shapes.push(Shape { e, g, count: 1 }),
         }
     }
-    shapes.sort_by(|a, b| (b.e * b.count).cmp(&(a.e * a.count)));
+    shapes.sort_by_key(|s| std::cmp::Reverse(s.e * s.count));
     shapes
 }
 
 /// `min(t, bound)` for threshold `t` (module doc), `None` on overflow.
-fn bound_below(shapes: &[Shape], v: u128, coll: u128, t: u128) -> Option<u128> {
+fn bound_below(
+    shapes: &[Shape],
+    v: u128,
+    coll: u128,
+    t: u128,
+    budget: &Cell<usize>,
+) -> Option<u128> {
     let limit = 2 * (t - 1);
     let forced: Vec<Shape> = shapes
         .iter()
@@ -124,7 +138,7 @@ fn bound_below(shapes: &[Shape], v: u128, coll: u128, t: u128) -> Option<u128> {
     // least[w]: the least padding of a buffer holding shape w (None: no such buffer below t).
     let mut least: Vec<Option<u128>> = vec![None; kept.len()];
     for kind in kinds(forced.len(), other.len()) {
-        let Some(w) = kind_padding(&kept, &kind, v, coll, t) else {
+        let Some(w) = kind_padding(&kept, &kind, (v, coll, t), budget) else {
             continue;
         };
         for (slot, _) in least
@@ -185,7 +199,12 @@ fn kinds(forced: usize, other: usize) -> Vec<Vec<State>> {
 /// The least padding `V·S − C` of a buffer of this kind below `t`, or `None` when no such
 /// buffer exists (or a size overflows, which only drops a kind's bound to "none possible"
 /// for a kind that cannot be addressed anyway).
-fn kind_padding(shapes: &[Shape], kind: &[State], v: u128, coll: u128, t: u128) -> Option<u128> {
+fn kind_padding(
+    shapes: &[Shape],
+    kind: &[State],
+    (v, coll, t): (u128, u128, u128),
+    budget: &Cell<usize>,
+) -> Option<u128> {
     let mut lattice = coll;
     let (mut lo, mut hi, mut c_max) = (1u128, t - 1, 0u128);
     let mut present = Vec::new();
@@ -210,12 +229,12 @@ fn kind_padding(shapes: &[Shape], kind: &[State], v: u128, coll: u128, t: u128) 
     let magnitude = v.checked_mul(lo)?.saturating_sub(c_max);
     let residue = v
         .checked_mul(lattice)
-        .map_or(0, |m| residue_padding(&present, m));
+        .map_or(0, |m| residue_padding(&present, m, budget));
     Some(magnitude.max(residue))
 }
 
 /// `min (−Σ n_s e_s) mod m` over `1 ≤ n_s ≤ count_s` (module doc); 0 past [`MAX_RESIDUES`].
-fn residue_padding(present: &[Shape], m: u128) -> u128 {
+fn residue_padding(present: &[Shape], m: u128, budget: &Cell<usize>) -> u128 {
     let mut m = m;
     let mut rest: Vec<Shape> = present.to_vec();
     // Shapes whose counts sweep a whole period reduce the modulus; repeat until none does.
@@ -237,9 +256,10 @@ fn residue_padding(present: &[Shape], m: u128) -> u128 {
         let work = reach
             .len()
             .saturating_mul(usize::try_from(s.count).unwrap_or(usize::MAX));
-        if work > MAX_RESIDUES.saturating_mul(16) {
+        if work > MAX_RESIDUES.saturating_mul(16) || work > budget.get() {
             return 0;
         }
+        budget.set(budget.get() - work);
         let mut next = Vec::with_capacity(work);
         for &r in &reach {
             let mut x = r;
