@@ -45,7 +45,6 @@ use ragged::{Error, Result};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::plan::PlanOptions;
 
-use crate::newton_schulz::{resolve_backend, NsBackend};
 use crate::{
     Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
     MatrixLayout, Muon, MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
@@ -287,9 +286,7 @@ enum Operands {
 impl GemmProbe {
     /// `f32` operands for side `n`.
     pub fn new(n: usize) -> Self {
-        let mut rng = SplitMix(7);
-        let mut v = |len| (0..len).map(|_| rng.uniform()).collect::<Vec<f32>>();
-        let (a, b) = (v(n * n), v(n * n));
+        let [a, b] = seeded_operands(n);
         GemmProbe {
             n,
             operands: Operands::F32([a, b, vec![0.0; n * n]]),
@@ -301,9 +298,7 @@ impl GemmProbe {
         crate::kernels::onednn::onednn()
             .and_then(|d| d.bf16_impl())
             .map_err(unsupported)?;
-        let Operands::F32([a, b, _]) = GemmProbe::new(n).operands else {
-            unreachable!("GemmProbe::new makes f32 operands")
-        };
+        let [a, b] = seeded_operands(n);
         let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
         Ok(GemmProbe {
             n,
@@ -314,15 +309,11 @@ impl GemmProbe {
     /// The GEMM Newton–Schulz for `kind` is compared with: oneDNN's bf16 matmul where bf16
     /// Newton–Schulz runs on it, else `f32` (the portable bf16 path rounds operands around
     /// the `f32` GEMM).
+    /// (`bf16_onednn` succeeds exactly where `NsBackend::Auto` resolves bf16 to oneDNN: both
+    /// ask oneDNN for its bf16 matmul.)
     pub fn for_ns(kind: OptimKind, n: usize) -> Self {
-        let onednn = matches!(
-            resolve_backend(NsPrecision::Bf16, NsBackend::Auto),
-            Ok(NsBackend::OneDnn)
-        );
-        match (kind, onednn) {
-            (OptimKind::MuonBf16, true) => {
-                GemmProbe::bf16_onednn(n).unwrap_or_else(|_| GemmProbe::new(n))
-            }
+        match kind {
+            OptimKind::MuonBf16 => GemmProbe::bf16_onednn(n).unwrap_or_else(|_| GemmProbe::new(n)),
             _ => GemmProbe::new(n),
         }
     }
@@ -364,6 +355,13 @@ impl GemmProbe {
         }
         Ok(t.elapsed().as_secs_f64())
     }
+}
+
+/// The two seeded `n × n` operands of a [`GemmProbe`], in `f32`.
+fn seeded_operands(n: usize) -> [Vec<f32>; 2] {
+    let mut rng = SplitMix(7);
+    let mut v = || (0..n * n).map(|_| rng.uniform()).collect::<Vec<f32>>();
+    [v(), v()]
 }
 
 fn unsupported(e: impl std::fmt::Display) -> Error {
@@ -1233,22 +1231,21 @@ pub fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "| f32 GEMM (`gemm` 0.19, rayon) | {n}×{n}×{n} | {:.1} GFLOP/s best, {:.1} median ({:.1} % of f32 peak) |\n",
+        "| f32 GEMM (`gemm` 0.19, rayon) | {n}×{n}×{n} | {:.1} GFLOP/s best, {:.1} median ({:.1} % of f32 peak) |",
         b.gemm_best_gflops,
         b.gemm_median_gflops,
         100.0 * b.gemm_best_gflops / p.f32_gflops(),
         n = b.gemm_n
     );
     if let Some((best, median)) = b.bf16_gemm_gflops {
-        // Before the blank line that ends the baseline table.
-        out.pop();
         let _ = writeln!(
             out,
-            "| bf16 GEMM (oneDNN matmul) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |\n",
+            "| bf16 GEMM (oneDNN matmul) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |",
             100.0 * best / p.bf16_gflops(),
             n = b.gemm_n
         );
     }
+    let _ = writeln!(out);
     let _ = writeln!(out, "| {} |", COLUMNS.join(" | "));
     let _ = writeln!(out, "|{}", "---|".repeat(COLUMNS.len()));
     for row in &r.rows {
@@ -1286,6 +1283,7 @@ pub fn markdown(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::newton_schulz::{resolve_backend, NsBackend};
 
     #[test]
     fn ns_flops_of_a_square_matrix_is_six_cubes_per_iteration_plus_element_ops() {
