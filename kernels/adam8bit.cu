@@ -37,9 +37,13 @@ __device__ __forceinline__ unsigned char quantize(float x, const float* map) {
     return (map[hi] - x <= x - map[lo]) ? (unsigned char)hi : (unsigned char)lo;
 }
 
+// optimizers/src/quant.rs `quantize_scaled` and `Unscale`: x times the scale's reciprocal when
+// that is finite, else x / scale.
 __device__ __forceinline__ unsigned char quantize_scaled(float x, float scale, const float* map,
                                                          unsigned char zero_code) {
-    return scale == 0.0f ? zero_code : quantize(x / scale, map);
+    if (scale == 0.0f) return zero_code;
+    const float r = 1.0f / scale;
+    return quantize(isfinite(r) ? x * r : x / scale, map);
 }
 
 // optimizers/src/quant.rs `encode_scale` / `decode_scale`.
@@ -59,7 +63,7 @@ extern "C" __global__ void adam8bit_blocks(
     float* p, const float* g, unsigned char* mc, unsigned char* vc, unsigned short* scale_m,
     unsigned short* scale_v, const float* qmap_m, const float* qmap_v,
     const unsigned long long* block_off, const unsigned int* block_len, const float* block_decay,
-    float w, float beta2, float one_minus_beta2, float neg_step_size, float bc2_sqrt, float eps,
+    float w, float beta2, float one_minus_beta2, float folded_neg_step_size, float folded_eps,
     unsigned char m_zero_code, unsigned char v_zero_code) {
     __shared__ float smap_m[MAP_LEN];
     __shared__ float smap_v[MAP_LEN];
@@ -86,7 +90,8 @@ extern "C" __global__ void adam8bit_blocks(
         const float v0 = smap_v[vc[i]] * old_sv;
         m1 = lerp_elem(m0, gi, w);
         v1 = v0 * beta2 + (one_minus_beta2 * gi) * gi;
-        p[i] = p0 + (neg_step_size * m1) / (sqrtf(v1) / bc2_sqrt + eps);
+        // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step size and eps.
+        p[i] = p0 + (folded_neg_step_size * m1) / (sqrtf(v1) + folded_eps);
     }
     // fmaxf returns the non-NaN operand, as Rust's f32::max does; every value enters as
     // max(+0.0, x), where the CPU's maxima start (so a NaN never reaches the reduction), and

@@ -64,12 +64,12 @@
 //! | 1 | `p ← p·(1 − lr·wd)` (decoupled, **before** the update; if decayed) | [`crate::common::decay_elem`] |
 //! | 2 | `m = qmap₁[c₁]·s₁`, `v = qmap₂[c₂]·s₂` (dequantize to `f32` with the decoded scales) | [`crate::quant::dequantize`] |
 //! | 3 | `m ← lerp(m, g, 1 − β₁)`, `v ← v·β₂ + ((1 − β₂)·g)·g` | [`crate::common::lerp_elem`], [`crate::common::ema_sq_elem`] |
-//! | 4 | `p ← p + (−lr/bc₁)·m / (√v/√bc₂ + ε)` with the **fresh, unquantized** `m`, `v` | [`crate::common::apply_adam_elem`] |
+//! | 4 | `p ← p + (−lr·√bc₂/bc₁)·m / (√v + ε·√bc₂)` with the **fresh, unquantized** `m`, `v` (torch's `(−lr/bc₁)·m / (√v/√bc₂ + ε)` with `√bc₂` folded into the scalars, bnb's form: one division less) | [`crate::common::apply_folded_adam_elem`] |
 //!
 //! then, per block: 5. new scales `s₁ = scale(max |m|)`, `s₂ = scale(max v)` over the block's
 //! updated `f32` moments, each rounded to the nearest 16-bit scale (within 2⁻⁹; a value just
 //! above its scale quantizes to the end code 1.0); 6. requantize `c = nearest(m / s)`
-//! ([`crate::quant::quantize`], ties up), **no sign fix-up** (the CPU backend has none; bnb's
+//! ([`crate::quant::quantize`], ties up; `m / s` as `m · (1/s)`, [`crate::quant::Unscale`]), **no sign fix-up** (the CPU backend has none; bnb's
 //! CUDA kernel has one and decays after the update, §3.2); and 7. the **second-moment
 //! floor**: a positive `v` whose nearest code is 0 takes code 1
 //! ([`crate::quant::keep_positive_nonzero`]). Without it an element whose `v` is tiny next to
@@ -128,7 +128,7 @@ use ragged::{AtomicBlock, Error, Result, Role};
 
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig};
 use crate::common::{
-    apply_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
+    apply_folded_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
 #[cfg(target_arch = "x86_64")]
@@ -1221,7 +1221,7 @@ fn segment_step<const DECAY: bool, const SMALL: bool, const AVX2: bool>(
             lerp_large_elem(seg.m_new[i], g, w)
         };
         let v = ema_sq_elem(seg.v_new[i], g, b2, c2);
-        seg.p[i] = apply_adam_elem(p0, m, v, k.s);
+        seg.p[i] = apply_folded_adam_elem(p0, m, v, k.s);
         seg.m_new[i] = m;
         seg.v_new[i] = v;
     }
