@@ -161,5 +161,18 @@ fn main() -> Result<()> {
         "  content: {:?}",
         content_floor::content_floor(&items, world, coll)
     );
+    println!(
+        "  excess (one buffer): {:?}",
+        excess_floor::excess_floor(&items, world, coll, 0)
+    );
+    // The whole unit filled shard by shard at the one-buffer floor and a few steps above.
+    let one = floor_shard_sum(&items, world, coll, 1)?;
+    let step = piece_floor::main_step(&items).unwrap_or(coll).max(coll);
+    let mut s = one;
+    for _ in 0..4 {
+        let found = shard_fill::shard_fill(&items, world, s)?.is_some();
+        println!("  shard_fill at S = {s}: {found}");
+        s = (s + 1).next_multiple_of(step);
+    }
     Ok(())
 }

@@ -926,3 +926,20 @@ fn deepseek_v3_moe_layer_at_v64_meets_the_excess_floor() {
         );
     }
 }
+
+/// A Qwen3-30B-A3B layer at `rows:1`, V = 256: `o_proj` alone and the rest together pad 1,007
+/// elements per rank, and no single move lowers that. Moving the experts' `gate/up_proj` next
+/// to `o_proj` keeps the cost (a sideways move), and then `q_proj` joins them: that buffer is
+/// exactly 401 steps of 4,096 per rank full (with one of `k_proj`/`v_proj`), and the other,
+/// no longer forced, pads 239: the floor.
+#[test]
+fn qwen3_30b_layer_at_rows_1_v256_reaches_the_floor_by_a_sideways_move() {
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 2);
+    assert_eq!(shard_sum, plan.floor_shard_sum);
+    assert_eq!(shard_sum, 2_434_304);
+    let o_proj = buffer_of(&plan, "self_attn.o_proj.weight");
+    let q_proj = buffer_of(&plan, "self_attn.q_proj.weight");
+    assert_eq!(o_proj.unit, q_proj.unit);
+}
