@@ -33,18 +33,20 @@ pub const MOVE_PLANS: usize = 12;
 /// ([`min_shard_below`]); a move the test cannot confirm is not taken.
 pub const MOVE_WORK: usize = 1 << 18;
 
-/// `start` improved by the moves of the module doc, with at most `mopts.max_buffers` buffers.
+/// `start` improved by the moves of the module doc, with at most `mopts.max_buffers` buffers;
+/// up to `sideways` of the moves may keep the cost equal ([`SIDEWAYS_MOVES`]).
 pub fn refine(
     items: &[Item],
     world: usize,
     opts: &PlanOptions,
     mopts: &MultiOptions,
     start: Partition,
+    sideways: usize,
 ) -> Partition {
     let cost_of = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
     let mut best = start;
     let mut current = best.clone();
-    let mut sideways = SIDEWAYS_MOVES;
+    let mut sideways = sideways;
     let mut tried: Vec<Vec<Vec<usize>>> = Vec::new();
     for _ in 0..MOVE_PLANS {
         let cost = cost_of(&current);
@@ -77,8 +79,10 @@ pub fn refine(
     best
 }
 
-/// Moves per refinement that may keep the cost equal (each one step, never back), so that
-/// two moves can lower it where neither alone does. In a Qwen3-30B-A3B layer at `rows:1`,
+/// Moves that may keep the cost equal (each one step, never back) in the last refinement of
+/// [`super::multi`]'s winner, so that two moves can lower it where neither alone does (only
+/// there: from every start they cost up to 4× the plan time, DeepSeek-V3 at `tile:32x32`,
+/// `V = 1024`). In a Qwen3-30B-A3B layer at `rows:1`,
 /// `V = 256`, `o_proj` alone and the rest in one buffer pad 1,007 elements per rank; moving
 /// the experts' `gate/up_proj` next to `o_proj` keeps that (both buffers' contents end on the
 /// same lattice steps), and then `q_proj` joins them: that buffer is exactly full at 400 steps
