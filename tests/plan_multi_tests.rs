@@ -836,3 +836,110 @@ fn mixtral_rows1_layer_meets_the_two_lattice_floor() {
     let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     assert_eq!(plan.floor_shard_sum, shard_sum);
 }
+
+/// The excess floor (one buffer) holds against exhaustive search over every order of small
+/// inputs built to make it bite: a few tensors whose parts are multiples of a step `D`, and
+/// one or two special tensors whose parts are not. It is sometimes the optimum and sometimes
+/// above both the piece floor and the one-buffer bound, and the planner's floor for one
+/// buffer, which takes it, stays below the optimum.
+#[test]
+fn excess_floor_is_a_true_lower_bound_against_exhaustive_search() {
+    use ragged::plan::excess_floor::excess_floor;
+    use ragged::plan::piece_floor::piece_floor;
+    use ragged::plan::search::any_order_lower_bound;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    // (D, regular (pieces, block pieces), special (numel, block), V, coll).
+    let strategy = (
+        2..=4usize,
+        prop::collection::vec((1..=6usize, 1..=3usize), 1..=4),
+        prop::collection::vec((1..=9usize, 1..=9usize), 1..=2),
+        2..=5usize,
+        prop::sample::select(vec![1usize, 2]),
+    );
+    let (mut cases, mut tight, mut raised) = (0, 0, 0);
+    while cases < 300 {
+        let (d, regular, special, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
+        let mut items: Vec<Item> = regular
+            .iter()
+            .map(|&(u, b)| Item::new(d * u, d * b.min(u), 1).unwrap())
+            .collect();
+        items.extend(
+            special
+                .iter()
+                .map(|&(e, g)| Item::new(e, g.min(e), 1).unwrap()),
+        );
+        let total: usize = items.iter().map(|t| t.numel).sum();
+        let (best, _) = exact_any_order(&items, world, coll).unwrap();
+        let start = total.div_ceil(world);
+        let bound = excess_floor(&items, world, coll, start).unwrap().unwrap();
+        assert!(
+            bound <= best,
+            "{items:?} V={world} coll={coll}: excess floor {bound} > optimum {best}"
+        );
+        let floor = floor_shard_sum(&items, world, coll, 1).unwrap();
+        assert!(
+            floor <= best,
+            "{items:?} V={world} coll={coll}: floor {floor} > optimum {best}"
+        );
+        // Started from the floor it never goes below it.
+        let from_floor = excess_floor(&items, world, coll, floor).unwrap().unwrap();
+        assert!(from_floor >= floor && from_floor <= best);
+        let others = any_order_lower_bound(&items, world, coll)
+            .unwrap()
+            .max(piece_floor(&items, world, coll).unwrap_or(0));
+        tight += usize::from(bound == best);
+        raised += usize::from(bound > others);
+        cases += 1;
+    }
+    println!("excess floor = optimum in {tight} of {cases}, above the piece floor in {raised}");
+    assert!(tight > 0 && raised > 0, "tight {tight}, raised {raised}");
+    assert!(excess_floor(&[], 1, 1, 0).is_err());
+    assert!(excess_floor(&[Item::new(4, 2, 1).unwrap()], 0, 1, 0).is_err());
+    assert!(excess_floor(&[Item::new(4, 2, 1).unwrap()], 1, 0, 0).is_err());
+}
+
+/// DeepSeek-V3 MoE layers at V = 64, `rows:16` and `tile:32x32`: every part of the experts,
+/// `o_proj`, `q_a_proj`, `kv_a_proj` and the router is a multiple of 16,384 (32,768 for
+/// tiles); `q_b_proj`, `kv_b_proj` and five norms are not, and they reach too few shards to
+/// hold the layer's last 213,248 elements past 10,974 (5,487) steps per rank. The excess floor
+/// proves the one-buffer plan optimal, where the piece floor stops half a step lower.
+#[test]
+fn deepseek_v3_moe_layer_at_v64_meets_the_excess_floor() {
+    use ragged::plan::excess_floor::excess_floor;
+    use ragged::plan::piece_floor::piece_floor;
+    for (block, step) in [
+        (AtomicBlock::Rows(16), 16_384),
+        (AtomicBlock::Tile { rows: 32, cols: 32 }, 32_768),
+    ] {
+        let plan = unit_plan("models/deepseek_v3_671b.json", "layers.3", block, 64);
+        let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+        assert_eq!(plan.k(), 1, "{block}");
+        assert_eq!(shard_sum % step, 0, "{block}");
+        assert_eq!(plan.floor_shard_sum, shard_sum, "{block}");
+        let items = placement_items(&plan);
+        let pieces = piece_floor(&items, 64, 64).unwrap();
+        assert_eq!(pieces, shard_sum - step / 2, "{block}");
+        assert_eq!(
+            excess_floor(&items, 64, 64, pieces).unwrap(),
+            Some(shard_sum),
+            "{block}"
+        );
+    }
+}
+
+/// A Qwen3-30B-A3B layer at `rows:1`, V = 256: `o_proj` alone and the rest together pad 1,007
+/// elements per rank, and no single move lowers that. Moving the experts' `gate/up_proj` next
+/// to `o_proj` keeps the cost (a sideways move), and then `q_proj` joins them: that buffer is
+/// exactly 401 steps of 4,096 per rank full (with one of `k_proj`/`v_proj`), and the other,
+/// no longer forced, pads 239: the floor.
+#[test]
+fn qwen3_30b_layer_at_rows_1_v256_reaches_the_floor_by_a_sideways_move() {
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(1), 256);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 2);
+    assert_eq!(shard_sum, plan.floor_shard_sum);
+    assert_eq!(shard_sum, 2_434_304);
+    let o_proj = buffer_of(&plan, "self_attn.o_proj.weight");
+    let q_proj = buffer_of(&plan, "self_attn.q_proj.weight");
+    assert_eq!(o_proj.unit, q_proj.unit);
+}

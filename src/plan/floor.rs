@@ -31,8 +31,9 @@
 //! [`super::lattice_floor`]'s, which splits those tensors into a coarse and a fine lattice, and
 //! [`super::piece_floor`]'s, which uses that the part of a tensor inside one shard is a
 //! multiple of `gcd(e, g)`, and, for `k = 1`, [`super::residue_floor`]'s, which follows the
-//! residues of those parts when every shard must hold exactly `m` pieces; all seven hold for
-//! every layout.
+//! residues of those parts when every shard must hold exactly `m` pieces, and, for `k = 1`,
+//! [`super::excess_floor`]'s, which counts the shards that tensors whose parts are not
+//! multiples of a step can reach past it; all eight hold for every layout.
 
 use super::Item;
 use crate::{Error, Result};
@@ -104,6 +105,13 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
         .and_then(|d| super::residue_floor::residue_floor(items, world, coll, d));
     if let Some(residue) = residue {
         best = best.max(residue as u128);
+    }
+    // The excess floor bounds one buffer only, and starts from the bound so far.
+    if k == 1 {
+        let start = usize::try_from(best).unwrap_or(usize::MAX);
+        if let Some(excess) = super::excess_floor::excess_floor(items, world, coll, start)? {
+            best = best.max(excess as u128);
+        }
     }
     usize::try_from(best).map_err(|_| Error::BadInput {
         op: "floor_shard_sum",

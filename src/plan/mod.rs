@@ -33,6 +33,7 @@ pub mod baselines;
 pub mod class_floor;
 pub mod content_floor;
 pub mod exact_partition;
+pub mod excess_floor;
 pub mod export;
 pub mod fit;
 pub mod floor;

@@ -35,7 +35,7 @@
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
-use super::refine::refine;
+use super::refine::{refine, SIDEWAYS_MOVES};
 use super::shard_fill::improve_layout;
 use super::split::split_partition;
 use super::step_floor::step_floor_deep;
@@ -260,14 +260,19 @@ fn choose(
     let refined = starts
         .into_iter()
         .chain(std::iter::once(single))
-        .map(|start| refine(items, world, opts, mopts, start))
+        .map(|start| refine(items, world, opts, mopts, start, 0))
         .reduce(pick)?;
-    Some(match filled.into_iter().reduce(pick) {
+    let winner = match filled.into_iter().reduce(pick) {
         Some(f) if cheaper(&f, &refined).is_lt() => {
-            pick(f.clone(), refine(items, world, opts, mopts, f))
+            pick(f.clone(), refine(items, world, opts, mopts, f, 0))
         }
         _ => refined,
-    })
+    };
+    // The winner once more, where a move that keeps its cost may lead to one that lowers it.
+    Some(pick(
+        winner.clone(),
+        refine(items, world, opts, mopts, winner, SIDEWAYS_MOVES),
+    ))
 }
 
 /// Units of at most this many tensors whose two-buffer plan is above its floor get the deeper

@@ -33,34 +33,69 @@ pub const MOVE_PLANS: usize = 12;
 /// ([`min_shard_below`]); a move the test cannot confirm is not taken.
 pub const MOVE_WORK: usize = 1 << 18;
 
-/// `start` improved by the moves of the module doc, with at most `mopts.max_buffers` buffers.
+/// `start` improved by the moves of the module doc, with at most `mopts.max_buffers` buffers;
+/// up to `sideways` of the moves may keep the cost equal ([`SIDEWAYS_MOVES`]).
 pub fn refine(
     items: &[Item],
     world: usize,
     opts: &PlanOptions,
     mopts: &MultiOptions,
     start: Partition,
+    sideways: usize,
 ) -> Partition {
+    let cost_of = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
     let mut best = start;
+    let mut current = best.clone();
+    let mut sideways = sideways;
     let mut tried: Vec<Vec<Vec<usize>>> = Vec::new();
     for _ in 0..MOVE_PLANS {
-        let cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
-        let draft = Draft::of(&best);
-        let Some(moved) = best_ranked_move(items, world, opts, mopts, &draft, cost, &tried) else {
+        let cost = cost_of(&current);
+        let draft = Draft::of(&current);
+        // A sideways move only pays if a later one lowers the cost: the test admits moves
+        // up to the current cost then (equal included), else only lower ones.
+        let admit = if sideways > 0 { above(cost) } else { cost };
+        let Some(moved) = best_ranked_move(items, world, opts, mopts, &draft, admit, &tried) else {
             break;
         };
         tried.push(moved.clone());
         // The quick test first; only a move it confirms is planned exactly.
-        let planned = test_groups(items, world, opts, mopts, &draft, moved, cost)
+        let planned = test_groups(items, world, opts, mopts, &draft, moved, admit)
             .and_then(|next| finish(items, world, opts, next));
-        if let Some(p) = planned {
-            if mopts.cost_s(p.groups.len(), p.shard_sum, world) < cost {
-                best = p;
-                tried.clear();
+        let Some(p) = planned else { continue };
+        let c = cost_of(&p);
+        if c < cost {
+            current = p;
+            tried.clear();
+            if c < cost_of(&best) {
+                best = current.clone();
             }
+        } else if c == cost && sideways > 0 && p.groups != current.groups {
+            // Equal cost: step to it once (never back: the layout left is tried).
+            sideways -= 1;
+            tried.push(current.groups.clone());
+            current = p;
         }
     }
     best
+}
+
+/// Moves that may keep the cost equal (each one step, never back) in the last refinement of
+/// [`super::multi`]'s winner, so that two moves can lower it where neither alone does (only
+/// there: from every start they cost up to 4× the plan time, DeepSeek-V3 at `tile:32x32`,
+/// `V = 1024`). In a Qwen3-30B-A3B layer at `rows:1`,
+/// `V = 256`, `o_proj` alone and the rest in one buffer pad 1,007 elements per rank; moving
+/// the experts' `gate/up_proj` next to `o_proj` keeps that (both buffers' contents end on the
+/// same lattice steps), and then `q_proj` joins them: that buffer is exactly full at 400 steps
+/// of 4,096 and the other, no longer forced, pads 239 (the floor).
+pub const SIDEWAYS_MOVES: usize = 1;
+
+/// The next float above a non-negative finite `x` (`x` itself otherwise).
+fn above(x: f64) -> f64 {
+    if x.is_finite() && x >= 0.0 {
+        f64::from_bits(x.to_bits() + 1)
+    } else {
+        x
+    }
 }
 
 /// A partition under test: sizes of changed buffers come from the quick test (feasible, maybe

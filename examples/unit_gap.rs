@@ -1,0 +1,178 @@
+//! One unit's gap between the multi-buffer plan and its floor, taken apart: the unit's shapes
+//! (elements, block, count, elements per rank), the plan's buffers (`S`, lattice, contents per
+//! shape, padding per rank) and every bound the k-buffer floor is the largest of.
+//!
+//! `cargo run --release --example unit_gap -- models/qwen3_30b_a3b.json layers.0 rows:1 256 3`
+
+use ragged::model::Inventory;
+use ragged::plan::multi::{floor_shard_sum, MultiOptions};
+use ragged::plan::multi_model::plan_multi_unit;
+use ragged::plan::{
+    class_floor, content_floor, excess_floor, heavy_floor, lattice_floor, piece_floor,
+    residue_floor, search, shard_fill, step_floor, Item, PlanOptions,
+};
+use ragged::{AtomicBlock, Error, Result};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [model, unit_name, block, world, k] = args.as_slice() else {
+        return Err(Error::BadInput {
+            op: "unit_gap",
+            what: format!("{args:?}"),
+            reason: "usage: unit_gap MODEL UNIT BLOCK V K".into(),
+        });
+    };
+    let block: AtomicBlock = block.parse()?;
+    let number = |s: &str| {
+        s.parse::<usize>().map_err(|e| Error::BadInput {
+            op: "unit_gap",
+            what: s.into(),
+            reason: e.to_string(),
+        })
+    };
+    let (world, k) = (number(world)?, number(k)?);
+    let inv = Inventory::load(model)?;
+    let units = inv.units();
+    let unit = units
+        .iter()
+        .find(|u| u.name == *unit_name)
+        .ok_or_else(|| Error::BadInput {
+            op: "unit_gap",
+            what: unit_name.clone(),
+            reason: format!("no such unit in {model}"),
+        })?;
+    let opts = PlanOptions::default();
+    let coll = opts.coll_align;
+    let mopts = MultiOptions {
+        max_buffers: k,
+        ..MultiOptions::default()
+    };
+    let mut items = Vec::with_capacity(unit.tensors.len());
+    for t in &unit.tensors {
+        items.push(Item::new(
+            t.numel(),
+            block.elems(&t.shape)?,
+            opts.start_align,
+        )?);
+    }
+    // Shapes: (numel, block) -> (count, first name).
+    let mut shapes: Vec<(usize, usize, usize, String)> = Vec::new();
+    for (t, it) in unit.tensors.iter().zip(&items) {
+        match shapes
+            .iter_mut()
+            .find(|s| s.0 == it.numel && s.1 == it.block)
+        {
+            Some(s) => s.2 += 1,
+            None => shapes.push((it.numel, it.block, 1, t.name.clone())),
+        }
+    }
+    let total: usize = items.iter().map(|t| t.numel).sum();
+    println!(
+        "{unit_name} {block} V={world}: {} tensors, {} shapes, E = {total}, E/V = {:.2}",
+        items.len(),
+        shapes.len(),
+        total as f64 / world as f64
+    );
+    for (e, g, n, name) in &shapes {
+        println!(
+            "  e {e:>10} g {g:>8} x{n:<4} e/V {:>12.3} e/g {:>6}  {name}",
+            *e as f64 / world as f64,
+            e / g
+        );
+    }
+    let plan = plan_multi_unit(unit, &|_| block, world, &opts, &mopts)?;
+    let sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    println!(
+        "plan: k = {}, sum S = {sum}, padding/rank {:.3} ({:.4} %)",
+        plan.k(),
+        sum as f64 - total as f64 / world as f64,
+        100.0 * (world * sum - total) as f64 / total as f64
+    );
+    for b in &plan.buffers {
+        let c: usize = b.numel();
+        let mut counts: Vec<String> = Vec::new();
+        for (e, g, _, _) in &shapes {
+            let n = b
+                .placements
+                .iter()
+                .filter(|p| p.numel() == *e && p.block_elems == *g)
+                .count();
+            if n > 0 {
+                counts.push(format!("{n}x({e},{g})"));
+            }
+        }
+        println!(
+            "  S {:>10} pad/rank {:>10.3} contents/V {:>12.3}: {}",
+            b.shard_size,
+            b.shard_size as f64 - c as f64 / world as f64,
+            c as f64 / world as f64,
+            counts.join(" ")
+        );
+    }
+    println!("single buffer: S = {}", plan.single.shard_size);
+    println!(
+        "floor (k <= {}): {} (padding/rank {:.3})",
+        plan.k(),
+        plan.floor_shard_sum,
+        plan.floor_shard_sum as f64 - total as f64 / world as f64
+    );
+    let kk = plan.k();
+    println!(
+        "  floor_shard_sum k={kk}: {:?}",
+        floor_shard_sum(&items, world, coll, kk)
+    );
+    for j in 1..=k {
+        println!(
+            "  floor_shard_sum k={j}: {:?}",
+            floor_shard_sum(&items, world, coll, j)
+        );
+    }
+    println!(
+        "  one buffer any order: {:?}",
+        search::any_order_lower_bound(&items, world, coll)
+    );
+    println!(
+        "  heavy: {:?}",
+        heavy_floor::heavy_floor(&items, world, coll, kk)
+    );
+    println!(
+        "  class: {:?}",
+        class_floor::class_floor(&items, world, coll, kk)
+    );
+    println!(
+        "  step_k: {:?}",
+        step_floor::step_floor_k(&items, world, coll, kk)
+    );
+    println!(
+        "  piece: {:?}",
+        piece_floor::piece_floor(&items, world, coll)
+    );
+    println!(
+        "  lattice: {:?}",
+        lattice_floor::lattice_floor(&items, world, coll)
+    );
+    if let Some(d) = piece_floor::main_step(&items) {
+        println!(
+            "  residue (d = {d}): {:?}",
+            residue_floor::residue_floor(&items, world, coll, d)
+        );
+    }
+    println!(
+        "  content: {:?}",
+        content_floor::content_floor(&items, world, coll)
+    );
+    println!(
+        "  excess (one buffer): {:?}",
+        excess_floor::excess_floor(&items, world, coll, 0)
+    );
+    // The whole unit filled shard by shard at the one-buffer floor and a few steps above.
+    let one = floor_shard_sum(&items, world, coll, 1)?;
+    let step = piece_floor::main_step(&items).unwrap_or(coll).max(coll);
+    let mut s = one;
+    for _ in 0..4 {
+        let found = shard_fill::shard_fill(&items, world, s)?.is_some();
+        println!("  shard_fill at S = {s}: {found}");
+        s = (s + 1).next_multiple_of(step);
+    }
+    Ok(())
+}
