@@ -39,7 +39,7 @@
 
 use std::cell::Cell;
 
-use super::fit::gcd;
+use super::fit::gcd_u128;
 use super::Item;
 use crate::{Error, Result};
 
@@ -276,19 +276,6 @@ fn residue_padding(present: &[Shape], m: u128, budget: &Cell<usize>) -> u128 {
         reach = next;
     }
     reach.iter().map(|&r| (m - r) % m).min().unwrap_or(0)
-}
-
-fn gcd_u128(a: u128, b: u128) -> u128 {
-    match (u64::try_from(a), u64::try_from(b)) {
-        (Ok(a), Ok(b)) => gcd(a as usize, b as usize) as u128,
-        _ => {
-            let (mut a, mut b) = (a, b);
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
-            a
-        }
-    }
 }
 
 fn lcm(a: u128, b: u128) -> Option<u128> {

@@ -36,7 +36,7 @@
 //! [`MAX_DIVISORS`]): each is a lower bound by itself. The start alignment only adds
 //! constraints, so it is ignored.
 
-use super::fit::gcd;
+use super::fit::gcd_u128;
 use super::Item;
 use crate::{Error, Result};
 
@@ -174,18 +174,5 @@ fn bound_for(
         Some(start + lo * c)
     } else {
         end.checked_next_multiple_of(c)
-    }
-}
-
-fn gcd_u128(a: u128, b: u128) -> u128 {
-    match (u64::try_from(a), u64::try_from(b)) {
-        (Ok(a), Ok(b)) => gcd(a as usize, b as usize) as u128,
-        _ => {
-            let (mut a, mut b) = (a, b);
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
-            a
-        }
     }
 }

@@ -143,6 +143,21 @@ pub fn gcd(mut a: usize, mut b: usize) -> usize {
     a
 }
 
+/// Greatest common divisor of `u128`s (the floors' exact sums), by [`gcd`] where both fit 64
+/// bits (a 128-bit remainder is a library call).
+pub fn gcd_u128(a: u128, b: u128) -> u128 {
+    match (u64::try_from(a), u64::try_from(b)) {
+        (Ok(a), Ok(b)) => gcd(a as usize, b as usize) as u128,
+        _ => {
+            let (mut a, mut b) = (a, b);
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        }
+    }
+}
+
 /// Least common multiple, `None` on overflow.
 pub fn lcm(a: usize, b: usize) -> Option<usize> {
     (a / gcd(a, b)).checked_mul(b)

@@ -35,6 +35,7 @@
 //! [`super::excess_floor`]'s, which counts the shards that tensors whose parts are not
 //! multiples of a step can reach past it; all eight hold for every layout.
 
+use super::fit::gcd_u128;
 use super::Item;
 use crate::{Error, Result};
 
@@ -140,7 +141,7 @@ impl Need {
         let g = block as u128;
         Need {
             min: round(g, c),
-            lattice: g / gcd(g, c) * c,
+            lattice: g / gcd_u128(g, c) * c,
             free_from: round(min_numel as u128 / 2 + 1, c),
         }
     }
@@ -218,13 +219,6 @@ fn search(
     // Every larger size of this buffer, at once, without the lattice.
     let bound = (prefix + s + rest[i + 1]).max(final_floor);
     *best = (*best).min(bound);
-}
-
-fn gcd(mut a: u128, mut b: u128) -> u128 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 /// Elements of the smallest tensor whose block is `block`.

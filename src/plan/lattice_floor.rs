@@ -50,6 +50,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use super::fit::gcd_u128;
 use super::Item;
 
 /// Shapes of `F_1` whose counts are enumerated; the others are dropped.
@@ -386,13 +387,6 @@ fn own_buffers_bound(alone: &[(Shape, u128)], v: u128, c: u128) -> u128 {
         best = best.max((s.numel / 2 + 1).min(with_rest));
     }
     best
-}
-
-fn gcd_u128(mut a: u128, mut b: u128) -> u128 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 #[cfg(test)]

@@ -52,6 +52,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use super::fit::gcd_u128;
 use super::Item;
 
 /// Shapes of `N` (module doc) whose counts in buffers without `F` are enumerated.
@@ -335,11 +336,4 @@ fn lattice(block: usize, coll: u128) -> Option<u128> {
 fn lcm_u64(a: u128, b: u128) -> Option<u128> {
     let l = (a / gcd_u128(a, b)).checked_mul(b)?;
     (l <= u64::MAX as u128).then_some(l)
-}
-
-fn gcd_u128(mut a: u128, mut b: u128) -> u128 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
