@@ -365,20 +365,80 @@ fn matmul_nn(x: &[f32], y: &[f32], n: usize, m: usize, k: usize, out: &mut [f32]
     }
 }
 
-/// `rows × cols` row-major `x` transposed into `out` (`cols × rows`).
-fn transpose(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
-    for i in 0..rows {
-        for j in 0..cols {
-            out[j * rows + i] = x[i * cols + j];
+/// Side of the blocked transpose's tiles: a 32×32 `f32` tile is 4 KiB, so the source rows a
+/// tile reads and the destination rows it writes stay in L1 while it is copied (the plain
+/// loop's column-strided stores missed the cache on every element of a tall matrix).
+const TRANSPOSE_TILE: usize = 32;
+
+/// Elements per task of the element-wise passes (256 KiB of `f32`).
+const ELEMENTWISE_CHUNK: usize = 1 << 16;
+
+/// Whether `par` asks for more than the calling thread.
+fn threaded(par: Parallelism) -> bool {
+    matches!(par, Parallelism::Rayon(n) if n != 1)
+}
+
+/// `rows × cols` row-major `x` transposed into `out` (`cols × rows`), in tiles, bands of
+/// output rows spread over threads when `par` allows (a copy: the same bits either way).
+fn transpose<T: Copy + Send + Sync>(
+    x: &[T],
+    rows: usize,
+    cols: usize,
+    out: &mut [T],
+    par: Parallelism,
+) {
+    let t = TRANSPOSE_TILE;
+    let band = |(jb, dst): (usize, &mut [T])| {
+        let j0 = jb * t;
+        for i0 in (0..rows).step_by(t) {
+            let i1 = (i0 + t).min(rows);
+            for (j, row) in dst.chunks_exact_mut(rows).enumerate() {
+                for (o, i) in row[i0..i1].iter_mut().zip(i0..i1) {
+                    *o = x[i * cols + j0 + j];
+                }
+            }
         }
+    };
+    if threaded(par) {
+        out.par_chunks_mut(t * rows).enumerate().for_each(band);
+    } else {
+        out.chunks_mut(t * rows).enumerate().for_each(band);
+    }
+}
+
+/// `out[i] = f(src[i])`, chunks spread over threads when `par` allows.
+fn map_into<S: Copy + Sync, D: Send>(
+    src: &[S],
+    out: &mut [D],
+    par: Parallelism,
+    f: impl Fn(S) -> D + Sync,
+) {
+    let chunk = |(o, s): (&mut [D], &[S])| {
+        for (o, &s) in o.iter_mut().zip(s) {
+            *o = f(s);
+        }
+    };
+    let n = ELEMENTWISE_CHUNK;
+    if threaded(par) {
+        out.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(chunk);
+    } else {
+        out.chunks_mut(n).zip(src.chunks(n)).for_each(chunk);
+    }
+}
+
+/// `v[i] = f(v[i])`, chunks spread over threads when `par` allows.
+fn map_in_place(v: &mut [f32], par: Parallelism, f: impl Fn(f32) -> f32 + Sync) {
+    let chunk = |c: &mut [f32]| c.iter_mut().for_each(|x| *x = f(*x));
+    if threaded(par) {
+        v.par_chunks_mut(ELEMENTWISE_CHUNK).for_each(chunk);
+    } else {
+        v.chunks_mut(ELEMENTWISE_CHUNK).for_each(chunk);
     }
 }
 
 /// Rounds every element to the nearest bf16 (ties to even), kept as `f32`.
-fn round_bf16(v: &mut [f32]) {
-    for x in v {
-        *x = bf16::from_f32(*x).to_f32();
-    }
+fn round_bf16(v: &mut [f32], par: Parallelism) {
+    map_in_place(v, par, |x| bf16::from_f32(x).to_f32());
 }
 
 /// The three products of one step, on `f32` buffers (`s` = short side, `l` = long side).
@@ -435,13 +495,14 @@ fn iterate_f32(
     cfg: &NsConfig,
     bf16: bool,
     ops: &impl StepOps,
+    par: Parallelism,
 ) {
     let mut p = vec![0.0f32; s * s];
     let mut q = vec![0.0f32; s * s];
     let mut y = vec![0.0f32; s * l];
     let round = |v: &mut [f32]| {
         if bf16 {
-            round_bf16(v);
+            round_bf16(v, par);
         }
     };
     for k in 0..cfg.steps {
@@ -462,10 +523,12 @@ fn iterate_onednn<T: Element>(
     s: usize,
     l: usize,
     cfg: &NsConfig,
+    par: Parallelism,
 ) -> std::result::Result<(), DnnlError> {
     let d = onednn::onednn()?;
-    let mut x: Vec<T> = xw.iter().map(|&v| T::from_f32(v)).collect();
     let zero = T::from_f32(0.0);
+    let mut x = vec![zero; s * l];
+    map_into(xw, &mut x, par, T::from_f32);
     let mut p = vec![zero; s * s];
     let mut q = vec![zero; s * s];
     let mut y = vec![zero; s * l];
@@ -481,9 +544,7 @@ fn iterate_onednn<T: Element>(
         d.matmul(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
         std::mem::swap(&mut x, &mut y);
     }
-    for (o, v) in xw.iter_mut().zip(&x) {
-        *o = v.to_f32();
-    }
+    map_into(&x, xw, par, |v| v.to_f32());
     Ok(())
 }
 
@@ -509,12 +570,13 @@ fn ns_one(
     };
     let mut xw = vec![0.0f32; s * l];
     if transposed {
-        transpose(x, rows, cols, &mut xw);
+        transpose(x, rows, cols, &mut xw, par);
     } else {
-        xw.copy_from_slice(x);
+        map_into(x, &mut xw, par, |v| v);
     }
+    let round = |v: f32| if bf16 { bf16::from_f32(v).to_f32() } else { v };
     if bf16 {
-        round_bf16(&mut xw);
+        map_in_place(&mut xw, par, round);
     }
     // Step 2: Frobenius norm (f64 sum in element order, rounded once), scaled, clamped.
     let norm = (xw.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>()).sqrt() as f32;
@@ -523,25 +585,20 @@ fn ns_one(
         return Ok(());
     }
     let denom = (cfg.norm_scale * norm).max(cfg.eps);
-    for v in &mut xw {
-        *v /= denom;
-    }
-    if bf16 {
-        round_bf16(&mut xw);
-    }
+    map_in_place(&mut xw, par, |v| round(v / denom));
     // Step 3.
     match backend {
-        NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps),
-        NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par)),
-        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg)?,
-        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg)?,
+        NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps, par),
+        NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
+        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
+        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg, par)?,
         NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
     }
     // Step 4.
     if transposed {
-        transpose(&xw, s, l, x);
+        transpose(&xw, s, l, x, par);
     } else {
-        x.copy_from_slice(&xw);
+        map_into(&xw, x, par, |v| v);
     }
     Ok(())
 }
