@@ -16,7 +16,7 @@
 //! |---|---|---|---|---|
 //! | `Reference` | plain loops (the oracle) | the same loops, rounding to bf16 after each op | rayon, by output row | input bits only |
 //! | `Gemm` | `gemm` crate, fused forms, symmetric products | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or across a batch | input bits and the CPU's microkernel, not the thread count |
-//! | `OneDnn` | oneDNN `f32` matmul primitive | oneDNN bf16 matmul primitive (AMX) | oneDNN's OpenMP threads | input bits, the CPU and `OMP_NUM_THREADS` |
+//! | `OneDnn` | oneDNN `f32` matmul primitive, symmetric products by halves | oneDNN bf16 matmul primitive (AMX), the same halves | oneDNN's OpenMP threads (passive wait unless `OMP_WAIT_POLICY` says otherwise) | input bits, the CPU and `OMP_NUM_THREADS` |
 //! | `Auto` (default) | `Gemm` | `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
 //!
 //! oneDNN is opened at run time ([`crate::kernels::onednn`]); an explicit `OneDnn` returns
@@ -303,8 +303,9 @@ pub fn ns_backend_info() -> NsBackendInfo {
     let (bf16_backend, bf16) = match onednn::onednn().and_then(|d| {
         let isa = d.bf16_impl()?;
         Ok(format!(
-            "oneDNN {} matmul primitive, {isa}, OpenMP threads",
-            d.version()
+            "oneDNN {} matmul primitive, {isa}, OpenMP threads, {}",
+            d.version(),
+            d.wait_policy()
         ))
     }) {
         Ok(s) => (NsBackend::OneDnn, s),
@@ -535,10 +536,10 @@ fn iterate_onednn<T: Element>(
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         // P = X·Xᵀ: the weights Xᵀ (l×s) are X read transposed.
-        d.matmul(s, s, l, &x, &x, true, &mut p, 1.0, None)?;
-        // Q = c·P·P + b·P.
+        d.sym_nt(s, l, &x, &mut p, s, 1.0, None)?;
+        // Q = c·P·P + b·P, with P·P = P·Pᵀ (P is symmetric, to rounding inside its leaves).
         q.copy_from_slice(&p);
-        d.matmul(s, s, s, &p, &p, false, &mut q, c, Some(b))?;
+        d.sym_nt(s, s, &p, &mut q, s, c, Some(b))?;
         // X ← Q·X + a·X.
         y.copy_from_slice(&x);
         d.matmul(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
@@ -567,6 +568,13 @@ fn ns_one(
         (cols, rows)
     } else {
         (rows, cols)
+    };
+    // oneDNN's OpenMP threads spin for a while after each product; rayon tasks between its
+    // products would fight them for the cores, so on that backend the passes around the
+    // products stay on the calling thread.
+    let par = match backend {
+        NsBackend::OneDnn => Parallelism::None,
+        _ => par,
     };
     let mut xw = vec![0.0f32; s * l];
     if transposed {

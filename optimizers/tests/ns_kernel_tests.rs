@@ -204,6 +204,104 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
 // 1b. oneDNN plumbing in f32 (runs wherever oneDNN loads, AVX-512 or not)
 // ---------------------------------------------------------------------------------------------
 
+/// oneDNN's symmetric product `scale·a·aᵀ + sum·dst` against gemm's full product, on sides
+/// that split once and twice around `onednn::SYM_LEAF` (its blocks are products into a
+/// wider `dst`, mirrored): the same `√k·2⁻²⁴` summation-order bound as below (`1e-5`); the
+/// mirrored blocks exactly symmetric; and a strided product leaves the elements between its rows as
+/// they were, bit for bit.
+#[test]
+fn onednn_symmetric_and_strided_products_match_gemm() {
+    use ragged_optimizers::kernels::{gemm_f32, onednn::SYM_LEAF, Parallelism};
+    if !onednn_or_skip("onednn_symmetric_and_strided_products_match_gemm") {
+        return;
+    }
+    let d = onednn::onednn().unwrap();
+    let mut rng = Rng::new(41);
+    for (n, k) in [(SYM_LEAF + 9, 70), (2 * SYM_LEAF + 77, 33)] {
+        let a = rng.units(n * k);
+        let mut at = vec![0.0f32; k * n];
+        for i in 0..n {
+            for j in 0..k {
+                at[j * n + i] = a[i * k + j];
+            }
+        }
+        // A symmetric `dst` on entry, for the sum term.
+        let r = rng.units(n * n);
+        let c0: Vec<f32> = (0..n * n).map(|e| r[e] + r[(e % n) * n + e / n]).collect();
+        for (scale, sum) in [(1.0f32, None), (-4.775f32, Some(2.0315f32))] {
+            let mut want = c0.clone();
+            let read = sum.is_some();
+            let alpha = sum.unwrap_or(0.0);
+            gemm_f32::matmul(
+                n,
+                n,
+                k,
+                &a,
+                &at,
+                &mut want,
+                read,
+                alpha,
+                scale,
+                Parallelism::None,
+            );
+            let mut got = c0.clone();
+            d.sym_nt(n, k, &a, &mut got, n, scale, sum).unwrap();
+            let err = rel_frob(&got, &widen(&want));
+            assert!(err <= 1e-5, "{n}×{k} scale {scale} sum {sum:?}: {err:e}");
+            // The top split's off-diagonal blocks are one product and its mirror.
+            let h = n / 2;
+            for i in h..n {
+                for j in 0..h {
+                    assert_eq!(
+                        got[i * n + j].to_bits(),
+                        got[j * n + i].to_bits(),
+                        "({i}, {j})"
+                    );
+                }
+            }
+        }
+    }
+    // A 5×3 product into columns 2..5 of a 5×9 matrix.
+    let (m, nn, k, ldd) = (5, 3, 4, 9);
+    let a = rng.units(m * k);
+    let b = rng.units(k * nn);
+    let mut want = vec![0.0f32; m * nn];
+    gemm_f32::matmul(
+        m,
+        nn,
+        k,
+        &a,
+        &b,
+        &mut want,
+        false,
+        0.0,
+        1.0,
+        Parallelism::None,
+    );
+    let before = rng.units(m * ldd);
+    let mut got = before.clone();
+    d.matmul_strided(m, nn, k, &a, &b, false, &mut got[2..], ldd, 1.0, None)
+        .unwrap();
+    for i in 0..m {
+        for j in 0..ldd {
+            let (g, e) = (got[i * ldd + j], before[i * ldd + j]);
+            if (2..2 + nn).contains(&j) {
+                let w = want[i * nn + j - 2];
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "({i}, {j}): {g} vs {w}"
+                );
+            } else {
+                assert_eq!(
+                    g.to_bits(),
+                    e.to_bits(),
+                    "({i}, {j}) outside the block changed"
+                );
+            }
+        }
+    }
+}
+
 /// One oneDNN f32 matmul vs gemm: only the summation order differs, relative error about
 /// `√k·2⁻²⁴ ≈ 1e-6` for `k ≤ 300` (observed ≤ 8e-8); tolerance `1e-5`. A wrong layout tag, a dropped scale
 /// or sum, or a transposed operand gives errors of order 1.

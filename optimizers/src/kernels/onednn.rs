@@ -14,12 +14,14 @@
 //! | object | lifetime | notes |
 //! |---|---|---|
 //! | library, CPU engine, stream | process (one [`OneDnn`], created once) | engine index 0 |
-//! | primitive | one per [`MatmulKey`] (shape, weight layout, scales), cached | created on first use |
+//! | primitive | one per [`MatmulKey`] (shape, weight layout, `dst` row stride, scales), cached | created on first use |
 //! | memory objects | one call | wrap the caller's buffers, no copies |
 //!
 //! One call at a time executes (a mutex around the cache and the shared stream): oneDNN
 //! parallelizes inside the primitive with its own OpenMP threads (`OMP_NUM_THREADS`), so
-//! running two primitives at once would only oversubscribe the cores.
+//! running two primitives at once would only oversubscribe the cores. Those threads wait
+//! passively between products unless `OMP_WAIT_POLICY` is set (see
+//! [`OneDnn::wait_policy`]): spinning ones starve whatever else shares the cores.
 //!
 //! The C structs `dnnl_memory_desc_t` (696 bytes) and `dnnl_matmul_desc_t` (2800 bytes in
 //! 2.6) are only ever written and read by the library; they are held here as opaque, 8-byte
@@ -36,6 +38,25 @@ use libloading::Library;
 
 /// Library names tried, in order.
 pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
+
+/// Side at which [`OneDnn::sym_nt`] stops splitting: a 512-wide AMX product still keeps
+/// both threads busy, and each split costs a primitive call and a mirror.
+pub const SYM_LEAF: usize = 512;
+
+/// Copies the lower-left block (rows `h..n`, columns `0..h`) of the `n×n` matrix in `dst`
+/// (rows `ldd` apart) transposed into its upper-right block, in 32×32 tiles.
+fn mirror_lower_left<T: Copy>(dst: &mut [T], n: usize, h: usize, ldd: usize) {
+    const TILE: usize = 32;
+    for i0 in (0..h).step_by(TILE) {
+        for j0 in (h..n).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(h) {
+                for j in j0..(j0 + TILE).min(n) {
+                    dst[i * ldd + j] = dst[j * ldd + i];
+                }
+            }
+        }
+    }
+}
 
 // Constants of the oneDNN 2.6 C API (`dnnl_types.h`).
 const DNNL_SUCCESS: c_int = 0;
@@ -166,6 +187,8 @@ struct Api {
     stream_create: unsafe extern "C" fn(*mut Handle, Handle, c_uint) -> Status,
     stream_wait: unsafe extern "C" fn(Handle) -> Status,
     md_init_by_tag: unsafe extern "C" fn(*mut MemDesc, c_int, *const i64, c_int, c_int) -> Status,
+    md_init_by_strides:
+        unsafe extern "C" fn(*mut MemDesc, c_int, *const i64, c_int, *const i64) -> Status,
     matmul_desc_init: unsafe extern "C" fn(
         *mut MatmulDesc,
         *const MemDesc,
@@ -216,6 +239,7 @@ impl Api {
             stream_create: sym!("dnnl_stream_create"),
             stream_wait: sym!("dnnl_stream_wait"),
             md_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
+            md_init_by_strides: sym!("dnnl_memory_desc_init_by_strides"),
             matmul_desc_init: sym!("dnnl_matmul_desc_init"),
             attr_create: sym!("dnnl_primitive_attr_create"),
             attr_destroy: sym!("dnnl_primitive_attr_destroy"),
@@ -246,6 +270,9 @@ pub struct MatmulKey {
     pub k: usize,
     /// The weights buffer holds `weiᵀ` row-major (`n×k`), i.e. layout `ba` of `wei: k×n`.
     pub wei_transposed: bool,
+    /// Elements between the starts of two rows of `dst` (`n`: contiguous; more: `dst` is a
+    /// block of a wider matrix).
+    pub ldd: usize,
     /// Bits of the output scale (`1.0`: none).
     pub scale_bits: u32,
     /// Bits of the sum post-op scale, if `dst` is read.
@@ -268,6 +295,7 @@ pub struct OneDnn {
     version: String,
     cache: Mutex<HashMap<MatmulKey, Primitive>>,
     bf16: OnceLock<Result<String, DnnlError>>,
+    wait_policy: String,
     // Last field: dropped after everything that points into it (never, in practice: the
     // singleton lives for the process).
     _lib: Library,
@@ -290,6 +318,27 @@ pub fn onednn() -> Result<&'static OneDnn, DnnlError> {
         .map_err(Clone::clone)
 }
 
+/// Sets `OMP_WAIT_POLICY=PASSIVE` unless the environment already chooses a policy, before
+/// oneDNN (and with it libgomp, which reads the variable once, when it loads) is opened;
+/// returns the policy in force and its source.
+///
+/// Why: libgomp's default is to spin for a while after every parallel region, and oneDNN
+/// runs one region per product. When anything else wants the cores (rayon's workers, another
+/// process), a spinning thread holds a core the thread it waits for needs: on 2 cores shared
+/// with a compiler, a bf16 Muon step on the 28-matrix stack took 5.9–12.4 s with the default
+/// and 1.8–3.0 s passive, in alternating runs.
+fn default_omp_wait_policy() -> String {
+    match std::env::var("OMP_WAIT_POLICY") {
+        Ok(v) => format!("OMP_WAIT_POLICY={v} (environment)"),
+        Err(_) => {
+            // Set once, from the `OnceLock` that opens oneDNN; nothing in this process reads
+            // the variable concurrently (libgomp is not loaded yet).
+            std::env::set_var("OMP_WAIT_POLICY", "PASSIVE");
+            "OMP_WAIT_POLICY=PASSIVE (ragged's default)".into()
+        }
+    }
+}
+
 /// RAII guard calling a oneDNN destroy function.
 struct Guard<'a> {
     h: Handle,
@@ -307,6 +356,7 @@ impl Drop for Guard<'_> {
 
 impl OneDnn {
     fn open() -> Result<OneDnn, DnnlError> {
+        let wait_policy = default_omp_wait_policy();
         let mut reasons = Vec::new();
         let mut lib = None;
         for name in LIBRARY_NAMES {
@@ -346,8 +396,15 @@ impl OneDnn {
             version,
             cache: Mutex::new(HashMap::new()),
             bf16: OnceLock::new(),
+            wait_policy,
             _lib: lib,
         })
+    }
+
+    /// oneDNN's OpenMP wait policy and where it came from, e.g. `OMP_WAIT_POLICY=PASSIVE
+    /// (ragged's default)`.
+    pub fn wait_policy(&self) -> &str {
+        &self.wait_policy
     }
 
     /// The library's version, e.g. `2.6.3`.
@@ -371,6 +428,24 @@ impl OneDnn {
         Ok(md)
     }
 
+    /// A row-major `rows × cols` descriptor whose rows start `ld` elements apart.
+    fn strided_md(
+        &self,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        dtype: c_int,
+    ) -> Result<Box<MemDesc>, DnnlError> {
+        let mut md = Box::new(MemDesc([0; 1024]));
+        let dims = [rows as i64, cols as i64];
+        let strides = [ld as i64, 1];
+        // SAFETY: as in `md`; `strides` holds `ndims` values.
+        check("dnnl_memory_desc_init_by_strides", unsafe {
+            (self.api.md_init_by_strides)(&mut *md, 2, dims.as_ptr(), dtype, strides.as_ptr())
+        })?;
+        Ok(md)
+    }
+
     fn create(&self, key: &MatmulKey) -> Result<Primitive, DnnlError> {
         let api = &self.api;
         let src = self.md(key.m, key.k, key.dtype, DNNL_TAG_AB)?;
@@ -384,7 +459,7 @@ impl OneDnn {
                 DNNL_TAG_AB
             },
         )?;
-        let dst = self.md(key.m, key.n, key.dtype, DNNL_TAG_AB)?;
+        let dst = self.strided_md(key.m, key.n, key.ldd, key.dtype)?;
         let mut desc = Box::new(MatmulDesc([0; 4096]));
         // SAFETY: all descriptors are initialized; a null bias disables the bias term.
         check("dnnl_matmul_desc_init", unsafe {
@@ -512,9 +587,35 @@ impl OneDnn {
         scale: f32,
         sum: Option<f32>,
     ) -> Result<String, DnnlError> {
+        assert_eq!(dst.len(), m * n, "OneDnn::matmul: dst length for {m}×{n}");
+        self.matmul_strided(m, n, k, src, wei, wei_transposed, dst, n, scale, sum)
+    }
+
+    /// [`OneDnn::matmul`] into a block of a wider row-major matrix: row `i` of the `m×n`
+    /// result starts at `dst[i·ldd]` (`ldd ≥ n`); elements between the block's rows are
+    /// neither read nor written.
+    ///
+    /// # Panics
+    /// If a slice is too short for the shape, or `ldd < n` (an internal invariant).
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn matmul_strided<T: Element>(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        src: &[T],
+        wei: &[T],
+        wei_transposed: bool,
+        dst: &mut [T],
+        ldd: usize,
+        scale: f32,
+        sum: Option<f32>,
+    ) -> Result<String, DnnlError> {
+        let dst_span = if m == 0 { 0 } else { (m - 1) * ldd + n };
         assert!(
-            src.len() == m * k && wei.len() == k * n && dst.len() == m * n,
-            "OneDnn::matmul: lengths {}, {}, {} for {m}×{k}·{k}×{n}",
+            src.len() == m * k && wei.len() == k * n && dst.len() >= dst_span && ldd >= n,
+            "OneDnn::matmul_strided: lengths {}, {}, {} (ldd {ldd}) for {m}×{k}·{k}×{n}",
             src.len(),
             wei.len(),
             dst.len()
@@ -525,6 +626,7 @@ impl OneDnn {
             n,
             k,
             wei_transposed,
+            ldd,
             scale_bits: scale.to_bits(),
             sum_bits: sum.map(f32::to_bits),
         };
@@ -578,28 +680,78 @@ impl OneDnn {
         Ok(p.impl_info.clone())
     }
 
+    /// `dst (n×n, rows `ldd` apart) ← scale·a·aᵀ + sum·dst` for a row-major `a: n×k`, a
+    /// symmetric result (and `dst` symmetric on entry with `Some(sum)`): the lower
+    /// off-diagonal block is one product, mirrored into the upper one, and the diagonal
+    /// blocks recurse down to [`SYM_LEAF`]. Every block's operands are whole rows of `a`, so
+    /// only `dst` is strided. For a side of 1024 this does 75 % of the full product's
+    /// multiply-adds in 3 primitive calls. The mirrored blocks are exactly symmetric; a leaf
+    /// is as symmetric as oneDNN's product of it.
+    ///
+    /// # Panics
+    /// As [`OneDnn::matmul_strided`].
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn sym_nt<T: Element>(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[T],
+        dst: &mut [T],
+        ldd: usize,
+        scale: f32,
+        sum: Option<f32>,
+    ) -> Result<(), DnnlError> {
+        if n <= SYM_LEAF {
+            self.matmul_strided(n, n, k, a, a, true, dst, ldd, scale, sum)?;
+            return Ok(());
+        }
+        let h = n / 2;
+        let (top, bottom) = a.split_at(h * k);
+        self.sym_nt(h, k, top, dst, ldd, scale, sum)?;
+        self.sym_nt(n - h, k, bottom, &mut dst[h * ldd + h..], ldd, scale, sum)?;
+        // Lower-left block: rows h..n, columns 0..h.
+        self.matmul_strided(
+            n - h,
+            h,
+            k,
+            bottom,
+            top,
+            true,
+            &mut dst[h * ldd..],
+            ldd,
+            scale,
+            sum,
+        )?;
+        mirror_lower_left(dst, n, h, ldd);
+        Ok(())
+    }
+
     /// Whether this CPU has oneDNN bf16 matmuls of the kinds Newton–Schulz uses (probed once
-    /// with a 64³ product, a transposed one, and one with an output scale and a sum
-    /// post-op); `Ok` holds the implementation picked for a 1024³ product (e.g.
+    /// with a 64³ product, a transposed one, one with an output scale and a sum post-op, and
+    /// a transposed one with both into a block of a wider matrix); `Ok` holds the implementation picked for a 1024³ product (e.g.
     /// `brg:avx512_core_amx_bf16`).
     pub fn bf16_impl(&self) -> Result<String, DnnlError> {
         self.bf16
             .get_or_init(|| {
-                let probe = |wei_transposed: bool, scale: f32, sum: Option<f32>| {
+                let probe = |wei_transposed: bool, ldd: usize, scale: f32, sum: Option<f32>| {
                     let key = MatmulKey {
                         dtype: DNNL_BF16,
                         m: 64,
                         n: 64,
                         k: 64,
                         wei_transposed,
+                        ldd,
                         scale_bits: scale.to_bits(),
                         sum_bits: sum.map(f32::to_bits),
                     };
                     self.cached_impl(&key).map(|_| ())
                 };
-                probe(false, 1.0, None)?;
-                probe(true, 1.0, None)?;
-                probe(false, 2.0, Some(0.5))?;
+                probe(false, 64, 1.0, None)?;
+                probe(true, 64, 1.0, None)?;
+                probe(false, 64, 2.0, Some(0.5))?;
+                // The symmetric products' blocks: transposed weights into a wider `dst`.
+                probe(true, 128, 2.0, Some(0.5))?;
                 self.impl_for::<bf16>(1024)
             })
             .clone()
@@ -614,6 +766,7 @@ impl OneDnn {
             n: side,
             k: side,
             wei_transposed: false,
+            ldd: side,
             scale_bits: 1f32.to_bits(),
             sum_bits: None,
         })
