@@ -9,7 +9,7 @@ use ragged::plan::multi::{floor_shard_sum, MultiOptions};
 use ragged::plan::multi_model::plan_multi_unit;
 use ragged::plan::{
     class_floor, content_floor, excess_floor, heavy_floor, lattice_floor, piece_floor,
-    residue_floor, search, shard_fill, step_floor, Item, PlanOptions,
+    residue_floor, search, shard_fill, step_floor, waste_floor, Item, PlanOptions,
 };
 use ragged::{AtomicBlock, Error, Result};
 
@@ -155,6 +155,12 @@ fn main() -> Result<()> {
         println!(
             "  residue (d = {d}): {:?}",
             residue_floor::residue_floor(&items, world, coll, d)
+        );
+    }
+    if let Some(d) = piece_floor::main_step(&items) {
+        println!(
+            "  waste (d = {d}): {:?}",
+            waste_floor::waste_floor(&items, world, coll, d, sum)
         );
     }
     println!(
