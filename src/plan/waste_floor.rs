@@ -21,7 +21,7 @@
 //! `a_r ≤ M` pieces of `A` (a multiple of `D`, at most `S`); `Σ a_r = n_A`, so the *waste*
 //! `w_r = M − a_r ≥ 0` sums to `W = V·M − n_A`. Shard `r`'s part of `A` is the tail of the
 //! tensor of `A` crossing its left boundary (if one does), the tensors of `A` wholly inside it
-//! and the head of the one crossing its right boundary; a head is `g_t·i`, `1 ≤ i < e_t/g_t`
+//! and the head of the one crossing its right boundary; a head is `g_t·i` with `0 < g_t·i < e_t`
 //! (a block edge strictly inside), its tail `e_t − g_t·i`; shard 0 has no tail and shard
 //! `V − 1` no head. *Rare* tensors (shapes of at most [`super::residue_floor::RARE`] tensors,
 //! at most [`MAX_RARE`] of them) are followed one by one: each lies whole in one shard or
@@ -131,7 +131,7 @@ pub fn waste_floor(
 struct Crossing {
     /// `e mod X`.
     e: u128,
-    /// `heads[h]`: some head `g·i`, `1 ≤ i < e/g`, is `≡ h (mod X)`.
+    /// `heads[h]`: some head `g·i`, `0 < g·i < e`, is `≡ h (mod X)`.
     heads: Vec<bool>,
     /// The rare tensor crossing (`None`: a frequent shape).
     rare: Option<usize>,
@@ -175,7 +175,7 @@ impl Search {
         }
         let heads = |e: u128, g: u128| -> Option<Vec<bool>> {
             let mut table = vec![false; x as usize];
-            let count = (e / g).saturating_sub(1);
+            let count = (e - 1) / g;
             // Residues of g·i repeat with period x / gcd(g, x).
             let period = x / gcd_u128(g, x);
             let mut h = 0u128;
