@@ -145,6 +145,8 @@ struct Search {
     x: u128,
     /// Sizes mod `x` of the rare tensors.
     rare: Vec<u128>,
+    /// Bits of each shape's rare tensors (interchangeable: a set keeps the lowest bits).
+    groups: Vec<u32>,
     crossings: Vec<Crossing>,
 }
 
@@ -153,8 +155,14 @@ impl Search {
         let mut x = 0u128;
         let mut rare_sizes: Vec<(u128, u128)> = Vec::new();
         let mut frequent: Vec<(u128, u128)> = Vec::new();
+        let mut groups: Vec<u32> = Vec::new();
         for &(e, g, n) in shapes {
             if n <= RARE {
+                if rare_sizes.len() + n > MAX_RARE {
+                    return None;
+                }
+                let first = rare_sizes.len();
+                groups.push(((1u32 << n) - 1) << first);
                 for _ in 0..n {
                     rare_sizes.push((e, g));
                 }
@@ -206,65 +214,69 @@ impl Search {
             world,
             x,
             rare: rare_sizes.iter().map(|&(e, _)| e % x).collect(),
+            groups,
             crossings,
         })
     }
 
     /// Whether some relaxed assignment exists; `None` past a limit. Each shard is three
     /// steps: the rare tensors wholly inside it (the residue left for the head and the waste),
-    /// the waste (any `w` lowers that residue by `w` at a cost of `w`: one pass around the
-    /// circle), and the crossing of its right boundary (a head of exactly that residue).
+    /// the waste (`w` lowers that residue by `w` at a cost of `w`), and the crossing of its
+    /// right boundary (a head of exactly the residue left).
     fn feasible(&self, work: &mut u64) -> Option<bool> {
         let x = self.x;
         let xs = x as usize;
         let all = (1u32 << self.rare.len()) - 1;
         let mref = self.m % x;
-        let mut spend = |n: u64| -> Option<()> {
-            *work = work.saturating_add(n);
+        let mut spend = |n: usize| -> Option<()> {
+            *work = work.saturating_add(n as u64);
             (*work <= MAX_WORK).then_some(())
         };
-        // (tail residue, rare used) -> least waste so far.
-        let mut layer: HashMap<(u128, u32), u128> = HashMap::new();
-        layer.insert((0, 0), 0);
+        // Least waste so far at each residue, and the residues set (reset after each use).
+        let mut cost = vec![u128::MAX; xs];
+        let mut touched: Vec<usize> = Vec::new();
+        // (tail residue, rare used) and the least waste so far, one entry per pair.
+        let mut layer: Vec<((u128, u32), u128)> = vec![((0, 0), 0)];
         for _ in 0..self.world - 1 {
-            // Rare tensors placed -> least waste for each residue left for head and waste.
-            let mut left: HashMap<u32, Vec<u128>> = HashMap::new();
-            for (&(tail, used), &spent) in &layer {
+            // Rare tensors placed -> (residue left for head and waste, least waste so far).
+            let mut left: HashMap<u32, Vec<(u128, u128)>> = HashMap::new();
+            for &((tail, used), spent) in &layer {
                 let free = all & !used;
                 let mut subset = free;
                 loop {
                     spend(1)?;
                     let base = (mref + 2 * x - tail - self.sum(subset)) % x;
-                    let row = left
-                        .entry(used | subset)
-                        .or_insert_with(|| vec![u128::MAX; xs]);
-                    row[base as usize] = row[base as usize].min(spent);
+                    left.entry(self.canonical(used | subset))
+                        .or_default()
+                        .push((base, spent));
                     if subset == 0 {
                         break;
                     }
                     subset = (subset - 1) & free;
                 }
             }
-            let mut next: HashMap<(u128, u32), u128> = HashMap::new();
-            for (&placed, row) in left.iter_mut() {
-                spend(2 * xs as u64)?;
-                // row[b] = min over w of row[b + w] + w, around the circle (two passes).
-                let mut carry = u128::MAX;
-                for i in (0..2 * xs).rev() {
-                    let b = i % xs;
-                    carry = row[b].min(carry.saturating_add(1));
-                    row[b] = carry;
-                }
-                for (b, &spent) in row.iter().enumerate() {
-                    if spent > self.waste {
-                        continue;
+            let mut next: Vec<((u128, u32), u128)> = Vec::new();
+            for (&placed, bases) in &left {
+                // Spread each base down by the waste it may still spend; a residue already as
+                // cheap stops the walk (its own spread, done or to come, covers the rest).
+                for &(base, spent) in bases {
+                    let mut b = base as usize;
+                    let mut c = spent;
+                    while c <= self.waste && c < cost[b] {
+                        spend(1)?;
+                        if cost[b] == u128::MAX {
+                            touched.push(b);
+                        }
+                        cost[b] = c;
+                        b = if b == 0 { xs - 1 } else { b - 1 };
+                        c += 1;
                     }
-                    spend(1 + self.crossings.len() as u64)?;
+                }
+                for &b in &touched {
+                    spend(1 + self.crossings.len())?;
+                    let spent = cost[b];
                     let head = b as u128;
-                    let mut push = |key: (u128, u32)| {
-                        let slot = next.entry(key).or_insert(u128::MAX);
-                        *slot = (*slot).min(spent);
-                    };
+                    let mut push = |key: (u128, u32)| next.push((key, spent));
                     if head == 0 {
                         push((0, placed));
                     }
@@ -274,13 +286,21 @@ impl Search {
                         }
                         let key = match c.rare {
                             Some(i) if placed & (1 << i) != 0 => continue,
-                            Some(i) => placed | (1 << i),
+                            Some(i) => self.canonical(placed | (1 << i)),
                             None => placed,
                         };
                         push(((c.e + x - head) % x, key));
                     }
                 }
+                for &b in &touched {
+                    cost[b] = u128::MAX;
+                }
+                touched.clear();
             }
+            // One entry per state, its least waste (sorted by state, then waste).
+            spend(next.len())?;
+            next.sort_unstable();
+            next.dedup_by_key(|entry| entry.0);
             if next.is_empty() {
                 return Some(false);
             }
@@ -290,10 +310,19 @@ impl Search {
             layer = next;
         }
         // The last shard holds every rare tensor left, whole, and crosses nothing.
-        Some(layer.iter().any(|(&(tail, used), &spent)| {
+        Some(layer.iter().any(|&((tail, used), spent)| {
             let need = (mref + 2 * x - tail - self.sum(all & !used)) % x;
             need <= self.waste - spent
         }))
+    }
+
+    /// `set` with each shape's rare tensors moved to its lowest bits (they are
+    /// interchangeable, so the states of equal counts are one).
+    fn canonical(&self, set: u32) -> u32 {
+        self.groups.iter().fold(0, |acc, &g| {
+            let n = (set & g).count_ones();
+            acc | (((1u32 << n) - 1) << g.trailing_zeros())
+        })
     }
 
     /// Residue of the sizes of the rare tensors in `set` (each is below `x`).
