@@ -975,3 +975,24 @@ fn qwen3_30b_layer_at_rows_16_v64_meets_the_waste_floor() {
         Some(2378 * 4096)
     );
 }
+
+/// The same layer at `rows:1`, V = 64: pieces of 256 elements, 38,032.25 of them per rank
+/// (the q/k norms are outside them), so the piece floor allows 38,033 and the shards 48 empty
+/// pieces; an expert is 6,144 pieces, `38,033 ≡ 1,169 (mod 6,144)`, and the cuts (multiples
+/// of 8 or 3 pieces) need more than 48. The waste floor proves the plan's 38,034 optimal for
+/// one buffer.
+#[test]
+fn qwen3_30b_layer_at_rows_1_v64_meets_the_waste_floor() {
+    use ragged::plan::waste_floor::waste_floor;
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(1), 64);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 1);
+    assert_eq!(shard_sum, 38_034 * 256);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items = placement_items(&plan);
+    assert_eq!(floor_shard_sum(&items, 64, 64, 1).unwrap(), 38_033 * 256);
+    assert_eq!(
+        waste_floor(&items, 64, 64, 256, shard_sum),
+        Some(38_034 * 256)
+    );
+}
