@@ -114,7 +114,10 @@ fn main() -> Result<()> {
         let start = std::time::Instant::now();
         let waste = waste_floor::waste_floor(&items, world, coll, d, sum);
         let ms = start.elapsed().as_secs_f64() * 1e3;
-        bound(&format!("waste (d = {d}, up to the plan, {ms:.1} ms)"), waste);
+        bound(
+            &format!("waste (d = {d}, up to the plan, {ms:.1} ms)"),
+            waste,
+        );
     }
     bound("content", content_floor::content_floor(&items, world, coll));
     bound(

@@ -36,10 +36,10 @@
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
+use super::piece_floor::main_step;
 use super::refine::{refine, SIDEWAYS_MOVES};
 use super::shard_fill::improve_layout;
 use super::split::split_partition;
-use super::piece_floor::main_step;
 use super::step_floor::step_floor_deep;
 use super::waste_floor::waste_floor;
 use super::{plan_items, Item, Layout, PlanOptions};
@@ -310,8 +310,8 @@ fn deepen_floor(
     );
     // The waste floor bounds one buffer; it only searches sizes up to the plan's.
     if k == 1 && partition.shard_sum > floor {
-        let waste = main_step(items)
-            .and_then(|d| waste_floor(items, world, coll, d, partition.shard_sum));
+        let waste =
+            main_step(items).and_then(|d| waste_floor(items, world, coll, d, partition.shard_sum));
         floor = floor.max(waste.unwrap_or(0));
     }
     if k != 2 || partition.shard_sum <= floor || items.len() > DEEP_FLOOR_MAX_TENSORS {

@@ -1,9 +1,9 @@
 //! The waste floor: a tenth lower bound on `S`, for **one** buffer, taken by
 //! [`super::multi`] where a one-buffer plan is above [`super::floor::floor_shard_sum`] (the
-//! search costs up to ~10 ms, so it runs only below a size it may prove, the plan's). It is the residue floor
-//! ([`super::residue_floor`]) with a budget of waste: the shards need not hold exactly `m`
-//! pieces each, only at most `M = ⌊S/D⌋`, and the pieces they leave empty sum to exactly
-//! `W = V·M − n_A`.
+//! search costs up to some tens of milliseconds, so it runs only where the plan leaves a gap,
+//! and only below the plan's size). It is the residue floor ([`super::residue_floor`]) with a
+//! budget of waste: the shards need not hold exactly `m` pieces each, only at most
+//! `M = ⌊S/D⌋`, and the pieces they leave empty sum to exactly `W = V·M − n_A`.
 //!
 //! **Why.** In a Qwen3-30B-A3B layer at `rows:16`, `V = 64` (pieces of 4,096 elements), the
 //! 384 expert tensors are 384 pieces each, `gate/up_proj` cut at multiples of 8 pieces and
@@ -39,7 +39,9 @@
 //!
 //! **Work.** Only for `V ≤` [`MAX_RANKS`], `W ≤` [`MAX_WASTE`], `X ≤` [`MAX_MODULUS`]; at most
 //! [`MAX_STATES`] states per shard and [`MAX_WORK`] transitions in all; past any limit the
-//! level counts as not proved (no bound from it). Every sum and product is checked.
+//! level counts as not proved (no bound from it). Every sum and product of sizes is checked;
+//! inside the search, residues are below `X ≤ 2^16` and waste at most `W ≤ 256`, so its sums
+//! of a few of them cannot overflow.
 
 use std::collections::HashMap;
 
@@ -112,7 +114,7 @@ pub fn waste_floor(
         if largest > m || bound.checked_next_multiple_of(coll as u128)? > cap as u128 {
             break;
         }
-        let waste = v.checked_mul(m)? - n_a;
+        let waste = v.checked_mul(m)?.checked_sub(n_a)?;
         if waste > MAX_WASTE {
             break;
         }
