@@ -43,7 +43,7 @@
 //! inside the search, residues are below `X ≤ 2^16` and waste at most `W ≤ 256`, so its sums
 //! of a few of them cannot overflow.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use super::fit::gcd_u128;
 use super::residue_floor::RARE;
@@ -132,7 +132,7 @@ pub fn waste_floor(
 /// One kind of crossing: the residues (mod `X`) of its heads and its size.
 struct Crossing {
     /// `e mod X`.
-    e: u128,
+    e: u64,
     /// `heads[h]`: some head `g·i`, `0 < g·i < e`, is `≡ h (mod X)`.
     heads: Vec<bool>,
     /// The rare tensor crossing (`None`: a frequent shape).
@@ -141,12 +141,14 @@ struct Crossing {
 
 /// The relaxed problem of the module doc, modulo `x`.
 struct Search {
-    m: u128,
-    waste: u128,
+    /// `M mod x`.
+    m: u64,
+    waste: u64,
     world: usize,
-    x: u128,
+    /// The modulus, at most [`MAX_MODULUS`] (so every residue sum here fits in 64 bits).
+    x: u64,
     /// Sizes mod `x` of the rare tensors.
-    rare: Vec<u128>,
+    rare: Vec<u64>,
     /// Bits of each shape's rare tensors (interchangeable: a set keeps the lowest bits).
     groups: Vec<u32>,
     crossings: Vec<Crossing>,
@@ -196,26 +198,30 @@ impl Search {
             Some(table)
         };
         let mut crossings = Vec::new();
+        let small = |v: u128| u64::try_from(v % x).ok();
         for &(e, g) in &frequent {
             crossings.push(Crossing {
-                e: e % x,
+                e: small(e)?,
                 heads: heads(e, g)?,
                 rare: None,
             });
         }
         for (i, &(e, g)) in rare_sizes.iter().enumerate() {
             crossings.push(Crossing {
-                e: e % x,
+                e: small(e)?,
                 heads: heads(e, g)?,
                 rare: Some(i),
             });
         }
         Some(Search {
-            m,
-            waste,
+            m: small(m)?,
+            waste: u64::try_from(waste).ok()?,
             world,
-            x,
-            rare: rare_sizes.iter().map(|&(e, _)| e % x).collect(),
+            x: u64::try_from(x).ok()?,
+            rare: rare_sizes
+                .iter()
+                .map(|&(e, _)| small(e))
+                .collect::<Option<Vec<u64>>>()?,
             groups,
             crossings,
         })
@@ -229,19 +235,19 @@ impl Search {
         let x = self.x;
         let xs = x as usize;
         let all = (1u32 << self.rare.len()) - 1;
-        let mref = self.m % x;
+        let mref = self.m;
         let mut spend = |n: usize| -> Option<()> {
             *work = work.saturating_add(n as u64);
             (*work <= MAX_WORK).then_some(())
         };
         // Least waste so far at each residue, and the residues set (reset after each use).
-        let mut cost = vec![u128::MAX; xs];
+        let mut cost = vec![u64::MAX; xs];
         let mut touched: Vec<usize> = Vec::new();
         // (tail residue, rare used) and the least waste so far, one entry per pair.
-        let mut layer: Vec<((u128, u32), u128)> = vec![((0, 0), 0)];
+        let mut layer: Vec<((u64, u32), u64)> = vec![((0, 0), 0)];
         for _ in 0..self.world - 1 {
             // Rare tensors placed -> (residue left for head and waste, least waste so far).
-            let mut left: HashMap<u32, Vec<(u128, u128)>> = HashMap::new();
+            let mut left: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
             for &((tail, used), spent) in &layer {
                 let free = all & !used;
                 let mut subset = free;
@@ -257,7 +263,7 @@ impl Search {
                     subset = (subset - 1) & free;
                 }
             }
-            let mut next: Vec<((u128, u32), u128)> = Vec::new();
+            let mut next: Vec<((u64, u32), u64)> = Vec::new();
             for (&placed, bases) in &left {
                 // Spread each base down by the waste it may still spend; a residue already as
                 // cheap stops the walk (its own spread, done or to come, covers the rest).
@@ -266,7 +272,7 @@ impl Search {
                     let mut c = spent;
                     while c <= self.waste && c < cost[b] {
                         spend(1)?;
-                        if cost[b] == u128::MAX {
+                        if cost[b] == u64::MAX {
                             touched.push(b);
                         }
                         cost[b] = c;
@@ -277,8 +283,8 @@ impl Search {
                 for &b in &touched {
                     spend(1 + self.crossings.len())?;
                     let spent = cost[b];
-                    let head = b as u128;
-                    let mut push = |key: (u128, u32)| next.push((key, spent));
+                    let head = b as u64;
+                    let mut push = |key: (u64, u32)| next.push((key, spent));
                     if head == 0 {
                         push((0, placed));
                     }
@@ -295,7 +301,7 @@ impl Search {
                     }
                 }
                 for &b in &touched {
-                    cost[b] = u128::MAX;
+                    cost[b] = u64::MAX;
                 }
                 touched.clear();
             }
@@ -328,7 +334,7 @@ impl Search {
     }
 
     /// Residue of the sizes of the rare tensors in `set` (each is below `x`).
-    fn sum(&self, set: u32) -> u128 {
+    fn sum(&self, set: u32) -> u64 {
         (0..self.rare.len())
             .filter(|&i| set & (1 << i) != 0)
             .fold(0, |acc, i| (acc + self.rare[i]) % self.x)
