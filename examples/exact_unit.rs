@@ -8,47 +8,27 @@
 
 use std::time::Instant;
 
-use ragged::model::Inventory;
 use ragged::plan::exact_partition::exact_partition;
 use ragged::plan::multi::MultiOptions;
 use ragged::plan::multi_model::plan_multi_unit;
 use ragged::plan::{plan_items, Item, PlanOptions};
-use ragged::{AtomicBlock, Error, Result};
+use ragged::{Error, Result};
+use unit_args::UnitArgs;
+
+#[path = "support/unit_args.rs"]
+mod unit_args;
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let [model, unit_name, block, world, k] = args.as_slice() else {
-        return Err(Error::BadInput {
-            op: "exact_unit",
-            what: format!("{args:?}"),
-            reason: "usage: exact_unit MODEL UNIT BLOCK V K".into(),
-        });
-    };
-    let block: AtomicBlock = block.parse()?;
-    let number = |s: &str| {
-        s.parse::<usize>().map_err(|e| Error::BadInput {
-            op: "exact_unit",
-            what: s.into(),
-            reason: e.to_string(),
-        })
-    };
-    let (world, k) = (number(world)?, number(k)?);
-    let inv = Inventory::load(model)?;
-    let units = inv.units();
-    let unit = units
-        .iter()
-        .find(|u| u.name == *unit_name)
-        .ok_or_else(|| Error::BadInput {
-            op: "exact_unit",
-            what: unit_name.clone(),
-            reason: format!("no such unit in {model}"),
-        })?;
+    let args = UnitArgs::from_env("exact_unit")?;
+    let unit = args.unit("exact_unit")?;
+    let (model, unit_name, block) = (&args.model, &args.unit_name, args.block);
+    let (world, k) = (args.world, args.k);
     let opts = PlanOptions::default();
     let mopts = MultiOptions {
         max_buffers: k,
         ..MultiOptions::default()
     };
-    let plan = plan_multi_unit(unit, &|_| block, world, &opts, &mopts)?;
+    let plan = plan_multi_unit(&unit, &|_| block, world, &opts, &mopts)?;
     let planned: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     println!(
         "{model} {unit_name} {block} V={world}: {} tensors",
@@ -63,14 +43,7 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
     );
     println!("floor (k <= {k}): {}", plan.floor_shard_sum);
-    let mut items = Vec::with_capacity(unit.tensors.len());
-    for t in &unit.tensors {
-        items.push(Item::new(
-            t.numel(),
-            block.elems(&t.shape)?,
-            opts.start_align,
-        )?);
-    }
+    let items = args.items(&unit, &opts)?;
     let start = Instant::now();
     let exact = exact_partition(&items, world, opts.coll_align, k, planned)?;
     println!("exact search: {:?}", start.elapsed());

@@ -4,57 +4,31 @@
 //!
 //! `cargo run --release --example unit_gap -- models/qwen3_30b_a3b.json layers.0 rows:1 256 3`
 
-use ragged::model::Inventory;
 use ragged::plan::multi::{floor_shard_sum, MultiOptions};
 use ragged::plan::multi_model::plan_multi_unit;
 use ragged::plan::{
     class_floor, content_floor, excess_floor, heavy_floor, lattice_floor, piece_floor,
-    residue_floor, search, shard_fill, step_floor, Item, PlanOptions,
+    residue_floor, search, shard_fill, step_floor, waste_floor, PlanOptions,
 };
-use ragged::{AtomicBlock, Error, Result};
+use ragged::Result;
+use unit_args::UnitArgs;
+
+#[path = "support/unit_args.rs"]
+mod unit_args;
+
+use std::fmt::Debug;
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let [model, unit_name, block, world, k] = args.as_slice() else {
-        return Err(Error::BadInput {
-            op: "unit_gap",
-            what: format!("{args:?}"),
-            reason: "usage: unit_gap MODEL UNIT BLOCK V K".into(),
-        });
-    };
-    let block: AtomicBlock = block.parse()?;
-    let number = |s: &str| {
-        s.parse::<usize>().map_err(|e| Error::BadInput {
-            op: "unit_gap",
-            what: s.into(),
-            reason: e.to_string(),
-        })
-    };
-    let (world, k) = (number(world)?, number(k)?);
-    let inv = Inventory::load(model)?;
-    let units = inv.units();
-    let unit = units
-        .iter()
-        .find(|u| u.name == *unit_name)
-        .ok_or_else(|| Error::BadInput {
-            op: "unit_gap",
-            what: unit_name.clone(),
-            reason: format!("no such unit in {model}"),
-        })?;
+    let args = UnitArgs::from_env("unit_gap")?;
+    let unit = args.unit("unit_gap")?;
+    let (unit_name, block, world, k) = (&args.unit_name, args.block, args.world, args.k);
     let opts = PlanOptions::default();
     let coll = opts.coll_align;
     let mopts = MultiOptions {
         max_buffers: k,
         ..MultiOptions::default()
     };
-    let mut items = Vec::with_capacity(unit.tensors.len());
-    for t in &unit.tensors {
-        items.push(Item::new(
-            t.numel(),
-            block.elems(&t.shape)?,
-            opts.start_align,
-        )?);
-    }
+    let items = args.items(&unit, &opts)?;
     // Shapes: (numel, block) -> (count, first name).
     let mut shapes: Vec<(usize, usize, usize, String)> = Vec::new();
     for (t, it) in unit.tensors.iter().zip(&items) {
@@ -80,7 +54,7 @@ fn main() -> Result<()> {
             e / g
         );
     }
-    let plan = plan_multi_unit(unit, &|_| block, world, &opts, &mopts)?;
+    let plan = plan_multi_unit(&unit, &|_| block, world, &opts, &mopts)?;
     let sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
     println!(
         "plan: k = {}, sum S = {sum}, padding/rank {:.3} ({:.4} %)",
@@ -117,53 +91,38 @@ fn main() -> Result<()> {
         plan.floor_shard_sum as f64 - total as f64 / world as f64
     );
     let kk = plan.k();
-    println!(
-        "  floor_shard_sum k={kk}: {:?}",
-        floor_shard_sum(&items, world, coll, kk)
-    );
     for j in 1..=k {
-        println!(
-            "  floor_shard_sum k={j}: {:?}",
-            floor_shard_sum(&items, world, coll, j)
+        bound(
+            &format!("floor_shard_sum k={j}"),
+            floor_shard_sum(&items, world, coll, j),
         );
     }
-    println!(
-        "  one buffer any order: {:?}",
-        search::any_order_lower_bound(&items, world, coll)
+    bound(
+        "one buffer any order",
+        search::any_order_lower_bound(&items, world, coll),
     );
-    println!(
-        "  heavy: {:?}",
-        heavy_floor::heavy_floor(&items, world, coll, kk)
-    );
-    println!(
-        "  class: {:?}",
-        class_floor::class_floor(&items, world, coll, kk)
-    );
-    println!(
-        "  step_k: {:?}",
-        step_floor::step_floor_k(&items, world, coll, kk)
-    );
-    println!(
-        "  piece: {:?}",
-        piece_floor::piece_floor(&items, world, coll)
-    );
-    println!(
-        "  lattice: {:?}",
-        lattice_floor::lattice_floor(&items, world, coll)
-    );
+    bound("heavy", heavy_floor::heavy_floor(&items, world, coll, kk));
+    bound("class", class_floor::class_floor(&items, world, coll, kk));
+    bound("step_k", step_floor::step_floor_k(&items, world, coll, kk));
+    bound("piece", piece_floor::piece_floor(&items, world, coll));
+    bound("lattice", lattice_floor::lattice_floor(&items, world, coll));
     if let Some(d) = piece_floor::main_step(&items) {
-        println!(
-            "  residue (d = {d}): {:?}",
-            residue_floor::residue_floor(&items, world, coll, d)
+        bound(
+            &format!("residue (d = {d})"),
+            residue_floor::residue_floor(&items, world, coll, d),
+        );
+        let start = std::time::Instant::now();
+        let waste = waste_floor::waste_floor(&items, world, coll, d, sum);
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        bound(
+            &format!("waste (d = {d}, up to the plan, {ms:.1} ms)"),
+            waste,
         );
     }
-    println!(
-        "  content: {:?}",
-        content_floor::content_floor(&items, world, coll)
-    );
-    println!(
-        "  excess (one buffer): {:?}",
-        excess_floor::excess_floor(&items, world, coll, 0)
+    bound("content", content_floor::content_floor(&items, world, coll));
+    bound(
+        "excess (one buffer)",
+        excess_floor::excess_floor(&items, world, coll, 0),
     );
     // The whole unit filled shard by shard at the one-buffer floor and a few steps above.
     let one = floor_shard_sum(&items, world, coll, 1)?;
@@ -175,4 +134,9 @@ fn main() -> Result<()> {
         s = (s + 1).next_multiple_of(step);
     }
     Ok(())
+}
+
+/// One line of the bounds: its name and its value as the bound returns it.
+fn bound(name: &str, value: impl Debug) {
+    println!("  {name}: {value:?}");
 }

@@ -943,3 +943,56 @@ fn qwen3_30b_layer_at_rows_1_v256_reaches_the_floor_by_a_sideways_move() {
     let q_proj = buffer_of(&plan, "self_attn.q_proj.weight");
     assert_eq!(o_proj.unit, q_proj.unit);
 }
+
+/// A Qwen3-30B-A3B layer at `rows:16`, V = 64: pieces of 4,096 elements fill exactly 2,377
+/// per rank, so the residue floor proves 2,378; at 2,378 the shards have 64 pieces to leave
+/// empty, but `2,378 ≡ 74 (mod 384)` (an expert is 384 pieces, cut at multiples of 8 or 3)
+/// costs about two per shard. The waste floor proves that one buffer needs 2,379 pieces, the
+/// plan's size.
+#[test]
+fn qwen3_30b_layer_at_rows_16_v64_meets_the_waste_floor() {
+    use ragged::plan::residue_floor::residue_floor;
+    use ragged::plan::waste_floor::waste_floor;
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(16), 64);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 1);
+    assert_eq!(shard_sum, 2379 * 4096);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items = placement_items(&plan);
+    assert_eq!(floor_shard_sum(&items, 64, 64, 1).unwrap(), 2378 * 4096);
+    assert_eq!(residue_floor(&items, 64, 64, 4096), Some(2378 * 4096));
+    assert_eq!(
+        waste_floor(&items, 64, 64, 4096, usize::MAX),
+        Some(2379 * 4096)
+    );
+    // Capped at the plan it proves the same; capped one piece lower, only the residue level.
+    assert_eq!(
+        waste_floor(&items, 64, 64, 4096, shard_sum),
+        Some(2379 * 4096)
+    );
+    assert_eq!(
+        waste_floor(&items, 64, 64, 4096, shard_sum - 4096),
+        Some(2378 * 4096)
+    );
+}
+
+/// The same layer at `rows:1`, V = 64: pieces of 256 elements, 38,032.25 of them per rank
+/// (the q/k norms are outside them), so the piece floor allows 38,033 and the shards 48 empty
+/// pieces; an expert is 6,144 pieces, `38,033 ≡ 1,169 (mod 6,144)`, and the cuts (multiples
+/// of 8 or 3 pieces) need more than 48. The waste floor proves the plan's 38,034 optimal for
+/// one buffer.
+#[test]
+fn qwen3_30b_layer_at_rows_1_v64_meets_the_waste_floor() {
+    use ragged::plan::waste_floor::waste_floor;
+    let plan = layer_plan("models/qwen3_30b_a3b.json", AtomicBlock::Rows(1), 64);
+    let shard_sum: usize = plan.buffers.iter().map(|b| b.shard_size).sum();
+    assert_eq!(plan.k(), 1);
+    assert_eq!(shard_sum, 38_034 * 256);
+    assert_eq!(plan.floor_shard_sum, shard_sum);
+    let items = placement_items(&plan);
+    assert_eq!(floor_shard_sum(&items, 64, 64, 1).unwrap(), 38_033 * 256);
+    assert_eq!(
+        waste_floor(&items, 64, 64, 256, shard_sum),
+        Some(38_034 * 256)
+    );
+}

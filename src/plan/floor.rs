@@ -33,7 +33,9 @@
 //! multiple of `gcd(e, g)`, and, for `k = 1`, [`super::residue_floor`]'s, which follows the
 //! residues of those parts when every shard must hold exactly `m` pieces, and, for `k = 1`,
 //! [`super::excess_floor`]'s, which counts the shards that tensors whose parts are not
-//! multiples of a step can reach past it; all eight hold for every layout.
+//! multiples of a step can reach past it; all eight hold for every layout. (A ninth, for
+//! `k = 1`, [`super::waste_floor`], is searched only above this one and below a plan, by
+//! [`super::multi`].)
 
 use super::fit::gcd_u128;
 use super::Item;

@@ -26,6 +26,8 @@
 //! | its sixth bound, the forced tensors' lattices in a coarse and a fine class | [`lattice_floor`] |
 //! | its seventh bound (one buffer), the residues of pieces when the shards hold exactly `m` | [`residue_floor`] |
 //! | an eighth bound, the padding of the buffer holding a given shape (residues of contents) | [`content_floor`] |
+//! | a ninth bound (one buffer), the shards tensors off a step can reach past it | [`excess_floor`] |
+//! | a tenth bound (one buffer), the residues of bound seven with a budget of empty pieces | [`waste_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -50,6 +52,7 @@ pub mod search;
 pub mod shard_fill;
 pub mod split;
 pub mod step_floor;
+pub mod waste_floor;
 
 use std::collections::HashMap;
 use std::fmt;

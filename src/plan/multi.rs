@@ -28,17 +28,20 @@
 //! **Floor** ([`floor_shard_sum`], in [`super::floor`]): a lower bound on `Σ S_b` over every
 //! partition of the unit into at most `k` buffers and every layout of each, proved in that
 //! module's doc and tested against exhaustive search on small inputs. Where the chosen layout
-//! of a unit is above it, the content floor ([`super::content_floor`]) is taken too, and where
+//! of a unit is above it, the content floor ([`super::content_floor`]) is taken too, where it
+//! is one buffer, the waste floor ([`super::waste_floor`]) up to its size, and where
 //! such a layout of a small unit has two buffers, a deeper search of the common-step bound
 //! ([`super::step_floor::step_floor_deep`]).
 
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
 use super::partition::{best_partition, Partition};
+use super::piece_floor::main_step;
 use super::refine::{refine, SIDEWAYS_MOVES};
 use super::shard_fill::improve_layout;
 use super::split::split_partition;
 use super::step_floor::step_floor_deep;
+use super::waste_floor::waste_floor;
 use super::{plan_items, Item, Layout, PlanOptions};
 use crate::{Error, Result};
 
@@ -281,7 +284,8 @@ fn choose(
 pub const DEEP_FLOOR_MAX_TENSORS: usize = 64;
 
 /// The floor of `partition`'s number of buffers, raised where the plan is above it by
-/// [`content_floor`] and, where the plan has two buffers and the unit is small, by
+/// [`content_floor`], where the plan is one buffer by [`waste_floor`] (below the plan's size),
+/// and, where the plan has two buffers and the unit is small, by
 /// [`step_floor_deep`] (a lower bound either way: all are).
 /// Two buffers is where the deeper search pays: there a `Q` of its own leaves the forced
 /// tensors one buffer (their lattices' lcm), so which small tensors join them matters; with
@@ -298,12 +302,18 @@ fn deepen_floor(
         return floor;
     }
     // The content floor holds for any number of buffers; it only runs above the others.
-    let floor = floor.max(
+    let mut floor = floor.max(
         content_floor(items, world, coll)
             .ok()
             .flatten()
             .unwrap_or(0),
     );
+    // The waste floor bounds one buffer; it only searches sizes up to the plan's.
+    if k == 1 && partition.shard_sum > floor {
+        let waste =
+            main_step(items).and_then(|d| waste_floor(items, world, coll, d, partition.shard_sum));
+        floor = floor.max(waste.unwrap_or(0));
+    }
     if k != 2 || partition.shard_sum <= floor || items.len() > DEEP_FLOOR_MAX_TENSORS {
         return floor;
     }
