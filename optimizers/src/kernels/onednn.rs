@@ -39,9 +39,10 @@ use libloading::Library;
 /// Library names tried, in order.
 pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
 
-/// Side at which [`OneDnn::sym_nt`] stops splitting: a 512-wide AMX product still keeps
-/// both threads busy, and each split costs a primitive call and a mirror.
-pub const SYM_LEAF: usize = 512;
+/// Side at which [`OneDnn::sym_nt`] stops splitting. On 2 AMX cores a 1024-wide product
+/// is worth more whole than as three 512-wide ones (Muon on 1024²: 29.6–31.4 ms whole,
+/// 40.6–42.9 ms split; on 2048², split once: 276–285 ms against 297–303 ms whole).
+pub const SYM_LEAF: usize = 1024;
 
 /// Copies the lower-left block (rows `h..n`, columns `0..h`) of the `n×n` matrix in `dst`
 /// (rows `ldd` apart) transposed into its upper-right block, in 32×32 tiles.
@@ -684,7 +685,7 @@ impl OneDnn {
     /// symmetric result (and `dst` symmetric on entry with `Some(sum)`): the lower
     /// off-diagonal block is one product, mirrored into the upper one, and the diagonal
     /// blocks recurse down to [`SYM_LEAF`]. Every block's operands are whole rows of `a`, so
-    /// only `dst` is strided. For a side of 1024 this does 75 % of the full product's
+    /// only `dst` is strided. For a side of 2048 this does 75 % of the full product's
     /// multiply-adds in 3 primitive calls. The mirrored blocks are exactly symmetric; a leaf
     /// is as symmetric as oneDNN's product of it.
     ///
