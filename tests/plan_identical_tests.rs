@@ -43,6 +43,22 @@ fn exact_buffer(shapes: &[Item], counts: &[usize], world: usize, coll: usize) ->
         .unwrap()
 }
 
+/// A unit from `(numel, block, copies)` per shape: its shapes, their counts, and every tensor
+/// (each shape repeated `copies` times), start alignment 1.
+fn unit_of(spec: &[(usize, usize, usize)]) -> (Vec<Item>, Vec<usize>, Vec<Item>) {
+    let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+    let shapes: Vec<Item> = spec
+        .iter()
+        .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
+        .collect();
+    let items: Vec<Item> = shapes
+        .iter()
+        .zip(&counts)
+        .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
+        .collect();
+    (shapes, counts, items)
+}
+
 /// The smallest `Σ S` over every way to give each buffer (at most `k`) a count of each shape.
 fn exhaustive(shapes: &[Item], counts: &[usize], world: usize, coll: usize, k: usize) -> usize {
     let mut memo: HashMap<Vec<usize>, usize> = HashMap::new();
@@ -222,16 +238,7 @@ fn piece_floor_holds_on_unforced_experts() {
         if norm > 0 {
             spec.push((norm, norm, 1));
         }
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
+        let (shapes, counts, items) = unit_of(&spec);
         let piece = piece_floor(&items, world, 1).unwrap();
         let share = items.iter().map(|t| t.numel).sum::<usize>().div_ceil(world);
         for k in 1..=3 {
@@ -286,16 +293,7 @@ fn lattice_floor_holds_on_coarse_and_fine_forced_tensors() {
         if n3 > 0 {
             spec.push((e3, g3.min(e3), n3));
         }
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
+        let (shapes, counts, items) = unit_of(&spec);
         let lattice = lattice_floor(&items, world, 1).unwrap();
         let step = step_floor(&items, world, 1).unwrap();
         for k in 1..=3 {
@@ -351,16 +349,7 @@ fn residue_floor_holds_when_the_shards_hold_exactly_m_pieces() {
         if norm > 0 {
             spec.push((1, 1, 1));
         }
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
+        let (shapes, counts, items) = unit_of(&spec);
         let Some(bound) = residue_floor(&items, world, 1, d) else {
             continue;
         };
@@ -414,16 +403,7 @@ fn waste_floor_is_a_true_lower_bound_against_exhaustive_search() {
         if norm > 0 {
             spec.push((1, 1, 1));
         }
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
+        let (shapes, counts, items) = unit_of(&spec);
         let Some(bound) = waste_floor(&items, world, coll, d, usize::MAX) else {
             continue;
         };
@@ -463,16 +443,7 @@ fn waste_floor_is_a_true_lower_bound_against_exhaustive_search() {
             (d * u, d * b2.min(u), 5),
             (d * w, d * rb.min(w), 1),
         ];
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
+        let (shapes, counts, items) = unit_of(&spec);
         let Some(bound) = waste_floor(&items, world, coll, d, usize::MAX) else {
             continue;
         };
