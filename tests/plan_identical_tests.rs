@@ -43,6 +43,24 @@ fn exact_buffer(shapes: &[Item], counts: &[usize], world: usize, coll: usize) ->
         .unwrap()
 }
 
+/// The `(numel, block, copies)` of an expert-like unit in pieces of `d` elements: `copies` of
+/// one `u`-piece shape cut every `b` pieces, one tensor per `(pieces, block)` of `rare`, and a
+/// one-element norm outside the pieces when `norm` (blocks capped at their tensor's size).
+fn expert_spec(
+    d: usize,
+    (u, b): (usize, usize),
+    copies: usize,
+    rare: &[(usize, usize)],
+    norm: bool,
+) -> Vec<(usize, usize, usize)> {
+    let mut spec = vec![(d * u, d * b.min(u), copies)];
+    spec.extend(rare.iter().map(|&(w, rb)| (d * w, d * rb.min(w), 1)));
+    if norm {
+        spec.push((1, 1, 1));
+    }
+    spec
+}
+
 /// A unit from `(numel, block, copies)` per shape: its shapes, their counts, and every tensor
 /// (each shape repeated `copies` times), start alignment 1.
 fn unit_of(spec: &[(usize, usize, usize)]) -> (Vec<Item>, Vec<usize>, Vec<Item>) {
@@ -342,13 +360,7 @@ fn residue_floor_holds_when_the_shards_hold_exactly_m_pieces() {
         tried += 1;
         let (d, (u, b), copies, rare, norm, world) =
             strategy.new_tree(&mut runner).unwrap().current();
-        let mut spec = vec![(d * u, d * b.min(u), copies)];
-        for &(w, rb) in &rare {
-            spec.push((d * w, d * rb.min(w), 1));
-        }
-        if norm > 0 {
-            spec.push((1, 1, 1));
-        }
+        let spec = expert_spec(d, (u, b), copies, &rare, norm > 0);
         let (shapes, counts, items) = unit_of(&spec);
         let Some(bound) = residue_floor(&items, world, 1, d) else {
             continue;
@@ -396,13 +408,7 @@ fn waste_floor_is_a_true_lower_bound_against_exhaustive_search() {
         tried += 1;
         let (d, (u, b), copies, rare, norm, world, coll) =
             strategy.new_tree(&mut runner).unwrap().current();
-        let mut spec = vec![(d * u, d * b.min(u), copies)];
-        for &(w, rb) in &rare {
-            spec.push((d * w, d * rb.min(w), 1));
-        }
-        if norm > 0 {
-            spec.push((1, 1, 1));
-        }
+        let spec = expert_spec(d, (u, b), copies, &rare, norm > 0);
         let (shapes, counts, items) = unit_of(&spec);
         let Some(bound) = waste_floor(&items, world, coll, d, usize::MAX) else {
             continue;
