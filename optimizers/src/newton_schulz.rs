@@ -381,15 +381,9 @@ fn threaded(par: Parallelism) -> bool {
 
 /// `rows × cols` row-major `x` transposed into `out` (`cols × rows`), in tiles, bands of
 /// output rows spread over threads when `par` allows (a copy: the same bits either way).
-fn transpose<T: Copy + Send + Sync>(
-    x: &[T],
-    rows: usize,
-    cols: usize,
-    out: &mut [T],
-    par: Parallelism,
-) {
+fn transpose(x: &[f32], rows: usize, cols: usize, out: &mut [f32], par: Parallelism) {
     let t = TRANSPOSE_TILE;
-    let band = |(jb, dst): (usize, &mut [T])| {
+    let band = |(jb, dst): (usize, &mut [f32])| {
         let j0 = jb * t;
         for i0 in (0..rows).step_by(t) {
             let i1 = (i0 + t).min(rows);
