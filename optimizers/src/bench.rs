@@ -202,8 +202,10 @@ pub struct Baselines {
     /// `2n³ / t`, best and median of the reps, GFLOP/s.
     pub gemm_best_gflops: f64,
     pub gemm_median_gflops: f64,
-    /// The same on oneDNN's bf16 matmul (best, median), where bf16 Newton–Schulz runs on it.
+    /// The same on oneDNN's bf16 matmul (best, median), where oneDNN has one.
     pub bf16_gemm_gflops: Option<(f64, f64)>,
+    /// The same on ragged's AMX products, where the CPU has AMX.
+    pub bf16_amx_gemm_gflops: Option<(f64, f64)>,
 }
 
 /// memcpy bandwidth in GB/s counting read + write bytes (`2·bytes / t`), best of `reps`, with
@@ -280,7 +282,10 @@ pub struct GemmProbe {
 
 enum Operands {
     F32([Vec<f32>; 3]),
+    /// On oneDNN.
     Bf16([Vec<bf16>; 3]),
+    /// On ragged's AMX products.
+    Bf16Amx([Vec<bf16>; 3]),
 }
 
 impl GemmProbe {
@@ -306,23 +311,37 @@ impl GemmProbe {
         })
     }
 
-    /// The GEMM Newton–Schulz for `kind` is compared with: oneDNN's bf16 matmul where bf16
-    /// Newton–Schulz runs on it, else `f32` (the portable bf16 path rounds operands around
-    /// the `f32` GEMM).
-    /// (`bf16_onednn` succeeds exactly where `NsBackend::Auto` resolves bf16 to oneDNN: both
-    /// ask oneDNN for its bf16 matmul.)
-    pub fn for_ns(kind: OptimKind, n: usize) -> Self {
-        match kind {
-            OptimKind::MuonBf16 => GemmProbe::bf16_onednn(n).unwrap_or_else(|_| GemmProbe::new(n)),
-            _ => GemmProbe::new(n),
-        }
+    /// `bf16` operands for side `n` on ragged's AMX products; `Err` without AMX.
+    pub fn bf16_amx(n: usize) -> Result<Self> {
+        crate::kernels::amx_bf16::amx().map_err(unsupported)?;
+        let [a, b] = seeded_operands(n);
+        let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+        Ok(GemmProbe {
+            n,
+            operands: Operands::Bf16Amx([to_bf16(a), to_bf16(b), vec![bf16::ZERO; n * n]]),
+        })
     }
 
-    /// `f32 GEMM` or `bf16 GEMM (oneDNN)`.
+    /// The GEMM Newton–Schulz for `kind` is compared with: the bf16 product bf16
+    /// Newton–Schulz runs on (`NsBackend::Auto`'s: AMX, else oneDNN), else `f32` (the
+    /// portable bf16 path rounds operands around the `f32` GEMM).
+    pub fn for_ns(kind: OptimKind, n: usize) -> Self {
+        use crate::newton_schulz::{resolve_backend, NsBackend};
+        let bf16 = resolve_backend(NsPrecision::Bf16, NsBackend::Auto).ok();
+        let probe = match (kind, bf16) {
+            (OptimKind::MuonBf16, Some(NsBackend::Amx)) => GemmProbe::bf16_amx(n),
+            (OptimKind::MuonBf16, Some(NsBackend::OneDnn)) => GemmProbe::bf16_onednn(n),
+            _ => Ok(GemmProbe::new(n)),
+        };
+        probe.unwrap_or_else(|_| GemmProbe::new(n))
+    }
+
+    /// `f32 GEMM`, `bf16 GEMM (oneDNN)` or `bf16 GEMM (AMX)`.
     pub fn label(&self) -> &'static str {
         match self.operands {
             Operands::F32(_) => "f32 GEMM",
             Operands::Bf16(_) => "bf16 GEMM (oneDNN)",
+            Operands::Bf16Amx(_) => "bf16 GEMM (AMX)",
         }
     }
 
@@ -350,6 +369,15 @@ impl GemmProbe {
                 let dnnl = crate::kernels::onednn::onednn().map_err(unsupported)?;
                 dnnl.matmul(n, n, n, a, b, false, c, 1.0, None)
                     .map_err(unsupported)?;
+                std::hint::black_box(c);
+            }
+            Operands::Bf16Amx([a, b, c]) => {
+                let amx = crate::kernels::amx_bf16::amx().map_err(unsupported)?;
+                let epi = crate::kernels::amx_bf16::Epilogue {
+                    alpha: 1.0,
+                    add: None,
+                };
+                amx.matmul(n, n, n, a, crate::kernels::amx_bf16::Rhs::Plain(b), c, epi);
                 std::hint::black_box(c);
             }
         }
@@ -406,6 +434,9 @@ pub fn baselines(memcpy_bytes: usize, gemm_n: usize, reps: usize) -> Baselines {
         gemm_best_gflops,
         gemm_median_gflops,
         bf16_gemm_gflops: GemmProbe::bf16_onednn(gemm_n)
+            .and_then(|p| probe_gflops(p, reps))
+            .ok(),
+        bf16_amx_gemm_gflops: GemmProbe::bf16_amx(gemm_n)
             .and_then(|p| probe_gflops(p, reps))
             .ok(),
     }
@@ -556,7 +587,16 @@ pub fn kernel_name(kind: OptimKind) -> String {
 pub fn muon_config(precision: NsPrecision) -> MuonConfig {
     let mut c = MuonConfig::default();
     c.ns.precision = precision;
+    if let Some(backend) = ns_backend_override() {
+        c.ns.backend = backend;
+    }
     c
+}
+
+/// `RAGGED_NS_BACKEND` (`auto`, `reference`, `gemm`, `onednn`, `amx`), for timing one
+/// Newton–Schulz backend against another; unset or unparsable means `Auto`.
+pub fn ns_backend_override() -> Option<crate::newton_schulz::NsBackend> {
+    std::env::var("RAGGED_NS_BACKEND").ok()?.parse().ok()
 }
 
 /// The Shampoo of the benchmark: fb defaults with Adam grafting and 256-side blocks (roots
@@ -1166,7 +1206,7 @@ fn peak_of(p: &Peak, kind: OptimKind) -> f64 {
 /// The baseline GEMM rate (best, GFLOP/s) of `kind`'s precision: oneDNN's bf16 matmul for
 /// bf16 Newton–Schulz where it was measured, else the `f32` GEMM.
 fn gemm_of(b: &Baselines, kind: OptimKind) -> f64 {
-    match (kind, b.bf16_gemm_gflops) {
+    match (kind, b.bf16_amx_gemm_gflops.or(b.bf16_gemm_gflops)) {
         (OptimKind::MuonBf16, Some((best, _))) => best,
         _ => b.gemm_best_gflops,
     }
@@ -1245,6 +1285,14 @@ pub fn markdown(r: &Report) -> String {
             n = b.gemm_n
         );
     }
+    if let Some((best, median)) = b.bf16_amx_gemm_gflops {
+        let _ = writeln!(
+            out,
+            "| bf16 GEMM (ragged AMX) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |",
+            100.0 * best / p.bf16_gflops(),
+            n = b.gemm_n
+        );
+    }
     let _ = writeln!(out);
     let _ = writeln!(out, "| {} |", COLUMNS.join(" | "));
     let _ = writeln!(out, "|{}", "---|".repeat(COLUMNS.len()));
@@ -1317,12 +1365,10 @@ mod tests {
             let same = &row.vs_same_bytes_memcpy;
             assert_eq!((gemm.len(), memcpy.len()), want, "{kind}");
             assert_eq!(same.len(), memcpy.len(), "{kind}");
-            let onednn = matches!(
-                resolve_backend(NsPrecision::Bf16, NsBackend::Auto),
-                Ok(NsBackend::OneDnn)
-            );
+            let bf16 = resolve_backend(NsPrecision::Bf16, NsBackend::Auto).ok();
             let probe = match kind {
-                OptimKind::MuonBf16 if onednn => "bf16 GEMM (oneDNN)",
+                OptimKind::MuonBf16 if bf16 == Some(NsBackend::Amx) => "bf16 GEMM (AMX)",
+                OptimKind::MuonBf16 if bf16 == Some(NsBackend::OneDnn) => "bf16 GEMM (oneDNN)",
                 OptimKind::Muon | OptimKind::MuonBf16 => "f32 GEMM",
                 _ => "",
             };

@@ -62,6 +62,7 @@ use rayon::prelude::*;
 
 use ragged::{Error, Result};
 
+use crate::kernels::amx_bf16::{self, Epilogue, Rhs};
 use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::Parallelism;
@@ -139,6 +140,29 @@ pub enum NsBackend {
     /// oneDNN's matmul primitive (`Err` when oneDNN, or for bf16 its bf16 matmul, is not
     /// available).
     OneDnn,
+    /// ragged's own bf16 products on the AMX tile unit ([`crate::kernels::amx_bf16`]; bf16
+    /// only, `Err` where the CPU or the kernel does not offer AMX).
+    Amx,
+}
+
+impl std::str::FromStr for NsBackend {
+    type Err = Error;
+
+    /// `auto`, `reference`, `gemm`, `onednn` or `amx`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(NsBackend::Auto),
+            "reference" => Ok(NsBackend::Reference),
+            "gemm" => Ok(NsBackend::Gemm),
+            "onednn" => Ok(NsBackend::OneDnn),
+            "amx" => Ok(NsBackend::Amx),
+            _ => Err(Error::BadInput {
+                op: "NsBackend::from_str",
+                what: s.into(),
+                reason: "expected auto, reference, gemm, onednn or amx".into(),
+            }),
+        }
+    }
 }
 
 /// Newton–Schulz hyperparameters. Step `k` uses `coeffs[min(k, coeffs.len() − 1)]` (a
@@ -233,16 +257,27 @@ fn onednn_bf16() -> std::result::Result<String, DnnlError> {
 }
 
 /// The concrete backend `backend` means for `precision` here: `Auto` resolved; `Err` for
-/// `OneDnn` when oneDNN does not load or, for `Bf16`, has no bf16 matmul on this CPU (the
-/// error says why).
+/// `OneDnn` when oneDNN does not load or, for `Bf16`, has no bf16 matmul on this CPU, and for
+/// `Amx` without AMX or with `F32` (the error says why).
 pub fn resolve_backend(precision: NsPrecision, backend: NsBackend) -> Result<NsBackend> {
     match (precision, backend) {
         (NsPrecision::F32, NsBackend::Auto) => Ok(NsBackend::Gemm),
-        (NsPrecision::Bf16, NsBackend::Auto) => Ok(if onednn_bf16().is_ok() {
+        (NsPrecision::Bf16, NsBackend::Auto) => Ok(if amx_bf16::amx().is_ok() {
+            NsBackend::Amx
+        } else if onednn_bf16().is_ok() {
             NsBackend::OneDnn
         } else {
             NsBackend::Gemm
         }),
+        (NsPrecision::F32, NsBackend::Amx) => Err(Error::BadInput {
+            op: "resolve_backend",
+            what: "NsBackend::Amx with NsPrecision::F32".into(),
+            reason: "the AMX products are bf16 only".into(),
+        }),
+        (NsPrecision::Bf16, NsBackend::Amx) => {
+            amx_bf16::amx()?;
+            Ok(NsBackend::Amx)
+        }
         (NsPrecision::F32, NsBackend::OneDnn) => {
             onednn::onednn()?;
             Ok(NsBackend::OneDnn)
@@ -300,6 +335,17 @@ pub fn ns_backend_info() -> NsBackendInfo {
         simd_name(),
         rayon::current_num_threads()
     );
+    if amx_bf16::amx().is_ok() {
+        return NsBackendInfo {
+            f32_backend: NsBackend::Gemm,
+            f32,
+            bf16_backend: NsBackend::Amx,
+            bf16: format!(
+                "ragged AMX bf16 tiles (TDPBF16PS, 32×32 blocks), {} rayon threads",
+                rayon::current_num_threads()
+            ),
+        };
+    }
     let (bf16_backend, bf16) = match onednn::onednn().and_then(|d| {
         let isa = d.bf16_impl()?;
         Ok(format!(
@@ -543,6 +589,39 @@ fn iterate_onednn<T: Element>(
     Ok(())
 }
 
+/// Step 3 in bf16 on the AMX products (`xw` holds bf16 values on entry): the same three
+/// roundings per step as [`iterate_onednn`], with `P·P` as `P·Pᵀ` (the AMX `P` is exactly
+/// symmetric) and the addends read from `P` and `X` directly.
+fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
+    let amx = amx_bf16::amx()?;
+    let mut x = vec![bf16::ZERO; s * l];
+    map_into(xw, &mut x, par, bf16::from_f32);
+    let mut p = vec![bf16::ZERO; s * s];
+    let mut q = vec![bf16::ZERO; s * s];
+    let mut y = vec![bf16::ZERO; s * l];
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        let plain = Epilogue {
+            alpha: 1.0,
+            add: None,
+        };
+        amx.sym_nt(s, l, &x, &mut p, plain);
+        let poly = Epilogue {
+            alpha: c,
+            add: Some((b, &p)),
+        };
+        amx.sym_nt(s, s, &p, &mut q, poly);
+        let update = Epilogue {
+            alpha: 1.0,
+            add: Some((a, &x)),
+        };
+        amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update);
+        std::mem::swap(&mut x, &mut y);
+    }
+    map_into(&x, xw, par, |v| v.to_f32());
+    Ok(())
+}
+
 /// Newton–Schulz of one `rows × cols` matrix with a resolved backend (not `Auto`).
 fn ns_one(
     x: &mut [f32],
@@ -594,6 +673,7 @@ fn ns_one(
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
         NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
         NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg, par)?,
+        NsBackend::Amx => iterate_amx(&mut xw, s, l, cfg, par)?,
         NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
     }
     // Step 4.

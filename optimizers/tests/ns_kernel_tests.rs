@@ -2,8 +2,10 @@
 //! bitwise independence from the thread count and from batching, bf16 (portable and oneDNN)
 //! against f32 and the quintic's singular-value band, special inputs, named schedules.
 //!
-//! Tests that need oneDNN print why they skip and return when it does not load.
+//! Tests that need oneDNN or AMX print why they skip and return when it is missing.
 
+use half::bf16;
+use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::newton_schulz::{resolve_backend, POLAR_EXPRESS_NORM_SCALE};
 use ragged_optimizers::{
@@ -476,6 +478,252 @@ fn onednn_bf16_agrees_with_the_portable_bf16_path() {
     eprintln!("{}", ns_backend_info());
 }
 
+/// Whether this process may use the AMX tiles; prints why a test skips when not.
+fn amx_or_skip(test: &str) -> bool {
+    match amx_bf16::amx() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("{test}: skipped, {e}");
+            false
+        }
+    }
+}
+
+/// `alpha·Σ_k a·b + beta·add` with the `f32` sum over `k` ascending and separate multiply
+/// and add, rounded once: the order `TDPBF16PS` sums in.
+#[allow(clippy::too_many_arguments)]
+fn sequential_product(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[bf16],
+    b: &[bf16],
+    b_transposed: bool,
+    alpha: f32,
+    add: Option<(f32, &[bf16])>,
+) -> Vec<bf16> {
+    let mut out = vec![bf16::ZERO; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0f32;
+            for kk in 0..k {
+                let bv = if b_transposed {
+                    b[j * k + kk]
+                } else {
+                    b[kk * n + j]
+                };
+                acc += a[i * k + kk].to_f32() * bv.to_f32();
+            }
+            let mut v = alpha * acc;
+            if let Some((beta, add)) = add {
+                v += beta * add[i * n + j].to_f32();
+            }
+            out[i * n + j] = bf16::from_f32(v);
+        }
+    }
+    out
+}
+
+/// AMX products against [`sequential_product`] and the exact (f64) value. `TDPBF16PS` sums
+/// in the same order but flushes denormals and adds the two products of a pair as the unit
+/// does, so a rare `f32` sum lands on the other side of a bf16 rounding boundary: at least
+/// 98 % of the elements must be bitwise equal to the sequential sum (seen: all but ≤ 2 of
+/// 87,040), and every element within the bound of any `f32` summation order,
+/// `2⁻⁸·|exact| + (k + 2)·2⁻²³·(|α|·Σ|a·b| + |β·add|)` (bf16 rounding plus `f32` rounding of
+/// every partial sum).
+#[allow(clippy::too_many_arguments)]
+fn assert_amx_product(
+    got: &[bf16],
+    want: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    a: &[bf16],
+    b: &dyn Fn(usize, usize) -> bf16,
+    alpha: f32,
+    add: Option<(f32, &[bf16])>,
+    what: &str,
+) {
+    let differing = got.iter().zip(want).filter(|(x, y)| x != y).count();
+    assert!(
+        differing * 50 <= got.len().max(50),
+        "{what}: {differing} of {} elements differ from the sequential sum",
+        got.len()
+    );
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
+            for kk in 0..k {
+                let p = f64::from(a[i * k + kk].to_f32()) * f64::from(b(kk, j).to_f32());
+                exact += f64::from(alpha) * p;
+                magnitude += (f64::from(alpha) * p).abs();
+            }
+            if let Some((beta, add)) = add {
+                let t = f64::from(beta) * f64::from(add[i * n + j].to_f32());
+                exact += t;
+                magnitude += t.abs();
+            }
+            let tol = exact.abs() / 256.0 + (k as f64 + 2.0) * magnitude / f64::from(1u32 << 23);
+            let err = (f64::from(got[i * n + j].to_f32()) - exact).abs();
+            assert!(
+                err <= tol,
+                "{what}: ({i}, {j}) is {} for {exact} (tolerance {tol:e})",
+                got[i * n + j]
+            );
+        }
+    }
+}
+
+fn bf16_units(rng: &mut Rng, n: usize) -> Vec<bf16> {
+    rng.units(n).into_iter().map(bf16::from_f32).collect()
+}
+
+#[test]
+fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_threads() {
+    if !amx_or_skip(
+        "amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_threads",
+    ) {
+        return;
+    }
+    let amx = amx_bf16::amx().unwrap();
+    let mut rng = Rng::new(23);
+    // Full blocks, every partial edge, more blocks than one task region (128×512).
+    for (m, n, k) in [
+        (1, 1, 1),
+        (32, 32, 32),
+        (33, 47, 65),
+        (100, 70, 130),
+        (96, 96, 96),
+        (160, 544, 40),
+    ] {
+        let a = bf16_units(&mut rng, m * k);
+        let b = bf16_units(&mut rng, k * n);
+        let add = bf16_units(&mut rng, m * n);
+        for (transposed, alpha, addend) in
+            [(false, 1.0, None), (true, -0.75, Some((2.5, &add[..])))]
+        {
+            let mut got = vec![bf16::ZERO; m * n];
+            let rhs = if transposed {
+                Rhs::Transposed(&b)
+            } else {
+                Rhs::Plain(&b)
+            };
+            amx.matmul(m, n, k, &a, rhs, &mut got, Epilogue { alpha, add: addend });
+            let want = sequential_product(m, n, k, &a, &b, transposed, alpha, addend);
+            let rhs_at = |kk: usize, j: usize| {
+                if transposed {
+                    b[j * k + kk]
+                } else {
+                    b[kk * n + j]
+                }
+            };
+            let what = format!("{m}×{k}·{k}×{n} transposed={transposed}");
+            assert_amx_product(&got, &want, (m, n, k), &a, &rhs_at, alpha, addend, &what);
+            // One thread gives the same bits (the sum order is per element, not per task).
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let mut again = vec![bf16::ZERO; m * n];
+            one.install(|| {
+                amx.matmul(
+                    m,
+                    n,
+                    k,
+                    &a,
+                    rhs,
+                    &mut again,
+                    Epilogue { alpha, add: addend },
+                )
+            });
+            assert_eq!(got, again, "{m}×{k}·{k}×{n}: one thread");
+        }
+    }
+}
+
+#[test]
+fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
+    if !amx_or_skip("amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product") {
+        return;
+    }
+    let amx = amx_bf16::amx().unwrap();
+    let mut rng = Rng::new(29);
+    for (n, k) in [(1, 3), (31, 64), (33, 65), (200, 130), (160, 32)] {
+        let a = bf16_units(&mut rng, n * k);
+        // A symmetric addend, as Newton–Schulz's `P`.
+        let mut add = bf16_units(&mut rng, n * n);
+        for i in 0..n {
+            for j in 0..i {
+                add[j * n + i] = add[i * n + j];
+            }
+        }
+        let epi = Epilogue {
+            alpha: 2.0,
+            add: Some((-0.5, &add[..])),
+        };
+        let mut sym = vec![bf16::ZERO; n * n];
+        amx.sym_nt(n, k, &a, &mut sym, epi);
+        let mut full = vec![bf16::ZERO; n * n];
+        amx.matmul(n, n, k, &a, Rhs::Transposed(&a), &mut full, epi);
+        for i in 0..n {
+            for j in 0..n {
+                assert_eq!(
+                    sym[i * n + j],
+                    sym[j * n + i],
+                    "{n}×{k}: ({i}, {j}) not symmetric"
+                );
+            }
+        }
+        // The lower blocks are the full product's, element for element.
+        for i in 0..n {
+            for j in 0..=(i / 32 * 32 + 31).min(n - 1) {
+                if j / 32 <= i / 32 {
+                    assert_eq!(sym[i * n + j], full[i * n + j], "{n}×{k}: ({i}, {j})");
+                }
+            }
+        }
+        let want = sequential_product(n, n, k, &a, &a, true, 2.0, Some((-0.5, &add)));
+        let rhs_at = |kk: usize, j: usize| a[j * k + kk];
+        let addend = Some((-0.5, &add[..]));
+        assert_amx_product(
+            &sym,
+            &want,
+            (n, n, k),
+            &a,
+            &rhs_at,
+            2.0,
+            addend,
+            &format!("sym {n}×{k}"),
+        );
+    }
+}
+
+#[test]
+fn amx_bf16_agrees_with_the_portable_bf16_path() {
+    if !amx_or_skip("amx_bf16_agrees_with_the_portable_bf16_path") {
+        return;
+    }
+    let mut rng = Rng::new(31);
+    for (rows, cols) in [(64, 64), (100, 37), (37, 100), (1, 9), (9, 1), (520, 560)] {
+        let x = rng.units(rows * cols);
+        let want = widen(&run(
+            &x,
+            rows,
+            cols,
+            &cfg(NsPrecision::Bf16, NsBackend::Gemm),
+        ));
+        let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::Amx));
+        // As oneDNN: the same roundings, another f32 summation order (see the constant).
+        let err = rel_frob(&got, &want);
+        assert!(
+            err <= ONEDNN_VS_PORTABLE_REL,
+            "{rows}×{cols}: AMX vs portable bf16 relative Frobenius error {err:e}"
+        );
+        let again = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::Amx));
+        assert_eq!(bits(&got), bits(&again), "{rows}×{cols}: repeat call");
+    }
+    let f32_amx = resolve_backend(NsPrecision::F32, NsBackend::Amx);
+    assert!(f32_amx.is_err(), "AMX is bf16 only: {f32_amx:?}");
+}
+
 #[test]
 fn backend_resolution_and_info_name_what_runs() {
     assert_eq!(
@@ -490,6 +738,16 @@ fn backend_resolution_and_info_name_what_runs() {
     eprintln!("{info}");
     let bf16 = resolve_backend(NsPrecision::Bf16, NsBackend::Auto).unwrap();
     assert_eq!(info.bf16_backend, bf16);
+    if let Err(e) = amx_bf16::amx() {
+        assert!(
+            resolve_backend(NsPrecision::Bf16, NsBackend::Amx).is_err(),
+            "an explicit Amx without AMX must be Err ({e})"
+        );
+    } else {
+        assert_eq!(bf16, NsBackend::Amx);
+        assert!(info.bf16.contains("AMX"), "{info}");
+        return;
+    }
     match onednn::onednn().and_then(|d| d.bf16_impl()) {
         Ok(_) => {
             assert_eq!(bf16, NsBackend::OneDnn);

@@ -1,0 +1,816 @@
+//! bf16 matrix products on the AMX tile unit (x86-64 with AMX-TILE, AMX-BF16 and AVX-512 BW),
+//! for Newton–Schulz: bf16 operands, `f32` accumulation in the tiles, one rounding to bf16
+//! (nearest, ties to even) per output element.
+//!
+//! A product packs both operands once into tile-contiguous panels, zero-padded to multiples
+//! of 32 (so any shape works and the padding adds exact zeros), then runs one 32×32 output
+//! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
+//! and two of the right in the VNNI pair layout `TDPBF16PS` reads, the whole `k` in one call.
+//! Blocks are shared out over rayon's threads a 32-row stripe at a time; each thread loads
+//! the tile configuration before its first block and releases the tiles after its last.
+//!
+//! | operand | packed as | tile `(block, kb, half)` starts at line |
+//! |---|---|---|
+//! | left `a: m×k` | 32 rows × 32 `k` per step, rows as they are | `(block·KB + kb)·32 + 16·half` |
+//! | right `b` (`k×n`, or `n×k` read transposed) | 16 `k`-pairs × 16 columns × 2 per tile | same |
+//!
+//! Summation order: each output is `Σ_k a·b` over `k` ascending, in pairs (`TDPBF16PS`
+//! multiplies bf16 exactly in `f32` and adds the two products of a pair in turn), with
+//! denormal inputs and outputs flushed to zero by the unit. So the result does not depend on
+//! the thread count or the blocking; it differs from oneDNN's (which splits `k`) in the last
+//! bits of the `f32` sum.
+//!
+//! Symmetric products ([`Amx::sym_nt`]) compute only the blocks on and below the diagonal
+//! and write each off-diagonal block a second time, transposed, so the result is exactly
+//! symmetric.
+
+use std::fmt;
+use std::sync::OnceLock;
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// Output block side, and the `k` consumed per microkernel step.
+const BLOCK: usize = 32;
+/// Rows of one tile (and `k`-pairs of a right-operand tile).
+const TILE_ROWS: usize = 16;
+
+/// One 64-byte tile row: 32 bf16 bit patterns (or 16 VNNI pairs).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u16; BLOCK]);
+
+const ZERO_LINE: Line = Line([0; BLOCK]);
+
+thread_local! {
+    /// The calling thread's packed operands, kept between products (fresh buffers of a few
+    /// MiB cost more in page faults than packing into them).
+    static PACKED: std::cell::RefCell<(Vec<Line>, Vec<Line>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Why AMX products are unavailable here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmxUnavailable(pub String);
+
+impl fmt::Display for AmxUnavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AMX bf16 unavailable: {}", self.0)
+    }
+}
+
+impl std::error::Error for AmxUnavailable {}
+
+impl From<AmxUnavailable> for ragged::Error {
+    fn from(e: AmxUnavailable) -> Self {
+        ragged::Error::Msg(e.to_string())
+    }
+}
+
+/// Proof that this process may use the AMX tiles (see [`amx`]).
+#[derive(Debug)]
+pub struct Amx {
+    _private: (),
+}
+
+/// The process's AMX handle: `Ok` when the CPU has AMX-TILE, AMX-BF16, AVX-512 F and BW and
+/// the kernel granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`,
+/// asked once). `Err` says which of those failed.
+pub fn amx() -> Result<&'static Amx, AmxUnavailable> {
+    static AMX: OnceLock<Result<Amx, AmxUnavailable>> = OnceLock::new();
+    AMX.get_or_init(probe).as_ref().map_err(Clone::clone)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn probe() -> Result<Amx, AmxUnavailable> {
+    // CPUID leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16 (std's detection of these is not
+    // stable yet).
+    // CPUID leaf 7 exists on every x86-64 CPU that reports AVX-512 (checked first).
+    let has_avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    let leaf7 = has_avx512.then(|| std::arch::x86_64::__cpuid_count(7, 0).edx);
+    let missing: Vec<&str> = [
+        ("avx512f, avx512bw", has_avx512),
+        ("amx-tile", leaf7.is_some_and(|d| d & (1 << 24) != 0)),
+        ("amx-bf16", leaf7.is_some_and(|d| d & (1 << 22) != 0)),
+    ]
+    .into_iter()
+    .filter(|(_, has)| !has)
+    .map(|(name, _)| name)
+    .collect();
+    if !missing.is_empty() {
+        return Err(AmxUnavailable(format!(
+            "the CPU lacks {}",
+            missing.join(", ")
+        )));
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these arguments only changes this process's permission to use
+    // the tile data state; it reads and writes no memory.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
+    if rc != 0 {
+        return Err(AmxUnavailable(format!(
+            "the kernel refused the tile data state (arch_prctl: {})",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(Amx { _private: () })
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn probe() -> Result<Amx, AmxUnavailable> {
+    Err(AmxUnavailable("needs x86-64 Linux".into()))
+}
+
+/// The right operand of a product.
+#[derive(Clone, Copy, Debug)]
+pub enum Rhs<'a> {
+    /// `b: k×n` row-major.
+    Plain(&'a [bf16]),
+    /// `bᵀ`, given as `b: n×k` row-major (the product is `a·bᵀ`).
+    Transposed(&'a [bf16]),
+}
+
+/// `out ← alpha·acc + beta·add` for each output element, rounded once to bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct Epilogue<'a> {
+    /// Scales the product.
+    pub alpha: f32,
+    /// `Some((beta, add))`: adds `beta` times the same element of `add` (shaped like `out`).
+    pub add: Option<(f32, &'a [bf16])>,
+}
+
+impl Amx {
+    /// `out (m×n) ← alpha·a·rhs + beta·add` with `a: m×k` row-major (see [`Rhs`],
+    /// [`Epilogue`]).
+    ///
+    /// # Panics
+    /// If a slice's length does not match the shape (an internal invariant).
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn matmul(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        rhs: Rhs<'_>,
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+    ) {
+        check_lengths(m, n, k, a, rhs, out, epi);
+        if m == 0 || n == 0 {
+            return;
+        }
+        PACKED.with_borrow_mut(|(abuf, bbuf)| {
+            let ap = pack_rows(a, m, k, abuf);
+            let bp = match rhs {
+                Rhs::Plain(b) => pack_plain(b, k, n, bbuf),
+                Rhs::Transposed(b) => pack_transposed(b, n, k, bbuf),
+            };
+            run_blocks(ap, bp, m, n, k, out, epi, false);
+        });
+    }
+
+    /// `out (n×n) ← alpha·a·aᵀ + beta·add` with `a: n×k` row-major and `add` symmetric:
+    /// only the blocks on and below the diagonal are multiplied; the result is exactly
+    /// symmetric.
+    ///
+    /// # Panics
+    /// As [`Amx::matmul`].
+    #[track_caller]
+    pub fn sym_nt(&self, n: usize, k: usize, a: &[bf16], out: &mut [bf16], epi: Epilogue<'_>) {
+        check_lengths(n, n, k, a, Rhs::Transposed(a), out, epi);
+        if n == 0 {
+            return;
+        }
+        // The left operand's packing is the right one's too, but in a different tile layout.
+        PACKED.with_borrow_mut(|(abuf, bbuf)| {
+            let ap = pack_rows(a, n, k, abuf);
+            let bp = pack_transposed(a, n, k, bbuf);
+            run_blocks(ap, bp, n, n, k, out, epi, true);
+        });
+    }
+}
+
+#[track_caller]
+fn check_lengths(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[bf16],
+    rhs: Rhs<'_>,
+    out: &[bf16],
+    epi: Epilogue<'_>,
+) {
+    let b_len = match rhs {
+        Rhs::Plain(b) | Rhs::Transposed(b) => b.len(),
+    };
+    let add_ok = epi.add.is_none_or(|(_, add)| add.len() == m * n);
+    assert!(
+        a.len() == m * k && b_len == k * n && out.len() == m * n && add_ok,
+        "Amx: lengths {}, {b_len}, {} for {m}×{k}·{k}×{n}",
+        a.len(),
+        out.len()
+    );
+}
+
+fn blocks(x: usize) -> usize {
+    x.div_ceil(BLOCK)
+}
+
+fn bits(x: &[bf16]) -> &[u16] {
+    // SAFETY: bf16 is a transparent wrapper of u16 (same size, alignment and validity).
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len()) }
+}
+
+/// Grows `buf` to `lines` lines without initializing what it keeps (every packer writes
+/// each of its lines in full, zero padding included).
+fn reserve_lines(buf: &mut Vec<Line>, lines: usize) -> &mut [Line] {
+    if buf.len() < lines {
+        buf.resize(lines, ZERO_LINE);
+    }
+    &mut buf[..lines]
+}
+
+/// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
+fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+    let (mb, kb) = (blocks(m), blocks(k));
+    let a = bits(a);
+    let out = reserve_lines(buf, mb * kb * BLOCK);
+    out.par_chunks_mut(kb * BLOCK)
+        .enumerate()
+        .for_each(|(ib, stripe)| {
+            for (step, lines) in stripe.chunks_mut(BLOCK).enumerate() {
+                let k0 = step * BLOCK;
+                let width = BLOCK.min(k - k0);
+                for (r, line) in lines.iter_mut().enumerate() {
+                    let i = ib * BLOCK + r;
+                    *line = ZERO_LINE;
+                    if i < m {
+                        line.0[..width].copy_from_slice(&a[i * k + k0..][..width]);
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// `b: k×n` row-major as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)` holds, for
+/// each of its 16 columns `j`, the pair `(b[2r][j], b[2r+1][j])` of the step's rows.
+fn pack_plain<'b>(b: &[bf16], k: usize, n: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+    let (nb, kb) = (blocks(n), blocks(k));
+    let b = bits(b);
+    let out = reserve_lines(buf, nb * kb * BLOCK);
+    out.par_chunks_mut(kb * BLOCK)
+        .enumerate()
+        .for_each(|(jp, panel)| {
+            let j0 = jp * BLOCK;
+            let cols = BLOCK.min(n - j0);
+            // One 32-wide row of the panel, zero past the edges.
+            let row = |kk: usize| {
+                let mut r = [0u16; BLOCK];
+                if kk < k {
+                    r[..cols].copy_from_slice(&b[kk * n + j0..][..cols]);
+                }
+                r
+            };
+            for (step, tiles) in panel.chunks_mut(BLOCK).enumerate() {
+                #[cfg(target_arch = "x86_64")]
+                if cols == BLOCK && (step + 1) * BLOCK <= k {
+                    let rows = &b[step * BLOCK * n + j0..];
+                    // SAFETY: `amx()` checked AVX-512 F and BW; the step's 32 rows of 32
+                    // columns lie inside `b` (full step, full panel).
+                    unsafe { simd::interleave_rows(rows, n, tiles) };
+                    continue;
+                }
+                for pair in 0..TILE_ROWS {
+                    let kk = step * BLOCK + 2 * pair;
+                    let (even, odd) = (row(kk), row(kk + 1));
+                    for t in 0..2 {
+                        let line = &mut tiles[t * TILE_ROWS + pair].0;
+                        for c in 0..TILE_ROWS {
+                            line[2 * c] = even[t * TILE_ROWS + c];
+                            line[2 * c + 1] = odd[t * TILE_ROWS + c];
+                        }
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// `bᵀ` for `b: n×k` row-major, as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)`
+/// holds, for each of its 16 columns `j`, the pair `(b[j][2r], b[j][2r+1])`: the 16×16
+/// transpose of the 32-bit pairs of 16 rows of `b`.
+fn pack_transposed<'b>(b: &[bf16], n: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+    let (nb, kb) = (blocks(n), blocks(k));
+    let b = bits(b);
+    let out = reserve_lines(buf, nb * kb * BLOCK);
+    out.par_chunks_mut(kb * BLOCK)
+        .enumerate()
+        .for_each(|(jp, panel)| {
+            for (step, tiles) in panel.chunks_mut(BLOCK).enumerate() {
+                let k0 = step * BLOCK;
+                let width = BLOCK.min(k - k0);
+                for (t, tile) in tiles.chunks_mut(TILE_ROWS).enumerate() {
+                    let j0 = jp * BLOCK + t * TILE_ROWS;
+                    #[cfg(target_arch = "x86_64")]
+                    if width == BLOCK && j0 + TILE_ROWS <= n {
+                        // SAFETY: `amx()` checked AVX-512 F; the tile's 16 rows of 32 `k`
+                        // values lie inside `b`.
+                        unsafe { simd::transpose_pairs(&b[j0 * k + k0..], k, tile) };
+                        continue;
+                    }
+                    // The tile's 16 source rows as 16 pairs each, zero past the edges.
+                    let mut src = [[0u32; TILE_ROWS]; TILE_ROWS];
+                    for (c, pairs) in src.iter_mut().enumerate() {
+                        let j = jp * BLOCK + t * TILE_ROWS + c;
+                        if j < n {
+                            let mut row = [0u16; BLOCK];
+                            row[..width].copy_from_slice(&b[j * k + k0..][..width]);
+                            for (p, two) in pairs.iter_mut().zip(row.chunks_exact(2)) {
+                                *p = u32::from(two[0]) | (u32::from(two[1]) << 16);
+                            }
+                        }
+                    }
+                    for (pair, line) in tile.iter_mut().enumerate() {
+                        for (two, pairs) in line.0.chunks_exact_mut(2).zip(&src) {
+                            two[0] = pairs[pair] as u16;
+                            two[1] = (pairs[pair] >> 16) as u16;
+                        }
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// Raw pointer to the output, shared by the stripe tasks: each writes disjoint blocks.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut u16);
+// SAFETY: the tasks write disjoint elements (each block is written by one task only) and
+// the owner of the buffer waits for all of them (rayon's scope) before reading it.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// `k` per accumulation pass: one pass streams a 32×`KC` sub-panel of each operand
+/// (16 KiB, L1-sized), and the accumulators go to memory between passes.
+const KC: usize = 256;
+/// Output rows per task (4 stripes of blocks).
+const MC: usize = 128;
+/// Output columns per task: the task's accumulators (`MC·NC` `f32`, 256 KiB) stay in L2.
+const NC: usize = 512;
+
+/// Every output block (only those with `jp ≤ ib` when `lower`, mirrored), an `MC × NC`
+/// region per rayon task.
+#[allow(clippy::too_many_arguments)]
+fn run_blocks(
+    ap: &[Line],
+    bp: &[Line],
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [bf16],
+    epi: Epilogue<'_>,
+    lower: bool,
+) {
+    let (mb, nb) = (blocks(m), blocks(n));
+    let (tile_m, tile_n) = (MC / BLOCK, NC / BLOCK);
+    let ctx = BlockOut {
+        out: OutPtr(out.as_mut_ptr().cast::<u16>()),
+        m,
+        n,
+        alpha: epi.alpha,
+        add: epi.add.map(|(beta, add)| (beta, bits(add))),
+    };
+    let regions: Vec<Region> = (0..mb.div_ceil(tile_m))
+        .flat_map(|ti| (0..nb.div_ceil(tile_n)).map(move |tj| (ti, tj)))
+        .map(|(ti, tj)| Region {
+            rows: ti * tile_m..((ti + 1) * tile_m).min(mb),
+            cols: tj * tile_n..((tj + 1) * tile_n).min(nb),
+        })
+        .filter(|r| !lower || r.cols.start < r.rows.end)
+        .collect();
+    regions
+        .into_par_iter()
+        .with_min_len(1)
+        .for_each_init(TileSession::start, |_, region| {
+            region.run(ap, bp, blocks(k), lower, &ctx);
+        });
+}
+
+/// Blocks `rows × cols` of the output (in 32-block units).
+struct Region {
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+}
+
+impl Region {
+    /// Multiplies the region's blocks pass by pass over `k`, then writes them out.
+    fn run(&self, ap: &[Line], bp: &[Line], kb: usize, lower: bool, ctx: &BlockOut<'_>) {
+        let width = self.cols.len();
+        let wanted = |ib: usize, jp: usize| !lower || jp <= ib;
+        ACCS.with_borrow_mut(|accs| {
+            if accs.len() < self.rows.len() * width {
+                accs.resize_with(self.rows.len() * width, || Acc([0.0; BLOCK * BLOCK]));
+            }
+            for ks in (0..kb).step_by(KC / BLOCK) {
+                let steps = (KC / BLOCK).min(kb - ks);
+                for jp in self.cols.clone() {
+                    let b = &bp[(jp * kb + ks) * BLOCK..][..steps * BLOCK];
+                    for ib in self.rows.clone().filter(|&ib| wanted(ib, jp)) {
+                        let a = &ap[(ib * kb + ks) * BLOCK..][..steps * BLOCK];
+                        let acc = &mut accs[(ib - self.rows.start) * width + jp - self.cols.start];
+                        // SAFETY: tiles are configured on this thread (`TileSession`); `a`
+                        // and `b` hold `steps ≥ 1` steps of 32 lines.
+                        unsafe { block_product(a, b, steps, acc, ks > 0) };
+                    }
+                }
+            }
+            for ib in self.rows.clone() {
+                for jp in self.cols.clone().filter(|&jp| wanted(ib, jp)) {
+                    let acc = &accs[(ib - self.rows.start) * width + jp - self.cols.start];
+                    ctx.write(acc, ib, jp, lower && jp < ib);
+                }
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// A task's accumulator blocks, kept between tasks on each thread.
+    static ACCS: std::cell::RefCell<Vec<Acc>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// 32×32 `f32` accumulator block, rows 128 bytes apart.
+#[repr(C, align(64))]
+struct Acc([f32; BLOCK * BLOCK]);
+
+/// Tile configuration held by one thread: 8 tiles of 16 rows × 64 bytes. Released on drop.
+struct TileSession;
+
+impl TileSession {
+    fn start() -> TileSession {
+        let mut cfg = TileConfig([0; 64]);
+        cfg.0[0] = 1; // palette 1
+        for t in 0..8 {
+            cfg.0[16 + 2 * t] = 64; // bytes per row (low byte of a u16)
+            cfg.0[48 + t] = TILE_ROWS as u8;
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `amx()` succeeded before any product runs (an `Amx` exists), so the CPU
+        // has AMX and the process holds the tile state; the config is a valid palette-1
+        // layout, 64 bytes, 64-byte aligned.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("an Amx exists only on x86-64 ({cfg:p})");
+        #[cfg(target_arch = "x86_64")]
+        TileSession
+    }
+}
+
+impl Drop for TileSession {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: releases this thread's tile state (configured in `start`).
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem))
+        };
+    }
+}
+
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+/// `acc ← acc + Σ over `steps` steps of a_tiles·b_tiles` for one 32×32 block (`acc`
+/// taken as zero unless `accumulate`).
+///
+/// # Safety
+/// The calling thread has loaded the tile configuration of [`TileSession`]; `a` and `b`
+/// hold at least `steps ≥ 1` steps of 32 lines.
+unsafe fn block_product(a: &[Line], b: &[Line], steps: usize, acc: &mut Acc, accumulate: bool) {
+    debug_assert!(steps >= 1 && a.len() >= steps * BLOCK && b.len() >= steps * BLOCK);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("an Amx exists only on x86-64 ({a:p}, {b:p}, {acc:p}, {accumulate})");
+    #[cfg(target_arch = "x86_64")]
+    let c = acc.0.as_mut_ptr();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: (caller) tiles configured as 16 rows × 64 bytes; the accumulator loads and
+    // stores touch the 4 KiB of `acc` (rows 128 bytes apart).
+    unsafe {
+        if accumulate {
+            std::arch::asm!(
+                "tileloadd tmm0, [{c} + {s128}*1]",
+                "tileloadd tmm1, [{c} + {s128}*1 + 64]",
+                "tileloadd tmm2, [{c} + {s128}*1 + 2048]",
+                "tileloadd tmm3, [{c} + {s128}*1 + 2112]",
+                c = in(reg) c,
+                s128 = in(reg) 128usize,
+                options(nostack, readonly),
+            );
+        } else {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: (caller) each tile load reads 16 lines of 64 bytes inside `a` or `b`.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "tileloadd tmm4, [{a} + {s64}*1]",
+            "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
+            "tileloadd tmm6, [{b} + {s64}*1]",
+            "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 2048",
+            "add {b}, 2048",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {s128}*1], tmm0",
+            "tilestored [{c} + {s128}*1 + 64], tmm1",
+            "tilestored [{c} + {s128}*1 + 2048], tmm2",
+            "tilestored [{c} + {s128}*1 + 2112], tmm3",
+            a = inout(reg) a.as_ptr() => _,
+            b = inout(reg) b.as_ptr() => _,
+            n = inout(reg) steps => _,
+            c = in(reg) c,
+            s64 = in(reg) 64usize,
+            s128 = in(reg) 128usize,
+            options(nostack),
+        );
+    }
+}
+
+/// Where and how one block's accumulators go out.
+struct BlockOut<'a> {
+    out: OutPtr,
+    m: usize,
+    n: usize,
+    alpha: f32,
+    add: Option<(f32, &'a [u16])>,
+}
+
+impl BlockOut<'_> {
+    /// Block `(ib, jp)` of the output from `acc`; with `mirror`, block `(jp, ib)` too, as
+    /// its transpose (`add` symmetric, so its elements are the same).
+    fn write(&self, acc: &Acc, ib: usize, jp: usize, mirror: bool) {
+        let mut rows = [[0u16; BLOCK]; BLOCK];
+        self.finish(acc, ib, jp, &mut rows);
+        self.store(&rows, ib, jp);
+        if mirror {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `amx()` checked AVX-512 F and BW.
+            unsafe {
+                simd::transpose_32x32(&mut rows)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            transpose_32x32(&mut rows);
+            self.store(&rows, jp, ib);
+        }
+    }
+
+    /// `rows ← bf16(alpha·acc + beta·add)` for block `(ib, jp)` (full 32×32; elements past
+    /// the matrix edge are computed from zero padding and never stored).
+    fn finish(&self, acc: &Acc, ib: usize, jp: usize, rows: &mut [[u16; BLOCK]; BLOCK]) {
+        let (i0, j0) = (ib * BLOCK, jp * BLOCK);
+        let cols = BLOCK.min(self.n - j0);
+        for (r, row) in rows.iter_mut().enumerate().take(BLOCK.min(self.m - i0)) {
+            let acc_row = &acc.0[r * BLOCK..][..BLOCK];
+            let add_row = self
+                .add
+                .map(|(beta, add)| (beta, &add[(i0 + r) * self.n + j0..][..cols]));
+            #[cfg(target_arch = "x86_64")]
+            if cols == BLOCK {
+                // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
+                unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
+                continue;
+            }
+            finish_row(acc_row, self.alpha, add_row, row);
+        }
+    }
+
+    fn store(&self, rows: &[[u16; BLOCK]; BLOCK], ib: usize, jp: usize) {
+        let (i0, j0) = (ib * BLOCK, jp * BLOCK);
+        let cols = BLOCK.min(self.n - j0);
+        for (r, row) in rows.iter().enumerate().take(BLOCK.min(self.m - i0)) {
+            // SAFETY: row `i0 + r < m`, columns `j0..j0 + cols ≤ n` of the m×n output; this
+            // block is written by this task only (`OutPtr`).
+            unsafe {
+                let dst = self.out.0.add((i0 + r) * self.n + j0);
+                std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
+            }
+        }
+    }
+}
+
+/// One row of the epilogue: `out ← bf16(alpha·acc + beta·add)` (`add` may be shorter than
+/// 32 at the matrix edge; the rest of the row is computed without it).
+fn finish_row(acc: &[f32], alpha: f32, add: Option<(f32, &[u16])>, out: &mut [u16; BLOCK]) {
+    let mut v = [0.0f32; BLOCK];
+    for (v, &a) in v.iter_mut().zip(acc) {
+        *v = alpha * a;
+    }
+    if let Some((beta, add)) = add {
+        for (v, &x) in v.iter_mut().zip(add) {
+            *v += beta * f32::from_bits(u32::from(x) << 16);
+        }
+    }
+    for (o, &v) in out.iter_mut().zip(&v) {
+        *o = round_to_bf16(v);
+    }
+}
+
+/// `f32 → bf16` bits, nearest with ties to even; NaN stays NaN (quieted), as
+/// `half::bf16::from_f32`.
+#[inline(always)]
+fn round_to_bf16(v: f32) -> u16 {
+    let b = v.to_bits();
+    if (b & 0x7fff_ffff) > 0x7f80_0000 {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// The AVX-512 forms of the packers' and the mirror's shuffles.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use super::{Line, BLOCK, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    /// One round of a block-swap transpose on a row pair: with `top = rows[r]`,
+    /// `bottom = rows[r + s]` (`r & s == 0`), the top row takes the bottom's left `s`
+    /// lanes of each `2s` group into its right ones and the bottom row the top's right
+    /// ones into its left. Lanes are `lanes` wide (16 or 32); after the rounds
+    /// `s = lanes/2, …, 1` the rows hold the transpose.
+    fn swap_indices(lanes: usize, s: usize) -> ([u16; 32], [u16; 32]) {
+        let (mut lo, mut hi) = ([0u16; 32], [0u16; 32]);
+        for j in 0..lanes {
+            let right = j & s != 0;
+            lo[j] = if right { lanes + j - s } else { j } as u16;
+            hi[j] = if right { lanes + j } else { j + s } as u16;
+        }
+        (lo, hi)
+    }
+
+    /// `out ← bf16(alpha·acc + beta·add)` for a full row of 32 (`add` 32 long), rounded to
+    /// nearest, ties to even, NaN quieted: the bits of the portable `finish_row`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW; `acc` (and `add`) hold 32 elements.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn finish_row(
+        acc: &[f32],
+        alpha: f32,
+        add: Option<(f32, &[u16])>,
+        out: &mut [u16; BLOCK],
+    ) {
+        debug_assert!(acc.len() >= BLOCK && add.is_none_or(|(_, a)| a.len() >= BLOCK));
+        for half in 0..2 {
+            let o = half * TILE_ROWS;
+            // SAFETY: (caller) 16 f32 of `acc` and 16 u16 of `add` at `o`; 32 bytes of `out`.
+            unsafe {
+                let mut v =
+                    _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(acc[o..].as_ptr()));
+                if let Some((beta, add)) = add {
+                    let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(add[o..].as_ptr().cast()));
+                    let x = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide));
+                    // Separate multiply and add, as the portable loop (no fused rounding).
+                    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(beta), x));
+                }
+                let b = _mm512_castps_si512(v);
+                let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+                let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+                let magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+                let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+                let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+                let bits = _mm512_mask_blend_epi32(nan, rounded, quiet);
+                _mm256_storeu_si256(out[o..].as_mut_ptr().cast(), _mm512_cvtepi32_epi16(bits));
+            }
+        }
+    }
+
+    /// Transposes 32 rows of 32 16-bit values in place.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn transpose_32x32(rows: &mut [[u16; BLOCK]; BLOCK]) {
+        // SAFETY: each row is 64 bytes, read and written unaligned.
+        let mut v: [__m512i; BLOCK] =
+            std::array::from_fn(|r| unsafe { _mm512_loadu_si512(rows[r].as_ptr().cast()) });
+        let mut s = BLOCK / 2;
+        while s >= 1 {
+            let (lo, hi) = swap_indices(BLOCK, s);
+            // SAFETY: the index arrays are 64 bytes.
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_loadu_si512(lo.as_ptr().cast()),
+                    _mm512_loadu_si512(hi.as_ptr().cast()),
+                )
+            };
+            for r in (0..BLOCK).filter(|r| r & s == 0) {
+                let (top, bottom) = (v[r], v[r + s]);
+                v[r] = _mm512_permutex2var_epi16(top, lo, bottom);
+                v[r + s] = _mm512_permutex2var_epi16(top, hi, bottom);
+            }
+            s /= 2;
+        }
+        for (row, v) in rows.iter_mut().zip(v) {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_si512(row.as_mut_ptr().cast(), v) };
+        }
+    }
+
+    /// The VNNI tiles of one full 32×32 step of a row-major `b` (`rows` starts at the
+    /// step's first element, rows `ld` apart): line `pair` of tile `t` interleaves columns
+    /// `16t..16t+16` of rows `2·pair` and `2·pair + 1`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW; `rows` holds 32 rows of 32 elements, `ld` apart.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn interleave_rows(rows: &[u16], ld: usize, tiles: &mut [Line]) {
+        debug_assert!(rows.len() >= 31 * ld + BLOCK && tiles.len() >= BLOCK);
+        let (mut first, mut second) = ([0u16; 32], [0u16; 32]);
+        for c in 0..TILE_ROWS {
+            first[2 * c] = c as u16;
+            first[2 * c + 1] = (BLOCK + c) as u16;
+            second[2 * c] = (TILE_ROWS + c) as u16;
+            second[2 * c + 1] = (BLOCK + TILE_ROWS + c) as u16;
+        }
+        // SAFETY: (caller) every load reads 64 bytes of a row inside `rows`; every store
+        // writes one 64-byte line of `tiles`.
+        unsafe {
+            let first = _mm512_loadu_si512(first.as_ptr().cast());
+            let second = _mm512_loadu_si512(second.as_ptr().cast());
+            for pair in 0..TILE_ROWS {
+                let even = _mm512_loadu_si512(rows.as_ptr().add(2 * pair * ld).cast());
+                let odd = _mm512_loadu_si512(rows.as_ptr().add((2 * pair + 1) * ld).cast());
+                let lo = _mm512_permutex2var_epi16(even, first, odd);
+                let hi = _mm512_permutex2var_epi16(even, second, odd);
+                _mm512_store_si512(tiles[pair].0.as_mut_ptr().cast(), lo);
+                _mm512_store_si512(tiles[TILE_ROWS + pair].0.as_mut_ptr().cast(), hi);
+            }
+        }
+    }
+
+    /// One VNNI tile of `bᵀ`: line `pair` holds the `pair`-th 32-bit pair of each of the
+    /// 16 rows of `b` (`rows` starts at the tile's first element, rows `ld` apart).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `rows` holds 16 rows of 32 elements, `ld` apart.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn transpose_pairs(rows: &[u16], ld: usize, tile: &mut [Line]) {
+        debug_assert!(rows.len() >= 15 * ld + BLOCK && tile.len() >= TILE_ROWS);
+        // SAFETY: (caller) every load reads 64 bytes of a row inside `rows`.
+        let mut v: [__m512i; TILE_ROWS] = std::array::from_fn(|c| unsafe {
+            _mm512_loadu_si512(rows.as_ptr().add(c * ld).cast())
+        });
+        let mut s = TILE_ROWS / 2;
+        while s >= 1 {
+            let (lo16, hi16) = swap_indices(TILE_ROWS, s);
+            let (lo, hi): ([u32; 16], [u32; 16]) = (
+                std::array::from_fn(|j| u32::from(lo16[j])),
+                std::array::from_fn(|j| u32::from(hi16[j])),
+            );
+            // SAFETY: the index arrays are 64 bytes.
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_loadu_si512(lo.as_ptr().cast()),
+                    _mm512_loadu_si512(hi.as_ptr().cast()),
+                )
+            };
+            for r in (0..TILE_ROWS).filter(|r| r & s == 0) {
+                let (top, bottom) = (v[r], v[r + s]);
+                v[r] = _mm512_permutex2var_epi32(top, lo, bottom);
+                v[r + s] = _mm512_permutex2var_epi32(top, hi, bottom);
+            }
+            s /= 2;
+        }
+        for (line, v) in tile.iter_mut().zip(v) {
+            // SAFETY: a 64-byte aligned line.
+            unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
+        }
+    }
+}
