@@ -593,12 +593,22 @@ fn iterate_onednn<T: Element>(
 /// roundings per step as [`iterate_onednn`], with `P·P` as `P·Pᵀ` (the AMX `P` is exactly
 /// symmetric) and the addends read from `P` and `X` directly.
 fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
+    thread_local! {
+        /// `X`, `P`, `Q`, `Y` kept between calls on each thread: fresh buffers of a few
+        /// MiB cost more in page faults than the packing. Taken out for a call, so that a
+        /// call nested in it (this thread running another task while it waits for rayon)
+        /// gets fresh ones.
+        static WORK: std::cell::Cell<[Vec<bf16>; 4]> = const {
+            std::cell::Cell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
+        };
+    }
     let amx = amx_bf16::amx()?;
-    let mut x = vec![bf16::ZERO; s * l];
+    let [mut x, mut p, mut q, mut y] = WORK.take();
+    for (v, len) in [(&mut x, s * l), (&mut p, s * s), (&mut q, s * s), (&mut y, s * l)] {
+        v.resize(len, bf16::ZERO);
+        v.truncate(len);
+    }
     map_into(xw, &mut x, par, bf16::from_f32);
-    let mut p = vec![bf16::ZERO; s * s];
-    let mut q = vec![bf16::ZERO; s * s];
-    let mut y = vec![bf16::ZERO; s * l];
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         let plain = Epilogue {
@@ -619,6 +629,7 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
         std::mem::swap(&mut x, &mut y);
     }
     map_into(&x, xw, par, |v| v.to_f32());
+    WORK.set([x, p, q, y]);
     Ok(())
 }
 
@@ -649,7 +660,14 @@ fn ns_one(
         NsBackend::OneDnn => Parallelism::None,
         _ => par,
     };
-    let mut xw = vec![0.0f32; s * l];
+    thread_local! {
+        /// The working copy, kept between calls on each thread (taken out for a call, as
+        /// `iterate_amx`'s buffers).
+        static XW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    let mut xw = XW.take();
+    xw.clear();
+    xw.resize(s * l, 0.0);
     if transposed {
         transpose(x, rows, cols, &mut xw, par);
     } else {
@@ -682,6 +700,7 @@ fn ns_one(
     } else {
         map_into(&xw, x, par, |v| v);
     }
+    XW.set(xw);
     Ok(())
 }
 

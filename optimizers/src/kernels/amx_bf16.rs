@@ -49,6 +49,15 @@ thread_local! {
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// Runs `f` on this thread's packing buffers, taken out of [`PACKED`] for the call (a
+/// product nested in it, run by this thread while it waits for rayon, gets fresh ones
+/// rather than a second borrow) and put back after.
+fn with_packing(f: impl FnOnce(&mut Vec<Line>, &mut Vec<Line>)) {
+    let (mut a, mut b) = PACKED.take();
+    f(&mut a, &mut b);
+    PACKED.set((a, b));
+}
+
 /// Why AMX products are unavailable here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AmxUnavailable(pub String);
@@ -169,7 +178,7 @@ impl Amx {
         if m == 0 || n == 0 {
             return;
         }
-        PACKED.with_borrow_mut(|(abuf, bbuf)| {
+        with_packing(|abuf, bbuf| {
             let ap = pack_rows(a, m, k, abuf);
             let bp = match rhs {
                 Rhs::Plain(b) => pack_plain(b, k, n, bbuf),
@@ -192,7 +201,7 @@ impl Amx {
             return;
         }
         // The left operand's packing is the right one's too, but in a different tile layout.
-        PACKED.with_borrow_mut(|(abuf, bbuf)| {
+        with_packing(|abuf, bbuf| {
             let ap = pack_rows(a, n, k, abuf);
             let bp = pack_transposed(a, n, k, bbuf);
             run_blocks(ap, bp, n, n, k, out, epi, true);
