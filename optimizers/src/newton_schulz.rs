@@ -17,7 +17,8 @@
 //! | `Reference` | plain loops (the oracle) | the same loops, rounding to bf16 after each op | rayon, by output row | input bits only |
 //! | `Gemm` | `gemm` crate, fused forms, symmetric products | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or across a batch | input bits and the CPU's microkernel, not the thread count |
 //! | `OneDnn` | oneDNN `f32` matmul primitive, symmetric products by halves | oneDNN bf16 matmul primitive (AMX), the same halves | oneDNN's OpenMP threads (passive wait unless `OMP_WAIT_POLICY` says otherwise) | input bits, the CPU and `OMP_NUM_THREADS` |
-//! | `Auto` (default) | `Gemm` | `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
+//! | `Amx` | — (`Err`) | ragged's own products on the AMX tiles ([`crate::kernels::amx_bf16`]): lower blocks of the symmetric products, addends fused into the rounding | rayon, an output region per task | input bits and the CPU (the sum order is per element: not the thread count) |
+//! | `Auto` (default) | `Gemm` | `Amx` where the CPU has AMX, else `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
 //!
 //! oneDNN is opened at run time ([`crate::kernels::onednn`]); an explicit `OneDnn` returns
 //! `Err` where it is missing or (bf16) where this CPU has no bf16 matmul (oneDNN 2.6 needs
