@@ -605,7 +605,12 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
     }
     let amx = amx_bf16::amx()?;
     let [mut x, mut p, mut q, mut y] = WORK.take();
-    for (v, len) in [(&mut x, s * l), (&mut p, s * s), (&mut q, s * s), (&mut y, s * l)] {
+    for (v, len) in [
+        (&mut x, s * l),
+        (&mut p, s * s),
+        (&mut q, s * s),
+        (&mut y, s * l),
+    ] {
         v.resize(len, bf16::ZERO);
         v.truncate(len);
     }
