@@ -451,30 +451,32 @@ fn bf16_singular_values_land_in_the_quintic_band() {
 /// tolerance `2e-2`, below the bf16-vs-f32 bound, far below a real error.
 const ONEDNN_VS_PORTABLE_REL: f64 = 2e-2;
 
+/// `backend`'s bf16 Newton–Schulz against the portable bf16 path, within
+/// [`ONEDNN_VS_PORTABLE_REL`] (the same roundings, another `f32` summation order), and the
+/// same bits on a repeat call (oneDNN: cached primitives; AMX: reused buffers).
+fn assert_bf16_backend_agrees_with_portable(backend: NsBackend, seed: u64) {
+    let mut rng = Rng::new(seed);
+    for (rows, cols) in [(64, 64), (100, 37), (37, 100), (1, 9), (9, 1), (520, 560)] {
+        let x = rng.units(rows * cols);
+        let portable = cfg(NsPrecision::Bf16, NsBackend::Gemm);
+        let want = widen(&run(&x, rows, cols, &portable));
+        let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, backend));
+        let err = rel_frob(&got, &want);
+        assert!(
+            err <= ONEDNN_VS_PORTABLE_REL,
+            "{rows}×{cols}: {backend:?} vs portable bf16 relative Frobenius error {err:e}"
+        );
+        let again = run(&x, rows, cols, &cfg(NsPrecision::Bf16, backend));
+        assert_eq!(bits(&got), bits(&again), "{rows}×{cols}: repeat call");
+    }
+}
+
 #[test]
 fn onednn_bf16_agrees_with_the_portable_bf16_path() {
     if !onednn_bf16_or_skip("onednn_bf16_agrees_with_the_portable_bf16_path") {
         return;
     }
-    let mut rng = Rng::new(19);
-    for (rows, cols) in [(64, 64), (100, 37), (37, 100), (1, 9), (9, 1), (520, 560)] {
-        let x = rng.units(rows * cols);
-        let want = widen(&run(
-            &x,
-            rows,
-            cols,
-            &cfg(NsPrecision::Bf16, NsBackend::Gemm),
-        ));
-        let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::OneDnn));
-        let err = rel_frob(&got, &want);
-        assert!(
-            err <= ONEDNN_VS_PORTABLE_REL,
-            "{rows}×{cols}: oneDNN vs portable bf16 relative Frobenius error {err:e}"
-        );
-        // Repeat calls reuse the cached primitives and give the same bits.
-        let again = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::OneDnn));
-        assert_eq!(bits(&got), bits(&again), "{rows}×{cols}: repeat call");
-    }
+    assert_bf16_backend_agrees_with_portable(NsBackend::OneDnn, 19);
     eprintln!("{}", ns_backend_info());
 }
 
@@ -701,25 +703,7 @@ fn amx_bf16_agrees_with_the_portable_bf16_path() {
     if !amx_or_skip("amx_bf16_agrees_with_the_portable_bf16_path") {
         return;
     }
-    let mut rng = Rng::new(31);
-    for (rows, cols) in [(64, 64), (100, 37), (37, 100), (1, 9), (9, 1), (520, 560)] {
-        let x = rng.units(rows * cols);
-        let want = widen(&run(
-            &x,
-            rows,
-            cols,
-            &cfg(NsPrecision::Bf16, NsBackend::Gemm),
-        ));
-        let got = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::Amx));
-        // As oneDNN: the same roundings, another f32 summation order (see the constant).
-        let err = rel_frob(&got, &want);
-        assert!(
-            err <= ONEDNN_VS_PORTABLE_REL,
-            "{rows}×{cols}: AMX vs portable bf16 relative Frobenius error {err:e}"
-        );
-        let again = run(&x, rows, cols, &cfg(NsPrecision::Bf16, NsBackend::Amx));
-        assert_eq!(bits(&got), bits(&again), "{rows}×{cols}: repeat call");
-    }
+    assert_bf16_backend_agrees_with_portable(NsBackend::Amx, 31);
     let f32_amx = resolve_backend(NsPrecision::F32, NsBackend::Amx);
     assert!(f32_amx.is_err(), "AMX is bf16 only: {f32_amx:?}");
 }

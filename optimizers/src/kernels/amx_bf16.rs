@@ -249,117 +249,113 @@ fn reserve_lines(buf: &mut Vec<Line>, lines: usize) -> &mut [Line] {
     &mut buf[..lines]
 }
 
-/// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
-fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
-    let (mb, kb) = (blocks(m), blocks(k));
-    let a = bits(a);
-    let out = reserve_lines(buf, mb * kb * BLOCK);
+/// `panels` panels of `kb` steps of 32 lines into `buf`, a rayon task per panel;
+/// `fill(panel, step, lines)` writes every line of one step, zero padding included.
+fn pack_steps(
+    buf: &mut Vec<Line>,
+    panels: usize,
+    kb: usize,
+    fill: impl Fn(usize, usize, &mut [Line]) + Sync,
+) -> &[Line] {
+    let out = reserve_lines(buf, panels * kb * BLOCK);
     out.par_chunks_mut(kb * BLOCK)
         .enumerate()
-        .for_each(|(ib, stripe)| {
-            for (step, lines) in stripe.chunks_mut(BLOCK).enumerate() {
-                let k0 = step * BLOCK;
-                let width = BLOCK.min(k - k0);
-                for (r, line) in lines.iter_mut().enumerate() {
-                    let i = ib * BLOCK + r;
-                    *line = ZERO_LINE;
-                    if i < m {
-                        line.0[..width].copy_from_slice(&a[i * k + k0..][..width]);
-                    }
-                }
+        .for_each(|(panel, lines)| {
+            for (step, lines) in lines.chunks_mut(BLOCK).enumerate() {
+                fill(panel, step, lines);
             }
         });
     out
 }
 
+/// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
+fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+    let a = bits(a);
+    pack_steps(buf, blocks(m), blocks(k), |ib, step, lines| {
+        let k0 = step * BLOCK;
+        let width = BLOCK.min(k - k0);
+        for (r, line) in lines.iter_mut().enumerate() {
+            let i = ib * BLOCK + r;
+            *line = ZERO_LINE;
+            if i < m {
+                line.0[..width].copy_from_slice(&a[i * k + k0..][..width]);
+            }
+        }
+    })
+}
+
 /// `b: k×n` row-major as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)` holds, for
 /// each of its 16 columns `j`, the pair `(b[2r][j], b[2r+1][j])` of the step's rows.
 fn pack_plain<'b>(b: &[bf16], k: usize, n: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
-    let (nb, kb) = (blocks(n), blocks(k));
     let b = bits(b);
-    let out = reserve_lines(buf, nb * kb * BLOCK);
-    out.par_chunks_mut(kb * BLOCK)
-        .enumerate()
-        .for_each(|(jp, panel)| {
-            let j0 = jp * BLOCK;
-            let cols = BLOCK.min(n - j0);
-            // One 32-wide row of the panel, zero past the edges.
-            let row = |kk: usize| {
-                let mut r = [0u16; BLOCK];
-                if kk < k {
-                    r[..cols].copy_from_slice(&b[kk * n + j0..][..cols]);
-                }
-                r
-            };
-            for (step, tiles) in panel.chunks_mut(BLOCK).enumerate() {
-                #[cfg(target_arch = "x86_64")]
-                if cols == BLOCK && (step + 1) * BLOCK <= k {
-                    let rows = &b[step * BLOCK * n + j0..];
-                    // SAFETY: `amx()` checked AVX-512 F and BW; the step's 32 rows of 32
-                    // columns lie inside `b` (full step, full panel).
-                    unsafe { simd::interleave_rows(rows, n, tiles) };
-                    continue;
-                }
-                for pair in 0..TILE_ROWS {
-                    let kk = step * BLOCK + 2 * pair;
-                    let (even, odd) = (row(kk), row(kk + 1));
-                    for t in 0..2 {
-                        let line = &mut tiles[t * TILE_ROWS + pair].0;
-                        for c in 0..TILE_ROWS {
-                            line[2 * c] = even[t * TILE_ROWS + c];
-                            line[2 * c + 1] = odd[t * TILE_ROWS + c];
-                        }
-                    }
+    pack_steps(buf, blocks(n), blocks(k), |jp, step, tiles| {
+        let j0 = jp * BLOCK;
+        let cols = BLOCK.min(n - j0);
+        #[cfg(target_arch = "x86_64")]
+        if cols == BLOCK && (step + 1) * BLOCK <= k {
+            // SAFETY: `amx()` checked AVX-512 F and BW; the step's 32 rows of 32 columns
+            // lie inside `b` (full step, full panel).
+            unsafe { simd::interleave_rows(&b[step * BLOCK * n + j0..], n, tiles) };
+            return;
+        }
+        // One 32-wide row of the panel, zero past the edges.
+        let row = |kk: usize| {
+            let mut r = [0u16; BLOCK];
+            if kk < k {
+                r[..cols].copy_from_slice(&b[kk * n + j0..][..cols]);
+            }
+            r
+        };
+        for pair in 0..TILE_ROWS {
+            let kk = step * BLOCK + 2 * pair;
+            let (even, odd) = (row(kk), row(kk + 1));
+            for t in 0..2 {
+                let line = &mut tiles[t * TILE_ROWS + pair].0;
+                for c in 0..TILE_ROWS {
+                    line[2 * c] = even[t * TILE_ROWS + c];
+                    line[2 * c + 1] = odd[t * TILE_ROWS + c];
                 }
             }
-        });
-    out
+        }
+    })
 }
 
 /// `bᵀ` for `b: n×k` row-major, as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)`
 /// holds, for each of its 16 columns `j`, the pair `(b[j][2r], b[j][2r+1])`: the 16×16
 /// transpose of the 32-bit pairs of 16 rows of `b`.
 fn pack_transposed<'b>(b: &[bf16], n: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
-    let (nb, kb) = (blocks(n), blocks(k));
     let b = bits(b);
-    let out = reserve_lines(buf, nb * kb * BLOCK);
-    out.par_chunks_mut(kb * BLOCK)
-        .enumerate()
-        .for_each(|(jp, panel)| {
-            for (step, tiles) in panel.chunks_mut(BLOCK).enumerate() {
-                let k0 = step * BLOCK;
-                let width = BLOCK.min(k - k0);
-                for (t, tile) in tiles.chunks_mut(TILE_ROWS).enumerate() {
-                    let j0 = jp * BLOCK + t * TILE_ROWS;
-                    #[cfg(target_arch = "x86_64")]
-                    if width == BLOCK && j0 + TILE_ROWS <= n {
-                        // SAFETY: `amx()` checked AVX-512 F; the tile's 16 rows of 32 `k`
-                        // values lie inside `b`.
-                        unsafe { simd::transpose_pairs(&b[j0 * k + k0..], k, tile) };
-                        continue;
-                    }
-                    // The tile's 16 source rows as 16 pairs each, zero past the edges.
-                    let mut src = [[0u32; TILE_ROWS]; TILE_ROWS];
-                    for (c, pairs) in src.iter_mut().enumerate() {
-                        let j = jp * BLOCK + t * TILE_ROWS + c;
-                        if j < n {
-                            let mut row = [0u16; BLOCK];
-                            row[..width].copy_from_slice(&b[j * k + k0..][..width]);
-                            for (p, two) in pairs.iter_mut().zip(row.chunks_exact(2)) {
-                                *p = u32::from(two[0]) | (u32::from(two[1]) << 16);
-                            }
-                        }
-                    }
-                    for (pair, line) in tile.iter_mut().enumerate() {
-                        for (two, pairs) in line.0.chunks_exact_mut(2).zip(&src) {
-                            two[0] = pairs[pair] as u16;
-                            two[1] = (pairs[pair] >> 16) as u16;
-                        }
+    pack_steps(buf, blocks(n), blocks(k), |jp, step, tiles| {
+        let k0 = step * BLOCK;
+        let width = BLOCK.min(k - k0);
+        for (t, tile) in tiles.chunks_mut(TILE_ROWS).enumerate() {
+            let j0 = jp * BLOCK + t * TILE_ROWS;
+            #[cfg(target_arch = "x86_64")]
+            if width == BLOCK && j0 + TILE_ROWS <= n {
+                // SAFETY: `amx()` checked AVX-512 F; the tile's 16 rows of 32 `k` values
+                // lie inside `b`.
+                unsafe { simd::transpose_pairs(&b[j0 * k + k0..], k, tile) };
+                continue;
+            }
+            // The tile's 16 source rows as 16 pairs each, zero past the edges.
+            let mut src = [[0u32; TILE_ROWS]; TILE_ROWS];
+            for (c, pairs) in src.iter_mut().enumerate() {
+                if j0 + c < n {
+                    let mut row = [0u16; BLOCK];
+                    row[..width].copy_from_slice(&b[(j0 + c) * k + k0..][..width]);
+                    for (p, two) in pairs.iter_mut().zip(row.chunks_exact(2)) {
+                        *p = u32::from(two[0]) | (u32::from(two[1]) << 16);
                     }
                 }
             }
-        });
-    out
+            for (pair, line) in tile.iter_mut().enumerate() {
+                for (two, pairs) in line.0.chunks_exact_mut(2).zip(&src) {
+                    two[0] = pairs[pair] as u16;
+                    two[1] = (pairs[pair] >> 16) as u16;
+                }
+            }
+        }
+    })
 }
 
 /// Raw pointer to the output, shared by the stripe tasks: each writes disjoint blocks.
@@ -667,19 +663,52 @@ mod simd {
     use super::{Line, BLOCK, TILE_ROWS};
     use std::arch::x86_64::*;
 
-    /// One round of a block-swap transpose on a row pair: with `top = rows[r]`,
-    /// `bottom = rows[r + s]` (`r & s == 0`), the top row takes the bottom's left `s`
-    /// lanes of each `2s` group into its right ones and the bottom row the top's right
-    /// ones into its left. Lanes are `lanes` wide (16 or 32); after the rounds
-    /// `s = lanes/2, …, 1` the rows hold the transpose.
-    fn swap_indices(lanes: usize, s: usize) -> ([u16; 32], [u16; 32]) {
-        let (mut lo, mut hi) = ([0u16; 32], [0u16; 32]);
-        for j in 0..lanes {
-            let right = j & s != 0;
-            lo[j] = if right { lanes + j - s } else { j } as u16;
-            hi[j] = if right { lanes + j } else { j + s } as u16;
+    /// The rounds `s = R/2, …, 1` of a block-swap transpose of `R` rows of `R` lanes (32
+    /// of 16 bits or 16 of 32): in round `s`, for each row pair `top = v[r]`,
+    /// `bottom = v[r + s]` (`r & s == 0`), the top row takes the bottom's left `s` lanes of
+    /// each `2s` group into its right ones and the bottom row the top's right ones into its
+    /// left; after the last round the rows hold the transpose.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn swap_rounds<const R: usize>(v: &mut [__m512i; R]) {
+        let mut s = R / 2;
+        while s >= 1 {
+            let (mut lo, mut hi) = ([0u32; 32], [0u32; 32]);
+            for j in 0..R {
+                let right = j & s != 0;
+                lo[j] = if right { R + j - s } else { j } as u32;
+                hi[j] = if right { R + j } else { j + s } as u32;
+            }
+            // Indices as the lane width's integers: 16 bits for 32 lanes, 32 for 16.
+            let vector = |idx: &[u32; 32]| {
+                if R == BLOCK {
+                    let narrow: [u16; 32] = std::array::from_fn(|j| idx[j] as u16);
+                    // SAFETY: 64 bytes.
+                    unsafe { _mm512_loadu_si512(narrow.as_ptr().cast()) }
+                } else {
+                    // SAFETY: the first 64 bytes.
+                    unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+                }
+            };
+            let (lo, hi) = (vector(&lo), vector(&hi));
+            for r in (0..R).filter(|r| r & s == 0) {
+                let (top, bottom) = (v[r], v[r + s]);
+                (v[r], v[r + s]) = if R == BLOCK {
+                    (
+                        _mm512_permutex2var_epi16(top, lo, bottom),
+                        _mm512_permutex2var_epi16(top, hi, bottom),
+                    )
+                } else {
+                    (
+                        _mm512_permutex2var_epi32(top, lo, bottom),
+                        _mm512_permutex2var_epi32(top, hi, bottom),
+                    )
+                };
+            }
+            s /= 2;
         }
-        (lo, hi)
     }
 
     /// `out ← bf16(alpha·acc + beta·add)` for a full row of 32 (`add` 32 long), rounded to
@@ -729,23 +758,8 @@ mod simd {
         // SAFETY: each row is 64 bytes, read and written unaligned.
         let mut v: [__m512i; BLOCK] =
             std::array::from_fn(|r| unsafe { _mm512_loadu_si512(rows[r].as_ptr().cast()) });
-        let mut s = BLOCK / 2;
-        while s >= 1 {
-            let (lo, hi) = swap_indices(BLOCK, s);
-            // SAFETY: the index arrays are 64 bytes.
-            let (lo, hi) = unsafe {
-                (
-                    _mm512_loadu_si512(lo.as_ptr().cast()),
-                    _mm512_loadu_si512(hi.as_ptr().cast()),
-                )
-            };
-            for r in (0..BLOCK).filter(|r| r & s == 0) {
-                let (top, bottom) = (v[r], v[r + s]);
-                v[r] = _mm512_permutex2var_epi16(top, lo, bottom);
-                v[r + s] = _mm512_permutex2var_epi16(top, hi, bottom);
-            }
-            s /= 2;
-        }
+        // SAFETY: (caller) AVX-512 F and BW.
+        unsafe { swap_rounds(&mut v) };
         for (row, v) in rows.iter_mut().zip(v) {
             // SAFETY: as above.
             unsafe { _mm512_storeu_si512(row.as_mut_ptr().cast(), v) };
@@ -796,27 +810,8 @@ mod simd {
         let mut v: [__m512i; TILE_ROWS] = std::array::from_fn(|c| unsafe {
             _mm512_loadu_si512(rows.as_ptr().add(c * ld).cast())
         });
-        let mut s = TILE_ROWS / 2;
-        while s >= 1 {
-            let (lo16, hi16) = swap_indices(TILE_ROWS, s);
-            let (lo, hi): ([u32; 16], [u32; 16]) = (
-                std::array::from_fn(|j| u32::from(lo16[j])),
-                std::array::from_fn(|j| u32::from(hi16[j])),
-            );
-            // SAFETY: the index arrays are 64 bytes.
-            let (lo, hi) = unsafe {
-                (
-                    _mm512_loadu_si512(lo.as_ptr().cast()),
-                    _mm512_loadu_si512(hi.as_ptr().cast()),
-                )
-            };
-            for r in (0..TILE_ROWS).filter(|r| r & s == 0) {
-                let (top, bottom) = (v[r], v[r + s]);
-                v[r] = _mm512_permutex2var_epi32(top, lo, bottom);
-                v[r + s] = _mm512_permutex2var_epi32(top, hi, bottom);
-            }
-            s /= 2;
-        }
+        // SAFETY: (caller) AVX-512 F and BW.
+        unsafe { swap_rounds(&mut v) };
         for (line, v) in tile.iter_mut().zip(v) {
             // SAFETY: a 64-byte aligned line.
             unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
