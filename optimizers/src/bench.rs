@@ -574,6 +574,10 @@ impl OptimKind {
 /// the same run-time choice the optimizer makes.
 pub fn kernel_name(kind: OptimKind) -> String {
     let ns = crate::ns_backend_info();
+    let forced = ns_backend_override().filter(|b| *b != crate::newton_schulz::NsBackend::Auto);
+    if let (Some(b), OptimKind::Muon | OptimKind::MuonBf16) = (forced, kind) {
+        return format!("NS {}: {b:?} (RAGGED_NS_BACKEND)", kind.dtype());
+    }
     match kind {
         OptimKind::AdamW => "fused element loop (compiler-vectorized, baseline ISA)".into(),
         OptimKind::Adam8bit => crate::adam8bit::kernel_name().into(),
