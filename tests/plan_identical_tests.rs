@@ -155,19 +155,10 @@ fn floors_hold_and_the_split_meets_the_optimum_on_many_identical_tensors() {
     let mut step_k_raised = 0;
     while cases < 360 {
         let (spec, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
-        let counts: Vec<usize> = spec.iter().map(|s| s.2).collect();
+        let (shapes, counts, items) = unit_of(&spec);
         if counts.iter().sum::<usize>() > 10 {
             continue;
         }
-        let shapes: Vec<Item> = spec
-            .iter()
-            .map(|&(e, g, _)| Item::new(e, g, 1).unwrap())
-            .collect();
-        let items: Vec<Item> = shapes
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&t, &n)| std::iter::repeat_n(t, n))
-            .collect();
         let opts = PlanOptions {
             coll_align: coll,
             ..PlanOptions::default()
