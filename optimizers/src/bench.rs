@@ -303,22 +303,18 @@ impl GemmProbe {
         crate::kernels::onednn::onednn()
             .and_then(|d| d.bf16_impl())
             .map_err(unsupported)?;
-        let [a, b] = seeded_operands(n);
-        let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
         Ok(GemmProbe {
             n,
-            operands: Operands::Bf16([to_bf16(a), to_bf16(b), vec![bf16::ZERO; n * n]]),
+            operands: Operands::Bf16(seeded_bf16_operands(n)),
         })
     }
 
     /// `bf16` operands for side `n` on ragged's AMX products; `Err` without AMX.
     pub fn bf16_amx(n: usize) -> Result<Self> {
         crate::kernels::amx_bf16::amx().map_err(unsupported)?;
-        let [a, b] = seeded_operands(n);
-        let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
         Ok(GemmProbe {
             n,
-            operands: Operands::Bf16Amx([to_bf16(a), to_bf16(b), vec![bf16::ZERO; n * n]]),
+            operands: Operands::Bf16Amx(seeded_bf16_operands(n)),
         })
     }
 
@@ -383,6 +379,13 @@ impl GemmProbe {
         }
         Ok(t.elapsed().as_secs_f64())
     }
+}
+
+/// [`seeded_operands`] rounded to bf16, and a zero product.
+fn seeded_bf16_operands(n: usize) -> [Vec<bf16>; 3] {
+    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let [a, b] = seeded_operands(n);
+    [to_bf16(a), to_bf16(b), vec![bf16::ZERO; n * n]]
 }
 
 /// The two seeded `n × n` operands of a [`GemmProbe`], in `f32`.
@@ -1207,8 +1210,8 @@ fn peak_of(p: &Peak, kind: OptimKind) -> f64 {
     }
 }
 
-/// The baseline GEMM rate (best, GFLOP/s) of `kind`'s precision: oneDNN's bf16 matmul for
-/// bf16 Newton–Schulz where it was measured, else the `f32` GEMM.
+/// The baseline GEMM rate (best, GFLOP/s) of `kind`'s precision: for bf16 Newton–Schulz the
+/// bf16 product it runs on where measured (AMX, else oneDNN), else the `f32` GEMM.
 fn gemm_of(b: &Baselines, kind: OptimKind) -> f64 {
     match (kind, b.bf16_amx_gemm_gflops.or(b.bf16_gemm_gflops)) {
         (OptimKind::MuonBf16, Some((best, _))) => best,
@@ -1281,18 +1284,14 @@ pub fn markdown(r: &Report) -> String {
         100.0 * b.gemm_best_gflops / p.f32_gflops(),
         n = b.gemm_n
     );
-    if let Some((best, median)) = b.bf16_gemm_gflops {
+    let bf16_gemms = [
+        ("oneDNN matmul", b.bf16_gemm_gflops),
+        ("ragged AMX", b.bf16_amx_gemm_gflops),
+    ];
+    for (name, (best, median)) in bf16_gemms.into_iter().filter_map(|(n, g)| Some((n, g?))) {
         let _ = writeln!(
             out,
-            "| bf16 GEMM (oneDNN matmul) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |",
-            100.0 * best / p.bf16_gflops(),
-            n = b.gemm_n
-        );
-    }
-    if let Some((best, median)) = b.bf16_amx_gemm_gflops {
-        let _ = writeln!(
-            out,
-            "| bf16 GEMM (ragged AMX) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |",
+            "| bf16 GEMM ({name}) | {n}×{n}×{n} | {best:.1} GFLOP/s best, {median:.1} median ({:.1} % of bf16 peak) |",
             100.0 * best / p.bf16_gflops(),
             n = b.gemm_n
         );

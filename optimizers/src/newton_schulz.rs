@@ -336,30 +336,28 @@ pub fn ns_backend_info() -> NsBackendInfo {
         simd_name(),
         rayon::current_num_threads()
     );
-    if amx_bf16::amx().is_ok() {
-        return NsBackendInfo {
-            f32_backend: NsBackend::Gemm,
-            f32,
-            bf16_backend: NsBackend::Amx,
-            bf16: format!(
-                "ragged AMX bf16 tiles (TDPBF16PS, 32×32 blocks), {} rayon threads",
-                rayon::current_num_threads()
-            ),
-        };
-    }
-    let (bf16_backend, bf16) = match onednn::onednn().and_then(|d| {
-        let isa = d.bf16_impl()?;
-        Ok(format!(
-            "oneDNN {} matmul primitive, {isa}, OpenMP threads, {}",
-            d.version(),
-            d.wait_policy()
-        ))
-    }) {
-        Ok(s) => (NsBackend::OneDnn, s),
-        Err(e) => (
-            NsBackend::Gemm,
-            format!("portable: bf16-rounded operands on gemm f32 ({e})"),
+    // The same choice the step makes (`Auto` resolves without error), described.
+    let bf16_backend =
+        resolve_backend(NsPrecision::Bf16, NsBackend::Auto).unwrap_or(NsBackend::Gemm);
+    let onednn_info = || {
+        onednn::onednn().and_then(|d| {
+            let isa = d.bf16_impl()?;
+            Ok(format!(
+                "oneDNN {} matmul primitive, {isa}, OpenMP threads, {}",
+                d.version(),
+                d.wait_policy()
+            ))
+        })
+    };
+    // oneDNN is opened only where AMX does not run bf16 (as in the step); there it has bf16
+    // matmul exactly when `Auto` chose it.
+    let bf16 = match bf16_backend {
+        NsBackend::Amx => format!(
+            "ragged AMX bf16 tiles (TDPBF16PS, 32×32 blocks), {} rayon threads",
+            rayon::current_num_threads()
         ),
+        _ => onednn_info()
+            .unwrap_or_else(|e| format!("portable: bf16-rounded operands on gemm f32 ({e})")),
     };
     NsBackendInfo {
         f32_backend: NsBackend::Gemm,
@@ -612,7 +610,6 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
         (&mut y, s * l),
     ] {
         v.resize(len, bf16::ZERO);
-        v.truncate(len);
     }
     map_into(xw, &mut x, par, bf16::from_f32);
     for k in 0..cfg.steps {

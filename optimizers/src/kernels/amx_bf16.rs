@@ -5,9 +5,10 @@
 //! A product packs both operands once into tile-contiguous panels, zero-padded to multiples
 //! of 32 (so any shape works and the padding adds exact zeros), then runs one 32×32 output
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
-//! and two of the right in the VNNI pair layout `TDPBF16PS` reads, the whole `k` in one call.
-//! Blocks are shared out over rayon's threads a 32-row stripe at a time; each thread loads
-//! the tile configuration before its first block and releases the tiles after its last.
+//! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
+//! accumulators are stored between calls). Blocks are shared out over rayon's threads an
+//! `MC × NC` output region at a time; each task loads the tile configuration before its
+//! first block and releases the tiles after its last.
 //!
 //! | operand | packed as | tile `(block, kb, half)` starts at line |
 //! |---|---|---|
@@ -28,6 +29,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 use half::bf16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// Output block side, and the `k` consumed per microkernel step.
@@ -236,8 +238,7 @@ fn blocks(x: usize) -> usize {
 }
 
 fn bits(x: &[bf16]) -> &[u16] {
-    // SAFETY: bf16 is a transparent wrapper of u16 (same size, alignment and validity).
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len()) }
+    x.reinterpret_cast()
 }
 
 /// Grows `buf` to `lines` lines without initializing what it keeps (every packer writes
@@ -358,7 +359,7 @@ fn pack_transposed<'b>(b: &[bf16], n: usize, k: usize, buf: &'b mut Vec<Line>) -
     })
 }
 
-/// Raw pointer to the output, shared by the stripe tasks: each writes disjoint blocks.
+/// Raw pointer to the output, shared by the region tasks: each writes disjoint blocks.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut u16);
 // SAFETY: the tasks write disjoint elements (each block is written by one task only) and
@@ -641,19 +642,19 @@ fn finish_row(acc: &[f32], alpha: f32, add: Option<(f32, &[u16])>, out: &mut [u1
         }
     }
     for (o, &v) in out.iter_mut().zip(&v) {
-        *o = round_to_bf16(v);
+        *o = bf16::from_f32(v).to_bits();
     }
 }
 
-/// `f32 → bf16` bits, nearest with ties to even; NaN stays NaN (quieted), as
-/// `half::bf16::from_f32`.
-#[inline(always)]
-fn round_to_bf16(v: f32) -> u16 {
-    let b = v.to_bits();
-    if (b & 0x7fff_ffff) > 0x7f80_0000 {
-        ((b >> 16) | 0x40) as u16
-    } else {
-        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+/// In-place transpose of a 32×32 block of 16-bit values (the portable form of
+/// `simd::transpose_32x32`).
+#[cfg_attr(all(target_arch = "x86_64", not(test)), allow(dead_code))]
+fn transpose_32x32(rows: &mut [[u16; BLOCK]; BLOCK]) {
+    let before = *rows;
+    for (i, row) in rows.iter_mut().enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = before[j][i];
+        }
     }
 }
 
@@ -712,7 +713,10 @@ mod simd {
     }
 
     /// `out ← bf16(alpha·acc + beta·add)` for a full row of 32 (`add` 32 long), rounded to
-    /// nearest, ties to even, NaN quieted: the bits of the portable `finish_row`.
+    /// nearest, ties to even: the bits of the portable `finish_row` (`half::bf16::from_f32`)
+    /// for every result that is not NaN, and NaN where it is NaN (tested below; the sign of a
+    /// NaN made from two NaNs follows operand order, which the compiler may swap in the
+    /// portable loop).
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW; `acc` (and `add`) hold 32 elements.
@@ -816,5 +820,100 @@ mod simd {
             // SAFETY: a 64-byte aligned line.
             unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    fn avx512_or_skip(test: &str) -> bool {
+        let ok = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw");
+        if !ok {
+            eprintln!("{test}: skipped, the CPU lacks AVX-512 F/BW");
+        }
+        ok
+    }
+
+    /// A seeded stream of bit patterns with the special values mixed in: NaNs, infinities,
+    /// zeros, denormals and exact bf16 rounding ties.
+    fn patterns(n: usize, seed: u64) -> Vec<u32> {
+        let special = [
+            0x7fc0_0000,
+            0xffc0_0001,
+            0x7f80_0000,
+            0xff80_0000,
+            0,
+            0x8000_0000,
+            0x0000_8001,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x7f7f_ffff,
+        ];
+        let mut x = seed;
+        (0..n)
+            .map(|i| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                if i % 7 == 0 {
+                    special[(x >> 60) as usize % special.len()]
+                } else {
+                    (x >> 32) as u32
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn avx512_epilogue_rounds_as_the_portable_one() {
+        if !avx512_or_skip("avx512_epilogue_rounds_as_the_portable_one") {
+            return;
+        }
+        for seed in 0..200 {
+            let acc: Vec<f32> = patterns(BLOCK, seed)
+                .into_iter()
+                .map(f32::from_bits)
+                .collect();
+            let add: Vec<u16> = patterns(BLOCK, seed + 1000)
+                .iter()
+                .map(|&b| (b >> 16) as u16)
+                .collect();
+            for (alpha, addend) in [(1.0, None), (-0.75, Some((2.5, &add[..])))] {
+                let (mut want, mut got) = ([0u16; BLOCK], [0u16; BLOCK]);
+                finish_row(&acc, alpha, addend, &mut want);
+                // SAFETY: AVX-512 F and BW checked above; rows of 32.
+                unsafe { simd::finish_row(&acc, alpha, addend, &mut got) };
+                let is_nan = |b: u16| b & 0x7fff > 0x7f80;
+                for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let same = g == w || (is_nan(g) && is_nan(w));
+                    assert!(
+                        same,
+                        "seed {seed}, alpha {alpha}, lane {j}: {g:#06x} vs {w:#06x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_transpose_is_the_portable_transpose() {
+        if !avx512_or_skip("avx512_transpose_is_the_portable_transpose") {
+            return;
+        }
+        let values = patterns(BLOCK * BLOCK, 7);
+        let mut want = [[0u16; BLOCK]; BLOCK];
+        for (i, row) in want.iter_mut().enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = values[i * BLOCK + j] as u16;
+            }
+        }
+        let mut got = want;
+        transpose_32x32(&mut want);
+        // SAFETY: AVX-512 F and BW checked above.
+        unsafe { simd::transpose_32x32(&mut got) };
+        assert_eq!(got, want);
+        assert_ne!(want[0][1], want[1][0], "the seeded block is not symmetric");
     }
 }
