@@ -28,6 +28,7 @@
 //! | an eighth bound, the padding of the buffer holding a given shape (residues of contents) | [`content_floor`] |
 //! | a ninth bound (one buffer), the shards tensors off a step can reach past it | [`excess_floor`] |
 //! | a tenth bound (one buffer), the residues of bound seven with a budget of empty pieces | [`waste_floor`] |
+//! | an eleventh bound (at most two buffers), every split of a sum, with the padding of segments of shards | [`pair_floor`] |
 //! | multi-buffer plans of units and models (each buffer an ordinary [`Plan`]) | [`multi_model`] |
 //! | FSDP2, Megatron-FSDP, FSDP1, ZeRO-3 layouts for comparison | [`baselines`] |
 
@@ -44,6 +45,7 @@ pub mod lattice_floor;
 pub mod multi;
 pub mod multi_model;
 pub mod oracle;
+pub mod pair_floor;
 pub mod partition;
 pub mod piece_floor;
 pub mod refine;

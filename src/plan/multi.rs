@@ -35,14 +35,16 @@
 
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;
+use super::pair_floor::{pair_floor, PairWitness};
 use super::partition::{best_partition, Partition};
 use super::piece_floor::main_step;
 use super::refine::{refine, SIDEWAYS_MOVES};
 use super::shard_fill::improve_layout;
+use super::shard_fill::shard_fill;
 use super::split::split_partition;
 use super::step_floor::step_floor_deep;
 use super::waste_floor::waste_floor;
-use super::{plan_items, Item, Layout, PlanOptions};
+use super::{plan_items, Item, Layout, Order, PlanOptions};
 use crate::{Error, Result};
 
 /// Knobs of the multi-buffer planner.
@@ -221,12 +223,27 @@ pub fn plan_multi_items(
             best = alone;
         }
     }
-    let best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
     let floor = match floors.get(best.groups.len()) {
         Some(&f) if !best.groups.is_empty() => f,
         _ => floor_shard_sum(items, world, opts.coll_align, best.groups.len())?,
     };
     let floor = deepen_floor(items, world, opts.coll_align, &best, floor);
+    // The pair floor searches the sums between the floor and the plan; where it stops below
+    // the plan, the split it could not exclude is a candidate layout.
+    let mut floor = floor;
+    if best.groups.len() <= 2 && best.shard_sum > floor {
+        let k = best.groups.len();
+        if let Some(pair) = pair_floor(items, world, opts.coll_align, k, floor, best.shard_sum)? {
+            floor = floor.max(pair.bound);
+            if let Some(found) = pair.witness.and_then(|w| realize(items, world, opts, &w)) {
+                let cost = |p: &Partition| mopts.cost_s(p.groups.len(), p.shard_sum, world);
+                if found.shard_sum < best.shard_sum && cost(&found) < cost(&best) {
+                    best = found;
+                }
+            }
+        }
+    }
+    let best_cost = mopts.cost_s(best.groups.len(), best.shard_sum, world);
     Ok(MultiLayout {
         groups: best.groups,
         layouts: best.layouts,
@@ -363,4 +380,59 @@ fn distinct_blocks(items: &[Item]) -> usize {
     sizes.sort_unstable();
     sizes.dedup();
     sizes.len()
+}
+
+/// The pair floor's witness as a layout: its two groups (one where buffer `a` is empty), each
+/// planned, or filled shard by shard at the witness's size where the planner needs more; `None`
+/// where a group does not fit its size.
+fn realize(
+    items: &[Item],
+    world: usize,
+    opts: &PlanOptions,
+    witness: &PairWitness,
+) -> Option<Partition> {
+    let a: Vec<usize> = (0..items.len()).filter(|&i| witness.in_a[i]).collect();
+    let b: Vec<usize> = (0..items.len()).filter(|&i| !witness.in_a[i]).collect();
+    let mut groups = Vec::new();
+    let mut layouts = Vec::new();
+    for (group, size) in [(a, witness.shard_a), (b, witness.shard_b)] {
+        if group.is_empty() {
+            continue;
+        }
+        let sub: Vec<Item> = group
+            .iter()
+            .map(|&i| {
+                Item::new(
+                    items[i].numel,
+                    items[i].block,
+                    items[i].align.max(opts.start_align),
+                )
+            })
+            .collect::<Result<Vec<Item>>>()
+            .ok()?;
+        let planned = plan_items(&sub, world, opts).ok()?;
+        let layout = if planned.shard_size <= size {
+            planned
+        } else {
+            let offsets = shard_fill(&sub, world, size).ok()??;
+            Layout {
+                world,
+                shard_size: size,
+                order: Order::Filled,
+                offsets,
+                stats: planned.stats,
+                lower_bound: planned.lower_bound,
+            }
+        };
+        groups.push(group);
+        layouts.push(layout);
+    }
+    let shard_sum = layouts
+        .iter()
+        .try_fold(0usize, |acc, l| acc.checked_add(l.shard_size))?;
+    Some(Partition {
+        groups,
+        layouts,
+        shard_sum,
+    })
 }
