@@ -40,7 +40,7 @@ use super::partition::{best_partition, Partition};
 use super::piece_floor::main_step;
 use super::refine::{refine, SIDEWAYS_MOVES};
 use super::shard_fill::improve_layout;
-use super::shard_fill::shard_fill;
+use super::shard_fill::{least_gap_fill, shard_fill};
 use super::split::split_partition;
 use super::step_floor::step_floor_deep;
 use super::waste_floor::waste_floor;
@@ -414,7 +414,11 @@ fn realize(
         let layout = if planned.shard_size <= size {
             planned
         } else {
-            let offsets = shard_fill(&sub, world, size).ok()??;
+            let filled = match shard_fill(&sub, world, size).ok()? {
+                Some(offsets) => Some(offsets),
+                None => least_gap_fill(&sub, world, size).ok()?,
+            };
+            let offsets = filled?;
             Layout {
                 world,
                 shard_size: size,
