@@ -1000,28 +1000,36 @@ fn qwen3_30b_layer_at_rows_1_v64_meets_the_waste_floor() {
 /// The pair floor (bound 11: every split of a sum between two buffers, the count of each shape
 /// in each, and the padding of segments of shards) never exceeds the exhaustive optimum for
 /// at most `k` buffers, `k = 1, 2`, searched from 1 with no cap; it applies nowhere for `k = 3`;
-/// and it rises above the k-buffer floor on some inputs. Each input has one large tensor (the
-/// pivot, forced in any buffer) and up to four others, on 3 to 6 ranks.
+/// and it rises above the k-buffer floor on some inputs. Each input is a small MoE-like unit:
+/// one large tensor (the pivot, forced in any buffer), up to three "experts" of `d·m·d₂`
+/// elements in blocks of `d` and up to two of the same size in blocks of `d₂`, and at most one
+/// small tensor, on 4 to 12 ranks.
 #[test]
 fn pair_floor_is_a_true_lower_bound_against_exhaustive_search() {
     use ragged::plan::pair_floor::pair_floor;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = (
-        (1..=4usize, 8..=24usize),
-        prop::collection::vec((1..=24usize, 1..=12usize), 1..=4),
-        3..=6usize,
+        (1..=4usize, 8..=40usize),
+        (2..=7usize, 2..=4usize, 1..=3usize),
+        (1..=3usize, 0..=2usize),
+        prop::collection::vec((1..=9usize, 1..=3usize), 0..=1),
+        4..=12usize,
         prop::sample::select(vec![1usize, 2]),
     );
     let (mut applied, mut raised, mut tight) = (0, 0, 0);
-    for _ in 0..300 {
-        let ((g, blocks), others, world, coll) = strategy.new_tree(&mut runner).unwrap().current();
+    for _ in 0..600 {
+        let ((g, blocks), (d, m, d2), (n1, n2), small, world, coll) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let e = d * m * d2;
         let mut items = vec![Item::new(g * blocks, g, 1).unwrap()];
-        items.extend(others.iter().map(|&(e, b)| Item::new(e, b, 1).unwrap()));
+        items.extend((0..n1).map(|_| Item::new(e, d, 1).unwrap()));
+        items.extend((0..n2).map(|_| Item::new(e, d2, 1).unwrap()));
+        items.extend(small.iter().map(|&(e, b)| Item::new(e, b, 1).unwrap()));
         for k in 1..=2 {
-            let best = exhaustive_shard_sum(&items, world, coll, k);
             let Some(pair) = pair_floor(&items, world, coll, k, 1, usize::MAX).unwrap() else {
                 continue;
             };
+            let best = exhaustive_shard_sum(&items, world, coll, k);
             assert!(
                 pair.bound <= best,
                 "{items:?} V={world} coll={coll} k={k}: pair floor {} > optimum {best}",
@@ -1038,7 +1046,7 @@ fn pair_floor_is_a_true_lower_bound_against_exhaustive_search() {
     }
     println!("pair floor applied {applied}, tight {tight}, above the k-buffer floor {raised}");
     assert!(
-        applied >= 100 && raised > 0,
+        applied >= 200 && raised > 0,
         "applied {applied}, raised {raised}"
     );
     assert!(pair_floor(&[], 4, 1, 2, 1, 10).is_err());
