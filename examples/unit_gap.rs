@@ -7,7 +7,7 @@
 use ragged::plan::multi::{floor_shard_sum, MultiOptions};
 use ragged::plan::multi_model::plan_multi_unit;
 use ragged::plan::{
-    class_floor, content_floor, excess_floor, heavy_floor, lattice_floor, piece_floor,
+    class_floor, content_floor, excess_floor, heavy_floor, lattice_floor, pair_floor, piece_floor,
     residue_floor, search, shard_fill, step_floor, waste_floor, PlanOptions,
 };
 use ragged::Result;
@@ -120,6 +120,15 @@ fn main() -> Result<()> {
         );
     }
     bound("content", content_floor::content_floor(&items, world, coll));
+    // The pair floor from the k-buffer floor up to the plan (at most two buffers).
+    let start = std::time::Instant::now();
+    let from = floor_shard_sum(&items, world, coll, kk)?;
+    let pair = pair_floor::pair_floor(&items, world, coll, kk, from, sum);
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    bound(
+        &format!("pair (k = {kk}, from {from} up to the plan, {ms:.1} ms)"),
+        pair.map(|p| p.map(|p| p.bound)),
+    );
     bound(
         "excess (one buffer)",
         excess_floor::excess_floor(&items, world, coll, 0),

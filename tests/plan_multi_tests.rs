@@ -1054,8 +1054,8 @@ fn pair_floor_is_a_true_lower_bound_against_exhaustive_search() {
 
 /// A DeepSeek-V3 MoE layer at `rows:1`, V = 1024 (issue 13's last point above 1.1× its floor):
 /// the pair floor excludes every two-buffer sum below 11,238,400, and the split it cannot
-/// exclude there (the experts' `gate/up_proj` with 110 `down_proj`, `q_b_proj`, `kv_b_proj`
-/// and `q_a_proj` at 1,257 × 7,168; `o_proj` with the rest at 136 × 16,384) is a layout, so
+/// exclude there (the experts' `gate/up_proj` with 111 `down_proj`, `q_a_proj`, `q_b_proj`
+/// and the router at 1,257 × 7,168; `o_proj` with the rest at 136 × 16,384) is a layout, so
 /// the plan meets its floor (the plans before had 11,239,424 over a floor of 11,237,888).
 #[test]
 fn deepseek_v3_rows1_moe_layer_at_v1024_meets_the_pair_floor() {

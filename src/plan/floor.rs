@@ -35,7 +35,8 @@
 //! [`super::excess_floor`]'s, which counts the shards that tensors whose parts are not
 //! multiples of a step can reach past it; all eight hold for every layout. (A ninth, for
 //! `k = 1`, [`super::waste_floor`], is searched only above this one and below a plan, by
-//! [`super::multi`].)
+//! [`super::multi`]; so is an eleventh, for `k ≤ 2`, [`super::pair_floor`], which excludes
+//! the sums between this one and a plan one by one over every split between two buffers.)
 
 use super::fit::gcd_u128;
 use super::Item;

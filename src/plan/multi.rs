@@ -31,7 +31,12 @@
 //! of a unit is above it, the content floor ([`super::content_floor`]) is taken too, where it
 //! is one buffer, the waste floor ([`super::waste_floor`]) up to its size, and where
 //! such a layout of a small unit has two buffers, a deeper search of the common-step bound
-//! ([`super::step_floor::step_floor_deep`]).
+//! ([`super::step_floor::step_floor_deep`]). Where it has one or two buffers and is still
+//! above, the pair floor ([`super::pair_floor`]) excludes sums from the floor up; the split
+//! it cannot exclude is tried as a layout (planned, filled shard by shard, or by least gaps,
+//! [`super::shard_fill::least_gap_fill`]) and taken where it costs less: in a DeepSeek-V3 MoE
+//! layer at `rows:1`, `V = 1024`, that is the experts' `gate/up_proj` with 111 `down_proj`,
+//! `q_a_proj`, `q_b_proj` and the router in one buffer and the rest in the other, at the floor.
 
 use super::content_floor::content_floor;
 pub use super::floor::floor_shard_sum;

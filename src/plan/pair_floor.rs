@@ -45,7 +45,8 @@
 //! most [`MAX_MODULI`]. Every value is exact (rationals over a common denominator, checked).
 //!
 //! **Work.** Units of at most [`MAX_SHAPES`] shapes; at most [`MAX_SUMS`] sums,
-//! [`MAX_SPLITS`] splits per sum and [`MAX_NODES`] count vectors visited in all; past a limit
+//! [`MAX_SPLITS`] splits per sum and [`MAX_NODES`] units of work in all (splits, count vectors
+//! visited, residue periods of the segment bounds computed); past a limit
 //! the sum is not excluded (the bound stops there, still true). Overflow skips the bound.
 
 use std::collections::HashMap;
@@ -60,8 +61,9 @@ pub const MAX_SHAPES: usize = 24;
 pub const MAX_SUMS: usize = 64;
 /// Sizes of the buffer holding the largest tensor per sum, at most.
 pub const MAX_SPLITS: usize = 4096;
-/// Count vectors visited over the whole call, at most.
-pub const MAX_NODES: usize = 1 << 20;
+/// Work units over the whole call, at most: a split, a count vector visited, or a segment bound
+/// computed (its residue period).
+pub const MAX_NODES: usize = 1 << 18;
 /// Moduli `D` of the segment bound per buffer, at most.
 pub const MAX_MODULI: usize = 8;
 /// Residue periods `p` longer than this give no segment bound (the dual costs `p` per `λ`).
@@ -233,6 +235,7 @@ impl Search {
             if self.k == 1 && sa != 0 {
                 continue;
             }
+            self.nodes += 1;
             if self.nodes > MAX_NODES {
                 return Some(Verdict::Open(None));
             }
@@ -378,6 +381,11 @@ impl Search {
             let bound = match self.cache.get(&key) {
                 Some(&b) => b,
                 None => {
+                    // Its work (the period, about, per λ) counts against the budget.
+                    let period = d / gcd_u128(d, r);
+                    self.nodes = self
+                        .nodes
+                        .saturating_add(usize::try_from(period).unwrap_or(usize::MAX));
                     let b = segment_bound(self.v, d, r, crossings, rare).unwrap_or(0);
                     self.cache.insert(key, b);
                     b
