@@ -34,6 +34,30 @@ def shapes(d=1024, layers=4):
     return per_layer * layers
 
 
+def ns_flops(rows, cols, steps=5):
+    """Nominal FLOPs of Newton-Schulz on one matrix (ragged's `bench::ns_flops`)."""
+    s, l = min(rows, cols), max(rows, cols)
+    return steps * (4 * s * s * l + 2 * s ** 3 + 3 * s * s + 3 * s * l) + 3 * s * l
+
+
+def newton_schulz_f32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's iteration with every product in f32 (the `--torch-ns float32` patch):
+    short side first, Frobenius-normalize, then X <- a*X + (b*A + c*A@A)@X with A = X@X^T."""
+    import torch
+
+    a, b, c = ns_coefficients
+    x = grad.to(dtype=torch.float32, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
 def matmul_gflops(torch, dtype, n=2048, reps=3):
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
@@ -53,6 +77,10 @@ def main():
     ap.add_argument("--interleave", default="",
                     help="comma-separated ragged variants (muon, muon-bf16) to step between torch's")
     ap.add_argument("--steps-bin", default="target/release/examples/muon_steps")
+    ap.add_argument("--torch-ns", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="torch Muon's Newton-Schulz dtype (float32: patched in, see above)")
+    ap.add_argument("--force-bf16", action="store_true",
+                    help="time stock torch.optim.Muon even where its bf16 matmul is a slow fallback")
     args = ap.parse_args()
     try:
         import torch
@@ -63,6 +91,22 @@ def main():
         print(f"skipped: torch {torch.__version__} has no torch.optim.Muon (2.9 or newer)")
         return 0
     torch.set_num_threads(args.threads)
+    rates = {dt: matmul_gflops(torch, dt, n=1024, reps=1) for dt in (torch.float32, torch.bfloat16)}
+    print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"matmul 1024^3: f32 {rates[torch.float32]:.1f} GFLOP/s, "
+          f"bf16 {rates[torch.bfloat16]:.1f} GFLOP/s", flush=True)
+    if args.torch_ns == "float32":
+        import torch.optim._muon as muon_mod
+        muon_mod._zeropower_via_newtonschulz = newton_schulz_f32
+        print("torch Muon's Newton-Schulz patched to f32 (newton_schulz_f32)", flush=True)
+    elif rates[torch.bfloat16] < rates[torch.float32] / 10 and not args.force_bf16:
+        flops = sum(ns_flops(r, c) for r, c in shapes())
+        est = flops / (rates[torch.bfloat16] * 1e9)
+        print(f"skipped: torch's bf16 matmul runs at {rates[torch.bfloat16]:.2f} GFLOP/s here "
+              f"(a fallback path, under f32's / 10), so a stock torch.optim.Muon step on these "
+              f"{len(shapes())} matrices would take about {est:.0f} s ({flops / 1e9:.0f} nominal "
+              f"GFLOP); use --torch-ns float32 for torch's Muon with f32 products, or --force-bf16")
+        return 0
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(r, c) * 0.02) for r, c in shapes()]
     for p in params:
@@ -98,8 +142,11 @@ def main():
     times.sort()
     n = sum(p.numel() for p in params)
     print(f"torch {torch.__version__}, {args.threads} threads, {len(params)} matrices, {n} params")
+    # bf16 at 2048^3 only where it is not the slow fallback (there it takes minutes).
+    bf16_2048 = (f"{matmul_gflops(torch, torch.bfloat16):.1f} GFLOP/s"
+                 if rates[torch.bfloat16] >= rates[torch.float32] / 10 else "not timed (fallback)")
     print(f"same-run matmul 2048^3: f32 {matmul_gflops(torch, torch.float32):.1f} GFLOP/s, "
-          f"bf16 {matmul_gflops(torch, torch.bfloat16):.1f} GFLOP/s")
+          f"bf16 {bf16_2048}")
     print(f"torch.optim.Muon step: best {1e3 * times[0]:.1f} ms, "
           f"median {1e3 * times[len(times) // 2]:.1f} ms")
     return 0
