@@ -66,6 +66,7 @@ use ragged::{Error, Result};
 use crate::kernels::amx_bf16::{self, Epilogue, Rhs};
 use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
+use crate::kernels::transpose_f32::transpose_raw;
 use crate::kernels::Parallelism;
 
 /// Keller Jordan's quintic coefficients, torch.optim.Muon's default `(a, b, c)`.
@@ -411,10 +412,8 @@ fn matmul_nn(x: &[f32], y: &[f32], n: usize, m: usize, k: usize, out: &mut [f32]
     }
 }
 
-/// Side of the blocked transpose's tiles: a 32×32 `f32` tile is 4 KiB, so the source rows a
-/// tile reads and the destination rows it writes stay in L1 while it is copied (the plain
-/// loop's column-strided stores missed the cache on every element of a tall matrix).
-const TRANSPOSE_TILE: usize = 32;
+/// Output rows per task of the threaded transpose (32 columns of the source).
+const TRANSPOSE_BAND: usize = 32;
 
 /// Elements per task of the element-wise passes (256 KiB of `f32`).
 const ELEMENTWISE_CHUNK: usize = 1 << 16;
@@ -424,19 +423,29 @@ fn threaded(par: Parallelism) -> bool {
     matches!(par, Parallelism::Rayon(n) if n != 1)
 }
 
-/// `rows × cols` row-major `x` transposed into `out` (`cols × rows`), in tiles, bands of
-/// output rows spread over threads when `par` allows (a copy: the same bits either way).
+/// `rows × cols` row-major `x` transposed into `out` (`cols × rows`) by
+/// [`transpose_f32`](crate::kernels::transpose_f32), bands of output rows spread over threads
+/// when `par` allows (a copy: the same bits either way).
+///
+/// # Panics
+/// If the lengths are not `rows·cols` (an internal invariant).
 fn transpose(x: &[f32], rows: usize, cols: usize, out: &mut [f32], par: Parallelism) {
-    let t = TRANSPOSE_TILE;
+    assert!(x.len() == rows * cols && out.len() == rows * cols);
+    let t = TRANSPOSE_BAND;
     let band = |(jb, dst): (usize, &mut [f32])| {
         let j0 = jb * t;
-        for i0 in (0..rows).step_by(t) {
-            let i1 = (i0 + t).min(rows);
-            for (j, row) in dst.chunks_exact_mut(rows).enumerate() {
-                for (o, i) in row[i0..i1].iter_mut().zip(i0..i1) {
-                    *o = x[i * cols + j0 + j];
-                }
-            }
+        let width = dst.len() / rows.max(1);
+        // SAFETY: the band's source columns j0..j0 + width of `rows` rows of `cols` lie in
+        // `x` (j0 + width ≤ cols), its `width` rows of `rows` are `dst`; distinct borrows.
+        unsafe {
+            transpose_raw(
+                x.as_ptr().add(j0),
+                cols,
+                dst.as_mut_ptr(),
+                rows,
+                rows,
+                width,
+            )
         }
     };
     if threaded(par) {

@@ -15,6 +15,8 @@
 
 use gemm::Parallelism;
 
+use super::transpose_f32::transpose_raw;
+
 /// Symmetric products with a side of at most this many rows are computed as one full GEMM;
 /// larger ones split into halves (the off-diagonal block once, then mirrored), so every GEMM
 /// keeps a side of at least 128 (smaller products run far from gemm's peak). Not tuned: the
@@ -159,17 +161,10 @@ unsafe fn sym_gemm_raw(
         lower_right();
         upper_right();
     }
-    // Mirror it into the lower-left block, in 32×32 tiles.
-    const T: usize = 32;
-    for i0 in (0..h).step_by(T) {
-        for j0 in (h..n).step_by(T) {
-            for i in i0..(i0 + T).min(h) {
-                for j in j0..(j0 + T).min(n) {
-                    *dst.add(j * ldd + i) = *dst.add(i * ldd + j);
-                }
-            }
-        }
-    }
+    // Mirror it into the lower-left block (rows h..n, columns 0..h).
+    // SAFETY: the upper-right block (h rows of r from `dst + h`) and the lower-left one (r
+    // rows of h from `dst + h·ldd`) lie inside the destination and are disjoint.
+    unsafe { transpose_raw(dst.add(h), ldd, dst.add(h * ldd), ldd, h, r) };
 }
 
 /// `out (m×n) ← α·out + β·a·b` for row-major `a: m×k`, `b: k×n` (`α` unused when `!read_out`).
