@@ -67,7 +67,7 @@ use crate::kernels::amx_bf16::{self, Epilogue, Rhs};
 use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::transpose_f32::transpose_raw;
-use crate::kernels::Parallelism;
+use crate::kernels::{retained, Parallelism};
 
 /// Keller Jordan's quintic coefficients, torch.optim.Muon's default `(a, b, c)`.
 pub const QUINTIC: [f32; 3] = [3.4445, -4.7750, 2.0315];
@@ -602,8 +602,9 @@ fn iterate_onednn<T: Element>(
 /// symmetric) and the addends read from `P` and `X` directly.
 fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
     thread_local! {
-        /// `X`, `P`, `Q`, `Y` kept between calls on each thread: fresh buffers of a few
-        /// MiB cost more in page faults than the packing. Taken out for a call, so that a
+        /// `X`, `P`, `Q`, `Y` kept between calls on each thread, up to
+        /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) each: fresh buffers of a few MiB
+        /// cost more in page faults than the packing. Taken out for a call, so that a
         /// call nested in it (this thread running another task while it waits for rayon)
         /// gets fresh ones.
         static WORK: std::cell::Cell<[Vec<bf16>; 4]> = const {
@@ -641,8 +642,15 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
         std::mem::swap(&mut x, &mut y);
     }
     map_into(&x, xw, par, |v| v.to_f32());
-    WORK.set([x, p, q, y]);
+    WORK.set([x, p, q, y].map(retained));
     Ok(())
+}
+
+thread_local! {
+    /// [`ns_one`]'s working copy, kept between calls on each thread up to
+    /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) (taken out for a call, as
+    /// `iterate_amx`'s buffers).
+    static XW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Newton–Schulz of one `rows × cols` matrix with a resolved backend (not `Auto`).
@@ -672,11 +680,6 @@ fn ns_one(
         NsBackend::OneDnn => Parallelism::None,
         _ => par,
     };
-    thread_local! {
-        /// The working copy, kept between calls on each thread (taken out for a call, as
-        /// `iterate_amx`'s buffers).
-        static XW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-    }
     let mut xw = XW.take();
     xw.clear();
     xw.resize(s * l, 0.0);
@@ -712,7 +715,7 @@ fn ns_one(
     } else {
         map_into(&xw, x, par, |v| v);
     }
-    XW.set(xw);
+    XW.set(retained(xw));
     Ok(())
 }
 
@@ -783,4 +786,39 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
     large
         .into_iter()
         .try_for_each(|(x, rows, cols)| ns_one(x, rows, cols, cfg, backend, all))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::RETAIN_BYTES;
+
+    /// Bytes of the working copy this thread keeps.
+    fn kept_bytes() -> usize {
+        let v = XW.take();
+        let bytes = v.capacity() * std::mem::size_of::<f32>();
+        XW.set(v);
+        bytes
+    }
+
+    #[test]
+    fn working_copies_are_kept_for_small_matrices_and_freed_for_large_ones() {
+        let cfg = NsConfig {
+            steps: 1,
+            backend: NsBackend::Gemm,
+            ..NsConfig::default()
+        };
+        let run = |rows: usize, cols: usize| {
+            let mut x: Vec<f32> = (0..rows * cols).map(|i| (i % 7) as f32 - 3.0).collect();
+            ns_one(&mut x, rows, cols, &cfg, NsBackend::Gemm, Parallelism::None).unwrap();
+            assert!(x.iter().all(|v| v.is_finite()));
+        };
+        run(64, 96);
+        assert!(kept_bytes() >= 64 * 96 * 4, "a small working copy is kept");
+        // One row: the products are 1×1, the working copy just over the budget.
+        run(1, RETAIN_BYTES / 4 + 64);
+        assert_eq!(kept_bytes(), 0, "a working copy over RETAIN_BYTES is freed");
+        run(64, 96);
+        assert!(kept_bytes() >= 64 * 96 * 4);
+    }
 }

@@ -46,7 +46,7 @@ const ZERO_LINE: Line = Line([0; BLOCK]);
 
 thread_local! {
     /// The calling thread's packed operands, kept between products (fresh buffers of a few
-    /// MiB cost more in page faults than packing into them).
+    /// MiB cost more in page faults than packing into them) up to [`super::RETAIN_BYTES`].
     static PACKED: std::cell::RefCell<(Vec<Line>, Vec<Line>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
@@ -57,7 +57,7 @@ thread_local! {
 fn with_packing(f: impl FnOnce(&mut Vec<Line>, &mut Vec<Line>)) {
     let (mut a, mut b) = PACKED.take();
     f(&mut a, &mut b);
-    PACKED.set((a, b));
+    PACKED.set((super::retained(a), super::retained(b)));
 }
 
 /// Why AMX products are unavailable here.
