@@ -351,17 +351,7 @@ fn fill_buffers(
     partition: &mut Partition,
 ) -> Result<()> {
     for (group, layout) in partition.groups.iter().zip(partition.layouts.iter_mut()) {
-        // The items as plan_items sees them (the start alignment applied).
-        let sub = group
-            .iter()
-            .map(|&i| {
-                Item::new(
-                    items[i].numel,
-                    items[i].block,
-                    items[i].align.max(opts.start_align),
-                )
-            })
-            .collect::<Result<Vec<Item>>>()?;
+        let sub = group_items(items, group, opts)?;
         if let Some(better) = improve_layout(&sub, world, opts.coll_align, layout)? {
             *layout = better;
         }
@@ -387,6 +377,17 @@ fn distinct_blocks(items: &[Item]) -> usize {
     sizes.len()
 }
 
+/// The items of `group` as [`plan_items`] sees them (the start alignment applied).
+fn group_items(items: &[Item], group: &[usize], opts: &PlanOptions) -> Result<Vec<Item>> {
+    group
+        .iter()
+        .map(|&i| {
+            let it = items[i];
+            Item::new(it.numel, it.block, it.align.max(opts.start_align))
+        })
+        .collect()
+}
+
 /// The pair floor's witness as a layout: its two groups (one where buffer `a` is empty), each
 /// planned, or filled shard by shard at the witness's size where the planner needs more; `None`
 /// where a group does not fit its size.
@@ -404,17 +405,7 @@ fn realize(
         if group.is_empty() {
             continue;
         }
-        let sub: Vec<Item> = group
-            .iter()
-            .map(|&i| {
-                Item::new(
-                    items[i].numel,
-                    items[i].block,
-                    items[i].align.max(opts.start_align),
-                )
-            })
-            .collect::<Result<Vec<Item>>>()
-            .ok()?;
+        let sub = group_items(items, &group, opts).ok()?;
         let planned = plan_items(&sub, world, opts).ok()?;
         let layout = if planned.shard_size <= size {
             planned
