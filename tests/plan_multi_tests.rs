@@ -14,7 +14,7 @@ use ragged::plan::heavy_floor::heavy_floor_of;
 use ragged::plan::multi::{floor_shard_sum, plan_multi_items, MultiOptions};
 use ragged::plan::multi_model::{plan_model_multi, plan_multi_unit};
 use ragged::plan::oracle::exact_any_order;
-use ragged::plan::shard_fill::{improve_layout, shard_fill};
+use ragged::plan::shard_fill::{improve_layout, least_gap_fill, shard_fill};
 use ragged::plan::{plan_items, Item, Order, Placement, Plan, PlanOptions};
 use ragged::AtomicBlock;
 
@@ -330,8 +330,8 @@ fn integer_plan(items: &[Item], layout: &ragged::plan::Layout, coll: usize) -> P
     }
 }
 
-/// Layouts built shard by shard obey the block rule (checked by [`Plan::validate`], not by the
-/// greedy that placed them) and are never below the exact optimum over every order; on some
+/// Layouts built shard by shard, and by least gaps, obey the block rule (checked by
+/// [`Plan::validate`], not by the greedy that placed them) and are never below the exact optimum over every order; on some
 /// of these inputs they beat all three orders of the single-buffer planner.
 #[test]
 fn shard_fill_layouts_are_valid_and_sometimes_beat_every_fixed_order() {
@@ -341,7 +341,7 @@ fn shard_fill_layouts_are_valid_and_sometimes_beat_every_fixed_order() {
         prop::collection::vec((1..=4usize, 1..=4usize, 1..=3usize), 1..=3),
         2..=4usize,
     );
-    let mut beat = 0;
+    let (mut beat, mut gap_filled) = (0, 0);
     for _ in 0..300 {
         let (spec, world) = strategy.new_tree(&mut runner).unwrap().current();
         let mut items = Vec::new();
@@ -351,6 +351,16 @@ fn shard_fill_layouts_are_valid_and_sometimes_beat_every_fixed_order() {
         let planned = plan_items(&items, world, &opts(1)).unwrap();
         let total: usize = items.iter().map(|t| t.numel).sum();
         for shard in total.div_ceil(world)..planned.shard_size {
+            // The least-gap fill (the pair floor's witness builder) obeys the rule too.
+            if let Some(offsets) = least_gap_fill(&items, world, shard).unwrap() {
+                gap_filled += 1;
+                let layout = ragged::plan::Layout {
+                    shard_size: shard,
+                    offsets,
+                    ..planned.clone()
+                };
+                integer_plan(&items, &layout, 1).validate().unwrap();
+            }
             let Some(offsets) = shard_fill(&items, world, shard).unwrap() else {
                 continue;
             };
@@ -376,6 +386,10 @@ fn shard_fill_layouts_are_valid_and_sometimes_beat_every_fixed_order() {
         }
     }
     assert!(beat > 0, "no layout built shard by shard beat the planner");
+    assert!(
+        gap_filled > 0,
+        "the least-gap fill never built a layout below the planner's"
+    );
 }
 
 /// A Qwen3-30B-A3B layer at `rows:128`, V = 8: every expert part inside a shard is a multiple
