@@ -26,6 +26,9 @@ if [[ -x $ragged_cu13/x/nvidia/cu13/bin/nvcc ]]; then
     export CUDA_ROOT=$ragged_cu13/x/nvidia/cu13
     export CUDA_HOME=$CUDA_ROOT CUDA_PATH=$CUDA_ROOT PATH=$CUDA_ROOT/bin:$PATH
     export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} CUDARC_CUDA_VERSION=13000
+    # cudaforge (candle's kernel builder) runs nvcc on half the cores unless told otherwise: one
+    # of two here, 12-14 min per build of candle's kernels. Not a rerun trigger of its build.
+    export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
     # candle's MoE kernels are a static library that calls the CUDA runtime: link the wheel's.
     [[ -e $CUDA_ROOT/lib/libcudart.so ]] || ln -sf libcudart.so.13 "$CUDA_ROOT/lib/libcudart.so"
     if [[ ! -e $CUDA_ROOT/lib/libnccl.so.2 ]]; then
