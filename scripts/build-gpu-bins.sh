@@ -37,12 +37,7 @@ test_bin() { # <name> <cargo args...>
     shift
     local exe
     exe=$(cargo test --no-run --message-format=json "$@" 2>/dev/null |
-        python3 -c 'import json,sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_tests":
-        print(m["executable"])' | tail -n 1)
+        python3 scripts/test_exe.py cuda_tests)
     if [[ -z "$exe" ]]; then
         echo "build-gpu-bins: no test binary for $name (cargo test --no-run $*)" >&2
         exit 1

@@ -47,7 +47,7 @@ pub(crate) unsafe fn transpose_raw(
 ///
 /// # Safety
 /// As [`transpose_raw`].
-pub(crate) unsafe fn scalar(
+unsafe fn scalar(
     src: *const f32,
     lds: usize,
     dst: *mut f32,
