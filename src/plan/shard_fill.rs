@@ -74,17 +74,23 @@ struct Fill {
     rare_used: usize,
 }
 
-/// Offsets (indexed like `items`) of a layout with shard size `shard` on `world` ranks built
-/// shard by shard (module doc), or `None` when the bounded search finds none. Errors on zero
-/// ranks or a zero shard size.
-pub fn shard_fill(items: &[Item], world: usize, shard: usize) -> Result<Option<Vec<usize>>> {
+/// `Err` unless there are ranks and a positive shard size to fill.
+fn check_fill(op: &'static str, world: usize, shard: usize) -> Result<()> {
     if world == 0 || shard == 0 {
         return Err(Error::BadInput {
-            op: "shard_fill",
+            op,
             what: format!("V = {world}, S = {shard}"),
             reason: "needs ranks and a positive shard size".into(),
         });
     }
+    Ok(())
+}
+
+/// Offsets (indexed like `items`) of a layout with shard size `shard` on `world` ranks built
+/// shard by shard (module doc), or `None` when the bounded search finds none. Errors on zero
+/// ranks or a zero shard size.
+pub fn shard_fill(items: &[Item], world: usize, shard: usize) -> Result<Option<Vec<usize>>> {
+    check_fill("shard_fill", world, shard)?;
     if items.is_empty() || items.iter().any(|t| t.align != 1) {
         return Ok(None);
     }
@@ -140,13 +146,7 @@ pub fn shard_fill(items: &[Item], world: usize, shard: usize) -> Result<Option<V
 /// 7,168 leaves 110 elements of spare per rank and needs the `down_proj` tensors (block 2,048)
 /// cut only at even multiples of 7,168. Errors on zero ranks or a zero shard size.
 pub fn least_gap_fill(items: &[Item], world: usize, shard: usize) -> Result<Option<Vec<usize>>> {
-    if world == 0 || shard == 0 {
-        return Err(Error::BadInput {
-            op: "least_gap_fill",
-            what: format!("V = {world}, S = {shard}"),
-            reason: "needs ranks and a positive shard size".into(),
-        });
-    }
+    check_fill("least_gap_fill", world, shard)?;
     let (Some(capacity), Some(total)) = (shard.checked_mul(world), total_numel(items)) else {
         return Ok(None);
     };

@@ -47,14 +47,7 @@ pub(crate) unsafe fn transpose_raw(
 ///
 /// # Safety
 /// As [`transpose_raw`].
-unsafe fn scalar(
-    src: *const f32,
-    lds: usize,
-    dst: *mut f32,
-    ldd: usize,
-    rows: usize,
-    cols: usize,
-) {
+unsafe fn scalar(src: *const f32, lds: usize, dst: *mut f32, ldd: usize, rows: usize, cols: usize) {
     for i in 0..rows {
         for j in 0..cols {
             // SAFETY: `i < rows`, `j < cols`: inside both operands (caller's contract).
