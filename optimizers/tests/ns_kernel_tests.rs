@@ -7,7 +7,9 @@
 use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
-use ragged_optimizers::newton_schulz::{resolve_backend, POLAR_EXPRESS_NORM_SCALE};
+use ragged_optimizers::newton_schulz::{
+    orthogonalize_many, resolve_backend, POLAR_EXPRESS_NORM_SCALE,
+};
 use ragged_optimizers::{
     ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsConfig, NsPrecision,
     DION_QUINTIC, POLAR_EXPRESS, QUINTIC,
@@ -175,10 +177,17 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
     // (8, 40, 64), (3, 64, 40): short side < 256, matrices split over threads with
     // single-threaded GEMMs (`Parallelism::None`); (3, 200, 250) likewise, with products above
     // gemm's threading threshold (48·48·256 multiply-adds), which `orthogonalize` runs on 3
-    // threads; (2, 260, 300): one matrix at a time with threaded GEMMs. All must equal
+    // threads; (2, 260, 300): one matrix at a time with threaded GEMMs; (6, 260, 300): two
+    // per thread (`ACROSS_MIN_PER_THREAD`), so one per thread again. All must equal
     // `orthogonalize` of each matrix under a 3-thread pool.
     let mut rng = Rng::new(13);
-    for (count, rows, cols) in [(8, 40, 64), (3, 64, 40), (3, 200, 250), (2, 260, 300)] {
+    for (count, rows, cols) in [
+        (8, 40, 64),
+        (3, 64, 40),
+        (3, 200, 250),
+        (2, 260, 300),
+        (6, 260, 300),
+    ] {
         for precision in [NsPrecision::F32, NsPrecision::Bf16] {
             let c = cfg(precision, NsBackend::Gemm);
             let x = rng.units(count * rows * cols);
@@ -197,6 +206,51 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
                 bits(&batched),
                 bits(&one_by_one),
                 "{count}×{rows}×{cols} {precision:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
+    // Nine matrices, wide and tall, short sides from 40 to 300, on 3 threads: at least
+    // `ACROSS_MIN_PER_THREAD` per thread fit, so all run one per thread, handed out largest
+    // first (not in the order given); with the last four alone, 300×300 runs with threaded
+    // products. Each must keep its own shape and bits.
+    let shapes = [
+        (40, 64),
+        (300, 260),
+        (64, 300),
+        (260, 280),
+        (256, 256),
+        (280, 40),
+        (90, 300),
+        (300, 300),
+        (128, 257),
+    ];
+    let mut rng = Rng::new(17);
+    let c = cfg(NsPrecision::F32, NsBackend::Gemm);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for first in [0, 5] {
+        let shapes = &shapes[first..];
+        let inputs: Vec<Vec<f32>> = shapes.iter().map(|&(r, c)| rng.units(r * c)).collect();
+        let mut many = inputs.clone();
+        let tasks = many
+            .iter_mut()
+            .zip(shapes)
+            .map(|(x, &(r, c))| (x.as_mut_slice(), r, c))
+            .collect();
+        pool.install(|| orthogonalize_many(tasks, &c)).unwrap();
+        for ((x, y), &(r, cols)) in inputs.iter().zip(&many).zip(shapes) {
+            let alone = pool.install(|| run(x, r, cols, &c));
+            assert_eq!(
+                bits(y),
+                bits(&alone),
+                "{r}×{cols} of {} matrices",
+                shapes.len()
             );
         }
     }
