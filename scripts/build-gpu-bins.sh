@@ -15,10 +15,14 @@
 #   ragged-candle-cuda, train-candle-cuda. candle links the CUDA libraries, so these start only
 #   where they are installed; here they link against stubs (scripts/cuda-link-stubs.sh).
 #
-# Equivalent by hand: `cargo test --features cuda --no-run --test cuda_tests` (cargo prints each
-# binary's path, target/debug/deps/cuda_tests-<hash>). The test profile is already optimized
-# (opt-level 3, see Cargo.toml); the copies are stripped and xz-compressed to fit the carry
-# (the candle-cuda ones are some 55 MB stripped, 13-15 MB compressed: candle's kernels as PTX).
+# Each feature builds once: one package selection (the workspace, the feature on every
+# package that has it) and one profile (release) for the test binaries, the CLI and the
+# example, so cargo resolves one feature set and, for candle-cuda, runs nvcc on candle's
+# kernels once (each other selection or profile rebuilds them: 5-14 min each). By hand:
+# `cargo test --release --workspace --features ragged/cuda,ragged-optimizers/cuda,ragged-cli/cuda
+# --no-run --test cuda_tests` prints each package's binary (target/release/deps/cuda_tests-<hash>).
+# The copies are stripped and xz-compressed to fit the carry (the candle-cuda ones are some
+# 55 MB stripped, 13-15 MB compressed: candle's kernels as PTX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-bin
@@ -32,30 +36,30 @@ keep() { # <source> <name>: stripped and xz-compressed (gpu-check.sh unpacks the
     xz -9 -T0 -f "$out/$2"
     echo "$out/$2.xz <- $1 ($size stripped, $(du -h "$out/$2.xz" | cut -f1) compressed)"
 }
-test_bin() { # <name> <cargo args...>
-    local name=$1
-    shift
+features() { # <feature>: the feature on each workspace package that has it
+    echo "ragged/$1,ragged-optimizers/$1,ragged-cli/$1"
+}
+test_bin() { # <name> <package> <feature>: the package's cuda_tests
     local exe
-    exe=$(cargo test --no-run --message-format=json "$@" 2>/dev/null |
-        python3 scripts/test_exe.py cuda_tests)
+    exe=$(cargo test --release --workspace --features "$(features "$3")" --test cuda_tests \
+        --no-run --message-format=json 2>/dev/null | python3 scripts/test_exe.py cuda_tests "$2")
     if [[ -z "$exe" ]]; then
-        echo "build-gpu-bins: no test binary for $name (cargo test --no-run $*)" >&2
+        echo "build-gpu-bins: no test binary for $1 (package $2, feature $3)" >&2
         exit 1
     fi
-    keep "$exe" "$name"
+    keep "$exe" "$1"
 }
-release_bins() { # <suffix> <features>: the CLI (`ragged bench optim|train --device cuda`) and
+release_bins() { # <suffix> <feature>: the CLI (`ragged bench optim|train --device cuda`) and
     # the training example (`--comm gpu-threads`, `--comm nccl`, `--device cuda`).
-    cargo build --release -p ragged-cli --features "ragged-cli/$2"
+    cargo build --release --workspace --features "$(features "$2")" --bin ragged --example train
     keep target/release/ragged "ragged$1"
-    cargo build --release -p ragged --example train --features "ragged/$2"
     keep target/release/examples/train "train$1"
 }
-test_bin ragged-cuda-tests -p ragged --features cuda --test cuda_tests
-test_bin optimizers-cuda-tests -p ragged-optimizers --features cuda --test cuda_tests
+test_bin ragged-cuda-tests ragged cuda
+test_bin optimizers-cuda-tests ragged-optimizers cuda
 release_bins "" cuda
 if source scripts/candle-cuda-env.sh; then
-    test_bin optimizers-candle-cuda-tests -p ragged-optimizers --features candle-cuda --test cuda_tests
+    test_bin optimizers-candle-cuda-tests ragged-optimizers candle-cuda
     release_bins -candle-cuda candle-cuda
 else
     echo "build-gpu-bins: no nvcc, so no candle-cuda binaries (the model stays on the CPU)" >&2

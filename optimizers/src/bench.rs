@@ -14,7 +14,9 @@
 //!   formula per element (`sqrt` and division count one each; the comparisons of 8-bit Adam's
 //!   code search do not count). Newton–Schulz on an `s × l` matrix (`s` the short side) counts
 //!   `2·s²·l` (`X·Xᵀ`) + `2·s³` (`A·A`) + `2·s²·l` (`B·X`) per iteration plus its element
-//!   operations; see [`ns_flops`].
+//!   operations; see [`ns_flops`]. These are nominal FLOPs, torch's iteration with full
+//!   products: the symmetric halves and Gram Newton–Schulz do fewer (0.75× on a square
+//!   1024² matrix, 0.5× on a 1024×3584 one), so a step's nominal rate can pass its GEMM's.
 //! - **Bytes per step**: compulsory traffic only: every byte of parameters, gradients and
 //!   optimizer state read once, and written once when the step updates it. Scratch (the
 //!   8-bit tile buffers, Muon's Nesterov copy and Newton–Schulz workspace) is not counted, so
@@ -47,7 +49,7 @@ use ragged::plan::PlanOptions;
 
 use crate::{
     Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
-    MatrixLayout, Muon, MuonConfig, NsPrecision, Shampoo, ShampooConfig, ShampooState,
+    MatrixLayout, Muon, MuonConfig, NsMethod, NsPrecision, Shampoo, ShampooConfig, ShampooState,
 };
 use half::bf16;
 
@@ -584,7 +586,12 @@ pub fn kernel_name(kind: OptimKind) -> String {
     match kind {
         OptimKind::AdamW => "fused element loop (compiler-vectorized, baseline ISA)".into(),
         OptimKind::Adam8bit => crate::adam8bit::kernel_name().into(),
-        OptimKind::Muon => format!("NS f32: {:?}, {}", ns.f32_backend, ns.f32),
+        OptimKind::Muon => format!(
+            "NS f32: {:?} ({}), {}",
+            ns.f32_backend,
+            ns_method_name(),
+            ns.f32
+        ),
         OptimKind::MuonBf16 => format!("NS bf16: {:?}, {}", ns.bf16_backend, ns.bf16),
         OptimKind::Shampoo => "nalgebra eigh roots, plain f32 loops".into(),
     }
@@ -597,7 +604,24 @@ pub fn muon_config(precision: NsPrecision) -> MuonConfig {
     if let Some(backend) = ns_backend_override() {
         c.ns.backend = backend;
     }
+    if let Some(method) = ns_method_override() {
+        c.ns.method = method;
+    }
     c
+}
+
+/// `RAGGED_NS_METHOD` (`auto`, `standard`, `gram`), for timing Gram Newton–Schulz against the
+/// standard iteration; unset or unparsable means `Auto`.
+pub fn ns_method_override() -> Option<NsMethod> {
+    std::env::var("RAGGED_NS_METHOD").ok()?.parse().ok()
+}
+
+/// The f32 Newton–Schulz method of the benchmark's Muon, in a few words.
+fn ns_method_name() -> String {
+    match ns_method_override() {
+        None | Some(NsMethod::Auto) => "Gram NS where it pays, else standard".into(),
+        Some(m) => format!("{m:?} NS, RAGGED_NS_METHOD"),
+    }
 }
 
 /// `RAGGED_NS_BACKEND` (`auto`, `reference`, `gemm`, `onednn`, `amx`), for timing one

@@ -46,6 +46,6 @@ pub use muon::{LrScale, Muon, MuonConfig, MuonState};
 pub use muon_layout::{LayoutReport, MatrixLayout, TensorChoice};
 pub use newton_schulz::{
     ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsBackendInfo, NsConfig,
-    NsPrecision, DION_QUINTIC, POLAR_EXPRESS, QUINTIC,
+    NsMethod, NsPrecision, DION_QUINTIC, POLAR_EXPRESS, QUINTIC,
 };
 pub use shampoo::{inverse_root, inverse_root_f64, Grafting, Shampoo, ShampooConfig, ShampooState};

@@ -15,7 +15,7 @@
 //! | backend | `f32` | bf16 | threads | bits depend on |
 //! |---|---|---|---|---|
 //! | `Reference` | plain loops (the oracle) | the same loops, rounding to bf16 after each op | rayon, by output row | input bits only |
-//! | `Gemm` | `gemm` crate, fused forms, symmetric products | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or across a batch | input bits and the CPU's microkernel, not the thread count |
+//! | `Gemm` | `gemm` crate, fused forms, symmetric products; Gram Newton–Schulz where it pays (Methods) | portable: bf16-rounded operands on `f32` gemm | rayon inside the GEMM, or one matrix per thread across a batch ([`orthogonalize_many`]) | input bits and the CPU's microkernel, not the thread count |
 //! | `OneDnn` | oneDNN `f32` matmul primitive, symmetric products by halves | oneDNN bf16 matmul primitive (AMX), the same halves | oneDNN's OpenMP threads (passive wait unless `OMP_WAIT_POLICY` says otherwise) | input bits, the CPU and `OMP_NUM_THREADS` |
 //! | `Amx` | — (`Err`) | ragged's own products on the AMX tiles ([`crate::kernels::amx_bf16`]): lower blocks of the symmetric products, addends fused into the rounding | rayon, an output region per task | input bits and the CPU (the sum order is per element: not the thread count) |
 //! | `Auto` (default) | `Gemm` | `Amx` where the CPU has AMX, else `OneDnn` when oneDNN loads and has bf16 matmul on this CPU, else `Gemm` | | |
@@ -39,6 +39,21 @@
 //!   combined with its addend (`b·P`, `a·X`) in `f32` and rounded once to bf16 (torch's
 //!   `use_addmm=True` form; the default torch form also rounds `P·P` and `Q·X` before adding).
 //!   The result is returned widened to `f32`.
+//!
+//! # Methods ([`NsMethod`])
+//! Step 3 either follows torch (`Standard`) or iterates on the Gram matrix (`Gram`, "Gram
+//! Newton–Schulz", Dao AI Lab 2026; DeepSpeed's Muon default). With `R = X·Xᵀ` and
+//! `Q = a + b·R + c·R²`, a step maps `X` to `Q·X`, so after `k` steps `X = M·X₀` with `M` the
+//! product of the `Q`s, and the next Gram matrix is `Q²·R`: only the first Gram matrix and
+//! the final `M·X₀` touch the `s × l` matrix, every other product is `s × s` and symmetric.
+//! On a Llama MLP weight (`l = 3.5·s`) that is 0.64× the multiply-adds. Both compute the same
+//! polynomial of `X`; in `f32` the Gram iteration resolves `R`'s small eigenvalues only to
+//! about `2⁻²⁴` of the largest, so it restarts (`X = M·X₀`, `R` afresh) before that noise
+//! grows past [`GRAM_MAX_GROWTH`], and stays within 2.4e-4 of an `f64` Newton–Schulz on
+//! rank-1 and graded-spectrum inputs where the standard iteration is within 2.3e-4
+//! (`tests/ns_kernel_tests.rs`). `Auto` takes it for `f32` on the gemm backend where it needs
+//! at most 0.9× the multiply-adds ([`gram_pays`]); bf16 and the oneDNN/AMX backends stay
+//! standard (torch's numerics).
 //!
 //! # Determinism
 //! For a given backend and precision the result is a function of the input bits (and, for
@@ -169,6 +184,41 @@ impl std::str::FromStr for NsBackend {
     }
 }
 
+/// How step 3 arranges its products (module doc, "Methods"). Both compute the same
+/// polynomial of `X` in exact arithmetic; they differ in rounding and in cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NsMethod {
+    /// `Gram` where it needs fewer multiply-adds ([`gram_pays`]) and is allowed (`f32` on
+    /// the gemm backend), else `Standard`.
+    #[default]
+    Auto,
+    /// torch's iteration on the `s × l` matrix: `P = X·Xᵀ`, `Q = b·P + c·P²`, `X ← a·X + Q·X`.
+    Standard,
+    /// Gram Newton–Schulz: the iteration on the `s × s` Gram matrix, `X` multiplied once at
+    /// the end and at each restart ([`GRAM_MAX_GROWTH`]). `f32` only (`Err` for bf16, where its
+    /// rounding of `X·Xᵀ`'s small eigenvalues is far coarser), on the gemm and reference
+    /// backends.
+    Gram,
+}
+
+impl std::str::FromStr for NsMethod {
+    type Err = Error;
+
+    /// `auto`, `standard` or `gram`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(NsMethod::Auto),
+            "standard" => Ok(NsMethod::Standard),
+            "gram" => Ok(NsMethod::Gram),
+            _ => Err(Error::BadInput {
+                op: "NsMethod::from_str",
+                what: s.into(),
+                reason: "expected auto, standard or gram".into(),
+            }),
+        }
+    }
+}
+
 /// Newton–Schulz hyperparameters. Step `k` uses `coeffs[min(k, coeffs.len() − 1)]` (a
 /// schedule shorter than `steps` repeats its last triple).
 #[derive(Clone, Debug, PartialEq)]
@@ -185,6 +235,8 @@ pub struct NsConfig {
     pub precision: NsPrecision,
     /// Kernels (default `Auto`).
     pub backend: NsBackend,
+    /// Arrangement of the products (default `Auto`).
+    pub method: NsMethod,
 }
 
 impl Default for NsConfig {
@@ -196,6 +248,7 @@ impl Default for NsConfig {
             norm_scale: 1.0,
             precision: NsPrecision::F32,
             backend: NsBackend::Auto,
+            method: NsMethod::Auto,
         }
     }
 }
@@ -500,6 +553,10 @@ trait StepOps {
     fn poly(&self, p: &[f32], s: usize, b: f32, c: f32, q: &mut [f32]);
     /// `y ← a·x + q·x`.
     fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]);
+    /// `y ← m·x` (`m: s×s`; Gram Newton–Schulz's `X = M·X₀`).
+    fn product(&self, m: &[f32], x: &[f32], s: usize, l: usize, y: &mut [f32]);
+    /// `out ← u·v` for symmetric `u`, `v` that commute (Gram Newton–Schulz).
+    fn sym_product(&self, u: &[f32], v: &[f32], s: usize, out: &mut [f32]);
 }
 
 /// The plain loops (module table, `Reference`).
@@ -521,6 +578,12 @@ impl StepOps for ReferenceOps {
             *y += a * x;
         }
     }
+    fn product(&self, m: &[f32], x: &[f32], s: usize, l: usize, y: &mut [f32]) {
+        matmul_nn(m, x, s, l, s, y);
+    }
+    fn sym_product(&self, u: &[f32], v: &[f32], s: usize, out: &mut [f32]) {
+        matmul_nn(u, v, s, s, s, out);
+    }
 }
 
 /// The `gemm` crate with fused forms and symmetric products (`Gemm`).
@@ -535,6 +598,12 @@ impl StepOps for GemmOps {
     }
     fn update(&self, q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32]) {
         gemm_f32::update(q, x, s, l, a, y, self.0);
+    }
+    fn product(&self, m: &[f32], x: &[f32], s: usize, l: usize, y: &mut [f32]) {
+        gemm_f32::matmul(s, l, s, m, x, y, false, 0.0, 1.0, self.0);
+    }
+    fn sym_product(&self, u: &[f32], v: &[f32], s: usize, out: &mut [f32]) {
+        gemm_f32::sym_product(u, v, s, out, self.0);
     }
 }
 
@@ -565,6 +634,128 @@ fn iterate_f32(
         ops.update(&q, xw, s, l, a, &mut y);
         round(&mut y);
         std::mem::swap(xw, &mut y);
+    }
+}
+
+/// Gram Newton–Schulz restarts (forms `X = M·X₀` and its Gram matrix afresh) before the
+/// `R` updates since the last restart would multiply `R`'s rounding noise by more than this.
+/// Near `R`'s zero eigenvalues an update multiplies by `Q(0)² = a²`: 11.9 for the quintic
+/// triple, so it restarts after step 3 of 5; 66.6 then 16.3 for Polar Express, so after step
+/// 2. Without restarts the `f32` Gram iteration drifts from an `f64` Newton–Schulz up to
+/// 1.8e-3 (relative Frobenius) on a rank-1 input and 1e-4 at condition number 1e6, 20–30× the
+/// standard iteration's error; restarting after step 3 of the quintic brings it to within 2×
+/// (1.4e-4, 9e-6; measured on 256×896 inputs).
+pub const GRAM_MAX_GROWTH: f32 = 200.0;
+
+/// Per step of `cfg`, whether Gram Newton–Schulz restarts after it ([`GRAM_MAX_GROWTH`]).
+fn gram_restarts(cfg: &NsConfig) -> Vec<bool> {
+    let mut growth = 1.0f32;
+    (0..cfg.steps)
+        .map(|k| {
+            let a = cfg.coeffs_at(k)[0];
+            let grown = growth * a * a;
+            let restart = k + 1 < cfg.steps && grown > GRAM_MAX_GROWTH;
+            growth = if restart { 1.0 } else { grown };
+            restart
+        })
+        .collect()
+}
+
+/// Step 3 as Gram Newton–Schulz on `f32` buffers (`xw` = `X₀` on entry, the result on exit).
+///
+/// With `R = X·Xᵀ` and `Q = a + b·R + c·R²`, a step maps `X` to `Q·X`, so `X_k = M_k·X₀` with
+/// `M_k = Q_{k−1}···Q₀`, and `R_{k+1} = Q·R·Q = Q²·R`: every product but the first Gram
+/// matrix and the last `M·X₀` is `s × s`. All of `R`, `Q`, `M` are polynomials of `R₀`, so
+/// they are symmetric and commute: their products are symmetric products (half the
+/// multiply-adds above [`gemm_f32::SYM_LEAF`]).
+fn iterate_gram(xw: &mut Vec<f32>, s: usize, l: usize, cfg: &NsConfig, ops: &impl StepOps) {
+    let mut r = vec![0.0f32; s * s];
+    let mut q = vec![0.0f32; s * s];
+    let mut m = vec![0.0f32; s * s];
+    let mut t = vec![0.0f32; s * s];
+    let mut y = vec![0.0f32; s * l];
+    ops.gram(xw, s, l, &mut r);
+    // `M = I` (no product yet) since the start or the last restart.
+    let mut fresh = true;
+    for (k, restart) in gram_restarts(cfg).into_iter().enumerate() {
+        let [a, b, c] = cfg.coeffs_at(k);
+        ops.poly(&r, s, b, c, &mut q);
+        q.iter_mut().step_by(s + 1).for_each(|d| *d += a);
+        if fresh {
+            m.copy_from_slice(&q);
+            fresh = false;
+        } else {
+            ops.sym_product(&q, &m, s, &mut t);
+            std::mem::swap(&mut m, &mut t);
+        }
+        if k + 1 == cfg.steps {
+            break;
+        }
+        if restart {
+            ops.product(&m, xw, s, l, &mut y);
+            std::mem::swap(xw, &mut y);
+            ops.gram(xw, s, l, &mut r);
+            fresh = true;
+        } else {
+            ops.sym_product(&q, &q, s, &mut t);
+            ops.sym_product(&t, &r, s, &mut q);
+            std::mem::swap(&mut r, &mut q);
+        }
+    }
+    ops.product(&m, xw, s, l, &mut y);
+    std::mem::swap(xw, &mut y);
+}
+
+/// Multiply-adds of step 3 on an `s × l` matrix (`s ≤ l`) with the gemm backend's products:
+/// `(standard, gram)`.
+fn step_macs(s: usize, l: usize, cfg: &NsConfig) -> (u128, u128) {
+    let (sq, xs) = (gemm_f32::sym_macs(s, s), gemm_f32::sym_macs(s, l));
+    let full = (s * s) as u128 * l as u128;
+    let n = cfg.steps as u128;
+    let standard = n * (xs + sq + full);
+    // Stretches of steps between restarts; each starts with a Gram matrix, ends with `M·X₀`
+    // and updates `M` (by `Q·M`) and `R` (by `Q·Q` and `·R`) at every step but its first
+    // (`M = Q`) and its last (no `R` needed).
+    let stretches = 1 + gram_restarts(cfg).iter().filter(|&&r| r).count() as u128;
+    let m_updates = n - stretches;
+    let gram = stretches * (xs + full) + n * sq + m_updates * sq + m_updates * 2 * sq;
+    (standard, gram)
+}
+
+/// Whether [`NsMethod::Auto`] takes Gram Newton–Schulz for an `s × l` matrix (`s ≤ l`): when
+/// it needs at most [`GRAM_MAX_COST`] of the standard iteration's multiply-adds. With the
+/// quintic on a square matrix it needs more (12 against 11.25 units of `s³` for 5 steps at
+/// 1024²); at
+/// `l = 1.5·s` 0.89×, at `l = 3.5·s` 0.64× (20.1 against 31.6).
+pub fn gram_pays(s: usize, l: usize, cfg: &NsConfig) -> bool {
+    let (standard, gram) = step_macs(s.min(l), s.max(l), cfg);
+    gram * GRAM_MAX_COST.1 <= standard * GRAM_MAX_COST.0
+}
+
+/// [`gram_pays`]' bound, as a fraction `(numerator, denominator)`: the Gram iteration's extra
+/// passes (the diagonal, its more numerous `s × s` products) cost a little beyond their
+/// multiply-adds.
+pub const GRAM_MAX_COST: (u128, u128) = (9, 10);
+
+/// The method that runs for an `s × l` matrix: [`NsMethod::Auto`] resolved; `Err` for `Gram`
+/// in bf16 or on a backend without it.
+pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> Result<NsMethod> {
+    let f32_gemm = cfg.precision == NsPrecision::F32 && backend == NsBackend::Gemm;
+    match cfg.method {
+        NsMethod::Standard => Ok(NsMethod::Standard),
+        NsMethod::Auto if f32_gemm && gram_pays(s, l, cfg) => Ok(NsMethod::Gram),
+        NsMethod::Auto => Ok(NsMethod::Standard),
+        NsMethod::Gram
+            if cfg.precision == NsPrecision::F32
+                && matches!(backend, NsBackend::Gemm | NsBackend::Reference) =>
+        {
+            Ok(NsMethod::Gram)
+        }
+        NsMethod::Gram => Err(Error::BadInput {
+            op: "resolve_method",
+            what: format!("Gram Newton–Schulz with {:?} on {backend:?}", cfg.precision),
+            reason: "Gram runs in f32 on the gemm and reference backends only".into(),
+        }),
     }
 }
 
@@ -675,6 +866,7 @@ fn ns_one(
     } else {
         (rows, cols)
     };
+    let method = resolve_method(cfg, backend, s, l)?;
     // oneDNN's OpenMP threads spin for a while after each product; rayon tasks between its
     // products would fight them for the cores, so on that backend the passes around the
     // products stay on the calling thread.
@@ -703,7 +895,10 @@ fn ns_one(
     let denom = (cfg.norm_scale * norm).max(cfg.eps);
     map_in_place(&mut xw, par, |v| round(v / denom));
     // Step 3.
+    let gram = method == NsMethod::Gram;
     match backend {
+        NsBackend::Reference if gram => iterate_gram(&mut xw, s, l, cfg, &ReferenceOps),
+        NsBackend::Gemm if gram => iterate_gram(&mut xw, s, l, cfg, &GemmOps(par)),
         NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps, par),
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
         NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,

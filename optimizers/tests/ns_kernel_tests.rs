@@ -8,7 +8,7 @@ use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::newton_schulz::{
-    orthogonalize_many, resolve_backend, POLAR_EXPRESS_NORM_SCALE,
+    orthogonalize_many, resolve_backend, resolve_method, NsMethod, POLAR_EXPRESS_NORM_SCALE,
 };
 use ragged_optimizers::{
     ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsConfig, NsPrecision,
@@ -145,6 +145,141 @@ fn gemm_f32_matches_an_f64_newton_schulz_for_every_schedule() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1a'. Gram Newton–Schulz (the iteration on X·Xᵀ)
+// ---------------------------------------------------------------------------------------------
+
+fn with_method(c: NsConfig, method: NsMethod) -> NsConfig {
+    NsConfig { method, ..c }
+}
+
+/// Inputs whose spectra stress the Gram iteration (it works on `X·Xᵀ`, whose small eigenvalues
+/// `f32` resolves only to about `2⁻²⁴` of the largest): uniform noise; rank 1; rank 4 plus
+/// noise of 1e-6; rows scaled geometrically from 1 down to 1e-6 (singular values over six
+/// decades).
+fn hard_inputs(rng: &mut Rng, rows: usize, cols: usize) -> Vec<(&'static str, Vec<f32>)> {
+    let low_rank = |rng: &mut Rng, rank: usize, noise: f32| {
+        let u = rng.units(rows * rank);
+        let v = rng.units(rank * cols);
+        let e = rng.units(rows * cols);
+        (0..rows * cols)
+            .map(|ij| {
+                let (i, j) = (ij / cols, ij % cols);
+                let uv: f32 = (0..rank).map(|r| u[i * rank + r] * v[r * cols + j]).sum();
+                uv + noise * e[ij]
+            })
+            .collect::<Vec<f32>>()
+    };
+    let graded: Vec<f32> = rng
+        .units(rows * cols)
+        .iter()
+        .enumerate()
+        .map(|(ij, &g)| g * 10f32.powf(-6.0 * (ij / cols) as f32 / rows as f32))
+        .collect();
+    vec![
+        ("uniform", rng.units(rows * cols)),
+        ("rank 1", low_rank(rng, 1, 0.0)),
+        ("rank 4 + 1e-6", low_rank(rng, 4, 1e-6)),
+        ("rows graded to 1e-6", graded),
+    ]
+}
+
+/// Gram Newton–Schulz (explicit, gemm) against an f64 standard Newton–Schulz, with the
+/// quintic and with Polar Express (steeper: `a = 8.16` in step 1). Observed (seed 31, AVX2
+/// gemm) at most 2.4e-4, on rank-1 inputs, where the standard `f32` iteration's worst is
+/// 2.3e-4; elsewhere within 11× of the standard one and at most 2.4e-5. Without restarts
+/// (`GRAM_MAX_GROWTH` infinite) the first rank-1 case already reaches 6.8e-4, so the
+/// tolerance `5e-4` fails then; a wrong coefficient or a missing product is off by > 1e-2.
+const GRAM_VS_F64_REL: f64 = 5e-4;
+
+#[test]
+fn gram_newton_schulz_matches_an_f64_newton_schulz_on_hard_spectra() {
+    let mut rng = Rng::new(31);
+    for (rows, cols) in [(96, 320), (320, 96), (300, 700), (40, 41)] {
+        for (what, x) in hard_inputs(&mut rng, rows, cols) {
+            for base in [NsConfig::default(), NsConfig::polar_express()] {
+                let c = with_method(
+                    NsConfig {
+                        backend: NsBackend::Gemm,
+                        ..base
+                    },
+                    NsMethod::Gram,
+                );
+                let want = ns_f64(&x, rows, cols, &c);
+                let err = rel_frob(&run(&x, rows, cols, &c), &want);
+                let standard = with_method(c.clone(), NsMethod::Standard);
+                let err_std = rel_frob(&run(&x, rows, cols, &standard), &want);
+                eprintln!("{rows}×{cols} {what}: gram {err:.2e}, standard {err_std:.2e}");
+                assert!(
+                    err <= GRAM_VS_F64_REL,
+                    "{rows}×{cols} {what}, norm scale {}: Gram vs f64 relative error {err:e}",
+                    c.norm_scale
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gram_on_the_reference_loops_matches_gram_on_gemm() {
+    // The same iteration through both backends' products (the reference's are full products,
+    // gemm's symmetric halves), on shapes that split around gemm_f32::SYM_LEAF (256).
+    let mut rng = Rng::new(37);
+    for (rows, cols) in [(37, 100), (300, 700), (700, 300)] {
+        let x = rng.units(rows * cols);
+        let gram = |backend| with_method(cfg(NsPrecision::F32, backend), NsMethod::Gram);
+        let want = run(&x, rows, cols, &gram(NsBackend::Reference));
+        let got = run(&x, rows, cols, &gram(NsBackend::Gemm));
+        let err = rel_frob(&got, &widen(&want));
+        assert!(err <= GEMM_VS_REFERENCE_REL, "{rows}×{cols}: {err:e}");
+    }
+}
+
+#[test]
+fn auto_method_takes_gram_for_wide_f32_matrices_only() {
+    let gemm = cfg(NsPrecision::F32, NsBackend::Gemm);
+    let method = |c: &NsConfig, backend, s, l| resolve_method(c, backend, s, l).unwrap();
+    assert_eq!(method(&gemm, NsBackend::Gemm, 1024, 3584), NsMethod::Gram);
+    assert_eq!(method(&gemm, NsBackend::Gemm, 256, 1024), NsMethod::Gram);
+    assert_eq!(
+        method(&gemm, NsBackend::Gemm, 1024, 1024),
+        NsMethod::Standard
+    );
+    assert_eq!(
+        method(&gemm, NsBackend::Gemm, 1024, 1280),
+        NsMethod::Standard
+    );
+    // The reference loops stay the standard iteration unless asked (they are the oracle).
+    assert_eq!(
+        method(&gemm, NsBackend::Reference, 256, 1024),
+        NsMethod::Standard
+    );
+    let bf16 = cfg(NsPrecision::Bf16, NsBackend::Gemm);
+    assert_eq!(
+        method(&bf16, NsBackend::Gemm, 256, 1024),
+        NsMethod::Standard
+    );
+    // Gram where it is not offered is an error, before anything changes.
+    for (c, backend) in [
+        (bf16, NsBackend::Gemm),
+        (gemm.clone(), NsBackend::OneDnn),
+        (gemm, NsBackend::Amx),
+    ] {
+        let c = with_method(c, NsMethod::Gram);
+        assert!(
+            resolve_method(&c, backend, 8, 32).is_err(),
+            "{c:?} on {backend:?}"
+        );
+    }
+    let c = with_method(cfg(NsPrecision::Bf16, NsBackend::Gemm), NsMethod::Gram);
+    let x = Rng::new(1).units(8 * 32);
+    let mut y = x.clone();
+    assert!(orthogonalize(&mut y, 8, 32, &c).is_err());
+    assert_eq!(bits(&y), bits(&x));
+    assert_eq!("GRAM".parse::<NsMethod>().unwrap(), NsMethod::Gram);
+    assert!("grams".parse::<NsMethod>().is_err());
 }
 
 #[test]

@@ -278,3 +278,49 @@ pub fn update(q: &[f32], x: &[f32], s: usize, l: usize, a: f32, y: &mut [f32], p
     y.copy_from_slice(x);
     matmul(s, l, s, q, x, y, true, a, 1.0, par);
 }
+
+/// `out (s×s) ← a·b` for symmetric row-major `a` and `b` that commute (polynomials of one
+/// matrix, as in Gram Newton–Schulz), so that the product is symmetric: by `sym_gemm_raw`.
+#[track_caller]
+pub fn sym_product(a: &[f32], b: &[f32], s: usize, out: &mut [f32], par: Parallelism) {
+    assert!(
+        a.len() == s * s && b.len() == s * s && out.len() == s * s,
+        "gemm_f32::sym_product: lengths {}, {}, {} for s = {s}",
+        a.len(),
+        b.len(),
+        out.len()
+    );
+    if s == 0 {
+        return;
+    }
+    let view = |m: &[f32]| View {
+        ptr: m.as_ptr(),
+        rs: s as isize,
+        cs: 1,
+    };
+    // SAFETY: lengths checked; `out` is a distinct `&mut` borrow.
+    unsafe {
+        sym_gemm_raw(
+            s,
+            s,
+            out.as_mut_ptr(),
+            s,
+            view(a),
+            view(b),
+            false,
+            0.0,
+            1.0,
+            par,
+        )
+    }
+}
+
+/// Multiply-adds of `sym_gemm_raw` for an `n × n` result with inner dimension `k` (the
+/// halves it computes, down to [`SYM_LEAF`]).
+pub fn sym_macs(n: usize, k: usize) -> u128 {
+    if n <= SYM_LEAF {
+        return (n * n) as u128 * k as u128;
+    }
+    let (h, r) = (n / 2, n - n / 2);
+    sym_macs(h, k) + sym_macs(r, k) + (h * r) as u128 * k as u128
+}
