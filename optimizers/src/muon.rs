@@ -70,7 +70,7 @@ use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::MatrixLayout;
-use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_backend, NsConfig};
+use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_config, NsConfig};
 use crate::roots::{RootPlan, Routes};
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
@@ -302,8 +302,9 @@ impl Optimizer for Muon {
         };
         match params {
             ViewMut::Cpu(params) => {
-                // Fail on an unavailable Newton–Schulz backend before anything is modified.
-                resolve_backend(self.config.ns.precision, self.config.ns.backend)?;
+                // Fail on an unavailable Newton–Schulz backend or method before anything is
+                // modified.
+                resolve_config(&self.config.ns)?;
                 let grads = grads.cpu(OP)?;
                 let (m, v) = state.host_mut()?;
                 let u = vec![0.0f32; shard.len];

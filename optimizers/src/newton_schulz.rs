@@ -197,7 +197,8 @@ pub enum NsMethod {
     /// Gram Newton–Schulz: the iteration on the `s × s` Gram matrix, `X` multiplied once at
     /// the end and at each restart ([`GRAM_MAX_GROWTH`]). `f32` only (`Err` for bf16, where its
     /// rounding of `X·Xᵀ`'s small eigenvalues is far coarser), on the gemm and reference
-    /// backends.
+    /// backends. (The device Newton–Schulz, `cuda::orthogonalize_cuda`, runs the standard
+    /// iteration whatever the method.)
     Gram,
 }
 
@@ -272,7 +273,7 @@ impl NsConfig {
     }
 
     /// `Err` unless `1 ≤ steps < 100`, the schedule is non-empty and every value is finite
-    /// (`eps > 0`, `norm_scale > 0`).
+    /// (`eps > 0`, `norm_scale > 0`); `Err` also for `method = Gram` with bf16.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String, reason: &str| {
             Err(Error::BadInput {
@@ -297,6 +298,12 @@ impl NsConfig {
             return bad(
                 format!("norm_scale = {}", self.norm_scale),
                 "must be finite and positive",
+            );
+        }
+        if self.method == NsMethod::Gram && self.precision == NsPrecision::Bf16 {
+            return bad(
+                "method = Gram, precision = Bf16".into(),
+                "Gram Newton–Schulz runs in f32 only (bf16 blurs X·Xᵀ's small eigenvalues)",
             );
         }
         Ok(())
@@ -742,23 +749,36 @@ pub const GRAM_MAX_COST: (u128, u128) = (9, 10);
 /// The method that runs for an `s × l` matrix: [`NsMethod::Auto`] resolved; `Err` for `Gram`
 /// in bf16 or on a backend without it.
 pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> Result<NsMethod> {
+    check_method(cfg, backend)?;
     let f32_gemm = cfg.precision == NsPrecision::F32 && backend == NsBackend::Gemm;
-    match cfg.method {
-        NsMethod::Standard => Ok(NsMethod::Standard),
-        NsMethod::Auto if f32_gemm && gram_pays(s, l, cfg) => Ok(NsMethod::Gram),
-        NsMethod::Auto => Ok(NsMethod::Standard),
-        NsMethod::Gram
-            if cfg.precision == NsPrecision::F32
-                && matches!(backend, NsBackend::Gemm | NsBackend::Reference) =>
-        {
-            Ok(NsMethod::Gram)
-        }
-        NsMethod::Gram => Err(Error::BadInput {
+    Ok(match cfg.method {
+        NsMethod::Auto if f32_gemm && gram_pays(s, l, cfg) => NsMethod::Gram,
+        NsMethod::Auto | NsMethod::Standard => NsMethod::Standard,
+        NsMethod::Gram => NsMethod::Gram,
+    })
+}
+
+/// `Err` when `cfg` asks for Gram Newton–Schulz where it is not offered (bf16, or a backend
+/// other than gemm and the reference loops).
+fn check_method(cfg: &NsConfig, backend: NsBackend) -> Result<()> {
+    let offered = cfg.precision == NsPrecision::F32
+        && matches!(backend, NsBackend::Gemm | NsBackend::Reference);
+    if cfg.method == NsMethod::Gram && !offered {
+        return Err(Error::BadInput {
             op: "resolve_method",
             what: format!("Gram Newton–Schulz with {:?} on {backend:?}", cfg.precision),
             reason: "Gram runs in f32 on the gemm and reference backends only".into(),
-        }),
+        });
     }
+    Ok(())
+}
+
+/// `cfg`'s backend ([`resolve_backend`]), after checking that it offers `cfg`'s method: what
+/// every entry point checks before it changes anything.
+pub fn resolve_config(cfg: &NsConfig) -> Result<NsBackend> {
+    let backend = resolve_backend(cfg.precision, cfg.backend)?;
+    check_method(cfg, backend)?;
+    Ok(backend)
 }
 
 /// Step 3 on oneDNN's matmul primitive, in `T` (bf16: `xw` holds bf16 values on entry).
@@ -936,7 +956,7 @@ pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) ->
             reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
         });
     }
-    let backend = resolve_backend(cfg.precision, cfg.backend)?;
+    let backend = resolve_config(cfg)?;
     let par = Parallelism::Rayon(rayon::current_num_threads());
     ns_one(x, rows, cols, cfg, backend, par)
 }
@@ -975,7 +995,7 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
             reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
         });
     }
-    let backend = resolve_backend(cfg.precision, cfg.backend)?;
+    let backend = resolve_config(cfg)?;
     let threads = rayon::current_num_threads();
     let across = across_threads(&tasks, backend, threads);
     let (mut spread, large): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| across(t.1, t.2));

@@ -14,8 +14,8 @@ use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::{
-    orthogonalize, AdamState, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, NsConfig,
-    QUINTIC,
+    orthogonalize, AdamState, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, NsBackend,
+    NsConfig, NsMethod, NsPrecision, QUINTIC,
 };
 
 mod harness;
@@ -891,11 +891,45 @@ fn invalid_configs_are_refused() {
             },
             ..MuonConfig::default()
         },
+        MuonConfig {
+            ns: NsConfig {
+                method: NsMethod::Gram,
+                precision: NsPrecision::Bf16,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        },
     ];
     for c in bad {
         assert!(Muon::new(c.clone()).is_err(), "{c:?} accepted");
     }
     assert!(Muon::new(MuonConfig::default()).is_ok());
+}
+
+#[test]
+fn a_method_the_backend_lacks_fails_the_step_before_anything_changes() {
+    // Gram Newton–Schulz on oneDNN is refused at the step (the backend is chosen at run
+    // time): parameters and momentum keep their bits, the step count stays. Where oneDNN
+    // does not load the backend itself is the error, with the same guarantee.
+    let opt = Muon::new(MuonConfig {
+        ns: NsConfig {
+            method: NsMethod::Gram,
+            backend: NsBackend::OneDnn,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let shard = whole_shard(&opt, &specs(&[("w", &[8, 24]), ("b", &[5])]));
+    let mut state = opt.init(&shard).unwrap();
+    let mut rng = Rng::new(3);
+    let (p0, g) = (rng.units(shard.len), rng.units(shard.len));
+    let mut p = p0.clone();
+    let err = opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank);
+    assert!(err.is_err());
+    assert_eq!(bits(&p), bits(&p0));
+    assert!(state.m.cpu().unwrap().iter().all(|&m| m == 0.0));
+    assert_eq!(state.step, 0);
 }
 
 #[test]
