@@ -732,8 +732,7 @@ fn step_macs(s: usize, l: usize, cfg: &NsConfig) -> (u128, u128) {
 /// Whether [`NsMethod::Auto`] takes Gram Newton–Schulz for an `s × l` matrix (`s ≤ l`): when
 /// it needs at most [`GRAM_MAX_COST`] of the standard iteration's multiply-adds. With the
 /// quintic on a square matrix it needs more (12 against 11.25 units of `s³` for 5 steps at
-/// 1024²); at
-/// `l = 1.5·s` 0.89×, at `l = 3.5·s` 0.64× (20.1 against 31.6).
+/// 1024²); at `l = 1.5·s` 0.89×, at `l = 3.5·s` 0.64× (20.1 against 31.6).
 pub fn gram_pays(s: usize, l: usize, cfg: &NsConfig) -> bool {
     let (standard, gram) = step_macs(s.min(l), s.max(l), cfg);
     gram * GRAM_MAX_COST.1 <= standard * GRAM_MAX_COST.0
@@ -1028,7 +1027,8 @@ pub const ACROSS_MAX_ELEMS: usize = RETAIN_BYTES / std::mem::size_of::<f32>();
 /// [`orthogonalize_many`] run them one per thread. Below this the largest-first queue leaves
 /// threads idle at its end; above it each single-threaded product runs without gemm's
 /// per-block thread joins: Muon on the 28 matrices of the d = 1024 Llama stack on 2 threads
-/// took 0.82× the time of threaded products (0.74–0.92 over five alternating steps, AVX2).
+/// took 0.78× the time of threaded products (median; 0.73–0.81 over five alternating steps,
+/// AVX2 Zen 2; 0.82× without the largest-first order).
 pub const ACROSS_MIN_PER_THREAD: usize = 2;
 
 /// Whether a `rows × cols` matrix of `tasks` runs on one thread ([`orthogonalize_many`]).
