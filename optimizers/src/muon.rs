@@ -70,7 +70,7 @@ use crate::common::{
     self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::MatrixLayout;
-use crate::newton_schulz::{orthogonalize, orthogonalize_many, resolve_config, NsConfig};
+use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
 use crate::roots::{RootPlan, Routes};
 
 /// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
@@ -468,7 +468,12 @@ impl Muon {
     /// The roots of this group's Muon matrices ([`RootPlan`]; identical on every rank).
     pub fn roots(&self, shard: &LocalShard) -> RootPlan {
         let matrix_of = |meta: &ParamMeta| self.is_muon(meta).then(|| trailing(&meta.shape));
-        RootPlan::new(shard, &matrix_of, self.config.ns.steps)
+        // Newton–Schulz's multiply-adds plus the element work, the same on every rank.
+        let cost_of = |rows: usize, cols: usize| {
+            let macs = ns_macs(rows, cols, &self.config.ns).saturating_add((rows * cols) as u128);
+            u64::try_from(macs).unwrap_or(u64::MAX)
+        };
+        RootPlan::new(shard, &matrix_of, &cost_of)
     }
 
     /// The matrix update of a Muon parameter; `None` for AdamW parameters.

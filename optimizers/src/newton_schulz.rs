@@ -749,12 +749,39 @@ pub const GRAM_MAX_COST: (u128, u128) = (9, 10);
 /// in bf16 or on a backend without it.
 pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> Result<NsMethod> {
     check_method(cfg, backend)?;
-    let f32_gemm = cfg.precision == NsPrecision::F32 && backend == NsBackend::Gemm;
-    Ok(match cfg.method {
-        NsMethod::Auto if f32_gemm && gram_pays(s, l, cfg) => NsMethod::Gram,
-        NsMethod::Auto | NsMethod::Standard => NsMethod::Standard,
-        NsMethod::Gram => NsMethod::Gram,
+    Ok(match takes_gram(cfg, backend == NsBackend::Gemm, s, l) {
+        true => NsMethod::Gram,
+        false => NsMethod::Standard,
     })
+}
+
+/// Whether `cfg`'s method is Gram for an `s × l` matrix on the gemm backend (`gemm`) or
+/// another one.
+fn takes_gram(cfg: &NsConfig, gemm: bool, s: usize, l: usize) -> bool {
+    match cfg.method {
+        NsMethod::Gram => true,
+        NsMethod::Standard => false,
+        NsMethod::Auto => gemm && cfg.precision == NsPrecision::F32 && gram_pays(s, l, cfg),
+    }
+}
+
+/// Multiply-adds of Newton–Schulz's products on a `rows × cols` matrix with `cfg`, by the
+/// method `Auto` takes there, decided from `cfg` alone (no library is probed: `Auto` is the
+/// gemm backend for `f32`, and bf16 takes the standard iteration on every backend), so every
+/// rank of a group gets the same number: Muon's root plan weighs matrices by it.
+pub fn ns_macs(rows: usize, cols: usize, cfg: &NsConfig) -> u128 {
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    let gemm = match cfg.backend {
+        NsBackend::Gemm => true,
+        NsBackend::Auto => cfg.precision == NsPrecision::F32,
+        _ => false,
+    };
+    let (standard, gram) = step_macs(s, l, cfg);
+    if takes_gram(cfg, gemm, s, l) {
+        gram
+    } else {
+        standard
+    }
 }
 
 /// `Err` when `cfg` asks for Gram Newton–Schulz where it is not offered (bf16, or a backend

@@ -7,8 +7,8 @@
 //! sends each holder its rows back (veScale-FSDP, Algorithm 2).
 //!
 //! # Root choice: longest processing time first
-//! Cost of a `rows × cols` matrix = `numel·(min(rows, cols)·steps + 1)` (the Newton–Schulz
-//! FLOPs up to a constant, plus the element work; Megatron-FSDP's owner planning). Matrices
+//! Each matrix has a cost from the caller (Muon: the multiply-adds of its Newton–Schulz method,
+//! [`crate::newton_schulz::ns_macs`], plus its elements; Megatron-FSDP's owner planning). Matrices
 //! held by one rank are charged to it first; then the split matrices, by descending cost (ties
 //! in parameter order), each go to the least-loaded rank *among those holding part of it*
 //! (ties to the lower rank), so a root never receives a matrix it holds none of.
@@ -39,7 +39,7 @@ pub struct MatrixJob {
     pub root: usize,
     /// Whether more than one rank holds part of it (so it travels to the root and back).
     pub split: bool,
-    /// `numel·(min(rows, cols)·steps + 1)`.
+    /// The caller's cost of the matrix's math ([`RootPlan::new`]).
     pub cost: u64,
 }
 
@@ -67,11 +67,12 @@ struct Segment {
 
 impl RootPlan {
     /// Roots for the matrices `matrix_of` names: `Some((rows, cols))` for a parameter whose
-    /// trailing `rows × cols` matrices need whole-matrix math, `None` for the others.
+    /// trailing `rows × cols` matrices need whole-matrix math, `None` for the others; each
+    /// weighs `cost_of(rows, cols)` in the balance. Both must give every rank the same answer.
     pub fn new(
         shard: &LocalShard,
         matrix_of: &dyn Fn(&ParamMeta) -> Option<(usize, usize)>,
-        steps: usize,
+        cost_of: &dyn Fn(usize, usize) -> u64,
     ) -> Self {
         let mut jobs = Vec::new();
         for (i, meta) in shard.params.iter().enumerate() {
@@ -82,7 +83,7 @@ impl RootPlan {
             if mn == 0 {
                 continue;
             }
-            let cost = (mn as u64).saturating_mul((rows.min(cols) * steps + 1) as u64);
+            let cost = cost_of(rows, cols);
             for k in 0..meta.numel() / mn {
                 let elems = k * mn..(k + 1) * mn;
                 let mut holders = meta.holders_of(elems.clone());

@@ -13,6 +13,7 @@ use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
+use ragged_optimizers::newton_schulz::ns_macs;
 use ragged_optimizers::{
     orthogonalize, AdamState, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, NsBackend,
     NsConfig, NsMethod, NsPrecision, QUINTIC,
@@ -595,6 +596,12 @@ fn split_matrices_travel_in_one_all_to_all_each_way_to_a_holding_root() {
                     "{layout:?} world {world}: root {} holds none",
                     job.root
                 );
+            }
+            // Each matrix weighs its Newton–Schulz multiply-adds (by the method it runs) plus
+            // its elements.
+            for job in &roots.jobs {
+                let macs = ns_macs(job.rows, job.cols, &opt.config().ns);
+                assert_eq!(u128::from(job.cost), macs + (job.rows * job.cols) as u128);
             }
             // LPT: no rank carries more than the average plus the largest matrix.
             let total: u64 = roots.load.iter().sum();

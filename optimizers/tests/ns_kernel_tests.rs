@@ -8,7 +8,8 @@ use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::newton_schulz::{
-    orthogonalize_many, resolve_backend, resolve_method, NsMethod, POLAR_EXPRESS_NORM_SCALE,
+    ns_macs, orthogonalize_many, resolve_backend, resolve_config, resolve_method, NsMethod,
+    POLAR_EXPRESS_NORM_SCALE,
 };
 use ragged_optimizers::{
     ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsConfig, NsPrecision,
@@ -280,6 +281,41 @@ fn auto_method_takes_gram_for_wide_f32_matrices_only() {
     assert_eq!(bits(&y), bits(&x));
     assert_eq!("GRAM".parse::<NsMethod>().unwrap(), NsMethod::Gram);
     assert!("grams".parse::<NsMethod>().is_err());
+}
+
+#[test]
+fn ns_macs_follow_the_method_each_matrix_runs() {
+    // The config-only cost (Muon's root plan) must name the method the step resolves on this
+    // machine, for f32 and bf16 and wide, tall and square shapes.
+    let shapes = [
+        (1024, 3584),
+        (3584, 1024),
+        (1024, 1024),
+        (1024, 1280),
+        (64, 256),
+        (3, 200),
+    ];
+    for precision in [NsPrecision::F32, NsPrecision::Bf16] {
+        let auto = cfg(precision, NsBackend::Auto);
+        let backend = resolve_config(&auto).unwrap();
+        for (rows, cols) in shapes {
+            let (s, l) = (rows.min(cols), rows.max(cols));
+            let ran = resolve_method(&auto, backend, s, l).unwrap();
+            let resolved = with_method(auto.clone(), ran);
+            assert_eq!(
+                ns_macs(rows, cols, &auto),
+                ns_macs(rows, cols, &resolved),
+                "{precision:?} {rows}×{cols}: the cost is not that of {ran:?}"
+            );
+        }
+    }
+    // The quintic on a Llama MLP weight: Gram needs 20.125 s³ against 31.5625 s³.
+    let f32 = NsConfig::default();
+    let standard = with_method(f32.clone(), NsMethod::Standard);
+    let s3 = 1024u128.pow(3);
+    assert_eq!(ns_macs(1024, 3584, &f32) * 32, 644 * s3);
+    assert_eq!(ns_macs(1024, 3584, &standard) * 32, 1010 * s3);
+    assert_eq!(ns_macs(1024, 1024, &f32), ns_macs(1024, 1024, &standard));
 }
 
 #[test]
