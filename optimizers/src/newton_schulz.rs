@@ -1026,7 +1026,7 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
     let across = across_threads(&tasks, backend, threads);
     let (mut spread, large): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| across(t.1, t.2));
     // Largest first, so that the last matrix claimed is a small one (list scheduling).
-    spread.sort_by_key(|t| std::cmp::Reverse(ns_cost(t.1, t.2)));
+    spread.sort_by_key(|t| std::cmp::Reverse(ns_macs(t.1, t.2, cfg)));
     let failed = std::sync::Mutex::new(None);
     share(spread, threads - 1, |(x, rows, cols)| {
         if let Err(e) = ns_one(x, rows, cols, cfg, backend, Parallelism::None) {
@@ -1072,13 +1072,6 @@ fn across_threads(
         NsBackend::Gemm => rows.min(cols) < BATCH_INNER_MIN_SIDE || (many && fits(rows, cols)),
         _ => false,
     }
-}
-
-/// Multiply-adds of one Newton–Schulz step on a `rows × cols` matrix with full products
-/// (`s²·l` twice and `s³`, `s ≤ l`): the order in which the queue hands matrices out.
-fn ns_cost(rows: usize, cols: usize) -> u128 {
-    let (s, l) = (rows.min(cols) as u128, rows.max(cols) as u128);
-    s * s * (2 * l + s)
 }
 
 #[cfg(test)]
