@@ -1010,7 +1010,8 @@ pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConf
 ///   largest first from one queue by the calling thread and rayon's workers: every matrix on
 ///   the reference backend; on the gemm backend, matrices whose short side is under
 ///   [`BATCH_INNER_MIN_SIDE`], and, when there are at least [`ACROSS_MIN_PER_THREAD`] per
-///   thread of them, matrices of at most [`ACROSS_MAX_ELEMS`] elements;
+///   thread of them, matrices whose working buffers ([`ns_working_bytes`]) fit in
+///   [`RETAIN_BYTES`], so that one matrix per thread holds at most that much on each;
 /// - **one after another**, each product using every thread: the rest.
 pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig) -> Result<()> {
     cfg.validate()?;
@@ -1045,12 +1046,15 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
         .try_for_each(|(x, rows, cols)| ns_one(x, rows, cols, cfg, backend, all))
 }
 
-/// In [`orthogonalize_many`] on the gemm backend, matrices of at most this many elements run
-/// one per thread when there are enough of them ([`RETAIN_BYTES`] of `f32`: the working copy
-/// each thread then keeps stays within the bound every thread already has).
-pub const ACROSS_MAX_ELEMS: usize = RETAIN_BYTES / std::mem::size_of::<f32>();
+/// Bytes of Newton–Schulz's working buffers for a `rows × cols` matrix (`s ≤ l` its sides):
+/// the `s × l` working copy and the next `X`, and four `s × s` matrices (Gram's `R`, `Q`, `M`
+/// and a product; the standard iteration needs two).
+pub fn ns_working_bytes(rows: usize, cols: usize) -> usize {
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    (2 * s * l + 4 * s * s).saturating_mul(std::mem::size_of::<f32>())
+}
 
-/// How many matrices of at most [`ACROSS_MAX_ELEMS`] elements per rayon thread make
+/// How many matrices whose working buffers fit in [`RETAIN_BYTES`] per rayon thread make
 /// [`orthogonalize_many`] run them one per thread. Below this the largest-first queue leaves
 /// threads idle at its end; above it each single-threaded product runs without gemm's
 /// per-block thread joins: Muon on the 28 matrices of the d = 1024 Llama stack on 2 threads
@@ -1064,7 +1068,7 @@ fn across_threads(
     backend: NsBackend,
     threads: usize,
 ) -> impl Fn(usize, usize) -> bool {
-    let fits = |rows: usize, cols: usize| rows * cols <= ACROSS_MAX_ELEMS;
+    let fits = |rows: usize, cols: usize| ns_working_bytes(rows, cols) <= RETAIN_BYTES;
     let fitting = tasks.iter().filter(|t| fits(t.1, t.2)).count();
     let many = fitting >= ACROSS_MIN_PER_THREAD * threads;
     move |rows, cols| match backend {
@@ -1077,6 +1081,30 @@ fn across_threads(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_matrix_per_thread_only_for_many_matrices_with_bounded_buffers() {
+        // The d = 1024 Llama stack's matrices (46 MB at most for 1024×3584) go one per thread
+        // when there are two per thread; a 4096² one (403 MB of buffers) never does, nor does
+        // anything on the oneDNN backend; a short side under 256 always does.
+        // `across_threads` reads only the shapes, so the matrices can be empty slices.
+        let tasks = |shapes: &[(usize, usize)]| -> Vec<(&mut [f32], usize, usize)> {
+            shapes.iter().map(|&(r, c)| (&mut [][..], r, c)).collect()
+        };
+        let stack = [(1024, 1024), (256, 1024), (3584, 1024), (1024, 3584)];
+        let across = across_threads(&tasks(&stack), NsBackend::Gemm, 2);
+        assert!(stack.iter().all(|&(r, c)| across(r, c)));
+        let across = across_threads(&tasks(&stack), NsBackend::Gemm, 3);
+        assert!(!across(1024, 3584) && across(255, 4096));
+        assert!(!across_threads(
+            &tasks(&[(4096, 4096); 8]),
+            NsBackend::Gemm,
+            2
+        )(4096, 4096));
+        assert!(!across_threads(&tasks(&stack), NsBackend::OneDnn, 2)(
+            256, 1024
+        ));
+    }
 
     /// Bytes of the working copy this thread keeps.
     fn kept_bytes() -> usize {
