@@ -130,9 +130,10 @@ pub const POLAR_EXPRESS_NORM_SCALE: f32 = 1.02;
 pub const PAR_MIN_OUT: usize = 1 << 14;
 
 /// In [`orthogonalize_many`] with the `Gemm` backend, matrices whose short side is below this
-/// always run one per thread with single-threaded GEMMs; larger ones do when there are
-/// enough of them ([`ACROSS_MIN_PER_THREAD`]), else one after another, each GEMM using every
-/// thread. (Either choice gives the same bits.)
+/// run one per thread with single-threaded GEMMs (when their buffers fit in
+/// [`RETAIN_BYTES`]); larger ones do when there are enough of them
+/// ([`ACROSS_MIN_PER_THREAD`]), else one after another, each GEMM using every thread. (Either
+/// choice gives the same bits.)
 pub const BATCH_INNER_MIN_SIDE: usize = 256;
 
 /// The working precision of Newton–Schulz.
@@ -1008,10 +1009,10 @@ pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConf
 /// two ways (each matrix's bits are the same either way):
 /// - **across threads**, each matrix on one thread with single-threaded products, claimed
 ///   largest first from one queue by the calling thread and rayon's workers: every matrix on
-///   the reference backend; on the gemm backend, matrices whose short side is under
-///   [`BATCH_INNER_MIN_SIDE`], and, when there are at least [`ACROSS_MIN_PER_THREAD`] per
-///   thread of them, matrices whose working buffers ([`ns_working_bytes`]) fit in
-///   [`RETAIN_BYTES`], so that one matrix per thread holds at most that much on each;
+///   the reference backend; on the gemm backend, matrices whose working buffers
+///   ([`ns_working_bytes`]) fit in [`RETAIN_BYTES`] (so that no thread holds more than
+///   that), when their short side is under [`BATCH_INNER_MIN_SIDE`] or there are at least
+///   [`ACROSS_MIN_PER_THREAD`] per thread of them;
 /// - **one after another**, each product using every thread: the rest.
 pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig) -> Result<()> {
     cfg.validate()?;
@@ -1073,7 +1074,7 @@ fn across_threads(
     let many = fitting >= ACROSS_MIN_PER_THREAD * threads;
     move |rows, cols| match backend {
         NsBackend::Reference => true,
-        NsBackend::Gemm => rows.min(cols) < BATCH_INNER_MIN_SIDE || (many && fits(rows, cols)),
+        NsBackend::Gemm => fits(rows, cols) && (rows.min(cols) < BATCH_INNER_MIN_SIDE || many),
         _ => false,
     }
 }
@@ -1086,7 +1087,8 @@ mod tests {
     fn one_matrix_per_thread_only_for_many_matrices_with_bounded_buffers() {
         // The d = 1024 Llama stack's matrices (46 MB at most for 1024×3584) go one per thread
         // when there are two per thread; a 4096² one (403 MB of buffers) never does, nor does
-        // anything on the oneDNN backend; a short side under 256 always does.
+        // anything on the oneDNN backend; a short side under 256 does while its buffers fit
+        // (255 × 4096: 8.6 MB, not 255 × 131 072: 268 MB).
         // `across_threads` reads only the shapes, so the matrices can be empty slices.
         let tasks = |shapes: &[(usize, usize)]| -> Vec<(&mut [f32], usize, usize)> {
             shapes.iter().map(|&(r, c)| (&mut [][..], r, c)).collect()
@@ -1095,7 +1097,7 @@ mod tests {
         let across = across_threads(&tasks(&stack), NsBackend::Gemm, 2);
         assert!(stack.iter().all(|&(r, c)| across(r, c)));
         let across = across_threads(&tasks(&stack), NsBackend::Gemm, 3);
-        assert!(!across(1024, 3584) && across(255, 4096));
+        assert!(!across(1024, 3584) && across(255, 4096) && !across(255, 1 << 17));
         assert!(!across_threads(
             &tasks(&[(4096, 4096); 8]),
             NsBackend::Gemm,
