@@ -750,9 +750,10 @@ pub const GRAM_MAX_COST: (u128, u128) = (9, 10);
 /// in bf16 or on a backend without it.
 pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> Result<NsMethod> {
     check_method(cfg, backend)?;
-    Ok(match takes_gram(cfg, backend == NsBackend::Gemm, s, l) {
-        true => NsMethod::Gram,
-        false => NsMethod::Standard,
+    Ok(if takes_gram(cfg, backend == NsBackend::Gemm, s, l) {
+        NsMethod::Gram
+    } else {
+        NsMethod::Standard
     })
 }
 
@@ -1027,8 +1028,9 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
     let threads = rayon::current_num_threads();
     let across = across_threads(&tasks, backend, threads);
     let (mut spread, large): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| across(t.1, t.2));
-    // Largest first, so that the last matrix claimed is a small one (list scheduling).
-    spread.sort_by_key(|t| std::cmp::Reverse(ns_macs(t.1, t.2, cfg)));
+    // Largest first, so that the last matrix claimed is a small one (list scheduling); each
+    // cost once (it walks the restart schedule and the symmetric recursion).
+    spread.sort_by_cached_key(|t| std::cmp::Reverse(ns_macs(t.1, t.2, cfg)));
     let failed = std::sync::Mutex::new(None);
     share(spread, threads - 1, |(x, rows, cols)| {
         if let Err(e) = ns_one(x, rows, cols, cfg, backend, Parallelism::None) {
