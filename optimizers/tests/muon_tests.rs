@@ -21,8 +21,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, gather, ns_f64, numels, padding, planned_shards_by, scatter, singular_range,
-    whole_shard_by, Rng,
+    bits, default_ns_method, gather, ns_f64, numels, padding, planned_shards_by, scatter,
+    singular_range, whole_shard_by, Rng,
 };
 
 /// The unsharded reference shard, with Muon's blocks.
@@ -420,8 +420,11 @@ fn lr_scale_rules_match_torch() {
 // 3. Sharded ≡ unsharded
 // ---------------------------------------------------------------------------------------------
 
+// "wide" (48×160) takes Gram Newton–Schulz under `NsMethod::Auto` (0.71× the multiply-adds),
+// "tall" (80×48) the standard iteration: both methods go through every layout below
+// (`sharded_muon_step_takes_both_newton_schulz_methods` checks which runs).
 const TENSORS: [(&str, &[usize]); 7] = [
-    ("wide", &[48, 80]),
+    ("wide", &[48, 160]),
     ("tall", &[80, 48]),
     ("experts", &[3, 16, 24]),
     ("small", &[7, 5]),
@@ -469,6 +472,13 @@ fn layout_shards(
                 .collect()
         }
     }
+}
+
+#[test]
+fn sharded_muon_step_takes_both_newton_schulz_methods() {
+    let method = |shape: &[usize]| default_ns_method(shape[0], shape[1]);
+    assert_eq!(method(TENSORS[0].1), NsMethod::Gram, "{:?}", TENSORS[0]);
+    assert_eq!(method(TENSORS[1].1), NsMethod::Standard, "{:?}", TENSORS[1]);
 }
 
 #[test]

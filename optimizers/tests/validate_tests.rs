@@ -9,12 +9,17 @@ use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::bench::OptimKind;
 use ragged_optimizers::validate::{validate, validate_with, LayoutKind, ValidateConfig};
-use ragged_optimizers::{AdamState, AdamW, AdamWConfig};
+use ragged_optimizers::{AdamState, AdamW, AdamWConfig, NsMethod};
 
+mod harness;
+use harness::default_ns_method;
+
+/// `w.up` (192×64) takes Gram Newton–Schulz under Muon's default `NsMethod::Auto`, `w.q`
+/// (64×96) the standard iteration, so the validator checks both methods.
 fn specs() -> Vec<TensorSpec> {
     [
         ("w.q", vec![64, 96]),
-        ("w.up", vec![96, 64]),
+        ("w.up", vec![192, 64]),
         ("norm", vec![64]),
     ]
     .into_iter()
@@ -36,6 +41,9 @@ fn config(optimizer: OptimKind) -> ValidateConfig {
 #[test]
 fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
     let specs = specs();
+    // Muon's case runs both Newton–Schulz methods.
+    assert_eq!(default_ns_method(64, 96), NsMethod::Standard);
+    assert_eq!(default_ns_method(192, 64), NsMethod::Gram);
     let unit = Unit {
         name: "u".into(),
         tensors: specs.iter().collect(),

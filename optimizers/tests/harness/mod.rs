@@ -7,7 +7,8 @@ use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
-use ragged_optimizers::NsConfig;
+use ragged_optimizers::newton_schulz::{resolve_config, resolve_method};
+use ragged_optimizers::{NsConfig, NsMethod};
 
 /// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
 pub fn planned_shards_by(
@@ -262,4 +263,12 @@ pub fn singular_range(x: &[f32], rows: usize, cols: usize) -> (f64, f64) {
         .iter()
         .map(|e| e.max(0.0).sqrt())
         .fold((f64::MAX, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)))
+}
+
+/// The Newton–Schulz method Muon's default config runs on a `rows × cols` matrix here
+/// (`NsMethod::Auto` resolved for this machine's backend).
+pub fn default_ns_method(rows: usize, cols: usize) -> NsMethod {
+    let ns = NsConfig::default();
+    let backend = resolve_config(&ns).unwrap();
+    resolve_method(&ns, backend, rows.min(cols), rows.max(cols)).unwrap()
 }
