@@ -3,6 +3,7 @@
 #
 #   scripts/gpu-check.sh [results-dir]     # default: $OUT, else ./gpu-results
 #   RAGGED_EXPECT_GPU=1 scripts/gpu-check.sh   # exit 3 if any test skipped for want of a GPU
+#   RAGGED_GPU_CHECK_SECONDS=480 scripts/gpu-check.sh   # the whole check's time (default 480)
 #
 # Runs the CUDA test binaries that scripts/build-gpu-bins.sh built elsewhere and left in
 # target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
@@ -22,6 +23,20 @@ bins=target/gpu-bin
 log="$res/gpu-check.log"
 : >"$log"
 say() { echo "$*" | tee -a "$log"; }
+# One deadline for the whole check (a lease is 15 minutes, machine start included), and a cap
+# per step, so that a step that hangs costs its cap and the steps after it still run.
+deadline=$((SECONDS + ${RAGGED_GPU_CHECK_SECONDS:-480}))
+limited() { # <cap seconds> <command...>: the command under timeout min(cap, time left)
+    local left=$((deadline - SECONDS)) cap=$1 start=$SECONDS rc=0
+    shift
+    if ((left < 10)); then
+        echo "out of time: not run: $*" >&2
+        return 124
+    fi
+    timeout $((cap < left ? cap : left)) "$@" || rc=$?
+    echo "[$((SECONDS - start)) s]" >>"$log"
+    return $rc
+}
 
 if [[ ! -d $bins ]]; then
     say "no $bins: run scripts/build-gpu-bins.sh on a machine with cargo and carry $bins"
@@ -106,7 +121,7 @@ for exe in "$bins"/*-tests; do
     say "== $name"
     # --test-threads=1: one context at a time keeps the output readable; --nocapture shows
     # each test's `skipped: <reason>` line, should the gate refuse the device.
-    if timeout 600 "$exe" --test-threads=1 --nocapture >"$res/$name.txt" 2>&1; then
+    if limited 150 "$exe" --test-threads=1 --nocapture >"$res/$name.txt" 2>&1; then
         say "$name: ok"
     else
         say "$name: FAILED (exit $?)"
@@ -119,7 +134,7 @@ done
 cp docs/benchmarks.md "$res/benchmarks.md" 2>/dev/null || : >"$res/benchmarks.md"
 gpu_bench() { # <binary> <what: optim | train> <section>
     say "== bench $2"
-    if timeout 600 "$bins/$1" bench "$2" --device cuda --out "$res/benchmarks.md" \
+    if limited 150 "$bins/$1" bench "$2" --device cuda --out "$res/benchmarks.md" \
         >"$res/bench-$2.md" 2>"$res/bench-$2.log"; then
         say "bench $2: ok (table in bench-$2.md; section $3 of benchmarks.md updated)"
     else
@@ -137,7 +152,7 @@ fi
 # --- Training: thread ranks with GPU collectives, and a one-process NCCL world -------------
 if [[ -x $bins/train ]]; then
     say "== train"
-    if timeout 600 "$bins/train" --size tiny --steps 5 --ranks 2 --comm gpu-threads \
+    if limited 60 "$bins/train" --size tiny --steps 5 --ranks 2 --comm gpu-threads \
         >"$res/train-gpu-threads.txt" 2>&1; then
         say "train --comm gpu-threads: ok"
     else
@@ -145,7 +160,7 @@ if [[ -x $bins/train ]]; then
         status=1
     fi
     if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id" \
-        timeout 600 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
+        limited 60 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
         >"$res/train-nccl.txt" 2>&1; then
         say "train --comm nccl (world of 1): ok"
     else
@@ -159,7 +174,7 @@ if [[ -x $bins/train ]]; then
             ranks=(--ranks 2)
             [[ $comm == nccl ]] && ranks=(--batch 4)
             if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id-device" \
-                timeout 600 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
+                limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
                 --comm "$comm" --device cuda >"$res/train-device-cuda-$comm.txt" 2>&1; then
                 say "train --device cuda --comm $comm: ok"
             else
@@ -177,5 +192,5 @@ if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     # On a machine that is meant to have a GPU, a skip is a failure of the check.
     [[ ${RAGGED_EXPECT_GPU:-0} == 1 ]] && status=3
 fi
-say "results in $res"
+say "results in $res ($SECONDS s)"
 exit $status
