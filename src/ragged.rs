@@ -821,9 +821,11 @@ pub struct Transfer {
     pub len: usize,
 }
 
-/// The transfers that turn `src`'s layout of a tensor into `dst`'s (checkpoint resharding, so
-/// the world sizes may differ: `checkpoint::read`; Muon's batched gather to its roots still
-/// builds its own routes, `ragged_optimizers::roots`).
+/// The transfers that turn `src`'s layout of a tensor into `dst`'s: the one redistribution
+/// path. Checkpoint resharding runs them from the saved layout to the new one (the world sizes
+/// may differ: `checkpoint::read`); Muon's gather to its roots, from a split matrix's layout to
+/// [`RaggedShard::one_hot`] on its root, batches them into one all-to-all
+/// (`ragged_optimizers::roots`).
 ///
 /// Every non-empty intersection of a source range with a destination range becomes one
 /// [`Transfer`], `src_rank == dst_rank` pieces (local copies) included. A two-pointer sweep over

@@ -24,6 +24,7 @@ use std::ops::Range;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, ParamMeta};
+use ragged::ragged::{redistribute, RaggedShard};
 use ragged::{Error, Result};
 
 /// One trailing matrix of a parameter that takes part in the whole-matrix math.
@@ -152,26 +153,30 @@ impl RootPlan {
         (0..self.jobs.len()).filter(move |&k| self.jobs[k].split && self.jobs[k].root == rank)
     }
 
-    /// This rank's side of the two all-to-alls (see [`Routes`]).
+    /// This rank's side of the two all-to-alls (see [`Routes`]): each split matrix's moves
+    /// are [`redistribute`]'s transfers from its layout over the holders to the whole matrix on
+    /// its root, the one redistribution path (checkpoints reshard through it too).
     pub fn routes(&self, shard: &LocalShard) -> Result<Routes> {
         let me = shard.rank;
         let mine: Vec<usize> = self.rooted_here(me).collect();
         let slot = |k: usize| mine.binary_search(&k).expect("rooted here");
         let (mut outgoing, mut incoming, mut own) = (Vec::new(), Vec::new(), Vec::new());
         for (k, job) in self.jobs.iter().enumerate().filter(|(_, j)| j.split) {
-            let meta = &shard.params[job.param];
-            for h in meta.holders_of(job.elems.clone()) {
-                let in_matrix = h.range.start - job.elems.start..h.range.end - job.elems.start;
-                let local = || local_offset(shard, job.param, h.range.start);
-                match (h.rank == me, job.root == me) {
+            let (held, rooted) = self.layouts(shard, job)?;
+            for t in redistribute(&held, &rooted)? {
+                // The root holds the whole matrix, so the destination offset is the position
+                // in the matrix.
+                let in_matrix = t.dst_offset..t.dst_offset + t.len;
+                let local = || local_offset(shard, job.param, job.elems.start + t.dst_offset);
+                match (t.src_rank == me, t.dst_rank == me) {
                     (true, false) => outgoing.push(Segment {
-                        peer: job.root,
+                        peer: t.dst_rank,
                         slot: 0,
                         in_matrix,
                         local: local()?,
                     }),
                     (false, true) => incoming.push(Segment {
-                        peer: h.rank,
+                        peer: t.src_rank,
                         slot: slot(k),
                         in_matrix,
                         local: 0,
@@ -203,6 +208,33 @@ impl RootPlan {
             incoming,
             own,
         })
+    }
+}
+
+impl RootPlan {
+    /// `job`'s matrix as a [`RaggedShard`] over its holders (the plan's holdings: ascending,
+    /// one contiguous range per rank) and as the whole matrix on its root.
+    fn layouts(&self, shard: &LocalShard, job: &MatrixJob) -> Result<(RaggedShard, RaggedShard)> {
+        let shape = [job.elems.len()];
+        let mut units = vec![0; self.world];
+        let (mut next, mut after) = (job.elems.start, 0);
+        for h in shard.params[job.param].holders_of(job.elems.clone()) {
+            if h.range.start != next || h.rank < after || h.rank >= self.world {
+                return Err(Error::InvalidShard {
+                    op: "RootPlan::routes",
+                    reason: format!(
+                        "{}: rank {} holds elements {:?}, not the next range in rank order",
+                        shard.params[job.param].name, h.rank, h.range
+                    ),
+                });
+            }
+            units[h.rank] = h.range.len();
+            (next, after) = (h.range.end, h.rank + 1);
+        }
+        Ok((
+            RaggedShard::new(&shape, 1, units)?,
+            RaggedShard::one_hot(&shape, self.world, job.root)?,
+        ))
     }
 }
 
