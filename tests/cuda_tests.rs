@@ -214,6 +214,7 @@ const ENTRIES: [(&str, &[&str]); 6] = [
             "group_add",
             "group_axpy",
             "group_copy",
+            "group_count_non_finite",
         ],
     ),
     ("adamw.cu", &["adamw_step"]),
@@ -235,6 +236,28 @@ const ENTRIES: [(&str, &[&str]); 6] = [
         &["reduce_ranks_f32", "reduce_ranks_bf16", "reduce_ranks_u8"],
     ),
 ];
+
+#[test]
+fn the_entry_list_names_every_kernel_of_every_source() {
+    // So the PTX test below checks every entry point: the `extern "C" __global__` functions of
+    // each source, read from its text, are exactly the list's.
+    let marker = "extern \"C\" __global__ void ";
+    for src in ragged::cuda::ALL_KERNELS {
+        let mut found: Vec<&str> = src
+            .src
+            .match_indices(marker)
+            .map(|(at, _)| {
+                let rest = &src.src[at + marker.len()..];
+                rest[..rest.find('(').unwrap()].trim()
+            })
+            .collect();
+        let (_, listed) = ENTRIES.iter().find(|(n, _)| *n == src.name).unwrap();
+        let mut listed = listed.to_vec();
+        found.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(found, listed, "{}", src.name);
+    }
+}
 
 #[test]
 fn every_kernel_compiles_with_nvrtc_without_fma_contraction_and_with_ieee_div_and_sqrt() {

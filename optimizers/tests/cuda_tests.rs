@@ -19,7 +19,7 @@ use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::storage::Placement;
 use ragged_optimizers::cuda::orthogonalize_cuda;
-use ragged_optimizers::newton_schulz::NsPrecision;
+use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
 };
@@ -188,6 +188,15 @@ fn adam8bit_state_round_trips_through_the_device() {
 }
 
 /// Max |a − b| and ‖a − b‖ / ‖b‖.
+/// Newton–Schulz as the device runs it: the standard iteration (`NsMethod::Auto` may take Gram
+/// on the CPU, which the device does not have), so host and device compare like for like.
+fn standard_ns() -> NsConfig {
+    NsConfig {
+        method: NsMethod::Standard,
+        ..Default::default()
+    }
+}
+
 fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
     let max = a
         .iter()
@@ -221,10 +230,11 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
             (NsPrecision::F32, GramProduct::Syrk, 2e-3, 1e-3),
             (NsPrecision::Bf16, GramProduct::Auto, f32::INFINITY, 5e-2),
         ] {
-            // The CPU reference in the same precision (its bf16 path has the same semantics).
+            // The CPU reference in the same precision (its bf16 path has the same semantics)
+            // and the device's iteration.
             let cfg = NsConfig {
                 precision: prec,
-                ..Default::default()
+                ..standard_ns()
             };
             let mut want = x.clone();
             for m in want.chunks_mut(rows * cols) {
@@ -289,6 +299,7 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     ]);
     let opt = Muon::new(MuonConfig {
         lr: 1e-2,
+        ns: standard_ns(),
         ..Default::default()
     })
     .unwrap();
@@ -398,6 +409,7 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     ]);
     let opt = Muon::new(MuonConfig {
         lr: 1e-2,
+        ns: standard_ns(),
         ..Default::default()
     })
     .unwrap();

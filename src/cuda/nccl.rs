@@ -449,6 +449,23 @@ impl NcclComm {
         })
     }
 
+    /// NCCL reduces `u8` in `u8`: sums wrap modulo 256 and averages truncate, where every other
+    /// backend sums in 64 bits, rounds averages and saturates at 255. Rather than give other
+    /// bits than the rest of the trait, a reduction of `u8` over more than one rank is refused
+    /// (with one rank it is the identity, as everywhere; the barrier's sum of zeros is exact).
+    fn check_reducible(&self, op: &'static str, elem: ElemType) -> Result<()> {
+        if elem == ElemType::U8 && self.world > 1 {
+            return Err(Error::BadInput {
+                op,
+                what: format!("a u8 reduction over {} ranks", self.world),
+                reason: "NCCL sums u8 modulo 256 (the other backends saturate at 255); \
+                         reduce a wider type"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     fn barrier_dev(&self) -> Result<()> {
         // An all-reduce of one byte, then the stream: every rank has reached this point.
         let mut flag = self.dev.zeros::<u8>(1)?;
@@ -477,10 +494,12 @@ impl Communicator for NcclComm {
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.check_reducible("NcclComm::reduce_scatter_in_place", buf.elem_type())?;
         on_device_mut(&self.dev, buf, |d| self.reduce_scatter_in_place_dev(d, op))
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.check_reducible("NcclComm::all_reduce", buf.elem_type())?;
         on_device_mut(&self.dev, buf, |d| self.all_reduce_in_place_dev(d, op))
     }
 

@@ -56,6 +56,8 @@ pub const NS_SYMMETRIZE_LOWER: &str = "ns_symmetrize_lower";
 
 /// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
 /// in the same order: the result does not depend on the device).
+/// CUDA's limit on a grid's y and z dimensions.
+const GRID_YZ_MAX: usize = 65_535;
 const SUMSQ_BLOCKS: u32 = 64;
 
 fn data_type(prec: NsPrecision) -> blas_sys::cudaDataType_t {
@@ -256,6 +258,18 @@ pub fn orthogonalize_cuda_with(
     int(OP, batch * mn)?;
     let syrk = gram.use_syrk(prec, s)?;
     let stream = dev.stream();
+    // The batch is a grid's y (steps 2-3) or z (the transpose) dimension, and the transpose's
+    // y counts 32-row tiles of the long side: each at most 65 535, checked before any launch.
+    if batch > GRID_YZ_MAX || (transposed && l.div_ceil(32) > GRID_YZ_MAX) {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{batch} matrices of {rows}×{cols}"),
+            reason: format!(
+                "at most {GRID_YZ_MAX} matrices per call, and for a tall matrix at most \
+                 {GRID_YZ_MAX} tiles of 32 rows"
+            ),
+        });
+    }
 
     // Step 1 into the working buffer.
     let mut xw = dev.zeros::<f32>(batch * mn)?;
@@ -275,14 +289,7 @@ pub fn orthogonalize_cuda_with(
     // Step 2.
     let mut partial = dev.zeros::<f64>(batch * SUMSQ_BLOCKS as usize)?;
     let len = count(mn);
-    let by = u32::try_from(batch).unwrap_or(u32::MAX).min(65_535);
-    if by as usize != batch {
-        return Err(Error::BadInput {
-            op: OP,
-            what: format!("{batch} matrices"),
-            reason: "at most 65 535 matrices per call".into(),
-        });
-    }
+    let by = batch as u32; // checked against GRID_YZ_MAX before step 1
     let f = dev.function(&NEWTON_SCHULZ, NS_SUMSQ_PARTIAL)?;
     let cfg2 = LaunchConfig {
         grid_dim: (SUMSQ_BLOCKS, by, 1),
