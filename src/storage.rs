@@ -141,6 +141,17 @@ impl Placement {
     pub fn is_cpu(&self) -> bool {
         matches!(self, Placement::Cpu)
     }
+
+    /// Waits until the work this thread queued here has finished: nothing on the host (host
+    /// work is done when its call returns); on a device, its stream as this thread sees it
+    /// (candle's is the per-thread default stream, so each thread waits for its own work).
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Placement::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Placement::Cuda(dev) => dev.sync(),
+        }
+    }
 }
 
 impl<T: Elem> Storage<T> {

@@ -244,6 +244,41 @@ fn address(t: &Tensor) -> usize {
     .unwrap()
 }
 
+/// A kept unit (`reshard_after_forward: false`) that a step made stale is rewritten in place
+/// by the next gather: the very storages the model was built on (the tensors handed out before
+/// stay valid, nothing is allocated) now hold the stepped master values.
+#[test]
+fn a_kept_unit_is_rewritten_in_place_after_a_step() {
+    let params = CFG.init_params(3).unwrap();
+    ThreadWorld::run(2, |c| {
+        let opts = FsdpOptions {
+            reshard_after_forward: false,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, adamw(), c, opts)?;
+        let views = sharded.unshard()?;
+        let model = Transformer::new(
+            CFG,
+            VarBuilder::from_tensors(views.clone(), DType::F32, &Device::Cpu),
+        )?;
+        let ids = batch(corpus().unwrap(), &CFG, 0, c.rank(), 3)?;
+        model.loss(&ids)?.backward()?;
+        sharded.reduce_gradients()?;
+        let before = sharded.full_params()?;
+        sharded.step()?;
+        let again = sharded.unshard()?;
+        let stepped = sharded.full_params()?;
+        for (name, t) in &again {
+            assert_eq!(address(t), address(&views[name]), "{name}: another storage");
+            let seen: Vec<f32> = views[name].flatten_all()?.to_vec1()?;
+            assert_eq!(seen, stepped[name], "{name}: not the stepped values");
+            assert_ne!(seen, before[name], "{name}: the step changed nothing");
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
 /// A communicator that records where the all-gather wrote and what the reduce-scatter read.
 struct Recorder<'a> {
     inner: &'a dyn Communicator,

@@ -388,7 +388,7 @@ pub(crate) fn staged_all_gather<C: Communicator + ?Sized>(
 }
 
 /// [`Communicator::reduce_scatter`] as an in-place reduce-scatter plus a copy of the own slice.
-fn staged_reduce_scatter<C: Communicator + ?Sized>(
+pub(crate) fn staged_reduce_scatter<C: Communicator + ?Sized>(
     comm: &C,
     send: BufMut<'_>,
     recv: BufMut<'_>,

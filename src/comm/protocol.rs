@@ -117,27 +117,6 @@ impl Region {
         Ok(Region { ptr, len, elem })
     }
 
-    /// The region as a host buffer again.
-    ///
-    /// # Safety
-    /// The region must have come from [`Region::of_mut`] of a host buffer that is still alive,
-    /// and nothing else may access those elements while the result lives.
-    pub(crate) unsafe fn as_buf_mut<'a>(&self) -> BufMut<'a> {
-        // SAFETY: the caller's contract: `ptr` is the start of a live, exclusively held host
-        // slice of `len` elements of `elem` (aligned, since it came from a slice).
-        unsafe {
-            match self.elem {
-                ElemType::F32 => {
-                    BufMut::F32(std::slice::from_raw_parts_mut(self.ptr.cast(), self.len))
-                }
-                ElemType::BF16 => {
-                    BufMut::BF16(std::slice::from_raw_parts_mut(self.ptr.cast(), self.len))
-                }
-                ElemType::U8 => BufMut::U8(std::slice::from_raw_parts_mut(self.ptr, self.len)),
-            }
-        }
-    }
-
     /// Address of element `i`, for `i <= len` (checked by the validation before any call).
     pub(crate) fn at(&self, i: usize) -> *mut u8 {
         self.ptr.wrapping_add(i * elem_size(self.elem))

@@ -145,6 +145,7 @@ impl ThreadWorld {
                 in_call: vec![false; n],
                 poison: None,
                 aborted: None,
+                phase_failures: Vec::new(),
             }),
             cv: Condvar::new(),
         });
@@ -198,6 +199,11 @@ struct State {
     poison: Option<String>,
     /// Set when a rank unwound out of a data phase (a bug): the collective's results are invalid.
     aborted: Option<String>,
+    /// Data phases that failed on some rank (a device copy or kernel): the sync point that
+    /// ends the phase, the rank and why. Every rank reads it after that sync, so all fail
+    /// together instead of the others reading a range that was never written; entries every
+    /// rank has passed are dropped.
+    phase_failures: Vec<(u64, usize, String)>,
 }
 
 impl World {
@@ -349,42 +355,63 @@ struct Call<'a> {
 }
 
 impl Call<'_> {
-    /// Waits until every rank finished the current data phase. No timeout (module doc).
-    fn sync(&mut self) {
+    /// Waits until every rank finished the current data phase, whose outcome on this rank is
+    /// `done`. No timeout (module doc). This rank's error if it failed, else another rank's:
+    /// every rank leaves a failed phase with `Err`.
+    fn sync(&mut self, done: Result<()>) -> Result<()> {
         let w = &*self.comm.world;
         let mut st = w.lock();
         self.point += 1;
+        if let Err(e) = &done {
+            let passed = st.reached.iter().copied().min().unwrap_or(0);
+            st.phase_failures.retain(|f| f.0 > passed);
+            st.phase_failures
+                .push((self.point, self.comm.rank, e.to_string()));
+        }
         st.reached[self.comm.rank] = self.point;
         w.cv.notify_all();
         while !st.all_reached(self.point) {
             st = w.wait(st, w.timeout);
         }
+        done?;
+        match st.phase_failures.iter().find(|f| f.0 == self.point) {
+            Some((_, rank, why)) => Err(self.comm.err(
+                self.op,
+                format!("rank {rank} failed its part of the collective: {why}"),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Ends a data phase whose outcome is `phase`: completes this rank's queued work, then
-    /// syncs (always, so no rank is left waiting); the phase's or the fence's error, if any.
+    /// syncs (always, so no rank is left waiting); the phase's or the fence's error on any
+    /// rank.
     fn end_phase(&mut self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
         let done = phase.and(mem.fence());
-        self.sync();
-        done
+        self.sync(done)
     }
 
     /// Ends the last data phase and exits (as [`Call::end_phase`] then [`Call::finish`]).
     fn finish_phase(self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
         let done = phase.and(mem.fence());
-        let exit = self.finish();
-        done.and(exit)
+        self.finish_with(done)
     }
 
     /// The exit sync; `Err` if a rank unwound out of this collective.
-    fn finish(mut self) -> Result<()> {
-        self.sync();
+    fn finish(self) -> Result<()> {
+        self.finish_with(Ok(()))
+    }
+
+    /// The exit sync after a last phase whose outcome here is `done`; `Err` if it failed on any
+    /// rank or a rank unwound out of this collective.
+    fn finish_with(mut self, done: Result<()>) -> Result<()> {
+        let synced = self.sync(done);
         self.done = true;
         let mut st = self.comm.world.lock();
         st.in_call[self.comm.rank] = false;
         match &st.aborted {
             Some(reason) => Err(self.comm.err(self.op, reason.clone())),
-            None => Ok(()),
+            None => synced,
         }
     }
 }
@@ -743,19 +770,21 @@ impl ThreadComm {
         // SAFETY: phase 1 reads and writes only range r of every buffer, and only this rank
         // touches range r (as in reduce-scatter); equal lengths validated.
         let phase = unsafe { mem.reduce(me.elem, &srcs, me.at(lo), hi - lo, op) };
-        let first = call.end_phase(mem, phase);
-        let phase = posts
-            .iter()
-            .enumerate()
-            .filter(|&(k, _)| k != r)
-            .try_for_each(|(k, p)| {
-                let (lo, hi) = part(me.len, v, k);
-                // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it
-                // writes its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody
-                // else reads.
-                unsafe { mem.copy(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) }
-            });
-        call.finish_phase(mem, first.and(phase))
+        // After a failed phase 1 (on any rank) phase 2 would copy ranges never reduced: skip it.
+        let phase = call.end_phase(mem, phase).and_then(|()| {
+            posts
+                .iter()
+                .enumerate()
+                .filter(|&(k, _)| k != r)
+                .try_for_each(|(k, p)| {
+                    let (lo, hi) = part(me.len, v, k);
+                    // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it
+                    // writes its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody
+                    // else reads.
+                    unsafe { mem.copy(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) }
+                })
+        });
+        call.finish_phase(mem, phase)
     }
 
     pub(crate) fn all_to_all_v_in(
@@ -877,6 +906,70 @@ impl Communicator for ThreadComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Memory whose reductions fail, as a device kernel or copy can (out of memory, a launch
+    /// error); its copies are the host's.
+    struct FailingReduce;
+
+    impl Memory for FailingReduce {
+        unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { HostMemory.copy(src, dst, bytes) }
+        }
+        unsafe fn reduce(
+            &self,
+            _: ElemType,
+            _: &[*const u8],
+            _: *mut u8,
+            _: usize,
+            _: ReduceOp,
+        ) -> Result<()> {
+            Err(Error::Msg("injected reduction failure".into()))
+        }
+        fn fence(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_data_phase_that_fails_on_one_rank_fails_the_collective_on_every_rank() {
+        // Rank 1's reduction fails. Before, the others returned Ok: all-reduce with rank 1's
+        // range never reduced, reduce-scatter with an outcome that differed between ranks.
+        for all_reduce in [true, false] {
+            let outcomes = ThreadWorld::run(3, |c| {
+                let mut x = [1.0f32; 12];
+                let mem: &dyn Memory = if c.rank() == 1 {
+                    &FailingReduce
+                } else {
+                    &HostMemory
+                };
+                let region = Region::of_mut((&mut x[..]).into())?;
+                let outcome = if all_reduce {
+                    c.all_reduce_in(mem, region, ReduceOp::Sum)
+                } else {
+                    c.reduce_scatter_in_place_in(mem, region, ReduceOp::Sum)
+                };
+                // The world stays usable.
+                let mut y = vec![1.0f32; 3];
+                c.all_reduce((&mut y[..]).into(), ReduceOp::Sum)?;
+                assert_eq!(y, [3.0; 3]);
+                Ok(outcome.map_err(|e| e.to_string()))
+            })
+            .unwrap();
+            for (rank, o) in outcomes.iter().enumerate() {
+                let e = o.as_ref().expect_err("every rank fails");
+                let named = if rank == 1 {
+                    "injected"
+                } else {
+                    "rank 1 failed"
+                };
+                assert!(
+                    e.contains(named),
+                    "all_reduce {all_reduce}, rank {rank}: {e}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn parts_tile_the_buffer_longer_ones_first() {

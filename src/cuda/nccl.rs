@@ -43,7 +43,8 @@ use super::watchdog::{self, Progress};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{
-    check_segments, staged_all_gather, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment,
+    check_segments, staged_all_gather, staged_reduce_scatter, Buf, BufMut, Communicator, ElemType,
+    ReduceOp, Segment,
 };
 use crate::{Error, Result};
 
@@ -69,7 +70,7 @@ pub fn nccl_available() -> Result<()> {
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it out of band).
 pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     nccl_available()?;
-    let id = guarded("cuda::nccl::unique_id", nccl::get_uniqueid)?;
+    let id = guarded("cuda::nccl::unique_id", || named(nccl::get_uniqueid()))?;
     Ok(id.internal.map(|c| c as u8))
 }
 
@@ -165,6 +166,13 @@ fn world_i32(op: &'static str, world: usize) -> Result<i32> {
         })
 }
 
+/// NCCL's result code by name in errors (cudarc's `NcclError` prints only "NcclError").
+fn named<T>(
+    r: std::result::Result<T, nccl::NcclError>,
+) -> std::result::Result<T, sys::ncclResult_t> {
+    r.map_err(|e| e.0)
+}
+
 fn nccl_type(elem: ElemType) -> sys::ncclDataType_t {
     match elem {
         ElemType::F32 => sys::ncclDataType_t::ncclFloat32,
@@ -209,8 +217,8 @@ impl NcclComm {
         guarded(OP, || dev.context().bind_to_thread())?;
         let mut comm = std::mem::MaybeUninit::uninit();
         // SAFETY: NCCL writes the handle on success; it is read only then.
-        guarded(OP, || unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), n, id, rank as i32)
+        guarded(OP, || {
+            named(unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), n, id, rank as i32) })
         })?;
         // SAFETY: initialized by the successful call above.
         let handle = Handle(unsafe { comm.assume_init() });
@@ -233,8 +241,8 @@ impl NcclComm {
         let ordinals: Vec<i32> = devs.iter().map(|d| d.context().ordinal() as i32).collect();
         let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
         // SAFETY: `comms` has room for one handle per device in `ordinals`.
-        guarded(OP, || unsafe {
-            nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr())
+        guarded(OP, || {
+            named(unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) })
         })?;
         let timeout = watchdog::timeout_from_env()?;
         Ok(comms
@@ -302,7 +310,7 @@ impl NcclComm {
         }
         guarded(op, || self.dev.context().bind_to_thread())?;
         let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
-        guarded(op, || f(handle.0, stream))?;
+        guarded(op, || named(f(handle.0, stream)))?;
         let Some(limit) = self.timeout else {
             return Ok(());
         };
@@ -374,6 +382,32 @@ impl NcclComm {
         // SAFETY: NCCL's in-place reduce-scatter (receive buffer = own slice of the send buffer).
         self.call(OP, |comm, stream| unsafe {
             nccl::reduce_scatter(b.ptr as _, own as _, s, t, o, comm, stream).map(drop)
+        })
+    }
+
+    fn reduce_scatter_dev(
+        &self,
+        mut send: DevBufMut<'_>,
+        mut recv: DevBufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "NcclComm::reduce_scatter";
+        let (a, b) = (send.span(&self.dev), recv.span(&self.dev));
+        if a.elem != b.elem || Some(a.len) != b.len.checked_mul(self.world) {
+            return Err(Error::InvalidShard {
+                op: OP,
+                reason: format!(
+                    "{} {:?} elements in, {} {:?} out, on a world of {}",
+                    a.len, a.elem, b.len, b.elem, self.world
+                ),
+            });
+        }
+        let (t, o) = (nccl_type(a.elem), nccl_op(op));
+        // SAFETY: NCCL's out-of-place reduce-scatter: `V·n` elements read from `a`, `n` written
+        // to `b`; two distinct device buffers (both borrowed mutably) of this communicator's
+        // device, of the checked lengths and one element type.
+        self.call(OP, |comm, stream| unsafe {
+            nccl::reduce_scatter(a.ptr as _, b.ptr as _, b.len, t, o, comm, stream).map(drop)
         })
     }
 
@@ -521,6 +555,16 @@ impl Communicator for NcclComm {
 
     fn barrier(&self) -> Result<()> {
         self.barrier_dev()
+    }
+
+    /// Device buffers: one out-of-place `ncclReduceScatter`, nothing staged; host buffers as
+    /// the trait's default (in place on a device copy, then the own slice copied out).
+    fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
+        self.check_reducible("NcclComm::reduce_scatter", send.elem_type())?;
+        match (send, recv) {
+            (BufMut::Device(s), BufMut::Device(r)) => self.reduce_scatter_dev(s, r, op).map(|()| 0),
+            (s, r) => staged_reduce_scatter(self, s, r, op),
+        }
     }
 
     /// Device segments: NCCL all-gathers into one contiguous device buffer, then each segment

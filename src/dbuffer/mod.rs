@@ -179,56 +179,6 @@ pub fn with_mut<R>(t: &Tensor, f: impl FnOnce(BufMut<'_>) -> Result<R>) -> Resul
     })
 }
 
-/// Runs `f` on the elements of every tensor of `tensors` at once, mutably, without copying:
-/// candle's write lock of each storage is held while `f` runs (taken one inside the other, so
-/// the nesting depth is the number of tensors). The tensors must have distinct storages.
-pub fn with_mut_all<R>(
-    tensors: &[Tensor],
-    f: impl FnOnce(&mut [BufMut<'_>]) -> Result<R>,
-) -> Result<R> {
-    let mut seen = std::collections::HashSet::new();
-    for t in tensors {
-        let addr = with_ref(t, |b| {
-            Ok(crate::comm::protocol::Region::of(&b)?.ptr as usize)
-        })?;
-        if t.elem_count() > 0 && !seen.insert(addr) {
-            return Err(Error::InvalidShard {
-                op: "with_mut_all",
-                reason: "two tensors share a storage".into(),
-            });
-        }
-    }
-    let mut raw = Vec::with_capacity(tensors.len());
-    lock_all(tensors, &mut raw, f)
-}
-
-/// Takes the write lock of `tensors[0]`, records its elements, recurses on the rest; the
-/// innermost call runs `f` on all of them.
-fn lock_all<R>(
-    tensors: &[Tensor],
-    raw: &mut Vec<crate::comm::protocol::Region>,
-    f: impl FnOnce(&mut [BufMut<'_>]) -> Result<R>,
-) -> Result<R> {
-    use crate::comm::protocol::Region;
-    let Some((first, rest)) = tensors.split_first() else {
-        let mut bufs: Vec<BufMut<'_>> = raw
-            .iter()
-            .map(|r| {
-                // SAFETY: every region was taken from a storage whose write lock an enclosing
-                // `with_mut` frame holds until this function returns, the storages are distinct
-                // (checked by `with_mut_all`), and the regions cover exactly their elements;
-                // so these are the only live references to those elements.
-                unsafe { r.as_buf_mut() }
-            })
-            .collect();
-        return f(&mut bufs);
-    };
-    with_mut(first, |b| {
-        raw.push(Region::of_mut(b)?);
-        lock_all(rest, raw, f)
-    })
-}
-
 struct WithMut<F, R> {
     f: Cell<Option<F>>,
     out: Cell<Option<Result<R>>>,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, DType, Device, Storage as CandleStorage, Tensor, Var};
 
 use super::grads::GradSink;
-use super::{candle, tap, with_mut_all};
+use super::{candle, tap};
 use crate::comm::{Buf, BufMut};
 use crate::storage::{Placement, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -214,10 +214,11 @@ impl ParamBuffer {
         match self.state() {
             Materialized::Unsharded => Ok(()),
             Materialized::Stale => {
-                let tensors = self.tensors.as_ref().expect("stale implies materialized");
-                with_mut_all(tensors, |dsts| fill(self.master.view().into(), dsts))?;
-                self.stale = false;
-                Ok(())
+                // Rewritten in place: the copies' own storages are taken out and refilled as a
+                // freed buffer's spares are (the same memory, no allocation), one path for host
+                // and device storages.
+                let own = self.take_storages()?;
+                self.gather_into(Some(own), fill)
             }
             Materialized::Freed => {
                 let storages = self.filled_storages(spare, fill)?;

@@ -52,6 +52,7 @@ use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
+use crate::storage::Placement;
 use crate::Result;
 use layout::UnitLayout;
 use param_pool::ParamPool;
@@ -868,6 +869,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             self.gather_unit(b, mine)?;
         }
         Ok(())
+    }
+
+    /// Where the model's buffers live (all in one place: `fully_shard` checks it).
+    pub(crate) fn placement(&self) -> Placement {
+        self.units
+            .first()
+            .map_or(Placement::Cpu, |u| u.params.placement())
     }
 
     /// Whether every buffer of unit `g` holds current compute copies.

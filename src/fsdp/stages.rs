@@ -495,12 +495,22 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         if jobs.is_empty() {
             return Ok(work());
         }
+        // On a GPU each thread queues on its own stream (candle's per-thread default stream),
+        // and nothing orders the two: the jobs read gradients and reuse storages that this
+        // thread's queued kernels write or read. So this thread's work finishes before the jobs
+        // start, and the jobs' work before they count as done (the join); the stage's own
+        // compute, queued meanwhile, touches neither. A no-op on the host.
+        let placement = self.placement();
+        placement.synchronize()?;
         let (out, spans, work_span) = std::thread::scope(|scope| {
             let this = &mut *self;
-            let comm = scope.spawn(move || {
-                jobs.into_iter()
+            let comm = scope.spawn(move || -> Result<Vec<_>> {
+                let spans = jobs
+                    .into_iter()
                     .map(|j| this.run_job(j).map(|span| (j, span)))
-                    .collect::<Result<Vec<_>>>()
+                    .collect::<Result<Vec<_>>>()?;
+                placement.synchronize()?;
+                Ok(spans)
             });
             let start = Instant::now();
             let out = work();
