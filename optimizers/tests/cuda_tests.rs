@@ -516,7 +516,8 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
     let candle_core::Device::Cuda(cuda) = &gpu else {
         unreachable!()
     };
-    // One stream for candle's kernels, this crate's and the collectives'.
+    // candle's stream for its kernels, this crate's and the collectives' (the per-thread
+    // default stream: each rank thread's work is ordered on its own).
     let dev = Arc::new(Device::from_candle(cuda).unwrap());
     let mlp = MlpConfig {
         width: 64,

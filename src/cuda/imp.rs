@@ -236,7 +236,10 @@ impl Device {
 
     /// The device of a candle CUDA device, on candle's own stream (feature `candle-cuda`), so
     /// this crate's kernels, copies and collectives are ordered with candle's work on the same
-    /// tensors without events.
+    /// tensors without events. That stream is CUDA's per-thread default stream (candle's
+    /// `CudaDevice::new`): the order holds among the work one thread issues; work another thread
+    /// issues through the same handle goes to that thread's stream, so the threads must
+    /// synchronize ([`Device::sync`] waits for the calling thread's).
     #[cfg(feature = "candle-cuda")]
     pub fn from_candle(dev: &candle_core::CudaDevice) -> Result<Device> {
         const OP: &str = "cuda::Device::from_candle";
