@@ -298,6 +298,15 @@ pub fn fully_shard<'c, O: Optimizer>(
                 .into(),
         });
     }
+    let bf16 = [opts.mixed_precision.param_dtype, opts.mixed_precision.reduce_dtype];
+    if !placement.is_cpu() && bf16.contains(&DType::BF16) {
+        return Err(crate::Error::BadInput {
+            op: "fully_shard",
+            what: "bf16 mixed precision on a GPU".into(),
+            reason: "bf16 compute copies and bf16 reductions are cast on the host only; use f32"
+                .into(),
+        });
+    }
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
