@@ -197,12 +197,23 @@ fn standard_ns() -> NsConfig {
     }
 }
 
-fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
-    let max = a
-        .iter()
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
+        .fold(0.0f32, |m, d| {
+            if d.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(d)
+            }
+        })
+}
+
+/// The largest `|a − b|` (NaN if any difference is NaN: `f32::max` would drop it, so a NaN
+/// from the device would pass a `<=` bound) and the relative Frobenius error.
+fn diffs(a: &[f32], b: &[f32]) -> (f32, f64) {
+    let max = max_abs_diff(a, b);
     let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
     let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
     (max, (num / den.max(1e-300)).sqrt())
@@ -558,11 +569,7 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
     let on_gpu = ThreadDeviceComm::run(dev, world, |c| train(c, &gpu)).unwrap();
     for (name, want) in &cpu[0] {
         let got = &on_gpu[0][name];
-        let worst = got
-            .iter()
-            .zip(want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_diff(got, want);
         assert!(worst < 1e-4, "{name}: {worst}");
     }
     assert_eq!(on_gpu[0], on_gpu[1], "ranks disagree");

@@ -86,6 +86,16 @@ pub fn host_only(op: &'static str) -> crate::Error {
     }
 }
 
+/// The error of a collective given host and device buffers at once (every backend takes one
+/// kind per call).
+pub fn mixed_memory(op: &'static str) -> crate::Error {
+    crate::Error::BadInput {
+        op,
+        what: "host and device buffers in one collective".into(),
+        reason: "pass every buffer of a call in host memory or every one in device memory".into(),
+    }
+}
+
 impl Buf<'_> {
     pub fn len(&self) -> usize {
         match self {
@@ -349,6 +359,10 @@ pub(crate) fn staged_all_gather<C: Communicator + ?Sized>(
     }
     let full = send.len() * comm.world_size();
     check_segments(segments, send.elem_type(), full)?;
+    #[cfg(feature = "cuda")]
+    if segments.iter().any(|s| matches!(s.buf, BufMut::Device(_))) {
+        return Err(mixed_memory("all_gather_segments (staged)"));
+    }
     let mut copied = 0;
     match send {
         Buf::F32(s) => {
@@ -425,6 +439,8 @@ pub(crate) fn staged_reduce_scatter<C: Communicator + ?Sized>(
             comm.reduce_scatter_in_place(BufMut::U8(&mut *s), op)?;
             own(s, d, r)
         }
-        _ => return Err(host_only("reduce_scatter (staged)")),
+        #[cfg(feature = "cuda")]
+        (BufMut::Device(_), BufMut::Device(_)) => return Err(host_only("reduce_scatter (staged)")),
+        _ => return Err(mixed_memory("reduce_scatter (staged)")),
     })
 }

@@ -583,7 +583,7 @@ impl Communicator for NcclComm {
                 let mut staged = 0;
                 for seg in segments.iter_mut() {
                     let BufMut::Device(DevBufMut::$variant(dst)) = &mut seg.buf else {
-                        return Err(crate::comm::host_only("NcclComm::all_gather_segments"));
+                        return Err(crate::comm::mixed_memory("NcclComm::all_gather_segments"));
                     };
                     let src = all.slice(seg.offset..seg.offset + dst.len());
                     let op = "NcclComm::all_gather_segments";

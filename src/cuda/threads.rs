@@ -279,14 +279,14 @@ impl Communicator for ThreadDeviceComm {
         const OP: &str = "ThreadDeviceComm::all_gather_segments";
         check_segments(segments, send.elem_type(), send.len() * self.world_size())?;
         let Some(&[me]) = device_regions(&self.dev, &mut [&mut send])?.as_deref() else {
-            return Err(crate::comm::host_only(OP));
+            return Err(crate::comm::mixed_memory(OP));
         };
         let mut regions = Vec::with_capacity(segments.len());
         for seg in segments.iter_mut() {
             let mut buf = seg.buf.reborrow();
             match device_regions(&self.dev, &mut [&mut buf])?.as_deref() {
                 Some(&[r]) => regions.push((seg.offset, r)),
-                _ => return Err(crate::comm::host_only(OP)),
+                _ => return Err(crate::comm::mixed_memory(OP)),
             }
         }
         self.host

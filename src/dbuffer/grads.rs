@@ -276,6 +276,10 @@ impl GradBuffer {
             self.local.write_range(0..len, scratch.view(), true)?;
             stats.add_accumulated(4 * len);
         }
+        // The reduction may still be queued on this thread's stream (NCCL with its wait turned
+        // off), and the pool hands buffers to other threads' streams: on a device, wait for it
+        // before the buffer can be reused (nothing to wait for on the host).
+        full.placement().synchronize()?;
         self.sink.recycle(full);
         self.reduced += 1;
         Ok(touched)

@@ -19,7 +19,6 @@ use crate::checkpoint::safetensors::{hex, Consolidated, FileDigest, Reader, Tens
 use crate::checkpoint::{
     agree, fs, CheckpointState, FieldDataMut, FieldLayout, FieldType, Loaded, SaveOptions, Saved,
 };
-use crate::comm::BufMut;
 use crate::optim::Optimizer;
 use crate::{Error, Result};
 
@@ -489,21 +488,6 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             (None, None) => Ok(()),
         };
         agree(self.comm, path, done.map(|_| Vec::new())).map(|_| ())
-    }
-
-    /// Buffer `u`'s parameters, gathered in full (f32 master values), in slot order.
-    fn gather_buffer(&self, u: usize) -> Result<Vec<Vec<f32>>> {
-        let unit = &self.units[u];
-        let slots = unit.params.slots();
-        let mut values: Vec<Vec<f32>> = slots.iter().map(|s| vec![0.0; s.numel()]).collect();
-        let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| BufMut::F32(v)).collect();
-        unit.layout.gather(
-            self.comm,
-            unit.params.master_view().into(),
-            &mut dsts,
-            &self.stats,
-        )?;
-        Ok(values)
     }
 
     /// SHA-256 (hex) of the parameters' f32 values, by name: the same for the same values

@@ -52,7 +52,7 @@ use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
-use crate::storage::Placement;
+use crate::storage::{Placement, Storage};
 use crate::Result;
 use layout::UnitLayout;
 use param_pool::ParamPool;
@@ -298,7 +298,10 @@ pub fn fully_shard<'c, O: Optimizer>(
                 .into(),
         });
     }
-    let bf16 = [opts.mixed_precision.param_dtype, opts.mixed_precision.reduce_dtype];
+    let bf16 = [
+        opts.mixed_precision.param_dtype,
+        opts.mixed_precision.reduce_dtype,
+    ];
     if !placement.is_cpu() && bf16.contains(&DType::BF16) {
         return Err(crate::Error::BadInput {
             op: "fully_shard",
@@ -676,24 +679,31 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// dtype), gathered by a fresh all-gather; for checks and checkpoints (copies).
     pub fn full_params(&mut self) -> Result<HashMap<String, Vec<f32>>> {
         let mut out = HashMap::new();
-        for unit in &self.units {
-            // Gathered where the master lives (device to device on a GPU), then read.
-            let (slots, placement) = (unit.params.slots(), unit.params.placement());
-            let mut values = slots
-                .iter()
-                .map(|s| placement.zeros::<f32>(s.numel()))
-                .collect::<Result<Vec<_>>>()?;
-            let mut dsts: Vec<BufMut<'_>> =
-                values.iter_mut().map(|v| v.view_mut().into()).collect();
-            let master = unit.params.master_view().into();
-            unit.layout
-                .gather(self.comm, master, &mut dsts, &self.stats)?;
-            drop(dsts);
-            for (slot, v) in slots.iter().zip(values) {
-                out.insert(slot.name.clone(), v.into_vec()?);
+        for u in 0..self.units.len() {
+            let values = self.gather_buffer(u)?;
+            for (slot, v) in self.units[u].params.slots().iter().zip(values) {
+                out.insert(slot.name.clone(), v);
             }
         }
         Ok(out)
+    }
+
+    /// Buffer `u`'s parameters, gathered in full (f32 master values) where the master lives
+    /// (device to device on a GPU), then read to the host, in slot order: what
+    /// [`Self::full_params`], the digest and the export read.
+    pub(crate) fn gather_buffer(&self, u: usize) -> Result<Vec<Vec<f32>>> {
+        let unit = &self.units[u];
+        let (slots, placement) = (unit.params.slots(), unit.params.placement());
+        let mut values = slots
+            .iter()
+            .map(|s| placement.zeros::<f32>(s.numel()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| v.view_mut().into()).collect();
+        let master = unit.params.master_view().into();
+        unit.layout
+            .gather(self.comm, master, &mut dsts, &self.stats)?;
+        drop(dsts);
+        values.into_iter().map(Storage::into_vec).collect()
     }
 
     /// Parameters that received no gradient in the first reduction of their unit (`None`
