@@ -209,9 +209,7 @@ impl RootPlan {
             own,
         })
     }
-}
 
-impl RootPlan {
     /// `job`'s matrix as a [`RaggedShard`] over its holders (the plan's holdings: ascending,
     /// one contiguous range per rank) and as the whole matrix on its root.
     fn layouts(&self, shard: &LocalShard, job: &MatrixJob) -> Result<(RaggedShard, RaggedShard)> {
