@@ -201,8 +201,8 @@ struct State {
     aborted: Option<String>,
     /// Data phases that failed on some rank (a device copy or kernel): the sync point that
     /// ends the phase, the rank and why. Every rank reads it after that sync, so all fail
-    /// together instead of the others reading a range that was never written; entries every
-    /// rank has passed are dropped.
+    /// together instead of the others reading a range that was never written; entries of
+    /// points every rank is past are dropped.
     phase_failures: Vec<(u64, usize, String)>,
 }
 
@@ -363,8 +363,10 @@ impl Call<'_> {
         let mut st = w.lock();
         self.point += 1;
         if let Err(e) = &done {
-            let passed = st.reached.iter().copied().min().unwrap_or(0);
-            st.phase_failures.retain(|f| f.0 > passed);
+            // A rank reads an entry right after its sync point, before it reaches the next
+            // one: once every rank is past a point, its entries are read.
+            let slowest = st.reached.iter().copied().min().unwrap_or(0);
+            st.phase_failures.retain(|f| f.0 >= slowest);
             st.phase_failures
                 .push((self.point, self.comm.rank, e.to_string()));
         }
