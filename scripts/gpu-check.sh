@@ -105,6 +105,28 @@ ls -l "$links" >>"$log" 2>&1
         printf '%s: ' "$l"
         python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print('loads')" "$l" 2>&1 | tail -n 1
     done
+    # Does the driver take a zero-byte stream-ordered allocation? 8-bit Adam's empty fallback
+    # moments (a shard of tiles only) and cudarc's empty slices ask for one.
+    echo "== cuMemAllocAsync of 0 bytes"
+    python3 - <<'PY' 2>&1 || echo "probe failed"
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+steps = [("cuInit", lambda: cu.cuInit(0)),
+         ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), 0)),
+         ("cuDevicePrimaryCtxRetain", lambda: cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+         ("cuCtxSetCurrent", lambda: cu.cuCtxSetCurrent(ctx)),
+         ("cuMemAllocAsync(0 bytes)",
+          lambda: cu.cuMemAllocAsync(ctypes.byref(ptr), ctypes.c_size_t(0), ctypes.c_void_p(0)))]
+for name, call in steps:
+    r = call()
+    print(f"{name}: {r} (0 is CUDA_SUCCESS)")
+    if r != 0:
+        break
+else:
+    print(f"pointer {ptr.value:#x}; free: {cu.cuMemFreeAsync(ptr, ctypes.c_void_p(0))}, "
+          f"sync: {cu.cuStreamSynchronize(ctypes.c_void_p(0))}")
+PY
     for exe in "$bins"/*candle-cuda*; do
         [[ -x $exe ]] || continue
         echo "== ldd $(basename "$exe") (libraries not found)"
