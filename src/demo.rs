@@ -448,10 +448,10 @@ pub fn train_rank_with<O: CheckpointState>(
     let (cfg, mode, steps, global_batch) = job;
     let world = comm.world_size();
     if global_batch % world != 0 || global_batch == 0 {
-        return Err(Error::WorldSizeMismatch {
-            op: "train_rank: global batch must split evenly over ranks",
-            expected: world,
-            got: global_batch,
+        return Err(Error::BadInput {
+            op: "train_rank",
+            what: format!("a global batch of {global_batch}"),
+            reason: format!("it must split evenly over the {world} ranks (a positive multiple)"),
         });
     }
     let rows = global_batch / world;
