@@ -225,6 +225,16 @@ fn check_args(args: &Args) -> Result<()> {
     positive_finite(OP, "--lr", args.lr)?;
     at_least(OP, "--ranks", args.ranks, 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
+    // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
+    let threads = matches!(args.comm, CommKind::Threads | CommKind::GpuThreads);
+    if threads && args.batch % args.ranks != 0 {
+        return Err(ragged::Error::BadInput {
+            op: OP,
+            what: format!("--batch {} with --ranks {}", args.batch, args.ranks),
+            reason: "each rank takes an equal share of the batch: pick a multiple of --ranks"
+                .into(),
+        });
+    }
     if args.save_every > 0 && args.checkpoint_dir.is_none() {
         return Err(ragged::Error::BadInput {
             op: OP,
