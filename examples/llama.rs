@@ -17,6 +17,7 @@ use clap::{Parser, ValueEnum};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{BufMut, Communicator, ReduceOp, SingleRank};
 use ragged::fsdp::{fully_shard, FsdpOptions};
+use ragged::limits::even_share;
 use ragged::optim::Optimizer;
 use ragged::schedule::Schedule;
 use ragged::Result;
@@ -114,14 +115,8 @@ fn run<O: Optimizer>(args: &Args, opt: impl Fn() -> Result<O> + Sync) -> Result<
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let result = if args.ranks == 0 || args.batch % args.ranks != 0 {
-        Err(ragged::Error::WorldSizeMismatch {
-            op: "llama: --batch must split evenly over --ranks (at least 1)",
-            expected: args.ranks,
-            got: args.batch,
-        })
-    } else {
-        match args.optimizer {
+    let result =
+        even_share("llama", "--batch", args.batch, args.ranks).and_then(|_| match args.optimizer {
             Opt::Muon => run(&args, || {
                 Muon::new(MuonConfig {
                     lr: 0.02,
@@ -141,8 +136,7 @@ fn main() -> std::process::ExitCode {
                     ..Adam8bitConfig::default()
                 })
             }),
-        }
-    };
+        });
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -30,7 +30,7 @@ use ragged::demo::{
     train_rank, train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
 };
 use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
-use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
+use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, Grafting, MatrixLayout, Muon,
@@ -226,14 +226,8 @@ fn check_args(args: &Args) -> Result<()> {
     at_least(OP, "--ranks", args.ranks, 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
     // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
-    let threads = matches!(args.comm, CommKind::Threads | CommKind::GpuThreads);
-    if threads && args.batch % args.ranks != 0 {
-        return Err(ragged::Error::BadInput {
-            op: OP,
-            what: format!("--batch {} with --ranks {}", args.batch, args.ranks),
-            reason: "each rank takes an equal share of the batch: pick a multiple of --ranks"
-                .into(),
-        });
+    if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
+        even_share(OP, "--batch", args.batch, args.ranks)?;
     }
     if args.save_every > 0 && args.checkpoint_dir.is_none() {
         return Err(ragged::Error::BadInput {

@@ -446,15 +446,12 @@ pub fn train_rank_with<O: CheckpointState>(
     mut on_step: impl FnMut(usize, &StepReport),
 ) -> Result<Trained> {
     let (cfg, mode, steps, global_batch) = job;
-    let world = comm.world_size();
-    if global_batch % world != 0 || global_batch == 0 {
-        return Err(Error::BadInput {
-            op: "train_rank",
-            what: format!("a global batch of {global_batch}"),
-            reason: format!("it must split evenly over the {world} ranks (a positive multiple)"),
-        });
-    }
-    let rows = global_batch / world;
+    let rows = crate::limits::even_share(
+        "train_rank",
+        "a global batch of",
+        global_batch,
+        comm.world_size(),
+    )?;
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
     if let Some(from) = &ckpt.resume {
         sharded.load(from)?;

@@ -36,6 +36,19 @@ pub fn at_least(op: &'static str, what: &str, n: usize, min: usize) -> Result<us
     })
 }
 
+/// Each of `ranks` ranks' equal share of `total` (a batch's rows), or `Err` naming `what`
+/// unless `total` is a positive multiple of `ranks`.
+pub fn even_share(op: &'static str, what: &str, total: usize, ranks: usize) -> Result<usize> {
+    if total > 0 && ranks > 0 && total % ranks == 0 {
+        return Ok(total / ranks);
+    }
+    Err(Error::BadInput {
+        op,
+        what: format!("{what} {total}"),
+        reason: format!("must split evenly over {ranks} ranks (a positive multiple of {ranks})"),
+    })
+}
+
 /// The product of `factors`, or `Err` naming `what` when it overflows `usize`.
 pub fn checked_product(op: &'static str, what: &str, factors: &[usize]) -> Result<usize> {
     factors
@@ -135,6 +148,15 @@ mod tests {
     fn counts_below_their_minimum_are_refused() {
         assert!(at_least("t", "--repeats", 0, 1).is_err());
         assert_eq!(at_least("t", "--repeats", 1, 1).unwrap(), 1);
+    }
+
+    #[test]
+    fn shares_must_be_whole_and_positive() {
+        assert_eq!(even_share("t", "--batch", 12, 3).unwrap(), 4);
+        for (total, ranks) in [(8, 3), (0, 3), (8, 0)] {
+            let err = even_share("t", "--batch", total, ranks).unwrap_err().to_string();
+            assert!(err.contains(&format!("--batch {total}")), "{err}");
+        }
     }
 
     #[test]
