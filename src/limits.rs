@@ -154,7 +154,9 @@ mod tests {
     fn shares_must_be_whole_and_positive() {
         assert_eq!(even_share("t", "--batch", 12, 3).unwrap(), 4);
         for (total, ranks) in [(8, 3), (0, 3), (8, 0)] {
-            let err = even_share("t", "--batch", total, ranks).unwrap_err().to_string();
+            let err = even_share("t", "--batch", total, ranks)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(&format!("--batch {total}")), "{err}");
         }
     }
