@@ -47,6 +47,35 @@ impl TransformerConfig {
         seq_len: 12,
     };
 
+    /// `Err` unless the sizes are positive (`n_layers` may be 0), `d_model` splits into
+    /// `n_heads` whole heads and token ids fit `u32` (candle's index type).
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("vocab", self.vocab),
+            ("d_model", self.d_model),
+            ("n_heads", self.n_heads),
+            ("d_ff", self.d_ff),
+            ("seq_len", self.seq_len),
+        ];
+        let reason = if let Some((name, _)) = sizes.iter().find(|(_, n)| *n == 0) {
+            format!("{name} is 0")
+        } else if self.d_model % self.n_heads != 0 {
+            format!(
+                "d_model {} is not a multiple of n_heads {}",
+                self.d_model, self.n_heads
+            )
+        } else if u32::try_from(self.vocab).is_err() {
+            format!("vocab {} does not fit the u32 token ids", self.vocab)
+        } else {
+            return Ok(());
+        };
+        Err(Error::BadInput {
+            op: "TransformerConfig::validate",
+            what: format!("{self:?}"),
+            reason,
+        })
+    }
+
     /// Every parameter's name and shape, in registration order.
     pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (d, f) = (self.d_model, self.d_ff);
@@ -69,6 +98,7 @@ impl TransformerConfig {
     /// Deterministic initial values (same on every rank): norms at one, matrices uniform in
     /// `±1/√fan_in` from a seeded generator.
     pub fn init_params(&self, seed: u64) -> Result<Vec<(String, Tensor)>> {
+        self.validate()?;
         let mut rng = SplitMix(seed);
         self.param_shapes()
             .into_iter()
@@ -133,6 +163,9 @@ fn rms_norm(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 impl Block {
     /// Layer `i` from `vb` (names `layers.<i>.…`, as in [`TransformerConfig::param_shapes`]).
     fn new(cfg: &TransformerConfig, i: usize, vb: &VarBuilder) -> candle_core::Result<Self> {
+        // Every way to build a block (the model, the stages) passes here before dividing.
+        cfg.validate()
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let (d, f) = (cfg.d_model, cfg.d_ff);
         let vb = vb.pp(format!("layers.{i}"));
         Ok(Block {
@@ -325,6 +358,7 @@ pub fn batch(
     first: usize,
     rows: usize,
 ) -> Result<Tensor> {
+    cfg.validate()?;
     let window = cfg.seq_len + 1;
     let span = corpus
         .len()

@@ -80,6 +80,16 @@ pub fn fits_in_memory(op: &'static str, what: &str, bytes: usize) -> Result<usiz
     }
 }
 
+/// `start + timeout`, or a deadline about a century away where the sum overflows `Instant`
+/// (a timeout of `Duration::MAX` means "wait for ever", not a panic).
+pub fn deadline(start: std::time::Instant, timeout: std::time::Duration) -> std::time::Instant {
+    const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
+    start
+        .checked_add(timeout)
+        .or_else(|| start.checked_add(CENTURY))
+        .unwrap_or(start)
+}
+
 /// Bytes of memory available to new allocations: `MemAvailable` of `/proc/meminfo`.
 pub fn available_memory() -> Result<u64> {
     const PATH: &str = "/proc/meminfo";

@@ -173,6 +173,51 @@ impl LocalShard {
         })
     }
 
+    /// `Err(InvalidShard)` unless every piece names a parameter, lies inside that parameter
+    /// and inside the shard, and the pieces are in shard order without overlap (so a loop over
+    /// the pieces touches every owned element once and never the padding). The fields are
+    /// public, so every function that walks the pieces of a shard it did not build checks it.
+    pub fn check(&self, op: &'static str) -> Result<()> {
+        let bad = |reason: String| Err(crate::Error::InvalidShard { op, reason });
+        let mut end = 0;
+        for (k, piece) in self.pieces.iter().enumerate() {
+            let Some(meta) = self.params.get(piece.param) else {
+                return bad(format!(
+                    "piece {k} names parameter {} of {}",
+                    piece.param,
+                    self.params.len()
+                ));
+            };
+            if piece.range.start > piece.range.end || piece.range.end > meta.numel() {
+                return bad(format!(
+                    "piece {k} holds elements {:?} of {} ({} elements)",
+                    piece.range,
+                    meta.name,
+                    meta.numel()
+                ));
+            }
+            if piece.offset < end {
+                return bad(format!(
+                    "piece {k} ({}) starts at {}, before the previous piece ends at {end}",
+                    meta.name, piece.offset
+                ));
+            }
+            end = match piece.offset.checked_add(piece.range.len()) {
+                Some(e) if e <= self.len => e,
+                _ => {
+                    return bad(format!(
+                        "piece {k} ({}) of {} elements at offset {} ends past the shard of {}",
+                        meta.name,
+                        piece.range.len(),
+                        piece.offset,
+                        self.len
+                    ))
+                }
+            };
+        }
+        Ok(())
+    }
+
     /// `Err` unless every parameter's holdings tile it in ascending order on ranks of this
     /// world, and this rank's pieces are exactly its holdings (what a route between ranks
     /// relies on).
@@ -214,6 +259,7 @@ impl LocalShard {
     /// `T::default()` (zero). `Err` when `global` does not hold one tensor of the right length
     /// per parameter.
     pub fn scatter<T: Copy + Default>(&self, global: &[Vec<T>]) -> Result<Vec<T>> {
+        self.check("LocalShard::scatter")?;
         check_globals("LocalShard::scatter", &self.params, global)?;
         let mut local = vec![T::default(); self.len];
         for p in &self.pieces {
@@ -250,6 +296,7 @@ impl LocalShard {
             .collect();
         let mut owners: Vec<Vec<u8>> = first.params.iter().map(|m| vec![0; m.numel()]).collect();
         for (shard, local) in shards.iter().zip(locals) {
+            shard.check(OP)?;
             let same = shard.params.len() == first.params.len()
                 && shard
                     .params
@@ -266,15 +313,6 @@ impl LocalShard {
                 ));
             }
             for p in &shard.pieces {
-                if p.param >= global.len()
-                    || p.range.end > global[p.param].len()
-                    || p.offset + p.range.len() > local.len()
-                {
-                    return bad(format!(
-                        "rank {}: piece {:?} of parameter {} out of bounds",
-                        shard.rank, p.range, p.param
-                    ));
-                }
                 global[p.param][p.range.clone()]
                     .copy_from_slice(&local[p.offset..p.offset + p.range.len()]);
                 for o in &mut owners[p.param][p.range.clone()] {
@@ -291,14 +329,6 @@ impl LocalShard {
             }
         }
         Ok(global)
-    }
-
-    /// Whether this rank holds all of parameter `param`.
-    pub fn holds_whole(&self, param: usize) -> bool {
-        let n = self.params[param].numel();
-        self.pieces
-            .iter()
-            .any(|p| p.param == param && p.range == (0..n))
     }
 }
 
@@ -441,6 +471,7 @@ impl Optimizer for Sgd {
     ) -> Result<()> {
         const OP: &str = "Sgd::step";
         check_shard_lengths(shard, params.len(), grads.len(), OP)?;
+        shard.check(OP)?;
         let spans = shard
             .pieces
             .iter()
@@ -484,13 +515,14 @@ fn check_globals<T>(op: &'static str, params: &[ParamMeta], global: &[Vec<T>]) -
 
 /// `lr` if it is finite and not negative (what [`Optimizer::set_learning_rate`] accepts).
 pub fn check_learning_rate(lr: f64) -> Result<f64> {
-    if lr.is_finite() && lr >= 0.0 {
+    // The steps compute in f32: a rate beyond f32's range would become infinite there.
+    if lr.is_finite() && lr >= 0.0 && lr <= f64::from(f32::MAX) {
         Ok(lr)
     } else {
         Err(crate::Error::BadInput {
             op: "set_learning_rate",
             what: format!("learning rate {lr}"),
-            reason: "must be finite and not negative".into(),
+            reason: "must be finite (as an f32) and not negative".into(),
         })
     }
 }

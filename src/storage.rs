@@ -270,7 +270,7 @@ impl Storage<f32> {
         add: bool,
     ) -> Result<()> {
         const OP: &str = "Storage::write_range";
-        if range.end > self.len() || src.len() != range.len() {
+        if range.start > range.end || range.end > self.len() || src.len() != range.len() {
             return Err(Error::InvalidShard {
                 op: OP,
                 reason: format!("{} elements into {range:?} of {}", src.len(), self.len()),
@@ -309,7 +309,7 @@ impl Storage<f32> {
 
     /// `self[range] ← 0`.
     pub fn zero_range(&mut self, range: std::ops::Range<usize>) -> Result<()> {
-        if range.end > self.len() {
+        if range.start > range.end || range.end > self.len() {
             return Err(Error::InvalidShard {
                 op: "Storage::zero_range",
                 reason: format!("{range:?} of {}", self.len()),
@@ -479,6 +479,11 @@ mod tests {
         assert!(s.write_range(5..7, (&src[..]).into(), false).is_err());
         assert!(s.write_range(0..3, (&src[..]).into(), false).is_err());
         assert!(s.zero_range(3..7).is_err());
+        // A reversed range has length 0 but cannot be sliced: refused, not a panic.
+        #[allow(clippy::reversed_empty_ranges)]
+        let (rev_a, rev_b) = (5..3, 4..2);
+        assert!(s.write_range(rev_a, (&src[..0]).into(), false).is_err());
+        assert!(s.zero_range(rev_b).is_err());
     }
 
     #[test]

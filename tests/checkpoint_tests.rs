@@ -496,6 +496,20 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     for e in load_errors(&params, adam8bit(), &good) {
         assert!(e.contains("saved with optimizer adamw"), "{e}");
     }
+    // A manifest claiming a 2^50-element array (PiBs) is refused before anything is
+    // allocated.
+    let huge = root.join("huge");
+    copy_dir(&good, &huge);
+    edit_manifest(&huge, |v| {
+        let n = 1u64 << 50;
+        v["fields"][0]["len"] = n.into();
+        v["fields"][0]["holders"] = serde_json::json!([[0, 0, n / 2], [1, n / 2, n]]);
+    });
+    let m = Manifest::read(&huge).unwrap();
+    let err = read_global(&huge, &m, &m.fields[0])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs") && err.contains("available"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

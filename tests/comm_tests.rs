@@ -211,6 +211,19 @@ fn communicators_come_in_rank_order_with_the_world_size() {
     assert_eq!(DEFAULT_TIMEOUT, Duration::from_secs(120));
 }
 
+/// A timeout too long to add to a clock ("wait for ever") is a very late deadline, not an
+/// overflow panic at every collective.
+#[test]
+fn the_longest_timeout_is_waited_not_overflowed() {
+    let sums = ThreadWorld::run_with_timeout(2, Duration::MAX, |c| {
+        let mut x = [c.rank() as f32 + 1.0];
+        c.all_reduce(BufMut::F32(&mut x), ReduceOp::Sum)?;
+        Ok(x[0])
+    })
+    .unwrap();
+    assert_eq!(sums, [3.0, 3.0]);
+}
+
 #[test]
 fn thread_comm_is_a_send_sync_trait_object() {
     fn assert_send_sync<T: Send + Sync>() {}

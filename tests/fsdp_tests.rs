@@ -979,6 +979,44 @@ fn schedules_and_set_learning_rate_drive_the_optimizer() {
     assert_eq!(sharded.learning_rate(), Some(0.5));
 }
 
+/// Two parameters of one name would share their values, their gathered copy and their
+/// checkpoint entry: `fully_shard` refuses them, naming the parameter.
+#[test]
+fn duplicate_parameter_names_are_refused() {
+    let mut params = CFG.init_params(6).unwrap();
+    params.push(params[0].clone());
+    let err = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("a name listed twice must be refused");
+    assert!(
+        err.to_string()
+            .contains(&format!("{} listed twice", params[0].0)),
+        "{err}"
+    );
+}
+
+/// A demo configuration that cannot work is an `Err` naming the field, wherever it enters:
+/// initial values, batches, and the stages of a model built from good parameters.
+#[test]
+fn impossible_demo_configurations_are_errors_not_panics() {
+    let no_heads = TransformerConfig { n_heads: 0, ..CFG };
+    let uneven = TransformerConfig { n_heads: 5, ..CFG };
+    let no_vocab = TransformerConfig { vocab: 0, ..CFG };
+    for (cfg, needle) in [(no_heads, "n_heads is 0"), (uneven, "not a multiple")] {
+        let err = cfg.init_params(1).unwrap_err().to_string();
+        assert!(err.contains(needle), "{err}");
+    }
+    let err = batch(corpus().unwrap(), &no_vocab, 0, 0, 2).unwrap_err();
+    assert!(err.to_string().contains("vocab is 0"), "{err}");
+    let params = CFG.init_params(6).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
+    let err = sharded
+        .forward_backward(&TransformerStages(no_heads), &ids)
+        .expect_err("a stage with 0 heads must fail");
+    assert!(err.to_string().contains("n_heads is 0"), "{err}");
+}
+
 /// Muon's element-wise fallback follows its matrix rate in proportion.
 #[test]
 fn muon_set_learning_rate_scales_its_fallback() {
@@ -988,6 +1026,11 @@ fn muon_set_learning_rate_scales_its_fallback() {
     muon.set_learning_rate(lr / 4.0).unwrap();
     assert_eq!(muon.learning_rate(), Some(lr / 4.0));
     assert_eq!(muon.config().adamw.lr, fallback / 4.0);
+    // A rate of 0 on the way (a warm-up from 0) keeps the proportion.
+    muon.set_learning_rate(0.0).unwrap();
+    assert_eq!(muon.config().adamw.lr, 0.0);
+    muon.set_learning_rate(lr * 2.0).unwrap();
+    assert_eq!(muon.config().adamw.lr, fallback * 2.0);
 }
 
 /// AdamW stepping on matrices planned in 8-row blocks (blocks of different sizes, whose lattice
@@ -1289,7 +1332,9 @@ fn measured_activations_are_the_graphs_tensors() {
         let mut sharded = fully_shard(&params, adamw(), &SingleRank, opts.clone()).unwrap();
         let plan = sharded.memory_plan();
         let order = [0, 1, 2];
-        let without = plan.peak_unit_by_unit(&order, &opts, &[]);
+        let without = plan.peak_unit_by_unit(&order, &opts, &[]).unwrap();
+        // A stage on a unit the plan lacks is an error, not an index panic.
+        assert!(plan.peak_unit_by_unit(&[0, 3], &opts, &[]).is_err());
         sharded
             .forward_backward(&ragged::demo::MlpStages(mlp), &mlp.batch(0, rows).unwrap())
             .unwrap();
@@ -1302,7 +1347,7 @@ fn measured_activations_are_the_graphs_tensors() {
         );
         let outputs: Vec<usize> = acts.iter().map(|a| a.output_bytes).collect();
         assert_eq!(outputs, [output, output, 4]);
-        assert!(plan.peak_unit_by_unit(&order, &opts, acts) > without);
+        assert!(plan.peak_unit_by_unit(&order, &opts, acts).unwrap() > without);
     }
 }
 

@@ -128,8 +128,8 @@ use ragged::{AtomicBlock, Error, Result, Role};
 
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig};
 use crate::common::{
-    apply_folded_adam_elem, check_len, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
-    lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
+    apply_folded_adam_elem, check_len, check_step_inputs, decay_elem, ema_sq_elem, lerp_large_elem,
+    lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
 };
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::adam8bit_avx512::{BytePlanes, LaneIndex};
@@ -697,7 +697,7 @@ impl Optimizer for Adam8bit {
 
     fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<Adam8bitState> {
         const OP: &str = "Adam8bit::init";
-        check_shard(OP, shard)?;
+        shard.check(OP)?;
         let (_, scales, fp32) = self.layout(OP, shard)?;
         Ok(Adam8bitState {
             step: 0,
@@ -828,7 +828,7 @@ enum Work<'a> {
 }
 
 /// Cuts the front of a slice by absolute position: the pieces of a shard are in offset order
-/// and do not overlap ([`check_shard`]), and so are their scales and fallback moments, so each
+/// and do not overlap ([`LocalShard::check`]), and so are their scales and fallback moments, so each
 /// array is split once, front to back, into disjoint borrows.
 struct Cursor<'a, T> {
     rest: &'a mut [T],

@@ -59,8 +59,9 @@ use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::common::{
-    self, apply_adam_elem, check_shard, check_step_inputs, decay_elem, ema_sq_elem,
+    self, apply_adam_elem, check_hyperparameters, check_step_inputs, decay_elem, ema_sq_elem,
     lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
+    MIN_EPS,
 };
 
 /// Which parameters get weight decay.
@@ -121,26 +122,23 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
-    /// torch's checks: `0 ≤ lr`, `0 ≤ ε`, `0 ≤ β₁ < 1`, `0 ≤ β₂ < 1`, `0 ≤ wd`, all finite.
+    /// torch's checks (`0 ≤ lr`, `0 ≤ β₁ < 1`, `0 ≤ β₂ < 1`, `0 ≤ wd`, all finite), but
+    /// `ε ≥` [`MIN_EPS`] where torch takes `0 ≤ ε`, and each value and `lr·wd` finite as an
+    /// `f32` (the kernels' precision).
     pub fn validate(&self) -> Result<()> {
-        let checks = [
-            ("lr", self.lr, self.lr >= 0.0),
-            ("eps", self.eps, self.eps >= 0.0),
-            ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
-            ("beta2", self.beta2, (0.0..1.0).contains(&self.beta2)),
-            ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
-        ];
-        for (name, value, ok) in checks {
-            if !ok || !value.is_finite() {
-                return Err(Error::BadInput {
-                    op: "AdamWConfig::validate",
-                    what: format!("{name} = {value}"),
-                    reason: "betas must lie in [0, 1); lr, eps and weight_decay must be \
-                             finite and non-negative"
-                        .into(),
-                });
-            }
-        }
+        check_hyperparameters(
+            "AdamWConfig::validate",
+            "betas must lie in [0, 1); lr and weight_decay must not be negative; eps must be at \
+             least f32::MIN_POSITIVE (1.2e-38), or Adam divides 0 by 0 where a gradient is zero",
+            &[
+                ("lr", self.lr, self.lr >= 0.0),
+                ("eps", self.eps, self.eps >= MIN_EPS),
+                ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
+                ("beta2", self.beta2, (0.0..1.0).contains(&self.beta2)),
+                ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
+                ("lr·weight_decay", self.lr * self.weight_decay, true),
+            ],
+        )?;
         self.roles.validate()
     }
 }
@@ -345,12 +343,12 @@ impl Optimizer for AdamW {
     }
 
     fn init(&self, shard: &LocalShard) -> Result<AdamState> {
-        check_shard("AdamW::init", shard)?;
+        shard.check("AdamW::init")?;
         Ok(AdamState::zeros(shard.len))
     }
 
     fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<AdamState> {
-        check_shard("AdamW::init_on", shard)?;
+        shard.check("AdamW::init_on")?;
         AdamState::zeros_on(place, shard.len)
     }
 

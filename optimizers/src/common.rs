@@ -17,7 +17,7 @@
 //! # Slice preconditions
 //! The slice functions are numerics kernels: all slices of one call must have the same length;
 //! a mismatch is a bug in the caller and panics (`# Panics`). Optimizers validate user input
-//! ([`check_len`], [`check_shard`]) and return `Err` before calling them.
+//! ([`check_len`], [`LocalShard::check`](ragged::optim::LocalShard::check)) and return `Err` before calling them.
 
 use ragged::optim::LocalShard;
 use ragged::{Error, Result};
@@ -265,6 +265,31 @@ pub fn apply_adam(p: &mut [f32], m: &[f32], v: &[f32], s: &AdamScale) {
 // Input checks shared by optimizers
 // ---------------------------------------------------------------------------------------------
 
+/// The smallest `ε` an Adam denominator accepts: the least positive normal `f32`. A zero (or
+/// an `ε` that rounds to zero in `f32`) divides `0` by `0` wherever a gradient has been zero
+/// since the start (embedding rows of unseen tokens), a silent NaN in the parameters.
+pub const MIN_EPS: f64 = f32::MIN_POSITIVE as f64;
+
+/// `Err(BadInput)` naming `op`, the value and `rules` for the first `(name, value, ok)` whose
+/// rule fails (`!ok`), that is not finite, or that overflows the `f32` the kernels compute
+/// with. Pass derived products (`lr·weight_decay`) too: each must stay finite in `f32`.
+pub fn check_hyperparameters(
+    op: &'static str,
+    rules: &str,
+    checks: &[(&str, f64, bool)],
+) -> Result<()> {
+    for &(name, value, ok) in checks {
+        if !ok || !value.is_finite() || !(value as f32).is_finite() {
+            return Err(Error::BadInput {
+                op,
+                what: format!("{name} = {value}"),
+                reason: format!("{rules}; every value finite as an f32"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// `Err(BadInput)` unless buffer `what` has the shard's `want` elements.
 pub fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
     if got == want {
@@ -278,9 +303,6 @@ pub fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Resul
     }
 }
 
-/// `Err(InvalidShard)` unless every piece of `shard` names a parameter, lies inside that
-/// parameter and inside the shard, and the pieces are in shard order without overlap (so an
-/// optimizer that walks the pieces touches every owned element once and never the padding).
 /// The checks every optimizer's `step` opens with: params, grads and the two per-element
 /// moment buffers cover the local shard exactly, and the shard's pieces are well formed.
 pub fn check_step_inputs(
@@ -295,7 +317,7 @@ pub fn check_step_inputs(
     check_len(op, "grads", grads, shard.len)?;
     check_len(op, "state.m", m, shard.len)?;
     check_len(op, "state.v", v, shard.len)?;
-    check_shard(op, shard)
+    shard.check(op)
 }
 
 /// The next step number after `step` (1-based), or an error if the counter would overflow.
@@ -305,40 +327,4 @@ pub fn next_step(op: &'static str, step: u64) -> Result<u64> {
         what: "state.step".into(),
         reason: "step counter overflows u64".into(),
     })
-}
-
-pub fn check_shard(op: &'static str, shard: &LocalShard) -> Result<()> {
-    let bad = |reason: String| Err(Error::InvalidShard { op, reason });
-    let mut end = 0;
-    for (k, piece) in shard.pieces.iter().enumerate() {
-        let Some(meta) = shard.params.get(piece.param) else {
-            return bad(format!(
-                "piece {k} names parameter {} of {}",
-                piece.param,
-                shard.params.len()
-            ));
-        };
-        if piece.range.start > piece.range.end || piece.range.end > meta.numel() {
-            return bad(format!(
-                "piece {k} holds elements {:?} of {} ({} elements)",
-                piece.range,
-                meta.name,
-                meta.numel()
-            ));
-        }
-        if piece.offset < end {
-            return bad(format!(
-                "piece {k} ({}) starts at {}, before the previous piece ends at {end}",
-                meta.name, piece.offset
-            ));
-        }
-        end = piece.offset + piece.range.len();
-        if end > shard.len {
-            return bad(format!(
-                "piece {k} ({}) ends at {end}, past the shard of {}",
-                meta.name, shard.len
-            ));
-        }
-    }
-    Ok(())
 }

@@ -67,7 +67,7 @@ use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::adamw::{adamw_update, AdamRun, AdamState, AdamW, AdamWConfig};
 use crate::common::{
-    self, check_shard, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
+    self, check_hyperparameters, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::MatrixLayout;
 use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
@@ -144,26 +144,20 @@ impl MuonConfig {
     /// torch's checks (`0 ≤ lr`, `0 ≤ wd`, `0 ≤ μ < 1`, finite), [`NsConfig::validate`] and
     /// [`AdamWConfig::validate`].
     pub fn validate(&self) -> Result<()> {
-        let checks = [
-            ("lr", self.lr, self.lr >= 0.0),
-            ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
-            (
-                "momentum",
-                self.momentum,
-                (0.0..1.0).contains(&self.momentum),
-            ),
-        ];
-        for (name, value, ok) in checks {
-            if !ok || !value.is_finite() {
-                return Err(Error::BadInput {
-                    op: "MuonConfig::validate",
-                    what: format!("{name} = {value}"),
-                    reason: "momentum must lie in [0, 1); lr and weight_decay must be finite \
-                             and non-negative"
-                        .into(),
-                });
-            }
-        }
+        check_hyperparameters(
+            "MuonConfig::validate",
+            "momentum must lie in [0, 1); lr and weight_decay must not be negative",
+            &[
+                ("lr", self.lr, self.lr >= 0.0),
+                ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
+                (
+                    "momentum",
+                    self.momentum,
+                    (0.0..1.0).contains(&self.momentum),
+                ),
+                ("lr·weight_decay", self.lr * self.weight_decay, true),
+            ],
+        )?;
         self.ns.validate()?;
         self.roles.validate()?;
         self.adamw.validate()
@@ -175,6 +169,9 @@ impl MuonConfig {
 pub struct Muon {
     config: MuonConfig,
     pub(crate) adamw: AdamW,
+    /// The configured `(lr, adamw.lr)`: the fallback's rate stays `adamw.lr · lr / base lr`
+    /// through every change of rate, including a rate of 0 on the way (a warm-up from 0).
+    base_rates: (f64, f64),
 }
 
 /// The trailing matrix of a shape: `(rows, cols)`.
@@ -192,7 +189,12 @@ impl Muon {
             roles: config.roles,
             ..config.adamw
         })?;
-        Ok(Muon { config, adamw })
+        let base_rates = (config.lr, config.adamw.lr);
+        Ok(Muon {
+            config,
+            adamw,
+            base_rates,
+        })
     }
 
     /// The hyperparameters.
@@ -238,11 +240,13 @@ impl Optimizer for Muon {
 
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         let lr = ragged::optim::check_learning_rate(lr)?;
-        let old = self.config.lr;
-        let fallback = if old > 0.0 {
-            self.config.adamw.lr * (lr / old)
+        // From the configured rates, not the current ones: a rate of 0 would otherwise lose
+        // the proportion for good. Configured with lr = 0, the fallback keeps its own rate.
+        let (base_lr, base_fallback) = self.base_rates;
+        let fallback = if base_lr > 0.0 {
+            base_fallback * (lr / base_lr)
         } else {
-            self.config.adamw.lr
+            base_fallback
         };
         self.adamw.set_learning_rate(fallback)?;
         self.config.adamw.lr = fallback;
@@ -268,12 +272,12 @@ impl Optimizer for Muon {
     }
 
     fn init(&self, shard: &LocalShard) -> Result<MuonState> {
-        check_shard("Muon::init", shard)?;
+        shard.check("Muon::init")?;
         Ok(AdamState::zeros(shard.len))
     }
 
     fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<MuonState> {
-        check_shard("Muon::init_on", shard)?;
+        shard.check("Muon::init_on")?;
         AdamState::zeros_on(place, shard.len)
     }
 

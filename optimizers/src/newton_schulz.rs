@@ -977,22 +977,32 @@ fn ns_one(
 /// oneDNN call fails mid-way (then it is too).
 pub fn orthogonalize(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) -> Result<()> {
     cfg.validate()?;
-    if x.len() != rows * cols {
-        return Err(Error::BadInput {
-            op: "orthogonalize",
-            what: format!("{} elements", x.len()),
-            reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
-        });
-    }
+    check_matrix("orthogonalize", x.len(), rows, cols)?;
     let backend = resolve_config(cfg)?;
     let par = Parallelism::Rayon(rayon::current_num_threads());
     ns_one(x, rows, cols, cfg, backend, par)
 }
 
+/// `Err(BadInput)` unless `len` is the element count of a `rows × cols` matrix (a product
+/// that overflows `usize` never is).
+fn check_matrix(op: &'static str, len: usize, rows: usize, cols: usize) -> Result<()> {
+    match rows.checked_mul(cols) {
+        Some(n) if n == len => Ok(()),
+        n => Err(Error::BadInput {
+            op,
+            what: format!("{len} elements"),
+            reason: match n {
+                Some(n) => format!("a {rows}×{cols} matrix has {n}"),
+                None => format!("a {rows}×{cols} matrix has more elements than usize holds"),
+            },
+        }),
+    }
+}
+
 /// [`orthogonalize`] on each of the whole `rows × cols` matrices stacked in `x` (the
 /// experts of `[E, rows, cols]`); see [`orthogonalize_many`] for the threading.
 pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig) -> Result<()> {
-    let mn = rows * cols;
+    let mn = rows.saturating_mul(cols);
     if (mn == 0 && !x.is_empty()) || (mn != 0 && !x.len().is_multiple_of(mn)) {
         return Err(Error::BadInput {
             op: "orthogonalize_batch",
@@ -1017,12 +1027,8 @@ pub fn orthogonalize_batch(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConf
 /// - **one after another**, each product using every thread: the rest.
 pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig) -> Result<()> {
     cfg.validate()?;
-    if let Some((x, rows, cols)) = tasks.iter().find(|(x, r, c)| x.len() != r * c) {
-        return Err(Error::BadInput {
-            op: "orthogonalize_many",
-            what: format!("{} elements", x.len()),
-            reason: format!("a {rows}×{cols} matrix has {}", rows * cols),
-        });
+    for (x, rows, cols) in &tasks {
+        check_matrix("orthogonalize_many", x.len(), *rows, *cols)?;
     }
     let backend = resolve_config(cfg)?;
     let threads = rayon::current_num_threads();
@@ -1054,7 +1060,9 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
 /// and a product; the standard iteration needs two).
 pub fn ns_working_bytes(rows: usize, cols: usize) -> usize {
     let (s, l) = (rows.min(cols), rows.max(cols));
-    (2 * s * l + 4 * s * s).saturating_mul(std::mem::size_of::<f32>())
+    let elems = (s.saturating_mul(l).saturating_mul(2))
+        .saturating_add(s.saturating_mul(s).saturating_mul(4));
+    elems.saturating_mul(std::mem::size_of::<f32>())
 }
 
 /// How many matrices whose working buffers fit in [`RETAIN_BYTES`] per rayon thread make

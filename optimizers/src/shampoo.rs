@@ -105,7 +105,7 @@ use ragged::optim::{LocalShard, Optimizer};
 use ragged::storage::{View, ViewMut};
 use ragged::{AtomicBlock, Error, Result};
 
-use crate::common::{check_len, check_shard, ema_sq_elem, lerp_elem, next_step};
+use crate::common::{check_hyperparameters, check_len, ema_sq_elem, lerp_elem, next_step, MIN_EPS};
 
 /// The grafting method: the diagonal optimizer whose per-block step norm Shampoo's direction
 /// takes, and the whole update before `start_preconditioning_step`. Defaults are fb's
@@ -217,22 +217,18 @@ impl ShampooConfig {
                 reason: reason.into(),
             })
         };
-        let checks = [
-            ("lr", self.lr, self.lr >= 0.0),
-            ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
-            ("beta2", self.beta2, self.beta2 > 0.0 && self.beta2 <= 1.0),
-            ("epsilon", self.epsilon, self.epsilon > 0.0),
-            ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
-        ];
-        for (name, value, ok) in checks {
-            if !ok || !value.is_finite() {
-                return bad(
-                    format!("{name} = {value}"),
-                    "need 0 ≤ lr, 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0, \
-                     all finite",
-                );
-            }
-        }
+        check_hyperparameters(
+            "ShampooConfig::validate",
+            "need 0 ≤ lr, 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0",
+            &[
+                ("lr", self.lr, self.lr >= 0.0),
+                ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
+                ("beta2", self.beta2, self.beta2 > 0.0 && self.beta2 <= 1.0),
+                ("epsilon", self.epsilon, self.epsilon > 0.0),
+                ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
+                ("lr·weight_decay", self.lr * self.weight_decay, true),
+            ],
+        )?;
         if self.max_preconditioner_dim == 0 {
             return bad(
                 "max_preconditioner_dim = 0".into(),
@@ -264,10 +260,12 @@ impl ShampooConfig {
             }
         }
         if let Some((beta2, eps, _)) = self.grafting.params() {
-            if !(beta2 > 0.0 && beta2 <= 1.0 && eps > 0.0 && eps.is_finite()) {
+            // The grafting denominator is an f32 `√v + ε`: ε must not round to zero there.
+            if !(beta2 > 0.0 && beta2 <= 1.0 && eps >= MIN_EPS && eps.is_finite()) {
                 return bad(
                     format!("grafting {:?}", self.grafting),
-                    "grafting needs 0 < beta2 ≤ 1 and a finite epsilon > 0",
+                    "grafting needs 0 < beta2 ≤ 1 and a finite epsilon ≥ f32::MIN_POSITIVE \
+                     (1.2e-38)",
                 );
             }
         }
@@ -466,7 +464,7 @@ impl Shampoo {
     /// `Err(InvalidShard)` when a piece starts or ends inside a row block.
     pub fn blocks(&self, shard: &LocalShard) -> Result<(Vec<Block>, usize)> {
         const OP: &str = "Shampoo::blocks";
-        check_shard(OP, shard)?;
+        shard.check(OP)?;
         let d = self.config.max_preconditioner_dim;
         let mut out = Vec::new();
         let mut factor_at = 0;

@@ -234,6 +234,7 @@ pub fn validate_with<O: Optimizer>(
         mesh_invariance: false,
         ..cfg.clone()
     })?;
+    check_memory(units, cfg)?;
     let mut report = ValidateReport::default();
     for u in units {
         validate_unit(opt, u, cfg, &mut report)?;
@@ -244,6 +245,7 @@ pub fn validate_with<O: Optimizer>(
 /// Validates `cfg.optimizer` on every unit of `units`.
 pub fn validate(units: &[Unit], cfg: &ValidateConfig) -> Result<ValidateReport> {
     check_config(cfg)?;
+    check_memory(units, cfg)?;
     let mut report = ValidateReport::default();
     let adam = AdamWConfig::default();
     match cfg.optimizer {
@@ -323,6 +325,33 @@ fn check_config(cfg: &ValidateConfig) -> Result<()> {
             cfg.optimizer.to_string(),
             "--mesh-invariance compares 8-bit Adam's state",
         );
+    }
+    Ok(())
+}
+
+/// `Err` when the largest unit's inputs and runs cannot fit in the memory available now.
+/// A unit holds its seeded inputs (`steps + 1` f32 values per element) while it runs: the
+/// estimate adds 96 bytes per element for the runs' parameters and state (f32 unsharded and
+/// sharded, f64 reference), so it is a floor, and a model too big for this machine (a full
+/// preset at `--steps 100000`) is refused before anything is allocated.
+fn check_memory(units: &[Unit], cfg: &ValidateConfig) -> Result<()> {
+    const OP: &str = "validate";
+    let per_element = cfg
+        .steps
+        .checked_add(1)
+        .and_then(|n| n.checked_mul(4))
+        .and_then(|n| n.checked_add(96));
+    for u in units {
+        let numel = u.tensors.iter().map(|t| t.numel()).sum::<usize>();
+        let what = format!("unit {} at --steps {}", u.name, cfg.steps);
+        let bytes = per_element
+            .and_then(|b| b.checked_mul(numel))
+            .ok_or_else(|| Error::BadInput {
+                op: OP,
+                what: what.clone(),
+                reason: "its inputs' size overflows this machine's address space".into(),
+            })?;
+        ragged::limits::fits_in_memory(OP, &what, bytes)?;
     }
     Ok(())
 }

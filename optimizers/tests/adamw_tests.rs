@@ -763,6 +763,9 @@ fn inconsistent_shards_are_rejected_not_indexed() {
     let mut s = good.clone();
     s.pieces[1].offset = 8; // overlaps the first piece
     cases.push(s);
+    let mut s = good.clone();
+    s.pieces[1].offset = usize::MAX; // offset + len wraps past zero
+    cases.push(s);
     for (k, s) in cases.iter().enumerate() {
         assert!(opt.init(s).is_err(), "case {k}: init");
         let mut state = AdamState::zeros(s.len);
@@ -793,6 +796,16 @@ fn invalid_hyperparameters_are_rejected() {
             eps: f64::INFINITY,
             ..d
         },
+        // ε = 0 (torch takes it) divides 0 by 0 where a gradient is zero; 1e-50 is 0 in f32.
+        AdamWConfig { eps: 0.0, ..d },
+        AdamWConfig { eps: 1e-50, ..d },
+        // Finite in f64, infinite in the f32 the kernels use.
+        AdamWConfig { lr: 1e39, ..d },
+        AdamWConfig {
+            lr: 1e30,
+            weight_decay: 1e10,
+            ..d
+        },
     ] {
         assert!(AdamW::new(bad).is_err(), "{bad:?}");
     }
@@ -802,6 +815,31 @@ fn invalid_hyperparameters_are_rejected() {
         ..d
     })
     .is_ok());
+}
+
+/// At the smallest ε accepted, elements whose gradient has always been zero stay where they
+/// are: `0 / (0 + ε) = 0`, not NaN.
+#[test]
+fn the_smallest_eps_keeps_zero_gradients_finite() {
+    let spec = specs(&[&[4, 4]]);
+    let shard = whole_shard(&spec);
+    let opt = AdamW::new(AdamWConfig {
+        eps: common::MIN_EPS,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    })
+    .unwrap();
+    let mut state = opt.init(&shard).unwrap();
+    let mut p = vec![0.5; shard.len];
+    let mut g = vec![0.0; shard.len];
+    g[0] = 1.0;
+    for _ in 0..3 {
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+    }
+    assert!(p.iter().all(|x| x.is_finite()), "{p:?}");
+    assert!(p[1..].iter().all(|&x| x == 0.5), "{p:?}");
+    assert!(p[0] < 0.5);
 }
 
 #[test]

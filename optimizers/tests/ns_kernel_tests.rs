@@ -8,8 +8,8 @@ use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::newton_schulz::{
-    ns_macs, orthogonalize_many, resolve_backend, resolve_config, resolve_method, NsMethod,
-    POLAR_EXPRESS_NORM_SCALE,
+    ns_macs, ns_working_bytes, orthogonalize_many, resolve_backend, resolve_config, resolve_method,
+    NsMethod, POLAR_EXPRESS_NORM_SCALE,
 };
 use ragged_optimizers::{
     ns_backend_info, orthogonalize, orthogonalize_batch, NsBackend, NsConfig, NsPrecision,
@@ -1073,6 +1073,11 @@ fn bad_shapes_and_configs_are_errors_not_panics() {
     let mut empty: Vec<f32> = Vec::new();
     orthogonalize(&mut empty, 0, 5, &NsConfig::default()).unwrap();
     orthogonalize_batch(&mut empty, 3, 4, &NsConfig::default()).unwrap();
+    // 2^33 × 2^31 wraps to 0 in usize: still not the shape of an empty slice.
+    let (rows, cols) = (1usize << 33, 1usize << 31);
+    assert!(orthogonalize(&mut empty, rows, cols, &NsConfig::default()).is_err());
+    assert!(orthogonalize_many(vec![(&mut empty[..], rows, cols)], &NsConfig::default()).is_err());
+    assert_eq!(ns_working_bytes(rows, cols), usize::MAX);
     assert_eq!(x, vec![1.0f32; 10], "errors leave the input unchanged");
 }
 

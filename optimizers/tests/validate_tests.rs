@@ -160,6 +160,19 @@ fn bad_configurations_are_rejected() {
     ] {
         assert!(validate(&units, &bad).is_err(), "{bad:?}");
     }
+    // An 8-billion-element unit cannot fit in any machine's memory this runs on: refused
+    // before its inputs are drawn (not an allocation abort), through both entry points.
+    let big = TensorSpec::new("w.big", &[1 << 16, 1 << 17], DType::F32).unwrap();
+    let huge = [Unit {
+        name: "huge".into(),
+        tensors: vec![&big],
+    }];
+    for err in [
+        validate(&huge, &good).unwrap_err(),
+        validate_with(&AdamW::default(), &huge, &good).unwrap_err(),
+    ] {
+        assert!(err.to_string().contains("available"), "{err}");
+    }
     assert!("zero3".parse::<LayoutKind>().is_err());
     assert!(ragged_optimizers::validate::scaled(&specs, 0).is_err());
 }
@@ -200,6 +213,12 @@ fn scatter_and_gather_are_inverse_and_refuse_inconsistent_buffers() {
     assert!(LocalShard::gather(&shards, &short).is_err());
     assert!(LocalShard::gather(&shards[..2], &locals[..2]).is_err());
     assert!(LocalShard::gather::<f32>(&[], &[]).is_err());
+    // A hand-built shard whose piece runs past its buffer (the offset wraps when added to the
+    // length): refused by scatter and gather alike.
+    let mut wrapped = shards.clone();
+    wrapped[0].pieces[0].offset = usize::MAX;
+    assert!(wrapped[0].scatter(&global).is_err());
+    assert!(LocalShard::gather(&wrapped, &locals).is_err());
 }
 
 #[test]

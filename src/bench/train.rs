@@ -477,7 +477,7 @@ fn sharded(
             let r = sharded.forward_backward(&stages, &batch)?;
             let waited = c.peer_wait_seconds().zip(waited).map(|(b, a)| b - a);
             if step == 0 {
-                predicted = plan.peak_unit_by_unit(&order, &opts, sharded.activations());
+                predicted = plan.peak_unit_by_unit(&order, &opts, sharded.activations())?;
             }
             let opt = Instant::now();
             sharded.step()?;

@@ -104,8 +104,18 @@ impl<'a> SourceFiles<'a> {
 
 /// A whole saved array as little-endian bytes (one tensor in memory: for tools and tests).
 pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result<Vec<u8>> {
+    const OP: &str = "checkpoint::read_global";
+    // `len` comes from the manifest: size the buffers before allocating them (a typed copy and
+    // its bytes), so a hostile or mistaken length is an error, not an abort.
+    let what = format!("{} of {}", rec.field, rec.param);
+    let n = crate::limits::checked_product(OP, &what, &[rec.len, rec.dtype.size()])?;
+    crate::limits::fits_in_memory(
+        OP,
+        &what,
+        crate::limits::checked_product(OP, &what, &[n, 2])?,
+    )?;
     let mut files = SourceFiles::new(dir, manifest);
-    let mut bytes = vec![0u8; rec.len * rec.dtype.size()];
+    let mut bytes = vec![0u8; n];
     match rec.dtype {
         FieldType::F32 => {
             let mut v = vec![0f32; rec.len];

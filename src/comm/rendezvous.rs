@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `RAGGED_RENDEZVOUS_ADDR=host:port` | TCP: rank 0 listens there and hands the blob to each of the other `V − 1` ranks as it connects; the others retry until rank 0 is up. For nodes without a shared file system. |
 //! | `RAGGED_NCCL_ID_FILE=path` | a file every rank can read: rank 0 writes it under a temporary name and renames it (readers never see half a file); the others poll for it. |
-//! | `RAGGED_NCCL_TIMEOUT_S` | how long anyone waits (default 120 s) |
+//! | `RAGGED_NCCL_TIMEOUT_S` | how long anyone waits (default 120 s, also where it is `0`, which turns off only the collectives' wait) |
 //!
 //! On the wire: the 4 bytes `RGID`, the blob's length as a little-endian `u32`, the blob. A
 //! reader checks both, so a wrong port or a stale file is an error that says so, never a
@@ -49,12 +49,11 @@ impl Rendezvous {
         })
     }
 
-    /// `RAGGED_NCCL_TIMEOUT_S` seconds, else [`DEFAULT_TIMEOUT`].
-    pub fn timeout_from_env() -> Duration {
-        std::env::var("RAGGED_NCCL_TIMEOUT_S")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .map_or(DEFAULT_TIMEOUT, Duration::from_secs)
+    /// How long the rendezvous waits: `RAGGED_NCCL_TIMEOUT_S` ([`env_timeout`]); where that
+    /// is unset or `0` (the collectives' wait off), [`DEFAULT_TIMEOUT`], since a rendezvous
+    /// without a limit would hang on a rank that never starts.
+    pub fn timeout_from_env() -> Result<Duration> {
+        Ok(env_timeout()?.unwrap_or(DEFAULT_TIMEOUT))
     }
 
     /// Rank 0 makes the blob (`make`) and hands it out; every other rank of the `world`
@@ -73,7 +72,7 @@ impl Rendezvous {
                 reason: "needs rank < world".into(),
             });
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::limits::deadline(Instant::now(), timeout);
         if rank == 0 {
             let blob = make()?;
             match self {
@@ -92,6 +91,39 @@ impl Rendezvous {
 }
 
 const OP: &str = "Rendezvous::share";
+
+/// `RAGGED_NCCL_TIMEOUT_S`, the one reading of the variable (the rendezvous and every NCCL
+/// collective): seconds, fractions allowed, default [`DEFAULT_TIMEOUT`]; `Ok(None)` for `0`
+/// (turns the collectives' wait off). `Err` for a value that is not a finite, non-negative
+/// number of seconds that a `Duration` can hold.
+pub fn env_timeout() -> Result<Option<Duration>> {
+    parse_timeout(std::env::var("RAGGED_NCCL_TIMEOUT_S").ok().as_deref())
+}
+
+/// [`env_timeout`] of the variable's value (`None`: unset).
+pub fn parse_timeout(value: Option<&str>) -> Result<Option<Duration>> {
+    let Some(v) = value else {
+        return Ok(Some(DEFAULT_TIMEOUT));
+    };
+    let bad = |reason: &str| Error::BadInput {
+        op: "RAGGED_NCCL_TIMEOUT_S",
+        what: v.to_string(),
+        reason: reason.into(),
+    };
+    let secs: f64 = v
+        .trim()
+        .parse()
+        .map_err(|_| bad("not a number of seconds"))?;
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(bad("must be a finite, non-negative number of seconds"));
+    }
+    if secs == 0.0 {
+        return Ok(None);
+    }
+    Duration::try_from_secs_f64(secs)
+        .map(Some)
+        .map_err(|_| bad("more seconds than a Duration holds"))
+}
 
 fn encode(blob: &[u8]) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
@@ -216,6 +248,22 @@ fn poll_file(path: &Path, deadline: Instant) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_timeout_variable_is_seconds_zero_turns_the_wait_off_and_nonsense_is_refused() {
+        assert_eq!(parse_timeout(None).unwrap(), Some(DEFAULT_TIMEOUT));
+        assert_eq!(
+            parse_timeout(Some(" 2.5 ")).unwrap(),
+            Some(Duration::from_millis(2500))
+        );
+        assert_eq!(parse_timeout(Some("0")).unwrap(), None);
+        for bad in ["-1", "inf", "NaN", "soon", "1e20"] {
+            assert!(parse_timeout(Some(bad)).is_err(), "{bad}");
+        }
+        // The largest a Duration holds waits "for ever" without overflowing a deadline.
+        let far = parse_timeout(Some("1e19")).unwrap().unwrap();
+        assert!(crate::limits::deadline(Instant::now(), far) > Instant::now());
+    }
 
     fn blob(seed: u8) -> [u8; 128] {
         std::array::from_fn(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))

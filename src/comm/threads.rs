@@ -475,7 +475,7 @@ impl ThreadComm {
         st.reached[r] = point;
         w.cv.notify_all();
         let posted = Instant::now();
-        let deadline = posted + w.timeout;
+        let deadline = crate::limits::deadline(posted, w.timeout);
         // Arrival first: once every rank has posted, the rendezvous has happened, whatever
         // poisons the world afterwards. A rank that fails the world first makes the next arrival
         // stop at the poison check above, so the rendezvous can no longer complete.

@@ -12,7 +12,7 @@
 //! | `RAGGED_RANK` (else `RANK`) | this process's rank |
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
 //! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
-//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there, and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait) |
+//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there, and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait, the rendezvous waits the default) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
 //! ordinal chooses which. NCCL refuses two ranks on one GPU: multi-rank code paths on a single
@@ -227,7 +227,7 @@ impl NcclComm {
             dev,
             rank,
             world,
-            timeout: watchdog::timeout_from_env()?,
+            timeout: crate::comm::rendezvous::env_timeout()?,
         })
     }
 
@@ -244,7 +244,7 @@ impl NcclComm {
         guarded(OP, || {
             named(unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) })
         })?;
-        let timeout = watchdog::timeout_from_env()?;
+        let timeout = crate::comm::rendezvous::env_timeout()?;
         Ok(comms
             .into_iter()
             .zip(devs)
@@ -265,7 +265,7 @@ impl NcclComm {
         let rank = env_usize(&["RAGGED_RANK", "RANK"])?;
         let world = env_usize(&["RAGGED_WORLD_SIZE", "WORLD_SIZE"])?;
         let via = Rendezvous::from_env()?;
-        let id = via.share(rank, world, Rendezvous::timeout_from_env(), unique_id)?;
+        let id = via.share(rank, world, Rendezvous::timeout_from_env()?, unique_id)?;
         Self::from_rank(dev, rank, world, &id)
     }
 

@@ -66,33 +66,6 @@ pub fn wait(
     }
 }
 
-/// The collective timeout from `RAGGED_NCCL_TIMEOUT_S` (seconds; default 120; `0` turns the
-/// wait off: collectives then return once queued, NCCL's own behaviour, and a dead peer hangs
-/// the stream). `Err` for a value that is not a non-negative number.
-pub fn timeout_from_env() -> Result<Option<Duration>> {
-    parse_timeout(std::env::var("RAGGED_NCCL_TIMEOUT_S").ok())
-}
-
-/// [`timeout_from_env`] of the variable's value (`None`: unset).
-fn parse_timeout(value: Option<String>) -> Result<Option<Duration>> {
-    let Some(v) = value else {
-        return Ok(Some(Duration::from_secs(120)));
-    };
-    let secs: f64 = v.trim().parse().map_err(|_| Error::BadInput {
-        op: "RAGGED_NCCL_TIMEOUT_S",
-        what: v.clone(),
-        reason: "not a number of seconds".into(),
-    })?;
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(Error::BadInput {
-            op: "RAGGED_NCCL_TIMEOUT_S",
-            what: v,
-            reason: "must be a finite, non-negative number of seconds".into(),
-        });
-    }
-    Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,20 +98,6 @@ mod tests {
             msg.contains("ncclRemoteError") && msg.contains('3'),
             "{msg}"
         );
-    }
-
-    #[test]
-    fn the_timeout_variable_is_seconds_zero_turns_the_wait_off_and_nonsense_is_refused() {
-        let parse = |v: Option<&str>| parse_timeout(v.map(String::from));
-        assert_eq!(parse(None).unwrap(), Some(Duration::from_secs(120)));
-        assert_eq!(
-            parse(Some(" 2.5 ")).unwrap(),
-            Some(Duration::from_millis(2500))
-        );
-        assert_eq!(parse(Some("0")).unwrap(), None);
-        for bad in ["-1", "inf", "NaN", "soon"] {
-            assert!(parse(Some(bad)).is_err(), "{bad}");
-        }
     }
 
     #[test]

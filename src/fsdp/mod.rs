@@ -407,10 +407,13 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
         .iter()
         .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), ModelDType::F32))
         .collect::<Result<Vec<_>>>()?;
-    Ok(Inventory {
+    let inventory = Inventory {
         model: "fully_shard".into(),
         tensors,
-    })
+    };
+    // Names key the values, the gathered parameters and the checkpoint: one name, one tensor.
+    inventory.validate(None, None)?;
+    Ok(inventory)
 }
 
 /// Writes this rank's pieces of the initial values into the master shard.
@@ -1004,13 +1007,25 @@ impl MemoryPlan {
     /// stage) with `opts`' reshard, recompute and overlap settings, from a replay of its
     /// schedule (`stages::peak_of_schedule`): the shards and full buffers from the plans, plus
     /// `activations` per stage ([`ShardedModel::activations`], measured on a step; empty: none)
-    /// and candle's gradient temporaries in backward.
+    /// and candle's gradient temporaries in backward. `Err` for a stage naming a unit the plan
+    /// does not have.
     pub fn peak_unit_by_unit(
         &self,
         stage_units: &[usize],
         opts: &FsdpOptions,
         activations: &[StageActivations],
-    ) -> usize {
+    ) -> Result<usize> {
+        if let Some((s, u)) = stage_units
+            .iter()
+            .enumerate()
+            .find(|&(_, &u)| u >= self.units.len())
+        {
+            return Err(crate::Error::BadInput {
+                op: "MemoryPlan::peak_unit_by_unit",
+                what: format!("stage {s} on unit {u}"),
+                reason: format!("the plan has {} units", self.units.len()),
+            });
+        }
         let full: Vec<stages::UnitBytes> = self
             .units
             .iter()
@@ -1021,6 +1036,6 @@ impl MemoryPlan {
                 class: u.storage_class,
             })
             .collect();
-        self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations)
+        Ok(self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations))
     }
 }

@@ -161,7 +161,9 @@ impl Inventory {
         Ok(inv)
     }
 
-    fn validate(&self, num_tensors: Option<usize>, total: Option<u64>) -> Result<()> {
+    /// `Err` for an empty inventory, a name listed twice, element counts whose sum overflows,
+    /// or counts that disagree with the file's `num_tensors` / `total_params` (when given).
+    pub(crate) fn validate(&self, num_tensors: Option<usize>, total: Option<u64>) -> Result<()> {
         let bad = |reason: String| Error::BadInput {
             op: "Inventory::validate",
             what: format!("model {}", self.model),
