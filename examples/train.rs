@@ -102,7 +102,7 @@ struct Args {
     /// blocked Shampoo with Adam grafting.
     #[arg(long, value_enum, default_value_t = Opt::Adamw)]
     optimizer: Opt,
-    /// Learning rate.
+    /// Learning rate (a resumed run continues at its checkpoint's rate).
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// Keep every unit gathered from its forward to its backward (more memory). Default: free

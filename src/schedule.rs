@@ -4,7 +4,7 @@
 use crate::{Error, Result};
 
 /// A learning-rate factor as a function of the step (0 for the first step).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Schedule {
     /// Always 1.
     Constant,

@@ -402,11 +402,22 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// Edits the manifest and writes it back with a fresh checksum (`Manifest::write`), as a
+/// manifest that is intact but describes something else.
 fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     let path = dir.join("manifest.json");
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     edit(&mut v);
-    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let m: Manifest = serde_json::from_value(v).unwrap();
+    m.write(dir).unwrap();
+}
+
+/// Replaces `from` by `to` in the manifest's bytes, leaving its checksum as it was.
+fn tamper_manifest(dir: &Path, from: &str, to: &str) {
+    let path = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from), "{from:?} not in the manifest");
+    std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
 }
 
 #[test]
@@ -461,6 +472,19 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
             vec!["embed.weight", "BF16"],
         ),
         (
+            // Still valid JSON and a consistent checkpoint: only the checksum can tell.
+            "edited step count",
+            Box::new(|d: &Path| tamper_manifest(d, "\"steps\": 1,", "\"steps\": 5,")),
+            vec!["manifest.json", "does not match its checksum"],
+        ),
+        (
+            "rank file elsewhere",
+            Box::new(|d: &Path| {
+                edit_manifest(d, |v| v["files"][1]["file"] = "../../etc/passwd".into())
+            }),
+            vec!["manifest.json", "not a file name in this folder"],
+        ),
+        (
             "damaged manifest",
             Box::new(|d: &Path| std::fs::write(d.join("manifest.json"), b"{\"format\": ").unwrap()),
             vec!["manifest.json", "not JSON"],
@@ -510,6 +534,40 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("needs") && err.contains("available"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A learning-rate schedule resumes where it was, with the base it multiplied: loaded into a
+/// model with no schedule set, or with the schedule set again after the load, 3 more steps
+/// give the parameters and rate of 6 uninterrupted steps, bitwise.
+#[test]
+fn a_schedule_resumes_at_its_position_with_its_base() {
+    use ragged::comm::SingleRank;
+    use ragged::schedule::Schedule;
+    let root = scratch("schedule");
+    let params = CFG.init_params(3).unwrap();
+    let sched = Schedule::WarmupCosine {
+        warmup: 2,
+        total: 8,
+        min_factor: 0.1,
+    };
+    let model = || fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let mut straight = model();
+    straight.set_schedule(sched).unwrap();
+    train(&mut straight, &SingleRank, 0..3).unwrap();
+    straight.save(&root, &SaveOptions::default()).unwrap();
+    train(&mut straight, &SingleRank, 3..6).unwrap();
+    let want = (straight.full_params().unwrap(), straight.learning_rate());
+    for set_again in [false, true] {
+        let mut resumed = model();
+        resumed.load(&root).unwrap();
+        if set_again {
+            resumed.set_schedule(sched).unwrap();
+        }
+        train(&mut resumed, &SingleRank, 3..6).unwrap();
+        let got = (resumed.full_params().unwrap(), resumed.learning_rate());
+        assert!(got == want, "set again after load: {set_again}");
+    }
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -198,6 +198,21 @@ fn a_world_of_zero_ranks_is_an_error() {
     assert!(matches!(ThreadWorld::new(0), Err(Error::Comm { .. })));
 }
 
+/// More thread ranks than one process can run is an error before any thread starts (far
+/// beyond, the system would abort the process), not an abort.
+#[test]
+fn a_world_of_too_many_thread_ranks_is_an_error() {
+    use ragged::comm::threads::MAX_THREAD_RANKS;
+    let started = std::sync::atomic::AtomicUsize::new(0);
+    let err = ThreadWorld::run(MAX_THREAD_RANKS + 1, |_| {
+        started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::BadInput { .. }), "{err}");
+    assert_eq!(started.into_inner(), 0);
+}
+
 #[test]
 fn communicators_come_in_rank_order_with_the_world_size() {
     for v in WORLD_SIZES {

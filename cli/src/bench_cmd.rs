@@ -39,7 +39,8 @@ pub struct CheckpointBenchArgs {
     width: usize,
     #[arg(long, default_value_t = 4096)]
     hidden: usize,
-    /// Scratch folder on the disk to measure (emptied before and after).
+    /// Scratch folder on the disk to measure: new or empty (nothing else in it is touched);
+    /// default a fresh folder under the system's temporary folder.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Measurements per world size (rates are medians).
@@ -181,10 +182,9 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     use ragged::bench::checkpoint::{markdown, run, CheckpointBench};
     use ragged::demo::MlpConfig;
-    let dir = args
-        .dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join("ragged-bench-checkpoint"));
+    let dir = args.dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("ragged-bench-checkpoint-{}", std::process::id()))
+    });
     let cfg = CheckpointBench {
         model: MlpConfig {
             width: args.width,

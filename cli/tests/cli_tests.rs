@@ -542,6 +542,56 @@ fn validate_passes_a_small_preset_and_fails_bad_input() {
     }
 }
 
+/// `bench checkpoint --dir` works in a new or empty folder and leaves it as it found it; a
+/// folder with anything in it is refused and nothing in it is touched.
+#[test]
+fn bench_checkpoint_never_deletes_files_it_did_not_write() {
+    let root = tmp("bench-ckpt-dir");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let args = |dir: &std::path::Path| {
+        let d = dir.to_str().unwrap().to_string();
+        let list = [
+            "bench",
+            "checkpoint",
+            "--worlds",
+            "1",
+            "--layers",
+            "1",
+            "--width",
+            "32",
+        ];
+        let mut v: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+        v.extend(["--hidden", "64", "--repeats", "1", "--out", "-", "--dir"].map(String::from));
+        v.push(d);
+        v
+    };
+    let run = |dir: &std::path::Path| {
+        let a = args(dir);
+        ragged(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let keep = root.join("keep.txt");
+    std::fs::write(&keep, b"mine").unwrap();
+    let out = run(&root);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not empty"), "{err}");
+    assert_eq!(std::fs::read(&keep).unwrap(), b"mine");
+    let empty = root.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = run(&empty);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_dir(&empty).unwrap().count(),
+        0,
+        "left files behind"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// `ragged checkpoint info|verify|export` on a checkpoint 3 thread ranks saved: info names it,
 /// verify passes and then fails on a flipped byte (naming the file), export writes the
 /// parameters bitwise with the model's names and shapes.
@@ -580,6 +630,15 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Into the checkpoint's own folder (over a rank file): refused, and the checkpoint stays.
+    let rank0 = root.join("step-00000000/rank-00000-of-00003.safetensors");
+    let out = ragged(&["checkpoint", "export", dir, rank0.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("inside the checkpoint folder"),
+        "{err}"
+    );
+    assert!(ragged(&["checkpoint", "verify", dir]).status.success());
     let mut file = Reader::open(&exported, None).unwrap();
     for (name, shape) in cfg.param_shapes() {
         let info = file.tensor(&name).unwrap().clone();

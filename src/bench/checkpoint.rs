@@ -27,7 +27,8 @@ use crate::{Error, Result};
 pub struct CheckpointBench {
     pub model: MlpConfig,
     pub worlds: Vec<usize>,
-    /// Scratch folder (emptied before and after).
+    /// Scratch folder: created if absent, and it must be empty (the bench writes `ckpt/` and
+    /// `baseline.bin` there and removes exactly those, so it never deletes files of yours).
     pub dir: PathBuf,
     /// Measurements per world size; each rate is the median over them (the disk is shared).
     pub repeats: usize,
@@ -144,6 +145,41 @@ pub fn run<O: CheckpointState + Clone>(
     optimizer: O,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<CheckpointRow>> {
+    let created = claim_scratch(&cfg.dir)?;
+    let rows = run_worlds(cfg, optimizer, &mut progress);
+    let _ = std::fs::remove_dir_all(cfg.dir.join("ckpt"));
+    let _ = std::fs::remove_file(cfg.dir.join("baseline.bin"));
+    if created {
+        let _ = std::fs::remove_dir(&cfg.dir);
+    }
+    rows
+}
+
+/// Creates the scratch folder `dir` if absent (`Ok(true)`); `Err` if it holds anything.
+fn claim_scratch(dir: &Path) -> Result<bool> {
+    match std::fs::read_dir(dir) {
+        Ok(mut entries) => match entries.next() {
+            None => Ok(false),
+            Some(_) => Err(Error::BadInput {
+                op: "bench checkpoint",
+                what: format!("--dir {}", dir.display()),
+                reason: "is not empty: name an empty or new folder for the bench's scratch files"
+                    .into(),
+            }),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(io("bench checkpoint: create", dir))?;
+            Ok(true)
+        }
+        Err(e) => Err(io("bench checkpoint: open", dir)(e)),
+    }
+}
+
+fn run_worlds<O: CheckpointState + Clone>(
+    cfg: &CheckpointBench,
+    optimizer: O,
+    progress: &mut impl FnMut(&str),
+) -> Result<Vec<CheckpointRow>> {
     let params = cfg.model.init_params(0)?;
     let largest = params
         .iter()
@@ -193,7 +229,6 @@ pub fn run<O: CheckpointState + Clone>(
         row.largest_tensor = largest;
         rows.push(row);
     }
-    let _ = std::fs::remove_dir_all(&cfg.dir);
     Ok(rows)
 }
 
@@ -205,9 +240,8 @@ fn measure<O: CheckpointState + Clone>(
     world: usize,
     baseline_first: Option<u64>,
 ) -> Result<CheckpointRow> {
-    let _ = std::fs::remove_dir_all(&cfg.dir);
-    std::fs::create_dir_all(&cfg.dir).map_err(io("bench checkpoint: create", &cfg.dir))?;
     let root = cfg.dir.join("ckpt");
+    let _ = std::fs::remove_dir_all(&root);
     let early = baseline_first
         .map(|b| disk_baseline(&cfg.dir, b))
         .transpose()?;

@@ -1,7 +1,9 @@
 //! The checkpoint folder on disk: `ROOT/step-00000042/` holds one complete checkpoint; a save
 //! in progress writes `ROOT/.step-00000042.tmp/` and renames it into place only when every
 //! rank's file and the manifest are fsynced, so a crash at any moment leaves the previous
-//! complete checkpoint as it was.
+//! complete checkpoint as it was. A save over an existing step moves the old one aside to
+//! `ROOT/.step-00000042.old/` for the instant between two renames; if the save dies there, the
+//! old one is still found ([`list`]) and put back by the next save ([`prepare`]).
 
 use std::fs;
 use std::io::Write;
@@ -19,8 +21,21 @@ pub fn tmp_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!(".step-{step:08}.tmp"))
 }
 
+/// Where a save over `step` keeps the previous checkpoint of that step while it renames.
+fn old_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!(".step-{step:08}.old"))
+}
+
 fn step_of(name: &str) -> Option<usize> {
     name.strip_prefix("step-")?.parse().ok()
+}
+
+/// The step of a `.step-N.old` folder name.
+fn old_step_of(name: &str) -> Option<usize> {
+    name.strip_prefix(".step-")?
+        .strip_suffix(".old")?
+        .parse()
+        .ok()
 }
 
 /// Writes `bytes` to `path` and fsyncs it.
@@ -38,10 +53,15 @@ pub fn sync_dir(path: &Path) -> Result<()> {
         .map_err(|e| Error::io("checkpoint: fsync folder", path, e))
 }
 
-/// Creates `root` if needed and an empty temporary folder for `step`, after removing what
-/// saves that died left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
+/// Creates `root` if needed and an empty temporary folder for `step`, after putting back a
+/// checkpoint a save that died had moved aside (`.step-N.old` without `step-N`) and removing
+/// what such saves left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
 pub fn prepare(root: &Path, step: usize) -> Result<PathBuf> {
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
+    for (n, old) in moved_aside(root)? {
+        let dst = step_dir(root, n);
+        fs::rename(&old, &dst).map_err(|e| Error::io("checkpoint: rename", &old, e))?;
+    }
     for leftover in leftovers(root)? {
         fs::remove_dir_all(&leftover).map_err(|e| Error::io("checkpoint: remove", &leftover, e))?;
     }
@@ -65,13 +85,30 @@ pub fn leftovers(root: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// Complete checkpoints a save moved aside and did not replace: `(step, .step-N.old)` where
+/// `step-N` does not exist and the folder has a manifest.
+fn moved_aside(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let entries = fs::read_dir(root).map_err(|e| Error::io("checkpoint: list", root, e))?;
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("checkpoint: list", root, e))?;
+        let Some(step) = entry.file_name().to_str().and_then(old_step_of) else {
+            continue;
+        };
+        if !step_dir(root, step).exists() && entry.path().join("manifest.json").is_file() {
+            out.push((step, entry.path()));
+        }
+    }
+    Ok(out)
+}
+
 /// Renames the complete temporary folder into place (replacing a checkpoint of the same step)
 /// and fsyncs the root.
 pub fn publish(root: &Path, tmp: &Path, step: usize) -> Result<PathBuf> {
     sync_dir(tmp)?;
     let dst = step_dir(root, step);
     if dst.exists() {
-        let old = root.join(format!(".step-{step:08}.old"));
+        let old = old_dir(root, step);
         let _ = fs::remove_dir_all(&old);
         fs::rename(&dst, &old).map_err(|e| Error::io("checkpoint: rename", &dst, e))?;
         fs::rename(tmp, &dst).map_err(|e| Error::io("checkpoint: rename", tmp, e))?;
@@ -83,7 +120,8 @@ pub fn publish(root: &Path, tmp: &Path, step: usize) -> Result<PathBuf> {
     Ok(dst)
 }
 
-/// The complete checkpoints under `root` (folders `step-N` with a manifest), oldest first.
+/// The complete checkpoints under `root` (folders `step-N` with a manifest, and any a save
+/// that died had moved aside), oldest first.
 pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let entries = fs::read_dir(root).map_err(|e| Error::io("checkpoint: list", root, e))?;
     let mut out = Vec::new();
@@ -97,17 +135,22 @@ pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
             out.push((step, entry.path()));
         }
     }
+    out.extend(moved_aside(root)?);
     out.sort();
     Ok(out)
 }
 
-/// Removes all but the newest `keep` complete checkpoints under `root`; returns what it
-/// removed.
-pub fn rotate(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
-    let all = list(root)?;
-    let drop = all.len().saturating_sub(keep.max(1));
+/// After a save of step `saved`, keeps it and the `keep − 1` newest checkpoints before it
+/// and removes the rest; returns what it removed. Checkpoints of later steps are removed too:
+/// they belong to a run this one went back from (it resumed from an earlier step into the same
+/// root), and left in place they would be what "the newest checkpoint" resolves to.
+pub fn rotate(root: &Path, keep: usize, saved: usize) -> Result<Vec<PathBuf>> {
+    let (mut before, later): (Vec<_>, Vec<_>) =
+        list(root)?.into_iter().partition(|&(n, _)| n <= saved);
+    let drop = before.len().saturating_sub(keep.max(1));
+    before.truncate(drop);
     let mut removed = Vec::new();
-    for (_, path) in all.into_iter().take(drop) {
+    for (_, path) in before.into_iter().chain(later) {
         fs::remove_dir_all(&path).map_err(|e| Error::io("checkpoint: remove", &path, e))?;
         removed.push(path);
     }
@@ -133,4 +176,64 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
             path: path.display().to_string(),
             reason: "no complete checkpoint (step-N folder with a manifest.json) in it".into(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder that `list` counts as a complete checkpoint.
+    fn fake_checkpoint(dir: &Path) {
+        fs::create_dir_all(dir).unwrap();
+        fs::write(dir.join("manifest.json"), b"{}").unwrap();
+    }
+
+    fn steps(root: &Path) -> Vec<usize> {
+        list(root).unwrap().into_iter().map(|(n, _)| n).collect()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("ragged-fs-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        fs::create_dir_all(&root).unwrap();
+        root
+    }
+
+    /// A save that died between moving the old checkpoint of its step aside and renaming the
+    /// new one into place: the old one is still listed, and the next save puts it back.
+    #[test]
+    fn a_checkpoint_moved_aside_by_a_dead_save_is_found_and_put_back() {
+        let root = scratch("aside");
+        fake_checkpoint(&step_dir(&root, 3));
+        fake_checkpoint(&old_dir(&root, 5));
+        fs::create_dir_all(tmp_dir(&root, 5)).unwrap();
+        assert_eq!(steps(&root), [3, 5]);
+        assert_eq!(resolve(&root).unwrap(), old_dir(&root, 5));
+        prepare(&root, 6).unwrap();
+        assert!(step_dir(&root, 5).join("manifest.json").is_file());
+        assert!(!old_dir(&root, 5).exists() && !tmp_dir(&root, 5).exists());
+        assert_eq!(resolve(&root).unwrap(), step_dir(&root, 5));
+        // An `.old` beside its replacement is a leftover: removed, not put back.
+        fake_checkpoint(&old_dir(&root, 3));
+        prepare(&root, 7).unwrap();
+        assert!(!old_dir(&root, 3).exists());
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    /// Rotation after a save keeps that save and the newest before it; checkpoints of later
+    /// steps (an abandoned run's) go, so the newest checkpoint is the one just saved.
+    #[test]
+    fn rotation_keeps_the_save_just_made_and_drops_later_steps() {
+        let root = scratch("rotate");
+        for n in [10, 20, 30, 15] {
+            fake_checkpoint(&step_dir(&root, n));
+        }
+        let removed = rotate(&root, 2, 15).unwrap();
+        assert_eq!(steps(&root), [10, 15]);
+        assert_eq!(removed.len(), 2);
+        assert_eq!(resolve(&root).unwrap(), step_dir(&root, 15));
+        rotate(&root, 1, 15).unwrap();
+        assert_eq!(steps(&root), [15]);
+        let _ = fs::remove_dir_all(&root);
+    }
 }

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use super::safetensors::FileDigest;
 use super::state::FieldType;
@@ -13,8 +14,12 @@ use crate::{Error, Result};
 /// `format` of every manifest.
 pub const FORMAT: &str = "ragged-checkpoint";
 
-/// The newest format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The newest format version this build writes and reads. Version 2 added the manifest's own
+/// checksum ([`Manifest::checksum`]); version 1 manifests (without it) are still read.
+pub const VERSION: u32 = 2;
+
+/// The first version whose manifest carries its own checksum.
+const CHECKSUM_VERSION: u64 = 2;
 
 /// The field name of the parameters themselves (their f32 master values).
 pub const PARAM_FIELD: &str = "param";
@@ -39,6 +44,12 @@ pub struct Manifest {
     pub fields: Vec<FieldRecord>,
     /// One per rank, in rank order.
     pub files: Vec<FileRecord>,
+    /// SHA-256 (hex) of the manifest's own bytes as written with these 64 hex digits all `0`
+    /// ([`Manifest::write`] fills it in, [`Manifest::read`] checks it): an edit or a flipped
+    /// bit anywhere in the manifest (a step count, a holder range, a name) is an `Err`.
+    /// Empty in version 1.
+    #[serde(default)]
+    pub checksum: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,8 +77,11 @@ pub struct Progress {
     pub state_step: u64,
     /// The optimizer's learning rate when saved.
     pub learning_rate: Option<f64>,
-    /// The schedule and the base rate it multiplies, if one was set (its position is `steps`).
+    /// The schedule and the base rate it multiplies, if one was set, as text (informational).
     pub schedule: Option<String>,
+    /// The same, restored by a load (its position is `steps`); absent in version 1.
+    #[serde(default)]
+    pub schedule_state: Option<(crate::schedule::Schedule, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -197,6 +211,9 @@ impl Manifest {
                 ))
             }
         }
+        if head.get("version").and_then(|v| v.as_u64()) >= Some(CHECKSUM_VERSION) {
+            check_sealed(&text, &path)?;
+        }
         let m: Manifest = serde_json::from_value(head)
             .map_err(|e| bad(&path, format!("malformed manifest: {e}")))?;
         m.check(&path)?;
@@ -204,6 +221,16 @@ impl Manifest {
     }
 
     fn check(&self, path: &Path) -> Result<()> {
+        // Rank files are plain names inside the checkpoint folder, never a path elsewhere.
+        if let Some(f) = self.files.iter().find(|f| !is_plain_file_name(&f.file)) {
+            return Err(bad(
+                path,
+                format!(
+                    "rank {}'s file {:?} is not a file name in this folder",
+                    f.rank, f.file
+                ),
+            ));
+        }
         let ranks: Vec<usize> = self.files.iter().map(|f| f.rank).collect();
         if self.world == 0 || ranks != (0..self.world).collect::<Vec<_>>() {
             return Err(bad(
@@ -216,10 +243,48 @@ impl Manifest {
             .try_for_each(|f| f.check(self.world, path))
     }
 
-    /// Writes the manifest to `dir/manifest.json` and fsyncs it.
+    /// Writes the manifest to `dir/manifest.json`, with its checksum, and fsyncs it.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join("manifest.json");
-        let text = serde_json::to_vec_pretty(self)?;
+        let unsealed = Manifest {
+            checksum: "0".repeat(64),
+            ..self.clone()
+        };
+        let mut text = serde_json::to_vec_pretty(&unsealed)?;
+        let at = checksum_span(&text).ok_or_else(|| bad(&path, "no checksum field written"))?;
+        let sum = super::safetensors::hex(&Sha256::digest(&text));
+        text[at].copy_from_slice(sum.as_bytes());
         super::fs::write_synced(&path, &text)
     }
+}
+
+/// The byte range of the 64 hex digits of the top-level `"checksum"` (the last such key: the
+/// pretty printer writes it last, and names inside the manifest are escaped values, not keys).
+fn checksum_span(text: &[u8]) -> Option<std::ops::Range<usize>> {
+    const KEY: &[u8] = b"\"checksum\": \"";
+    let key = text.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let start = key + KEY.len();
+    let end = start + 64;
+    (text.get(end) == Some(&b'"')).then_some(start..end)
+}
+
+/// `Err` unless the manifest bytes `text`, with their checksum's digits set to `0`, hash to it.
+fn check_sealed(text: &[u8], path: &Path) -> Result<()> {
+    let at = checksum_span(text).ok_or_else(|| bad(path, "has no checksum (damaged?)"))?;
+    let claimed = text[at.clone()].to_vec();
+    let mut zeroed = text.to_vec();
+    zeroed[at].fill(b'0');
+    let sum = super::safetensors::hex(&Sha256::digest(&zeroed));
+    if sum.as_bytes() != claimed.as_slice() {
+        return Err(bad(
+            path,
+            "does not match its checksum: the manifest was edited or damaged",
+        ));
+    }
+    Ok(())
+}
+
+/// A name of a file directly inside a folder: not empty, no separator, not `.`/`..` or hidden.
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\', '\0'])
 }

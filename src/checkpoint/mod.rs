@@ -9,7 +9,8 @@
 //! - `manifest.json` ([`manifest::Manifest`]): the model's tensors, the plan, every saved
 //!   array's global length and which rank holds which range of it (its RaggedShard), the
 //!   optimizer and its config, the step counters and learning rate, the world size, the format
-//!   version, and checksums of every rank file (XXH3-128 per 4 MiB chunk, SHA-256 over them).
+//!   version, checksums of every rank file (XXH3-128 per 4 MiB chunk, SHA-256 over them) and
+//!   the manifest's own SHA-256 ([`manifest::Manifest::checksum`]).
 //!
 //! # Guarantees
 //! - **Atomic:** files are written into `ROOT/.step-N.tmp/`, fsynced, and the folder is renamed
@@ -44,7 +45,9 @@ compile_error!("checkpoints write memory as little-endian bytes (safetensors' by
 /// Options of a save.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SaveOptions {
-    /// Keep only the newest `keep` checkpoints under the root (`0`: keep all).
+    /// Keep only the newest `keep` checkpoints under the root, this save's and those of
+    /// earlier steps (`0`: keep all). With `keep > 0`, checkpoints of later steps (from a run
+    /// this one resumed before the end of) are removed, so the newest is always this run's.
     pub keep: usize,
     /// Bytes per checksum chunk.
     pub chunk_bytes: u64,
@@ -68,7 +71,7 @@ pub struct Saved {
     pub bytes: u64,
     /// Wall time of the save on this rank.
     pub seconds: f64,
-    /// Older checkpoints removed by rotation.
+    /// Checkpoints removed by rotation ([`SaveOptions::keep`]).
     pub removed: Vec<PathBuf>,
 }
 

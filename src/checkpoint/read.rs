@@ -134,6 +134,28 @@ pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result
     Ok(bytes)
 }
 
+/// `Err` when `out` would be written inside the checkpoint folder `dir` (it could replace a
+/// rank file or the manifest, and a checkpoint's folder holds only what its save wrote).
+fn refuse_inside(dir: &Path, out: &Path) -> Result<()> {
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let (Ok(dir), Ok(parent)) = (dir.canonicalize(), parent.canonicalize()) else {
+        return Ok(()); // a missing output folder fails at create, naming it
+    };
+    if parent.starts_with(&dir) {
+        return Err(bad(
+            out,
+            format!(
+                "is inside the checkpoint folder {}: write the export elsewhere",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Reads and verifies every chunk of every rank file of the checkpoint in `dir`; returns the
 /// bytes checked. `progress(file, bytes)` is called after each file.
 pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
@@ -158,6 +180,7 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
     use super::manifest::PARAM_FIELD;
     use super::safetensors::Consolidated;
     let manifest = Manifest::read(dir)?;
+    refuse_inside(dir, out)?;
     let records: HashMap<&str, &FieldRecord> = manifest
         .fields
         .iter()

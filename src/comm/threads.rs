@@ -83,6 +83,11 @@ use crate::{Error, Result};
 /// How long a rank waits at a rendezvous for the others before the world fails.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The most thread ranks one process runs ([`ThreadWorld::run`]): each is an OS thread with
+/// its own stack, and far beyond this the system's limits abort the process rather than
+/// refuse a thread.
+pub const MAX_THREAD_RANKS: usize = 4096;
+
 /// Constructors of a thread world; holds no state itself.
 #[derive(Debug)]
 pub struct ThreadWorld {
@@ -246,17 +251,36 @@ pub(crate) fn run_ranks<C: Member, T: Send>(
     comms: Vec<C>,
     f: impl Fn(&C) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
+    if comms.len() > MAX_THREAD_RANKS {
+        return Err(Error::BadInput {
+            op,
+            what: format!("a world of {} thread ranks", comms.len()),
+            reason: format!(
+                "each rank is an OS thread; at most {MAX_THREAD_RANKS} run in one process"
+            ),
+        });
+    }
     let f = &f;
     // Ranks whose closure failed, in the order they failed: a rank's failure is recorded before
     // it leaves the world, so before any failure that its leaving causes on the others.
     let failed = Mutex::new(Vec::new());
     let failed_ref = &failed;
+    let mut not_started = None;
     let results: Vec<Result<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, c)| s.spawn(move || run_rank(op, rank, c, f, failed_ref)))
-            .collect();
+        let mut handles = Vec::new();
+        for (rank, c) in comms.into_iter().enumerate() {
+            if not_started.is_some() {
+                continue; // dropping `c` takes the rank out of the world
+            }
+            // A thread the system refuses (limits, memory) drops its closure, and with it the
+            // communicator: the ranks already running fail at their next collective.
+            let thread = std::thread::Builder::new()
+                .spawn_scoped(s, move || run_rank(op, rank, c, f, failed_ref));
+            match thread {
+                Ok(h) => handles.push(h),
+                Err(e) => not_started = Some((rank, e)),
+            }
+        }
         handles
             .into_iter()
             .enumerate()
@@ -272,6 +296,13 @@ pub(crate) fn run_ranks<C: Member, T: Send>(
             })
             .collect()
     });
+    if let Some((rank, e)) = not_started {
+        return Err(Error::Comm {
+            op,
+            rank,
+            reason: format!("the system refused a thread for this rank: {e}"),
+        });
+    }
     let first = failed
         .lock()
         .unwrap_or_else(PoisonError::into_inner)

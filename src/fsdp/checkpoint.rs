@@ -236,13 +236,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             units: self.unit_records(),
             fields: fields.into_values().collect(),
             files,
+            checksum: String::new(),
         };
         manifest.write(tmp)?;
         // Read back through the loader's checks: a manifest that would not load is not published.
         Manifest::read(tmp)?;
         fs::publish(root, tmp, self.steps)?;
         let removed = if opts.keep > 0 {
-            fs::rotate(root, opts.keep)?
+            fs::rotate(root, opts.keep, self.steps)?
         } else {
             Vec::new()
         };
@@ -269,6 +270,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             schedule: self
                 .schedule
                 .map(|(s, base)| format!("{s:?} of base rate {base}")),
+            schedule_state: self.schedule,
         })
     }
 
@@ -454,6 +456,12 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         self.loss_not_finite = false;
         if let (Some(lr), Some(_)) = (p.learning_rate, self.optimizer.learning_rate()) {
             self.optimizer.set_learning_rate(lr)?;
+        }
+        // The schedule that was running goes on from `steps`, with the base it multiplied.
+        if let Some((schedule, base)) = p.schedule_state {
+            schedule.validate()?;
+            crate::optim::check_learning_rate(base)?;
+            self.schedule = Some((schedule, base));
         }
         Ok(())
     }

@@ -617,11 +617,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// From the next step on, the learning rate is the current one times
-    /// `schedule.factor(step)`, `step` counting the steps taken so far.
+    /// From the next step on, the learning rate is a base rate times `schedule.factor(step)`,
+    /// `step` counting the steps taken so far. The base is the current rate when no schedule
+    /// is set, else the running schedule's base: a schedule set again after [`Self::load`]
+    /// (which restores the saved schedule and base) does not take the decayed rate as its
+    /// base. [`Self::set_learning_rate`] drops the schedule, and with it the base.
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
         schedule.validate()?;
-        let base = self
+        let current = self
             .optimizer
             .learning_rate()
             .ok_or_else(|| crate::Error::BadInput {
@@ -629,6 +632,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 what: self.optimizer.name().into(),
                 reason: "the optimizer has no learning rate to schedule".into(),
             })?;
+        let base = self.schedule.map_or(current, |(_, base)| base);
         self.schedule = Some((schedule, base));
         Ok(())
     }
