@@ -18,7 +18,11 @@ use unit_args::UnitArgs;
 #[path = "support/unit_args.rs"]
 mod unit_args;
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    unit_args::exit(run())
+}
+
+fn run() -> Result<()> {
     let args = UnitArgs::from_env("exact_unit")?;
     let unit = args.unit("exact_unit")?;
     let (model, unit_name, block) = (&args.model, &args.unit_name, args.block);

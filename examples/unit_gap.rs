@@ -18,7 +18,11 @@ mod unit_args;
 
 use std::fmt::Debug;
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    unit_args::exit(run())
+}
+
+fn run() -> Result<()> {
     let args = UnitArgs::from_env("unit_gap")?;
     let unit = args.unit("unit_gap")?;
     let (unit_name, block, world, k) = (&args.unit_name, args.block, args.world, args.k);

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | [`positive_finite`] | `0`, negatives, `NaN`, `±∞` (rates, clocks, learning rates) |
 //! | [`at_least`] | a count below its minimum (`--repeats 0`, a world of 0 ranks) |
+//! | [`at_most`] | a count above its maximum (`--reps` that would run for days) |
 //! | [`checked_product`] | a product of sizes that overflows `usize` |
 //! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
 
@@ -36,11 +37,30 @@ pub fn at_least(op: &'static str, what: &str, n: usize, min: usize) -> Result<us
     })
 }
 
+/// `n` if it is at most `max`, else `Err` naming `what` and `why` the bound exists.
+pub fn at_most(op: &'static str, what: &str, n: usize, max: usize, why: &str) -> Result<usize> {
+    if n <= max {
+        return Ok(n);
+    }
+    Err(Error::BadInput {
+        op,
+        what: format!("{what} {n}"),
+        reason: format!("must be at most {max} ({why})"),
+    })
+}
+
 /// Each of `ranks` ranks' equal share of `total` (a batch's rows), or `Err` naming `what`
 /// unless `total` is a positive multiple of `ranks`.
 pub fn even_share(op: &'static str, what: &str, total: usize, ranks: usize) -> Result<usize> {
     if total > 0 && ranks > 0 && total % ranks == 0 {
         return Ok(total / ranks);
+    }
+    if ranks == 0 {
+        return Err(Error::BadInput {
+            op,
+            what: "0 ranks".into(),
+            reason: "a world needs at least one rank".into(),
+        });
     }
     Err(Error::BadInput {
         op,
@@ -163,12 +183,24 @@ mod tests {
     #[test]
     fn shares_must_be_whole_and_positive() {
         assert_eq!(even_share("t", "--batch", 12, 3).unwrap(), 4);
-        for (total, ranks) in [(8, 3), (0, 3), (8, 0)] {
+        for (total, ranks) in [(8, 3), (0, 3)] {
             let err = even_share("t", "--batch", total, ranks)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(&format!("--batch {total}")), "{err}");
         }
+        let err = even_share("t", "--batch", 8, 0).unwrap_err().to_string();
+        assert!(err.contains("at least one rank"), "{err}");
+    }
+
+    #[test]
+    fn counts_above_their_bound_are_refused() {
+        assert_eq!(at_most("t", "--reps", 10, 10, "why").unwrap(), 10);
+        let err = at_most("t", "--reps", 11, 10, "each is timed").unwrap_err();
+        assert!(
+            err.to_string().contains("at most 10 (each is timed)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -500,6 +500,11 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
             }
         }
     }
+    // An export that fails part-way (a truncated rank file) leaves no file behind, not even
+    // its temporary one.
+    let out = root.join("out.safetensors");
+    assert!(ragged::checkpoint::read::export(&root.join("truncated"), &out, |_| {}).is_err());
+    assert!(!out.exists() && !out.with_extension("safetensors.tmp").exists());
     // Another model (other shapes of the same names; other names) and another optimizer.
     let wider = TransformerConfig { d_ff: 64, ..CFG }
         .init_params(3)

@@ -1,12 +1,12 @@
-//! `ragged bench plan|comm|optim`: benchmark sweeps, each written into its own section of
-//! `docs/benchmarks.md`.
+//! `ragged bench plan|comm|optim|train|checkpoint`: benchmark sweeps, each written into its own
+//! section of `docs/benchmarks.md` (`--out -`: the table on stdout only).
 
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use ragged::bench::plan::{baseline_layouts, markdown, plan_row, BLOCKS, WORLDS};
-use ragged::limits::{at_least, checked_product, fits_in_memory, positive_finite};
+use ragged::bench::plan::{baseline_layouts, markdown, plan_row};
+use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
 use ragged::model::Inventory;
 use ragged::{AtomicBlock, Error, Result};
 use ragged_optimizers::bench::OptimKind;
@@ -30,7 +30,7 @@ pub enum BenchCommand {
 #[derive(Args)]
 pub struct CheckpointBenchArgs {
     /// World sizes (thread ranks).
-    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4])]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     worlds: Vec<usize>,
     /// Blocks of the MLP stack saved.
     #[arg(long, default_value_t = 4)]
@@ -54,7 +54,7 @@ pub struct CheckpointBenchArgs {
 #[derive(Args)]
 pub struct TrainBenchArgs {
     /// World sizes (thread ranks).
-    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8])]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     worlds: Vec<usize>,
     /// Blocks of the stack.
     #[arg(long, default_value_t = 8)]
@@ -122,7 +122,7 @@ pub struct OptimBenchArgs {
     /// Tiny shapes and buffers (for tests).
     #[arg(long, hide = true)]
     quick: bool,
-    /// Markdown file whose optimizer section is replaced.
+    /// Markdown file whose optimizer section is replaced (`-`: the table on stdout only).
     #[arg(long, default_value = "docs/benchmarks.md")]
     out: PathBuf,
 }
@@ -130,7 +130,7 @@ pub struct OptimBenchArgs {
 #[derive(Args)]
 pub struct CommBenchArgs {
     /// World sizes for the collectives.
-    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4])]
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
     worlds: Vec<usize>,
     /// f32 elements per rank in the collective benchmark (default 4 Mi = 16 MiB).
     #[arg(long, default_value_t = 4 << 20)]
@@ -155,10 +155,16 @@ pub struct PlanBenchArgs {
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
     /// World sizes.
-    #[arg(long, value_delimiter = ',', default_values_t = WORLDS)]
+    // Written out (clap shows `default_values_t` space-separated, which the flag refuses); a
+    // test checks it is `WORLDS`.
+    #[arg(long, value_delimiter = ',', default_value = "8,64,256,1024,4096")]
     worlds: Vec<usize>,
     /// Blocks.
-    #[arg(long, value_delimiter = ',', default_values_t = BLOCKS.map(String::from))]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "elem,rows:1,rows:16,rows:128,tile:32x32"
+    )]
     blocks: Vec<String>,
     /// Plan each point this many times and keep the fastest.
     #[arg(long, default_value_t = 3)]
@@ -436,6 +442,7 @@ fn check_checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
 fn check_train(args: &TrainBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench train";
     at_least(OP, "--steps", args.steps, 1)?;
+    at_least(OP, "--batch", args.batch, 1)?;
     check_stack(OP, &args.worlds, [args.layers, args.width, args.hidden])?;
     // Parameters, master and gradient shards, and a unit's full buffers, f32, on every rank.
     let params = checked_product(
@@ -455,9 +462,31 @@ fn check_train(args: &TrainBenchArgs) -> Result<()> {
 fn check_optim(args: &OptimBenchArgs) -> Result<()> {
     if let Some(ghz) = args.ghz {
         positive_finite(OP_OPTIM, "--ghz", ghz)?;
+        if ghz > MAX_GHZ {
+            return Err(ragged::Error::BadInput {
+                op: OP_OPTIM,
+                what: format!("--ghz {ghz}"),
+                reason: format!("a CPU clock above {MAX_GHZ} GHz (a unit mistake?)"),
+            });
+        }
     }
-    at_least(OP_OPTIM, "--reps", args.reps, 1).map(drop)
+    at_least(OP_OPTIM, "--reps", args.reps, 1)?;
+    // The baselines time `reps` GEMMs and copies each, uncapped by the per-case time limit.
+    ragged::limits::at_most(
+        OP_OPTIM,
+        "--reps",
+        args.reps,
+        MAX_REPS,
+        "each is a timed run",
+    )
+    .map(drop)
 }
+
+/// The highest clock `--ghz` takes: far above any CPU, low enough to catch MHz typed as GHz.
+const MAX_GHZ: f64 = 100.0;
+
+/// The most timed repetitions `bench optim` runs per case and baseline.
+const MAX_REPS: usize = 10_000;
 
 fn check_comm(args: &CommBenchArgs) -> Result<()> {
     use ragged::bench::comm::check_collectives;
@@ -467,9 +496,19 @@ fn check_comm(args: &CommBenchArgs) -> Result<()> {
     }
     if args.train_steps > 0 {
         at_least(OP_COMM, "--train-ranks", args.train_ranks, 1)?;
+        // Checked before the collectives run, not after.
+        even_share(
+            OP_COMM,
+            "--train-ranks' global batch of",
+            TRAIN_BATCH,
+            args.train_ranks,
+        )?;
     }
     Ok(())
 }
+
+/// The global batch of `bench comm`'s training step (rows; the ranks must split it evenly).
+const TRAIN_BATCH: usize = 8;
 
 fn check_plan(args: &PlanBenchArgs) -> Result<()> {
     at_least(OP_PLAN, "--repeats", args.repeats, 1)?;
@@ -528,7 +567,8 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         rows,
     });
     println!("{table}");
-    if !args.no_write {
+    // `--out -`: stdout only, as for the other benches.
+    if !args.no_write && args.out.as_os_str() != "-" {
         let body = format!(
             "## Optimizers: step time against peak, memcpy and GEMM\n\n\
              Command: `target/release/ragged bench optim`{}. Each case is one \
@@ -574,7 +614,8 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
     let report = ragged_optimizers::cuda::bench::bench_gpu(&dev, args.quick)?;
     let table = report.markdown();
     println!("{table}");
-    if !args.no_write {
+    // `--out -`: stdout only, as for the other benches.
+    if !args.no_write && args.out.as_os_str() != "-" {
         let body = format!(
             "## Optimizers on the GPU: against cuBLAS GEMM and device memcpy\n\n\
              Command: `ragged bench optim --device cuda` (a `--features cuda` build; \
@@ -629,7 +670,7 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     let table = markdown(&rows);
     println!("{table}");
     if args.out.as_os_str() != "-" {
-        replace_section(&args.out, "plan", &section_text(&table))?;
+        replace_section(&args.out, "plan", &section_text(&table, args.repeats))?;
         eprintln!("updated {}", args.out.display());
     }
     Ok(())
@@ -666,7 +707,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
             layout,
             args.train_ranks,
             args.train_steps,
-            8,
+            TRAIN_BATCH,
         )?);
         bar.inc(1);
     }
@@ -677,7 +718,8 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     let model = format!(
-        "demo transformer, {n} parameters, {} thread ranks, global batch 8 x {} tokens, SGD",
+        "demo transformer, {n} parameters, {} thread ranks, global batch {TRAIN_BATCH} x {} \
+         tokens, SGD",
         args.train_ranks, cfg.seq_len
     );
     let table = markdown(&rows, &steps, &model);
@@ -701,18 +743,20 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn section_text(table: &str) -> String {
+fn section_text(table: &str, repeats: usize) -> String {
     format!(
         "## Planner: padding and plan time\n\n\
          Command: `target/release/ragged bench plan` (default collective alignment 64 elements; \
-         plan time is the best of 3 runs of the whole-model plan, identical units planned once). \
+         plan time is the best of {repeats} runs of the whole-model plan, identical units planned \
+         once). \
          Padding is `(V·S − N)/N` summed over FSDP units (one per decoder layer plus the root). \
          Cut blocks: atomic blocks of the given size that a baseline's rank boundaries split; \
          ragged never splits one (every plan is validated). `bound` is `V·⌈N/V⌉`. \
          `k≤3`: the multi-buffer planner (at most 3 collective buffers per unit, each with its own \
          `S`; cost model α = 20 µs per collective, 50 GB/s per rank, bf16), its padding, the \
          padding no layout with at most that many buffers per unit can avoid (`k≤3 floor`, a \
-         provable lower bound), the most buffers any unit uses, and its plan time (best of 3). \
+         provable lower bound), the most buffers any unit uses, and its plan time (best of \
+         {repeats}). \
          `share < block`: where one rank's share of a decoder layer is smaller than one of the \
          layer's blocks, no per-layer layout avoids that padding; the column gives the fewest \
          layers per unit (a power of two) that fixes it and the multi-buffer padding with that wrap, \
@@ -759,6 +803,14 @@ fn model_files(dir: &Path) -> Result<Vec<String>> {
         .map(|p| p.display().to_string())
         .collect();
     files.sort();
+    if files.is_empty() {
+        // An empty table would replace the planner section of the benchmarks file.
+        return Err(Error::BadInput {
+            op: OP_PLAN,
+            what: format!("{}", dir.display()),
+            reason: "holds no *.json inventory: name models with --models".into(),
+        });
+    }
     Ok(files)
 }
 
@@ -780,4 +832,23 @@ pub fn replace_section(path: &Path, name: &str, body: &str) -> Result<()> {
         _ => format!("{}\n{block}\n", old.trim_end()),
     };
     std::fs::write(path, new).map_err(|e| Error::io("write", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use ragged::bench::plan::{BLOCKS, WORLDS};
+
+    /// `bench plan`'s written-out defaults are the library's sweep, and every `--worlds`
+    /// default parses back from what `--help` shows.
+    #[test]
+    fn written_out_defaults_match_the_sweep() {
+        let cli = crate::Cli::try_parse_from(["ragged", "bench", "plan"]).unwrap();
+        let crate::Command::Bench(BenchCommand::Plan(args)) = cli.command else {
+            panic!("not bench plan");
+        };
+        assert_eq!(args.worlds, WORLDS);
+        assert_eq!(args.blocks, BLOCKS.map(String::from));
+    }
 }

@@ -69,12 +69,23 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
 fn info(path: &std::path::Path) -> Result<()> {
     let dir = fs::resolve(path)?;
     let m = Manifest::read(&dir)?;
-    let params: usize = m
-        .model
+    // Checked: a manifest is input, and a wrapped sum would print a plausible wrong number.
+    const OP: &str = "checkpoint info";
+    let overflow = |what: &str| ragged::Error::BadInput {
+        op: OP,
+        what: format!("{} in {}", what, dir.display()),
+        reason: "the sum overflows: the manifest is damaged".into(),
+    };
+    let params = m.model.iter().try_fold(0usize, |sum, t| {
+        let n = ragged::limits::checked_product(OP, &t.name, &t.shape)?;
+        sum.checked_add(n)
+            .ok_or_else(|| overflow("the parameter count"))
+    })?;
+    let bytes = m
+        .files
         .iter()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
-    let bytes: u64 = m.files.iter().map(|f| f.digest.bytes).sum();
+        .try_fold(0u64, |sum, f| sum.checked_add(f.digest.bytes))
+        .ok_or_else(|| overflow("the file sizes"))?;
     let p = &m.progress;
     println!("{}", dir.display());
     println!("  format {} version {}", m.format, m.version);

@@ -55,7 +55,7 @@ pub struct PlanArgs {
     /// In the JSON, also write every tensor's V-entry units_per_rank list (large at big V).
     #[arg(long)]
     full_units: bool,
-    /// Draw one unit's layout (every buffer) as SVG to this file.
+    /// Draw one unit's layout (every buffer) as SVG to this file (`-`: stdout).
     #[arg(long)]
     svg: Option<PathBuf>,
     /// The unit to draw with --svg (default: the first decoder layer, else the first unit).
@@ -91,7 +91,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         unit.validate()?;
     }
     let multi = plan_multi(&inv, args, args.layers_per_unit, &opts, &mopts)?;
-    let quiet = matches!(&args.json, Some(p) if p.as_os_str() == "-");
+    let to_stdout = |p: &Option<PathBuf>| matches!(p, Some(p) if p.as_os_str() == "-");
+    let quiet = to_stdout(&args.json) || to_stdout(&args.svg);
     if !quiet {
         let mut text = summary(&inv, &plan, args)?;
         text.push_str(&multi_summary(&inv, &multi, args, &opts, &mopts)?);
@@ -347,6 +348,11 @@ fn write_svg(plan: &MultiModelPlan, unit: Option<&str>, path: &PathBuf) -> Resul
         what: format!("unit {unit:?}"),
         reason: "no such unit".into(),
     })?;
+    if path.as_os_str() == "-" {
+        // As `--json -`: the drawing on stdout.
+        println!("{}", svg_multi(chosen));
+        return Ok(());
+    }
     std::fs::write(path, svg_multi(chosen)).map_err(|e| Error::io("write svg", path, e))?;
     eprintln!(
         "wrote {} (unit {}, {} buffer(s))",

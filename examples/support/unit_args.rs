@@ -19,6 +19,14 @@ impl UnitArgs {
     /// Parses the process arguments; `op` names the example in errors.
     pub fn from_env(op: &'static str) -> Result<Self> {
         let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.iter().any(|a| a == "-h" || a == "--help") {
+            println!("usage: {op} MODEL UNIT BLOCK V K");
+            println!("  MODEL  a preset (llama3_8b, ...) or an inventory .json");
+            println!("  UNIT   a unit of the model (`ragged plan --model MODEL` lists them)");
+            println!("  BLOCK  elem, rows:K or tile:RxC");
+            println!("  V      devices; K  at most K buffers per unit");
+            std::process::exit(0);
+        }
         let [model, unit_name, block, world, k] = args.as_slice() else {
             return Err(Error::BadInput {
                 op,
@@ -62,5 +70,17 @@ impl UnitArgs {
             .iter()
             .map(|t| Item::new(t.numel(), self.block.elems(&t.shape)?, opts.start_align))
             .collect()
+    }
+}
+
+/// The process's exit status for `result`, printing an error as the CLI does (`error: ...`,
+/// not the `Debug` form `main` would print).
+pub fn exit(result: Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -234,7 +234,7 @@ pub fn validate_with<O: Optimizer>(
         mesh_invariance: false,
         ..cfg.clone()
     })?;
-    check_memory(units, cfg)?;
+    check_units(units, cfg)?;
     let mut report = ValidateReport::default();
     for u in units {
         validate_unit(opt, u, cfg, &mut report)?;
@@ -245,7 +245,7 @@ pub fn validate_with<O: Optimizer>(
 /// Validates `cfg.optimizer` on every unit of `units`.
 pub fn validate(units: &[Unit], cfg: &ValidateConfig) -> Result<ValidateReport> {
     check_config(cfg)?;
-    check_memory(units, cfg)?;
+    check_units(units, cfg)?;
     let mut report = ValidateReport::default();
     let adam = AdamWConfig::default();
     match cfg.optimizer {
@@ -329,13 +329,22 @@ fn check_config(cfg: &ValidateConfig) -> Result<()> {
     Ok(())
 }
 
-/// `Err` when the largest unit's inputs and runs cannot fit in the memory available now.
+/// `Err` when there is nothing to check (no unit holds a tensor: a report of 0 checks would
+/// read as a pass), or when the largest unit's inputs and runs cannot fit in the memory
+/// available now.
 /// A unit holds its seeded inputs (`steps + 1` f32 values per element) while it runs: the
 /// estimate adds 96 bytes per element for the runs' parameters and state (f32 unsharded and
 /// sharded, f64 reference), so it is a floor, and a model too big for this machine (a full
 /// preset at `--steps 100000`) is refused before anything is allocated.
-fn check_memory(units: &[Unit], cfg: &ValidateConfig) -> Result<()> {
+fn check_units(units: &[Unit], cfg: &ValidateConfig) -> Result<()> {
     const OP: &str = "validate";
+    if units.iter().all(|u| u.tensors.is_empty()) {
+        return Err(Error::BadInput {
+            op: OP,
+            what: format!("{} units", units.len()),
+            reason: "no tensors to validate (--units 0, or a model without float tensors)".into(),
+        });
+    }
     let per_element = cfg
         .steps
         .checked_add(1)

@@ -173,6 +173,13 @@ fn bad_configurations_are_rejected() {
     ] {
         assert!(err.to_string().contains("available"), "{err}");
     }
+    // Nothing to check is not a pass.
+    assert!(validate(&[], &good).is_err());
+    let empty = [Unit {
+        name: "empty".into(),
+        tensors: vec![],
+    }];
+    assert!(validate_with(&AdamW::default(), &empty, &good).is_err());
     assert!("zero3".parse::<LayoutKind>().is_err());
     assert!(ragged_optimizers::validate::scaled(&specs, 0).is_err());
 }

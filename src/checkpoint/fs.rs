@@ -164,9 +164,14 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         return Ok(path.to_path_buf());
     }
     if !path.is_dir() {
+        let reason = if path.exists() {
+            "not a folder: name a checkpoint folder (step-N) or the folder that holds them"
+        } else {
+            "no such folder"
+        };
         return Err(Error::Checkpoint {
             path: path.display().to_string(),
-            reason: "no such folder".into(),
+            reason: reason.into(),
         });
     }
     list(path)?

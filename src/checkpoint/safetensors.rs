@@ -515,11 +515,21 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
 
 /// A consolidated checkpoint being written: one f32 tensor per parameter (names and shapes as
 /// given), under a temporary name that [`Consolidated::finish`] renames to the destination,
-/// so a failed export never leaves a partial file under the real name.
+/// so a failed export never leaves a partial file under the real name; dropped before it is
+/// finished (an error on the way), it removes the temporary file.
 pub struct Consolidated {
-    writer: Writer,
+    /// `None` once finished.
+    writer: Option<Writer>,
     tmp: PathBuf,
     out: PathBuf,
+}
+
+impl Drop for Consolidated {
+    fn drop(&mut self) {
+        if self.writer.is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 impl Consolidated {
@@ -539,7 +549,7 @@ impl Consolidated {
         let tmp = out.with_extension("safetensors.tmp");
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
         Ok(Consolidated {
-            writer: Writer::create(&tmp, &headers, &meta, u64::MAX)?,
+            writer: Some(Writer::create(&tmp, &headers, &meta, u64::MAX)?),
             tmp,
             out: out.to_path_buf(),
         })
@@ -547,13 +557,25 @@ impl Consolidated {
 
     /// The next bytes, in header order (little-endian f32).
     pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        self.writer.write(bytes)
+        match &mut self.writer {
+            Some(w) => w.write(bytes),
+            None => Err(bad(&self.out, "written after it was finished")),
+        }
     }
 
     /// Fsyncs the file and renames it into place.
-    pub fn finish(self) -> Result<()> {
-        self.writer.finish()?;
-        std::fs::rename(&self.tmp, &self.out)
-            .map_err(|e| Error::io("checkpoint: export", &self.out, e))
+    pub fn finish(mut self) -> Result<()> {
+        let writer = self
+            .writer
+            .take()
+            .ok_or_else(|| bad(&self.out, "finished twice"))?;
+        let done = writer.finish().and_then(|_| {
+            std::fs::rename(&self.tmp, &self.out)
+                .map_err(|e| Error::io("checkpoint: export", &self.out, e))
+        });
+        if done.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+        done
     }
 }

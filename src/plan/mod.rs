@@ -206,13 +206,7 @@ pub struct Layout {
 /// order (see [`search`]).
 pub fn plan_items(items: &[Item], world: usize, opts: &PlanOptions) -> Result<Layout> {
     opts.validate()?;
-    if world == 0 {
-        return Err(Error::WorldSizeMismatch {
-            op: "plan_items",
-            expected: 1,
-            got: 0,
-        });
-    }
+    check_world("plan_items", world)?;
     if items.is_empty() {
         return Err(Error::BadInput {
             op: "plan_items",
@@ -432,11 +426,25 @@ pub fn plan_unit(
     Ok(assemble(unit, &items, &blocks, &layout, opts))
 }
 
+/// `Err` naming the number of devices unless there is at least one.
+fn check_world(op: &'static str, world: usize) -> Result<()> {
+    if world == 0 {
+        return Err(Error::BadInput {
+            op,
+            what: "a world of 0 devices (--devices 0)".into(),
+            reason: "a plan needs at least one device".into(),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn unit_items(
     unit: &Unit,
     block_of: &dyn Fn(&TensorSpec) -> AtomicBlock,
     opts: &PlanOptions,
 ) -> Result<(Vec<Item>, Vec<AtomicBlock>)> {
+    // The options first: an alignment of 0 is the option's fault, not the first tensor's.
+    opts.validate()?;
     let mut items = Vec::with_capacity(unit.tensors.len());
     let mut blocks = Vec::with_capacity(unit.tensors.len());
     for t in &unit.tensors {
