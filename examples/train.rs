@@ -115,15 +115,15 @@ struct Args {
     #[arg(long)]
     recompute: bool,
     /// Gather every unit at once and run one backward over the whole model (models that fit).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["keep_units", "recompute"])]
     whole_model: bool,
     /// Skip the unsharded reference run.
     #[arg(long)]
     no_reference: bool,
     /// Muon only: keep matrices whole, let the planner split them (gather-to-root), or choose
-    /// per matrix by the byte cost model.
-    #[arg(long, value_enum, default_value_t = MuonLayout::Auto)]
-    muon_layout: MuonLayout,
+    /// per matrix by the byte cost model (default: auto).
+    #[arg(long, value_enum)]
+    muon_layout: Option<MuonLayout>,
     /// Save checkpoints under this folder (one `step-N` folder each; see README "Checkpoints").
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
@@ -229,11 +229,23 @@ fn check_args(args: &Args) -> Result<()> {
     if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
         even_share(OP, "--batch", args.batch, args.ranks)?;
     }
-    if args.save_every > 0 && args.checkpoint_dir.is_none() {
+    for (flag, given) in [
+        ("--save-every", args.save_every > 0),
+        ("--keep", args.keep > 0),
+    ] {
+        if given && args.checkpoint_dir.is_none() {
+            return Err(ragged::Error::BadInput {
+                op: OP,
+                what: flag.into(),
+                reason: "needs --checkpoint-dir (where to save)".into(),
+            });
+        }
+    }
+    if args.muon_layout.is_some() && !matches!(args.optimizer, Opt::Muon) {
         return Err(ragged::Error::BadInput {
             op: OP,
-            what: "--save-every".into(),
-            reason: "needs --checkpoint-dir (where to save)".into(),
+            what: "--muon-layout".into(),
+            reason: "applies to --optimizer muon only".into(),
         });
     }
     let c = model_config(args.size);
@@ -252,7 +264,7 @@ fn train(args: &Args) -> Result<()> {
             if matches!(args.layout, Layout::Ragged) {
                 print_muon_layout(args)?;
             }
-            let layout = args.muon_layout;
+            let layout = args.muon_layout.unwrap_or(MuonLayout::Auto);
             run(args, move |lr| muon(lr, layout))
         }
         Opt::Adam8bit => run(args, adam8bit),
@@ -271,7 +283,7 @@ fn model_config(size: Size) -> TransformerConfig {
 fn print_muon_layout(args: &Args) -> Result<()> {
     let params = model_config(args.size).init_params(0)?;
     let inventory = inventory_of(&params)?;
-    let opt = muon(args.lr, args.muon_layout)?;
+    let opt = muon(args.lr, args.muon_layout.unwrap_or(MuonLayout::Auto))?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
     let wrap = FsdpOptions::default().wrap;
     for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
@@ -287,7 +299,7 @@ fn print_muon_layout(args: &Args) -> Result<()> {
     println!(
         "muon layout ({:?}): {split} of {total} matrices split over ranks (gathered to LPT \
          roots); padding + root traffic {:.2} MB per step",
-        args.muon_layout,
+        args.muon_layout.unwrap_or(MuonLayout::Auto),
         bytes as f64 / 1e6
     );
     Ok(())

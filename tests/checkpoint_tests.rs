@@ -539,6 +539,12 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("needs") && err.contains("available"), "{err}");
+    // `verify` compares the manifest's holdings with the tensors in the rank files.
+    let err = ragged::checkpoint::read::verify(&huge, |_, _| {}).unwrap_err();
+    assert!(
+        err.to_string().contains("the manifest says elements"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -156,8 +156,33 @@ fn refuse_inside(dir: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Reads and verifies every chunk of every rank file of the checkpoint in `dir`; returns the
-/// bytes checked. `progress(file, bytes)` is called after each file.
+/// `Err` unless rank `rank`'s file (`reader`) holds every range the manifest says it holds,
+/// each a tensor of that many elements of the field's type: the manifest and the files agree.
+fn check_holdings(manifest: &Manifest, rank: usize, reader: &Reader, path: &Path) -> Result<()> {
+    for rec in &manifest.fields {
+        for &[_, start, end] in rec.holders.iter().filter(|h| h[0] == rank) {
+            let name = tensor_name(&rec.param, &rec.field);
+            let info = reader.tensor(&name)?;
+            let want = ((end - start) as u64).checked_mul(rec.dtype.size() as u64);
+            let got = info.bytes.end - info.bytes.start;
+            if info.dtype != rec.dtype.safetensors() || want != Some(got) {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{name}: {} bytes of {}, the manifest says elements {start}..{end} of {}",
+                        got,
+                        info.dtype,
+                        rec.dtype.safetensors()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads and verifies every chunk of every rank file of the checkpoint in `dir`, and that each
+/// file holds the ranges the manifest gives its rank; returns the bytes checked. `progress(file, bytes)` is called after each file.
 pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
     let manifest = Manifest::read(dir)?;
     let mut total = 0;
@@ -166,7 +191,9 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
         if !path.is_file() {
             return Err(bad(&path, "missing (every rank's file is needed)"));
         }
-        Reader::open(&path, Some(&f.digest))?.verify_all()?;
+        let mut reader = Reader::open(&path, Some(&f.digest))?;
+        check_holdings(&manifest, f.rank, &reader, &path)?;
+        reader.verify_all()?;
         total += f.digest.bytes;
         progress(&f.file, f.digest.bytes);
     }
