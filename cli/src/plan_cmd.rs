@@ -17,8 +17,8 @@ use ragged::{AtomicBlock, Context, Error, Result};
 
 #[derive(Args, Clone)]
 pub struct PlanArgs {
-    /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b) or an
-    /// inventory JSON file (format: models/README.md).
+    /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b), an
+    /// inventory JSON file (format: models/README.md) or a .safetensors file (its header).
     #[arg(long)]
     model: String,
     /// Number of ranks V sharing the model.

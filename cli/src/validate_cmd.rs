@@ -5,9 +5,7 @@ use clap::Args;
 use ragged::model::{Inventory, Unit};
 use ragged::{Error, Result};
 use ragged_optimizers::bench::OptimKind;
-use ragged_optimizers::validate::{
-    load_model, render, scaled, validate, LayoutKind, ValidateConfig,
-};
+use ragged_optimizers::validate::{render, scaled, validate, LayoutKind, ValidateConfig};
 
 #[derive(Args)]
 pub struct ValidateArgs {
@@ -43,7 +41,7 @@ pub struct ValidateArgs {
 
 /// Runs the checks, prints the report, and returns `Err` on any breach (exit status 1).
 pub fn run(args: &ValidateArgs) -> Result<()> {
-    let inv = load_model(&args.model)?;
+    let inv = Inventory::load(&args.model)?;
     let small = Inventory {
         model: inv.model.clone(),
         tensors: scaled(&inv.tensors, args.scale)?,

@@ -639,6 +639,49 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
         "{err}"
     );
     assert!(ragged(&["checkpoint", "verify", dir]).status.success());
+    // The exported file is a model `plan` and `validate` take by its header.
+    let model = exported.to_str().unwrap();
+    let out = ragged(&["plan", "--model", model, "--devices", "3"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("{} tensors", cfg.param_shapes().len())),
+        "{text}"
+    );
+    let args = [
+        "validate",
+        "--model",
+        model,
+        "--optimizer",
+        "adamw",
+        "--worlds",
+        "1,2",
+        "--steps",
+        "1",
+    ];
+    let out = ragged(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A safetensors file of integer buffers only is nothing to plan.
+    let ints = root.join("ints.safetensors");
+    let header = br#"{"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0u8; 16]);
+    std::fs::write(&ints, bytes).unwrap();
+    let out = ragged(&["plan", "--model", ints.to_str().unwrap(), "--devices", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no floating-point tensors"),
+        "{err}"
+    );
     let mut file = Reader::open(&exported, None).unwrap();
     for (name, shape) in cfg.param_shapes() {
         let info = file.tensor(&name).unwrap().clone();

@@ -17,7 +17,7 @@ use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::SplitMix;
 use ragged::fsdp::fsdp2::Fsdp2Unit;
-use ragged::model::{DType, Inventory, TensorSpec, Unit};
+use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::{Error, Result};
@@ -135,73 +135,6 @@ impl ValidateReport {
             + self.reference.iter().filter(|c| !c.passes()).count()
             + self.mesh.iter().filter(|m| !m.3).count()
     }
-}
-
-/// The model `--model` names: a preset, an inventory JSON file, or a `.safetensors` file
-/// (its header's floating-point tensors; integer buffers are left out).
-pub fn load_model(spec: &str) -> Result<Inventory> {
-    if spec.ends_with(".safetensors") {
-        safetensors_inventory(std::path::Path::new(spec))
-    } else {
-        Inventory::load(spec)
-    }
-}
-
-/// The tensors in a safetensors header (8-byte little-endian length, then that many bytes of
-/// JSON: name → `{dtype, shape, data_offsets}`; `__metadata__` is skipped).
-fn safetensors_inventory(path: &std::path::Path) -> Result<Inventory> {
-    use std::io::Read;
-    const OP: &str = "validate::load_model";
-    let io = |source| Error::Io {
-        op: OP,
-        path: path.display().to_string(),
-        source,
-    };
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(io)?;
-    let len = u64::from_le_bytes(len);
-    // A real header is a few MB at most; a larger length means this is not a safetensors file.
-    if len > 100 << 20 {
-        return Err(Error::BadInput {
-            op: OP,
-            what: path.display().to_string(),
-            reason: format!("header length {len} bytes: not a safetensors file"),
-        });
-    }
-    let mut header = vec![0u8; len as usize];
-    f.read_exact(&mut header).map_err(io)?;
-    let json: serde_json::Value = serde_json::from_slice(&header)?;
-    let entries = json.as_object().ok_or_else(|| Error::BadInput {
-        op: OP,
-        what: path.display().to_string(),
-        reason: "the header is not a JSON object".into(),
-    })?;
-    let mut tensors = Vec::new();
-    for (name, meta) in entries.iter().filter(|(n, _)| *n != "__metadata__") {
-        let dtype = meta["dtype"].as_str().unwrap_or("").to_ascii_lowercase();
-        let dtype = match dtype.as_str() {
-            d if d.starts_with("f8") => DType::F8,
-            d => match d.parse::<DType>() {
-                Ok(t) => t,
-                Err(_) => continue, // integer and boolean buffers are not parameters
-            },
-        };
-        let shape: Option<Vec<usize>> = meta["shape"]
-            .as_array()
-            .map(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
-            .unwrap_or(None);
-        let shape = shape.ok_or_else(|| Error::BadInput {
-            op: OP,
-            what: name.clone(),
-            reason: "no integer shape in the header".into(),
-        })?;
-        tensors.push(TensorSpec::new(name.clone(), &shape, dtype)?);
-    }
-    Ok(Inventory {
-        model: path.display().to_string(),
-        tensors,
-    })
 }
 
 /// Every dimension of `tensors` divided by `scale` (rounded up; `scale = 1` keeps them).

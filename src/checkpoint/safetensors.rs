@@ -80,7 +80,7 @@ fn dtype_size(dtype: &str) -> Option<u64> {
         "F64" | "I64" | "U64" => 8,
         "F32" | "I32" | "U32" => 4,
         "F16" | "BF16" | "I16" | "U16" => 2,
-        "U8" | "I8" | "BOOL" => 1,
+        "U8" | "I8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
         _ => return None,
     })
 }

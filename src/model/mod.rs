@@ -202,10 +202,14 @@ impl Inventory {
         Ok(())
     }
 
-    /// A preset name (see [`presets::NAMES`]) or a path to an inventory file.
+    /// A preset name (see [`presets::NAMES`]), a path to an inventory file, or a path to a
+    /// `.safetensors` file ([`Inventory::from_safetensors`]).
     pub fn load(preset_or_path: &str) -> Result<Self> {
         match presets::by_name(preset_or_path) {
             Some(inv) => Ok(inv),
+            None if preset_or_path.ends_with(".safetensors") => {
+                Self::from_safetensors(Path::new(preset_or_path))
+            }
             None if Path::new(preset_or_path).exists() => Self::from_json_file(preset_or_path),
             None => Err(Error::BadInput {
                 op: "Inventory::load",
@@ -216,6 +220,35 @@ impl Inventory {
                 ),
             }),
         }
+    }
+
+    /// The floating-point tensors of a safetensors file, by name, from its header (parsed and
+    /// checked by the checkpoint reader: offsets, sizes, overlaps); integer and boolean
+    /// buffers are not parameters and are left out. `Err` if none is left.
+    pub fn from_safetensors(path: &Path) -> Result<Self> {
+        let file = crate::checkpoint::safetensors::Reader::open(path, None)?;
+        let mut tensors = file
+            .tensors()
+            .iter()
+            .filter_map(|(name, info)| {
+                let dtype = match info.dtype.as_str() {
+                    "F8_E4M3" | "F8_E5M2" => DType::F8,
+                    d => d.to_ascii_lowercase().parse().ok()?,
+                };
+                Some(TensorSpec::new(name.clone(), &info.shape, dtype))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let inv = Inventory {
+            model: path.display().to_string(),
+            tensors,
+        };
+        inv.validate(None, None).map_err(|_| Error::BadInput {
+            op: "Inventory::from_safetensors",
+            what: path.display().to_string(),
+            reason: "no floating-point tensors (nothing to plan or validate)".into(),
+        })?;
+        Ok(inv)
     }
 
     /// Total number of parameters.
