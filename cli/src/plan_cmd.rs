@@ -15,6 +15,9 @@ use ragged::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, Multi
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 
+/// The most devices `--full-units` writes a per-rank list for.
+const MAX_FULL_UNITS_DEVICES: usize = 1 << 16;
+
 #[derive(Args, Clone)]
 pub struct PlanArgs {
     /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b), an
@@ -52,14 +55,15 @@ pub struct PlanArgs {
     /// Write the full plan as JSON to this file (- for standard output).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// In the JSON, also write every tensor's V-entry units_per_rank list (large at big V).
-    #[arg(long)]
+    /// In the JSON, also write every tensor's V-entry units_per_rank list (large at big V; at
+    /// most 65536 devices).
+    #[arg(long, requires = "json")]
     full_units: bool,
     /// Draw one unit's layout (every buffer) as SVG to this file (`-`: stdout).
     #[arg(long)]
     svg: Option<PathBuf>,
     /// The unit to draw with --svg (default: the first decoder layer, else the first unit).
-    #[arg(long)]
+    #[arg(long, requires = "svg")]
     unit: Option<String>,
     /// Skip the baseline comparison.
     #[arg(long)]
@@ -74,6 +78,17 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         "--devices × --coll-align elements",
         &[args.devices, args.coll_align],
     )?;
+    if args.full_units {
+        // V numbers per tensor in memory and in the file: beyond this the JSON runs to
+        // gigabytes; `unit_runs` (always written) says the same in O(1) per tensor.
+        ragged::limits::at_most(
+            "ragged plan",
+            "--full-units with --devices",
+            args.devices,
+            MAX_FULL_UNITS_DEVICES,
+            "it writes V numbers per tensor; unit_runs holds the same in three",
+        )?;
+    }
     let inv = Inventory::load(&args.model)?;
     let opts = PlanOptions {
         coll_align: args.coll_align,

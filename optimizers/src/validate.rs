@@ -250,6 +250,13 @@ fn check_config(cfg: &ValidateConfig) -> Result<()> {
             "needs one or more world sizes, each ≥ 1",
         );
     }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(w) = cfg.worlds.iter().find(|&&w| !seen.insert(w)) {
+        return bad(
+            format!("worlds {:?}", cfg.worlds),
+            &format!("world {w} is listed twice (each world runs once)"),
+        );
+    }
     if cfg.layouts.is_empty() {
         return bad("no layouts".into(), "name at least one of ragged, fsdp2");
     }

@@ -146,6 +146,10 @@ fn bad_configurations_are_rejected() {
             ..good.clone()
         },
         ValidateConfig {
+            worlds: vec![1, 2, 1],
+            ..good.clone()
+        },
+        ValidateConfig {
             steps: 0,
             ..good.clone()
         },
