@@ -51,7 +51,7 @@ __device__ __forceinline__ unsigned short encode_scale(float absmax) {
     const unsigned int bits = __float_as_uint(absmax) & 0x7fffffffu;
     const unsigned int rounded = (bits + (1u << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
     const unsigned int infinity = 0x7f800000u >> SCALE_SHIFT;
-    if (rounded == infinity && bits < 0x7f800000u) return (unsigned short)(infinity - 1);
+    if (rounded == infinity && bits <= 0x7f800000u) return (unsigned short)(infinity - 1);
     return (unsigned short)rounded;
 }
 

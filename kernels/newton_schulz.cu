@@ -8,7 +8,8 @@
 // ns_normalize: grid (any, batch), block 256: thread 0 of each block sums the matrix's
 //   partials in index order (f64), takes the f64 sqrt, rounds to f32, scales and clamps
 //   (as the CPU: norm = (sum as f64).sqrt() as f32; denom = (norm_scale * norm).max(eps));
-//   then x <- x / denom in f32. A non-finite norm makes every element NaN (the CPU's rule).
+//   then x <- x / denom in f32. A non-finite f64 norm makes every element NaN (the CPU's rule);
+//   a finite f64 norm that overflows f32 divides in f64 instead (the CPU's rule too).
 //   Products of two f32 are exact in f64, so only the summation order differs from the CPU's
 //   element-order sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
 //   almost always agrees (a different f32 denom is possible only when the f64 sum sits on an
@@ -54,21 +55,25 @@ extern "C" __global__ void ns_sumsq_partial(const float* x, unsigned long long l
 extern "C" __global__ void ns_normalize(float* x, unsigned long long len, const double* partial,
                                         unsigned int nparts, float norm_scale, float eps) {
     __shared__ float denom;
-    __shared__ int finite;
+    __shared__ double denom64;
+    __shared__ int mode;  // 0: NaN (a non-finite element), 1: f32 division, 2: f64 division
     if (threadIdx.x == 0) {
         double s = 0.0;
         for (unsigned int k = 0; k < nparts; ++k) s += partial[(unsigned long long)nparts * blockIdx.y + k];
-        const float norm = (float)sqrt(s);
-        finite = isfinite(norm) ? 1 : 0;
+        const double norm64 = sqrt(s);
+        const float norm = (float)norm64;
+        mode = !isfinite(norm64) ? 0 : (isfinite(norm) ? 1 : 2);
         denom = fmaxf(norm_scale * norm, eps);
+        denom64 = (double)norm_scale * norm64;
     }
     __syncthreads();
     float* xm = x + len * blockIdx.y;
     const float d = denom;
-    const int ok = finite;
+    const double d64 = denom64;
+    const int m = mode;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < len;
          i += (unsigned long long)gridDim.x * blockDim.x) {
-        xm[i] = ok ? xm[i] / d : __int_as_float(0x7fc00000);
+        xm[i] = m == 1 ? xm[i] / d : (m == 2 ? (float)((double)xm[i] / d64) : __int_as_float(0x7fc00000));
     }
 }
 

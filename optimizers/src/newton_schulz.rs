@@ -65,7 +65,9 @@
 //! # Special inputs
 //! A zero matrix stays zero (the norm clamps at `eps`). If any element is non-finite, every
 //! output element is NaN and the call returns `Ok` (a NaN gradient poisons the update as in
-//! torch, but predictably and on every backend).
+//! torch, but predictably and on every backend). A finite matrix whose norm overflows `f32`
+//! (entries ≳ 1e37 on a 64×64 matrix) is divided by its `f64` norm instead, where torch's
+//! `f32` norm would be infinite and the update zero.
 //!
 //! # Accuracy
 //! The quintic coefficients (3.4445, −4.7750, 2.0315) trade exactness for speed: after 5
@@ -937,13 +939,25 @@ fn ns_one(
         map_in_place(&mut xw, par, round);
     }
     // Step 2: Frobenius norm (f64 sum in element order, rounded once), scaled, clamped.
-    let norm = (xw.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>()).sqrt() as f32;
-    if !norm.is_finite() {
-        x.fill(f32::NAN);
+    let norm64 = xw
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt();
+    if !norm64.is_finite() {
+        x.fill(f32::NAN); // a non-finite element
         return Ok(());
     }
-    let denom = (cfg.norm_scale * norm).max(cfg.eps);
-    map_in_place(&mut xw, par, |v| round(v / denom));
+    let norm = norm64 as f32;
+    if norm.is_finite() {
+        let denom = (cfg.norm_scale * norm).max(cfg.eps);
+        map_in_place(&mut xw, par, |v| round(v / denom));
+    } else {
+        // Finite elements whose norm exceeds f32 (≳ 1.8e19 each on a 64×64 matrix): divide in
+        // f64, where the norm is finite, rather than by an infinite f32 norm (all NaN).
+        let denom = f64::from(cfg.norm_scale) * norm64;
+        map_in_place(&mut xw, par, |v| round((f64::from(v) / denom) as f32));
+    }
     // Step 3.
     let gram = method == NsMethod::Gram;
     match backend {
@@ -969,7 +983,8 @@ fn ns_one(
 /// Orthogonalizes the `rows × cols` row-major matrix `x` in place by Newton–Schulz (module
 /// table) with `cfg`'s precision and backend. Products use every thread of the current rayon
 /// pool (the result does not depend on how many). A zero matrix stays zero; a matrix with a
-/// non-finite element becomes all NaN (`Ok`).
+/// non-finite element becomes all NaN (`Ok`); a finite one whose norm overflows f32 is
+/// normalized in f64.
 ///
 /// # Errors
 /// `BadInput` if `x.len() != rows·cols` or [`NsConfig::validate`] fails; the backend errors of

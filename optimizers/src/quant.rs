@@ -537,16 +537,19 @@ pub type ScaleCode = u16;
 /// The 16-bit code of a block scale `absmax ≥ 0`: `absmax` rounded to the nearest value with
 /// 8 mantissa bits (ties away from zero), so the stored scale is within 2⁻⁹ relative of the
 /// block's maximum (a value just above the stored scale quantizes to the end code, 1.0).
-/// A finite `absmax` that would round to infinity (above ≈ 3.39e38) saturates at the largest
-/// finite code; `+∞` stays `+∞`; values below 2⁻¹³⁴ (subnormal) round to 0, which stores the
-/// whole block as 0 (the code of zero). The sign of a negative input is dropped; a NaN input
-/// gives a NaN scale.
+/// An `absmax` that would round to infinity (above ≈ 3.39e38), and `+∞` itself, saturate at
+/// the largest finite code: an infinite scale would decode every code of the block as `0·∞`
+/// (NaN) or `∞`, so one element whose `v` overflowed (a gradient ≳ 5.8e20) would turn its 255
+/// neighbours NaN; with a finite scale that element saturates at the end code and the others
+/// keep finite values. Values below 2⁻¹³⁴ (subnormal) round to 0, which stores the whole block
+/// as 0 (the code of zero). The sign of a negative input is dropped; a NaN input gives a NaN
+/// scale.
 #[inline(always)]
 pub fn encode_scale(absmax: f32) -> ScaleCode {
     let bits = absmax.to_bits() & 0x7fff_ffff;
     let rounded = (bits + (1 << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
     let infinity = 0x7f80_0000 >> SCALE_SHIFT;
-    if rounded == infinity && bits < 0x7f80_0000 {
+    if rounded == infinity && bits <= 0x7f80_0000 {
         (infinity - 1) as ScaleCode
     } else {
         rounded as ScaleCode
@@ -729,7 +732,10 @@ mod tests {
             decode_scale(encode_scale(f32::MAX)),
             f32::from_bits(0x7f7f_8000)
         );
-        assert_eq!(decode_scale(encode_scale(f32::INFINITY)), f32::INFINITY);
+        assert_eq!(
+            decode_scale(encode_scale(f32::INFINITY)),
+            f32::from_bits(0x7f7f_8000)
+        );
         assert!(decode_scale(encode_scale(f32::NAN)).is_nan());
         assert_eq!(decode_scale(encode_scale(1e-45)), 0.0);
     }

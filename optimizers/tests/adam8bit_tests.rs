@@ -476,6 +476,35 @@ fn codes_are_not_all_trivial_so_the_golden_test_has_teeth() {
     );
 }
 
+/// A finite gradient large enough that `v = (1 − β₂)·g²` overflows f32 (|g| ≳ 5.8e20) makes
+/// that element's `v` infinite, as in fp32 Adam (which then freezes it); it must not turn the
+/// other elements of its 256-element scale block NaN, as an infinite block scale would
+/// (`0·∞`). Before the fix, the zero-gradient neighbour was NaN from the second step on.
+#[test]
+fn an_overflowing_v_leaves_its_scale_block_finite() {
+    let spec = specs(&[&[64, 96]]);
+    let shard = whole_shard(&spec);
+    let opt = default_opt();
+    let mut rng = Rng::new(5);
+    let mut p = rng.vec(shard.len, 0.5, 1.5);
+    let mut state = opt.init(&shard).unwrap();
+    for step in 0..3 {
+        let mut g = rng.vec(shard.len, 1e-3, 1.0);
+        g[1] = 0.0; // a neighbour of element 0 in its scale block, never any gradient
+        if step == 0 {
+            g[0] = 1e21;
+        }
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+    }
+    let scales = state.scale_v.cpu().unwrap();
+    assert!(scales.iter().all(|&c| decode_scale(c).is_finite()));
+    assert!(
+        p.iter().all(|x| x.is_finite()),
+        "a parameter became NaN or infinite"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Sharded ≡ unsharded, bitwise
 // ---------------------------------------------------------------------------------------------

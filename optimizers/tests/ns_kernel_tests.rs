@@ -1059,6 +1059,27 @@ fn a_vector_is_normalized_then_mapped_by_the_scalar_polynomial() {
     }
 }
 
+/// A finite matrix whose Frobenius norm overflows f32 (entries of ±1e37) is normalized in
+/// f64: the result is the orthogonalization of the same direction at a sane scale, not NaN.
+#[test]
+fn a_finite_matrix_whose_norm_overflows_f32_is_orthogonalized() {
+    let n = 64;
+    let unit: Vec<f32> = (0..n * n)
+        .map(|i| if (i * 7 + i / n) % 3 == 0 { -1.0 } else { 1.0 } * (1.0 + (i % 5) as f32 / 8.0))
+        .collect();
+    let cfg = NsConfig::default();
+    let mut want = unit.clone();
+    orthogonalize(&mut want, n, n, &cfg).unwrap();
+    let mut huge: Vec<f32> = unit.iter().map(|&x| x * 1e37).collect();
+    orthogonalize(&mut huge, n, n, &cfg).unwrap();
+    let worst = huge
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) });
+    assert!(worst <= 1e-4, "max difference {worst}");
+}
+
 #[test]
 fn bad_shapes_and_configs_are_errors_not_panics() {
     let mut x = vec![1.0f32; 10];
