@@ -946,6 +946,107 @@ fn mlp_stack_trains_the_same_unit_by_unit_and_whole() {
     assert_eq!(run(false), run(true));
 }
 
+/// A rank whose loss reaches no parameter (times 0 by candle's `affine`, which drops the
+/// graph) takes part in the same collectives as the others: the steps succeed on every rank
+/// and equal those where that rank's loss is multiplied by a zeros tensor (graph kept, zero
+/// gradients), with and without overlap. Before, that rank skipped its re-gathers and the
+/// ranks called different collectives.
+#[test]
+fn a_rank_whose_graph_is_cut_calls_the_same_collectives() {
+    use ragged::demo::{MlpBatch, MlpConfig, MlpStages};
+    struct CutOnRank1 {
+        inner: MlpStages,
+        rank: usize,
+        drop_graph: bool,
+    }
+    impl Stages for CutOnRank1 {
+        type Batch = MlpBatch;
+        fn stage_units(&self) -> Vec<String> {
+            self.inner.stage_units()
+        }
+        fn forward(
+            &self,
+            stage: usize,
+            params: &UnitParams,
+            x: Option<&Tensor>,
+            batch: &MlpBatch,
+        ) -> candle_core::Result<Tensor> {
+            let out = self.inner.forward(stage, params, x, batch)?;
+            if stage + 1 < self.inner.0.layers || self.rank != 1 {
+                Ok(out)
+            } else if self.drop_graph {
+                out.affine(0.0, 0.0)
+            } else {
+                out.broadcast_mul(&out.zeros_like()?)
+            }
+        }
+    }
+    let mlp = MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 3,
+    };
+    let params = mlp.init_params(1).unwrap();
+    for overlap in [false, true] {
+        let run = |drop_graph: bool| {
+            ThreadWorld::run(2, |c| {
+                let opts = FsdpOptions {
+                    overlap,
+                    ..FsdpOptions::default()
+                };
+                let mut m = fully_shard(&params, adamw(), c, opts)?;
+                let stages = CutOnRank1 {
+                    inner: MlpStages(mlp),
+                    rank: c.rank(),
+                    drop_graph,
+                };
+                for step in 0..2 {
+                    m.forward_backward(&stages, &mlp.batch(step, 4)?)?;
+                    m.step()?;
+                }
+                m.full_params()
+            })
+            .unwrap()
+            .remove(0)
+        };
+        assert!(run(true) == run(false), "overlap {overlap}");
+    }
+}
+
+/// A unit with trainable parameters that no stage lists is named by `forward_backward`
+/// (before, every `step` failed with "no reduced gradients", naming nothing).
+#[test]
+fn a_unit_no_stage_runs_is_named() {
+    use ragged::demo::{MlpBatch, MlpConfig, MlpStages};
+    struct FirstTwo(MlpStages);
+    impl Stages for FirstTwo {
+        type Batch = MlpBatch;
+        fn stage_units(&self) -> Vec<String> {
+            self.0.stage_units()[..2].to_vec()
+        }
+        fn forward(
+            &self,
+            stage: usize,
+            params: &UnitParams,
+            x: Option<&Tensor>,
+            batch: &MlpBatch,
+        ) -> candle_core::Result<Tensor> {
+            self.0.forward(stage, params, x, batch)
+        }
+    }
+    let mlp = MlpConfig {
+        width: 8,
+        hidden: 16,
+        layers: 3,
+    };
+    let params = mlp.init_params(1).unwrap();
+    let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let err = m
+        .forward_backward(&FirstTwo(MlpStages(mlp)), &mlp.batch(0, 4).unwrap())
+        .expect_err("layers.2 is in no stage");
+    assert!(err.to_string().contains("unit layers.2"), "{err}");
+}
+
 /// A schedule sets the rate of every step (factor of the step count times the configured
 /// rate); a rate of 0 leaves the parameters bitwise unchanged; bad rates are refused.
 #[test]
@@ -993,6 +1094,24 @@ fn duplicate_parameter_names_are_refused() {
             .contains(&format!("{} listed twice", params[0].0)),
         "{err}"
     );
+    // An integer buffer is not a parameter, and an empty tensor is named.
+    let mut with_ids = CFG.init_params(6).unwrap();
+    let ids = Tensor::zeros(4, DType::U32, &Device::Cpu).unwrap();
+    with_ids.push(("position_ids".into(), ids));
+    let err = fully_shard(&with_ids, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("an integer tensor must be refused");
+    assert!(
+        err.to_string().contains("position_ids of dtype U32"),
+        "{err}"
+    );
+    let mut with_empty = CFG.init_params(6).unwrap();
+    let empty = Tensor::zeros((0, 4), DType::F32, &Device::Cpu).unwrap();
+    with_empty.push(("empty.weight".into(), empty));
+    let err = fully_shard(&with_empty, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("an empty tensor is refused");
+    assert!(err.to_string().contains("parameter empty.weight"), "{err}");
 }
 
 /// A demo configuration that cannot work is an `Err` naming the field, wherever it enters:

@@ -403,9 +403,23 @@ pub fn fully_shard<'c, O: Optimizer>(
 /// The parameter list as an inventory (f32); `inventory_of(p)?.units_by(..)` with the same
 /// wrap rule groups exactly as [`fully_shard`] does.
 pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
+    use crate::error::Context;
     let tensors = params
         .iter()
-        .map(|(name, t)| TensorSpec::new(name.clone(), t.dims(), ModelDType::F32))
+        .map(|(name, t)| {
+            // Integer and boolean tensors are buffers, not parameters: an optimizer would
+            // move them by weight decay.
+            if !t.dtype().is_float() {
+                return Err(crate::Error::BadInput {
+                    op: "fully_shard",
+                    what: format!("parameter {name} of dtype {:?}", t.dtype()),
+                    reason: "only floating-point tensors train; keep buffers out of the list"
+                        .into(),
+                });
+            }
+            TensorSpec::new(name.clone(), t.dims(), ModelDType::F32)
+                .with_context(|| format!("fully_shard: parameter {name}"))
+        })
         .collect::<Result<Vec<_>>>()?;
     let inventory = Inventory {
         model: "fully_shard".into(),

@@ -382,16 +382,19 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             // to backpropagate: its parameters get no gradient, and are reported as such.
             let graph = graphs[s].take();
             let mut jobs: Vec<Job> = pending.take().map(Job::Reduce).into_iter().collect();
+            // The collectives never depend on this rank's graph: a rank whose stage got no
+            // gradient (its loss times 0, a detached output) gathers and prefetches as the
+            // others do, or the ranks would call different collectives.
+            self.timed_gather(u, &mut report)?;
+            let prev = s.checked_sub(1).map(|p| stage_units[p]);
+            jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
             if s + 1 == n || g.is_some() {
                 // A kept graph whose unit was resharded gets its storages back (the same
                 // tensors); a dropped one is recomputed from the saved input.
-                self.timed_gather(u, &mut report)?;
                 let source = match graph {
                     Some(out) => Ok(out),
                     None => Err(self.unit_params(u, true)?.for_gradients_only()),
                 };
-                let prev = s.checked_sub(1).map(|p| stage_units[p]);
-                jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
                 let (input, seed) = (inputs[s].as_ref(), g.take());
                 let start = Instant::now();
                 let recomputed = &mut activations[s].graph_bytes;
@@ -441,7 +444,32 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     reason: format!("no such unit; the units are {:?}", self.unit_names()),
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()
+            .and_then(|stages| self.check_every_unit_staged(&stages).map(|_| stages))
+    }
+
+    /// `Err` naming a unit with trainable parameters that no stage runs: its gradients would
+    /// never be reduced, and every `step` would fail without saying why.
+    fn check_every_unit_staged(&self, stages: &[usize]) -> Result<()> {
+        let unstaged = (0..self.groups.len()).find(|&g| {
+            !stages.contains(&g)
+                && self
+                    .buffers_of(g)
+                    .iter()
+                    .any(|&b| !self.units[b].params.is_frozen())
+        });
+        match unstaged {
+            Some(g) => Err(Error::BadInput {
+                op: "forward_backward",
+                what: format!("unit {}", self.unit_names()[g]),
+                reason: format!(
+                    "no stage runs it (the stages are {:?}): list it in stage_units(), or give its \
+                     parameters the Frozen role",
+                    stages.iter().map(|&g| self.unit_names()[g]).collect::<Vec<_>>()
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn timed_gather(&mut self, u: usize, report: &mut StageReport) -> Result<()> {
