@@ -505,6 +505,19 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     let out = root.join("out.safetensors");
     assert!(ragged::checkpoint::read::export(&root.join("truncated"), &out, |_| {}).is_err());
     assert!(!out.exists() && !out.with_extension("safetensors.tmp").exists());
+    // A (sealed) manifest whose shape disagrees with its saved array: the export names the
+    // manifest, before it writes anything.
+    let reshaped = root.join("reshaped");
+    copy_dir(&good, &reshaped);
+    edit_manifest(&reshaped, |v| {
+        v["model"][0]["shape"] = serde_json::json!([1u64 << 32, 1u64 << 32])
+    });
+    let err = ragged::checkpoint::read::export(&reshaped, &out, |_| {}).unwrap_err();
+    assert!(
+        err.to_string().contains("manifest.json") && err.to_string().contains("saved elements"),
+        "{err}"
+    );
+    assert!(!out.exists() && !out.with_extension("safetensors.tmp").exists());
     // Another model (other shapes of the same names; other names) and another optimizer.
     let wider = TransformerConfig { d_ff: 64, ..CFG }
         .init_params(3)

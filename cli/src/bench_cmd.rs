@@ -77,7 +77,7 @@ pub struct TrainBenchArgs {
     /// Instead: world 1 only, each ragged variant's steps interleaved with plain candle's
     /// (ratios of neighbouring steps, robust to load that comes and goes); section
     /// `train-paired`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "worlds")]
     paired: bool,
     /// Where the model and the sharded state live: this machine's cores, or GPU 0 (a build
     /// with `--features candle-cuda`; section `train-cuda`, with MFU against a same-run GEMM).

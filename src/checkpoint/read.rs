@@ -218,6 +218,23 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
         .model
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()));
+    // Every shape against its saved array first: a mismatch is the manifest's, not the
+    // output file's, and is found before anything is written.
+    for t in &manifest.model {
+        let rec = records
+            .get(t.name.as_str())
+            .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
+        let n = t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if n != Some(rec.len) || rec.len == 0 {
+            return Err(bad(
+                dir,
+                format!(
+                    "manifest.json: {} has shape {:?} but {} saved elements",
+                    t.name, t.shape, rec.len
+                ),
+            ));
+        }
+    }
     let mut file = Consolidated::create(out, tensors)?;
     for t in &manifest.model {
         let rec = records
