@@ -19,10 +19,11 @@
 //!
 //! Exits with status 1 on any failure.
 //!
-//! `mpi_check --fail-rank R --fail-how err|panic` instead checks how a failing rank ends the job:
-//! every rank enters a barrier except rank `R`, which returns an `Err` (passed to
-//! [`MpiComm::abort_job`]) or panics. The job must end at once with a message naming rank `R` and
-//! a nonzero status, not hang in the barrier; `.ci/run` checks both under `timeout`.
+//! `mpi_check --fail-rank R --fail-how err|panic|leave` instead checks how a failing rank ends
+//! the job: every rank enters a barrier except rank `R`, which returns an `Err` (passed to
+//! [`MpiComm::abort_job`]), panics, or returns from `main` with success (dropping its
+//! communicator). The job must end at once with a message naming rank `R` and a nonzero
+//! status, not hang in the barrier; `.ci/run` checks all three under `timeout`.
 
 use std::process::ExitCode;
 
@@ -51,6 +52,12 @@ fn main() -> ExitCode {
     };
     let (rank, world) = (comm.rank(), comm.world_size());
     match failure_mode() {
+        Ok(Some((bad, FailHow::Leave))) if rank == bad => {
+            // Returns early, as a program whose loop ends sooner does: dropping the
+            // communicator posts this rank's leaving, and the others must fail, not wait.
+            drop(comm);
+            return ExitCode::SUCCESS;
+        }
         Ok(Some((bad, how))) => fail_on(&comm, bad, how),
         Ok(None) => {}
         Err(e) => comm.abort_job(&e),
@@ -82,11 +89,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// How `--fail-rank R --fail-how err|panic` asks a rank to fail.
+/// How `--fail-rank R --fail-how err|panic|leave` asks a rank to fail.
 #[derive(Clone, Copy)]
 enum FailHow {
     Err,
     Panic,
+    /// Return from `main` with success, dropping the communicator.
+    Leave,
 }
 
 /// The failure mode from the command line: `None` for the ordinary checks.
@@ -100,7 +109,7 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
     let bad_arg = |what: String| ragged::Error::BadInput {
         op: "mpi_check",
         what,
-        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic]".into(),
+        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic|leave]".into(),
     };
     let (Some(rank), Some(how)) = (value("--fail-rank"), value("--fail-how")) else {
         return match args.is_empty() {
@@ -114,6 +123,7 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
     let how = match how.as_str() {
         "err" => FailHow::Err,
         "panic" => FailHow::Panic,
+        "leave" => FailHow::Leave,
         _ => return Err(bad_arg(format!("--fail-how {how}"))),
     };
     Ok(Some((rank, how)))
@@ -127,6 +137,7 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
                 "rank {bad} fails on purpose (--fail-how err)"
             ))),
             FailHow::Panic => panic!("rank {bad} panics on purpose (--fail-how panic)"),
+            FailHow::Leave => unreachable!("rank {bad} returned from main"),
         }
     } else {
         comm.barrier()

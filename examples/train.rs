@@ -256,13 +256,40 @@ fn check_args(args: &Args) -> Result<()> {
     fits_in_memory(OP, "--batch's activations", bytes).map(drop)
 }
 
+/// The world size and this process's rank as the launcher sets them: `--ranks` and 0 for
+/// thread ranks; under `mpirun` or an NCCL launcher, its environment (the communicator itself
+/// joins later), `None` where it sets none.
+fn launched_world(args: &Args) -> Option<(usize, usize)> {
+    let env = |names: &[&str]| {
+        names
+            .iter()
+            .find_map(|n| std::env::var(n).ok()?.trim().parse::<usize>().ok())
+    };
+    match args.comm {
+        CommKind::Threads | CommKind::GpuThreads => Some((args.ranks, 0)),
+        CommKind::Mpi | CommKind::Nccl => Some((
+            env(&[
+                "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE",
+                "RAGGED_WORLD_SIZE",
+                "WORLD_SIZE",
+            ])?,
+            env(&["OMPI_COMM_WORLD_RANK", "PMI_RANK", "RAGGED_RANK", "RANK"])?,
+        )),
+    }
+}
+
 fn train(args: &Args) -> Result<()> {
     check_args(args)?;
     match args.optimizer {
         Opt::Adamw => run(args, adamw),
         Opt::Muon => {
-            if matches!(args.layout, Layout::Ragged) {
-                print_muon_layout(args)?;
+            // Printed once, for the world that runs (the launcher's, not --ranks, under MPI).
+            match launched_world(args) {
+                Some((ranks, 0)) if matches!(args.layout, Layout::Ragged) => {
+                    print_muon_layout(args, ranks)?
+                }
+                _ => {}
             }
             let layout = args.muon_layout.unwrap_or(MuonLayout::Auto);
             run(args, move |lr| muon(lr, layout))
@@ -280,14 +307,14 @@ fn model_config(size: Size) -> TransformerConfig {
 }
 
 /// Muon's per-unit choice of whole or split matrices, and what it costs on the wire.
-fn print_muon_layout(args: &Args) -> Result<()> {
+fn print_muon_layout(args: &Args, ranks: usize) -> Result<()> {
     let params = model_config(args.size).init_params(0)?;
     let inventory = inventory_of(&params)?;
     let opt = muon(args.lr, args.muon_layout.unwrap_or(MuonLayout::Auto))?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
     let wrap = FsdpOptions::default().wrap;
     for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
-        let (_, report) = opt.plan_layout(&unit, args.ranks, &FsdpOptions::default().plan)?;
+        let (_, report) = opt.plan_layout(&unit, ranks, &FsdpOptions::default().plan)?;
         total += report.tensors.len();
         split += report
             .tensors
@@ -318,10 +345,14 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         recompute: args.recompute,
         ..FsdpOptions::default()
     };
-    println!(
-        "model: {n_params} parameters; {} ranks, {:?} layout, {:?} lr {}, global batch {} x {} tokens",
-        args.ranks, args.layout, args.optimizer, args.lr, args.batch, cfg.seq_len
-    );
+    let ranks = launched_world(args).map_or("launcher-set".to_string(), |(v, _)| v.to_string());
+    if launched_world(args).is_none_or(|(_, rank)| rank == 0) {
+        println!(
+            "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {}, global batch \
+             {} x {} tokens",
+            args.layout, args.optimizer, args.lr, args.batch, cfg.seq_len
+        );
+    }
 
     let bar = ProgressBar::new(args.steps as u64).with_style(
         ProgressStyle::with_template("sharded   {bar:30} {pos}/{len} {msg} [{elapsed}]")

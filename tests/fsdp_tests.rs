@@ -659,6 +659,23 @@ fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
             "{errors:?}"
         );
     }
+    // Another learning rate on rank 1 (a launcher script that differs per rank).
+    let errors = ThreadWorld::run(3, |c| {
+        let lr = if c.rank() == 1 { LR * 2.0 } else { LR };
+        let opt = AdamW::new(AdamWConfig {
+            lr,
+            ..AdamWConfig::default()
+        })?;
+        Ok(fully_shard(&params, opt, c, FsdpOptions::default())
+            .err()
+            .map(|e| e.to_string()))
+    })
+    .unwrap();
+    let first = errors[0].clone().expect("rank 0 must fail too");
+    assert!(
+        first.contains("learning rate") && first.contains("ranks [1]"),
+        "{first}"
+    );
     // The same input everywhere passes.
     ThreadWorld::run(3, |c| {
         fully_shard(&params, adamw(), c, FsdpOptions::default()).map(|_| ())

@@ -25,6 +25,7 @@
 //! |---|---|
 //! | panics | the panic hook set by [`MpiComm::init`] prints the panic and `MPI_Abort`s (code 101) |
 //! | returns `Err` | the program calls [`MpiComm::abort_job`] with it (as `examples/mpi_check.rs` does), which prints it and `MPI_Abort`s (code 1) |
+//! | returns early (`Ok`), dropping its communicator | the drop posts a *leaving* descriptor, which meets the others' next call: each of them returns an `Err` naming the rank that left (and every later call fails at once), then finalizes with it |
 //! | is alive but never calls | the others block inside MPI, which has no timeout: run the job under `timeout` |
 //!
 //! # Start-up
@@ -48,6 +49,9 @@ use crate::{Error, Result};
 /// MPI's world, held by one process.
 struct Inner {
     world: SimpleCommunicator,
+    /// A rank that left the world while this one called a collective: every later call fails
+    /// at once, and the drop posts nothing more (that rank waits in `MPI_Finalize`).
+    left: Option<usize>,
     /// Finalizes MPI when dropped (after `world`).
     _universe: Universe,
 }
@@ -95,6 +99,7 @@ impl MpiComm {
         Ok(MpiComm {
             inner: Mutex::new(Inner {
                 world,
+                left: None,
                 _universe: universe,
             }),
             rank,
@@ -136,15 +141,59 @@ impl MpiComm {
         data: impl FnOnce(&SimpleCommunicator) -> Result<()>,
     ) -> Result<()> {
         let op = post.op;
-        let inner = self
+        let mut inner = self
             .inner
             .lock()
             .map_err(|_| self.err(op, "an earlier call panicked".into()))?;
-        let posts = exchange(&inner.world, &post, self.size);
+        if let Some(j) = inner.left {
+            return Err(self.err(
+                op,
+                format!("rank {j} has left the world (see the first error)"),
+            ));
+        }
+        let posts = match exchange(&inner.world, Some(&post), self.size) {
+            Exchanged::Posts(posts) => posts,
+            Exchanged::Left { first: j, .. } => {
+                inner.left = Some(j);
+                return Err(self.err(
+                    op,
+                    format!(
+                        "rank {j} left the world (its program returned or dropped its \
+                         communicator) while this rank called {}: the ranks' programs do not \
+                         call the same collectives",
+                        op.name()
+                    ),
+                ));
+            }
+        };
         validate(&posts)
             .and_then(|()| check_mpi_limits(&posts))
             .map_err(|reason| self.err(op, reason))?;
         data(&inner.world)
+    }
+}
+
+impl Drop for MpiComm {
+    /// Posts this rank's leaving descriptor before MPI is finalized. At a normal end it meets
+    /// every other rank's; a rank that still calls collectives gets an `Err` naming this one
+    /// instead of waiting for it for ever.
+    fn drop(&mut self) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if inner.left.is_some() {
+            return;
+        }
+        if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, self.size) {
+            if !staying.is_empty() {
+                eprintln!(
+                    "rank {} of {} left the world while ranks {staying:?} still called \
+                     collectives",
+                    self.rank, self.size
+                );
+            }
+        }
     }
 }
 
@@ -154,6 +203,9 @@ fn abort_job_on_panic() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
+        if mpi::environment::is_finalized() {
+            return; // MPI is over here: the process ends on its own
+        }
         eprintln!("a rank panicked: aborting the MPI job");
         // SAFETY: MPI is initialized (this hook is set by `MpiComm::init`); MPI_Abort does not
         // return.
@@ -220,13 +272,33 @@ fn from_header(h: &[u64]) -> Post {
     }
 }
 
-/// Every rank's descriptor: one all-gather of the headers, and when every rank calls
-/// all-to-all-v, one of the counts (`V` per side, padded; the true lengths ride in the header,
-/// so a wrong length still fails validation on every rank).
-fn exchange(world: &SimpleCommunicator, post: &Post, v: usize) -> Vec<Post> {
-    let mine = header(post);
+/// The header of a rank that leaves the world ([`MpiComm`]'s drop).
+const LEAVE: u64 = u64::MAX;
+
+/// What one descriptor exchange found.
+enum Exchanged {
+    /// Every rank's call.
+    Posts(Vec<Post>),
+    /// Some ranks left: the first of them, and the ranks that did not.
+    Left { first: usize, staying: Vec<usize> },
+}
+
+/// Every rank's descriptor (`None`: this rank leaves): one all-gather of the headers, and when
+/// every rank calls all-to-all-v, one of the counts (`V` per side, padded; the true lengths
+/// ride in the header, so a wrong length still fails validation on every rank). Every rank
+/// sees the same headers, so all reach the same outcome.
+fn exchange(world: &SimpleCommunicator, post: Option<&Post>, v: usize) -> Exchanged {
+    let mine = post.map_or([LEAVE; HEADER], header);
     let mut all = vec![0u64; HEADER * v];
     world.all_gather_into(&mine[..], &mut all[..]);
+    let leaving = |h: &[u64]| h[0] == LEAVE;
+    if let Some(first) = all.chunks(HEADER).position(leaving) {
+        let staying = (0..v).filter(|&j| !leaving(&all[j * HEADER..])).collect();
+        return Exchanged::Left { first, staying };
+    }
+    let Some(post) = post else {
+        unreachable!("this rank's own header is a leaving one");
+    };
     let mut posts: Vec<Post> = all.chunks(HEADER).map(from_header).collect();
     if posts.iter().all(|p| p.op == Op::AllToAllV) {
         let fixed = |c: &[usize]| -> Vec<u64> {
@@ -251,19 +323,21 @@ fn exchange(world: &SimpleCommunicator, post: &Post, v: usize) -> Vec<Post> {
             p.recv_counts = take(&row[v..], nr);
         }
     }
-    posts
+    Exchanged::Posts(posts)
 }
 
-/// MPI counts are `int`: every buffer, in bytes, must fit.
+/// MPI counts are `int`: every buffer, in bytes, must fit. No count or displacement of a call
+/// exceeds the bytes of one of its buffers (all-gather and all-to-all counts, all-reduce's
+/// ranges and their offsets all lie inside a buffer), so that bound is the limit; larger
+/// buffers are refused, not split.
 fn check_mpi_limits(posts: &[Post]) -> std::result::Result<(), String> {
-    let v = posts.len();
     for (j, p) in posts.iter().enumerate() {
         for r in [p.send, p.recv] {
             let bytes = r.len.saturating_mul(elem_size(r.elem));
-            // Reduce-scatter receives V slices of S; all-reduce at most V ranges of ⌈L/V⌉.
-            if bytes > Count::MAX as usize / v.max(1) {
+            if bytes > Count::MAX as usize {
                 return Err(format!(
-                    "rank {j}: a buffer of {bytes} bytes is past MPI's int counts for {v} ranks"
+                    "rank {j}: a buffer of {bytes} bytes is past MPI's int counts (2^31 − 1 \
+                     bytes); split the unit (a smaller wrap, or more buffers per unit)"
                 ));
             }
         }

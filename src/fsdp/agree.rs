@@ -1,6 +1,6 @@
 //! Ranks agree or fail: before anything is allocated, every rank fingerprints what it was
-//! given (parameter names and their order, shapes, the plan, the initial values) and the
-//! fingerprints are exchanged once. Disagreeing ranks (a parameter list built from a `HashMap`
+//! given (parameter names and their order, shapes, the plan, the initial values, the optimizer
+//! and its learning rate) and the fingerprints are exchanged once. Disagreeing ranks (a parameter list built from a `HashMap`
 //! in another order, another seed, another model) all get the same `Err`, naming what differs
 //! and which ranks, instead of training on scrambled parameters.
 
@@ -35,21 +35,30 @@ impl Hasher for Fnv {
 }
 
 /// What the fingerprints cover, in exchange order.
-const ASPECTS: [&str; 4] = [
+const ASPECTS: [&str; N] = [
     "parameter names and order",
     "parameter shapes",
     "the plan",
     "initial values",
+    "the optimizer or its learning rate",
 ];
 
-/// The four fingerprints of one rank's input.
-fn fingerprints(params: &[(String, Tensor)], shards: &[&LocalShard]) -> Result<[u64; 4]> {
-    let mut h = [
-        Fnv::default(),
-        Fnv::default(),
-        Fnv::default(),
-        Fnv::default(),
-    ];
+/// How many fingerprints a rank sends.
+const N: usize = 5;
+
+/// The optimizer as the fingerprint sees it: its name and learning rate (a rank started with
+/// another `--lr` would train another model without a word).
+pub(crate) type OptimizerId<'a> = (&'a str, Option<f64>);
+
+/// The fingerprints of one rank's input.
+fn fingerprints(
+    params: &[(String, Tensor)],
+    shards: &[&LocalShard],
+    (name, lr): OptimizerId<'_>,
+) -> Result<[u64; N]> {
+    let mut h: [Fnv; N] = std::array::from_fn(|_| Fnv::default());
+    h[4].write(name.as_bytes());
+    h[4].write_u64(lr.map_or(u64::MAX, f64::to_bits));
     for (name, t) in params {
         h[0].write(name.as_bytes());
         h[0].write_u8(0);
@@ -82,18 +91,19 @@ pub(crate) fn check_ranks_agree(
     comm: &dyn Communicator,
     params: &[(String, Tensor)],
     shards: &[&LocalShard],
+    optimizer: OptimizerId<'_>,
 ) -> Result<()> {
-    let mine = fingerprints(params, shards)?;
+    let mine = fingerprints(params, shards, optimizer)?;
     let bytes: Vec<u8> = mine.iter().flat_map(|f| f.to_le_bytes()).collect();
     let mut all = vec![0u8; bytes.len() * comm.world_size()];
     comm.all_gather(Buf::U8(&bytes), BufMut::U8(&mut all))?;
-    let table: Vec<[u64; 4]> = all
-        .chunks_exact(32)
+    let table: Vec<[u64; N]> = all
+        .chunks_exact(8 * N)
         .map(|r| {
             std::array::from_fn(|i| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap()))
         })
         .collect();
-    let differ: Vec<String> = (0..4)
+    let differ: Vec<String> = (0..N)
         .filter_map(|a| {
             let ranks: Vec<usize> = (1..table.len())
                 .filter(|&r| table[r][a] != table[0][a])
@@ -110,7 +120,7 @@ pub(crate) fn check_ranks_agree(
         what: "the ranks' parameters".into(),
         reason: format!(
             "every rank must pass the same parameters in the same order with the same initial \
-             values; they disagree on {}",
+             values, and the same optimizer; they disagree on {}",
             differ.join(", ")
         ),
     })
