@@ -963,6 +963,46 @@ fn mlp_stack_trains_the_same_unit_by_unit_and_whole() {
     assert_eq!(run(false), run(true));
 }
 
+/// The MLP stack's stages with a twist: only the first `listed` stages are listed, and on
+/// rank `zero_rank` the loss is multiplied by 0, by `affine` (which drops candle's graph) when
+/// `drop_graph`, else by a zeros tensor (graph kept, zero gradients).
+struct TweakedMlp {
+    inner: ragged::demo::MlpStages,
+    listed: usize,
+    rank: usize,
+    zero_rank: Option<usize>,
+    drop_graph: bool,
+}
+
+impl Stages for TweakedMlp {
+    type Batch = ragged::demo::MlpBatch;
+    fn stage_units(&self) -> Vec<String> {
+        self.inner.stage_units()[..self.listed].to_vec()
+    }
+    fn forward(
+        &self,
+        stage: usize,
+        params: &UnitParams,
+        x: Option<&Tensor>,
+        batch: &Self::Batch,
+    ) -> candle_core::Result<Tensor> {
+        let out = self.inner.forward(stage, params, x, batch)?;
+        if stage + 1 < self.inner.0.layers || self.zero_rank != Some(self.rank) {
+            Ok(out)
+        } else if self.drop_graph {
+            out.affine(0.0, 0.0)
+        } else {
+            out.broadcast_mul(&out.zeros_like()?)
+        }
+    }
+}
+
+const MLP3: ragged::demo::MlpConfig = ragged::demo::MlpConfig {
+    width: 8,
+    hidden: 16,
+    layers: 3,
+};
+
 /// A rank whose loss reaches no parameter (times 0 by candle's `affine`, which drops the
 /// graph) takes part in the same collectives as the others: the steps succeed on every rank
 /// and equal those where that rank's loss is multiplied by a zeros tensor (graph kept, zero
@@ -970,40 +1010,7 @@ fn mlp_stack_trains_the_same_unit_by_unit_and_whole() {
 /// ranks called different collectives.
 #[test]
 fn a_rank_whose_graph_is_cut_calls_the_same_collectives() {
-    use ragged::demo::{MlpBatch, MlpConfig, MlpStages};
-    struct CutOnRank1 {
-        inner: MlpStages,
-        rank: usize,
-        drop_graph: bool,
-    }
-    impl Stages for CutOnRank1 {
-        type Batch = MlpBatch;
-        fn stage_units(&self) -> Vec<String> {
-            self.inner.stage_units()
-        }
-        fn forward(
-            &self,
-            stage: usize,
-            params: &UnitParams,
-            x: Option<&Tensor>,
-            batch: &MlpBatch,
-        ) -> candle_core::Result<Tensor> {
-            let out = self.inner.forward(stage, params, x, batch)?;
-            if stage + 1 < self.inner.0.layers || self.rank != 1 {
-                Ok(out)
-            } else if self.drop_graph {
-                out.affine(0.0, 0.0)
-            } else {
-                out.broadcast_mul(&out.zeros_like()?)
-            }
-        }
-    }
-    let mlp = MlpConfig {
-        width: 8,
-        hidden: 16,
-        layers: 3,
-    };
-    let params = mlp.init_params(1).unwrap();
+    let params = MLP3.init_params(1).unwrap();
     for overlap in [false, true] {
         let run = |drop_graph: bool| {
             ThreadWorld::run(2, |c| {
@@ -1012,13 +1019,15 @@ fn a_rank_whose_graph_is_cut_calls_the_same_collectives() {
                     ..FsdpOptions::default()
                 };
                 let mut m = fully_shard(&params, adamw(), c, opts)?;
-                let stages = CutOnRank1 {
-                    inner: MlpStages(mlp),
+                let stages = TweakedMlp {
+                    inner: ragged::demo::MlpStages(MLP3),
+                    listed: MLP3.layers,
                     rank: c.rank(),
+                    zero_rank: Some(1),
                     drop_graph,
                 };
                 for step in 0..2 {
-                    m.forward_backward(&stages, &mlp.batch(step, 4)?)?;
+                    m.forward_backward(&stages, &MLP3.batch(step, 4)?)?;
                     m.step()?;
                 }
                 m.full_params()
@@ -1034,32 +1043,17 @@ fn a_rank_whose_graph_is_cut_calls_the_same_collectives() {
 /// (before, every `step` failed with "no reduced gradients", naming nothing).
 #[test]
 fn a_unit_no_stage_runs_is_named() {
-    use ragged::demo::{MlpBatch, MlpConfig, MlpStages};
-    struct FirstTwo(MlpStages);
-    impl Stages for FirstTwo {
-        type Batch = MlpBatch;
-        fn stage_units(&self) -> Vec<String> {
-            self.0.stage_units()[..2].to_vec()
-        }
-        fn forward(
-            &self,
-            stage: usize,
-            params: &UnitParams,
-            x: Option<&Tensor>,
-            batch: &MlpBatch,
-        ) -> candle_core::Result<Tensor> {
-            self.0.forward(stage, params, x, batch)
-        }
-    }
-    let mlp = MlpConfig {
-        width: 8,
-        hidden: 16,
-        layers: 3,
-    };
-    let params = mlp.init_params(1).unwrap();
+    let params = MLP3.init_params(1).unwrap();
     let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let first_two = TweakedMlp {
+        inner: ragged::demo::MlpStages(MLP3),
+        listed: 2,
+        rank: 0,
+        zero_rank: None,
+        drop_graph: false,
+    };
     let err = m
-        .forward_backward(&FirstTwo(MlpStages(mlp)), &mlp.batch(0, 4).unwrap())
+        .forward_backward(&first_two, &MLP3.batch(0, 4).unwrap())
         .expect_err("layers.2 is in no stage");
     assert!(err.to_string().contains("unit layers.2"), "{err}");
 }
