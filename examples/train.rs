@@ -256,6 +256,13 @@ fn check_args(args: &Args) -> Result<()> {
     fits_in_memory(OP, "--batch's activations", bytes).map(drop)
 }
 
+impl Args {
+    /// `--muon-layout`, auto when not given.
+    fn muon_layout(&self) -> MuonLayout {
+        self.muon_layout.unwrap_or(MuonLayout::Auto)
+    }
+}
+
 /// The world size and this process's rank as the launcher sets them: `--ranks` and 0 for
 /// thread ranks; under `mpirun` or an NCCL launcher, its environment (the communicator itself
 /// joins later), `None` where it sets none.
@@ -291,7 +298,7 @@ fn train(args: &Args) -> Result<()> {
                 }
                 _ => {}
             }
-            let layout = args.muon_layout.unwrap_or(MuonLayout::Auto);
+            let layout = args.muon_layout();
             run(args, move |lr| muon(lr, layout))
         }
         Opt::Adam8bit => run(args, adam8bit),
@@ -310,7 +317,7 @@ fn model_config(size: Size) -> TransformerConfig {
 fn print_muon_layout(args: &Args, ranks: usize) -> Result<()> {
     let params = model_config(args.size).init_params(0)?;
     let inventory = inventory_of(&params)?;
-    let opt = muon(args.lr, args.muon_layout.unwrap_or(MuonLayout::Auto))?;
+    let opt = muon(args.lr, args.muon_layout())?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
     let wrap = FsdpOptions::default().wrap;
     for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
@@ -326,7 +333,7 @@ fn print_muon_layout(args: &Args, ranks: usize) -> Result<()> {
     println!(
         "muon layout ({:?}): {split} of {total} matrices split over ranks (gathered to LPT \
          roots); padding + root traffic {:.2} MB per step",
-        args.muon_layout.unwrap_or(MuonLayout::Auto),
+        args.muon_layout(),
         bytes as f64 / 1e6
     );
     Ok(())
@@ -345,8 +352,9 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         recompute: args.recompute,
         ..FsdpOptions::default()
     };
-    let ranks = launched_world(args).map_or("launcher-set".to_string(), |(v, _)| v.to_string());
-    if launched_world(args).is_none_or(|(_, rank)| rank == 0) {
+    let world = launched_world(args);
+    let ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
+    if world.is_none_or(|(_, rank)| rank == 0) {
         println!(
             "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {}, global batch \
              {} x {} tokens",

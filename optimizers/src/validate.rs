@@ -288,21 +288,16 @@ fn check_units(units: &[Unit], cfg: &ValidateConfig) -> Result<()> {
             reason: "no tensors to validate (--units 0, or a model without float tensors)".into(),
         });
     }
+    // Saturating: a count near usize::MAX overflows the product below, which says so.
     let per_element = cfg
         .steps
-        .checked_add(1)
-        .and_then(|n| n.checked_mul(4))
-        .and_then(|n| n.checked_add(96));
+        .saturating_add(1)
+        .saturating_mul(4)
+        .saturating_add(96);
     for u in units {
         let numel = u.tensors.iter().map(|t| t.numel()).sum::<usize>();
         let what = format!("unit {} at --steps {}", u.name, cfg.steps);
-        let bytes = per_element
-            .and_then(|b| b.checked_mul(numel))
-            .ok_or_else(|| Error::BadInput {
-                op: OP,
-                what: what.clone(),
-                reason: "its inputs' size overflows this machine's address space".into(),
-            })?;
+        let bytes = ragged::limits::checked_product(OP, &what, &[per_element, numel])?;
         ragged::limits::fits_in_memory(OP, &what, bytes)?;
     }
     Ok(())

@@ -70,36 +70,51 @@ pub fn prepare(root: &Path, step: usize) -> Result<PathBuf> {
     Ok(tmp)
 }
 
+/// Every entry of `root`: its name (lossy UTF-8) and path.
+fn entries(root: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let list = |e| Error::io("checkpoint: list", root, e);
+    fs::read_dir(root)
+        .map_err(list)?
+        .map(|entry| {
+            let entry = entry.map_err(list)?;
+            Ok((
+                entry.file_name().to_string_lossy().into_owned(),
+                entry.path(),
+            ))
+        })
+        .collect()
+}
+
+/// `(step, path)` of the entries of `root` whose name `step_of_name` reads a step from and
+/// that hold a manifest.
+fn with_manifest(
+    root: &Path,
+    step_of_name: fn(&str) -> Option<usize>,
+) -> Result<Vec<(usize, PathBuf)>> {
+    Ok(entries(root)?
+        .into_iter()
+        .filter_map(|(name, path)| Some((step_of_name(&name)?, path)))
+        .filter(|(_, path)| path.join("manifest.json").is_file())
+        .collect())
+}
+
 /// Folders of saves that did not finish under `root`.
 pub fn leftovers(root: &Path) -> Result<Vec<PathBuf>> {
-    let entries = fs::read_dir(root).map_err(|e| Error::io("checkpoint: list", root, e))?;
-    let mut out = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("checkpoint: list", root, e))?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with(".step-") && (name.ends_with(".tmp") || name.ends_with(".old")) {
-            out.push(entry.path());
-        }
-    }
-    Ok(out)
+    let unfinished =
+        |n: &str| n.starts_with(".step-") && (n.ends_with(".tmp") || n.ends_with(".old"));
+    Ok(entries(root)?
+        .into_iter()
+        .filter(|(name, _)| unfinished(name))
+        .map(|(_, path)| path)
+        .collect())
 }
 
 /// Complete checkpoints a save moved aside and did not replace: `(step, .step-N.old)` where
 /// `step-N` does not exist and the folder has a manifest.
 fn moved_aside(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let entries = fs::read_dir(root).map_err(|e| Error::io("checkpoint: list", root, e))?;
-    let mut out = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("checkpoint: list", root, e))?;
-        let Some(step) = entry.file_name().to_str().and_then(old_step_of) else {
-            continue;
-        };
-        if !step_dir(root, step).exists() && entry.path().join("manifest.json").is_file() {
-            out.push((step, entry.path()));
-        }
-    }
-    Ok(out)
+    let mut aside = with_manifest(root, old_step_of)?;
+    aside.retain(|&(step, _)| !step_dir(root, step).exists());
+    Ok(aside)
 }
 
 /// Renames the complete temporary folder into place (replacing a checkpoint of the same step)
@@ -123,18 +138,7 @@ pub fn publish(root: &Path, tmp: &Path, step: usize) -> Result<PathBuf> {
 /// The complete checkpoints under `root` (folders `step-N` with a manifest, and any a save
 /// that died had moved aside), oldest first.
 pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let entries = fs::read_dir(root).map_err(|e| Error::io("checkpoint: list", root, e))?;
-    let mut out = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("checkpoint: list", root, e))?;
-        let name = entry.file_name();
-        let Some(step) = name.to_str().and_then(step_of) else {
-            continue;
-        };
-        if entry.path().join("manifest.json").is_file() {
-            out.push((step, entry.path()));
-        }
-    }
+    let mut out = with_manifest(root, step_of)?;
     out.extend(moved_aside(root)?);
     out.sort();
     Ok(out)

@@ -220,28 +220,30 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
         .map(|t| (t.name.clone(), t.shape.clone()));
     // Every shape against its saved array first: a mismatch is the manifest's, not the
     // output file's, and is found before anything is written.
-    for t in &manifest.model {
-        let rec = records
-            .get(t.name.as_str())
-            .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
-        let n = t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-        if n != Some(rec.len) || rec.len == 0 {
-            return Err(bad(
-                dir,
-                format!(
-                    "manifest.json: {} has shape {:?} but {} saved elements",
-                    t.name, t.shape, rec.len
-                ),
-            ));
-        }
-    }
+    let saved = manifest
+        .model
+        .iter()
+        .map(|t| {
+            let rec = records
+                .get(t.name.as_str())
+                .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
+            let n = crate::limits::checked_product("checkpoint export", &t.name, &t.shape).ok();
+            if n != Some(rec.len) || rec.len == 0 {
+                return Err(bad(
+                    dir,
+                    format!(
+                        "manifest.json: {} has shape {:?} but {} saved elements",
+                        t.name, t.shape, rec.len
+                    ),
+                ));
+            }
+            Ok((t.name.as_str(), *rec))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut file = Consolidated::create(out, tensors)?;
-    for t in &manifest.model {
-        let rec = records
-            .get(t.name.as_str())
-            .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
+    for (name, rec) in saved {
         file.write(&read_global(dir, &manifest, rec)?)?;
-        progress(&t.name);
+        progress(name);
     }
     file.finish()
 }

@@ -238,16 +238,19 @@ impl Inventory {
                 Some(TensorSpec::new(name.clone(), &info.shape, dtype))
             })
             .collect::<Result<Vec<_>>>()?;
+        if tensors.is_empty() {
+            return Err(Error::BadInput {
+                op: "Inventory::from_safetensors",
+                what: path.display().to_string(),
+                reason: "no floating-point tensors (nothing to plan or validate)".into(),
+            });
+        }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let inv = Inventory {
             model: path.display().to_string(),
             tensors,
         };
-        inv.validate(None, None).map_err(|_| Error::BadInput {
-            op: "Inventory::from_safetensors",
-            what: path.display().to_string(),
-            reason: "no floating-point tensors (nothing to plan or validate)".into(),
-        })?;
+        inv.validate(None, None)?;
         Ok(inv)
     }
 
