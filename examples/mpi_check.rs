@@ -22,8 +22,9 @@
 //! `mpi_check --fail-rank R --fail-how err|panic|leave` instead checks how a failing rank ends
 //! the job: every rank enters a barrier except rank `R`, which returns an `Err` (passed to
 //! [`MpiComm::abort_job`]), panics, or returns from `main` with success (dropping its
-//! communicator). The job must end at once with a message naming rank `R` and a nonzero
-//! status, not hang in the barrier; `.ci/run` checks all three under `timeout`.
+//! communicator). The job must end at once with a message naming rank `R` and the `MPI_Abort`
+//! code as `mpirun`'s status (1, 101, 1), not hang in the barrier; `.ci/run` checks all three
+//! under `timeout`.
 
 use std::process::ExitCode;
 
