@@ -396,6 +396,14 @@ pub trait Optimizer: Send + Sync {
         })
     }
 
+    /// Every setting that changes the update, as text that reads the same in every process
+    /// for the same settings (no addresses): the optimizers of `ragged-optimizers` give their
+    /// config's `Debug`. `fully_shard` compares it across ranks and names the first setting
+    /// that differs. The default, empty, compares nothing beyond the name and learning rate.
+    fn settings(&self) -> String {
+        String::new()
+    }
+
     /// One update of the local shard in place. `params` and `grads` have `shard.len` elements,
     /// in host or device memory ([`crate::storage`]), where the state lives too (a mix is
     /// `Err`); the step runs that storage's backend. `comm` connects the ranks of this group
@@ -452,6 +460,10 @@ impl Optimizer for Sgd {
 
     fn learning_rate(&self) -> Option<f64> {
         Some(f64::from(self.lr))
+    }
+
+    fn settings(&self) -> String {
+        format!("{self:?}")
     }
 
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {

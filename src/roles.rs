@@ -71,7 +71,7 @@ pub type RoleFn = fn(&str, &[usize]) -> Option<Role>;
 /// The role of every parameter, and each role's hyperparameters. Decided in this order: the
 /// custom function, then the first name pattern contained in the name, then [`default_role`].
 /// The default: no custom function, no patterns, every role at the optimizer's rates.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct RoleRule {
     /// A rule of its own, asked first.
     pub custom: Option<RoleFn>,
@@ -80,6 +80,21 @@ pub struct RoleRule {
     pub matrix: RoleSettings,
     pub element_wise: RoleSettings,
     pub fp32_state: RoleSettings,
+}
+
+/// Without the custom function's address, which differs from process to process (ranks
+/// compare this text, [`crate::optim::Optimizer::settings`]; the roles it gives are compared
+/// parameter by parameter).
+impl std::fmt::Debug for RoleRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoleRule")
+            .field("custom", &self.custom.map(|_| "fn"))
+            .field("patterns", &self.patterns)
+            .field("matrix", &self.matrix)
+            .field("element_wise", &self.element_wise)
+            .field("fp32_state", &self.fp32_state)
+            .finish()
+    }
 }
 
 impl PartialEq for RoleRule {

@@ -14,6 +14,7 @@ use ragged::demo::{
     TransformerStages,
 };
 use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout, Stages, UnitParams};
+use ragged::roles::{Role, RoleFn, RoleRule};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
 const CFG: TransformerConfig = TransformerConfig::TINY;
@@ -659,23 +660,59 @@ fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
             "{errors:?}"
         );
     }
-    // Another learning rate on rank 1 (a launcher script that differs per rank).
-    let errors = ThreadWorld::run(3, |c| {
-        let lr = if c.rank() == 1 { LR * 2.0 } else { LR };
-        let opt = AdamW::new(AdamWConfig {
-            lr,
-            ..AdamWConfig::default()
-        })?;
-        Ok(fully_shard(&params, opt, c, FsdpOptions::default())
-            .err()
-            .map(|e| e.to_string()))
-    })
-    .unwrap();
-    let first = errors[0].clone().expect("rank 0 must fail too");
-    assert!(
-        first.contains("learning rate") && first.contains("ranks [1]"),
-        "{first}"
-    );
+    // Another optimizer setting on rank 1 (a launcher script that differs per rank): the
+    // learning rate, the weight decay (named with both values), or a role rule that makes
+    // the norms matrices (the same text, other roles).
+    let same_fn: RoleFn = |_, _| None;
+    let cfg = || AdamWConfig {
+        lr: LR,
+        roles: RoleRule::with_fn(same_fn),
+        ..AdamWConfig::default()
+    };
+    let norms_as_matrices: RoleFn = |name, _| name.contains("norm").then_some(Role::Matrix);
+    let configs = [
+        (
+            "learning rate",
+            AdamWConfig {
+                lr: LR * 2.0,
+                ..cfg()
+            },
+        ),
+        (
+            "rank 0 has `weight_decay: 0.01`, rank 1 `weight_decay: 0.02`",
+            AdamWConfig {
+                weight_decay: 0.02,
+                ..cfg()
+            },
+        ),
+        (
+            "the parameters' roles",
+            AdamWConfig {
+                roles: RoleRule::with_fn(norms_as_matrices),
+                ..cfg()
+            },
+        ),
+    ];
+    for (what, rank1) in configs {
+        let errors = ThreadWorld::run(3, |c| {
+            let config = if c.rank() == 1 { rank1 } else { cfg() };
+            Ok(
+                fully_shard(&params, AdamW::new(config)?, c, FsdpOptions::default())
+                    .err()
+                    .map(|e| e.to_string()),
+            )
+        })
+        .unwrap();
+        let first = errors[0].clone().expect("rank 0 must fail too");
+        assert!(
+            first.contains(what) && first.contains("ranks [1]"),
+            "{first}"
+        );
+        assert!(
+            errors.iter().all(|e| e.as_ref() == Some(&first)),
+            "{errors:?}"
+        );
+    }
     // The same input everywhere passes.
     ThreadWorld::run(3, |c| {
         fully_shard(&params, adamw(), c, FsdpOptions::default()).map(|_| ())

@@ -674,6 +674,10 @@ impl Optimizer for Adam8bit {
         Some(self.config.adam.lr)
     }
 
+    fn settings(&self) -> String {
+        format!("{:?}", self.config)
+    }
+
     /// The 8-bit moments and the f32 fallback share one rate.
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         let lr = ragged::optim::check_learning_rate(lr)?;

@@ -238,6 +238,10 @@ impl Optimizer for Muon {
         Some(self.config.lr)
     }
 
+    fn settings(&self) -> String {
+        format!("{:?}", self.config)
+    }
+
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         let lr = ragged::optim::check_learning_rate(lr)?;
         // From the configured rates, not the current ones: a rate of 0 would otherwise lose

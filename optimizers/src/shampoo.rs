@@ -561,6 +561,10 @@ impl Optimizer for Shampoo {
         Some(self.config.lr)
     }
 
+    fn settings(&self) -> String {
+        format!("{:?}", self.config)
+    }
+
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         self.config.lr = ragged::optim::check_learning_rate(lr)?;
         Ok(())

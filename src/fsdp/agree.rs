@@ -1,8 +1,10 @@
 //! Ranks agree or fail: before anything is allocated, every rank fingerprints what it was
 //! given (parameter names and their order, shapes, the plan, the initial values, the optimizer
-//! and its learning rate) and the fingerprints are exchanged once. Disagreeing ranks (a parameter list built from a `HashMap`
-//! in another order, another seed, another model) all get the same `Err`, naming what differs
-//! and which ranks, instead of training on scrambled parameters.
+//! and its learning rate, each parameter's role) and the fingerprints are exchanged once, with
+//! the optimizer's settings as text ([`crate::optim::Optimizer::settings`]). Disagreeing ranks
+//! (a parameter list built from a `HashMap` in another order, another seed, another model,
+//! another `--weight-decay` from a per-rank launcher script) all get the same `Err`, naming
+//! what differs and which ranks, instead of training on scrambled parameters.
 
 use std::hash::Hasher;
 
@@ -11,6 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::comm::{Buf, BufMut, Communicator};
 use crate::dbuffer::candle;
 use crate::optim::LocalShard;
+use crate::roles::Role;
 use crate::{Error, Result};
 
 /// FNV-1a, 64 bits: small, stable across processes and platforms (unlike `DefaultHasher`'s
@@ -41,24 +44,36 @@ const ASPECTS: [&str; N] = [
     "the plan",
     "initial values",
     "the optimizer or its learning rate",
+    "the parameters' roles",
 ];
 
 /// How many fingerprints a rank sends.
-const N: usize = 5;
+const N: usize = 6;
 
-/// The optimizer as the fingerprint sees it: its name and learning rate (a rank started with
-/// another `--lr` would train another model without a word).
-pub(crate) type OptimizerId<'a> = (&'a str, Option<f64>);
+/// The optimizer as the ranks compare it (a rank started with another `--lr` would train
+/// another model without a word).
+pub(crate) struct OptimizerId<'a> {
+    pub name: &'a str,
+    pub lr: Option<f64>,
+    /// [`crate::optim::Optimizer::settings`].
+    pub settings: String,
+    /// Every parameter's role, in the order of the parameters.
+    pub roles: Vec<Role>,
+}
 
 /// The fingerprints of one rank's input.
 fn fingerprints(
     params: &[(String, Tensor)],
     shards: &[&LocalShard],
-    (name, lr): OptimizerId<'_>,
+    optimizer: &OptimizerId<'_>,
 ) -> Result<[u64; N]> {
     let mut h: [Fnv; N] = std::array::from_fn(|_| Fnv::default());
-    h[4].write(name.as_bytes());
-    h[4].write_u64(lr.map_or(u64::MAX, f64::to_bits));
+    h[4].write(optimizer.name.as_bytes());
+    h[4].write_u64(optimizer.lr.map_or(u64::MAX, f64::to_bits));
+    for role in &optimizer.roles {
+        h[5].write(format!("{role:?}").as_bytes());
+        h[5].write_u8(0);
+    }
     for (name, t) in params {
         h[0].write(name.as_bytes());
         h[0].write_u8(0);
@@ -91,19 +106,17 @@ pub(crate) fn check_ranks_agree(
     comm: &dyn Communicator,
     params: &[(String, Tensor)],
     shards: &[&LocalShard],
-    optimizer: OptimizerId<'_>,
+    optimizer: &OptimizerId<'_>,
 ) -> Result<()> {
     let mine = fingerprints(params, shards, optimizer)?;
     let bytes: Vec<u8> = mine.iter().flat_map(|f| f.to_le_bytes()).collect();
-    let mut all = vec![0u8; bytes.len() * comm.world_size()];
-    comm.all_gather(Buf::U8(&bytes), BufMut::U8(&mut all))?;
-    let table: Vec<[u64; N]> = all
-        .chunks_exact(8 * N)
+    let table: Vec<[u64; N]> = all_gather_bytes(comm, &bytes)?
+        .iter()
         .map(|r| {
             std::array::from_fn(|i| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap()))
         })
         .collect();
-    let differ: Vec<String> = (0..N)
+    let mut differ: Vec<String> = (0..N)
         .filter_map(|a| {
             let ranks: Vec<usize> = (1..table.len())
                 .filter(|&r| table[r][a] != table[0][a])
@@ -112,6 +125,8 @@ pub(crate) fn check_ranks_agree(
                 .then(|| format!("{} (ranks {ranks:?} differ from rank 0)", ASPECTS[a]))
         })
         .collect();
+    let settings = all_gather_bytes(comm, optimizer.settings.as_bytes())?;
+    differ.extend(settings_differ(&settings));
     if differ.is_empty() {
         return Ok(());
     }
@@ -124,4 +139,52 @@ pub(crate) fn check_ranks_agree(
             differ.join(", ")
         ),
     })
+}
+
+/// Every rank's `mine` (any length; the same list on every rank): the lengths, then the bytes
+/// padded to the longest.
+fn all_gather_bytes(comm: &dyn Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let v = comm.world_size();
+    let len = (mine.len() as u64).to_le_bytes();
+    let mut lens = vec![0u8; 8 * v];
+    comm.all_gather(Buf::U8(&len), BufMut::U8(&mut lens))?;
+    let lens: Vec<usize> = lens
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
+        .collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let mut padded = mine.to_vec();
+    padded.resize(longest, 0);
+    let mut all = vec![0u8; longest * v];
+    comm.all_gather(Buf::U8(&padded), BufMut::U8(&mut all))?;
+    Ok(lens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| all[r * longest..r * longest + n].to_vec())
+        .collect())
+}
+
+/// The optimizer settings' first difference from rank 0's, one entry per differing text:
+/// the first `field: value` item (of the `Debug` text) that differs, with the ranks.
+fn settings_differ(settings: &[Vec<u8>]) -> Option<String> {
+    let ranks: Vec<usize> = (1..settings.len())
+        .filter(|&r| settings[r] != settings[0])
+        .collect();
+    let &first = ranks.first()?;
+    let text = |r: usize| String::from_utf8_lossy(&settings[r]).into_owned();
+    let (ours, theirs) = (text(0), text(first));
+    let items = |t: &str| -> Vec<String> {
+        t.split([',', '{', '}', '(', ')'])
+            .map(|i| i.trim().to_string())
+            .collect()
+    };
+    let (a, b) = (items(&ours), items(&theirs));
+    let at = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+    let show = |v: &[String]| v.get(at).cloned().unwrap_or_default();
+    Some(format!(
+        "the optimizer's settings (ranks {ranks:?} differ from rank 0; rank 0 has `{}`, rank \
+         {first} `{}`)",
+        show(&a),
+        show(&b)
+    ))
 }

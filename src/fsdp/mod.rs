@@ -344,8 +344,16 @@ pub fn fully_shard<'c, O: Optimizer>(
         groups.push((unit.name.clone(), (first..planned.len()).collect()));
     }
     let shards: Vec<&LocalShard> = planned.iter().map(|(_, _, l, _)| l).collect();
-    let optimizer_id = (optimizer.name(), optimizer.learning_rate());
-    agree::check_ranks_agree(comm, params, &shards, optimizer_id)?;
+    let optimizer_id = agree::OptimizerId {
+        name: optimizer.name(),
+        lr: optimizer.learning_rate(),
+        settings: optimizer.settings(),
+        roles: params
+            .iter()
+            .map(|(name, t)| optimizer.role(name, t.dims()))
+            .collect(),
+    };
+    agree::check_ranks_agree(comm, params, &shards, &optimizer_id)?;
     let mut units = Vec::with_capacity(planned.len());
     // Full gradient buffers are reused from one unit's backward to the next.
     let pool = Arc::new(GradPool::default());
