@@ -86,9 +86,10 @@ impl MpiComm {
     /// Initializes MPI and returns this process's rank of the world; `Err` when MPI was
     /// initialized before in this process or cannot serialize calls from several threads.
     pub fn init() -> Result<Self> {
-        let fail = |reason: String| Error::Comm {
+        // No rank yet: MPI is not initialized.
+        let fail = |reason: String| Error::BadInput {
             op: "MpiComm::init",
-            rank: 0,
+            what: "the MPI library".into(),
             reason,
         };
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Serialized)
