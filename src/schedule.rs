@@ -1,5 +1,8 @@
-//! Learning-rate schedules as functions of the step (optax's schedules): a factor that
-//! multiplies the optimizer's configured rate, applied by [`crate::fsdp::ShardedModel::step`].
+//! Learning-rate schedules as pure functions of the step (as optax's are, not stateful
+//! schedulers): a factor that multiplies the optimizer's configured rate, applied by
+//! [`crate::fsdp::ShardedModel::step`]. The decays are optax's and Hugging Face's; the warmup
+//! is `(step + 1) / warmup`, so the first step trains (theirs start at 0 and reach 1 one step
+//! later), and the factor stays at `min_factor` after `total` (HF's cosine rises again).
 
 use crate::{Error, Result};
 
@@ -67,8 +70,10 @@ impl Schedule {
         if step < warmup {
             return (step + 1) as f64 / warmup as f64;
         }
-        let span = total.saturating_sub(warmup).max(1) as f64;
-        let progress = ((step - warmup) as f64 / span).min(1.0);
+        if step >= total {
+            return min; // also when warmup = total: no decay steps, the floor at `total`
+        }
+        let progress = (step - warmup) as f64 / (total - warmup) as f64;
         let shape = if cosine {
             0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
         } else {
@@ -108,6 +113,36 @@ mod tests {
         assert!((lin.factor(9) - 0.55).abs() < 1e-12);
         assert!(cos.factor(6) > lin.factor(6), "the cosine starts slower");
         assert_eq!(Schedule::Constant.factor(7), 1.0);
+    }
+
+    /// No decay steps (`warmup = total`, or both 0): the floor from step `total` on, as
+    /// documented (the factor was 1 at `total`, one step late).
+    #[test]
+    fn a_schedule_without_decay_steps_is_at_the_floor_from_total() {
+        for (warmup, total) in [(5, 5), (0, 0)] {
+            for cosine in [true, false] {
+                let s = if cosine {
+                    Schedule::WarmupCosine {
+                        warmup,
+                        total,
+                        min_factor: 0.25,
+                    }
+                } else {
+                    Schedule::WarmupLinear {
+                        warmup,
+                        total,
+                        min_factor: 0.25,
+                    }
+                };
+                let factors: Vec<f64> = (0..total + 3).map(|t| s.factor(t)).collect();
+                let warm: Vec<f64> = (1..=warmup).map(|t| t as f64 / warmup as f64).collect();
+                assert_eq!(factors[..warmup], warm[..], "{s:?}");
+                assert!(
+                    factors[total..].iter().all(|&f| f == 0.25),
+                    "{s:?}: {factors:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -833,6 +833,36 @@ fn non_finite_values_stop_or_skip_the_step_on_every_rank() {
     }
 }
 
+/// Finite gradients whose global norm overflows f32 (every element 3e38) are clipped to the
+/// requested norm (the factor, ~1e-40, is subnormal in f32: applied in one multiply it left
+/// the norm at 1.0000004 for a maximum of 1), and the returned norm saturates to +inf.
+#[test]
+fn gradients_whose_norm_overflows_f32_are_clipped_to_max_norm() {
+    let params = vec![(
+        "w".to_string(),
+        Tensor::ones((16, 20), DType::F32, &Device::Cpu).unwrap(),
+    )];
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    // d(sum(w·c))/dw = c, exactly.
+    (w * 3e38).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let norm = sharded.clip_grad_norm(1.0).unwrap();
+    assert_eq!(norm, f32::INFINITY);
+    let mut squares = 0f64;
+    sharded
+        .with_local_grads(|_, g| {
+            assert!(g.iter().all(|&x| x == g[0] && x > 0.0), "clipped alike");
+            squares = g.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        })
+        .unwrap();
+    let clipped = squares.sqrt();
+    assert!(
+        (clipped - 1.0).abs() <= 1.2e-7,
+        "clipped norm {clipped}, max_norm 1"
+    );
+}
+
 /// Clipping given the same gradients: rank 0 backpropagates the whole batch, the others a zero
 /// loss, and gradients are summed, so every sharding holds exactly the unsharded gradients.
 /// The global norm is then the same bits at V = 1, 2, 3, 4 and unsharded, so are the clipped

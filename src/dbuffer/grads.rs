@@ -335,9 +335,13 @@ impl GradBuffer {
 
     fn check_reduced(&self, op: &'static str) -> Result<()> {
         if self.reduced == 0 {
-            return Err(Error::InvalidShard {
+            return Err(Error::BadInput {
                 op,
-                reason: "no reduced gradients since the last step".into(),
+                what: "the call order".into(),
+                reason: "no reduced gradients since the last step (a step that failed on a \
+                         non-finite value drops them too): run forward_backward, or backward \
+                         and reduce_gradients, first"
+                    .into(),
             });
         }
         Ok(())

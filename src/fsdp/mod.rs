@@ -165,7 +165,8 @@ impl std::fmt::Debug for WrapPolicy {
 /// any rank (one flag, all-reduced, so every rank decides alike).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum NonFinitePolicy {
-    /// Return [`crate::Error::NonFinite`] on every rank; nothing is changed.
+    /// Return [`crate::Error::NonFinite`] on every rank; parameters and optimizer state are
+    /// untouched, the gradients dropped (the next step needs a new backward).
     #[default]
     Error,
     /// Skip the step (gradients dropped, parameters and state untouched) and count it
@@ -669,7 +670,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// `clip_grad_norm_`: scaled by `max_norm / (norm + 1e-6)` when that is below 1) and returns
     /// the norm before clipping. The norm is summed exactly (`fsdp::clip`), so it is the same bits
     /// on every rank and unsharded, given the same gradients; one all-gather. A non-finite
-    /// gradient gives a NaN norm and leaves the gradients to [`Self::step`]'s policy.
+    /// gradient gives a NaN norm and leaves the gradients to [`Self::step`]'s policy. Finite
+    /// gradients whose norm exceeds `f32::MAX` return `+inf` but are clipped by the exact norm
+    /// (torch's f32 norm overflows and zeroes them).
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
         crate::limits::positive_finite("clip_grad_norm", "max_norm", f64::from(max_norm))?;
         let mut squares = clip::ExactSquares::new();
@@ -679,9 +682,17 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let norm = squares.total(self.comm)?.sqrt();
         let coef = f64::from(max_norm) / (norm + 1e-6);
         if norm.is_finite() && coef < 1.0 {
-            let coef = coef as f32;
+            // A subnormal f32 factor (a norm beyond ~1e38·max_norm) has too few bits: scale by
+            // an exact power of two first and the rest after, both normal.
+            let factors = if coef >= f64::from(f32::MIN_POSITIVE) {
+                vec![coef as f32]
+            } else {
+                vec![2f32.powi(-64), (coef * 2f64.powi(64)) as f32]
+            };
             for unit in self.units.iter_mut().filter(|u| !u.params.is_frozen()) {
-                unit.grads.scale_local(coef)?;
+                for &f in &factors {
+                    unit.grads.scale_local(f)?;
+                }
             }
         }
         Ok(norm as f32)
