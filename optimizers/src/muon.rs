@@ -24,8 +24,9 @@
 //! | 4 | `p ← p·(1 − lr·wd)` (unadjusted `lr`) | `param.mul_(1 - lr * weight_decay)` |
 //! | 5 | `p ← p + (−lr·scale(rows, cols))·O` | `param.add_(update, alpha=-adjusted_lr)` |
 //!
-//! `scale` is [`LrScale`]: `original` `√max(1, rows/cols)` (torch's default) or
-//! `match_rms_adamw` `0.2·√max(rows, cols)`, both on the *trailing matrix's* shape. Scalars are
+//! `scale` is [`LrScale`]: `original` `√max(1, rows/cols)` (torch's default),
+//! `match_rms_adamw` `0.2·√max(rows, cols)` or `spectral_unclamped` `√(rows/cols)`, all on the
+//! *trailing matrix's* shape. Scalars are
 //! `f64`, rounded to `f32` once where they meet a tensor; element operations are single `f32`
 //! operations without FMA (see [`crate::adamw`] for the precision contract).
 //!
@@ -84,6 +85,8 @@ pub enum LrScale {
     Original,
     /// `0.2·√max(rows, cols)`: an update RMS close to AdamW's (Moonlight).
     MatchRmsAdamW,
+    /// `√(rows/cols)`, below 1 for wide matrices too (torch's `spectral_unclamped`).
+    SpectralUnclamped,
 }
 
 impl LrScale {
@@ -93,6 +96,7 @@ impl LrScale {
         match self {
             LrScale::Original => (a / b).max(1.0).sqrt(),
             LrScale::MatchRmsAdamW => 0.2 * a.max(b).sqrt(),
+            LrScale::SpectralUnclamped => (a / b).sqrt(),
         }
     }
 }

@@ -291,7 +291,8 @@ fn muon_step_follows_torch_operation_order() {
 }
 
 /// The Muon step of the module table in f64 (momentum, Nesterov or not, NS in f64, decoupled
-/// decay with the unadjusted lr, `original` or `match_rms_adamw` scale), for one matrix.
+/// decay with the unadjusted lr, `original`, `match_rms_adamw` or `spectral_unclamped`
+/// scale), for one matrix.
 fn muon_f64(c: &MuonConfig, p: &mut [f64], buf: &mut [f64], g: &[f32], rows: usize, cols: usize) {
     let mu = c.momentum;
     for (b, &g) in buf.iter_mut().zip(g) {
@@ -307,6 +308,7 @@ fn muon_f64(c: &MuonConfig, p: &mut [f64], buf: &mut [f64], g: &[f32], rows: usi
     let scale = match c.lr_scale {
         LrScale::Original => (a / b).max(1.0).sqrt(),
         LrScale::MatchRmsAdamW => 0.2 * a.max(b).sqrt(),
+        LrScale::SpectralUnclamped => (a / b).sqrt(),
     };
     for (p, o) in p.iter_mut().zip(o) {
         *p = *p * (1.0 - c.lr * c.weight_decay) - c.lr * scale * o;
@@ -314,11 +316,12 @@ fn muon_f64(c: &MuonConfig, p: &mut [f64], buf: &mut [f64], g: &[f32], rows: usi
 }
 
 #[test]
-fn muon_step_matches_an_f64_reference_for_both_scale_rules() {
+fn muon_step_matches_an_f64_reference_for_every_scale_rule() {
     for (scale, nesterov) in [
         (LrScale::Original, true),
         (LrScale::MatchRmsAdamW, true),
         (LrScale::MatchRmsAdamW, false),
+        (LrScale::SpectralUnclamped, true),
     ] {
         let c = MuonConfig {
             lr: 0.02,
@@ -399,6 +402,9 @@ fn lr_scale_rules_match_torch() {
     assert_eq!(LrScale::Original.factor(80, 48), (80.0f64 / 48.0).sqrt());
     assert_eq!(LrScale::Original.factor(48, 80), 1.0);
     assert_eq!(LrScale::MatchRmsAdamW.factor(48, 80), 0.2 * 80.0f64.sqrt());
+    // torch's `math.sqrt(A / B)`, below 1 for a wide matrix.
+    assert_eq!(LrScale::SpectralUnclamped.factor(48, 80), (48.0f64 / 80.0).sqrt());
+    assert_eq!(LrScale::SpectralUnclamped.factor(80, 48), (80.0f64 / 48.0).sqrt());
     // MatrixStep is public; its zero-lr, no-decay form leaves parameters unchanged.
     let ns = NsConfig::default();
     let s = MatrixStep {
