@@ -631,6 +631,19 @@ fn bf16_collectives_move_half_the_bytes() {
     assert_eq!(2 * bf16_bytes, f32_bytes);
 }
 
+/// Every rank's error is rank 0's, which names `what` and rank 1.
+fn same_error_naming_rank_1(errors: &[Option<String>], what: &str) {
+    let first = errors[0].clone().expect("rank 0 must fail too");
+    assert!(
+        first.contains(what) && first.contains("ranks [1]"),
+        "{first}"
+    );
+    assert!(
+        errors.iter().all(|e| e.as_ref() == Some(&first)),
+        "{errors:?}"
+    );
+}
+
 /// Rank 1 given the same pairs in another order (a `HashMap`'s iteration order), or other
 /// initial values: every rank gets the same error, naming what differs, and nothing trains.
 #[test]
@@ -650,15 +663,7 @@ fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
                 .map(|e| e.to_string()))
         })
         .unwrap();
-        let first = errors[0].clone().expect("rank 0 must fail too");
-        assert!(
-            first.contains(what) && first.contains("ranks [1]"),
-            "{first}"
-        );
-        assert!(
-            errors.iter().all(|e| e.as_ref() == Some(&first)),
-            "{errors:?}"
-        );
+        same_error_naming_rank_1(&errors, what);
     }
     // Another optimizer setting on rank 1 (a launcher script that differs per rank): the
     // learning rate, the weight decay (named with both values), or a role rule that makes
@@ -703,15 +708,7 @@ fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
             )
         })
         .unwrap();
-        let first = errors[0].clone().expect("rank 0 must fail too");
-        assert!(
-            first.contains(what) && first.contains("ranks [1]"),
-            "{first}"
-        );
-        assert!(
-            errors.iter().all(|e| e.as_ref() == Some(&first)),
-            "{errors:?}"
-        );
+        same_error_naming_rank_1(&errors, what);
     }
     // The same input everywhere passes.
     ThreadWorld::run(3, |c| {

@@ -403,8 +403,14 @@ fn lr_scale_rules_match_torch() {
     assert_eq!(LrScale::Original.factor(48, 80), 1.0);
     assert_eq!(LrScale::MatchRmsAdamW.factor(48, 80), 0.2 * 80.0f64.sqrt());
     // torch's `math.sqrt(A / B)`, below 1 for a wide matrix.
-    assert_eq!(LrScale::SpectralUnclamped.factor(48, 80), (48.0f64 / 80.0).sqrt());
-    assert_eq!(LrScale::SpectralUnclamped.factor(80, 48), (80.0f64 / 48.0).sqrt());
+    assert_eq!(
+        LrScale::SpectralUnclamped.factor(48, 80),
+        (48.0f64 / 80.0).sqrt()
+    );
+    assert_eq!(
+        LrScale::SpectralUnclamped.factor(80, 48),
+        (80.0f64 / 48.0).sqrt()
+    );
     // MatrixStep is public; its zero-lr, no-decay form leaves parameters unchanged.
     let ns = NsConfig::default();
     let s = MatrixStep {
