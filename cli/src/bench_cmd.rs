@@ -88,12 +88,13 @@ pub struct TrainBenchArgs {
     out: PathBuf,
 }
 
-/// Where `bench optim` runs the steps.
+/// Where `bench optim` and `bench train` run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {
-    /// This machine's cores, against its f32 peak, memcpy and GEMM.
+    /// This machine's cores.
     Cpu,
-    /// GPU 0 (a build with `--features cuda`), against cuBLAS GEMM and device memcpy.
+    /// GPU 0: `bench optim` needs a build with `--features cuda`, `bench train` one with
+    /// `--features candle-cuda` (candle's own CUDA kernels).
     Cuda,
 }
 

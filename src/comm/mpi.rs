@@ -47,7 +47,9 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 use mpi::Count;
 
-use super::protocol::{elem_size, part, reduce_dyn, validate, Op, Post, Region};
+use super::protocol::{
+    elem_size, part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region,
+};
 use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::{Error, Result};
 
@@ -99,9 +101,9 @@ impl MpiComm {
                 "the MPI library offers {level:?}, calls from several threads need Serialized"
             )));
         }
-        abort_job_on_panic();
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        abort_job_on_panic(rank, size);
         Ok(MpiComm {
             inner: Mutex::new(Inner {
                 world,
@@ -201,14 +203,14 @@ impl Drop for MpiComm {
 
 /// Makes a panic anywhere in this process abort the whole MPI job (after the usual panic
 /// message): the other ranks would otherwise wait inside MPI for this one forever.
-fn abort_job_on_panic() {
+fn abort_job_on_panic(rank: usize, size: usize) {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
         if mpi::environment::is_finalized() {
             return; // MPI is over here: the process ends on its own
         }
-        eprintln!("a rank panicked: aborting the MPI job");
+        eprintln!("rank {rank} of {size} panicked: aborting the MPI job");
         abort_world(101)
     }));
 }
@@ -337,19 +339,18 @@ fn exchange(world: &SimpleCommunicator, post: Option<&Post>, v: usize) -> Exchan
 }
 
 /// MPI counts are `int`: every buffer, in bytes, must fit. No count or displacement of a call
-/// exceeds the bytes of one of its buffers (all-gather and all-to-all counts, all-reduce's
-/// ranges and their offsets all lie inside a buffer), so that bound is the limit; larger
-/// buffers are refused, not split.
+/// exceeds the bytes of the largest buffer it uses ([`widest_buffer_bytes`]: its own buffers,
+/// and all-reduce's staged runs, which can pass its buffer by `V − 1` elements), so that bound
+/// is the limit; larger calls are refused, not split.
 fn check_mpi_limits(posts: &[Post]) -> std::result::Result<(), String> {
     for (j, p) in posts.iter().enumerate() {
-        for r in [p.send, p.recv] {
-            let bytes = r.len.saturating_mul(elem_size(r.elem));
-            if bytes > Count::MAX as usize {
-                return Err(format!(
-                    "rank {j}: a buffer of {bytes} bytes is past MPI's int counts (2^31 − 1 \
-                     bytes); split the unit (a smaller wrap, or more buffers per unit)"
-                ));
-            }
+        let bytes = widest_buffer_bytes(p, posts.len());
+        if bytes > Count::MAX as usize {
+            return Err(format!(
+                "rank {j}: {} needs a buffer of {bytes} bytes, past MPI's int counts (2^31 − 1 \
+                 bytes); split the unit (a smaller wrap, or more buffers per unit)",
+                p.op.name()
+            ));
         }
     }
     Ok(())

@@ -166,6 +166,23 @@ pub(crate) fn part(len: usize, v: usize, k: usize) -> (usize, usize) {
     (start, start + base + usize::from(k < rem))
 }
 
+/// The largest buffer, in bytes, a call needs where the ranks' runs are staged (the MPI
+/// backend): its send and receive buffers, and for all-reduce the `V` runs of the longest
+/// range ([`part`]), up to `V − 1` elements more than the buffer.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn widest_buffer_bytes(p: &Post, v: usize) -> usize {
+    let runs = match p.op {
+        Op::AllReduce => p.recv.len.div_ceil(v.max(1)).saturating_mul(v),
+        _ => 0,
+    };
+    [p.send, p.recv]
+        .iter()
+        .map(|r| r.len.saturating_mul(elem_size(r.elem)))
+        .chain([runs.saturating_mul(elem_size(p.recv.elem))])
+        .max()
+        .unwrap_or(0)
+}
+
 /// Element `i`'s running offset in `counts`: `Σ counts[..i]`.
 pub(crate) fn offset(counts: &[usize], i: usize) -> usize {
     counts[..i].iter().sum()
@@ -414,5 +431,32 @@ pub(crate) unsafe fn reduce_dyn(
             ElemType::BF16 => reduce::<bf16>(srcs, dst, n, op),
             ElemType::U8 => reduce::<u8>(srcs, dst, n, op),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An all-reduce of `2^29 − 1` f32 (just under 2 GiB) at V = 2 stages two runs of `2^28`
+    /// elements: `2^31` bytes, one past MPI's int counts, though the buffer itself fits.
+    #[test]
+    fn all_reduce_runs_can_exceed_the_buffer_by_v_minus_1_elements() {
+        let post = |op, len| Post {
+            recv: Region::sized(len, ElemType::F32),
+            ..Post::new(op)
+        };
+        let under = (1usize << 29) - 1;
+        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, under), 2), 1 << 31);
+        assert_eq!(
+            widest_buffer_bytes(&post(Op::AllReduce, under - 1), 2),
+            (1 << 31) - 8
+        );
+        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, 10), 4), 4 * 3 * 4);
+        assert_eq!(
+            widest_buffer_bytes(&post(Op::AllGatherInPlace, under), 2),
+            4 * under
+        );
+        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, 0), 3), 0);
     }
 }

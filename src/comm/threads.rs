@@ -519,8 +519,9 @@ impl ThreadComm {
             let now = Instant::now();
             if now >= deadline {
                 let missing: Vec<usize> = (0..w.size).filter(|&j| st.reached[j] < point).collect();
+                // Named: the poison reaches the late ranks too ("the world failed earlier").
                 let reason = format!(
-                    "timed out after {:?} waiting for ranks {missing:?}",
+                    "rank {r} timed out after {:?} waiting for ranks {missing:?}",
                     w.timeout
                 );
                 st.in_call[r] = false;
