@@ -355,10 +355,15 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
     let world = launched_world(args);
     let ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
     if world.is_none_or(|(_, rank)| rank == 0) {
+        // On resume the checkpoint's rate applies, not --lr.
+        let lr = match args.resume {
+            Some(_) => "from the checkpoint (ragged checkpoint info shows it)".to_string(),
+            None => args.lr.to_string(),
+        };
         println!(
-            "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {}, global batch \
-             {} x {} tokens",
-            args.layout, args.optimizer, args.lr, args.batch, cfg.seq_len
+            "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {lr}, global \
+             batch {} x {} tokens",
+            args.layout, args.optimizer, args.batch, cfg.seq_len
         );
     }
 

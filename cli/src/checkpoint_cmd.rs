@@ -98,8 +98,11 @@ fn info(path: &std::path::Path) -> Result<()> {
     println!("  model: {} tensors, {params} parameters", m.model.len());
     println!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config);
     println!(
-        "  steps {} (skipped {}), optimizer step {}, learning rate {:?}",
-        p.steps, p.skipped, p.state_step, p.learning_rate
+        "  steps {} (skipped {}), optimizer step {}, learning rate {}",
+        p.steps,
+        p.skipped,
+        p.state_step,
+        p.learning_rate.map_or("none".into(), |lr| lr.to_string())
     );
     if let Some(s) = &p.schedule {
         println!("  schedule: {s}");

@@ -40,6 +40,13 @@ enum Command {
 }
 
 fn main() {
+    // Exit quietly when the reader of stdout goes away (`ragged checkpoint info | head -1`), as
+    // other command-line tools do: Rust ignores SIGPIPE, so `println!` would panic instead.
+    // SAFETY: restoring a signal's default disposition at start-up, before any other thread
+    // exists, has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(&args),
