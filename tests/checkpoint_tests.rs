@@ -2,7 +2,7 @@
 //! `fully_shard`, `ShardedModel::{save, load, export_safetensors, load_safetensors}`), on a
 //! real candle transformer, real files and (for the kill test) a real child process.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -342,7 +342,7 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
         .unwrap()
         .is_finite());
 
-    let hf: std::collections::HashMap<String, Tensor> = CFG
+    let hf: HashMap<String, Tensor> = CFG
         .init_params(9)
         .unwrap()
         .into_iter()
@@ -364,8 +364,8 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
         Ok((unused, m.full_params()?))
     })
     .unwrap();
-    for (unused, values) in runs {
-        assert_eq!(unused, vec!["rotary.inv_freq".to_string()]);
+    for (unused, values) in &runs {
+        assert_eq!(unused, &vec!["rotary.inv_freq".to_string()]);
         for (name, t) in &hf {
             if let Some(v) = values.get(name) {
                 let want: Vec<f32> = t
@@ -379,6 +379,38 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
             }
         }
     }
+    // The same tensors split over two files with a Hugging Face index load the same values.
+    let mut names: Vec<&String> = hf.keys().collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (part, chunk) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", part + 1);
+        let tensors: HashMap<&String, Tensor> = chunk.iter().map(|&n| (n, hf[n].clone())).collect();
+        candle_core::safetensors::save(&tensors, root.join(&file)).unwrap();
+        for &n in chunk {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+    }
+    let index = root.join("model.safetensors.index.json");
+    let json = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(&index, json.to_string()).unwrap();
+    let from_index = |index: &Path| {
+        ThreadWorld::run(3, |c| {
+            let mut m = fully_shard(&zeros, adamw(), c, FsdpOptions::default())?;
+            let unused = m.load_safetensors(index)?;
+            Ok((unused, m.full_params()?))
+        })
+    };
+    assert!(
+        from_index(&index).unwrap() == runs,
+        "split files load as one"
+    );
+    // An index may name only files beside it.
+    let outside = root.join("outside.index.json");
+    let json = serde_json::json!({ "weight_map": { names[0]: "../hf.safetensors" } });
+    std::fs::write(&outside, json.to_string()).unwrap();
+    let err = from_index(&outside).unwrap_err().to_string();
+    assert!(err.contains("not a plain name"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -285,6 +285,6 @@ fn check_sealed(text: &[u8], path: &Path) -> Result<()> {
 }
 
 /// A name of a file directly inside a folder: not empty, no separator, not `.`/`..` or hidden.
-fn is_plain_file_name(name: &str) -> bool {
+pub(crate) fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\', '\0'])
 }

@@ -29,6 +29,7 @@ pub mod fs;
 pub mod manifest;
 pub mod read;
 pub mod safetensors;
+pub mod sources;
 pub mod state;
 
 pub use manifest::Manifest;

@@ -16,6 +16,7 @@ use crate::checkpoint::manifest::{
 };
 use crate::checkpoint::read::SourceFiles;
 use crate::checkpoint::safetensors::{hex, Consolidated, FileDigest, Reader, TensorHeader, Writer};
+use crate::checkpoint::sources::Sources;
 use crate::checkpoint::{
     agree, fs, CheckpointState, FieldDataMut, FieldLayout, FieldType, Loaded, SaveOptions, Saved,
 };
@@ -522,10 +523,11 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 
     /// Overwrites the parameters from a consolidated safetensors file (a Hugging Face or
-    /// [`Self::export_safetensors`] checkpoint): each rank reads only its ranges of each
-    /// tensor, converting F32, BF16 or F16 to the f32 master. Every model parameter must be in
-    /// the file with its shape; returns the file's tensors the model does not have. The
-    /// optimizer state is left as it is (fresh after `fully_shard`).
+    /// [`Self::export_safetensors`] checkpoint), or a Hugging Face checkpoint split over
+    /// several files (the path of its `model.safetensors.index.json`): each rank reads only
+    /// its ranges of each tensor, converting F32, BF16 or F16 to the f32 master. Every model
+    /// parameter must be in the file(s) with its shape; returns the tensors the model does not
+    /// have. The optimizer state is left as it is (fresh after `fully_shard`).
     pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
         let path = path.as_ref();
         let (unused, status) = match self.import_local(path) {
@@ -550,13 +552,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 
     fn import_local(&mut self, path: &Path) -> Result<Vec<String>> {
-        let mut file = Reader::open(path, None)?;
+        let mut sources = Sources::open(path)?;
         for unit in &mut self.units {
             let local = &unit.local;
             let master = unit.params.master_mut()?;
             for piece in &local.pieces {
                 let meta = &local.params[piece.param];
-                let info = file.tensor(&meta.name)?.clone();
+                let (file, info) = sources.tensor(&meta.name)?;
                 if info.shape != meta.shape {
                     return Err(bad(
                         path,
@@ -567,15 +569,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     ));
                 }
                 let out = &mut master[piece.offset..piece.offset + piece.range.len()];
-                read_as_f32(&mut file, &meta.name, &info.dtype, piece.range.clone(), out)?;
+                read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)?;
             }
             unit.grads.consume();
         }
         let model = self.model_tensors();
         let names: HashSet<&str> = model.iter().map(|t| t.name.as_str()).collect();
-        let mut unused: Vec<String> = file
-            .tensors()
-            .keys()
+        let mut unused: Vec<String> = sources
+            .names()
             .filter(|n| !names.contains(n.as_str()))
             .cloned()
             .collect();

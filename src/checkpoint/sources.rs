@@ -1,0 +1,98 @@
+//! The tensors of a consolidated checkpoint: one safetensors file, or a Hugging Face
+//! checkpoint split over several (`model.safetensors.index.json`, whose `weight_map` names the
+//! file beside it that holds each tensor).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use super::manifest::is_plain_file_name;
+use super::safetensors::{Reader, TensorInfo};
+use crate::{Error, Result};
+
+/// Every file of a consolidated checkpoint, opened (headers checked), and which holds each
+/// tensor.
+pub struct Sources {
+    /// What was opened: the file or the index.
+    path: PathBuf,
+    files: Vec<Reader>,
+    holder: HashMap<String, usize>,
+}
+
+/// The part of a Hugging Face index this reads.
+#[derive(serde::Deserialize)]
+struct Index {
+    weight_map: BTreeMap<String, String>,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Sources {
+    /// A `.safetensors` file, or a `*.index.json` whose files lie in its folder (plain names
+    /// only, each opened once).
+    pub fn open(path: &Path) -> Result<Sources> {
+        let is_index = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".index.json"));
+        if !is_index {
+            let file = Reader::open(path, None)?;
+            let holder = file.tensors().keys().map(|n| (n.clone(), 0)).collect();
+            return Ok(Sources {
+                path: path.into(),
+                files: vec![file],
+                holder,
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| bad(path, e.to_string()))?;
+        let index: Index = serde_json::from_str(&text)
+            .map_err(|e| bad(path, format!("not a safetensors index (weight_map): {e}")))?;
+        let folder = path.parent().unwrap_or(Path::new("."));
+        let (mut files, mut opened) = (Vec::new(), HashMap::new());
+        let mut holder = HashMap::new();
+        for (tensor, file) in &index.weight_map {
+            if !is_plain_file_name(file) {
+                return Err(bad(
+                    path,
+                    format!("{tensor}: file {file:?} is not a plain name"),
+                ));
+            }
+            let at = match opened.get(file) {
+                Some(&at) => at,
+                None => {
+                    files.push(Reader::open(&folder.join(file), None)?);
+                    opened.insert(file.clone(), files.len() - 1);
+                    files.len() - 1
+                }
+            };
+            holder.insert(tensor.clone(), at);
+        }
+        if files.is_empty() {
+            return Err(bad(path, "the index maps no tensors"));
+        }
+        Ok(Sources {
+            path: path.into(),
+            files,
+            holder,
+        })
+    }
+
+    /// The file holding `name` and its entry, or an error naming the checkpoint.
+    pub fn tensor(&mut self, name: &str) -> Result<(&mut Reader, TensorInfo)> {
+        let Some(&at) = self.holder.get(name) else {
+            return Err(bad(&self.path, format!("no tensor {name}")));
+        };
+        let file = &mut self.files[at];
+        let info = file.tensor(name)?.clone();
+        Ok((file, info))
+    }
+
+    /// Every tensor name.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.holder.keys()
+    }
+}
