@@ -411,6 +411,15 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
     std::fs::write(&outside, json.to_string()).unwrap();
     let err = from_index(&outside).unwrap_err().to_string();
     assert!(err.contains("not a plain name"), "{err}");
+    // A file whose names carry a prefix the model's lack: the error shows the near name.
+    let prefixed: HashMap<String, Tensor> = hf
+        .iter()
+        .map(|(n, t)| (format!("model.{n}"), t.clone()))
+        .collect();
+    let prefixed_path = root.join("prefixed.safetensors");
+    candle_core::safetensors::save(&prefixed, &prefixed_path).unwrap();
+    let err = from_index(&prefixed_path).unwrap_err().to_string();
+    assert!(err.contains("(the file has model."), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -84,11 +84,27 @@ impl Sources {
     /// The file holding `name` and its entry, or an error naming the checkpoint.
     pub fn tensor(&mut self, name: &str) -> Result<(&mut Reader, TensorInfo)> {
         let Some(&at) = self.holder.get(name) else {
-            return Err(bad(&self.path, format!("no tensor {name}")));
+            return Err(bad(&self.path, self.missing(name)));
         };
         let file = &mut self.files[at];
         let info = file.tensor(name)?.clone();
         Ok((file, info))
+    }
+
+    /// "no tensor `name`", with a tensor whose name differs by a leading prefix if there is
+    /// one (a file saved with `model.` before every name, or without it).
+    fn missing(&self, name: &str) -> String {
+        let prefixed = |long: &str, short: &str| long.ends_with(&format!(".{short}"));
+        let mut near: Vec<&String> = self
+            .holder
+            .keys()
+            .filter(|k| prefixed(k, name) || prefixed(name, k))
+            .collect();
+        near.sort();
+        match near.first() {
+            Some(k) => format!("no tensor {name} (the file has {k}: do the prefixes differ?)"),
+            None => format!("no tensor {name}"),
+        }
     }
 
     /// Every tensor name.
