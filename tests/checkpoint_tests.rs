@@ -394,22 +394,22 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
     let index = root.join("model.safetensors.index.json");
     let json = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
     std::fs::write(&index, json.to_string()).unwrap();
-    let from_index = |index: &Path| {
+    let load_file = |path: &Path| {
         ThreadWorld::run(3, |c| {
             let mut m = fully_shard(&zeros, adamw(), c, FsdpOptions::default())?;
-            let unused = m.load_safetensors(index)?;
+            let unused = m.load_safetensors(path)?;
             Ok((unused, m.full_params()?))
         })
     };
     assert!(
-        from_index(&index).unwrap() == runs,
+        load_file(&index).unwrap() == runs,
         "split files load as one"
     );
     // An index may name only files beside it.
     let outside = root.join("outside.index.json");
     let json = serde_json::json!({ "weight_map": { names[0]: "../hf.safetensors" } });
     std::fs::write(&outside, json.to_string()).unwrap();
-    let err = from_index(&outside).unwrap_err().to_string();
+    let err = load_file(&outside).unwrap_err().to_string();
     assert!(err.contains("not a plain name"), "{err}");
     // A file whose names carry a prefix the model's lack: the error shows the near name.
     let prefixed: HashMap<String, Tensor> = hf
@@ -418,7 +418,7 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
         .collect();
     let prefixed_path = root.join("prefixed.safetensors");
     candle_core::safetensors::save(&prefixed, &prefixed_path).unwrap();
-    let err = from_index(&prefixed_path).unwrap_err().to_string();
+    let err = load_file(&prefixed_path).unwrap_err().to_string();
     assert!(err.contains("(the file has model."), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
