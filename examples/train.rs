@@ -137,6 +137,11 @@ struct Args {
     /// size and layout. --steps stays the total.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start from the parameters of a safetensors file (an --export, or a Hugging Face
+    /// checkpoint's model.safetensors or model.safetensors.index.json with this model's
+    /// names and shapes); the optimizer starts fresh.
+    #[arg(long, conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     /// Write the final parameters to one safetensors file (candle's VarBuilder loads it).
     #[arg(long)]
     export: Option<PathBuf>,
@@ -376,6 +381,7 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         save_every: args.save_every,
         keep: args.keep,
         resume: args.resume.clone(),
+        init_from: args.init_from.clone(),
         export: args.export.clone(),
     };
     let started = Instant::now();

@@ -428,6 +428,10 @@ pub struct Checkpointing {
     pub keep: usize,
     /// Resume from this checkpoint folder or root (its newest checkpoint).
     pub resume: Option<std::path::PathBuf>,
+    /// Start from the parameter values of this safetensors file, or of the Hugging Face index
+    /// of a checkpoint split over several ([`crate::fsdp::ShardedModel::load_safetensors`]);
+    /// the optimizer starts fresh. Not with `resume` (which restores parameters too).
+    pub init_from: Option<std::path::PathBuf>,
     /// Write the final parameters to this consolidated safetensors file.
     pub export: Option<std::path::PathBuf>,
 }
@@ -487,8 +491,18 @@ pub fn train_rank_with<O: CheckpointState>(
         comm.world_size(),
     )?;
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
-    if let Some(from) = &ckpt.resume {
-        sharded.load(from)?;
+    match (&ckpt.resume, &ckpt.init_from) {
+        (Some(_), Some(_)) => {
+            return Err(crate::Error::BadInput {
+                op: "train_rank_with",
+                what: "Checkpointing".into(),
+                reason: "resume and init_from both set: a resumed run restores its parameters"
+                    .into(),
+            })
+        }
+        (Some(from), None) => sharded.load(from).map(|_| ())?,
+        (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
+        (None, None) => {}
     }
     let first_step = sharded.steps_taken() + sharded.skipped_steps();
     let save = SaveOptions {

@@ -420,6 +420,14 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
     candle_core::safetensors::save(&prefixed, &prefixed_path).unwrap();
     let err = load_file(&prefixed_path).unwrap_err().to_string();
     assert!(err.contains("(the file has model."), "{err}");
+    // The same failure on every rank is reported once.
+    let err = load_file(&root.join("missing.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("every rank: ") && err.matches("missing").count() == 2,
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 
@@ -801,6 +809,7 @@ fn child_runs_the_main_job() {
             "save" => ckpt.dir = path,
             "resume" => ckpt.resume = path,
             "export" => ckpt.export = path,
+            "init" => ckpt.init_from = path,
             other => panic!("unknown {other}"),
         }
     }
@@ -845,10 +854,12 @@ fn main_job_digest(spec: &str) -> String {
 }
 
 /// Stop the process after step 3, start a new one that resumes: the final digest is the
-/// uninterrupted run's, for AdamW and 8-bit Adam; the export is written.
+/// uninterrupted run's, for AdamW and 8-bit Adam; the export is written, and a run started
+/// from it (`init_from`, no steps) has its digest; `init_from` with `resume` is refused.
 #[test]
 fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
     let root = scratch("main-job");
+    let mut digests = Vec::new();
     for opt in ["adamw", "adam8bit"] {
         let dir = root.join(opt);
         let d = dir.to_str().unwrap();
@@ -858,6 +869,34 @@ fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
         let resumed = main_job_digest(&format!("{opt} 6 resume {d} export {}", export.display()));
         assert_eq!(straight, resumed, "{opt}");
         assert!(export.is_file());
+        digests.push((export, resumed));
     }
+    for (export, digest) in &digests {
+        let e = export.display();
+        assert_eq!(
+            &main_job_digest(&format!("adamw 0 init {e}")),
+            digest,
+            "{e}"
+        );
+    }
+    let cfg = TransformerConfig::TINY;
+    let both = Checkpointing {
+        resume: Some(root.join("adamw")),
+        init_from: Some(digests[0].0.clone()),
+        ..Checkpointing::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, 1, 4);
+    let params = cfg.init_params(0).unwrap();
+    let err = train_rank_with(
+        &params,
+        adamw(),
+        &ragged::comm::SingleRank,
+        FsdpOptions::default(),
+        job,
+        &both,
+        |_, _| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("both set"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -105,15 +105,28 @@ pub(crate) fn agree(
         Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
     };
     let all = all_gather_bytes(comm, &msg)?;
-    let failed: Vec<String> = all
+    // Failed ranks grouped by their message, in rank order (all ranks often fail alike).
+    let mut failed: Vec<(Vec<usize>, &[u8])> = Vec::new();
+    for (r, m) in all
         .iter()
         .enumerate()
         .filter(|(_, m)| m.first() != Some(&0))
-        .map(|(r, m)| {
-            format!(
-                "rank {r}: {}",
-                String::from_utf8_lossy(m.get(1..).unwrap_or(&[]))
-            )
+    {
+        let text = m.get(1..).unwrap_or(&[]);
+        match failed.iter_mut().find(|(_, t)| *t == text) {
+            Some((ranks, _)) => ranks.push(r),
+            None => failed.push((vec![r], text)),
+        }
+    }
+    let failed: Vec<String> = failed
+        .iter()
+        .map(|(ranks, text)| {
+            let who = match ranks.as_slice() {
+                [r] => format!("rank {r}"),
+                _ if ranks.len() == all.len() => "every rank".to_string(),
+                _ => format!("ranks {ranks:?}"),
+            };
+            format!("{who}: {}", String::from_utf8_lossy(text))
         })
         .collect();
     if failed.is_empty() {

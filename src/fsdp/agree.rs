@@ -10,7 +10,7 @@ use std::hash::Hasher;
 
 use candle_core::{DType, Tensor};
 
-use crate::comm::{Buf, BufMut, Communicator};
+use crate::comm::{all_gather_bytes, Communicator};
 use crate::dbuffer::candle;
 use crate::optim::LocalShard;
 use crate::roles::Role;
@@ -139,29 +139,6 @@ pub(crate) fn check_ranks_agree(
             differ.join(", ")
         ),
     })
-}
-
-/// Every rank's `mine` (any length; the same list on every rank): the lengths, then the bytes
-/// padded to the longest.
-fn all_gather_bytes(comm: &dyn Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let v = comm.world_size();
-    let len = (mine.len() as u64).to_le_bytes();
-    let mut lens = vec![0u8; 8 * v];
-    comm.all_gather(Buf::U8(&len), BufMut::U8(&mut lens))?;
-    let lens: Vec<usize> = lens
-        .chunks_exact(8)
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
-        .collect();
-    let longest = lens.iter().copied().max().unwrap_or(0);
-    let mut padded = mine.to_vec();
-    padded.resize(longest, 0);
-    let mut all = vec![0u8; longest * v];
-    comm.all_gather(Buf::U8(&padded), BufMut::U8(&mut all))?;
-    Ok(lens
-        .iter()
-        .enumerate()
-        .map(|(r, &n)| all[r * longest..r * longest + n].to_vec())
-        .collect())
 }
 
 /// The optimizer settings' first difference from rank 0's, one entry per differing text:
