@@ -260,6 +260,16 @@ fn check_config(cfg: &ValidateConfig) -> Result<()> {
     if cfg.layouts.is_empty() {
         return bad("no layouts".into(), "name at least one of ragged, fsdp2");
     }
+    let names: Vec<&str> = cfg.layouts.iter().map(|l| l.name()).collect();
+    if let Some(i) = (1..names.len()).find(|&i| names[..i].contains(&names[i])) {
+        return bad(
+            format!("layouts {}", names.join(",")),
+            &format!(
+                "layout {} is listed twice (each layout runs once)",
+                names[i]
+            ),
+        );
+    }
     if cfg.steps == 0 {
         return bad("--steps 0".into(), "needs at least one step");
     }
@@ -628,11 +638,20 @@ fn adam_check(name: &str, got: &[f32], want: &[f64], p0: &[f32], steps: usize) -
     }
 }
 
-/// Max absolute and relative error of `got` against `want`.
+/// Max absolute and relative error of `got` against `want`; NaN when any element's is (a
+/// NaN result fails its check: `f64::max` would skip it), 0 relative where both are 0.
 fn errors(got: &[f32], want: &[f64]) -> (f64, f64) {
+    let worst = |a: f64, b: f64| {
+        if a.is_nan() || b.is_nan() {
+            f64::NAN
+        } else {
+            a.max(b)
+        }
+    };
     got.iter().zip(want).fold((0f64, 0f64), |(a, r), (&x, &w)| {
         let d = (f64::from(x) - w).abs();
-        (a.max(d), r.max(d / w.abs()))
+        let rel = if d == 0.0 { 0.0 } else { d / w.abs() };
+        (worst(a, d), worst(r, rel))
     })
 }
 
@@ -777,4 +796,26 @@ pub fn render(report: &ValidateReport) -> String {
         report.sharded.len() + report.reference.len() + report.mesh.len()
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A NaN result against a finite reference fails the check (the fold skipped it and
+    /// reported 0 error); exact zeros are no error.
+    #[test]
+    fn a_nan_result_is_an_error_not_a_skip() {
+        let (abs, rel) = errors(&[1.0, f32::NAN, 0.0], &[1.0, 2.0, 0.0]);
+        assert!(abs.is_nan() && rel.is_nan());
+        let check = ReferenceCheck {
+            name: "w".into(),
+            max_abs: abs,
+            max_rel: rel,
+            tolerance: 1.0,
+            absolute: true,
+        };
+        assert!(!check.passes());
+        assert_eq!(errors(&[0.0, 3.0], &[0.0, 2.0]), (1.0, 0.5));
+    }
 }

@@ -158,6 +158,10 @@ fn bad_configurations_are_rejected() {
             ..good.clone()
         },
         ValidateConfig {
+            layouts: vec![LayoutKind::Fsdp2, LayoutKind::Ragged, LayoutKind::Fsdp2],
+            ..good.clone()
+        },
+        ValidateConfig {
             mesh_invariance: true,
             ..good.clone()
         },
