@@ -498,7 +498,19 @@ fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
     let spec = specs(&TENSORS);
     let n = numels(&spec);
     let (p0, grads) = data(&spec, 3, 42);
-    for (ci, c) in [MuonConfig::default(), loud()].into_iter().enumerate() {
+    // bf16 Newton–Schulz too: its roundings depend on the input bits only, so it is as
+    // bitwise as f32 across layouts and worlds.
+    let bf16 = MuonConfig {
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    };
+    for (ci, c) in [MuonConfig::default(), loud(), bf16]
+        .into_iter()
+        .enumerate()
+    {
         let opt = Muon::new(c).unwrap();
         let want = run_world(&opt, &[whole_shard(&opt, &spec)], &n, &p0, &grads);
         let layouts = [Layout::Whole, Layout::Rows, Layout::Elements, Layout::Fsdp2];
