@@ -399,7 +399,8 @@ pub trait Optimizer: Send + Sync {
     /// Every setting that changes the update, as text that reads the same in every process
     /// for the same settings (no addresses): the optimizers of `ragged-optimizers` give their
     /// config's `Debug`. `fully_shard` compares it across ranks and names the first setting
-    /// that differs. The default, empty, compares nothing beyond the name and learning rate.
+    /// that differs; checkpoints record it in their manifest. The default, empty, compares
+    /// nothing beyond the name and learning rate.
     fn settings(&self) -> String {
         String::new()
     }

@@ -47,9 +47,6 @@ fn adam_data_mut(state: &mut AdamState) -> Result<Vec<FieldDataMut<'_>>> {
 macro_rules! adam_like {
     ($t:ty) => {
         impl CheckpointState for $t {
-            fn config_string(&self) -> String {
-                format!("{:?}", self.config())
-            }
             fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
                 Ok(adam_layout(shard))
             }
@@ -113,10 +110,6 @@ impl Adam8bit {
 }
 
 impl CheckpointState for Adam8bit {
-    fn config_string(&self) -> String {
-        format!("{:?}", self.config())
-    }
-
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
         let scales =
             |name| FieldLayout::packed(name, FieldType::U16, shard, |m, r| self.scale_span(m, r));
@@ -211,10 +204,6 @@ impl Shampoo {
 }
 
 impl CheckpointState for Shampoo {
-    fn config_string(&self) -> String {
-        format!("{:?}", self.config())
-    }
-
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
         let mut fields = vec![FieldLayout::like_shard("m", FieldType::F32, shard)];
         if self.config().grafting.has_accumulator() {

@@ -62,7 +62,8 @@ pub struct ModelTensor {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OptimizerRecord {
     pub name: String,
-    /// The hyperparameters as the optimizer prints them (informational).
+    /// The hyperparameters as the optimizer prints them ([`crate::optim::Optimizer::settings`];
+    /// informational: a resumed run may change them).
     pub config: String,
 }
 

@@ -211,9 +211,6 @@ impl FieldDataMut<'_> {
 /// and layout. `state_layout`, `state_data` and `state_data_mut` list the same fields in the
 /// same order.
 pub trait CheckpointState: Optimizer {
-    /// The hyperparameters, for the manifest (informational: a resumed run may change them).
-    fn config_string(&self) -> String;
-
     /// The fields of a state of `shard` (what [`Optimizer::init`] allocates).
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>>;
 
@@ -261,10 +258,6 @@ pub fn check_fields(
 }
 
 impl CheckpointState for Sgd {
-    fn config_string(&self) -> String {
-        format!("{self:?}")
-    }
-
     fn state_layout(&self, _shard: &LocalShard) -> Result<Vec<FieldLayout>> {
         Ok(Vec::new())
     }

@@ -108,9 +108,15 @@ pub(crate) fn check_ranks_agree(
     shards: &[&LocalShard],
     optimizer: &OptimizerId<'_>,
 ) -> Result<()> {
+    // One exchange: the fingerprints, then the settings' text.
     let mine = fingerprints(params, shards, optimizer)?;
-    let bytes: Vec<u8> = mine.iter().flat_map(|f| f.to_le_bytes()).collect();
-    let table: Vec<[u64; N]> = all_gather_bytes(comm, &bytes)?
+    let bytes: Vec<u8> = mine
+        .iter()
+        .flat_map(|f| f.to_le_bytes())
+        .chain(optimizer.settings.bytes())
+        .collect();
+    let all = all_gather_bytes(comm, &bytes)?;
+    let table: Vec<[u64; N]> = all
         .iter()
         .map(|r| {
             std::array::from_fn(|i| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap()))
@@ -125,7 +131,7 @@ pub(crate) fn check_ranks_agree(
                 .then(|| format!("{} (ranks {ranks:?} differ from rank 0)", ASPECTS[a]))
         })
         .collect();
-    let settings = all_gather_bytes(comm, optimizer.settings.as_bytes())?;
+    let settings: Vec<&[u8]> = all.iter().map(|r| &r[8 * N..]).collect();
     differ.extend(settings_differ(&settings));
     if differ.is_empty() {
         return Ok(());
@@ -143,12 +149,12 @@ pub(crate) fn check_ranks_agree(
 
 /// The optimizer settings' first difference from rank 0's, one entry per differing text:
 /// the first `field: value` item (of the `Debug` text) that differs, with the ranks.
-fn settings_differ(settings: &[Vec<u8>]) -> Option<String> {
+fn settings_differ(settings: &[&[u8]]) -> Option<String> {
     let ranks: Vec<usize> = (1..settings.len())
         .filter(|&r| settings[r] != settings[0])
         .collect();
     let &first = ranks.first()?;
-    let text = |r: usize| String::from_utf8_lossy(&settings[r]).into_owned();
+    let text = |r: usize| String::from_utf8_lossy(settings[r]).into_owned();
     let (ours, theirs) = (text(0), text(first));
     let items = |t: &str| -> Vec<String> {
         t.split([',', '{', '}', '(', ')'])

@@ -231,7 +231,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             model: self.model_tensors(),
             optimizer: OptimizerRecord {
                 name: self.optimizer.name().into(),
-                config: self.optimizer.config_string(),
+                config: self.optimizer.settings(),
             },
             progress: self.progress()?,
             units: self.unit_records(),
