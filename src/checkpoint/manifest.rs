@@ -6,6 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::bad;
 use super::safetensors::FileDigest;
 use super::state::FieldType;
 use crate::ragged::RaggedShard;
@@ -134,13 +135,6 @@ pub fn tensor_name(param: &str, field: &str) -> String {
 /// The name of rank `rank`'s file of a `world`-rank checkpoint.
 pub fn rank_file(rank: usize, world: usize) -> String {
     format!("rank-{rank:05}-of-{world:05}.safetensors")
-}
-
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
 }
 
 impl FieldRecord {

@@ -89,6 +89,14 @@ pub struct Loaded {
     pub seconds: f64,
 }
 
+/// A checkpoint error about `path` (the one constructor the checkpoint modules share).
+pub(crate) fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
 /// Every rank's outcome of a local part of a checkpoint operation: every rank's payload when
 /// all succeeded, else the same `Err` on every rank naming each failed rank's problem (one
 /// exchange; on one rank the error itself).

@@ -5,18 +5,12 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::bad;
 use super::manifest::{tensor_name, FieldRecord, Manifest};
 use super::safetensors::Reader;
 use super::state::{FieldDataMut, FieldType};
 use crate::ragged::{redistribute, RaggedShard};
-use crate::{Error, Result};
-
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
-}
+use crate::Result;
 
 /// The rank files of a checkpoint being read, opened on first use with their digests.
 pub struct SourceFiles<'a> {

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3Default};
 
+use super::bad;
 use crate::{Error, Result};
 
 /// Default chunk size of the digests: 4 MiB (a 100 GB checkpoint lists 25 600 digests).
@@ -42,13 +43,6 @@ pub struct FileDigest {
     pub chunks: Vec<String>,
     /// SHA-256 (hex) of the concatenated chunk digests: one checksum for the whole file.
     pub sha256: String,
-}
-
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
 }
 
 fn chunk_digest(bytes: &[u8]) -> String {

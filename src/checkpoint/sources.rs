@@ -5,9 +5,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use super::bad;
 use super::manifest::is_plain_file_name;
 use super::safetensors::{Reader, TensorInfo};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Every file of a consolidated checkpoint, opened (headers checked), and which holds each
 /// tensor.
@@ -22,13 +23,6 @@ pub struct Sources {
 #[derive(serde::Deserialize)]
 struct Index {
     weight_map: BTreeMap<String, String>,
-}
-
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
 }
 
 impl Sources {

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{ShardLayout, ShardedModel, ShardedUnit};
+use crate::checkpoint::bad;
 use crate::checkpoint::manifest::{
     rank_file, tensor_name, BufferRecord, FieldRecord, FileRecord, Manifest, ModelTensor,
     OptimizerRecord, Progress, UnitRecord, FORMAT, PARAM_FIELD, VERSION,
@@ -39,13 +40,6 @@ struct Held {
 struct RankWrite {
     digest: FileDigest,
     held: Vec<Held>,
-}
-
-fn bad(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
 }
 
 /// A buffer's fields on this rank, the parameters then the optimizer state's, checked
