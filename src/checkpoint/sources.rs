@@ -89,13 +89,12 @@ impl Sources {
     /// one (a file saved with `model.` before every name, or without it).
     fn missing(&self, name: &str) -> String {
         let prefixed = |long: &str, short: &str| long.ends_with(&format!(".{short}"));
-        let mut near: Vec<&String> = self
+        let near = self
             .holder
             .keys()
             .filter(|k| prefixed(k, name) || prefixed(name, k))
-            .collect();
-        near.sort();
-        match near.first() {
+            .min();
+        match near {
             Some(k) => format!("no tensor {name} (the file has {k}: do the prefixes differ?)"),
             None => format!("no tensor {name}"),
         }
