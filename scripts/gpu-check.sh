@@ -2,6 +2,11 @@
 # One prepared check for a GPU machine without a Rust toolchain (see README "GPU").
 #
 #   scripts/gpu-check.sh [results-dir]     # default: $OUT, else ./gpu-results
+#
+# The results dir receives four files (the device tool brings back at most 8 from $OUT):
+# gpu-check.log (everything said, each test's lines, the benchmark tables), machine.txt,
+# benchmarks.md (docs/benchmarks.md with the GPU sections filled in) and gpu-results.tgz (every
+# output file: each test binary's full output, bench-*.md and .log, train-*.txt).
 #   RAGGED_EXPECT_GPU=1 scripts/gpu-check.sh   # exit 3 if any test skipped for want of a GPU
 #   RAGGED_GPU_CHECK_SECONDS=480 scripts/gpu-check.sh   # the whole check's time (default 480)
 #
@@ -17,7 +22,10 @@
 # Nothing is downloaded: the machine may have no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-res=${1:-${OUT:-gpu-results}}
+dest=${1:-${OUT:-gpu-results}}
+mkdir -p "$dest"
+work=$(mktemp -d)
+res=$work/gpu-results   # every output; packed into $dest on exit (see the trap below)
 mkdir -p "$res"
 bins=target/gpu-bin
 log="$res/gpu-check.log"
@@ -33,10 +41,24 @@ limited() { # <cap seconds> <command...>: the command under timeout min(cap, tim
         echo "out of time: not run: $*" >&2
         return 124
     fi
-    timeout $((cap < left ? cap : left)) "$@" || rc=$?
+    # -k: a process wedged in the driver may ignore SIGTERM.
+    timeout -k 10 $((cap < left ? cap : left)) "$@" || rc=$?
     echo "[$((SECONDS - start)) s]" >>"$log"
     return $rc
 }
+
+links=$work/links      # the libnccl.so link (below)
+unpacked=$work/bin     # the unpacked binaries
+ids=$work/ids          # NCCL id files of the one-process worlds
+mkdir -p "$links" "$unpacked" "$ids"
+deliver() {
+    cp "$log" "$dest/gpu-check.log"
+    [[ -e $res/machine.txt ]] && cp "$res/machine.txt" "$dest/"
+    [[ -e $res/benchmarks.md ]] && cp "$res/benchmarks.md" "$dest/"
+    tar czf "$dest/gpu-results.tgz" -C "$work" gpu-results
+    rm -rf "$work"
+}
+trap deliver EXIT
 
 if [[ ! -d $bins ]]; then
     say "no $bins: run scripts/build-gpu-bins.sh on a machine with cargo and carry $bins"
@@ -44,9 +66,6 @@ if [[ ! -d $bins ]]; then
 fi
 
 # --- CUDA libraries ------------------------------------------------------------------------
-links=$(mktemp -d)
-unpacked=$(mktemp -d)
-trap 'rm -rf "$links" "$unpacked"' EXIT
 # build-gpu-bins.sh leaves the binaries xz-compressed (what travels to this machine is limited
 # to 64 MiB, and the candle-cuda ones hold candle's kernels as PTX text): unpack them with
 # Python's lzma, which every python3 has.
@@ -77,15 +96,13 @@ for sp in $sitedirs /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-
         [[ " ${libdirs[*]-} " == *" $d "* ]] || libdirs+=("$d")
     done < <(find "$sp/nvidia" -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libnccl.so*' \
         -o -name 'libcublasLt.so*' -o -name 'libnvrtc-builtins.so*' -o -name 'libcurand.so*' \
-        2>/dev/null)
+        -o -name 'libcudart.so*' 2>/dev/null)
 done
 for d in "${libdirs[@]-}"; do
     [[ -n $d ]] || continue
-    for so in "$d"/libnccl.so.2 "$d"/libcublas.so.1[0-9] "$d"/libnvrtc.so.1[0-9]; do
-        [[ -e $so ]] || continue
-        base=$(basename "$so")
-        ln -sf "$so" "$links/${base%%.so*}.so"
-    done
+    # cudarc finds libcublas.so.13 and libnvrtc.so.13 by their sonames; NCCL's is
+    # libnccl.so.2, which it does not try.
+    [[ -e $d/libnccl.so.2 ]] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
 done
 if ! ls "$links"/libnccl.so >/dev/null 2>&1; then
     sys_nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')
@@ -105,6 +122,15 @@ ls -l "$links" >>"$log" 2>&1
         printf '%s: ' "$l"
         python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print('loads')" "$l" 2>&1 | tail -n 1
     done
+    # NVRTC's PTX loads only on a driver of the same CUDA release or newer.
+    echo "== versions"
+    python3 - <<'PY' 2>&1 || echo "version probe failed"
+import ctypes
+major, minor, drv = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+ctypes.CDLL("libnvrtc.so.13").nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(drv))
+print(f"NVRTC {major.value}.{minor.value}; driver CUDA {drv.value // 1000}.{drv.value % 1000 // 10}")
+PY
     # Does the driver take a zero-byte stream-ordered allocation? 8-bit Adam's empty fallback
     # moments (a shard of tiles only) and cudarc's empty slices ask for one.
     echo "== cuMemAllocAsync of 0 bytes"
@@ -181,7 +207,7 @@ if [[ -x $bins/train ]]; then
         say "train --comm gpu-threads: FAILED (exit $?)"
         status=1
     fi
-    if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id" \
+    if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$ids/nccl-id" \
         limited 60 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
         >"$res/train-nccl.txt" 2>&1; then
         say "train --comm nccl (world of 1): ok"
@@ -195,7 +221,7 @@ if [[ -x $bins/train ]]; then
         for comm in gpu-threads nccl; do
             ranks=(--ranks 2)
             [[ $comm == nccl ]] && ranks=(--batch 4)
-            if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$res/nccl-id-device" \
+            if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$ids/nccl-id-device" \
                 limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
                 --comm "$comm" --device cuda >"$res/train-device-cuda-$comm.txt" 2>&1; then
                 say "train --device cuda --comm $comm: ok"
@@ -214,5 +240,5 @@ if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     # On a machine that is meant to have a GPU, a skip is a failure of the check.
     [[ ${RAGGED_EXPECT_GPU:-0} == 1 ]] && status=3
 fi
-say "results in $res ($SECONDS s)"
+say "results in $dest: gpu-check.log, machine.txt, benchmarks.md, gpu-results.tgz ($SECONDS s)"
 exit $status

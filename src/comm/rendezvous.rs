@@ -9,8 +9,11 @@
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long anyone waits (default 120 s, also where it is `0`, which turns off only the collectives' wait) |
 //!
 //! On the wire: the 4 bytes `RGID`, the blob's length as a little-endian `u32`, the blob. A
-//! reader checks both, so a wrong port or a stale file is an error that says so, never a
-//! garbage id. Every wait has the timeout: a missing rank is an `Err`, never a hang.
+//! reader checks both, so a wrong port or a file that is not a rendezvous file is an error
+//! that says so, never a garbage id. Every wait here has the timeout: a missing rank is an
+//! `Err`, never a hang. A file left by an earlier run, though, is a valid file: a rank that
+//! reads it before rank 0 replaces it joins the old id and waits in NCCL's init, which has no
+//! timeout. Give each launch its own path, or delete the file before starting.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};

@@ -194,7 +194,21 @@ pub struct Device {
     stream: Arc<CudaStream>,
     arch: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    blas: Mutex<Option<Arc<CudaBlas>>>,
+    /// Tells this device's cuBLAS handles apart in [`BLAS_HANDLES`].
+    id: u64,
+}
+
+/// The next [`Device::id`].
+static NEXT_DEVICE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+thread_local! {
+    /// This thread's cuBLAS handle per device, made at first use and destroyed when the thread
+    /// ends. One handle per thread, not per device: candle's stream is the per-thread default
+    /// stream, whose handle value is the same on every thread, so thread ranks sharing one
+    /// handle would look like one stream to cuBLAS and share its workspace across streams
+    /// that run concurrently.
+    static BLAS_HANDLES: std::cell::RefCell<HashMap<u64, Arc<CudaBlas>>> =
+        std::cell::RefCell::new(HashMap::new());
 }
 
 impl std::fmt::Debug for Device {
@@ -230,7 +244,7 @@ impl Device {
             stream,
             arch: format!("compute_{major}{minor}"),
             modules: Mutex::new(HashMap::new()),
-            blas: Mutex::new(None),
+            id: NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -251,7 +265,7 @@ impl Device {
             stream,
             arch: format!("compute_{major}{minor}"),
             modules: Mutex::new(HashMap::new()),
-            blas: Mutex::new(None),
+            id: NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -280,6 +294,12 @@ impl Device {
         guarded("cuda::Device::sync", || self.stream.synchronize())
     }
 
+    /// Waits for everything queued on the device's context, by any thread on any stream
+    /// (`cuCtxSynchronize`).
+    pub fn sync_context(&self) -> Result<()> {
+        guarded("cuda::Device::sync_context", || self.ctx.synchronize())
+    }
+
     /// Entry point `entry` of `src`, compiling the source with NVRTC at first use (options in
     /// the module doc) and caching the module.
     pub fn function(&self, src: &KernelSource, entry: &str) -> Result<CudaFunction> {
@@ -300,30 +320,48 @@ impl Device {
         guarded(OP, || module.load_function(entry))
     }
 
-    /// The cuBLAS handle on [`Device::stream`], created at first use.
+    /// The calling thread's cuBLAS handle on [`Device::stream`], created at its first use
+    /// (see [`BLAS_HANDLES`]).
     pub fn blas(&self) -> Result<Arc<CudaBlas>> {
         const OP: &str = "cuda::Device::blas";
-        let mut slot = self.blas.lock().map_err(|_| Error::Cuda {
-            op: OP,
-            reason: "cuBLAS handle lock poisoned".into(),
-        })?;
-        if let Some(b) = slot.as_ref() {
-            return Ok(b.clone());
+        if let Some(b) = BLAS_HANDLES.with(|h| h.borrow().get(&self.id).cloned()) {
+            return Ok(b);
         }
         cublas_available()?;
         let b = Arc::new(guarded(OP, || CudaBlas::new(self.stream.clone()))?);
-        *slot = Some(b.clone());
+        BLAS_HANDLES.with(|h| h.borrow_mut().insert(self.id, b.clone()));
         Ok(b)
     }
 
-    /// A zeroed device buffer of `len` elements.
+    /// A zeroed device buffer of `len` elements (`len` may be 0: [`Device::empty`]).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        if len == 0 {
+            return self.empty();
+        }
         guarded("cuda::Device::zeros", || self.stream.alloc_zeros::<T>(len))
     }
 
-    /// A device copy of `host`.
+    /// A device copy of `host` (which may be empty: [`Device::empty`]).
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.empty();
+        }
         guarded("cuda::Device::upload", || self.stream.clone_htod(host))
+    }
+
+    /// A buffer of no elements. `cuMemAlloc` refuses 0 bytes (`CUDA_ERROR_INVALID_VALUE`, as
+    /// documented) and cudarc passes a length of 0 through, while a rank's share of a unit is
+    /// often empty: so it owns a one-element allocation and says it holds none.
+    fn empty<T: DeviceRepr>(&self) -> Result<CudaSlice<T>> {
+        const OP: &str = "cuda::Device::empty";
+        // SAFETY: the element is never read (the slice below has length 0).
+        let one = guarded(OP, || unsafe { self.stream.alloc::<T>(1) })?;
+        let ptr = one.leak();
+        // SAFETY: `ptr` is the live allocation `leak` released from `one`, on this stream;
+        // the slice that takes it over frees it once, and with length 0 nothing reads it.
+        guarded(OP, || {
+            Ok::<_, std::convert::Infallible>(unsafe { self.stream.upgrade_device_ptr(ptr, 0) })
+        })
     }
 
     /// Copies `host` into `dst` (same length, else `Err`).

@@ -55,6 +55,10 @@ impl ThreadDeviceComm {
         n: usize,
         f: impl Fn(&ThreadDeviceComm) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
+        // Work the calling thread queued (candle's host-to-device copies of a model's
+        // parameters return before their DMA ends) is on its own stream, which the ranks'
+        // streams do not wait for: wait for the whole context before they start.
+        dev.sync_context()?;
         run_ranks("ThreadDeviceComm::run", Self::world(dev, n)?, f)
     }
 

@@ -254,8 +254,9 @@ pub fn orthogonalize_cuda_with(
     } else {
         (rows, cols)
     };
+    // cuBLAS takes dimensions and leading dimensions as i32, strides as i64, and the kernels
+    // index in 64 bits: a stack may hold more than 2^31 elements.
     let (bi, si, li) = (int(OP, batch)?, int(OP, s)?, int(OP, l)?);
-    int(OP, batch * mn)?;
     let syrk = gram.use_syrk(prec, s)?;
     let stream = dev.stream();
     // The batch is a grid's y (steps 2-3) or z (the transpose) dimension, and the transpose's

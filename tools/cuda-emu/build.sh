@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds cuda-emu (CPU stand-ins for libcuda.so.1, libcublas.so.13 and libnccl.so.2; see
+# driver.cpp, cublas.cpp, nccl.cpp) into
+# DIR (default target/cuda-emu), after checking that kernels.cpp emulates exactly the entries
+# of kernels/*.cu. Use: LD_LIBRARY_PATH=DIR:<NVRTC lib dir> cargo test --features cuda ...
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$here/../../target/cuda-emu}
+mkdir -p "$out"
+declared=$(grep -ho '__global__ void [a-z0-9_]*' "$here"/../../kernels/*.cu | awk '{print $3}' | sort)
+emulated=$(grep -o '^ *ENTRY([a-z_0-9]*, [a-z_0-9]*' "$here/kernels.cpp" | awk '{print $2}' | sort)
+if [[ $declared != "$emulated" ]]; then
+    echo "tools/cuda-emu/kernels.cpp does not list the entries of kernels/*.cu:" >&2
+    diff <(echo "$declared") <(echo "$emulated") >&2 || true
+    exit 1
+fi
+flags=(-std=c++17 -O2 -fPIC -shared -ffp-contract=off -fno-fast-math -Wall -Wno-unused-function)
+c++ "${flags[@]}" -o "$out/libcuda.so.1" "$here/driver.cpp" "$here/kernels.cpp"
+ln -sf libcuda.so.1 "$out/libcuda.so"
+c++ "${flags[@]}" -o "$out/libcublas.so.13" "$here/cublas.cpp" -L"$out" -l:libcuda.so.1
+ln -sf libcublas.so.13 "$out/libcublas.so"
+c++ "${flags[@]}" -o "$out/libnccl.so.2" "$here/nccl.cpp" -L"$out" -l:libcuda.so.1 -pthread
+ln -sf libnccl.so.2 "$out/libnccl.so"
+echo "$out"

@@ -1,0 +1,107 @@
+// cuda-emu: the CUDA C subset that kernels/*.cu use, as C++ that runs on the host.
+//
+// kernels.cpp includes every kernels/*.cu after this header; driver.cpp's cuLaunchKernel runs
+// them. Each CUDA thread of a block is one call of the kernel function with its own threadIdx;
+// kernels that call __syncthreads run their block's threads as fibers that meet at each
+// barrier (every thread of the block reaches it before any goes on), the others run their
+// threads one after the other. Shared memory is a thread_local static: blocks of one launch run
+// in turn on the launching OS thread, so a block sees only its own.
+//
+// Numerics: compiled with -ffp-contract=off and without -ffast-math, each f32 expression is
+// one correctly rounded IEEE operation, as kernels get with --fmad=false --prec-div=true
+// --prec-sqrt=true --ftz=false under NVRTC.
+#pragma once
+
+#include <math.h>
+#include <utility>
+#include <stdint.h>
+#include <string.h>
+
+struct dim3 {
+    unsigned int x = 1, y = 1, z = 1;
+};
+
+namespace cuda_emu {
+
+// The coordinates of the CUDA thread that is running.
+struct ThreadCoords {
+    dim3 thread_idx, block_idx, block_dim, grid_dim;
+};
+
+extern thread_local const ThreadCoords* current;
+
+// The barrier: yields to the block's scheduler (driver.cpp); aborts in a kernel registered
+// without barriers.
+void syncthreads();
+
+}  // namespace cuda_emu
+
+#define threadIdx (cuda_emu::current->thread_idx)
+#define blockIdx (cuda_emu::current->block_idx)
+#define blockDim (cuda_emu::current->block_dim)
+#define gridDim (cuda_emu::current->grid_dim)
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+#define __syncthreads() cuda_emu::syncthreads()
+
+inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+inline float __uint_as_float(unsigned int u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    memcpy(&i, &f, sizeof i);
+    return i;
+}
+inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, sizeof f);
+    return f;
+}
+
+// Threads of one launch never run at the same time, so a plain add is atomic here.
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long val) {
+    const unsigned long long old = *address;
+    *address = old + val;
+    return old;
+}
+
+namespace cuda_emu {
+
+// One emulated kernel: its entry name, a function that calls it with cuLaunchKernel's
+// parameter array, and whether it calls __syncthreads.
+struct KernelEntry {
+    const char* name;
+    void (*invoke)(void** params);
+    bool barriers;
+};
+
+// Unpacks cuLaunchKernel's `void** params` (params[i] points at argument i, as the CUDA
+// driver reads them) into a typed call of kernel `f`.
+template <typename F, F f>
+struct Invoker;
+
+template <typename... A, void (*f)(A...)>
+struct Invoker<void (*)(A...), f> {
+    template <unsigned long... I>
+    static void call(void** params, std::integer_sequence<unsigned long, I...>) {
+        f(*static_cast<A*>(params[I])...);
+    }
+    static void run(void** params) {
+        call(params, std::make_integer_sequence<unsigned long, sizeof...(A)>{});
+    }
+};
+
+// The kernel named `name`, or null (kernels.cpp).
+const KernelEntry* find_kernel(const char* name);
+
+}  // namespace cuda_emu

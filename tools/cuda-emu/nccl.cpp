@@ -1,0 +1,443 @@
+// cuda-emu: the NCCL calls ragged makes (libnccl.so.2), for ranks that live in one process:
+// communicators made by ncclCommInitAll, or by ncclCommInitRank with the same unique id from
+// several threads (a world of one included). Ranks in other processes cannot join (an
+// ncclCommInitRank waiting for them fails after CUDA_EMU_NCCL_WAIT_S, default 120 s).
+//
+// Each call runs when every rank of the communicator has made its k-th collective call (a real
+// NCCL call returns at once and completes on the stream); inputs are copied when posted, so
+// in-place calls are safe. Rank contributions must agree in kind, count, type and root, as
+// NCCL requires (a mismatch hangs or corrupts on a GPU; here it is ncclInvalidUsage with a
+// message). Sums run in rank order in f32 (bf16 widened, rounded once): NCCL's ring order
+// differs, so results agree with a GPU to rounding. Avg is the sum divided by the rank count;
+// u8 sums wrap modulo 256, as NCCL's.
+// Grouped ncclSend / ncclRecv (between ncclGroupStart and ncclGroupEnd) post every send, then
+// take every receive, matched in order per pair of ranks.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+typedef int ncclResult_t;
+enum : ncclResult_t {
+    ncclSuccess = 0,
+    ncclSystemError = 2,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+};
+enum { ncclUint8 = 1, ncclFloat32 = 7, ncclBfloat16 = 9 };
+enum { ncclSum = 0, ncclAvg = 4 };
+
+extern "C" int cuda_emu_check_range(const char* call, unsigned long long ptr, size_t bytes);
+
+namespace {
+
+using Bytes = std::shared_ptr<std::vector<char>>;
+
+// One collective call of every rank: what each posted.
+struct Round {
+    std::string kind;
+    size_t count = 0;
+    int type = 0, op = 0, root = 0;
+    std::vector<Bytes> data;
+    int posted = 0, taken = 0;
+};
+
+struct World {
+    int n = 0;
+    std::mutex m;
+    std::condition_variable cv;
+    std::map<long, Round> rounds;                      // by collective sequence number
+    std::map<std::pair<int, int>, std::deque<Bytes>> mail;  // (from, to) -> sent messages
+    int joined = 0;
+    bool aborted = false;
+};
+
+struct Comm {
+    std::shared_ptr<World> world;
+    int rank = 0, device = 0;
+    long next_round = 0;
+};
+
+struct PointToPoint {
+    bool send;
+    char* buf;
+    size_t bytes;
+    int peer;
+    Comm* comm;
+};
+
+std::mutex worlds_lock;
+std::map<std::string, std::shared_ptr<World>> worlds_by_id;
+thread_local int group_depth = 0;
+thread_local std::vector<PointToPoint> grouped;
+
+std::chrono::seconds wait_limit() {
+    const char* s = getenv("CUDA_EMU_NCCL_WAIT_S");
+    return std::chrono::seconds(s ? atoi(s) : 120);
+}
+
+ncclResult_t fail(ncclResult_t r, const char* call, const std::string& why) {
+    fprintf(stderr, "cuda-emu: %s: %s\n", call, why.c_str());
+    return r;
+}
+
+size_t type_bytes(int type) {
+    switch (type) {
+        case ncclFloat32: return 4;
+        case ncclBfloat16: return 2;
+        case ncclUint8: return 1;
+        default: return 0;
+    }
+}
+
+float load(const char* p, int type, size_t i) {
+    if (type == ncclFloat32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    unsigned short h;
+    memcpy(&h, p + 2 * i, 2);
+    unsigned int u = (unsigned int)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+void store(char* p, int type, size_t i, float v) {
+    if (type == ncclFloat32) {
+        memcpy(p + 4 * i, &v, 4);
+        return;
+    }
+    unsigned int u;
+    memcpy(&u, &v, 4);
+    unsigned short h = (u & 0x7fffffffu) > 0x7f800000u
+                           ? (unsigned short)((u >> 16) | 0x40u)
+                           : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    memcpy(p + 2 * i, &h, 2);
+}
+
+// dst[i] = op over ranks of the `count` elements at element `offset` of each posted buffer.
+ncclResult_t reduce(const char* call, const std::vector<Bytes>& data, size_t offset, size_t count,
+                    int type, int op, char* dst) {
+    if (op != ncclSum && op != ncclAvg)
+        return fail(ncclInvalidArgument, call, "ncclSum and ncclAvg only are emulated");
+    if (type == ncclUint8) {  // NCCL's: in u8, modulo 256; Avg truncates
+        for (size_t i = 0; i < count; ++i) {
+            unsigned char acc = 0;
+            for (const Bytes& d : data) acc = (unsigned char)(acc + (*d)[offset + i]);
+            dst[i] = (char)(op == ncclAvg ? acc / data.size() : acc);
+        }
+        return ncclSuccess;
+    }
+    if (type != ncclFloat32 && type != ncclBfloat16)
+        return fail(ncclInvalidArgument, call, "reductions of f32, bf16 and u8 only are emulated");
+    for (size_t i = 0; i < count; ++i) {
+        float acc = load(data[0]->data(), type, offset + i);
+        for (size_t r = 1; r < data.size(); ++r) acc = acc + load(data[r]->data(), type, offset + i);
+        store(dst, type, i, op == ncclAvg ? acc / (float)data.size() : acc);
+    }
+    return ncclSuccess;
+}
+
+Bytes copy_of(const void* p, size_t bytes) {
+    auto b = std::make_shared<std::vector<char>>(bytes);
+    if (bytes) memcpy(b->data(), p, bytes);
+    return b;
+}
+
+// Posts this rank's part of its next collective and returns every rank's, once all posted.
+ncclResult_t meet(const char* call, Comm* c, const Round& mine, Bytes part,
+                  std::vector<Bytes>* all) {
+    World& w = *c->world;
+    std::unique_lock<std::mutex> g(w.m);
+    const long seq = c->next_round++;
+    Round& r = w.rounds[seq];
+    if (r.posted == 0) {
+        r.kind = mine.kind, r.count = mine.count, r.type = mine.type, r.op = mine.op;
+        r.root = mine.root;
+        r.data.assign(w.n, nullptr);
+    } else if (r.kind != mine.kind || r.count != mine.count || r.type != mine.type ||
+               r.op != mine.op || r.root != mine.root) {
+        char why[256];
+        snprintf(why, sizeof why,
+                 "rank %d calls %s(count %zu, type %d, op %d, root %d) where another rank "
+                 "called %s(count %zu, type %d, op %d, root %d)",
+                 c->rank, mine.kind.c_str(), mine.count, mine.type, mine.op, mine.root,
+                 r.kind.c_str(), r.count, r.type, r.op, r.root);
+        w.aborted = true;
+        w.cv.notify_all();
+        return fail(ncclInvalidUsage, call, why);
+    }
+    r.data[c->rank] = std::move(part);
+    ++r.posted;
+    w.cv.notify_all();
+    const bool met = w.cv.wait_for(g, wait_limit(), [&] { return r.posted == w.n || w.aborted; });
+    if (w.aborted) return fail(ncclRemoteError, call, "the communicator was aborted");
+    if (!met) {
+        return fail(ncclSystemError, call,
+                    "rank " + std::to_string(c->rank) + " waited " +
+                        std::to_string(wait_limit().count()) + " s for the other ranks");
+    }
+    *all = r.data;
+    if (++r.taken == w.n) w.rounds.erase(seq);
+    return ncclSuccess;
+}
+
+ncclResult_t check(const char* call, const void* p, size_t bytes) {
+    if (bytes == 0) return ncclSuccess;
+    if (cuda_emu_check_range(call, (unsigned long long)p, bytes))
+        return fail(ncclInvalidArgument, call, "a buffer outside device memory");
+    return ncclSuccess;
+}
+
+ncclResult_t post_send(Comm* c, const char* buf, size_t bytes, int peer) {
+    World& w = *c->world;
+    std::lock_guard<std::mutex> g(w.m);
+    w.mail[{c->rank, peer}].push_back(copy_of(buf, bytes));
+    w.cv.notify_all();
+    return ncclSuccess;
+}
+
+ncclResult_t take_recv(Comm* c, char* buf, size_t bytes, int peer) {
+    World& w = *c->world;
+    std::unique_lock<std::mutex> g(w.m);
+    auto& box = w.mail[{peer, c->rank}];
+    if (!w.cv.wait_for(g, wait_limit(), [&] { return !box.empty() || w.aborted; }))
+        return fail(ncclSystemError, "ncclRecv", "no message from rank " + std::to_string(peer));
+    if (w.aborted) return fail(ncclRemoteError, "ncclRecv", "the communicator was aborted");
+    Bytes msg = box.front();
+    box.pop_front();
+    if (msg->size() != bytes) {
+        return fail(ncclInvalidUsage, "ncclRecv",
+                    "rank " + std::to_string(peer) + " sent " + std::to_string(msg->size()) +
+                        " bytes, rank " + std::to_string(c->rank) + " expects " +
+                        std::to_string(bytes));
+    }
+    if (bytes) memcpy(buf, msg->data(), bytes);
+    return ncclSuccess;
+}
+
+ncclResult_t point_to_point(PointToPoint op) {
+    return op.send ? post_send(op.comm, op.buf, op.bytes, op.peer)
+                   : take_recv(op.comm, op.buf, op.bytes, op.peer);
+}
+
+ncclResult_t queue_or_run(PointToPoint op) {
+    const char* call = op.send ? "ncclSend" : "ncclRecv";
+    if (op.peer < 0 || op.peer >= op.comm->world->n) return fail(ncclInvalidArgument, call, "peer");
+    if (ncclResult_t r = check(call, op.buf, op.bytes)) return r;
+    if (group_depth > 0) {
+        grouped.push_back(op);
+        return ncclSuccess;
+    }
+    return point_to_point(op);
+}
+
+}  // namespace
+
+extern "C" {
+
+typedef struct {
+    char internal[128];
+} ncclUniqueId;
+
+ncclResult_t ncclGetVersion(int* v) {
+    *v = 22800;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    static std::mutex m;
+    static unsigned long long counter = 0;
+    std::lock_guard<std::mutex> g(m);
+    memset(id->internal, 0, sizeof id->internal);
+    snprintf(id->internal, sizeof id->internal, "cuda-emu %d %lld %llu", (int)getpid(),
+             (long long)time(nullptr), ++counter);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank) {
+    const char* call = "ncclCommInitRank";
+    if (nranks < 1 || rank < 0 || rank >= nranks) return fail(ncclInvalidArgument, call, "rank");
+    std::shared_ptr<World> w;
+    {
+        std::lock_guard<std::mutex> g(worlds_lock);
+        auto& slot = worlds_by_id[std::string(id.internal, sizeof id.internal)];
+        if (!slot) {
+            slot = std::make_shared<World>();
+            slot->n = nranks;
+        }
+        w = slot;
+    }
+    if (w->n != nranks) return fail(ncclInvalidUsage, call, "ranks disagree on the world size");
+    std::unique_lock<std::mutex> g(w->m);
+    ++w->joined;
+    w->cv.notify_all();
+    if (!w->cv.wait_for(g, wait_limit(), [&] { return w->joined >= w->n; }))
+        return fail(ncclSystemError, call,
+                    "the other ranks did not join (cuda-emu joins ranks of one process only)");
+    *comm = new Comm{w, rank, 0, 0};
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitAll(void** comms, int ndev, const int* devlist) {
+    const char* call = "ncclCommInitAll";
+    if (ndev < 1) return fail(ncclInvalidArgument, call, "ndev");
+    for (int i = 0; i < ndev; ++i)
+        for (int j = 0; j < i; ++j)
+            if (devlist && devlist[i] == devlist[j])
+                return fail(ncclInvalidUsage, call, "duplicate GPU in the device list");
+    auto w = std::make_shared<World>();
+    w->n = ndev;
+    w->joined = ndev;
+    for (int i = 0; i < ndev; ++i) comms[i] = new Comm{w, i, devlist ? devlist[i] : i, 0};
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(void* comm) {
+    delete (Comm*)comm;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommFinalize(void*) { return ncclSuccess; }
+ncclResult_t ncclCommAbort(void* comm) {
+    Comm* c = (Comm*)comm;
+    {
+        std::lock_guard<std::mutex> g(c->world->m);
+        c->world->aborted = true;
+        c->world->cv.notify_all();
+    }
+    delete c;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommGetAsyncError(void* comm, ncclResult_t* state) {
+    *state = ((Comm*)comm)->world->aborted ? ncclRemoteError : ncclSuccess;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommCount(void* comm, int* n) {
+    *n = ((Comm*)comm)->world->n;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommUserRank(void* comm, int* r) {
+    *r = ((Comm*)comm)->rank;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommCuDevice(void* comm, int* d) {
+    *d = ((Comm*)comm)->device;
+    return ncclSuccess;
+}
+const char* ncclGetErrorString(ncclResult_t r) {
+    static thread_local char text[48];
+    snprintf(text, sizeof text, "cuda-emu NCCL error %d", r);
+    return text;
+}
+const char* ncclGetLastError(void*) { return "see the cuda-emu line on stderr"; }
+
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm,
+                           void*) {
+    const char* call = "ncclAllGather";
+    Comm* c = (Comm*)comm;
+    const size_t b = type_bytes(type);
+    if (!b) return fail(ncclInvalidArgument, call, "data type");
+    if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
+    if (ncclResult_t r = check(call, send, count * b)) return r;
+    if (ncclResult_t r = check(call, recv, count * b * c->world->n)) return r;
+    Round mine{"ncclAllGather", count, type, 0, 0, {}, 0, 0};
+    std::vector<Bytes> all;
+    if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b), &all)) return r;
+    for (size_t q = 0; q < all.size(); ++q)
+        if (count) memcpy((char*)recv + q * count * b, all[q]->data(), count * b);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op,
+                               void* comm, void*) {
+    const char* call = "ncclReduceScatter";
+    Comm* c = (Comm*)comm;
+    const size_t b = type_bytes(type), n = c->world->n;
+    if (!b) return fail(ncclInvalidArgument, call, "data type");
+    if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
+    if (ncclResult_t r = check(call, send, count * b * n)) return r;
+    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    Round mine{"ncclReduceScatter", count, type, op, 0, {}, 0, 0};
+    std::vector<Bytes> all;
+    if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b * n), &all)) return r;
+    return reduce(call, all, c->rank * count, count, type, op, (char*)recv);
+}
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, int type, int op,
+                           void* comm, void*) {
+    const char* call = "ncclAllReduce";
+    Comm* c = (Comm*)comm;
+    const size_t b = type_bytes(type);
+    if (!b) return fail(ncclInvalidArgument, call, "data type");
+    if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
+    if (ncclResult_t r = check(call, send, count * b)) return r;
+    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    Round mine{"ncclAllReduce", count, type, op, 0, {}, 0, 0};
+    std::vector<Bytes> all;
+    if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b), &all)) return r;
+    return reduce(call, all, 0, count, type, op, (char*)recv);
+}
+
+ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, int type, int root,
+                           void* comm, void*) {
+    const char* call = "ncclBroadcast";
+    Comm* c = (Comm*)comm;
+    const size_t b = type_bytes(type);
+    if (!b) return fail(ncclInvalidArgument, call, "data type");
+    if (root < 0 || root >= c->world->n) return fail(ncclInvalidArgument, call, "root");
+    if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
+    if (c->rank == root) {
+        if (ncclResult_t r = check(call, send, count * b)) return r;
+    }
+    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    Round mine{"ncclBroadcast", count, type, 0, root, {}, 0, 0};
+    std::vector<Bytes> all;
+    Bytes part = c->rank == root ? copy_of(send, count * b) : std::make_shared<std::vector<char>>();
+    if (ncclResult_t r = meet(call, c, mine, part, &all)) return r;
+    if (count) memcpy(recv, all[root]->data(), count * b);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclSend(const void* send, size_t count, int type, int peer, void* comm, void*) {
+    const size_t b = type_bytes(type);
+    if (!b) return fail(ncclInvalidArgument, "ncclSend", "data type");
+    return queue_or_run({true, (char*)send, count * b, peer, (Comm*)comm});
+}
+
+ncclResult_t ncclRecv(void* recv, size_t count, int type, int peer, void* comm, void*) {
+    const size_t b = type_bytes(type);
+    if (!b) return fail(ncclInvalidArgument, "ncclRecv", "data type");
+    return queue_or_run({false, (char*)recv, count * b, peer, (Comm*)comm});
+}
+
+ncclResult_t ncclGroupStart() {
+    ++group_depth;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+    if (group_depth == 0) return fail(ncclInvalidUsage, "ncclGroupEnd", "no group is open");
+    if (--group_depth > 0) return ncclSuccess;
+    std::vector<PointToPoint> ops;
+    ops.swap(grouped);
+    ncclResult_t first = ncclSuccess;
+    for (bool sends : {true, false})
+        for (const PointToPoint& op : ops)
+            if (op.send == sends && first == ncclSuccess) first = point_to_point(op);
+    return first;
+}
+
+}  // extern "C"
