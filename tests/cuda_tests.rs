@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ragged::comm::conformance::exercise;
+use ragged::comm::conformance::{exercise, uneven_all_to_all};
 use ragged::comm::{Communicator, ReduceOp};
 use ragged::cuda::collective::ViaDevice;
 use ragged::cuda::Device;
@@ -182,17 +182,7 @@ fn moves_and_sums(c: &dyn Communicator) -> ragged::Result<MovesAndSums> {
     let mut x = values(world * s, rank as u32 + 1);
     c.all_gather_in_place((&mut x[..]).into())?;
     let mut moves = vec![bits(&x)];
-    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
-    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
-    let send = values(send_counts.iter().sum(), rank as u32 + 7);
-    let mut recv = vec![0f32; recv_counts.iter().sum()];
-    c.all_to_all_v(
-        (&send[..]).into(),
-        &send_counts,
-        (&mut recv[..]).into(),
-        &recv_counts,
-    )?;
-    moves.push(bits(&recv));
+    moves.push(bits(&uneven_all_to_all(c)?));
     let mut x = values(s, rank as u32 + 8);
     c.broadcast((&mut x[..]).into(), world - 1)?;
     moves.push(bits(&x));

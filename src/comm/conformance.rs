@@ -76,18 +76,7 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     let mut x = vec![values(1, rank as u32 + 9)[0]; 1];
     c.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
     out.push(f32_bits(&x));
-    // Uneven all-to-all: rank r sends ((r + j) mod 3)·5 elements to rank j.
-    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
-    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
-    let send = values(send_counts.iter().sum(), rank as u32 + 7);
-    let mut recv = vec![0f32; recv_counts.iter().sum()];
-    c.all_to_all_v(
-        (&send[..]).into(),
-        &send_counts,
-        (&mut recv[..]).into(),
-        &recv_counts,
-    )?;
-    out.push(f32_bits(&recv));
+    out.push(f32_bits(&uneven_all_to_all(c)?));
     let mut x = u8s(rank + 8);
     c.broadcast((&mut x[..]).into(), world - 1)?;
     out.push(u8_bits(&x));
@@ -117,6 +106,23 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     drop(segments);
     out.push(f32_bits(&parts.concat()));
     Ok(out)
+}
+
+/// An uneven all-to-all-v: rank `r` sends `((r + j) mod 3)·5` seeded values to rank `j`; what
+/// this rank received.
+pub fn uneven_all_to_all(c: &dyn Communicator) -> Result<Vec<f32>> {
+    let (rank, world) = (c.rank(), c.world_size());
+    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
+    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
+    let send = values(send_counts.iter().sum(), rank as u32 + 7);
+    let mut recv = vec![0f32; recv_counts.iter().sum()];
+    c.all_to_all_v(
+        (&send[..]).into(),
+        &send_counts,
+        (&mut recv[..]).into(),
+        &recv_counts,
+    )?;
+    Ok(recv)
 }
 
 /// The segments [`exercise`] gathers into: uneven, with gaps, some crossing rank slices.

@@ -10,6 +10,8 @@
 
 #include <vector>
 
+#include "bf16.h"
+
 typedef int cublasStatus_t;
 enum : cublasStatus_t {
     CUBLAS_STATUS_SUCCESS = 0,
@@ -37,25 +39,14 @@ cublasStatus_t invalid(const char* call, const char* why) {
 
 float load(const void* base, int type, size_t i) {
     if (type == CUDA_R_32F) return ((const float*)base)[i];
-    unsigned int bits = (unsigned int)((const unsigned short*)base)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// Round to nearest even; NaN stays a quiet NaN.
-unsigned short to_bf16(float f) {
-    unsigned int u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return bf16_to_f32(((const unsigned short*)base)[i]);
 }
 
 void store(void* base, int type, size_t i, float v) {
     if (type == CUDA_R_32F)
         ((float*)base)[i] = v;
     else
-        ((unsigned short*)base)[i] = to_bf16(v);
+        ((unsigned short*)base)[i] = f32_to_bf16(v);
 }
 
 size_t type_bytes(int type) { return type == CUDA_R_32F ? 4 : 2; }

@@ -128,13 +128,14 @@ CUresult release(const char* call, CUdeviceptr ptr) {
 
 CUresult copy(const char* call, void* dst, const void* src, size_t bytes, bool dst_dev,
               bool src_dev) {
+    if (bytes == 0) return CUDA_SUCCESS;  // empty slices copy nothing; nothing to check
     if (dst_dev) {
         if (CUresult r = check_range(call, (CUdeviceptr)dst, bytes)) return r;
     }
     if (src_dev) {
         if (CUresult r = check_range(call, (CUdeviceptr)src, bytes)) return r;
     }
-    if (bytes) memmove(dst, src, bytes);
+    memmove(dst, src, bytes);
     return CUDA_SUCCESS;
 }
 

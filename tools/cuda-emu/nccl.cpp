@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "bf16.h"
+
 typedef int ncclResult_t;
 enum : ncclResult_t {
     ncclSuccess = 0,
@@ -109,10 +111,7 @@ float load(const char* p, int type, size_t i) {
     }
     unsigned short h;
     memcpy(&h, p + 2 * i, 2);
-    unsigned int u = (unsigned int)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16_to_f32(h);
 }
 
 void store(char* p, int type, size_t i, float v) {
@@ -120,11 +119,7 @@ void store(char* p, int type, size_t i, float v) {
         memcpy(p + 4 * i, &v, 4);
         return;
     }
-    unsigned int u;
-    memcpy(&u, &v, 4);
-    unsigned short h = (u & 0x7fffffffu) > 0x7f800000u
-                           ? (unsigned short)((u >> 16) | 0x40u)
-                           : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const unsigned short h = f32_to_bf16(v);
     memcpy(p + 2 * i, &h, 2);
 }
 
