@@ -1123,7 +1123,8 @@ fn a_unit_no_stage_runs_is_named() {
 }
 
 /// A schedule sets the rate of every step (factor of the step count times the configured
-/// rate); a rate of 0 leaves the parameters bitwise unchanged; bad rates are refused.
+/// rate), and `learning_rate` reports it from before the first step on; a rate of 0 leaves the
+/// parameters bitwise unchanged; bad rates are refused.
 #[test]
 fn schedules_and_set_learning_rate_drive_the_optimizer() {
     use ragged::schedule::Schedule;
@@ -1135,6 +1136,9 @@ fn schedules_and_set_learning_rate_drive_the_optimizer() {
         min_factor: 0.0,
     };
     sharded.set_schedule(schedule).unwrap();
+    // Before any step: the rate the first step will take (warmup's first factor, 1/2).
+    assert_eq!(sharded.learning_rate(), Some(LR * schedule.factor(0)));
+    assert!(schedule.factor(0) < 1.0);
     let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
     for step in 0..6 {
         sharded

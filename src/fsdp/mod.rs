@@ -628,9 +628,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// The optimizer's current learning rate (`None` if it has none).
+    /// The learning rate of the last step taken (`None` if the optimizer has none); before the
+    /// first step under a schedule, the rate the first step will take (the base times
+    /// `factor(0)`, as torch's `LambdaLR` sets it at construction).
     pub fn learning_rate(&self) -> Option<f64> {
-        self.optimizer.learning_rate()
+        match self.schedule {
+            Some((schedule, base)) if self.steps == 0 => Some(base * schedule.factor(0)),
+            _ => self.optimizer.learning_rate(),
+        }
     }
 
     /// Sets the optimizer's learning rate (as candle-nn's `Optimizer::set_learning_rate`) and
