@@ -321,7 +321,7 @@ impl Device {
     }
 
     /// The calling thread's cuBLAS handle on [`Device::stream`], created at its first use
-    /// (see [`BLAS_HANDLES`]).
+    /// (one per thread: see `BLAS_HANDLES`).
     pub fn blas(&self) -> Result<Arc<CudaBlas>> {
         const OP: &str = "cuda::Device::blas";
         if let Some(b) = BLAS_HANDLES.with(|h| h.borrow().get(&self.id).cloned()) {
@@ -333,7 +333,7 @@ impl Device {
         Ok(b)
     }
 
-    /// A zeroed device buffer of `len` elements (`len` may be 0: [`Device::empty`]).
+    /// A zeroed device buffer of `len` elements (`len` may be 0; see `Device::empty`).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         if len == 0 {
             return self.empty();
@@ -341,7 +341,7 @@ impl Device {
         guarded("cuda::Device::zeros", || self.stream.alloc_zeros::<T>(len))
     }
 
-    /// A device copy of `host` (which may be empty: [`Device::empty`]).
+    /// A device copy of `host` (which may be empty; see `Device::empty`).
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         if host.is_empty() {
             return self.empty();
