@@ -21,7 +21,10 @@ enum : cublasStatus_t {
 };
 enum { CUDA_R_32F = 0, CUDA_R_16BF = 14 };
 enum { CUBLAS_COMPUTE_32F = 68 };
-enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 };
+enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_OP_C = 2 };
+
+// Whether `op` transposes (OP_C is OP_T for real types); -1 for a value that is no operation.
+int transposes(int op) { return op == CUBLAS_OP_N ? 0 : (op == CUBLAS_OP_T || op == CUBLAS_OP_C) ? 1 : -1; }
 enum { CUBLAS_FILL_MODE_LOWER = 0, CUBLAS_FILL_MODE_UPPER = 1 };
 
 extern "C" int cuda_emu_check_range(const char* call, unsigned long long ptr, size_t bytes);
@@ -108,7 +111,8 @@ cublasStatus_t cublasGemmStridedBatchedEx(void* handle, int transa, int transb, 
     if (atype != btype || atype != ctype)
         return invalid(call, "mixed data types (ragged passes one type)");
     if (m < 0 || n < 0 || k < 0 || batch < 0) return invalid(call, "negative size");
-    const bool ta = transa == CUBLAS_OP_T, tb = transb == CUBLAS_OP_T;
+    if (transposes(transa) < 0 || transposes(transb) < 0) return invalid(call, "operation");
+    const bool ta = transposes(transa), tb = transposes(transb);
     const int a_rows = ta ? k : m, a_cols = ta ? m : k;
     const int b_rows = tb ? n : k, b_cols = tb ? k : n;
     if (lda < (a_rows > 1 ? a_rows : 1) || ldb < (b_rows > 1 ? b_rows : 1) ||
@@ -157,7 +161,8 @@ cublasStatus_t cublasSsyrk_v2(void* handle, int uplo, int trans, int n, int k, c
     if (uplo != CUBLAS_FILL_MODE_LOWER && uplo != CUBLAS_FILL_MODE_UPPER)
         return invalid(call, "fill mode");
     if (n < 0 || k < 0) return invalid(call, "negative size");
-    const bool t = trans == CUBLAS_OP_T;  // C = alpha*A^T*A + beta*C, A k x n; else A n x k
+    if (transposes(trans) < 0) return invalid(call, "operation");
+    const bool t = transposes(trans);  // C = alpha*A^T*A + beta*C, A k x n; else A n x k
     const int a_rows = t ? k : n, a_cols = t ? n : k;
     if (lda < (a_rows > 1 ? a_rows : 1) || ldc < (n > 1 ? n : 1))
         return invalid(call, "leading dimension below the operand's rows");

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <math.h>
+#include <type_traits>
 #include <utility>
 #include <stdint.h>
 #include <string.h>
@@ -78,12 +79,29 @@ inline unsigned long long atomicAdd(unsigned long long* address, unsigned long l
 namespace cuda_emu {
 
 // One emulated kernel: its entry name, a function that calls it with cuLaunchKernel's
-// parameter array, and whether it calls __syncthreads.
+// parameter array, one that returns the index of its first pointer argument that is not
+// device memory of the current device aligned for its type (-1: none), and whether it calls
+// __syncthreads.
 struct KernelEntry {
     const char* name;
     void (*invoke)(void** params);
+    int (*bad_pointer)(void** params);
     bool barriers;
 };
+
+// Whether `p` lies in a live allocation of the current context's device and is a multiple
+// of `align` (driver.cpp).
+bool device_pointer_ok(const void* p, size_t align);
+
+template <typename T>
+bool argument_ok(void* param) {
+    if constexpr (std::is_pointer_v<T>) {
+        using Pointee = std::remove_cv_t<std::remove_pointer_t<T>>;
+        return device_pointer_ok((const void*)*static_cast<T*>(param), alignof(Pointee));
+    } else {
+        return true;
+    }
+}
 
 // Unpacks cuLaunchKernel's `void** params` (params[i] points at argument i, as the CUDA
 // driver reads them) into a typed call of kernel `f`.
@@ -98,6 +116,15 @@ struct Invoker<void (*)(A...), f> {
     }
     static void run(void** params) {
         call(params, std::make_integer_sequence<unsigned long, sizeof...(A)>{});
+    }
+    template <unsigned long... I>
+    static int first_bad(void** params, std::integer_sequence<unsigned long, I...>) {
+        int bad = -1;
+        ((bad < 0 && !argument_ok<A>(params[I]) ? (void)(bad = (int)I) : (void)0), ...);
+        return bad;
+    }
+    static int bad_pointer(void** params) {
+        return first_bad(params, std::make_integer_sequence<unsigned long, sizeof...(A)>{});
     }
 };
 

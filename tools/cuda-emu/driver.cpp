@@ -13,6 +13,7 @@
 // Environment: CUDA_EMU_DEVICES (default 1) devices of CUDA_EMU_MEM_MIB (default 16384) MiB.
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <map>
@@ -38,6 +39,7 @@ enum : CUresult {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 
@@ -50,15 +52,22 @@ struct Stream {
     int id;
 };
 struct Event {
+    unsigned int flags;
+    bool recorded;
     std::chrono::steady_clock::time_point at;
 };
+const unsigned int CU_EVENT_DISABLE_TIMING = 2;
 struct Module {
     std::set<std::string> entries;
 };
 
 bool initialized = false;
 std::mutex lock;  // allocations, handles
-std::map<unsigned long long, size_t> allocations;  // base -> bytes
+struct Allocation {
+    size_t bytes;
+    CUdevice device;  // the current context's when allocated
+};
+std::map<unsigned long long, Allocation> allocations;  // by base address
 size_t allocated_bytes = 0;
 thread_local Context* current_context = nullptr;
 
@@ -92,12 +101,24 @@ CUresult check_range(const char* call, CUdeviceptr ptr, size_t bytes) {
     auto it = allocations.upper_bound(ptr);
     if (it != allocations.begin()) {
         --it;
-        if (ptr >= it->first && ptr + bytes <= it->first + it->second) return CUDA_SUCCESS;
+        if (ptr >= it->first && ptr + bytes <= it->first + it->second.bytes) return CUDA_SUCCESS;
     }
     char why[160];
     snprintf(why, sizeof why, "[%#llx, +%zu bytes) is not inside one live device allocation", ptr,
              bytes);
     return fail(CUDA_ERROR_INVALID_VALUE, call, why);
+}
+
+CUdevice current_device() { return current_context ? current_context->device : 0; }
+
+// The device of the live allocation holding `ptr` (one past its end included), or -1.
+CUdevice device_of(const void* ptr) {
+    const auto p = (unsigned long long)ptr;
+    std::lock_guard<std::mutex> g(lock);
+    auto it = allocations.upper_bound(p);
+    if (it == allocations.begin()) return -1;
+    --it;
+    return p <= it->first + it->second.bytes ? it->second.device : -1;
 }
 
 CUresult alloc(const char* call, CUdeviceptr* out, size_t bytes) {
@@ -111,7 +132,7 @@ CUresult alloc(const char* call, CUdeviceptr* out, size_t bytes) {
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     memset(p, 0xFF, bytes);
     *out = (CUdeviceptr)p;
-    allocations[*out] = bytes;
+    allocations[*out] = {bytes, current_context ? current_context->device : 0};
     allocated_bytes += bytes;
     return CUDA_SUCCESS;
 }
@@ -120,7 +141,7 @@ CUresult release(const char* call, CUdeviceptr ptr) {
     std::lock_guard<std::mutex> g(lock);
     auto it = allocations.find(ptr);
     if (it == allocations.end()) return fail(CUDA_ERROR_INVALID_VALUE, call, "not an allocation");
-    allocated_bytes -= it->second;
+    allocated_bytes -= it->second.bytes;
     allocations.erase(it);
     free((void*)ptr);
     return CUDA_SUCCESS;
@@ -141,6 +162,7 @@ CUresult copy(const char* call, void* dst, const void* src, size_t bytes, bool d
 
 template <typename T>
 CUresult fill(const char* call, CUdeviceptr dst, T value, size_t n) {
+    if (dst % sizeof(T)) return fail(CUDA_ERROR_INVALID_VALUE, call, "misaligned destination");
     if (CUresult r = check_range(call, dst, n * sizeof(T))) return r;
     T* p = (T*)dst;
     for (size_t i = 0; i < n; ++i) p[i] = value;
@@ -154,6 +176,10 @@ CUresult fill(const char* call, CUdeviceptr dst, T value, size_t n) {
 namespace cuda_emu {
 
 thread_local const ThreadCoords* current = nullptr;
+
+bool device_pointer_ok(const void* p, size_t align) {
+    return device_of(p) == current_device() && (uintptr_t)p % align == 0;
+}
 
 namespace {
 
@@ -197,7 +223,8 @@ struct Block {
     std::vector<void*> fibers;  // each fiber's saved stack pointer
     std::vector<ThreadCoords> coords;
     std::vector<char> done;
-    std::vector<char> stacks;
+    std::vector<unsigned> barriers;  // each thread's count of barriers passed
+    char* stacks = nullptr;
     size_t running = 0;
     const KernelEntry* kernel = nullptr;
     void** params = nullptr;
@@ -214,9 +241,30 @@ thread_local Block* block_now = nullptr;
     __builtin_unreachable();  // a finished fiber is never resumed
 }
 
+// Stacks for `n` fibers, each FIBER_STACK bytes above an inaccessible GUARD page (a kernel
+// whose locals outgrow its stack faults instead of writing into its neighbour's); kept per OS
+// thread and grown as launches need.
+const size_t GUARD = 4096;
+
+char* fiber_stacks(size_t n) {
+    thread_local char* base = nullptr;
+    thread_local size_t have = 0;
+    if (n <= have) return base;
+    const size_t each = FIBER_STACK + GUARD;
+    void* m = mmap(nullptr, n * each, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+        perror("cuda-emu: fiber stacks");
+        abort();
+    }
+    for (size_t t = 0; t < n; ++t) mprotect((char*)m + t * each, GUARD, PROT_NONE);
+    if (base) munmap(base, have * each);
+    base = (char*)m, have = n;
+    return base;
+}
+
 // A stack whose first switch "returns" into fiber_main with the alignment of a call.
 void* new_fiber_stack(char* base) {
-    uintptr_t top = ((uintptr_t)(base + FIBER_STACK) & ~(uintptr_t)15) - 16;
+    uintptr_t top = ((uintptr_t)(base + GUARD + FIBER_STACK) & ~(uintptr_t)15) - 16;
     void** sp = (void**)top;
     *sp = (void*)&fiber_main;  // the return address; after `ret`, rsp = top + 8 (a call's)
     for (int r = 0; r < 6; ++r) *--sp = nullptr;  // rbp, rbx, r12-r15
@@ -226,19 +274,33 @@ void* new_fiber_stack(char* base) {
 void run_block_with_barriers(Block& b) {
     const size_t n = b.coords.size();
     for (size_t t = 0; t < n; ++t) {
-        b.fibers[t] = new_fiber_stack(b.stacks.data() + t * FIBER_STACK);
+        b.fibers[t] = new_fiber_stack(b.stacks + t * (FIBER_STACK + GUARD));
         b.done[t] = 0;
     }
     // Each round runs every live thread up to its next barrier or its end, so no thread passes
-    // barrier k before every thread has reached it.
-    for (bool live = true; live;) {
+    // barrier k before every thread has reached it. Rounds alternate the order of the threads,
+    // so a read of another thread's write with no barrier between them sees the old value in
+    // one round or the other whichever thread is lower.
+    std::fill(b.barriers.begin(), b.barriers.end(), 0);
+    bool forward = true;
+    for (bool live = true; live; forward = !forward) {
         live = false;
-        for (size_t t = 0; t < n; ++t) {
+        for (size_t i = 0; i < n; ++i) {
+            const size_t t = forward ? i : n - 1 - i;
             if (b.done[t]) continue;
             b.running = t;
             current = &b.coords[t];
             cuda_emu_switch(&b.scheduler, b.fibers[t]);
             live |= !b.done[t];
+        }
+    }
+    // A barrier that some threads of a block skip is undefined behaviour on a GPU.
+    for (size_t t = 1; t < n; ++t) {
+        if (b.barriers[t] != b.barriers[0]) {
+            fprintf(stderr,
+                    "cuda-emu: %s: thread %zu of a block passed %u barriers, thread 0 %u\n",
+                    b.kernel->name, t, b.barriers[t], b.barriers[0]);
+            abort();
         }
     }
 }
@@ -253,6 +315,7 @@ void syncthreads() {
                 "(tools/cuda-emu/kernels.cpp)\n");
         abort();
     }
+    ++b->barriers[b->running];
     cuda_emu_switch(&b->fibers[b->running], b->scheduler);
 }
 
@@ -266,7 +329,8 @@ void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
         b.fibers.resize(threads);
         b.coords.assign(threads, c);
         b.done.assign(threads, 0);
-        b.stacks.resize(threads * FIBER_STACK);
+        b.barriers.assign(threads, 0);
+        b.stacks = fiber_stacks(threads);
         b.kernel = k;
         b.params = params;
     }
@@ -390,9 +454,16 @@ CUresult cuCtxGetDevice(CUdevice* d) {
     *d = current_context->device;
     return CUDA_SUCCESS;
 }
-CUresult cuCtxPushCurrent_v2(void* ctx) { return cuCtxSetCurrent(ctx); }
+thread_local std::vector<Context*> pushed_contexts;
+CUresult cuCtxPushCurrent_v2(void* ctx) {
+    pushed_contexts.push_back(current_context);
+    return cuCtxSetCurrent(ctx);
+}
 CUresult cuCtxPopCurrent_v2(void** ctx) {
+    if (pushed_contexts.empty()) return CUDA_ERROR_INVALID_CONTEXT;
     if (ctx) *ctx = current_context;
+    current_context = pushed_contexts.back();
+    pushed_contexts.pop_back();
     return CUDA_SUCCESS;
 }
 CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
@@ -421,8 +492,8 @@ CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuEventCreate(void** e, unsigned int) {
-    *e = new Event{std::chrono::steady_clock::now()};
+CUresult cuEventCreate(void** e, unsigned int flags) {
+    *e = new Event{flags, false, std::chrono::steady_clock::now()};
     return CUDA_SUCCESS;
 }
 CUresult cuEventDestroy_v2(void* e) {
@@ -432,6 +503,7 @@ CUresult cuEventDestroy_v2(void* e) {
 CUresult cuEventRecord(void* e, void*) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     ((Event*)e)->at = std::chrono::steady_clock::now();
+    ((Event*)e)->recorded = true;
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned int) { return cuEventRecord(e, s); }
@@ -439,6 +511,11 @@ CUresult cuEventSynchronize(void* e) { return e ? CUDA_SUCCESS : CUDA_ERROR_INVA
 CUresult cuEventQuery(void* e) { return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
 CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
     if (!ms || !start || !end) return CUDA_ERROR_INVALID_VALUE;
+    for (const Event* e : {(const Event*)start, (const Event*)end}) {
+        if (!e->recorded || (e->flags & CU_EVENT_DISABLE_TIMING))
+            return fail(CUDA_ERROR_INVALID_HANDLE, "cuEventElapsedTime",
+                        "an event not recorded, or made with CU_EVENT_DISABLE_TIMING");
+    }
     *ms = std::chrono::duration<float, std::milli>(((Event*)end)->at - ((Event*)start)->at).count();
     return CUDA_SUCCESS;
 }
@@ -539,9 +616,17 @@ CUresult cuLaunchKernel(void* f, unsigned int gx, unsigned int gy, unsigned int 
              k->name, gx, gy, gz, bx, by, bz, shared);
     const unsigned long long threads = (unsigned long long)bx * by * bz;
     if (!gx || !gy || !gz || !bx || !by || !bz || gx > 2147483647u || gy > 65535 || gz > 65535 ||
-        bx > 1024 || by > 1024 || bz > 64 || threads > 1024 || shared > 232448)
+        bx > 1024 || by > 1024 || bz > 64 || threads > 1024 || shared > 49152)
         return fail(CUDA_ERROR_INVALID_VALUE, "cuLaunchKernel", why);
     if (extra) return fail(CUDA_ERROR_NOT_SUPPORTED, "cuLaunchKernel", "`extra` parameters");
+    const int bad = k->bad_pointer(params);
+    if (bad >= 0) {
+        // On a GPU the kernel would fault (CUDA_ERROR_ILLEGAL_ADDRESS, reported at the next
+        // synchronization) or read another device's memory.
+        return fail(CUDA_ERROR_ILLEGAL_ADDRESS, "cuLaunchKernel",
+                    std::string(why) + ": argument " + std::to_string(bad) +
+                        " is not device memory of the current device, aligned for its type");
+    }
     dim3 grid, block;
     grid.x = gx, grid.y = gy, grid.z = gz;
     block.x = bx, block.y = by, block.z = bz;
@@ -553,6 +638,11 @@ CUresult cuLaunchKernel(void* f, unsigned int gx, unsigned int gy, unsigned int 
 int cuda_emu_check_range(const char* call, unsigned long long ptr, size_t bytes) {
     return check_range(call, ptr, bytes);
 }
+
+// For libnccl.so.2 (nccl.cpp): the device of the allocation holding `ptr` (-1: none), and the
+// current context's device.
+int cuda_emu_device_of(const void* ptr) { return device_of(ptr); }
+int cuda_emu_current_device() { return current_device(); }
 
 // NVRTC opens libcuda.so.1 and asks for an internal table; without one it compiles anyway.
 CUresult cuGetExportTable(const void** table, const void*) {

@@ -23,8 +23,11 @@ namespace reduce_ranks {
 #include "../../kernels/reduce_ranks.cu"
 }
 
-#define ENTRY(ns, name, barriers) \
-    { #name, &cuda_emu::Invoker<decltype(&ns::name), &ns::name>::run, barriers }
+#define ENTRY(ns, name, barriers)                                   \
+    {                                                               \
+        #name, &cuda_emu::Invoker<decltype(&ns::name), &ns::name>::run, \
+            &cuda_emu::Invoker<decltype(&ns::name), &ns::name>::bad_pointer, barriers \
+    }
 
 namespace cuda_emu {
 

@@ -7,9 +7,9 @@
 // NCCL call returns at once and completes on the stream); inputs are copied when posted, so
 // in-place calls are safe. Rank contributions must agree in kind, count, type and root, as
 // NCCL requires (a mismatch hangs or corrupts on a GPU; here it is ncclInvalidUsage with a
-// message). Sums run in rank order in f32 (bf16 widened, rounded once): NCCL's ring order
-// differs, so results agree with a GPU to rounding. Avg is the sum divided by the rank count;
-// u8 sums wrap modulo 256, as NCCL's.
+// message). Sums run in rank order (NCCL's ring order differs: results agree with a GPU to
+// rounding), bf16 rounded after each addition and Avg as NCCL's (inputs times 1/n, then the
+// sum), so they are not the CPU thread backend's bits; u8 sums wrap modulo 256, as NCCL's.
 // Grouped ncclSend / ncclRecv (between ncclGroupStart and ncclGroupEnd) post every send, then
 // take every receive, matched in order per pair of ranks.
 #include <stdio.h>
@@ -41,6 +41,8 @@ enum { ncclUint8 = 1, ncclFloat32 = 7, ncclBfloat16 = 9 };
 enum { ncclSum = 0, ncclAvg = 4 };
 
 extern "C" int cuda_emu_check_range(const char* call, unsigned long long ptr, size_t bytes);
+extern "C" int cuda_emu_device_of(const void* ptr);
+extern "C" int cuda_emu_current_device();
 
 namespace {
 
@@ -55,12 +57,19 @@ struct Round {
     int posted = 0, taken = 0;
 };
 
+// A sent message; `taken` once its receiver has copied it.
+struct Message {
+    Bytes data;
+    bool taken = false;
+};
+
 struct World {
     int n = 0;
     std::mutex m;
     std::condition_variable cv;
     std::map<long, Round> rounds;                      // by collective sequence number
-    std::map<std::pair<int, int>, std::deque<Bytes>> mail;  // (from, to) -> sent messages
+    std::map<std::pair<int, int>, std::deque<std::shared_ptr<Message>>> mail;  // (from, to)
+    std::vector<int> devices;  // each rank's device (ncclCommInitRank)
     int joined = 0;
     bool aborted = false;
 };
@@ -123,6 +132,11 @@ void store(char* p, int type, size_t i, float v) {
     memcpy(p + 2 * i, &h, 2);
 }
 
+// x rounded to bf16 (and widened back) when `type` is bf16.
+float f32_to_bf16_if(int type, float x) {
+    return type == ncclBfloat16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
 // dst[i] = op over ranks of the `count` elements at element `offset` of each posted buffer.
 ncclResult_t reduce(const char* call, const std::vector<Bytes>& data, size_t offset, size_t count,
                     int type, int op, char* dst) {
@@ -138,10 +152,17 @@ ncclResult_t reduce(const char* call, const std::vector<Bytes>& data, size_t off
     }
     if (type != ncclFloat32 && type != ncclBfloat16)
         return fail(ncclInvalidArgument, call, "reductions of f32, bf16 and u8 only are emulated");
+    // NCCL's float Avg: each input times 1/n (rounded to the type), then summed; a bf16 sum is
+    // rounded to bf16 after every addition.
+    const float scale = f32_to_bf16_if(type, 1.0f / (float)data.size());
     for (size_t i = 0; i < count; ++i) {
-        float acc = load(data[0]->data(), type, offset + i);
-        for (size_t r = 1; r < data.size(); ++r) acc = acc + load(data[r]->data(), type, offset + i);
-        store(dst, type, i, op == ncclAvg ? acc / (float)data.size() : acc);
+        float acc = 0.0f;
+        for (size_t r = 0; r < data.size(); ++r) {
+            float x = load(data[r]->data(), type, offset + i);
+            if (op == ncclAvg) x = f32_to_bf16_if(type, x * scale);
+            acc = r == 0 ? x : f32_to_bf16_if(type, acc + x);
+        }
+        store(dst, type, i, acc);
     }
     return ncclSuccess;
 }
@@ -190,19 +211,35 @@ ncclResult_t meet(const char* call, Comm* c, const Round& mine, Bytes part,
     return ncclSuccess;
 }
 
-ncclResult_t check(const char* call, const void* p, size_t bytes) {
+// The buffer lies in device memory of the communicator's device.
+ncclResult_t check(const char* call, const Comm* c, const void* p, size_t bytes) {
     if (bytes == 0) return ncclSuccess;
     if (cuda_emu_check_range(call, (unsigned long long)p, bytes))
         return fail(ncclInvalidArgument, call, "a buffer outside device memory");
+    if (cuda_emu_device_of(p) != c->device)
+        return fail(ncclInvalidArgument, call,
+                    "rank " + std::to_string(c->rank) + "'s buffer is on device " +
+                        std::to_string(cuda_emu_device_of(p)) + ", its communicator on " +
+                        std::to_string(c->device));
     return ncclSuccess;
 }
 
-ncclResult_t post_send(Comm* c, const char* buf, size_t bytes, int peer) {
+// Posts a send; an ungrouped one (`wait`) returns once it is received, as NCCL's may block
+// until the peer's receive is posted (so two ranks that each send, then receive, outside a
+// group deadlock on a GPU and fail here).
+ncclResult_t post_send(Comm* c, const char* buf, size_t bytes, int peer, bool wait) {
     World& w = *c->world;
-    std::lock_guard<std::mutex> g(w.m);
-    w.mail[{c->rank, peer}].push_back(copy_of(buf, bytes));
+    std::unique_lock<std::mutex> g(w.m);
+    auto msg = std::make_shared<Message>();
+    msg->data = copy_of(buf, bytes);
+    w.mail[{c->rank, peer}].push_back(msg);
     w.cv.notify_all();
-    return ncclSuccess;
+    if (wait && !w.cv.wait_for(g, wait_limit(), [&] { return msg->taken || w.aborted; }))
+        return fail(ncclSystemError, "ncclSend",
+                    "rank " + std::to_string(peer) + " posted no receive (a send outside a "
+                    "group waits for it)");
+    return w.aborted ? fail(ncclRemoteError, "ncclSend", "the communicator was aborted")
+                     : ncclSuccess;
 }
 
 ncclResult_t take_recv(Comm* c, char* buf, size_t bytes, int peer) {
@@ -212,32 +249,34 @@ ncclResult_t take_recv(Comm* c, char* buf, size_t bytes, int peer) {
     if (!w.cv.wait_for(g, wait_limit(), [&] { return !box.empty() || w.aborted; }))
         return fail(ncclSystemError, "ncclRecv", "no message from rank " + std::to_string(peer));
     if (w.aborted) return fail(ncclRemoteError, "ncclRecv", "the communicator was aborted");
-    Bytes msg = box.front();
+    std::shared_ptr<Message> msg = box.front();
     box.pop_front();
-    if (msg->size() != bytes) {
+    msg->taken = true;
+    w.cv.notify_all();
+    if (msg->data->size() != bytes) {
         return fail(ncclInvalidUsage, "ncclRecv",
-                    "rank " + std::to_string(peer) + " sent " + std::to_string(msg->size()) +
-                        " bytes, rank " + std::to_string(c->rank) + " expects " +
-                        std::to_string(bytes));
+                    "rank " + std::to_string(peer) + " sent " +
+                        std::to_string(msg->data->size()) + " bytes, rank " +
+                        std::to_string(c->rank) + " expects " + std::to_string(bytes));
     }
-    if (bytes) memcpy(buf, msg->data(), bytes);
+    if (bytes) memcpy(buf, msg->data->data(), bytes);
     return ncclSuccess;
 }
 
-ncclResult_t point_to_point(PointToPoint op) {
-    return op.send ? post_send(op.comm, op.buf, op.bytes, op.peer)
+ncclResult_t point_to_point(PointToPoint op, bool grouped) {
+    return op.send ? post_send(op.comm, op.buf, op.bytes, op.peer, !grouped)
                    : take_recv(op.comm, op.buf, op.bytes, op.peer);
 }
 
 ncclResult_t queue_or_run(PointToPoint op) {
     const char* call = op.send ? "ncclSend" : "ncclRecv";
     if (op.peer < 0 || op.peer >= op.comm->world->n) return fail(ncclInvalidArgument, call, "peer");
-    if (ncclResult_t r = check(call, op.buf, op.bytes)) return r;
+    if (ncclResult_t r = check(call, op.comm, op.buf, op.bytes)) return r;
     if (group_depth > 0) {
         grouped.push_back(op);
         return ncclSuccess;
     }
-    return point_to_point(op);
+    return point_to_point(op, false);
 }
 
 }  // namespace
@@ -273,17 +312,25 @@ ncclResult_t ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank
         if (!slot) {
             slot = std::make_shared<World>();
             slot->n = nranks;
+            slot->devices.assign(nranks, -1);
         }
         w = slot;
     }
     if (w->n != nranks) return fail(ncclInvalidUsage, call, "ranks disagree on the world size");
+    const int device = cuda_emu_current_device();
     std::unique_lock<std::mutex> g(w->m);
+    w->devices[rank] = device;
     ++w->joined;
     w->cv.notify_all();
     if (!w->cv.wait_for(g, wait_limit(), [&] { return w->joined >= w->n; }))
         return fail(ncclSystemError, call,
                     "the other ranks did not join (cuda-emu joins ranks of one process only)");
-    *comm = new Comm{w, rank, 0, 0};
+    for (int r = 0; r < nranks; ++r)
+        if (r != rank && w->devices[r] == device)
+            return fail(ncclInvalidUsage, call,
+                        "duplicate GPU: ranks " + std::to_string(rank) + " and " +
+                            std::to_string(r) + " on device " + std::to_string(device));
+    *comm = new Comm{w, rank, device, 0};
     return ncclSuccess;
 }
 
@@ -346,8 +393,8 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, int type,
     const size_t b = type_bytes(type);
     if (!b) return fail(ncclInvalidArgument, call, "data type");
     if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
-    if (ncclResult_t r = check(call, send, count * b)) return r;
-    if (ncclResult_t r = check(call, recv, count * b * c->world->n)) return r;
+    if (ncclResult_t r = check(call, c, send, count * b)) return r;
+    if (ncclResult_t r = check(call, c, recv, count * b * c->world->n)) return r;
     Round mine{"ncclAllGather", count, type, 0, 0, {}, 0, 0};
     std::vector<Bytes> all;
     if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b), &all)) return r;
@@ -363,8 +410,8 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, int t
     const size_t b = type_bytes(type), n = c->world->n;
     if (!b) return fail(ncclInvalidArgument, call, "data type");
     if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
-    if (ncclResult_t r = check(call, send, count * b * n)) return r;
-    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    if (ncclResult_t r = check(call, c, send, count * b * n)) return r;
+    if (ncclResult_t r = check(call, c, recv, count * b)) return r;
     Round mine{"ncclReduceScatter", count, type, op, 0, {}, 0, 0};
     std::vector<Bytes> all;
     if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b * n), &all)) return r;
@@ -378,8 +425,8 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, int type,
     const size_t b = type_bytes(type);
     if (!b) return fail(ncclInvalidArgument, call, "data type");
     if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
-    if (ncclResult_t r = check(call, send, count * b)) return r;
-    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    if (ncclResult_t r = check(call, c, send, count * b)) return r;
+    if (ncclResult_t r = check(call, c, recv, count * b)) return r;
     Round mine{"ncclAllReduce", count, type, op, 0, {}, 0, 0};
     std::vector<Bytes> all;
     if (ncclResult_t r = meet(call, c, mine, copy_of(send, count * b), &all)) return r;
@@ -395,9 +442,9 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, int type,
     if (root < 0 || root >= c->world->n) return fail(ncclInvalidArgument, call, "root");
     if (group_depth) return fail(ncclInvalidUsage, call, "collectives in a group are not emulated");
     if (c->rank == root) {
-        if (ncclResult_t r = check(call, send, count * b)) return r;
+        if (ncclResult_t r = check(call, c, send, count * b)) return r;
     }
-    if (ncclResult_t r = check(call, recv, count * b)) return r;
+    if (ncclResult_t r = check(call, c, recv, count * b)) return r;
     Round mine{"ncclBroadcast", count, type, 0, root, {}, 0, 0};
     std::vector<Bytes> all;
     Bytes part = c->rank == root ? copy_of(send, count * b) : std::make_shared<std::vector<char>>();
@@ -431,7 +478,7 @@ ncclResult_t ncclGroupEnd() {
     ncclResult_t first = ncclSuccess;
     for (bool sends : {true, false})
         for (const PointToPoint& op : ops)
-            if (op.send == sends && first == ncclSuccess) first = point_to_point(op);
+            if (op.send == sends && first == ncclSuccess) first = point_to_point(op, true);
     return first;
 }
 
