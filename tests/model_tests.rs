@@ -213,6 +213,71 @@ fn units_llama3_8b() {
     assert_eq!(total, 8_030_261_248);
 }
 
+/// The planner's units are the runtime's default wrap (`WrapPolicy::NumberedBlocks`, one unit
+/// per numbered block under any prefix): GPT-2's `transformer.h.N` blocks are units, not root,
+/// and an encoder's and a decoder's `layers.0` are two units, named by their whole block;
+/// where `layers.N` names one block, that is the unit's name.
+#[test]
+fn units_are_the_runtimes_numbered_blocks() {
+    let inv = Inventory::from_json_str(
+        r#"{"params": [
+            {"name": "wte.weight", "shape": [8, 4]},
+            {"name": "transformer.h.0.attn.c_attn.weight", "shape": [4, 12]},
+            {"name": "transformer.h.1.attn.c_attn.weight", "shape": [4, 12]},
+            {"name": "model.encoder.layers.0.fc1.weight", "shape": [4, 4]},
+            {"name": "model.decoder.layers.0.fc1.weight", "shape": [4, 4]},
+            {"name": "model.decoder.layers.0.fc2.weight", "shape": [4, 4]},
+            {"name": "model.layers.3.mlp.experts.7.w1", "shape": [4, 4]},
+            {"name": "model.layers.3.mlp.gate.weight", "shape": [4, 4]}
+        ]}"#,
+    )
+    .unwrap();
+    let units: Vec<(String, Vec<&str>)> = inv
+        .units()
+        .iter()
+        .map(|u| {
+            let names = u.tensors.iter().map(|t| t.name.as_str()).collect();
+            (u.name.clone(), names)
+        })
+        .collect();
+    let want = [
+        ("root", vec!["wte.weight"]),
+        ("transformer.h.0", vec!["transformer.h.0.attn.c_attn.weight"]),
+        ("transformer.h.1", vec!["transformer.h.1.attn.c_attn.weight"]),
+        ("model.encoder.layers.0", vec!["model.encoder.layers.0.fc1.weight"]),
+        (
+            "model.decoder.layers.0",
+            vec![
+                "model.decoder.layers.0.fc1.weight",
+                "model.decoder.layers.0.fc2.weight",
+            ],
+        ),
+        (
+            "layers.3",
+            vec![
+                "model.layers.3.mlp.experts.7.w1",
+                "model.layers.3.mlp.gate.weight",
+            ],
+        ),
+    ];
+    assert_eq!(units.len(), want.len(), "{units:?}");
+    for ((name, tensors), (want_name, want_tensors)) in units.iter().zip(want) {
+        assert_eq!((name.as_str(), tensors), (want_name, &want_tensors));
+    }
+    // The same grouping as the runtime's wrap rule.
+    for t in &inv.tensors {
+        let unit = units.iter().find(|u| u.1.contains(&t.name.as_str())).unwrap();
+        let runtime = ragged::model::numbered_block_of(&t.name).unwrap_or("root");
+        let together: Vec<&str> = inv
+            .tensors
+            .iter()
+            .filter(|o| ragged::model::numbered_block_of(&o.name).unwrap_or("root") == runtime)
+            .map(|o| o.name.as_str())
+            .collect();
+        assert_eq!(unit.1, together, "{}", t.name);
+    }
+}
+
 #[test]
 fn units_deepseek_v3() {
     let inv = preset("deepseek_v3_671b");

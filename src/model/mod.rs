@@ -262,11 +262,27 @@ impl Inventory {
             .fold(0u64, |acc, t| acc.saturating_add(t.numel() as u64))
     }
 
-    /// FSDP units: `root` (everything outside decoder layers) first, then one unit per decoder
-    /// layer (`layers.<i>`, [`layer_of`]) in order of first appearance. Tensors keep their
-    /// inventory order inside a unit.
+    /// FSDP units as the runtime wraps them by default: `root` (everything outside a numbered
+    /// block) first, then one unit per numbered block ([`numbered_block_of`]: `layers.3`,
+    /// `transformer.h.3`, `model.encoder.layers.3`, …) in order of first appearance. A unit is
+    /// named by its decoder layer (`layers.<i>`, [`layer_of`]) where that names no other
+    /// block, else by the whole block (an encoder's and a decoder's `layers.0` are two units).
+    /// Tensors keep their inventory order inside a unit.
     pub fn units(&self) -> Vec<Unit<'_>> {
-        self.units_by(&|name| layer_of(name).map(str::to_string))
+        let mut blocks_of_layer: std::collections::HashMap<&str, std::collections::HashSet<&str>> =
+            std::collections::HashMap::new();
+        for t in &self.tensors {
+            if let (Some(block), Some(layer)) = (numbered_block_of(&t.name), layer_of(&t.name)) {
+                blocks_of_layer.entry(layer).or_default().insert(block);
+            }
+        }
+        self.units_by(&|name| {
+            let block = numbered_block_of(name)?;
+            let layer = layer_of(name).filter(|l| {
+                blocks_of_layer.get(l).is_some_and(|b| b.len() == 1) && block.ends_with(*l)
+            });
+            Some(layer.unwrap_or(block).to_string())
+        })
     }
 
     /// FSDP units by a wrap rule: `unit_of(name)` names a tensor's unit, `None` puts it in

@@ -564,7 +564,7 @@ fn megatron(inv: &Inventory, v: u64, bucket: Option<u64>) -> Result<Vec<GroupLay
     let mut groups = Vec::new();
     let units = inv.units();
     for unit in &units {
-        let is_root = crate::model::layer_of(&unit.tensors[0].name).is_none();
+        let is_root = unit.name == "root";
         let split = split_by(&unit.tensors, |t| (t.dtype, t.name.contains(".experts.")));
         for ((dtype, expert), tensors) in split {
             let base = format!(
