@@ -242,9 +242,18 @@ fn units_are_the_runtimes_numbered_blocks() {
         .collect();
     let want = [
         ("root", vec!["wte.weight"]),
-        ("transformer.h.0", vec!["transformer.h.0.attn.c_attn.weight"]),
-        ("transformer.h.1", vec!["transformer.h.1.attn.c_attn.weight"]),
-        ("model.encoder.layers.0", vec!["model.encoder.layers.0.fc1.weight"]),
+        (
+            "transformer.h.0",
+            vec!["transformer.h.0.attn.c_attn.weight"],
+        ),
+        (
+            "transformer.h.1",
+            vec!["transformer.h.1.attn.c_attn.weight"],
+        ),
+        (
+            "model.encoder.layers.0",
+            vec!["model.encoder.layers.0.fc1.weight"],
+        ),
         (
             "model.decoder.layers.0",
             vec![
@@ -266,7 +275,10 @@ fn units_are_the_runtimes_numbered_blocks() {
     }
     // The same grouping as the runtime's wrap rule.
     for t in &inv.tensors {
-        let unit = units.iter().find(|u| u.1.contains(&t.name.as_str())).unwrap();
+        let unit = units
+            .iter()
+            .find(|u| u.1.contains(&t.name.as_str()))
+            .unwrap();
         let runtime = ragged::model::numbered_block_of(&t.name).unwrap_or("root");
         let together: Vec<&str> = inv
             .tensors
@@ -375,6 +387,10 @@ fn from_json_str_rejects_zero_dim() {
     let err = Inventory::from_json_str(&small_json(&params, "")).unwrap_err();
     assert!(matches!(err, Error::InvalidShape { .. }), "{err:?}");
     assert!(err.to_string().contains("[4, 0]"), "{err}");
+    assert!(
+        err.to_string().contains("tensor a.weight"),
+        "names the tensor: {err}"
+    );
 }
 
 #[test]

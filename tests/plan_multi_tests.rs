@@ -706,6 +706,30 @@ fn share_below_block_offers_the_coarser_wrap_and_hsdp() {
     assert!(wrapped.padding_frac() < 0.1 && at_1024.padding_frac() > 0.8);
     let at_64 = plan(64, 1);
     assert_eq!((coarse_wrap(&at_64), hsdp_group(&at_64)), (None, None));
+    // Two layers at `rows:16` (1024-element blocks), V = 64. Of 4096 elements each: a wrap of
+    // 16 layers would be needed and the model has 2, so none is offered; HSDP groups of 4
+    // ranks are. Of 1024 elements (one block): the only group would be one rank, which shards
+    // nothing, so neither is offered.
+    let offers = |rows: usize| {
+        let two = Inventory::from_json_str(&format!(
+            r#"{{"params": [{{"name": "model.layers.0.w", "shape": [{rows}, 64]}},
+                            {{"name": "model.layers.1.w", "shape": [{rows}, 64]}}]}}"#
+        ))
+        .unwrap();
+        let small = plan_model_multi(
+            &two,
+            &|_| rows16,
+            64,
+            1,
+            &PlanOptions::default(),
+            &MultiOptions::default(),
+        )
+        .unwrap();
+        assert!(small.units.iter().all(|u| u.share_below_block()));
+        (coarse_wrap(&small), hsdp_group(&small))
+    };
+    assert_eq!(offers(64), (None, Some(4)));
+    assert_eq!(offers(16), (None, None));
 }
 
 /// The defaults' break-even, as documented on `MultiOptions::default`: at V = 1024 one more

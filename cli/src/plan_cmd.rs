@@ -178,13 +178,17 @@ fn multi_summary(
     while i < multi.units.len() {
         let u = &multi.units[i];
         let sizes: Vec<usize> = u.buffers.iter().map(|b| b.shard_size).collect();
+        // One line for a run of units with the same shard sizes and the same contents' size
+        // (so the same padding and floor), as a transformer's identical layers.
         let same = multi.units[i..]
             .iter()
             .take_while(|v| {
-                v.buffers
-                    .iter()
-                    .map(|b| b.shard_size)
-                    .eq(sizes.iter().copied())
+                v.numel() == u.numel()
+                    && v.floor_elems() == u.floor_elems()
+                    && v.buffers
+                        .iter()
+                        .map(|b| b.shard_size)
+                        .eq(sizes.iter().copied())
             })
             .count();
         let name = if same > 1 {
@@ -360,8 +364,15 @@ fn write_svg(plan: &MultiModelPlan, unit: Option<&str>, path: &PathBuf) -> Resul
     };
     let chosen = chosen.ok_or_else(|| Error::BadInput {
         op: "ragged plan --svg",
-        what: format!("unit {unit:?}"),
-        reason: "no such unit".into(),
+        what: format!("--unit {}", unit.unwrap_or("")),
+        reason: format!(
+            "no such unit; the units are {}",
+            plan.units
+                .iter()
+                .map(|u| u.unit.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     })?;
     if path.as_os_str() == "-" {
         // As `--json -`: the drawing on stdout.

@@ -78,11 +78,20 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// A tensor with a validated shape (no zero dimensions).
+    /// A tensor with a validated shape (no zero dimensions, a count that fits `usize`); the
+    /// error names the tensor.
     pub fn new(name: impl Into<String>, shape: &[usize], dtype: DType) -> Result<Self> {
-        block::numel(shape)?;
+        let name = name.into();
+        block::numel(shape).map_err(|e| match e {
+            Error::InvalidShape { op, shape, reason } => Error::InvalidShape {
+                op,
+                shape,
+                reason: format!("{reason} (tensor {name})"),
+            },
+            e => e,
+        })?;
         Ok(TensorSpec {
-            name: name.into(),
+            name,
             shape: shape.to_vec(),
             dtype,
         })

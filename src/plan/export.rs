@@ -307,7 +307,16 @@ fn colour(i: usize) -> String {
 }
 
 fn xml(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+    // Control characters other than tab and newline are not allowed in XML 1.0 at all, even
+    // as references: shown as U+FFFD.
+    s.chars()
+        .map(|c| match c {
+            '&' => "&amp;".to_string(),
+            '<' => "&lt;".to_string(),
+            '>' => "&gt;".to_string(),
+            '"' => "&quot;".to_string(),
+            c if c.is_control() && c != '\t' && c != '\n' => "\u{FFFD}".to_string(),
+            c => c.to_string(),
+        })
+        .collect()
 }

@@ -254,7 +254,16 @@ pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
         need = Some(need.map_or(ratio, |n| n.max(ratio)));
     }
     let need = need?;
-    (1..=6).map(|p| 1usize << p).find(|&w| w as f64 >= need)
+    // More layers per unit than the model has would not be a wrap that exists.
+    let layers = multi
+        .units
+        .iter()
+        .filter(|u| u.unit.starts_with("layers."))
+        .count();
+    (1..=6)
+        .map(|p| 1usize << p)
+        .find(|&w| w as f64 >= need)
+        .filter(|&w| w <= layers)
 }
 
 /// The largest HSDP shard group `V / r` (`r` = 2..=1024 replicas dividing `V`) in which every
@@ -275,4 +284,5 @@ pub fn hsdp_group(multi: &MultiModelPlan) -> Option<usize> {
         .filter(|r| multi.world % r == 0)
         .map(|r| multi.world / r)
         .find(|&group| group <= ranks)
+        .filter(|&group| group > 1) // a group of one rank shards nothing
 }
