@@ -182,9 +182,23 @@ pub fn plan_multi_items(
     // The best partition of each k is a starting point of the moves, not only the best one:
     // moves from a worse partition sometimes end lower.
     // floors[k]: the k-buffer floor; a k whose floor cannot beat one buffer is not searched.
+    // No layout holds its tensors in less than their elements per rank, rounded up to the
+    // alignment: once a floor reaches that, it is every larger k's floor too (computing them
+    // would cost more than the rest of the plan: the heavy floor's search grows steeply with k).
+    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
+    let data_bound = usize::try_from(
+        total
+            .div_ceil(world as u128)
+            .next_multiple_of(opts.coll_align as u128),
+    )
+    .unwrap_or(usize::MAX);
     let mut floors = vec![0usize; max_k + 1];
-    for (k, slot) in floors.iter_mut().enumerate().skip(1) {
-        *slot = floor_shard_sum(items, world, opts.coll_align, k)?;
+    for k in 1..=max_k {
+        floors[k] = if k > 1 && floors[k - 1] <= data_bound {
+            data_bound
+        } else {
+            floor_shard_sum(items, world, opts.coll_align, k)?
+        };
     }
     let worth = |k: usize| mopts.cost_s(k, floors[k], world) < single_cost;
     // A start may cost a little more than one buffer: the moves can still take it lower.
