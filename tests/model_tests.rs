@@ -379,6 +379,12 @@ fn from_json_str_rejects_malformed_json() {
     assert!(matches!(err, Error::Json(_)), "{err:?}");
     let err = Inventory::from_json_str(r#"{"model": "m", "params": [{"name": "x"}]}"#).unwrap_err();
     assert!(matches!(err, Error::Json(_)), "missing shape: {err:?}");
+    // The parameter list alone, without the object around it.
+    let err = Inventory::from_json_str(r#" [{"name": "x", "shape": [2]}]"#).unwrap_err();
+    assert!(
+        err.to_string().contains("an inventory is an object"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -149,6 +149,18 @@ impl Inventory {
     /// Parses an inventory; checks names are unique, shapes non-empty, and the optional
     /// `num_tensors` / `total_params` fields agree with the list.
     pub fn from_json_str(text: &str) -> Result<Self> {
+        if text.trim_start().starts_with('[') {
+            // serde would read the list as the struct's fields in order and complain about
+            // the first one's type.
+            return Err(Error::BadInput {
+                op: "Inventory::from_json_str",
+                what: "a JSON list".into(),
+                reason:
+                    "an inventory is an object, {\"params\": [{\"name\": …, \"shape\": […]}, …]} \
+                         (models/README.md)"
+                        .into(),
+            });
+        }
         let file: FileInventory = serde_json::from_str(text)?;
         let default = match &file.dtype {
             Some(s) => s.parse()?,
