@@ -309,14 +309,16 @@ fn colour(i: usize) -> String {
 fn xml(s: &str) -> String {
     // Control characters other than tab and newline are not allowed in XML 1.0 at all, even
     // as references: shown as U+FFFD.
-    s.chars()
-        .map(|c| match c {
-            '&' => "&amp;".to_string(),
-            '<' => "&lt;".to_string(),
-            '>' => "&gt;".to_string(),
-            '"' => "&quot;".to_string(),
-            c if c.is_control() && c != '\t' && c != '\n' => "\u{FFFD}".to_string(),
-            c => c.to_string(),
-        })
-        .collect()
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            c if c.is_control() && c != '\t' && c != '\n' => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
 }

@@ -68,7 +68,7 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
     let largest = items.iter().map(|t| t.block).max().unwrap_or(1);
     let mut best = one as u128;
     if k > FLOOR_MAX_BUFFERS {
-        best = best.min(round(largest as u128, c).max(round(total.div_ceil(v), c)));
+        best = best.min(round(largest as u128, c).max(data_bound(items, world, coll)));
     }
     let ranges = block_ranges(items);
     let first = Need::exact(largest, smallest_with_block(items, largest), c);
@@ -122,6 +122,13 @@ pub fn floor_shard_sum(items: &[Item], world: usize, coll: usize, k: usize) -> R
         what: format!("{} tensors", items.len()),
         reason: "the floor overflows a 64-bit element count".into(),
     })
+}
+
+/// The bound no layout of `items` beats, with any number of buffers: their elements per rank,
+/// rounded up to the collective alignment `coll` (each buffer's `S` is a multiple of it).
+pub fn data_bound(items: &[Item], world: usize, coll: usize) -> u128 {
+    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
+    round(total.div_ceil(world as u128), coll as u128)
 }
 
 fn round(x: u128, c: u128) -> u128 {

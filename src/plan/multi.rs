@@ -185,13 +185,8 @@ pub fn plan_multi_items(
     // No layout holds its tensors in less than their elements per rank, rounded up to the
     // alignment: once a floor reaches that, it is every larger k's floor too (computing them
     // would cost more than the rest of the plan: the heavy floor's search grows steeply with k).
-    let total: u128 = items.iter().map(|t| t.numel as u128).sum();
-    let data_bound = usize::try_from(
-        total
-            .div_ceil(world as u128)
-            .next_multiple_of(opts.coll_align as u128),
-    )
-    .unwrap_or(usize::MAX);
+    let data_bound = usize::try_from(super::floor::data_bound(items, world, opts.coll_align))
+        .unwrap_or(usize::MAX);
     let mut floors = vec![0usize; max_k + 1];
     for k in 1..=max_k {
         floors[k] = if k > 1 && floors[k - 1] <= data_bound {
