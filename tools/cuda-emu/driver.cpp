@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
