@@ -1113,3 +1113,59 @@ fn deepseek_v3_rows1_moe_layer_at_v1024_meets_the_pair_floor() {
     assert_eq!(shard_sum, 11_238_400);
     assert_eq!(plan.floor_shard_sum, shard_sum);
 }
+
+/// GPT-2's blocks (`transformer.h.N`) are wrapped and offered the coarser wrap and HSDP as
+/// `layers.N` are; an encoder's blocks are never wrapped with a decoder's.
+#[test]
+fn wrap_and_hints_cover_every_family_of_numbered_blocks() {
+    use ragged::plan::multi_model::{coarse_wrap, hsdp_group};
+    let rows16 = AtomicBlock::Rows(16);
+    let plan = |inv: &Inventory, world, w| {
+        plan_model_multi(
+            inv,
+            &|_| rows16,
+            world,
+            w,
+            &PlanOptions::default(),
+            &MultiOptions::default(),
+        )
+        .unwrap()
+    };
+    // Four blocks of 64×64 at `rows:16` (1024-element blocks), V = 16: a block's share per
+    // rank (256) is a quarter of a block, so four blocks per unit reach one.
+    let gpt2 = Inventory::from_json_str(
+        r#"{"params": [{"name": "transformer.wte.weight", "shape": [64, 64]},
+                       {"name": "transformer.h.0.w", "shape": [64, 64]},
+                       {"name": "transformer.h.1.w", "shape": [64, 64]},
+                       {"name": "transformer.h.2.w", "shape": [64, 64]},
+                       {"name": "transformer.h.3.w", "shape": [64, 64]}]}"#,
+    )
+    .unwrap();
+    let per_block = plan(&gpt2, 16, 1);
+    assert_eq!(coarse_wrap(&per_block), Some(4));
+    assert_eq!(hsdp_group(&per_block), Some(4));
+    let wrapped = plan(&gpt2, 16, 4);
+    let names: Vec<&str> = wrapped.units.iter().map(|u| u.unit.as_str()).collect();
+    assert_eq!(names, ["root", "transformer.h.0-3"]);
+    assert!(!wrapped.units[1].share_below_block());
+    let enc_dec = Inventory::from_json_str(
+        r#"{"params": [{"name": "model.encoder.layers.0.w", "shape": [64, 64]},
+                       {"name": "model.encoder.layers.1.w", "shape": [64, 64]},
+                       {"name": "model.encoder.layers.2.w", "shape": [64, 64]},
+                       {"name": "model.decoder.layers.0.w", "shape": [64, 64]},
+                       {"name": "model.decoder.layers.1.w", "shape": [64, 64]}]}"#,
+    )
+    .unwrap();
+    let wrapped = plan(&enc_dec, 16, 2);
+    let names: Vec<&str> = wrapped.units.iter().map(|u| u.unit.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "model.encoder.layers.0-1",
+            "layers.2", // the unit's name: no decoder layer 2
+            "model.decoder.layers.0-1"
+        ]
+    );
+    // The longest family has three blocks: a wrap of four is not offered.
+    assert_eq!(coarse_wrap(&plan(&enc_dec, 16, 1)), None);
+}

@@ -44,12 +44,14 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = MultiOptions::default().max_buffers)]
     max_buffers: usize,
     /// Latency of one collective in microseconds (the price of one more buffer).
-    #[arg(long, default_value_t = MultiOptions::default().collective_latency_s * 1e6)]
+    // A negative value is taken as a value (and refused by the planner with a reason), not as
+    // an unknown flag.
+    #[arg(long, default_value_t = MultiOptions::default().collective_latency_s * 1e6, allow_negative_numbers = true)]
     alpha_us: f64,
     /// Link bandwidth per rank in GB/s (the price of padding moved).
-    #[arg(long, default_value_t = MultiOptions::default().link_bytes_per_s / 1e9)]
+    #[arg(long, default_value_t = MultiOptions::default().link_bytes_per_s / 1e9, allow_negative_numbers = true)]
     link_gbs: f64,
-    /// Decoder layers per FSDP unit.
+    /// Numbered blocks (decoder layers: `layers.N`, `transformer.h.N`, ...) per FSDP unit.
     #[arg(long, default_value_t = 1)]
     layers_per_unit: usize,
     /// Write the full plan as JSON to this file (- for standard output).
@@ -359,7 +361,7 @@ fn write_svg(plan: &MultiModelPlan, unit: Option<&str>, path: &PathBuf) -> Resul
         None => plan
             .units
             .iter()
-            .find(|u| u.unit.starts_with("layers."))
+            .find(|u| u.is_block())
             .or(plan.units.first()),
     };
     let chosen = chosen.ok_or_else(|| Error::BadInput {

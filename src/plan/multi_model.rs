@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use super::multi::{plan_multi_items, MultiLayout, MultiOptions};
 use super::{assemble, unit_items, Item, Plan, PlanOptions};
-use crate::model::{Inventory, TensorSpec, Unit};
+use crate::model::{numbered_block_of, Inventory, TensorSpec, Unit};
 use crate::{AtomicBlock, Context, Error, Result};
 
 /// One unit planned as `k` buffers.
 #[derive(Clone, Debug)]
 pub struct MultiPlan {
-    /// Unit name (`root`, `layers.3`, `layers.0-3` when layers are wrapped together).
+    /// Unit name (`root`, `layers.3`, `transformer.h.3`, `layers.0-3` when layers are wrapped
+    /// together).
     pub unit: String,
     pub world: usize,
     /// The `k` buffers; buffer `b` of a unit with `k > 1` is named `<unit>#<b>`.
@@ -46,6 +47,11 @@ impl MultiPlan {
     /// `V·floor`: the fewest buffer elements any layout with at most `k` buffers has.
     pub fn floor_elems(&self) -> u64 {
         self.world as u64 * self.floor_shard_sum as u64
+    }
+
+    /// Whether this unit is a (wrap of) numbered block(s), not `root`.
+    pub fn is_block(&self) -> bool {
+        self.unit != "root"
     }
 
     /// The unit's share per rank, `⌈E/V⌉`, is smaller than its largest block: no per-unit
@@ -210,7 +216,9 @@ pub fn plan_model_multi(
     })
 }
 
-/// Merges every `w` consecutive decoder-layer units into one (`layers.0-3`); `root` stays.
+/// Merges every `w` consecutive numbered-block units of one family into one (`layers.0-3`,
+/// `transformer.h.4-7`); `root` stays. A family is the name before the block number, so an
+/// encoder's blocks are never wrapped with a decoder's.
 pub fn wrap_layers(units: Vec<Unit<'_>>, w: usize) -> Result<Vec<Unit<'_>>> {
     if w == 0 {
         return Err(Error::BadInput {
@@ -222,30 +230,45 @@ pub fn wrap_layers(units: Vec<Unit<'_>>, w: usize) -> Result<Vec<Unit<'_>>> {
     if w == 1 {
         return Ok(units);
     }
-    let (root, layers): (Vec<Unit>, Vec<Unit>) = units.into_iter().partition(|u| u.name == "root");
+    let (root, blocks): (Vec<Unit>, Vec<Unit>) = units.into_iter().partition(|u| u.name == "root");
     let mut out = root;
-    for chunk in layers.chunks(w) {
-        let first = chunk[0].name.as_str();
-        let last = chunk[chunk.len() - 1].name.trim_start_matches("layers.");
-        out.push(Unit {
-            name: if chunk.len() == 1 {
-                first.to_string()
-            } else {
-                format!("{first}-{last}")
-            },
-            tensors: chunk.iter().flat_map(|u| u.tensors.clone()).collect(),
-        });
+    for family in blocks.chunk_by(|a, b| unit_family(a) == unit_family(b)) {
+        for chunk in family.chunks(w) {
+            let first = chunk[0].name.as_str();
+            let last = &chunk[chunk.len() - 1].name;
+            let last_index = last.rsplit('.').next().unwrap_or(last);
+            out.push(Unit {
+                name: if chunk.len() == 1 {
+                    first.to_string()
+                } else {
+                    format!("{first}-{last_index}")
+                },
+                tensors: chunk.iter().flat_map(|u| u.tensors.clone()).collect(),
+            });
+        }
     }
     Ok(out)
 }
 
-/// The fewest decoder layers per unit (a power of two, at most 64) for which every layer
-/// unit's share per rank reaches its largest block; `None` if even 64 does not (the root unit
-/// is not wrapped, so it does not count).
+fn unit_family<'a>(unit: &Unit<'a>) -> &'a str {
+    unit.tensors.first().map_or("", |t| block_family(&t.name))
+}
+
+/// The family of the numbered block tensor `name` belongs to: the block's name without its
+/// number (`transformer.h` of `transformer.h.3.mlp.c_fc.weight`); "" outside a block.
+fn block_family(name: &str) -> &str {
+    numbered_block_of(name)
+        .and_then(|block| block.rsplit_once('.'))
+        .map_or("", |(family, _)| family)
+}
+
+/// The fewest numbered blocks (decoder layers) per unit, a power of two at most 64, for which
+/// every block unit's share per rank reaches its largest block; `None` if even 64 does not
+/// (the root unit is not wrapped, so it does not count).
 pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
     let mut need = None::<f64>;
     for u in &multi.units {
-        if !(u.unit.starts_with("layers.") && u.share_below_block()) {
+        if !(u.is_block() && u.share_below_block()) {
             continue;
         }
         let g = u.single.placements.iter().map(|p| p.block_elems).max()?;
@@ -254,12 +277,24 @@ pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
         need = Some(need.map_or(ratio, |n| n.max(ratio)));
     }
     let need = need?;
-    // More layers per unit than the model has would not be a wrap that exists.
-    let layers = multi
+    // More layers per unit than the longest family of blocks has would not be a wrap that
+    // exists.
+    let blocks: Vec<&str> = multi
         .units
         .iter()
-        .filter(|u| u.unit.starts_with("layers."))
-        .count();
+        .filter(|u| u.is_block())
+        .map(|u| {
+            u.single
+                .placements
+                .first()
+                .map_or("", |p| block_family(&p.name))
+        })
+        .collect();
+    let layers = blocks
+        .chunk_by(|a, b| a == b)
+        .map(<[&str]>::len)
+        .max()
+        .unwrap_or(0);
     (1..=6)
         .map(|p| 1usize << p)
         .find(|&w| w as f64 >= need)
@@ -267,12 +302,12 @@ pub fn coarse_wrap(multi: &MultiModelPlan) -> Option<usize> {
 }
 
 /// The largest HSDP shard group `V / r` (`r` = 2..=1024 replicas dividing `V`) in which every
-/// decoder-layer unit's share per rank reaches its largest block, if some layer unit is below
+/// numbered-block unit's share per rank reaches its largest block, if some block unit is below
 /// a block at `V`. The model is then replicated over the `r` groups.
 pub fn hsdp_group(multi: &MultiModelPlan) -> Option<usize> {
     let mut fits = None::<usize>;
     let mut any_below = false;
-    for u in multi.units.iter().filter(|u| u.unit.starts_with("layers.")) {
+    for u in multi.units.iter().filter(|u| u.is_block()) {
         any_below |= u.share_below_block();
         let g = u.single.placements.iter().map(|p| p.block_elems).max()?;
         // Ranks at which one rank's share is still at least one block.
