@@ -98,8 +98,8 @@ struct Args {
     /// Model size (small: 3.3 M parameters; tiny: a few thousand).
     #[arg(long, value_enum, default_value_t = Size::Small)]
     size: Size,
-    /// Optimizer: AdamW; Muon (embedding and head on AdamW); 8-bit Adam on 32x32 tiles;
-    /// blocked Shampoo with Adam grafting.
+    /// Optimizer: AdamW; Muon (embedding and head on AdamW); 8-bit Adam (256-element scale
+    /// blocks inside 32-row blocks); blocked Shampoo with Adam grafting.
     #[arg(long, value_enum, default_value_t = Opt::Adamw)]
     optimizer: Opt,
     /// Learning rate (a resumed run continues at its checkpoint's rate).

@@ -2,8 +2,10 @@
 //!
 //! The chain, one module each: [`block`] (what an optimizer needs kept together) →
 //! [`ragged`] (how one tensor is split over ranks) → [`plan`] (how a group of tensors is packed
-//! into equal shards) → dbuffer → comm → fsdp → optim (later milestones). [`model`] holds the
-//! parameter inventories the planner is run on.
+//! into equal shards) → [`dbuffer`] (the unit's collective buffers and the parameter and
+//! gradient views into them) → [`comm`] (collectives over threads, MPI or NCCL) → [`fsdp`]
+//! (`fully_shard` and the training step) → [`optim`] (the optimizer trait the steps run).
+//! [`model`] holds the parameter inventories the planner is run on.
 
 pub mod bench;
 pub mod block;

@@ -12,8 +12,9 @@
 //! The default rule ([`default_role`]) is right for Hugging Face / candle-transformers names:
 //! hidden matrices (2-D, and batched `[E, m, n]` experts) are `Matrix`; embeddings are
 //! `Fp32State`; output heads, norms, biases and every 1-D or 0-D parameter are `ElementWise`.
-//! It reproduces the three rules it replaces: Muon's `adamw_patterns` (`embed`, `lm_head`),
-//! 8-bit Adam's `fp32_patterns` (`embed`) and `FsdpOptions::frozen` (now `Role::Frozen`).
+//! It reproduces the two rules it replaces, Muon's `adamw_patterns` (`embed`, `lm_head`) and
+//! 8-bit Adam's `fp32_patterns` (`embed`); `FsdpOptions::frozen` stays beside `Role::Frozen`
+//! (either freezes a parameter).
 //!
 //! A [`RoleRule`] is `Copy` (optimizer configs are): name patterns are `&'static`, and a custom
 //! rule is a function pointer (a closure that captures nothing).

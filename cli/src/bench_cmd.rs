@@ -17,7 +17,8 @@ pub enum BenchCommand {
     Plan(PlanBenchArgs),
     /// Thread-rank collectives against memcpy, and a training step ragged vs FSDP2-style.
     Comm(CommBenchArgs),
-    /// Optimizer steps (AdamW, 8-bit Adam, Muon) against the machine peak, memcpy and GEMM.
+    /// Optimizer steps (AdamW, 8-bit Adam, Muon f32 / bf16, Shampoo) against the machine
+    /// peak, memcpy and GEMM.
     Optim(OptimBenchArgs),
     /// A training step of an MLP stack unit by unit: plain candle, ragged and FSDP2-style
     /// layouts on thread ranks, with phases, bytes copied and peak memory per rank.

@@ -808,8 +808,8 @@ const FALLBACK_CHUNK: usize = crate::adamw::PAR_CHUNK;
 /// run on the calling thread. Measured on a 2-vCPU AVX-512 EPYC under other builds' load
 /// (`adam8bit_steps threshold 300 cold`: always-shared against calling-thread steps,
 /// alternating, each after a 256 MiB copy): shared steps took 1.19× / 1.12× / 1.07× the time
-/// at 4096 / 8192 / 16 384 elements and 0.89× at 32 768 (README, "8-bit Adam on small
-/// matrices").
+/// at 4096 / 8192 / 16 384 elements and 0.89× at 32 768 ("8-bit Adam on small
+/// matrices" in `docs/optimizer-measurements.md`).
 pub const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
 /// One independent unit of a step.

@@ -11,8 +11,9 @@
 //! - Split matrices: each element not already on its root travels there and back:
 //!   `2·moved` elements ([`RootPlan::moved_elems`](crate::roots::RootPlan::moved_elems)).
 //!
-//! [`MatrixLayout::Auto`] starts from every Muon tensor whole, then tries to split each one,
-//! largest first, and keeps a split only when it lowers the total. Every choice is reported
+//! [`MatrixLayout::Auto`] searches greedily from both ends, every Muon tensor whole (then
+//! splitting one at a time while that lowers the total) and every one split (then making one
+//! whole at a time), and keeps the cheaper of the two. Every choice is reported
 //! ([`LayoutReport`]). The model counts bytes, not time: Newton–Schulz load balance is left to
 //! the root assignment.
 

@@ -229,7 +229,8 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
     }
 
-    /// Rotation after a save keeps that save and the newest before it; checkpoints of later
+    /// Rotation after a save keeps that save and the `keep − 1` newest before it (here one);
+    /// checkpoints of later
     /// steps (an abandoned run's) go, so the newest checkpoint is the one just saved.
     #[test]
     fn rotation_keeps_the_save_just_made_and_drops_later_steps() {

@@ -268,8 +268,11 @@ pub fn check_segments(segments: &[Segment<'_>], elem: ElemType, full: usize) -> 
 }
 
 /// Collectives of one rank. Every rank of a world must call the same collectives in the same
-/// order with matching sizes; a mismatch, a rank that left, or a timeout is an `Err` on every
-/// rank, never a hang.
+/// order with matching sizes; a mismatch is an `Err` on every rank. What a rank that fails,
+/// leaves or stalls does to the others depends on the backend (README, "Failure guarantees"):
+/// thread ranks get an `Err` (at once, or after the world's timeout for a stalled rank); under
+/// MPI a failing rank ends the job, but a rank that stalls leaves the others blocked in MPI,
+/// which has no timeout.
 pub trait Communicator: Send + Sync {
     /// This rank, `0..world_size`.
     fn rank(&self) -> usize;

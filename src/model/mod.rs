@@ -3,8 +3,9 @@
 //! An [`Inventory`] is the ordered list of a model's parameter tensors (name, shape, dtype) in
 //! `named_parameters()` order. It comes from a JSON file in the format of `models/README.md` or
 //! from a built-in preset computed from config values ([`presets`]). [`Inventory::units`] groups
-//! it into FSDP units the way FSDP wraps a transformer: one unit per decoder layer (names holding
-//! `layers.<i>.`) and one `root` unit for everything else.
+//! it into FSDP units as the runtime wraps a transformer by default: one unit per numbered block
+//! (`layers.3`, `transformer.h.3`, `model.encoder.layers.3`, …) and one `root` unit for
+//! everything else.
 
 pub mod presets;
 
