@@ -1169,3 +1169,39 @@ fn wrap_and_hints_cover_every_family_of_numbered_blocks() {
     // The longest family has three blocks: a wrap of four is not offered.
     assert_eq!(coarse_wrap(&plan(&enc_dec, 16, 1)), None);
 }
+
+/// `--order module` (orders restricted to registration order) is honoured by every buffer of a
+/// multi-buffer plan: the layouts built shard by shard, which the default takes where they are
+/// smaller, are not taken; each buffer is laid out in module order.
+#[test]
+fn restricted_orders_keep_filled_layouts_out_of_multi_buffer_plans() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = (
+        prop::collection::vec((1..=4usize, 1..=4usize, 1..=3usize), 2..=3),
+        2..=4usize,
+    );
+    let module_only = PlanOptions {
+        orders: vec![Order::Module],
+        ..opts(1)
+    };
+    let mut filled_by_default = 0;
+    for _ in 0..300 {
+        let (spec, world) = strategy.new_tree(&mut runner).unwrap().current();
+        let mut items = Vec::new();
+        for &(blocks, block, count) in &spec {
+            items.extend(vec![Item::new(blocks * block, block, 1).unwrap(); count]);
+        }
+        let default = plan_multi_items(&items, world, &opts(1), &free(3)).unwrap();
+        if default.layouts.iter().any(|l| l.order == Order::Filled) {
+            filled_by_default += 1;
+        }
+        let module = plan_multi_items(&items, world, &module_only, &free(3)).unwrap();
+        for layout in module.layouts.iter().chain([&module.single]) {
+            assert_eq!(layout.order, Order::Module, "{items:?} V={world}");
+        }
+    }
+    assert!(
+        filled_by_default > 0,
+        "no input where the default takes a filled layout: the test shows nothing"
+    );
+}

@@ -36,7 +36,8 @@ pub struct PlanArgs {
     /// Every tensor starts at a multiple of this many elements (must divide --coll-align).
     #[arg(long, default_value_t = 1)]
     start_align: usize,
-    /// Orders to try: module, block-size, shape, or all.
+    /// Orders to try: module, block-size, shape, or all (only `all` lets the multi-buffer
+    /// planner take layouts built shard by shard).
     #[arg(long, default_value = "all")]
     order: String,
     /// At most this many collective buffers per unit, each with its own shard size (1: one

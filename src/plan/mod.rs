@@ -163,6 +163,13 @@ impl Default for PlanOptions {
 }
 
 impl PlanOptions {
+    /// Whether layouts built shard by shard ([`Order::Filled`], the multi-buffer planner's
+    /// last pass) may be taken: only when every rule order is allowed, since restricting the
+    /// orders (`--order module`) asks for tensors laid out by those rules.
+    pub fn fill_allowed(&self) -> bool {
+        Order::ALL.iter().all(|o| self.orders.contains(o))
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |reason: String| Error::BadInput {
             op: "PlanOptions",

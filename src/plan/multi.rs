@@ -352,13 +352,17 @@ fn deepen_floor(
     floor.max(deep.unwrap_or(0))
 }
 
-/// Replaces each buffer's layout by [`improve_layout`]'s where that finds a smaller size.
+/// Replaces each buffer's layout by [`improve_layout`]'s where that finds a smaller size (if
+/// the options allow filled layouts).
 fn fill_buffers(
     items: &[Item],
     world: usize,
     opts: &PlanOptions,
     partition: &mut Partition,
 ) -> Result<()> {
+    if !opts.fill_allowed() {
+        return Ok(());
+    }
     for (group, layout) in partition.groups.iter().zip(partition.layouts.iter_mut()) {
         let sub = group_items(items, group, opts)?;
         if let Some(better) = improve_layout(&sub, world, opts.coll_align, layout)? {
@@ -398,8 +402,8 @@ fn group_items(items: &[Item], group: &[usize], opts: &PlanOptions) -> Result<Ve
 }
 
 /// The pair floor's witness as a layout: its two groups (one where buffer `a` is empty), each
-/// planned, or filled shard by shard at the witness's size where the planner needs more; `None`
-/// where a group does not fit its size.
+/// planned, or filled shard by shard at the witness's size where the planner needs more (and
+/// the options allow filled layouts); `None` where a group does not fit its size.
 fn realize(
     items: &[Item],
     world: usize,
@@ -418,6 +422,8 @@ fn realize(
         let planned = plan_items(&sub, world, opts).ok()?;
         let layout = if planned.shard_size <= size {
             planned
+        } else if !opts.fill_allowed() {
+            return None;
         } else {
             let filled = match shard_fill(&sub, world, size).ok()? {
                 Some(offsets) => Some(offsets),
