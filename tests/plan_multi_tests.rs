@@ -1205,3 +1205,47 @@ fn restricted_orders_keep_filled_layouts_out_of_multi_buffer_plans() {
         "no input where the default takes a filled layout: the test shows nothing"
     );
 }
+
+/// The single-buffer planner ([`ragged::plan::plan_one_buffer`], what `plan_unit`,
+/// `plan_model` and the runtime's default use) takes a layout built shard by shard where that
+/// is smaller than every rule order's, valid and never below the exact optimum; with the
+/// orders restricted it keeps the rule order's.
+#[test]
+fn one_buffer_plans_take_a_smaller_filled_layout() {
+    use ragged::plan::plan_one_buffer;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = (
+        prop::collection::vec((1..=4usize, 1..=4usize, 1..=3usize), 1..=3),
+        2..=4usize,
+    );
+    let module_only = PlanOptions {
+        orders: vec![Order::Module],
+        ..opts(1)
+    };
+    let mut smaller = 0;
+    for _ in 0..300 {
+        let (spec, world) = strategy.new_tree(&mut runner).unwrap().current();
+        let mut items = Vec::new();
+        for &(blocks, block, count) in &spec {
+            items.extend(vec![Item::new(blocks * block, block, 1).unwrap(); count]);
+        }
+        let ruled = plan_items(&items, world, &opts(1)).unwrap();
+        let one = plan_one_buffer(&items, world, &opts(1)).unwrap();
+        assert!(one.shard_size <= ruled.shard_size);
+        integer_plan(&items, &one, 1).validate().unwrap();
+        if one.shard_size < ruled.shard_size {
+            smaller += 1;
+            assert_eq!(one.order, Order::Filled);
+            if items.len() <= 8 {
+                let (best, _) = exact_any_order(&items, world, 1).unwrap();
+                assert!(one.shard_size >= best, "{items:?} V={world}");
+            }
+        }
+        let kept = plan_one_buffer(&items, world, &module_only).unwrap();
+        assert_eq!(kept, plan_items(&items, world, &module_only).unwrap());
+    }
+    assert!(
+        smaller > 0,
+        "no input where a filled layout is smaller: the test shows nothing"
+    );
+}

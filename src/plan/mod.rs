@@ -3,6 +3,7 @@
 //!
 //! The planner is data first: [`plan_items`] works on integers ([`Item`]: element count, block
 //! size, start alignment) and returns a [`Layout`] (shard size `S`, one offset per tensor);
+//! [`plan_one_buffer`] adds a layout built shard by shard where that is smaller;
 //! [`plan_unit`] and [`plan_model`] attach names, shapes and blocks and return a [`Plan`]. Nothing
 //! is allocated for tensor data, so memory per rank is known before any buffer exists
 //! ([`Plan::shard_bytes`]).
@@ -17,7 +18,7 @@
 //! | which tensors share a buffer (search over partitions of block-size classes) | [`partition`] |
 //! | moves of tensors between those buffers (local search) | [`refine`] |
 //! | identical tensors split across buffers by count | [`split`] |
-//! | a layout built shard by shard (a last pass over the chosen buffers) | [`shard_fill`] |
+//! | a layout built shard by shard (a last pass over one buffer and the chosen buffers) | [`shard_fill`] |
 //! | the `k`-buffer floor, a lower bound over every partition into `k` buffers | [`floor`] |
 //! | its second bound, placing the largest tensors one by one | [`heavy_floor`] |
 //! | its third bound, following the tensors of each large shape together | [`class_floor`] |
@@ -429,8 +430,19 @@ pub fn plan_unit(
     opts: &PlanOptions,
 ) -> Result<Plan> {
     let (items, blocks) = unit_items(unit, block_of, opts)?;
-    let layout = plan_items(&items, world, opts).with_context(|| format!("unit {}", unit.name))?;
+    let layout =
+        plan_one_buffer(&items, world, opts).with_context(|| format!("unit {}", unit.name))?;
     Ok(assemble(unit, &items, &blocks, &layout, opts))
+}
+
+/// One buffer's layout: [`plan_items`]'s, or a smaller one built shard by shard
+/// ([`shard_fill::improve_layout`]) where the options allow it ([`PlanOptions::fill_allowed`]).
+pub fn plan_one_buffer(items: &[Item], world: usize, opts: &PlanOptions) -> Result<Layout> {
+    let layout = plan_items(items, world, opts)?;
+    if !opts.fill_allowed() {
+        return Ok(layout);
+    }
+    Ok(shard_fill::improve_layout(items, world, opts.coll_align, &layout)?.unwrap_or(layout))
 }
 
 /// `Err` naming the number of devices unless there is at least one.
@@ -554,7 +566,7 @@ pub fn plan_model(
         let layout = match cache.get(&items) {
             Some(l) => l.clone(),
             None => {
-                let l = plan_items(&items, world, opts)
+                let l = plan_one_buffer(&items, world, opts)
                     .with_context(|| format!("unit {}", unit.name))?;
                 cache.insert(items.clone(), l.clone());
                 l
