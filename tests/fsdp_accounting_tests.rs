@@ -1,0 +1,247 @@
+//! What `ShardedModel` accumulates, counts and agrees on between a backward and a step:
+//! gradients over several backwards and several reductions, a non-finite loss on one rank,
+//! skipped steps, clipping below the threshold, the padding of a reused gradient buffer, plans
+//! that differ between ranks, and a role's weight decay under AdamW. Each test was written
+//! against a mutation of the runtime that no other test caught (an overwrite instead of an
+//! add, a rank deciding alone, ...) and fails on it.
+
+use candle_core::{DType, Device, Tensor};
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::{Communicator, SingleRank};
+use ragged::fsdp::{fully_shard, FsdpOptions, NonFinitePolicy, ShardedModel};
+use ragged::plan::{Order, PlanOptions};
+use ragged::roles::{Role, RoleFn, RoleRule, RoleSettings};
+use ragged_optimizers::{AdamW, AdamWConfig};
+
+fn ones(name: &str, shape: &[usize]) -> (String, Tensor) {
+    let t = Tensor::ones(shape, DType::F32, &Device::Cpu).unwrap();
+    (name.to_string(), t)
+}
+
+/// `w` (16×20) and `b` (20), all ones: 340 elements.
+fn params() -> Vec<(String, Tensor)> {
+    vec![ones("w", &[16, 20]), ones("b", &[20])]
+}
+
+fn adamw() -> AdamW {
+    AdamW::new(AdamWConfig {
+        lr: 0.1,
+        ..AdamWConfig::default()
+    })
+    .unwrap()
+}
+
+/// Every gradient element this rank holds (the pieces of its local shard, not the padding).
+fn local_grads(s: &ShardedModel<'_, AdamW>) -> Vec<f32> {
+    let mut out = Vec::new();
+    s.with_local_grads(|local, g| {
+        for p in &local.pieces {
+            out.extend_from_slice(&g[p.offset..p.offset + p.range.len()]);
+        }
+    })
+    .unwrap();
+    out
+}
+
+/// A backward of `Σ c·p` over every parameter: each gradient element is `c` (per rank; the
+/// reduction averages equal values, so it stays `c`).
+fn backward(s: &mut ShardedModel<'_, AdamW>, c: f64) -> ragged::Result<()> {
+    let full = s.unshard()?;
+    let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    for t in full.values() {
+        loss = (loss + (t * c)?.sum_all()?)?;
+    }
+    loss.backward()?;
+    Ok(())
+}
+
+fn skip_step() -> FsdpOptions {
+    FsdpOptions {
+        non_finite: NonFinitePolicy::SkipStep,
+        ..FsdpOptions::default()
+    }
+}
+
+/// Two reductions before one step add up (gradient accumulation across micro-batches that each
+/// reduce), at one rank (the shard adopted as the local gradient) and several.
+#[test]
+fn two_reductions_before_a_step_accumulate() {
+    for world in [1, 2, 3] {
+        ThreadWorld::run(world, |c| {
+            let mut s = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
+            backward(&mut s, 3.0)?;
+            s.reduce_gradients()?;
+            backward(&mut s, 5.0)?;
+            s.reduce_gradients()?;
+            let g = local_grads(&s);
+            assert!(!g.is_empty() || c.rank() > 0);
+            assert!(g.iter().all(|&x| x == 8.0), "V={world}: {g:?}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// Two backwards before one reduction add up in the gradient sink.
+#[test]
+fn two_backwards_before_a_reduction_accumulate() {
+    for world in [1, 2] {
+        ThreadWorld::run(world, |c| {
+            let mut s = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
+            backward(&mut s, 3.0)?;
+            backward(&mut s, 5.0)?;
+            s.reduce_gradients()?;
+            let g = local_grads(&s);
+            assert!(g.iter().all(|&x| x == 8.0), "V={world}: {g:?}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// A NaN loss noted on one rank only skips the step on every rank (the flag is all-reduced),
+/// and a skipped step is not a step taken (the schedule does not move).
+#[test]
+fn a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank() {
+    let counts = ThreadWorld::run(2, |c| {
+        let mut s = fully_shard(&params(), adamw(), c, skip_step())?;
+        backward(&mut s, 1.0)?;
+        s.reduce_gradients()?;
+        if c.rank() == 1 {
+            s.note_loss(f32::NAN);
+        }
+        s.step()?;
+        let untouched = s.full_params()?.values().flatten().all(|&x| x == 1.0);
+        Ok((s.skipped_steps(), s.steps_taken(), untouched))
+    })
+    .unwrap();
+    assert_eq!(counts, vec![(1, 0, true), (1, 0, true)]);
+    let mut s = fully_shard(&params(), adamw(), &SingleRank, skip_step()).unwrap();
+    backward(&mut s, 1.0).unwrap();
+    s.reduce_gradients().unwrap();
+    s.note_loss(f32::INFINITY);
+    s.step().unwrap();
+    assert_eq!((s.skipped_steps(), s.steps_taken()), (1, 0));
+}
+
+/// A threshold above the norm returns the norm and leaves every gradient bitwise as it was
+/// (torch's `clip_grad_norm_` scales by `min(1, max/norm)`, never up).
+#[test]
+fn clipping_below_the_threshold_changes_no_gradient() {
+    let mut s = fully_shard(&params(), adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    backward(&mut s, 3.0).unwrap();
+    s.reduce_gradients().unwrap();
+    let norm = s.clip_grad_norm(1e3).unwrap();
+    // 340 gradients of 3: the f32 norm is within a few ulps of 3·√340.
+    assert!((norm - 3.0 * 340f32.sqrt()).abs() < 1e-3, "{norm}");
+    assert!(local_grads(&s).iter().all(|&x| x == 3.0));
+}
+
+/// The padding of a gradient buffer is zero after every reduction, also when the pool hands a
+/// unit the buffer another unit used (both units' full buffers have 384 elements at V = 2):
+/// clipping and the non-finite check read the whole local shard, padding included.
+#[test]
+fn the_padding_of_a_reused_gradient_buffer_reads_zero() {
+    let ps = vec![ones("layers.0.w", &[5, 60]), ones("layers.1.w", &[4, 65])];
+    ThreadWorld::run(2, |c| {
+        let mut s = fully_shard(&ps, adamw(), c, FsdpOptions::default())?;
+        for step in 0..3 {
+            let full = s.unshard()?;
+            let loss = ((&full["layers.0.w"] * 3.0)?.sum_all()?
+                + (&full["layers.1.w"] * 5.0)?.sum_all()?)?;
+            loss.backward()?;
+            s.reduce_gradients()?;
+            s.with_local_grads(|local, g| {
+                let mut covered = vec![false; g.len()];
+                for p in &local.pieces {
+                    covered[p.offset..p.offset + p.range.len()].fill(true);
+                }
+                let stale: Vec<f32> = (0..g.len())
+                    .filter(|&i| !covered[i] && g[i] != 0.0)
+                    .map(|i| g[i])
+                    .collect();
+                assert!(stale.is_empty(), "step {step}: padding holds {stale:?}");
+            })?;
+            s.step()?;
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// Ranks whose plans differ (here by the tensor order each was allowed) refuse to train, each
+/// with an error naming the plan, instead of gathering each other's shards in other layouts.
+#[test]
+fn ranks_with_different_plans_refuse_to_train() {
+    // `b` registered first, `w` larger: module order puts `b` first, shape order `w`.
+    let ps = vec![ones("b", &[20]), ones("w", &[16, 20])];
+    let errors = ThreadWorld::run(2, |c| {
+        let order = if c.rank() == 1 {
+            Order::Shape
+        } else {
+            Order::Module
+        };
+        let opts = FsdpOptions {
+            plan: PlanOptions {
+                orders: vec![order],
+                ..PlanOptions::default()
+            },
+            ..FsdpOptions::default()
+        };
+        Ok(fully_shard(&ps, adamw(), c, opts)
+            .err()
+            .map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in &errors {
+        let e = e.as_ref().expect("ranks with different plans must refuse");
+        assert!(e.contains("the plan"), "{e}");
+    }
+}
+
+/// A role's weight decay replaces AdamW's own: with a zero gradient only decay moves a
+/// parameter, so `b` (element-wise, decay 0) stays 1 and `w` (matrix, decay 0.5) becomes
+/// `1 − lr·wd = 0.95`.
+#[test]
+fn adamw_takes_a_roles_weight_decay() {
+    let f: RoleFn = |name, _| {
+        Some(if name == "b" {
+            Role::ElementWise
+        } else {
+            Role::Matrix
+        })
+    };
+    let roles = RoleRule {
+        element_wise: RoleSettings {
+            lr_scale: 1.0,
+            weight_decay: Some(0.0),
+        },
+        ..RoleRule::with_fn(f)
+    };
+    let opt = AdamW::new(AdamWConfig {
+        lr: 0.1,
+        weight_decay: 0.5,
+        roles,
+        ..AdamWConfig::default()
+    })
+    .unwrap();
+    let mut s = fully_shard(&params(), opt, &SingleRank, FsdpOptions::default()).unwrap();
+    let full = s.unshard().unwrap();
+    let zero = ((&full["w"] * 0.0).unwrap().sum_all().unwrap()
+        + (&full["b"] * 0.0).unwrap().sum_all().unwrap())
+    .unwrap();
+    zero.backward().unwrap();
+    s.reduce_gradients().unwrap();
+    s.step().unwrap();
+    let p = s.full_params().unwrap();
+    assert!(
+        p["b"].iter().all(|&x| x == 1.0),
+        "b decayed: {:?}",
+        &p["b"][..3]
+    );
+    assert!(
+        p["w"].iter().all(|&x| x == 0.95f32),
+        "w: {:?}",
+        &p["w"][..3]
+    );
+}
