@@ -1264,7 +1264,7 @@ impl ragged::optim::Optimizer for WholeMatrixAdamW {
 }
 
 /// Units planned as several collective buffers (each with its own shard size, gathered and
-/// reduced on its own) train bitwise like one buffer per unit, and pad less. (The one-buffer
+/// reduced on its own) train bitwise like one buffer per unit, and pad no more. (The one-buffer
 /// run also covers a plan whose offsets are not in the unit's tensor order, which the gather
 /// once refused.)
 #[test]
@@ -1303,9 +1303,11 @@ fn multi_buffer_units_train_bitwise_like_one_buffer() {
         many.iter().any(|&k| k > 1),
         "the planner must split some unit: {many:?}"
     );
+    // One-buffer plans already take the shard-by-shard layouts (plan_one_buffer), so on
+    // this small model splitting may only tie; it must never pad more.
     assert!(
-        s_many < s_one,
-        "several buffers must pad less: {s_many} vs {s_one}"
+        s_many <= s_one,
+        "several buffers must not pad more: {s_many} vs {s_one}"
     );
     let bits = |m: &HashMap<String, Vec<f32>>| {
         let mut v: Vec<_> = m
