@@ -70,7 +70,7 @@ use crate::adamw::{adamw_update, AdamRun, AdamState, AdamW, AdamWConfig};
 use crate::common::{
     self, check_hyperparameters, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
-use crate::muon_layout::MatrixLayout;
+use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
 use crate::roots::{RootPlan, Routes};
 
@@ -176,6 +176,8 @@ pub struct Muon {
     /// The configured `(lr, adamw.lr)`: the fallback's rate stays `adamw.lr · lr / base lr`
     /// through every change of rate, including a rate of 0 on the way (a warm-up from 0).
     base_rates: (f64, f64),
+    /// Auto layouts already searched, shared by clones (identical layers search once).
+    pub(crate) layouts: LayoutCache,
 }
 
 /// The trailing matrix of a shape: `(rows, cols)`.
@@ -198,6 +200,7 @@ impl Muon {
             config,
             adamw,
             base_rates,
+            layouts: LayoutCache::default(),
         })
     }
 

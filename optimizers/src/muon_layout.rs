@@ -12,12 +12,18 @@
 //!   `2·moved` elements ([`RootPlan::moved_elems`](crate::roots::RootPlan::moved_elems)).
 //!
 //! [`MatrixLayout::Auto`] searches greedily from both ends, every Muon tensor whole (then
-//! splitting one at a time while that lowers the total) and every one split (then making one
-//! whole at a time), and keeps the cheaper of the two. Every choice is reported
-//! ([`LayoutReport`]). The model counts bytes, not time: Newton–Schulz load balance is left to
-//! the root assignment.
+//! splitting some while that lowers the total) and every one split (then making some whole),
+//! and keeps the cheaper of the two. The greedy moves *classes* of interchangeable tensors
+//! (same shape, same name up to its numbers: the experts of an MoE layer), largest first,
+//! trying `n, n/2, n/4, …, 1` members of each and keeping the cheapest count; a class of one is
+//! one tensor at a time. An MoE layer with hundreds of experts thus costs tens of plans, not
+//! hundreds, and units equal up to names (the layers of a model) share one search
+//! ([`LayoutCache`]). Every choice is reported ([`LayoutReport`]). The model counts bytes, not
+//! time: Newton–Schulz load balance is left to the root assignment.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
 
 use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
@@ -144,30 +150,24 @@ impl Muon {
                 (blocks, best)
             }
             MatrixLayout::Auto => {
-                // Greedy from both ends (splitting one matrix alone may free no padding while
-                // the others stay whole, and vice versa); keep the cheaper result.
-                let split_blocks = all(AtomicBlock::Element);
-                let split = self.costed(unit, &split_blocks, world, opts)?;
-                let from_whole = self.improve(
-                    unit,
-                    (whole_blocks, whole.clone()),
-                    &muon,
-                    AtomicBlock::Element,
-                    world,
-                    opts,
-                )?;
-                let from_split = self.improve(
-                    unit,
-                    (split_blocks, split),
-                    &muon,
-                    AtomicBlock::Matrix,
-                    world,
-                    opts,
-                )?;
-                if from_split.1.wire < from_whole.1.wire {
-                    from_split
-                } else {
-                    from_whole
+                let key = LayoutKey::new(unit, &base, &muon, world, opts);
+                match self.layouts.get(&key) {
+                    Some(blocks) => {
+                        let best = self.costed(unit, &blocks, world, opts)?;
+                        (blocks, best)
+                    }
+                    None => {
+                        let found = self.search(
+                            unit,
+                            &all,
+                            (whole_blocks, whole.clone()),
+                            &muon,
+                            world,
+                            opts,
+                        )?;
+                        self.layouts.insert(key, found.0.clone());
+                        found
+                    }
                 }
             }
         };
@@ -195,27 +195,64 @@ impl Muon {
         Ok((best.plan, report))
     }
 
-    /// From `start` (blocks and their costed plan), flips Muon tensors to `to` one at a time,
-    /// largest first, keeping each flip that lowers the wire cost.
+    /// [`MatrixLayout::Auto`]'s search: greedy from both ends (splitting one matrix alone may
+    /// free no padding while the others stay whole, and vice versa); the cheaper result.
+    fn search(
+        &self,
+        unit: &Unit,
+        all: &dyn Fn(AtomicBlock) -> Vec<AtomicBlock>,
+        whole: (Vec<AtomicBlock>, Costed),
+        muon: &[bool],
+        world: usize,
+        opts: &PlanOptions,
+    ) -> Result<(Vec<AtomicBlock>, Costed)> {
+        let classes = classes(unit, muon);
+        let split_blocks = all(AtomicBlock::Element);
+        let split = self.costed(unit, &split_blocks, world, opts)?;
+        let from_whole = self.improve(unit, whole, &classes, AtomicBlock::Element, world, opts)?;
+        let from_split = self.improve(
+            unit,
+            (split_blocks, split),
+            &classes,
+            AtomicBlock::Matrix,
+            world,
+            opts,
+        )?;
+        Ok(if from_split.1.wire < from_whole.1.wire {
+            from_split
+        } else {
+            from_whole
+        })
+    }
+
+    /// From `start` (blocks and their costed plan), flips Muon tensors to `to` class by class,
+    /// largest first: of `n, n/2, …, 1` members flipped (the first ones in unit order), keeps
+    /// the count that lowers the wire cost most, if any.
     fn improve(
         &self,
         unit: &Unit,
         start: (Vec<AtomicBlock>, Costed),
-        muon: &[bool],
+        classes: &[Vec<usize>],
         to: AtomicBlock,
         world: usize,
         opts: &PlanOptions,
     ) -> Result<(Vec<AtomicBlock>, Costed)> {
         let (mut blocks, mut best) = start;
-        let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| muon[i]).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(unit.tensors[i].numel())); // stable
-        for i in order {
-            let was = std::mem::replace(&mut blocks[i], to);
-            let trial = self.costed(unit, &blocks, world, opts)?;
-            if trial.wire < best.wire {
-                best = trial;
-            } else {
-                blocks[i] = was;
+        for class in classes {
+            let mut taken = None;
+            for count in halvings(class.len()) {
+                let mut trial_blocks = blocks.clone();
+                for &i in &class[..count] {
+                    trial_blocks[i] = to;
+                }
+                let trial = self.costed(unit, &trial_blocks, world, opts)?;
+                if trial.wire < best.wire {
+                    best = trial;
+                    taken = Some(trial_blocks);
+                }
+            }
+            if let Some(b) = taken {
+                blocks = b;
             }
         }
         Ok((blocks, best))
@@ -258,4 +295,91 @@ struct Costed {
     moved: usize,
     per_param: Vec<usize>,
     wire: u64,
+}
+
+/// `n, n/2, n/4, …, 1` (each once).
+fn halvings(n: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors((n > 0).then_some(n), |&k| (k > 1).then_some(k / 2))
+}
+
+/// The Muon tensors of `unit` grouped into classes of interchangeable ones (same shape, same
+/// name with its digit runs dropped), classes ordered by tensor size, largest first (ties in
+/// unit order); members in unit order.
+fn classes(unit: &Unit, muon: &[bool]) -> Vec<Vec<usize>> {
+    let mut index: HashMap<(String, &[usize]), usize> = HashMap::new();
+    let mut classes: Vec<Vec<usize>> = Vec::new();
+    for (i, t) in unit.tensors.iter().enumerate().filter(|&(i, _)| muon[i]) {
+        let name: String = t.name.chars().filter(|c| !c.is_ascii_digit()).collect();
+        let k = *index.entry((name, &t.shape)).or_insert_with(|| {
+            classes.push(Vec::new());
+            classes.len() - 1
+        });
+        classes[k].push(i);
+    }
+    classes.sort_by_key(|c| std::cmp::Reverse(unit.tensors[c[0]].numel())); // stable
+    classes
+}
+
+/// What decides an [`MatrixLayout::Auto`] search: per tensor its shape, base block and whether
+/// Muon steps it (names only matter through that), the world and the planner options.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct LayoutKey {
+    tensors: Vec<(Vec<usize>, AtomicBlock, bool)>,
+    world: usize,
+    opts: PlanOptions,
+}
+
+impl LayoutKey {
+    fn new(
+        unit: &Unit,
+        base: &[AtomicBlock],
+        muon: &[bool],
+        world: usize,
+        opts: &PlanOptions,
+    ) -> Self {
+        let tensors = unit
+            .tensors
+            .iter()
+            .zip(base.iter().zip(muon))
+            .map(|(t, (&b, &m))| (t.shape.clone(), b, m))
+            .collect();
+        LayoutKey {
+            tensors,
+            world,
+            opts: opts.clone(),
+        }
+    }
+}
+
+/// Blocks chosen by earlier [`MatrixLayout::Auto`] searches, shared by clones of a [`Muon`]:
+/// the identical layers of a model (and every rank's copy, on thread ranks) search once.
+/// A cache, not configuration: it takes no part in equality.
+#[derive(Clone, Default)]
+pub(crate) struct LayoutCache(Arc<Mutex<HashMap<LayoutKey, Vec<AtomicBlock>>>>);
+
+impl LayoutCache {
+    fn get(&self, key: &LayoutKey) -> Option<Vec<AtomicBlock>> {
+        self.lock().get(key).cloned()
+    }
+
+    fn insert(&self, key: LayoutKey, blocks: Vec<AtomicBlock>) {
+        self.lock().insert(key, blocks);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LayoutKey, Vec<AtomicBlock>>> {
+        // A panic elsewhere while holding the lock leaves the map whole (inserts are atomic).
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl PartialEq for LayoutCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl fmt::Debug for LayoutCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LayoutCache({} units)", self.lock().len())
+    }
 }

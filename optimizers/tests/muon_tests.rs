@@ -983,3 +983,54 @@ fn step_refuses_buffers_of_the_wrong_length() {
         .step_slices(&mut state, &shard, &mut p, &[0.0; 12], &SingleRank)
         .is_err());
 }
+
+/// An MoE-like layer: `experts` interchangeable expert matrices, an attention matrix, a
+/// router and a norm, named as `layer`'s.
+fn moe_layer(layer: usize, experts: usize) -> Vec<TensorSpec> {
+    let mut spec: Vec<(String, Vec<usize>)> = (0..experts)
+        .map(|e| (format!("layers.{layer}.experts.{e}.w"), vec![48, 40]))
+        .collect();
+    spec.push((format!("layers.{layer}.attn.o"), vec![64, 64]));
+    spec.push((format!("layers.{layer}.router"), vec![16, 64]));
+    spec.push((format!("layers.{layer}.norm"), vec![64]));
+    spec.iter()
+        .map(|(n, s)| TensorSpec::new(n.clone(), s, DType::F32).unwrap())
+        .collect()
+}
+
+/// Auto's search moves classes of interchangeable tensors and remembers the choice for units
+/// equal up to names. A remembered choice must be the one a fresh search makes, for every
+/// world size and planner option (the cache key must hold all of them), and what Auto finds
+/// never costs more than all-whole or all-split.
+#[test]
+fn auto_layout_search_is_remembered_per_unit_shape_and_never_worse_than_either_end() {
+    let aligned = PlanOptions::default();
+    let loose = PlanOptions {
+        coll_align: 1,
+        ..PlanOptions::default()
+    };
+    let layers: Vec<Vec<TensorSpec>> = (0..3).map(|l| moe_layer(l, 12)).collect();
+    let remembering = muon_with(MatrixLayout::Auto);
+    let mut split_somewhere = false;
+    for (world, opts) in [(8, &loose), (8, &aligned), (5, &loose), (8, &loose)] {
+        for spec in &layers {
+            let unit = unit_of(spec);
+            let (plan, report) = remembering.plan_layout(&unit, world, opts).unwrap();
+            let (fresh_plan, fresh) = muon_with(MatrixLayout::Auto)
+                .plan_layout(&unit, world, opts)
+                .unwrap();
+            assert_eq!(report, fresh, "V = {world}, {opts:?}");
+            assert_eq!(plan, fresh_plan);
+            for end in [MatrixLayout::Whole, MatrixLayout::Split] {
+                let (_, other) = muon_with(end).plan_layout(&unit, world, opts).unwrap();
+                assert!(report.cost_bytes() <= other.cost_bytes(), "{report}{other}");
+            }
+            split_somewhere |= report
+                .tensors
+                .iter()
+                .any(|t| t.block != AtomicBlock::Matrix);
+        }
+    }
+    // The shapes are chosen so that splitting pays somewhere: the search did move something.
+    assert!(split_somewhere);
+}

@@ -142,7 +142,7 @@ impl fmt::Display for Order {
 }
 
 /// Planner knobs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PlanOptions {
     /// `S` must be a multiple of this many elements (NCCL prefers aligned chunks).
     pub coll_align: usize,
