@@ -65,9 +65,11 @@
 //! `X = Q·diag(λ^(−e))·Qᵀ`, with `e = 1/(2·order)` or the override. The power and the
 //! product are evaluated in `f64` and rounded to `f32` once; `X` is exactly symmetric (its
 //! upper triangle is mirrored). When both precisions fail, or the factor is not finite, the
-//! previous root is kept (fb also keeps the previous root, but raises after
-//! `num_tolerated_failed_amortized_computations` = 3 failures in a row; this crate keeps no
-//! failure counter and never raises).
+//! previous root is kept and [`ShampooState::root_failures`] counts it (fb also keeps the
+//! previous root, but raises after `num_tolerated_failed_amortized_computations` = 3 failures
+//! in a row; this crate never raises: a factor overflows `f32` when gradients near `1e19`
+//! square past its range, and training goes on with the last good root, so read the counter,
+//! e.g. over `FullyShard::states`).
 //!
 //! # Precision
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
@@ -299,15 +301,22 @@ pub struct ShampooState {
     pub factors: Vec<f32>,
     /// The inverse roots of `factors`, same layout; the identity until first computed.
     pub roots: Vec<f32>,
+    /// Inverse roots that could not be computed on this rank (a non-finite factor, or neither
+    /// eigendecomposition converged), each of which kept the previous root; cumulative.
+    /// A diagnostic of this rank's run: [`ShampooState::to_le_bytes`] keeps it, checkpoints
+    /// (which load at any world size, so have no per-rank counters) start it again at 0.
+    pub root_failures: u64,
 }
 
-const MAGIC: u64 = u64::from_le_bytes(*b"SHAMPOO1");
-const HEADER_WORDS: usize = 5;
+const MAGIC: u64 = u64::from_le_bytes(*b"SHAMPOO2");
+const HEADER_WORDS: usize = 6;
+/// The first format: no `root_failures` word (read as 0).
+const MAGIC_V1: u64 = u64::from_le_bytes(*b"SHAMPOO1");
 
 impl ShampooState {
-    /// Serializes the state: a magic word, `step`, `len(m)`, `len(v)`, `len(factors)` as
-    /// u64, then `m`, `v`, `factors`, `roots` as `f32`; all little-endian. Exact: loading
-    /// gives back the same bits. (`roots` must have `factors`' length.)
+    /// Serializes the state: a magic word, `step`, `len(m)`, `len(v)`, `len(factors)`,
+    /// `root_failures` as u64, then `m`, `v`, `factors`, `roots` as `f32`; all little-endian.
+    /// Exact: loading gives back the same bits. (`roots` must have `factors`' length.)
     pub fn to_le_bytes(&self) -> Vec<u8> {
         let n = self.m.len() + self.v.len() + self.factors.len() + self.roots.len();
         let mut out = Vec::with_capacity(8 * HEADER_WORDS + 4 * n);
@@ -317,6 +326,7 @@ impl ShampooState {
             self.m.len() as u64,
             self.v.len() as u64,
             self.factors.len() as u64,
+            self.root_failures,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
@@ -332,8 +342,9 @@ impl ShampooState {
         out
     }
 
-    /// Loads a state written by [`ShampooState::to_le_bytes`]; `Err` on a wrong magic word or
-    /// a byte count that is not the one the header announces. (Whether the state fits a
+    /// Loads a state written by [`ShampooState::to_le_bytes`] (or by the first format, without
+    /// `root_failures`); `Err` on a wrong magic word or a byte count that is not the one the
+    /// header announces. (Whether the state fits a
     /// shard is checked by [`Shampoo::step`].)
     pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
         let bad = |reason: String| Error::BadInput {
@@ -341,17 +352,22 @@ impl ShampooState {
             what: format!("{} bytes", bytes.len()),
             reason,
         };
-        if bytes.len() < 8 * HEADER_WORDS {
-            return Err(bad(format!(
-                "shorter than the {}-byte header",
-                8 * HEADER_WORDS
-            )));
+        let word = |k: usize| {
+            let b = bytes.get(8 * k..8 * k + 8)?;
+            Some(u64::from_le_bytes(b.try_into().ok()?))
+        };
+        let header = match word(0) {
+            Some(MAGIC) => HEADER_WORDS,
+            Some(MAGIC_V1) => HEADER_WORDS - 1,
+            Some(_) => return Err(bad("not a Shampoo state (wrong magic word)".into())),
+            None => return Err(bad("shorter than the 8-byte magic word".into())),
+        };
+        if bytes.len() < 8 * header {
+            return Err(bad(format!("shorter than the {}-byte header", 8 * header)));
         }
-        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
-        if word(0) != MAGIC {
-            return Err(bad("not a Shampoo state (wrong magic word)".into()));
-        }
+        let word = |k: usize| word(k).unwrap_or(0);
         let (step, m, v, f) = (word(1), word(2), word(3), word(4));
+        let root_failures = if header == HEADER_WORDS { word(5) } else { 0 };
         let floats = (|| {
             let m = usize::try_from(m).ok()?;
             let v = usize::try_from(v).ok()?;
@@ -360,14 +376,14 @@ impl ShampooState {
         })();
         let want = floats
             .and_then(|n| n.checked_mul(4))
-            .and_then(|n| n.checked_add(8 * HEADER_WORDS));
+            .and_then(|n| n.checked_add(8 * header));
         if want != Some(bytes.len()) {
             return Err(bad(format!(
                 "header announces {m} + {v} moment and 2 × {f} factor elements"
             )));
         }
         let (m, v, f) = (m as usize, v as usize, f as usize);
-        let all: Vec<f32> = bytes[8 * HEADER_WORDS..]
+        let all: Vec<f32> = bytes[8 * header..]
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
@@ -380,6 +396,7 @@ impl ShampooState {
             v: vs.to_vec(),
             factors: fs.to_vec(),
             roots: rs.to_vec(),
+            root_failures,
         })
     }
 }
@@ -587,6 +604,7 @@ impl Optimizer for Shampoo {
             v: vec![0.0; vlen],
             factors: vec![0.0; len],
             roots: identity_roots(&blocks, len),
+            root_failures: 0,
         })
     }
 
@@ -687,27 +705,30 @@ impl Optimizer for Shampoo {
             fs = f_rest;
             rs = r_rest;
         }
-        let dirs: Vec<Vec<f32>> = jobs
+        let (dirs, failures): (Vec<Vec<f32>>, Vec<u64>) = jobs
             .into_par_iter()
             .map(|(b, f, r)| {
                 let g = b.gather(grads);
                 update_factors(&b, &g, f, b2, w2);
-                if roots_now {
+                let failed = if roots_now {
                     let e = self.exponent(b.order());
-                    compute_roots(&b, f, r, bc2, c.epsilon, e);
-                }
+                    compute_roots(&b, f, r, bc2, c.epsilon, e)
+                } else {
+                    0
+                };
                 let pg_b = b.gather(&pg);
                 if use_graft_only {
-                    return pg_b;
+                    return (pg_b, failed);
                 }
                 let ps = precondition(&b, &b.gather(&gbar), r);
                 if !grafted {
-                    return ps;
+                    return (ps, failed);
                 }
                 let scale = norm(&pg_b) / (norm(&ps) + 1e-16f32);
-                ps.into_iter().map(|x| x * scale).collect()
+                (ps.into_iter().map(|x| x * scale).collect(), failed)
             })
-            .collect();
+            .unzip();
+        state.root_failures += failures.iter().sum::<u64>();
         let neg_lr = (-c.lr) as f32;
         let wd = (c.weight_decay != 0.0).then_some(c.weight_decay as f32);
         for (b, dir) in blocks.iter().zip(&dirs) {
@@ -836,18 +857,22 @@ fn update_factors(b: &Block, g: &[f32], f: &mut [f32], beta2: Option<f32>, w: f3
     }
 }
 
-/// Step 4 on one block: every factor's inverse root into `r` (kept when it fails).
-fn compute_roots(b: &Block, f: &[f32], r: &mut [f32], bc2: Option<f32>, eps: f64, e: f64) {
+/// Step 4 on one block: every factor's inverse root into `r` (kept when it fails). Returns
+/// how many failed.
+fn compute_roots(b: &Block, f: &[f32], r: &mut [f32], bc2: Option<f32>, eps: f64, e: f64) -> u64 {
     let mut at = 0;
+    let mut failed = 0;
     for (has, n) in [(b.has_left(), b.rows), (b.has_right(), b.cols)] {
         if has {
             let s = at..at + n * n;
-            if let Some(x) = inverse_root(&f[s.clone()], n, bc2, eps, e) {
-                r[s].copy_from_slice(&x);
+            match inverse_root(&f[s.clone()], n, bc2, eps, e) {
+                Some(x) => r[s].copy_from_slice(&x),
+                None => failed += 1,
             }
             at += n * n;
         }
     }
+    failed
 }
 
 /// Step 7's `P_s` on one block: `L^(−e)·Ḡ·R^(−e)` (only the factors the block has).

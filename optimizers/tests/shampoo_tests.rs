@@ -1214,3 +1214,54 @@ fn time_a_1024_square_step() {
         }
     }
 }
+
+/// A factor that overflows `f32` (gradients near `1e21` square past its range) has no inverse
+/// root: the previous root stays, the failure is counted in `root_failures`, the counter
+/// survives the byte round trip, and a state written in the first format (no counter) still
+/// loads, with 0 failures.
+#[test]
+fn a_root_that_cannot_be_computed_keeps_the_previous_one_and_is_counted() {
+    let c = ShampooConfig {
+        precondition_frequency: 1,
+        start_preconditioning_step: Some(1),
+        ..loud()
+    };
+    let opt = Shampoo::new(c).unwrap();
+    let spec = specs(&[("w", &[4, 4])]);
+    let shard = whole_shard(&opt, &spec);
+    let mut state = opt.init(&shard).unwrap();
+    let g: Vec<f32> = (0..16).map(|i| 0.1 + i as f32 * 0.01).collect();
+    let mut params = scatter(&shard, &[vec![0.5; 16]]);
+    let mut step = |state: &mut ShampooState, g: &[f32]| {
+        let grads = scatter(&shard, &[g.to_vec()]);
+        opt.step_slices(state, &shard, &mut params, &grads, &SingleRank)
+            .unwrap();
+    };
+    step(&mut state, &g);
+    assert_eq!(state.root_failures, 0);
+    let good_roots = bits(&state.roots);
+    assert_ne!(good_roots, bits(&opt.init(&shard).unwrap().roots));
+    let huge: Vec<f32> = g.iter().map(|x| x * 1e21).collect();
+    step(&mut state, &huge);
+    assert!(state.factors.iter().any(|f| !f.is_finite()));
+    assert_eq!(bits(&state.roots), good_roots, "the last good roots stay");
+    assert_eq!(
+        state.root_failures, 2,
+        "both factors of the one block failed"
+    );
+    let bytes = state.to_le_bytes();
+    assert_eq!(ShampooState::from_le_bytes(&bytes).unwrap(), state);
+    // The first format: magic "SHAMPOO1" and a five-word header without the counter.
+    let mut v1 = b"SHAMPOO1".to_vec();
+    v1.extend_from_slice(&bytes[8..40]);
+    v1.extend_from_slice(&bytes[48..]);
+    let old = ShampooState::from_le_bytes(&v1).unwrap();
+    assert_eq!(
+        old,
+        ShampooState {
+            root_failures: 0,
+            ..state.clone()
+        }
+    );
+    assert!(ShampooState::from_le_bytes(&v1[..v1.len() - 4]).is_err());
+}
