@@ -5,7 +5,11 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
+use std::collections::HashMap;
+use std::time::Instant;
+
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, pct};
 use ragged::model::Inventory;
 use ragged::plan::baselines;
@@ -14,6 +18,7 @@ use ragged::plan::multi::MultiOptions;
 use ragged::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
+use ragged_optimizers::{LayoutReport, MatrixLayout, Muon, MuonConfig};
 
 /// The most devices `--full-units` writes a per-rank list for.
 const MAX_FULL_UNITS_DEVICES: usize = 1 << 16;
@@ -71,6 +76,11 @@ pub struct PlanArgs {
     /// Skip the baseline comparison.
     #[arg(long)]
     no_baselines: bool,
+    /// Also lay out every unit as Muon's default (Auto) layout does, each matrix whole or split
+    /// by bytes on the wire, and report it against all-whole and all-split (Muon picks its
+    /// own blocks: --block does not apply; one layer per unit).
+    #[arg(long)]
+    muon: bool,
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
@@ -115,6 +125,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let mut text = summary(&inv, &plan, args)?;
         text.push_str(&multi_summary(&inv, &multi, args, &opts, &mopts)?);
         print_stdout(&text)?;
+        if args.muon {
+            print_stdout(&muon_summary(&inv, args.devices, &opts)?)?;
+        }
     }
     if let Some(path) = &args.json {
         write_plan_json(&multi, args.full_units, path)?;
@@ -241,6 +254,107 @@ fn multi_summary(
         }
     }
     Ok(s)
+}
+
+/// The `--muon` section: Muon's Auto layout of every unit (a run of units with the same
+/// outcome on one line), its planning time, and the bytes on the wire per step of Auto,
+/// all-whole and all-split over the model (`LayoutReport::cost_bytes`).
+fn muon_summary(inv: &Inventory, world: usize, opts: &PlanOptions) -> Result<String> {
+    let muon = |layout| {
+        Muon::new(MuonConfig {
+            layout,
+            ..MuonConfig::default()
+        })
+    };
+    let auto = muon(MatrixLayout::Auto)?;
+    let units = inv.units();
+    let progress = ProgressBar::new(units.len() as u64).with_style(
+        ProgressStyle::with_template("muon layout {bar:30} {pos}/{len} units [{elapsed}]")
+            .expect("valid template"),
+    );
+    let start = Instant::now();
+    let mut reports = Vec::with_capacity(units.len());
+    for unit in &units {
+        reports.push(auto.plan_layout(unit, world, opts)?.1);
+        progress.inc(1);
+    }
+    let elapsed = start.elapsed();
+    progress.finish_and_clear();
+    let (whole, split) = (muon(MatrixLayout::Whole)?, muon(MatrixLayout::Split)?);
+    let mut ends: HashMap<Vec<(&[usize], bool)>, (u64, u64)> = HashMap::new();
+    let (mut whole_bytes, mut split_bytes) = (0u64, 0u64);
+    for unit in &units {
+        let key = unit
+            .tensors
+            .iter()
+            .map(|t| (t.shape.as_slice(), auto.uses_muon(&t.name, &t.shape)))
+            .collect();
+        let (w, s) = match ends.get(&key) {
+            Some(&ws) => ws,
+            None => {
+                let w = whole.plan_layout(unit, world, opts)?.1.cost_bytes();
+                let s = split.plan_layout(unit, world, opts)?.1.cost_bytes();
+                ends.insert(key, (w, s));
+                (w, s)
+            }
+        };
+        whole_bytes += w;
+        split_bytes += s;
+    }
+    let split_of = |r: &LayoutReport| {
+        let n = r.tensors.iter().filter(|t| t.block != AtomicBlock::Matrix);
+        n.count()
+    };
+    let matrices: usize = reports.iter().map(|r| r.tensors.len()).sum();
+    let splits: usize = reports.iter().map(split_of).sum();
+    let auto_bytes: u64 = reports.iter().map(LayoutReport::cost_bytes).sum();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "
+muon (Auto layout, V = {world}, plan time {:.2} s): {splits} of {matrices} matrices split; \
+         {} on the wire per step (all whole {}, all split {})",
+        elapsed.as_secs_f64(),
+        gb(auto_bytes),
+        gb(whole_bytes),
+        gb(split_bytes)
+    );
+    let mut i = 0;
+    while i < reports.len() {
+        let r = &reports[i];
+        let outcome = |q: &LayoutReport| (split_of(q), q.tensors.len(), q.padding, q.moved);
+        let same = reports[i..]
+            .iter()
+            .take_while(|q| outcome(q) == outcome(r))
+            .count();
+        let name = if same > 1 {
+            format!("{} .. {} ({same})", r.unit, reports[i + same - 1].unit)
+        } else {
+            r.unit.clone()
+        };
+        let numel: usize = units[i].tensors.iter().map(|t| t.numel()).sum();
+        let _ = writeln!(
+            s,
+            "  {name:<32} {} of {} split; padding {}%; {} elements to roots per step; {} per step",
+            split_of(r),
+            r.tensors.len(),
+            pct(r.padding as f64 / numel.max(1) as f64),
+            r.moved,
+            gb(r.cost_bytes())
+        );
+        i += same;
+    }
+    Ok(s)
+}
+
+/// Bytes as GB (or MB below 1 GB), two decimals.
+fn gb(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else {
+        format!("{:.2} MB", b / 1e6)
+    }
 }
 
 fn parse_orders(s: &str) -> Result<Vec<Order>> {

@@ -707,3 +707,62 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// "1.16 GB" or "24.11 MB" as bytes.
+fn size_bytes(text: &str) -> f64 {
+    let (value, unit) = text.trim().split_once(' ').expect("a value and a unit");
+    let scale = match unit {
+        "GB" => 1e9,
+        "MB" => 1e6,
+        other => panic!("unit {other:?}"),
+    };
+    value.parse::<f64>().expect("a number") * scale
+}
+
+/// `plan --muon` lays out every unit of an MoE model (root and 48 layers of 128 experts) as
+/// Muon's Auto layout does: every unit is on one of the report's lines, and Auto puts no more
+/// bytes on the wire than keeping every matrix whole or splitting every one (and fewer than
+/// all-whole here, where whole expert matrices force padding).
+#[test]
+fn plan_muon_reports_every_unit_and_auto_costs_no_more_than_either_end() {
+    let out = ragged(&[
+        "plan",
+        "--model",
+        "models/qwen3_30b_a3b.json",
+        "--devices",
+        "8",
+        "--no-baselines",
+        "--muon",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, rest) = text
+        .split_once("muon (Auto layout, V = 8")
+        .unwrap_or_else(|| panic!("no muon section in {text}"));
+    let first = rest.lines().next().unwrap();
+    let wire = first.split_once("split; ").unwrap().1;
+    let (auto, ends) = wire
+        .split_once(" on the wire per step (all whole ")
+        .unwrap();
+    let (whole, split) = ends
+        .trim_end_matches(')')
+        .split_once(", all split ")
+        .unwrap();
+    let (auto, whole, split) = (size_bytes(auto), size_bytes(whole), size_bytes(split));
+    assert!(auto <= whole && auto <= split, "{first}");
+    assert!(auto < whole, "{first}");
+    let units: usize = rest
+        .lines()
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .map(|l| match l.split_once(" (") {
+            Some((_, n)) if l.contains(" .. ") => n.split(')').next().unwrap().parse().unwrap(),
+            _ => 1,
+        })
+        .sum();
+    assert_eq!(units, 49, "{rest}");
+}

@@ -141,32 +141,32 @@ impl Muon {
                 .collect()
         };
         let whole_blocks = all(AtomicBlock::Matrix);
-        let whole = self.costed(unit, &whole_blocks, world, opts)?;
-        let (blocks, best) = match layout {
-            MatrixLayout::Whole => (whole_blocks, whole.clone()),
+        let whole = || self.costed(unit, &whole_blocks, world, opts);
+        let (blocks, best, whole_padding) = match layout {
+            MatrixLayout::Whole => {
+                let whole = whole()?;
+                let padding = whole.plan.padding();
+                (whole_blocks.clone(), whole, padding)
+            }
             MatrixLayout::Split => {
                 let blocks = all(AtomicBlock::Element);
                 let best = self.costed(unit, &blocks, world, opts)?;
-                (blocks, best)
+                (blocks, best, whole()?.plan.padding())
             }
             MatrixLayout::Auto => {
                 let key = LayoutKey::new(unit, &base, &muon, world, opts);
                 match self.layouts.get(&key) {
-                    Some(blocks) => {
-                        let best = self.costed(unit, &blocks, world, opts)?;
-                        (blocks, best)
+                    Some((blocks, whole_padding, found)) => {
+                        (blocks, found.renamed(unit), whole_padding)
                     }
                     None => {
-                        let found = self.search(
-                            unit,
-                            &all,
-                            (whole_blocks, whole.clone()),
-                            &muon,
-                            world,
-                            opts,
-                        )?;
-                        self.layouts.insert(key, found.0.clone());
-                        found
+                        let whole = whole()?;
+                        let padding = whole.plan.padding();
+                        let start = (whole_blocks.clone(), whole);
+                        let (blocks, best) = self.search(unit, &all, start, &muon, world, opts)?;
+                        self.layouts
+                            .insert(key, (blocks.clone(), padding, best.clone()));
+                        (blocks, best, padding)
                     }
                 }
             }
@@ -189,7 +189,7 @@ impl Muon {
             layout,
             tensors,
             padding: best.plan.padding(),
-            whole_padding: whole.plan.padding(),
+            whole_padding,
             moved: best.moved,
         };
         Ok((best.plan, report))
@@ -297,6 +297,19 @@ struct Costed {
     wire: u64,
 }
 
+impl Costed {
+    /// The same layout for `unit`, a unit whose tensors have the shapes and blocks of the one
+    /// this was planned for (placements are in unit order): its unit, tensor names and dtypes.
+    fn renamed(mut self, unit: &Unit) -> Self {
+        self.plan.unit.clone_from(&unit.name);
+        for (p, t) in self.plan.placements.iter_mut().zip(&unit.tensors) {
+            p.name.clone_from(&t.name);
+            p.dtype = t.dtype;
+        }
+        self
+    }
+}
+
 /// `n, n/2, n/4, …, 1` (each once).
 fn halvings(n: usize) -> impl Iterator<Item = usize> {
     std::iter::successors((n > 0).then_some(n), |&k| (k > 1).then_some(k / 2))
@@ -355,18 +368,22 @@ impl LayoutKey {
 /// the identical layers of a model (and every rank's copy, on thread ranks) search once.
 /// A cache, not configuration: it takes no part in equality.
 #[derive(Clone, Default)]
-pub(crate) struct LayoutCache(Arc<Mutex<HashMap<LayoutKey, Vec<AtomicBlock>>>>);
+pub(crate) struct LayoutCache(Arc<Mutex<HashMap<LayoutKey, Remembered>>>);
+
+/// What a search found: the blocks, the padding with every Muon matrix whole, and the costed
+/// plan (under the names of the unit it was found for).
+type Remembered = (Vec<AtomicBlock>, usize, Costed);
 
 impl LayoutCache {
-    fn get(&self, key: &LayoutKey) -> Option<Vec<AtomicBlock>> {
+    fn get(&self, key: &LayoutKey) -> Option<Remembered> {
         self.lock().get(key).cloned()
     }
 
-    fn insert(&self, key: LayoutKey, blocks: Vec<AtomicBlock>) {
-        self.lock().insert(key, blocks);
+    fn insert(&self, key: LayoutKey, found: Remembered) {
+        self.lock().insert(key, found);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LayoutKey, Vec<AtomicBlock>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LayoutKey, Remembered>> {
         // A panic elsewhere while holding the lock leaves the map whole (inserts are atomic).
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
