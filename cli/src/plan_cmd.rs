@@ -11,7 +11,7 @@ use std::time::Instant;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, pct};
-use ragged::model::Inventory;
+use ragged::model::{Inventory, Unit};
 use ragged::plan::baselines;
 use ragged::plan::export::{svg_multi, write_multi_json};
 use ragged::plan::multi::MultiOptions;
@@ -280,27 +280,7 @@ fn muon_summary(inv: &Inventory, world: usize, opts: &PlanOptions) -> Result<Str
     }
     let elapsed = start.elapsed();
     progress.finish_and_clear();
-    let (whole, split) = (muon(MatrixLayout::Whole)?, muon(MatrixLayout::Split)?);
-    let mut ends: HashMap<Vec<(&[usize], bool)>, (u64, u64)> = HashMap::new();
-    let (mut whole_bytes, mut split_bytes) = (0u64, 0u64);
-    for unit in &units {
-        let key = unit
-            .tensors
-            .iter()
-            .map(|t| (t.shape.as_slice(), auto.uses_muon(&t.name, &t.shape)))
-            .collect();
-        let (w, s) = match ends.get(&key) {
-            Some(&ws) => ws,
-            None => {
-                let w = whole.plan_layout(unit, world, opts)?.1.cost_bytes();
-                let s = split.plan_layout(unit, world, opts)?.1.cost_bytes();
-                ends.insert(key, (w, s));
-                (w, s)
-            }
-        };
-        whole_bytes += w;
-        split_bytes += s;
-    }
+    let (whole_bytes, split_bytes) = muon_ends_bytes(&auto, &units, world, opts)?;
     let split_of = |r: &LayoutReport| {
         let n = r.tensors.iter().filter(|t| t.block != AtomicBlock::Matrix);
         n.count()
@@ -345,6 +325,47 @@ muon (Auto layout, V = {world}, plan time {:.2} s): {splits} of {matrices} matri
         i += same;
     }
     Ok(s)
+}
+
+/// A unit's tensors as Muon's layout search sees them: shape, and whether Muon steps it.
+type MuonShapes<'a> = Vec<(&'a [usize], bool)>;
+
+/// Bytes on the wire per step over `units` with every Muon matrix whole and with every one
+/// split (each distinct unit planned once).
+fn muon_ends_bytes(
+    auto: &Muon,
+    units: &[Unit],
+    world: usize,
+    opts: &PlanOptions,
+) -> Result<(u64, u64)> {
+    let muon = |layout| {
+        Muon::new(MuonConfig {
+            layout,
+            ..auto.config().clone()
+        })
+    };
+    let (whole, split) = (muon(MatrixLayout::Whole)?, muon(MatrixLayout::Split)?);
+    let mut ends: HashMap<MuonShapes, (u64, u64)> = HashMap::new();
+    let (mut whole_bytes, mut split_bytes) = (0u64, 0u64);
+    for unit in units {
+        let key = unit
+            .tensors
+            .iter()
+            .map(|t| (t.shape.as_slice(), auto.uses_muon(&t.name, &t.shape)))
+            .collect();
+        let (w, s) = match ends.get(&key) {
+            Some(&ws) => ws,
+            None => {
+                let w = whole.plan_layout(unit, world, opts)?.1.cost_bytes();
+                let s = split.plan_layout(unit, world, opts)?.1.cost_bytes();
+                ends.insert(key, (w, s));
+                (w, s)
+            }
+        };
+        whole_bytes += w;
+        split_bytes += s;
+    }
+    Ok((whole_bytes, split_bytes))
 }
 
 /// Bytes as GB (or MB below 1 GB), two decimals.

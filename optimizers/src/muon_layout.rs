@@ -17,8 +17,8 @@
 //! (same shape, same name up to its numbers: the experts of an MoE layer), largest first,
 //! trying `n, n/2, n/4, …, 1` members of each and keeping the cheapest count; a class of one is
 //! one tensor at a time. An MoE layer with hundreds of experts thus costs tens of plans, not
-//! hundreds, and units equal up to names (the layers of a model) share one search
-//! ([`LayoutCache`]). Every choice is reported ([`LayoutReport`]). The model counts bytes, not
+//! hundreds, and units equal up to names (the layers of a model) share one search and its plan
+//! (remembered by the [`Muon`] and its clones). Every choice is reported ([`LayoutReport`]). The model counts bytes, not
 //! time: Newton–Schulz load balance is left to the root assignment.
 
 use std::collections::HashMap;
