@@ -219,6 +219,18 @@ impl GradSink {
         Ok((buf, touched))
     }
 
+    /// Drops the gradients accumulated since the last [`GradSink::take`] (their buffer goes
+    /// back to the pool), as if no backward had run.
+    pub fn discard(&self) {
+        let mut st = self.lock();
+        let buf = st.buf.take();
+        st.touched = vec![false; self.slots.len()];
+        drop(st);
+        if let Some(buf) = buf {
+            self.recycle(buf);
+        }
+    }
+
     /// Whether a gradient arrived since the last [`GradSink::take`].
     pub fn holds_gradients(&self) -> bool {
         self.lock().buf.is_some()
@@ -355,5 +367,12 @@ impl GradBuffer {
     /// Marks the gradients used by a step: the next reduction overwrites the shard.
     pub fn consume(&mut self) {
         self.reduced = 0;
+    }
+
+    /// Drops every pending gradient: the reduced shard's and the sink's (a backward not yet
+    /// reduced), as loading new values must.
+    pub fn discard(&mut self) {
+        self.sink.discard();
+        self.consume();
     }
 }

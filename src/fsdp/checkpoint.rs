@@ -412,7 +412,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                 grads,
                 ..
             } = unit;
-            grads.consume();
+            grads.discard();
             let data = std::iter::once(FieldDataMut::F32(params.master_mut()?))
                 .chain(optimizer.state_data_mut(state)?);
             for (f, mut d) in fields.iter().zip(data) {
@@ -521,7 +521,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// several files (the path of its `model.safetensors.index.json`): each rank reads only
     /// its ranges of each tensor, converting F32, BF16 or F16 to the f32 master. Every model
     /// parameter must be in the file(s) with its shape; returns the tensors the model does not
-    /// have. The optimizer state is left as it is (fresh after `fully_shard`).
+    /// have. The optimizer state is left as it is (fresh after `fully_shard`); pending
+    /// gradients are dropped.
     pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
         let path = path.as_ref();
         let (unused, status) = match self.import_local(path) {
@@ -565,7 +566,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 let out = &mut master[piece.offset..piece.offset + piece.range.len()];
                 read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)?;
             }
-            unit.grads.consume();
+            unit.grads.discard();
         }
         let model = self.model_tensors();
         let names: HashSet<&str> = model.iter().map(|t| t.name.as_str()).collect();
