@@ -9,23 +9,18 @@
 //! `ThreadWorld::run`, real files in a scratch folder).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use ragged::checkpoint::SaveOptions;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, NonFinitePolicy, ShardedModel};
-use ragged_optimizers::{AdamW, AdamWConfig};
+use ragged_optimizers::AdamW;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir()
-        .join("ragged-checkpoint-accounting-tests")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+mod common;
+use common::{adamw, local_grads, scratch};
+
+const SUITE: &str = "ragged-checkpoint-accounting-tests";
 
 /// A tensor of `shape` whose elements are distinct, not integers, and mostly not bf16 values.
 fn varied(shape: &[usize], seed: u32) -> Tensor {
@@ -45,14 +40,6 @@ fn params() -> Vec<(String, Tensor)> {
         ("w".to_string(), varied(&[16, 20], 1)),
         ("b".to_string(), varied(&[20], 2)),
     ]
-}
-
-fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig {
-        lr: 0.1,
-        ..AdamWConfig::default()
-    })
-    .unwrap()
 }
 
 fn skip_step() -> FsdpOptions {
@@ -103,18 +90,6 @@ fn compute_copies(s: &mut ShardedModel<'_, AdamW>) -> HashMap<String, Vec<f32>> 
         .collect()
 }
 
-/// Every gradient element this rank holds (its pieces, not the padding).
-fn local_grads(s: &ShardedModel<'_, AdamW>) -> Vec<f32> {
-    let mut out = Vec::new();
-    s.with_local_grads(|local, g| {
-        for p in &local.pieces {
-            out.extend_from_slice(&g[p.offset..p.offset + p.range.len()]);
-        }
-    })
-    .unwrap();
-    out
-}
-
 /// A load restores the progress as saved: the skipped-step count, the learning rate set by
 /// `set_learning_rate` (not the optimizer config's), the step count; it clears a non-finite
 /// loss noted before it (the next step is taken); and the next step matches the run that
@@ -122,7 +97,7 @@ fn local_grads(s: &ShardedModel<'_, AdamW>) -> Vec<f32> {
 /// loaded at another world size.
 #[test]
 fn a_load_restores_skips_learning_rate_and_clears_the_non_finite_flag() {
-    let root = scratch("progress");
+    let root = scratch(SUITE, "progress");
     let runs = ThreadWorld::run(2, |c| {
         let mut s = fully_shard(&params(), adamw(), c, skip_step())?;
         backward(&mut s, 1.0)?;
@@ -166,65 +141,45 @@ fn a_load_restores_skips_learning_rate_and_clears_the_non_finite_flag() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// Gradients reduced but not stepped when a checkpoint is loaded are dropped:
-/// a save right after is not refused, and the next step is that of a model that loaded
-/// without them, bitwise.
+/// Pending gradients are dropped by a load (`load`'s "drops pending gradients"), whether
+/// reduced but not stepped or still in the sinks (a backward without its reduction): a save
+/// right after is not refused, and the next step is that of a model that loaded without
+/// them, bitwise.
 #[test]
-fn a_load_drops_pending_gradients() {
-    let root = scratch("pending");
-    let same = ThreadWorld::run(2, |c| {
-        let mut s = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        train_step(&mut s, 1.0)?;
-        s.save(&root, &SaveOptions::default())?;
+fn a_load_drops_pending_gradients_reduced_or_not() {
+    let root = scratch(SUITE, "pending");
+    for reduced in [true, false] {
+        let same = ThreadWorld::run(2, |c| {
+            let mut s = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
+            train_step(&mut s, 1.0)?;
+            let saved = root.join(format!("reduced-{reduced}"));
+            s.save(&saved, &SaveOptions::default())?;
 
-        let mut clean = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        clean.load(&root)?;
-        train_step(&mut clean, 1.0)?;
+            let mut clean = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
+            clean.load(&saved)?;
+            train_step(&mut clean, 1.0)?;
 
-        let mut dirty = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        backward(&mut dirty, 7.0)?;
-        dirty.reduce_gradients()?;
-        dirty.load(&root)?;
-        let again = root.join("again");
-        dirty.save(&again, &SaveOptions::default())?;
-        train_step(&mut dirty, 1.0)?;
-        Ok(dirty.full_params()? == clean.full_params()?)
-    })
-    .unwrap();
-    assert_eq!(same, vec![true, true]);
-    let _ = std::fs::remove_dir_all(&root);
-}
-
-/// Gradients still in the sinks (a backward without its reduction) when a checkpoint is loaded
-/// are dropped too (`load`'s documented "drops pending gradients"): a save right after is not
-/// refused, and the next step is that of a model that loaded without them.
-#[test]
-fn a_load_drops_gradients_still_in_the_sinks() {
-    let root = scratch("sinks");
-    let same = ThreadWorld::run(2, |c| {
-        let mut s = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        train_step(&mut s, 1.0)?;
-        s.save(&root, &SaveOptions::default())?;
-
-        let mut clean = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        clean.load(&root)?;
-        train_step(&mut clean, 1.0)?;
-
-        let mut dirty = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
-        backward(&mut dirty, 3.0)?;
-        dirty.load(&root)?;
-        let again = root.join("again");
-        let saved = dirty.save(&again, &SaveOptions::default()).map(|_| ());
-        train_step(&mut dirty, 1.0)?;
-        Ok((
-            saved.map_err(|e| e.to_string()),
-            dirty.full_params()? == clean.full_params()?,
-        ))
-    })
-    .unwrap();
-    for (saved, same) in same {
-        assert!(same, "gradients from before the load reached the step");
-        assert_eq!(saved, Ok(()), "save after load refused");
+            let mut dirty = fully_shard(&params(), adamw(), c, FsdpOptions::default())?;
+            backward(&mut dirty, 7.0)?;
+            if reduced {
+                dirty.reduce_gradients()?;
+            }
+            dirty.load(&saved)?;
+            let again = dirty.save(saved.join("again"), &SaveOptions::default());
+            train_step(&mut dirty, 1.0)?;
+            Ok((
+                again.map(|_| ()).map_err(|e| e.to_string()),
+                dirty.full_params()? == clean.full_params()?,
+            ))
+        })
+        .unwrap();
+        for (again, same) in same {
+            assert_eq!(again, Ok(()), "reduced {reduced}: save after load refused");
+            assert!(
+                same,
+                "reduced {reduced}: gradients from before the load reached the step"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&root);
 }
@@ -233,7 +188,7 @@ fn a_load_drops_gradients_still_in_the_sinks() {
 /// removed), the load resumes at step 3 with step 3's parameters.
 #[test]
 fn a_root_resolves_to_its_newest_checkpoint() {
-    let root = scratch("newest");
+    let root = scratch(SUITE, "newest");
     let mut s = fully_shard(&params(), adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     for _ in 0..3 {
         train_step(&mut s, 1.0).unwrap();
@@ -255,7 +210,7 @@ fn a_root_resolves_to_its_newest_checkpoint() {
 /// shares its names) does not load: the model would silently miss part of what was trained.
 #[test]
 fn a_checkpoint_with_parameters_the_model_lacks_is_refused() {
-    let root = scratch("larger");
+    let root = scratch(SUITE, "larger");
     let mut s = fully_shard(&params(), adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     train_step(&mut s, 1.0).unwrap();
     s.save(&root, &SaveOptions::default()).unwrap();
@@ -274,7 +229,7 @@ fn a_checkpoint_with_parameters_the_model_lacks_is_refused() {
 /// loaded values, not the ones gathered before.
 #[test]
 fn compute_copies_gathered_before_a_load_show_the_loaded_values() {
-    let root = scratch("stale");
+    let root = scratch(SUITE, "stale");
     for world in [1, 2] {
         let dir = root.join(format!("v{world}"));
         ThreadWorld::run(world, |c| {
@@ -311,7 +266,7 @@ fn compute_copies_gathered_before_a_load_show_the_loaded_values() {
 /// with tensors whose pieces span several conversion blocks (65 536 elements).
 #[test]
 fn half_precision_imports_convert_f16_and_bf16_over_many_blocks() {
-    let root = scratch("half");
+    let root = scratch(SUITE, "half");
     let shapes: [(&str, &[usize]); 2] = [("big", &[600, 512]), ("small", &[7, 3])];
     let model: Vec<(String, Tensor)> = shapes
         .iter()
@@ -360,7 +315,7 @@ fn half_precision_imports_convert_f16_and_bf16_over_many_blocks() {
 /// tensor is read from the file the index names.
 #[test]
 fn an_index_that_interleaves_files_loads_every_tensor_from_its_file() {
-    let root = scratch("index");
+    let root = scratch(SUITE, "index");
     let names = ["a", "b", "c", "d"];
     let model: Vec<(String, Tensor)> = names
         .iter()

@@ -37,14 +37,10 @@ const LR: f64 = 1e-2;
 
 type Params = Vec<(String, Tensor)>;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir()
-        .join("ragged-checkpoint-tests")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+mod common;
+use common::scratch;
+
+const SUITE: &str = "ragged-checkpoint-tests";
 
 fn adamw() -> AdamW {
     AdamW::new(AdamWConfig {
@@ -163,7 +159,7 @@ fn run<O: CheckpointState + Clone>(
 /// steps.
 fn resume_is_exact<O: CheckpointState + Clone>(label: &str, opt: O, world: usize) {
     let (a, b) = (CFG.init_params(7).unwrap(), CFG.init_params(8).unwrap());
-    let root = scratch(label);
+    let root = scratch(SUITE, label);
     let (straight, half, resumed) = (
         root.join("straight"),
         root.join("half"),
@@ -213,7 +209,7 @@ fn reshard_is_exact<O: CheckpointState + Clone>(
     layouts: &[ShardLayout],
 ) {
     let params = CFG.init_params(11).unwrap();
-    let root = scratch(&format!("reshard-{label}"));
+    let root = scratch(SUITE, &format!("reshard-{label}"));
     let four = root.join("four");
     run(
         4,
@@ -312,7 +308,7 @@ fn checkpoints_reshard_exactly_to_other_world_sizes_layouts_and_muon_placements(
 /// does not have) starts a sharded run, each rank reading its ranges.
 #[test]
 fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
-    let root = scratch("interop");
+    let root = scratch(SUITE, "interop");
     let params = CFG.init_params(5).unwrap();
     let exported = root.join("model.safetensors");
     let full = ThreadWorld::run(3, |c| {
@@ -471,7 +467,7 @@ fn tamper_manifest(dir: &Path, from: &str, to: &str) {
 
 #[test]
 fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
-    let root = scratch("damaged");
+    let root = scratch(SUITE, "damaged");
     let params = CFG.init_params(3).unwrap();
     let good = root.join("good");
     run(2, &params, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
@@ -617,7 +613,7 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
 fn a_schedule_resumes_at_its_position_with_its_base() {
     use ragged::comm::SingleRank;
     use ragged::schedule::Schedule;
-    let root = scratch("schedule");
+    let root = scratch(SUITE, "schedule");
     let params = CFG.init_params(3).unwrap();
     let sched = Schedule::WarmupCosine {
         warmup: 2,
@@ -647,7 +643,7 @@ fn a_schedule_resumes_at_its_position_with_its_base() {
 /// Rotation keeps the newest checkpoints; a save with gradients pending is refused.
 #[test]
 fn saves_rotate_and_refuse_pending_gradients() {
-    let root = scratch("rotate");
+    let root = scratch(SUITE, "rotate");
     let params = CFG.init_params(2).unwrap();
     let errors = ThreadWorld::run(2, |c| {
         let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
@@ -715,7 +711,7 @@ fn child_saves_until_killed() {
 /// replaces the leftover.
 #[test]
 fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
-    let root = scratch("killed");
+    let root = scratch(SUITE, "killed");
     let mut caught = false;
     for attempt in 0..5 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
@@ -858,7 +854,7 @@ fn main_job_digest(spec: &str) -> String {
 /// from it (`init_from`, no steps) has its digest; `init_from` with `resume` is refused.
 #[test]
 fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
-    let root = scratch("main-job");
+    let root = scratch(SUITE, "main-job");
     let mut digests = Vec::new();
     for opt in ["adamw", "adam8bit"] {
         let dir = root.join(opt);

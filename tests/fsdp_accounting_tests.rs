@@ -13,6 +13,9 @@ use ragged::plan::{Order, PlanOptions};
 use ragged::roles::{Role, RoleFn, RoleRule, RoleSettings};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
+mod common;
+use common::{adamw, local_grads};
+
 fn ones(name: &str, shape: &[usize]) -> (String, Tensor) {
     let t = Tensor::ones(shape, DType::F32, &Device::Cpu).unwrap();
     (name.to_string(), t)
@@ -21,26 +24,6 @@ fn ones(name: &str, shape: &[usize]) -> (String, Tensor) {
 /// `w` (16×20) and `b` (20), all ones: 340 elements.
 fn params() -> Vec<(String, Tensor)> {
     vec![ones("w", &[16, 20]), ones("b", &[20])]
-}
-
-fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig {
-        lr: 0.1,
-        ..AdamWConfig::default()
-    })
-    .unwrap()
-}
-
-/// Every gradient element this rank holds (the pieces of its local shard, not the padding).
-fn local_grads(s: &ShardedModel<'_, AdamW>) -> Vec<f32> {
-    let mut out = Vec::new();
-    s.with_local_grads(|local, g| {
-        for p in &local.pieces {
-            out.extend_from_slice(&g[p.offset..p.offset + p.range.len()]);
-        }
-    })
-    .unwrap();
-    out
 }
 
 /// A backward of `Σ c·p` over every parameter: each gradient element is `c` (per rank; the
