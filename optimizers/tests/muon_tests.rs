@@ -21,8 +21,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, default_ns_method, gather, ns_f64, numels, padding, planned_shards_by, scatter,
-    singular_range, whole_shard_by, Rng,
+    bits, data, default_ns_method, gather, ns_f64, numels, padding, planned_shards_by, scatter,
+    singular_range, specs, whole_shard_by, Rng,
 };
 
 /// The unsharded reference shard, with Muon's blocks.
@@ -33,13 +33,6 @@ fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
-    tensors
-        .iter()
-        .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
-        .collect()
-}
 
 /// One rank's run: `steps` Muon steps; garbage in the gradient's padding; asserts padding
 /// stays `+0.0` in params and both state buffers. Returns (params, state).
@@ -98,15 +91,6 @@ fn run_world(
         gather(shards, &ms, numels),
         gather(shards, &vs, numels),
     ]
-}
-
-fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut rng = Rng::new(seed);
-    let p0 = specs.iter().map(|t| rng.units(t.numel())).collect();
-    let grads = (0..steps)
-        .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
-        .collect();
-    (p0, grads)
 }
 
 /// Hyperparameters under which every term is visible.

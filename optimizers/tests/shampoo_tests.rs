@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use ragged::comm::SingleRank;
-use ragged::model::{DType, TensorSpec};
+use ragged::model::TensorSpec;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Error};
@@ -18,7 +18,7 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, gather, jacobi, numels, padding, planned_shards, planned_shards_by, scatter,
+    bits, data, gather, jacobi, numels, padding, planned_shards, planned_shards_by, scatter, specs,
     whole_shard_by, Rng,
 };
 
@@ -26,25 +26,9 @@ use harness::{
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
-    tensors
-        .iter()
-        .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
-        .collect()
-}
-
 /// The unsharded reference shard, with Shampoo's blocks.
 fn whole_shard(opt: &Shampoo, specs: &[TensorSpec]) -> LocalShard {
     whole_shard_by(specs, &|t| opt.atomic_block(&t.name, &t.shape))
-}
-
-fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut rng = Rng::new(seed);
-    let p0 = specs.iter().map(|t| rng.units(t.numel())).collect();
-    let grads = (0..steps)
-        .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
-        .collect();
-    (p0, grads)
 }
 
 /// One rank's run of `grads.len()` steps, with a finite non-zero gradient in the padding;

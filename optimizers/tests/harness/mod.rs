@@ -3,7 +3,7 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 use ragged::demo::SplitMix;
-use ragged::model::{TensorSpec, Unit};
+use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
@@ -271,4 +271,22 @@ pub fn default_ns_method(rows: usize, cols: usize) -> NsMethod {
     let ns = NsConfig::default();
     let backend = resolve_config(&ns).unwrap();
     resolve_method(&ns, backend, rows.min(cols), rows.max(cols)).unwrap()
+}
+
+/// `f32` tensor specs from `(name, shape)` pairs.
+pub fn specs(tensors: &[(&str, &[usize])]) -> Vec<TensorSpec> {
+    tensors
+        .iter()
+        .map(|(n, s)| TensorSpec::new(n.to_string(), s, DType::F32).unwrap())
+        .collect()
+}
+
+/// Seeded initial values of every tensor and `steps` gradients of each (uniform in ±1).
+pub fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+    let mut rng = Rng::new(seed);
+    let p0 = specs.iter().map(|t| rng.units(t.numel())).collect();
+    let grads = (0..steps)
+        .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
+        .collect();
+    (p0, grads)
 }
