@@ -4,8 +4,6 @@ use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
-
-use std::collections::HashMap;
 use std::time::Instant;
 
 use clap::Args;
@@ -260,13 +258,7 @@ fn multi_summary(
 /// outcome on one line), its planning time, and the bytes on the wire per step of Auto,
 /// all-whole and all-split over the model (`LayoutReport::cost_bytes`).
 fn muon_summary(inv: &Inventory, world: usize, opts: &PlanOptions) -> Result<String> {
-    let muon = |layout| {
-        Muon::new(MuonConfig {
-            layout,
-            ..MuonConfig::default()
-        })
-    };
-    let auto = muon(MatrixLayout::Auto)?;
+    let auto = Muon::new(MuonConfig::default())?;
     let units = inv.units();
     let progress = ProgressBar::new(units.len() as u64).with_style(
         ProgressStyle::with_template("muon layout {bar:30} {pos}/{len} units [{elapsed}]")
@@ -282,8 +274,10 @@ fn muon_summary(inv: &Inventory, world: usize, opts: &PlanOptions) -> Result<Str
     progress.finish_and_clear();
     let (whole_bytes, split_bytes) = muon_ends_bytes(&auto, &units, world, opts)?;
     let split_of = |r: &LayoutReport| {
-        let n = r.tensors.iter().filter(|t| t.block != AtomicBlock::Matrix);
-        n.count()
+        r.tensors
+            .iter()
+            .filter(|t| t.block != AtomicBlock::Matrix)
+            .count()
     };
     let matrices: usize = reports.iter().map(|r| r.tensors.len()).sum();
     let splits: usize = reports.iter().map(split_of).sum();
@@ -327,11 +321,8 @@ muon (Auto layout, V = {world}, plan time {:.2} s): {splits} of {matrices} matri
     Ok(s)
 }
 
-/// A unit's tensors as Muon's layout search sees them: shape, and whether Muon steps it.
-type MuonShapes<'a> = Vec<(&'a [usize], bool)>;
-
 /// Bytes on the wire per step over `units` with every Muon matrix whole and with every one
-/// split (each distinct unit planned once).
+/// split (`auto`'s config otherwise; each `Muon` plans a unit shape once).
 fn muon_ends_bytes(
     auto: &Muon,
     units: &[Unit],
@@ -345,25 +336,10 @@ fn muon_ends_bytes(
         })
     };
     let (whole, split) = (muon(MatrixLayout::Whole)?, muon(MatrixLayout::Split)?);
-    let mut ends: HashMap<MuonShapes, (u64, u64)> = HashMap::new();
     let (mut whole_bytes, mut split_bytes) = (0u64, 0u64);
     for unit in units {
-        let key = unit
-            .tensors
-            .iter()
-            .map(|t| (t.shape.as_slice(), auto.uses_muon(&t.name, &t.shape)))
-            .collect();
-        let (w, s) = match ends.get(&key) {
-            Some(&ws) => ws,
-            None => {
-                let w = whole.plan_layout(unit, world, opts)?.1.cost_bytes();
-                let s = split.plan_layout(unit, world, opts)?.1.cost_bytes();
-                ends.insert(key, (w, s));
-                (w, s)
-            }
-        };
-        whole_bytes += w;
-        split_bytes += s;
+        whole_bytes += whole.plan_layout(unit, world, opts)?.1.cost_bytes();
+        split_bytes += split.plan_layout(unit, world, opts)?.1.cost_bytes();
     }
     Ok((whole_bytes, split_bytes))
 }

@@ -176,7 +176,7 @@ pub struct Muon {
     /// The configured `(lr, adamw.lr)`: the fallback's rate stays `adamw.lr · lr / base lr`
     /// through every change of rate, including a rate of 0 on the way (a warm-up from 0).
     base_rates: (f64, f64),
-    /// Auto layouts already searched, shared by clones (identical layers search once).
+    /// Unit layouts already planned, shared by clones (identical layers plan once).
     pub(crate) layouts: LayoutCache,
 }
 

@@ -17,9 +17,10 @@
 //! (same shape, same name up to its numbers: the experts of an MoE layer), largest first,
 //! trying `n, n/2, n/4, …, 1` members of each and keeping the cheapest count; a class of one is
 //! one tensor at a time. An MoE layer with hundreds of experts thus costs tens of plans, not
-//! hundreds, and units equal up to names (the layers of a model) share one search and its plan
-//! (remembered by the [`Muon`] and its clones). Every choice is reported ([`LayoutReport`]). The model counts bytes, not
-//! time: Newton–Schulz load balance is left to the root assignment.
+//! hundreds. Units equal up to names (the layers of a model) are planned once, under every
+//! layout: the [`Muon`] and its clones remember each plan. Every choice is reported
+//! ([`LayoutReport`]). The model counts bytes, not time: Newton–Schulz load balance is left
+//! to the root assignment.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -140,35 +141,13 @@ impl Muon {
                 .map(|(&b, &m)| if m { block } else { b })
                 .collect()
         };
-        let whole_blocks = all(AtomicBlock::Matrix);
-        let whole = || self.costed(unit, &whole_blocks, world, opts);
-        let (blocks, best, whole_padding) = match layout {
-            MatrixLayout::Whole => {
-                let whole = whole()?;
-                let padding = whole.plan.padding();
-                (whole_blocks.clone(), whole, padding)
-            }
-            MatrixLayout::Split => {
-                let blocks = all(AtomicBlock::Element);
-                let best = self.costed(unit, &blocks, world, opts)?;
-                (blocks, best, whole()?.plan.padding())
-            }
-            MatrixLayout::Auto => {
-                let key = LayoutKey::new(unit, &base, &muon, world, opts);
-                match self.layouts.get(&key) {
-                    Some((blocks, whole_padding, found)) => {
-                        (blocks, found.renamed(unit), whole_padding)
-                    }
-                    None => {
-                        let whole = whole()?;
-                        let padding = whole.plan.padding();
-                        let start = (whole_blocks.clone(), whole);
-                        let (blocks, best) = self.search(unit, &all, start, &muon, world, opts)?;
-                        self.layouts
-                            .insert(key, (blocks.clone(), padding, best.clone()));
-                        (blocks, best, padding)
-                    }
-                }
+        let key = LayoutKey::new(unit, &base, &muon, world, opts);
+        let (whole_padding, best) = match self.layouts.get(&key) {
+            Some((whole_padding, found)) => (whole_padding, found.renamed(unit)),
+            None => {
+                let found = self.layout_of(unit, layout, &all, &muon, world, opts)?;
+                self.layouts.insert(key, found.clone());
+                found
             }
         };
         let tensors = unit
@@ -179,7 +158,7 @@ impl Muon {
             .map(|(i, t)| TensorChoice {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
-                block: blocks[i],
+                block: best.plan.placements[i].block,
                 moved: best.per_param[i],
             })
             .collect();
@@ -195,6 +174,30 @@ impl Muon {
         Ok((best.plan, report))
     }
 
+    /// The plan `layout` gives `unit` (`all(b)`: block `b` for every Muon tensor, the base
+    /// blocks for the others), with the padding of every Muon matrix whole.
+    fn layout_of(
+        &self,
+        unit: &Unit,
+        layout: MatrixLayout,
+        all: &dyn Fn(AtomicBlock) -> Vec<AtomicBlock>,
+        muon: &[bool],
+        world: usize,
+        opts: &PlanOptions,
+    ) -> Result<(usize, Costed)> {
+        let whole_blocks = all(AtomicBlock::Matrix);
+        let whole = self.costed(unit, &whole_blocks, world, opts)?;
+        let whole_padding = whole.plan.padding();
+        let best = match layout {
+            MatrixLayout::Whole => whole,
+            MatrixLayout::Split => self.costed(unit, &all(AtomicBlock::Element), world, opts)?,
+            MatrixLayout::Auto => {
+                self.search(unit, all, (whole_blocks, whole), muon, world, opts)?
+            }
+        };
+        Ok((whole_padding, best))
+    }
+
     /// [`MatrixLayout::Auto`]'s search: greedy from both ends (splitting one matrix alone may
     /// free no padding while the others stay whole, and vice versa); the cheaper result.
     fn search(
@@ -205,7 +208,7 @@ impl Muon {
         muon: &[bool],
         world: usize,
         opts: &PlanOptions,
-    ) -> Result<(Vec<AtomicBlock>, Costed)> {
+    ) -> Result<Costed> {
         let classes = classes(unit, muon);
         let split_blocks = all(AtomicBlock::Element);
         let split = self.costed(unit, &split_blocks, world, opts)?;
@@ -219,9 +222,9 @@ impl Muon {
             opts,
         )?;
         Ok(if from_split.1.wire < from_whole.1.wire {
-            from_split
+            from_split.1
         } else {
-            from_whole
+            from_whole.1
         })
     }
 
@@ -333,7 +336,7 @@ fn classes(unit: &Unit, muon: &[bool]) -> Vec<Vec<usize>> {
     classes
 }
 
-/// What decides an [`MatrixLayout::Auto`] search: per tensor its shape, base block and whether
+/// What decides a unit's layout (the layout rule being the `Muon`'s): per tensor its shape, base block and whether
 /// Muon steps it (names only matter through that), the world and the planner options.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct LayoutKey {
@@ -364,15 +367,16 @@ impl LayoutKey {
     }
 }
 
-/// Blocks chosen by earlier [`MatrixLayout::Auto`] searches, shared by clones of a [`Muon`]:
-/// the identical layers of a model (and every rank's copy, on thread ranks) search once.
-/// A cache, not configuration: it takes no part in equality.
+/// The layouts of units already planned, shared by clones of a [`Muon`] (whose layout is one
+/// and the same): the identical layers of a model, and thread ranks handed clones of one
+/// `Muon`, plan (for [`MatrixLayout::Auto`]: search) once. A cache, not configuration: it
+/// takes no part in equality.
 #[derive(Clone, Default)]
 pub(crate) struct LayoutCache(Arc<Mutex<HashMap<LayoutKey, Remembered>>>);
 
-/// What a search found: the blocks, the padding with every Muon matrix whole, and the costed
-/// plan (under the names of the unit it was found for).
-type Remembered = (Vec<AtomicBlock>, usize, Costed);
+/// What planning found: the padding with every Muon matrix whole, and the costed plan (under
+/// the names of the unit it was found for; its placements hold the blocks chosen).
+type Remembered = (usize, Costed);
 
 impl LayoutCache {
     fn get(&self, key: &LayoutKey) -> Option<Remembered> {

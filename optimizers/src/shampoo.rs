@@ -344,8 +344,7 @@ impl ShampooState {
 
     /// Loads a state written by [`ShampooState::to_le_bytes`] (or by the first format, without
     /// `root_failures`); `Err` on a wrong magic word or a byte count that is not the one the
-    /// header announces. (Whether the state fits a
-    /// shard is checked by [`Shampoo::step`].)
+    /// header announces. (Whether the state fits a shard is checked by [`Shampoo::step`].)
     pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
         let bad = |reason: String| Error::BadInput {
             op: "ShampooState::from_le_bytes",

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
-use ragged::fsdp::fsdp2::Fsdp2Unit;
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
@@ -21,8 +20,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, data, default_ns_method, gather, ns_f64, numels, padding, planned_shards_by, scatter,
-    singular_range, specs, whole_shard_by, Rng,
+    bits, data, default_ns_method, fsdp2_shards, gather, ns_f64, numels, padding,
+    planned_shards_by, scatter, singular_range, specs, whole_shard_by, Rng,
 };
 
 /// The unsharded reference shard, with Muon's blocks.
@@ -458,15 +457,7 @@ fn layout_shards(
         Layout::Whole => planned_shards_by(spec, world, &split(AtomicBlock::Matrix), opts),
         Layout::Rows => planned_shards_by(spec, world, &split(AtomicBlock::Rows(1)), opts),
         Layout::Elements => planned_shards_by(spec, world, &split(AtomicBlock::Element), opts),
-        Layout::Fsdp2 => {
-            let unit = Unit {
-                name: "unit".into(),
-                tensors: spec.iter().collect(),
-            };
-            (0..world)
-                .map(|r| Fsdp2Unit::new(&unit, world, r).unwrap().local_shard(&unit))
-                .collect()
-        }
+        Layout::Fsdp2 => fsdp2_shards(spec, world),
     }
 }
 
@@ -982,31 +973,35 @@ fn moe_layer(layer: usize, experts: usize) -> Vec<TensorSpec> {
         .collect()
 }
 
-/// Auto's search moves classes of interchangeable tensors and remembers the choice for units
-/// equal up to names. A remembered choice must be the one a fresh search makes, for every
-/// world size and planner option (the cache key must hold all of them), and what Auto finds
-/// never costs more than all-whole or all-split.
+/// Every layout is remembered for units equal up to names (Auto's search, which moves classes
+/// of interchangeable tensors, too). A remembered plan must be the one a fresh `Muon` makes,
+/// for every world size and planner option (the cache key must hold all of them), and what
+/// Auto finds never costs more than all-whole or all-split.
 #[test]
-fn auto_layout_search_is_remembered_per_unit_shape_and_never_worse_than_either_end() {
+fn layouts_are_remembered_per_unit_shape_and_auto_is_never_worse_than_either_end() {
     let aligned = PlanOptions::default();
     let loose = PlanOptions {
         coll_align: 1,
         ..PlanOptions::default()
     };
     let layers: Vec<Vec<TensorSpec>> = (0..3).map(|l| moe_layer(l, 12)).collect();
-    let remembering = muon_with(MatrixLayout::Auto);
+    let layouts = [MatrixLayout::Auto, MatrixLayout::Whole, MatrixLayout::Split];
+    let remembering = layouts.map(muon_with);
     let mut split_somewhere = false;
     for (world, opts) in [(8, &loose), (8, &aligned), (5, &loose), (8, &loose)] {
         for spec in &layers {
             let unit = unit_of(spec);
-            let (plan, report) = remembering.plan_layout(&unit, world, opts).unwrap();
-            let (fresh_plan, fresh) = muon_with(MatrixLayout::Auto)
-                .plan_layout(&unit, world, opts)
-                .unwrap();
-            assert_eq!(report, fresh, "V = {world}, {opts:?}");
-            assert_eq!(plan, fresh_plan);
-            for end in [MatrixLayout::Whole, MatrixLayout::Split] {
-                let (_, other) = muon_with(end).plan_layout(&unit, world, opts).unwrap();
+            let mut reports = Vec::new();
+            for (layout, muon) in layouts.iter().zip(&remembering) {
+                let (plan, report) = muon.plan_layout(&unit, world, opts).unwrap();
+                let (fresh_plan, fresh) =
+                    muon_with(*layout).plan_layout(&unit, world, opts).unwrap();
+                assert_eq!(report, fresh, "{layout:?}, V = {world}, {opts:?}");
+                assert_eq!(plan, fresh_plan);
+                reports.push(report);
+            }
+            let report = &reports[0];
+            for other in &reports[1..] {
                 assert!(report.cost_bytes() <= other.cost_bytes(), "{report}{other}");
             }
             split_somewhere |= report
