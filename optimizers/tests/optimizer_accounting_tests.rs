@@ -6,19 +6,21 @@
 use ragged::checkpoint::{CheckpointState, FieldData, FieldDataMut, FieldLayout};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::SingleRank;
-use ragged::fsdp::fsdp2::Fsdp2Unit;
 use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::{RoleRule, RoleSettings};
 use ragged_optimizers::validate::{LayoutKind, ValidateReport};
 use ragged_optimizers::{
-    Adam8bit, Adam8bitConfig, AdamState, AdamW, AdamWConfig, Grafting, LrScale, MatrixLayout, Muon,
-    MuonConfig, Shampoo, ShampooConfig,
+    Adam8bit, Adam8bitConfig, AdamState, AdamW, AdamWConfig, LrScale, MatrixLayout, Muon,
+    MuonConfig, Shampoo,
 };
 
 mod harness;
-use harness::{bits, data, gather, numels, planned_shards, scatter, specs, whole_shard_by};
+use harness::{
+    bits, data, fsdp2_shards, gather, loud_shampoo, numels, planned_shards, scatter, specs,
+    whole_shard_by,
+};
 
 fn whole<O: Optimizer>(opt: &O, specs: &[TensorSpec]) -> LocalShard {
     whole_shard_by(specs, &|t| opt.atomic_block(&t.name, &t.shape))
@@ -268,19 +270,7 @@ fn adam8bit_state_reshards_through_its_checkpoint_fields() {
 #[test]
 fn shampoo_state_reshards_through_its_checkpoint_fields() {
     let spec = specs(&[("w", &[21, 10]), ("v", &[13]), ("x", &[9, 1])]);
-    let opt = Shampoo::new(ShampooConfig {
-        lr: 0.05,
-        beta1: 0.9,
-        beta2: 0.95,
-        epsilon: 1e-3,
-        weight_decay: 0.01,
-        max_preconditioner_dim: 4,
-        precondition_frequency: 2,
-        start_preconditioning_step: Some(2),
-        grafting: Grafting::ADAM,
-        ..ShampooConfig::default()
-    })
-    .unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     reshard_continues_bitwise(&opt, &spec, 3, 2);
     reshard_continues_bitwise(&opt, &spec, 1, 4);
 }
@@ -303,16 +293,6 @@ fn adamw_state_reshards_through_its_checkpoint_fields() {
 
 fn muon(config: MuonConfig) -> Muon {
     Muon::new(config).unwrap()
-}
-
-fn fsdp2_shards(spec: &[TensorSpec], world: usize) -> Vec<LocalShard> {
-    let unit = Unit {
-        name: "unit".into(),
-        tensors: spec.iter().collect(),
-    };
-    (0..world)
-        .map(|r| Fsdp2Unit::new(&unit, world, r).unwrap().local_shard(&unit))
-        .collect()
 }
 
 /// Every rank stepping `opt` on its own thread; the global parameters.

@@ -18,8 +18,8 @@ use ragged_optimizers::{
 
 mod harness;
 use harness::{
-    bits, data, gather, jacobi, numels, padding, planned_shards, planned_shards_by, scatter, specs,
-    whole_shard_by, Rng,
+    bits, data, gather, jacobi, loud_shampoo, numels, padding, planned_shards, planned_shards_by,
+    scatter, specs, whole_shard_by, Rng,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -77,23 +77,6 @@ fn keyed_factors(opt: &Shampoo, shard: &LocalShard, state: &ShampooState, out: &
             (bits(&state.factors[s.clone()]), bits(&state.roots[s])),
         );
         assert!(old.is_none(), "block ({}, {elem}) twice", piece.param);
-    }
-}
-
-/// Hyperparameters under which every term is visible: β₂ < 1 (factor bias correction), weight
-/// decay, Adam grafting, roots every 2 steps from step 2.
-fn loud() -> ShampooConfig {
-    ShampooConfig {
-        lr: 0.05,
-        beta1: 0.9,
-        beta2: 0.95,
-        epsilon: 1e-3,
-        weight_decay: 0.01,
-        max_preconditioner_dim: 4,
-        precondition_frequency: 2,
-        start_preconditioning_step: Some(2),
-        grafting: Grafting::ADAM,
-        ..ShampooConfig::default()
     }
 }
 
@@ -487,7 +470,7 @@ const STEP_RTOL: f64 = 1e-4;
 #[test]
 fn shampoo_steps_match_an_independent_f64_reference() {
     let cases: [(&str, ShampooConfig); 4] = [
-        ("loud (Adam grafting, β₂ < 1, wd)", loud()),
+        ("loud (Adam grafting, β₂ < 1, wd)", loud_shampoo()),
         (
             "AdaGrad grafting, β₂ = 1, roots every step",
             ShampooConfig {
@@ -495,7 +478,7 @@ fn shampoo_steps_match_an_independent_f64_reference() {
                 lr: 0.05,
                 beta2: 1.0,
                 grafting: Grafting::ADAGRAD,
-                ..loud()
+                ..loud_shampoo()
             },
         ),
         (
@@ -506,7 +489,7 @@ fn shampoo_steps_match_an_independent_f64_reference() {
                 inverse_exponent_override: Some(0.5),
                 start_preconditioning_step: Some(3),
                 lr: 0.001,
-                ..loud()
+                ..loud_shampoo()
             },
         ),
         (
@@ -514,7 +497,7 @@ fn shampoo_steps_match_an_independent_f64_reference() {
             ShampooConfig {
                 beta1: 0.0,
                 grafting: Grafting::RMSPROP,
-                ..loud()
+                ..loud_shampoo()
             },
         ),
     ];
@@ -565,7 +548,7 @@ fn atomic_block_is_max_preconditioner_dim_rows() {
 
 #[test]
 fn blocks_cut_rows_and_columns_at_d_and_squeeze_size_one_sides() {
-    let opt = Shampoo::new(loud()).unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     let spec = specs(&[("w", &[6, 5]), ("b", &[5]), ("one", &[1])]);
     let shard = whole_shard(&opt, &spec);
     let (blocks, len) = opt.blocks(&shard).unwrap();
@@ -607,7 +590,7 @@ fn sharded_shampoo_step_is_bitwise_equal_to_unsharded() {
     let spec = specs(&TENSORS);
     let n = numels(&spec);
     let (p0, grads) = data(&spec, 5, 42);
-    for (ci, c) in [loud(), adagrad_defaults()].into_iter().enumerate() {
+    for (ci, c) in [loud_shampoo(), adagrad_defaults()].into_iter().enumerate() {
         let opt = Shampoo::new(c).unwrap();
         let whole = whole_shard(&opt, &spec);
         let (wp, ws) = run_rank(&opt, &whole, &p0, &grads);
@@ -667,7 +650,7 @@ fn step_is_independent_of_the_thread_count() {
     let (p0, grads) = data(&spec, 3, 4);
     let c = ShampooConfig {
         max_preconditioner_dim: 64,
-        ..loud()
+        ..loud_shampoo()
     };
     let opt = Shampoo::new(c).unwrap();
     let shard = whole_shard(&opt, &spec);
@@ -687,7 +670,7 @@ fn step_is_independent_of_the_thread_count() {
 #[test]
 fn a_piece_cutting_a_row_block_is_refused() {
     let spec = specs(&TENSORS);
-    let opt = Shampoo::new(loud()).unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     let opts = PlanOptions {
         coll_align: 1,
         ..PlanOptions::default()
@@ -775,7 +758,7 @@ fn before_the_start_step_the_update_is_pure_adam_or_adagrad_grafting() {
             start_preconditioning_step: Some(4),
             precondition_frequency: 2,
             grafting,
-            ..loud()
+            ..loud_shampoo()
         };
         let opt = Shampoo::new(c).unwrap();
         let shard = whole_shard(&opt, &spec);
@@ -815,7 +798,7 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
         let c = ShampooConfig {
             weight_decay: 0.0,
             grafting,
-            ..loud()
+            ..loud_shampoo()
         };
         let opt = Shampoo::new(c).unwrap();
         let spec = specs(&[("w", &[10, 7])]);
@@ -867,7 +850,7 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
     let c = ShampooConfig {
         start_preconditioning_step: Some(4),
         precondition_frequency: 3,
-        ..loud()
+        ..loud_shampoo()
     };
     assert!(!c.computes_roots_at(3));
     assert!(c.computes_roots_at(4));
@@ -951,7 +934,7 @@ fn default_start_is_the_frequency_and_a_smaller_start_is_refused() {
 fn state_round_trip_through_bytes_continues_bitwise() {
     let spec = specs(&TENSORS);
     let (p0, grads) = data(&spec, 6, 5);
-    for c in [loud(), adagrad_defaults()] {
+    for c in [loud_shampoo(), adagrad_defaults()] {
         let opt = Shampoo::new(c).unwrap();
         let shards = planned_shards(&opt, &spec, 3, &PlanOptions::default());
         for shard in &shards {
@@ -979,7 +962,7 @@ fn state_round_trip_through_bytes_continues_bitwise() {
 
 #[test]
 fn corrupted_or_mismatched_state_bytes_are_refused() {
-    let opt = Shampoo::new(loud()).unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     let spec = specs(&[("w", &[6, 5])]);
     let shard = whole_shard(&opt, &spec);
     let state = opt.init(&shard).unwrap();
@@ -1090,7 +1073,7 @@ fn invalid_configs_are_refused() {
 
 #[test]
 fn non_finite_gradients_are_refused_before_anything_changes() {
-    let opt = Shampoo::new(loud()).unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     let spec = specs(&[("w", &[6, 5]), ("b", &[3])]);
     let (p0, grads) = data(&spec, 2, 1);
     let shard = whole_shard(&opt, &spec);
@@ -1113,7 +1096,7 @@ fn non_finite_gradients_are_refused_before_anything_changes() {
 
 #[test]
 fn step_refuses_buffers_of_the_wrong_length() {
-    let opt = Shampoo::new(loud()).unwrap();
+    let opt = Shampoo::new(loud_shampoo()).unwrap();
     let shard = whole_shard(&opt, &specs(&[("w", &[4, 3])]));
     let good = opt.init(&shard).unwrap();
     let g = vec![0.1; 12];
@@ -1144,7 +1127,7 @@ fn step_refuses_buffers_of_the_wrong_length() {
     // Grafting without an accumulator keeps no v.
     let sgd = Shampoo::new(ShampooConfig {
         grafting: Grafting::Sgd,
-        ..loud()
+        ..loud_shampoo()
     })
     .unwrap();
     assert!(sgd.init(&shard).unwrap().v.is_empty());
@@ -1208,7 +1191,7 @@ fn a_root_that_cannot_be_computed_keeps_the_previous_one_and_is_counted() {
     let c = ShampooConfig {
         precondition_frequency: 1,
         start_preconditioning_step: Some(1),
-        ..loud()
+        ..loud_shampoo()
     };
     let opt = Shampoo::new(c).unwrap();
     let spec = specs(&[("w", &[4, 4])]);

@@ -3,12 +3,13 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 use ragged::demo::SplitMix;
+use ragged::fsdp::fsdp2::Fsdp2Unit;
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
 use ragged_optimizers::newton_schulz::{resolve_config, resolve_method};
-use ragged_optimizers::{NsConfig, NsMethod};
+use ragged_optimizers::{Grafting, NsConfig, NsMethod, ShampooConfig};
 
 /// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
 pub fn planned_shards_by(
@@ -289,4 +290,33 @@ pub fn data(specs: &[TensorSpec], steps: usize, seed: u64) -> (Vec<Vec<f32>>, Ve
         .map(|_| specs.iter().map(|t| rng.units(t.numel())).collect())
         .collect();
     (p0, grads)
+}
+
+/// Every rank's shard of `spec` as one unit under PyTorch FSDP2's layout (even `Shard(0)` per
+/// parameter).
+pub fn fsdp2_shards(spec: &[TensorSpec], world: usize) -> Vec<LocalShard> {
+    let unit = Unit {
+        name: "unit".into(),
+        tensors: spec.iter().collect(),
+    };
+    (0..world)
+        .map(|r| Fsdp2Unit::new(&unit, world, r).unwrap().local_shard(&unit))
+        .collect()
+}
+
+/// Shampoo hyperparameters under which every term is visible: β₂ < 1 (factor bias
+/// correction), weight decay, Adam grafting, roots every 2 steps from step 2.
+pub fn loud_shampoo() -> ShampooConfig {
+    ShampooConfig {
+        lr: 0.05,
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-3,
+        weight_decay: 0.01,
+        max_preconditioner_dim: 4,
+        precondition_frequency: 2,
+        start_preconditioning_step: Some(2),
+        grafting: Grafting::ADAM,
+        ..ShampooConfig::default()
+    }
 }
