@@ -1,21 +1,59 @@
 // 8-bit Adam on 256-element scale blocks inside 32-row blocks of the global shape
-// (optimizers/src/adam8bit.rs): one thread block per scale block, the same dynamic maps, the
-// same element order and the same quantizer as the CPU path (bnb 0.50 CPU-backend order:
-// decay, dequantize, moments, update with the fresh f32 moments, new per-block scales rounded
-// to 16 bits, requantize with ties going to the upper code, no sign fix-up, and a positive v
-// never on code 0).
+// (optimizers/src/adam8bit.rs): the same dynamic maps, the same element order and the same
+// quantizer as the CPU path (bnb 0.50 CPU-backend order: decay, dequantize, moments, update
+// with the fresh f32 moments, new per-block scales rounded to 16 bits, requantize with ties
+// going to the upper code, no sign fix-up, and a positive v never on code 0).
 //
-// Grid: (blocks, 1, 1); block: 256 threads, one element each; static shared memory: 2 x 256
-// maps + reductions (about 4 KiB). A scale block is `block_len[b]` (<= 256, a multiple of 32)
-// consecutive elements starting at element `block_off[b]` of the local shard; its scales are
-// scale_m[b], scale_v[b] (16-bit codes: bits 30..15 of the f32; local order, as on the CPU).
+// Work: one warp per scale block, 8 elements per lane (lane l holds elements l, l + 32, ...,
+// so each load of the warp reads consecutive bytes); the block's absmax is a warp shuffle
+// reduction. The grid strides over the scale blocks, WARPS of them per thread block per pass,
+// every thread of a block making the same passes (the loop bound is the block's, not the
+// warp's), so every warp shuffles the same number of times. Grid: (min(blocks needed, 8 per
+// multiprocessor), 1, 1); block: 256 threads (8 warps); static shared memory: both maps'
+// quantizer tables, 2 x T_WORDS words (about 5.4 KiB), loaded once per thread block.
+//
+// Where a scale block lies: `segments` holds runs of equal row blocks (S_WORDS words each,
+// ordered by first scale): the run's first element in the local shard, its row blocks'
+// length, the scale blocks per row block (256 elements each, the last one possibly shorter),
+// the run's first scale index and the decay factor of its parameter. Scale s lies in the last
+// run whose first scale is <= s. Built by optimizers/src/cuda/adam8bit.rs (`segments`) from
+// the host step's row-block walk; its scale order is the CPU's (`scale_m[s]`, `scale_v[s]`:
+// 16-bit codes, bits 30..15 of the f32).
+//
+// The quantizer: optimizers/src/kernels/octave_index.rs, the index the AVX-512 kernel uses:
+// the top 16 bits of x pick a bucket per octave, the bucket gives the count of thresholds
+// below it (`base`), and the code is base + [x >= T_base]; equal to the bisection
+// quant.rs `quantize` on every f32 (tested there on all 2^32). Three table reads instead of a
+// search. Table words per map (`quantizer_tables` in adam8bit.rs writes them): the map, the
+// thresholds (T_255 = NaN), the bucket bases as bytes, per octave slot the shift (low 16 bits)
+// and the add (high 16 bits), and a header (e_base, and bit 16: negative x have buckets).
+//
 // Compiled with --fmad=false, --prec-div=true, --prec-sqrt=true, --ftz=false: every element
-// operation is one IEEE f32 operation as on the CPU, and max is exact, so the result is
-// bitwise equal to the CPU step. Launcher: optimizers/src/cuda/adam8bit.rs (`ADAM8BIT_BLOCKS`).
+// operation is one IEEE f32 operation as on the CPU, and max is exact in any order, so the
+// result is bitwise equal to the CPU step. Launcher: optimizers/src/cuda/adam8bit.rs.
 
-#define BLOCK 256
-#define MAP_LEN 256
+#define WARP 32
+#define SCALE_BLOCK 256
+#define PER_LANE (SCALE_BLOCK / WARP)
 #define SCALE_SHIFT 15
+#define FULL_MASK 0xffffffffu
+
+#define T_MAP 0
+#define T_THRESH 256
+#define T_BASE 512
+#define T_SLOT 640
+#define T_HEADER 672
+#define T_WORDS 676
+#define SLOTS 32
+#define HALF_BUCKETS 256
+
+#define S_OFF_LO 0
+#define S_OFF_HI 1
+#define S_ROW_BLOCK_LEN 2
+#define S_SCALES_PER_ROW_BLOCK 3
+#define S_FIRST_SCALE 4
+#define S_DECAY 5
+#define S_WORDS 6
 
 __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     if (fabsf(w) < 0.5f) {
@@ -24,29 +62,52 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     return end - (end - start) * (1.0f - w);
 }
 
-// optimizers/src/quant.rs `quantize`: bisection to map[lo] <= x < map[hi], then the nearer,
-// ties to the upper code; ends clamp; NaN gives 0.
-__device__ __forceinline__ unsigned char quantize(float x, const float* map) {
-    if (x <= map[0]) return 0;
-    if (x >= map[MAP_LEN - 1]) return (unsigned char)(MAP_LEN - 1);
-    int lo = 0, hi = MAP_LEN - 1;
-    while (hi - lo > 1) {
-        int mid = (lo + hi) / 2;
-        if (map[mid] <= x) lo = mid; else hi = mid;
-    }
-    return (map[hi] - x <= x - map[lo]) ? (unsigned char)hi : (unsigned char)lo;
+// octave_index.rs `OctaveIndex::bucket`.
+__device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t) {
+    const unsigned int bits = __float_as_uint(x);
+    const unsigned int h = (bits >> 16) & 0x7fffu;
+    const unsigned int header = t[T_HEADER];
+    const unsigned int e = h >> 7, e_base = header & 0xffffu;
+    const unsigned int above = e > e_base ? e - e_base : 0u;
+    const unsigned int slot = above < SLOTS - 1 ? above : SLOTS - 1;
+    const unsigned int shift_add = t[T_SLOT + slot];
+    const unsigned int shift = shift_add & 0xffffu;
+    const unsigned int b = ((shift >= 16 ? 0u : h >> shift) + (shift_add >> 16)) & 0xffffu;
+    if (bits >> 31) return (header >> 16) ? HALF_BUCKETS + b : 0u;
+    return b;
 }
 
-// optimizers/src/quant.rs `quantize_scaled` and `Unscale`: x times the scale's reciprocal when
-// that is finite, else x / scale.
-__device__ __forceinline__ unsigned char quantize_scaled(float x, float scale, const float* map,
+// octave_index.rs `OctaveIndex::code`: quant.rs `quantize`, bit for bit; NaN gives 0.
+__device__ __forceinline__ unsigned char quantize(float x, const unsigned int* t) {
+    if (isnan(x)) return 0;
+    const unsigned int base = ((const unsigned char*)(t + T_BASE))[bucket_of(x, t)];
+    return (unsigned char)(base + (x >= __uint_as_float(t[T_THRESH + base]) ? 1u : 0u));
+}
+
+// quant.rs `Unscale`: a block's values times the scale's reciprocal when that is finite, else
+// divided by the scale (a scale of 0 gives the zero code: quant.rs `quantize_scaled`).
+struct Unscale {
+    float scale, r;
+    bool reciprocal;
+};
+
+__device__ __forceinline__ Unscale unscale_of(float scale) {
+    Unscale u;
+    u.scale = scale, u.r = 1.0f / scale, u.reciprocal = isfinite(u.r);
+    return u;
+}
+
+__device__ __forceinline__ unsigned char quantize_scaled(float x, Unscale u, const unsigned int* t,
                                                          unsigned char zero_code) {
-    if (scale == 0.0f) return zero_code;
-    const float r = 1.0f / scale;
-    return quantize(isfinite(r) ? x * r : x / scale, map);
+    if (u.scale == 0.0f) return zero_code;
+    return quantize(u.reciprocal ? x * u.r : x / u.scale, t);
 }
 
-// optimizers/src/quant.rs `encode_scale` / `decode_scale`.
+__device__ __forceinline__ float dequantize(unsigned char code, float scale, const unsigned int* t) {
+    return __uint_as_float(t[T_MAP + code]) * scale;
+}
+
+// quant.rs `encode_scale` / `decode_scale`.
 __device__ __forceinline__ unsigned short encode_scale(float absmax) {
     const unsigned int bits = __float_as_uint(absmax) & 0x7fffffffu;
     const unsigned int rounded = (bits + (1u << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
@@ -59,63 +120,113 @@ __device__ __forceinline__ float decode_scale(unsigned short code) {
     return __uint_as_float(((unsigned int)code) << SCALE_SHIFT);
 }
 
+// Scale block `s`: its first element in the local shard, its length and its decay factor.
+struct Span {
+    unsigned long long off;
+    unsigned int len;
+    float decay;
+};
+
+__device__ __forceinline__ Span locate(const unsigned int* seg, unsigned int n_segments,
+                                       unsigned int s) {
+    unsigned int lo = 0, hi = n_segments;  // seg[lo] starts at or before s
+    while (hi - lo > 1) {
+        const unsigned int mid = lo + (hi - lo) / 2;
+        if (seg[mid * S_WORDS + S_FIRST_SCALE] <= s) lo = mid; else hi = mid;
+    }
+    const unsigned int* e = seg + lo * S_WORDS;
+    const unsigned int k = s - e[S_FIRST_SCALE], per = e[S_SCALES_PER_ROW_BLOCK];
+    const unsigned int row_block_len = e[S_ROW_BLOCK_LEN];
+    const unsigned int in_row_block = (k % per) * SCALE_BLOCK;
+    Span span;
+    span.off = ((unsigned long long)e[S_OFF_HI] << 32 | e[S_OFF_LO]) +
+               (unsigned long long)(k / per) * row_block_len + in_row_block;
+    const unsigned int rest = row_block_len - in_row_block;
+    span.len = rest < SCALE_BLOCK ? rest : SCALE_BLOCK;
+    span.decay = __uint_as_float(e[S_DECAY]);
+    return span;
+}
+
 extern "C" __global__ void adam8bit_blocks(
-    float* p, const float* g, unsigned char* mc, unsigned char* vc, unsigned short* scale_m,
-    unsigned short* scale_v, const float* qmap_m, const float* qmap_v,
-    const unsigned long long* block_off, const unsigned int* block_len, const float* block_decay,
+    float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
+    unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
+    unsigned short* __restrict__ scale_v, const unsigned int* __restrict__ tables,
+    const unsigned int* __restrict__ segments, unsigned int n_segments, unsigned int n_scales,
     float w, float beta2, float one_minus_beta2, float folded_neg_step_size, float folded_eps,
     unsigned char m_zero_code, unsigned char v_zero_code) {
-    __shared__ float smap_m[MAP_LEN];
-    __shared__ float smap_v[MAP_LEN];
-    __shared__ float red_m[BLOCK];
-    __shared__ float red_v[BLOCK];
-
-    const unsigned int b = blockIdx.x;
-    const unsigned int tid = threadIdx.x;
-    for (unsigned int k = tid; k < MAP_LEN; k += blockDim.x) {
-        smap_m[k] = qmap_m[k];
-        smap_v[k] = qmap_v[k];
-    }
+    __shared__ unsigned int st[2 * T_WORDS];
+    for (unsigned int k = threadIdx.x; k < 2 * T_WORDS; k += blockDim.x) st[k] = tables[k];
     __syncthreads();
+    const unsigned int* tm = st;
+    const unsigned int* tv = st + T_WORDS;
+    const unsigned int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    const unsigned long long stride = (unsigned long long)gridDim.x * warps;
 
-    const unsigned long long i = block_off[b] + tid;
-    const bool mine = tid < block_len[b];
-    float m1 = 0.0f, v1 = 0.0f;
-    if (mine) {
-        const float old_sm = decode_scale(scale_m[b]);
-        const float old_sv = decode_scale(scale_v[b]);
-        const float gi = g[i];
-        const float p0 = p[i] * block_decay[b];
-        const float m0 = smap_m[mc[i]] * old_sm;
-        const float v0 = smap_v[vc[i]] * old_sv;
-        m1 = lerp_elem(m0, gi, w);
-        v1 = v0 * beta2 + (one_minus_beta2 * gi) * gi;
-        // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step size and eps.
-        p[i] = p0 + (folded_neg_step_size * m1) / (sqrtf(v1) + folded_eps);
-    }
-    // fmaxf returns the non-NaN operand, as Rust's f32::max does; every value enters as
-    // max(+0.0, x), where the CPU's maxima start (so a NaN never reaches the reduction), and
-    // idle threads add +0.0.
-    red_m[tid] = fmaxf(0.0f, fabsf(m1));
-    red_v[tid] = fmaxf(0.0f, v1);
-    __syncthreads();
-    for (unsigned int s = blockDim.x / 2; s > 0; s /= 2) {
-        if (tid < s) {
-            red_m[tid] = fmaxf(red_m[tid], red_m[tid + s]);
-            red_v[tid] = fmaxf(red_v[tid], red_v[tid + s]);
+    for (unsigned long long pass = (unsigned long long)blockIdx.x * warps; pass < n_scales;
+         pass += stride) {
+        const unsigned long long s = pass + threadIdx.x / WARP;
+        const bool live = s < n_scales;
+        Span span;
+        span.off = 0, span.len = 0, span.decay = 1.0f;
+        if (live) span = locate(segments, n_segments, (unsigned int)s);
+
+        // Loads first, all independent, then the arithmetic (the stores to p cannot delay
+        // the next element's loads).
+        float pi[PER_LANE], gi[PER_LANE];
+        unsigned char mi[PER_LANE], vi[PER_LANE];
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const unsigned int j = lane + k * WARP;
+            pi[k] = 0.0f, gi[k] = 0.0f, mi[k] = 0, vi[k] = 0;
+            if (j < span.len) {
+                const unsigned long long i = span.off + j;
+                pi[k] = p[i], gi[k] = g[i], mi[k] = mc[i], vi[k] = vc[i];
+            }
         }
-        __syncthreads();
-    }
-    const unsigned short new_m = encode_scale(red_m[0]);
-    const unsigned short new_v = encode_scale(red_v[0]);
-    if (mine) {
-        mc[i] = quantize_scaled(m1, decode_scale(new_m), smap_m, m_zero_code);
-        unsigned char cv = quantize_scaled(v1, decode_scale(new_v), smap_v, v_zero_code);
-        // The second-moment floor (quant.rs `keep_positive_nonzero`).
-        vc[i] = (cv == 0 && v1 > 0.0f) ? 1 : cv;
-    }
-    if (tid == 0) {
-        scale_m[b] = new_m;
-        scale_v[b] = new_v;
+        const float old_sm = live ? decode_scale(scale_m[s]) : 0.0f;
+        const float old_sv = live ? decode_scale(scale_v[s]) : 0.0f;
+
+        float m1[PER_LANE], v1[PER_LANE];
+        // fmaxf returns the non-NaN operand, as Rust's f32::max does; the maxima start at
+        // +0.0, as the CPU's do (so a NaN never reaches them), and idle lanes keep +0.0.
+        float amax_m = 0.0f, amax_v = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const unsigned int j = lane + k * WARP;
+            m1[k] = 0.0f, v1[k] = 0.0f;
+            if (j < span.len) {
+                const float p0 = pi[k] * span.decay;
+                const float m0 = dequantize(mi[k], old_sm, tm);
+                const float v0 = dequantize(vi[k], old_sv, tv);
+                m1[k] = lerp_elem(m0, gi[k], w);
+                v1[k] = v0 * beta2 + (one_minus_beta2 * gi[k]) * gi[k];
+                // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step and eps.
+                p[span.off + j] = p0 + (folded_neg_step_size * m1[k]) / (sqrtf(v1[k]) + folded_eps);
+                amax_m = fmaxf(amax_m, fabsf(m1[k]));
+                amax_v = fmaxf(amax_v, v1[k]);
+            }
+        }
+        for (int o = WARP / 2; o > 0; o /= 2) {
+            amax_m = fmaxf(amax_m, __shfl_xor_sync(FULL_MASK, amax_m, o));
+            amax_v = fmaxf(amax_v, __shfl_xor_sync(FULL_MASK, amax_v, o));
+        }
+        const unsigned short new_m = encode_scale(amax_m);
+        const unsigned short new_v = encode_scale(amax_v);
+        const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const unsigned int j = lane + k * WARP;
+            if (j < span.len) {
+                const unsigned long long i = span.off + j;
+                mc[i] = quantize_scaled(m1[k], um, tm, m_zero_code);
+                const unsigned char cv = quantize_scaled(v1[k], uv, tv, v_zero_code);
+                // The second-moment floor (quant.rs `keep_positive_nonzero`).
+                vc[i] = (cv == 0 && v1[k] > 0.0f) ? 1 : cv;
+            }
+        }
+        if (live && lane == 0) {
+            scale_m[s] = new_m;
+            scale_v[s] = new_v;
+        }
     }
 }

@@ -499,6 +499,9 @@ pub struct Adam8bit {
     lanes: Box<[LaneIndex; 2]>,
     /// Steps of fewer elements run on the calling thread ([`PARALLEL_MIN_ELEMS`] by default).
     parallel_min: usize,
+    /// Both maps' quantizer tables as the CUDA kernel reads them.
+    #[cfg(feature = "cuda")]
+    pub(crate) device_tables: crate::cuda::adam8bit::QuantizerTables,
 }
 
 impl Adam8bit {
@@ -515,6 +518,8 @@ impl Adam8bit {
             planes: Box::new([BytePlanes::of(book_m.map()), BytePlanes::of(book_v.map())]),
             #[cfg(target_arch = "x86_64")]
             lanes: Box::new([lane_index(&book_m)?, lane_index(&book_v)?]),
+            #[cfg(feature = "cuda")]
+            device_tables: crate::cuda::adam8bit::QuantizerTables::of(&book_m, &book_v)?,
             book_m,
             book_v,
             kernel: Adam8bitKernel::detect(),

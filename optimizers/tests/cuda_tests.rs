@@ -164,6 +164,47 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
     }
 }
 
+/// More scale blocks than the grid has warps on an H200 (132 multiprocessors × 8 thread
+/// blocks × 8 warps = 8448; cuda-emu reports 132 too), so warps take several passes; and
+/// every row block at its own magnitude, from 1e-38 (subnormal products) to 1e30, with
+/// all-zero row blocks (zero scales, the zero codes) between, so the quantizer meets every
+/// octave slot of both maps. Still bitwise.
+#[test]
+fn adam8bit_step_cuda_is_bitwise_equal_to_cpu_over_many_blocks_and_magnitudes() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (1088, 2048); // 34 row blocks × 256 scale blocks = 8704
+    let spec = specs(&[("w", &[rows, cols])]);
+    let opt = Adam8bit::new(Adam8bitConfig::default()).unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let mut rng = Rng::new(5);
+    let magnitude = |row_block: usize| match row_block % 5 {
+        4 => 0.0,
+        k => 10f32.powi(-38 + 17 * k as i32 + (row_block % 3) as i32),
+    };
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let grads: Vec<Vec<f32>> = (0..STEPS)
+        .map(|_| {
+            let g = rng.units(rows * cols);
+            let g: Vec<f32> = (g.iter().enumerate())
+                .map(|(i, x)| x * magnitude(i / (32 * cols)))
+                .collect();
+            scatter(shard, &[g])
+        })
+        .collect();
+    let ((p, state), (dp, ds)) = host_and_device(&opt, shard, &dev, p0, &grads);
+    let got = ds.to_placement(&Placement::Cpu).unwrap();
+    assert!(
+        state.scale_m.len() > 8448,
+        "{} scale blocks",
+        state.scale_m.len()
+    );
+    assert_eq!(bits(&dp), bits(&p), "params");
+    assert_eq!(got.m, state.m, "m codes");
+    assert_eq!(got.v, state.v, "v codes");
+    assert_eq!(got.scale_m, state.scale_m, "scale_m");
+    assert_eq!(got.scale_v, state.scale_v, "scale_v");
+}
+
 #[test]
 fn adam8bit_state_round_trips_through_the_device() {
     let Some(dev) = device() else { return };

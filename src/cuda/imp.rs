@@ -274,6 +274,16 @@ impl Device {
         guarded("cuda::Device::name", || self.ctx.name())
     }
 
+    /// The device's streaming multiprocessors (132 on an H200), which kernels size their grids
+    /// by.
+    pub fn multiprocessors(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let n = guarded("cuda::Device::multiprocessors", || {
+            self.ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        })?;
+        Ok(n.max(1) as usize)
+    }
+
     /// The virtual architecture kernels are compiled for (`compute_90` on an H100/H200).
     pub fn arch(&self) -> &str {
         &self.arch

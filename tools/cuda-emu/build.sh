@@ -14,7 +14,7 @@ if [[ $declared != "$emulated" ]]; then
     diff <(echo "$declared") <(echo "$emulated") >&2 || true
     exit 1
 fi
-flags=(-std=c++17 -O2 -fPIC -shared -ffp-contract=off -fno-fast-math -Wall -Wno-unused-function)
+flags=(-std=c++17 -O2 -fPIC -shared -ffp-contract=off -fno-fast-math -Wall -Wno-unused-function -Wno-unknown-pragmas)
 c++ "${flags[@]}" -o "$out/libcuda.so.1" "$here/driver.cpp" "$here/kernels.cpp"
 ln -sf libcuda.so.1 "$out/libcuda.so"
 c++ "${flags[@]}" -o "$out/libcublas.so.13" "$here/cublas.cpp" -L"$out" -l:libcuda.so.1

@@ -35,6 +35,14 @@ extern thread_local const ThreadCoords* current;
 // without barriers.
 void syncthreads();
 
+// A full-warp exchange: the value of the thread whose index within the block is this one's
+// with the bits of `lane_mask` flipped (driver.cpp). Done as two block barriers around a
+// write and a read of every thread's value, so a kernel that shuffles must be registered with
+// barriers and every warp of a block must shuffle the same number of times (a GPU needs only
+// the warp's lanes to; the emulator's barrier count check catches a kernel that relies on
+// less).
+unsigned int shfl_xor_bits(unsigned int mask, unsigned int value, int lane_mask);
+
 }  // namespace cuda_emu
 
 #define threadIdx (cuda_emu::current->thread_idx)
@@ -67,6 +75,10 @@ inline float __int_as_float(int i) {
     float f;
     memcpy(&f, &i, sizeof f);
     return f;
+}
+
+inline float __shfl_xor_sync(unsigned int mask, float value, int lane_mask) {
+    return __uint_as_float(cuda_emu::shfl_xor_bits(mask, __float_as_uint(value), lane_mask));
 }
 
 // Threads of one launch never run at the same time, so a plain add is atomic here.

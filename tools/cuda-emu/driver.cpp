@@ -225,6 +225,7 @@ struct Block {
     std::vector<ThreadCoords> coords;
     std::vector<char> done;
     std::vector<unsigned> barriers;  // each thread's count of barriers passed
+    std::vector<unsigned> exchange;  // each thread's value in a warp shuffle
     char* stacks = nullptr;
     size_t running = 0;
     const KernelEntry* kernel = nullptr;
@@ -320,6 +321,23 @@ void syncthreads() {
     cuda_emu_switch(&b->fibers[b->running], b->scheduler);
 }
 
+unsigned int shfl_xor_bits(unsigned int mask, unsigned int value, int lane_mask) {
+    Block* b = block_now;
+    if (!b || mask != 0xffffffffu || lane_mask < 0 || lane_mask >= 32 ||
+        b->coords.size() % 32 != 0) {
+        fprintf(stderr,
+                "cuda-emu: __shfl_xor_sync needs a kernel registered with barriers, a block of "
+                "whole warps, the full mask and a lane mask below 32\n");
+        abort();
+    }
+    const size_t me = b->running;
+    b->exchange[me] = value;
+    syncthreads();  // every thread has written
+    const unsigned int got = b->exchange[me ^ (size_t)lane_mask];
+    syncthreads();  // every thread has read before any writes its next value
+    return got;
+}
+
 void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
     const size_t threads = (size_t)block.x * block.y * block.z;
     ThreadCoords c;
@@ -331,6 +349,7 @@ void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
         b.coords.assign(threads, c);
         b.done.assign(threads, 0);
         b.barriers.assign(threads, 0);
+        b.exchange.assign(threads, 0);
         b.stacks = fiber_stacks(threads);
         b.kernel = k;
         b.params = params;

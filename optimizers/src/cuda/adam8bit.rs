@@ -1,11 +1,12 @@
-//! 8-bit Adam's device backend: one thread block per 256-element scale block
-//! (`kernels/adam8bit.cu`), the fallback pieces through the AdamW kernel. The scale blocks,
-//! their order and the fallback offsets come from [`Adam8bit`]'s own layout and row-block walk
-//! (the host step's), so the device state has exactly the host state's layout and the step is
-//! bitwise equal to the host step.
+//! 8-bit Adam's device backend: one warp per 256-element scale block (`kernels/adam8bit.cu`),
+//! the fallback pieces through the AdamW kernel. Where each scale block lies comes from
+//! [`Adam8bit`]'s own layout and row-block walk (the host step's), as runs of equal row blocks,
+//! so the device state has exactly the host state's layout and the step is bitwise equal to the
+//! host step. The quantizer is the AVX-512 kernel's octave index
+//! ([`crate::kernels::octave_index`]), read from shared memory.
 
 use ragged::cuda::cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
-use ragged::cuda::{guarded, ADAM8BIT, ADAMW};
+use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
 use ragged::optim::LocalShard;
 use ragged::storage::View;
 use ragged::{Error, Result};
@@ -13,33 +14,103 @@ use ragged::{Error, Result};
 use super::{device_array, device_view, launch_adamw, ADAMW_STEP};
 use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, SCALE_BLOCK};
 use crate::common::{check_len, AdamScale, MomentCoeffs};
-use crate::quant::{SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
+use crate::kernels::octave_index::{OctaveIndex, BUCKETS, SLOTS};
+use crate::quant::{CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.
 pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
 
-/// Threads per scale block (the kernel's `BLOCK`: one per element).
-const BLOCK_THREADS: u32 = SCALE_BLOCK as u32;
+/// Threads per thread block: 8 warps, one scale block each per pass.
+const BLOCK_THREADS: u32 = 256;
 
-/// The kernel's per-block table, in local scale order (the CPU's `scale_*` order).
-#[derive(Debug, Default, PartialEq)]
-pub struct BlockTable {
-    /// Local-shard element of the block's first element.
-    pub off: Vec<u64>,
-    /// Elements in the block (256, or fewer at the end of a short row block).
-    pub len: Vec<u32>,
-    /// The decay factor of the block's parameter (`1` when not decayed: `p·1 = p` exactly).
-    pub decay: Vec<f32>,
+/// Scale blocks one thread block steps per pass (its warps).
+const WARPS_PER_BLOCK: usize = BLOCK_THREADS as usize / 32;
+
+/// Resident thread blocks per multiprocessor the grid asks for (2048 threads, the most an
+/// H100 / H200 multiprocessor holds); more scale blocks than the grid's warps take more passes.
+const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
+
+/// The kernel's table layout per map (`T_*` in `kernels/adam8bit.cu`): the map, the
+/// thresholds, the bucket bases as bytes, the octave slots, a header, padding.
+const T_MAP: usize = 0;
+const T_THRESH: usize = 256;
+const T_BASE: usize = 512;
+const T_SLOT: usize = 640;
+const T_HEADER: usize = 672;
+const T_WORDS: usize = 676;
+
+/// Words per run of equal row blocks (`S_WORDS` in the kernel).
+const S_WORDS: usize = 6;
+
+/// Both maps' quantizer tables as the kernel reads them (`2 × T_WORDS` words, m's then v's),
+/// built once per optimizer.
+#[derive(Clone, PartialEq)]
+pub(crate) struct QuantizerTables(Box<[u32]>);
+
+impl std::fmt::Debug for QuantizerTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QuantizerTables({} words)", self.0.len())
+    }
+}
+
+impl QuantizerTables {
+    /// The tables of both maps; `Err` when a map's thresholds do not fit the octave index
+    /// (both dynamic maps do).
+    pub(crate) fn of(book_m: &CodeBook, book_v: &CodeBook) -> Result<Self> {
+        let mut words = Vec::with_capacity(2 * T_WORDS);
+        for book in [book_m, book_v] {
+            let index = OctaveIndex::new(&book.thresholds()).ok_or_else(|| Error::BadInput {
+                op: "Adam8bit::new",
+                what: "quantization map".into(),
+                reason: "its thresholds need more than 512 octave-index buckets (the CUDA \
+                         kernel's quantizer)"
+                    .into(),
+            })?;
+            words.extend(table_words(book.map(), &index));
+        }
+        Ok(QuantizerTables(words.into()))
+    }
+}
+
+/// One map's `T_WORDS` words.
+fn table_words(map: &[f32; MAP_LEN], index: &OctaveIndex) -> [u32; T_WORDS] {
+    const _: () = assert!(BUCKETS == 4 * (T_SLOT - T_BASE) && SLOTS == T_HEADER - T_SLOT);
+    let mut w = [0u32; T_WORDS];
+    for (k, x) in map.iter().enumerate() {
+        w[T_MAP + k] = x.to_bits();
+    }
+    for (k, x) in index.thresholds.iter().enumerate() {
+        w[T_THRESH + k] = x.to_bits();
+    }
+    for (k, b) in index.base.chunks_exact(4).enumerate() {
+        w[T_BASE + k] = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    for k in 0..SLOTS {
+        w[T_SLOT + k] = u32::from(index.shift[k]) | u32::from(index.add[k] as u16) << 16;
+    }
+    w[T_HEADER] = u32::from(index.e_base) | u32::from(index.signed) << 16;
+    w
+}
+
+/// `x` as a `u32` kernel argument, or a clear error.
+fn word(op: &'static str, what: &str, x: usize) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::BadInput {
+        op,
+        what: format!("{what} {x}"),
+        reason: "the device step indexes scale blocks and row blocks with 32 bits".into(),
+    })
 }
 
 impl Adam8bit {
-    /// The scale-block table of `shard`: the CPU step's walk (piece, row block, block), so
-    /// block `k` of the table is `scale_*[k]` of the state.
-    pub fn block_table(&self, shard: &LocalShard) -> Result<BlockTable> {
-        const OP: &str = "Adam8bit::block_table";
-        let (layout, scales, _) = self.layout(OP, shard)?;
-        let mut t = BlockTable::default();
-        for (piece, place) in shard.pieces.iter().zip(&layout) {
+    /// The scale blocks of `shard` as the kernel reads them: runs of equal row blocks in the
+    /// host step's walk (piece, row block), `S_WORDS` words each (first element in the local
+    /// shard as two words, row-block length, scale blocks per row block, first scale, decay
+    /// factor bits: `1` when not decayed, `p·1 = p` exactly). Scale `k` of the walk is
+    /// `scale_*[k]` of the state.
+    fn segments(&self, shard: &LocalShard, layout: &[PieceState]) -> Result<(Vec<u32>, usize)> {
+        const OP: &str = "Adam8bit::step (device)";
+        let (mut words, mut scales) = (Vec::new(), 0usize);
+        for (piece, place) in shard.pieces.iter().zip(layout) {
             let PieceState::Tiled {
                 tiling,
                 first_scale,
@@ -47,28 +118,45 @@ impl Adam8bit {
             else {
                 continue;
             };
-            if first_scale != t.off.len() {
+            if first_scale != scales {
                 return Err(Error::InvalidShard {
                     op: OP,
-                    reason: format!("scale order: {first_scale} != {}", t.off.len()),
+                    reason: format!("scale order: {first_scale} != {scales}"),
                 });
             }
             let decay = self
                 .adamw
                 .decay_for(&shard.params[piece.param])
                 .unwrap_or(1.0);
-            let mut at = 0usize;
+            // (first element, row-block length, row blocks) of the run being built.
+            let mut run: Option<(usize, usize, usize)> = None;
+            let mut push = |(at, len, n): (usize, usize, usize)| -> Result<()> {
+                let per = len.div_ceil(SCALE_BLOCK);
+                words.extend([
+                    at as u32,
+                    (at as u64 >> 32) as u32,
+                    word(OP, "row-block length", len)?,
+                    word(OP, "scale blocks per row block", per)?,
+                    word(OP, "scale block", scales)?,
+                    decay.to_bits(),
+                ]);
+                scales += n * per;
+                Ok(())
+            };
+            let mut at = piece.offset;
             for (_, len) in tiling.row_blocks(piece.range.clone()) {
-                for start in (0..len).step_by(SCALE_BLOCK) {
-                    t.off.push((piece.offset + at + start) as u64);
-                    t.len.push(SCALE_BLOCK.min(len - start) as u32);
-                    t.decay.push(decay);
-                }
+                run = match run {
+                    Some((start, l, n)) if l == len => Some((start, l, n + 1)),
+                    done => {
+                        done.map(&mut push).transpose()?;
+                        Some((at, len, 1))
+                    }
+                };
                 at += len;
             }
+            run.map(&mut push).transpose()?;
         }
-        check_len(OP, "block table", t.off.len(), scales)?;
-        Ok(t)
+        Ok((words, scales))
     }
 }
 
@@ -134,50 +222,59 @@ pub(crate) fn step(
         }
     }
 
-    // Scale blocks: one thread block each.
-    if scales > 0 {
-        let table = opt.block_table(shard)?;
-        let (off, len) = (dev.upload(&table.off)?, dev.upload(&table.len)?);
-        let decay = dev.upload(&table.decay)?;
-        let (qm, qv) = (dev.upload(opt.book_m.map())?, dev.upload(opt.book_v.map())?);
-        let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
-        let blocks = u32::try_from(scales).map_err(|_| Error::BadInput {
-            op: OP,
-            what: format!("{scales} scale blocks"),
-            reason: "more than u32::MAX scale blocks in one shard".into(),
-        })?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (BLOCK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
-        // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
-        // buffers have the lengths `checked_layout` verified, and every table block
-        // (offset + length, at most 256 = the threads) lies inside the local shard.
-        guarded(OP, || unsafe {
-            dev.stream()
-                .launch_builder(&f)
-                .arg(&mut *params)
-                .arg(&grads)
-                .arg(&mut *m)
-                .arg(&mut *v)
-                .arg(&mut *scale_m)
-                .arg(&mut *scale_v)
-                .arg(&qm)
-                .arg(&qv)
-                .arg(&off)
-                .arg(&len)
-                .arg(&decay)
-                .arg(&mo.lerp_weight)
-                .arg(&mo.beta2)
-                .arg(&mo.one_minus_beta2)
-                .arg(&s.folded_neg_step_size)
-                .arg(&s.folded_eps)
-                .arg(&mz)
-                .arg(&vz)
-                .launch(cfg)
-        })?;
+    if scales == 0 {
+        return Ok(());
     }
+    // Scale blocks: one warp each; the tables and the runs in one upload.
+    let (runs, walked) = opt.segments(shard, layout)?;
+    check_len(OP, "scale blocks", walked, scales)?;
+    let n_runs = word(OP, "row-block runs", runs.len() / S_WORDS)?;
+    let n_scales = word(OP, "scale blocks", scales)?;
+    let tables = dev.upload(&[&opt.device_tables.0[..], &runs].concat())?;
+    let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid_blocks(dev, scales)?, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (quantizer, runs) = (tables.slice(..2 * T_WORDS), tables.slice(2 * T_WORDS..));
+    let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
+    // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
+    // buffers have the lengths `checked_layout` verified (one scale per block of the walk,
+    // checked against it above), and every run's scale blocks lie inside the local shard
+    // (the host step's walk of the pieces).
+    guarded(OP, || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(&mut *params)
+            .arg(&grads)
+            .arg(&mut *m)
+            .arg(&mut *v)
+            .arg(&mut *scale_m)
+            .arg(&mut *scale_v)
+            .arg(&quantizer)
+            .arg(&runs)
+            .arg(&n_runs)
+            .arg(&n_scales)
+            .arg(&mo.lerp_weight)
+            .arg(&mo.beta2)
+            .arg(&mo.one_minus_beta2)
+            .arg(&s.folded_neg_step_size)
+            .arg(&s.folded_eps)
+            .arg(&mz)
+            .arg(&vz)
+            .launch(cfg)
+    })?;
     Ok(())
+}
+
+/// Thread blocks for `scales` scale blocks: one warp per scale block, at most
+/// [`BLOCKS_PER_MULTIPROCESSOR`] per multiprocessor (the kernel strides over the rest).
+fn grid_blocks(dev: &Device, scales: usize) -> Result<u32> {
+    let most = dev.multiprocessors()? * BLOCKS_PER_MULTIPROCESSOR;
+    word(
+        "Adam8bit::step (device)",
+        "thread blocks",
+        scales.div_ceil(WARPS_PER_BLOCK).clamp(1, most.max(1)),
+    )
 }
