@@ -13,7 +13,9 @@ use ragged::model::{Inventory, Unit};
 use ragged::plan::baselines;
 use ragged::plan::export::{svg_multi, write_multi_json};
 use ragged::plan::multi::MultiOptions;
-use ragged::plan::multi_model::{coarse_wrap, hsdp_group, plan_model_multi, MultiModelPlan};
+use ragged::plan::multi_model::{
+    coarse_wrap, hsdp_group, plan_model_multi, wrap_layers, MultiModelPlan,
+};
 use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 use ragged_optimizers::{LayoutReport, MatrixLayout, Muon, MuonConfig};
@@ -76,7 +78,7 @@ pub struct PlanArgs {
     no_baselines: bool,
     /// Also lay out every unit as Muon's default (Auto) layout does, each matrix whole or split
     /// by bytes on the wire, and report it against all-whole and all-split (Muon picks its
-    /// own blocks: --block does not apply; one layer per unit).
+    /// own blocks: --block does not apply; units as --layers-per-unit wraps them).
     #[arg(long)]
     muon: bool,
 }
@@ -124,7 +126,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         text.push_str(&multi_summary(&inv, &multi, args, &opts, &mopts)?);
         print_stdout(&text)?;
         if args.muon {
-            print_stdout(&muon_summary(&inv, args.devices, &opts)?)?;
+            print_stdout(&muon_summary(&inv, args, &opts)?)?;
         }
     }
     if let Some(path) = &args.json {
@@ -257,9 +259,10 @@ fn multi_summary(
 /// The `--muon` section: Muon's Auto layout of every unit (a run of units with the same
 /// outcome on one line), its planning time, and the bytes on the wire per step of Auto,
 /// all-whole and all-split over the model (`LayoutReport::cost_bytes`).
-fn muon_summary(inv: &Inventory, world: usize, opts: &PlanOptions) -> Result<String> {
+fn muon_summary(inv: &Inventory, args: &PlanArgs, opts: &PlanOptions) -> Result<String> {
+    let world = args.devices;
     let auto = Muon::new(MuonConfig::default())?;
-    let units = inv.units();
+    let units = wrap_layers(inv.units(), args.layers_per_unit)?;
     let progress = ProgressBar::new(units.len() as u64).with_style(
         ProgressStyle::with_template("muon layout {bar:30} {pos}/{len} units [{elapsed}]")
             .expect("valid template"),

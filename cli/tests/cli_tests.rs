@@ -725,44 +725,49 @@ fn size_bytes(text: &str) -> f64 {
 /// all-whole here, where whole expert matrices force padding).
 #[test]
 fn plan_muon_reports_every_unit_and_auto_costs_no_more_than_either_end() {
-    let out = ragged(&[
-        "plan",
-        "--model",
-        "models/qwen3_30b_a3b.json",
-        "--devices",
-        "8",
-        "--no-baselines",
-        "--muon",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (_, rest) = text
-        .split_once("muon (Auto layout, V = 8")
-        .unwrap_or_else(|| panic!("no muon section in {text}"));
-    let first = rest.lines().next().unwrap();
-    let wire = first.split_once("split; ").unwrap().1;
-    let (auto, ends) = wire
-        .split_once(" on the wire per step (all whole ")
-        .unwrap();
-    let (whole, split) = ends
-        .trim_end_matches(')')
-        .split_once(", all split ")
-        .unwrap();
-    let (auto, whole, split) = (size_bytes(auto), size_bytes(whole), size_bytes(split));
-    assert!(auto <= whole && auto <= split, "{first}");
-    assert!(auto < whole, "{first}");
-    let units: usize = rest
-        .lines()
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .map(|l| match l.split_once(" (") {
-            Some((_, n)) if l.contains(" .. ") => n.split(')').next().unwrap().parse().unwrap(),
-            _ => 1,
-        })
-        .sum();
-    assert_eq!(units, 49, "{rest}");
+    // 48 decoder layers and the root unit; two layers per unit: 24 and the root.
+    for (layers, want_units) in [("1", 49), ("2", 25)] {
+        let out = ragged(&[
+            "plan",
+            "--model",
+            "models/qwen3_30b_a3b.json",
+            "--devices",
+            "8",
+            "--no-baselines",
+            "--muon",
+            "--layers-per-unit",
+            layers,
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (_, rest) = text
+            .split_once("muon (Auto layout, V = 8")
+            .unwrap_or_else(|| panic!("no muon section in {text}"));
+        let first = rest.lines().next().unwrap();
+        let wire = first.split_once("split; ").unwrap().1;
+        let (auto, ends) = wire
+            .split_once(" on the wire per step (all whole ")
+            .unwrap();
+        let (whole, split) = ends
+            .trim_end_matches(')')
+            .split_once(", all split ")
+            .unwrap();
+        let (auto, whole, split) = (size_bytes(auto), size_bytes(whole), size_bytes(split));
+        assert!(auto <= whole && auto <= split, "{first}");
+        assert!(auto < whole, "{first}");
+        let units: usize = rest
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .map(|l| match l.split_once(" (") {
+                Some((_, n)) if l.contains(" .. ") => n.split(')').next().unwrap().parse().unwrap(),
+                _ => 1,
+            })
+            .sum();
+        assert_eq!(units, want_units, "--layers-per-unit {layers}: {rest}");
+    }
 }
