@@ -322,19 +322,13 @@ fn an_index_that_interleaves_files_loads_every_tensor_from_its_file() {
         .enumerate()
         .map(|(i, n)| (n.to_string(), varied(&[5 + i, 4], 20 + i as u32)))
         .collect();
-    let mut weight_map = serde_json::Map::new();
-    let mut parts: [HashMap<String, Tensor>; 2] = Default::default();
-    for (i, (n, t)) in model.iter().enumerate() {
-        let file = format!("part-{}.safetensors", i % 2);
-        parts[i % 2].insert(n.clone(), t.clone());
-        weight_map.insert(n.clone(), file.into());
+    let mut files: Vec<(String, Vec<(String, Tensor)>)> = (0..2)
+        .map(|i| (format!("part-{i}.safetensors"), Vec::new()))
+        .collect();
+    for (i, named) in model.iter().enumerate() {
+        files[i % 2].1.push(named.clone());
     }
-    for (i, part) in parts.iter().enumerate() {
-        candle_core::safetensors::save(part, root.join(format!("part-{i}.safetensors"))).unwrap();
-    }
-    let index = root.join("model.safetensors.index.json");
-    let json = serde_json::json!({ "weight_map": weight_map });
-    std::fs::write(&index, json.to_string()).unwrap();
+    let index = common::write_split_checkpoint(&root, &files);
     let zeros: Vec<(String, Tensor)> = model
         .iter()
         .map(|(n, t)| (n.clone(), t.zeros_like().unwrap()))
@@ -438,14 +432,6 @@ struct Addresses {
     seen: std::sync::Mutex<Vec<[usize; 2]>>,
 }
 
-fn storage_address(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.as_ptr() as usize,
-        _ => unreachable!("CPU f32 parameters"),
-    }
-}
-
 impl ragged::fsdp::Stages for Addresses {
     type Batch = ragged::demo::MlpBatch;
     fn stage_units(&self) -> Vec<String> {
@@ -458,8 +444,8 @@ impl ragged::fsdp::Stages for Addresses {
         x: Option<&Tensor>,
         b: &Self::Batch,
     ) -> candle_core::Result<Tensor> {
-        let up = storage_address(p.get(&format!("layers.{s}.up.weight"))?);
-        let down = storage_address(p.get(&format!("layers.{s}.down.weight"))?);
+        let up = common::storage_address(p.get(&format!("layers.{s}.up.weight"))?);
+        let down = common::storage_address(p.get(&format!("layers.{s}.down.weight"))?);
         self.seen.lock().unwrap().push([up, down]);
         self.mlp.forward(s, p, x, b)
     }
@@ -515,14 +501,6 @@ struct RootWatch {
     lengths: std::sync::Mutex<Vec<usize>>,
 }
 
-fn storage_len(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
-        _ => unreachable!("CPU f32 parameters"),
-    }
-}
-
 impl ragged::fsdp::Stages for RootWatch {
     type Batch = Tensor;
     fn stage_units(&self) -> Vec<String> {
@@ -539,7 +517,10 @@ impl ragged::fsdp::Stages for RootWatch {
         if s == 0 {
             *embed = Some(p.get("embed.weight")?.clone());
         } else if let Some(t) = embed.as_ref() {
-            self.lengths.lock().unwrap().push(storage_len(t));
+            self.lengths
+                .lock()
+                .unwrap()
+                .push(common::storage_elements(t));
         }
         self.stages.forward(s, p, x, b)
     }

@@ -378,18 +378,18 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
     // The same tensors split over two files with a Hugging Face index load the same values.
     let mut names: Vec<&String> = hf.keys().collect();
     names.sort();
-    let mut weight_map = serde_json::Map::new();
-    for (part, chunk) in names.chunks(names.len().div_ceil(2)).enumerate() {
-        let file = format!("model-{:05}-of-00002.safetensors", part + 1);
-        let tensors: HashMap<&String, Tensor> = chunk.iter().map(|&n| (n, hf[n].clone())).collect();
-        candle_core::safetensors::save(&tensors, root.join(&file)).unwrap();
-        for &n in chunk {
-            weight_map.insert(n.clone(), file.clone().into());
-        }
-    }
-    let index = root.join("model.safetensors.index.json");
-    let json = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
-    std::fs::write(&index, json.to_string()).unwrap();
+    let files: Vec<(String, Vec<(String, Tensor)>)> = names
+        .chunks(names.len().div_ceil(2))
+        .enumerate()
+        .map(|(part, chunk)| {
+            let file = format!("model-{:05}-of-00002.safetensors", part + 1);
+            (
+                file,
+                chunk.iter().map(|&n| (n.clone(), hf[n].clone())).collect(),
+            )
+        })
+        .collect();
+    let index = common::write_split_checkpoint(&root, &files);
     let load_file = |path: &Path| {
         ThreadWorld::run(3, |c| {
             let mut m = fully_shard(&zeros, adamw(), c, FsdpOptions::default())?;

@@ -17,6 +17,8 @@ use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout, Stages
 use ragged::roles::{Role, RoleFn, RoleRule};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
+mod common;
+
 const CFG: TransformerConfig = TransformerConfig::TINY;
 const LR: f64 = 1e-2;
 const STEPS: usize = 4;
@@ -1363,16 +1365,6 @@ fn frozen_parameters_stay_put_and_skip_the_reduction() {
     );
 }
 
-/// Elements of `t`'s whole storage object, read through candle's own API (0 once freed).
-fn storage_elements(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
-        candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => v.len(),
-        _ => unreachable!("CPU f32 or bf16 parameters"),
-    }
-}
-
 /// The MLP stack's stages, recording (clones of) each stage's parameter tensors, which share
 /// their storage objects with the graph, their values at the stage's forward, and, at every
 /// stage's forward, the storage lengths of the earlier stages' parameters.
@@ -1396,7 +1388,10 @@ impl Stages for Watched {
         b: &Self::Batch,
     ) -> candle_core::Result<Tensor> {
         let mut params = self.params.lock().unwrap();
-        let earlier = params.iter().flatten().map(|(_, t)| storage_elements(t));
+        let earlier = params
+            .iter()
+            .flatten()
+            .map(|(_, t)| common::storage_elements(t));
         self.lengths_seen.lock().unwrap().push(earlier.collect());
         let names = [
             format!("layers.{s}.up.weight"),
@@ -1457,7 +1452,7 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
                 let lengths: Vec<usize> = params
                     .iter()
                     .flatten()
-                    .map(|(_, t)| storage_elements(t))
+                    .map(|(_, t)| common::storage_elements(t))
                     .collect();
                 after.push((lengths, sharded.spare_param_bytes()));
                 storages.push(watched.lengths_seen.into_inner().unwrap());

@@ -38,3 +38,44 @@ pub fn local_grads<O: Optimizer>(s: &ShardedModel<'_, O>) -> Vec<f32> {
     .unwrap();
     out
 }
+
+/// Elements of `t`'s whole storage object, read through candle's own API (0 once freed).
+pub fn storage_elements(t: &candle_core::Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+        candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => v.len(),
+        _ => unreachable!("CPU f32 or bf16 parameters"),
+    }
+}
+
+/// The address of `t`'s storage object's first element (CPU `f32`).
+pub fn storage_address(t: &candle_core::Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.as_ptr() as usize,
+        _ => unreachable!("CPU f32 parameters"),
+    }
+}
+
+/// A Hugging Face split checkpoint under `root`: each `(file, tensors)` written as one
+/// safetensors file, and `model.safetensors.index.json` naming each tensor's file; returns the
+/// index's path.
+pub fn write_split_checkpoint(
+    root: &std::path::Path,
+    files: &[(String, Vec<(String, candle_core::Tensor)>)],
+) -> PathBuf {
+    let mut weight_map = serde_json::Map::new();
+    for (file, tensors) in files {
+        let map: std::collections::HashMap<&String, candle_core::Tensor> =
+            tensors.iter().map(|(n, t)| (n, t.clone())).collect();
+        candle_core::safetensors::save(&map, root.join(file)).unwrap();
+        for (n, _) in tensors {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+    }
+    let index = root.join("model.safetensors.index.json");
+    let json = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(&index, json.to_string()).unwrap();
+    index
+}
