@@ -7,13 +7,21 @@
 //! | `RAGGED_RENDEZVOUS_ADDR=host:port` | TCP: rank 0 listens there and hands the blob to each of the other `V − 1` ranks as it connects; the others retry until rank 0 is up. For nodes without a shared file system. |
 //! | `RAGGED_NCCL_ID_FILE=path` | a file every rank can read: rank 0 writes it under a temporary name and renames it (readers never see half a file); the others poll for it. |
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long anyone waits (default 120 s, also where it is `0`, which turns off only the collectives' wait) |
+//! | `RAGGED_RUN_ID` | this launch's identity ([`run_id_from_env`]; else Slurm's `SLURM_JOB_ID.SLURM_STEP_ID`, else torchrun's `TORCHELASTIC_RUN_ID`) |
 //!
-//! On the wire: the 4 bytes `RGID`, the blob's length as a little-endian `u32`, the blob. A
-//! reader checks both, so a wrong port or a file that is not a rendezvous file is an error
-//! that says so, never a garbage id. Every wait here has the timeout: a missing rank is an
-//! `Err`, never a hang. A file left by an earlier run, though, is a valid file: a rank that
-//! reads it before rank 0 replaces it joins the old id and waits in NCCL's init, which has no
-//! timeout. Give each launch its own path, or delete the file before starting.
+//! On the wire: the 4 bytes `RGID`, the blob's length as a little-endian `u32`, the blob, the
+//! run id's length as a little-endian `u32` (at most [`MAX_RUN_ID`]), the run id. A reader
+//! checks all of it, so a wrong port or a file that is not a rendezvous file is an error that
+//! says so, never a garbage id. Every wait here has the timeout: a missing rank is an `Err`,
+//! never a hang.
+//!
+//! The run id tells this launch's message from another's. A file left by an earlier launch is
+//! a valid file, and a rank that read it before rank 0 replaced it would join the old NCCL id
+//! and wait in NCCL's init, which has no timeout. With a run id, a reader skips a file of
+//! another run and keeps polling (and says so if the timeout comes first); over TCP, a
+//! message from another launch's rank 0 (a port another job holds) is an error at once.
+//! Without one (no variable set), any well-formed file is taken, as before: give each launch
+//! its own path, or delete the file before starting.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -26,6 +34,45 @@ use crate::{Error, Result};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 const MAGIC: &[u8; 4] = b"RGID";
+
+/// The longest run id a message may carry, in bytes.
+pub const MAX_RUN_ID: usize = 256;
+
+/// This launch's identity for the rendezvous: `RAGGED_RUN_ID`, else Slurm's
+/// `SLURM_JOB_ID.SLURM_STEP_ID` (a job step's; `srun` sets both on every rank), else torchrun's
+/// `TORCHELASTIC_RUN_ID`, else empty (none: messages are not told apart). Every rank of a
+/// launch must see the same value; `Err` for one longer than [`MAX_RUN_ID`] bytes.
+pub fn run_id_from_env() -> Result<String> {
+    run_id_with(|k| std::env::var(k).ok())
+}
+
+/// [`run_id_from_env`] over the variables `var` gives.
+fn run_id_with(var: impl Fn(&str) -> Option<String>) -> Result<String> {
+    let var = |k: &str| var(k).filter(|v| !v.is_empty());
+    let id = var("RAGGED_RUN_ID")
+        .or_else(|| {
+            Some(format!(
+                "{}.{}",
+                var("SLURM_JOB_ID")?,
+                var("SLURM_STEP_ID")?
+            ))
+        })
+        .or_else(|| var("TORCHELASTIC_RUN_ID"))
+        .unwrap_or_default();
+    check_run_id(&id)?;
+    Ok(id)
+}
+
+fn check_run_id(id: &str) -> Result<()> {
+    crate::limits::at_most(
+        "Rendezvous",
+        "run id bytes",
+        id.len(),
+        MAX_RUN_ID,
+        "it travels with the id in a small message",
+    )
+    .map(drop)
+}
 
 /// Where the ranks meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,9 +107,23 @@ impl Rendezvous {
     }
 
     /// Rank 0 makes the blob (`make`) and hands it out; every other rank of the `world`
-    /// receives it. All ranks return the same bytes, or `Err` within `timeout`.
+    /// receives it. All ranks return the same bytes, or `Err` within `timeout`. The launch is
+    /// told apart from others by [`run_id_from_env`] ([`Rendezvous::share_in_run`]).
     pub fn share<const N: usize>(
         &self,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+        make: impl FnOnce() -> Result<[u8; N]>,
+    ) -> Result<[u8; N]> {
+        self.share_in_run(&run_id_from_env()?, rank, world, timeout, make)
+    }
+
+    /// [`Rendezvous::share`] for the launch `run` (empty: none): rank 0's message carries it,
+    /// and the other ranks take only a message of the same run (module doc).
+    pub fn share_in_run<const N: usize>(
+        &self,
+        run: &str,
         rank: usize,
         world: usize,
         timeout: Duration,
@@ -75,20 +136,24 @@ impl Rendezvous {
                 reason: "needs rank < world".into(),
             });
         }
+        check_run_id(run)?;
         let deadline = crate::limits::deadline(Instant::now(), timeout);
         if rank == 0 {
             let blob = make()?;
+            let msg = encode(&blob, run);
             match self {
-                Rendezvous::Tcp(addr) => serve(addr, world - 1, &blob, deadline)?,
-                Rendezvous::File(path) => write_file(path, &blob)?,
+                Rendezvous::Tcp(addr) => serve(addr, world - 1, &msg, deadline)?,
+                Rendezvous::File(path) => write_file(path, &msg)?,
             }
             Ok(blob)
         } else {
-            let bytes = match self {
-                Rendezvous::Tcp(addr) => fetch(addr, N, deadline)?,
-                Rendezvous::File(path) => poll_file(path, deadline)?,
-            };
-            decode(&bytes, self)
+            match self {
+                Rendezvous::Tcp(addr) => {
+                    let msg = fetch(addr, N, deadline)?;
+                    of_run(decode(&msg, self)?, run, self)
+                }
+                Rendezvous::File(path) => poll_file(path, run, deadline, self),
+            }
         }
     }
 }
@@ -128,27 +193,74 @@ pub fn parse_timeout(value: Option<&str>) -> Result<Option<Duration>> {
         .map_err(|_| bad("more seconds than a Duration holds"))
 }
 
-fn encode(blob: &[u8]) -> Vec<u8> {
+fn encode(blob: &[u8], run: &str) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
     out.extend_from_slice(&(blob.len() as u32).to_le_bytes());
     out.extend_from_slice(blob);
+    out.extend_from_slice(&(run.len() as u32).to_le_bytes());
+    out.extend_from_slice(run.as_bytes());
     out
 }
 
-fn decode<const N: usize>(bytes: &[u8], from: &Rendezvous) -> Result<[u8; N]> {
+/// A decoded message: the blob and the run id it carries.
+struct Message<const N: usize> {
+    blob: [u8; N],
+    run: String,
+}
+
+fn decode<const N: usize>(bytes: &[u8], from: &Rendezvous) -> Result<Message<N>> {
     let bad = |reason: String| Error::Comm {
         op: OP,
         rank: usize::MAX,
         reason: format!("{from:?}: {reason}"),
     };
+    let word = |at: usize| {
+        let b: [u8; 4] = bytes[at..at + 4].try_into().expect("4 bytes");
+        u32::from_le_bytes(b) as usize
+    };
     if bytes.len() < 8 || &bytes[..4] != MAGIC {
         return Err(bad("not a ragged rendezvous message".into()));
     }
-    let len = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
-    if len != N || bytes.len() != 8 + N {
+    let len = word(4);
+    if len != N {
         return Err(bad(format!("a {len}-byte blob, expected {N}")));
     }
-    Ok(bytes[8..].try_into().expect("N bytes"))
+    if bytes.len() < 12 + N {
+        return Err(bad(
+            "a message without a run id (from an older ragged?)".into()
+        ));
+    }
+    let run_len = word(8 + N);
+    let run = &bytes[12 + N..];
+    if run_len > MAX_RUN_ID || run.len() != run_len {
+        return Err(bad(format!(
+            "a run id of {} bytes where the header says {run_len}",
+            run.len()
+        )));
+    }
+    Ok(Message {
+        blob: bytes[8..8 + N].try_into().expect("N bytes"),
+        run: String::from_utf8_lossy(run).into_owned(),
+    })
+}
+
+/// The blob of `msg` when it belongs to `run` (or `run` is empty: none to compare).
+fn of_run<const N: usize>(msg: Message<N>, run: &str, from: &Rendezvous) -> Result<[u8; N]> {
+    if run.is_empty() || msg.run == run {
+        return Ok(msg.blob);
+    }
+    Err(Error::Comm {
+        op: OP,
+        rank: usize::MAX,
+        reason: format!("{from:?}: {}", other_run(&msg.run, run)),
+    })
+}
+
+fn other_run(found: &str, run: &str) -> String {
+    format!(
+        "a message of run {found:?}, this launch is run {run:?} (another launch's rank 0, or \
+         a file an earlier launch left: delete it or give each launch its own path)"
+    )
 }
 
 fn timed_out(what: String) -> Error {
@@ -160,7 +272,7 @@ fn timed_out(what: String) -> Error {
 }
 
 /// Rank 0 over TCP: accept `peers` connections and write the message to each.
-fn serve(addr: &str, peers: usize, blob: &[u8], deadline: Instant) -> Result<()> {
+fn serve(addr: &str, peers: usize, msg: &[u8], deadline: Instant) -> Result<()> {
     let listener = TcpListener::bind(addr).map_err(|e| Error::Comm {
         op: OP,
         rank: 0,
@@ -169,7 +281,6 @@ fn serve(addr: &str, peers: usize, blob: &[u8], deadline: Instant) -> Result<()>
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io(OP, addr, e))?;
-    let msg = encode(blob);
     let mut served = 0;
     while served < peers {
         match listener.accept() {
@@ -177,7 +288,7 @@ fn serve(addr: &str, peers: usize, blob: &[u8], deadline: Instant) -> Result<()>
                 stream
                     .set_nonblocking(false)
                     .and_then(|()| stream.set_write_timeout(Some(Duration::from_secs(10))))
-                    .and_then(|()| stream.write_all(&msg))
+                    .and_then(|()| stream.write_all(msg))
                     .map_err(|e| Error::io(OP, addr, e))?;
                 served += 1;
             }
@@ -211,10 +322,14 @@ fn fetch(addr: &str, n: usize, deadline: Instant) -> Result<Vec<u8>> {
             ) else {
                 continue;
             };
-            let mut msg = vec![0u8; 8 + n];
+            // Rank 0 writes one message and closes: read to the end, at most the longest one.
+            let mut msg = Vec::new();
             stream
                 .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-                .and_then(|()| stream.read_exact(&mut msg))
+                .and_then(|()| {
+                    let most = (12 + n + MAX_RUN_ID) as u64;
+                    (&mut stream).take(most).read_to_end(&mut msg)
+                })
                 .map_err(|e| Error::io(OP, addr, e))?;
             return Ok(msg);
         }
@@ -227,20 +342,37 @@ fn fetch(addr: &str, n: usize, deadline: Instant) -> Result<Vec<u8>> {
     }
 }
 
-fn write_file(path: &Path, blob: &[u8]) -> Result<()> {
+fn write_file(path: &Path, msg: &[u8]) -> Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, encode(blob)).map_err(|e| Error::io(OP, &tmp, e))?;
+    std::fs::write(&tmp, msg).map_err(|e| Error::io(OP, &tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(OP, path, e))
 }
 
-fn poll_file(path: &Path, deadline: Instant) -> Result<Vec<u8>> {
+/// A rank > 0 through a file: poll until a message of `run` is there. A well-formed message
+/// of another run is a file an earlier launch left, which rank 0 will replace: skipped, and
+/// named in the error if the timeout comes first.
+fn poll_file<const N: usize>(
+    path: &Path,
+    run: &str,
+    deadline: Instant,
+    from: &Rendezvous,
+) -> Result<[u8; N]> {
+    let mut stale = None;
     loop {
         if let Ok(bytes) = std::fs::read(path) {
-            return Ok(bytes);
+            let msg = decode::<N>(&bytes, from)?;
+            if run.is_empty() || msg.run == run {
+                return Ok(msg.blob);
+            }
+            stale = Some(msg.run);
         }
         if Instant::now() >= deadline {
+            let why = match &stale {
+                Some(found) => other_run(found, run),
+                None => "is rank 0 running?".into(),
+            };
             return Err(timed_out(format!(
-                "no rendezvous file {} before the timeout (is rank 0 running?)",
+                "no rendezvous file {} of this launch before the timeout ({why})",
                 path.display()
             )));
         }
@@ -284,7 +416,9 @@ mod tests {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|r| {
-                    s.spawn(move || via.share(r, world, Duration::from_secs(20), || Ok(blob(3))))
+                    s.spawn(move || {
+                        via.share_in_run("job-1", r, world, Duration::from_secs(20), || Ok(blob(3)))
+                    })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -329,13 +463,86 @@ mod tests {
             .share(1, 2, short, || none(()))
             .unwrap_err();
         assert!(err.to_string().contains("not a ragged rendezvous"), "{err}");
-        std::fs::write(dir.join("short"), encode(&[1u8; 16])).unwrap();
+        std::fs::write(dir.join("short"), encode(&[1u8; 16], "")).unwrap();
         let err = Rendezvous::File(dir.join("short"))
             .share(1, 2, short, || none(()))
             .unwrap_err();
         assert!(err.to_string().contains("16-byte blob"), "{err}");
         // A rank outside the world.
         assert!(file.share(2, 2, short, || Ok(blob(0))).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_run_id_comes_from_ragged_then_slurm_then_torchrun_and_is_bounded() {
+        let run_id = |pairs: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            run_id_with(move |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+        };
+        let (job, step) = (("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "3"));
+        let torchrun = ("TORCHELASTIC_RUN_ID", "t");
+        assert_eq!(run_id(&[]).unwrap(), "");
+        let all = [("RAGGED_RUN_ID", "mine"), job, step, torchrun];
+        assert_eq!(run_id(&all).unwrap(), "mine");
+        assert_eq!(run_id(&[job, step, torchrun]).unwrap(), "77.3");
+        // A job id without a step id is not a step's identity: torchrun's, else none.
+        assert_eq!(run_id(&[job, torchrun]).unwrap(), "t");
+        assert_eq!(run_id(&[job]).unwrap(), "");
+        assert_eq!(run_id(&[("RAGGED_RUN_ID", ""), torchrun]).unwrap(), "t");
+        let long = "x".repeat(MAX_RUN_ID + 1);
+        assert!(run_id(&[("RAGGED_RUN_ID", &long)]).is_err());
+        assert!(run_id(&[("RAGGED_RUN_ID", &long[1..])]).is_ok());
+    }
+
+    /// A file an earlier launch left is skipped until rank 0 replaces it, and named in the
+    /// error when it never does; a launch without a run id takes any file; over TCP, another
+    /// launch's message is an error at once.
+    #[test]
+    fn a_message_of_another_run_is_never_taken() {
+        let dir = std::env::temp_dir().join(format!("ragged-rdv-s-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("id");
+        let file = Rendezvous::File(path.clone());
+        let short = Duration::from_millis(300);
+        let none = || -> Result<[u8; 128]> { unreachable!("only rank 0 makes the blob") };
+        write_file(&path, &encode(&blob(1), "old")).unwrap();
+        // Alone with the old file: a timeout that names both runs.
+        let err = file.share_in_run("new", 1, 2, short, none).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("run \"old\", this launch is run \"new\""),
+            "{err}"
+        );
+        // Rank 0 replaces it late: the reader waits for it and gets the new blob.
+        let got = std::thread::scope(|s| {
+            let reader = s.spawn(|| file.share_in_run("new", 1, 2, Duration::from_secs(20), none));
+            std::thread::sleep(Duration::from_millis(200));
+            file.share_in_run("new", 0, 2, short, || Ok(blob(2)))
+                .unwrap();
+            reader.join().unwrap()
+        });
+        assert_eq!(got.unwrap(), blob(2));
+        // Without a run id, the file there is taken (the behaviour before run ids).
+        write_file(&path, &encode(&blob(1), "old")).unwrap();
+        assert_eq!(file.share_in_run("", 1, 2, short, none).unwrap(), blob(1));
+        // TCP: a client of another run refuses rank 0's message.
+        let tcp = Rendezvous::Tcp(format!("127.0.0.1:{}", free_port()));
+        let (served, fetched) = std::thread::scope(|s| {
+            let server =
+                s.spawn(|| tcp.share_in_run("a", 0, 2, Duration::from_secs(20), || Ok(blob(4))));
+            let fetched = tcp.share_in_run("b", 1, 2, Duration::from_secs(20), none);
+            (server.join().unwrap(), fetched)
+        });
+        assert_eq!(served.unwrap(), blob(4));
+        let err = fetched.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("run \"a\", this launch is run \"b\""),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,6 +12,7 @@
 //! | `RAGGED_RANK` (else `RANK`) | this process's rank |
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
 //! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
+//! | `RAGGED_RUN_ID` | this launch's identity (else Slurm's job step, else torchrun's run id): ranks take rank 0's id only from a message of the same run, so a file an earlier launch left is skipped, not joined ([`crate::comm::rendezvous::run_id_from_env`]) |
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there, and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait, the rendezvous waits the default) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
