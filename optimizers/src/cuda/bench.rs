@@ -5,10 +5,11 @@
 //! |---|---|---|
 //! | Newton–Schulz, one `n × n` matrix, bf16 (GEMM) and f32 (GEMM, and syrk for the symmetric products) | TFLOP/s (`steps · 3` GEMMs of `2n³`, whichever product ran) | one plain cuBLAS GEMM `n³` of the same precision on random data |
 //! | Newton–Schulz, a stack of 8 `n/4 × n/4` experts (strided-batched), bf16 | TFLOP/s | the same GEMM |
-//! | AdamW step on one `len`-element shard | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy, read + write bytes |
-//! | 8-bit Adam step, same shard | GB/s (16 B per element: p, g, both codes read; p, both codes written) | the same memcpy |
+//! | AdamW step on one `len`-element shard, and on a Llama-3-8B decoder layer (7 matrices, 2 norms) | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy of `len` elements, read + write bytes |
+//! | 8-bit Adam step, the same shards | GB/s (16 B per element: p, g, both codes read; p, both codes written; 28 B for the norms' f32 fallback) | the same memcpy |
 //!
-//! Sizes: `n = 4096`, `len = 2^26` (`quick`: 512 and 2^20, for tests). Every timing
+//! Sizes: `n = 4096`, `len = 2^26`, the layer's 218 M elements (`quick`: 512, 2^20 and the
+//! layer's dimensions / 32, for tests). Every timing
 //! synchronizes the device before reading the clock, after one untimed warm-up.
 
 use std::sync::Arc;
@@ -137,15 +138,37 @@ pub fn bench_gpu(dev: &Arc<Device>, quick: bool) -> Result<GpuReport> {
             });
         }
     }
-    rows.extend(bench_elementwise(dev, len)?);
+    rows.extend(bench_elementwise(dev, len, quick)?);
     Ok(GpuReport {
         device: dev.name().unwrap_or_else(|_| "unknown GPU".into()),
         rows,
     })
 }
 
-/// AdamW and 8-bit Adam on one `len`-element shard against a device memcpy.
-fn bench_elementwise(dev: &Arc<Device>, len: usize) -> Result<Vec<GpuRow>> {
+/// Llama-3-8B's decoder layer: the seven matrices and the two norms (218 M elements), each
+/// dimension divided by `shrink`.
+fn llama3_8b_layer(shrink: usize) -> Vec<(String, Vec<usize>)> {
+    let (d, kv, ff) = (4096 / shrink, 1024 / shrink, 14336 / shrink);
+    [
+        ("attn.q", vec![d, d]),
+        ("attn.k", vec![kv, d]),
+        ("attn.v", vec![kv, d]),
+        ("attn.o", vec![d, d]),
+        ("mlp.gate", vec![ff, d]),
+        ("mlp.up", vec![ff, d]),
+        ("mlp.down", vec![d, ff]),
+        ("attn_norm", vec![d]),
+        ("mlp_norm", vec![d]),
+    ]
+    .into_iter()
+    .map(|(n, s)| (n.to_string(), s))
+    .collect()
+}
+
+/// AdamW and 8-bit Adam against a device memcpy of `len` elements: on one `len`-element
+/// matrix 8192 wide, and on a Llama-3-8B decoder layer (many pieces, two of them 8-bit Adam's
+/// f32 fallbacks; `quick`: its dimensions / 32).
+fn bench_elementwise(dev: &Arc<Device>, len: usize, quick: bool) -> Result<Vec<GpuRow>> {
     let src = dev.upload(&units(len, 1))?;
     let mut dst = dev.zeros::<f32>(len)?;
     let copy = time(dev, 5, &mut || {
@@ -153,42 +176,69 @@ fn bench_elementwise(dev: &Arc<Device>, len: usize) -> Result<Vec<GpuRow>> {
             dev.stream().memcpy_dtod(&src, &mut dst)
         })
     })?;
-    let copy_gbs = 8.0 * len as f64 / copy / 1e9;
-    let baseline = format!("device memcpy {} MiB", (4 * len) >> 20);
-    let shape = [len / 8192, 8192];
+    drop((src, dst));
+    let baseline = Baseline {
+        name: format!("device memcpy {} MiB", (4 * len) >> 20),
+        gbs: 8.0 * len as f64 / copy / 1e9,
+    };
+    let matrix = vec![("w".to_string(), vec![len / 8192, 8192])];
+    let layer = llama3_8b_layer(if quick { 32 } else { 1 });
+    let mut rows = Vec::new();
+    for (label, specs) in [
+        (format!("{len} elements"), &matrix),
+        ("a Llama-3-8B layer".to_string(), &layer),
+    ] {
+        rows.extend(bench_steps(dev, &label, specs, &baseline)?);
+    }
+    Ok(rows)
+}
+
+/// The same-run memcpy rate the element-wise steps are compared with.
+struct Baseline {
+    name: String,
+    gbs: f64,
+}
+
+/// AdamW and 8-bit Adam steps on one unsharded shard of `specs`.
+fn bench_steps(
+    dev: &Arc<Device>,
+    label: &str,
+    specs: &[(String, Vec<usize>)],
+    baseline: &Baseline,
+) -> Result<Vec<GpuRow>> {
+    let len: usize = specs.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let shapes = || specs.iter().map(|(n, s)| (n.as_str(), &s[..]));
     let mut p = dev.upload(&units(len, 2))?;
     let g = dev.upload(&units(len, 3))?;
-    let mut rows = Vec::new();
+    let row = |case: String, bytes: f64, secs: f64| GpuRow {
+        case,
+        value: bytes / secs / 1e9,
+        unit: "GB/s",
+        baseline: baseline.name.clone(),
+        baseline_value: baseline.gbs,
+    };
+    let on_gpu = Placement::Cuda(Arc::clone(dev));
 
     let adamw = AdamW::new(AdamWConfig::default())?;
-    let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| adamw.atomic_block(n, s))?;
-    let on_gpu = Placement::Cuda(Arc::clone(dev));
+    let shard = LocalShard::unsharded(shapes(), &|n, s| adamw.atomic_block(n, s))?;
     let mut st = adamw.init_on(&shard, &on_gpu)?;
     let secs = time(dev, 5, &mut || {
         let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
         adamw.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
-    rows.push(GpuRow {
-        case: format!("AdamW step, {len} elements"),
-        value: 28.0 * len as f64 / secs / 1e9,
-        unit: "GB/s",
-        baseline: baseline.clone(),
-        baseline_value: copy_gbs,
-    });
+    let mut rows = vec![row(format!("AdamW step, {label}"), 28.0 * len as f64, secs)];
+    drop(st);
 
     let a8 = Adam8bit::new(Adam8bitConfig::default())?;
-    let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| a8.atomic_block(n, s))?;
+    let shard = LocalShard::unsharded(shapes(), &|n, s| a8.atomic_block(n, s))?;
     let mut st = a8.init_on(&shard, &on_gpu)?;
+    // 16 B per 8-bit element, 28 B per element of an f32 fallback (the norms).
+    let fallback = st.m32.len();
+    let bytes = 16.0 * (len - fallback) as f64 + 28.0 * fallback as f64;
     let secs = time(dev, 5, &mut || {
         let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
         a8.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
-    rows.push(GpuRow {
-        case: format!("8-bit Adam step, {len} elements"),
-        value: 16.0 * len as f64 / secs / 1e9,
-        unit: "GB/s",
-        baseline,
-        baseline_value: copy_gbs,
-    });
+    rows.push(row(format!("8-bit Adam step, {label}"), bytes, secs));
     Ok(rows)
 }
