@@ -164,8 +164,9 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
     }
 }
 
-/// More scale blocks than the grid has warps on an H200 (132 multiprocessors × 8 thread
-/// blocks × 8 warps = 8448; cuda-emu reports 132 too), so warps take several passes; and
+/// More scale blocks than the grid has warps on an H200 (at most 132 multiprocessors × 8
+/// resident thread blocks × 8 warps = 8448; cuda-emu reports those figures too), so warps
+/// take several passes; and
 /// every row block at its own magnitude, from 1e-38 (subnormal products) to 1e30, with
 /// all-zero row blocks (zero scales, the zero codes) between, so the quantizer meets every
 /// octave slot of both maps. Still bitwise.

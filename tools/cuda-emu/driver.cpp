@@ -619,6 +619,15 @@ CUresult cuModuleGetFunction(void** f, void* module, const char* name) {
     *f = (void*)k;
     return CUDA_SUCCESS;
 }
+// As an H100 / H200 multiprocessor would hold them by threads alone (2048 per
+// multiprocessor, at most 32 blocks); registers and shared memory are not modelled.
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, void*, int block_size,
+                                                              size_t, unsigned int) {
+    if (!n || block_size <= 0 || block_size > 1024) return CUDA_ERROR_INVALID_VALUE;
+    *n = std::min(2048 / block_size, 32);
+    return CUDA_SUCCESS;
+}
+
 CUresult cuFuncGetAttribute(int* v, int, void*) {
     *v = 0;
     return CUDA_SUCCESS;

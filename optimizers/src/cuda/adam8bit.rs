@@ -5,7 +5,7 @@
 //! host step. The quantizer is the AVX-512 kernel's octave index
 //! ([`crate::kernels::octave_index`]), read from shared memory.
 
-use ragged::cuda::cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
+use ragged::cuda::cudarc::driver::{CudaFunction, CudaViewMut, LaunchConfig, PushKernelArg};
 use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
 use ragged::optim::LocalShard;
 use ragged::storage::View;
@@ -25,10 +25,6 @@ const BLOCK_THREADS: u32 = 256;
 
 /// Scale blocks one thread block steps per pass (its warps).
 const WARPS_PER_BLOCK: usize = BLOCK_THREADS as usize / 32;
-
-/// Resident thread blocks per multiprocessor the grid asks for (2048 threads, the most an
-/// H100 / H200 multiprocessor holds); more scale blocks than the grid's warps take more passes.
-const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
 
 /// The kernel's table layout per map (`T_*` in `kernels/adam8bit.cu`): the map, the
 /// thresholds, the bucket bases as bytes, the octave slots, a header, padding.
@@ -233,7 +229,7 @@ pub(crate) fn step(
     let tables = dev.upload(&[&opt.device_tables.0[..], &runs].concat())?;
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
     let cfg = LaunchConfig {
-        grid_dim: (grid_blocks(dev, scales)?, 1, 1),
+        grid_dim: (grid_blocks(dev, &f, scales)?, 1, 1),
         block_dim: (BLOCK_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -268,13 +264,19 @@ pub(crate) fn step(
     Ok(())
 }
 
-/// Thread blocks for `scales` scale blocks: one warp per scale block, at most
-/// [`BLOCKS_PER_MULTIPROCESSOR`] per multiprocessor (the kernel strides over the rest).
-fn grid_blocks(dev: &Device, scales: usize) -> Result<u32> {
-    let most = dev.multiprocessors()? * BLOCKS_PER_MULTIPROCESSOR;
+/// Thread blocks for `scales` scale blocks: one warp per scale block, at most as many as the
+/// device holds at once (multiprocessors × resident blocks each, which the kernel's registers
+/// decide), so every block is resident from the start and strides over the rest: no last
+/// partial wave of blocks that start late.
+fn grid_blocks(dev: &Device, f: &CudaFunction, scales: usize) -> Result<u32> {
+    const OP: &str = "Adam8bit::step (device)";
+    let resident = guarded(OP, || {
+        f.occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
+    })?;
+    let most = dev.multiprocessors()? * (resident.max(1) as usize);
     word(
-        "Adam8bit::step (device)",
+        OP,
         "thread blocks",
-        scales.div_ceil(WARPS_PER_BLOCK).clamp(1, most.max(1)),
+        scales.div_ceil(WARPS_PER_BLOCK).clamp(1, most),
     )
 }
