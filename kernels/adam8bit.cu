@@ -9,8 +9,9 @@
 // reduction. The grid strides over the scale blocks, WARPS of them per thread block per pass,
 // every thread of a block making the same passes (the loop bound is the block's, not the
 // warp's), so every warp shuffles the same number of times. Grid: (min(blocks needed, the
-// blocks the device holds at once), 1, 1); block: 256 threads (8 warps); static shared memory: both maps'
-// quantizer tables, 2 x T_WORDS words (about 5.4 KiB), loaded once per thread block.
+// blocks the device holds at once), 1, 1); block: 256 threads (8 warps); static shared
+// memory: both maps' quantizer tables, 2 x T_WORDS words (about 5.4 KiB), loaded once per
+// thread block.
 //
 // Where a scale block lies: `segments` holds runs of equal row blocks (S_WORDS words each,
 // ordered by first scale): the run's first element in the local shard, its row blocks'
