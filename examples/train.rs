@@ -430,6 +430,9 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         return Ok(()); // rank 0 reports
     }
     report_checkpoints(args, &trained);
+    for (what, count) in &trained.optimizer_events {
+        println!("{what}: {count}");
+    }
     let Trained {
         reports: sharded,
         params: full,

@@ -447,6 +447,8 @@ pub struct Trained {
     pub digest: String,
     /// The step this run started at (0, or where the resumed checkpoint was saved).
     pub first_step: usize,
+    /// [`ShardedModel::optimizer_events`] at the end (over every rank).
+    pub optimizer_events: Vec<(&'static str, u64)>,
 }
 
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
@@ -554,6 +556,7 @@ pub fn train_rank_with<O: CheckpointState>(
         params: sharded.full_params()?,
         digest: sharded.param_digest()?,
         first_step,
+        optimizer_events: sharded.optimizer_events()?,
     })
 }
 

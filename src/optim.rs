@@ -396,6 +396,15 @@ pub trait Optimizer: Send + Sync {
         })
     }
 
+    /// What this rank's steps have counted in `state` that changed the math without failing
+    /// the step, as `(what, count)` (Shampoo: roots it could not compute, the previous one
+    /// kept); none by default. Every rank gives the same list of `what` for its states.
+    /// [`crate::fsdp::ShardedModel::optimizer_events`] sums them over units and ranks.
+    fn events(&self, state: &Self::State) -> Vec<(&'static str, u64)> {
+        let _ = state;
+        Vec::new()
+    }
+
     /// Every setting that changes the update, as text that reads the same in every process
     /// for the same settings (no addresses): the optimizers of `ragged-optimizers` give their
     /// config's `Debug`. `fully_shard` compares it across ranks and names the first setting

@@ -1,7 +1,8 @@
 //! What `ShardedModel` accumulates, counts and agrees on between a backward and a step:
 //! gradients over several backwards and several reductions, a non-finite loss on one rank,
 //! skipped steps, clipping below the threshold, the padding of a reused gradient buffer, plans
-//! that differ between ranks, and a role's weight decay under AdamW. Each test was written
+//! that differ between ranks, a role's weight decay under AdamW, and the optimizer's events
+//! summed over ranks. Each test was written
 //! against a mutation of the runtime that no other test caught (an overwrite instead of an
 //! add, a rank deciding alone, ...) and fails on it.
 
@@ -9,9 +10,11 @@ use candle_core::{DType, Device, Tensor};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::fsdp::{fully_shard, FsdpOptions, NonFinitePolicy, ShardedModel};
+use ragged::optim::Optimizer;
 use ragged::plan::{Order, PlanOptions};
 use ragged::roles::{Role, RoleFn, RoleRule, RoleSettings};
-use ragged_optimizers::{AdamW, AdamWConfig};
+use ragged_optimizers::shampoo::ROOT_FAILURES;
+use ragged_optimizers::{AdamW, AdamWConfig, Shampoo, ShampooConfig};
 
 mod common;
 use common::{adamw, local_grads};
@@ -28,7 +31,7 @@ fn params() -> Vec<(String, Tensor)> {
 
 /// A backward of `Σ c·p` over every parameter: each gradient element is `c` (per rank; the
 /// reduction averages equal values, so it stays `c`).
-fn backward(s: &mut ShardedModel<'_, AdamW>, c: f64) -> ragged::Result<()> {
+fn backward<O: Optimizer>(s: &mut ShardedModel<'_, O>, c: f64) -> ragged::Result<()> {
     let full = s.unshard()?;
     let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
     for t in full.values() {
@@ -227,4 +230,41 @@ fn adamw_takes_a_roles_weight_decay() {
         "w: {:?}",
         &p["w"][..3]
     );
+}
+
+/// Shampoo's roots that cannot be computed (factors overflowing on gradients of 1e21) are
+/// counted by the ranks holding their blocks; `optimizer_events` sums them over units and
+/// ranks, the same total on every rank (a rank-local sum, or one rank's, would differ: the
+/// blocks are spread over the ranks).
+#[test]
+fn optimizer_events_sum_every_ranks_counts() {
+    let config = ShampooConfig {
+        max_preconditioner_dim: 4,
+        precondition_frequency: 1,
+        start_preconditioning_step: Some(1),
+        ..ShampooConfig::default()
+    };
+    let params = vec![ones("a", &[8, 8]), ones("b", &[8, 12]), ones("c", &[12, 8])];
+    let out = ThreadWorld::run(3, |c| {
+        let opt = Shampoo::new(config)?;
+        let mut m = fully_shard(&params, opt, c, FsdpOptions::default())?;
+        assert_eq!(m.optimizer_events()?, vec![(ROOT_FAILURES, 0)]);
+        backward(&mut m, 1e21)?;
+        m.reduce_gradients()?;
+        m.step()?;
+        let mine: u64 = m.states().iter().map(|s| s.root_failures).sum();
+        Ok((m.optimizer_events()?, mine))
+    })
+    .unwrap();
+    let total: u64 = out.iter().map(|(_, mine)| mine).sum();
+    assert!(
+        out.iter().filter(|(_, mine)| *mine > 0).count() >= 2,
+        "failures on one rank only: {out:?}"
+    );
+    for (events, _) in &out {
+        assert_eq!(events, &vec![(ROOT_FAILURES, total)]);
+    }
+    // AdamW counts nothing.
+    let m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    assert_eq!(m.optimizer_events().unwrap(), vec![]);
 }

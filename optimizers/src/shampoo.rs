@@ -566,11 +566,18 @@ fn identity_roots(blocks: &[Block], len: usize) -> Vec<f32> {
     roots
 }
 
+/// [`Optimizer::events`]' name for [`ShampooState::root_failures`].
+pub const ROOT_FAILURES: &str = "Shampoo roots not computed (previous root kept)";
+
 impl Optimizer for Shampoo {
     type State = ShampooState;
 
     fn name(&self) -> &'static str {
         "shampoo"
+    }
+
+    fn events(&self, state: &ShampooState) -> Vec<(&'static str, u64)> {
+        vec![(ROOT_FAILURES, state.root_failures)]
     }
 
     fn learning_rate(&self) -> Option<f64> {

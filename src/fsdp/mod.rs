@@ -801,6 +801,49 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .collect()
     }
 
+    /// The optimizer's [`Optimizer::events`] summed over this rank's units and over every
+    /// rank (one all-gather: call it on every rank), in the optimizer's order; the same on
+    /// every rank. `Err` when the ranks name different events.
+    pub fn optimizer_events(&self) -> Result<Vec<(&'static str, u64)>> {
+        const OP: &str = "ShardedModel::optimizer_events";
+        let mut mine: Vec<(&'static str, u64)> = Vec::new();
+        for unit in &self.units {
+            for (what, n) in self.optimizer.events(&unit.state) {
+                match mine.iter_mut().find(|(w, _)| *w == what) {
+                    Some((_, total)) => *total += n,
+                    None => mine.push((what, n)),
+                }
+            }
+        }
+        // Each rank's names and counts; the names must agree, the counts add (exactly: u64).
+        let key = |events: &[(&str, u64)]| {
+            let mut bytes = Vec::new();
+            for (what, n) in events {
+                bytes.extend((what.len() as u64).to_le_bytes());
+                bytes.extend(what.as_bytes());
+                bytes.extend(n.to_le_bytes());
+            }
+            bytes
+        };
+        let every = crate::comm::all_gather_bytes(self.comm, &key(&mine))?;
+        let mut total: Vec<(&'static str, u64)> = mine.iter().map(|&(w, _)| (w, 0)).collect();
+        for (rank, bytes) in every.iter().enumerate() {
+            let theirs = decode_events(bytes)
+                .filter(|e| e.len() == mine.len() && e.iter().zip(&mine).all(|(a, b)| a.0 == b.0));
+            let Some(theirs) = theirs else {
+                return Err(crate::Error::Comm {
+                    op: OP,
+                    rank: self.comm.rank(),
+                    reason: format!("rank {rank} counts other optimizer events than this rank"),
+                });
+            };
+            for ((_, n), (_, t)) in total.iter_mut().zip(theirs) {
+                *n = n.saturating_add(t);
+            }
+        }
+        Ok(total)
+    }
+
     /// The optimizer state of every unit, in unit order.
     pub fn states(&self) -> Vec<&O::State> {
         self.units.iter().map(|u| &u.state).collect()
@@ -1081,4 +1124,23 @@ impl MemoryPlan {
             .collect();
         Ok(self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations))
     }
+}
+
+/// The events of one rank as [`ShardedModel::optimizer_events`] sends them; `None` when the
+/// bytes are not such a list.
+fn decode_events(mut bytes: &[u8]) -> Option<Vec<(String, u64)>> {
+    let mut out = Vec::new();
+    let word = |b: &mut &[u8]| -> Option<u64> {
+        let (w, rest) = b.split_first_chunk::<8>()?;
+        *b = rest;
+        Some(u64::from_le_bytes(*w))
+    };
+    while !bytes.is_empty() {
+        let len = usize::try_from(word(&mut bytes)?).ok()?;
+        let (what, rest) = bytes.split_at_checked(len)?;
+        bytes = rest;
+        let what = String::from_utf8(what.to_vec()).ok()?;
+        out.push((what, word(&mut bytes)?));
+    }
+    Some(out)
 }
