@@ -5,7 +5,9 @@ use clap::Args;
 use ragged::model::{Inventory, Unit};
 use ragged::{Error, Result};
 use ragged_optimizers::bench::OptimKind;
-use ragged_optimizers::validate::{render, scaled, validate, LayoutKind, ValidateConfig};
+use ragged_optimizers::validate::{
+    check_config, render, scaled, validate, LayoutKind, ValidateConfig,
+};
 
 #[derive(Args)]
 pub struct ValidateArgs {
@@ -58,6 +60,7 @@ pub fn run(args: &ValidateArgs) -> Result<()> {
         seed: args.seed,
         mesh_invariance: args.mesh_invariance,
     };
+    check_config(&cfg)?;
     println!(
         "validate {} ({} units, dimensions ÷ {}) with {}, {} steps",
         inv.model,

@@ -539,6 +539,9 @@ fn validate_passes_a_small_preset_and_fails_bad_input() {
             !String::from_utf8_lossy(&out.stderr).contains("panicked"),
             "{bad:?} panicked"
         );
+        // Refused before any work: no run header.
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(!said.contains("steps"), "{bad:?} started: {said}");
     }
 }
 

@@ -236,7 +236,10 @@ pub fn validate(units: &[Unit], cfg: &ValidateConfig) -> Result<ValidateReport> 
     Ok(report)
 }
 
-fn check_config(cfg: &ValidateConfig) -> Result<()> {
+/// `Err` for a config [`validate`] refuses (no world or a world of 0, a world or layout
+/// listed twice, no layout, no step, ...), before any work: what a caller checks before
+/// printing a header.
+pub fn check_config(cfg: &ValidateConfig) -> Result<()> {
     let bad = |what: String, reason: &str| {
         Err(Error::BadInput {
             op: "validate",
