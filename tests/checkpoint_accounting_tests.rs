@@ -84,8 +84,8 @@ fn compute_copies(s: &mut ShardedModel<'_, AdamW>) -> HashMap<String, Vec<f32>> 
         .unwrap()
         .into_iter()
         .map(|(n, t)| {
-            let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            (n, v.to_vec1::<f32>().unwrap())
+            let v = common::f32_values(&t);
+            (n, v)
         })
         .collect()
 }
@@ -297,13 +297,7 @@ fn half_precision_imports_convert_f16_and_bf16_over_many_blocks() {
             .unwrap()
             .remove(0);
             for (name, t) in &file {
-                let want: Vec<f32> = t
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let want = common::f32_values(t);
                 assert!(got[name] == want, "{dtype:?} at V={world}: {name} differs");
             }
         }
@@ -426,31 +420,6 @@ fn ranks_differing_in_one_late_initial_value_are_refused() {
     }
 }
 
-/// The MLP stack's stages, recording the address of each stage's weights' storages.
-struct Addresses {
-    mlp: ragged::demo::MlpStages,
-    seen: std::sync::Mutex<Vec<[usize; 2]>>,
-}
-
-impl ragged::fsdp::Stages for Addresses {
-    type Batch = ragged::demo::MlpBatch;
-    fn stage_units(&self) -> Vec<String> {
-        self.mlp.stage_units()
-    }
-    fn forward(
-        &self,
-        s: usize,
-        p: &ragged::fsdp::UnitParams,
-        x: Option<&Tensor>,
-        b: &Self::Batch,
-    ) -> candle_core::Result<Tensor> {
-        let up = common::storage_address(p.get(&format!("layers.{s}.up.weight"))?);
-        let down = common::storage_address(p.get(&format!("layers.{s}.down.weight"))?);
-        self.seen.lock().unwrap().push([up, down]);
-        self.mlp.forward(s, p, x, b)
-    }
-}
-
 /// Under `reshard_after_forward`, a stack of identical blocks gathers each block into the
 /// storages an earlier block freed (the pool keeps them by the blocks' shape, whichever block
 /// freed them): over six blocks the forward touches at most two storages per weight (one
@@ -470,14 +439,21 @@ fn identical_blocks_gather_into_storages_earlier_blocks_freed() {
         };
         let mut m = fully_shard(&params, adamw(), &SingleRank, opts).unwrap();
         for step in 0..2 {
-            let watched = Addresses {
-                mlp: ragged::demo::MlpStages(mlp),
-                seen: std::sync::Mutex::new(Vec::new()),
+            // Each stage's weights' storage addresses.
+            let seen = std::sync::Mutex::new(Vec::new());
+            let watched = common::Watching {
+                stages: ragged::demo::MlpStages(mlp),
+                watch: |s: usize, p: &ragged::fsdp::UnitParams| {
+                    let up = common::storage_address(p.get(&format!("layers.{s}.up.weight"))?);
+                    let down = common::storage_address(p.get(&format!("layers.{s}.down.weight"))?);
+                    seen.lock().unwrap().push([up, down]);
+                    Ok(())
+                },
             };
             m.forward_backward(&watched, &mlp.batch(step, 4).unwrap())
                 .unwrap();
             m.step().unwrap();
-            let seen = watched.seen.into_inner().unwrap();
+            let seen = seen.into_inner().unwrap();
             assert_eq!(seen.len(), mlp.layers);
             for w in 0..2 {
                 let mut distinct: Vec<usize> = seen.iter().map(|a| a[w]).collect();
@@ -493,39 +469,6 @@ fn identical_blocks_gather_into_storages_earlier_blocks_freed() {
     }
 }
 
-/// The transformer's stages, keeping the root's embedding tensor from the first stage and
-/// recording its storage's length at every later stage.
-struct RootWatch {
-    stages: ragged::demo::TransformerStages,
-    embed: std::sync::Mutex<Option<Tensor>>,
-    lengths: std::sync::Mutex<Vec<usize>>,
-}
-
-impl ragged::fsdp::Stages for RootWatch {
-    type Batch = Tensor;
-    fn stage_units(&self) -> Vec<String> {
-        self.stages.stage_units()
-    }
-    fn forward(
-        &self,
-        s: usize,
-        p: &ragged::fsdp::UnitParams,
-        x: Option<&Tensor>,
-        b: &Tensor,
-    ) -> candle_core::Result<Tensor> {
-        let mut embed = self.embed.lock().unwrap();
-        if s == 0 {
-            *embed = Some(p.get("embed.weight")?.clone());
-        } else if let Some(t) = embed.as_ref() {
-            self.lengths
-                .lock()
-                .unwrap()
-                .push(common::storage_elements(t));
-        }
-        self.stages.forward(s, p, x, b)
-    }
-}
-
 /// A unit serving several stages (the root: embedding first, head last) stays gathered from
 /// its first forward use to its backward: while the blocks between run, the root's tensors
 /// keep their full storages (it is not freed after its first stage and gathered again).
@@ -538,13 +481,24 @@ fn a_unit_used_by_several_stages_stays_gathered_between_them() {
     let params = cfg.init_params(4).unwrap();
     let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     let ids = ragged::demo::batch(ragged::demo::corpus().unwrap(), &cfg, 0, 0, 2).unwrap();
-    let watch = RootWatch {
+    // The root's embedding tensor from the first stage, and its storage's length at every
+    // later stage.
+    let embed = std::sync::Mutex::new(None::<Tensor>);
+    let lengths = std::sync::Mutex::new(Vec::new());
+    let watch = common::Watching {
         stages: ragged::demo::TransformerStages(cfg),
-        embed: std::sync::Mutex::new(None),
-        lengths: std::sync::Mutex::new(Vec::new()),
+        watch: |s: usize, p: &ragged::fsdp::UnitParams| {
+            let mut embed = embed.lock().unwrap();
+            if s == 0 {
+                *embed = Some(p.get("embed.weight")?.clone());
+            } else if let Some(t) = embed.as_ref() {
+                lengths.lock().unwrap().push(common::storage_elements(t));
+            }
+            Ok(())
+        },
     };
     m.forward_backward(&watch, &ids).unwrap();
-    let lengths = watch.lengths.into_inner().unwrap();
+    let lengths = lengths.into_inner().unwrap();
     assert_eq!(lengths.len(), cfg.n_layers + 1);
     let full = cfg.vocab * cfg.d_model;
     assert!(

@@ -364,13 +364,7 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
         assert_eq!(unused, &vec!["rotary.inv_freq".to_string()]);
         for (name, t) in &hf {
             if let Some(v) = values.get(name) {
-                let want: Vec<f32> = t
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let want = common::f32_values(t);
                 assert!(*v == want, "{name}: imported values differ");
             }
         }

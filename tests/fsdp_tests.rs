@@ -1365,28 +1365,19 @@ fn frozen_parameters_stay_put_and_skip_the_reduction() {
     );
 }
 
-/// The MLP stack's stages, recording (clones of) each stage's parameter tensors, which share
+/// What the MLP stack's stages read: (clones of) each stage's parameter tensors, which share
 /// their storage objects with the graph, their values at the stage's forward, and, at every
 /// stage's forward, the storage lengths of the earlier stages' parameters.
-struct Watched {
-    mlp: ragged::demo::MlpStages,
+#[derive(Default)]
+struct Seen {
     params: Mutex<Vec<Vec<(String, Tensor)>>>,
     values_seen: Mutex<Vec<(String, Vec<f32>)>>,
     lengths_seen: Mutex<Vec<Vec<usize>>>,
 }
 
-impl Stages for Watched {
-    type Batch = ragged::demo::MlpBatch;
-    fn stage_units(&self) -> Vec<String> {
-        self.mlp.stage_units()
-    }
-    fn forward(
-        &self,
-        s: usize,
-        p: &UnitParams,
-        x: Option<&Tensor>,
-        b: &Self::Batch,
-    ) -> candle_core::Result<Tensor> {
+impl Seen {
+    /// `common::Watching`'s watch: records stage `s`'s parameters `p`.
+    fn record(&self, s: usize, p: &UnitParams) -> candle_core::Result<()> {
         let mut params = self.params.lock().unwrap();
         let earlier = params
             .iter()
@@ -1406,7 +1397,7 @@ impl Stages for Watched {
             values.push((n.clone(), t.flatten_all()?.to_vec1::<f32>()?));
         }
         params.push(mine);
-        self.mlp.forward(s, p, x, b)
+        Ok(())
     }
 }
 
@@ -1431,11 +1422,10 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
             let mut storages = Vec::new();
             let mut after = Vec::new();
             for step in 0..3 {
-                let watched = Watched {
-                    mlp: ragged::demo::MlpStages(mlp),
-                    params: Mutex::new(Vec::new()),
-                    values_seen: Mutex::new(Vec::new()),
-                    lengths_seen: Mutex::new(Vec::new()),
+                let seen = Seen::default();
+                let watched = common::Watching {
+                    stages: ragged::demo::MlpStages(mlp),
+                    watch: |s: usize, p: &UnitParams| seen.record(s, p),
                 };
                 let full = sharded.full_params()?;
                 let b = mlp.batch(step, 4)?;
@@ -1445,17 +1435,17 @@ fn kept_graphs_hold_empty_storages_between_forward_and_backward() {
                     y: rows(&b.y)?,
                 };
                 sharded.forward_backward(&watched, &b)?;
-                for (name, values) in watched.values_seen.into_inner().unwrap() {
+                for (name, values) in seen.values_seen.into_inner().unwrap() {
                     assert_eq!(values, full[&name], "step {step}: {name} read stale values");
                 }
-                let params = watched.params.into_inner().unwrap();
+                let params = seen.params.into_inner().unwrap();
                 let lengths: Vec<usize> = params
                     .iter()
                     .flatten()
                     .map(|(_, t)| common::storage_elements(t))
                     .collect();
                 after.push((lengths, sharded.spare_param_bytes()));
-                storages.push(watched.lengths_seen.into_inner().unwrap());
+                storages.push(seen.lengths_seen.into_inner().unwrap());
                 sharded.step()?;
             }
             Ok((storages, after, sharded.full_params()?))

@@ -79,3 +79,42 @@ pub fn write_split_checkpoint(
     std::fs::write(&index, json.to_string()).unwrap();
     index
 }
+
+/// `stages` with `watch(stage, params)` called before each stage's forward: what a test
+/// records of the tensors a stage reads (addresses, storage lengths, values), the stages'
+/// results unchanged.
+pub struct Watching<S, F> {
+    pub stages: S,
+    pub watch: F,
+}
+
+impl<S, F> ragged::fsdp::Stages for Watching<S, F>
+where
+    S: ragged::fsdp::Stages,
+    F: Fn(usize, &ragged::fsdp::UnitParams) -> candle_core::Result<()>,
+{
+    type Batch = S::Batch;
+    fn stage_units(&self) -> Vec<String> {
+        self.stages.stage_units()
+    }
+    fn forward(
+        &self,
+        s: usize,
+        p: &ragged::fsdp::UnitParams,
+        x: Option<&candle_core::Tensor>,
+        b: &S::Batch,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        (self.watch)(s, p)?;
+        self.stages.forward(s, p, x, b)
+    }
+}
+
+/// `t`'s values as `f32`, flattened (any dtype).
+pub fn f32_values(t: &candle_core::Tensor) -> Vec<f32> {
+    t.to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
