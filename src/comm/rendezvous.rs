@@ -246,7 +246,7 @@ fn decode<const N: usize>(bytes: &[u8], from: &Rendezvous) -> Result<Message<N>>
 
 /// The blob of `msg` when it belongs to `run` (or `run` is empty: none to compare).
 fn of_run<const N: usize>(msg: Message<N>, run: &str, from: &Rendezvous) -> Result<[u8; N]> {
-    if run.is_empty() || msg.run == run {
+    if of_this_run(&msg.run, run) {
         return Ok(msg.blob);
     }
     Err(Error::Comm {
@@ -254,6 +254,11 @@ fn of_run<const N: usize>(msg: Message<N>, run: &str, from: &Rendezvous) -> Resu
         rank: usize::MAX,
         reason: format!("{from:?}: {}", other_run(&msg.run, run)),
     })
+}
+
+/// Whether a message of run `found` is this launch's (`run`; empty: none to compare).
+fn of_this_run(found: &str, run: &str) -> bool {
+    run.is_empty() || found == run
 }
 
 fn other_run(found: &str, run: &str) -> String {
@@ -361,7 +366,7 @@ fn poll_file<const N: usize>(
     loop {
         if let Ok(bytes) = std::fs::read(path) {
             let msg = decode::<N>(&bytes, from)?;
-            if run.is_empty() || msg.run == run {
+            if of_this_run(&msg.run, run) {
                 return Ok(msg.blob);
             }
             stale = Some(msg.run);

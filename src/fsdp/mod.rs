@@ -810,22 +810,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         for unit in &self.units {
             for (what, n) in self.optimizer.events(&unit.state) {
                 match mine.iter_mut().find(|(w, _)| *w == what) {
-                    Some((_, total)) => *total += n,
+                    Some((_, total)) => *total = total.saturating_add(n),
                     None => mine.push((what, n)),
                 }
             }
         }
         // Each rank's names and counts; the names must agree, the counts add (exactly: u64).
-        let key = |events: &[(&str, u64)]| {
-            let mut bytes = Vec::new();
-            for (what, n) in events {
-                bytes.extend((what.len() as u64).to_le_bytes());
-                bytes.extend(what.as_bytes());
-                bytes.extend(n.to_le_bytes());
-            }
-            bytes
-        };
-        let every = crate::comm::all_gather_bytes(self.comm, &key(&mine))?;
+        let every = crate::comm::all_gather_bytes(self.comm, &encode_events(&mine))?;
         let mut total: Vec<(&'static str, u64)> = mine.iter().map(|&(w, _)| (w, 0)).collect();
         for (rank, bytes) in every.iter().enumerate() {
             let theirs = decode_events(bytes)
@@ -1126,8 +1117,19 @@ impl MemoryPlan {
     }
 }
 
-/// The events of one rank as [`ShardedModel::optimizer_events`] sends them; `None` when the
-/// bytes are not such a list.
+/// One rank's events as [`ShardedModel::optimizer_events`] sends them: per event, the name's
+/// length, the name, the count (little-endian `u64`s).
+fn encode_events(events: &[(&str, u64)]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for (what, n) in events {
+        bytes.extend((what.len() as u64).to_le_bytes());
+        bytes.extend(what.as_bytes());
+        bytes.extend(n.to_le_bytes());
+    }
+    bytes
+}
+
+/// [`encode_events`]' list back; `None` when the bytes are not such a list.
 fn decode_events(mut bytes: &[u8]) -> Option<Vec<(String, u64)>> {
     let mut out = Vec::new();
     let word = |b: &mut &[u8]| -> Option<u64> {
