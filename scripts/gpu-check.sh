@@ -215,6 +215,19 @@ if [[ -x $bins/train ]]; then
         say "train --comm nccl (world of 1): FAILED (exit $?)"
         status=1
     fi
+    # A world of 2 whose rank 1 never starts: rank 0 must give up joining NCCL's communicator
+    # within RAGGED_NCCL_TIMEOUT_S and exit with an error (status 1), its abandoned join
+    # thread notwithstanding; a hang is the timeout's 124.
+    rc=0
+    RAGGED_NCCL_TIMEOUT_S=3 RAGGED_RANK=0 RAGGED_WORLD_SIZE=2 RAGGED_NCCL_ID_FILE="$ids/nccl-id-alone" \
+        limited 30 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
+        >"$res/train-nccl-alone.txt" 2>&1 || rc=$?
+    if [[ $rc -eq 1 ]] && grep -q "joined the NCCL communicator within" "$res/train-nccl-alone.txt"; then
+        say "train --comm nccl (rank 1 of 2 missing): ok, a timeout error"
+    else
+        say "train --comm nccl (rank 1 of 2 missing): FAILED (exit $rc), see train-nccl-alone.txt"
+        status=1
+    fi
     # The model itself on the GPU (`--device cuda`) needs the candle-cuda build of the example
     # (scripts/build-gpu-bins.sh says whether it could make one); without it, a skip.
     if [[ -x $bins/train-candle-cuda ]]; then

@@ -171,6 +171,69 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     assert!(bad.is_err(), "counts that do not add up are refused");
 }
 
+/// Joining an NCCL communicator is bounded: a rank whose peers never join returns `Err` within
+/// the limit instead of waiting for ever in `ncclCommInitRank` (which has no timeout; on
+/// tools/cuda-emu it fails after `CUDA_EMU_NCCL_WAIT_S`, 120 s by default, far past this
+/// limit), and ranks that do join within it get working communicators, each on its own device
+/// (the join runs on a thread of its own, which must bind the rank's device: on the emulator,
+/// two ranks on one device are refused). The second part needs two devices.
+#[test]
+fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
+    use ragged::cuda::nccl::{unique_id, NcclComm};
+    use std::time::{Duration, Instant};
+    let Some(dev) = device() else { return };
+    let id = match unique_id() {
+        Ok(id) => id,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let limit = Duration::from_millis(1500);
+    let start = Instant::now();
+    let alone = NcclComm::from_rank_within(Arc::new(dev), 0, 2, &id, limit);
+    let waited = start.elapsed();
+    let e = alone.expect_err("rank 0 of 2 joined without rank 1");
+    assert!(
+        e.to_string()
+            .contains("joined the NCCL communicator within 1.5 s"),
+        "{e}"
+    );
+    assert!(
+        waited >= limit && waited < limit * 10,
+        "returned after {waited:?}"
+    );
+
+    let devs: Vec<Arc<Device>> = (0..2)
+        .map_while(|i| Device::open(i).ok().map(Arc::new))
+        .collect();
+    if devs.len() < 2 {
+        println!("skipped the two-rank join: {} CUDA device(s)", devs.len());
+        return;
+    }
+    let id = unique_id().unwrap();
+    let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = devs
+            .iter()
+            .enumerate()
+            .map(|(rank, dev)| {
+                let id = &id;
+                scope.spawn(move || {
+                    let comm = NcclComm::from_rank_within(dev.clone(), rank, 2, id, limit * 20)?;
+                    let mut x = vec![rank as f32 + 1.0; 4];
+                    comm.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
+                    ragged::Result::Ok(x)
+                })
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    });
+    assert_eq!(sums, vec![vec![3.0f32; 4]; 2]);
+}
+
 /// The bits of each data-movement result, and each reduction's values.
 type MovesAndSums = (Vec<Vec<u32>>, Vec<Vec<f32>>);
 

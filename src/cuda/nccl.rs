@@ -13,7 +13,7 @@
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
 //! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
 //! | `RAGGED_RUN_ID` | this launch's identity (else Slurm's job step, else torchrun's run id): ranks take rank 0's id only from a message of the same run, so a file an earlier launch left is skipped, not joined ([`crate::comm::rendezvous::run_id_from_env`]) |
-//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there, and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait, the rendezvous waits the default) |
+//! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there and to join the communicator ([`NcclComm::from_rank_within`]), and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait, the rendezvous waits the default) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
 //! ordinal chooses which. NCCL refuses two ranks on one GPU: multi-rank code paths on a single
@@ -189,18 +189,95 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// Why [`join`] returned no communicator.
+enum Joined {
+    Failed(Error),
+    TimedOut,
+}
+
+/// `ncclCommInitRank` on a thread of its own, awaited at most `limit`
+/// ([`NcclComm::from_rank_within`]).
+fn join(
+    dev: &Arc<Device>,
+    world: i32,
+    id: sys::ncclUniqueId,
+    rank: i32,
+    limit: Duration,
+) -> std::result::Result<Handle, Joined> {
+    const OP: &str = "NcclComm::from_rank";
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dev = Arc::clone(dev);
+    std::thread::Builder::new()
+        .name(format!("ragged-nccl-join-{rank}"))
+        .spawn(move || {
+            let joined = guarded(OP, || dev.context().bind_to_thread()).and_then(|()| {
+                let mut comm = std::mem::MaybeUninit::uninit();
+                // SAFETY: NCCL writes the handle on success; it is read only then.
+                guarded(OP, || {
+                    named(unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), world, id, rank) })
+                })?;
+                // SAFETY: initialized by the successful call above.
+                Ok(Handle(unsafe { comm.assume_init() }))
+            });
+            if let Err(std::sync::mpsc::SendError(Ok(late))) = tx.send(joined) {
+                // The caller gave up before the join completed: nobody will use it.
+                // SAFETY: a live handle no one else holds, aborted once; the null stops its
+                // Drop from destroying it again.
+                let mut late = late;
+                let _ = unsafe { nccl::comm_abort(late.0) };
+                late.0 = std::ptr::null_mut();
+            }
+        })
+        .map_err(|e| {
+            Joined::Failed(Error::Comm {
+                op: OP,
+                rank: rank as usize,
+                reason: format!("cannot start the thread that joins the communicator: {e}"),
+            })
+        })?;
+    match rx.recv_timeout(limit) {
+        Ok(joined) => joined.map_err(Joined::Failed),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Joined::TimedOut),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Joined::Failed(Error::Comm {
+            op: OP,
+            rank: rank as usize,
+            reason: "the thread joining the communicator ended without a result".into(),
+        })),
+    }
+}
+
 fn bytes_of(elem: ElemType) -> u64 {
     crate::comm::threads::elem_size(elem) as u64
 }
 
 impl NcclComm {
     /// Rank `rank` of `world`, joining the communicator named by `id` (every rank passes the
-    /// same id). Blocks until every rank has joined.
+    /// same id). Waits for every rank to join, at most the rendezvous timeout
+    /// (`RAGGED_NCCL_TIMEOUT_S`, default 120 s; [`NcclComm::from_rank_within`]).
     pub fn from_rank(
         dev: Arc<Device>,
         rank: usize,
         world: usize,
         id: &[u8; ID_BYTES],
+    ) -> Result<Self> {
+        let join_limit = Rendezvous::timeout_from_env()?;
+        Self::from_rank_within(dev, rank, world, id, join_limit)
+    }
+
+    /// [`NcclComm::from_rank`], waiting at most `join_limit` for the other ranks to join.
+    ///
+    /// `ncclCommInitRank` waits for every rank without a limit: a rank that failed before
+    /// joining, or never started (a file rendezvous hands out the id without knowing who will
+    /// come), would hang the others for ever. So the join runs on its own thread, and past the
+    /// limit this rank returns `Err`; the abandoned join is left waiting (NCCL has no way to
+    /// cancel it), and should it complete after all, its communicator is aborted. End the
+    /// process after this error: the waiting thread holds NCCL's bootstrap socket.
+    pub fn from_rank_within(
+        dev: Arc<Device>,
+        rank: usize,
+        world: usize,
+        id: &[u8; ID_BYTES],
+        join_limit: Duration,
     ) -> Result<Self> {
         const OP: &str = "NcclComm::from_rank";
         nccl_available()?;
@@ -215,14 +292,18 @@ impl NcclComm {
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        guarded(OP, || dev.context().bind_to_thread())?;
-        let mut comm = std::mem::MaybeUninit::uninit();
-        // SAFETY: NCCL writes the handle on success; it is read only then.
-        guarded(OP, || {
-            named(unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), n, id, rank as i32) })
+        let handle = join(&dev, n, id, rank as i32, join_limit).map_err(|e| match e {
+            Joined::Failed(e) => e,
+            Joined::TimedOut => Error::Comm {
+                op: OP,
+                rank,
+                reason: format!(
+                    "not every rank of the {world} joined the NCCL communicator within {:.1} s: \
+                     a rank failed or never started (RAGGED_NCCL_TIMEOUT_S sets the limit)",
+                    join_limit.as_secs_f64()
+                ),
+            },
         })?;
-        // SAFETY: initialized by the successful call above.
-        let handle = Handle(unsafe { comm.assume_init() });
         Ok(NcclComm {
             handle: Mutex::new(handle),
             dev,
