@@ -53,7 +53,12 @@ unsigned int shfl_xor_bits(unsigned int mask, unsigned int value, int lane_mask)
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static thread_local
+// A block's shared memory: every __shared__ variable of every kernel lies in one section, which
+// launch() fills with 0xff bytes (NaN floats, all-ones integers) before each block, as a GPU
+// gives a block memory some other block left behind: a kernel that reads shared memory before
+// writing it in the same block reads poison, not the previous block's values. One section
+// for the process, so launches run one at a time (driver.cpp).
+#define __shared__ static __attribute__((section("cuda_emu_shared"), aligned(16)))
 #define __syncthreads() cuda_emu::syncthreads()
 
 inline unsigned int __float_as_uint(float f) {

@@ -338,7 +338,21 @@ unsigned int shfl_xor_bits(unsigned int mask, unsigned int value, int lane_mask)
     return got;
 }
 
+// The bounds of the kernels' shared memory (cuda_emu.h's __shared__; the linker names them).
+extern "C" char __start_cuda_emu_shared[] __attribute__((weak));
+extern "C" char __stop_cuda_emu_shared[] __attribute__((weak));
+
+void poison_shared_memory() {
+    if (__start_cuda_emu_shared)
+        memset(__start_cuda_emu_shared, 0xff, __stop_cuda_emu_shared - __start_cuda_emu_shared);
+}
+
+// Kernels share one shared-memory section, so one launch runs at a time (threads of several
+// OS threads' launches never ran together anyway: each block runs on its caller's thread).
+std::mutex launch_lock;
+
 void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
+    std::lock_guard<std::mutex> one_at_a_time(launch_lock);
     const size_t threads = (size_t)block.x * block.y * block.z;
     ThreadCoords c;
     c.grid_dim = grid;
@@ -360,6 +374,7 @@ void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 size_t t = 0;
+                poison_shared_memory();
                 for (unsigned tz = 0; tz < block.z; ++tz)
                     for (unsigned ty = 0; ty < block.y; ++ty)
                         for (unsigned tx = 0; tx < block.x; ++tx, ++t) {
