@@ -5,7 +5,8 @@
 // threads, grid y and z <= 65535), that every copy and memset lies inside one live
 // allocation, that a function is looked up in a module whose PTX (compiled by the real NVRTC)
 // has that entry, and it fills fresh allocations with 0xFF bytes (NaN as f32) as a stand-in
-// for the garbage cuMemAlloc returns. What it cannot: every call runs synchronously, in issue
+// for the garbage cuMemAlloc returns, and a block's shared memory the same way before each
+// block (cuda_emu.h). What it cannot: every call runs synchronously, in issue
 // order, so a missing stream synchronization or event wait, which is a race on a GPU, goes
 // unnoticed here; device pointers are host pointers, so a host read of device memory works
 // here and faults there; kernels' own accesses are not bounds-checked.
