@@ -52,19 +52,12 @@ impl std::fmt::Debug for QuantizerTables {
 impl QuantizerTables {
     /// The tables of both maps; `Err` when a map's thresholds do not fit the octave index
     /// (both dynamic maps do).
-    pub(crate) fn of(book_m: &CodeBook, book_v: &CodeBook) -> Result<Self> {
+    pub(crate) fn of(books: [(&CodeBook, &OctaveIndex); 2]) -> Self {
         let mut words = Vec::with_capacity(2 * T_WORDS);
-        for book in [book_m, book_v] {
-            let index = OctaveIndex::new(&book.thresholds()).ok_or_else(|| Error::BadInput {
-                op: "Adam8bit::new",
-                what: "quantization map".into(),
-                reason: "its thresholds need more than 512 octave-index buckets (the CUDA \
-                         kernel's quantizer)"
-                    .into(),
-            })?;
-            words.extend(table_words(book.map(), &index));
+        for (book, index) in books {
+            words.extend(table_words(book.map(), index));
         }
-        Ok(QuantizerTables(words.into()))
+        QuantizerTables(words.into())
     }
 }
 

@@ -41,7 +41,7 @@ use std::arch::x86_64::*;
 use crate::adam8bit::{RowBlock, StepConsts, SCALE_BLOCK};
 use crate::kernels::octave_index::{OctaveIndex, BUCKETS};
 use crate::quant::{
-    decode_scale, encode_scale, CodeBook, Unscale, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
+    decode_scale, encode_scale, Unscale, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE,
 };
 
 /// A 256-entry `f32` map as four byte planes: `planes[k][c]` is byte `k` (little-endian) of
@@ -85,11 +85,10 @@ pub(crate) struct LaneIndex {
 }
 
 impl LaneIndex {
-    /// The index of `book`'s map; `None` when it does not fit ([`OctaveIndex::new`]).
-    pub(crate) fn of(book: &CodeBook) -> Option<Self> {
-        let index = OctaveIndex::new(&book.thresholds())?;
+    /// `index` (a map's [`OctaveIndex`]) with its thresholds as byte planes.
+    pub(crate) fn of(index: OctaveIndex) -> Self {
         let thresholds = BytePlanes::of(&index.thresholds);
-        Some(LaneIndex { index, thresholds })
+        LaneIndex { index, thresholds }
     }
 }
 
@@ -444,7 +443,7 @@ mod tests {
 
     /// [`quantize_64`] on `xs` (a multiple of 64 long).
     fn quantize_lanes(book: &CodeBook, xs: &[f32]) -> Vec<u8> {
-        let ix = LaneIndex::of(book).expect("the dynamic maps fit");
+        let ix = LaneIndex::of(OctaveIndex::new(&book.thresholds()).expect("the maps fit"));
         let mut out = vec![0u8; xs.len()];
         // SAFETY: callers run this only where `available()`.
         unsafe { quantize_all(&ix, xs, &mut out) };
