@@ -623,3 +623,47 @@ fn scalar_loss(loss: &Tensor) -> Result<f32> {
         .map(|v| v[0])
         .map_err(candle("loss"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fsdp::{FsdpOptions, StageActivations};
+
+    fn unit(params: usize, grads: usize, backward_temporaries: usize, class: usize) -> UnitBytes {
+        UnitBytes {
+            params,
+            grads,
+            backward_temporaries,
+            class,
+        }
+    }
+
+    fn stage(graph_bytes: usize, output_bytes: usize) -> StageActivations {
+        StageActivations {
+            graph_bytes,
+            output_bytes,
+        }
+    }
+
+    /// The replay's peak, worked by hand for two stages on two units, gathered from forward to
+    /// backward (no reshard, no overlap, graphs kept), with a last output far larger than the
+    /// scalar loss it stands for, so that counting it twice (as a saved input and as the
+    /// gradient arriving at it) shows. The peak is the last stage's backward:
+    /// both units' parameters (100 + 200) and its gradient buffer (200) = 500 bytes, plus the
+    /// saved input of stage 1 (stage 0's output, 7), both graphs (50 + 70), the gradient at
+    /// stage 1's output (1000) and its temporaries (20) = 1147 bytes; 1647 in all. The other
+    /// moments are smaller: forward 100 + 50 then 300 + 7 + 50 + 70; stage 0's backward
+    /// 300 + 100 + 7 + 50 + 7 + 10.
+    #[test]
+    fn the_peak_of_a_two_stage_schedule_is_the_one_worked_by_hand() {
+        let full = [unit(100, 100, 10, 0), unit(200, 200, 20, 1)];
+        let acts = [stage(50, 7), stage(70, 1000)];
+        let opts = FsdpOptions {
+            reshard_after_forward: false,
+            overlap: false,
+            recompute: false,
+            ..FsdpOptions::default()
+        };
+        assert_eq!(peak_of_schedule(&full, &[0, 1], &opts, &acts), 1647);
+    }
+}
