@@ -666,4 +666,29 @@ mod tests {
         };
         assert_eq!(peak_of_schedule(&full, &[0, 1], &opts, &acts), 1647);
     }
+
+    /// The replay's peak worked by hand for three stages on three units of distinct storage
+    /// classes, resharded after forward, with overlap (prefetch one stage ahead, each unit's
+    /// reduction finished during the next stage's backward). Parameters 10, 20, 40 bytes (and
+    /// as much gradient), backward temporaries 1, 600, 4; graphs 100, 200, 400; outputs 3, 5,
+    /// 9. Forward keeps the next unit gathered and the freed ones pooled (at most two): alive
+    /// 30, 70, 70 beside activations 100, 303, 708 (778). The last stage's backward holds unit
+    /// 2's parameters and gradients (80), the pooled units 0 and 1 (30; unit 1's storages are
+    /// taken back by its prefetch: still 110) beside 8 + 700 + 9 + 4 = 721 (831). Stage 1's
+    /// backward starts with 130 alive, unit 2's buffers not yet released (its reduction runs
+    /// behind this stage), beside 8 + 300 + 5 + 600 = 913: 1043, the peak (1003 had unit 2
+    /// been released at once); stage 0's, 100 beside 112. The second step starts from the
+    /// first's pool and peaks the same.
+    #[test]
+    fn the_peak_with_reshard_and_overlap_is_the_one_worked_by_hand() {
+        let full = [unit(10, 10, 1, 0), unit(20, 20, 600, 1), unit(40, 40, 4, 2)];
+        let acts = [stage(100, 3), stage(200, 5), stage(400, 9)];
+        let opts = FsdpOptions {
+            reshard_after_forward: true,
+            overlap: true,
+            recompute: false,
+            ..FsdpOptions::default()
+        };
+        assert_eq!(peak_of_schedule(&full, &[0, 1, 2], &opts, &acts), 1043);
+    }
 }
