@@ -159,6 +159,17 @@ impl<T> Context<T> for Result<T> {
     }
 }
 
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "(no message)"
+    }
+}
+
 /// `?` on candle results inside ragged code and user code returning [`Result`]. Library code
 /// names the operation instead (`map_err(dbuffer::candle("op"))`); this names it "candle".
 impl From<candle_core::Error> for Error {

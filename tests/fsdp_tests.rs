@@ -541,6 +541,82 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
     assert_eq!(missing, expected);
 }
 
+/// A stage that computes with a parameter of an earlier stage's unit (a weight shared between
+/// units, kept from that stage): with the default reshard-after-forward that unit's storages
+/// are freed by then. The stage gets an `Err` naming the freed unit and the two fixes, on every
+/// rank, through the entry point users call, whether the op it runs checks its operands
+/// (a matmul) or reads the storage directly (a unary op, which panics inside candle); before,
+/// candle's kernels read past the emptied `f32` storage and the process died of a segfault.
+/// With `reshard_after_forward: false`, the fix the error names, the same model trains.
+#[test]
+fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() {
+    use std::sync::Mutex as StdMutex;
+    struct KeepsWeight {
+        kept: StdMutex<Option<Tensor>>,
+        unary: bool,
+    }
+    impl Stages for KeepsWeight {
+        type Batch = Tensor;
+        fn stage_units(&self) -> Vec<String> {
+            vec!["layers.0".into(), "layers.1".into()]
+        }
+        fn forward(
+            &self,
+            s: usize,
+            p: &UnitParams,
+            x: Option<&Tensor>,
+            batch: &Tensor,
+        ) -> candle_core::Result<Tensor> {
+            if s == 0 {
+                let w = p.get("layers.0.w")?;
+                *self.kept.lock().unwrap() = Some(w.clone());
+                return batch.matmul(w);
+            }
+            let w0 = self.kept.lock().unwrap().clone().expect("stage 0 ran");
+            let x = x.expect("stage 1 has an input");
+            let y = if self.unary {
+                x.broadcast_add(&w0.exp()?.sum_all()?)?
+            } else {
+                x.matmul(&w0)?
+            };
+            y.matmul(p.get("layers.1.w")?)?.sqr()?.mean_all()
+        }
+    }
+    let params: Vec<(String, Tensor)> = (0..2)
+        .map(|i| {
+            let w = Tensor::randn(0f32, 0.1, (64, 64), &Device::Cpu).unwrap();
+            (format!("layers.{i}.w"), w)
+        })
+        .collect();
+    let run = |unary: bool, reshard: bool| {
+        ThreadWorld::run(2, |c| {
+            let opts = FsdpOptions {
+                reshard_after_forward: reshard,
+                ..FsdpOptions::default()
+            };
+            let mut sharded = fully_shard(&params, adamw(), c, opts)?;
+            let batch = Tensor::ones((8, 64), DType::F32, &Device::Cpu)?;
+            let model = KeepsWeight {
+                kept: StdMutex::new(None),
+                unary,
+            };
+            sharded.forward_backward(&model, &batch)?;
+            sharded.step()
+        })
+    };
+    for unary in [false, true] {
+        let e = run(unary, true).expect_err("a freed parameter was read");
+        let text = e.to_string();
+        assert!(
+            text.contains("stage 1")
+                && text.contains("[\"layers.0\"] were freed after their forward")
+                && text.contains("reshard_after_forward: false"),
+            "unary op: {unary}: {text}"
+        );
+        run(unary, false).expect("gathered from forward to backward, the weight is there");
+    }
+}
+
 fn bf16_policy() -> FsdpOptions {
     FsdpOptions {
         mixed_precision: MixedPrecision {

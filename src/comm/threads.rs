@@ -327,7 +327,10 @@ fn run_rank<C: Member, T>(
             Err(Error::Comm {
                 op,
                 rank,
-                reason: format!("the rank panicked: {}", panic_message(payload.as_ref())),
+                reason: format!(
+                    "the rank panicked: {}",
+                    crate::error::panic_text(payload.as_ref())
+                ),
             })
         });
     let why = match &result {
@@ -342,17 +345,6 @@ fn run_rank<C: Member, T>(
     };
     comm.thread_comm().leave(&why);
     result
-}
-
-/// The text of a panic payload (`panic!` with a literal or a formatted message).
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s
-    } else {
-        "(no message)"
-    }
 }
 
 /// Every result, or the `Err` of rank `first` (the first to fail), else the lowest rank's.

@@ -13,6 +13,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::CompileOptions;
 
+use crate::error::panic_text;
 use crate::{Error, Result};
 
 /// A CUDA C source under `kernels/`, embedded in the binary.
@@ -123,13 +124,6 @@ fn cublas_available() -> Result<()> {
     }
 }
 
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
-}
-
 /// Runs a cudarc call, turning its error into [`Error::Cuda`] and a panic (a library that
 /// vanished, a missing symbol) into [`Error::CudaUnavailable`].
 pub fn guarded<T, E: std::fmt::Debug>(
@@ -144,7 +138,7 @@ pub fn guarded<T, E: std::fmt::Debug>(
         }),
         Err(p) => Err(Error::CudaUnavailable {
             op,
-            reason: panic_text(&*p),
+            reason: panic_text(&*p).to_string(),
         }),
     }
 }
@@ -182,7 +176,7 @@ pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
         }),
         Err(p) => Err(Error::CudaUnavailable {
             op: OP,
-            reason: panic_text(&*p),
+            reason: panic_text(&*p).to_string(),
         }),
     }
 }

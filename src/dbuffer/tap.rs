@@ -182,31 +182,23 @@ fn replace_storage(t: &Tensor, storage: Storage) -> Result<Storage> {
     })
 }
 
-/// The smallest storage of `t`'s dtype on `t`'s device: what a freed parameter holds (empty on
-/// the host; one element on a GPU, whose driver refuses empty allocations).
+/// What a freed parameter holds on `t`'s device: the smallest storage of **bytes** (empty on
+/// the host; one byte on a GPU, whose driver refuses empty allocations). Not of `t`'s dtype on
+/// purpose: a stage that computes with a freed parameter (a clone kept from an earlier stage,
+/// against the runtime's contract) then meets a storage whose dtype is not the tensor's, and
+/// candle's ops refuse it (a dtype mismatch, or an index past its end) instead of its kernels
+/// reading past an empty `f32` buffer, which crashed the process.
 fn placeholder(t: &Tensor) -> Result<Storage> {
-    let bf16 = t.dtype() == candle_core::DType::BF16;
     match t.device() {
-        candle_core::Device::Cpu => Ok(Storage::Cpu(if bf16 {
-            CpuStorage::BF16(Vec::new())
-        } else {
-            CpuStorage::F32(Vec::new())
-        })),
+        candle_core::Device::Cpu => Ok(Storage::Cpu(CpuStorage::U8(Vec::new()))),
         #[cfg(feature = "candle-cuda")]
         candle_core::Device::Cuda(dev) => {
             let op = super::candle("free a parameter's storage");
-            let storage = if bf16 {
-                candle_core::CudaStorage::wrap_cuda_slice(
-                    dev.alloc_zeros::<half::bf16>(1).map_err(&op)?,
-                    dev.clone(),
-                )
-            } else {
-                candle_core::CudaStorage::wrap_cuda_slice(
-                    dev.alloc_zeros::<f32>(1).map_err(&op)?,
-                    dev.clone(),
-                )
-            };
-            Ok(Storage::Cuda(storage))
+            let bytes = dev.alloc_zeros::<u8>(1).map_err(&op)?;
+            Ok(Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+                bytes,
+                dev.clone(),
+            )))
         }
         other => Err(Error::InvalidShard {
             op: "free a parameter's storage",

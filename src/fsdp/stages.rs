@@ -338,6 +338,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
         let overlap = self.options().overlap;
+        // Units resharded so far in this forward, named in a later stage's error.
+        let mut freed: Vec<String> = Vec::new();
         for (s, &u) in stage_units.iter().enumerate() {
             self.timed_gather(u, &mut report)?;
             let start = Instant::now();
@@ -349,7 +351,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             let out = self.overlapped(&jobs, &mut report, || {
                 stage_forward(model, s, &params, tracked, input, batch)
             })?;
-            let out = out.with_context(|| format!("stage {s} (unit {})", self.unit_names()[u]))?;
+            let out = out.with_context(|| {
+                format!(
+                    "stage {s} (unit {}){}",
+                    self.unit_names()[u],
+                    freed_hint(&freed)
+                )
+            })?;
             let output_bytes = out.elem_count() * out.dtype().size_in_bytes();
             activations[s].output_bytes = output_bytes;
             if s + 1 < n {
@@ -363,6 +371,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             }
             drop(params);
             if reshard && s + 1 < n && last[u] == s {
+                freed.push(self.unit_names()[u].to_string());
                 if tracked {
                     // The graph keeps the tensors; only their elements go (FSDP2's rhythm).
                     self.free_unit_storages(u)?;
@@ -567,6 +576,21 @@ enum Job {
     Reduce(usize),
 }
 
+/// What a stage's error adds when units were resharded before it: the likely cause of a
+/// failure that only such a stage meets (computing with a freed parameter, whose storage is a
+/// byte placeholder: `dbuffer::tap`).
+fn freed_hint(freed: &[String]) -> String {
+    if freed.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; the parameters of units {freed:?} were freed after their forward \
+         (reshard_after_forward): if this stage computes with any of them (a tensor kept from \
+         their stage, a weight shared between units), share it through the root unit or set \
+         reshard_after_forward: false"
+    )
+}
+
 /// Runs stage `s` of `model` on `params`: tracked (a graph to backpropagate) or detached.
 fn stage_forward<M: Stages>(
     model: &M,
@@ -583,9 +607,22 @@ fn stage_forward<M: Stages>(
             v.as_tensor().detach()
         }
     });
-    model
-        .forward(s, params, x.as_ref(), batch)
-        .map_err(candle("stage forward"))
+    // A panic in the stage (user code) is this rank's `Err`, as a candle error is: the runtime
+    // then reports which stage failed, and what may have caused it (`forward_backward`).
+    let forward = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.forward(s, params, x.as_ref(), batch)
+    }));
+    match forward {
+        Ok(out) => out.map_err(candle("stage forward")),
+        Err(payload) => Err(Error::BadInput {
+            op: "stage forward",
+            what: format!("stage {s}"),
+            reason: format!(
+                "it panicked: {}",
+                crate::error::panic_text(payload.as_ref())
+            ),
+        }),
+    }
 }
 
 /// Backpropagates one stage's output: from the loss itself (`g` is `None`) or from `Σ out · g`;

@@ -45,6 +45,8 @@ pub fn storage_elements(t: &candle_core::Tensor) -> usize {
     match &*storage {
         candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
         candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => v.len(),
+        // A freed parameter's placeholder (bytes, so that a stage reading it fails cleanly).
+        candle_core::Storage::Cpu(candle_core::CpuStorage::U8(v)) => v.len(),
         _ => unreachable!("CPU f32 or bf16 parameters"),
     }
 }
