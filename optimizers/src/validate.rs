@@ -789,9 +789,7 @@ pub fn render(report: &ValidateReport) -> String {
             );
         }
     }
-    for (layout, world, why) in &report.refused {
-        let _ = writeln!(out, "refused: {} at world {world}: {why}", layout.name());
-    }
+    render_refused(&mut out, &report.refused);
     let b = report.breaches();
     let _ = writeln!(
         out,
@@ -801,9 +799,60 @@ pub fn render(report: &ValidateReport) -> String {
     out
 }
 
+/// The refused layouts, one line per layout and world: the first unit's reason in full, then
+/// how many more units it refused (the same cause, named for each unit, repeated for every layer
+/// of a model would bury the table).
+fn render_refused(out: &mut String, refused: &[(LayoutKind, usize, String)]) {
+    use std::fmt::Write;
+    let mut groups: Vec<(LayoutKind, usize, &str, Vec<&str>)> = Vec::new();
+    for (layout, world, why) in refused {
+        let unit = why.split_once(':').map_or(why.as_str(), |(u, _)| u);
+        match groups
+            .iter_mut()
+            .find(|(l, w, _, _)| l == layout && w == world)
+        {
+            Some(group) => group.3.push(unit),
+            None => groups.push((*layout, *world, why, Vec::new())),
+        }
+    }
+    for (layout, world, why, more) in groups {
+        let _ = write!(out, "refused: {} at world {world}: {why}", layout.name());
+        match more.as_slice() {
+            [] => {}
+            [one] => {
+                let _ = write!(out, " (and unit {one})");
+            }
+            [first, .., last] => {
+                let _ = write!(out, " (and {} more units, {first} to {last})", more.len());
+            }
+        }
+        let _ = writeln!(out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One line per refused layout and world, naming the first unit's reason and the count and
+    /// range of the others; a layout refused at two worlds is two lines.
+    #[test]
+    fn refusals_are_one_line_per_layout_and_world() {
+        let fsdp2 = LayoutKind::Fsdp2;
+        let refused = [
+            (fsdp2, 2, "layers.0: tile split at row 112".to_string()),
+            (fsdp2, 2, "layers.1: tile split at row 112".to_string()),
+            (fsdp2, 4, "layers.0: tile split at row 56".to_string()),
+            (fsdp2, 2, "layers.2: tile split at row 112".to_string()),
+        ];
+        let mut out = String::new();
+        render_refused(&mut out, &refused);
+        assert_eq!(
+            out,
+            "refused: fsdp2 at world 2: layers.0: tile split at row 112 (and 2 more units, \
+             layers.1 to layers.2)\nrefused: fsdp2 at world 4: layers.0: tile split at row 56\n"
+        );
+    }
 
     /// A NaN result against a finite reference fails the check (the fold skipped it and
     /// reported 0 error); exact zeros are no error.
