@@ -130,16 +130,23 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-#[test]
-fn nccl_world_of_one_gathers_and_reduces_in_place() {
-    use ragged::cuda::nccl::{unique_id, NcclComm};
-    let Some(dev) = device() else { return };
-    let id = match unique_id() {
-        Ok(id) => id,
+/// Device 0 and a fresh NCCL id, or `None` after printing why not (no GPU, no NCCL).
+fn device_and_nccl_id() -> Option<(Device, [u8; ragged::cuda::nccl::ID_BYTES])> {
+    let dev = device()?;
+    match ragged::cuda::nccl::unique_id() {
+        Ok(id) => Some((dev, id)),
         Err(e) => {
             println!("skipped: {e}");
-            return;
+            None
         }
+    }
+}
+
+#[test]
+fn nccl_world_of_one_gathers_and_reduces_in_place() {
+    use ragged::cuda::nccl::NcclComm;
+    let Some((dev, id)) = device_and_nccl_id() else {
+        return;
     };
     let dev = Arc::new(dev);
     let comm = NcclComm::from_rank(dev.clone(), 0, 1, &id).unwrap();
@@ -181,13 +188,8 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
 fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
     use ragged::cuda::nccl::{unique_id, NcclComm};
     use std::time::{Duration, Instant};
-    let Some(dev) = device() else { return };
-    let id = match unique_id() {
-        Ok(id) => id,
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
+    let Some((dev, id)) = device_and_nccl_id() else {
+        return;
     };
     let limit = Duration::from_millis(1500);
     let start = Instant::now();
