@@ -4,7 +4,9 @@
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use half::bf16;
 use ragged::comm::conformance::{exercise, uneven_all_to_all};
 use ragged::comm::{Communicator, ReduceOp};
 use ragged::cuda::collective::ViaDevice;
@@ -187,7 +189,6 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
 #[test]
 fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
     use ragged::cuda::nccl::{unique_id, NcclComm};
-    use std::time::{Duration, Instant};
     let Some((dev, id)) = device_and_nccl_id() else {
         return;
     };
@@ -459,4 +460,249 @@ fn every_kernel_compiles_with_nvrtc_without_fma_contraction_and_with_ieee_div_an
             println!("{arch} {}: {} bytes of PTX", src.name, ptx.len());
         }
     }
+}
+
+// ---- Edge cases a mutation audit of the GPU code found unprotected (session 22) ----
+// The non-finite count past one grid of threads, bf16 NaN through the rank reduction, element
+// ops on empty views, the device ordinal bound, the count checks of all-to-all-v, u8
+// reductions over NCCL, and the watchdog's polling; compared with the CPU backends bit for
+// bit.
+
+/// Protects `group_count_non_finite`'s per-thread total: the element kernels' grid is capped
+/// at 65 535 blocks of 256 threads, so past 16 776 960 elements a thread visits several, and
+/// it must add **how many** of them were non-finite, not 1. Two non-finite elements one grid
+/// stride apart fall to one thread; more elsewhere.
+#[test]
+fn count_non_finite_counts_every_element_a_thread_visits() {
+    let Some(dev) = device() else { return };
+    let stride = 65_535 * 256;
+    let n = stride + 1000;
+    let mut x = vec![0.25f32; n];
+    let bad = [3, stride + 3, 500, stride + 500, stride + 999];
+    for (k, &i) in bad.iter().enumerate() {
+        x[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][k % 3];
+    }
+    let host = Placement::Cpu
+        .put(x.clone())
+        .unwrap()
+        .count_non_finite()
+        .unwrap();
+    assert_eq!(host, bad.len() as u64);
+    let d = dev.upload(&x).unwrap();
+    let got = ragged::cuda::ops::count_non_finite(&dev, &d.slice(..)).unwrap();
+    assert_eq!(got, host);
+}
+
+/// Protects the bf16 rounding's NaN rule in the rank reduction (`f32_to_bf16` in
+/// `reduce_ranks.cu`: a NaN stays NaN, made quiet, as `half::bf16::from_f32`): a world of one
+/// sums without an addition, so a signalling NaN reaches the rounding as it is; without the
+/// rule it would round as a number. Also NaNs whose low bits would carry into the sign.
+#[test]
+fn bf16_rank_reduction_keeps_nan_quiet_like_the_cpu_backend() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::cuda::collective::ViaDevice;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    let values: Vec<bf16> = [0x7f81u16, 0xff81, 0x7fc0, 0x7fff, 0x3f80, 0xffff, 0x7f80]
+        .iter()
+        .map(|&b| bf16::from_bits(b))
+        .collect();
+    let run = |c: &dyn Communicator| -> ragged::Result<Vec<u16>> {
+        let mut x = values.clone();
+        c.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
+        let mut y = values.clone();
+        c.reduce_scatter_in_place((&mut y[..]).into(), ReduceOp::Sum)?;
+        Ok(x.iter().chain(&y).map(|v| v.to_bits()).collect())
+    };
+    let cpu = ThreadWorld::run(1, |c| run(c)).unwrap();
+    let gpu = ThreadDeviceComm::run(dev, 1, |c| run(&ViaDevice::new(c, c.device()))).unwrap();
+    assert_eq!(gpu, cpu);
+    assert!(
+        cpu[0].iter().take(2).all(|&b| b & 0x0040 != 0),
+        "quiet NaNs"
+    );
+}
+
+/// Protects the element kernels' launch shape on empty views (`elementwise(0)`: one block,
+/// never a grid of 0 blocks, which the driver refuses): every op on an empty view succeeds
+/// and changes nothing, as on the host.
+#[test]
+fn element_ops_on_empty_views_succeed_and_change_nothing() {
+    let Some(dev) = device() else { return };
+    let x0 = vec![1.5f32; 8];
+    let mut x = dev.upload(&x0).unwrap();
+    let y = dev.upload(&[2.0f32; 8]).unwrap();
+    ragged::cuda::ops::zero(&dev, &mut x.slice_mut(3..3)).unwrap();
+    ragged::cuda::ops::scale(&dev, &mut x.slice_mut(8..), 3.0).unwrap();
+    ragged::cuda::ops::add(&dev, &mut x.slice_mut(..0), &y.slice(..0)).unwrap();
+    ragged::cuda::ops::copy(&dev, &mut x.slice_mut(4..4), &y.slice(4..4)).unwrap();
+    ragged::cuda::ops::axpy(&dev, &mut x.slice_mut(2..2), &y.slice(5..5), 0.5).unwrap();
+    let n = ragged::cuda::ops::count_non_finite(&dev, &x.slice(5..5)).unwrap();
+    assert_eq!(n, 0);
+    assert_eq!(dev.download(&x).unwrap(), x0);
+}
+
+/// Protects the gate's ordinal bound: the first ordinal past the last device is
+/// `CudaUnavailable` naming the count (not a driver error from creating its context).
+#[test]
+fn the_first_missing_ordinal_is_refused_by_the_gate() {
+    let Some(_dev) = device() else { return };
+    let present = (0..64).take_while(|&i| Device::open(i).is_ok()).count();
+    match Device::open(present) {
+        Err(e @ Error::CudaUnavailable { .. }) => {
+            assert!(e.to_string().contains("asked for"), "{e}");
+        }
+        other => panic!("ordinal {present} of {present} devices: {other:?}"),
+    }
+}
+
+/// Protects the count checks of all-to-all-v on device buffers (`check_counts`): there must
+/// be exactly one count per rank, even when the counts add up to the buffer lengths; NCCL
+/// (world of one) and thread ranks on one GPU both refuse, and the buffers are untouched.
+#[test]
+fn all_to_all_v_refuses_a_count_vector_longer_than_the_world() {
+    use ragged::cuda::nccl::{unique_id, NcclComm};
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    let send = dev.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    let mut recv = dev.upload(&[0.0f32; 4]).unwrap();
+    let outcomes = ThreadDeviceComm::run(dev.clone(), 1, |c| {
+        let mut recv = c.device().upload(&[0.0f32; 4])?;
+        let send = c.device().upload(&[1.0f32, 2.0, 3.0, 4.0])?;
+        Ok(c.all_to_all_v(
+            send.slice(..).into(),
+            &[1, 3],
+            recv.slice_mut(..).into(),
+            &[1, 3],
+        )
+        .is_err())
+    })
+    .unwrap();
+    assert_eq!(outcomes, vec![true], "thread ranks");
+    let id = match unique_id() {
+        Ok(id) => id,
+        Err(e) => {
+            println!("skipped the NCCL part: {e}");
+            return;
+        }
+    };
+    let comm = NcclComm::from_rank(dev.clone(), 0, 1, &id).unwrap();
+    let out = comm.all_to_all_v(
+        send.slice(..).into(),
+        &[1, 3],
+        recv.slice_mut(..).into(),
+        &[1, 3],
+    );
+    assert!(out.is_err(), "NCCL accepted two counts for a world of one");
+    assert_eq!(dev.download(&recv).unwrap(), vec![0.0f32; 4]);
+}
+
+/// Protects NCCL's refusal of `u8` reductions over more than one rank (NCCL sums `u8` modulo
+/// 256 where every other backend saturates): on two and on three ranks of one process, every
+/// rank gets `Err` and its buffer is unchanged. Needs two devices (tools/cuda-emu with
+/// CUDA_EMU_DEVICES=3 has three).
+#[test]
+fn nccl_refuses_u8_reductions_over_two_or_more_ranks() {
+    use ragged::cuda::nccl::NcclComm;
+    let devs: Vec<Arc<Device>> = (0..3)
+        .map_while(|i| Device::open(i).ok().map(Arc::new))
+        .collect();
+    if devs.len() < 2 {
+        println!("skipped: {} CUDA device(s), two or more needed", devs.len());
+        return;
+    }
+    for world in 2..=devs.len() {
+        let comms = match NcclComm::from_devices(&devs[..world]) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("skipped: {e}");
+                return;
+            }
+        };
+        let outcomes: Vec<(bool, Vec<u8>)> = std::thread::scope(|scope| {
+            let ranks: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    scope.spawn(move || {
+                        let mut x = vec![200u8; 6];
+                        let err = c.all_reduce((&mut x[..]).into(), ReduceOp::Sum).is_err();
+                        (err, x)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (err, x)) in outcomes.iter().enumerate() {
+            assert!(*err, "world {world}, rank {rank}: u8 sum accepted: {x:?}");
+            assert_eq!(x, &vec![200u8; 6], "world {world}, rank {rank}");
+        }
+    }
+}
+
+/// Protects the watchdog's polling pause, capped at 1 ms ("a finished collective is noticed
+/// within about a millisecond"): a collective that finishes after 300 ms is noticed well
+/// within 50 ms of finishing, not after a pause that kept doubling.
+#[test]
+fn the_watchdog_notices_a_finished_collective_promptly() {
+    use ragged::cuda::watchdog::{wait, Progress};
+    let done_at = Duration::from_millis(300);
+    let start = Instant::now();
+    wait("all_reduce", 0, Duration::from_secs(30), || {
+        if start.elapsed() >= done_at {
+            Progress::Done
+        } else {
+            Progress::Pending
+        }
+    })
+    .unwrap();
+    let late = start.elapsed() - done_at;
+    assert!(late < Duration::from_millis(50), "noticed {late:?} late");
+}
+
+/// Protects the rank order of the reductions over thread ranks (rank 0, 1, 2, … added left to
+/// right, as the CPU thread backend): values whose sums are order-dependent in f32 (2³⁰ + 1
+/// rounds to 2³⁰), in every arrangement over three ranks, in bf16 (widened, summed in f32,
+/// rounded once) and f32, Sum and Avg. Sums of bf16 values of like magnitude (the conformance
+/// suite's) are exact in f32 in any order, so only such spreads show the order.
+#[test]
+fn rank_reductions_on_one_gpu_add_in_rank_order() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::cuda::collective::ViaDevice;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    let world = 3;
+    let perms = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    let terms = [2f32.powi(30), 1.0, -(2f32.powi(30))];
+    let mine = |rank: usize| -> Vec<f32> {
+        (0..4 * perms.len() * world)
+            .map(|i| {
+                terms[perms[i % perms.len()][rank]] * [1.0, 0.5, -2.0, 4.0][i / perms.len() % 4]
+            })
+            .collect()
+    };
+    let run = |c: &dyn Communicator| -> ragged::Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let mut x = mine(c.rank());
+            c.all_reduce((&mut x[..]).into(), op)?;
+            out.extend(x.iter().map(|v| v.to_bits()));
+            let mut b: Vec<bf16> = mine(c.rank()).into_iter().map(bf16::from_f32).collect();
+            c.all_reduce((&mut b[..]).into(), op)?;
+            out.extend(b.iter().map(|v| u32::from(v.to_bits())));
+        }
+        Ok(out)
+    };
+    let cpu = ThreadWorld::run(world, |c| run(c)).unwrap();
+    let gpu = ThreadDeviceComm::run(dev, world, |c| run(&ViaDevice::new(c, c.device()))).unwrap();
+    assert_eq!(gpu, cpu);
 }

@@ -20,8 +20,10 @@ use ragged::plan::PlanOptions;
 use ragged::storage::Placement;
 use ragged_optimizers::cuda::orthogonalize_cuda;
 use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
+use ragged_optimizers::quant::{dynamic_map, quantize};
 use ragged_optimizers::{
-    orthogonalize, Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig,
+    orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, Muon, MuonConfig,
+    NsConfig,
 };
 
 mod harness;
@@ -625,4 +627,520 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
         }
         assert_eq!(on_gpu[0], on_gpu[1], "ranks disagree");
     }
+}
+
+// ---- Edge cases a mutation audit of the GPU code found unprotected (session 22) ----
+// Short row blocks whose last scale block is partial, the quantizer's ties, NaN and overflow,
+// `lerp` at weight ½, Newton–Schulz's normalization (the last partial sum, the f64 fallback,
+// transposes of partial tiles, bf16 ties), several split Muon matrices rooted on one rank, and
+// the 8-bit step's one-learning-rate rule.
+//
+// Tolerances: the element steps (AdamW, 8-bit Adam, Muon's momentum) are bit for bit, as
+// above. Newton–Schulz with the identity coefficients `(a, b, c) = (1, 0, 0)` has products
+// that vanish exactly (`b·P + c·P·P = 0`, then `X + 0·X = X`), so cuBLAS's summation order
+// never shows, and the inputs are multiples of `2⁻⁸` (or bf16 values plus half an ulp), whose
+// squares add up exactly in `f64` in any order: the normalized output is compared bit for bit
+// too. The full quintic iteration keeps the tolerance above (Muon parameters within `1e-4`).
+
+/// Equal bits, or both NaN (a GPU's arithmetic writes its canonical NaN, not the CPU's
+/// payload; every other value must match bit for bit).
+fn same_or_both_nan(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "{what}[{i}]: device {g:e} ({:#010x}), host {w:e} ({:#010x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}
+
+/// Every array of an 8-bit state and the parameters, device against host.
+fn assert_adam8bit_equal(
+    (p, state): &Trained<Adam8bitState>,
+    (dp, ds): &Trained<Adam8bitState>,
+    what: &str,
+) {
+    let got = ds.to_placement(&Placement::Cpu).unwrap();
+    assert_eq!(got.step, state.step, "{what}: step");
+    same_or_both_nan(dp, p, &format!("{what}: params"));
+    assert_eq!(got.m, state.m, "{what}: m codes");
+    assert_eq!(got.v, state.v, "{what}: v codes");
+    assert_eq!(got.scale_m, state.scale_m, "{what}: scale_m");
+    assert_eq!(got.scale_v, state.scale_v, "{what}: scale_v");
+    assert_eq!(got.m32, state.m32, "{what}: m32");
+    assert_eq!(got.v32, state.v32, "{what}: v32");
+}
+
+/// Protects the last, **partial** scale block of a short row block (fewer than 256 elements:
+/// `m mod 32` rows whose length is no multiple of 256) and the runs built around it: the
+/// kernel's block length bound (`span.len`), its row-block offsets (`k / per · row-block
+/// length`, not `· per · 256`, in runs of several short row blocks) and the host's scale blocks per row block (`div_ceil`, not a
+/// floor). `cuda_tests.rs`' shapes all have row blocks of whole scale blocks.
+#[test]
+fn adam8bit_partial_scale_blocks_of_short_row_blocks_are_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        // 3 full row blocks of 4 scale blocks, then 4 rows × 32 = 128: one partial block.
+        ("short", &[100, 32]),
+        // Each matrix: 32 × 96 = 12 blocks, then 5 × 96 = 480 = 256 + 224.
+        ("experts_short", &[3, 37, 96]),
+        // 13 × 160 = 2080 = 8 × 256 + 32.
+        ("odd", &[45, 160]),
+        // Matrices of one short row block each: runs of several equal short row blocks
+        // (480 = 256 + 224 and 2080 elements), where a row block's offset in its run is
+        // (row blocks before it) × 480, not × 512.
+        ("stack_short", &[4, 5, 96]),
+        ("stack_odd", &[3, 13, 160]),
+        ("bias", &[33]),
+    ]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    for world in [1, 2, 3] {
+        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(41 + world as u64);
+        let p0 = globals(&spec, &mut rng, 1.0);
+        for (rank, shard) in shards.iter().enumerate() {
+            let grads: Vec<Vec<f32>> = (0..3)
+                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
+                .collect();
+            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
+            assert_adam8bit_equal(&host, &device, &format!("world {world} rank {rank}"));
+        }
+    }
+}
+
+/// `x`'s position in the order of the f32 values (negative values below positive ones).
+fn order_key(x: f32) -> i64 {
+    let b = i64::from(x.to_bits());
+    if b & 0x8000_0000 != 0 {
+        -(b & 0x7fff_ffff)
+    } else {
+        b
+    }
+}
+
+fn from_order_key(k: i64) -> f32 {
+    if k < 0 {
+        f32::from_bits((-k) as u32 | 0x8000_0000)
+    } else {
+        f32::from_bits(k as u32)
+    }
+}
+
+/// For each pair of neighbouring codes of `map`, the smallest `f32` that the CPU quantizer
+/// (`quant::quantize`) sends to the upper one: the ties, found by bisection on the CPU's own
+/// function.
+fn thresholds(map: &[f32; 256]) -> Vec<f32> {
+    (0..255)
+        .map(|k| {
+            let (mut lo, mut hi) = (order_key(map[k]), order_key(map[k + 1]));
+            assert!(usize::from(quantize(from_order_key(hi), map)) > k);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if usize::from(quantize(from_order_key(mid), map)) > k {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            from_order_key(hi)
+        })
+        .collect()
+}
+
+/// Protects the quantizer's special cases, which random moments never reach:
+/// - **ties**: with β₁ = 0 the new first moment is the gradient itself (`lerp(m, g, 1) = g`),
+///   so a scale block whose maximum is a power of two (`1/s` exact) holds every threshold of
+///   the signed map exactly, and each must go to the upper code (`x >= T`, not `x > T`);
+/// - **NaN**: a NaN moment gets code 0, as on the CPU (the kernel's `isnan` check);
+/// - **overflow**: gradients of 1e30 make `v = (1 − β₂)·g·g` infinite; an infinite block
+///   maximum is stored as the largest finite 16-bit scale (`encode_scale`'s clamp), and an
+///   infinite gradient makes `m` NaN and `v` infinite.
+///
+/// Two steps, so the second dequantizes the codes and scales the first wrote.
+#[test]
+fn adam8bit_quantizer_ties_nan_and_overflow_are_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (32, 256); // one row block of 32 scale blocks (block k = row k)
+    let spec = specs(&[("w", &[rows, cols])]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        adam: AdamWConfig {
+            beta1: 0.0,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let ties = thresholds(&dynamic_map(true));
+    let mut rng = Rng::new(77);
+    let mut grads = Vec::new();
+    for step in 0..2 {
+        let mut g = rng.units(rows * cols);
+        let scale = [1.0f32, 0.5][step];
+        for (b, block) in g.chunks_mut(cols).enumerate() {
+            match b % 8 {
+                // The maximum (a power of two) and every tie of the map, in some order.
+                0 | 1 => {
+                    block[0] = scale;
+                    for (j, x) in block[1..].iter_mut().enumerate() {
+                        *x = ties[(j * 37 + b) % ties.len()] * scale;
+                    }
+                }
+                // NaN (both signs) among ordinary values.
+                2 => {
+                    block[3] = f32::NAN;
+                    block[100] = -f32::NAN;
+                }
+                // v overflows to +inf (and a block whose maximum m is 1e30).
+                3 => {
+                    block[7] = 1e30;
+                    block[8] = -1e30;
+                }
+                // An infinite gradient: m = inf − inf·0 = NaN, v = inf.
+                4 => block[9] = f32::INFINITY,
+                // All zero: zero scales, the zero codes.
+                5 => block.fill(0.0),
+                _ => {}
+            }
+        }
+        grads.push(scatter(shard, &[g]));
+    }
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let (host, device) = host_and_device(&opt, shard, &dev, p0, &grads);
+    assert_adam8bit_equal(&host, &device, "ties, NaN, overflow");
+}
+
+/// Gradients whose magnitudes vary by element over 2⁻¹²…2¹², so that `end − start` in `lerp`
+/// is often inexact and its two forms round differently.
+fn spread_grads(
+    shard: &LocalShard,
+    spec: &[TensorSpec],
+    rng: &mut Rng,
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    (0..steps)
+        .map(|_| {
+            let g: Vec<Vec<f32>> = globals(spec, rng, 1.0)
+                .into_iter()
+                .map(|t| {
+                    let k = rng.next_u64();
+                    t.iter()
+                        .enumerate()
+                        .map(|(i, x)| {
+                            let e = ((i as u64).wrapping_mul(7).wrapping_add(k) % 25) as i32 - 12;
+                            x * 2f32.powi(e)
+                        })
+                        .collect()
+                })
+                .collect();
+            scatter(shard, &g)
+        })
+        .collect()
+}
+
+/// Protects `lerp`'s switch between torch's two forms at `|w| < 0.5` (not `<=`): at β₁ = ½
+/// (momentum ½ for Muon) the weight is exactly ½, where torch and the CPU take the
+/// large-weight form `end − (end − start)·(1 − w)`. AdamW and 8-bit Adam bitwise (parameters
+/// and moments), Muon's momentum bitwise (Nesterov's second lerp at μ = ½ too).
+#[test]
+fn lerp_at_weight_one_half_takes_the_cpus_form_bitwise() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[("w", &[64, 96]), ("b", &[33])]);
+    let adam = AdamWConfig {
+        beta1: 0.5,
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let mut rng = Rng::new(91);
+
+    let opt = AdamW::new(adam).unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let grads = spread_grads(shard, &spec, &mut rng, 4);
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let ((p, state), (dp, ds)) = host_and_device(&opt, shard, &dev, p0, &grads);
+    assert_eq!(bits(&dp), bits(&p), "AdamW params");
+    assert_eq!(
+        bits(&ds.m.to_vec().unwrap()),
+        bits(state.m.cpu().unwrap()),
+        "AdamW m"
+    );
+
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        adam,
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let grads = spread_grads(shard, &spec, &mut rng, 4);
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let (host, device) = host_and_device(&opt, shard, &dev, p0, &grads);
+    assert_adam8bit_equal(&host, &device, "8-bit Adam at beta1 = 1/2");
+
+    let opt = Muon::new(MuonConfig {
+        lr: 1e-2,
+        momentum: 0.5,
+        nesterov: true,
+        ns: NsConfig {
+            method: NsMethod::Standard,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = &harness::whole_shard_by(&spec, &|t| opt.atomic_block(&t.name, &t.shape));
+    let grads = spread_grads(shard, &spec, &mut rng, 4);
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let ((_, state), (_, ds)) = host_and_device(&opt, shard, &dev, p0, &grads);
+    assert_eq!(
+        bits(&ds.m.to_vec().unwrap()),
+        bits(state.m.cpu().unwrap()),
+        "Muon momentum"
+    );
+}
+
+/// One Newton–Schulz step with `(a, b, c) = (1, 0, 0)`: `X ← X + 0·X`, so the result is the
+/// normalized input (in bf16: the rounded input, normalized, rounded again), which isolates
+/// the transposes, the Frobenius normalization and the bf16 conversions.
+fn identity_ns(precision: NsPrecision) -> NsConfig {
+    NsConfig {
+        steps: 1,
+        coeffs: vec![[1.0, 0.0, 0.0]],
+        precision,
+        method: NsMethod::Standard,
+        ..Default::default()
+    }
+}
+
+/// The CPU's and the device's Newton–Schulz of `batch` `rows × cols` matrices.
+fn cpu_and_device_ns(
+    dev: &Device,
+    x: &[f32],
+    batch: usize,
+    (rows, cols): (usize, usize),
+    cfg: &NsConfig,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut want = x.to_vec();
+    for m in want.chunks_mut(rows * cols) {
+        orthogonalize(m, rows, cols, cfg).unwrap();
+    }
+    let mut d = dev.upload(x).unwrap();
+    orthogonalize_cuda(dev, &mut d.slice_mut(..), batch, rows, cols, cfg).unwrap();
+    (dev.download(&d).unwrap(), want)
+}
+
+/// `n` nonzero multiples of 2⁻⁸ in [−1, 1]: squares and their sums are exact in f64.
+fn eighths(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let k = (rng.next_u64() % 256) as f32 + 1.0;
+            if rng.next_u64() & 1 == 0 {
+                k / 256.0
+            } else {
+                -k / 256.0
+            }
+        })
+        .collect()
+}
+
+/// A named input of `batch` `rows × cols` matrices.
+type NsCase = (&'static str, Vec<f32>, usize, (usize, usize));
+
+/// Protects the normalization and the transposes around Newton–Schulz, bit for bit (see the
+/// module doc for why bitwise holds here):
+/// - a 64 × 256 matrix is exactly 64 sum-of-squares blocks of 256 threads, so its last row
+///   is the **last partial sum** alone (made dominant here): `ns_normalize` must add all 64;
+/// - tall matrices (300 × 40, and a stack of 3 × 45 × 33) take the transposed path with
+///   **partial 32 × 32 tiles** on both sides;
+/// - entries near 1e38 make the f32 norm overflow while the f64 one is finite: the CPU then
+///   divides in f64, and so must the device (not by an infinite f32 norm, giving zeros).
+#[test]
+fn newton_schulz_normalization_and_transposes_are_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(13);
+    let cfg = identity_ns(NsPrecision::F32);
+    let mut last_row = eighths(&mut rng, 64 * 256);
+    last_row[63 * 256..].iter_mut().for_each(|x| *x *= 64.0);
+    let huge: Vec<f32> = eighths(&mut rng, 16 * 32)
+        .into_iter()
+        .map(|x| x * 2f32.powi(126))
+        .collect();
+    let cases: [NsCase; 5] = [
+        ("64×256, heavy last row", last_row, 1, (64, 256)),
+        ("300×40", eighths(&mut rng, 300 * 40), 1, (300, 40)),
+        ("3×45×33", eighths(&mut rng, 3 * 45 * 33), 3, (45, 33)),
+        ("40×300", eighths(&mut rng, 40 * 300), 1, (40, 300)),
+        ("16×32 near f32::MAX", huge, 1, (16, 32)),
+    ];
+    for (what, x, batch, shape) in cases {
+        let (got, want) = cpu_and_device_ns(&dev, &x, batch, shape, &cfg);
+        assert!(
+            want.iter().all(|v| v.is_finite() && *v != 0.0),
+            "{what}: CPU"
+        );
+        assert_eq!(bits(&got), bits(&want), "{what}");
+    }
+}
+
+/// Protects the bf16 rounding of Newton–Schulz's input (`ns_f32_to_bf16`: round to nearest,
+/// **ties to even**), which the bf16 tolerance of `cuda_tests.rs` (5e-2 relative) cannot see:
+/// every input is a bf16 value plus exactly half an ulp (a tie), of both signs and several
+/// binades, and with the identity step (module doc) the output is the rounded input,
+/// normalized in f32 and rounded again: bit for bit the CPU's bf16 path.
+#[test]
+fn newton_schulz_bf16_rounds_ties_to_even_like_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(17);
+    let (rows, cols) = (24, 64);
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            // 1 + (2k + 1)·2⁻⁸: halfway between two bf16 values (7 fraction bits).
+            let k = (rng.next_u64() % 128) as f32;
+            let t = (1.0 + (2.0 * k + 1.0) / 256.0) * 2f32.powi((i % 5) as i32 - 2);
+            if i % 3 == 0 {
+                -t
+            } else {
+                t
+            }
+        })
+        .collect();
+    let (got, want) = cpu_and_device_ns(&dev, &x, 1, (rows, cols), &identity_ns(NsPrecision::Bf16));
+    assert_eq!(bits(&got), bits(&want));
+}
+
+/// Protects the placement of the matrices a rank roots (`orthogonalize`: each rooted job at
+/// its own offset of the gathered arena): with six split matrices on two ranks, a rank roots
+/// several, and each must be orthogonalized where it was gathered. Momentum and the AdamW
+/// moments bitwise, parameters within `cuda_tests.rs`' Newton–Schulz bound of 1e-4 (cuBLAS's
+/// summation order; see the module doc).
+#[test]
+fn muon_device_step_orthogonalizes_every_matrix_a_rank_roots() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::comm::Communicator;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let shapes: Vec<(String, [usize; 2])> = (0..6)
+        .map(|k| (format!("w{k}"), [40 + 8 * (k % 2), 32]))
+        .collect();
+    let spec: Vec<TensorSpec> = shapes
+        .iter()
+        .map(|(n, s)| TensorSpec::new(n, s, DType::F32).unwrap())
+        .collect();
+    let opt = Muon::new(MuonConfig {
+        lr: 1e-2,
+        ns: NsConfig {
+            method: NsMethod::Standard,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    // The first world whose row-granular layout has a rank rooting two split matrices or more.
+    let (world, shards) = (2..=8)
+        .map(|world| {
+            let shards = harness::planned_shards_by(
+                &spec,
+                world,
+                &|_| ragged::AtomicBlock::Rows(1),
+                &PlanOptions::default(),
+            );
+            (world, shards)
+        })
+        .find(|(_, shards)| {
+            shards
+                .iter()
+                .any(|s| opt.roots(s).rooted_here(s.rank).count() >= 2)
+        })
+        .expect("a layout where a rank roots several split matrices");
+    println!("world {world}");
+    let mut rng = Rng::new(23);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads: Vec<Vec<Vec<f32>>> = (0..2).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    let cpu = ThreadWorld::run(world, |c| {
+        let shard = &shards[c.rank()];
+        let (mut p, mut st) = (scatter(shard, &p0), opt.init(shard)?);
+        for g in &grads {
+            opt.step_slices(&mut st, shard, &mut p, &scatter(shard, g), c)?;
+        }
+        Ok((p, st.m.to_vec()?))
+    })
+    .unwrap();
+    let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
+        let (shard, d) = (&shards[c.rank()], c.device());
+        let mut p = d.upload(&scatter(shard, &p0))?;
+        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
+        for g in &grads {
+            let g = d.upload(&scatter(shard, g))?;
+            opt.step(
+                &mut st,
+                shard,
+                p.slice_mut(..).into(),
+                g.slice(..).into(),
+                c,
+            )?;
+        }
+        Ok((d.download(&p)?, st.m.to_vec()?))
+    })
+    .unwrap();
+    for (r, ((gp, gm), (cp, cm))) in gpu.iter().zip(&cpu).enumerate() {
+        assert_eq!(bits(gm), bits(cm), "rank {r}: momentum");
+        let worst = gp
+            .iter()
+            .zip(cp)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) });
+        assert!(worst <= 1e-4, "rank {r}: params max |Δ| = {worst}");
+    }
+}
+
+/// Protects the device 8-bit step's rule that every 8-bit block runs at the one learning rate
+/// it takes: a role `lr_scale` other than 1 on an 8-bit parameter is refused (the host step
+/// honours it; the device step would silently use the base rate), and nothing is modified.
+#[test]
+fn adam8bit_device_step_refuses_a_scaled_learning_rate_on_8bit_parameters() {
+    use ragged::roles::{RoleRule, RoleSettings};
+    let Some(dev) = device() else { return };
+    let spec = specs(&[("w", &[64, 96]), ("b", &[33])]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        adam: AdamWConfig {
+            roles: RoleRule {
+                matrix: RoleSettings {
+                    lr_scale: 0.5,
+                    weight_decay: None,
+                },
+                element_wise: RoleSettings {
+                    lr_scale: 0.5,
+                    weight_decay: None,
+                },
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let mut rng = Rng::new(29);
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
+    let mut dp = dev.upload(&p0).unwrap();
+    let dg = dev.upload(&g).unwrap();
+    let mut ds = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
+    let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+    let err = opt.step(&mut ds, shard, pv, gv, &SingleRank);
+    assert!(
+        err.is_err(),
+        "the device step ran 8-bit blocks at lr_scale 0.5"
+    );
+    assert_eq!(
+        bits(&dev.download(&dp).unwrap()),
+        bits(&p0),
+        "params untouched"
+    );
 }
