@@ -988,6 +988,30 @@ fn newton_schulz_normalization_and_transposes_are_bitwise_equal_to_cpu() {
     }
 }
 
+/// A matrix with a non-finite entry (∞, or NaN) comes out NaN in every entry, on the device
+/// as on the CPU: the normalization must say so itself, since nothing else spreads it. With
+/// the identity step (module doc) the products are scaled by 0, and a product scaled by 0 is
+/// not formed (BLAS: `A` and `B` are not read, as `tools/cuda-emu` does it), so `0 · NaN`
+/// cannot carry the NaN either.
+#[test]
+fn newton_schulz_of_a_non_finite_matrix_is_nan_everywhere_like_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(17);
+    for (bad, precision) in [
+        (f32::INFINITY, NsPrecision::F32),
+        (f32::NAN, NsPrecision::F32),
+        (f32::NEG_INFINITY, NsPrecision::Bf16),
+    ] {
+        let mut x = eighths(&mut rng, 2 * 24 * 40);
+        x[24 * 40 + 7] = bad; // the second matrix only
+        let (got, want) = cpu_and_device_ns(&dev, &x, 2, (24, 40), &identity_ns(precision));
+        let (first, second) = want.split_at(24 * 40);
+        assert!(second.iter().all(|v| v.is_nan()), "the CPU's reference");
+        assert!(first.iter().all(|v| v.is_finite()), "the CPU's reference");
+        same_or_both_nan(&got, &want, &format!("{bad} ({precision:?})"));
+    }
+}
+
 /// Protects the bf16 rounding of Newton–Schulz's input (`ns_f32_to_bf16`: round to nearest,
 /// **ties to even**), which the bf16 tolerance of `cuda_tests.rs` (5e-2 relative) cannot see:
 /// every input is a bf16 value plus exactly half an ulp (a tie), of both signs and several

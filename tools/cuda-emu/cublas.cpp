@@ -2,7 +2,9 @@
 // cublasSsyrk_v2 and handle set-up), on host memory, column-major as cuBLAS defines them.
 // Operands are checked against libcuda's live allocations (driver.cpp), leading dimensions
 // and types as cuBLAS checks them; with beta = 0, C is not read (NaN in it does not leak);
-// syrk writes only the asked triangle. Sums run in f32 in k order: cuBLAS's order differs (and
+// with alpha = 0, the product is not formed (as BLAS defines it: A and B are not read, so NaN
+// in them does not reach C, and code must not count on 0 * NaN to spread a NaN); syrk writes
+// only the asked triangle. Sums run in f32 in k order: cuBLAS's order differs (and
 // varies by algorithm), so results agree with a GPU to f32 rounding, not bit for bit.
 #include <math.h>
 #include <stdio.h>
@@ -147,7 +149,8 @@ cublasStatus_t cublasGemmStridedBatchedEx(void* handle, int transa, int transb, 
                 float acc = 0.0f;
                 for (int l = 0; l < k; ++l) acc += x[l] * y[l];
                 const size_t ci = i + (size_t)j * ldc;
-                const float out = be == 0.0f ? al * acc : al * acc + be * load(c, ctype, ci);
+                const float prod = al == 0.0f ? 0.0f : al * acc;
+                const float out = be == 0.0f ? prod : prod + be * load(c, ctype, ci);
                 store(c, ctype, ci, out);
             }
     }
@@ -181,7 +184,8 @@ cublasStatus_t cublasSsyrk_v2(void* handle, int uplo, int trans, int n, int k, c
                 acc += x * y;
             }
             float& c = C[i + (size_t)j * ldc];
-            c = *beta == 0.0f ? *alpha * acc : *alpha * acc + *beta * c;
+            const float prod = *alpha == 0.0f ? 0.0f : *alpha * acc;
+            c = *beta == 0.0f ? prod : prod + *beta * c;
         }
     return CUBLAS_STATUS_SUCCESS;
 }
