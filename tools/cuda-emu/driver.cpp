@@ -274,7 +274,7 @@ void* new_fiber_stack(char* base) {
     return sp;
 }
 
-void run_block_with_barriers(Block& b) {
+void run_block_with_barriers(Block& b, bool start_forward) {
     const size_t n = b.coords.size();
     for (size_t t = 0; t < n; ++t) {
         b.fibers[t] = new_fiber_stack(b.stacks + t * (FIBER_STACK + GUARD));
@@ -283,9 +283,11 @@ void run_block_with_barriers(Block& b) {
     // Each round runs every live thread up to its next barrier or its end, so no thread passes
     // barrier k before every thread has reached it. Rounds alternate the order of the threads,
     // so a read of another thread's write with no barrier between them sees the old value in
-    // one round or the other whichever thread is lower.
+    // one round or the other whichever thread is lower; and blocks alternate which order comes
+    // first, so every round of a kernel runs in both orders somewhere in a grid of two blocks
+    // or more (a stretch after a kernel's last barrier, too).
     std::fill(b.barriers.begin(), b.barriers.end(), 0);
-    bool forward = true;
+    bool forward = start_forward;
     for (bool live = true; live; forward = !forward) {
         live = false;
         for (size_t i = 0; i < n; ++i) {
@@ -387,7 +389,7 @@ void launch(const KernelEntry* k, dim3 grid, dim3 block, void** params) {
                                 k->invoke(params);
                             }
                         }
-                if (k->barriers) run_block_with_barriers(b);
+                if (k->barriers) run_block_with_barriers(b, (bx + by + bz) % 2 == 0);
             }
     block_now = outer;
     current = nullptr;
