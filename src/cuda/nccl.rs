@@ -189,12 +189,6 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// Why [`join`] returned no communicator.
-enum Joined {
-    Failed(Error),
-    TimedOut,
-}
-
 /// `ncclCommInitRank` on a thread of its own, awaited at most `limit`
 /// ([`NcclComm::from_rank_within`]).
 fn join(
@@ -203,8 +197,13 @@ fn join(
     id: sys::ncclUniqueId,
     rank: i32,
     limit: Duration,
-) -> std::result::Result<Handle, Joined> {
+) -> Result<Handle> {
     const OP: &str = "NcclComm::from_rank";
+    let failed = |reason: String| Error::Comm {
+        op: OP,
+        rank: rank as usize,
+        reason,
+    };
     let (tx, rx) = std::sync::mpsc::channel();
     let dev = Arc::clone(dev);
     std::thread::Builder::new()
@@ -229,20 +228,20 @@ fn join(
             }
         })
         .map_err(|e| {
-            Joined::Failed(Error::Comm {
-                op: OP,
-                rank: rank as usize,
-                reason: format!("cannot start the thread that joins the communicator: {e}"),
-            })
+            failed(format!(
+                "cannot start the thread that joins the communicator: {e}"
+            ))
         })?;
     match rx.recv_timeout(limit) {
-        Ok(joined) => joined.map_err(Joined::Failed),
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Joined::TimedOut),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(Joined::Failed(Error::Comm {
-            op: OP,
-            rank: rank as usize,
-            reason: "the thread joining the communicator ended without a result".into(),
-        })),
+        Ok(joined) => joined,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(failed(format!(
+            "not every rank of the {world} joined the NCCL communicator within {:.1} s: a rank \
+             failed or never started (RAGGED_NCCL_TIMEOUT_S sets the limit)",
+            limit.as_secs_f64()
+        ))),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(failed(
+            "the thread joining the communicator ended without a result".into(),
+        )),
     }
 }
 
@@ -292,18 +291,7 @@ impl NcclComm {
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let handle = join(&dev, n, id, rank as i32, join_limit).map_err(|e| match e {
-            Joined::Failed(e) => e,
-            Joined::TimedOut => Error::Comm {
-                op: OP,
-                rank,
-                reason: format!(
-                    "not every rank of the {world} joined the NCCL communicator within {:.1} s: \
-                     a rank failed or never started (RAGGED_NCCL_TIMEOUT_S sets the limit)",
-                    join_limit.as_secs_f64()
-                ),
-            },
-        })?;
+        let handle = join(&dev, n, id, rank as i32, join_limit)?;
         Ok(NcclComm {
             handle: Mutex::new(handle),
             dev,
