@@ -642,8 +642,9 @@ fn nccl_refuses_u8_reductions_over_two_or_more_ranks() {
 }
 
 /// Protects the watchdog's polling pause, capped at 1 ms ("a finished collective is noticed
-/// within about a millisecond"): a collective that finishes after 300 ms is noticed well
-/// within 50 ms of finishing, not after a pause that kept doubling.
+/// within about a millisecond"): a collective that finishes after 300 ms is noticed within
+/// 100 ms of finishing (room for a loaded machine's scheduling), not after a pause that kept
+/// doubling (the look after 300 ms would come at about 524 ms: 224 ms late).
 #[test]
 fn the_watchdog_notices_a_finished_collective_promptly() {
     use ragged::cuda::watchdog::{wait, Progress};
@@ -658,7 +659,7 @@ fn the_watchdog_notices_a_finished_collective_promptly() {
     })
     .unwrap();
     let late = start.elapsed() - done_at;
-    assert!(late < Duration::from_millis(50), "noticed {late:?} late");
+    assert!(late < Duration::from_millis(100), "noticed {late:?} late");
 }
 
 /// Protects the rank order of the reductions over thread ranks (rank 0, 1, 2, … added left to
