@@ -17,7 +17,8 @@
 //!
 //! The run id tells this launch's message from another's. A file left by an earlier launch is
 //! a valid file, and a rank that read it before rank 0 replaced it would join the old NCCL id
-//! and wait in NCCL's init, which has no timeout. With a run id, a reader skips a file of
+//! and wait in NCCL's init until the join's limit (`NcclComm::from_rank_within`), then fail.
+//! With a run id, a reader skips a file of
 //! another run and keeps polling (and says so if the timeout comes first); over TCP, a
 //! message from another launch's rank 0 (a port another job holds) is an error at once.
 //! Without one (no variable set), any well-formed file is taken, as before: give each launch
