@@ -132,6 +132,18 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
+/// Devices 0, 1 (and 2 if present), or `None` after printing why not (fewer than two).
+fn two_or_more_devices() -> Option<Vec<Arc<Device>>> {
+    let devs: Vec<Arc<Device>> = (0..3)
+        .map_while(|i| Device::open(i).ok().map(Arc::new))
+        .collect();
+    if devs.len() < 2 {
+        println!("skipped: {} CUDA device(s), two or more needed", devs.len());
+        return None;
+    }
+    Some(devs)
+}
+
 /// Device 0 and a fresh NCCL id, or `None` after printing why not (no GPU, no NCCL).
 fn device_and_nccl_id() -> Option<(Device, [u8; ragged::cuda::nccl::ID_BYTES])> {
     let dev = device()?;
@@ -276,13 +288,9 @@ fn moves_and_sums(c: &dyn Communicator) -> ragged::Result<MovesAndSums> {
 fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
     use ragged::comm::threads::ThreadWorld;
     use ragged::cuda::nccl::NcclComm;
-    let devs: Vec<Arc<Device>> = (0..3)
-        .map_while(|i| Device::open(i).ok().map(Arc::new))
-        .collect();
-    if devs.len() < 2 {
-        println!("skipped: {} CUDA device(s), two or more needed", devs.len());
+    let Some(devs) = two_or_more_devices() else {
         return;
-    }
+    };
     let comms = match NcclComm::from_devices(&devs) {
         Ok(c) => c,
         Err(e) => {
@@ -606,13 +614,9 @@ fn all_to_all_v_refuses_a_count_vector_longer_than_the_world() {
 #[test]
 fn nccl_refuses_u8_reductions_over_two_or_more_ranks() {
     use ragged::cuda::nccl::NcclComm;
-    let devs: Vec<Arc<Device>> = (0..3)
-        .map_while(|i| Device::open(i).ok().map(Arc::new))
-        .collect();
-    if devs.len() < 2 {
-        println!("skipped: {} CUDA device(s), two or more needed", devs.len());
+    let Some(devs) = two_or_more_devices() else {
         return;
-    }
+    };
     for world in 2..=devs.len() {
         let comms = match NcclComm::from_devices(&devs[..world]) {
             Ok(c) => c,

@@ -96,6 +96,37 @@ fn assert_moments_equal(host: &ragged_optimizers::AdamState, dev: &ragged_optimi
     assert_eq!(bits(v.0), bits(&v.1), "v");
 }
 
+/// Equal bits, or both NaN (a GPU's arithmetic writes its canonical NaN, not the CPU's
+/// payload; every other value must match bit for bit).
+fn same_or_both_nan(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "{what}[{i}]: device {g:e} ({:#010x}), host {w:e} ({:#010x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}
+
+/// Every array of an 8-bit state and the parameters, device against host.
+fn assert_adam8bit_equal(
+    (p, state): &Trained<Adam8bitState>,
+    (dp, ds): &Trained<Adam8bitState>,
+    what: &str,
+) {
+    let got = ds.to_placement(&Placement::Cpu).unwrap();
+    assert_eq!(got.step, state.step, "{what}: step");
+    same_or_both_nan(dp, p, &format!("{what}: params"));
+    assert_eq!(got.m, state.m, "{what}: m codes");
+    assert_eq!(got.v, state.v, "{what}: v codes");
+    assert_eq!(got.scale_m, state.scale_m, "{what}: scale_m");
+    assert_eq!(got.scale_v, state.scale_v, "{what}: scale_v");
+    assert_eq!(got.m32, state.m32, "{what}: m32");
+    assert_eq!(got.v32, state.v32, "{what}: v32");
+}
+
 #[test]
 fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
     let Some(dev) = device() else { return };
@@ -151,17 +182,8 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
             let grads: Vec<Vec<f32>> = (0..STEPS)
                 .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
                 .collect();
-            let ((p, state), (dp, ds)) =
-                host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
-            let got = ds.to_placement(&Placement::Cpu).unwrap();
-            assert_eq!(got.step, state.step);
-            assert_eq!(bits(&dp), bits(&p), "params");
-            assert_eq!(got.m, state.m, "m codes");
-            assert_eq!(got.v, state.v, "v codes");
-            assert_eq!(got.scale_m, state.scale_m, "scale_m");
-            assert_eq!(got.scale_v, state.scale_v, "scale_v");
-            assert_eq!(got.m32, state.m32, "m32");
-            assert_eq!(got.v32, state.v32, "v32");
+            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
+            assert_adam8bit_equal(&host, &device, "sharded");
         }
     }
 }
@@ -194,18 +216,10 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu_over_many_blocks_and_magnitudes() 
             scatter(shard, &[g])
         })
         .collect();
-    let ((p, state), (dp, ds)) = host_and_device(&opt, shard, &dev, p0, &grads);
-    let got = ds.to_placement(&Placement::Cpu).unwrap();
-    assert!(
-        state.scale_m.len() > 8448,
-        "{} scale blocks",
-        state.scale_m.len()
-    );
-    assert_eq!(bits(&dp), bits(&p), "params");
-    assert_eq!(got.m, state.m, "m codes");
-    assert_eq!(got.v, state.v, "v codes");
-    assert_eq!(got.scale_m, state.scale_m, "scale_m");
-    assert_eq!(got.scale_v, state.scale_v, "scale_v");
+    let (host, device) = host_and_device(&opt, shard, &dev, p0, &grads);
+    let blocks = host.1.scale_m.len();
+    assert!(blocks > 8448, "{blocks} scale blocks");
+    assert_adam8bit_equal(&host, &device, "many blocks");
 }
 
 #[test]
@@ -642,42 +656,12 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
 // squares add up exactly in `f64` in any order: the normalized output is compared bit for bit
 // too. The full quintic iteration keeps the tolerance above (Muon parameters within `1e-4`).
 
-/// Equal bits, or both NaN (a GPU's arithmetic writes its canonical NaN, not the CPU's
-/// payload; every other value must match bit for bit).
-fn same_or_both_nan(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-            "{what}[{i}]: device {g:e} ({:#010x}), host {w:e} ({:#010x})",
-            g.to_bits(),
-            w.to_bits()
-        );
-    }
-}
-
-/// Every array of an 8-bit state and the parameters, device against host.
-fn assert_adam8bit_equal(
-    (p, state): &Trained<Adam8bitState>,
-    (dp, ds): &Trained<Adam8bitState>,
-    what: &str,
-) {
-    let got = ds.to_placement(&Placement::Cpu).unwrap();
-    assert_eq!(got.step, state.step, "{what}: step");
-    same_or_both_nan(dp, p, &format!("{what}: params"));
-    assert_eq!(got.m, state.m, "{what}: m codes");
-    assert_eq!(got.v, state.v, "{what}: v codes");
-    assert_eq!(got.scale_m, state.scale_m, "{what}: scale_m");
-    assert_eq!(got.scale_v, state.scale_v, "{what}: scale_v");
-    assert_eq!(got.m32, state.m32, "{what}: m32");
-    assert_eq!(got.v32, state.v32, "{what}: v32");
-}
-
 /// Protects the last, **partial** scale block of a short row block (fewer than 256 elements:
 /// `m mod 32` rows whose length is no multiple of 256) and the runs built around it: the
 /// kernel's block length bound (`span.len`), its row-block offsets (`k / per · row-block
-/// length`, not `· per · 256`, in runs of several short row blocks) and the host's scale blocks per row block (`div_ceil`, not a
-/// floor). `cuda_tests.rs`' shapes all have row blocks of whole scale blocks.
+/// length`, not `· per · 256`, in runs of several short row blocks) and the host's scale
+/// blocks per row block (`div_ceil`, not a floor). The shapes above all have row blocks of
+/// whole scale blocks.
 #[test]
 fn adam8bit_partial_scale_blocks_of_short_row_blocks_are_bitwise_equal_to_cpu() {
     let Some(dev) = device() else { return };
@@ -1013,7 +997,7 @@ fn newton_schulz_of_a_non_finite_matrix_is_nan_everywhere_like_the_cpu() {
 }
 
 /// Protects the bf16 rounding of Newton–Schulz's input (`ns_f32_to_bf16`: round to nearest,
-/// **ties to even**), which the bf16 tolerance of `cuda_tests.rs` (5e-2 relative) cannot see:
+/// **ties to even**), which the bf16 tolerance above (5e-2 relative) cannot see:
 /// every input is a bf16 value plus exactly half an ulp (a tie), of both signs and several
 /// binades, and with the identity step (module doc) the output is the rounded input,
 /// normalized in f32 and rounded again: bit for bit the CPU's bf16 path.
@@ -1041,7 +1025,7 @@ fn newton_schulz_bf16_rounds_ties_to_even_like_the_cpu() {
 /// Protects the placement of the matrices a rank roots (`orthogonalize`: each rooted job at
 /// its own offset of the gathered arena): with six split matrices on two ranks, a rank roots
 /// several, and each must be orthogonalized where it was gathered. Momentum and the AdamW
-/// moments bitwise, parameters within `cuda_tests.rs`' Newton–Schulz bound of 1e-4 (cuBLAS's
+/// moments bitwise, parameters within the Newton–Schulz bound above (1e-4) (cuBLAS's
 /// summation order; see the module doc).
 #[test]
 fn muon_device_step_orthogonalizes_every_matrix_a_rank_roots() {
