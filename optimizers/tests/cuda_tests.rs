@@ -461,13 +461,58 @@ fn sharded_muon_over_gpu_thread_ranks_equals_cpu_thread_ranks_bitwise() {
     assert_eq!(gpu, cpu);
 }
 
+/// Each rank's parameters, momentum and second moment after `opt`'s steps on `grads` from
+/// `p0`: on CPU thread ranks, then on thread ranks on one GPU (device memory, device
+/// collectives).
+#[allow(clippy::type_complexity)]
+fn sharded_muon_on_cpu_and_gpu_threads(
+    opt: &Muon,
+    shards: &[LocalShard],
+    dev: &Arc<Device>,
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+) -> (
+    Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+    Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+) {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::comm::Communicator;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let world = shards.len();
+    let cpu = ThreadWorld::run(world, |c| {
+        let shard = &shards[c.rank()];
+        let (mut p, mut st) = (scatter(shard, p0), opt.init(shard)?);
+        for g in grads {
+            opt.step_slices(&mut st, shard, &mut p, &scatter(shard, g), c)?;
+        }
+        Ok((p, st.m.to_vec()?, st.v.to_vec()?))
+    })
+    .unwrap();
+    let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
+        let (shard, d) = (&shards[c.rank()], c.device());
+        let mut p = d.upload(&scatter(shard, p0))?;
+        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
+        for g in grads {
+            let g = d.upload(&scatter(shard, g))?;
+            opt.step(
+                &mut st,
+                shard,
+                p.slice_mut(..).into(),
+                g.slice(..).into(),
+                c,
+            )?;
+        }
+        Ok((d.download(&p)?, st.m.to_vec()?, st.v.to_vec()?))
+    })
+    .unwrap();
+    (cpu, gpu)
+}
+
 /// The device step on a split layout over thread ranks on one GPU (matrices gathered to their
 /// roots with device copies and the device all-to-all) against the CPU sharded step: momentum
 /// and the AdamW moments bitwise, parameters within the Newton–Schulz tolerance.
 #[test]
 fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
-    use ragged::comm::threads::ThreadWorld;
-    use ragged::comm::Communicator;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let spec = specs(&[
@@ -487,32 +532,7 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     let mut rng = Rng::new(33);
     let p0 = globals(&spec, &mut rng, 1.0);
     let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
-    let cpu = ThreadWorld::run(world, |c| {
-        let shard = &shards[c.rank()];
-        let (mut p, mut st) = (scatter(shard, &p0), opt.init(shard)?);
-        for g in &grads {
-            opt.step_slices(&mut st, shard, &mut p, &scatter(shard, g), c)?;
-        }
-        Ok((p, st.m.to_vec()?, st.v.to_vec()?))
-    })
-    .unwrap();
-    let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
-        let (shard, d) = (&shards[c.rank()], c.device());
-        let mut p = d.upload(&scatter(shard, &p0))?;
-        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
-        for g in &grads {
-            let g = d.upload(&scatter(shard, g))?;
-            opt.step(
-                &mut st,
-                shard,
-                p.slice_mut(..).into(),
-                g.slice(..).into(),
-                c,
-            )?;
-        }
-        Ok((d.download(&p)?, st.m.to_vec()?, st.v.to_vec()?))
-    })
-    .unwrap();
+    let (cpu, gpu) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
     for (r, ((gp, gm, gv), (cp, cm, cv))) in gpu.iter().zip(&cpu).enumerate() {
         assert_eq!(bits(gm), bits(cm), "rank {r}: m");
         assert_eq!(bits(gv), bits(cv), "rank {r}: v");
@@ -1029,9 +1049,6 @@ fn newton_schulz_bf16_rounds_ties_to_even_like_the_cpu() {
 /// summation order; see the module doc).
 #[test]
 fn muon_device_step_orthogonalizes_every_matrix_a_rank_roots() {
-    use ragged::comm::threads::ThreadWorld;
-    use ragged::comm::Communicator;
-    use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let shapes: Vec<(String, [usize; 2])> = (0..6)
         .map(|k| (format!("w{k}"), [40 + 8 * (k % 2), 32]))
@@ -1070,33 +1087,8 @@ fn muon_device_step_orthogonalizes_every_matrix_a_rank_roots() {
     let mut rng = Rng::new(23);
     let p0 = globals(&spec, &mut rng, 1.0);
     let grads: Vec<Vec<Vec<f32>>> = (0..2).map(|_| globals(&spec, &mut rng, 0.1)).collect();
-    let cpu = ThreadWorld::run(world, |c| {
-        let shard = &shards[c.rank()];
-        let (mut p, mut st) = (scatter(shard, &p0), opt.init(shard)?);
-        for g in &grads {
-            opt.step_slices(&mut st, shard, &mut p, &scatter(shard, g), c)?;
-        }
-        Ok((p, st.m.to_vec()?))
-    })
-    .unwrap();
-    let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
-        let (shard, d) = (&shards[c.rank()], c.device());
-        let mut p = d.upload(&scatter(shard, &p0))?;
-        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
-        for g in &grads {
-            let g = d.upload(&scatter(shard, g))?;
-            opt.step(
-                &mut st,
-                shard,
-                p.slice_mut(..).into(),
-                g.slice(..).into(),
-                c,
-            )?;
-        }
-        Ok((d.download(&p)?, st.m.to_vec()?))
-    })
-    .unwrap();
-    for (r, ((gp, gm), (cp, cm))) in gpu.iter().zip(&cpu).enumerate() {
+    let (cpu, gpu) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
+    for (r, ((gp, gm, _), (cp, cm, _))) in gpu.iter().zip(&cpu).enumerate() {
         assert_eq!(bits(gm), bits(cm), "rank {r}: momentum");
         let worst = gp
             .iter()
