@@ -219,16 +219,13 @@ fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
         "returned after {waited:?}"
     );
 
-    let devs: Vec<Arc<Device>> = (0..2)
-        .map_while(|i| Device::open(i).ok().map(Arc::new))
-        .collect();
-    if devs.len() < 2 {
-        println!("skipped the two-rank join: {} CUDA device(s)", devs.len());
+    // The two-rank join.
+    let Some(devs) = two_or_more_devices() else {
         return;
-    }
+    };
     let id = unique_id().unwrap();
     let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = devs
+        let ranks: Vec<_> = devs[..2]
             .iter()
             .enumerate()
             .map(|(rank, dev)| {
