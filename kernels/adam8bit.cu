@@ -4,14 +4,24 @@
 // with the fresh f32 moments, new per-block scales rounded to 16 bits, requantize with ties
 // going to the upper code, no sign fix-up, and a positive v never on code 0).
 //
-// Work: one warp per scale block, 8 elements per lane (lane l holds elements l, l + 32, ...,
-// so each load of the warp reads consecutive bytes); the block's absmax is a warp shuffle
-// reduction. The grid strides over the scale blocks, WARPS of them per thread block per pass,
-// every thread of a block making the same passes (the loop bound is the block's, not the
-// warp's), so every warp shuffles the same number of times. Grid: (min(blocks needed, the
-// blocks the device holds at once), 1, 1); block: 256 threads (8 warps); static shared
-// memory: both maps' quantizer tables, 2 x T_WORDS words (about 5.4 KiB), loaded once per
-// thread block.
+// Work: one warp per scale block, 8 elements per lane; the block's absmax is a warp shuffle
+// reduction. A whole block whose arrays are aligned is read and written in vectors (lane l
+// holds elements 8l..8l+7: two 16-byte loads of f32 and one 8-byte load of codes per array);
+// any other (a partial last block of a row block, an unaligned shard) element by element
+// (lane l holds l, l + 32, ..., so each load of the warp reads consecutive bytes). The grid
+// strides over the scale blocks, one per warp of a thread block per pass, every thread of a
+// block making the same passes (the loop bound is the block's, not the warp's), so every warp
+// shuffles the same number of times. Grid: (min(blocks needed, the blocks the device holds at
+// once), 1, 1); block: 256 or 128 threads, whichever keeps more warps resident (the launcher
+// asks the driver); static shared memory: both maps' quantizer tables, 2 x T_WORDS words
+// (about 5.4 KiB), loaded once per thread block.
+//
+// Measured on an H200 (docs/benchmarks.md, optim-cuda): the kernel is bound by instruction
+// issue, not memory (Nsight Compute: 66 % of issue slots busy at 47 % of DRAM bandwidth,
+// about 175 instructions per element: IEEE sqrt and division, two dequantizations and two
+// quantizations). So the per-element work is branch-free where it can be (the quantizer, the
+// choice between quantize_scaled's forms, made once per block), and the parameters are
+// stored before the requantization so their registers are free.
 //
 // Where a scale block lies: `segments` holds runs of equal row blocks (S_WORDS words each,
 // ordered by first scale): the run's first element in the local shard, its row blocks'
@@ -64,10 +74,10 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
 }
 
 // octave_index.rs `OctaveIndex::bucket`.
-__device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t) {
+__device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t,
+                                                   unsigned int header) {
     const unsigned int bits = __float_as_uint(x);
     const unsigned int h = (bits >> 16) & 0x7fffu;
-    const unsigned int header = t[T_HEADER];
     const unsigned int e = h >> 7, e_base = header & 0xffffu;
     const unsigned int above = e > e_base ? e - e_base : 0u;
     const unsigned int slot = above < SLOTS - 1 ? above : SLOTS - 1;
@@ -79,10 +89,15 @@ __device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t
 }
 
 // octave_index.rs `OctaveIndex::code`: quant.rs `quantize`, bit for bit; NaN gives 0.
-__device__ __forceinline__ unsigned char quantize(float x, const unsigned int* t) {
-    if (isnan(x)) return 0;
-    const unsigned int base = ((const unsigned char*)(t + T_BASE))[bucket_of(x, t)];
-    return (unsigned char)(base + (x >= __uint_as_float(t[T_THRESH + base]) ? 1u : 0u));
+// Branch-free: a NaN is looked up as 0 (its own bits could pick a bucket past the table),
+// then given code 0.
+__device__ __forceinline__ unsigned char quantize(float x, const unsigned int* t,
+                                                  unsigned int header) {
+    const bool nan = isnan(x);
+    const float y = nan ? 0.0f : x;
+    const unsigned int base = ((const unsigned char*)(t + T_BASE))[bucket_of(y, t, header)];
+    const unsigned int code = base + (y >= __uint_as_float(t[T_THRESH + base]) ? 1u : 0u);
+    return nan ? 0 : (unsigned char)code;
 }
 
 // quant.rs `Unscale`: a block's values times the scale's reciprocal when that is finite, else
@@ -99,9 +114,10 @@ __device__ __forceinline__ Unscale unscale_of(float scale) {
 }
 
 __device__ __forceinline__ unsigned char quantize_scaled(float x, Unscale u, const unsigned int* t,
+                                                         unsigned int header,
                                                          unsigned char zero_code) {
     if (u.scale == 0.0f) return zero_code;
-    return quantize(u.reciprocal ? x * u.r : x / u.scale, t);
+    return quantize(u.reciprocal ? x * u.r : x / u.scale, t, header);
 }
 
 __device__ __forceinline__ float dequantize(unsigned char code, float scale, const unsigned int* t) {
@@ -148,7 +164,148 @@ __device__ __forceinline__ Span locate(const unsigned int* seg, unsigned int n_s
     return span;
 }
 
-extern "C" __global__ void adam8bit_blocks(
+// One warp's scale block `s` (lanes 0..31 of the warp, all of them: the absmax is a shuffle
+// reduction). VECTOR: a whole block whose arrays are aligned for vectors; lane l holds
+// elements 8l..8l+7, read and written as two 16-byte f32 vectors and one 8-byte code vector
+// per array. Else lane l holds elements l, l + 32, ... (each load of the warp reads
+// consecutive bytes), bounds-checked against the span: a partial block, an unaligned one, or
+// none (a warp past the last block, which only shuffles).
+template <bool VECTOR>
+__device__ __forceinline__ void scale_block(
+    float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
+    unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
+    unsigned short* __restrict__ scale_v, const unsigned int* tm, const unsigned int* tv,
+    unsigned int hm, unsigned int hv, Span span, bool live, unsigned long long s,
+    unsigned int lane, float w, float beta2, float one_minus_beta2, float folded_neg_step_size,
+    float folded_eps, unsigned char m_zero_code, unsigned char v_zero_code) {
+    // Loads first, all independent, then the arithmetic.
+    float pi[PER_LANE], gi[PER_LANE];
+    unsigned char mi[PER_LANE], vi[PER_LANE];
+    if (VECTOR) {
+        const float4* p4 = (const float4*)(p + span.off) + 2 * lane;
+        const float4* g4 = (const float4*)(g + span.off) + 2 * lane;
+        const float4 pa = p4[0], pb = p4[1], ga = g4[0], gb = g4[1];
+        const uint2 m8 = ((const uint2*)(mc + span.off))[lane];
+        const uint2 v8 = ((const uint2*)(vc + span.off))[lane];
+        pi[0] = pa.x, pi[1] = pa.y, pi[2] = pa.z, pi[3] = pa.w;
+        pi[4] = pb.x, pi[5] = pb.y, pi[6] = pb.z, pi[7] = pb.w;
+        gi[0] = ga.x, gi[1] = ga.y, gi[2] = ga.z, gi[3] = ga.w;
+        gi[4] = gb.x, gi[5] = gb.y, gi[6] = gb.z, gi[7] = gb.w;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            mi[k] = (unsigned char)(m8.x >> (8 * k)), mi[k + 4] = (unsigned char)(m8.y >> (8 * k));
+            vi[k] = (unsigned char)(v8.x >> (8 * k)), vi[k + 4] = (unsigned char)(v8.y >> (8 * k));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const unsigned int j = lane + k * WARP;
+            pi[k] = 0.0f, gi[k] = 0.0f, mi[k] = 0, vi[k] = 0;
+            if (j < span.len) {
+                const unsigned long long i = span.off + j;
+                pi[k] = p[i], gi[k] = g[i], mi[k] = mc[i], vi[k] = vc[i];
+            }
+        }
+    }
+    const float old_sm = live ? decode_scale(scale_m[s]) : 0.0f;
+    const float old_sv = live ? decode_scale(scale_v[s]) : 0.0f;
+
+    float m1[PER_LANE], v1[PER_LANE];
+    // fmaxf returns the non-NaN operand, as Rust's f32::max does; the maxima start at +0.0, as
+    // the CPU's do (so a NaN never reaches them), and idle lanes keep +0.0.
+    float amax_m = 0.0f, amax_v = 0.0f;
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+        m1[k] = 0.0f, v1[k] = 0.0f;
+        if (VECTOR || lane + k * WARP < span.len) {
+            const float p0 = pi[k] * span.decay;
+            const float m0 = dequantize(mi[k], old_sm, tm);
+            const float v0 = dequantize(vi[k], old_sv, tv);
+            m1[k] = lerp_elem(m0, gi[k], w);
+            v1[k] = v0 * beta2 + (one_minus_beta2 * gi[k]) * gi[k];
+            // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step and eps.
+            pi[k] = p0 + (folded_neg_step_size * m1[k]) / (sqrtf(v1[k]) + folded_eps);
+            amax_m = fmaxf(amax_m, fabsf(m1[k]));
+            amax_v = fmaxf(amax_v, v1[k]);
+        }
+    }
+    // The parameters now, so that their registers are free for the requantization.
+    if (VECTOR) {
+        float4* p4 = (float4*)(p + span.off) + 2 * lane;
+        p4[0] = make_float4(pi[0], pi[1], pi[2], pi[3]);
+        p4[1] = make_float4(pi[4], pi[5], pi[6], pi[7]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            if (lane + k * WARP < span.len) p[span.off + lane + k * WARP] = pi[k];
+        }
+    }
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        amax_m = fmaxf(amax_m, __shfl_xor_sync(FULL_MASK, amax_m, o));
+        amax_v = fmaxf(amax_v, __shfl_xor_sync(FULL_MASK, amax_v, o));
+    }
+    const unsigned short new_m = encode_scale(amax_m);
+    const unsigned short new_v = encode_scale(amax_v);
+    const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
+    if (um.reciprocal && uv.reciprocal) {
+        // The common case (both scales normal, so neither 0), without the per-element
+        // choice: quantize_scaled's first form.
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            mi[k] = quantize(m1[k] * um.r, tm, hm);
+            vi[k] = quantize(v1[k] * uv.r, tv, hv);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            mi[k] = quantize_scaled(m1[k], um, tm, hm, m_zero_code);
+            vi[k] = quantize_scaled(v1[k], uv, tv, hv, v_zero_code);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+        // The second-moment floor (quant.rs `keep_positive_nonzero`).
+        vi[k] = (vi[k] == 0 && v1[k] > 0.0f) ? 1 : vi[k];
+    }
+    if (VECTOR) {
+        uint2 m8, v8;
+        m8.x = m8.y = v8.x = v8.y = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            m8.x |= (unsigned int)mi[k] << (8 * k), m8.y |= (unsigned int)mi[k + 4] << (8 * k);
+            v8.x |= (unsigned int)vi[k] << (8 * k), v8.y |= (unsigned int)vi[k + 4] << (8 * k);
+        }
+        ((uint2*)(mc + span.off))[lane] = m8;
+        ((uint2*)(vc + span.off))[lane] = v8;
+    } else {
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const unsigned int j = lane + k * WARP;
+            if (j < span.len) {
+                const unsigned long long i = span.off + j;
+                mc[i] = mi[k], vc[i] = vi[k];
+            }
+        }
+    }
+    if (live && lane == 0) {
+        scale_m[s] = new_m;
+        scale_v[s] = new_v;
+    }
+}
+
+// Whether scale block `span` is a whole one whose four arrays are aligned for vectors (16
+// bytes for f32, 8 for codes): scale_block<true>.
+__device__ __forceinline__ bool vector_span(const Span& span, const float* p, const float* g,
+                                            const unsigned char* mc, const unsigned char* vc) {
+    if (span.len != SCALE_BLOCK) return false;
+    const unsigned long long f = (unsigned long long)(p + span.off) |
+                                 (unsigned long long)(g + span.off);
+    const unsigned long long c = (unsigned long long)(mc + span.off) |
+                                 (unsigned long long)(vc + span.off);
+    return (f & 15) == 0 && (c & 7) == 0;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adam8bit_blocks(
     float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
     unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
     unsigned short* __restrict__ scale_v, const unsigned int* __restrict__ tables,
@@ -160,6 +317,7 @@ extern "C" __global__ void adam8bit_blocks(
     __syncthreads();
     const unsigned int* tm = st;
     const unsigned int* tv = st + T_WORDS;
+    const unsigned int hm = tm[T_HEADER], hv = tv[T_HEADER];
     const unsigned int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
     const unsigned long long stride = (unsigned long long)gridDim.x * warps;
 
@@ -170,64 +328,14 @@ extern "C" __global__ void adam8bit_blocks(
         Span span;
         span.off = 0, span.len = 0, span.decay = 1.0f;
         if (live) span = locate(segments, n_segments, (unsigned int)s);
-
-        // Loads first, all independent, then the arithmetic (the stores to p cannot delay
-        // the next element's loads).
-        float pi[PER_LANE], gi[PER_LANE];
-        unsigned char mi[PER_LANE], vi[PER_LANE];
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            const unsigned int j = lane + k * WARP;
-            pi[k] = 0.0f, gi[k] = 0.0f, mi[k] = 0, vi[k] = 0;
-            if (j < span.len) {
-                const unsigned long long i = span.off + j;
-                pi[k] = p[i], gi[k] = g[i], mi[k] = mc[i], vi[k] = vc[i];
-            }
-        }
-        const float old_sm = live ? decode_scale(scale_m[s]) : 0.0f;
-        const float old_sv = live ? decode_scale(scale_v[s]) : 0.0f;
-
-        float m1[PER_LANE], v1[PER_LANE];
-        // fmaxf returns the non-NaN operand, as Rust's f32::max does; the maxima start at
-        // +0.0, as the CPU's do (so a NaN never reaches them), and idle lanes keep +0.0.
-        float amax_m = 0.0f, amax_v = 0.0f;
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            const unsigned int j = lane + k * WARP;
-            m1[k] = 0.0f, v1[k] = 0.0f;
-            if (j < span.len) {
-                const float p0 = pi[k] * span.decay;
-                const float m0 = dequantize(mi[k], old_sm, tm);
-                const float v0 = dequantize(vi[k], old_sv, tv);
-                m1[k] = lerp_elem(m0, gi[k], w);
-                v1[k] = v0 * beta2 + (one_minus_beta2 * gi[k]) * gi[k];
-                // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step and eps.
-                p[span.off + j] = p0 + (folded_neg_step_size * m1[k]) / (sqrtf(v1[k]) + folded_eps);
-                amax_m = fmaxf(amax_m, fabsf(m1[k]));
-                amax_v = fmaxf(amax_v, v1[k]);
-            }
-        }
-        for (int o = WARP / 2; o > 0; o /= 2) {
-            amax_m = fmaxf(amax_m, __shfl_xor_sync(FULL_MASK, amax_m, o));
-            amax_v = fmaxf(amax_v, __shfl_xor_sync(FULL_MASK, amax_v, o));
-        }
-        const unsigned short new_m = encode_scale(amax_m);
-        const unsigned short new_v = encode_scale(amax_v);
-        const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            const unsigned int j = lane + k * WARP;
-            if (j < span.len) {
-                const unsigned long long i = span.off + j;
-                mc[i] = quantize_scaled(m1[k], um, tm, m_zero_code);
-                const unsigned char cv = quantize_scaled(v1[k], uv, tv, v_zero_code);
-                // The second-moment floor (quant.rs `keep_positive_nonzero`).
-                vc[i] = (cv == 0 && v1[k] > 0.0f) ? 1 : cv;
-            }
-        }
-        if (live && lane == 0) {
-            scale_m[s] = new_m;
-            scale_v[s] = new_v;
+        if (vector_span(span, p, g, mc, vc)) {
+            scale_block<true>(p, g, mc, vc, scale_m, scale_v, tm, tv, hm, hv, span, live, s, lane,
+                              w, beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
+                              m_zero_code, v_zero_code);
+        } else {
+            scale_block<false>(p, g, mc, vc, scale_m, scale_v, tm, tv, hm, hv, span, live, s,
+                               lane, w, beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
+                               m_zero_code, v_zero_code);
         }
     }
 }

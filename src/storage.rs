@@ -142,6 +142,11 @@ impl Placement {
         matches!(self, Placement::Cpu)
     }
 
+    /// Whether this is host memory (work on it is done when its call returns).
+    pub fn is_host(&self) -> bool {
+        matches!(self, Placement::Cpu)
+    }
+
     /// Waits until the work this thread queued here has finished: nothing on the host (host
     /// work is done when its call returns); on a device, its stream as this thread sees it
     /// (candle's is the per-thread default stream, so each thread waits for its own work).
@@ -325,11 +330,9 @@ impl Storage<f32> {
 
     /// How many elements are NaN or infinite (on a device: one kernel, 8 bytes downloaded).
     pub fn count_non_finite(&self) -> Result<u64> {
-        match self {
-            Storage::Cpu(v) => Ok(v.iter().filter(|x| !x.is_finite()).count() as u64),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(d) => crate::cuda::ops::count_non_finite(&d.dev, &d.data.slice(..)),
-        }
+        let mut counts = NonFiniteCounts::new(&self.placement(), 1)?;
+        counts.add(0, self)?;
+        Ok(counts.read()?[0])
     }
 
     /// `self ← a·self`.
@@ -340,6 +343,53 @@ impl Storage<f32> {
             Storage::Cuda(d) => crate::cuda::ops::scale(&d.dev, &mut d.data.slice_mut(..), a)?,
         }
         Ok(())
+    }
+}
+
+/// Non-finite element counts of several `f32` storages of one placement, a slot each, read
+/// with one wait for the device ([`NonFiniteCounts::read`]): checking every unit's gradients
+/// before a step costs one device synchronization, not one per unit.
+#[derive(Debug)]
+pub struct NonFiniteCounts {
+    slots: Storage<u64>,
+}
+
+impl NonFiniteCounts {
+    /// `n` slots at zero, in `placement`.
+    pub fn new(placement: &Placement, n: usize) -> Result<Self> {
+        Ok(NonFiniteCounts {
+            slots: placement.zeros(n)?,
+        })
+    }
+
+    /// Adds to slot `slot` how many elements of `x` are NaN or infinite (on a device, queued).
+    pub fn add(&mut self, slot: usize, x: &Storage<f32>) -> Result<()> {
+        const OP: &str = "NonFiniteCounts::add";
+        if slot >= self.slots.len() {
+            return Err(Error::BadInput {
+                op: OP,
+                what: format!("slot {slot}"),
+                reason: format!("there are {} slots", self.slots.len()),
+            });
+        }
+        match (&mut self.slots, x) {
+            (Storage::Cpu(c), Storage::Cpu(v)) => {
+                c[slot] += v.iter().filter(|x| !x.is_finite()).count() as u64;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(c), Storage::Cuda(d)) if Arc::ptr_eq(&c.dev, &d.dev) => {
+                let mut total = c.data.slice_mut(slot..slot + 1);
+                crate::cuda::ops::add_non_finite(&d.dev, &d.data.slice(..), &mut total)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(mixed(OP, "the counted storage")),
+        }
+    }
+
+    /// Every slot's count (from a device: one download, which waits for the counts).
+    pub fn read(&self) -> Result<Vec<u64>> {
+        self.slots.to_vec()
     }
 }
 

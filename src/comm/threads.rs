@@ -408,17 +408,17 @@ impl Call<'_> {
         }
     }
 
-    /// Ends a data phase whose outcome is `phase`: completes this rank's queued work, then
-    /// syncs (always, so no rank is left waiting); the phase's or the fence's error on any
-    /// rank.
+    /// Ends a data phase whose outcome is `phase`: completes this rank's queued work (where
+    /// other ranks read it: see [`ThreadComm::fence_for_peers`]), then syncs (always, so no
+    /// rank is left waiting); the phase's or the fence's error on any rank.
     fn end_phase(&mut self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
-        let done = phase.and(mem.fence());
+        let done = phase.and_then(|()| self.comm.fence_for_peers(mem));
         self.sync(done)
     }
 
     /// Ends the last data phase and exits (as [`Call::end_phase`] then [`Call::finish`]).
     fn finish_phase(self, mem: &dyn Memory, phase: Result<()>) -> Result<()> {
-        let done = phase.and(mem.fence());
+        let done = phase.and_then(|()| self.comm.fence_for_peers(mem));
         self.finish_with(done)
     }
 
@@ -653,8 +653,19 @@ unsafe fn copy_bytes(src: *const u8, dst: *mut u8, bytes: usize) {
 impl ThreadComm {
     /// Fences, then enters: the posted buffers hold their data before anyone reads them.
     fn enter_in(&self, mem: &dyn Memory, post: Post) -> Result<(Call<'_>, Vec<Post>)> {
-        mem.fence()?;
+        self.fence_for_peers(mem)?;
         self.enter(post)
+    }
+
+    /// Completes this rank's queued work, which other ranks' threads are about to read or
+    /// have just written. A world of one rank has no other reader: its copies stay queued in
+    /// order on its own stream (as an NCCL call's do), and it never waits for the device,
+    /// which would stall every later launch of the step behind this call.
+    fn fence_for_peers(&self, mem: &dyn Memory) -> Result<()> {
+        if self.world.size == 1 {
+            return Ok(());
+        }
+        mem.fence()
     }
 
     pub(crate) fn all_gather_in_place_in(&self, mem: &dyn Memory, me: Region) -> Result<()> {

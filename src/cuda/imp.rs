@@ -159,6 +159,7 @@ pub const ALL_KERNELS: [KernelSource; 6] = [
 pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
     const OP: &str = "cuda::compile";
     nvrtc_available()?;
+    let text = kernel_text(src)?;
     let opts = CompileOptions {
         ftz: Some(false),
         prec_sqrt: Some(true),
@@ -168,7 +169,7 @@ pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
         name: Some(src.name.to_string()),
         ..Default::default()
     };
-    match catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(src.src, opts)) {
+    match catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&*text, opts)) {
         Ok(Ok(ptx)) => Ok(ptx),
         Ok(Err(e)) => Err(Error::Cuda {
             op: OP,
@@ -179,6 +180,38 @@ pub fn compile(src: &KernelSource, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
             reason: panic_text(&*p).to_string(),
         }),
     }
+}
+
+/// Where [`KERNEL_DIR_VAR`] is set, kernel sources are read from that folder instead of the
+/// ones built in: kernel work on a GPU machine that has no Rust toolchain (edit
+/// `kernels/*.cu`, carry the folder, run the built binaries' tests and benches against it).
+pub const KERNEL_DIR_VAR: &str = "RAGGED_KERNEL_DIR";
+
+/// The text of `src`: `$RAGGED_KERNEL_DIR/<name>` when that variable is set (said on stderr,
+/// so no result is taken for the built-in kernel's), else the embedded source.
+fn kernel_text(src: &KernelSource) -> Result<std::borrow::Cow<'static, str>> {
+    kernel_text_in(src, std::env::var_os(KERNEL_DIR_VAR).as_deref())
+}
+
+/// [`kernel_text`] with the variable's value given.
+fn kernel_text_in(
+    src: &KernelSource,
+    dir: Option<&std::ffi::OsStr>,
+) -> Result<std::borrow::Cow<'static, str>> {
+    let Some(dir) = dir else {
+        return Ok(src.src.into());
+    };
+    let path = std::path::Path::new(dir).join(src.name);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::Cuda {
+        op: "cuda::compile",
+        reason: format!("{KERNEL_DIR_VAR}: cannot read {}: {e}", path.display()),
+    })?;
+    eprintln!(
+        "ragged: kernels/{} read from {} ({KERNEL_DIR_VAR})",
+        src.name,
+        path.display()
+    );
+    Ok(text.into())
 }
 
 /// One CUDA device: its context, the stream every operation of this crate is queued on, the
@@ -409,4 +442,26 @@ pub fn elementwise(n: usize) -> LaunchConfig {
 /// The `u64` element count a kernel takes.
 pub fn count(n: usize) -> u64 {
     n as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kernel_folder_replaces_the_built_in_source_and_a_missing_file_is_an_error() {
+        assert_eq!(kernel_text_in(&ADAM8BIT, None).unwrap(), ADAM8BIT.src);
+        let dir = std::env::temp_dir().join(format!("ragged-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("adam8bit.cu"), "// edited").unwrap();
+        let edited = kernel_text_in(&ADAM8BIT, Some(dir.as_os_str())).unwrap();
+        assert_eq!(edited, "// edited");
+        let missing = kernel_text_in(&MUON, Some(dir.as_os_str())).unwrap_err();
+        let text = missing.to_string();
+        assert!(
+            text.contains(KERNEL_DIR_VAR) && text.contains("muon.cu"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -23,6 +23,8 @@
 //! With these, a kernel that performs the same `f32` operations in the same order as the CPU
 //! path gives the same bits. `powf`, `expf` and the like are not correctly rounded on CUDA: no
 //! kernel uses them; such scalars are computed on the host in `f64`, as the CPU path does.
+//! `RAGGED_KERNEL_DIR=<folder>` makes every kernel's source be read from that folder instead
+//! (said on stderr): kernel work on a GPU machine without a Rust toolchain.
 //!
 //! Without the `cuda` feature this module is a stub whose [`Device::open`] returns
 //! `Err(CudaUnavailable)`, so generic code needs no `#[cfg]`.

@@ -106,23 +106,27 @@ fn binary(
     .map(drop)
 }
 
-/// How many elements of `x` are NaN or infinite: one kernel and an 8-byte download (waits for
-/// the stream), instead of downloading `x`.
-pub fn count_non_finite(dev: &Device, x: &CudaView<'_, f32>) -> Result<u64> {
-    const OP: &str = "cuda::ops::count_non_finite";
+/// Adds to `total[0]` how many elements of `x` are NaN or infinite: one kernel, queued (the
+/// count is read with one download after any number of these: `storage::NonFiniteCounts`).
+pub fn add_non_finite(
+    dev: &Device,
+    x: &CudaView<'_, f32>,
+    total: &mut CudaViewMut<'_, u64>,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::add_non_finite";
+    check_len(OP, total.len(), 1)?;
     let f = dev.function(&GROUP_OPS, GROUP_COUNT_NON_FINITE)?;
-    let mut total = dev.zeros::<u64>(1)?;
     let n = count(x.len());
     let cfg = elementwise(x.len());
     // SAFETY: `group_count_non_finite(const float* x, u64 n, u64* count)` reads elements
-    // `[0, n)` of `x`, which holds `n`, and adds to the one element of `total`.
+    // `[0, n)` of `x`, which holds `n`, and adds to the one element of `total` (checked).
     guarded(OP, || unsafe {
         dev.stream()
             .launch_builder(&f)
             .arg(x)
             .arg(&n)
-            .arg(&mut total)
+            .arg(total)
             .launch(cfg)
-    })?;
-    Ok(dev.download(&total)?[0])
+    })
+    .map(drop)
 }

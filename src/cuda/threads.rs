@@ -10,7 +10,9 @@
 //!
 //! Every rank shares one [`Device`] (one context); a rank's copies and reductions are queued on
 //! the device stream and waited for before each sync, so no rank returns, or reads another
-//! rank's buffer, before the data is there.
+//! rank's buffer, before the data is there. A world of one rank has no other reader: its
+//! collectives return with their copies queued on the rank's stream (as NCCL's do), in order
+//! with its later work, and never wait for the device.
 
 use std::sync::Arc;
 

@@ -7,7 +7,7 @@ use candle_core::Tensor;
 
 use super::{candle, with_ref, CopyStats};
 use crate::comm::Buf;
-use crate::storage::{Placement, Storage, View, ViewMut};
+use crate::storage::{NonFiniteCounts, Placement, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// Full gradient buffers handed back after their reduce-scatter, for the next unit's backward
@@ -332,11 +332,16 @@ impl GradBuffer {
         Ok(self.local.view())
     }
 
-    /// How many elements of the reduced local shard are NaN or infinite (counted where the
-    /// shard lives).
-    pub fn local_non_finite(&self, op: &'static str) -> Result<u64> {
+    /// Adds the reduced local shard's NaN and infinite elements to slot `slot` of `counts`
+    /// (queued on a device: [`NonFiniteCounts`] reads every unit's count with one wait).
+    pub fn add_non_finite_to(
+        &self,
+        counts: &mut NonFiniteCounts,
+        slot: usize,
+        op: &'static str,
+    ) -> Result<()> {
         self.check_reduced(op)?;
-        self.local.count_non_finite()
+        counts.add(slot, &self.local)
     }
 
     /// The reduced local shard on the host (borrowed; downloaded from a device).

@@ -52,7 +52,7 @@ use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
-use crate::storage::{Placement, Storage};
+use crate::storage::{NonFiniteCounts, Placement, Storage};
 use crate::Result;
 use layout::UnitLayout;
 use param_pool::ParamPool;
@@ -582,12 +582,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// last step (several micro-batches accumulate). If a loss or gradient is not finite on any
     /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
     pub fn step(&mut self) -> Result<()> {
-        let mut bad = f32::from(u8::from(self.loss_not_finite));
-        for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            if unit.grads.local_non_finite("ShardedModel::step")? > 0 {
-                bad += 1.0;
-            }
+        const OP: &str = "ShardedModel::step";
+        let trained: Vec<_> = self
+            .units
+            .iter()
+            .filter(|u| !u.params.is_frozen())
+            .collect();
+        let mut counts = NonFiniteCounts::new(&self.placement(), trained.len())?;
+        for (slot, unit) in trained.iter().enumerate() {
+            unit.grads.add_non_finite_to(&mut counts, slot, OP)?;
         }
+        let shards = counts.read()?.iter().filter(|&&c| c > 0).count();
+        let bad = f32::from(u8::from(self.loss_not_finite)) + shards as f32;
         let mut flag = [bad];
         self.comm
             .all_reduce(BufMut::F32(&mut flag), ReduceOp::Sum)?;
@@ -619,7 +625,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 state,
                 ..
             } = unit;
-            let g = grads.local("ShardedModel::step")?;
+            let g = grads.local(OP)?;
             self.optimizer
                 .step(state, local, params.master_view_mut(), g, self.comm)?;
             grads.consume();

@@ -7,7 +7,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/../../target/cuda-emu}
 mkdir -p "$out"
-declared=$(grep -ho '__global__ void [a-z0-9_]*' "$here"/../../kernels/*.cu | awk '{print $3}' | sort)
+declared=$(grep -hoE '__global__ void (__launch_bounds__\([^)]*\) )?[a-z0-9_]+' "$here"/../../kernels/*.cu |
+    awk '{print $NF}' | sort)
 emulated=$(grep -o '^ *ENTRY([a-z_0-9]*, [a-z_0-9]*' "$here/kernels.cpp" | awk '{print $2}' | sort)
 if [[ $declared != "$emulated" ]]; then
     echo "tools/cuda-emu/kernels.cpp does not list the entries of kernels/*.cu:" >&2

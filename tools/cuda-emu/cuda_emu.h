@@ -60,6 +60,19 @@ unsigned int shfl_xor_bits(unsigned int mask, unsigned int value, int lane_mask)
 // for the process, so launches run one at a time (driver.cpp).
 #define __shared__ static __attribute__((section("cuda_emu_shared"), aligned(16)))
 #define __syncthreads() cuda_emu::syncthreads()
+// Occupancy hints for the compiler: nothing to do on the host.
+#define __launch_bounds__(...)
+
+// The vector types the kernels load and store whole (CUDA aligns each to its size).
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned int x, y;
+};
+inline float4 make_float4(float x, float y, float z, float w) {
+    return float4{x, y, z, w};
+}
 
 inline unsigned int __float_as_uint(float f) {
     unsigned int u;

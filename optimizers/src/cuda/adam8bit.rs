@@ -20,11 +20,9 @@ use crate::quant::{CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 /// Entry point of `kernels/adam8bit.cu`.
 pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
 
-/// Threads per thread block: 8 warps, one scale block each per pass.
-const BLOCK_THREADS: u32 = 256;
-
-/// Scale blocks one thread block steps per pass (its warps).
-const WARPS_PER_BLOCK: usize = BLOCK_THREADS as usize / 32;
+/// Threads per thread block tried, largest first: each warp steps one scale block per pass.
+/// The kernel's `__launch_bounds__` allows the first.
+const BLOCK_SIZES: [u32; 2] = [256, 128];
 
 /// The kernel's table layout per map (`T_*` in `kernels/adam8bit.cu`): the map, the
 /// thresholds, the bucket bases as bytes, the octave slots, a header, padding.
@@ -221,11 +219,7 @@ pub(crate) fn step(
     let n_scales = word(OP, "scale blocks", scales)?;
     let tables = dev.upload(&[&opt.device_tables.0[..], &runs].concat())?;
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid_blocks(dev, &f, scales)?, 1, 1),
-        block_dim: (BLOCK_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_shape(dev, &f, scales)?;
     let (quantizer, runs) = (tables.slice(..2 * T_WORDS), tables.slice(2 * T_WORDS..));
     let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
     // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
@@ -257,19 +251,30 @@ pub(crate) fn step(
     Ok(())
 }
 
-/// Thread blocks for `scales` scale blocks: one warp per scale block, at most as many as the
-/// device holds at once (multiprocessors × resident blocks each, which the kernel's registers
-/// decide), so every block is resident from the start and strides over the rest: no last
-/// partial wave of blocks that start late.
-fn grid_blocks(dev: &Device, f: &CudaFunction, scales: usize) -> Result<u32> {
+/// The launch for `scales` scale blocks (one warp each): the block size of [`BLOCK_SIZES`]
+/// under which the most warps are resident at once (the kernel's registers decide: at 72
+/// registers a thread, 24 warps a multiprocessor in blocks of 256, 28 in blocks of 128), and
+/// at most as many blocks as are resident at once, so every block is resident from the start
+/// and strides over the rest: no last partial wave of blocks that start late.
+fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchConfig> {
     const OP: &str = "Adam8bit::step (device)";
-    let resident = guarded(OP, || {
-        f.occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
-    })?;
-    let most = dev.multiprocessors()? * (resident.max(1) as usize);
-    word(
-        OP,
-        "thread blocks",
-        scales.div_ceil(WARPS_PER_BLOCK).clamp(1, most),
-    )
+    let mut best = (0, BLOCK_SIZES[0], 1);
+    for threads in BLOCK_SIZES {
+        let resident = guarded(OP, || {
+            f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+        })?
+        .max(1);
+        let warps = resident * threads / 32;
+        if warps > best.0 {
+            best = (warps, threads, resident);
+        }
+    }
+    let (_, threads, resident) = best;
+    let most = dev.multiprocessors()? * resident as usize;
+    let blocks = scales.div_ceil(threads as usize / 32).clamp(1, most);
+    Ok(LaunchConfig {
+        grid_dim: (word(OP, "thread blocks", blocks)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
