@@ -184,6 +184,13 @@ fn overlapped_collectives_change_nothing_but_when_they_run() {
     })
     .unwrap();
     assert!(prefetched.iter().all(|&t| t > 0.0), "{prefetched:?}");
+    // On the host the thread runs at world 1 too (a gather there is a copy on this core that
+    // the thread hides); only a device at world 1 runs without it (`cuda_tests`).
+    let one = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    assert!(one.overlaps() && one.memory_plan().overlap_possible);
+    assert!(!fully_shard(&params, adamw(), &SingleRank, serial)
+        .unwrap()
+        .overlaps());
 }
 
 #[test]

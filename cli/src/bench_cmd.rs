@@ -344,7 +344,10 @@ fn write_train_cuda(args: &TrainBenchArgs, table: &str) -> Result<()> {
          device synchronization. Predicted MiB/rank: device memory from the plans; no \
          measured column (the counting allocator sees host memory only). MFU: 6 FLOPs per \
          weight and row per step over the step time, against a 4096³ f32 matmul measured in \
-         the same run. {} steps after a warm-up.\n\n{table}",
+         the same run. At V = 1 the overlap variants run without their collectives thread \
+         (`ShardedModel::overlaps`: a world of one's collectives are queued on the rank's own \
+         stream), so they time the same schedule as `no overlap`. {} steps after a \
+         warm-up.\n\n{table}",
         args.steps
     );
     replace_section(&args.out, "train-cuda", &body)?;

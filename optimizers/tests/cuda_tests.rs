@@ -613,16 +613,22 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
         hidden: 128,
         layers: 3,
     };
-    let world = 2;
     // Freed units and kept ones (a kept unit goes stale at each step and is refilled through its
     // own device storages); the digest gathers where the master lives, as `train` prints it.
-    for opts in [
-        FsdpOptions::default(),
-        FsdpOptions {
-            reshard_after_forward: false,
-            ..FsdpOptions::default()
-        },
-    ] {
+    // A world of one on the GPU runs its collectives without the overlap thread
+    // (`ShardedModel::overlaps`), and its memory plan replays the schedule without it.
+    let cases = [
+        (2, FsdpOptions::default()),
+        (
+            2,
+            FsdpOptions {
+                reshard_after_forward: false,
+                ..FsdpOptions::default()
+            },
+        ),
+        (1, FsdpOptions::default()),
+    ];
+    for (world, opts) in cases {
         let train = |comm: &dyn Communicator,
                      device: &candle_core::Device|
          -> ragged::Result<(HashMap<String, Vec<f32>>, String)> {
@@ -636,6 +642,9 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
                 ..AdamWConfig::default()
             })?;
             let mut sharded = fully_shard(&params, adamw, comm, opts.clone())?;
+            let threaded = world > 1 || device.is_cpu();
+            assert_eq!(sharded.overlaps(), threaded, "world {world}, {device:?}");
+            assert_eq!(sharded.memory_plan().overlap_possible, threaded);
             for step in 0..3 {
                 let b = mlp.batch(step, 4 * world)?;
                 let rows = |t: &candle_core::Tensor| {
@@ -659,7 +668,7 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
             let worst = max_abs_diff(got, want);
             assert!(worst < 1e-4, "{name}: {worst}");
         }
-        assert_eq!(on_gpu[0], on_gpu[1], "ranks disagree");
+        assert!(on_gpu.iter().all(|r| *r == on_gpu[0]), "ranks disagree");
     }
 }
 
@@ -716,6 +725,44 @@ fn adam8bit_partial_scale_blocks_of_short_row_blocks_are_bitwise_equal_to_cpu() 
             assert_adam8bit_equal(&host, &device, &format!("world {world} rank {rank}"));
         }
     }
+}
+
+/// Protects the vector path's alignment check (`vector_span` in `kernels/adam8bit.cu`): whole
+/// scale blocks at offsets that are no multiple of 4 (`w0`, after a 3-element bias: its f32
+/// arrays are misaligned for 16-byte vectors) or a multiple of 4 but not of 8 (`w1`: its
+/// f32 arrays are aligned, its code arrays not, for 8-byte vectors) must be stepped element
+/// by element. Taken as vectors, a GPU faults on the
+/// misaligned 16-byte loads and tools/cuda-emu built with `-fsanitize=alignment` (as `.ci/run`
+/// builds it) aborts; either way the step is no longer bitwise the host's.
+#[test]
+fn adam8bit_whole_scale_blocks_at_unaligned_offsets_are_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    let shapes: [(&str, &[usize]); 4] = [
+        ("b0", &[3]),
+        ("w0", &[64, 256]),
+        ("b1", &[1]),
+        ("w1", &[32, 512]),
+    ];
+    let shard = LocalShard::unsharded(shapes, &|n, s| opt.atomic_block(n, s)).unwrap();
+    let offsets: Vec<usize> = shard.pieces.iter().map(|p| p.offset).collect();
+    assert_eq!(
+        offsets,
+        [0, 3, 3 + 64 * 256, 4 + 64 * 256],
+        "the packing the test needs"
+    );
+    let spec = specs(&shapes);
+    let mut rng = Rng::new(43);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads: Vec<Vec<f32>> = (0..3)
+        .map(|_| scatter(&shard, &globals(&spec, &mut rng, 0.1)))
+        .collect();
+    let (host, device) = host_and_device(&opt, &shard, &dev, scatter(&shard, &p0), &grads);
+    assert_adam8bit_equal(&host, &device, "unaligned");
 }
 
 /// `x`'s position in the order of the f32 values (negative values below positive ones).

@@ -491,7 +491,7 @@ fn sharded(
                 row.backward_seconds += r.backward_seconds;
                 row.gather_seconds += r.gather_seconds;
                 row.reduce_seconds += r.reduce_seconds;
-                if !opts.overlap {
+                if !sharded.overlaps() {
                     row.peer_wait_seconds =
                         waited.map(|w| w + row.peer_wait_seconds.unwrap_or(0.0));
                 }

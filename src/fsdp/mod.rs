@@ -195,7 +195,8 @@ pub struct FsdpOptions {
     /// Unit-by-unit runtime: run collectives on a second thread while a stage computes (default
     /// on): gather the next stage's unit (forward) or the previous one (backward), as FSDP2's
     /// forward and backward prefetch, and reduce-scatter a unit's gradients behind the next
-    /// stage's backward. Costs about one more unit's full buffers at the peak.
+    /// stage's backward. Costs about one more unit's full buffers at the peak. Not at world 1
+    /// on a device ([`ShardedModel::overlaps`]).
     pub overlap: bool,
     /// Average (default) or sum gradients over ranks.
     pub reduce: ReduceOp,
@@ -909,7 +910,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 m
             })
             .collect();
-        MemoryPlan { units }
+        MemoryPlan {
+            units,
+            overlap_possible: self.comm.world_size() > 1 || self.placement().is_host(),
+        }
     }
 
     /// Activation bytes per stage measured by the last [`Self::forward_backward`] (walking each
@@ -929,6 +933,17 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     pub(crate) fn options(&self) -> &FsdpOptions {
         &self.opts
+    }
+
+    /// Whether the unit-by-unit runtime runs collectives on a second thread beside the stages:
+    /// [`FsdpOptions::overlap`], except at world 1 on a device. There a collective is a copy
+    /// queued on the rank's own stream, in order with the stages, so a thread hides nothing,
+    /// and it would cost two device synchronizations a stage, each stalling every later
+    /// launch (its stream is not the rank's). Measured on an H200 (docs/benchmarks.md,
+    /// `train-cuda`): at 64 rows the demo model's sharded step took 1.17× the plain one without
+    /// the thread, and 1.4–1.6× with its jobs queued before each stage.
+    pub fn overlaps(&self) -> bool {
+        self.opts.overlap && (self.comm.world_size() > 1 || self.placement().is_host())
     }
 
     /// The index of unit `name` (its group of buffers).
@@ -1078,6 +1093,9 @@ const CANDLE_GRADIENT_TEMPORARIES: usize = 5;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
     pub units: Vec<UnitMemory>,
+    /// Whether the runtime can overlap collectives with stages ([`ShardedModel::overlaps`]
+    /// with overlap on): `peak_unit_by_unit` replays without overlap where it cannot.
+    pub overlap_possible: bool,
 }
 
 impl MemoryPlan {
@@ -1087,7 +1105,8 @@ impl MemoryPlan {
     }
 
     /// Peak of the unit-by-unit runtime running stages on `stage_units` (unit index per
-    /// stage) with `opts`' reshard, recompute and overlap settings, from a replay of its
+    /// stage) with `opts`' reshard, recompute and overlap settings (overlap only where
+    /// [`Self::overlap_possible`]), from a replay of its
     /// schedule (`stages::peak_of_schedule`): the shards and full buffers from the plans, plus
     /// `activations` per stage ([`ShardedModel::activations`], measured on a step; empty: none)
     /// and candle's gradient temporaries in backward. `Err` for a stage naming a unit the plan
@@ -1119,7 +1138,11 @@ impl MemoryPlan {
                 class: u.storage_class,
             })
             .collect();
-        Ok(self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, opts, activations))
+        let opts = FsdpOptions {
+            overlap: opts.overlap && self.overlap_possible,
+            ..opts.clone()
+        };
+        Ok(self.shard_bytes() + stages::peak_of_schedule(&full, stage_units, &opts, activations))
     }
 }
 

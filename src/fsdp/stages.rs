@@ -337,7 +337,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut activations = vec![StageActivations::default(); n];
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
-        let overlap = self.options().overlap;
+        let overlap = self.overlaps();
         // Units resharded so far in this forward, named in a later stage's error.
         let mut freed: Vec<String> = Vec::new();
         for (s, &u) in stage_units.iter().enumerate() {
@@ -532,20 +532,12 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         if jobs.is_empty() {
             return Ok(work());
         }
-        let placement = self.placement();
-        if self.comm.world_size() == 1 && !placement.is_host() {
-            // On a device at world 1 the jobs are copies queued on this thread's own stream
-            // (no peer to wait for): queued here, before the stage, they cost no device
-            // synchronization and run in order with it. A second thread would first have to
-            // wait for the device (below), stalling every later launch, and would hide nothing.
-            self.run_now(&jobs, report)?;
-            return Ok(work());
-        }
         // On a GPU each thread queues on its own stream (candle's per-thread default stream),
         // and nothing orders the two: the jobs read gradients and reuse storages that this
         // thread's queued kernels write or read. So this thread's work finishes before the jobs
         // start, and the jobs' work before they count as done (the join); the stage's own
         // compute, queued meanwhile, touches neither. A no-op on the host.
+        let placement = self.placement();
         placement.synchronize()?;
         let (out, spans, work_span) = std::thread::scope(|scope| {
             let this = &mut *self;
