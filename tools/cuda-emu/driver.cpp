@@ -9,7 +9,9 @@
 // block (cuda_emu.h). What it cannot: every call runs synchronously, in issue
 // order, so a missing stream synchronization or event wait, which is a race on a GPU, goes
 // unnoticed here; device pointers are host pointers, so a host read of device memory works
-// here and faults there; kernels' own accesses are not bounds-checked.
+// here and faults there; kernels' own accesses are not bounds-checked (but their alignment
+// is: build.sh compiles the kernels with -fsanitize=alignment, so a misaligned vector load,
+// which faults on a GPU, aborts here).
 //
 // Environment: CUDA_EMU_DEVICES (default 1) devices of CUDA_EMU_MEM_MIB (default 16384) MiB.
 #include <stdio.h>
