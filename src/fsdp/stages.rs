@@ -381,8 +381,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             }
             report.forward_seconds += start.elapsed().as_secs_f64();
         }
-        report.loss = scalar_loss(graphs[n - 1].as_ref().expect("the last graph is kept"))?;
-        self.note_loss(report.loss);
+        // The loss is read after backward: reading it here would make the host wait for the
+        // device's forward before it queues any backward kernel. Its shape is checked now;
+        // detached, it keeps only its own storage, not the last stage's graph.
+        let loss = graphs[n - 1]
+            .as_ref()
+            .expect("the last graph is kept")
+            .detach();
+        check_scalar(&loss)?;
         let mut g: Option<Tensor> = None;
         // A unit whose gradients are complete, reduce-scattered behind the next stage's backward.
         let mut pending: Option<usize> = None;
@@ -432,6 +438,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             }
         }
         self.set_activations(activations);
+        report.loss = scalar_value(&loss)?;
+        self.note_loss(report.loss);
         Ok(report)
     }
 
@@ -642,8 +650,8 @@ fn backward_stage(out: Tensor, g: Option<&Tensor>, input: Option<&Var>) -> Resul
     Ok(input.and_then(|x| grads.get(x.as_tensor()).map(Tensor::detach)))
 }
 
-/// The loss as f32, or an error if the last stage did not return a scalar.
-fn scalar_loss(loss: &Tensor) -> Result<f32> {
+/// An error if the last stage did not return a scalar (the loss).
+fn check_scalar(loss: &Tensor) -> Result<()> {
     if loss.elem_count() != 1 {
         return Err(Error::BadInput {
             op: "forward_backward",
@@ -654,6 +662,11 @@ fn scalar_loss(loss: &Tensor) -> Result<f32> {
             ),
         });
     }
+    Ok(())
+}
+
+/// The value of a scalar loss as f32 (from a device: a download, which waits for it).
+fn scalar_value(loss: &Tensor) -> Result<f32> {
     loss.to_dtype(DType::F32)
         .and_then(|l| l.flatten_all())
         .and_then(|l| l.to_vec1::<f32>())
