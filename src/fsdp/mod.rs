@@ -912,7 +912,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .collect();
         MemoryPlan {
             units,
-            overlap_possible: self.comm.world_size() > 1 || self.placement().is_host(),
+            overlap_possible: self.overlap_possible(),
         }
     }
 
@@ -943,7 +943,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// `train-cuda`): at 64 rows the demo model's sharded step took 1.17× the plain one without
     /// the thread, and 1.4–1.6× with its jobs queued before each stage.
     pub fn overlaps(&self) -> bool {
-        self.opts.overlap && (self.comm.world_size() > 1 || self.placement().is_host())
+        self.opts.overlap && self.overlap_possible()
+    }
+
+    /// Whether a collectives thread can hide anything: not at world 1 on a device
+    /// ([`Self::overlaps`]).
+    fn overlap_possible(&self) -> bool {
+        self.comm.world_size() > 1 || self.placement().is_host()
     }
 
     /// The index of unit `name` (its group of buffers).
