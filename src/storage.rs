@@ -138,12 +138,8 @@ impl Placement {
         }
     }
 
-    pub fn is_cpu(&self) -> bool {
-        matches!(self, Placement::Cpu)
-    }
-
     /// Whether this is host memory (work on it is done when its call returns).
-    pub fn is_host(&self) -> bool {
+    pub fn is_cpu(&self) -> bool {
         matches!(self, Placement::Cpu)
     }
 

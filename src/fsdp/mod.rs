@@ -949,7 +949,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Whether a collectives thread can hide anything: not at world 1 on a device
     /// ([`Self::overlaps`]).
     fn overlap_possible(&self) -> bool {
-        self.comm.world_size() > 1 || self.placement().is_host()
+        self.comm.world_size() > 1 || self.placement().is_cpu()
     }
 
     /// The index of unit `name` (its group of buffers).
