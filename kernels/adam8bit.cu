@@ -83,7 +83,9 @@ __device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t
     const unsigned int slot = above < SLOTS - 1 ? above : SLOTS - 1;
     const unsigned int shift_add = t[T_SLOT + slot];
     const unsigned int shift = shift_add & 0xffffu;
-    const unsigned int b = ((shift >= 16 ? 0u : h >> shift) + (shift_add >> 16)) & 0xffffu;
+    // shift is 0..7, or 16 for a slot of one bucket: h < 2^15, so h >> 16 is 0, as
+    // octave_index.rs `shr` gives (PTX clamps any shift past 31 to 0 too).
+    const unsigned int b = ((h >> shift) + (shift_add >> 16)) & 0xffffu;
     if (bits >> 31) return (header >> 16) ? HALF_BUCKETS + b : 0u;
     return b;
 }
