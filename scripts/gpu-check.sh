@@ -150,6 +150,13 @@ gpu_bench() { # <binary> <what: optim | train> <section>
 [[ -x $bins/ragged ]] && gpu_bench ragged optim optim-cuda
 if [[ -x $bins/ragged-candle-cuda ]]; then
     gpu_bench ragged-candle-cuda train train-cuda
+    # The same step at world 1 with 1024 rows (the 64 rows above are a few milliseconds of
+    # launches on an H200): the table only, into bench-train-1024.md.
+    say "== bench train, world 1, 1024 rows"
+    limited 90 "$bins/ragged-candle-cuda" bench train --device cuda --worlds 1 --batch 1024 \
+        --out - >"$res/bench-train-1024.md" 2>"$res/bench-train-1024.log" ||
+        say "bench train (1024 rows): FAILED (exit $?), see bench-train-1024.log"
+    grep '^|' "$res/bench-train-1024.md" | tee -a "$log"
 else
     say "bench train --device cuda: skipped: no ragged-candle-cuda binary (built without nvcc)"
 fi
