@@ -13,15 +13,15 @@
 // block making the same passes (the loop bound is the block's, not the warp's), so every warp
 // shuffles the same number of times. Grid: (min(blocks needed, the blocks the device holds at
 // once), 1, 1); block: 256 or 128 threads, whichever keeps more warps resident (the launcher
-// asks the driver); static shared memory: both maps' quantizer tables, 2 x T_WORDS words
-// (about 5.4 KiB), loaded once per thread block.
+// asks the driver); static shared memory: the quantizer table (TABLE_WORDS words, about 27.5
+// KiB), loaded once per thread block.
 //
 // Measured on an H200 (docs/benchmarks.md, optim-cuda): the kernel is bound by instruction
-// issue, not memory (Nsight Compute: 66 % of issue slots busy at 47 % of DRAM bandwidth,
-// about 175 instructions per element: IEEE sqrt and division, two dequantizations and two
-// quantizations). So the per-element work is branch-free where it can be (the quantizer, the
-// choice between quantize_scaled's forms, made once per block), and the parameters are
-// stored before the requantization so their registers are free.
+// issue, not memory (Nsight Compute: 66 % of issue slots busy at 47 % of DRAM bandwidth).
+// So the per-element work is branch-free where it can be (the quantizer, the choice between
+// quantize_scaled's forms, made once per block), a quantization is one shared-memory read
+// and a few integer operations, and the parameters are stored before the requantization so
+// that their registers are free.
 //
 // Where a scale block lies: `segments` holds runs of equal row blocks (S_WORDS words each,
 // ordered by first scale): the run's first element in the local shard, its row blocks'
@@ -31,13 +31,16 @@
 // the host step's row-block walk; its scale order is the CPU's (`scale_m[s]`, `scale_v[s]`:
 // 16-bit codes, bits 30..15 of the f32).
 //
-// The quantizer: optimizers/src/kernels/octave_index.rs, the index the AVX-512 kernel uses:
-// the top 16 bits of x pick a bucket per octave, the bucket gives the count of thresholds
-// below it (`base`), and the code is base + [x >= T_base]; equal to the bisection
-// quant.rs `quantize` on every f32 (tested there on all 2^32). Three table reads instead of a
-// search. Table words per map (`quantizer_tables` in adam8bit.rs writes them): the map, the
-// thresholds (T_255 = NaN), the bucket bases as bytes, per octave slot the shift (low 16 bits)
-// and the add (high 16 bits), and a header (e_base, and bit 16: negative x have buckets).
+// The quantizer: quant.rs `CodeBook::quantize`, its index table read from shared memory. The
+// bucket of x is its exponent and top mantissa bits, b = clamp((|x| bits >> shift) - lo, 0,
+// last), the sign picks a table half; within a bucket, f32 order is the order of the low
+// bits (reversed for negatives, which the xor with the sign mask undoes), and the bucket's
+// word holds base << 24 + (2^24 - the low bits of the one threshold inside, or 2^24 - 2^shift
+// where there is none), so that adding x's low bits carries into the top byte exactly when
+// x is at or above the threshold: the code is bits 24..31 of entry + low bits. The launcher
+// transforms CodeBook's words (base << 24 | threshold low bits) into this form (`MapIndex`).
+// A map whose negative x all take code 0 (the unsigned map) has no negative half: its x are
+// shifted as signed integers, so a negative x falls below bucket 0's clamp into bucket 0.
 //
 // Compiled with --fmad=false, --prec-div=true, --prec-sqrt=true, --ftz=false: every element
 // operation is one IEEE f32 operation as on the CPU, and max is exact in any order, so the
@@ -49,14 +52,14 @@
 #define SCALE_SHIFT 15
 #define FULL_MASK 0xffffffffu
 
-#define T_MAP 0
-#define T_THRESH 256
-#define T_BASE 512
-#define T_SLOT 640
-#define T_HEADER 672
-#define T_WORDS 676
-#define SLOTS 32
-#define HALF_BUCKETS 256
+// The quantizer table: m's map, v's map, then both maps' bucket words (offsets in
+// `MapIndex`). The size of the two dynamic maps' tables (the launcher checks it): 2 x 256 map
+// words, 2 x 1600 signed buckets, 3328 unsigned ones.
+#define TABLE_WORDS 7040
+#define T_MAP_M 0
+#define T_MAP_V 256
+// The code's place in a bucket word plus low bits.
+#define CODE_SHIFT 24
 
 #define S_OFF_LO 0
 #define S_OFF_HI 1
@@ -66,6 +69,18 @@
 #define S_DECAY 5
 #define S_WORDS 6
 
+// One map's index (optimizers/src/cuda/adam8bit.rs `MapIndex`, same fields in the same
+// order): a kernel argument, so its fields are read from the constant bank.
+struct MapIndex {
+    unsigned int buckets;   // word offset of its bucket words
+    unsigned int abs_mask;  // 0x7fffffff; 0xffffffff: no negative half (x shifted as signed)
+    unsigned int shift;     // 23 - the index's mantissa bits
+    int lo;                 // bucket 0's top: min_exp << mantissa bits
+    int last;               // buckets per half - 1
+    unsigned int half;      // words from a bucket to its negative twin (0: none)
+    unsigned int low_mask;  // (1 << shift) - 1
+};
+
 __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     if (fabsf(w) < 0.5f) {
         return start + w * (end - start);
@@ -73,33 +88,22 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     return end - (end - start) * (1.0f - w);
 }
 
-// octave_index.rs `OctaveIndex::bucket`.
-__device__ __forceinline__ unsigned int bucket_of(float x, const unsigned int* t,
-                                                   unsigned int header) {
+// quant.rs `CodeBook::quantize`, bit for bit, as a bucket word plus low bits: the code is
+// bits 24..31; 0 for NaN (whose bucket is a clamped end one, so its lookup stays inside).
+__device__ __forceinline__ unsigned int quantize(float x, const unsigned int* t, MapIndex ix) {
     const unsigned int bits = __float_as_uint(x);
-    const unsigned int h = (bits >> 16) & 0x7fffu;
-    const unsigned int e = h >> 7, e_base = header & 0xffffu;
-    const unsigned int above = e > e_base ? e - e_base : 0u;
-    const unsigned int slot = above < SLOTS - 1 ? above : SLOTS - 1;
-    const unsigned int shift_add = t[T_SLOT + slot];
-    const unsigned int shift = shift_add & 0xffffu;
-    // shift is 0..7, or 16 for a slot of one bucket: h < 2^15, so h >> 16 is 0, as
-    // octave_index.rs `shr` gives (PTX clamps any shift past 31 to 0 too).
-    const unsigned int b = ((h >> shift) + (shift_add >> 16)) & 0xffffu;
-    if (bits >> 31) return (header >> 16) ? HALF_BUCKETS + b : 0u;
-    return b;
+    const unsigned int sign = (unsigned int)((int)bits >> 31);
+    const int a = (int)(bits & ix.abs_mask) >> ix.shift;
+    const int b = min(max(a, ix.lo) - ix.lo, ix.last);
+    const unsigned int word = t[ix.buckets + (unsigned int)b + (sign & ix.half)];
+    const unsigned int coded = word + ((bits ^ sign) & ix.low_mask);
+    return isnan(x) ? 0u : coded;
 }
 
-// octave_index.rs `OctaveIndex::code`: quant.rs `quantize`, bit for bit; NaN gives 0.
-// Branch-free: a NaN is looked up as 0 (its own bits could pick a bucket past the table),
-// then given code 0.
-__device__ __forceinline__ unsigned char quantize(float x, const unsigned int* t,
-                                                  unsigned int header) {
-    const bool nan = isnan(x);
-    const float y = nan ? 0.0f : x;
-    const unsigned int base = ((const unsigned char*)(t + T_BASE))[bucket_of(y, t, header)];
-    const unsigned int code = base + (y >= __uint_as_float(t[T_THRESH + base]) ? 1u : 0u);
-    return nan ? 0 : (unsigned char)code;
+// Codes from four quantize() results, byte k from the k-th.
+__device__ __forceinline__ unsigned int pack_codes(unsigned int a, unsigned int b,
+                                                   unsigned int c, unsigned int d) {
+    return __byte_perm(__byte_perm(a, b, 0x0073), __byte_perm(c, d, 0x0073), 0x5410);
 }
 
 // quant.rs `Unscale`: a block's values times the scale's reciprocal when that is finite, else
@@ -115,15 +119,16 @@ __device__ __forceinline__ Unscale unscale_of(float scale) {
     return u;
 }
 
-__device__ __forceinline__ unsigned char quantize_scaled(float x, Unscale u, const unsigned int* t,
-                                                         unsigned int header,
-                                                         unsigned char zero_code) {
-    if (u.scale == 0.0f) return zero_code;
-    return quantize(u.reciprocal ? x * u.r : x / u.scale, t, header);
+__device__ __forceinline__ unsigned int quantize_scaled(float x, Unscale u, const unsigned int* t,
+                                                        MapIndex ix, unsigned int zero_code) {
+    if (u.scale == 0.0f) return zero_code << CODE_SHIFT;
+    return quantize(u.reciprocal ? x * u.r : x / u.scale, t, ix);
 }
 
-__device__ __forceinline__ float dequantize(unsigned char code, float scale, const unsigned int* t) {
-    return __uint_as_float(t[T_MAP + code]) * scale;
+// The value in `map` (T_MAP_M or T_MAP_V) of byte k of `codes`, times the scale.
+__device__ __forceinline__ float dequantize(unsigned int codes, unsigned int k, float scale,
+                                            const unsigned int* t, unsigned int map) {
+    return __uint_as_float(t[map + __byte_perm(codes, 0, 0x4440 | k)]) * scale;
 }
 
 // quant.rs `encode_scale` / `decode_scale`.
@@ -171,41 +176,40 @@ __device__ __forceinline__ Span locate(const unsigned int* seg, unsigned int n_s
 // elements 8l..8l+7, read and written as two 16-byte f32 vectors and one 8-byte code vector
 // per array. Else lane l holds elements l, l + 32, ... (each load of the warp reads
 // consecutive bytes), bounds-checked against the span: a partial block, an unaligned one, or
-// none (a warp past the last block, which only shuffles).
+// none (a warp past the last block, which only shuffles). Codes travel packed four to a
+// word, element k in byte k % 4 of word k / 4.
 template <bool VECTOR>
 __device__ __forceinline__ void scale_block(
     float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
     unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
-    unsigned short* __restrict__ scale_v, const unsigned int* tm, const unsigned int* tv,
-    unsigned int hm, unsigned int hv, Span span, bool live, unsigned long long s,
-    unsigned int lane, float w, float beta2, float one_minus_beta2, float folded_neg_step_size,
-    float folded_eps, unsigned char m_zero_code, unsigned char v_zero_code) {
+    unsigned short* __restrict__ scale_v, const unsigned int* t, MapIndex im, MapIndex iv,
+    Span span, bool live, unsigned long long s, unsigned int lane, float w, float beta2,
+    float one_minus_beta2, float folded_neg_step_size, float folded_eps,
+    unsigned int m_zero_code, unsigned int v_zero_code) {
     // Loads first, all independent, then the arithmetic.
     float pi[PER_LANE], gi[PER_LANE];
-    unsigned char mi[PER_LANE], vi[PER_LANE];
+    unsigned int m8[2] = {0, 0}, v8[2] = {0, 0};
     if (VECTOR) {
         const float4* p4 = (const float4*)(p + span.off) + 2 * lane;
         const float4* g4 = (const float4*)(g + span.off) + 2 * lane;
         const float4 pa = p4[0], pb = p4[1], ga = g4[0], gb = g4[1];
-        const uint2 m8 = ((const uint2*)(mc + span.off))[lane];
-        const uint2 v8 = ((const uint2*)(vc + span.off))[lane];
+        const uint2 mv = ((const uint2*)(mc + span.off))[lane];
+        const uint2 vv = ((const uint2*)(vc + span.off))[lane];
         pi[0] = pa.x, pi[1] = pa.y, pi[2] = pa.z, pi[3] = pa.w;
         pi[4] = pb.x, pi[5] = pb.y, pi[6] = pb.z, pi[7] = pb.w;
         gi[0] = ga.x, gi[1] = ga.y, gi[2] = ga.z, gi[3] = ga.w;
         gi[4] = gb.x, gi[5] = gb.y, gi[6] = gb.z, gi[7] = gb.w;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            mi[k] = (unsigned char)(m8.x >> (8 * k)), mi[k + 4] = (unsigned char)(m8.y >> (8 * k));
-            vi[k] = (unsigned char)(v8.x >> (8 * k)), vi[k + 4] = (unsigned char)(v8.y >> (8 * k));
-        }
+        m8[0] = mv.x, m8[1] = mv.y, v8[0] = vv.x, v8[1] = vv.y;
     } else {
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             const unsigned int j = lane + k * WARP;
-            pi[k] = 0.0f, gi[k] = 0.0f, mi[k] = 0, vi[k] = 0;
+            pi[k] = 0.0f, gi[k] = 0.0f;
             if (j < span.len) {
                 const unsigned long long i = span.off + j;
-                pi[k] = p[i], gi[k] = g[i], mi[k] = mc[i], vi[k] = vc[i];
+                pi[k] = p[i], gi[k] = g[i];
+                m8[k / 4] |= (unsigned int)mc[i] << (8 * (k % 4));
+                v8[k / 4] |= (unsigned int)vc[i] << (8 * (k % 4));
             }
         }
     }
@@ -221,8 +225,8 @@ __device__ __forceinline__ void scale_block(
         m1[k] = 0.0f, v1[k] = 0.0f;
         if (VECTOR || lane + k * WARP < span.len) {
             const float p0 = pi[k] * span.decay;
-            const float m0 = dequantize(mi[k], old_sm, tm);
-            const float v0 = dequantize(vi[k], old_sv, tv);
+            const float m0 = dequantize(m8[k / 4], k % 4, old_sm, t, T_MAP_M);
+            const float v0 = dequantize(v8[k / 4], k % 4, old_sv, t, T_MAP_V);
             m1[k] = lerp_elem(m0, gi[k], w);
             v1[k] = v0 * beta2 + (one_minus_beta2 * gi[k]) * gi[k];
             // common.rs `apply_folded_adam_elem`: sqrt(bc2) folded into the step and eps.
@@ -249,43 +253,42 @@ __device__ __forceinline__ void scale_block(
     const unsigned short new_m = encode_scale(amax_m);
     const unsigned short new_v = encode_scale(amax_v);
     const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
+    unsigned int mq[PER_LANE], vq[PER_LANE];
     if (um.reciprocal && uv.reciprocal) {
         // The common case (both scales normal, so neither 0), without the per-element
         // choice: quantize_scaled's first form.
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
-            mi[k] = quantize(m1[k] * um.r, tm, hm);
-            vi[k] = quantize(v1[k] * uv.r, tv, hv);
+            mq[k] = quantize(m1[k] * um.r, t, im);
+            vq[k] = quantize(v1[k] * uv.r, t, iv);
         }
     } else {
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
-            mi[k] = quantize_scaled(m1[k], um, tm, hm, m_zero_code);
-            vi[k] = quantize_scaled(v1[k], uv, tv, hv, v_zero_code);
+            mq[k] = quantize_scaled(m1[k], um, t, im, m_zero_code);
+            vq[k] = quantize_scaled(v1[k], uv, t, iv, v_zero_code);
         }
     }
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
-        // The second-moment floor (quant.rs `keep_positive_nonzero`).
-        vi[k] = (vi[k] == 0 && v1[k] > 0.0f) ? 1 : vi[k];
+        // The second-moment floor (quant.rs `keep_positive_nonzero`): code 0 becomes 1.
+        const unsigned int one = 1u << CODE_SHIFT;
+        vq[k] = (vq[k] < one && v1[k] > 0.0f) ? one : vq[k];
     }
     if (VECTOR) {
-        uint2 m8, v8;
-        m8.x = m8.y = v8.x = v8.y = 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            m8.x |= (unsigned int)mi[k] << (8 * k), m8.y |= (unsigned int)mi[k + 4] << (8 * k);
-            v8.x |= (unsigned int)vi[k] << (8 * k), v8.y |= (unsigned int)vi[k + 4] << (8 * k);
-        }
-        ((uint2*)(mc + span.off))[lane] = m8;
-        ((uint2*)(vc + span.off))[lane] = v8;
+        uint2 mv, vv;
+        mv.x = pack_codes(mq[0], mq[1], mq[2], mq[3]), mv.y = pack_codes(mq[4], mq[5], mq[6], mq[7]);
+        vv.x = pack_codes(vq[0], vq[1], vq[2], vq[3]), vv.y = pack_codes(vq[4], vq[5], vq[6], vq[7]);
+        ((uint2*)(mc + span.off))[lane] = mv;
+        ((uint2*)(vc + span.off))[lane] = vv;
     } else {
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             const unsigned int j = lane + k * WARP;
             if (j < span.len) {
                 const unsigned long long i = span.off + j;
-                mc[i] = mi[k], vc[i] = vi[k];
+                mc[i] = (unsigned char)(mq[k] >> CODE_SHIFT);
+                vc[i] = (unsigned char)(vq[k] >> CODE_SHIFT);
             }
         }
     }
@@ -310,19 +313,17 @@ __device__ __forceinline__ bool vector_span(const Span& span, const float* p, co
 extern "C" __global__ void __launch_bounds__(256) adam8bit_blocks(
     float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
     unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
-    unsigned short* __restrict__ scale_v, const unsigned int* __restrict__ tables,
-    const unsigned int* __restrict__ segments, unsigned int n_segments, unsigned int n_scales,
-    float w, float beta2, float one_minus_beta2, float folded_neg_step_size, float folded_eps,
-    unsigned char m_zero_code, unsigned char v_zero_code) {
-    __shared__ unsigned int st[2 * T_WORDS];
-    for (unsigned int k = threadIdx.x; k < 2 * T_WORDS; k += blockDim.x) st[k] = tables[k];
+    unsigned short* __restrict__ scale_v, const uint4* __restrict__ table, MapIndex im,
+    MapIndex iv, const unsigned int* __restrict__ segments, unsigned int n_segments,
+    unsigned int n_scales, float w, float beta2, float one_minus_beta2,
+    float folded_neg_step_size, float folded_eps, unsigned int m_zero_code,
+    unsigned int v_zero_code) {
+    __shared__ uint4 st[TABLE_WORDS / 4];
+    for (unsigned int k = threadIdx.x; k < TABLE_WORDS / 4; k += blockDim.x) st[k] = table[k];
     __syncthreads();
-    const unsigned int* tm = st;
-    const unsigned int* tv = st + T_WORDS;
-    const unsigned int hm = tm[T_HEADER], hv = tv[T_HEADER];
+    const unsigned int* t = (const unsigned int*)st;
     const unsigned int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
     const unsigned long long stride = (unsigned long long)gridDim.x * warps;
-
     for (unsigned long long pass = (unsigned long long)blockIdx.x * warps; pass < n_scales;
          pass += stride) {
         const unsigned long long s = pass + threadIdx.x / WARP;
@@ -331,12 +332,12 @@ extern "C" __global__ void __launch_bounds__(256) adam8bit_blocks(
         span.off = 0, span.len = 0, span.decay = 1.0f;
         if (live) span = locate(segments, n_segments, (unsigned int)s);
         if (vector_span(span, p, g, mc, vc)) {
-            scale_block<true>(p, g, mc, vc, scale_m, scale_v, tm, tv, hm, hv, span, live, s, lane,
-                              w, beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
+            scale_block<true>(p, g, mc, vc, scale_m, scale_v, t, im, iv, span, live, s, lane, w,
+                              beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
                               m_zero_code, v_zero_code);
         } else {
-            scale_block<false>(p, g, mc, vc, scale_m, scale_v, tm, tv, hm, hv, span, live, s,
-                               lane, w, beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
+            scale_block<false>(p, g, mc, vc, scale_m, scale_v, t, im, iv, span, live, s, lane, w,
+                               beta2, one_minus_beta2, folded_neg_step_size, folded_eps,
                                m_zero_code, v_zero_code);
         }
     }

@@ -511,7 +511,7 @@ impl Adam8bit {
             CodeBook::new(dynamic_map(true))?,
             CodeBook::new(dynamic_map(false))?,
         );
-        #[cfg(any(target_arch = "x86_64", feature = "cuda"))]
+        #[cfg(target_arch = "x86_64")]
         let (index_m, index_v) = (octave_index(&book_m)?, octave_index(&book_v)?);
         Ok(Adam8bit {
             config,
@@ -519,10 +519,7 @@ impl Adam8bit {
             #[cfg(target_arch = "x86_64")]
             planes: Box::new([BytePlanes::of(book_m.map()), BytePlanes::of(book_v.map())]),
             #[cfg(feature = "cuda")]
-            device_tables: crate::cuda::adam8bit::QuantizerTables::of([
-                (&book_m, &index_m),
-                (&book_v, &index_v),
-            ]),
+            device_tables: crate::cuda::adam8bit::QuantizerTables::of(&book_m, &book_v)?,
             #[cfg(target_arch = "x86_64")]
             lanes: Box::new([LaneIndex::of(index_m), LaneIndex::of(index_v)]),
             book_m,
@@ -632,16 +629,16 @@ impl Adam8bit {
     }
 }
 
-/// The nearest-code index of `book`'s map for the AVX-512 and CUDA quantizers (both dynamic
-/// maps fit; a map that does not is an `Err`, never a silent fallback).
-#[cfg(any(target_arch = "x86_64", feature = "cuda"))]
+/// The nearest-code index of `book`'s map for the AVX-512 quantizer (both dynamic maps fit; a
+/// map that does not is an `Err`, never a silent fallback).
+#[cfg(target_arch = "x86_64")]
 fn octave_index(book: &CodeBook) -> Result<crate::kernels::octave_index::OctaveIndex> {
     crate::kernels::octave_index::OctaveIndex::new(&book.thresholds()).ok_or_else(|| {
         Error::BadInput {
             op: "Adam8bit::new",
             what: "quantization map".into(),
             reason: "its thresholds need more than 512 octave-index buckets (the quantizer of \
-                     the AVX-512 and CUDA kernels)"
+                     the AVX-512 kernel)"
                 .into(),
         }
     })

@@ -163,6 +163,17 @@ impl std::fmt::Debug for CodeBook {
     }
 }
 
+/// A [`CodeBook`]'s index (see its doc): the bucket of `x` is `min(((|x| bits) >> (23 −
+/// bits)) saturating− (min_exp << bits), buckets − 1)`, plus `buckets` for a negative `x`;
+/// each table word is `base << 24 | the threshold's low key bits` (`low_mask + 1`: none).
+#[cfg(feature = "cuda")]
+pub(crate) struct BucketIndex<'a> {
+    pub bits: u32,
+    pub min_exp: u32,
+    pub buckets: usize,
+    pub table: &'a [u32],
+}
+
 /// `f32` order as `u32` order (non-NaN values; `−0.0` just below `+0.0`).
 fn order_key(x: f32) -> u32 {
     let b = x.to_bits();
@@ -189,7 +200,7 @@ fn threshold(lo: f32, hi: f32) -> f32 {
 }
 
 /// Bits of a table entry below `base`.
-const BASE_SHIFT: u32 = 24;
+pub(crate) const BASE_SHIFT: u32 = 24;
 
 impl CodeBook {
     /// The index of `map`; `Err` unless `map` is finite and strictly increasing, or when no
@@ -271,6 +282,18 @@ impl CodeBook {
     /// The map.
     pub fn map(&self) -> &[f32; MAP_LEN] {
         &self.map
+    }
+
+    /// The index as a kernel reads it to compute [`CodeBook::quantize`] (the CUDA step's
+    /// quantizer): mantissa bits, first octave, buckets per sign and the table.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn index(&self) -> BucketIndex<'_> {
+        BucketIndex {
+            bits: self.bits,
+            min_exp: self.min_exp,
+            buckets: self.buckets,
+            table: &self.table,
+        }
     }
 
     /// The thresholds `T_c` (`c = 0..255`): the smallest `f32` from which code `c + 1` is

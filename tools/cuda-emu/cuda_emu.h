@@ -70,6 +70,9 @@ struct alignas(16) float4 {
 struct alignas(8) uint2 {
     unsigned int x, y;
 };
+struct alignas(16) uint4 {
+    unsigned int x, y, z, w;
+};
 inline float4 make_float4(float x, float y, float z, float w) {
     return float4{x, y, z, w};
 }
@@ -93,6 +96,25 @@ inline float __int_as_float(int i) {
     float f;
     memcpy(&f, &i, sizeof f);
     return f;
+}
+
+// PTX prmt (default mode): byte i of the result is byte (s >> 4i) & 7 of the pair (x, y),
+// x's bytes numbered 0..3 and y's 4..7.
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const unsigned long long pair = (unsigned long long)y << 32 | x;
+    unsigned int out = 0;
+    for (int i = 0; i < 4; ++i) {
+        out |= (unsigned int)((pair >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    }
+    return out;
+}
+
+// CUDA's integer min and max overloads.
+inline int min(int a, int b) {
+    return a < b ? a : b;
+}
+inline int max(int a, int b) {
+    return a > b ? a : b;
 }
 
 inline float __shfl_xor_sync(unsigned int mask, float value, int lane_mask) {

@@ -2,10 +2,12 @@
 //! the fallback pieces through the AdamW kernel. Where each scale block lies comes from
 //! [`Adam8bit`]'s own layout and row-block walk (the host step's), as runs of equal row blocks,
 //! so the device state has exactly the host state's layout and the step is bitwise equal to the
-//! host step. The quantizer is the AVX-512 kernel's octave index
-//! ([`crate::kernels::octave_index`]), read from shared memory.
+//! host step. The quantizer is [`CodeBook::quantize`]'s own bucket index (one table word per
+//! bucket), read from shared memory in the form [`QuantizerTables`] gives it.
 
-use ragged::cuda::cudarc::driver::{CudaFunction, CudaViewMut, LaunchConfig, PushKernelArg};
+use ragged::cuda::cudarc::driver::{
+    CudaFunction, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
 use ragged::optim::LocalShard;
 use ragged::storage::View;
@@ -14,8 +16,7 @@ use ragged::{Error, Result};
 use super::{device_array, device_view, launch_adamw, ADAMW_STEP};
 use crate::adam8bit::{Adam8bit, Adam8bitState, PieceState, SCALE_BLOCK};
 use crate::common::{check_len, AdamScale, MomentCoeffs};
-use crate::kernels::octave_index::{OctaveIndex, BUCKETS, SLOTS};
-use crate::quant::{CodeBook, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
+use crate::quant::{CodeBook, BASE_SHIFT, MAP_LEN, SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE};
 
 /// Entry point of `kernels/adam8bit.cu`.
 pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
@@ -24,59 +25,118 @@ pub const ADAM8BIT_BLOCKS: &str = "adam8bit_blocks";
 /// The kernel's `__launch_bounds__` allows the first.
 const BLOCK_SIZES: [u32; 2] = [256, 128];
 
-/// The kernel's table layout per map (`T_*` in `kernels/adam8bit.cu`): the map, the
-/// thresholds, the bucket bases as bytes, the octave slots, a header, padding.
-const T_MAP: usize = 0;
-const T_THRESH: usize = 256;
-const T_BASE: usize = 512;
-const T_SLOT: usize = 640;
-const T_HEADER: usize = 672;
-const T_WORDS: usize = 676;
+/// Words of the kernel's quantizer table (`TABLE_WORDS` in `kernels/adam8bit.cu`, which
+/// sizes its shared memory by it): the two maps, then their bucket words; the two dynamic
+/// maps' tables fill it exactly (1600 signed buckets per sign, 3328 unsigned).
+const TABLE_WORDS: usize = 7040;
+
+/// Word offsets of the maps in the table (`T_MAP_M`, `T_MAP_V`).
+const T_MAP_M: usize = 0;
+const T_MAP_V: usize = MAP_LEN;
 
 /// Words per run of equal row blocks (`S_WORDS` in the kernel).
 const S_WORDS: usize = 6;
 
-/// Both maps' quantizer tables as the kernel reads them (`2 × T_WORDS` words, m's then v's),
-/// built once per optimizer.
+/// One map's bucket index as the kernel reads it (`MapIndex` in `kernels/adam8bit.cu`, field
+/// for field): the bucket of `x` is `min(max((x bits & abs_mask) >> shift as i32, lo) − lo,
+/// last)`, plus `half` for a negative `x`; its word plus the low bits `(x bits ^ sign mask) &
+/// low_mask` has the code in its top byte.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct MapIndex {
+    /// Word offset of the bucket words in the table.
+    buckets: u32,
+    /// `0x7fff_ffff`; `0xffff_ffff` where every negative `x` shares bucket 0's code, so the
+    /// table has no negative half: shifted as a signed integer, a negative `x` clamps to 0.
+    abs_mask: u32,
+    shift: u32,
+    lo: i32,
+    last: i32,
+    /// Words from a bucket to its negative twin (0: no negative half).
+    half: u32,
+    low_mask: u32,
+}
+
+// SAFETY: `MapIndex` is `repr(C)` plain data (seven 4-byte integers, no padding), the layout
+// of the kernel's `struct MapIndex`, so passing its bytes as a kernel argument is sound.
+unsafe impl DeviceRepr for MapIndex {}
+
+/// Both maps' quantizer as the kernel reads it: the table ([`TABLE_WORDS`] words: m's map,
+/// v's map, m's bucket words, v's) and each map's [`MapIndex`], built once per optimizer.
 #[derive(Clone, PartialEq)]
-pub(crate) struct QuantizerTables(Box<[u32]>);
+pub(crate) struct QuantizerTables {
+    words: Box<[u32]>,
+    m: MapIndex,
+    v: MapIndex,
+}
 
 impl std::fmt::Debug for QuantizerTables {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "QuantizerTables({} words)", self.0.len())
+        f.debug_struct("QuantizerTables")
+            .field("m", &self.m)
+            .field("v", &self.v)
+            .finish_non_exhaustive()
     }
 }
 
 impl QuantizerTables {
-    /// The tables of both maps; `Err` when a map's thresholds do not fit the octave index
-    /// (both dynamic maps do).
-    pub(crate) fn of(books: [(&CodeBook, &OctaveIndex); 2]) -> Self {
-        let mut words = Vec::with_capacity(2 * T_WORDS);
-        for (book, index) in books {
-            words.extend(table_words(book.map(), index));
+    /// The tables of the maps of `m` and `v`; `Err` when they do not fit [`TABLE_WORDS`]
+    /// (the two dynamic maps fill it).
+    pub(crate) fn of(m: &CodeBook, v: &CodeBook) -> Result<Self> {
+        let mut words = vec![0u32; 2 * MAP_LEN];
+        for (at, book) in [(T_MAP_M, m), (T_MAP_V, v)] {
+            for (w, x) in words[at..at + MAP_LEN].iter_mut().zip(book.map()) {
+                *w = x.to_bits();
+            }
         }
-        QuantizerTables(words.into())
+        let (m, v) = (bucket_words(m, &mut words), bucket_words(v, &mut words));
+        if words.len() > TABLE_WORDS {
+            return Err(Error::BadInput {
+                op: "Adam8bit::new",
+                what: "quantization maps".into(),
+                reason: format!(
+                    "their bucket indexes need {} table words, the CUDA kernel holds {TABLE_WORDS}",
+                    words.len()
+                ),
+            });
+        }
+        words.resize(TABLE_WORDS, 0);
+        Ok(QuantizerTables {
+            words: words.into(),
+            m,
+            v,
+        })
     }
 }
 
-/// One map's `T_WORDS` words.
-fn table_words(map: &[f32; MAP_LEN], index: &OctaveIndex) -> [u32; T_WORDS] {
-    const _: () = assert!(BUCKETS == 4 * (T_SLOT - T_BASE) && SLOTS == T_HEADER - T_SLOT);
-    let mut w = [0u32; T_WORDS];
-    for (k, x) in map.iter().enumerate() {
-        w[T_MAP + k] = x.to_bits();
+/// Appends `book`'s bucket words to `words` in the kernel's form and returns their index.
+/// `CodeBook`'s word `base << 24 | field` (code `base + [low ≥ field]`) becomes
+/// `(base << 24) + 2²⁴ − field`, to which adding the low bits carries into the top byte
+/// exactly when `low ≥ field` (`field ≤ 2^shift`, the low bits `< 2^shift ≤ 2²³`;
+/// `base + 1 ≤ 255` wherever a threshold is inside, there being 256 codes). The negative half is left out where it and
+/// bucket 0 all hold one word without a threshold (the unsigned map).
+fn bucket_words(book: &CodeBook, words: &mut Vec<u32>) -> MapIndex {
+    let index = book.index();
+    let shift = 23 - index.bits;
+    let low_mask = (1u32 << shift) - 1;
+    let (positive, negative) = index.table.split_at(index.buckets);
+    let none = |w: u32| w & ((1 << BASE_SHIFT) - 1) == low_mask + 1;
+    let shared_zero = none(positive[0]) && negative.iter().all(|&w| w == positive[0]);
+    let kept = if shared_zero { positive } else { index.table };
+    let at = words.len();
+    words.extend(kept.iter().map(|&w| {
+        let (base, field) = (w >> BASE_SHIFT, w & ((1 << BASE_SHIFT) - 1));
+        (base << BASE_SHIFT).wrapping_add((1 << BASE_SHIFT) - field)
+    }));
+    MapIndex {
+        buckets: at as u32,
+        abs_mask: if shared_zero { u32::MAX } else { 0x7fff_ffff },
+        shift,
+        lo: (index.min_exp << index.bits) as i32,
+        last: index.buckets as i32 - 1,
+        half: if shared_zero { 0 } else { index.buckets as u32 },
+        low_mask,
     }
-    for (k, x) in index.thresholds.iter().enumerate() {
-        w[T_THRESH + k] = x.to_bits();
-    }
-    for (k, b) in index.base.chunks_exact(4).enumerate() {
-        w[T_BASE + k] = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    }
-    for k in 0..SLOTS {
-        w[T_SLOT + k] = u32::from(index.shift[k]) | u32::from(index.add[k] as u16) << 16;
-    }
-    w[T_HEADER] = u32::from(index.e_base) | u32::from(index.signed) << 16;
-    w
 }
 
 /// `x` as a `u32` kernel argument, or a clear error.
@@ -217,13 +277,15 @@ pub(crate) fn step(
     check_len(OP, "scale blocks", walked, scales)?;
     let n_runs = word(OP, "row-block runs", runs.len() / S_WORDS)?;
     let n_scales = word(OP, "scale blocks", scales)?;
-    let tables = dev.upload(&[&opt.device_tables.0[..], &runs].concat())?;
+    let quantizer = &opt.device_tables;
+    let tables = dev.upload(&[&quantizer.words[..], &runs].concat())?;
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
     let cfg = launch_shape(dev, &f, scales)?;
-    let (quantizer, runs) = (tables.slice(..2 * T_WORDS), tables.slice(2 * T_WORDS..));
-    let (mz, vz) = (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE);
-    // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type; the
-    // buffers have the lengths `checked_layout` verified (one scale per block of the walk,
+    let (table, runs) = (tables.slice(..TABLE_WORDS), tables.slice(TABLE_WORDS..));
+    let (mz, vz) = (u32::from(SIGNED_ZERO_CODE), u32::from(UNSIGNED_ZERO_CODE));
+    // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type (`MapIndex`
+    // is the kernel's struct); the table has the TABLE_WORDS words the kernel reads, 16-byte
+    // aligned at the start of its allocation; the buffers have the lengths `checked_layout` verified (one scale per block of the walk,
     // checked against it above), and every run's scale blocks lie inside the local shard
     // (the host step's walk of the pieces).
     guarded(OP, || unsafe {
@@ -235,7 +297,9 @@ pub(crate) fn step(
             .arg(&mut *v)
             .arg(&mut *scale_m)
             .arg(&mut *scale_v)
-            .arg(&quantizer)
+            .arg(&table)
+            .arg(&quantizer.m)
+            .arg(&quantizer.v)
             .arg(&runs)
             .arg(&n_runs)
             .arg(&n_scales)
@@ -277,4 +341,87 @@ fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchC
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dynamic_map;
+
+    /// The kernel's `quantize` (`kernels/adam8bit.cu`), operation for operation.
+    fn kernel_code(words: &[u32], ix: &MapIndex, x: f32) -> u8 {
+        let bits = x.to_bits();
+        let sign = ((bits as i32) >> 31) as u32;
+        let a = ((bits & ix.abs_mask) as i32) >> ix.shift;
+        let b = (a.max(ix.lo) - ix.lo).min(ix.last);
+        let word = words[(ix.buckets + b as u32 + (sign & ix.half)) as usize];
+        let coded = word.wrapping_add((bits ^ sign) & ix.low_mask);
+        if x.is_nan() {
+            0
+        } else {
+            (coded >> BASE_SHIFT) as u8
+        }
+    }
+
+    /// The kernel's codes from [`QuantizerTables`] equal [`CodeBook::quantize`] (itself equal
+    /// to bisection on every `f32`) on `xs` for both maps; the maps are in place.
+    fn assert_kernel_codes(xs: impl Iterator<Item = f32> + Clone) {
+        let books = [true, false].map(|s| CodeBook::new(dynamic_map(s)).unwrap());
+        let tables = QuantizerTables::of(&books[0], &books[1]).unwrap();
+        assert_eq!(tables.words.len(), TABLE_WORDS);
+        for (book, ix, map) in [
+            (&books[0], &tables.m, T_MAP_M),
+            (&books[1], &tables.v, T_MAP_V),
+        ] {
+            let in_table: Vec<u32> = book.map().iter().map(|x| x.to_bits()).collect();
+            assert_eq!(tables.words[map..map + MAP_LEN], in_table[..]);
+            for x in xs.clone() {
+                assert_eq!(
+                    kernel_code(&tables.words, ix, x),
+                    book.quantize(x),
+                    "{x:e} {ix:?}"
+                );
+            }
+        }
+    }
+
+    /// The two dynamic maps fill the table exactly (the signed one with both halves, the
+    /// unsigned one without its negative half), and the kernel's codes are the CPU's on
+    /// every threshold and its neighbours, the specials, and every 997th bit pattern.
+    #[test]
+    fn the_kernels_bucket_words_give_the_cpus_codes() {
+        let books = [true, false].map(|s| CodeBook::new(dynamic_map(s)).unwrap());
+        let tables = QuantizerTables::of(&books[0], &books[1]).unwrap();
+        assert_eq!((tables.m.half, tables.v.half), (1600, 0));
+        assert_eq!(
+            (tables.m.abs_mask, tables.v.abs_mask),
+            (0x7fff_ffff, u32::MAX)
+        );
+        let mut xs = vec![
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        for book in &books {
+            for t in book.thresholds() {
+                for d in -2i32..=2 {
+                    let x = f32::from_bits(t.to_bits().wrapping_add_signed(d));
+                    xs.extend([x, -x]);
+                }
+            }
+        }
+        xs.extend((0..=u32::MAX).step_by(997).map(f32::from_bits));
+        assert_kernel_codes(xs.into_iter());
+    }
+
+    /// Every one of the 2^32 `f32` bit patterns, both maps (about 30 s in release): `cargo
+    /// test --release -p ragged-optimizers --features cuda --lib bucket_words -- --ignored`.
+    #[test]
+    #[ignore = "2^32 inputs × 2 maps: run by hand after changing the kernel's quantizer"]
+    fn the_kernels_bucket_words_give_the_cpus_codes_on_every_f32() {
+        assert_kernel_codes((0..=u32::MAX).map(f32::from_bits));
+    }
 }
