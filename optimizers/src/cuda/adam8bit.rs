@@ -316,8 +316,9 @@ pub(crate) fn step(
 }
 
 /// The launch for `scales` scale blocks (one warp each): the block size of [`BLOCK_SIZES`]
-/// under which the most warps are resident at once (the kernel's registers decide: at 72
-/// registers a thread, 24 warps a multiprocessor in blocks of 256, 28 in blocks of 128), and
+/// under which the most warps are resident at once (the kernel's registers decide, as the
+/// driver's compiler allots them: at 64 a thread, 32 warps a multiprocessor either way; at 72,
+/// 24 in blocks of 256 and 28 in blocks of 128), and
 /// at most as many blocks as are resident at once, so every block is resident from the start
 /// and strides over the rest: no last partial wave of blocks that start late.
 fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchConfig> {
