@@ -315,31 +315,63 @@ pub(crate) fn step(
     Ok(())
 }
 
-/// The launch for `scales` scale blocks (one warp each): the block size of [`BLOCK_SIZES`]
-/// under which the most warps are resident at once (the kernel's registers decide, as the
-/// driver's compiler allots them: at 64 a thread, 32 warps a multiprocessor either way; at 72,
-/// 24 in blocks of 256 and 28 in blocks of 128), and
-/// at most as many blocks as are resident at once, so every block is resident from the start
-/// and strides over the rest: no last partial wave of blocks that start late.
-fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchConfig> {
+/// The kernel's block size and what the driver holds of it at once: threads per block,
+/// registers per thread (as the driver's compiler allotted them), resident warps per
+/// multiprocessor and resident blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Occupancy {
+    pub threads: u32,
+    pub registers: i32,
+    pub warps: u32,
+    blocks: u32,
+}
+
+/// The block size of [`BLOCK_SIZES`] under which the most warps of `f` are resident at once
+/// (its registers decide: at 64 a thread, 32 warps a multiprocessor either way; at 72, 24 in
+/// blocks of 256 and 28 in blocks of 128).
+fn occupancy(f: &CudaFunction) -> Result<Occupancy> {
     const OP: &str = "Adam8bit::step (device)";
-    let mut best = (0, BLOCK_SIZES[0], 1);
+    let registers = guarded(OP, || f.num_regs())?;
+    let mut best = Occupancy {
+        threads: BLOCK_SIZES[0],
+        registers,
+        warps: 0,
+        blocks: 1,
+    };
     for threads in BLOCK_SIZES {
-        let resident = guarded(OP, || {
+        let blocks = guarded(OP, || {
             f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
         })?
         .max(1);
-        let warps = resident * threads / 32;
-        if warps > best.0 {
-            best = (warps, threads, resident);
+        let warps = blocks * threads / 32;
+        if warps > best.warps {
+            best = Occupancy {
+                threads,
+                registers,
+                warps,
+                blocks,
+            };
         }
     }
-    let (_, threads, resident) = best;
-    let most = dev.multiprocessors()? * resident as usize;
-    let blocks = scales.div_ceil(threads as usize / 32).clamp(1, most);
+    Ok(best)
+}
+
+/// The 8-bit kernel's [`Occupancy`] on `dev` (for `ragged bench optim --device cuda`).
+pub(crate) fn kernel_occupancy(dev: &Device) -> Result<Occupancy> {
+    occupancy(&dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?)
+}
+
+/// The launch for `scales` scale blocks (one warp each): blocks of [`occupancy`]'s size, and
+/// at most as many as are resident at once, so every block is resident from the start and
+/// strides over the rest: no last partial wave of blocks that start late.
+fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchConfig> {
+    const OP: &str = "Adam8bit::step (device)";
+    let o = occupancy(f)?;
+    let most = dev.multiprocessors()? * o.blocks as usize;
+    let blocks = scales.div_ceil(o.threads as usize / 32).clamp(1, most);
     Ok(LaunchConfig {
         grid_dim: (word(OP, "thread blocks", blocks)?, 1, 1),
-        block_dim: (threads, 1, 1),
+        block_dim: (o.threads, 1, 1),
         shared_mem_bytes: 0,
     })
 }

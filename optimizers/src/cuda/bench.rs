@@ -239,6 +239,15 @@ fn bench_steps(
         let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
         a8.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
-    rows.push(row(format!("8-bit Adam step, {label}"), bytes, secs));
+    let o = super::adam8bit::kernel_occupancy(dev)?;
+    let shape = format!(
+        "blocks of {}, {} registers, {} warps/SM",
+        o.threads, o.registers, o.warps
+    );
+    rows.push(row(
+        format!("8-bit Adam step, {label} ({shape})"),
+        bytes,
+        secs,
+    ));
     Ok(rows)
 }
