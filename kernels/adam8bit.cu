@@ -4,14 +4,14 @@
 // with the fresh f32 moments, new per-block scales rounded to 16 bits, requantize with ties
 // going to the upper code, no sign fix-up, and a positive v never on code 0).
 //
-// Work: one warp per scale block, 8 elements per lane; the block's absmax is a warp shuffle
+// Work: one warp per scale block, 8 elements per lane; the block's absmax is a warp
 // reduction. A whole block whose arrays are aligned is read and written in vectors (lane l
 // holds elements 8l..8l+7: two 16-byte loads of f32 and one 8-byte load of codes per array);
 // any other (a partial last block of a row block, an unaligned shard) element by element
 // (lane l holds l, l + 32, ..., so each load of the warp reads consecutive bytes). The grid
 // strides over the scale blocks, one per warp of a thread block per pass, every thread of a
 // block making the same passes (the loop bound is the block's, not the warp's), so every warp
-// shuffles the same number of times. Grid: (min(blocks needed, the blocks the device holds at
+// reduces the same number of times. Grid: (min(blocks needed, the blocks the device holds at
 // once), 1, 1); block: 256 or 128 threads, whichever keeps more warps resident (the launcher
 // asks the driver); static shared memory: the quantizer table (TABLE_WORDS words, about 27.5
 // KiB), loaded once per thread block.
@@ -131,6 +131,12 @@ __device__ __forceinline__ float dequantize(unsigned int codes, unsigned int k, 
     return __uint_as_float(t[map + __byte_perm(codes, 0, 0x4440 | k)]) * scale;
 }
 
+// The warp's maximum of x, for x that are neither NaN nor -0.0 (the lanes' block maxima: +0.0
+// or above), whose bits then order as the values do: one integer reduction, no shuffles.
+__device__ __forceinline__ float warp_max(float x) {
+    return __uint_as_float(__reduce_max_sync(FULL_MASK, __float_as_uint(x)));
+}
+
 // quant.rs `encode_scale` / `decode_scale`.
 __device__ __forceinline__ unsigned short encode_scale(float absmax) {
     const unsigned int bits = __float_as_uint(absmax) & 0x7fffffffu;
@@ -171,13 +177,13 @@ __device__ __forceinline__ Span locate(const unsigned int* seg, unsigned int n_s
     return span;
 }
 
-// One warp's scale block `s` (lanes 0..31 of the warp, all of them: the absmax is a shuffle
+// One warp's scale block `s` (lanes 0..31 of the warp, all of them: the absmax is a warp
 // reduction). VECTOR: a whole block whose arrays are aligned for vectors; lane l holds
 // elements 8l..8l+7, read and written as two 16-byte f32 vectors and one 8-byte code vector
 // per array. Else lane l holds elements l, l + 32, ... (each load of the warp reads
 // consecutive bytes), bounds-checked against the span: a partial block, an unaligned one, or
-// none (a warp past the last block, which only shuffles). Codes travel packed four to a
-// word, element k in byte k % 4 of word k / 4.
+// none (a warp past the last block, which only joins the reduction). Codes travel packed
+// four to a word, element k in byte k % 4 of word k / 4.
 template <bool VECTOR>
 __device__ __forceinline__ void scale_block(
     float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
@@ -246,10 +252,7 @@ __device__ __forceinline__ void scale_block(
             if (lane + k * WARP < span.len) p[span.off + lane + k * WARP] = pi[k];
         }
     }
-    for (int o = WARP / 2; o > 0; o /= 2) {
-        amax_m = fmaxf(amax_m, __shfl_xor_sync(FULL_MASK, amax_m, o));
-        amax_v = fmaxf(amax_v, __shfl_xor_sync(FULL_MASK, amax_v, o));
-    }
+    amax_m = warp_max(amax_m), amax_v = warp_max(amax_v);
     const unsigned short new_m = encode_scale(amax_m);
     const unsigned short new_v = encode_scale(amax_v);
     const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));

@@ -121,6 +121,16 @@ inline float __shfl_xor_sync(unsigned int mask, float value, int lane_mask) {
     return __uint_as_float(cuda_emu::shfl_xor_bits(mask, __float_as_uint(value), lane_mask));
 }
 
+// The warp's maximum of `value`, as five exchanges (so a kernel that reduces must be
+// registered with barriers, as for __shfl_xor_sync).
+inline unsigned int __reduce_max_sync(unsigned int mask, unsigned int value) {
+    for (int o = 16; o > 0; o /= 2) {
+        const unsigned int other = cuda_emu::shfl_xor_bits(mask, value, o);
+        value = value > other ? value : other;
+    }
+    return value;
+}
+
 // Threads of one launch never run at the same time, so a plain add is atomic here.
 inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long val) {
     const unsigned long long old = *address;
