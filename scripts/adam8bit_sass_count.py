@@ -41,7 +41,7 @@ def nvdisasm():
     binary = home / "x/nvidia/cu13/bin/nvdisasm"
     if not binary.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d",
-                        str(home / "whl"), "nvidia-cuda-nvdisasm==13.0.85"], check=True)
+                        str(home / "whl"), "nvidia-cuda-nvdisasm==13.2.51"], check=True)
         for wheel in (home / "whl").glob("*.whl"):
             subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(home / "x")],
                            check=True)
