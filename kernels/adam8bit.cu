@@ -280,8 +280,10 @@ __device__ __forceinline__ void scale_block(
     }
     if (VECTOR) {
         uint2 mv, vv;
-        mv.x = pack_codes(mq[0], mq[1], mq[2], mq[3]), mv.y = pack_codes(mq[4], mq[5], mq[6], mq[7]);
-        vv.x = pack_codes(vq[0], vq[1], vq[2], vq[3]), vv.y = pack_codes(vq[4], vq[5], vq[6], vq[7]);
+        mv.x = pack_codes(mq[0], mq[1], mq[2], mq[3]);
+        mv.y = pack_codes(mq[4], mq[5], mq[6], mq[7]);
+        vv.x = pack_codes(vq[0], vq[1], vq[2], vq[3]);
+        vv.y = pack_codes(vq[4], vq[5], vq[6], vq[7]);
         ((uint2*)(mc + span.off))[lane] = mv;
         ((uint2*)(vc + span.off))[lane] = vv;
     } else {

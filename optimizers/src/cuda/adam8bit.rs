@@ -113,8 +113,9 @@ impl QuantizerTables {
 /// `CodeBook`'s word `base << 24 | field` (code `base + [low ≥ field]`) becomes
 /// `(base << 24) + 2²⁴ − field`, to which adding the low bits carries into the top byte
 /// exactly when `low ≥ field` (`field ≤ 2^shift`, the low bits `< 2^shift ≤ 2²³`;
-/// `base + 1 ≤ 255` wherever a threshold is inside, there being 256 codes). The negative half is left out where it and
-/// bucket 0 all hold one word without a threshold (the unsigned map).
+/// `base + 1 ≤ 255` wherever a threshold is inside, there being 256 codes). The negative
+/// half is left out where it and bucket 0 all hold one word without a threshold (the
+/// unsigned map).
 fn bucket_words(book: &CodeBook, words: &mut Vec<u32>) -> MapIndex {
     let index = book.index();
     let shift = 23 - index.bits;
@@ -285,9 +286,9 @@ pub(crate) fn step(
     let (mz, vz) = (u32::from(SIGNED_ZERO_CODE), u32::from(UNSIGNED_ZERO_CODE));
     // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type (`MapIndex`
     // is the kernel's struct); the table has the TABLE_WORDS words the kernel reads, 16-byte
-    // aligned at the start of its allocation; the buffers have the lengths `checked_layout` verified (one scale per block of the walk,
-    // checked against it above), and every run's scale blocks lie inside the local shard
-    // (the host step's walk of the pieces).
+    // aligned at the start of its allocation; the buffers have the lengths `checked_layout`
+    // verified (one scale per block of the walk, checked against it above), and every run's
+    // scale blocks lie inside the local shard (the host step's walk of the pieces).
     guarded(OP, || unsafe {
         dev.stream()
             .launch_builder(&f)
@@ -426,6 +427,8 @@ mod tests {
         let books = [true, false].map(|s| CodeBook::new(dynamic_map(s)).unwrap());
         let tables = QuantizerTables::of(&books[0], &books[1]).unwrap();
         assert_eq!((tables.m.half, tables.v.half), (1600, 0));
+        let end = tables.v.buckets as usize + tables.v.last as usize + 1;
+        assert_eq!((tables.m.buckets, end), (2 * MAP_LEN as u32, TABLE_WORDS));
         assert_eq!(
             (tables.m.abs_mask, tables.v.abs_mask),
             (0x7fff_ffff, u32::MAX)
