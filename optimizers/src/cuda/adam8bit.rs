@@ -3,7 +3,7 @@
 //! [`Adam8bit`]'s own layout and row-block walk (the host step's), as runs of equal row blocks,
 //! so the device state has exactly the host state's layout and the step is bitwise equal to the
 //! host step. The quantizer is [`CodeBook::quantize`]'s own bucket index (one table word per
-//! bucket), read from shared memory in the form [`QuantizerTables`] gives it.
+//! bucket), read from shared memory in the form `QuantizerTables` gives it.
 
 use ragged::cuda::cudarc::driver::{
     CudaFunction, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
