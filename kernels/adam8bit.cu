@@ -13,8 +13,9 @@
 // block making the same passes (the loop bound is the block's, not the warp's), so every warp
 // reduces the same number of times. Grid: (min(blocks needed, the blocks the device holds at
 // once), 1, 1); block: 256 or 128 threads, whichever keeps more warps resident (the launcher
-// asks the driver); static shared memory: the quantizer table (TABLE_WORDS words, about 27.5
-// KiB), loaded once per thread block.
+// asks the driver; at most 64 registers a thread, so 32 warps either way); static shared
+// memory: the quantizer table (TABLE_WORDS words, about 27.5 KiB), loaded once per thread
+// block.
 //
 // Measured on an H200 (docs/benchmarks.md, optim-cuda): the kernel is bound by instruction
 // issue, not memory (Nsight Compute: 66 % of issue slots busy at 47 % of DRAM bandwidth).
@@ -88,16 +89,22 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     return end - (end - start) * (1.0f - w);
 }
 
-// quant.rs `CodeBook::quantize`, bit for bit, as a bucket word plus low bits: the code is
-// bits 24..31; 0 for NaN (whose bucket is a clamped end one, so its lookup stays inside).
-__device__ __forceinline__ unsigned int quantize(float x, const unsigned int* t, MapIndex ix) {
+// quant.rs `CodeBook::quantize`, bit for bit, for x that is not NaN, as a bucket word plus
+// low bits: the code is bits 24..31. (A NaN's bucket is a clamped end one, so its lookup
+// stays inside the table.)
+__device__ __forceinline__ unsigned int quantize_number(float x, const unsigned int* t,
+                                                        MapIndex ix) {
     const unsigned int bits = __float_as_uint(x);
     const unsigned int sign = (unsigned int)((int)bits >> 31);
     const int a = (int)(bits & ix.abs_mask) >> ix.shift;
     const int b = min(max(a, ix.lo) - ix.lo, ix.last);
     const unsigned int word = t[ix.buckets + (unsigned int)b + (sign & ix.half)];
-    const unsigned int coded = word + ((bits ^ sign) & ix.low_mask);
-    return isnan(x) ? 0u : coded;
+    return word + ((bits ^ sign) & ix.low_mask);
+}
+
+// quant.rs `CodeBook::quantize` for every x: code 0 for NaN.
+__device__ __forceinline__ unsigned int quantize(float x, const unsigned int* t, MapIndex ix) {
+    return isnan(x) ? 0u : quantize_number(x, t, ix);
 }
 
 // Codes from four quantize() results, byte k from the k-th.
@@ -226,6 +233,7 @@ __device__ __forceinline__ void scale_block(
     // fmaxf returns the non-NaN operand, as Rust's f32::max does; the maxima start at +0.0, as
     // the CPU's do (so a NaN never reaches them), and idle lanes keep +0.0.
     float amax_m = 0.0f, amax_v = 0.0f;
+    bool nan_m = false;  // a NaN among this lane's m1
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
         m1[k] = 0.0f, v1[k] = 0.0f;
@@ -239,6 +247,7 @@ __device__ __forceinline__ void scale_block(
             pi[k] = p0 + (folded_neg_step_size * m1[k]) / (sqrtf(v1[k]) + folded_eps);
             amax_m = fmaxf(amax_m, fabsf(m1[k]));
             amax_v = fmaxf(amax_v, v1[k]);
+            nan_m |= isnan(m1[k]);
         }
     }
     // The parameters now, so that their registers are free for the requantization.
@@ -259,11 +268,24 @@ __device__ __forceinline__ void scale_block(
     unsigned int mq[PER_LANE], vq[PER_LANE];
     if (um.reciprocal && uv.reciprocal) {
         // The common case (both scales normal, so neither 0), without the per-element
-        // choice: quantize_scaled's first form.
+        // choice: quantize_scaled's first form; and, where the lane quantizes no NaN,
+        // without the NaN check. A NaN v1 needs a NaN gradient (then m1 is NaN too) or a
+        // non-finite old v scale (a stored state's: the step writes finite ones), since
+        // v0 = map value * scale is otherwise finite and non-negative and v0 * beta2 +
+        // (1 - beta2) * g * g then at worst +inf; and a finite reciprocal times a number
+        // is a number.
+        if (!nan_m && isfinite(old_sv)) {
 #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            mq[k] = quantize(m1[k] * um.r, t, im);
-            vq[k] = quantize(v1[k] * uv.r, t, iv);
+            for (int k = 0; k < PER_LANE; ++k) {
+                mq[k] = quantize_number(m1[k] * um.r, t, im);
+                vq[k] = quantize_number(v1[k] * uv.r, t, iv);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                mq[k] = quantize(m1[k] * um.r, t, im);
+                vq[k] = quantize(v1[k] * uv.r, t, iv);
+            }
         }
     } else {
 #pragma unroll
@@ -315,7 +337,10 @@ __device__ __forceinline__ bool vector_span(const Span& span, const float* p, co
     return (f & 15) == 0 && (c & 7) == 0;
 }
 
-extern "C" __global__ void __launch_bounds__(256) adam8bit_blocks(
+// At most 64 registers (4 blocks of 256 threads resident): on an H200 the kernel ran fastest
+// at 64 of the register counts tried (docs/benchmarks.md, session 23), and the compiler
+// spills nothing at that bound.
+extern "C" __global__ void __launch_bounds__(256, 4) adam8bit_blocks(
     float* __restrict__ p, const float* __restrict__ g, unsigned char* __restrict__ mc,
     unsigned char* __restrict__ vc, unsigned short* __restrict__ scale_m,
     unsigned short* __restrict__ scale_v, const uint4* __restrict__ table, MapIndex im,

@@ -872,6 +872,53 @@ fn adam8bit_quantizer_ties_nan_and_overflow_are_bitwise_equal_to_cpu() {
     assert_adam8bit_equal(&host, &device, "ties, NaN, overflow");
 }
 
+/// A state with stored scales that are not finite (a checkpoint's: the step itself never
+/// writes one, `encode_scale` clamps) steps as on the CPU. An infinite v scale times the
+/// map's 0 is NaN, so v is NaN where m is not, and its block must take the kernel's guarded
+/// quantization (`isfinite(old_sv)` in `kernels/adam8bit.cu`); a NaN or infinite m scale
+/// makes m NaN, which the kernel's per-lane NaN flag catches. Only a GPU tells that guard's
+/// absence: there `0·∞` is the positive canonical NaN, which the unsigned map's last bucket
+/// would code 255, while on x86 (tools/cuda-emu) it is a negative NaN, which falls into
+/// bucket 0 and code 0 anyway.
+#[test]
+fn adam8bit_non_finite_stored_scales_step_bitwise_as_on_cpu() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (32, 256); // one row block of 32 scale blocks
+    let spec = specs(&[("w", &[rows, cols])]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let mut rng = Rng::new(91);
+    let mut p = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let mut state = opt.init(shard).unwrap();
+    // Zero gradients in scale block 1 (row 1): v = 0 there, code 0, whose map value times an
+    // infinite scale is NaN.
+    let mut g = globals(&spec, &mut rng, 0.1);
+    g[0][cols..cols + 16].fill(0.0);
+    let g = scatter(shard, &g);
+    opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
+        .unwrap();
+    // 16-bit scale codes (bits 30..15 of the f32): +inf, and a NaN.
+    let (inf, nan) = (0x7f80_0000u32 >> 15, 0x7fc0_0000u32 >> 15);
+    let v_scales = state.scale_v.cpu_mut().unwrap();
+    (v_scales[1], v_scales[2]) = (inf as u16, nan as u16);
+    let m_scales = state.scale_m.cpu_mut().unwrap();
+    (m_scales[3], m_scales[4]) = (inf as u16, nan as u16);
+    let mut ds = state.to_placement(&Placement::Cuda(dev.clone())).unwrap();
+    let mut dp = dev.upload(&p).unwrap();
+    let g = scatter(shard, &globals(&spec, &mut rng, 0.1));
+    opt.step_slices(&mut state, shard, &mut p, &g, &SingleRank)
+        .unwrap();
+    let dg = dev.upload(&g).unwrap();
+    let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+    opt.step(&mut ds, shard, pv, gv, &SingleRank).unwrap();
+    let device = (dev.download(&dp).unwrap(), ds);
+    assert_adam8bit_equal(&(p, state), &device, "non-finite stored scales");
+}
+
 /// Gradients whose magnitudes vary by element over 2⁻¹²…2¹², so that `end − start` in `lerp`
 /// is often inexact and its two forms round differently.
 fn spread_grads(
