@@ -432,19 +432,20 @@ fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
 // ---------------------------------------------------------------------------------------------
 
 /// oneDNN's symmetric product `scale·a·aᵀ + sum·dst` against gemm's full product, on sides
-/// that split once and twice around `onednn::SYM_LEAF` (its blocks are products into a
+/// that split once and twice around `OneDnn::sym_leaf` (its blocks are products into a
 /// wider `dst`, mirrored): the same `√k·2⁻²⁴` summation-order bound as below (`1e-5`); the
 /// mirrored blocks exactly symmetric; and a strided product leaves the elements between its rows as
 /// they were, bit for bit.
 #[test]
 fn onednn_symmetric_and_strided_products_match_gemm() {
-    use ragged_optimizers::kernels::{gemm_f32, onednn::SYM_LEAF, Parallelism};
+    use ragged_optimizers::kernels::{gemm_f32, Parallelism};
     if !onednn_or_skip("onednn_symmetric_and_strided_products_match_gemm") {
         return;
     }
     let d = onednn::onednn().unwrap();
     let mut rng = Rng::new(41);
-    for (n, k) in [(SYM_LEAF + 9, 70), (2 * SYM_LEAF + 77, 33)] {
+    let leaf = d.sym_leaf();
+    for (n, k) in [(leaf + 9, 70), (2 * leaf + 77, 33)] {
         let a = rng.units(n * k);
         let mut at = vec![0.0f32; k * n];
         for i in 0..n {

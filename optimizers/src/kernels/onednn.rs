@@ -39,10 +39,14 @@ use libloading::Library;
 /// Library names tried, in order.
 pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
 
-/// Side at which [`OneDnn::sym_nt`] stops splitting. On 2 AMX cores a 1024-wide product
-/// is worth more whole than as three 512-wide ones (Muon on 1024²: 29.6–31.4 ms whole,
-/// 40.6–42.9 ms split; on 2048², split once: 276–285 ms against 297–303 ms whole).
-pub const SYM_LEAF: usize = 1024;
+/// Sides at which [`OneDnn::sym_nt`] stops splitting ([`OneDnn::sym_leaf`]): on 2 AMX cores
+/// a 1024-wide product is worth more whole than as three 512-wide ones (Muon on 1024²:
+/// 29.6–31.4 ms whole, 40.6–42.9 ms split; on 2048², split once: 276–285 ms against 297–303
+/// ms whole); on 2 AVX512-BF16 cores without AMX (AMD Zen 4) splitting down to 512 is the
+/// faster (Muon on the 28-matrix stack 0.91× the time of the 1024 leaf, 0.88–0.93 over 5
+/// alternating rounds; 256 gave 0.99× of 512 more).
+pub const SYM_LEAF_AMX: usize = 1024;
+pub const SYM_LEAF: usize = 512;
 
 /// Copies the lower-left block (rows `h..n`, columns `0..h`) of the `n×n` matrix in `dst`
 /// (rows `ldd` apart) transposed into its upper-right block, in 32×32 tiles.
@@ -684,7 +688,7 @@ impl OneDnn {
     /// `dst (n×n, rows `ldd` apart) ← scale·a·aᵀ + sum·dst` for a row-major `a: n×k`, a
     /// symmetric result (and `dst` symmetric on entry with `Some(sum)`): the lower
     /// off-diagonal block is one product, mirrored into the upper one, and the diagonal
-    /// blocks recurse down to [`SYM_LEAF`]. Every block's operands are whole rows of `a`, so
+    /// blocks recurse down to [`OneDnn::sym_leaf`]. Every block's operands are whole rows of `a`, so
     /// only `dst` is strided. For a side of 2048 this does 75 % of the full product's
     /// multiply-adds in 3 primitive calls. The mirrored blocks are exactly symmetric; a leaf
     /// is as symmetric as oneDNN's product of it.
@@ -703,7 +707,7 @@ impl OneDnn {
         scale: f32,
         sum: Option<f32>,
     ) -> Result<(), DnnlError> {
-        if n <= SYM_LEAF {
+        if n <= self.sym_leaf() {
             self.matmul_strided(n, n, k, a, a, true, dst, ldd, scale, sum)?;
             return Ok(());
         }
@@ -728,34 +732,46 @@ impl OneDnn {
         Ok(())
     }
 
+    /// The side at which [`OneDnn::sym_nt`] stops splitting: [`SYM_LEAF_AMX`] where oneDNN's
+    /// bf16 products run on AMX tiles, else [`SYM_LEAF`].
+    pub fn sym_leaf(&self) -> usize {
+        match self.bf16_probe() {
+            Ok(isa) if isa.contains("amx") => SYM_LEAF_AMX,
+            _ => SYM_LEAF,
+        }
+    }
+
     /// Whether this CPU has oneDNN bf16 matmuls of the kinds Newton–Schulz uses (probed once
     /// with a 64³ product, a transposed one, one with an output scale and a sum post-op, and
     /// a transposed one with both into a block of a wider matrix); `Ok` holds the implementation picked for a 1024³ product (e.g.
     /// `brg:avx512_core_amx_bf16`).
     pub fn bf16_impl(&self) -> Result<String, DnnlError> {
-        self.bf16
-            .get_or_init(|| {
-                let probe = |wei_transposed: bool, ldd: usize, scale: f32, sum: Option<f32>| {
-                    let key = MatmulKey {
-                        dtype: DNNL_BF16,
-                        m: 64,
-                        n: 64,
-                        k: 64,
-                        wei_transposed,
-                        ldd,
-                        scale_bits: scale.to_bits(),
-                        sum_bits: sum.map(f32::to_bits),
-                    };
-                    self.cached_impl(&key).map(|_| ())
+        self.bf16_probe().clone()
+    }
+
+    /// [`OneDnn::bf16_impl`]'s probe, made once.
+    fn bf16_probe(&self) -> &Result<String, DnnlError> {
+        self.bf16.get_or_init(|| {
+            let probe = |wei_transposed: bool, ldd: usize, scale: f32, sum: Option<f32>| {
+                let key = MatmulKey {
+                    dtype: DNNL_BF16,
+                    m: 64,
+                    n: 64,
+                    k: 64,
+                    wei_transposed,
+                    ldd,
+                    scale_bits: scale.to_bits(),
+                    sum_bits: sum.map(f32::to_bits),
                 };
-                probe(false, 64, 1.0, None)?;
-                probe(true, 64, 1.0, None)?;
-                probe(false, 64, 2.0, Some(0.5))?;
-                // The symmetric products' blocks: transposed weights into a wider `dst`.
-                probe(true, 128, 2.0, Some(0.5))?;
-                self.impl_for::<bf16>(1024)
-            })
-            .clone()
+                self.cached_impl(&key).map(|_| ())
+            };
+            probe(false, 64, 1.0, None)?;
+            probe(true, 64, 1.0, None)?;
+            probe(false, 64, 2.0, Some(0.5))?;
+            // The symmetric products' blocks: transposed weights into a wider `dst`.
+            probe(true, 128, 2.0, Some(0.5))?;
+            self.impl_for::<bf16>(1024)
+        })
     }
 
     /// The implementation oneDNN picks for a `side³` matmul of `T` (e.g.
