@@ -39,13 +39,15 @@ use libloading::Library;
 /// Library names tried, in order.
 pub const LIBRARY_NAMES: [&str; 2] = ["libdnnl.so.2", "libdnnl.so"];
 
-/// Sides at which [`OneDnn::sym_nt`] stops splitting ([`OneDnn::sym_leaf`]): on 2 AMX cores
-/// a 1024-wide product is worth more whole than as three 512-wide ones (Muon on 1024²:
-/// 29.6–31.4 ms whole, 40.6–42.9 ms split; on 2048², split once: 276–285 ms against 297–303
-/// ms whole); on 2 AVX512-BF16 cores without AMX (AMD Zen 4) splitting down to 512 is the
-/// faster (Muon on the 28-matrix stack 0.91× the time of the 1024 leaf, 0.88–0.93 over 5
-/// alternating rounds; 256 gave 0.99× of 512 more).
+/// The side at which [`OneDnn::sym_nt`] stops splitting where oneDNN's bf16 products run on
+/// AMX tiles ([`OneDnn::sym_leaf`]): on 2 AMX cores a 1024-wide product is worth more whole
+/// than as three 512-wide ones (Muon on 1024²: 29.6–31.4 ms whole, 40.6–42.9 ms split; on
+/// 2048², split once: 276–285 ms against 297–303 ms whole).
 pub const SYM_LEAF_AMX: usize = 1024;
+/// The side at which [`OneDnn::sym_nt`] stops splitting elsewhere: on 2 AVX512-BF16 cores
+/// without AMX (AMD Zen 4) splitting down to 512 is the faster (Muon on the 28-matrix stack
+/// 0.91× the time of the 1024 leaf, 0.88–0.93 over 5 alternating rounds; 256 gave 0.99× of
+/// 512's).
 pub const SYM_LEAF: usize = 512;
 
 /// Copies the lower-left block (rows `h..n`, columns `0..h`) of the `n×n` matrix in `dst`
