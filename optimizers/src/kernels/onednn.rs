@@ -690,8 +690,8 @@ impl OneDnn {
     /// `dst (n×n, rows `ldd` apart) ← scale·a·aᵀ + sum·dst` for a row-major `a: n×k`, a
     /// symmetric result (and `dst` symmetric on entry with `Some(sum)`): the lower
     /// off-diagonal block is one product, mirrored into the upper one, and the diagonal
-    /// blocks recurse down to [`OneDnn::sym_leaf`]. Every block's operands are whole rows of `a`, so
-    /// only `dst` is strided. For a side of 2048 this does 75 % of the full product's
+    /// blocks recurse down to [`OneDnn::sym_leaf`]. Every block's operands are whole rows of
+    /// `a`, so only `dst` is strided. Split once, a side does 75 % of the full product's
     /// multiply-adds in 3 primitive calls. The mirrored blocks are exactly symmetric; a leaf
     /// is as symmetric as oneDNN's product of it.
     ///
