@@ -317,13 +317,11 @@ pub(crate) fn step(
 }
 
 /// The kernel's block size and what the driver holds of it at once: threads per block,
-/// registers per thread (as the driver's compiler allotted them), resident warps per
-/// multiprocessor and resident blocks.
+/// resident warps per multiprocessor and resident blocks.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Occupancy {
-    pub threads: u32,
-    pub registers: i32,
-    pub warps: u32,
+struct Occupancy {
+    threads: u32,
+    warps: u32,
     blocks: u32,
 }
 
@@ -332,10 +330,8 @@ pub(crate) struct Occupancy {
 /// blocks of 256 and 28 in blocks of 128).
 fn occupancy(f: &CudaFunction) -> Result<Occupancy> {
     const OP: &str = "Adam8bit::step (device)";
-    let registers = guarded(OP, || f.num_regs())?;
     let mut best = Occupancy {
         threads: BLOCK_SIZES[0],
-        registers,
         warps: 0,
         blocks: 1,
     };
@@ -348,7 +344,6 @@ fn occupancy(f: &CudaFunction) -> Result<Occupancy> {
         if warps > best.warps {
             best = Occupancy {
                 threads,
-                registers,
                 warps,
                 blocks,
             };
@@ -357,9 +352,16 @@ fn occupancy(f: &CudaFunction) -> Result<Occupancy> {
     Ok(best)
 }
 
-/// The 8-bit kernel's [`Occupancy`] on `dev` (for `ragged bench optim --device cuda`).
-pub(crate) fn kernel_occupancy(dev: &Device) -> Result<Occupancy> {
-    occupancy(&dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?)
+/// The 8-bit kernel's launch shape on `dev` in words (for `ragged bench optim --device
+/// cuda`): its block size, the registers the driver's compiler allotted it, resident warps.
+pub(crate) fn launch_note(dev: &Device) -> Result<String> {
+    let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
+    let registers = guarded("Adam8bit launch note", || f.num_regs())?;
+    let o = occupancy(&f)?;
+    Ok(format!(
+        "blocks of {}, {registers} registers, {} warps/SM",
+        o.threads, o.warps
+    ))
 }
 
 /// The launch for `scales` scale blocks (one warp each): blocks of [`occupancy`]'s size, and

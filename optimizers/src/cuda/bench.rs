@@ -239,11 +239,7 @@ fn bench_steps(
         let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
         a8.step(&mut st, &shard, pv, gv, &SingleRank)
     })?;
-    let o = super::adam8bit::kernel_occupancy(dev)?;
-    let shape = format!(
-        "blocks of {}, {} registers, {} warps/SM",
-        o.threads, o.registers, o.warps
-    );
+    let shape = super::adam8bit::launch_note(dev)?;
     rows.push(row(
         format!("8-bit Adam step, {label} ({shape})"),
         bytes,
