@@ -266,26 +266,17 @@ __device__ __forceinline__ void scale_block(
     const unsigned short new_v = encode_scale(amax_v);
     const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
     unsigned int mq[PER_LANE], vq[PER_LANE];
-    if (um.reciprocal && uv.reciprocal) {
-        // The common case (both scales normal, so neither 0), without the per-element
-        // choice: quantize_scaled's first form; and, where the lane quantizes no NaN,
-        // without the NaN check. A NaN v1 needs a NaN gradient (then m1 is NaN too) or a
-        // non-finite old v scale (a stored state's: the step writes finite ones), since
-        // v0 = map value * scale is otherwise finite and non-negative and v0 * beta2 +
-        // (1 - beta2) * g * g then at worst +inf; and a finite reciprocal times a number
-        // is a number.
-        if (!nan_m && isfinite(old_sv)) {
+    // The common case, without the per-element choices: both scales normal (so neither 0:
+    // quantize_scaled's first form) and no NaN to quantize in the lane. A NaN v1 needs a NaN
+    // gradient (then m1 is NaN too) or a non-finite old v scale (a stored state's: the step
+    // writes finite ones), since v0 = map value * scale is otherwise finite and non-negative
+    // and v0 * beta2 + (1 - beta2) * g * g then at worst +inf; and a finite reciprocal times
+    // a number is a number.
+    if (um.reciprocal && uv.reciprocal && !nan_m && isfinite(old_sv)) {
 #pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
-                mq[k] = quantize_number(m1[k] * um.r, t, im);
-                vq[k] = quantize_number(v1[k] * uv.r, t, iv);
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
-                mq[k] = quantize(m1[k] * um.r, t, im);
-                vq[k] = quantize(v1[k] * uv.r, t, iv);
-            }
+        for (int k = 0; k < PER_LANE; ++k) {
+            mq[k] = quantize_number(m1[k] * um.r, t, im);
+            vq[k] = quantize_number(v1[k] * uv.r, t, iv);
         }
     } else {
 #pragma unroll

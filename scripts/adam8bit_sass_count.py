@@ -11,11 +11,11 @@ and counts the instructions one lane executes for one whole, aligned scale block
 common path: lerp's small-weight form (the source is compiled with `fabsf(w) < 0.5f` made
 `true`, so the compiler keeps one copy), the fast paths of the IEEE square root and division
 (their slow-path calls and the moves that set them up are left out), and the quantization
-with both scales' reciprocals (the general quantize_scaled branch is left out); where the
-compiler made two copies of a loop for two values of a uniform condition, one. The count
-runs from the basic block of the vector path's first load to its code stores, so it leaves out the
-per-block search for the scale block and the grid loop; divide by 8 for a per-element
-figure. It is a proxy for time on a GPU where the kernel is bound by instruction issue
+with both scales' reciprocals and no NaN (the general quantize_scaled branch is left out);
+where the compiler made two copies of a loop for two values of a uniform condition, one. The
+count runs from the basic block of the vector path's first load to its code stores, so it
+leaves out the per-block search for the scale block and the grid loop; divide by 8 for a
+per-element figure. It is a proxy for time on a GPU where the kernel is bound by instruction issue
 (docs/benchmarks.md, optim-cuda), not a measurement of it.
 """
 import collections
@@ -91,9 +91,11 @@ def hot_path(sass):
             after = seg[i + 1] if i + 1 < len(seg) else ""
             if ("BRA" in after and "@" not in after) or "IMAD.MOV" in after:
                 cold.add(i + 1)
-    # An if/else whose two arms are long and call nothing: the compiler's copies of one loop
-    # for two values of a uniform condition (as the session-23 kernel's quantizer for signed
-    # and unsigned maps); one arm runs, so the else arm is left out.
+    # An if/else whose two arms are both long and whose first calls nothing: the common case
+    # written first and its general form (the quantization with both reciprocals and no NaN,
+    # then quantize_scaled, whose divisions may call their slow path), or the compiler's
+    # copies of one loop for two values of a uniform condition (the session-23 kernel's
+    # quantizer for signed and unsigned maps); the else arm is left out.
     for i, line in enumerate(seg):
         jump = re.search(r"^\s+/\*\w+\*/\s+BRA `\((\.L_x_\d+)\)", line)
         if not jump or i + 1 >= len(seg) or not seg[i + 1].startswith(".L_x"):
@@ -104,7 +106,8 @@ def hot_path(sass):
         if branch is None or join is None:
             continue
         arms = (range(branch + 1, i), range(i + 1, join))
-        if all(len(a) > 50 and not any("CALL" in seg[k] for k in a) for a in arms):
+        calls = lambda a: any("CALL" in seg[k] for k in a)
+        if all(len(a) > 50 for a in arms) and not calls(arms[0]):
             cold.update(arms[1])
     return [l for i, l in enumerate(seg) if INSTRUCTION.match(l) and i not in cold]
 
