@@ -102,6 +102,25 @@ __device__ __forceinline__ unsigned int quantize_number(float x, const unsigned 
     return word + ((bits ^ sign) & ix.low_mask);
 }
 
+// quantize_number of x = m * r for r > 0 and m not NaN, from m's sign and |m| * r, which is
+// |x| (round to nearest is symmetric), so its bucket needs no mask.
+__device__ __forceinline__ unsigned int quantize_product(float m, float r, const unsigned int* t,
+                                                         MapIndex ix) {
+    const unsigned int sign = (unsigned int)((int)__float_as_uint(m) >> 31);
+    const unsigned int abs_bits = __float_as_uint(fabsf(m) * r);
+    const int b = min(max((int)(abs_bits >> ix.shift), ix.lo) - ix.lo, ix.last);
+    const unsigned int word = t[ix.buckets + (unsigned int)b + (sign & ix.half)];
+    return word + ((abs_bits ^ sign) & ix.low_mask);
+}
+
+// quantize_number for x that is +0.0 or above (so never NaN): the positive half, no sign.
+__device__ __forceinline__ unsigned int quantize_nonnegative(float x, const unsigned int* t,
+                                                             MapIndex ix) {
+    const unsigned int bits = __float_as_uint(x);
+    const int b = min(max((int)(bits >> ix.shift), ix.lo) - ix.lo, ix.last);
+    return t[ix.buckets + (unsigned int)b] + (bits & ix.low_mask);
+}
+
 // quant.rs `CodeBook::quantize` for every x: code 0 for NaN.
 __device__ __forceinline__ unsigned int quantize(float x, const unsigned int* t, MapIndex ix) {
     return isnan(x) ? 0u : quantize_number(x, t, ix);
@@ -111,6 +130,20 @@ __device__ __forceinline__ unsigned int quantize(float x, const unsigned int* t,
 __device__ __forceinline__ unsigned int pack_codes(unsigned int a, unsigned int b,
                                                    unsigned int c, unsigned int d) {
     return __byte_perm(__byte_perm(a, b, 0x0073), __byte_perm(c, d, 0x0073), 0x5410);
+}
+
+// quant.rs `encode_scale` for a block maximum: +0.0 or above, up to +inf, never NaN (so
+// no sign to clear, and the largest rounding is infinity's code, which saturates at the
+// largest finite one).
+__device__ __forceinline__ unsigned int encode_block_max(float absmax) {
+    const unsigned int rounded =
+        (__float_as_uint(absmax) + (1u << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
+    return min(rounded, (0x7f800000u >> SCALE_SHIFT) - 1);
+}
+
+// quant.rs `decode_scale`.
+__device__ __forceinline__ float decode_scale(unsigned int code) {
+    return __uint_as_float(code << SCALE_SHIFT);
 }
 
 // quant.rs `Unscale`: a block's values times the scale's reciprocal when that is finite, else
@@ -142,19 +175,6 @@ __device__ __forceinline__ float dequantize(unsigned int codes, unsigned int k, 
 // or above), whose bits then order as the values do: one integer reduction, no shuffles.
 __device__ __forceinline__ float warp_max(float x) {
     return __uint_as_float(__reduce_max_sync(FULL_MASK, __float_as_uint(x)));
-}
-
-// quant.rs `encode_scale` / `decode_scale`.
-__device__ __forceinline__ unsigned short encode_scale(float absmax) {
-    const unsigned int bits = __float_as_uint(absmax) & 0x7fffffffu;
-    const unsigned int rounded = (bits + (1u << (SCALE_SHIFT - 1))) >> SCALE_SHIFT;
-    const unsigned int infinity = 0x7f800000u >> SCALE_SHIFT;
-    if (rounded == infinity && bits <= 0x7f800000u) return (unsigned short)(infinity - 1);
-    return (unsigned short)rounded;
-}
-
-__device__ __forceinline__ float decode_scale(unsigned short code) {
-    return __uint_as_float(((unsigned int)code) << SCALE_SHIFT);
 }
 
 // Scale block `s`: its first element in the local shard, its length and its decay factor.
@@ -262,8 +282,7 @@ __device__ __forceinline__ void scale_block(
         }
     }
     amax_m = warp_max(amax_m), amax_v = warp_max(amax_v);
-    const unsigned short new_m = encode_scale(amax_m);
-    const unsigned short new_v = encode_scale(amax_v);
+    const unsigned int new_m = encode_block_max(amax_m), new_v = encode_block_max(amax_v);
     const Unscale um = unscale_of(decode_scale(new_m)), uv = unscale_of(decode_scale(new_v));
     unsigned int mq[PER_LANE], vq[PER_LANE];
     // The common case, without the per-element choices: both scales normal (so neither 0:
@@ -272,24 +291,24 @@ __device__ __forceinline__ void scale_block(
     // writes finite ones), since v0 = map value * scale is otherwise finite and non-negative
     // and v0 * beta2 + (1 - beta2) * g * g then at worst +inf; and a finite reciprocal times
     // a number is a number.
+    // Both loops end with the second-moment floor (quant.rs `keep_positive_nonzero`): a
+    // positive v1's code 0 becomes 1. In the first, as a max (v1 is a number), which the
+    // compiler fuses with the quantizer's last addition.
+    const unsigned int one = 1u << CODE_SHIFT;
     if (um.reciprocal && uv.reciprocal && !nan_m && isfinite(old_sv)) {
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
-            mq[k] = quantize_number(m1[k] * um.r, t, im);
-            vq[k] = quantize_number(v1[k] * uv.r, t, iv);
+            mq[k] = quantize_product(m1[k], um.r, t, im);
+            // v1 >= +0.0: v0 and (1 - beta2) * g * g are (see above).
+            vq[k] = max(quantize_nonnegative(v1[k] * uv.r, t, iv), v1[k] > 0.0f ? one : 0u);
         }
     } else {
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
             mq[k] = quantize_scaled(m1[k], um, t, im, m_zero_code);
             vq[k] = quantize_scaled(v1[k], uv, t, iv, v_zero_code);
+            vq[k] = (vq[k] < one && v1[k] > 0.0f) ? one : vq[k];
         }
-    }
-#pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        // The second-moment floor (quant.rs `keep_positive_nonzero`): code 0 becomes 1.
-        const unsigned int one = 1u << CODE_SHIFT;
-        vq[k] = (vq[k] < one && v1[k] > 0.0f) ? one : vq[k];
     }
     if (VECTOR) {
         uint2 mv, vv;
@@ -311,8 +330,8 @@ __device__ __forceinline__ void scale_block(
         }
     }
     if (live && lane == 0) {
-        scale_m[s] = new_m;
-        scale_v[s] = new_v;
+        scale_m[s] = (unsigned short)new_m;
+        scale_v[s] = (unsigned short)new_v;
     }
 }
 

@@ -1,6 +1,6 @@
 // Newton-Schulz helpers around the cuBLAS products (optimizers/src/cuda/newton_schulz.rs):
-// batched transpose, the Frobenius pre-normalization, f32 <-> bf16 conversion, and filling the
-// upper triangle of a syrk result.
+// batched transpose, the Frobenius pre-normalization and filling the upper triangle of a syrk
+// result (the f32 <-> bf16 conversions are group_ops.cu's).
 //
 // ns_transpose: grid (ceil(cols/32), ceil(rows/32), batch), block (32, 8); a 32x33 shared tile.
 // ns_sumsq_partial: grid (blocks, batch), block 256: per block, the f64 sum of squares of a
@@ -14,8 +14,6 @@
 //   element-order sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
 //   almost always agrees (a different f32 denom is possible only when the f64 sum sits on an
 //   f32 rounding boundary). The division is IEEE (--prec-div=true).
-// ns_f32_to_bf16 / ns_bf16_to_f32: round to nearest even (half::bf16::from_f32's rounding;
-//   NaN stays NaN), and the exact widening.
 
 extern "C" __global__ void ns_transpose(const float* x, float* out, unsigned int rows,
                                         unsigned int cols) {
@@ -74,29 +72,6 @@ extern "C" __global__ void ns_normalize(float* x, unsigned long long len, const 
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < len;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         xm[i] = m == 1 ? xm[i] / d : (m == 2 ? (float)((double)xm[i] / d64) : __int_as_float(0x7fc00000));
-    }
-}
-
-extern "C" __global__ void ns_f32_to_bf16(const float* x, unsigned short* out,
-                                          unsigned long long n) {
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        const unsigned int u = __float_as_uint(x[i]);
-        unsigned short h;
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            h = (unsigned short)((u >> 16) | 0x0040u);  // quiet NaN
-        } else {
-            h = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        }
-        out[i] = h;
-    }
-}
-
-extern "C" __global__ void ns_bf16_to_f32(const unsigned short* x, float* out,
-                                          unsigned long long n) {
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        out[i] = __uint_as_float(((unsigned int)x[i]) << 16);
     }
 }
 

@@ -14,7 +14,9 @@
 # target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
 # cuda` into bench-optim.md and the optim-cuda section of a copy of docs/benchmarks.md, then
 # (with the candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and
-# section train-cuda. CUDA libraries: the driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
+# section train-cuda, and `train --device cuda` on thread ranks, on a one-process NCCL world
+# and saved then resumed from a checkpoint (on the GPU and on the CPU). CUDA libraries: the
+# driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
 # NVRTC and NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
 # nvidia-nccl-cu13) when any are installed, else from the system (CUDA toolkit on the loader
 # path). NCCL's soname is libnccl.so.2, which cudarc does not
@@ -206,6 +208,33 @@ if [[ -x $bins/train ]]; then
                 status=1
             fi
         done
+        # Checkpoints of device state through the example: 4 steps saved after the second
+        # (8-bit Adam, two GPU thread ranks), resumed from step 2 (folder step-00000002) at the same world size: the
+        # final parameter digests must be equal (the same kernels in the same order); then
+        # resumed on the CPU's thread ranks at world 3 (it must load and finish). cuBLAS is
+        # asked for its deterministic workspace, as torch does for reproducible runs.
+        ckpt=$work/ckpt
+        common=(--size tiny --steps 4 --optimizer adam8bit --batch 6)
+        export CUBLAS_WORKSPACE_CONFIG=:4096:8
+        if limited 90 "$bins/train-candle-cuda" "${common[@]}" --ranks 2 --comm gpu-threads \
+            --device cuda --checkpoint-dir "$ckpt" --save-every 2 >"$res/train-ckpt-save.txt" 2>&1 &&
+            limited 90 "$bins/train-candle-cuda" "${common[@]}" --ranks 2 --comm gpu-threads \
+                --device cuda --resume "$ckpt/step-00000002" >"$res/train-ckpt-resume.txt" 2>&1 &&
+            limited 90 "$bins/train-candle-cuda" "${common[@]}" --ranks 3 \
+                --resume "$ckpt/step-00000002" >"$res/train-ckpt-resume-cpu.txt" 2>&1; then
+            digest() { grep -o 'parameter digest.*' "$1"; }
+            if [[ -n $(digest "$res/train-ckpt-save.txt") &&
+                $(digest "$res/train-ckpt-save.txt") == $(digest "$res/train-ckpt-resume.txt") ]]; then
+                say "train --device cuda, saved and resumed: ok, the same digest"
+            else
+                say "train --device cuda, saved and resumed: FAILED, digests differ (a resume" \
+                    "bug or GPU nondeterminism: compare the loss columns of train-ckpt-*.txt)"
+                status=1
+            fi
+        else
+            say "train --device cuda with checkpoints: FAILED (exit $?), see train-ckpt-*.txt"
+            status=1
+        fi
     else
         say "train --device cuda: skipped: no train-candle-cuda binary (built without nvcc)"
     fi

@@ -218,6 +218,50 @@ impl<T: Elem> Storage<T> {
         }
     }
 
+    /// Elements `range` on the host: borrowed from host storage, downloaded from a device
+    /// (that range only); `Err` for a range past the end.
+    pub fn read_range(&self, range: std::ops::Range<usize>) -> Result<std::borrow::Cow<'_, [T]>> {
+        self.check_range("Storage::read_range", &range)?;
+        match self {
+            Storage::Cpu(v) => Ok(std::borrow::Cow::Borrowed(&v[range])),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => Ok(std::borrow::Cow::Owned(
+                d.dev.download(&d.data.slice(range))?,
+            )),
+        }
+    }
+
+    /// Sets elements `range` by `fill`, which must write every element of the slice it gets:
+    /// the elements themselves in host storage, a host buffer uploaded into the range after it
+    /// for a device; `Err` for a range past the end, or `fill`'s.
+    pub fn fill_range(
+        &mut self,
+        range: std::ops::Range<usize>,
+        fill: impl FnOnce(&mut [T]) -> Result<()>,
+    ) -> Result<()> {
+        self.check_range("Storage::fill_range", &range)?;
+        match self {
+            Storage::Cpu(v) => fill(&mut v[range]),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => {
+                let mut host = vec![T::default(); range.len()];
+                fill(&mut host)?;
+                d.dev.upload_into(&host, &mut d.data.slice_mut(range))
+            }
+        }
+    }
+
+    /// `Err` unless `range` lies inside the storage.
+    fn check_range(&self, op: &'static str, range: &std::ops::Range<usize>) -> Result<()> {
+        if range.start <= range.end && range.end <= self.len() {
+            return Ok(());
+        }
+        Err(Error::InvalidShard {
+            op,
+            reason: format!("{range:?} of {}", self.len()),
+        })
+    }
+
     /// A copy in the same memory (device to device for device storage).
     pub fn try_clone(&self) -> Result<Self> {
         match self {
@@ -271,7 +315,8 @@ impl Storage<f32> {
         add: bool,
     ) -> Result<()> {
         const OP: &str = "Storage::write_range";
-        if range.start > range.end || range.end > self.len() || src.len() != range.len() {
+        self.check_range(OP, &range)?;
+        if src.len() != range.len() {
             return Err(Error::InvalidShard {
                 op: OP,
                 reason: format!("{} elements into {range:?} of {}", src.len(), self.len()),
@@ -310,12 +355,7 @@ impl Storage<f32> {
 
     /// `self[range] ← 0`.
     pub fn zero_range(&mut self, range: std::ops::Range<usize>) -> Result<()> {
-        if range.start > range.end || range.end > self.len() {
-            return Err(Error::InvalidShard {
-                op: "Storage::zero_range",
-                reason: format!("{range:?} of {}", self.len()),
-            });
-        }
+        self.check_range("Storage::zero_range", &range)?;
         match self {
             Storage::Cpu(v) => v[range].fill(0.0),
             #[cfg(feature = "cuda")]

@@ -128,6 +128,129 @@ fn device_storage_ops_equal_the_host_ops_bitwise() {
     assert!(matches!(x, Storage::Cuda(_)));
 }
 
+#[test]
+fn a_memo_is_made_once_per_device_and_keeps_its_type() {
+    let Some(dev) = device() else { return };
+    let made = std::sync::atomic::AtomicUsize::new(0);
+    let table = |dev: &Device| {
+        made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        dev.upload(&[1u32, 2, 3])
+    };
+    let first = dev.memo("test table", table).unwrap();
+    let again = dev.memo("test table", table).unwrap();
+    assert!(
+        Arc::ptr_eq(&first, &again),
+        "the second call made another value"
+    );
+    assert_eq!(made.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(dev.download(&*again).unwrap(), [1, 2, 3]);
+    // Another `Device` (a second handle on the same GPU) makes its own.
+    let Some(other) = device() else { return };
+    let theirs = other.memo("test table", table).unwrap();
+    assert!(!Arc::ptr_eq(&first, &theirs));
+    assert_eq!(made.load(std::sync::atomic::Ordering::Relaxed), 2);
+    // A make may ask for another memo (launch shapes ask for the multiprocessor count).
+    let outer = dev.memo("outer", |d| Ok(*d.memo("inner", |_| Ok(3u32))? + 1));
+    assert_eq!(*outer.unwrap(), 4);
+    // A key holds one type; a failed make is not kept.
+    let wrong = dev.memo("test table", |_| Ok(7u64));
+    assert!(matches!(wrong, Err(Error::Cuda { .. })), "{wrong:?}");
+    let failed = dev.memo("failing", |_| -> ragged::Result<u32> {
+        Err(Error::Cuda {
+            op: "test",
+            reason: "no".into(),
+        })
+    });
+    assert!(failed.is_err());
+    assert_eq!(*dev.memo("failing", |_| Ok(5u32)).unwrap(), 5);
+}
+
+#[test]
+fn a_missing_kernel_entry_point_is_an_error_and_spoils_no_later_lookup() {
+    let Some(dev) = device() else { return };
+    let missing = dev.function(&ragged::cuda::ADAMW, "no_such_kernel");
+    assert!(matches!(missing, Err(Error::Cuda { .. })), "{missing:?}");
+    for _ in 0..2 {
+        dev.function(&ragged::cuda::ADAMW, "adamw_step").unwrap();
+    }
+    let again = dev.function(&ragged::cuda::ADAMW, "no_such_kernel");
+    assert!(matches!(again, Err(Error::Cuda { .. })), "{again:?}");
+}
+
+/// Mixed precision's device casts (`cuda::ops::f32_to_bf16`, `bf16_to_f32`,
+/// `accumulate_bf16`) equal the host's (`half::bf16::from_f32`; widening and one f32 addition) bit for bit: ties to even,
+/// the extremes, subnormals, infinities and NaN (a quiet NaN with the sign and payload kept).
+#[test]
+fn bf16_casts_and_gradient_accumulation_equal_the_host_loops_bitwise() {
+    let Some(dev) = device() else { return };
+    let mut x = values(5000, 9);
+    let ties = [
+        0x3f80_8000u32,
+        0x3f81_8000,
+        0x7f7f_ffff,
+        0x0000_8000,
+        0x0001_8000,
+    ];
+    let special = [
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        f32::MIN_POSITIVE,
+    ];
+    x.extend(ties.iter().map(|&b| f32::from_bits(b)));
+    x.extend(special);
+    x.push(f32::from_bits(0x7f80_0001)); // a signalling NaN: made quiet
+    let want: Vec<u16> = x
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let dx = dev.upload(&x).unwrap();
+    let mut db = dev.zeros::<half::bf16>(x.len()).unwrap();
+    ragged::cuda::ops::f32_to_bf16(&dev, &dx.slice(..), &mut db.slice_mut(..)).unwrap();
+    let got: Vec<u16> = dev
+        .download(&db)
+        .unwrap()
+        .iter()
+        .map(|b| b.to_bits())
+        .collect();
+    assert_eq!(got, want, "f32 to bf16");
+    // And back: the exact widening.
+    let mut wide = dev.zeros::<f32>(x.len()).unwrap();
+    ragged::cuda::ops::bf16_to_f32(&dev, &db.slice(..), &mut wide.slice_mut(..)).unwrap();
+    let widened: Vec<f32> = want
+        .iter()
+        .map(|&b| half::bf16::from_bits(b).to_f32())
+        .collect();
+    assert_eq!(
+        bits(&dev.download(&wide).unwrap()),
+        bits(&widened),
+        "bf16 to f32"
+    );
+    // Into an f32 slot: the first gradient is widened, the next ones added.
+    let g: Vec<half::bf16> = want.iter().map(|&b| half::bf16::from_bits(b)).collect();
+    let mut host = values(x.len(), 10);
+    let mut slot = dev.upload(&host).unwrap();
+    for first in [true, false, false] {
+        host.iter_mut()
+            .zip(&g)
+            .for_each(|(h, g)| *h = if first { g.to_f32() } else { *h + g.to_f32() });
+        let dg = dev.upload(&g).unwrap();
+        ragged::cuda::ops::accumulate_bf16(&dev, &mut slot.slice_mut(..), &dg.slice(..), first)
+            .unwrap();
+        assert_eq!(
+            bits(&dev.download(&slot).unwrap()),
+            bits(&host),
+            "first: {first}"
+        );
+    }
+    // Lengths that differ are refused.
+    let short = dev.zeros::<half::bf16>(3).unwrap();
+    let r =
+        ragged::cuda::ops::accumulate_bf16(&dev, &mut slot.slice_mut(..), &short.slice(..), true);
+    assert!(r.is_err());
+}
+
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
@@ -374,6 +497,10 @@ const ENTRIES: [(&str, &[&str]); 6] = [
             "group_axpy",
             "group_copy",
             "group_count_non_finite",
+            "group_exact_squares",
+            "group_f32_to_bf16",
+            "group_bf16_to_f32",
+            "group_accumulate_bf16",
         ],
     ),
     ("adamw.cu", &["adamw_step"]),
@@ -385,8 +512,6 @@ const ENTRIES: [(&str, &[&str]); 6] = [
             "ns_transpose",
             "ns_sumsq_partial",
             "ns_normalize",
-            "ns_f32_to_bf16",
-            "ns_bf16_to_f32",
             "ns_symmetrize_lower",
         ],
     ),

@@ -32,15 +32,11 @@ fn adam_layout(shard: &LocalShard) -> Vec<FieldLayout> {
 }
 
 fn adam_data(state: &AdamState) -> Result<Vec<FieldData<'_>>> {
-    Ok(vec![
-        FieldData::F32(state.m.cpu()?),
-        FieldData::F32(state.v.cpu()?),
-    ])
+    Ok(vec![(&state.m).into(), (&state.v).into()])
 }
 
 fn adam_data_mut(state: &mut AdamState) -> Result<Vec<FieldDataMut<'_>>> {
-    let (m, v) = state.host_mut()?;
-    Ok(vec![FieldDataMut::F32(m), FieldDataMut::F32(v)])
+    Ok(vec![(&mut state.m).into(), (&mut state.v).into()])
 }
 
 /// The [`CheckpointState`] methods of an optimizer whose state is [`AdamState`].
@@ -130,24 +126,23 @@ impl CheckpointState for Adam8bit {
 
     fn state_data<'a>(&self, s: &'a Adam8bitState) -> Result<Vec<FieldData<'a>>> {
         Ok(vec![
-            FieldData::U8(s.m.cpu()?),
-            FieldData::U8(s.v.cpu()?),
-            FieldData::U16(s.scale_m.cpu()?),
-            FieldData::U16(s.scale_v.cpu()?),
-            FieldData::F32(s.m32.cpu()?),
-            FieldData::F32(s.v32.cpu()?),
+            (&s.m).into(),
+            (&s.v).into(),
+            (&s.scale_m).into(),
+            (&s.scale_v).into(),
+            (&s.m32).into(),
+            (&s.v32).into(),
         ])
     }
 
     fn state_data_mut<'a>(&self, s: &'a mut Adam8bitState) -> Result<Vec<FieldDataMut<'a>>> {
-        let h = s.host_mut()?;
         Ok(vec![
-            FieldDataMut::U8(h.m),
-            FieldDataMut::U8(h.v),
-            FieldDataMut::U16(h.scale_m),
-            FieldDataMut::U16(h.scale_v),
-            FieldDataMut::F32(h.m32),
-            FieldDataMut::F32(h.v32),
+            (&mut s.m).into(),
+            (&mut s.v).into(),
+            (&mut s.scale_m).into(),
+            (&mut s.scale_v).into(),
+            (&mut s.m32).into(),
+            (&mut s.v32).into(),
         ])
     }
 
@@ -218,23 +213,20 @@ impl CheckpointState for Shampoo {
     }
 
     fn state_data<'a>(&self, s: &'a ShampooState) -> Result<Vec<FieldData<'a>>> {
-        let mut out = vec![FieldData::F32(&s.m)];
+        let mut out = vec![FieldData::from(&s.m[..])];
         if self.config().grafting.has_accumulator() {
-            out.push(FieldData::F32(&s.v));
+            out.push(s.v[..].into());
         }
-        out.extend([FieldData::F32(&s.factors), FieldData::F32(&s.roots)]);
+        out.extend([s.factors[..].into(), s.roots[..].into()]);
         Ok(out)
     }
 
     fn state_data_mut<'a>(&self, s: &'a mut ShampooState) -> Result<Vec<FieldDataMut<'a>>> {
-        let mut out = vec![FieldDataMut::F32(&mut s.m)];
+        let mut out = vec![FieldDataMut::from(&mut s.m[..])];
         if self.config().grafting.has_accumulator() {
-            out.push(FieldDataMut::F32(&mut s.v));
+            out.push((&mut s.v[..]).into());
         }
-        out.extend([
-            FieldDataMut::F32(&mut s.factors),
-            FieldDataMut::F32(&mut s.roots),
-        ]);
+        out.extend([(&mut s.factors[..]).into(), (&mut s.roots[..]).into()]);
         Ok(out)
     }
 

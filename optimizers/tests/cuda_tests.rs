@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use ragged::checkpoint::{CheckpointState, FieldArray, FieldData, FieldLayout};
 use ragged::comm::SingleRank;
 use ragged::cuda::Device;
 use ragged::model::{DType, TensorSpec};
@@ -184,6 +185,99 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
                 .collect();
             let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
             assert_adam8bit_equal(&host, &device, "sharded");
+        }
+    }
+}
+
+/// Checkpoints of states in device memory ([`CheckpointState`] on device storage): every
+/// field's spans, read from the device range by range, are the host state's bytes after the
+/// same steps (bitwise: the steps are), and a fresh device state filled span by span from
+/// those bytes reads back the same. 8-bit Adam has fields of all three element types.
+#[test]
+fn checkpoint_fields_of_device_states_read_and_fill_like_host_ones() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[64, 96]),
+        ("bias", &[33]),
+        ("experts", &[3, 40, 64]),
+    ]);
+    let adam8bit = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 1024,
+        ..Default::default()
+    })
+    .unwrap();
+    fields_round_trip(&adam8bit, &spec, &dev);
+    fields_round_trip(&AdamW::new(AdamWConfig::default()).unwrap(), &spec, &dev);
+}
+
+/// Every field's spans of `data` as bytes, in the layout's order.
+fn span_bytes(layout: &[FieldLayout], data: &[FieldData<'_>]) -> Vec<Vec<u8>> {
+    assert_eq!(layout.len(), data.len());
+    layout
+        .iter()
+        .zip(data)
+        .map(|(f, d)| {
+            let mut out = Vec::new();
+            for s in &f.spans {
+                let range = s.local..s.local + s.global.len();
+                d.with_bytes(range, |b| {
+                    out.extend_from_slice(b);
+                    Ok(())
+                })
+                .unwrap();
+            }
+            out
+        })
+        .collect()
+}
+
+fn fields_round_trip<O: CheckpointState>(opt: &O, spec: &[TensorSpec], dev: &Arc<Device>) {
+    for world in [1, 2] {
+        let shards = planned_shards(opt, spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(5 + world as u64);
+        let p0 = globals(spec, &mut rng, 1.0);
+        for shard in &shards {
+            let grads: Vec<Vec<f32>> = (0..2)
+                .map(|_| scatter(shard, &globals(spec, &mut rng, 0.1)))
+                .collect();
+            let ((_, host), (_, on_device)) =
+                host_and_device(opt, shard, dev, scatter(shard, &p0), &grads);
+            let layout = opt.state_layout(shard).unwrap();
+            let want = span_bytes(&layout, &opt.state_data(&host).unwrap());
+            let data = opt.state_data(&on_device).unwrap();
+            let on_device_storage = |d: &FieldData<'_>| {
+                matches!(
+                    d,
+                    FieldData::F32(FieldArray::Storage(_))
+                        | FieldData::U16(FieldArray::Storage(_))
+                        | FieldData::U8(FieldArray::Storage(_))
+                )
+            };
+            assert!(
+                data.iter().all(on_device_storage),
+                "read from device storage"
+            );
+            assert_eq!(span_bytes(&layout, &data), want, "read from the device");
+            let mut fresh = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
+            for ((f, mut d), src) in layout
+                .iter()
+                .zip(opt.state_data_mut(&mut fresh).unwrap())
+                .zip(&want)
+            {
+                let mut at = 0;
+                for s in &f.spans {
+                    let n = s.global.len() * f.dtype.size();
+                    let range = s.local..s.local + s.global.len();
+                    d.fill_bytes(range, |b| {
+                        b.copy_from_slice(&src[at..at + n]);
+                        Ok(())
+                    })
+                    .unwrap();
+                    at += n;
+                }
+            }
+            let filled = span_bytes(&layout, &opt.state_data(&fresh).unwrap());
+            assert_eq!(filled, want, "filled on the device");
         }
     }
 }
@@ -579,6 +673,87 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
     println!("{table}");
 }
 
+/// What the `candle-cuda` tests (models on the GPU) use.
+#[cfg(feature = "candle-cuda")]
+use {
+    ragged::checkpoint::SaveOptions,
+    ragged::comm::threads::ThreadWorld,
+    ragged::comm::Communicator,
+    ragged::cuda::threads::ThreadDeviceComm,
+    ragged::demo::{MlpBatch, MlpStages},
+    ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision},
+    std::collections::HashMap,
+};
+
+/// candle's CUDA device 0 and this crate's device on candle's stream (the per-thread default
+/// stream: each rank thread's work, candle's kernels, this crate's and the collectives', is
+/// ordered on its own), or `None` after printing why the test is skipped.
+#[cfg(feature = "candle-cuda")]
+fn candle_gpu() -> Option<(candle_core::Device, Arc<Device>)> {
+    device()?;
+    let gpu = match candle_core::Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("skipped: candle's CUDA device: {e}");
+            return None;
+        }
+    };
+    let candle_core::Device::Cuda(cuda) = &gpu else {
+        unreachable!()
+    };
+    let dev = Arc::new(Device::from_candle(cuda).unwrap());
+    Some((gpu, dev))
+}
+
+/// The demo MLP of the `candle-cuda` tests.
+#[cfg(feature = "candle-cuda")]
+fn small_mlp() -> ragged::demo::MlpConfig {
+    ragged::demo::MlpConfig {
+        width: 64,
+        hidden: 128,
+        layers: 3,
+    }
+}
+
+/// `mlp`'s parameters from `seed`, on `device`.
+#[cfg(feature = "candle-cuda")]
+fn mlp_params(
+    mlp: &ragged::demo::MlpConfig,
+    seed: u64,
+    device: &candle_core::Device,
+) -> ragged::Result<Vec<(String, candle_core::Tensor)>> {
+    let on = |t: candle_core::Tensor| t.to_device(device).map_err(ragged::dbuffer::candle("to"));
+    mlp.init_params(seed)?
+        .into_iter()
+        .map(|(n, t)| Ok((n, on(t)?)))
+        .collect()
+}
+
+/// This rank's rows of `mlp`'s global batch of step `step` (`rows` rows, split evenly over
+/// the ranks of `comm`), as `dtype` on `device`.
+#[cfg(feature = "candle-cuda")]
+fn rank_batch(
+    mlp: &ragged::demo::MlpConfig,
+    step: usize,
+    rows: usize,
+    comm: &dyn Communicator,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> ragged::Result<MlpBatch> {
+    let b = mlp.batch(step, rows)?;
+    let n = rows / comm.world_size();
+    let mine = |t: &candle_core::Tensor| {
+        t.narrow(0, n * comm.rank(), n)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to_device(device))
+            .map_err(ragged::dbuffer::candle("rank_batch"))
+    };
+    Ok(MlpBatch {
+        x: mine(&b.x)?,
+        y: mine(&b.y)?,
+    })
+}
+
 /// `fully_shard` on the GPU (feature `candle-cuda`): the demo MLP's parameters are candle CUDA
 /// tensors, its master shards, gradient buffers and AdamW state device memory, and two thread
 /// ranks on the one GPU gather, reduce and step through device buffers. Three steps match the
@@ -590,33 +765,10 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
 #[cfg(feature = "candle-cuda")]
 #[test]
 fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
-    use ragged::comm::threads::ThreadWorld;
-    use ragged::comm::Communicator;
-    use ragged::cuda::threads::ThreadDeviceComm;
-    use ragged::demo::{MlpBatch, MlpConfig, MlpStages};
-    use ragged::fsdp::{fully_shard, FsdpOptions};
-    use std::collections::HashMap;
-    if device().is_none() {
+    let Some((gpu, dev)) = candle_gpu() else {
         return;
-    }
-    let gpu = match candle_core::Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            println!("skipped: candle's CUDA device: {e}");
-            return;
-        }
     };
-    let candle_core::Device::Cuda(cuda) = &gpu else {
-        unreachable!()
-    };
-    // candle's stream for its kernels, this crate's and the collectives' (the per-thread
-    // default stream: each rank thread's work is ordered on its own).
-    let dev = Arc::new(Device::from_candle(cuda).unwrap());
-    let mlp = MlpConfig {
-        width: 64,
-        hidden: 128,
-        layers: 3,
-    };
+    let mlp = small_mlp();
     // Freed units and kept ones (a kept unit goes stale at each step and is refilled through its
     // own device storages); the digest gathers where the master lives, as `train` prints it.
     // A world of one on the GPU runs its collectives without the overlap thread
@@ -632,39 +784,32 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
         ),
         (1, FsdpOptions::default()),
     ];
+    // Full parameters, their digest and the gradient norms before clipping.
+    type Outcome = (HashMap<String, Vec<f32>>, String, Vec<f32>);
     for (world, opts) in cases {
-        let train = |comm: &dyn Communicator,
-                     device: &candle_core::Device|
-         -> ragged::Result<(HashMap<String, Vec<f32>>, String)> {
-            let params: Vec<_> = mlp
-                .init_params(3)?
-                .into_iter()
-                .map(|(n, t)| (n, t.to_device(device).unwrap()))
-                .collect();
-            let adamw = AdamW::new(AdamWConfig {
-                lr: 1e-3,
-                ..AdamWConfig::default()
-            })?;
-            let mut sharded = fully_shard(&params, adamw, comm, opts.clone())?;
-            let threaded = world > 1 || device.is_cpu();
-            assert_eq!(sharded.overlaps(), threaded, "world {world}, {device:?}");
-            assert_eq!(sharded.memory_plan().overlap_possible, threaded);
-            for step in 0..3 {
-                let b = mlp.batch(step, 4 * world)?;
-                let rows = |t: &candle_core::Tensor| {
-                    t.narrow(0, 4 * comm.rank(), 4)
-                        .and_then(|t| t.to_device(device))
-                        .unwrap()
-                };
-                let b = MlpBatch {
-                    x: rows(&b.x),
-                    y: rows(&b.y),
-                };
-                sharded.forward_backward(&MlpStages(mlp), &b)?;
-                sharded.step()?;
-            }
-            Ok((sharded.full_params()?, sharded.param_digest()?))
-        };
+        let train =
+            |comm: &dyn Communicator, device: &candle_core::Device| -> ragged::Result<Outcome> {
+                let params = mlp_params(&mlp, 3, device)?;
+                let adamw = AdamW::new(AdamWConfig {
+                    lr: 1e-3,
+                    ..AdamWConfig::default()
+                })?;
+                let mut sharded = fully_shard(&params, adamw, comm, opts.clone())?;
+                let threaded = world > 1 || device.is_cpu();
+                assert_eq!(sharded.overlaps(), threaded, "world {world}, {device:?}");
+                assert_eq!(sharded.memory_plan().overlap_possible, threaded);
+                let mut norms = Vec::new();
+                for step in 0..3 {
+                    let f32 = candle_core::DType::F32;
+                    let b = rank_batch(&mlp, step, 4 * world, comm, f32, device)?;
+                    sharded.forward_backward(&MlpStages(mlp), &b)?;
+                    // Clipped (the norms are well above 0.05): on the GPU the exact sum of
+                    // squares runs on the device (`cuda::ops::add_exact_squares`).
+                    norms.push(sharded.clip_grad_norm(0.05)?);
+                    sharded.step()?;
+                }
+                Ok((sharded.full_params()?, sharded.param_digest()?, norms))
+            };
         let cpu = ThreadWorld::run(world, |c| train(c, &candle_core::Device::Cpu)).unwrap();
         let on_gpu = ThreadDeviceComm::run(dev.clone(), world, |c| train(c, &gpu)).unwrap();
         for (name, want) in &cpu[0].0 {
@@ -672,8 +817,154 @@ fn fully_shard_trains_the_mlp_on_gpu_thread_ranks_like_on_cpu_thread_ranks() {
             let worst = max_abs_diff(got, want);
             assert!(worst < 1e-4, "{name}: {worst}");
         }
+        // The gradients differ by rounding (above), so the norms do, relatively, about as
+        // much; each is clipped.
+        for (got, want) in on_gpu[0].2.iter().zip(&cpu[0].2) {
+            assert!((got - want).abs() <= 1e-4 * want, "norm {got} vs {want}");
+            assert!(*want > 0.05, "norm {want}: not clipped");
+        }
         assert!(on_gpu.iter().all(|r| *r == on_gpu[0]), "ranks disagree");
     }
+}
+
+/// Mixed precision on the GPU (feature `candle-cuda`): bf16 compute copies (`param_dtype`),
+/// rounded from the f32 master on the device before each all-gather, bf16 gradients added
+/// into the f32 gradient buffer on the device, reductions in f32 and in bf16 (`reduce_dtype`:
+/// the buffer rounded, reduced and the shard widened on the device). Against the same
+/// training on CPU thread ranks under the same policy: every product of the bf16 forward and
+/// backward rounds to 8 mantissa bits and cuBLAS sums in another order than the CPU, so
+/// gradients differ in about the third digit, and AdamW steps each element by about lr
+/// whatever its gradient's size: parameters stay within 2·steps·lr (a gradient's sign
+/// flipped costs 2·lr a step). The masters stay f32.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn bf16_compute_copies_train_on_the_gpu_like_on_the_cpu() {
+    let Some((gpu, dev)) = candle_gpu() else {
+        return;
+    };
+    let mlp = small_mlp();
+    let (lr, steps) = (1e-3, 3);
+    for reduce_dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
+        let opts = FsdpOptions {
+            mixed_precision: MixedPrecision {
+                param_dtype: candle_core::DType::BF16,
+                reduce_dtype,
+            },
+            ..FsdpOptions::default()
+        };
+        let train = |comm: &dyn Communicator,
+                     device: &candle_core::Device|
+         -> ragged::Result<HashMap<String, Vec<f32>>> {
+            let params = mlp_params(&mlp, 3, device)?;
+            let adamw = AdamW::new(AdamWConfig {
+                lr,
+                ..AdamWConfig::default()
+            })?;
+            let mut sharded = fully_shard(&params, adamw, comm, opts.clone())?;
+            for step in 0..steps {
+                let bf16 = candle_core::DType::BF16;
+                let b = rank_batch(&mlp, step, 8, comm, bf16, device)?;
+                sharded.forward_backward(&MlpStages(mlp), &b)?;
+                sharded.step()?;
+            }
+            sharded.full_params()
+        };
+        let cpu = ThreadWorld::run(2, |c| train(c, &candle_core::Device::Cpu)).unwrap();
+        let on_gpu = ThreadDeviceComm::run(dev.clone(), 2, |c| train(c, &gpu)).unwrap();
+        let bound = 2.0 * steps as f32 * lr as f32;
+        let mut f32_only = 0;
+        for (name, want) in &cpu[0] {
+            let got = &on_gpu[0][name];
+            let worst = max_abs_diff(got, want);
+            assert!(
+                worst <= bound,
+                "{reduce_dtype:?}: {name}: {worst} > {bound}"
+            );
+            f32_only += got
+                .iter()
+                .filter(|&&x| half::bf16::from_f32(x).to_f32() != x)
+                .count();
+        }
+        assert!(f32_only > 0, "the master weights must stay f32");
+        assert!(on_gpu.iter().all(|r| *r == on_gpu[0]), "ranks disagree");
+    }
+}
+
+/// Checkpoints of a model whose parameters and 8-bit Adam state live on the GPU: saved from
+/// two GPU thread ranks, loaded into three CPU thread ranks and into one GPU rank, the
+/// parameters come back bit for bit (a checkpoint holds the exact bits), and the step after
+/// the load on one GPU rank is the saving run's next step within the tolerance above (its
+/// gradients are summed over two ranks there, in another order).
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn checkpoints_of_a_model_on_the_gpu_load_at_other_world_sizes_and_on_the_cpu() {
+    let Some((gpu, dev)) = candle_gpu() else {
+        return;
+    };
+    let mlp = small_mlp();
+    let root = std::env::temp_dir().join(format!("ragged-gpu-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // `steps` steps from `load` (or from the start), the parameters after `save_after` of them
+    // saved to `root` when asked; the full parameters after every step.
+    type Params = HashMap<String, Vec<f32>>;
+    let run = |comm: &dyn Communicator,
+               device: &candle_core::Device,
+               load: bool,
+               steps: std::ops::Range<usize>,
+               save_after: Option<usize>|
+     -> ragged::Result<Vec<Params>> {
+        let params = mlp_params(&mlp, 5, device)?;
+        let opt = Adam8bit::new(Adam8bitConfig {
+            min_8bit_size: 1024,
+            ..Default::default()
+        })?;
+        let mut sharded = fully_shard(&params, opt, comm, FsdpOptions::default())?;
+        if load {
+            sharded.load(&root)?;
+        }
+        let mut out = vec![sharded.full_params()?];
+        for step in steps {
+            let b = rank_batch(&mlp, step, 8, comm, candle_core::DType::F32, device)?;
+            sharded.forward_backward(&MlpStages(mlp), &b)?;
+            sharded.step()?;
+            if save_after == Some(step) {
+                sharded.save(&root, &SaveOptions::default())?;
+            }
+            out.push(sharded.full_params()?);
+        }
+        Ok(out)
+    };
+    // Two GPU ranks: 3 steps, saved after the second.
+    let saving = ThreadDeviceComm::run(dev.clone(), 2, |c| run(c, &gpu, false, 0..3, Some(1)))
+        .unwrap()
+        .swap_remove(0);
+    let saved = &saving[2];
+    let on_cpu =
+        ThreadWorld::run(3, |c| run(c, &candle_core::Device::Cpu, true, 0..0, None)).unwrap();
+    let one_gpu =
+        ThreadDeviceComm::run(dev.clone(), 1, |c| run(c, &gpu, true, 2..3, None)).unwrap();
+    for (name, want) in saved {
+        assert_eq!(
+            bits(&on_cpu[0][0][name]),
+            bits(want),
+            "{name}: loaded on the CPU"
+        );
+        assert_eq!(
+            bits(&one_gpu[0][0][name]),
+            bits(want),
+            "{name}: loaded on the GPU"
+        );
+    }
+    // The step after the load: one GPU rank against the saving run's two (the same
+    // gradients up to the order of their sum over ranks, so within the tolerance above).
+    for (name, want) in &saving[3] {
+        let worst = max_abs_diff(&one_gpu[0][1][name], want);
+        assert!(
+            worst < 1e-4,
+            "{name}: {worst} after the step that follows the load"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 // ---- Edge cases a mutation audit of the GPU code found unprotected (session 22) ----
@@ -1114,7 +1405,7 @@ fn newton_schulz_of_a_non_finite_matrix_is_nan_everywhere_like_the_cpu() {
     }
 }
 
-/// Protects the bf16 rounding of Newton–Schulz's input (`ns_f32_to_bf16`: round to nearest,
+/// Protects the bf16 rounding of Newton–Schulz's input (`group_f32_to_bf16`: round to nearest,
 /// **ties to even**), which the bf16 tolerance above (5e-2 relative) cannot see:
 /// every input is a bf16 value plus exactly half an ulp (a tie), of both signs and several
 /// binades, and with the identity step (module doc) the output is the rounded input,

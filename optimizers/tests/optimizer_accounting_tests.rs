@@ -34,10 +34,11 @@ fn whole<O: Optimizer>(opt: &O, specs: &[TensorSpec]) -> LocalShard {
 type Global = Vec<Vec<u32>>;
 
 fn field_bits(d: &FieldData<'_>) -> Vec<u32> {
+    let all = 0..d.len();
     match d {
-        FieldData::F32(x) => x.iter().map(|x| x.to_bits()).collect(),
-        FieldData::U16(x) => x.iter().map(|&x| u32::from(x)).collect(),
-        FieldData::U8(x) => x.iter().map(|&x| u32::from(x)).collect(),
+        FieldData::F32(x) => x.read(all).unwrap().iter().map(|x| x.to_bits()).collect(),
+        FieldData::U16(x) => x.read(all).unwrap().iter().map(|&x| x.into()).collect(),
+        FieldData::U8(x) => x.read(all).unwrap().iter().map(|&x| x.into()).collect(),
     }
 }
 
@@ -122,23 +123,22 @@ fn load<O: CheckpointState>(
                     for span in &field.spans {
                         let src = &global[span.param][span.global.clone()];
                         let at = span.local..span.local + src.len();
-                        match d {
-                            FieldDataMut::F32(x) => {
-                                for (x, &b) in x[at].iter_mut().zip(src) {
-                                    *x = f32::from_bits(b);
-                                }
-                            }
-                            FieldDataMut::U16(x) => {
-                                for (x, &b) in x[at].iter_mut().zip(src) {
-                                    *x = b as u16;
-                                }
-                            }
-                            FieldDataMut::U8(x) => {
-                                for (x, &b) in x[at].iter_mut().zip(src) {
-                                    *x = b as u8;
-                                }
-                            }
-                        }
+                        let filled = match d {
+                            FieldDataMut::F32(x) => x.fill(at, |x| {
+                                let bits = src.iter().map(|&b| f32::from_bits(b));
+                                x.iter_mut().zip(bits).for_each(|(x, b)| *x = b);
+                                Ok(())
+                            }),
+                            FieldDataMut::U16(x) => x.fill(at, |x| {
+                                x.iter_mut().zip(src).for_each(|(x, &b)| *x = b as u16);
+                                Ok(())
+                            }),
+                            FieldDataMut::U8(x) => x.fill(at, |x| {
+                                x.iter_mut().zip(src).for_each(|(x, &b)| *x = b as u8);
+                                Ok(())
+                            }),
+                        };
+                        filled.unwrap();
                     }
                 }
             }

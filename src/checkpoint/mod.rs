@@ -33,7 +33,10 @@ pub mod sources;
 pub mod state;
 
 pub use manifest::Manifest;
-pub use state::{CheckpointState, FieldData, FieldDataMut, FieldLayout, FieldSpan, FieldType};
+pub use state::{
+    CheckpointState, FieldArray, FieldArrayMut, FieldData, FieldDataMut, FieldLayout, FieldSpan,
+    FieldType,
+};
 
 use std::path::{Path, PathBuf};
 

@@ -87,9 +87,11 @@ impl<'a> SourceFiles<'a> {
         let tensor = tensor_name(&rec.param, &rec.field);
         for t in redistribute(&src, &dst)?.iter().filter(|t| t.dst_rank == 1) {
             let to = at + t.dst_offset;
-            let bytes = out.bytes_mut(to..to + t.len);
             let from = (t.src_offset * size) as u64..((t.src_offset + t.len) * size) as u64;
-            self.reader(t.src_rank)?.read_tensor(&tensor, from, bytes)?;
+            let reader = self.reader(t.src_rank)?;
+            out.fill_bytes(to..to + t.len, |bytes| {
+                reader.read_tensor(&tensor, from, bytes)
+            })?;
             self.bytes_read += (t.len * size) as u64;
         }
         Ok(())
@@ -113,16 +115,16 @@ pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result
     match rec.dtype {
         FieldType::F32 => {
             let mut v = vec![0f32; rec.len];
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::F32(&mut v), 0)?;
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
             bytes.copy_from_slice(bytemuck::cast_slice(&v));
         }
         FieldType::U16 => {
             let mut v = vec![0u16; rec.len];
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::U16(&mut v), 0)?;
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
             bytes.copy_from_slice(bytemuck::cast_slice(&v));
         }
         FieldType::U8 => {
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::U8(&mut bytes), 0)?;
+            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut bytes[..]), 0)?;
         }
     }
     Ok(bytes)

@@ -10,10 +10,11 @@
 //! state at one world size and read it back at another ([`crate::ragged::redistribute`] on the
 //! global arrays).
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::optim::{LocalShard, Optimizer, ParamMeta, Sgd};
-use crate::storage::Placement;
+use crate::storage::{Elem, Placement, Storage};
 use crate::{Error, Result};
 
 /// Element type of a state field (and of a checkpoint tensor).
@@ -129,21 +130,139 @@ impl FieldLayout {
     }
 }
 
+/// A field's local array of element type `T`: host elements, or a state's storage in host
+/// or device memory (a device array is read and written range by range, through the host).
+#[derive(Debug)]
+pub enum FieldArray<'a, T> {
+    Host(&'a [T]),
+    Storage(&'a Storage<T>),
+}
+
+/// A field's local array, to fill ([`FieldArray`]'s forms).
+#[derive(Debug)]
+pub enum FieldArrayMut<'a, T> {
+    Host(&'a mut [T]),
+    Storage(&'a mut Storage<T>),
+}
+
+impl<T: Elem> FieldArray<'_, T> {
+    pub fn len(&self) -> usize {
+        match self {
+            FieldArray::Host(x) => x.len(),
+            FieldArray::Storage(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range` on the host (downloaded from a device); `Err` past the end.
+    pub fn read(&self, range: Range<usize>) -> Result<Cow<'_, [T]>> {
+        match self {
+            FieldArray::Host(x) => x
+                .get(range.clone())
+                .map(Cow::Borrowed)
+                .ok_or_else(|| past_end("FieldArray::read", &range, x.len())),
+            FieldArray::Storage(s) => s.read_range(range),
+        }
+    }
+}
+
+impl<T: Elem> FieldArrayMut<'_, T> {
+    pub fn len(&self) -> usize {
+        match self {
+            FieldArrayMut::Host(x) => x.len(),
+            FieldArrayMut::Storage(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sets elements `range` by `fill`, which writes every element of the slice it gets (on
+    /// a device, a host buffer uploaded after it); `Err` past the end, or `fill`'s.
+    pub fn fill(
+        &mut self,
+        range: Range<usize>,
+        fill: impl FnOnce(&mut [T]) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            FieldArrayMut::Host(x) => {
+                let len = x.len();
+                let part = x
+                    .get_mut(range.clone())
+                    .ok_or_else(|| past_end("FieldArrayMut::fill", &range, len))?;
+                fill(part)
+            }
+            FieldArrayMut::Storage(s) => s.fill_range(range, fill),
+        }
+    }
+}
+
+fn past_end(op: &'static str, range: &Range<usize>, len: usize) -> Error {
+    Error::BadInput {
+        op,
+        what: format!("range {range:?}"),
+        reason: format!("the field holds {len} elements"),
+    }
+}
+
 /// A field's local array.
 #[derive(Debug)]
 pub enum FieldData<'a> {
-    F32(&'a [f32]),
-    U16(&'a [u16]),
-    U8(&'a [u8]),
+    F32(FieldArray<'a, f32>),
+    U16(FieldArray<'a, u16>),
+    U8(FieldArray<'a, u8>),
 }
 
 /// A field's local array, to fill.
 #[derive(Debug)]
 pub enum FieldDataMut<'a> {
-    F32(&'a mut [f32]),
-    U16(&'a mut [u16]),
-    U8(&'a mut [u8]),
+    F32(FieldArrayMut<'a, f32>),
+    U16(FieldArrayMut<'a, u16>),
+    U8(FieldArrayMut<'a, u8>),
 }
+
+/// `FieldData` and `FieldDataMut` from the arrays of one element type: host slices and
+/// storage (host storage as its slice).
+macro_rules! field_from {
+    ($t:ty, $variant:ident) => {
+        impl<'a> From<&'a [$t]> for FieldData<'a> {
+            fn from(x: &'a [$t]) -> Self {
+                FieldData::$variant(FieldArray::Host(x))
+            }
+        }
+        impl<'a> From<&'a Storage<$t>> for FieldData<'a> {
+            fn from(s: &'a Storage<$t>) -> Self {
+                FieldData::$variant(match s {
+                    Storage::Cpu(x) => FieldArray::Host(x),
+                    #[allow(unreachable_patterns)]
+                    s => FieldArray::Storage(s),
+                })
+            }
+        }
+        impl<'a> From<&'a mut [$t]> for FieldDataMut<'a> {
+            fn from(x: &'a mut [$t]) -> Self {
+                FieldDataMut::$variant(FieldArrayMut::Host(x))
+            }
+        }
+        impl<'a> From<&'a mut Storage<$t>> for FieldDataMut<'a> {
+            fn from(s: &'a mut Storage<$t>) -> Self {
+                FieldDataMut::$variant(match s {
+                    Storage::Cpu(x) => FieldArrayMut::Host(x),
+                    #[allow(unreachable_patterns)]
+                    s => FieldArrayMut::Storage(s),
+                })
+            }
+        }
+    };
+}
+
+field_from!(f32, F32);
+field_from!(u16, U16);
+field_from!(u8, U8);
 
 impl FieldData<'_> {
     pub fn dtype(&self) -> FieldType {
@@ -166,12 +285,17 @@ impl FieldData<'_> {
         self.len() == 0
     }
 
-    /// Elements `range` as little-endian bytes (the checkpoint's byte order).
-    pub fn bytes(&self, range: Range<usize>) -> &[u8] {
+    /// Gives `with` elements `range` as little-endian bytes (the checkpoint's byte order),
+    /// downloaded first from a device; `Err` past the end, or `with`'s.
+    pub fn with_bytes<R>(
+        &self,
+        range: Range<usize>,
+        with: impl FnOnce(&[u8]) -> Result<R>,
+    ) -> Result<R> {
         match self {
-            FieldData::F32(x) => bytemuck::cast_slice(&x[range]),
-            FieldData::U16(x) => bytemuck::cast_slice(&x[range]),
-            FieldData::U8(x) => &x[range],
+            FieldData::F32(x) => with(bytemuck::cast_slice(&x.read(range)?)),
+            FieldData::U16(x) => with(bytemuck::cast_slice(&x.read(range)?)),
+            FieldData::U8(x) => with(&x.read(range)?),
         }
     }
 }
@@ -197,12 +321,17 @@ impl FieldDataMut<'_> {
         self.len() == 0
     }
 
-    /// Elements `range` as little-endian bytes, to overwrite.
-    pub fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+    /// Sets elements `range` by `fill`, which writes every byte of the little-endian bytes it
+    /// gets (uploaded after it to a device); `Err` past the end, or `fill`'s.
+    pub fn fill_bytes(
+        &mut self,
+        range: Range<usize>,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         match self {
-            FieldDataMut::F32(x) => bytemuck::cast_slice_mut(&mut x[range]),
-            FieldDataMut::U16(x) => bytemuck::cast_slice_mut(&mut x[range]),
-            FieldDataMut::U8(x) => &mut x[range],
+            FieldDataMut::F32(x) => x.fill(range, |x| fill(bytemuck::cast_slice_mut(x))),
+            FieldDataMut::U16(x) => x.fill(range, |x| fill(bytemuck::cast_slice_mut(x))),
+            FieldDataMut::U8(x) => x.fill(range, fill),
         }
     }
 }
@@ -214,11 +343,12 @@ pub trait CheckpointState: Optimizer {
     /// The fields of a state of `shard` (what [`Optimizer::init`] allocates).
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>>;
 
-    /// The local arrays of `state`, in [`Self::state_layout`]'s order (`Err` for a state in
-    /// device memory: checkpoints read host memory).
+    /// The local arrays of `state`, in [`Self::state_layout`]'s order, where they live (a
+    /// device array is read range by range when the checkpoint is written).
     fn state_data<'a>(&self, state: &'a Self::State) -> Result<Vec<FieldData<'a>>>;
 
-    /// The local arrays of `state`, to fill, in [`Self::state_layout`]'s order.
+    /// The local arrays of `state`, to fill, in [`Self::state_layout`]'s order, where they
+    /// live.
     fn state_data_mut<'a>(&self, state: &'a mut Self::State) -> Result<Vec<FieldDataMut<'a>>>;
 
     /// Steps the state has taken.

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 pub use cudarc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    LaunchConfig, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::CompileOptions;
 
@@ -220,9 +220,18 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: String,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    modules: Mutex<HashMap<&'static str, Module>>,
+    /// [`Device::memo`]'s values.
+    memo: Mutex<HashMap<&'static str, Arc<dyn std::any::Any + Send + Sync>>>,
     /// Tells this device's cuBLAS handles apart in [`BLAS_HANDLES`].
     id: u64,
+}
+
+/// A compiled kernel source on a device and the entry points looked up in it so far (a
+/// lookup asks the driver; a step launches the same few kernels many times).
+struct Module {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
 }
 
 /// The next [`Device::id`].
@@ -271,6 +280,7 @@ impl Device {
             stream,
             arch: format!("compute_{major}{minor}"),
             modules: Mutex::new(HashMap::new()),
+            memo: Mutex::new(HashMap::new()),
             id: NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -292,6 +302,7 @@ impl Device {
             stream,
             arch: format!("compute_{major}{minor}"),
             modules: Mutex::new(HashMap::new()),
+            memo: Mutex::new(HashMap::new()),
             id: NEXT_DEVICE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -305,10 +316,14 @@ impl Device {
     /// by.
     pub fn multiprocessors(&self) -> Result<usize> {
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-        let n = guarded("cuda::Device::multiprocessors", || {
-            self.ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        // Asked of the driver once: launchers size their grids by it at every step.
+        let n = self.memo("multiprocessors", |d| {
+            let n = guarded("cuda::Device::multiprocessors", || {
+                d.ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            })?;
+            Ok(n.max(1) as usize)
         })?;
-        Ok(n.max(1) as usize)
+        Ok(*n)
     }
 
     /// The virtual architecture kernels are compiled for (`compute_90` on an H100/H200).
@@ -338,23 +353,62 @@ impl Device {
     }
 
     /// Entry point `entry` of `src`, compiling the source with NVRTC at first use (options in
-    /// the module doc) and caching the module.
+    /// the module doc) and caching the module and the entry points looked up.
     pub fn function(&self, src: &KernelSource, entry: &str) -> Result<CudaFunction> {
         const OP: &str = "cuda::Device::function";
         let mut modules = self.modules.lock().map_err(|_| Error::Cuda {
             op: OP,
             reason: "kernel cache lock poisoned".into(),
         })?;
-        let module = match modules.get(src.name) {
-            Some(m) => m.clone(),
-            None => {
+        let loaded = match modules.entry(src.name) {
+            std::collections::hash_map::Entry::Occupied(m) => m.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => {
                 let ptx = compile(src, &self.arch)?;
-                let m = guarded(OP, || self.ctx.load_module(ptx))?;
-                modules.insert(src.name, m.clone());
-                m
+                let module = guarded(OP, || self.ctx.load_module(ptx))?;
+                slot.insert(Module {
+                    module,
+                    functions: HashMap::new(),
+                })
             }
         };
-        guarded(OP, || module.load_function(entry))
+        if let Some(f) = loaded.functions.get(entry) {
+            return Ok(f.clone());
+        }
+        let f = guarded(OP, || loaded.module.load_function(entry))?;
+        loaded.functions.insert(entry.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// `make`'s value for `key`, made at the first call on this device and kept while the
+    /// device lives: what is the same at every step (a kernel's constant table, its launch
+    /// shape), so that a step neither uploads it nor asks the driver again. A key holds one
+    /// type: asking for another is an `Err`.
+    pub fn memo<T: Send + Sync + 'static>(
+        &self,
+        key: &'static str,
+        make: impl FnOnce(&Device) -> Result<T>,
+    ) -> Result<Arc<T>> {
+        const OP: &str = "cuda::Device::memo";
+        let lock = || {
+            self.memo.lock().map_err(|_| Error::Cuda {
+                op: OP,
+                reason: "memo lock poisoned".into(),
+            })
+        };
+        let kept = lock()?.get(key).cloned();
+        let value = match kept {
+            Some(v) => v,
+            None => {
+                // Made without the lock held (a `make` may ask for another memo); of two
+                // threads making one key at once, the first to store it wins.
+                let made: Arc<dyn std::any::Any + Send + Sync> = Arc::new(make(self)?);
+                lock()?.entry(key).or_insert(made).clone()
+            }
+        };
+        value.downcast::<T>().map_err(|_| Error::Cuda {
+            op: OP,
+            reason: format!("`{key}` holds a value of another type"),
+        })
     }
 
     /// The calling thread's cuBLAS handle on [`Device::stream`], created at its first use
@@ -401,8 +455,12 @@ impl Device {
         })
     }
 
-    /// Copies `host` into `dst` (same length, else `Err`).
-    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+    /// Copies `host` into `dst` (a slice or a view of one; same length, else `Err`).
+    pub fn upload_into<T: DeviceRepr, D: DevicePtrMut<T>>(
+        &self,
+        host: &[T],
+        dst: &mut D,
+    ) -> Result<()> {
         check_len("cuda::Device::upload_into", host.len(), dst.len())?;
         guarded("cuda::Device::upload_into", || {
             self.stream.memcpy_htod(host, dst)

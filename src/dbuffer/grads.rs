@@ -180,6 +180,17 @@ impl GradSink {
                 Buf::Device(crate::cuda::collective::DevBuf::F32(g)) => {
                     dst.write_range(offset..offset + n, View::Cuda(g), !first)?
                 }
+                #[cfg(feature = "cuda")]
+                Buf::Device(crate::cuda::collective::DevBuf::BF16(g)) => {
+                    let Storage::Cuda(d) = dst else {
+                        return Err(crate::storage::mixed(
+                            "GradSink::accumulate",
+                            "a device gradient for a host buffer",
+                        ));
+                    };
+                    let mut slot = d.data.slice_mut(offset..offset + n);
+                    crate::cuda::ops::accumulate_bf16(&d.dev, &mut slot, &g, first)?;
+                }
                 Buf::BF16(g) => {
                     let dst = &mut dst.cpu_mut()?[offset..offset + n];
                     let cast = g.iter().map(|g| g.to_f32());
@@ -192,7 +203,7 @@ impl GradSink {
                 _ => {
                     return Err(Error::InvalidShard {
                         op: "GradSink::accumulate",
-                        reason: "a gradient that is not f32 (host or device) or bf16 (host)".into(),
+                        reason: "a gradient that is not f32 or bf16".into(),
                     })
                 }
             }
@@ -342,6 +353,12 @@ impl GradBuffer {
     ) -> Result<()> {
         self.check_reduced(op)?;
         counts.add(slot, &self.local)
+    }
+
+    /// The reduced local shard where it lives (host or device memory).
+    pub fn local_storage(&self, op: &'static str) -> Result<&Storage<f32>> {
+        self.check_reduced(op)?;
+        Ok(&self.local)
     }
 
     /// The reduced local shard on the host (borrowed; downloaded from a device).

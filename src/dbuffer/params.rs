@@ -88,14 +88,6 @@ impl ParamBuffer {
                 ),
             });
         }
-        if !placement.is_cpu() && dtype != DType::F32 {
-            return Err(Error::InvalidShard {
-                op: "ParamBuffer::new",
-                reason: "bf16 compute copies on a GPU are not supported yet (the master's cast \
-                         runs on the host); use f32"
-                    .into(),
-            });
-        }
         Ok(ParamBuffer {
             slots,
             master: placement.zeros(shard_len)?,
@@ -135,6 +127,34 @@ impl ParamBuffer {
     pub fn master_mut(&mut self) -> Result<&mut [f32]> {
         self.mark_stale();
         self.master.cpu_mut()
+    }
+
+    /// The master shard's storage (host or device memory).
+    pub fn master_storage(&self) -> &Storage<f32> {
+        &self.master
+    }
+
+    /// The master shard's storage, writable; marks materialized copies stale.
+    pub fn master_storage_mut(&mut self) -> &mut Storage<f32> {
+        self.mark_stale();
+        &mut self.master
+    }
+
+    /// The master shard rounded to bf16 where it lives (mixed precision's cast before the
+    /// all-gather, as FSDP2's): `half::bf16::from_f32` on the host, the same rounding by one
+    /// kernel on a device.
+    pub fn master_bf16(&self) -> Result<Bf16Shard> {
+        match &self.master {
+            Storage::Cpu(v) => Ok(Bf16Shard::Host(
+                v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+            )),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(d) => {
+                let mut out = d.dev.zeros::<half::bf16>(d.data.len())?;
+                crate::cuda::ops::f32_to_bf16(&d.dev, &d.data.slice(..), &mut out.slice_mut(..))?;
+                Ok(Bf16Shard::Device(out))
+            }
+        }
     }
 
     /// The master shard on the host (borrowed; downloaded from a device).
@@ -339,6 +359,25 @@ impl ParamBuffer {
     }
 }
 
+/// A master shard rounded to bf16 ([`ParamBuffer::master_bf16`]), where the shard lives.
+#[derive(Debug)]
+pub enum Bf16Shard {
+    Host(Vec<half::bf16>),
+    #[cfg(feature = "cuda")]
+    Device(cudarc::driver::CudaSlice<half::bf16>),
+}
+
+impl Bf16Shard {
+    /// The elements as a collective's source.
+    pub fn buf(&self) -> Buf<'_> {
+        match self {
+            Bf16Shard::Host(v) => Buf::BF16(v),
+            #[cfg(feature = "cuda")]
+            Bf16Shard::Device(d) => d.slice(..).into(),
+        }
+    }
+}
+
 /// `n` zeroed elements of `dtype` on `device`.
 fn zeroed(device: &Device, dtype: DType, n: usize) -> Result<CandleStorage> {
     match device {
@@ -348,12 +387,17 @@ fn zeroed(device: &Device, dtype: DType, n: usize) -> Result<CandleStorage> {
         })),
         #[cfg(feature = "candle-cuda")]
         Device::Cuda(dev) => {
-            let data = dev
-                .alloc_zeros::<f32>(n)
-                .map_err(candle("ParamBuffer: device storage"))?;
-            Ok(CandleStorage::Cuda(
-                candle_core::CudaStorage::wrap_cuda_slice(data, dev.clone()),
-            ))
+            let err = candle("ParamBuffer: device storage");
+            Ok(CandleStorage::Cuda(match dtype {
+                DType::BF16 => {
+                    let data = dev.alloc_zeros::<half::bf16>(n).map_err(err)?;
+                    candle_core::CudaStorage::wrap_cuda_slice(data, dev.clone())
+                }
+                _ => {
+                    let data = dev.alloc_zeros::<f32>(n).map_err(err)?;
+                    candle_core::CudaStorage::wrap_cuda_slice(data, dev.clone())
+                }
+            }))
         }
         other => Err(no_device(other)),
     }
@@ -388,11 +432,16 @@ fn storage_buf(s: &mut CandleStorage) -> Result<BufMut<'_>> {
         CandleStorage::Cpu(CpuStorage::BF16(v)) => Ok(BufMut::BF16(v)),
         CandleStorage::Cpu(CpuStorage::F32(v)) => Ok(BufMut::F32(v)),
         #[cfg(feature = "candle-cuda")]
-        CandleStorage::Cuda(cs) => Ok(cs
-            .as_cuda_slice_mut::<f32>()
-            .map_err(candle("ParamBuffer: device storage"))?
-            .slice_mut(..)
-            .into()),
+        CandleStorage::Cuda(cs) => {
+            let err = candle("ParamBuffer: device storage");
+            if candle_core::backend::BackendStorage::dtype(cs) == DType::BF16 {
+                let slice = cs.as_cuda_slice_mut::<half::bf16>().map_err(err)?;
+                Ok(slice.slice_mut(..).into())
+            } else {
+                let slice = cs.as_cuda_slice_mut::<f32>().map_err(err)?;
+                Ok(slice.slice_mut(..).into())
+            }
+        }
         _ => Err(Error::InvalidShard {
             op: "ParamBuffer::gather",
             reason: "a storage that is not f32 or bf16".into(),

@@ -164,11 +164,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         ]);
         let mut w = Writer::create(path, &headers, &metadata, chunk_bytes)?;
         for (unit, fields) in self.units.iter().zip(&layouts) {
-            let data = std::iter::once(crate::checkpoint::FieldData::F32(unit.params.master()?))
+            let data = std::iter::once(unit.params.master_storage().into())
                 .chain(self.optimizer.state_data(&unit.state)?);
             for (f, d) in fields.iter().zip(data) {
                 for s in &f.spans {
-                    w.write(d.bytes(s.local..s.local + s.global.len()))?;
+                    d.with_bytes(s.local..s.local + s.global.len(), |b| w.write(b))?;
                 }
             }
         }
@@ -413,7 +413,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                 ..
             } = unit;
             grads.discard();
-            let data = std::iter::once(FieldDataMut::F32(params.master_mut()?))
+            let data = std::iter::once(FieldDataMut::from(params.master_storage_mut()))
                 .chain(optimizer.state_data_mut(state)?);
             for (f, mut d) in fields.iter().zip(data) {
                 for span in &f.spans {
@@ -550,7 +550,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut sources = Sources::open(path)?;
         for unit in &mut self.units {
             let local = &unit.local;
-            let master = unit.params.master_mut()?;
+            let master = unit.params.master_storage_mut();
             for piece in &local.pieces {
                 let meta = &local.params[piece.param];
                 let (file, info) = sources.tensor(&meta.name)?;
@@ -563,8 +563,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                         ),
                     ));
                 }
-                let out = &mut master[piece.offset..piece.offset + piece.range.len()];
-                read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)?;
+                let at = piece.offset..piece.offset + piece.range.len();
+                master.fill_range(at, |out| {
+                    read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)
+                })?;
             }
             unit.grads.discard();
         }

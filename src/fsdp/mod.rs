@@ -26,7 +26,7 @@
 mod activations;
 mod agree;
 mod checkpoint;
-mod clip;
+pub(crate) mod clip;
 mod describe;
 pub mod fsdp2;
 mod layout;
@@ -43,7 +43,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::comm::{Buf, BufMut, Communicator, ReduceOp};
+use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::dbuffer::{
     anchor_on, placement_of, CopyStats, GradBuffer, GradPool, GradSink, Materialized, ParamBuffer,
 };
@@ -52,7 +52,7 @@ use crate::optim::{LocalShard, Optimizer};
 use crate::plan::multi::MultiOptions;
 use crate::plan::PlanOptions;
 use crate::schedule::Schedule;
-use crate::storage::{NonFiniteCounts, Placement, Storage};
+use crate::storage::{NonFiniteCounts, Placement, Storage, ViewMut};
 use crate::Result;
 use layout::UnitLayout;
 use param_pool::ParamPool;
@@ -300,18 +300,6 @@ pub fn fully_shard<'c, O: Optimizer>(
                 .into(),
         });
     }
-    let bf16 = [
-        opts.mixed_precision.param_dtype,
-        opts.mixed_precision.reduce_dtype,
-    ];
-    if !placement.is_cpu() && bf16.contains(&DType::BF16) {
-        return Err(crate::Error::BadInput {
-            op: "fully_shard",
-            what: "bf16 mixed precision on a GPU".into(),
-            reason: "bf16 compute copies and bf16 reductions are cast on the host only; use f32"
-                .into(),
-        });
-    }
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
@@ -461,6 +449,52 @@ fn load_local(
     Ok(())
 }
 
+/// A reduction in bf16 (as FSDP2's `reduce_dtype`): the full f32 gradient buffer rounded to
+/// bf16, reduced (summed in f32, rounded once), the shard widened into `local`; where the
+/// buffers live (host loops, or `cuda::ops` kernels with the same bits).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn reduce_bf16(
+    comm: &dyn Communicator,
+    placement: &Placement,
+    layout: &UnitLayout,
+    full: ViewMut<'_, f32>,
+    local: ViewMut<'_, f32>,
+    op: ReduceOp,
+    stats: &CopyStats,
+) -> Result<()> {
+    stats.add_converted(2 * full.len() + 4 * local.len());
+    match (full, local) {
+        (ViewMut::Cpu(full), ViewMut::Cpu(local)) => {
+            let mut cast: Vec<half::bf16> = full.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let mut out = vec![half::bf16::ZERO; local.len()];
+            let (cast_buf, out_buf) = (BufMut::BF16(&mut cast), BufMut::BF16(&mut out));
+            layout.reduce(comm, cast_buf, out_buf, op, stats)?;
+            local
+                .iter_mut()
+                .zip(&out)
+                .for_each(|(l, o)| *l = o.to_f32());
+            Ok(())
+        }
+        #[cfg(feature = "cuda")]
+        (ViewMut::Cuda(full), ViewMut::Cuda(mut local)) => {
+            let Placement::Cuda(dev) = placement else {
+                return Err(crate::storage::mixed("reduce (bf16)", "device gradients"));
+            };
+            let mut cast = dev.zeros::<half::bf16>(full.len())?;
+            crate::cuda::ops::f32_to_bf16(dev, &full.as_view(), &mut cast.slice_mut(..))?;
+            let mut out = dev.zeros::<half::bf16>(local.len())?;
+            let (cast_buf, out_buf) = (cast.slice_mut(..).into(), out.slice_mut(..).into());
+            layout.reduce(comm, cast_buf, out_buf, op, stats)?;
+            crate::cuda::ops::bf16_to_f32(dev, &out.slice(..), &mut local)
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(crate::storage::mixed(
+            "reduce (bf16)",
+            "host and device buffers",
+        )),
+    }
+}
+
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
     fn gather_unit(&mut self, u: usize, spare: Option<Vec<candle_core::Storage>>) -> Result<()> {
@@ -474,14 +508,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         match unit.params.dtype() {
             DType::BF16 => {
                 // The cast before the all-gather (as FSDP2): one pass over the shard.
-                let cast: Vec<half::bf16> = unit
-                    .params
-                    .master()?
-                    .iter()
-                    .map(|&x| half::bf16::from_f32(x))
-                    .collect();
+                let cast = unit.params.master_bf16()?;
                 unit.params.gather_into(spare, |_, dsts| {
-                    layout.gather(comm, Buf::BF16(&cast), dsts, &stats)
+                    layout.gather(comm, cast.buf(), dsts, &stats)
                 })
             }
             _ => unit.params.gather_into(spare, |master, dsts| {
@@ -498,7 +527,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         }
         let (comm, op) = (self.comm, self.opts.reduce);
         let bf16 = self.opts.mixed_precision.reduce_dtype == DType::BF16;
-        let stats = self.stats.clone();
+        let (stats, placement) = (self.stats.clone(), self.placement());
         let unit = &mut self.units[u];
         let layout = &unit.layout;
         let single = comm.world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
@@ -509,24 +538,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 if !bf16 {
                     return layout.reduce(comm, full.into(), local.into(), op, &stats);
                 }
-                let (full, local) = (full.cpu("reduce (bf16)")?, local.cpu("reduce (bf16)")?);
-                // The casts around a bf16 reduction (as FSDP2's `reduce_dtype`).
-                let mut cast: Vec<half::bf16> =
-                    full.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                let mut out = vec![half::bf16::ZERO; local.len()];
-                layout.reduce(
-                    comm,
-                    BufMut::BF16(&mut cast),
-                    BufMut::BF16(&mut out),
-                    op,
-                    &stats,
-                )?;
-                local
-                    .iter_mut()
-                    .zip(&out)
-                    .for_each(|(l, o)| *l = o.to_f32());
-                stats.add_converted(2 * cast.len() + 4 * out.len());
-                Ok(())
+                reduce_bf16(comm, &placement, layout, full, local, op, &stats)
             })?
         };
         let without = self.without_gradient.get_or_insert_with(Vec::new);
@@ -689,7 +701,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         crate::limits::positive_finite("clip_grad_norm", "max_norm", f64::from(max_norm))?;
         let mut squares = clip::ExactSquares::new();
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
-            squares.add_all(&unit.grads.local_host("clip_grad_norm")?);
+            squares.add(unit.grads.local_storage("clip_grad_norm")?)?;
         }
         let norm = squares.total(self.comm)?.sqrt();
         let coef = f64::from(max_norm) / (norm + 1e-6);

@@ -109,11 +109,19 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
     return out;
 }
 
-// CUDA's integer min and max overloads.
+// CUDA's integer min and max overloads, signed and unsigned (the unsigned ones compare as
+// unsigned: a code word with its top bit set is the larger). A call mixing the two is
+// ambiguous here, so a kernel says which comparison it means.
 inline int min(int a, int b) {
     return a < b ? a : b;
 }
 inline int max(int a, int b) {
+    return a > b ? a : b;
+}
+inline unsigned int min(unsigned int a, unsigned int b) {
+    return a < b ? a : b;
+}
+inline unsigned int max(unsigned int a, unsigned int b) {
     return a > b ? a : b;
 }
 

@@ -5,8 +5,10 @@
 //! host step. The quantizer is [`CodeBook::quantize`]'s own bucket index (one table word per
 //! bucket), read from shared memory in the form `QuantizerTables` gives it.
 
+use std::sync::Arc;
+
 use ragged::cuda::cudarc::driver::{
-    CudaFunction, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use ragged::cuda::{guarded, Device, ADAM8BIT, ADAMW};
 use ragged::optim::LocalShard;
@@ -79,7 +81,39 @@ impl std::fmt::Debug for QuantizerTables {
     }
 }
 
+/// A quantizer table on a device, with the words it holds.
+struct ResidentTable {
+    words: Box<[u32]>,
+    table: CudaSlice<u32>,
+}
+
+/// [`Device::memo`]'s keys: the quantizer table on the device and the kernel's launch shape.
+const TABLE_MEMO: &str = "adam8bit quantizer table";
+const LAUNCH_MEMO: &str = "adam8bit launch shape";
+
 impl QuantizerTables {
+    /// The table on `dev`: uploaded at the first step there and kept, as every 8-bit Adam
+    /// has the same one (made from the two dynamic maps, [`Adam8bit::new`]); a table of
+    /// other words (compared, 28 KiB) is uploaded for its own step.
+    fn on(&self, dev: &Device) -> Result<Arc<ResidentTable>> {
+        let kept = dev.memo(TABLE_MEMO, |dev| self.upload(dev))?;
+        if kept.words == self.words {
+            Ok(kept)
+        } else {
+            self.upload(dev).map(Arc::new)
+        }
+    }
+
+    fn upload(&self, dev: &Device) -> Result<ResidentTable> {
+        let table = dev.upload(&self.words)?;
+        // Complete before any stream reads it: thread ranks may share the device.
+        dev.sync()?;
+        Ok(ResidentTable {
+            words: self.words.clone(),
+            table,
+        })
+    }
+
     /// The tables of the maps of `m` and `v`; `Err` when they do not fit [`TABLE_WORDS`]
     /// (the two dynamic maps fill it).
     pub(crate) fn of(m: &CodeBook, v: &CodeBook) -> Result<Self> {
@@ -209,8 +243,9 @@ impl Adam8bit {
 }
 
 /// 8-bit Adam's step on device memory: one launch for every scale block of the shard, one
-/// AdamW launch per fallback piece; bitwise the host step. The block table and the two maps
-/// (a few KiB) are uploaded each call. `layout` comes from the host step's checks, which also
+/// AdamW launch per fallback piece; bitwise the host step. The runs of row blocks are
+/// uploaded each call, the quantizer table (27.5 KiB) and the launch shape are kept per
+/// device ([`Device::memo`]). `layout` comes from the host step's checks, which also
 /// checked the scale arrays against it (one block per scale).
 pub(crate) fn step(
     opt: &Adam8bit,
@@ -273,16 +308,16 @@ pub(crate) fn step(
     if scales == 0 {
         return Ok(());
     }
-    // Scale blocks: one warp each; the tables and the runs in one upload.
+    // Scale blocks: one warp each; the table uploaded once per device, the runs each step.
     let (runs, walked) = opt.segments(shard, layout)?;
     check_len(OP, "scale blocks", walked, scales)?;
     let n_runs = word(OP, "row-block runs", runs.len() / S_WORDS)?;
     let n_scales = word(OP, "scale blocks", scales)?;
     let quantizer = &opt.device_tables;
-    let tables = dev.upload(&[&quantizer.words[..], &runs].concat())?;
+    let table = quantizer.on(dev)?;
+    let runs = dev.upload(&runs)?;
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
     let cfg = launch_shape(dev, &f, scales)?;
-    let (table, runs) = (tables.slice(..TABLE_WORDS), tables.slice(TABLE_WORDS..));
     let (mz, vz) = (u32::from(SIGNED_ZERO_CODE), u32::from(UNSIGNED_ZERO_CODE));
     // SAFETY: the arguments follow `adam8bit_blocks`' signature in order and type (`MapIndex`
     // is the kernel's struct); the table has the TABLE_WORDS words the kernel reads, 16-byte
@@ -298,7 +333,7 @@ pub(crate) fn step(
             .arg(&mut *v)
             .arg(&mut *scale_m)
             .arg(&mut *scale_v)
-            .arg(&table)
+            .arg(&table.table)
             .arg(&quantizer.m)
             .arg(&quantizer.v)
             .arg(&runs)
@@ -365,12 +400,15 @@ pub(crate) fn launch_note(dev: &Device) -> Result<String> {
 }
 
 /// The launch for `scales` scale blocks (one warp each): blocks of [`occupancy`]'s size, and
-/// at most as many as are resident at once, so every block is resident from the start and
-/// strides over the rest: no last partial wave of blocks that start late.
+/// at most as many as are resident at once (asked of the driver once per device), so every
+/// block is resident from the start and strides over the rest: no last partial wave of
+/// blocks that start late.
 fn launch_shape(dev: &Device, f: &CudaFunction, scales: usize) -> Result<LaunchConfig> {
     const OP: &str = "Adam8bit::step (device)";
-    let o = occupancy(f)?;
-    let most = dev.multiprocessors()? * o.blocks as usize;
+    let (o, most) = *dev.memo(LAUNCH_MEMO, |dev| {
+        let o = occupancy(f)?;
+        Ok((o, dev.multiprocessors()? * o.blocks as usize))
+    })?;
     let blocks = scales.div_ceil(o.threads as usize / 32).clamp(1, most);
     Ok(LaunchConfig {
         grid_dim: (word(OP, "thread blocks", blocks)?, 1, 1),

@@ -41,6 +41,7 @@ use ragged::cuda::cudarc::driver::{
     CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
+use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
@@ -50,8 +51,6 @@ use crate::newton_schulz::{NsConfig, NsPrecision};
 pub const NS_TRANSPOSE: &str = "ns_transpose";
 pub const NS_SUMSQ_PARTIAL: &str = "ns_sumsq_partial";
 pub const NS_NORMALIZE: &str = "ns_normalize";
-pub const NS_F32_TO_BF16: &str = "ns_f32_to_bf16";
-pub const NS_BF16_TO_F32: &str = "ns_bf16_to_f32";
 pub const NS_SYMMETRIZE_LOWER: &str = "ns_symmetrize_lower";
 
 /// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
@@ -283,8 +282,8 @@ pub fn orthogonalize_cuda_with(
     // bf16: the input is rounded to bf16 first (the norm is taken of the rounded values).
     if prec == NsPrecision::Bf16 {
         let mut xb = dev.zeros::<u16>(batch * mn)?;
-        convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
-        convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
+        f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
+        bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
     }
 
     // Step 2.
@@ -329,9 +328,9 @@ pub fn orthogonalize_cuda_with(
         }
         NsPrecision::Bf16 => {
             let mut xb = dev.zeros::<u16>(batch * mn)?;
-            convert(dev, NS_F32_TO_BF16, &xw, &mut xb)?;
+            f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
             iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg, syrk)?;
-            convert(dev, NS_BF16_TO_F32, &xb, &mut xw)?;
+            bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
         }
     }
 
@@ -552,27 +551,6 @@ where
             .arg(&op)
             .arg(&r)
             .arg(&c)
-            .launch(cfg)
-    })
-    .map(drop)
-}
-
-/// `ns_f32_to_bf16` / `ns_bf16_to_f32` over a whole buffer.
-fn convert<A, B>(
-    dev: &Device,
-    entry: &str,
-    x: &CudaSlice<A>,
-    out: &mut CudaSlice<B>,
-) -> Result<()> {
-    let f = dev.function(&NEWTON_SCHULZ, entry)?;
-    let n = count(x.len());
-    let cfg = elementwise(x.len());
-    guarded("newton_schulz convert", || unsafe {
-        dev.stream()
-            .launch_builder(&f)
-            .arg(x)
-            .arg(out)
-            .arg(&n)
             .launch(cfg)
     })
     .map(drop)
