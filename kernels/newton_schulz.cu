@@ -11,7 +11,7 @@
 //   then x <- x / denom in f32. A non-finite f64 norm makes every element NaN (the CPU's rule);
 //   a finite f64 norm that overflows f32 divides in f64 instead (the CPU's rule too).
 //   Products of two f32 are exact in f64, so only the summation order differs from the CPU's
-//   element-order sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
+//   eight-lane sum: the f64 sums differ in the last bits at most, and the rounded f32 norm
 //   almost always agrees (a different f32 denom is possible only when the f64 sum sits on an
 //   f32 rounding boundary). The division is IEEE (--prec-div=true).
 

@@ -60,7 +60,8 @@
 //! `Gemm`/`OneDnn`, the machine), never of the rayon thread count or of how matrices are
 //! split over threads: this is what makes a sharded Muon step bitwise equal to the unsharded
 //! one. `Reference` sums with `k` ascending, no fused multiply-add, so it is also portable
-//! across machines. The Frobenius norm is summed in `f64` in element order and rounded once.
+//! across machines. The Frobenius norm is summed in `f64` in eight lanes (element `i` in lane
+//! `i mod 8`) and rounded once.
 //!
 //! # Special inputs
 //! A zero matrix stays zero (the norm clamps at `eps`). If any element is non-finite, every
@@ -898,6 +899,25 @@ thread_local! {
     static XW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+/// `Σ v²` in `f64`: element `i` into lane `i mod 8`, the lanes added in order at the end. The
+/// order is fixed (the bits do not depend on threads or the CPU), and eight independent sums
+/// run at the adder's throughput rather than its latency (one chain took ~6 ms on a 1024 ×
+/// 3584 matrix).
+fn sum_of_squares_f64(v: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let chunks = v.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (s, &x) in lanes.iter_mut().zip(c) {
+            *s += f64::from(x) * f64::from(x);
+        }
+    }
+    for (s, &x) in lanes.iter_mut().zip(tail) {
+        *s += f64::from(x) * f64::from(x);
+    }
+    lanes.iter().sum()
+}
+
 /// Newton–Schulz of one `rows × cols` matrix with a resolved backend (not `Auto`).
 fn ns_one(
     x: &mut [f32],
@@ -938,12 +958,8 @@ fn ns_one(
     if bf16 {
         map_in_place(&mut xw, par, round);
     }
-    // Step 2: Frobenius norm (f64 sum in element order, rounded once), scaled, clamped.
-    let norm64 = xw
-        .iter()
-        .map(|&v| f64::from(v) * f64::from(v))
-        .sum::<f64>()
-        .sqrt();
+    // Step 2: Frobenius norm (f64 sum in eight lanes, rounded once), scaled, clamped.
+    let norm64 = sum_of_squares_f64(&xw).sqrt();
     if !norm64.is_finite() {
         x.fill(f32::NAN); // a non-finite element
         return Ok(());

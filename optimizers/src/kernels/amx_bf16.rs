@@ -277,9 +277,18 @@ fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b 
         let width = BLOCK.min(k - k0);
         for (r, line) in lines.iter_mut().enumerate() {
             let i = ib * BLOCK + r;
-            *line = ZERO_LINE;
-            if i < m {
-                line.0[..width].copy_from_slice(&a[i * k + k0..][..width]);
+            let row = if i < m {
+                &a[i * k + k0..][..width]
+            } else {
+                &[]
+            };
+            // A full row as one fixed-size copy (a 64-byte move, not a `memmove` call).
+            match <&[u16; BLOCK]>::try_from(row) {
+                Ok(full) => line.0 = *full,
+                Err(_) => {
+                    *line = ZERO_LINE;
+                    line.0[..row.len()].copy_from_slice(row);
+                }
             }
         }
     })
@@ -623,7 +632,12 @@ impl BlockOut<'_> {
             // block is written by this task only (`OutPtr`).
             unsafe {
                 let dst = self.out.0.add((i0 + r) * self.n + j0);
-                std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
+                if cols == BLOCK {
+                    // A full row as one fixed-size move (not a `memmove` call).
+                    dst.cast::<[u16; BLOCK]>().write_unaligned(*row);
+                } else {
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols);
+                }
             }
         }
     }
