@@ -813,7 +813,8 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
     }
     let amx = amx_bf16::amx().unwrap();
     let mut rng = Rng::new(23);
-    // Full blocks, every partial edge, more blocks than one task region (128×512).
+    // Full blocks, every partial edge, more blocks than one task region (128×512), and a `k`
+    // of three accumulation passes (1024 each), the last one partial.
     for (m, n, k) in [
         (1, 1, 1),
         (32, 32, 32),
@@ -821,6 +822,7 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
         (100, 70, 130),
         (96, 96, 96),
         (160, 544, 40),
+        (40, 36, 2100),
     ] {
         let a = bf16_units(&mut rng, m * k);
         let b = bf16_units(&mut rng, k * n);
@@ -874,7 +876,14 @@ fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
     }
     let amx = amx_bf16::amx().unwrap();
     let mut rng = Rng::new(29);
-    for (n, k) in [(1, 3), (31, 64), (33, 65), (200, 130), (160, 32)] {
+    for (n, k) in [
+        (1, 3),
+        (31, 64),
+        (33, 65),
+        (200, 130),
+        (160, 32),
+        (40, 2100),
+    ] {
         let a = bf16_units(&mut rng, n * k);
         // A symmetric addend, as Newton–Schulz's `P`.
         let mut add = bf16_units(&mut rng, n * n);

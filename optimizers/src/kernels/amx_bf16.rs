@@ -377,9 +377,13 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
-/// `k` per accumulation pass: one pass streams a 32×`KC` sub-panel of each operand
-/// (16 KiB, L1-sized), and the accumulators go to memory between passes.
-const KC: usize = 256;
+/// `k` per accumulation pass: one pass streams a 32×`KC` sub-panel of each operand (64 KiB,
+/// from L2), and the accumulators go to memory between passes. 256 (operands in L1, the
+/// accumulators out and in every 8 steps) took 1.08–1.14× the time of 1024 on Newton–Schulz's
+/// three products of a 1024 × 3584 matrix (medians of 25–40 alternations, AMX Xeon, session
+/// 26): a tile loop that stores and reloads its accumulators every 8 steps ran at 0.67× one
+/// that never does, and one with both operands from L2 at 0.8× one from L1.
+const KC: usize = 1024;
 /// Output rows per task (4 stripes of blocks).
 const MC: usize = 128;
 /// Output columns per task: the task's accumulators (`MC·NC` `f32`, 256 KiB) stay in L2.
@@ -684,45 +688,50 @@ mod simd {
     /// each `2s` group into its right ones and the bottom row the top's right ones into its
     /// left; after the last round the rows hold the transpose.
     ///
+    /// Every round that moves groups of whole 32-bit lanes (all of them for 32-bit lanes,
+    /// all but the last for 16-bit ones) is a two-source 32-bit permute (one µop; the 16-bit
+    /// one is three); the last round of 16-bit lanes swaps single lanes between neighbouring
+    /// rows by shifts and blends.
+    ///
     /// # Safety
     /// The CPU has AVX-512 F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn swap_rounds<const R: usize>(v: &mut [__m512i; R]) {
+        // Rows are `R` lanes of `32·16 / R` bits: 16-bit lanes when `R` is 32.
+        let per_u32 = if R == BLOCK { 2 } else { 1 };
         let mut s = R / 2;
-        while s >= 1 {
-            let (mut lo, mut hi) = ([0u32; 32], [0u32; 32]);
-            for j in 0..R {
-                let right = j & s != 0;
-                lo[j] = if right { R + j - s } else { j } as u32;
-                hi[j] = if right { R + j } else { j + s } as u32;
+        while s >= per_u32 {
+            // Round `s` moves groups of `s / per_u32` 32-bit lanes.
+            let g = s / per_u32;
+            let (mut lo, mut hi) = ([0u32; 16], [0u32; 16]);
+            for j in 0..16 {
+                let right = j & g != 0;
+                lo[j] = if right { 16 + j - g } else { j } as u32;
+                hi[j] = if right { 16 + j } else { j + g } as u32;
             }
-            // Indices as the lane width's integers: 16 bits for 32 lanes, 32 for 16.
-            let vector = |idx: &[u32; 32]| {
-                if R == BLOCK {
-                    let narrow: [u16; 32] = std::array::from_fn(|j| idx[j] as u16);
-                    // SAFETY: 64 bytes.
-                    unsafe { _mm512_loadu_si512(narrow.as_ptr().cast()) }
-                } else {
-                    // SAFETY: the first 64 bytes.
-                    unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-                }
+            // SAFETY: 64 bytes each.
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_loadu_si512(lo.as_ptr().cast()),
+                    _mm512_loadu_si512(hi.as_ptr().cast()),
+                )
             };
-            let (lo, hi) = (vector(&lo), vector(&hi));
             for r in (0..R).filter(|r| r & s == 0) {
                 let (top, bottom) = (v[r], v[r + s]);
-                (v[r], v[r + s]) = if R == BLOCK {
-                    (
-                        _mm512_permutex2var_epi16(top, lo, bottom),
-                        _mm512_permutex2var_epi16(top, hi, bottom),
-                    )
-                } else {
-                    (
-                        _mm512_permutex2var_epi32(top, lo, bottom),
-                        _mm512_permutex2var_epi32(top, hi, bottom),
-                    )
-                };
+                v[r] = _mm512_permutex2var_epi32(top, lo, bottom);
+                v[r + s] = _mm512_permutex2var_epi32(top, hi, bottom);
             }
             s /= 2;
+        }
+        if R == BLOCK {
+            // Round 1 of 16-bit lanes: the top row's odd lanes take the bottom's even ones
+            // (shifted up within each 32 bits), the bottom's even lanes the top's odd ones.
+            for r in (0..R).step_by(2) {
+                let (top, bottom) = (v[r], v[r + 1]);
+                v[r] = _mm512_mask_blend_epi16(0xAAAA_AAAA, top, _mm512_slli_epi32::<16>(bottom));
+                v[r + 1] =
+                    _mm512_mask_blend_epi16(0x5555_5555, bottom, _mm512_srli_epi32::<16>(top));
+            }
         }
     }
 
