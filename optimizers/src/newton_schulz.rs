@@ -551,6 +551,14 @@ fn map_in_place(v: &mut [f32], par: Parallelism, f: impl Fn(f32) -> f32 + Sync) 
     }
 }
 
+/// `out[i] = f(src[i])` from `src`, or in place (`out[i] = f(out[i])`) without one.
+fn map_from(src: Option<&[f32]>, out: &mut [f32], par: Parallelism, f: impl Fn(f32) -> f32 + Sync) {
+    match src {
+        Some(src) => map_into(src, out, par, f),
+        None => map_in_place(out, par, f),
+    }
+}
+
 /// Rounds every element to the nearest bf16 (ties to even), kept as `f32`.
 fn round_bf16(v: &mut [f32], par: Parallelism) {
     map_in_place(v, par, |x| bf16::from_f32(x).to_f32());
@@ -947,32 +955,40 @@ fn ns_one(
         _ => par,
     };
     let mut xw = XW.take();
-    xw.clear();
+    // Every element is written below: only a grown part needs filling.
+    xw.truncate(s * l);
     xw.resize(s * l, 0.0);
-    if transposed {
-        transpose(x, rows, cols, &mut xw, par);
-    } else {
-        map_into(x, &mut xw, par, |v| v);
-    }
     let round = |v: f32| if bf16 { bf16::from_f32(v).to_f32() } else { v };
-    if bf16 {
-        map_in_place(&mut xw, par, round);
-    }
+    // Step 1: a tall matrix is transposed into `xw`; bf16 rounds the input as it goes into
+    // `xw` (the norm is that of the rounded values); a wide f32 one is read where it is.
+    let src = if transposed {
+        transpose(x, rows, cols, &mut xw, par);
+        if bf16 {
+            map_in_place(&mut xw, par, round);
+        }
+        None
+    } else if bf16 {
+        map_into(x, &mut xw, par, round);
+        None
+    } else {
+        Some(&*x)
+    };
     // Step 2: Frobenius norm (f64 sum in eight lanes, rounded once), scaled, clamped.
-    let norm64 = sum_of_squares_f64(&xw).sqrt();
+    let norm64 = sum_of_squares_f64(src.unwrap_or(&xw)).sqrt();
     if !norm64.is_finite() {
         x.fill(f32::NAN); // a non-finite element
         return Ok(());
     }
     let norm = norm64 as f32;
+    // `xw ← round(v / denom)`, `v` from `src` or `xw` itself.
     if norm.is_finite() {
         let denom = (cfg.norm_scale * norm).max(cfg.eps);
-        map_in_place(&mut xw, par, |v| round(v / denom));
+        map_from(src, &mut xw, par, |v| round(v / denom));
     } else {
         // Finite elements whose norm exceeds f32 (≳ 1.8e19 each on a 64×64 matrix): divide in
         // f64, where the norm is finite, rather than by an infinite f32 norm (all NaN).
         let denom = f64::from(cfg.norm_scale) * norm64;
-        map_in_place(&mut xw, par, |v| round((f64::from(v) / denom) as f32));
+        map_from(src, &mut xw, par, |v| round((f64::from(v) / denom) as f32));
     }
     // Step 3.
     let gram = method == NsMethod::Gram;
