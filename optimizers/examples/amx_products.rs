@@ -1,9 +1,14 @@
 //! Times ragged's AMX bf16 products on the shapes Newton–Schulz multiplies for the d = 1024
 //! Llama stack (and square ones), best of `reps`, on every rayon thread: for tuning
 //! `kernels::amx_bf16`. Prints the rate in multiply-adds actually done ×2 (a symmetric
-//! product does about half of the full one's).
+//! product does about half of the full one's). First, per thread and summed: the unit's
+//! peak (`TDPBF16PS` without loads), the kernel's 2×2 tile loop with its operands cycling
+//! through buffers of L1 to L2 sizes, and the same loop storing and reloading its
+//! accumulators every 8, 16 or 32 steps: what the blocking constants trade.
 //!
-//! `cargo run --release -p ragged-optimizers --example amx_products -- [reps]`
+//! `cargo run --release -p ragged-optimizers --example amx_products -- [reps] [only]` (`only`:
+//! run just the products whose name contains it, e.g. `"matmul 2048"`, `"sym 1024x"`).
+//! Exits with the reason where the CPU or kernel gives no AMX.
 
 use std::time::Instant;
 
@@ -121,17 +126,27 @@ fn main() -> ragged::Result<()> {
     Ok(())
 }
 
+/// Palette 1 with all eight tiles 16 rows of 64 bytes (as `kernels::amx_bf16` configures
+/// them).
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn new() -> TileConfig {
+        let mut cfg = TileConfig([0; 64]);
+        cfg.0[0] = 1;
+        for t in 0..8 {
+            cfg.0[16 + 2 * t] = 64;
+            cfg.0[48 + t] = 16;
+        }
+        cfg
+    }
+}
+
 /// GFLOP/s of a loop of independent `TDPBF16PS` on tiles already loaded (the unit's peak on
 /// this thread).
 fn tdp_peak() -> f64 {
-    #[repr(C, align(64))]
-    struct Cfg([u8; 64]);
-    let mut cfg = Cfg([0; 64]);
-    cfg.0[0] = 1;
-    for t in 0..8 {
-        cfg.0[16 + 2 * t] = 64;
-        cfg.0[48 + t] = 16;
-    }
+    let cfg = TileConfig::new();
     let iters = 2_000_000u64;
     let t = Instant::now();
     // SAFETY: `amx()` succeeded (tile state granted); a valid palette-1 configuration; the
@@ -167,16 +182,9 @@ fn tile_loop(a_bytes: usize, b_bytes: usize) -> f64 {
 /// to and reloaded from a 256 KiB buffer (the next block's place in it).
 fn tile_loop_acc(a_bytes: usize, b_bytes: usize, acc_every: usize) -> f64 {
     #[repr(C, align(64))]
-    struct Cfg([u8; 64]);
-    #[repr(C, align(64))]
     #[derive(Clone, Copy)]
     struct L([u8; 64]);
-    let mut cfg = Cfg([0; 64]);
-    cfg.0[0] = 1;
-    for t in 0..8 {
-        cfg.0[16 + 2 * t] = 64;
-        cfg.0[48 + t] = 16;
-    }
+    let cfg = TileConfig::new();
     let a = vec![L([0; 64]); a_bytes / 64];
     let b = vec![L([0; 64]); b_bytes / 64];
     let (a_steps, b_steps) = (a_bytes / 2048, b_bytes / 2048);
@@ -193,6 +201,7 @@ fn tile_loop_acc(a_bytes: usize, b_bytes: usize, acc_every: usize) -> f64 {
         for s in 0..steps {
             if acc_every > 0 && s % acc_every == 0 {
                 let c = accs.as_mut_ptr().cast::<u8>().add(next_acc * 4096);
+                // 62 places: the reload reads the next 4 KiB, inside the buffer.
                 next_acc = (next_acc + 1) % 62;
                 std::arch::asm!(
                     "tilestored [{c} + {s128}*1], tmm0",
