@@ -180,6 +180,10 @@ fn tile_loop(a_bytes: usize, b_bytes: usize) -> f64 {
 
 /// As [`tile_loop`], and every `acc_every` steps (0: never) the four accumulators are stored
 /// to and reloaded from a 256 KiB buffer (the next block's place in it).
+///
+/// The loop body repeats `kernels::amx_bf16::block_product`'s on purpose: this times that
+/// loop with its operands where the test puts them, apart from the kernel's packing and
+/// blocking.
 fn tile_loop_acc(a_bytes: usize, b_bytes: usize, acc_every: usize) -> f64 {
     #[repr(C, align(64))]
     #[derive(Clone, Copy)]
