@@ -132,6 +132,15 @@ impl ExactSquares {
         })
     }
 
+    /// `Σ bins[i]·2^i` as one big integer (little-endian 64-bit limbs).
+    fn limbs(&self) -> Vec<u64> {
+        let mut limbs = vec![0u64; BINS / 64 + 4];
+        for (i, &b) in self.bins.iter().enumerate() {
+            add_shifted(&mut limbs, b, i);
+        }
+        limbs
+    }
+
     /// `Σ bins[i]·2^(i + K_MIN)`, correctly rounded: the bins become one big integer, whose top
     /// 64 bits (with a sticky bit for the rest) convert with round-to-nearest-even.
     fn to_f64(&self) -> f64 {
@@ -143,17 +152,6 @@ impl ExactSquares {
         let (word, low, sticky) = top_bits(&limbs, high);
         let value = (word | u64::from(sticky)) as f64;
         value * 2f64.powi(low as i32 + K_MIN)
-    }
-}
-
-impl ExactSquares {
-    /// `Σ bins[i]·2^i` as one big integer (little-endian 64-bit limbs).
-    fn limbs(&self) -> Vec<u64> {
-        let mut limbs = vec![0u64; BINS / 64 + 4];
-        for (i, &b) in self.bins.iter().enumerate() {
-            add_shifted(&mut limbs, b, i);
-        }
-        limbs
     }
 }
 
