@@ -172,6 +172,27 @@ fn tdp_peak() -> f64 {
     flops / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// One 64-byte line of tile data.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct L([u8; 64]);
+
+/// `n` lines of bf16 values in [-1, 1] (as products see them: the unit's power, and so its
+/// clock, may depend on the data; zeros would flatter it).
+fn random_lines(n: usize, seed: u32) -> Vec<L> {
+    let values = filled(n * 32, seed);
+    values
+        .chunks_exact(32)
+        .map(|c| {
+            let mut line = L([0; 64]);
+            for (pair, v) in line.0.chunks_exact_mut(2).zip(c) {
+                pair.copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+            line
+        })
+        .collect()
+}
+
 /// GFLOP/s of the 2×2 microkernel's loop (2 A tiles, 2 B tiles, 4 `TDPBF16PS` a step) with
 /// its operands cycling through buffers of `a_bytes` and `b_bytes`.
 fn tile_loop(a_bytes: usize, b_bytes: usize) -> f64 {
@@ -181,16 +202,13 @@ fn tile_loop(a_bytes: usize, b_bytes: usize) -> f64 {
 /// As [`tile_loop`], and every `acc_every` steps (0: never) the four accumulators are stored
 /// to and reloaded from a 256 KiB buffer (the next block's place in it).
 ///
-/// The loop body repeats `kernels::amx_bf16::block_product`'s on purpose: this times that
-/// loop with its operands where the test puts them, apart from the kernel's packing and
-/// blocking.
+/// The loop body repeats `kernels::amx_bf16::block_product`'s (less its prefetches of the
+/// next panel) on purpose: this times that loop with its operands where the test puts them,
+/// apart from the kernel's packing and blocking.
 fn tile_loop_acc(a_bytes: usize, b_bytes: usize, acc_every: usize) -> f64 {
-    #[repr(C, align(64))]
-    #[derive(Clone, Copy)]
-    struct L([u8; 64]);
     let cfg = TileConfig::new();
-    let a = vec![L([0; 64]); a_bytes / 64];
-    let b = vec![L([0; 64]); b_bytes / 64];
+    let a = random_lines(a_bytes / 64, 5);
+    let b = random_lines(b_bytes / 64, 6);
     let (a_steps, b_steps) = (a_bytes / 2048, b_bytes / 2048);
     let mut accs = vec![L([0; 64]); 4096];
     let mut next_acc = 0;
@@ -223,11 +241,11 @@ fn tile_loop_acc(a_bytes: usize, b_bytes: usize, acc_every: usize) -> f64 {
             let pb = b.as_ptr().cast::<u8>().add((s % b_steps) * 2048);
             std::arch::asm!(
                 "tileloadd tmm4, [{a} + {s64}*1]",
-                "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
                 "tileloadd tmm6, [{b} + {s64}*1]",
-                "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 a = in(reg) pa, b = in(reg) pb, s64 = in(reg) 64usize,

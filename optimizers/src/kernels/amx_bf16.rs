@@ -444,14 +444,28 @@ impl Region {
             }
             for ks in (0..kb).step_by(KC / BLOCK) {
                 let steps = (KC / BLOCK).min(kb - ks);
+                let panel = |jp: usize, ks: usize| &bp[(jp * kb + ks) * BLOCK..];
                 for jp in self.cols.clone() {
-                    let b = &bp[(jp * kb + ks) * BLOCK..][..steps * BLOCK];
-                    for ib in self.rows.clone().filter(|&ib| wanted(ib, jp)) {
+                    let b = &panel(jp, ks)[..steps * BLOCK];
+                    // What this column's products pull into L2 for the next: the next
+                    // column's panel, or the next pass's first.
+                    let next = if jp + 1 < self.cols.end {
+                        panel(jp + 1, ks)
+                    } else if ks + KC / BLOCK < kb {
+                        panel(self.cols.start, ks + KC / BLOCK)
+                    } else {
+                        b
+                    };
+                    for (i, ib) in self.rows.clone().filter(|&ib| wanted(ib, jp)).enumerate() {
                         let a = &ap[(ib * kb + ks) * BLOCK..][..steps * BLOCK];
                         let acc = &mut accs[(ib - self.rows.start) * width + jp - self.cols.start];
+                        // The `i`-th product of the column fetches the `i`-th quarter.
+                        let ahead = next
+                            .get(i * steps * PREFETCH_LINES..(i + 1) * steps * PREFETCH_LINES)
+                            .unwrap_or(&b[..steps * PREFETCH_LINES]);
                         // SAFETY: tiles are configured on this thread (`TileSession`); `a`
-                        // and `b` hold `steps ≥ 1` steps of 32 lines.
-                        unsafe { block_product(a, b, steps, acc, ks > 0) };
+                        // and `b` hold `steps ≥ 1` steps of 32 lines, `ahead` 8 lines a step.
+                        unsafe { block_product(a, b, ahead, steps, acc, ks > 0) };
                     }
                 }
             }
@@ -512,16 +526,37 @@ impl Drop for TileSession {
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
 
+/// Lines of the right operand's next panel that one step of [`block_product`] prefetches
+/// into L2: a column's four products fetch the next column's panel (32 lines a step) while
+/// they run, so its first product does not wait on L3. Alternated with the loop without
+/// prefetches on an AMX Xeon (session 27, 2 threads, medians of 8–10 rounds on a host whose
+/// speed varied 2× run to run): Newton–Schulz's products 1.05–1.39× faster but for two
+/// symmetric shapes in one run (0.7×, 0.9×; 1.1×, 1.4× in the next), and a bf16 Muon step
+/// of the d = 1024 stack 0.94× the time (`scripts/ab_muon_steps.py`, 12 rounds).
+const PREFETCH_LINES: usize = 8;
+const _: () = assert!(
+    PREFETCH_LINES == 8,
+    "block_product's loop has eight prefetches"
+);
+
 /// `acc ← acc + Σ over `steps` steps of a_tiles·b_tiles` for one 32×32 block (`acc`
-/// taken as zero unless `accumulate`).
+/// taken as zero unless `accumulate`), pulling `ahead` into L2 on the way.
 ///
 /// # Safety
 /// The calling thread has loaded the tile configuration of [`TileSession`]; `a` and `b`
-/// hold at least `steps ≥ 1` steps of 32 lines.
-unsafe fn block_product(a: &[Line], b: &[Line], steps: usize, acc: &mut Acc, accumulate: bool) {
+/// hold at least `steps ≥ 1` steps of 32 lines, `ahead` `steps` of [`PREFETCH_LINES`].
+unsafe fn block_product(
+    a: &[Line],
+    b: &[Line],
+    ahead: &[Line],
+    steps: usize,
+    acc: &mut Acc,
+    accumulate: bool,
+) {
     debug_assert!(steps >= 1 && a.len() >= steps * BLOCK && b.len() >= steps * BLOCK);
+    debug_assert!(ahead.len() >= steps * PREFETCH_LINES);
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("an Amx exists only on x86-64 ({a:p}, {b:p}, {acc:p}, {accumulate})");
+    unreachable!("an Amx exists only on x86-64 ({a:p}, {b:p}, {ahead:p}, {acc:p}, {accumulate})");
     #[cfg(target_arch = "x86_64")]
     let c = acc.0.as_mut_ptr();
     #[cfg(target_arch = "x86_64")]
@@ -549,20 +584,30 @@ unsafe fn block_product(a: &[Line], b: &[Line], steps: usize, acc: &mut Acc, acc
         }
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: (caller) each tile load reads 16 lines of 64 bytes inside `a` or `b`.
+    // SAFETY: (caller) each tile load reads 16 lines of 64 bytes inside `a` or `b`; the
+    // prefetches touch `ahead`'s 8 lines a step (and would not fault outside it).
     unsafe {
         std::arch::asm!(
             "2:",
             "tileloadd tmm4, [{a} + {s64}*1]",
-            "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
             "tileloadd tmm6, [{b} + {s64}*1]",
-            "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
+            "prefetcht1 [{p}]",
+            "prefetcht1 [{p} + 64]",
             "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
+            "prefetcht1 [{p} + 128]",
+            "prefetcht1 [{p} + 192]",
             "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
+            "prefetcht1 [{p} + 256]",
+            "prefetcht1 [{p} + 320]",
             "tdpbf16ps tmm2, tmm5, tmm6",
+            "prefetcht1 [{p} + 384]",
+            "prefetcht1 [{p} + 448]",
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a}, 2048",
             "add {b}, 2048",
+            "add {p}, 512",
             "dec {n}",
             "jnz 2b",
             "tilestored [{c} + {s128}*1], tmm0",
@@ -571,6 +616,7 @@ unsafe fn block_product(a: &[Line], b: &[Line], steps: usize, acc: &mut Acc, acc
             "tilestored [{c} + {s128}*1 + 2112], tmm3",
             a = inout(reg) a.as_ptr() => _,
             b = inout(reg) b.as_ptr() => _,
+            p = inout(reg) ahead.as_ptr() => _,
             n = inout(reg) steps => _,
             c = in(reg) c,
             s64 = in(reg) 64usize,
