@@ -933,6 +933,113 @@ fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
     }
 }
 
+/// Newton–Schulz in bf16 spelled out on the public AMX products: a tall matrix transposed,
+/// the input rounded to bf16, its norm summed in `f64` (element `i` into lane `i mod 8`, the
+/// lanes in order), divided by `max(scale·norm, eps)` and rounded, then per step
+/// `P = X·Xᵀ`, `Q = c·P·Pᵀ + b·P`, `X ← Q·X + a·X`, and the result widened (and transposed
+/// back). What `orthogonalize` must give to the bit on the AMX backend, however it fuses its
+/// passes.
+fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) -> Vec<f32> {
+    let amx = amx_bf16::amx().unwrap();
+    let tall = rows > cols;
+    let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
+    let at = |i: usize, j: usize| {
+        if tall {
+            x[j * cols + i]
+        } else {
+            x[i * cols + j]
+        }
+    };
+    let rounded: Vec<f32> = (0..s * l)
+        .map(|e| bf16::from_f32(at(e / l, e % l)).to_f32())
+        .collect();
+    let mut lanes = [0.0f64; 8];
+    for (e, &v) in rounded.iter().enumerate() {
+        lanes[e % 8] += f64::from(v) * f64::from(v);
+    }
+    let norm = lanes.iter().sum::<f64>().sqrt() as f32;
+    let denom = (c.norm_scale * norm).max(c.eps);
+    let mut xb: Vec<bf16> = rounded.iter().map(|&v| bf16::from_f32(v / denom)).collect();
+    let (mut p, mut q, mut y) = (
+        vec![bf16::ZERO; s * s],
+        vec![bf16::ZERO; s * s],
+        vec![bf16::ZERO; s * l],
+    );
+    for k in 0..c.steps {
+        let [a, b, cc] = c.coeffs_at(k);
+        amx.sym_nt(
+            s,
+            l,
+            &xb,
+            &mut p,
+            Epilogue {
+                alpha: 1.0,
+                add: None,
+            },
+        );
+        amx.sym_nt(
+            s,
+            s,
+            &p,
+            &mut q,
+            Epilogue {
+                alpha: cc,
+                add: Some((b, &p)),
+            },
+        );
+        amx.matmul(
+            s,
+            l,
+            s,
+            &q,
+            Rhs::Plain(&xb),
+            &mut y,
+            Epilogue {
+                alpha: 1.0,
+                add: Some((a, &xb)),
+            },
+        );
+        std::mem::swap(&mut xb, &mut y);
+    }
+    let mut out = vec![0.0f32; rows * cols];
+    for i in 0..s {
+        for j in 0..l {
+            let v = xb[i * l + j].to_f32();
+            if tall {
+                out[j * cols + i] = v;
+            } else {
+                out[i * cols + j] = v;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn amx_newton_schulz_is_its_products_composed_bit_for_bit() {
+    if !amx_or_skip("amx_newton_schulz_is_its_products_composed_bit_for_bit") {
+        return;
+    }
+    let mut rng = Rng::new(47);
+    let c = cfg(NsPrecision::Bf16, NsBackend::Amx);
+    // Wide, tall, square, vectors, a side that is no multiple of 32, and one large enough
+    // that the elementwise passes split into chunks over threads.
+    for (rows, cols) in [
+        (64, 64),
+        (37, 100),
+        (100, 37),
+        (1, 9),
+        (9, 1),
+        (300, 1100),
+        (1100, 300),
+    ] {
+        let x: Vec<f32> = rng.units(rows * cols).iter().map(|v| v * 3.0).collect();
+        let want = amx_newton_schulz_by_hand(&x, rows, cols, &c);
+        let got = run(&x, rows, cols, &c);
+        assert_eq!(bits(&got), bits(&want), "{rows}×{cols}");
+    }
+}
+
 #[test]
 fn amx_bf16_agrees_with_the_portable_bf16_path() {
     if !amx_or_skip("amx_bf16_agrees_with_the_portable_bf16_path") {
