@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{amx, Epilogue, Rhs};
+use ragged_optimizers::kernels::Parallelism;
 
 fn filled(len: usize, seed: u32) -> Vec<bf16> {
     let mut s = seed.wrapping_mul(2_654_435_761).max(1);
@@ -50,6 +51,7 @@ fn main() -> ragged::Result<()> {
         add: None,
     };
     println!("threads {}", rayon::current_num_threads());
+    let pool = Parallelism::Rayon(rayon::current_num_threads());
     let peak: f64 = rayon::broadcast(|_| tdp_peak()).iter().sum();
     println!("TDPBF16PS loop without loads: {peak:.0} GFLOP/s over the threads");
     let loops: &[(usize, usize)] = if only.is_empty() {
@@ -98,7 +100,7 @@ fn main() -> ragged::Result<()> {
                 alpha: 0.5,
                 add: Some((2.0, &add)),
             };
-            amx.matmul(m, n, k, &a, Rhs::Plain(&b), &mut out, epi)
+            amx.matmul(m, n, k, &a, Rhs::Plain(&b), &mut out, epi, pool)
         });
         let flops = 2.0 * (m * n * k) as f64;
         println!(
@@ -114,7 +116,7 @@ fn main() -> ragged::Result<()> {
         }
         let a = filled(n * k, 4);
         let mut out = vec![bf16::ZERO; n * n];
-        let t = best(reps, || amx.sym_nt(n, k, &a, &mut out, plain));
+        let t = best(reps, || amx.sym_nt(n, k, &a, &mut out, plain, pool));
         let blocks = n.div_ceil(32);
         let done = (blocks * (blocks + 1) / 2 * 32 * 32 * k) as f64 * 2.0;
         println!(

@@ -375,7 +375,17 @@ impl GemmProbe {
                     alpha: 1.0,
                     add: None,
                 };
-                amx.matmul(n, n, n, a, crate::kernels::amx_bf16::Rhs::Plain(b), c, epi);
+                let par = crate::kernels::Parallelism::Rayon(rayon::current_num_threads());
+                amx.matmul(
+                    n,
+                    n,
+                    n,
+                    a,
+                    crate::kernels::amx_bf16::Rhs::Plain(b),
+                    c,
+                    epi,
+                    par,
+                );
                 std::hint::black_box(c);
             }
         }

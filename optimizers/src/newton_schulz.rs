@@ -86,7 +86,7 @@ use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::transpose_f32::transpose_raw;
 use crate::kernels::work_share::share;
-use crate::kernels::{retained, Parallelism, RETAIN_BYTES};
+use crate::kernels::{retained, threaded, Parallelism, RETAIN_BYTES};
 
 /// Keller Jordan's quintic coefficients, torch.optim.Muon's default `(a, b, c)`.
 pub const QUINTIC: [f32; 3] = [3.4445, -4.7750, 2.0315];
@@ -484,11 +484,6 @@ const TRANSPOSE_BAND: usize = 32;
 /// Elements per task of the element-wise passes (256 KiB of `f32`).
 const ELEMENTWISE_CHUNK: usize = 1 << 16;
 
-/// Whether `par` asks for more than the calling thread.
-fn threaded(par: Parallelism) -> bool {
-    matches!(par, Parallelism::Rayon(n) if n != 1)
-}
-
 /// `rows × cols` row-major `x` transposed into `out` (`cols × rows`) by
 /// [`transpose_f32`](crate::kernels::transpose_f32), bands of output rows spread over threads
 /// when `par` allows (a copy: the same bits either way).
@@ -882,17 +877,17 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
             alpha: 1.0,
             add: None,
         };
-        amx.sym_nt(s, l, &x, &mut p, plain);
+        amx.sym_nt(s, l, &x, &mut p, plain, par);
         let poly = Epilogue {
             alpha: c,
             add: Some((b, &p)),
         };
-        amx.sym_nt(s, s, &p, &mut q, poly);
+        amx.sym_nt(s, s, &p, &mut q, poly, par);
         let update = Epilogue {
             alpha: 1.0,
             add: Some((a, &x)),
         };
-        amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update);
+        amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update, par);
         std::mem::swap(&mut x, &mut y);
     }
     map_into(&x, xw, par, |v| v.to_f32());
@@ -1117,7 +1112,9 @@ pub fn ns_working_bytes(rows: usize, cols: usize) -> usize {
 /// threads idle at its end; above it each single-threaded product runs without gemm's
 /// per-block thread joins: Muon on the 28 matrices of the d = 1024 Llama stack on 2 threads
 /// took 0.78× the time of threaded products (median; 0.73–0.81 over five alternating steps,
-/// AVX2 Zen 2; 0.82× without the largest-first order).
+/// AVX2 Zen 2; 0.82× without the largest-first order). On the AMX products (bf16) likewise:
+/// medians of four alternating runs of 10–12 steps each 0.83–0.96× the time, best step 1.07
+/// s against 1.12–1.55 (AMX Xeon, session 27).
 pub const ACROSS_MIN_PER_THREAD: usize = 2;
 
 /// Whether a `rows × cols` matrix of `tasks` runs on one thread ([`orthogonalize_many`]).
@@ -1132,6 +1129,7 @@ fn across_threads(
     move |rows, cols| match backend {
         NsBackend::Reference => true,
         NsBackend::Gemm => fits(rows, cols) && (rows.min(cols) < BATCH_INNER_MIN_SIDE || many),
+        NsBackend::Amx => fits(rows, cols) && many,
         _ => false,
     }
 }
@@ -1143,9 +1141,9 @@ mod tests {
     #[test]
     fn one_matrix_per_thread_only_for_many_matrices_with_bounded_buffers() {
         // The d = 1024 Llama stack's matrices (46 MB at most for 1024×3584) go one per thread
-        // when there are two per thread; a 4096² one (403 MB of buffers) never does, nor does
-        // anything on the oneDNN backend; a short side under 256 does while its buffers fit
-        // (255 × 4096: 8.6 MB, not 255 × 131 072: 268 MB).
+        // when there are two per thread (gemm and AMX); a 4096² one (403 MB of buffers) never
+        // does, nor does anything on the oneDNN backend; on gemm a short side under 256 does
+        // while its buffers fit (255 × 4096: 8.6 MB, not 255 × 131 072: 268 MB).
         // `across_threads` reads only the shapes, so the matrices can be empty slices.
         let tasks = |shapes: &[(usize, usize)]| -> Vec<(&mut [f32], usize, usize)> {
             shapes.iter().map(|&(r, c)| (&mut [][..], r, c)).collect()
@@ -1162,6 +1160,12 @@ mod tests {
         )(4096, 4096));
         assert!(!across_threads(&tasks(&stack), NsBackend::OneDnn, 2)(
             256, 1024
+        ));
+        // AMX: the stack one per thread; a short side under 256 only when there are many.
+        let across = across_threads(&tasks(&stack), NsBackend::Amx, 2);
+        assert!(stack.iter().all(|&(r, c)| across(r, c)));
+        assert!(!across_threads(&tasks(&stack), NsBackend::Amx, 3)(
+            255, 4096
         ));
     }
 

@@ -7,6 +7,7 @@
 use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
+use ragged_optimizers::kernels::Parallelism;
 use ragged_optimizers::newton_schulz::{
     ns_macs, ns_working_bytes, orthogonalize_many, resolve_backend, resolve_config, resolve_method,
     NsMethod, POLAR_EXPRESS_NORM_SCALE,
@@ -385,7 +386,8 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
 #[test]
 fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
     // Nine matrices, wide and tall, short sides from 40 to 300, on 3 threads: at least
-    // `ACROSS_MIN_PER_THREAD` per thread fit, so all run one per thread, handed out largest
+    // `ACROSS_MIN_PER_THREAD` per thread fit, so all run one per thread (on the AMX backend
+    // their products on the calling thread), handed out largest
     // first (not in the order given); with the last four alone, 300×300 runs with threaded
     // products. Each must keep its own shape and bits.
     let shapes = [
@@ -400,12 +402,16 @@ fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
         (128, 257),
     ];
     let mut rng = Rng::new(17);
-    let c = cfg(NsPrecision::F32, NsBackend::Gemm);
+    // gemm in f32, and the AMX products (bf16) where the CPU has them.
+    let mut configs = vec![cfg(NsPrecision::F32, NsBackend::Gemm)];
+    if amx_bf16::amx().is_ok() {
+        configs.push(cfg(NsPrecision::Bf16, NsBackend::Amx));
+    }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
         .unwrap();
-    for first in [0, 5] {
+    for (c, first) in configs.iter().flat_map(|c| [(c, 0), (c, 5)]) {
         let shapes = &shapes[first..];
         let inputs: Vec<Vec<f32>> = shapes.iter().map(|&(r, c)| rng.units(r * c)).collect();
         let mut many = inputs.clone();
@@ -414,14 +420,15 @@ fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
             .zip(shapes)
             .map(|(x, &(r, c))| (x.as_mut_slice(), r, c))
             .collect();
-        pool.install(|| orthogonalize_many(tasks, &c)).unwrap();
+        pool.install(|| orthogonalize_many(tasks, c)).unwrap();
         for ((x, y), &(r, cols)) in inputs.iter().zip(&many).zip(shapes) {
-            let alone = pool.install(|| run(x, r, cols, &c));
+            let alone = pool.install(|| run(x, r, cols, c));
             assert_eq!(
                 bits(y),
                 bits(&alone),
-                "{r}×{cols} of {} matrices",
-                shapes.len()
+                "{r}×{cols} of {} matrices, {:?}",
+                shapes.len(),
+                c.backend
             );
         }
     }
@@ -706,6 +713,9 @@ fn onednn_bf16_agrees_with_the_portable_bf16_path() {
     eprintln!("{}", ns_backend_info());
 }
 
+/// The AMX products spread over rayon's pool.
+const POOL: Parallelism = Parallelism::Rayon(0);
+
 /// Whether this process may use the AMX tiles; prints why a test skips when not.
 fn amx_or_skip(test: &str) -> bool {
     match amx_bf16::amx() {
@@ -836,7 +846,8 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
             } else {
                 Rhs::Plain(&b)
             };
-            amx.matmul(m, n, k, &a, rhs, &mut got, Epilogue { alpha, add: addend });
+            let epi = Epilogue { alpha, add: addend };
+            amx.matmul(m, n, k, &a, rhs, &mut got, epi, POOL);
             let want = sequential_product(m, n, k, &a, &b, transposed, alpha, addend);
             let rhs_at = |kk: usize, j: usize| {
                 if transposed {
@@ -847,24 +858,18 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
             };
             let what = format!("{m}×{k}·{k}×{n} transposed={transposed}");
             assert_amx_product(&got, &want, (m, n, k), &a, &rhs_at, alpha, addend, &what);
-            // One thread gives the same bits (the sum order is per element, not per task).
+            // A pool of one thread, and the calling thread alone, give the same bits (the sum
+            // order is per element, not per task).
             let one = rayon::ThreadPoolBuilder::new()
                 .num_threads(1)
                 .build()
                 .unwrap();
             let mut again = vec![bf16::ZERO; m * n];
-            one.install(|| {
-                amx.matmul(
-                    m,
-                    n,
-                    k,
-                    &a,
-                    rhs,
-                    &mut again,
-                    Epilogue { alpha, add: addend },
-                )
-            });
+            one.install(|| amx.matmul(m, n, k, &a, rhs, &mut again, epi, POOL));
             assert_eq!(got, again, "{m}×{k}·{k}×{n}: one thread");
+            let mut here = vec![bf16::ZERO; m * n];
+            amx.matmul(m, n, k, &a, rhs, &mut here, epi, Parallelism::None);
+            assert_eq!(got, here, "{m}×{k}·{k}×{n}: on the calling thread");
         }
     }
 }
@@ -897,9 +902,12 @@ fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
             add: Some((-0.5, &add[..])),
         };
         let mut sym = vec![bf16::ZERO; n * n];
-        amx.sym_nt(n, k, &a, &mut sym, epi);
+        amx.sym_nt(n, k, &a, &mut sym, epi, POOL);
+        let mut here = vec![bf16::ZERO; n * n];
+        amx.sym_nt(n, k, &a, &mut here, epi, Parallelism::None);
+        assert_eq!(sym, here, "{n}×{k}: on the calling thread");
         let mut full = vec![bf16::ZERO; n * n];
-        amx.matmul(n, n, k, &a, Rhs::Transposed(&a), &mut full, epi);
+        amx.matmul(n, n, k, &a, Rhs::Transposed(&a), &mut full, epi, POOL);
         for i in 0..n {
             for j in 0..n {
                 assert_eq!(
@@ -976,6 +984,7 @@ fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) 
                 alpha: 1.0,
                 add: None,
             },
+            POOL,
         );
         amx.sym_nt(
             s,
@@ -986,6 +995,7 @@ fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) 
                 alpha: cc,
                 add: Some((b, &p)),
             },
+            POOL,
         );
         amx.matmul(
             s,
@@ -998,6 +1008,7 @@ fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) 
                 alpha: 1.0,
                 add: Some((a, &xb)),
             },
+            POOL,
         );
         std::mem::swap(&mut xb, &mut y);
     }

@@ -7,8 +7,10 @@
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
 //! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
 //! accumulators are stored between calls). Blocks are shared out over rayon's threads an
-//! `MC × NC` output region at a time; each task loads the tile configuration before its
-//! first block and releases the tiles after its last.
+//! `MC × NC` output region at a time (packing a panel per task), or all run on the calling
+//! thread with `Parallelism::None` (a caller that runs one matrix per thread); each task
+//! loads the tile configuration before its first block and releases the tiles after its
+//! last.
 //!
 //! | operand | packed as | tile `(block, kb, half)` starts at line |
 //! |---|---|---|
@@ -31,6 +33,8 @@ use std::sync::OnceLock;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+
+use super::{threaded, Parallelism};
 
 /// Output block side, and the `k` consumed per microkernel step.
 const BLOCK: usize = 32;
@@ -175,18 +179,20 @@ impl Amx {
         rhs: Rhs<'_>,
         out: &mut [bf16],
         epi: Epilogue<'_>,
+        par: Parallelism,
     ) {
         check_lengths(m, n, k, a, rhs, out, epi);
         if m == 0 || n == 0 {
             return;
         }
+        let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = pack_rows(a, m, k, abuf);
+            let ap = pack_rows(a, m, k, abuf, par);
             let bp = match rhs {
-                Rhs::Plain(b) => pack_plain(b, k, n, bbuf),
-                Rhs::Transposed(b) => pack_transposed(b, n, k, bbuf),
+                Rhs::Plain(b) => pack_plain(b, k, n, bbuf, par),
+                Rhs::Transposed(b) => pack_transposed(b, n, k, bbuf, par),
             };
-            run_blocks(ap, bp, m, n, k, out, epi, false);
+            run_blocks(ap, bp, (m, n, k), out, epi, false, par);
         });
     }
 
@@ -197,16 +203,25 @@ impl Amx {
     /// # Panics
     /// As [`Amx::matmul`].
     #[track_caller]
-    pub fn sym_nt(&self, n: usize, k: usize, a: &[bf16], out: &mut [bf16], epi: Epilogue<'_>) {
+    pub fn sym_nt(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+    ) {
         check_lengths(n, n, k, a, Rhs::Transposed(a), out, epi);
         if n == 0 {
             return;
         }
         // The left operand's packing is the right one's too, but in a different tile layout.
+        let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = pack_rows(a, n, k, abuf);
-            let bp = pack_transposed(a, n, k, bbuf);
-            run_blocks(ap, bp, n, n, k, out, epi, true);
+            let ap = pack_rows(a, n, k, abuf, par);
+            let bp = pack_transposed(a, n, k, bbuf, par);
+            run_blocks(ap, bp, (n, n, k), out, epi, true, par);
         });
     }
 }
@@ -250,29 +265,40 @@ fn reserve_lines(buf: &mut Vec<Line>, lines: usize) -> &mut [Line] {
     &mut buf[..lines]
 }
 
-/// `panels` panels of `kb` steps of 32 lines into `buf`, a rayon task per panel;
-/// `fill(panel, step, lines)` writes every line of one step, zero padding included.
+/// `panels` panels of `kb` steps of 32 lines into `buf`, a rayon task per panel when
+/// `threaded`; `fill(panel, step, lines)` writes every line of one step, zero padding
+/// included.
 fn pack_steps(
     buf: &mut Vec<Line>,
     panels: usize,
     kb: usize,
+    threaded: bool,
     fill: impl Fn(usize, usize, &mut [Line]) + Sync,
 ) -> &[Line] {
     let out = reserve_lines(buf, panels * kb * BLOCK);
-    out.par_chunks_mut(kb * BLOCK)
-        .enumerate()
-        .for_each(|(panel, lines)| {
-            for (step, lines) in lines.chunks_mut(BLOCK).enumerate() {
-                fill(panel, step, lines);
-            }
-        });
+    let panel = |(panel, lines): (usize, &mut [Line])| {
+        for (step, lines) in lines.chunks_mut(BLOCK).enumerate() {
+            fill(panel, step, lines);
+        }
+    };
+    if threaded {
+        out.par_chunks_mut(kb * BLOCK).enumerate().for_each(panel);
+    } else {
+        out.chunks_mut(kb * BLOCK).enumerate().for_each(panel);
+    }
     out
 }
 
 /// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
-fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+fn pack_rows<'b>(
+    a: &[bf16],
+    m: usize,
+    k: usize,
+    buf: &'b mut Vec<Line>,
+    threaded: bool,
+) -> &'b [Line] {
     let a = bits(a);
-    pack_steps(buf, blocks(m), blocks(k), |ib, step, lines| {
+    pack_steps(buf, blocks(m), blocks(k), threaded, |ib, step, lines| {
         let k0 = step * BLOCK;
         let width = BLOCK.min(k - k0);
         for (r, line) in lines.iter_mut().enumerate() {
@@ -296,9 +322,15 @@ fn pack_rows<'b>(a: &[bf16], m: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b 
 
 /// `b: k×n` row-major as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)` holds, for
 /// each of its 16 columns `j`, the pair `(b[2r][j], b[2r+1][j])` of the step's rows.
-fn pack_plain<'b>(b: &[bf16], k: usize, n: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+fn pack_plain<'b>(
+    b: &[bf16],
+    k: usize,
+    n: usize,
+    buf: &'b mut Vec<Line>,
+    threaded: bool,
+) -> &'b [Line] {
     let b = bits(b);
-    pack_steps(buf, blocks(n), blocks(k), |jp, step, tiles| {
+    pack_steps(buf, blocks(n), blocks(k), threaded, |jp, step, tiles| {
         let j0 = jp * BLOCK;
         let cols = BLOCK.min(n - j0);
         #[cfg(target_arch = "x86_64")]
@@ -333,9 +365,15 @@ fn pack_plain<'b>(b: &[bf16], k: usize, n: usize, buf: &'b mut Vec<Line>) -> &'b
 /// `bᵀ` for `b: n×k` row-major, as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)`
 /// holds, for each of its 16 columns `j`, the pair `(b[j][2r], b[j][2r+1])`: the 16×16
 /// transpose of the 32-bit pairs of 16 rows of `b`.
-fn pack_transposed<'b>(b: &[bf16], n: usize, k: usize, buf: &'b mut Vec<Line>) -> &'b [Line] {
+fn pack_transposed<'b>(
+    b: &[bf16],
+    n: usize,
+    k: usize,
+    buf: &'b mut Vec<Line>,
+    threaded: bool,
+) -> &'b [Line] {
     let b = bits(b);
-    pack_steps(buf, blocks(n), blocks(k), |jp, step, tiles| {
+    pack_steps(buf, blocks(n), blocks(k), threaded, |jp, step, tiles| {
         let k0 = step * BLOCK;
         let width = BLOCK.min(k - k0);
         for (t, tile) in tiles.chunks_mut(TILE_ROWS).enumerate() {
@@ -389,18 +427,16 @@ const MC: usize = 128;
 /// Output columns per task: the task's accumulators (`MC·NC` `f32`, 256 KiB) stay in L2.
 const NC: usize = 512;
 
-/// Every output block (only those with `jp ≤ ib` when `lower`, mirrored), an `MC × NC`
-/// region per rayon task.
-#[allow(clippy::too_many_arguments)]
+/// Every output block of the `m×k · k×n` product (only those with `jp ≤ ib` when `lower`,
+/// mirrored), an `MC × NC` region per rayon task when `threaded`, else all on this thread.
 fn run_blocks(
     ap: &[Line],
     bp: &[Line],
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     out: &mut [bf16],
     epi: Epilogue<'_>,
     lower: bool,
+    threaded: bool,
 ) {
     let (mb, nb) = (blocks(m), blocks(n));
     let (tile_m, tile_n) = (MC / BLOCK, NC / BLOCK);
@@ -419,6 +455,13 @@ fn run_blocks(
         })
         .filter(|r| !lower || r.cols.start < r.rows.end)
         .collect();
+    if !threaded {
+        let _tiles = TileSession::start();
+        for region in regions {
+            region.run(ap, bp, blocks(k), lower, &ctx);
+        }
+        return;
+    }
     regions
         .into_par_iter()
         .with_min_len(1)

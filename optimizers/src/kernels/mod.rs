@@ -22,6 +22,11 @@ pub(crate) mod work_share;
 
 pub use gemm::Parallelism;
 
+/// Whether `par` asks for more than the calling thread.
+pub(crate) fn threaded(par: Parallelism) -> bool {
+    matches!(par, Parallelism::Rayon(n) if n != 1)
+}
+
 /// Bytes of one working buffer a thread keeps between Newton–Schulz calls, at most. Below
 /// it, reuse saves a fresh buffer's page faults (4–7 ms for a 2048² `f32` operand, more than
 /// packing it); above it the buffer is freed after the call, so a rank that orthogonalizes one
