@@ -1113,8 +1113,8 @@ pub fn ns_working_bytes(rows: usize, cols: usize) -> usize {
 /// per-block thread joins: Muon on the 28 matrices of the d = 1024 Llama stack on 2 threads
 /// took 0.78× the time of threaded products (median; 0.73–0.81 over five alternating steps,
 /// AVX2 Zen 2; 0.82× without the largest-first order). On the AMX products (bf16) likewise:
-/// medians of four alternating runs of 10–12 steps each 0.83–0.96× the time, best step 1.07
-/// s against 1.12–1.55 (AMX Xeon, session 27).
+/// medians of six alternating runs (both orders, 10–12 steps each) 0.83–0.98× the time, best
+/// step 1.07–1.32 s against 1.12–1.55 (AMX Xeon, session 27).
 pub const ACROSS_MIN_PER_THREAD: usize = 2;
 
 /// Whether a `rows × cols` matrix of `tasks` runs on one thread ([`orthogonalize_many`]).

@@ -387,9 +387,9 @@ fn batched_newton_schulz_equals_one_matrix_at_a_time_bitwise() {
 fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
     // Nine matrices, wide and tall, short sides from 40 to 300, on 3 threads: at least
     // `ACROSS_MIN_PER_THREAD` per thread fit, so all run one per thread (on the AMX backend
-    // their products on the calling thread), handed out largest
-    // first (not in the order given); with the last four alone, 300×300 runs with threaded
-    // products. Each must keep its own shape and bits.
+    // their products on the calling thread), handed out largest first (not in the order
+    // given); with the last four alone, 300×300 runs with threaded products. Each must keep
+    // its own shape and bits.
     let shapes = [
         (40, 64),
         (300, 260),
