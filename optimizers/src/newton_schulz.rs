@@ -11,6 +11,10 @@
 //! | 3 | per step `k`, with `(a, b, c)` = the `k`-th coefficients: `P = X·Xᵀ`, `Q = b·P + c·(P·P)`, `X ← a·X + Q·X` | `use_addmm` form in bf16 |
 //! | 4 | transpose back if step 1 transposed | `.T` |
 //!
+//! The AMX backend takes a tall matrix as it is, without steps 1 and 4: `P = Xᵀ·X` and
+//! `X ← a·X + X·Q`, which give each element the bits of the transposed form (the same pairs
+//! summed in the same order, `Q` exactly symmetric) without two transposes of the matrix.
+//!
 //! # Backends ([`NsBackend`])
 //! | backend | `f32` | bf16 | threads | bits depend on |
 //! |---|---|---|---|---|
@@ -60,8 +64,8 @@
 //! `Gemm`/`OneDnn`, the machine), never of the rayon thread count or of how matrices are
 //! split over threads: this is what makes a sharded Muon step bitwise equal to the unsharded
 //! one. `Reference` sums with `k` ascending, no fused multiply-add, so it is also portable
-//! across machines. The Frobenius norm is summed in `f64` in eight lanes (element `i` in lane
-//! `i mod 8`) and rounded once.
+//! across machines. The Frobenius norm is summed in `f64` in eight lanes (element `i` of the
+//! matrix as given, row-major, in lane `i mod 8`) and rounded once.
 //!
 //! # Special inputs
 //! A zero matrix stays zero (the norm clamps at `eps`). If any element is non-finite, every
@@ -849,7 +853,18 @@ fn iterate_onednn<T: Element>(
 /// Step 3 in bf16 on the AMX products (`xw` holds bf16 values on entry): the same three
 /// roundings per step as [`iterate_onednn`], with `P·P` as `P·Pᵀ` (the AMX `P` is exactly
 /// symmetric) and the addends read from `P` and `X` directly.
-fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
+///
+/// `tall`: `xw` is the `l × s` matrix itself, not its transpose: `P = Xᵀ·X` and
+/// `X ← X·Q + a·X`, each output element the same pairs summed in the same order as on the
+/// transpose (`Q` is exactly symmetric), so the same bits without transposing twice.
+fn iterate_amx(
+    xw: &mut [f32],
+    s: usize,
+    l: usize,
+    tall: bool,
+    cfg: &NsConfig,
+    par: Parallelism,
+) -> Result<()> {
     thread_local! {
         /// `X`, `P`, `Q`, `Y` kept between calls on each thread, up to
         /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) each: fresh buffers of a few MiB
@@ -877,7 +892,11 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
             alpha: 1.0,
             add: None,
         };
-        amx.sym_nt(s, l, &x, &mut p, plain, par);
+        if tall {
+            amx.sym_tn(s, l, &x, &mut p, plain, par);
+        } else {
+            amx.sym_nt(s, l, &x, &mut p, plain, par);
+        }
         let poly = Epilogue {
             alpha: c,
             add: Some((b, &p)),
@@ -887,7 +906,11 @@ fn iterate_amx(xw: &mut [f32], s: usize, l: usize, cfg: &NsConfig, par: Parallel
             alpha: 1.0,
             add: Some((a, &x)),
         };
-        amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update, par);
+        if tall {
+            amx.matmul(l, s, s, &x, Rhs::Plain(&q), &mut y, update, par);
+        } else {
+            amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update, par);
+        }
         std::mem::swap(&mut x, &mut y);
     }
     map_into(&x, xw, par, |v| v.to_f32());
@@ -902,21 +925,22 @@ thread_local! {
     static XW: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// `Σ v²` in `f64`: element `i` into lane `i mod 8`, the lanes added in order at the end. The
+/// `Σ f(v)²` in `f64`: element `i` into lane `i mod 8`, the lanes added in order at the end. The
 /// order is fixed (the bits do not depend on threads or the CPU), and eight independent sums
 /// run at the adder's throughput rather than its latency (one chain took ~6 ms on a 1024 ×
 /// 3584 matrix).
-fn sum_of_squares_f64(v: &[f32]) -> f64 {
+fn sum_of_squares_f64(v: &[f32], f: impl Fn(f32) -> f32) -> f64 {
     let mut lanes = [0.0f64; 8];
     let chunks = v.chunks_exact(8);
     let tail = chunks.remainder();
+    let sq = |x: f32| f64::from(f(x)) * f64::from(f(x));
     for c in chunks {
         for (s, &x) in lanes.iter_mut().zip(c) {
-            *s += f64::from(x) * f64::from(x);
+            *s += sq(x);
         }
     }
     for (s, &x) in lanes.iter_mut().zip(tail) {
-        *s += f64::from(x) * f64::from(x);
+        *s += sq(x);
     }
     lanes.iter().sum()
 }
@@ -934,13 +958,11 @@ fn ns_one(
         return Ok(());
     }
     let bf16 = cfg.precision == NsPrecision::Bf16;
-    // Step 1: work on a `short × long` matrix.
-    let transposed = rows > cols;
-    let (s, l) = if transposed {
-        (cols, rows)
-    } else {
-        (rows, cols)
-    };
+    // Step 1: work on a `short × long` matrix; the AMX products take a tall one as it is
+    // (`Xᵀ·X` and `X·Q`, the same bits as on its transpose), the other backends transpose it.
+    let tall = rows > cols;
+    let transposed = tall && backend != NsBackend::Amx;
+    let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
     let method = resolve_method(cfg, backend, s, l)?;
     // oneDNN's OpenMP threads spin for a while after each product; rayon tasks between its
     // products would fight them for the cores, so on that backend the passes around the
@@ -954,8 +976,9 @@ fn ns_one(
     xw.truncate(s * l);
     xw.resize(s * l, 0.0);
     let round = |v: f32| if bf16 { bf16::from_f32(v).to_f32() } else { v };
-    // Step 1: a tall matrix is transposed into `xw`; bf16 rounds the input as it goes into
-    // `xw` (the norm is that of the rounded values); a wide f32 one is read where it is.
+    // Step 1: a tall matrix is transposed into `xw` (not on AMX); bf16 rounds the input as
+    // it goes into `xw` (the norm is that of the rounded values); an f32 one that is not
+    // transposed is read where it is.
     let src = if transposed {
         transpose(x, rows, cols, &mut xw, par);
         if bf16 {
@@ -968,8 +991,14 @@ fn ns_one(
     } else {
         Some(&*x)
     };
-    // Step 2: Frobenius norm (f64 sum in eight lanes, rounded once), scaled, clamped.
-    let norm64 = sum_of_squares_f64(src.unwrap_or(&xw)).sqrt();
+    // Step 2: Frobenius norm (f64 sum in eight lanes over the elements as given, rounded
+    // once), scaled, clamped.
+    let sum = if transposed {
+        sum_of_squares_f64(x, round)
+    } else {
+        sum_of_squares_f64(src.unwrap_or(&xw), |v| v)
+    };
+    let norm64 = sum.sqrt();
     if !norm64.is_finite() {
         x.fill(f32::NAN); // a non-finite element
         return Ok(());
@@ -994,7 +1023,7 @@ fn ns_one(
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
         NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
         NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg, par)?,
-        NsBackend::Amx => iterate_amx(&mut xw, s, l, cfg, par)?,
+        NsBackend::Amx => iterate_amx(&mut xw, s, l, tall, cfg, par)?,
         NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
     }
     // Step 4.

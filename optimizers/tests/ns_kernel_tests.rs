@@ -906,6 +906,14 @@ fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
         let mut here = vec![bf16::ZERO; n * n];
         amx.sym_nt(n, k, &a, &mut here, epi, Parallelism::None);
         assert_eq!(sym, here, "{n}×{k}: on the calling thread");
+        // `aᵀ·a` of the transpose (`k×n`): the same bits, on the pool and on this thread.
+        let at: Vec<bf16> = (0..k * n).map(|e| a[(e % n) * k + e / n]).collect();
+        for par in [POOL, Parallelism::None] {
+            let mut tn = vec![bf16::ZERO; n * n];
+            amx.sym_tn(n, k, &at, &mut tn, epi, par);
+            let raw = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+            assert_eq!(raw(&tn), raw(&sym), "{n}×{k}: sym_tn {par:?}");
+        }
         let mut full = vec![bf16::ZERO; n * n];
         amx.matmul(n, n, k, &a, Rhs::Transposed(&a), &mut full, epi, POOL);
         for i in 0..n {
@@ -942,8 +950,8 @@ fn amx_symmetric_products_are_exactly_symmetric_and_match_the_full_product() {
 }
 
 /// Newton–Schulz in bf16 spelled out on the public AMX products: a tall matrix transposed,
-/// the input rounded to bf16, its norm summed in `f64` (element `i` into lane `i mod 8`, the
-/// lanes in order), divided by `max(scale·norm, eps)` and rounded, then per step
+/// the input rounded to bf16, its norm summed in `f64` (element `i` of the matrix as given
+/// into lane `i mod 8`, the lanes in order), divided by `max(scale·norm, eps)` and rounded, then per step
 /// `P = X·Xᵀ`, `Q = c·P·Pᵀ + b·P`, `X ← Q·X + a·X`, and the result widened (and transposed
 /// back). What `orthogonalize` must give to the bit on the AMX backend, however it fuses its
 /// passes.
@@ -958,12 +966,12 @@ fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) 
             x[i * cols + j]
         }
     };
-    let rounded: Vec<f32> = (0..s * l)
-        .map(|e| bf16::from_f32(at(e / l, e % l)).to_f32())
-        .collect();
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let rounded: Vec<f32> = (0..s * l).map(|e| round(at(e / l, e % l))).collect();
+    // The norm over the matrix as given (row-major), not its transpose.
     let mut lanes = [0.0f64; 8];
-    for (e, &v) in rounded.iter().enumerate() {
-        lanes[e % 8] += f64::from(v) * f64::from(v);
+    for (e, &v) in x.iter().enumerate() {
+        lanes[e % 8] += f64::from(round(v)) * f64::from(round(v));
     }
     let norm = lanes.iter().sum::<f64>().sqrt() as f32;
     let denom = (c.norm_scale * norm).max(c.eps);

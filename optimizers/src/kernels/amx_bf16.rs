@@ -224,6 +224,33 @@ impl Amx {
             run_blocks(ap, bp, (n, n, k), out, epi, true, par);
         });
     }
+    /// `out (n×n) ← alpha·aᵀ·a + beta·add` with `a: k×n` row-major (a tall matrix's Gram
+    /// matrix without transposing it first) and `add` symmetric: [`Amx::sym_nt`] of `aᵀ`,
+    /// with the same bits (the same lower blocks, the same pairs summed in the same order).
+    ///
+    /// # Panics
+    /// As [`Amx::matmul`].
+    #[track_caller]
+    pub fn sym_tn(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+    ) {
+        check_lengths(n, n, k, a, Rhs::Plain(a), out, epi);
+        if n == 0 {
+            return;
+        }
+        let par = threaded(par);
+        with_packing(|abuf, bbuf| {
+            let ap = pack_columns(a, k, n, abuf, par);
+            let bp = pack_plain(a, k, n, bbuf, par);
+            run_blocks(ap, bp, (n, n, k), out, epi, true, par);
+        });
+    }
 }
 
 #[track_caller]
@@ -318,6 +345,54 @@ fn pack_rows<'b>(
             }
         }
     })
+}
+
+/// `aᵀ` for `a: k×m` row-major, in [`pack_rows`]' layout (32-row stripes of `aᵀ`, i.e. of
+/// `a`'s columns): each 32×32 block of `a` transposed, zero-padded past the edges.
+fn pack_columns<'b>(
+    a: &[bf16],
+    k: usize,
+    m: usize,
+    buf: &'b mut Vec<Line>,
+    threaded: bool,
+) -> &'b [Line] {
+    let a = bits(a);
+    pack_steps(buf, blocks(m), blocks(k), threaded, |ib, step, lines| {
+        let (i0, k0) = (ib * BLOCK, step * BLOCK);
+        let (cols, depth) = (BLOCK.min(m - i0), BLOCK.min(k - k0));
+        // The block's rows straight into the lines (a 64-byte move each when full), then
+        // transposed in place.
+        for (r, line) in lines.iter_mut().enumerate() {
+            let row = if r < depth {
+                &a[(k0 + r) * m + i0..][..cols]
+            } else {
+                &[]
+            };
+            match <&[u16; BLOCK]>::try_from(row) {
+                Ok(full) => line.0 = *full,
+                Err(_) => {
+                    *line = ZERO_LINE;
+                    line.0[..row.len()].copy_from_slice(row);
+                }
+            }
+        }
+        let rows = as_rows(lines);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `amx()` checked AVX-512 F and BW.
+        unsafe {
+            simd::transpose_32x32(rows)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        transpose_32x32(rows);
+    })
+}
+
+/// One step's 32 lines as the 32×32 block they hold.
+fn as_rows(lines: &mut [Line]) -> &mut [[u16; BLOCK]; BLOCK] {
+    let lines: &mut [Line; BLOCK] = lines.try_into().expect("a step is 32 lines");
+    // SAFETY: `Line` is `repr(C)` around one `[u16; BLOCK]` (64 bytes, also its alignment,
+    // so no padding): 32 lines are laid out as 32 such rows, and the borrow is carried over.
+    unsafe { &mut *std::ptr::from_mut(lines).cast::<[[u16; BLOCK]; BLOCK]>() }
 }
 
 /// `b: k×n` row-major as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)` holds, for
