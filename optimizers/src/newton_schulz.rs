@@ -850,9 +850,10 @@ fn iterate_onednn<T: Element>(
     Ok(())
 }
 
-/// Step 3 in bf16 on the AMX products (`xw` holds bf16 values on entry): the same three
-/// roundings per step as [`iterate_onednn`], with `P·P` as `P·Pᵀ` (the AMX `P` is exactly
-/// symmetric) and the addends read from `P` and `X` directly.
+/// Step 3 in bf16 on the AMX products, on `load(v)` of every element of `xw` (the result
+/// goes back into `xw`, widened): the same three roundings per step as [`iterate_onednn`],
+/// with `P·P` as `P·Pᵀ` (the AMX `P` is exactly symmetric) and the addends read from `P` and
+/// `X` directly.
 ///
 /// `tall`: `xw` is the `l × s` matrix itself, not its transpose: `P = Xᵀ·X` and
 /// `X ← X·Q + a·X`, each output element the same pairs summed in the same order as on the
@@ -864,6 +865,7 @@ fn iterate_amx(
     tall: bool,
     cfg: &NsConfig,
     par: Parallelism,
+    load: impl Fn(f32) -> bf16 + Sync,
 ) -> Result<()> {
     thread_local! {
         /// `X`, `P`, `Q`, `Y` kept between calls on each thread, up to
@@ -876,16 +878,22 @@ fn iterate_amx(
         };
     }
     let amx = amx_bf16::amx()?;
-    let [mut x, mut p, mut q, mut y] = WORK.take();
-    for (v, len) in [
-        (&mut x, s * l),
-        (&mut p, s * s),
-        (&mut q, s * s),
-        (&mut y, s * l),
-    ] {
-        v.resize(len, bf16::ZERO);
+    let mut work = WORK.take();
+    // Each buffer only grows (every element used is written before it is read), so a
+    // larger matrix after a smaller one zero-fills nothing it already had.
+    for (v, len) in work.iter_mut().zip([s * l, s * s, s * s, s * l]) {
+        if v.len() < len {
+            v.resize(len, bf16::ZERO);
+        }
     }
-    map_into(xw, &mut x, par, bf16::from_f32);
+    let [xv, pv, qv, yv] = &mut work;
+    let (mut x, p, q, mut y) = (
+        &mut xv[..s * l],
+        &mut pv[..s * s],
+        &mut qv[..s * s],
+        &mut yv[..s * l],
+    );
+    map_into(xw, x, par, load);
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         let plain = Epilogue {
@@ -893,28 +901,28 @@ fn iterate_amx(
             add: None,
         };
         if tall {
-            amx.sym_tn(s, l, &x, &mut p, plain, par);
+            amx.sym_tn(s, l, x, p, plain, par);
         } else {
-            amx.sym_nt(s, l, &x, &mut p, plain, par);
+            amx.sym_nt(s, l, x, p, plain, par);
         }
         let poly = Epilogue {
             alpha: c,
-            add: Some((b, &p)),
+            add: Some((b, p)),
         };
-        amx.sym_nt(s, s, &p, &mut q, poly, par);
+        amx.sym_nt(s, s, p, q, poly, par);
         let update = Epilogue {
             alpha: 1.0,
-            add: Some((a, &x)),
+            add: Some((a, x)),
         };
         if tall {
-            amx.matmul(l, s, s, &x, Rhs::Plain(&q), &mut y, update, par);
+            amx.matmul(l, s, s, x, Rhs::Plain(q), y, update, par);
         } else {
-            amx.matmul(s, l, s, &q, Rhs::Plain(&x), &mut y, update, par);
+            amx.matmul(s, l, s, q, Rhs::Plain(x), y, update, par);
         }
         std::mem::swap(&mut x, &mut y);
     }
-    map_into(&x, xw, par, |v| v.to_f32());
-    WORK.set([x, p, q, y].map(retained));
+    map_into(x, xw, par, |v| v.to_f32());
+    WORK.set(work.map(retained));
     Ok(())
 }
 
@@ -958,12 +966,17 @@ fn ns_one(
         return Ok(());
     }
     let bf16 = cfg.precision == NsPrecision::Bf16;
-    // Step 1: work on a `short × long` matrix; the AMX products take a tall one as it is
-    // (`Xᵀ·X` and `X·Q`, the same bits as on its transpose), the other backends transpose it.
-    let tall = rows > cols;
-    let transposed = tall && backend != NsBackend::Amx;
-    let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
+    // Step 1: work on a `short × long` matrix.
+    let transposed = rows > cols;
+    let (s, l) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
     let method = resolve_method(cfg, backend, s, l)?;
+    if backend == NsBackend::Amx {
+        return ns_amx(x, rows, cols, cfg, par);
+    }
     // oneDNN's OpenMP threads spin for a while after each product; rayon tasks between its
     // products would fight them for the cores, so on that backend the passes around the
     // products stay on the calling thread.
@@ -976,9 +989,8 @@ fn ns_one(
     xw.truncate(s * l);
     xw.resize(s * l, 0.0);
     let round = |v: f32| if bf16 { bf16::from_f32(v).to_f32() } else { v };
-    // Step 1: a tall matrix is transposed into `xw` (not on AMX); bf16 rounds the input as
-    // it goes into `xw` (the norm is that of the rounded values); an f32 one that is not
-    // transposed is read where it is.
+    // Step 1: a tall matrix is transposed into `xw`; bf16 rounds the input as it goes into
+    // `xw` (the norm is that of the rounded values); a wide f32 one is read where it is.
     let src = if transposed {
         transpose(x, rows, cols, &mut xw, par);
         if bf16 {
@@ -998,22 +1010,12 @@ fn ns_one(
     } else {
         sum_of_squares_f64(src.unwrap_or(&xw), |v| v)
     };
-    let norm64 = sum.sqrt();
-    if !norm64.is_finite() {
+    let Some(denom) = Denom::of(sum, cfg) else {
         x.fill(f32::NAN); // a non-finite element
         return Ok(());
-    }
-    let norm = norm64 as f32;
+    };
     // `xw ← round(v / denom)`, `v` from `src` or `xw` itself.
-    if norm.is_finite() {
-        let denom = (cfg.norm_scale * norm).max(cfg.eps);
-        map_from(src, &mut xw, par, |v| round(v / denom));
-    } else {
-        // Finite elements whose norm exceeds f32 (≳ 1.8e19 each on a 64×64 matrix): divide in
-        // f64, where the norm is finite, rather than by an infinite f32 norm (all NaN).
-        let denom = f64::from(cfg.norm_scale) * norm64;
-        map_from(src, &mut xw, par, |v| round((f64::from(v) / denom) as f32));
-    }
+    map_from(src, &mut xw, par, |v| round(denom.divide(v)));
     // Step 3.
     let gram = method == NsMethod::Gram;
     match backend {
@@ -1023,8 +1025,7 @@ fn ns_one(
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
         NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
         NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg, par)?,
-        NsBackend::Amx => iterate_amx(&mut xw, s, l, tall, cfg, par)?,
-        NsBackend::Auto => unreachable!("ns_one takes a resolved backend"),
+        NsBackend::Amx | NsBackend::Auto => unreachable!("ns_one takes AMX apart, Auto resolved"),
     }
     // Step 4.
     if transposed {
@@ -1034,6 +1035,58 @@ fn ns_one(
     }
     XW.set(retained(xw));
     Ok(())
+}
+
+/// Step 2's divisor, from the `f64` sum of squares: `max(scale·norm, eps)` in `f32`, or, for
+/// finite elements whose norm exceeds `f32` (≳ 1.8e19 each on a 64×64 matrix), the `f64`
+/// norm (dividing in `f64`, where it is finite, rather than by an infinite `f32` norm: all
+/// NaN).
+#[derive(Clone, Copy)]
+enum Denom {
+    F32(f32),
+    F64(f64),
+}
+
+impl Denom {
+    /// `None` for a non-finite sum (a non-finite element).
+    fn of(sum_of_squares: f64, cfg: &NsConfig) -> Option<Denom> {
+        let norm64 = sum_of_squares.sqrt();
+        let norm = norm64 as f32;
+        if !norm64.is_finite() {
+            None
+        } else if norm.is_finite() {
+            Some(Denom::F32((cfg.norm_scale * norm).max(cfg.eps)))
+        } else {
+            Some(Denom::F64(f64::from(cfg.norm_scale) * norm64))
+        }
+    }
+
+    #[inline(always)]
+    fn divide(self, v: f32) -> f32 {
+        match self {
+            Denom::F32(d) => v / d,
+            Denom::F64(d) => (f64::from(v) / d) as f32,
+        }
+    }
+}
+
+/// [`ns_one`] on the AMX products, in three passes over the matrix where the other backends
+/// take six or seven: the norm of the bf16-rounded input, the scaled input straight into the
+/// bf16 working matrix, the result straight back into `x`. A tall matrix is taken as it is
+/// (`Xᵀ·X` and `X·Q`, the same bits as on its transpose; [`iterate_amx`]), so nothing is
+/// transposed. The bits are those of the module table's steps (`round(round(v) / d)` is what
+/// the bf16 matrix would hold after step 2 either way).
+fn ns_amx(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
+    let tall = rows > cols;
+    let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let Some(denom) = Denom::of(sum_of_squares_f64(x, round), cfg) else {
+        x.fill(f32::NAN); // a non-finite element
+        return Ok(());
+    };
+    iterate_amx(x, s, l, tall, cfg, par, |v| {
+        bf16::from_f32(denom.divide(round(v)))
+    })
 }
 
 /// Orthogonalizes the `rows × cols` row-major matrix `x` in place by Newton–Schulz (module
