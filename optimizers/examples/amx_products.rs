@@ -87,6 +87,7 @@ fn main() -> ragged::Result<()> {
         (1024, 1024, 1024),
         (2048, 2048, 2048),
         (1024, 3584, 1024),
+        (3584, 1024, 1024),
         (256, 1024, 256),
     ] {
         if !format!("matmul {m}x{k}x{n}").contains(&only) {
@@ -116,11 +117,18 @@ fn main() -> ragged::Result<()> {
         }
         let a = filled(n * k, 4);
         let mut out = vec![bf16::ZERO; n * n];
-        let t = best(reps, || amx.sym_nt(n, k, &a, &mut out, plain, pool));
         let blocks = n.div_ceil(32);
         let done = (blocks * (blocks + 1) / 2 * 32 * 32 * k) as f64 * 2.0;
+        let t = best(reps, || amx.sym_nt(n, k, &a, &mut out, plain, pool));
         println!(
             "sym_nt {n}x{k}: {:8.3} ms  {:6.0} GFLOP/s (done)",
+            t * 1e3,
+            done / t / 1e9
+        );
+        // The same Gram matrix from the tall `k×n` (a tall matrix's Newton–Schulz).
+        let t = best(reps, || amx.sym_tn(n, k, &a, &mut out, plain, pool));
+        println!(
+            "sym_tn {n}x{k}: {:8.3} ms  {:6.0} GFLOP/s (done)",
             t * 1e3,
             done / t / 1e9
         );
