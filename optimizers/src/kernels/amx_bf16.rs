@@ -590,11 +590,18 @@ impl Region {
             // One block's rounded rows, zeroed once per region rather than once per block
             // (2 KiB each time: ~3 % of a bf16 Muon step).
             let mut rows = [[0u16; BLOCK]; BLOCK];
-            for ib in self.rows.clone() {
-                for jp in self.cols.clone().filter(|&jp| wanted(ib, jp)) {
-                    let acc = &accs[(ib - self.rows.start) * width + jp - self.cols.start];
-                    ctx.write(acc, ib, jp, lower && jp < ib, &mut rows);
+            let order: Vec<(usize, usize)> = self
+                .rows
+                .clone()
+                .flat_map(|ib| self.cols.clone().map(move |jp| (ib, jp)))
+                .filter(|&(ib, jp)| wanted(ib, jp))
+                .collect();
+            for (w, &(ib, jp)) in order.iter().enumerate() {
+                if let Some(&(nib, njp)) = order.get(w + 1) {
+                    ctx.prefetch(nib, njp);
                 }
+                let acc = &accs[(ib - self.rows.start) * width + jp - self.cols.start];
+                ctx.write(acc, ib, jp, lower && jp < ib, &mut rows);
             }
         });
     }
@@ -757,6 +764,30 @@ struct BlockOut<'a> {
 }
 
 impl BlockOut<'_> {
+    /// Asks for block `(ib, jp)`'s addend rows and output rows ahead of [`BlockOut::write`]
+    /// (both are cold: the addend and the output are matrices of several MiB).
+    fn prefetch(&self, ib: usize, jp: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+            let (i0, j0) = (ib * BLOCK, jp * BLOCK);
+            for r in 0..BLOCK.min(self.m - i0) {
+                let at = (i0 + r) * self.n + j0;
+                // SAFETY: a prefetch never faults, whatever the address.
+                unsafe {
+                    if let Some((_, add)) = self.add {
+                        let p = add.as_ptr().wrapping_add(at).cast::<i8>();
+                        _mm_prefetch::<_MM_HINT_T0>(p);
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(63));
+                    }
+                    let o = self.out.0.wrapping_add(at).cast::<i8>();
+                    _mm_prefetch::<_MM_HINT_ET0>(o);
+                    _mm_prefetch::<_MM_HINT_ET0>(o.wrapping_add(63));
+                }
+            }
+        }
+    }
+
     /// Block `(ib, jp)` of the output from `acc`; with `mirror`, block `(jp, ib)` too, as
     /// its transpose (`add` symmetric, so its elements are the same). `rows` is scratch: rows
     /// past the matrix edge keep what an earlier block left and are never stored (nor, once
