@@ -85,7 +85,7 @@ use rayon::prelude::*;
 
 use ragged::{Error, Result};
 
-use crate::kernels::amx_bf16::{self, Amx, Epilogue, Rhs};
+use crate::kernels::amx_bf16::{self, AlignedBf16, Amx, Epilogue, Rhs};
 use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::transpose_f32::transpose_raw;
@@ -946,25 +946,14 @@ fn iterate_amx(
         /// cost more in page faults than the packing. Taken out for a call, so that a
         /// call nested in it (this thread running another task while it waits for rayon)
         /// gets fresh ones.
-        static WORK: std::cell::Cell<[Vec<bf16>; 4]> = const {
-            std::cell::Cell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()])
-        };
+        static WORK: std::cell::Cell<[AlignedBf16; 4]> = std::cell::Cell::new(Default::default());
     }
     let mut work = WORK.take();
-    // Each buffer only grows (every element used is written before it is read), so a
-    // larger matrix after a smaller one zero-fills nothing it already had.
-    for (v, len) in work.iter_mut().zip([s * l, s * s, s * s, s * l]) {
-        if v.len() < len {
-            v.resize(len, bf16::ZERO);
-        }
-    }
+    // Aligned, so that the products read the left operands in place; each buffer only grows
+    // (every element used is written before it is read), so a larger matrix after a smaller
+    // one zero-fills nothing it already had.
     let [xv, pv, qv, yv] = &mut work;
-    let (mut x, p, q, mut y) = (
-        &mut xv[..s * l],
-        &mut pv[..s * s],
-        &mut qv[..s * s],
-        &mut yv[..s * l],
-    );
+    let (mut x, p, q, mut y) = (xv.get(s * l), pv.get(s * s), qv.get(s * s), yv.get(s * l));
     map_into_amx(amx, xw, x, par, load);
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
@@ -994,7 +983,7 @@ fn iterate_amx(
         std::mem::swap(&mut x, &mut y);
     }
     map_into_amx(amx, x, xw, par, |v| v.to_f32());
-    WORK.set(work.map(retained));
+    WORK.set(work.map(AlignedBf16::retained));
     Ok(())
 }
 

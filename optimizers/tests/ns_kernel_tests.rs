@@ -5,7 +5,7 @@
 //! Tests that need oneDNN or AMX print why they skip and return when it is missing.
 
 use half::bf16;
-use ragged_optimizers::kernels::amx_bf16::{self, Epilogue, Rhs};
+use ragged_optimizers::kernels::amx_bf16::{self, AlignedBf16, Epilogue, Rhs};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::kernels::Parallelism;
 use ragged_optimizers::newton_schulz::{
@@ -871,6 +871,47 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
             amx.matmul(m, n, k, &a, rhs, &mut here, epi, Parallelism::None);
             assert_eq!(got, here, "{m}×{k}·{k}×{n}: on the calling thread");
         }
+    }
+}
+
+/// A left operand in an [`AlignedBf16`] with sides that are multiples of 32 is read in place
+/// (no packing); the same values one element off alignment are packed first. Both give the
+/// same bits, in every product that takes a left operand.
+#[test]
+fn amx_left_operand_in_place_equals_packed() {
+    if !amx_or_skip("amx_left_operand_in_place_equals_packed") {
+        return;
+    }
+    let amx = amx_bf16::amx().unwrap();
+    let mut rng = Rng::new(31);
+    let raw = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    for (m, n, k) in [(32, 32, 32), (64, 96, 1056), (96, 64, 160), (160, 33, 64)] {
+        let a = bf16_units(&mut rng, m * k);
+        let b = bf16_units(&mut rng, k * n);
+        let add = bf16_units(&mut rng, m * n);
+        let mut buf = AlignedBf16::default();
+        let aligned = buf.get(m * k);
+        aligned.copy_from_slice(&a);
+        let mut off = vec![bf16::ZERO; m * k + 1];
+        off[1..].copy_from_slice(&a);
+        let epi = Epilogue {
+            alpha: 0.75,
+            add: Some((-1.5, &add[..])),
+        };
+        for rhs in [Rhs::Plain(&b), Rhs::Transposed(&b)] {
+            let (mut here, mut packed) = (vec![bf16::ZERO; m * n], vec![bf16::ZERO; m * n]);
+            amx.matmul(m, n, k, aligned, rhs, &mut here, epi, POOL);
+            amx.matmul(m, n, k, &off[1..], rhs, &mut packed, epi, POOL);
+            assert_eq!(raw(&here), raw(&packed), "{m}×{k}·{k}×{n} {rhs:?}");
+        }
+        let (mut here, mut packed) = (vec![bf16::ZERO; m * m], vec![bf16::ZERO; m * m]);
+        let plain = Epilogue {
+            alpha: 1.0,
+            add: None,
+        };
+        amx.sym_nt(m, k, aligned, &mut here, plain, POOL);
+        amx.sym_nt(m, k, &off[1..], &mut packed, plain, POOL);
+        assert_eq!(raw(&here), raw(&packed), "sym {m}×{k}");
     }
 }
 

@@ -64,6 +64,32 @@ fn with_packing(f: impl FnOnce(&mut Vec<Line>, &mut Vec<Line>)) {
     PACKED.set((super::retained(a), super::retained(b)));
 }
 
+/// A bf16 buffer whose start is 64-byte aligned, so that the products read a left operand
+/// held in it in place (its rows whole cache lines when their length is a multiple of 32)
+/// rather than packing it first. It only grows.
+#[derive(Default)]
+pub struct AlignedBf16(Vec<Line>);
+
+impl AlignedBf16 {
+    /// Its first `len` elements, grown (with zeros) to hold them.
+    pub fn get(&mut self, len: usize) -> &mut [bf16] {
+        let lines = len.div_ceil(BLOCK);
+        if self.0.len() < lines {
+            self.0.resize(lines, ZERO_LINE);
+        }
+        // SAFETY: `Line` is `repr(C)` around `[u16; BLOCK]` and `bf16` is a transparent
+        // `u16` with every bit pattern valid: the lines' memory is `BLOCK·lines ≥ len`
+        // initialized `bf16`s, borrowed mutably through `self` for the slice's life.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<bf16>(), len) }
+    }
+
+    /// Itself, or empty (its memory freed) when it holds more than
+    /// [`RETAIN_BYTES`](super::RETAIN_BYTES).
+    pub fn retained(self) -> Self {
+        AlignedBf16(super::retained(self.0))
+    }
+}
+
 /// Why AMX products are unavailable here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AmxUnavailable(pub String);
@@ -187,7 +213,7 @@ impl Amx {
         }
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = pack_rows(a, m, k, abuf, par);
+            let ap = lhs(a, m, k, abuf, par);
             let bp = match rhs {
                 Rhs::Plain(b) => pack_plain(b, k, n, bbuf, par),
                 Rhs::Transposed(b) => pack_transposed(b, n, k, bbuf, par),
@@ -219,7 +245,7 @@ impl Amx {
         // The left operand's packing is the right one's too, but in a different tile layout.
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = pack_rows(a, n, k, abuf, par);
+            let ap = lhs(a, n, k, abuf, par);
             let bp = pack_transposed(a, n, k, bbuf, par);
             run_blocks(ap, bp, (n, n, k), out, epi, true, par);
         });
@@ -246,7 +272,7 @@ impl Amx {
         }
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = pack_columns(a, k, n, abuf, par);
+            let ap = Lhs::Packed(pack_columns(a, k, n, abuf, par));
             let bp = pack_plain(a, k, n, bbuf, par);
             run_blocks(ap, bp, (n, n, k), out, epi, true, par);
         });
@@ -314,6 +340,65 @@ fn pack_steps(
         out.chunks_mut(kb * BLOCK).enumerate().for_each(panel);
     }
     out
+}
+
+/// The left operand as the tile loop reads it.
+#[derive(Clone, Copy)]
+enum Lhs<'b> {
+    /// Packed by [`pack_rows`] (or [`pack_columns`]): 32-row stripes of 32-wide `k` steps.
+    Packed(&'b [Line]),
+    /// The row-major `m×k` matrix itself, whose tiles are loaded in place (rows `2k` bytes
+    /// apart): `m` and `k` multiples of 32 and the start 64-byte aligned, so that every tile
+    /// row is one whole cache line and no tile reaches past the matrix.
+    Rows(&'b [u16], usize),
+}
+
+impl Lhs<'_> {
+    /// Where the tile loop starts for stripe `ib`, step `ks` (`kb` steps a stripe): the
+    /// first row's address, the bytes between rows, the offset of the stripe's second
+    /// 16-row tile, the bytes between steps; `steps` steps must lie inside.
+    fn tiles(&self, ib: usize, ks: usize, kb: usize, steps: usize) -> LhsTiles {
+        match *self {
+            Lhs::Packed(ap) => LhsTiles {
+                at: ap[(ib * kb + ks) * BLOCK..][..steps * BLOCK]
+                    .as_ptr()
+                    .cast(),
+                row: 64,
+                second: 1024,
+                step: 2048,
+            },
+            Lhs::Rows(a, k) => {
+                let first = ib * BLOCK * k + ks * BLOCK;
+                // The last element the tiles read: row 31 of the stripe, the last step.
+                assert!(first + (BLOCK - 1) * k + steps * BLOCK <= a.len());
+                LhsTiles {
+                    at: a[first..].as_ptr().cast(),
+                    row: 2 * k,
+                    second: 2 * k * TILE_ROWS,
+                    step: 2 * BLOCK,
+                }
+            }
+        }
+    }
+}
+
+/// One block's left-operand addressing for [`block_product`] (bytes).
+struct LhsTiles {
+    at: *const u8,
+    row: usize,
+    second: usize,
+    step: usize,
+}
+
+/// The left operand `a: m×k` as the tile loop reads it: in place where it can be
+/// ([`Lhs::Rows`]: a copy less of a matrix the loop reads from L2 anyway), else packed.
+fn lhs<'b>(a: &'b [bf16], m: usize, k: usize, buf: &'b mut Vec<Line>, threaded: bool) -> Lhs<'b> {
+    let aligned = a.as_ptr().cast::<Line>().is_aligned();
+    if aligned && m % BLOCK == 0 && k % BLOCK == 0 {
+        Lhs::Rows(bits(a), k)
+    } else {
+        Lhs::Packed(pack_rows(a, m, k, buf, threaded))
+    }
 }
 
 /// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
@@ -505,7 +590,7 @@ const NC: usize = 512;
 /// Every output block of the `m×k · k×n` product (only those with `jp ≤ ib` when `lower`,
 /// mirrored), an `MC × NC` region per rayon task when `threaded`, else all on this thread.
 fn run_blocks(
-    ap: &[Line],
+    ap: Lhs<'_>,
     bp: &[Line],
     (m, n, k): (usize, usize, usize),
     out: &mut [bf16],
@@ -553,7 +638,7 @@ struct Region {
 
 impl Region {
     /// Multiplies the region's blocks pass by pass over `k`, then writes them out.
-    fn run(&self, ap: &[Line], bp: &[Line], kb: usize, lower: bool, ctx: &BlockOut<'_>) {
+    fn run(&self, ap: Lhs<'_>, bp: &[Line], kb: usize, lower: bool, ctx: &BlockOut<'_>) {
         let width = self.cols.len();
         let wanted = |ib: usize, jp: usize| !lower || jp <= ib;
         ACCS.with_borrow_mut(|accs| {
@@ -575,7 +660,7 @@ impl Region {
                         b
                     };
                     for (i, ib) in self.rows.clone().filter(|&ib| wanted(ib, jp)).enumerate() {
-                        let a = &ap[(ib * kb + ks) * BLOCK..][..steps * BLOCK];
+                        let a = ap.tiles(ib, ks, kb, steps);
                         let acc = &mut accs[(ib - self.rows.start) * width + jp - self.cols.start];
                         // The `i`-th product of the column fetches the `i`-th quarter.
                         let ahead = next
@@ -671,20 +756,24 @@ const _: () = assert!(
 /// taken as zero unless `accumulate`), pulling `ahead` into L2 on the way.
 ///
 /// # Safety
-/// The calling thread has loaded the tile configuration of [`TileSession`]; `a` and `b`
-/// hold at least `steps ≥ 1` steps of 32 lines, `ahead` `steps` of [`PREFETCH_LINES`].
+/// The calling thread has loaded the tile configuration of [`TileSession`]; `a` addresses
+/// `steps ≥ 1` steps of two 16-row tiles ([`Lhs::tiles`] checked them), `b` holds at least
+/// `steps` steps of 32 lines, `ahead` `steps` of [`PREFETCH_LINES`].
 unsafe fn block_product(
-    a: &[Line],
+    a: LhsTiles,
     b: &[Line],
     ahead: &[Line],
     steps: usize,
     acc: &mut Acc,
     accumulate: bool,
 ) {
-    debug_assert!(steps >= 1 && a.len() >= steps * BLOCK && b.len() >= steps * BLOCK);
+    debug_assert!(steps >= 1 && b.len() >= steps * BLOCK);
     debug_assert!(ahead.len() >= steps * PREFETCH_LINES);
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("an Amx exists only on x86-64 ({a:p}, {b:p}, {ahead:p}, {acc:p}, {accumulate})");
+    unreachable!(
+        "an Amx exists only on x86-64 ({:p}, {b:p}, {ahead:p}, {acc:p}, {accumulate})",
+        a.at
+    );
     #[cfg(target_arch = "x86_64")]
     let c = acc.0.as_mut_ptr();
     #[cfg(target_arch = "x86_64")]
@@ -712,12 +801,12 @@ unsafe fn block_product(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: (caller) each tile load reads 16 lines of 64 bytes inside `a` or `b`; the
-    // prefetches touch `ahead`'s 8 lines a step (and would not fault outside it).
+    // SAFETY: (caller) each tile load reads 16 rows of 64 bytes inside `a`'s tiles or `b`;
+    // the prefetches touch `ahead`'s 8 lines a step (and would not fault outside it).
     unsafe {
         std::arch::asm!(
             "2:",
-            "tileloadd tmm4, [{a} + {s64}*1]",
+            "tileloadd tmm4, [{a} + {ar}*1]",
             "tileloadd tmm6, [{b} + {s64}*1]",
             "prefetcht1 [{p}]",
             "prefetcht1 [{p} + 64]",
@@ -726,14 +815,15 @@ unsafe fn block_product(
             "prefetcht1 [{p} + 128]",
             "prefetcht1 [{p} + 192]",
             "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm5, [{a} + {s64}*1 + 1024]",
+            "tileloadd tmm5, [{a2} + {ar}*1]",
             "prefetcht1 [{p} + 256]",
             "prefetcht1 [{p} + 320]",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "prefetcht1 [{p} + 384]",
             "prefetcht1 [{p} + 448]",
             "tdpbf16ps tmm3, tmm5, tmm7",
-            "add {a}, 2048",
+            "add {a}, {astep}",
+            "add {a2}, {astep}",
             "add {b}, 2048",
             "add {p}, 512",
             "dec {n}",
@@ -742,7 +832,10 @@ unsafe fn block_product(
             "tilestored [{c} + {s128}*1 + 64], tmm1",
             "tilestored [{c} + {s128}*1 + 2048], tmm2",
             "tilestored [{c} + {s128}*1 + 2112], tmm3",
-            a = inout(reg) a.as_ptr() => _,
+            a = inout(reg) a.at => _,
+            a2 = inout(reg) a.at.wrapping_add(a.second) => _,
+            ar = in(reg) a.row,
+            astep = in(reg) a.step,
             b = inout(reg) b.as_ptr() => _,
             p = inout(reg) ahead.as_ptr() => _,
             n = inout(reg) steps => _,
