@@ -394,7 +394,7 @@ struct LhsTiles {
 /// ([`Lhs::Rows`]: a copy less of a matrix the loop reads from L2 anyway), else packed.
 fn lhs<'b>(a: &'b [bf16], m: usize, k: usize, buf: &'b mut Vec<Line>, threaded: bool) -> Lhs<'b> {
     let aligned = a.as_ptr().cast::<Line>().is_aligned();
-    if aligned && m % BLOCK == 0 && k % BLOCK == 0 {
+    if aligned && m.is_multiple_of(BLOCK) && k.is_multiple_of(BLOCK) {
         Lhs::Rows(bits(a), k)
     } else {
         Lhs::Packed(pack_rows(a, m, k, buf, threaded))
