@@ -59,6 +59,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use ragged::comm::Communicator;
 use ragged::model::Unit;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
@@ -405,13 +407,24 @@ struct HostMuon<'a> {
     u: Vec<f32>,
 }
 
+/// Elements per rayon task of the host step's element-wise passes (256 KiB of `f32`).
+const ELEMENTWISE_CHUNK: usize = 1 << 16;
+
 impl MuonKernels for HostMuon<'_> {
     fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
-        step.momentum(
+        let (g, m, u) = (
             &self.grads[r.clone()],
             &mut self.m[r.clone()],
             &mut self.u[r],
         );
+        let c = ELEMENTWISE_CHUNK;
+        // Element by element, so the chunks give the same bits on any number of threads;
+        // on one thread these passes (and `U`'s first-touch page faults) left the other
+        // cores idle for ~8 % of a bf16 Muon step of the d = 1024 stack.
+        m.par_chunks_mut(c)
+            .zip(g.par_chunks(c))
+            .zip(u.par_chunks_mut(c))
+            .for_each(|((m, g), u)| step.momentum(g, m, u));
         Ok(())
     }
 
@@ -443,7 +456,11 @@ impl MuonKernels for HostMuon<'_> {
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
-        step.update(&mut self.params[r.clone()], &self.u[r]);
+        let c = ELEMENTWISE_CHUNK;
+        self.params[r.clone()]
+            .par_chunks_mut(c)
+            .zip(self.u[r].par_chunks(c))
+            .for_each(|(p, o)| step.update(p, o));
         Ok(())
     }
 }
