@@ -486,6 +486,9 @@ fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
         .into_iter()
         .enumerate()
     {
+        // One `Muon` for every run, its ranks stepping it at once: the `U` it keeps between
+        // steps goes from the whole shard to each smaller one with what the last step left in
+        // it, and from rank to rank, so this also checks that none of it is ever read.
         let opt = Muon::new(c).unwrap();
         let want = run_world(&opt, &[whole_shard(&opt, &spec)], &n, &p0, &grads);
         let layouts = [Layout::Whole, Layout::Rows, Layout::Elements, Layout::Fsdp2];
