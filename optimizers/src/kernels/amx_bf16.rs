@@ -3,7 +3,9 @@
 //! (nearest, ties to even) per output element.
 //!
 //! A product packs both operands once into tile-contiguous panels, zero-padded to multiples
-//! of 32 (so any shape works and the padding adds exact zeros), then runs one 32×32 output
+//! of 32 (so any shape works and the padding adds exact zeros), except a left operand whose
+//! sides are multiples of 32 and whose start is 64-byte aligned ([`AlignedBf16`]): its tiles
+//! are loaded where it is, rows `2k` bytes apart. Then it runs one 32×32 output
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
 //! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
 //! accumulators are stored between calls). Blocks are shared out over rayon's threads an
@@ -14,7 +16,8 @@
 //!
 //! | operand | packed as | tile `(block, kb, half)` starts at line |
 //! |---|---|---|
-//! | left `a: m×k` | 32 rows × 32 `k` per step, rows as they are | `(block·KB + kb)·32 + 16·half` |
+//! | left `a: m×k` | 32 rows × 32 `k` per step, rows as they are (or read in place) | `(block·KB + kb)·32 + 16·half` |
+//! | left `aᵀ` for `a: k×m` ([`Amx::sym_tn`]) | the same, each 32×32 block of `a` transposed | same |
 //! | right `b` (`k×n`, or `n×k` read transposed) | 16 `k`-pairs × 16 columns × 2 per tile | same |
 //!
 //! Summation order: each output is `Σ_k a·b` over `k` ascending, in pairs (`TDPBF16PS`
@@ -23,9 +26,10 @@
 //! the thread count or the blocking; it differs from oneDNN's (which splits `k`) in the last
 //! bits of the `f32` sum.
 //!
-//! Symmetric products ([`Amx::sym_nt`]) compute only the blocks on and below the diagonal
-//! and write each off-diagonal block a second time, transposed, so the result is exactly
-//! symmetric.
+//! Symmetric products ([`Amx::sym_nt`], [`Amx::sym_tn`]) compute only the blocks on and
+//! below the diagonal and write each off-diagonal block a second time, transposed, so the
+//! result is exactly symmetric. The epilogue prefetches the next block's addend and output
+//! rows while it rounds the current one.
 
 use std::fmt;
 use std::sync::OnceLock;
