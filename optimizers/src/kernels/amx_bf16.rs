@@ -242,18 +242,9 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        check_lengths(n, n, k, a, Rhs::Transposed(a), out, epi);
-        if n == 0 {
-            return;
-        }
-        // The left operand's packing is the right one's too, but in a different tile layout.
-        let par = threaded(par);
-        with_packing(|abuf, bbuf| {
-            let ap = lhs(a, n, k, abuf, par);
-            let bp = pack_transposed(a, n, k, bbuf, par);
-            run_blocks(ap, bp, (n, n, k), out, epi, true, par);
-        });
+        self.symmetric(n, k, a, out, epi, par, false);
     }
+
     /// `out (n×n) ← alpha·aᵀ·a + beta·add` with `a: k×n` row-major (a tall matrix's Gram
     /// matrix without transposing it first) and `add` symmetric: [`Amx::sym_nt`] of `aᵀ`,
     /// with the same bits (the same lower blocks, the same pairs summed in the same order).
@@ -270,14 +261,41 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        check_lengths(n, n, k, a, Rhs::Plain(a), out, epi);
+        self.symmetric(n, k, a, out, epi, par, true);
+    }
+
+    /// The blocks on and below the diagonal of `a·aᵀ` (`a: n×k`) or, when `tall`, of `aᵀ·a`
+    /// (`a: k×n`), each off-diagonal one written again transposed.
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    fn symmetric(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+        tall: bool,
+    ) {
+        let rhs = if tall {
+            Rhs::Plain(a)
+        } else {
+            Rhs::Transposed(a)
+        };
+        check_lengths(n, n, k, a, rhs, out, epi);
         if n == 0 {
             return;
         }
+        // One matrix is both operands, packed (or read) in two different tile layouts.
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = Lhs::Packed(pack_columns(a, k, n, abuf, par));
-            let bp = pack_plain(a, k, n, bbuf, par);
+            let (ap, bp) = if tall {
+                let ap = Lhs::Packed(pack_columns(a, k, n, abuf, par));
+                (ap, pack_plain(a, k, n, bbuf, par))
+            } else {
+                (lhs(a, n, k, abuf, par), pack_transposed(a, n, k, bbuf, par))
+            };
             run_blocks(ap, bp, (n, n, k), out, epi, true, par);
         });
     }
