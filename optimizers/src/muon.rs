@@ -68,7 +68,9 @@ use ragged::plan::{Plan, PlanOptions};
 use ragged::storage::{Placement, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
-use crate::adamw::{adamw_update, AdamRun, AdamState, AdamW, AdamWConfig};
+use crate::adamw::{
+    adamw_update, AdamRun, AdamState, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS,
+};
 use crate::common::{
     self, check_hyperparameters, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
@@ -452,9 +454,6 @@ struct HostMuon<'a> {
     u: Vec<f32>,
 }
 
-/// Elements per rayon task of the host step's element-wise passes (256 KiB of `f32`).
-const ELEMENTWISE_CHUNK: usize = 1 << 16;
-
 impl MuonKernels for HostMuon<'_> {
     fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
         let (g, m, u) = (
@@ -462,14 +461,18 @@ impl MuonKernels for HostMuon<'_> {
             &mut self.m[r.clone()],
             &mut self.u[r],
         );
-        let c = ELEMENTWISE_CHUNK;
-        // Element by element, so the chunks give the same bits on any number of threads;
-        // on one thread these passes (and `U`'s first-touch page faults) left the other
-        // cores idle for ~8 % of a bf16 Muon step of the d = 1024 stack.
-        m.par_chunks_mut(c)
-            .zip(g.par_chunks(c))
-            .zip(u.par_chunks_mut(c))
-            .for_each(|((m, g), u)| step.momentum(g, m, u));
+        // AdamW's split of large pieces over rayon's threads: element by element, so the same
+        // bits on any number of threads. On one thread these passes (and `U`'s first-touch
+        // page faults) left the other cores idle for ~8 % of a bf16 Muon step of the
+        // d = 1024 stack.
+        if g.len() >= PAR_MIN_ELEMS {
+            m.par_chunks_mut(PAR_CHUNK)
+                .zip(g.par_chunks(PAR_CHUNK))
+                .zip(u.par_chunks_mut(PAR_CHUNK))
+                .for_each(|((m, g), u)| step.momentum(g, m, u));
+        } else {
+            step.momentum(g, m, u);
+        }
         Ok(())
     }
 
@@ -501,11 +504,15 @@ impl MuonKernels for HostMuon<'_> {
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
-        let c = ELEMENTWISE_CHUNK;
-        self.params[r.clone()]
-            .par_chunks_mut(c)
-            .zip(self.u[r].par_chunks(c))
-            .for_each(|(p, o)| step.update(p, o));
+        let (p, o) = (&mut self.params[r.clone()], &self.u[r]);
+        // As `momentum`.
+        if p.len() >= PAR_MIN_ELEMS {
+            p.par_chunks_mut(PAR_CHUNK)
+                .zip(o.par_chunks(PAR_CHUNK))
+                .for_each(|(p, o)| step.update(p, o));
+        } else {
+            step.update(p, o);
+        }
         Ok(())
     }
 }

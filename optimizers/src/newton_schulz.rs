@@ -1067,12 +1067,7 @@ fn ns_one(
     };
     // Step 2: Frobenius norm (f64 sum in eight lanes over the elements as given, rounded
     // once), scaled, clamped.
-    let sum = if transposed {
-        sum_of_squares_f64(x, round)
-    } else {
-        sum_of_squares_f64(src.unwrap_or(&xw), |v| v)
-    };
-    let Some(denom) = Denom::of(sum, cfg) else {
+    let Some(denom) = Denom::of(sum_of_squares_f64(x, round), cfg) else {
         x.fill(f32::NAN); // a non-finite element
         return Ok(());
     };
