@@ -1003,56 +1003,70 @@ mod simd {
     use super::{Line, BLOCK, TILE_ROWS};
     use std::arch::x86_64::*;
 
-    /// The rounds `s = R/2, …, 1` of a block-swap transpose of `R` rows of `R` lanes (32
-    /// of 16 bits or 16 of 32): in round `s`, for each row pair `top = v[r]`,
-    /// `bottom = v[r + s]` (`r & s == 0`), the top row takes the bottom's left `s` lanes of
-    /// each `2s` group into its right ones and the bottom row the top's right ones into its
-    /// left; after the last round the rows hold the transpose.
-    ///
-    /// Every round that moves groups of whole 32-bit lanes (all of them for 32-bit lanes,
-    /// all but the last for 16-bit ones) is a two-source 32-bit permute (one µop; the 16-bit
-    /// one is three); the last round of 16-bit lanes swaps single lanes between neighbouring
-    /// rows by shifts and blends.
+    /// A block-swap transpose of rows of 32-bit lanes works in rounds: in the round moving
+    /// groups of `g` lanes, for each row pair `top = v[r]`, `bottom = v[r + s]`, the top row
+    /// takes the bottom's left `g` lanes of each `2g` group into its right ones and the
+    /// bottom row the top's right ones into its left; after the rounds for `g = 8, 4, 2, 1`
+    /// on 16 rows (`s = g`), the rows hold the transpose. Each round is one two-source 32-bit
+    /// permute per row (one µop; the 16-bit one is three) with these two index vectors
+    /// (`ROUND_INDEX[i]` moves groups of `8 >> i` lanes), built at compile time: built per
+    /// call, they cost more than the permutes.
+    const fn round_index(g: usize) -> [[u32; 16]; 2] {
+        let mut idx = [[0u32; 16]; 2];
+        let mut j = 0;
+        while j < 16 {
+            let right = j & g != 0;
+            idx[0][j] = if right { 16 + j - g } else { j } as u32;
+            idx[1][j] = if right { 16 + j } else { j + g } as u32;
+            j += 1;
+        }
+        idx
+    }
+
+    static ROUND_INDEX: [[[u32; 16]; 2]; 4] = [
+        round_index(8),
+        round_index(4),
+        round_index(2),
+        round_index(1),
+    ];
+
+    /// One round ([`round_index`]) on the rows `v`, pairs `s` rows apart, moving groups of
+    /// `8 >> i` 32-bit lanes.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn swap_rounds<const R: usize>(v: &mut [__m512i; R]) {
-        // Rows are `R` lanes of `32·16 / R` bits: 16-bit lanes when `R` is 32.
-        let per_u32 = if R == BLOCK { 2 } else { 1 };
-        let mut s = R / 2;
-        while s >= per_u32 {
-            // Round `s` moves groups of `s / per_u32` 32-bit lanes.
-            let g = s / per_u32;
-            let (mut lo, mut hi) = ([0u32; 16], [0u32; 16]);
-            for j in 0..16 {
-                let right = j & g != 0;
-                lo[j] = if right { 16 + j - g } else { j } as u32;
-                hi[j] = if right { 16 + j } else { j + g } as u32;
-            }
-            // SAFETY: 64 bytes each.
-            let (lo, hi) = unsafe {
-                (
-                    _mm512_loadu_si512(lo.as_ptr().cast()),
-                    _mm512_loadu_si512(hi.as_ptr().cast()),
-                )
-            };
-            for r in (0..R).filter(|r| r & s == 0) {
+    unsafe fn swap_round(v: &mut [__m512i], s: usize, i: usize) {
+        let [lo, hi] = &ROUND_INDEX[i];
+        // SAFETY: 64 bytes each.
+        let (lo, hi) = unsafe {
+            (
+                _mm512_loadu_si512(lo.as_ptr().cast()),
+                _mm512_loadu_si512(hi.as_ptr().cast()),
+            )
+        };
+        for base in (0..v.len()).step_by(2 * s) {
+            for r in base..base + s {
                 let (top, bottom) = (v[r], v[r + s]);
                 v[r] = _mm512_permutex2var_epi32(top, lo, bottom);
                 v[r + s] = _mm512_permutex2var_epi32(top, hi, bottom);
             }
-            s /= 2;
         }
-        if R == BLOCK {
-            // Round 1 of 16-bit lanes: the top row's odd lanes take the bottom's even ones
-            // (shifted up within each 32 bits), the bottom's even lanes the top's odd ones.
-            for r in (0..R).step_by(2) {
-                let (top, bottom) = (v[r], v[r + 1]);
-                v[r] = _mm512_mask_blend_epi16(0xAAAA_AAAA, top, _mm512_slli_epi32::<16>(bottom));
-                v[r + 1] =
-                    _mm512_mask_blend_epi16(0x5555_5555, bottom, _mm512_srli_epi32::<16>(top));
-            }
+    }
+
+    /// The last round of a 16-bit transpose: the top row's odd lanes take the bottom's even
+    /// ones (shifted up within each 32 bits), the bottom's even lanes the top's odd ones.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn swap_halves(v: &mut [__m512i]) {
+        for r in (0..v.len()).step_by(2) {
+            let (top, bottom) = (v[r], v[r + 1]);
+            v[r] = _mm512_mask_blend_epi16(0xAAAA_AAAA, top, _mm512_slli_epi32::<16>(bottom));
+            v[r + 1] = _mm512_mask_blend_epi16(0x5555_5555, bottom, _mm512_srli_epi32::<16>(top));
         }
     }
 
@@ -1097,20 +1111,40 @@ mod simd {
         }
     }
 
-    /// Transposes 32 rows of 32 16-bit values in place.
+    /// Transposes 32 rows of 32 16-bit values in place: the first round (rows 16 apart,
+    /// groups of 8 32-bit lanes) row pair by row pair through memory, then the other four on
+    /// each half of 16 rows held in registers (all 32 rows at once would not fit beside the
+    /// index vectors, and spilled).
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn transpose_32x32(rows: &mut [[u16; BLOCK]; BLOCK]) {
-        // SAFETY: each row is 64 bytes, read and written unaligned.
-        let mut v: [__m512i; BLOCK] =
-            std::array::from_fn(|r| unsafe { _mm512_loadu_si512(rows[r].as_ptr().cast()) });
-        // SAFETY: (caller) AVX-512 F and BW.
-        unsafe { swap_rounds(&mut v) };
-        for (row, v) in rows.iter_mut().zip(v) {
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_si512(row.as_mut_ptr().cast(), v) };
+        let base = rows.as_mut_ptr().cast::<__m512i>();
+        // SAFETY: `r < 32`: row `r` of the 32 (64 bytes each, contiguous).
+        let ptr = |r: usize| unsafe { base.add(r) };
+        // SAFETY: each row is 64 bytes, read and written unaligned; (caller) AVX-512 F/BW.
+        unsafe {
+            for r in 0..TILE_ROWS {
+                let mut pair = [
+                    _mm512_loadu_si512(ptr(r)),
+                    _mm512_loadu_si512(ptr(r + TILE_ROWS)),
+                ];
+                swap_round(&mut pair, 1, 0);
+                _mm512_storeu_si512(ptr(r), pair[0]);
+                _mm512_storeu_si512(ptr(r + TILE_ROWS), pair[1]);
+            }
+            for half in [0, TILE_ROWS] {
+                let mut v: [__m512i; TILE_ROWS] =
+                    std::array::from_fn(|r| _mm512_loadu_si512(ptr(half + r)));
+                swap_round(&mut v, 8, 1);
+                swap_round(&mut v, 4, 2);
+                swap_round(&mut v, 2, 3);
+                swap_halves(&mut v);
+                for (r, v) in v.into_iter().enumerate() {
+                    _mm512_storeu_si512(ptr(half + r), v);
+                }
+            }
         }
     }
 
@@ -1158,8 +1192,13 @@ mod simd {
         let mut v: [__m512i; TILE_ROWS] = std::array::from_fn(|c| unsafe {
             _mm512_loadu_si512(rows.as_ptr().add(c * ld).cast())
         });
-        // SAFETY: (caller) AVX-512 F and BW.
-        unsafe { swap_rounds(&mut v) };
+        // SAFETY: (caller) AVX-512 F.
+        unsafe {
+            swap_round(&mut v, 8, 0);
+            swap_round(&mut v, 4, 1);
+            swap_round(&mut v, 2, 2);
+            swap_round(&mut v, 1, 3);
+        }
         for (line, v) in tile.iter_mut().zip(v) {
             // SAFETY: a 64-byte aligned line.
             unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
