@@ -201,7 +201,8 @@ impl UBuffer {
     /// `Muon` finds it empty and grows its own).
     fn take(&self, len: usize) -> Vec<f32> {
         let mut u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
-        u.resize(len, 0.0);
+        u.truncate(len);
+        crate::kernels::grow_huge(&mut u, len, 0.0);
         u
     }
 

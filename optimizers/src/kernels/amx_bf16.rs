@@ -78,9 +78,7 @@ impl AlignedBf16 {
     /// Its first `len` elements, grown (with zeros) to hold them.
     pub fn get(&mut self, len: usize) -> &mut [bf16] {
         let lines = len.div_ceil(BLOCK);
-        if self.0.len() < lines {
-            self.0.resize(lines, ZERO_LINE);
-        }
+        super::grow_huge(&mut self.0, lines, ZERO_LINE);
         // SAFETY: `Line` is `repr(C)` around `[u16; BLOCK]` and `bf16` is a transparent
         // `u16` with every bit pattern valid: the lines' memory is `BLOCK·lines ≥ len`
         // initialized `bf16`s, borrowed mutably through `self` for the slice's life.
@@ -334,9 +332,7 @@ fn bits(x: &[bf16]) -> &[u16] {
 /// Grows `buf` to `lines` lines without initializing what it keeps (every packer writes
 /// each of its lines in full, zero padding included).
 fn reserve_lines(buf: &mut Vec<Line>, lines: usize) -> &mut [Line] {
-    if buf.len() < lines {
-        buf.resize(lines, ZERO_LINE);
-    }
+    super::grow_huge(buf, lines, ZERO_LINE);
     &mut buf[..lines]
 }
 
