@@ -1185,7 +1185,7 @@ mod simd {
     /// 16 rows of `b` (`rows` starts at the tile's first element, rows `ld` apart).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F; `rows` holds 16 rows of 32 elements, `ld` apart.
+    /// The CPU has AVX-512 F and BW; `rows` holds 16 rows of 32 elements, `ld` apart.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn transpose_pairs(rows: &[u16], ld: usize, tile: &mut [Line]) {
         debug_assert!(rows.len() >= 15 * ld + BLOCK && tile.len() >= TILE_ROWS);
@@ -1193,7 +1193,7 @@ mod simd {
         let mut v: [__m512i; TILE_ROWS] = std::array::from_fn(|c| unsafe {
             _mm512_loadu_si512(rows.as_ptr().add(c * ld).cast())
         });
-        // SAFETY: (caller) AVX-512 F.
+        // SAFETY: (caller) AVX-512 F and BW.
         unsafe {
             swap_round(&mut v, 8, 0);
             swap_round(&mut v, 4, 1);
