@@ -77,12 +77,11 @@ pub struct AlignedBf16(Vec<Line>);
 impl AlignedBf16 {
     /// Its first `len` elements, grown (with zeros) to hold them.
     pub fn get(&mut self, len: usize) -> &mut [bf16] {
-        let lines = len.div_ceil(BLOCK);
-        super::grow_huge(&mut self.0, lines, ZERO_LINE);
+        let lines = reserve_lines(&mut self.0, len.div_ceil(BLOCK));
         // SAFETY: `Line` is `repr(C)` around `[u16; BLOCK]` and `bf16` is a transparent
         // `u16` with every bit pattern valid: the lines' memory is `BLOCK·lines ≥ len`
         // initialized `bf16`s, borrowed mutably through `self` for the slice's life.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<bf16>(), len) }
+        unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast::<bf16>(), len) }
     }
 
     /// Itself, or empty (its memory freed) when it holds more than
@@ -329,8 +328,10 @@ fn bits(x: &[bf16]) -> &[u16] {
     x.reinterpret_cast()
 }
 
-/// Grows `buf` to `lines` lines without initializing what it keeps (every packer writes
-/// each of its lines in full, zero padding included).
+/// The first `lines` lines of `buf`, grown with zero lines to hold them (a fresh allocation
+/// in 2 MiB pages, [`super::grow_huge`]); the lines it already had keep whatever they held
+/// (every packer writes each of its lines in full, zero padding included, and Newton–Schulz
+/// writes every element of an [`AlignedBf16`] before reading it).
 fn reserve_lines(buf: &mut Vec<Line>, lines: usize) -> &mut [Line] {
     super::grow_huge(buf, lines, ZERO_LINE);
     &mut buf[..lines]
