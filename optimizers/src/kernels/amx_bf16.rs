@@ -1137,8 +1137,12 @@ mod simd {
                 _mm512_storeu_si512(ptr(r + TILE_ROWS), pair[1]);
             }
             for half in [0, TILE_ROWS] {
-                let mut v: [__m512i; TILE_ROWS] =
-                    std::array::from_fn(|r| _mm512_loadu_si512(ptr(half + r)));
+                // A loop rather than `array::from_fn`, whose closure would be compiled
+                // without this function's target features unless `from_fn` is inlined.
+                let mut v = [_mm512_setzero_si512(); TILE_ROWS];
+                for (r, x) in v.iter_mut().enumerate() {
+                    *x = _mm512_loadu_si512(ptr(half + r));
+                }
                 swap_round(&mut v, 8, 1);
                 swap_round(&mut v, 4, 2);
                 swap_round(&mut v, 2, 3);
