@@ -401,7 +401,7 @@ impl Optimizer for AdamW {
             #[cfg(feature = "cuda")]
             ViewMut::Cuda(mut params) => {
                 let grads = crate::cuda::device_view(OP, grads)?;
-                let (dev, m, v) = crate::cuda::device_moments(OP, state)?;
+                let (dev, m, v) = crate::cuda::device_moments(OP, &mut state.m, &mut state.v)?;
                 crate::cuda::adamw_runs(&dev, runs, &mut params, &grads, m, v, &moments)?;
             }
             _ => return Err(ragged::storage::no_backend(OP)),

@@ -49,7 +49,8 @@ use ragged::plan::PlanOptions;
 
 use crate::{
     Adam8bit, Adam8bitConfig, Adam8bitKernel, Adam8bitState, AdamState, AdamW, Grafting,
-    MatrixLayout, Muon, MuonConfig, NsMethod, NsPrecision, Shampoo, ShampooConfig, ShampooState,
+    MatrixLayout, Muon, MuonConfig, MuonState, NsMethod, NsPrecision, Shampoo, ShampooConfig,
+    ShampooState,
 };
 use half::bf16;
 
@@ -886,12 +887,12 @@ impl Case {
             OptimKind::Muon => make(
                 Muon::new(muon_config(NsPrecision::F32))?,
                 set,
-                adam_state_bytes,
+                MuonState::state_bytes,
             )?,
             OptimKind::MuonBf16 => make(
                 Muon::new(muon_config(NsPrecision::Bf16))?,
                 set,
-                adam_state_bytes,
+                MuonState::state_bytes,
             )?,
             OptimKind::Shampoo => make(Shampoo::new(shampoo_config())?, set, shampoo_state_bytes)?,
         };

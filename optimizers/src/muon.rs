@@ -53,9 +53,11 @@
 //! is modified.
 //!
 //! # State
-//! [`MuonState`] is [`AdamState`]: `m` holds Muon's momentum buffer on Muon pieces and Adam's
-//! first moment on AdamW pieces; `v` holds Adam's second moment on AdamW pieces and stays zero
-//! on Muon pieces; `step` counts steps (AdamW's bias correction uses it).
+//! [`MuonState`]: `m` holds Muon's momentum buffer on Muon pieces and Adam's first moment on
+//! the others (one element per shard element); `v` holds Adam's second moment of the pieces
+//! that are not Muon matrices only, concatenated in shard order ([`Muon::fallback_len`]), so
+//! Muon's matrices keep 4 bytes of state per element, not AdamW's 8; `step` counts steps
+//! (AdamW's bias correction uses it).
 
 use std::ops::Range;
 
@@ -65,21 +67,109 @@ use ragged::comm::Communicator;
 use ragged::model::Unit;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::plan::{Plan, PlanOptions};
-use ragged::storage::{Placement, View, ViewMut};
+use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
-use crate::adamw::{
-    adamw_update, AdamRun, AdamState, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS,
-};
+use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS};
 use crate::common::{
-    self, check_hyperparameters, check_step_inputs, decay_elem, lerp_elem, next_step, MomentCoeffs,
+    self, check_hyperparameters, check_len, decay_elem, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
 use crate::roots::{RootPlan, Routes};
 
-/// Muon's state: the AdamW state layout (see the module doc for what `m` and `v` hold).
-pub type MuonState = AdamState;
+/// Muon's state on one rank's shard (module doc, "State"), in host or device memory
+/// ([`Storage`]); a checkpoint is these three fields ([`MuonState::to_le_bytes`]).
+#[derive(Debug, PartialEq)]
+pub struct MuonState {
+    /// Steps taken (`t`). `0` before the first step.
+    pub step: u64,
+    /// Muon's momentum buffer on Muon pieces, Adam's first moment on the others:
+    /// `shard.len` elements.
+    pub m: Storage<f32>,
+    /// Adam's second moment of the pieces that are not Muon matrices, concatenated in shard
+    /// order: [`Muon::fallback_len`] elements.
+    pub v: Storage<f32>,
+}
+
+impl MuonState {
+    /// Zero moments in the memory `place` names: `m_len` elements of `m`, `v_len` of `v`.
+    pub fn zeros_on(place: &Placement, m_len: usize, v_len: usize) -> Result<Self> {
+        Ok(MuonState {
+            step: 0,
+            m: place.zeros(m_len)?,
+            v: place.zeros(v_len)?,
+        })
+    }
+
+    /// A copy in the same memory (a device copy for device moments).
+    pub fn try_clone(&self) -> Result<Self> {
+        Ok(MuonState {
+            step: self.step,
+            m: self.m.try_clone()?,
+            v: self.v.try_clone()?,
+        })
+    }
+
+    /// Both moments as host slices (`Err` when they live on a device).
+    pub fn host_mut(&mut self) -> Result<(&mut [f32], &mut [f32])> {
+        Ok((self.m.cpu_mut()?, self.v.cpu_mut()?))
+    }
+
+    /// Bytes of optimizer state held (both moments; not the step).
+    pub fn state_bytes(&self) -> usize {
+        4 * (self.m.len() + self.v.len())
+    }
+
+    /// Serializes the state: `step`, `m`'s and `v`'s lengths (u64 each), then `m` and `v` as
+    /// `f32`, all little-endian (device moments are downloaded). Exact: loading gives back
+    /// the same bits.
+    pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
+        let (m, v) = (self.m.host()?, self.v.host()?);
+        let mut out = Vec::with_capacity(24 + self.state_bytes());
+        for word in [self.step, m.len() as u64, v.len() as u64] {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
+        for x in m.iter().chain(v.iter()) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    /// Loads a state written by [`MuonState::to_le_bytes`]; `Err` if the length is not the
+    /// one the header announces.
+    pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
+        let bad = |reason: String| Error::BadInput {
+            op: "MuonState::from_le_bytes",
+            what: format!("{} bytes", bytes.len()),
+            reason,
+        };
+        if bytes.len() < 24 {
+            return Err(bad("shorter than the 24-byte header".into()));
+        }
+        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
+        let (step, m_len, v_len) = (word(0), word(1), word(2));
+        let want = m_len
+            .checked_add(v_len)
+            .and_then(|n| n.checked_mul(4))
+            .and_then(|n| n.checked_add(24));
+        if want != u64::try_from(bytes.len()).ok() {
+            return Err(bad(format!(
+                "header announces {m_len} elements of m and {v_len} of v"
+            )));
+        }
+        let floats: Vec<f32> = bytes[24..]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let (m, v) = floats.split_at(m_len as usize);
+        Ok(MuonState {
+            step,
+            m: m.to_vec().into(),
+            v: v.to_vec().into(),
+        })
+    }
+}
 
 /// How the learning rate of a `rows × cols` matrix is scaled (torch's `adjust_lr_fn`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -276,6 +366,21 @@ impl Muon {
         self.uses_muon(&meta.name, &meta.shape)
     }
 
+    /// Elements of [`MuonState::v`] for `shard`: those of its pieces that are not Muon
+    /// matrices (AdamW's, frozen ones included), which alone keep a second moment.
+    pub fn fallback_len(&self, shard: &LocalShard) -> usize {
+        let fallback = |piece: &&LocalPiece| {
+            let meta = shard.params.get(piece.param);
+            meta.is_some_and(|meta| !self.is_muon(meta))
+        };
+        shard
+            .pieces
+            .iter()
+            .filter(fallback)
+            .map(|p| p.range.len())
+            .sum()
+    }
+
     /// The `f32` multiplier `−lr·scale(rows, cols)` of step 5 (`lr` scaled by the `Matrix`
     /// role's setting).
     pub fn neg_adjusted_lr(&self, rows: usize, cols: usize) -> f32 {
@@ -334,13 +439,12 @@ impl Optimizer for Muon {
     }
 
     fn init(&self, shard: &LocalShard) -> Result<MuonState> {
-        shard.check("Muon::init")?;
-        Ok(AdamState::zeros(shard.len))
+        self.init_on(shard, &Placement::Cpu)
     }
 
     fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<MuonState> {
         shard.check("Muon::init_on")?;
-        AdamState::zeros_on(place, shard.len)
+        MuonState::zeros_on(place, shard.len, self.fallback_len(shard))
     }
 
     /// The step on host slices, or on device memory (kernels, Newton–Schulz on cuBLAS in
@@ -412,8 +516,8 @@ pub(crate) struct StepPlan<'a> {
 pub(crate) trait MuonKernels {
     /// Steps 1–2 on elements `r`: `m` and `U`.
     fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()>;
-    /// The AdamW fallback on one run.
-    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()>;
+    /// The AdamW fallback on one run, whose second moment is `v` of the state's `v`.
+    fn adamw(&mut self, run: &AdamRun, v: Range<usize>, moments: &MomentCoeffs) -> Result<()>;
     /// Step 3: Newton–Schulz on every matrix this rank works on, in `U`: the whole local ones
     /// in place, the split ones gathered to their roots and back along `plan.routes`.
     fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()>;
@@ -428,12 +532,17 @@ impl Muon {
         let a = self.adamw.config();
         let moments = MomentCoeffs::new(a.beta1, a.beta2);
         let shard = plan.shard;
+        let mut v_at = 0;
         for piece in &shard.pieces {
             let r = piece.offset..piece.offset + piece.range.len();
             if let Some(step) = self.matrix_step(&shard.params[piece.param]) {
                 k.momentum(&step, r)?;
-            } else if let Some(run) = self.adamw.run_of(shard, piece, plan.t) {
-                k.adamw(&run, &moments)?;
+                continue;
+            }
+            let v = v_at..v_at + r.len();
+            v_at = v.end;
+            if let Some(run) = self.adamw.run_of(shard, piece, plan.t) {
+                k.adamw(&run, v, &moments)?;
             }
         }
         k.orthogonalize(self, plan)?;
@@ -477,13 +586,13 @@ impl MuonKernels for HostMuon<'_> {
         Ok(())
     }
 
-    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()> {
+    fn adamw(&mut self, run: &AdamRun, v: Range<usize>, moments: &MomentCoeffs) -> Result<()> {
         let r = run.range.clone();
         adamw_update(
             &mut self.params[r.clone()],
             &self.grads[r.clone()],
-            &mut self.m[r.clone()],
-            &mut self.v[r],
+            &mut self.m[r],
+            &mut self.v[v],
             run.decay,
             moments,
             &run.scale,
@@ -531,7 +640,11 @@ impl Muon {
         [params, grads, m, v]: [usize; 4],
         comm: Option<(usize, usize)>,
     ) -> Result<(RootPlan, Option<Routes>)> {
-        check_step_inputs(op, shard, params, grads, m, v)?;
+        shard.check(op)?;
+        check_len(op, "params", params, shard.len)?;
+        check_len(op, "grads", grads, shard.len)?;
+        check_len(op, "state.m", m, shard.len)?;
+        check_len(op, "state.v", v, self.fallback_len(shard))?;
         shard.check_holdings(op)?;
         let roots = self.roots(shard);
         if !roots.has_split() {

@@ -4,7 +4,9 @@
 //!
 //! | optimizer | field | type | global array per parameter |
 //! |---|---|---|---|
-//! | AdamW, Muon | `m`, `v` | f32 | one element per parameter element |
+//! | AdamW | `m`, `v` | f32 | one element per parameter element |
+//! | Muon | `m` | f32 | one element per parameter element |
+//! | | `v` | f32 | one per element of a parameter that is not a Muon matrix |
 //! | 8-bit Adam | `m`, `v` | u8 codes | one per element (fallback parameters hold the zero code) |
 //! | | `scale_m`, `scale_v` | u16 | one per 256-element scale block, in [`Tiling::scales_before`] order |
 //! | | `m32`, `v32` | f32 | one per element of a fallback parameter |
@@ -21,7 +23,7 @@ use ragged::optim::{LocalShard, ParamMeta};
 use ragged::{Error, Result};
 
 use crate::adam8bit::Tiling;
-use crate::{Adam8bit, Adam8bitState, AdamState, AdamW, Muon, Shampoo, ShampooState};
+use crate::{Adam8bit, Adam8bitState, AdamState, AdamW, Muon, MuonState, Shampoo, ShampooState};
 
 /// `m` and `v` of an Adam-like state, both like the shard.
 fn adam_layout(shard: &LocalShard) -> Vec<FieldLayout> {
@@ -66,7 +68,34 @@ macro_rules! adam_like {
 }
 
 adam_like!(AdamW);
-adam_like!(Muon);
+
+impl CheckpointState for Muon {
+    fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+        let fallback = |meta: &ParamMeta, range: &Range<usize>| {
+            Ok((!self.is_muon(meta)).then(|| (meta.numel(), range.clone())))
+        };
+        Ok(vec![
+            FieldLayout::like_shard("m", FieldType::F32, shard),
+            FieldLayout::packed("v", FieldType::F32, shard, fallback)?,
+        ])
+    }
+
+    fn state_data<'a>(&self, s: &'a MuonState) -> Result<Vec<FieldData<'a>>> {
+        Ok(vec![(&s.m).into(), (&s.v).into()])
+    }
+
+    fn state_data_mut<'a>(&self, s: &'a mut MuonState) -> Result<Vec<FieldDataMut<'a>>> {
+        Ok(vec![(&mut s.m).into(), (&mut s.v).into()])
+    }
+
+    fn state_step(&self, state: &MuonState) -> u64 {
+        state.step
+    }
+
+    fn set_state_step(&self, state: &mut MuonState, step: u64) {
+        state.step = step;
+    }
+}
 
 fn cut_error(meta: &ParamMeta, range: &Range<usize>, what: &str) -> Error {
     Error::InvalidShard {

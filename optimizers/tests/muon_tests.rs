@@ -14,7 +14,7 @@ use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::newton_schulz::ns_macs;
 use ragged_optimizers::{
-    orthogonalize, AdamState, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, NsBackend,
+    orthogonalize, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, MuonState, NsBackend,
     NsConfig, NsMethod, NsPrecision, QUINTIC,
 };
 
@@ -34,14 +34,14 @@ fn whole_shard(opt: &Muon, specs: &[TensorSpec]) -> LocalShard {
 // ---------------------------------------------------------------------------------------------
 
 /// One rank's run: `steps` Muon steps; garbage in the gradient's padding; asserts padding
-/// stays `+0.0` in params and both state buffers. Returns (params, state).
+/// stays `+0.0` in params and `m` (`v` holds no padding). Returns (params, state).
 fn run_rank(
     opt: &Muon,
     shard: &LocalShard,
     p0: &[Vec<f32>],
     grads: &[Vec<Vec<f32>>],
     comm: &dyn Communicator,
-) -> (Vec<f32>, AdamState) {
+) -> (Vec<f32>, MuonState) {
     let mut params = scatter(shard, p0);
     let mut state = opt.init(shard).unwrap();
     for g in grads {
@@ -53,9 +53,7 @@ fn run_rank(
             .unwrap();
         for i in padding(shard) {
             assert!(
-                params[i].to_bits() == 0
-                    && state.m.cpu().unwrap()[i].to_bits() == 0
-                    && state.v.cpu().unwrap()[i].to_bits() == 0,
+                params[i].to_bits() == 0 && state.m.cpu().unwrap()[i].to_bits() == 0,
                 "rank {}/{}: padding at {i} changed",
                 shard.rank,
                 shard.world
@@ -63,6 +61,25 @@ fn run_rank(
         }
     }
     (params, state)
+}
+
+/// `v` (the second moments of the pieces that are not Muon matrices, in shard order) at
+/// those pieces' places in the shard, zero elsewhere: an array that gathers like the
+/// parameters. Asserts `v` holds exactly those pieces.
+fn v_like_shard(opt: &Muon, shard: &LocalShard, v: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; shard.len];
+    let mut at = 0;
+    for piece in &shard.pieces {
+        let meta = &shard.params[piece.param];
+        if !opt.uses_muon(&meta.name, &meta.shape) {
+            let n = piece.range.len();
+            out[piece.offset..piece.offset + n].copy_from_slice(&v[at..at + n]);
+            at += n;
+        }
+    }
+    assert_eq!(at, v.len(), "v holds the fallback pieces and nothing else");
+    assert_eq!(at, opt.fallback_len(shard));
+    out
 }
 
 /// Every rank on its own thread with a `ThreadWorld` communicator; global (params, m, v).
@@ -74,7 +91,7 @@ fn run_world(
     grads: &[Vec<Vec<f32>>],
 ) -> [Vec<Vec<f32>>; 3] {
     let comms = ThreadWorld::new(shards.len()).unwrap();
-    let results: Vec<(Vec<f32>, AdamState)> = std::thread::scope(|s| {
+    let results: Vec<(Vec<f32>, MuonState)> = std::thread::scope(|s| {
         let handles: Vec<_> = shards
             .iter()
             .zip(comms)
@@ -84,7 +101,11 @@ fn run_world(
     });
     let ps: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
     let ms: Vec<Vec<f32>> = results.iter().map(|r| r.1.m.to_vec().unwrap()).collect();
-    let vs: Vec<Vec<f32>> = results.iter().map(|r| r.1.v.to_vec().unwrap()).collect();
+    let vs: Vec<Vec<f32>> = results
+        .iter()
+        .zip(shards)
+        .map(|(r, shard)| v_like_shard(opt, shard, &r.1.v.to_vec().unwrap()))
+        .collect();
     [
         gather(shards, &ps, numels),
         gather(shards, &ms, numels),
@@ -839,7 +860,7 @@ fn state_round_trip_through_bytes_continues_bitwise() {
         let (p_all, s_all) = run_rank(&opt, shard, &p0, &grads, &SingleRank);
         let (mut p, s_half) = run_rank(&opt, shard, &p0, &grads[..3], &SingleRank);
         let bytes = s_half.to_le_bytes().unwrap();
-        let mut s = AdamState::from_le_bytes(&bytes).unwrap();
+        let mut s = MuonState::from_le_bytes(&bytes).unwrap();
         assert_eq!(s, s_half);
         assert_eq!(s.to_le_bytes().unwrap(), bytes);
         for g in &grads[3..] {
@@ -861,6 +882,45 @@ fn state_round_trip_through_bytes_continues_bitwise() {
         );
         assert_eq!(s.step, 6);
     }
+}
+
+/// Muon's matrices keep only their momentum: `v` holds the AdamW fallback's elements (here
+/// the bias, the embedding and the gain) and nothing for the matrices, at every world size;
+/// the bytes say so, and a truncated, longer or overflowing serialization is refused.
+#[test]
+fn state_keeps_a_second_moment_only_for_the_adamw_fallback() {
+    let spec = specs(&TENSORS);
+    let opt = Muon::new(loud()).unwrap();
+    let fallback: usize = spec
+        .iter()
+        .filter(|t| !opt.uses_muon(&t.name, &t.shape))
+        .map(|t| t.numel())
+        .sum();
+    assert_eq!(fallback, 31 + 60 + 1, "the bias, tok_embed and gain");
+    let block_of = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
+    for world in WORLDS {
+        let shards = planned_shards_by(&spec, world, &block_of, &PlanOptions::default());
+        let mut total = 0;
+        for shard in &shards {
+            let state = opt.init(shard).unwrap();
+            assert_eq!(state.m.len(), shard.len);
+            assert_eq!(state.v.len(), opt.fallback_len(shard));
+            assert_eq!(state.state_bytes(), 4 * (shard.len + state.v.len()));
+            total += state.v.len();
+        }
+        assert_eq!(total, fallback, "V = {world}: v over the ranks");
+    }
+    let shard = whole_shard(&opt, &spec);
+    let bytes = opt.init(&shard).unwrap().to_le_bytes().unwrap();
+    assert_eq!(bytes.len(), 24 + 4 * (shard.len + fallback));
+    assert!(MuonState::from_le_bytes(&bytes[..bytes.len() - 1]).is_err());
+    assert!(MuonState::from_le_bytes(&bytes[..20]).is_err());
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(MuonState::from_le_bytes(&longer).is_err());
+    let mut huge = bytes.clone();
+    huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(MuonState::from_le_bytes(&huge).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ use ragged::cuda::{count, elementwise, guarded, Device, ADAMW};
 use ragged::storage::{mixed, Storage, View};
 use ragged::Result;
 
-use crate::adamw::{AdamRun, AdamState};
+use crate::adamw::AdamRun;
 use crate::common::MomentCoeffs;
 
 pub use newton_schulz::orthogonalize_cuda;
@@ -63,10 +63,11 @@ pub(crate) fn device_array<'a, T>(
 /// Both device moments of an Adam state and their device.
 pub(crate) fn device_moments<'a>(
     op: &'static str,
-    state: &'a mut AdamState,
+    m: &'a mut Storage<f32>,
+    v: &'a mut Storage<f32>,
 ) -> Result<(Arc<Device>, &'a mut CudaSlice<f32>, &'a mut CudaSlice<f32>)> {
-    let (dev, m) = device_array(op, &mut state.m)?;
-    let (_, v) = device_array(op, &mut state.v)?;
+    let (dev, m) = device_array(op, m)?;
+    let (_, v) = device_array(op, v)?;
     Ok((dev, m, v))
 }
 

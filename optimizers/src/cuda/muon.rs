@@ -39,7 +39,7 @@ pub(crate) fn step(
     plan: &StepPlan<'_>,
 ) -> Result<()> {
     let grads = device_view(OP, grads)?;
-    let (dev, m, v) = device_moments(OP, state)?;
+    let (dev, m, v) = device_moments(OP, &mut state.m, &mut state.v)?;
     let mut device = DeviceMuon {
         adamw: dev.function(&ADAMW, ADAMW_STEP)?,
         momentum: dev.function(&MUON, MUON_MOMENTUM)?,
@@ -98,15 +98,15 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
         .map(drop)
     }
 
-    fn adamw(&mut self, run: &AdamRun, moments: &MomentCoeffs) -> Result<()> {
+    fn adamw(&mut self, run: &AdamRun, v: Range<usize>, moments: &MomentCoeffs) -> Result<()> {
         let r = run.range.clone();
         launch_adamw(
             self.dev,
             &self.adamw,
             &mut self.params.slice_mut(r.clone()),
             &self.grads.slice(r.clone()),
-            &mut self.m.slice_mut(r.clone()),
-            &mut self.v.slice_mut(r),
+            &mut self.m.slice_mut(r),
+            &mut self.v.slice_mut(v),
             run,
             moments,
         )
