@@ -280,7 +280,7 @@ pub struct Muon {
 /// between steps rather than allocated fresh each one: faulting in, zeroing and freeing a
 /// shard-sized buffer (218 MB on the d = 1024 Llama stack) took ~5 % of a bf16 step on 2
 /// threads (page faults, and the TLB shootdowns of unmapping it). Dropping the [`Muon`] frees
-/// it. Each clone has its own (thread ranks step clones at once), empty until its first
+/// it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step clones at once), empty until its first
 /// step; a scratch buffer, so it takes no part in equality. Only what a step writes first is
 /// ever read (`U` on its Muon pieces), so what an earlier step left is never seen.
 #[derive(Default)]
@@ -299,6 +299,12 @@ impl UBuffer {
     /// Keeps `u` for the next step.
     fn put(&self, u: Vec<f32>) {
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = u;
+    }
+
+    /// Frees the kept buffer; its bytes.
+    fn release(&self) -> usize {
+        let u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        4 * u.capacity()
     }
 }
 
@@ -348,6 +354,14 @@ impl Muon {
     /// The hyperparameters.
     pub fn config(&self) -> &MuonConfig {
         &self.config
+    }
+
+    /// Frees the Newton–Schulz input `U` this `Muon` keeps between host steps (4 bytes per
+    /// element of the last shard it stepped), e.g. while the model evaluates; the next step
+    /// allocates it afresh, paying its page faults once. Returns the bytes freed (0 when none
+    /// was kept). The step's results do not depend on it.
+    pub fn release_buffers(&self) -> usize {
+        self.u.release()
     }
 
     /// Whether Muon (not AdamW) updates a parameter of this name and global shape.

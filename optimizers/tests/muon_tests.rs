@@ -923,6 +923,28 @@ fn state_keeps_a_second_moment_only_for_the_adamw_fallback() {
     assert!(MuonState::from_le_bytes(&huge).is_err());
 }
 
+/// `release_buffers` frees the kept `U` (its bytes: one `f32` per shard element at least)
+/// and the steps after it give the bits of a run that never released it.
+#[test]
+fn released_buffers_are_freed_and_change_no_bit() {
+    let spec = specs(&TENSORS);
+    let (p0, grads) = data(&spec, 4, 9);
+    let opt = Muon::new(loud()).unwrap();
+    let shard = whole_shard(&opt, &spec);
+    assert_eq!(opt.release_buffers(), 0, "nothing kept before a step");
+    let (p_kept, s_kept) = run_rank(&opt, &shard, &p0, &grads, &SingleRank);
+    let mut p = scatter(&shard, &p0);
+    let mut s = opt.init(&shard).unwrap();
+    for g in &grads {
+        opt.step_slices(&mut s, &shard, &mut p, &scatter(&shard, g), &SingleRank)
+            .unwrap();
+        assert!(opt.release_buffers() >= 4 * shard.len, "U was kept");
+        assert_eq!(opt.release_buffers(), 0, "and is gone");
+    }
+    assert_eq!(bits(&p), bits(&p_kept));
+    assert_eq!(s, s_kept);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 6. Validation
 // ---------------------------------------------------------------------------------------------
