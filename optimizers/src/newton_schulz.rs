@@ -85,7 +85,7 @@ use rayon::prelude::*;
 
 use ragged::{Error, Result};
 
-use crate::kernels::amx_bf16::{self, AlignedBf16, Amx, Epilogue, Rhs};
+use crate::kernels::amx_bf16::{self, AlignedBf16, Amx, Epilogue, Rhs, Strides};
 use crate::kernels::gemm_f32;
 use crate::kernels::onednn::{self, DnnlError, Element};
 use crate::kernels::transpose_f32::transpose_raw;
@@ -557,15 +557,41 @@ fn map_loop<S: Copy, D>(src: &[S], out: &mut [D], f: &impl Fn(S) -> D) {
     }
 }
 
-/// [`map_into`] on the AMX backend: its loop compiled for AVX-512 ([`wide`]).
-fn map_into_amx<S: Copy + Sync, D: Send>(
+/// [`map_into`] on the AMX backend, its loop compiled for AVX-512 ([`wide`]), between two
+/// `rows × cols` matrices stored with the row strides `src_ld`
+/// and `out_ld` (a dense one and one of Newton–Schulz's padded bf16 matrices), row by row:
+/// the padding is neither read nor written.
+#[allow(clippy::too_many_arguments)]
+fn map_rows_amx<S: Copy + Sync, D: Send>(
     amx: &Amx,
+    (rows, cols): (usize, usize),
     src: &[S],
+    src_ld: usize,
     out: &mut [D],
+    out_ld: usize,
     par: Parallelism,
     f: impl Fn(S) -> D + Sync,
 ) {
-    map_chunks(src, out, par, |s, o| wide::map_loop(amx, s, o, &f));
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let rows_per_task = (ELEMENTWISE_CHUNK / cols).max(1);
+    let task = |(t, out): (usize, &mut [D])| {
+        for (r, out) in out.chunks_mut(out_ld).enumerate() {
+            let row = t * rows_per_task + r;
+            wide::map_loop(amx, &src[row * src_ld..][..cols], &mut out[..cols], &f);
+        }
+    };
+    let out = &mut out[..(rows - 1) * out_ld + cols];
+    if threaded(par) {
+        out.par_chunks_mut(rows_per_task * out_ld)
+            .enumerate()
+            .for_each(task);
+    } else {
+        out.chunks_mut(rows_per_task * out_ld)
+            .enumerate()
+            .for_each(task);
+    }
 }
 
 /// The AMX backend's element-wise loops compiled for AVX-512 F and BW, which every CPU with
@@ -949,12 +975,44 @@ fn iterate_amx(
         static WORK: std::cell::Cell<[AlignedBf16; 4]> = std::cell::Cell::new(Default::default());
     }
     let mut work = WORK.take();
-    // Aligned, so that the products read the left operands in place; each buffer only grows
-    // (every element used is written before it is read), so a larger matrix after a smaller
-    // one zero-fills nothing it already had.
+    // Aligned, so that the products read the left operands in place, and rows padded
+    // ([`amx_bf16::padded_ld`]) so that those reads spread over L1's sets; each buffer only
+    // grows (every element used is written before it is read; the padding never is), so a
+    // larger matrix after a smaller one zero-fills nothing it already had.
     let [xv, pv, qv, yv] = &mut work;
-    let (mut x, p, q, mut y) = (xv.get(s * l), pv.get(s * s), qv.get(s * s), yv.get(s * l));
-    map_into_amx(amx, xw, x, par, load);
+    // `X` as stored: `s × l`, or `l × s` when tall.
+    let (x_rows, x_cols) = if tall { (l, s) } else { (s, l) };
+    let (ldx, ldp) = (amx_bf16::padded_ld(x_cols), amx_bf16::padded_ld(s));
+    let (mut x, p, q, mut y) = (
+        xv.get(x_rows * ldx),
+        pv.get(s * ldp),
+        qv.get(s * ldp),
+        yv.get(x_rows * ldx),
+    );
+    map_rows_amx(amx, (x_rows, x_cols), xw, x_cols, x, ldx, par, load);
+    let gram = Strides {
+        a: ldx,
+        b: ldx,
+        out: ldp,
+    };
+    let square = Strides {
+        a: ldp,
+        b: ldp,
+        out: ldp,
+    };
+    let update_ld = if tall {
+        Strides {
+            a: ldx,
+            b: ldp,
+            out: ldx,
+        }
+    } else {
+        Strides {
+            a: ldp,
+            b: ldx,
+            out: ldx,
+        }
+    };
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         let plain = Epilogue {
@@ -962,27 +1020,29 @@ fn iterate_amx(
             add: None,
         };
         if tall {
-            amx.sym_tn(s, l, x, p, plain, par);
+            amx.sym_tn_strided(s, l, x, p, plain, par, gram);
         } else {
-            amx.sym_nt(s, l, x, p, plain, par);
+            amx.sym_nt_strided(s, l, x, p, plain, par, gram);
         }
         let poly = Epilogue {
             alpha: c,
             add: Some((b, p)),
         };
-        amx.sym_nt(s, s, p, q, poly, par);
+        amx.sym_nt_strided(s, s, p, q, poly, par, square);
         let update = Epilogue {
             alpha: 1.0,
             add: Some((a, x)),
         };
         if tall {
-            amx.matmul(l, s, s, x, Rhs::Plain(q), y, update, par);
+            amx.matmul_strided(l, s, s, x, Rhs::Plain(q), y, update, par, update_ld);
         } else {
-            amx.matmul(s, l, s, q, Rhs::Plain(x), y, update, par);
+            amx.matmul_strided(s, l, s, q, Rhs::Plain(x), y, update, par, update_ld);
         }
         std::mem::swap(&mut x, &mut y);
     }
-    map_into_amx(amx, x, xw, par, |v| v.to_f32());
+    map_rows_amx(amx, (x_rows, x_cols), x, ldx, xw, x_cols, par, |v| {
+        v.to_f32()
+    });
     WORK.set(work.map(AlignedBf16::retained));
     Ok(())
 }

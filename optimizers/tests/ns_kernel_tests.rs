@@ -5,7 +5,7 @@
 //! Tests that need oneDNN or AMX print why they skip and return when it is missing.
 
 use half::bf16;
-use ragged_optimizers::kernels::amx_bf16::{self, AlignedBf16, Epilogue, Rhs};
+use ragged_optimizers::kernels::amx_bf16::{self, AlignedBf16, Epilogue, Rhs, Strides};
 use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::kernels::Parallelism;
 use ragged_optimizers::newton_schulz::{
@@ -872,6 +872,137 @@ fn amx_products_match_the_sequential_sum_at_every_edge_and_do_not_depend_on_thre
             assert_eq!(got, here, "{m}×{k}·{k}×{n}: on the calling thread");
         }
     }
+}
+
+/// `rows × cols` of `v` (dense) into an aligned buffer with rows `ld` apart, its padding a
+/// NaN pattern that would show in any result that read it.
+fn strided_copy(v: &[bf16], rows: usize, cols: usize, ld: usize) -> AlignedBf16 {
+    let mut buf = AlignedBf16::default();
+    let out = buf.get(rows.max(1) * ld);
+    out.fill(bf16::from_bits(0x7fc1));
+    for (r, row) in v.chunks(cols.max(1)).enumerate().take(rows) {
+        out[r * ld..][..cols].copy_from_slice(row);
+    }
+    buf
+}
+
+/// The strided products (Newton–Schulz's padded rows, [`amx_bf16::padded_ld`]) give the
+/// dense products' bits, read no padding (it holds NaNs) and write none: plain and
+/// transposed right operands, both symmetric products, an epilogue addend, left operands in
+/// place (sides multiples of 32) and packed.
+#[test]
+fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
+    if !amx_or_skip("amx_strided_products_are_the_dense_ones_bit_for_bit") {
+        return;
+    }
+    let amx = amx_bf16::amx().unwrap();
+    let mut rng = Rng::new(37);
+    let ld = amx_bf16::padded_ld;
+    assert_eq!(
+        (ld(1024), ld(3584), ld(1056), ld(33)),
+        (1056, 3616, 1056, 96)
+    );
+    for (m, n, k) in [(64, 96, 128), (96, 64, 1056), (33, 47, 65), (128, 160, 64)] {
+        let a = bf16_units(&mut rng, m * k);
+        let b = bf16_units(&mut rng, k * n);
+        let add = bf16_units(&mut rng, m * n);
+        let epi = Epilogue {
+            alpha: 0.75,
+            add: Some((-1.5, &add[..])),
+        };
+        let (mut sa, mut sadd) = (
+            strided_copy(&a, m, k, ld(k)),
+            strided_copy(&add, m, n, ld(n)),
+        );
+        let (sa, sadd) = (sa.get(m * ld(k)), sadd.get(m * ld(n)));
+        let sepi = Epilogue {
+            alpha: 0.75,
+            add: Some((-1.5, &sadd[..])),
+        };
+        // The strided output, its padding a NaN pattern that must survive.
+        let rows_of = |out: &[bf16], rows: usize, cols: usize, ld: usize| -> Vec<bf16> {
+            for r in 0..rows {
+                let pad = &out[r * ld + cols..(r * ld + ld).min(out.len())];
+                assert!(pad.iter().all(|x| x.to_bits() == 0x7fc1), "padding written");
+            }
+            (0..rows)
+                .flat_map(|r| out[r * ld..][..cols].to_vec())
+                .collect()
+        };
+        for transposed in [false, true] {
+            let (b_rows, b_cols) = if transposed { (n, k) } else { (k, n) };
+            let mut sb = strided_copy(&b, b_rows, b_cols, ld(b_cols));
+            let sb = sb.get(b_rows * ld(b_cols));
+            let (rhs, srhs) = if transposed {
+                (Rhs::Transposed(&b), Rhs::Transposed(&sb[..]))
+            } else {
+                (Rhs::Plain(&b), Rhs::Plain(&sb[..]))
+            };
+            let mut want = vec![bf16::ZERO; m * n];
+            amx.matmul(m, n, k, &a, rhs, &mut want, epi, POOL);
+            let mut got = strided_copy(&[], 0, 0, 1);
+            let got = got.get(m * ld(n));
+            got.fill(bf16::from_bits(0x7fc1));
+            let strides = Strides {
+                a: ld(k),
+                b: ld(b_cols),
+                out: ld(n),
+            };
+            amx.matmul_strided(m, n, k, sa, srhs, got, sepi, POOL, strides);
+            let what = format!("{m}×{k}·{k}×{n} transposed={transposed}");
+            assert_eq!(
+                bits_bf16(&rows_of(got, m, n, ld(n))),
+                bits_bf16(&want),
+                "{what}"
+            );
+        }
+        // Symmetric: `a·aᵀ` (a: m×k) and `aᵀ·a` (a as k×m: the same buffer read tall).
+        for tall in [false, true] {
+            let (nn, kk) = if tall { (k, m) } else { (m, k) };
+            let sym_add = bf16_units(&mut rng, nn * nn);
+            let sym_add: Vec<bf16> = (0..nn * nn)
+                .map(|e| sym_add[(e % nn).max(e / nn) * nn + (e % nn).min(e / nn)])
+                .collect();
+            let mut ssym_add = strided_copy(&sym_add, nn, nn, ld(nn));
+            let ssym_add = ssym_add.get(nn * ld(nn));
+            let (e_dense, e_strided) = (
+                Epilogue {
+                    alpha: 0.5,
+                    add: Some((2.0, &sym_add[..])),
+                },
+                Epilogue {
+                    alpha: 0.5,
+                    add: Some((2.0, &ssym_add[..])),
+                },
+            );
+            let mut want = vec![bf16::ZERO; nn * nn];
+            let mut got = strided_copy(&[], 0, 0, 1);
+            let got = got.get(nn * ld(nn));
+            got.fill(bf16::from_bits(0x7fc1));
+            let strides = Strides {
+                a: ld(k),
+                b: 0,
+                out: ld(nn),
+            };
+            if tall {
+                amx.sym_tn(nn, kk, &a, &mut want, e_dense, POOL);
+                amx.sym_tn_strided(nn, kk, sa, got, e_strided, POOL, strides);
+            } else {
+                amx.sym_nt(nn, kk, &a, &mut want, e_dense, POOL);
+                amx.sym_nt_strided(nn, kk, sa, got, e_strided, POOL, strides);
+            }
+            let what = format!("sym {m}×{k} tall={tall}");
+            assert_eq!(
+                bits_bf16(&rows_of(got, nn, nn, ld(nn))),
+                bits_bf16(&want),
+                "{what}"
+            );
+        }
+    }
+}
+
+fn bits_bf16(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// A left operand in an [`AlignedBf16`] with sides that are multiples of 32 is read in place

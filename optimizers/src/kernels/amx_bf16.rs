@@ -4,8 +4,12 @@
 //!
 //! A product packs both operands once into tile-contiguous panels, zero-padded to multiples
 //! of 32 (so any shape works and the padding adds exact zeros), except a left operand whose
-//! sides are multiples of 32 and whose start is 64-byte aligned ([`AlignedBf16`]): its tiles
-//! are loaded where it is, rows `2k` bytes apart. Then it runs one 32×32 output
+//! sides and row stride are multiples of 32 and whose start is 64-byte aligned
+//! ([`AlignedBf16`]): its tiles are loaded where it is. Matrices may be stored with rows
+//! further apart than their width ([`Strides`], the `*_strided` products): Newton–Schulz pads
+//! its rows to an odd number of cache lines ([`padded_ld`]) so that those in-place tile loads
+//! spread over L1's sets (a bf16 Muon step of the d = 1024 stack 0.925× / 0.91× the time of
+//! dense rows, both orders of 20 alternating rounds). Then it runs one 32×32 output
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
 //! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
 //! accumulators are stored between calls). Blocks are shared out over rayon's threads an
@@ -185,8 +189,36 @@ pub enum Rhs<'a> {
 pub struct Epilogue<'a> {
     /// Scales the product.
     pub alpha: f32,
-    /// `Some((beta, add))`: adds `beta` times the same element of `add` (shaped like `out`).
+    /// `Some((beta, add))`: adds `beta` times the same element of `add` (laid out like
+    /// `out`, rows [`Strides::out`] apart).
     pub add: Option<(f32, &'a [bf16])>,
+}
+
+/// Elements between consecutive rows of a product's matrices as stored: the left operand
+/// (as given: `m×k`, or `k×n` for [`Amx::sym_tn`]), the right one (as given: `k×n` plain,
+/// `n×k` transposed) and the output (and the epilogue's addend). Dense matrices have their
+/// column counts; Newton–Schulz pads its rows ([`padded_ld`]) so that the tile loads of a
+/// left operand read in place do not fall into a few L1 sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strides {
+    pub a: usize,
+    pub b: usize,
+    pub out: usize,
+}
+
+/// The row stride Newton–Schulz stores a matrix of `cols` columns with: `cols` rounded up to
+/// 32 elements (so every row starts on a 64-byte line), plus 32 more when that is an even
+/// number of lines. An odd number of lines between rows sends the 16 rows of a tile to 16
+/// different L1 sets; a stride of 2 KiB sent them to two sets (12 ways each), 4 KiB to one,
+/// and a 2048-wide product with its left operand read in place ran 8–9 % slower than with
+/// 2016 or 2080 columns (in-process alternation, AMX Xeon, session 30).
+pub fn padded_ld(cols: usize) -> usize {
+    let ld = cols.next_multiple_of(BLOCK);
+    if (ld / BLOCK).is_multiple_of(2) {
+        ld + BLOCK
+    } else {
+        ld
+    }
 }
 
 impl Amx {
@@ -208,18 +240,45 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        check_lengths(m, n, k, a, rhs, out, epi);
+        let b = match rhs {
+            Rhs::Plain(_) => n,
+            Rhs::Transposed(_) => k,
+        };
+        let ld = Strides { a: k, b, out: n };
+        self.matmul_strided(m, n, k, a, rhs, out, epi, par, ld);
+    }
+
+    /// [`Amx::matmul`] on matrices stored with the row strides `ld` (the same bits).
+    ///
+    /// # Panics
+    /// If a slice is too short for its shape and stride, or a stride is below its row's
+    /// length (an internal invariant).
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn matmul_strided(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        rhs: Rhs<'_>,
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+        ld: Strides,
+    ) {
+        check_lengths((m, n, k), a, (m, k), rhs, out, epi, ld);
         if m == 0 || n == 0 {
             return;
         }
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
-            let ap = lhs(a, m, k, abuf, par);
+            let ap = lhs(a, m, k, ld.a, abuf, par);
             let bp = match rhs {
-                Rhs::Plain(b) => pack_plain(b, k, n, bbuf, par),
-                Rhs::Transposed(b) => pack_transposed(b, n, k, bbuf, par),
+                Rhs::Plain(b) => pack_plain(b, k, n, ld.b, bbuf, par),
+                Rhs::Transposed(b) => pack_transposed(b, n, k, ld.b, bbuf, par),
             };
-            run_blocks(ap, bp, (m, n, k), out, epi, false, par);
+            run_blocks(ap, bp, (m, n, k), out, ld.out, epi, false, par);
         });
     }
 
@@ -239,7 +298,28 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        self.symmetric(n, k, a, out, epi, par, false);
+        let ld = Strides { a: k, b: k, out: n };
+        self.symmetric(n, k, a, out, epi, par, false, ld);
+    }
+
+    /// [`Amx::sym_nt`] on matrices stored with the row strides `ld` (`ld.b` is ignored: `a`
+    /// is both operands).
+    ///
+    /// # Panics
+    /// As [`Amx::matmul_strided`].
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn sym_nt_strided(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+        ld: Strides,
+    ) {
+        self.symmetric(n, k, a, out, epi, par, false, ld);
     }
 
     /// `out (n×n) ← alpha·aᵀ·a + beta·add` with `a: k×n` row-major (a tall matrix's Gram
@@ -258,7 +338,27 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        self.symmetric(n, k, a, out, epi, par, true);
+        let ld = Strides { a: n, b: n, out: n };
+        self.symmetric(n, k, a, out, epi, par, true, ld);
+    }
+
+    /// [`Amx::sym_tn`] on matrices stored with the row strides `ld` (`ld.b` is ignored).
+    ///
+    /// # Panics
+    /// As [`Amx::matmul_strided`].
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn sym_tn_strided(
+        &self,
+        n: usize,
+        k: usize,
+        a: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+        ld: Strides,
+    ) {
+        self.symmetric(n, k, a, out, epi, par, true, ld);
     }
 
     /// The blocks on and below the diagonal of `a·aᵀ` (`a: n×k`) or, when `tall`, of `aᵀ·a`
@@ -274,13 +374,15 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
         tall: bool,
+        ld: Strides,
     ) {
-        let rhs = if tall {
-            Rhs::Plain(a)
+        let (rhs, a_shape) = if tall {
+            (Rhs::Plain(a), (k, n))
         } else {
-            Rhs::Transposed(a)
+            (Rhs::Transposed(a), (n, k))
         };
-        check_lengths(n, n, k, a, rhs, out, epi);
+        let ld = Strides { b: ld.a, ..ld };
+        check_lengths((n, n, k), a, a_shape, rhs, out, epi, ld);
         if n == 0 {
             return;
         }
@@ -288,34 +390,48 @@ impl Amx {
         let par = threaded(par);
         with_packing(|abuf, bbuf| {
             let (ap, bp) = if tall {
-                let ap = Lhs::Packed(pack_columns(a, k, n, abuf, par));
-                (ap, pack_plain(a, k, n, bbuf, par))
+                let ap = Lhs::Packed(pack_columns(a, k, n, ld.a, abuf, par));
+                (ap, pack_plain(a, k, n, ld.a, bbuf, par))
             } else {
-                (lhs(a, n, k, abuf, par), pack_transposed(a, n, k, bbuf, par))
+                let ap = lhs(a, n, k, ld.a, abuf, par);
+                (ap, pack_transposed(a, n, k, ld.a, bbuf, par))
             };
-            run_blocks(ap, bp, (n, n, k), out, epi, true, par);
+            run_blocks(ap, bp, (n, n, k), out, ld.out, epi, true, par);
         });
     }
 }
 
+/// Panics unless each matrix fits its slice: `a` as `a_shape` (rows, columns) rows `ld.a`
+/// apart, the right operand `k×n` (plain) or `n×k` (transposed) rows `ld.b` apart, the
+/// output and the addend `m×n` rows `ld.out` apart; and no stride is below its row.
 #[track_caller]
 fn check_lengths(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     a: &[bf16],
+    a_shape: (usize, usize),
     rhs: Rhs<'_>,
     out: &[bf16],
     epi: Epilogue<'_>,
+    ld: Strides,
 ) {
-    let b_len = match rhs {
-        Rhs::Plain(b) | Rhs::Transposed(b) => b.len(),
+    let fits = |len: usize, (rows, cols): (usize, usize), ld: usize| {
+        ld >= cols && (rows == 0 || cols == 0 || (rows - 1) * ld + cols <= len)
     };
-    let add_ok = epi.add.is_none_or(|(_, add)| add.len() == m * n);
+    let (b, b_shape) = match rhs {
+        Rhs::Plain(b) => (b, (k, n)),
+        Rhs::Transposed(b) => (b, (n, k)),
+    };
+    let add_ok = epi
+        .add
+        .is_none_or(|(_, add)| fits(add.len(), (m, n), ld.out));
     assert!(
-        a.len() == m * k && b_len == k * n && out.len() == m * n && add_ok,
-        "Amx: lengths {}, {b_len}, {} for {m}×{k}·{k}×{n}",
+        fits(a.len(), a_shape, ld.a)
+            && fits(b.len(), b_shape, ld.b)
+            && fits(out.len(), (m, n), ld.out)
+            && add_ok,
+        "Amx: lengths {}, {}, {} (strides {ld:?}) for {m}×{k}·{k}×{n}",
         a.len(),
+        b.len(),
         out.len()
     );
 }
@@ -366,9 +482,9 @@ fn pack_steps(
 enum Lhs<'b> {
     /// Packed by [`pack_rows`] (or [`pack_columns`]): 32-row stripes of 32-wide `k` steps.
     Packed(&'b [Line]),
-    /// The row-major `m×k` matrix itself, whose tiles are loaded in place (rows `2k` bytes
-    /// apart): `m` and `k` multiples of 32 and the start 64-byte aligned, so that every tile
-    /// row is one whole cache line and no tile reaches past the matrix.
+    /// The row-major `m×k` matrix itself, rows `ld` elements apart, whose tiles are loaded in
+    /// place: `m`, `k` and `ld` multiples of 32 and the start 64-byte aligned, so that every
+    /// tile row is one whole cache line and no tile reaches past the matrix.
     Rows(&'b [u16], usize),
 }
 
@@ -386,14 +502,14 @@ impl Lhs<'_> {
                 second: 1024,
                 step: 2048,
             },
-            Lhs::Rows(a, k) => {
-                let first = ib * BLOCK * k + ks * BLOCK;
+            Lhs::Rows(a, ld) => {
+                let first = ib * BLOCK * ld + ks * BLOCK;
                 // The last element the tiles read: row 31 of the stripe, the last step.
-                assert!(first + (BLOCK - 1) * k + steps * BLOCK <= a.len());
+                assert!(first + (BLOCK - 1) * ld + steps * BLOCK <= a.len());
                 LhsTiles {
                     at: a[first..].as_ptr().cast(),
-                    row: 2 * k,
-                    second: 2 * k * TILE_ROWS,
+                    row: 2 * ld,
+                    second: 2 * ld * TILE_ROWS,
                     step: 2 * BLOCK,
                 }
             }
@@ -409,22 +525,32 @@ struct LhsTiles {
     step: usize,
 }
 
-/// The left operand `a: m×k` as the tile loop reads it: in place where it can be
-/// ([`Lhs::Rows`]: a copy less of a matrix the loop reads from L2 anyway), else packed.
-fn lhs<'b>(a: &'b [bf16], m: usize, k: usize, buf: &'b mut Vec<Line>, threaded: bool) -> Lhs<'b> {
+/// The left operand `a: m×k` (rows `ld` apart) as the tile loop reads it: in place where it
+/// can be ([`Lhs::Rows`]: a copy less of a matrix the loop reads from L2 anyway), else
+/// packed.
+fn lhs<'b>(
+    a: &'b [bf16],
+    m: usize,
+    k: usize,
+    ld: usize,
+    buf: &'b mut Vec<Line>,
+    threaded: bool,
+) -> Lhs<'b> {
     let aligned = a.as_ptr().cast::<Line>().is_aligned();
-    if aligned && m.is_multiple_of(BLOCK) && k.is_multiple_of(BLOCK) {
-        Lhs::Rows(bits(a), k)
+    if aligned && [m, k, ld].iter().all(|x| x.is_multiple_of(BLOCK)) {
+        Lhs::Rows(bits(a), ld)
     } else {
-        Lhs::Packed(pack_rows(a, m, k, buf, threaded))
+        Lhs::Packed(pack_rows(a, m, k, ld, buf, threaded))
     }
 }
 
-/// `a: m×k` as 32-row stripes of 32-wide `k` steps, zero-padded, into `buf`.
+/// `a: m×k` (rows `ld` apart) as 32-row stripes of 32-wide `k` steps, zero-padded, into
+/// `buf`.
 fn pack_rows<'b>(
     a: &[bf16],
     m: usize,
     k: usize,
+    ld: usize,
     buf: &'b mut Vec<Line>,
     threaded: bool,
 ) -> &'b [Line] {
@@ -435,7 +561,7 @@ fn pack_rows<'b>(
         for (r, line) in lines.iter_mut().enumerate() {
             let i = ib * BLOCK + r;
             let row = if i < m {
-                &a[i * k + k0..][..width]
+                &a[i * ld + k0..][..width]
             } else {
                 &[]
             };
@@ -451,12 +577,13 @@ fn pack_rows<'b>(
     })
 }
 
-/// `aᵀ` for `a: k×m` row-major, in [`pack_rows`]' layout (32-row stripes of `aᵀ`, i.e. of
+/// `aᵀ` for `a: k×m` row-major (rows `ld` apart), in [`pack_rows`]' layout (32-row stripes of `aᵀ`, i.e. of
 /// `a`'s columns): each 32×32 block of `a` transposed, zero-padded past the edges.
 fn pack_columns<'b>(
     a: &[bf16],
     k: usize,
     m: usize,
+    ld: usize,
     buf: &'b mut Vec<Line>,
     threaded: bool,
 ) -> &'b [Line] {
@@ -468,7 +595,7 @@ fn pack_columns<'b>(
         // transposed in place.
         for (r, line) in lines.iter_mut().enumerate() {
             let row = if r < depth {
-                &a[(k0 + r) * m + i0..][..cols]
+                &a[(k0 + r) * ld + i0..][..cols]
             } else {
                 &[]
             };
@@ -499,12 +626,14 @@ fn as_rows(lines: &mut [Line]) -> &mut [[u16; BLOCK]; BLOCK] {
     unsafe { &mut *std::ptr::from_mut(lines).cast::<[[u16; BLOCK]; BLOCK]>() }
 }
 
-/// `b: k×n` row-major as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)` holds, for
-/// each of its 16 columns `j`, the pair `(b[2r][j], b[2r+1][j])` of the step's rows.
+/// `b: k×n` row-major (rows `ld` apart) as VNNI tiles into `buf`: line `r` of tile
+/// `(jp, step, t)` holds, for each of its 16 columns `j`, the pair `(b[2r][j], b[2r+1][j])`
+/// of the step's rows.
 fn pack_plain<'b>(
     b: &[bf16],
     k: usize,
     n: usize,
+    ld: usize,
     buf: &'b mut Vec<Line>,
     threaded: bool,
 ) -> &'b [Line] {
@@ -516,14 +645,14 @@ fn pack_plain<'b>(
         if cols == BLOCK && (step + 1) * BLOCK <= k {
             // SAFETY: `amx()` checked AVX-512 F and BW; the step's 32 rows of 32 columns
             // lie inside `b` (full step, full panel).
-            unsafe { simd::interleave_rows(&b[step * BLOCK * n + j0..], n, tiles) };
+            unsafe { simd::interleave_rows(&b[step * BLOCK * ld + j0..], ld, tiles) };
             return;
         }
         // One 32-wide row of the panel, zero past the edges.
         let row = |kk: usize| {
             let mut r = [0u16; BLOCK];
             if kk < k {
-                r[..cols].copy_from_slice(&b[kk * n + j0..][..cols]);
+                r[..cols].copy_from_slice(&b[kk * ld + j0..][..cols]);
             }
             r
         };
@@ -541,13 +670,14 @@ fn pack_plain<'b>(
     })
 }
 
-/// `bᵀ` for `b: n×k` row-major, as VNNI tiles into `buf`: line `r` of tile `(jp, step, t)`
-/// holds, for each of its 16 columns `j`, the pair `(b[j][2r], b[j][2r+1])`: the 16×16
-/// transpose of the 32-bit pairs of 16 rows of `b`.
+/// `bᵀ` for `b: n×k` row-major (rows `ld` apart), as VNNI tiles into `buf`: line `r` of tile
+/// `(jp, step, t)` holds, for each of its 16 columns `j`, the pair `(b[j][2r], b[j][2r+1])`:
+/// the 16×16 transpose of the 32-bit pairs of 16 rows of `b`.
 fn pack_transposed<'b>(
     b: &[bf16],
     n: usize,
     k: usize,
+    ld: usize,
     buf: &'b mut Vec<Line>,
     threaded: bool,
 ) -> &'b [Line] {
@@ -561,7 +691,7 @@ fn pack_transposed<'b>(
             if width == BLOCK && j0 + TILE_ROWS <= n {
                 // SAFETY: `amx()` checked AVX-512 F; the tile's 16 rows of 32 `k` values
                 // lie inside `b`.
-                unsafe { simd::transpose_pairs(&b[j0 * k + k0..], k, tile) };
+                unsafe { simd::transpose_pairs(&b[j0 * ld + k0..], ld, tile) };
                 continue;
             }
             // The tile's 16 source rows as 16 pairs each, zero past the edges.
@@ -569,7 +699,7 @@ fn pack_transposed<'b>(
             for (c, pairs) in src.iter_mut().enumerate() {
                 if j0 + c < n {
                     let mut row = [0u16; BLOCK];
-                    row[..width].copy_from_slice(&b[(j0 + c) * k + k0..][..width]);
+                    row[..width].copy_from_slice(&b[(j0 + c) * ld + k0..][..width]);
                     for (p, two) in pairs.iter_mut().zip(row.chunks_exact(2)) {
                         *p = u32::from(two[0]) | (u32::from(two[1]) << 16);
                     }
@@ -609,11 +739,13 @@ const NC: usize = 512;
 
 /// Every output block of the `m×k · k×n` product (only those with `jp ≤ ib` when `lower`,
 /// mirrored), an `MC × NC` region per rayon task when `threaded`, else all on this thread.
+#[allow(clippy::too_many_arguments)]
 fn run_blocks(
     ap: Lhs<'_>,
     bp: &[Line],
     (m, n, k): (usize, usize, usize),
     out: &mut [bf16],
+    ld: usize,
     epi: Epilogue<'_>,
     lower: bool,
     threaded: bool,
@@ -624,6 +756,7 @@ fn run_blocks(
         out: OutPtr(out.as_mut_ptr().cast::<u16>()),
         m,
         n,
+        ld,
         alpha: epi.alpha,
         add: epi.add.map(|(beta, add)| (beta, bits(add))),
     };
@@ -876,6 +1009,8 @@ struct BlockOut<'a> {
     out: OutPtr,
     m: usize,
     n: usize,
+    /// Elements between rows of the output and of the addend.
+    ld: usize,
     alpha: f32,
     add: Option<(f32, &'a [u16])>,
 }
@@ -889,7 +1024,7 @@ impl BlockOut<'_> {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
             let (i0, j0) = (ib * BLOCK, jp * BLOCK);
             for r in 0..BLOCK.min(self.m - i0) {
-                let at = (i0 + r) * self.n + j0;
+                let at = (i0 + r) * self.ld + j0;
                 // SAFETY: a prefetch never faults, whatever the address.
                 unsafe {
                     if let Some((_, add)) = self.add {
@@ -940,7 +1075,7 @@ impl BlockOut<'_> {
             let acc_row = &acc.0[r * BLOCK..][..BLOCK];
             let add_row = self
                 .add
-                .map(|(beta, add)| (beta, &add[(i0 + r) * self.n + j0..][..cols]));
+                .map(|(beta, add)| (beta, &add[(i0 + r) * self.ld + j0..][..cols]));
             #[cfg(target_arch = "x86_64")]
             if cols == BLOCK {
                 // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
@@ -955,10 +1090,11 @@ impl BlockOut<'_> {
         let (i0, j0) = (ib * BLOCK, jp * BLOCK);
         let cols = BLOCK.min(self.n - j0);
         for (r, row) in rows.iter().enumerate().take(BLOCK.min(self.m - i0)) {
-            // SAFETY: row `i0 + r < m`, columns `j0..j0 + cols ≤ n` of the m×n output; this
-            // block is written by this task only (`OutPtr`).
+            // SAFETY: row `i0 + r < m`, columns `j0..j0 + cols ≤ n ≤ ld` of the m×n output
+            // (rows `ld` apart, checked to fit); this block is written by this task only
+            // (`OutPtr`).
             unsafe {
-                let dst = self.out.0.add((i0 + r) * self.n + j0);
+                let dst = self.out.0.add((i0 + r) * self.ld + j0);
                 if cols == BLOCK {
                     // A full row as one fixed-size move (not a `memmove` call).
                     dst.cast::<[u16; BLOCK]>().write_unaligned(*row);
