@@ -56,12 +56,12 @@ use rayon::prelude::*;
 use ragged::comm::Communicator;
 use ragged::optim::{LocalPiece, LocalShard, Optimizer, ParamMeta};
 use ragged::storage::{Placement, Storage, View, ViewMut};
-use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
+use ragged::{AtomicBlock, Result, Role, RoleRule};
 
 use crate::common::{
     self, apply_adam_elem, check_hyperparameters, check_step_inputs, decay_elem, ema_sq_elem,
-    lerp_large_elem, lerp_small_elem, lerp_weight_is_small, next_step, AdamScale, MomentCoeffs,
-    MIN_EPS,
+    f32_state_from_le_bytes, f32_state_to_le_bytes, lerp_large_elem, lerp_small_elem,
+    lerp_weight_is_small, next_step, AdamScale, MomentCoeffs, MIN_EPS,
 };
 
 /// Which parameters get weight decay.
@@ -195,41 +195,19 @@ impl AdamState {
     /// length writes bytes that do not load.)
     pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
         let (m, v) = (self.m.host()?, self.v.host()?);
-        let mut out = Vec::with_capacity(16 + 4 * (m.len() + v.len()));
-        out.extend_from_slice(&self.step.to_le_bytes());
-        out.extend_from_slice(&(m.len() as u64).to_le_bytes());
-        for x in m.iter().chain(v.iter()) {
-            out.extend_from_slice(&x.to_le_bytes());
-        }
-        Ok(out)
+        Ok(f32_state_to_le_bytes(
+            &[self.step, m.len() as u64],
+            &[&m, &v],
+        ))
     }
 
     /// Loads a state written by [`AdamState::to_le_bytes`]; `Err` if the length is not the
     /// one the header announces or `m` and `v` would differ in length.
     pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
-        let bad = |reason: String| Error::BadInput {
-            op: "AdamState::from_le_bytes",
-            what: format!("{} bytes", bytes.len()),
-            reason,
-        };
-        if bytes.len() < 16 {
-            return Err(bad("shorter than the 16-byte header".into()));
-        }
-        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
-        let (step, len) = (word(0), word(1));
-        let want = usize::try_from(len)
-            .ok()
-            .and_then(|n| n.checked_mul(8))
-            .and_then(|n| n.checked_add(16));
-        if want != Some(bytes.len()) {
-            return Err(bad(format!("header announces {len} elements per moment")));
-        }
-        let len = len as usize;
-        let floats: Vec<f32> = bytes[16..]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let (m, v) = floats.split_at(len);
+        let op = "AdamState::from_le_bytes";
+        let ([step, len], floats) =
+            f32_state_from_le_bytes(op, bytes, |&[_, len]| len.checked_mul(2))?;
+        let (m, v) = floats.split_at(len as usize);
         Ok(AdamState {
             step,
             m: m.to_vec().into(),

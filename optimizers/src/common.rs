@@ -290,6 +290,55 @@ pub fn check_hyperparameters(
     Ok(())
 }
 
+/// An `f32` state as bytes: the `header` words (u64), then every array's `f32`s, all
+/// little-endian (AdamW's and Muon's `to_le_bytes`).
+pub(crate) fn f32_state_to_le_bytes(header: &[u64], arrays: &[&[f32]]) -> Vec<u8> {
+    let floats: usize = arrays.iter().map(|a| a.len()).sum();
+    let mut out = Vec::with_capacity(8 * header.len() + 4 * floats);
+    for word in header {
+        out.extend_from_slice(&word.to_le_bytes());
+    }
+    for x in arrays.iter().flat_map(|a| a.iter()) {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+/// The inverse of [`f32_state_to_le_bytes`] for `N` header words, whose `f32` count
+/// `floats(header)` gives (`None` when it overflows): the header and the `f32`s, or
+/// `Err(BadInput)` from `op` when the bytes are shorter than the header or not exactly that
+/// many.
+pub(crate) fn f32_state_from_le_bytes<const N: usize>(
+    op: &'static str,
+    bytes: &[u8],
+    floats: impl Fn(&[u64; N]) -> Option<u64>,
+) -> Result<([u64; N], Vec<f32>)> {
+    let bad = |reason: String| Error::BadInput {
+        op,
+        what: format!("{} bytes", bytes.len()),
+        reason,
+    };
+    if bytes.len() < 8 * N {
+        return Err(bad(format!("shorter than the {}-byte header", 8 * N)));
+    }
+    let header: [u64; N] =
+        std::array::from_fn(|k| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap()));
+    let want = floats(&header)
+        .and_then(|n| n.checked_mul(4))
+        .and_then(|n| n.checked_add(8 * N as u64));
+    if want != u64::try_from(bytes.len()).ok() {
+        return Err(bad(format!(
+            "the header {:?} announces another length",
+            &header[1..]
+        )));
+    }
+    let floats = bytes[8 * N..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    Ok((header, floats))
+}
+
 /// `Err(BadInput)` unless buffer `what` has the shard's `want` elements.
 pub fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
     if got == want {

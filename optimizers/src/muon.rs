@@ -72,7 +72,8 @@ use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS};
 use crate::common::{
-    self, check_hyperparameters, check_len, decay_elem, lerp_elem, next_step, MomentCoeffs,
+    self, check_hyperparameters, check_len, decay_elem, f32_state_from_le_bytes,
+    f32_state_to_le_bytes, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
@@ -126,42 +127,16 @@ impl MuonState {
     /// the same bits.
     pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
         let (m, v) = (self.m.host()?, self.v.host()?);
-        let mut out = Vec::with_capacity(24 + self.state_bytes());
-        for word in [self.step, m.len() as u64, v.len() as u64] {
-            out.extend_from_slice(&word.to_le_bytes());
-        }
-        for x in m.iter().chain(v.iter()) {
-            out.extend_from_slice(&x.to_le_bytes());
-        }
-        Ok(out)
+        let header = [self.step, m.len() as u64, v.len() as u64];
+        Ok(f32_state_to_le_bytes(&header, &[&m, &v]))
     }
 
     /// Loads a state written by [`MuonState::to_le_bytes`]; `Err` if the length is not the
     /// one the header announces.
     pub fn from_le_bytes(bytes: &[u8]) -> Result<Self> {
-        let bad = |reason: String| Error::BadInput {
-            op: "MuonState::from_le_bytes",
-            what: format!("{} bytes", bytes.len()),
-            reason,
-        };
-        if bytes.len() < 24 {
-            return Err(bad("shorter than the 24-byte header".into()));
-        }
-        let word = |k: usize| u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap());
-        let (step, m_len, v_len) = (word(0), word(1), word(2));
-        let want = m_len
-            .checked_add(v_len)
-            .and_then(|n| n.checked_mul(4))
-            .and_then(|n| n.checked_add(24));
-        if want != u64::try_from(bytes.len()).ok() {
-            return Err(bad(format!(
-                "header announces {m_len} elements of m and {v_len} of v"
-            )));
-        }
-        let floats: Vec<f32> = bytes[24..]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
+        let op = "MuonState::from_le_bytes";
+        let ([step, m_len, _], floats) =
+            f32_state_from_le_bytes(op, bytes, |&[_, m, v]| m.checked_add(v))?;
         let (m, v) = floats.split_at(m_len as usize);
         Ok(MuonState {
             step,
@@ -280,8 +255,9 @@ pub struct Muon {
 /// between steps rather than allocated fresh each one: faulting in, zeroing and freeing a
 /// shard-sized buffer (218 MB on the d = 1024 Llama stack) took ~5 % of a bf16 step on 2
 /// threads (page faults, and the TLB shootdowns of unmapping it). Dropping the [`Muon`] frees
-/// it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step clones at once), empty until its first
-/// step; a scratch buffer, so it takes no part in equality. Only what a step writes first is
+/// it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step
+/// clones at once), empty until its first step; a scratch buffer, so it takes no part in
+/// equality. Only what a step writes first is
 /// ever read (`U` on its Muon pieces), so what an earlier step left is never seen.
 #[derive(Default)]
 struct UBuffer(std::sync::Mutex<Vec<f32>>);

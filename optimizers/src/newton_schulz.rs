@@ -1020,15 +1020,15 @@ fn iterate_amx(
             add: None,
         };
         if tall {
-            amx.sym_tn_strided(s, l, x, p, plain, par, gram);
+            amx.sym_strided(s, l, x, p, plain, par, true, gram);
         } else {
-            amx.sym_nt_strided(s, l, x, p, plain, par, gram);
+            amx.sym_strided(s, l, x, p, plain, par, false, gram);
         }
         let poly = Epilogue {
             alpha: c,
             add: Some((b, p)),
         };
-        amx.sym_nt_strided(s, s, p, q, poly, par, square);
+        amx.sym_strided(s, s, p, q, poly, par, false, square);
         let update = Epilogue {
             alpha: 1.0,
             add: Some((a, x)),

@@ -986,10 +986,10 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
             };
             if tall {
                 amx.sym_tn(nn, kk, &a, &mut want, e_dense, POOL);
-                amx.sym_tn_strided(nn, kk, sa, got, e_strided, POOL, strides);
+                amx.sym_strided(nn, kk, sa, got, e_strided, POOL, true, strides);
             } else {
                 amx.sym_nt(nn, kk, &a, &mut want, e_dense, POOL);
-                amx.sym_nt_strided(nn, kk, sa, got, e_strided, POOL, strides);
+                amx.sym_strided(nn, kk, sa, got, e_strided, POOL, false, strides);
             }
             let what = format!("sym {m}×{k} tall={tall}");
             assert_eq!(

@@ -6,7 +6,7 @@
 //! of 32 (so any shape works and the padding adds exact zeros), except a left operand whose
 //! sides and row stride are multiples of 32 and whose start is 64-byte aligned
 //! ([`AlignedBf16`]): its tiles are loaded where it is. Matrices may be stored with rows
-//! further apart than their width ([`Strides`], the `*_strided` products): Newton–Schulz pads
+//! further apart than their width ([`Strides`]; [`Amx::matmul_strided`], [`Amx::sym_strided`]): Newton–Schulz pads
 //! its rows to an odd number of cache lines ([`padded_ld`]) so that those in-place tile loads
 //! spread over L1's sets (a bf16 Muon step of the d = 1024 stack 0.925× / 0.91× the time of
 //! dense rows, both orders of 20 alternating rounds). Then it runs one 32×32 output
@@ -299,27 +299,7 @@ impl Amx {
         par: Parallelism,
     ) {
         let ld = Strides { a: k, b: k, out: n };
-        self.symmetric(n, k, a, out, epi, par, false, ld);
-    }
-
-    /// [`Amx::sym_nt`] on matrices stored with the row strides `ld` (`ld.b` is ignored: `a`
-    /// is both operands).
-    ///
-    /// # Panics
-    /// As [`Amx::matmul_strided`].
-    #[allow(clippy::too_many_arguments)]
-    #[track_caller]
-    pub fn sym_nt_strided(
-        &self,
-        n: usize,
-        k: usize,
-        a: &[bf16],
-        out: &mut [bf16],
-        epi: Epilogue<'_>,
-        par: Parallelism,
-        ld: Strides,
-    ) {
-        self.symmetric(n, k, a, out, epi, par, false, ld);
+        self.sym_strided(n, k, a, out, epi, par, false, ld);
     }
 
     /// `out (n×n) ← alpha·aᵀ·a + beta·add` with `a: k×n` row-major (a tall matrix's Gram
@@ -339,33 +319,19 @@ impl Amx {
         par: Parallelism,
     ) {
         let ld = Strides { a: n, b: n, out: n };
-        self.symmetric(n, k, a, out, epi, par, true, ld);
+        self.sym_strided(n, k, a, out, epi, par, true, ld);
     }
 
-    /// [`Amx::sym_tn`] on matrices stored with the row strides `ld` (`ld.b` is ignored).
+    /// [`Amx::sym_nt`] (`a·aᵀ`, `a: n×k`) or, when `tall`, [`Amx::sym_tn`] (`aᵀ·a`, `a: k×n`)
+    /// on matrices stored with the row strides `ld` (`ld.b` is ignored: `a` is both
+    /// operands): the blocks on and below the diagonal, each off-diagonal one written again
+    /// transposed.
     ///
     /// # Panics
     /// As [`Amx::matmul_strided`].
     #[allow(clippy::too_many_arguments)]
     #[track_caller]
-    pub fn sym_tn_strided(
-        &self,
-        n: usize,
-        k: usize,
-        a: &[bf16],
-        out: &mut [bf16],
-        epi: Epilogue<'_>,
-        par: Parallelism,
-        ld: Strides,
-    ) {
-        self.symmetric(n, k, a, out, epi, par, true, ld);
-    }
-
-    /// The blocks on and below the diagonal of `a·aᵀ` (`a: n×k`) or, when `tall`, of `aᵀ·a`
-    /// (`a: k×n`), each off-diagonal one written again transposed.
-    #[allow(clippy::too_many_arguments)]
-    #[track_caller]
-    fn symmetric(
+    pub fn sym_strided(
         &self,
         n: usize,
         k: usize,
