@@ -703,6 +703,14 @@ const MC: usize = 128;
 /// 256 (and `MC` 64) took a bf16 Muon step about as long or 1–3 % longer (session 29).
 const NC: usize = 512;
 
+/// Whether this CPU has AVX512-BF16 (every AMX CPU so far has).
+fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Every output block of the `m×k · k×n` product (only those with `jp ≤ ib` when `lower`,
 /// mirrored), an `MC × NC` region per rayon task when `threaded`, else all on this thread.
 #[allow(clippy::too_many_arguments)]
@@ -723,6 +731,7 @@ fn run_blocks(
         m,
         n,
         ld,
+        bf16_convert: has_avx512_bf16(),
         alpha: epi.alpha,
         add: epi.add.map(|(beta, add)| (beta, bits(add))),
     };
@@ -977,6 +986,9 @@ struct BlockOut<'a> {
     n: usize,
     /// Elements between rows of the output and of the addend.
     ld: usize,
+    /// Whether the CPU has AVX512-BF16 for the epilogue's rounding
+    /// ([`simd::finish_row_bf16`]).
+    bf16_convert: bool,
     alpha: f32,
     add: Option<(f32, &'a [u16])>,
 }
@@ -1044,8 +1056,13 @@ impl BlockOut<'_> {
                 .map(|(beta, add)| (beta, &add[(i0 + r) * self.ld + j0..][..cols]));
             #[cfg(target_arch = "x86_64")]
             if cols == BLOCK {
-                // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
-                unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
+                if self.bf16_convert {
+                    // SAFETY: checked AVX-512 F, BW and BF16 (`bf16_convert`); full rows.
+                    unsafe { simd::finish_row_bf16(acc_row, self.alpha, add_row, row) };
+                } else {
+                    // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
+                    unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
+                }
                 continue;
             }
             finish_row(acc_row, self.alpha, add_row, row);
@@ -1194,14 +1211,7 @@ mod simd {
             let o = half * TILE_ROWS;
             // SAFETY: (caller) 16 f32 of `acc` and 16 u16 of `add` at `o`; 32 bytes of `out`.
             unsafe {
-                let mut v =
-                    _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(acc[o..].as_ptr()));
-                if let Some((beta, add)) = add {
-                    let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(add[o..].as_ptr().cast()));
-                    let x = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide));
-                    // Separate multiply and add, as the portable loop (no fused rounding).
-                    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(beta), x));
-                }
+                let v = row_sum(acc, alpha, add, o);
                 let b = _mm512_castps_si512(v);
                 let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
                 let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
@@ -1212,6 +1222,66 @@ mod simd {
                 let bits = _mm512_mask_blend_epi32(nan, rounded, quiet);
                 _mm256_storeu_si256(out[o..].as_mut_ptr().cast(), _mm512_cvtepi32_epi16(bits));
             }
+        }
+    }
+
+    /// `alpha·acc + beta·add` for the 16 lanes at `o`: separate multiply and add, as the
+    /// portable loop (no fused rounding).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW; 16 `f32` of `acc` and 16 `u16` of `add` at `o`.
+    #[inline(always)]
+    unsafe fn row_sum(acc: &[f32], alpha: f32, add: Option<(f32, &[u16])>, o: usize) -> __m512 {
+        // SAFETY: (caller) as above.
+        unsafe {
+            let v = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(acc[o..].as_ptr()));
+            match add {
+                Some((beta, add)) => {
+                    let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(add[o..].as_ptr().cast()));
+                    let x = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide));
+                    _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(beta), x))
+                }
+                None => v,
+            }
+        }
+    }
+
+    /// [`finish_row`] with AVX512-BF16's rounding: `vcvtne2ps2bf16` rounds 32 lanes to
+    /// nearest even in one instruction where the integer sequence takes about eleven per
+    /// 16, and makes any NaN quiet as [`super::finish_row`] does. It reads a subnormal `f32`
+    /// as zero, where the portable rounding keeps it; so a row holding one (rare: the tiles
+    /// flush subnormal products, only `alpha·acc + beta·add` can make one) is rounded by
+    /// [`finish_row`] instead.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and BF16; `acc` holds at least 32 elements, `add` (if any)
+    /// at least 32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn finish_row_bf16(
+        acc: &[f32],
+        alpha: f32,
+        add: Option<(f32, &[u16])>,
+        out: &mut [u16; BLOCK],
+    ) {
+        debug_assert!(acc.len() >= BLOCK && add.is_none_or(|(_, a)| a.len() >= BLOCK));
+        // SAFETY: (caller) 32 f32 of `acc` and 32 u16 of `add`; 64 bytes of `out`.
+        unsafe {
+            let (lo, hi) = (
+                row_sum(acc, alpha, add, 0),
+                row_sum(acc, alpha, add, TILE_ROWS),
+            );
+            let exponent = _mm512_set1_epi32(0x7f80_0000);
+            let mantissa = _mm512_set1_epi32(0x007f_ffff);
+            let subnormal = |v: __m512| {
+                let b = _mm512_castps_si512(v);
+                _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(b, exponent), b, mantissa)
+            };
+            if subnormal(lo) | subnormal(hi) != 0 {
+                return finish_row(acc, alpha, add, out);
+            }
+            // `__m512bh` and `__m512i` are the same 64 bytes (32 bf16 bit patterns, in order).
+            let bits = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.as_mut_ptr().cast(), bits);
         }
     }
 
@@ -1372,17 +1442,25 @@ mod tests {
                 .map(|&b| (b >> 16) as u16)
                 .collect();
             for (alpha, addend) in [(1.0, None), (-0.75, Some((2.5, &add[..])))] {
-                let (mut want, mut got) = ([0u16; BLOCK], [0u16; BLOCK]);
+                let (mut want, mut got, mut got_bf16) = ([0u16; BLOCK], [0u16; BLOCK], None);
                 finish_row(&acc, alpha, addend, &mut want);
                 // SAFETY: AVX-512 F and BW checked above; rows of 32.
                 unsafe { simd::finish_row(&acc, alpha, addend, &mut got) };
+                if has_avx512_bf16() {
+                    let mut row = [0u16; BLOCK];
+                    // SAFETY: AVX-512 BF16 checked too; rows of 32.
+                    unsafe { simd::finish_row_bf16(&acc, alpha, addend, &mut row) };
+                    got_bf16 = Some(row);
+                }
                 let is_nan = |b: u16| b & 0x7fff > 0x7f80;
-                for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                    let same = g == w || (is_nan(g) && is_nan(w));
-                    assert!(
-                        same,
-                        "seed {seed}, alpha {alpha}, lane {j}: {g:#06x} vs {w:#06x}"
-                    );
+                for got in std::iter::once(got).chain(got_bf16) {
+                    for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        let same = g == w || (is_nan(g) && is_nan(w));
+                        assert!(
+                            same,
+                            "seed {seed}, alpha {alpha}, lane {j}: {g:#06x} vs {w:#06x}"
+                        );
+                    }
                 }
             }
         }
