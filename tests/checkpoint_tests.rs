@@ -93,13 +93,85 @@ fn train<O: CheckpointState>(
     comm: &dyn Communicator,
     steps: std::ops::Range<usize>,
 ) -> ragged::Result<()> {
-    let rows = BATCH / comm.world_size();
+    train_model(m, comm, CFG, BATCH, steps)
+}
+
+/// [`train`] on a model of config `cfg`, `batch` sequences a step.
+fn train_model<O: CheckpointState>(
+    m: &mut ShardedModel<'_, O>,
+    comm: &dyn Communicator,
+    cfg: TransformerConfig,
+    batch_rows: usize,
+    steps: std::ops::Range<usize>,
+) -> ragged::Result<()> {
+    let rows = batch_rows / comm.world_size();
     for step in steps {
-        let ids = batch(corpus()?, &CFG, step, comm.rank() * rows, rows)?;
-        m.forward_backward(&TransformerStages(CFG), &ids)?;
+        let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;
+        m.forward_backward(&TransformerStages(cfg), &ids)?;
         m.step()?;
     }
     Ok(())
+}
+
+/// The model of the legacy-format fixture (`tests/data/muon-v-for-every-matrix/`): small, so
+/// the fixture is too.
+const TINY: TransformerConfig = TransformerConfig {
+    vocab: 17,
+    d_model: 32,
+    n_layers: 1,
+    n_heads: 2,
+    d_ff: 48,
+    seq_len: 8,
+};
+
+/// `TINY` (seed 5) under Muon on one rank, steps `steps`, from `start` if given; saves to
+/// `save_to` when given; returns the parameter digest.
+fn run_tiny(
+    start: Option<&Path>,
+    steps: std::ops::Range<usize>,
+    save_to: Option<&Path>,
+) -> ragged::Result<String> {
+    let params = TINY.init_params(5)?;
+    let digests = ThreadWorld::run(1, |c| {
+        let mut m = fully_shard(
+            &params,
+            muon(MatrixLayout::Auto),
+            c,
+            opts(ShardLayout::Ragged),
+        )?;
+        if let Some(dir) = start {
+            assert_eq!(m.load(dir)?.steps, steps.start);
+        }
+        train_model(&mut m, c, TINY, 4, steps.clone())?;
+        if let Some(dir) = save_to {
+            m.save(dir, &SaveOptions::default())?;
+        }
+        m.param_digest()
+    })?;
+    Ok(digests[0].clone())
+}
+
+/// A Muon checkpoint in the format before session 30, whose `v` held an array (of zeros) for
+/// every Muon matrix too (`tests/data/muon-v-for-every-matrix/`, written at step 3 by commit
+/// `826382c` with `run_tiny(None, 0..3, Some(dir))`), still loads: its matrices' `v` arrays are
+/// not read, and 3 more steps give the bits of 6 uninterrupted ones.
+#[test]
+fn a_muon_checkpoint_with_v_for_every_matrix_still_loads() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/muon-v-for-every-matrix");
+    let manifest = Manifest::read(&ckpt_fs::resolve(&fixture).unwrap()).unwrap();
+    let v_of = |param: &str| {
+        manifest
+            .fields
+            .iter()
+            .any(|f| f.param == param && f.field == "v")
+    };
+    assert!(
+        v_of("layers.0.attn.q.weight") && v_of("layers.0.attn_norm.weight"),
+        "the fixture is the old format: v for a Muon matrix and for a norm"
+    );
+    let straight = run_tiny(None, 0..6, None).unwrap();
+    let resumed = run_tiny(Some(&fixture), 3..6, None).unwrap();
+    assert_eq!(resumed, straight, "resumed from the old format");
 }
 
 /// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
