@@ -201,8 +201,11 @@ pub struct Epilogue<'a> {
 /// left operand read in place do not fall into a few L1 sets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Strides {
+    /// Between rows of the left operand.
     pub a: usize,
+    /// Between rows of the right operand (ignored by [`Amx::sym_strided`]).
     pub b: usize,
+    /// Between rows of the output and of the epilogue's addend.
     pub out: usize,
 }
 
