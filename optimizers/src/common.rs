@@ -362,10 +362,22 @@ pub fn check_step_inputs(
     m: usize,
     v: usize,
 ) -> Result<()> {
+    check_step_inputs_with_v(op, shard, [params, grads, m], v, shard.len)
+}
+
+/// [`check_step_inputs`] for a state whose `v` holds `v_want` elements rather than one per
+/// shard element (Muon's: only its AdamW fallback's pieces).
+pub fn check_step_inputs_with_v(
+    op: &'static str,
+    shard: &LocalShard,
+    [params, grads, m]: [usize; 3],
+    v: usize,
+    v_want: usize,
+) -> Result<()> {
     check_len(op, "params", params, shard.len)?;
     check_len(op, "grads", grads, shard.len)?;
     check_len(op, "state.m", m, shard.len)?;
-    check_len(op, "state.v", v, shard.len)?;
+    check_len(op, "state.v", v, v_want)?;
     shard.check(op)
 }
 

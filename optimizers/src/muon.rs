@@ -72,7 +72,7 @@ use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS};
 use crate::common::{
-    self, check_hyperparameters, check_len, decay_elem, f32_state_from_le_bytes,
+    self, check_hyperparameters, check_step_inputs_with_v, decay_elem, f32_state_from_le_bytes,
     f32_state_to_le_bytes, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::{LayoutCache, MatrixLayout};
@@ -630,11 +630,7 @@ impl Muon {
         [params, grads, m, v]: [usize; 4],
         comm: Option<(usize, usize)>,
     ) -> Result<(RootPlan, Option<Routes>)> {
-        shard.check(op)?;
-        check_len(op, "params", params, shard.len)?;
-        check_len(op, "grads", grads, shard.len)?;
-        check_len(op, "state.m", m, shard.len)?;
-        check_len(op, "state.v", v, self.fallback_len(shard))?;
+        check_step_inputs_with_v(op, shard, [params, grads, m], v, self.fallback_len(shard))?;
         shard.check_holdings(op)?;
         let roots = self.roots(shard);
         if !roots.has_split() {

@@ -558,9 +558,9 @@ fn map_loop<S: Copy, D>(src: &[S], out: &mut [D], f: &impl Fn(S) -> D) {
 }
 
 /// [`map_into`] on the AMX backend, its loop compiled for AVX-512 ([`wide`]), between two
-/// `rows × cols` matrices stored with the row strides `src_ld`
-/// and `out_ld` (a dense one and one of Newton–Schulz's padded bf16 matrices), row by row:
-/// the padding is neither read nor written.
+/// `rows × cols` matrices stored with the row strides `src_ld` and `out_ld` (a dense one and
+/// one of Newton–Schulz's padded bf16 matrices), row by row: the padding is neither read nor
+/// written.
 #[allow(clippy::too_many_arguments)]
 fn map_rows_amx<S: Copy + Sync, D: Send>(
     amx: &Amx,

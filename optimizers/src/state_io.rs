@@ -25,49 +25,31 @@ use ragged::{Error, Result};
 use crate::adam8bit::Tiling;
 use crate::{Adam8bit, Adam8bitState, AdamState, AdamW, Muon, MuonState, Shampoo, ShampooState};
 
-/// `m` and `v` of an Adam-like state, both like the shard.
-fn adam_layout(shard: &LocalShard) -> Vec<FieldLayout> {
-    vec![
-        FieldLayout::like_shard("m", FieldType::F32, shard),
-        FieldLayout::like_shard("v", FieldType::F32, shard),
-    ]
-}
+impl CheckpointState for AdamW {
+    /// `m` and `v`, both like the shard.
+    fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
+        Ok(vec![
+            FieldLayout::like_shard("m", FieldType::F32, shard),
+            FieldLayout::like_shard("v", FieldType::F32, shard),
+        ])
+    }
 
-fn adam_data(state: &AdamState) -> Result<Vec<FieldData<'_>>> {
-    Ok(vec![(&state.m).into(), (&state.v).into()])
-}
+    fn state_data<'a>(&self, s: &'a AdamState) -> Result<Vec<FieldData<'a>>> {
+        Ok(vec![(&s.m).into(), (&s.v).into()])
+    }
 
-fn adam_data_mut(state: &mut AdamState) -> Result<Vec<FieldDataMut<'_>>> {
-    Ok(vec![(&mut state.m).into(), (&mut state.v).into()])
-}
+    fn state_data_mut<'a>(&self, s: &'a mut AdamState) -> Result<Vec<FieldDataMut<'a>>> {
+        Ok(vec![(&mut s.m).into(), (&mut s.v).into()])
+    }
 
-/// The [`CheckpointState`] methods of an optimizer whose state is [`AdamState`].
-macro_rules! adam_like {
-    ($t:ty) => {
-        impl CheckpointState for $t {
-            fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {
-                Ok(adam_layout(shard))
-            }
-            fn state_data<'a>(&self, state: &'a AdamState) -> Result<Vec<FieldData<'a>>> {
-                adam_data(state)
-            }
-            fn state_data_mut<'a>(
-                &self,
-                state: &'a mut AdamState,
-            ) -> Result<Vec<FieldDataMut<'a>>> {
-                adam_data_mut(state)
-            }
-            fn state_step(&self, state: &AdamState) -> u64 {
-                state.step
-            }
-            fn set_state_step(&self, state: &mut AdamState, step: u64) {
-                state.step = step;
-            }
-        }
-    };
-}
+    fn state_step(&self, state: &AdamState) -> u64 {
+        state.step
+    }
 
-adam_like!(AdamW);
+    fn set_state_step(&self, state: &mut AdamState, step: u64) {
+        state.step = step;
+    }
+}
 
 impl CheckpointState for Muon {
     fn state_layout(&self, shard: &LocalShard) -> Result<Vec<FieldLayout>> {

@@ -6,9 +6,9 @@
 //! of 32 (so any shape works and the padding adds exact zeros), except a left operand whose
 //! sides and row stride are multiples of 32 and whose start is 64-byte aligned
 //! ([`AlignedBf16`]): its tiles are loaded where it is. Matrices may be stored with rows
-//! further apart than their width ([`Strides`]; [`Amx::matmul_strided`], [`Amx::sym_strided`]): Newton–Schulz pads
-//! its rows to an odd number of cache lines ([`padded_ld`]) so that those in-place tile loads
-//! spread over L1's sets (a bf16 Muon step of the d = 1024 stack 0.925× / 0.91× the time of
+//! further apart than their width ([`Strides`]; [`Amx::matmul_strided`],
+//! [`Amx::sym_strided`]): Newton–Schulz pads its rows to an odd number of cache lines
+//! ([`padded_ld`]) so that those in-place tile loads spread over L1's sets (a bf16 Muon step of the d = 1024 stack 0.925× / 0.91× the time of
 //! dense rows, both orders of 20 alternating rounds). Then it runs one 32×32 output
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
 //! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
@@ -254,8 +254,8 @@ impl Amx {
     /// [`Amx::matmul`] on matrices stored with the row strides `ld` (the same bits).
     ///
     /// # Panics
-    /// If a slice is too short for its shape and stride, or a stride is below its row's
-    /// length (an internal invariant).
+    /// If a slice does not hold exactly its rows at its stride, or a stride is below its
+    /// row's length (an internal invariant).
     #[allow(clippy::too_many_arguments)]
     #[track_caller]
     pub fn matmul_strided(
@@ -370,9 +370,10 @@ impl Amx {
     }
 }
 
-/// Panics unless each matrix fits its slice: `a` as `a_shape` (rows, columns) rows `ld.a`
-/// apart, the right operand `k×n` (plain) or `n×k` (transposed) rows `ld.b` apart, the
-/// output and the addend `m×n` rows `ld.out` apart; and no stride is below its row.
+/// Panics unless each slice holds exactly its matrix: `a` as `a_shape` (rows, columns) rows
+/// `ld.a` apart, the right operand `k×n` (plain) or `n×k` (transposed) rows `ld.b` apart, the
+/// output and the addend `m×n` rows `ld.out` apart (`rows·ld` elements: `rows·cols` for a
+/// dense matrix); and no stride is below its row.
 #[track_caller]
 fn check_lengths(
     (m, n, k): (usize, usize, usize),
@@ -384,7 +385,7 @@ fn check_lengths(
     ld: Strides,
 ) {
     let fits = |len: usize, (rows, cols): (usize, usize), ld: usize| {
-        ld >= cols && (rows == 0 || cols == 0 || (rows - 1) * ld + cols <= len)
+        ld >= cols && Some(len) == rows.checked_mul(ld)
     };
     let (b, b_shape) = match rhs {
         Rhs::Plain(b) => (b, (k, n)),
@@ -546,8 +547,9 @@ fn pack_rows<'b>(
     })
 }
 
-/// `aᵀ` for `a: k×m` row-major (rows `ld` apart), in [`pack_rows`]' layout (32-row stripes of `aᵀ`, i.e. of
-/// `a`'s columns): each 32×32 block of `a` transposed, zero-padded past the edges.
+/// `aᵀ` for `a: k×m` row-major (rows `ld` apart), in [`pack_rows`]' layout (32-row stripes
+/// of `aᵀ`, i.e. of `a`'s columns): each 32×32 block of `a` transposed, zero-padded past the
+/// edges.
 fn pack_columns<'b>(
     a: &[bf16],
     k: usize,
