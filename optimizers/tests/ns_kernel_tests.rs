@@ -940,7 +940,7 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
             };
             let mut want = vec![bf16::ZERO; m * n];
             amx.matmul(m, n, k, &a, rhs, &mut want, epi, POOL);
-            let mut got = strided_copy(&[], 0, 0, 1);
+            let mut got = AlignedBf16::default();
             let got = got.get(m * ld(n));
             got.fill(bf16::from_bits(0x7fc1));
             let strides = Strides {
@@ -976,7 +976,7 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
                 },
             );
             let mut want = vec![bf16::ZERO; nn * nn];
-            let mut got = strided_copy(&[], 0, 0, 1);
+            let mut got = AlignedBf16::default();
             let got = got.get(nn * ld(nn));
             got.fill(bf16::from_bits(0x7fc1));
             let strides = Strides {
