@@ -1054,6 +1054,21 @@ impl BlockOut<'_> {
     fn finish(&self, acc: &Acc, ib: usize, jp: usize, rows: &mut [[u16; BLOCK]; BLOCK]) {
         let (i0, j0) = (ib * BLOCK, jp * BLOCK);
         let cols = BLOCK.min(self.n - j0);
+        #[cfg(target_arch = "x86_64")]
+        if cols == BLOCK && self.m - i0 >= BLOCK {
+            let add = self
+                .add
+                .map(|(beta, add)| (beta, &add[i0 * self.ld + j0..]));
+            if self.bf16_convert {
+                // SAFETY: checked AVX-512 F, BW and BF16 (`bf16_convert`).
+                unsafe { simd::finish_block_bf16(&acc.0, self.alpha, add, self.ld, rows) };
+            } else {
+                // SAFETY: `amx()` checked AVX-512 F and BW.
+                unsafe { simd::finish_block(&acc.0, self.alpha, add, self.ld, rows) };
+            }
+            return;
+        }
+        // A block at the matrix edge, row by row.
         for (r, row) in rows.iter_mut().enumerate().take(BLOCK.min(self.m - i0)) {
             let acc_row = &acc.0[r * BLOCK..][..BLOCK];
             let add_row = self
@@ -1061,13 +1076,8 @@ impl BlockOut<'_> {
                 .map(|(beta, add)| (beta, &add[(i0 + r) * self.ld + j0..][..cols]));
             #[cfg(target_arch = "x86_64")]
             if cols == BLOCK {
-                if self.bf16_convert {
-                    // SAFETY: checked AVX-512 F, BW and BF16 (`bf16_convert`); full rows.
-                    unsafe { simd::finish_row_bf16(acc_row, self.alpha, add_row, row) };
-                } else {
-                    // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
-                    unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
-                }
+                // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
+                unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
                 continue;
             }
             finish_row(acc_row, self.alpha, add_row, row);
@@ -1205,6 +1215,7 @@ mod simd {
     /// # Safety
     /// The CPU has AVX-512 F and BW; `acc` (and `add`) hold 32 elements.
     #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     pub(super) unsafe fn finish_row(
         acc: &[f32],
         alpha: f32,
@@ -1262,6 +1273,7 @@ mod simd {
     /// The CPU has AVX-512 F, BW and BF16; `acc` holds at least 32 elements, `add` (if any)
     /// at least 32.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
     pub(super) unsafe fn finish_row_bf16(
         acc: &[f32],
         alpha: f32,
@@ -1287,6 +1299,46 @@ mod simd {
             // `__m512bh` and `__m512i` are the same 64 bytes (32 bf16 bit patterns, in order).
             let bits = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
             _mm512_storeu_si512(out.as_mut_ptr().cast(), bits);
+        }
+    }
+
+    /// [`finish_row`] on the 32 rows of a full block (`add`'s rows `ld` apart from its
+    /// first): one call a block, where a call a row cost more than the row (its arguments
+    /// go through the stack, and reading them back stalled on the store).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn finish_block(
+        acc: &[f32; BLOCK * BLOCK],
+        alpha: f32,
+        add: Option<(f32, &[u16])>,
+        ld: usize,
+        rows: &mut [[u16; BLOCK]; BLOCK],
+    ) {
+        for (r, row) in rows.iter_mut().enumerate() {
+            let add_row = add.map(|(beta, add)| (beta, &add[r * ld..][..BLOCK]));
+            // SAFETY: (caller) AVX-512 F and BW; full rows of 32.
+            unsafe { finish_row(&acc[r * BLOCK..][..BLOCK], alpha, add_row, row) };
+        }
+    }
+
+    /// [`finish_block`] with [`finish_row_bf16`]'s rounding.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn finish_block_bf16(
+        acc: &[f32; BLOCK * BLOCK],
+        alpha: f32,
+        add: Option<(f32, &[u16])>,
+        ld: usize,
+        rows: &mut [[u16; BLOCK]; BLOCK],
+    ) {
+        for (r, row) in rows.iter_mut().enumerate() {
+            let add_row = add.map(|(beta, add)| (beta, &add[r * ld..][..BLOCK]));
+            // SAFETY: (caller) AVX-512 F, BW and BF16; full rows of 32.
+            unsafe { finish_row_bf16(&acc[r * BLOCK..][..BLOCK], alpha, add_row, row) };
         }
     }
 
