@@ -1523,6 +1523,50 @@ mod tests {
         }
     }
 
+    /// The block epilogues (one call a block) give each row the portable row's bits, with
+    /// the addend's rows `ld` apart (an `ld` past 32, so that a wrong row offset shows).
+    #[test]
+    fn avx512_block_epilogue_is_the_portable_one_row_by_row() {
+        if !avx512_or_skip("avx512_block_epilogue_is_the_portable_one_row_by_row") {
+            return;
+        }
+        let ld = BLOCK + 5;
+        let mut acc = [0.0f32; BLOCK * BLOCK];
+        for (a, b) in acc.iter_mut().zip(patterns(BLOCK * BLOCK, 3)) {
+            *a = f32::from_bits(b);
+        }
+        let add: Vec<u16> = patterns(BLOCK * ld, 4)
+            .iter()
+            .map(|&b| (b >> 16) as u16)
+            .collect();
+        for (alpha, addend) in [(1.0, None), (-0.75, Some((2.5, &add[..])))] {
+            let mut want = [[0u16; BLOCK]; BLOCK];
+            for (r, row) in want.iter_mut().enumerate() {
+                let add_row = addend.map(|(beta, a)| (beta, &a[r * ld..][..BLOCK]));
+                finish_row(&acc[r * BLOCK..][..BLOCK], alpha, add_row, row);
+            }
+            let mut got = [[0u16; BLOCK]; BLOCK];
+            // SAFETY: AVX-512 F and BW checked above.
+            unsafe { simd::finish_block(&acc, alpha, addend, ld, &mut got) };
+            let mut blocks = vec![got];
+            if has_avx512_bf16() {
+                let mut got = [[0u16; BLOCK]; BLOCK];
+                // SAFETY: AVX-512 BF16 checked too.
+                unsafe { simd::finish_block_bf16(&acc, alpha, addend, ld, &mut got) };
+                blocks.push(got);
+            }
+            let is_nan = |b: u16| b & 0x7fff > 0x7f80;
+            for got in blocks {
+                for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                    for (j, (&g, &w)) in g.iter().zip(w).enumerate() {
+                        let same = g == w || (is_nan(g) && is_nan(w));
+                        assert!(same, "alpha {alpha}, ({r}, {j}): {g:#06x} vs {w:#06x}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn avx512_transpose_is_the_portable_transpose() {
         if !avx512_or_skip("avx512_transpose_is_the_portable_transpose") {
