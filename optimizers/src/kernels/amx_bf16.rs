@@ -1316,11 +1316,10 @@ mod simd {
         ld: usize,
         rows: &mut [[u16; BLOCK]; BLOCK],
     ) {
-        for (r, row) in rows.iter_mut().enumerate() {
-            let add_row = add.map(|(beta, add)| (beta, &add[r * ld..][..BLOCK]));
-            // SAFETY: (caller) AVX-512 F and BW; full rows of 32.
-            unsafe { finish_row(&acc[r * BLOCK..][..BLOCK], alpha, add_row, row) };
-        }
+        // SAFETY: (caller) AVX-512 F and BW; full rows of 32.
+        each_row(acc, add, ld, rows, |acc, add, out| unsafe {
+            finish_row(acc, alpha, add, out)
+        });
     }
 
     /// [`finish_block`] with [`finish_row_bf16`]'s rounding.
@@ -1335,10 +1334,26 @@ mod simd {
         ld: usize,
         rows: &mut [[u16; BLOCK]; BLOCK],
     ) {
-        for (r, row) in rows.iter_mut().enumerate() {
+        // SAFETY: (caller) AVX-512 F, BW and BF16; full rows of 32.
+        each_row(acc, add, ld, rows, |acc, add, out| unsafe {
+            finish_row_bf16(acc, alpha, add, out)
+        });
+    }
+
+    /// `row(acc row, add row, out row)` for each of a block's 32 rows, `add`'s rows `ld`
+    /// apart. Always inlined, so that `row` (a closure of a target-feature function, which
+    /// inherits its features) is inlined into that function too.
+    #[inline(always)]
+    fn each_row(
+        acc: &[f32; BLOCK * BLOCK],
+        add: Option<(f32, &[u16])>,
+        ld: usize,
+        rows: &mut [[u16; BLOCK]; BLOCK],
+        row: impl Fn(&[f32], Option<(f32, &[u16])>, &mut [u16; BLOCK]),
+    ) {
+        for (r, out) in rows.iter_mut().enumerate() {
             let add_row = add.map(|(beta, add)| (beta, &add[r * ld..][..BLOCK]));
-            // SAFETY: (caller) AVX-512 F, BW and BF16; full rows of 32.
-            unsafe { finish_row_bf16(&acc[r * BLOCK..][..BLOCK], alpha, add_row, row) };
+            row(&acc[r * BLOCK..][..BLOCK], add_row, out);
         }
     }
 
