@@ -32,8 +32,10 @@
 //!
 //! Symmetric products ([`Amx::sym_nt`], [`Amx::sym_tn`]) compute only the blocks on and
 //! below the diagonal and write each off-diagonal block a second time, transposed, so the
-//! result is exactly symmetric. The epilogue prefetches the next block's addend and output
-//! rows while it rounds the current one.
+//! result is exactly symmetric. The epilogue runs after a region's products, one call a block
+//! (rounding with AVX512-BF16 where the CPU has it); it prefetches the next block's addend
+//! and output rows while it rounds the current one. A call a row had taken 40 % of a
+//! product's region time, stalled on reading back its arguments from the stack.
 
 use std::fmt;
 use std::sync::OnceLock;
