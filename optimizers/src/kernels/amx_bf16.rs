@@ -8,8 +8,9 @@
 //! ([`AlignedBf16`]): its tiles are loaded where it is. Matrices may be stored with rows
 //! further apart than their width ([`Strides`]; [`Amx::matmul_strided`],
 //! [`Amx::sym_strided`]): Newton–Schulz pads its rows to an odd number of cache lines
-//! ([`padded_ld`]) so that those in-place tile loads spread over L1's sets (a bf16 Muon step of the d = 1024 stack 0.925× / 0.91× the time of
-//! dense rows, both orders of 20 alternating rounds). Then it runs one 32×32 output
+//! ([`padded_ld`]) so that those in-place tile loads spread over L1's sets (a bf16 Muon step
+//! of the d = 1024 stack 0.925× / 0.91× the time of dense rows, both orders of 20
+//! alternating rounds). Then it runs one 32×32 output
 //! block per microkernel call: four `f32` accumulator tiles, two tiles of the left operand
 //! and two of the right in the VNNI pair layout `TDPBF16PS` reads, `KC` of `k` per call (the
 //! accumulators are stored between calls). Blocks are shared out over rayon's threads an
@@ -1055,34 +1056,28 @@ impl BlockOut<'_> {
     /// the matrix edge are computed from zero padding and never stored).
     fn finish(&self, acc: &Acc, ib: usize, jp: usize, rows: &mut [[u16; BLOCK]; BLOCK]) {
         let (i0, j0) = (ib * BLOCK, jp * BLOCK);
-        let cols = BLOCK.min(self.n - j0);
+        let (count, cols) = (BLOCK.min(self.m - i0), BLOCK.min(self.n - j0));
         #[cfg(target_arch = "x86_64")]
-        if cols == BLOCK && self.m - i0 >= BLOCK {
+        if cols == BLOCK {
             let add = self
                 .add
                 .map(|(beta, add)| (beta, &add[i0 * self.ld + j0..]));
+            let (acc, alpha, ld) = (&acc.0, self.alpha, self.ld);
             if self.bf16_convert {
                 // SAFETY: checked AVX-512 F, BW and BF16 (`bf16_convert`).
-                unsafe { simd::finish_block_bf16(&acc.0, self.alpha, add, self.ld, rows) };
+                unsafe { simd::finish_block_bf16(acc, alpha, add, ld, rows, count) };
             } else {
                 // SAFETY: `amx()` checked AVX-512 F and BW.
-                unsafe { simd::finish_block(&acc.0, self.alpha, add, self.ld, rows) };
+                unsafe { simd::finish_block(acc, alpha, add, ld, rows, count) };
             }
             return;
         }
-        // A block at the matrix edge, row by row.
-        for (r, row) in rows.iter_mut().enumerate().take(BLOCK.min(self.m - i0)) {
-            let acc_row = &acc.0[r * BLOCK..][..BLOCK];
+        // A block cut by the matrix's last column, row by row.
+        for (r, row) in rows.iter_mut().enumerate().take(count) {
             let add_row = self
                 .add
                 .map(|(beta, add)| (beta, &add[(i0 + r) * self.ld + j0..][..cols]));
-            #[cfg(target_arch = "x86_64")]
-            if cols == BLOCK {
-                // SAFETY: `amx()` checked AVX-512 F and BW; full rows of 32.
-                unsafe { simd::finish_row(acc_row, self.alpha, add_row, row) };
-                continue;
-            }
-            finish_row(acc_row, self.alpha, add_row, row);
+            finish_row(&acc.0[r * BLOCK..][..BLOCK], self.alpha, add_row, row);
         }
     }
 
@@ -1304,9 +1299,9 @@ mod simd {
         }
     }
 
-    /// [`finish_row`] on the 32 rows of a full block (`add`'s rows `ld` apart from its
-    /// first): one call a block, where a call a row cost more than the row (its arguments
-    /// go through the stack, and reading them back stalled on the store).
+    /// [`finish_row`] on the first `count` rows of a block 32 wide (`add`'s rows `ld` apart
+    /// from its first): one call a block, where a call a row cost more than the row (its
+    /// arguments go through the stack, and reading them back stalled on the store).
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW.
@@ -1317,9 +1312,10 @@ mod simd {
         add: Option<(f32, &[u16])>,
         ld: usize,
         rows: &mut [[u16; BLOCK]; BLOCK],
+        count: usize,
     ) {
         // SAFETY: (caller) AVX-512 F and BW; full rows of 32.
-        each_row(acc, add, ld, rows, |acc, add, out| unsafe {
+        each_row(acc, add, ld, rows, count, |acc, add, out| unsafe {
             finish_row(acc, alpha, add, out)
         });
     }
@@ -1335,15 +1331,16 @@ mod simd {
         add: Option<(f32, &[u16])>,
         ld: usize,
         rows: &mut [[u16; BLOCK]; BLOCK],
+        count: usize,
     ) {
         // SAFETY: (caller) AVX-512 F, BW and BF16; full rows of 32.
-        each_row(acc, add, ld, rows, |acc, add, out| unsafe {
+        each_row(acc, add, ld, rows, count, |acc, add, out| unsafe {
             finish_row_bf16(acc, alpha, add, out)
         });
     }
 
-    /// `row(acc row, add row, out row)` for each of a block's 32 rows, `add`'s rows `ld`
-    /// apart. Always inlined, so that `row` (a closure of a target-feature function, which
+    /// `row(acc row, add row, out row)` for each of a block's first `count` rows, `add`'s
+    /// rows `ld` apart. Always inlined, so that `row` (a closure of a target-feature function, which
     /// inherits its features) is inlined into that function too.
     #[inline(always)]
     fn each_row(
@@ -1351,9 +1348,10 @@ mod simd {
         add: Option<(f32, &[u16])>,
         ld: usize,
         rows: &mut [[u16; BLOCK]; BLOCK],
+        count: usize,
         row: impl Fn(&[f32], Option<(f32, &[u16])>, &mut [u16; BLOCK]),
     ) {
-        for (r, out) in rows.iter_mut().enumerate() {
+        for (r, out) in rows.iter_mut().enumerate().take(count) {
             let add_row = add.map(|(beta, add)| (beta, &add[r * ld..][..BLOCK]));
             row(&acc[r * BLOCK..][..BLOCK], add_row, out);
         }
@@ -1564,12 +1562,12 @@ mod tests {
             }
             let mut got = [[0u16; BLOCK]; BLOCK];
             // SAFETY: AVX-512 F and BW checked above.
-            unsafe { simd::finish_block(&acc, alpha, addend, ld, &mut got) };
+            unsafe { simd::finish_block(&acc, alpha, addend, ld, &mut got, BLOCK) };
             let mut blocks = vec![got];
             if has_avx512_bf16() {
                 let mut got = [[0u16; BLOCK]; BLOCK];
                 // SAFETY: AVX-512 BF16 checked too.
-                unsafe { simd::finish_block_bf16(&acc, alpha, addend, ld, &mut got) };
+                unsafe { simd::finish_block_bf16(&acc, alpha, addend, ld, &mut got, BLOCK) };
                 blocks.push(got);
             }
             let is_nan = |b: u16| b & 0x7fff > 0x7f80;
