@@ -61,6 +61,7 @@
 
 use std::ops::Range;
 
+use half::bf16;
 use rayon::prelude::*;
 
 use ragged::comm::Communicator;
@@ -76,7 +77,10 @@ use crate::common::{
     f32_state_to_le_bytes, lerp_elem, next_step, MomentCoeffs,
 };
 use crate::muon_layout::{LayoutCache, MatrixLayout};
-use crate::newton_schulz::{ns_macs, orthogonalize, orthogonalize_many, resolve_config, NsConfig};
+use crate::newton_schulz::{
+    ns_macs, orthogonalize, orthogonalize_many, orthogonalize_many_bf16, resolve_config,
+    takes_bf16_input, NsConfig,
+};
 use crate::roots::{RootPlan, Routes};
 
 /// Muon's state on one rank's shard (module doc, "State"), in host or device memory
@@ -251,36 +255,73 @@ pub struct Muon {
     u: UBuffer,
 }
 
-/// The host step's Newton–Schulz input `U` (4 bytes per element of the local shard), kept
-/// between steps rather than allocated fresh each one: faulting in, zeroing and freeing a
-/// shard-sized buffer (218 MB on the d = 1024 Llama stack) took ~5 % of a bf16 step on 2
-/// threads (page faults, and the TLB shootdowns of unmapping it). Dropping the [`Muon`] frees
-/// it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step
+/// The host step's Newton–Schulz input `U` (4 bytes per element of the local shard, 2 in
+/// bf16), kept between steps rather than allocated fresh each one: faulting in, zeroing and
+/// freeing a shard-sized buffer (218 MB on the d = 1024 Llama stack) took ~5 % of a bf16 step
+/// on 2 threads (page faults, and the TLB shootdowns of unmapping it). Dropping the [`Muon`]
+/// frees it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step
 /// clones at once), empty until its first step; a scratch buffer, so it takes no part in
-/// equality. Only what a step writes first is
-/// ever read (`U` on its Muon pieces), so what an earlier step left is never seen.
+/// equality. Only what a step writes first is ever read (`U` on its Muon pieces), so what an
+/// earlier step left is never seen.
 #[derive(Default)]
-struct UBuffer(std::sync::Mutex<Vec<f32>>);
+struct UBuffer(std::sync::Mutex<UWork>);
+
+/// `U` in `f32`, or in bf16 where Newton–Schulz takes bf16 input ([`takes_bf16_input`]: bf16
+/// on the AMX products, which round their input to bf16 first) and no matrix is split (the
+/// routes to the roots carry `f32`). bf16 holds the same values the products read, in half
+/// the bytes: the momentum pass writes 2 bytes an element instead of 4, the norm and the
+/// products' packing read 2, Newton–Schulz writes its result back in 2 and the update reads
+/// 2, so the bits are those of the `f32` path.
+enum UWork {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Default for UWork {
+    fn default() -> Self {
+        UWork::F32(Vec::new())
+    }
+}
+
+impl UWork {
+    /// Its allocation's bytes.
+    fn bytes(&self) -> usize {
+        match self {
+            UWork::F32(u) => 4 * u.capacity(),
+            UWork::Bf16(u) => 2 * u.capacity(),
+        }
+    }
+}
+
+/// `v`, `len` long (grown with 2 MiB pages where it grows).
+fn sized<T: Clone>(mut v: Vec<T>, len: usize, fill: T) -> Vec<T> {
+    v.truncate(len);
+    crate::kernels::grow_huge(&mut v, len, fill);
+    v
+}
 
 impl UBuffer {
-    /// The buffer, `len` long, taken out (a step running at the same time on the same
-    /// `Muon` finds it empty and grows its own).
-    fn take(&self, len: usize) -> Vec<f32> {
-        let mut u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
-        u.truncate(len);
-        crate::kernels::grow_huge(&mut u, len, 0.0);
-        u
+    /// The buffer, `len` elements of `f32` or (`in_bf16`) bf16, taken out (a step running at
+    /// the same time on the same `Muon` finds it empty and grows its own; a kept buffer of
+    /// the other type is freed).
+    fn take(&self, len: usize, in_bf16: bool) -> UWork {
+        let u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        match (u, in_bf16) {
+            (UWork::F32(u), false) => UWork::F32(sized(u, len, 0.0)),
+            (UWork::Bf16(u), true) => UWork::Bf16(sized(u, len, bf16::ZERO)),
+            (_, false) => UWork::F32(sized(Vec::new(), len, 0.0)),
+            (_, true) => UWork::Bf16(sized(Vec::new(), len, bf16::ZERO)),
+        }
     }
 
     /// Keeps `u` for the next step.
-    fn put(&self, u: Vec<f32>) {
+    fn put(&self, u: UWork) {
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = u;
     }
 
     /// Frees the kept buffer; its bytes.
     fn release(&self) -> usize {
-        let u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
-        4 * u.capacity()
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner())).bytes()
     }
 }
 
@@ -467,12 +508,13 @@ impl Optimizer for Muon {
                 resolve_config(&self.config.ns)?;
                 let grads = grads.cpu(OP)?;
                 let (m, v) = state.host_mut()?;
+                let in_bf16 = routes.is_none() && takes_bf16_input(&self.config.ns)?;
                 let mut host = HostMuon {
                     params,
                     grads,
                     m,
                     v,
-                    u: self.u.take(shard.len),
+                    u: self.u.take(shard.len, in_bf16),
                 };
                 let stepped = self.run_step(&mut host, &plan);
                 self.u.put(host.u);
@@ -551,27 +593,47 @@ struct HostMuon<'a> {
     grads: &'a [f32],
     m: &'a mut [f32],
     v: &'a mut [f32],
-    u: Vec<f32>,
+    u: UWork,
+}
+
+/// `f` on the elements of a run: on rayon's threads in [`PAR_CHUNK`]s for a run of
+/// [`PAR_MIN_ELEMS`] or more (AdamW's split: element by element, so the same bits on any
+/// number of threads), else on this one. On one thread Muon's element-wise passes (and
+/// `U`'s first-touch page faults) left the other cores idle for ~8 % of a bf16 Muon step of
+/// the d = 1024 stack.
+fn elementwise<A: Sync, B: Send, C: Send>(
+    a: &[A],
+    b: &mut [B],
+    c: &mut [C],
+    f: impl Fn(&[A], &mut [B], &mut [C]) + Sync,
+) {
+    if a.len() >= PAR_MIN_ELEMS {
+        a.par_chunks(PAR_CHUNK)
+            .zip(b.par_chunks_mut(PAR_CHUNK))
+            .zip(c.par_chunks_mut(PAR_CHUNK))
+            .for_each(|((a, b), c)| f(a, b, c));
+    } else {
+        f(a, b, c);
+    }
+}
+
+/// [`elementwise`] on two slices.
+fn elementwise2<A: Sync, B: Send>(a: &[A], b: &mut [B], f: impl Fn(&[A], &mut [B]) + Sync) {
+    if a.len() >= PAR_MIN_ELEMS {
+        a.par_chunks(PAR_CHUNK)
+            .zip(b.par_chunks_mut(PAR_CHUNK))
+            .for_each(|(a, b)| f(a, b));
+    } else {
+        f(a, b);
+    }
 }
 
 impl MuonKernels for HostMuon<'_> {
     fn momentum(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
-        let (g, m, u) = (
-            &self.grads[r.clone()],
-            &mut self.m[r.clone()],
-            &mut self.u[r],
-        );
-        // AdamW's split of large pieces over rayon's threads: element by element, so the same
-        // bits on any number of threads. On one thread these passes (and `U`'s first-touch
-        // page faults) left the other cores idle for ~8 % of a bf16 Muon step of the
-        // d = 1024 stack.
-        if g.len() >= PAR_MIN_ELEMS {
-            m.par_chunks_mut(PAR_CHUNK)
-                .zip(g.par_chunks(PAR_CHUNK))
-                .zip(u.par_chunks_mut(PAR_CHUNK))
-                .for_each(|((m, g), u)| step.momentum(g, m, u));
-        } else {
-            step.momentum(g, m, u);
+        let (g, m) = (&self.grads[r.clone()], &mut self.m[r.clone()]);
+        match &mut self.u {
+            UWork::F32(u) => elementwise(g, m, &mut u[r], |g, m, u| step.momentum(g, m, u)),
+            UWork::Bf16(u) => elementwise(g, m, &mut u[r], |g, m, u| step.momentum_bf16(g, m, u)),
         }
         Ok(())
     }
@@ -591,27 +653,35 @@ impl MuonKernels for HostMuon<'_> {
     }
 
     fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
+        let (shard, ns) = (plan.shard, &muon.config.ns);
+        let u = match &mut self.u {
+            UWork::F32(u) => u,
+            // Only without routes (`Muon::step`): every matrix is whole here.
+            UWork::Bf16(u) => {
+                let tasks = muon.ns_tasks(shard, plan.roots, u, &mut [], &[]);
+                return orthogonalize_many_bf16(tasks, ns);
+            }
+        };
         let mut gathered = match (plan.routes, plan.comm) {
-            (Some(r), Some(c)) => r.gather(&self.u, c)?,
+            (Some(r), Some(c)) => r.gather(u, c)?,
             _ => Vec::new(),
         };
         let sizes = plan.routes.map_or(&[][..], |r| r.sizes());
-        muon.orthogonalize_all(plan.shard, plan.roots, &mut self.u, &mut gathered, sizes)?;
+        orthogonalize_many(
+            muon.ns_tasks(shard, plan.roots, u, &mut gathered, sizes),
+            ns,
+        )?;
         if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
-            r.scatter(&gathered, &mut self.u, c)?;
+            r.scatter(&gathered, u, c)?;
         }
         Ok(())
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
-        let (p, o) = (&mut self.params[r.clone()], &self.u[r]);
-        // As `momentum`.
-        if p.len() >= PAR_MIN_ELEMS {
-            p.par_chunks_mut(PAR_CHUNK)
-                .zip(o.par_chunks(PAR_CHUNK))
-                .for_each(|(p, o)| step.update(p, o));
-        } else {
-            step.update(p, o);
+        let p = &mut self.params[r.clone()];
+        match &self.u {
+            UWork::F32(u) => elementwise2(&u[r], p, |o, p| step.update(p, o)),
+            UWork::Bf16(u) => elementwise2(&u[r], p, |o, p| step.update_bf16(p, o)),
         }
         Ok(())
     }
@@ -679,19 +749,19 @@ impl Muon {
         })
     }
 
-    /// Newton–Schulz on every matrix this rank works on: the whole matrices inside its pieces
-    /// (in place in `u`) and the split ones gathered to it (the arena, matrices of `sizes`
-    /// back to back), in parallel (the matrices are independent, so the split over threads
-    /// changes no bit).
-    fn orthogonalize_all(
+    /// Newton–Schulz's matrices on this rank, `(data, rows, cols)`: the whole matrices inside
+    /// its pieces (in place in `u`) and the split ones gathered to it (the arena, matrices of
+    /// `sizes` back to back). They are independent, so running them in parallel changes no
+    /// bit.
+    fn ns_tasks<'u, S>(
         &self,
         shard: &LocalShard,
         roots: &RootPlan,
-        u: &mut [f32],
-        arena: &mut [f32],
+        u: &'u mut [S],
+        arena: &'u mut [S],
         sizes: &[usize],
-    ) -> Result<()> {
-        let mut tasks: Vec<(&mut [f32], usize, usize)> = Vec::new();
+    ) -> Vec<(&'u mut [S], usize, usize)> {
+        let mut tasks: Vec<(&mut [S], usize, usize)> = Vec::new();
         let mut rest = u;
         let mut consumed = 0;
         for piece in &shard.pieces {
@@ -717,7 +787,7 @@ impl Muon {
             let job = &roots.jobs[k];
             tasks.push((x, job.rows, job.cols));
         }
-        orthogonalize_many(tasks, &self.config.ns)
+        tasks
     }
 }
 
@@ -809,15 +879,39 @@ impl MatrixStep<'_> {
             g.len() == m.len() && g.len() == u.len(),
             "MatrixStep::momentum: lengths"
         );
+        self.momentum_into(g, m, u, |u| u);
+    }
+
+    /// [`MatrixStep::momentum`] with `u` rounded to the nearest bf16 (ties to even), as bf16
+    /// Newton–Schulz reads it; `m`'s bits are the same.
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    #[track_caller]
+    pub fn momentum_bf16(&self, g: &[f32], m: &mut [f32], u: &mut [bf16]) {
+        assert!(
+            g.len() == m.len() && g.len() == u.len(),
+            "MatrixStep::momentum_bf16: lengths"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if wide::available() {
+            // SAFETY: the CPU has AVX-512 F and BW (just checked).
+            return unsafe { wide::momentum_bf16(self, g, m, u) };
+        }
+        self.momentum_into(g, m, u, bf16::from_f32);
+    }
+
+    #[inline(always)]
+    fn momentum_into<U>(&self, g: &[f32], m: &mut [f32], u: &mut [U], to: impl Fn(f32) -> U) {
         let w = (1.0 - self.momentum) as f32;
         let mu = self.momentum as f32;
         for ((m, &g), u) in m.iter_mut().zip(g).zip(u.iter_mut()) {
             *m = lerp_elem(*m, g, w);
-            *u = if self.nesterov {
+            *u = to(if self.nesterov {
                 lerp_elem(g, *m, mu)
             } else {
                 *m
-            };
+            });
         }
     }
 
@@ -828,12 +922,119 @@ impl MatrixStep<'_> {
     #[track_caller]
     pub fn update(&self, p: &mut [f32], o: &[f32]) {
         assert_eq!(p.len(), o.len(), "MatrixStep::update: lengths");
+        self.update_from(p, o, |o| o);
+    }
+
+    /// [`MatrixStep::update`] from bf16 `o` (widened exactly).
+    ///
+    /// # Panics
+    /// If the slices differ in length.
+    #[track_caller]
+    pub fn update_bf16(&self, p: &mut [f32], o: &[bf16]) {
+        assert_eq!(p.len(), o.len(), "MatrixStep::update_bf16: lengths");
+        #[cfg(target_arch = "x86_64")]
+        if wide::available() {
+            // SAFETY: as in `momentum_bf16`.
+            return unsafe { wide::update_bf16(self, p, o) };
+        }
+        self.update_from(p, o, bf16::to_f32);
+    }
+
+    #[inline(always)]
+    fn update_from<O: Copy>(&self, p: &mut [f32], o: &[O], widen: impl Fn(O) -> f32) {
         for (p, &o) in p.iter_mut().zip(o) {
             let p0 = match self.decay {
                 Some(d) => decay_elem(*p, d),
                 None => *p,
             };
-            *p = p0 + self.neg_lr * o;
+            *p = p0 + self.neg_lr * widen(o);
+        }
+    }
+}
+
+/// [`MatrixStep`]'s bf16 passes compiled for AVX-512 F and BW (16 lanes where the default
+/// x86-64 build has SSE2's 4): the same scalar code, so the same bits.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::MatrixStep;
+    use half::bf16;
+
+    /// Whether this CPU has AVX-512 F and BW.
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn momentum_bf16(
+        s: &MatrixStep<'_>,
+        g: &[f32],
+        m: &mut [f32],
+        u: &mut [bf16],
+    ) {
+        s.momentum_into(g, m, u, bf16::from_f32)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn update_bf16(s: &MatrixStep<'_>, p: &mut [f32], o: &[bf16]) {
+        s.update_from(p, o, bf16::to_f32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bf16 passes give `U` rounded to the nearest bf16 (ties to even) and `m` as the
+    /// `f32` pass does, and the update from bf16 `o` what the `f32` update gives on `o`
+    /// widened; on an AVX-512 CPU through their wide builds, on odd lengths (vector tails),
+    /// ties, subnormals, infinities and NaN.
+    #[test]
+    fn bf16_passes_round_u_and_widen_o_exactly() {
+        let ns = NsConfig::default();
+        let special = [
+            f32::from_bits(0x3f80_8000), // a tie, rounds to even (down)
+            f32::from_bits(0x3f81_8000), // a tie, rounds up
+            f32::from_bits(0x0000_8001), // subnormal
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            f32::MAX,
+        ];
+        let n = 1000 + 37;
+        let g: Vec<f32> = (0..n)
+            .map(|i| {
+                special
+                    .get(i % 97)
+                    .copied()
+                    .unwrap_or((i as f32 * 0.37).sin() * 3.0)
+            })
+            .collect();
+        let m0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        for nesterov in [true, false] {
+            let step = MatrixStep {
+                rows: 1,
+                cols: n,
+                momentum: 0.95,
+                nesterov,
+                decay: Some(0.999),
+                neg_lr: -0.02,
+                ns: &ns,
+            };
+            let (mut m32, mut u32) = (m0.clone(), vec![0.0f32; n]);
+            step.momentum(&g, &mut m32, &mut u32);
+            let (mut m16, mut u16) = (m0.clone(), vec![bf16::ZERO; n]);
+            step.momentum_bf16(&g, &mut m16, &mut u16);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&m16), bits(&m32));
+            for (a, b) in u16.iter().zip(&u32) {
+                assert_eq!(a.to_bits(), bf16::from_f32(*b).to_bits(), "{b:e}");
+            }
+            let (mut p32, mut p16) = (m0.clone(), m0.clone());
+            let widened: Vec<f32> = u16.iter().map(|v| v.to_f32()).collect();
+            step.update(&mut p32, &widened);
+            step.update_bf16(&mut p16, &u16);
+            assert_eq!(bits(&p16), bits(&p32));
         }
     }
 }

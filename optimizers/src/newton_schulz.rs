@@ -613,7 +613,7 @@ mod wide {
     }
 
     /// [`super::sum_of_squares_f64`] in AVX-512 lanes.
-    pub(super) fn sum_of_squares(amx: &Amx, v: &[f32], f: &impl Fn(f32) -> f32) -> f64 {
+    pub(super) fn sum_of_squares<S: Copy>(amx: &Amx, v: &[S], f: &impl Fn(S) -> f32) -> f64 {
         let _ = amx;
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -632,7 +632,7 @@ mod wide {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn avx512_sum_of_squares(v: &[f32], f: &impl Fn(f32) -> f32) -> f64 {
+    unsafe fn avx512_sum_of_squares<S: Copy>(v: &[S], f: &impl Fn(S) -> f32) -> f64 {
         super::sum_of_squares_f64(v, f)
     }
 }
@@ -956,15 +956,15 @@ fn iterate_onednn<T: Element>(
 /// `X ← X·Q + a·X`, each output element the same pairs summed in the same order as on the
 /// transpose (`Q` is exactly symmetric), so the same bits without transposing twice.
 #[allow(clippy::too_many_arguments)]
-fn iterate_amx(
+fn iterate_amx<S: AmxElement>(
     amx: &Amx,
-    xw: &mut [f32],
+    xw: &mut [S],
     s: usize,
     l: usize,
     tall: bool,
     cfg: &NsConfig,
     par: Parallelism,
-    load: impl Fn(f32) -> bf16 + Sync,
+    load: impl Fn(S) -> bf16 + Sync,
 ) -> Result<()> {
     thread_local! {
         /// `X`, `P`, `Q`, `Y` kept between calls on each thread, up to
@@ -1040,9 +1040,7 @@ fn iterate_amx(
         }
         std::mem::swap(&mut x, &mut y);
     }
-    map_rows_amx(amx, (x_rows, x_cols), x, ldx, xw, x_cols, par, |v| {
-        v.to_f32()
-    });
+    map_rows_amx(amx, (x_rows, x_cols), x, ldx, xw, x_cols, par, S::from_bf16);
     WORK.set(work.map(AlignedBf16::retained));
     Ok(())
 }
@@ -1059,11 +1057,11 @@ thread_local! {
 /// run at the adder's throughput rather than its latency (one chain took ~6 ms on a 1024 ×
 /// 3584 matrix).
 #[inline(always)]
-fn sum_of_squares_f64(v: &[f32], f: impl Fn(f32) -> f32) -> f64 {
+fn sum_of_squares_f64<S: Copy>(v: &[S], f: impl Fn(S) -> f32) -> f64 {
     let mut lanes = [0.0f64; 8];
     let chunks = v.chunks_exact(8);
     let tail = chunks.remainder();
-    let sq = |x: f32| f64::from(f(x)) * f64::from(f(x));
+    let sq = |x: S| f64::from(f(x)) * f64::from(f(x));
     for c in chunks {
         for (s, &x) in lanes.iter_mut().zip(c) {
             *s += sq(x);
@@ -1196,23 +1194,67 @@ impl Denom {
     }
 }
 
+/// An element Newton–Schulz's AMX path reads its input from and writes its result to: `f32`
+/// (rounded to bf16 as it is read, the result widened), or bf16 (Muon's `U` on a rank whose
+/// matrices are all whole: the same values in half the bytes, so the same bits).
+pub(crate) trait AmxElement: Copy + Send + Sync {
+    /// What a non-finite input turns the matrix into.
+    const NAN: Self;
+    /// The bf16 value this element rounds to (nearest, ties to even), widened.
+    fn rounded(self) -> f32;
+    /// A result element.
+    fn from_bf16(v: bf16) -> Self;
+}
+
+impl AmxElement for f32 {
+    const NAN: f32 = f32::NAN;
+    #[inline(always)]
+    fn rounded(self) -> f32 {
+        bf16::from_f32(self).to_f32()
+    }
+    #[inline(always)]
+    fn from_bf16(v: bf16) -> f32 {
+        v.to_f32()
+    }
+}
+
+impl AmxElement for bf16 {
+    const NAN: bf16 = bf16::NAN;
+    /// The bits shifted into place: exact for every value but a NaN, which this keeps a NaN
+    /// (only its payload can differ from `to_f32`'s, which no result reads: a NaN input makes
+    /// the norm NaN and the matrix [`Self::NAN`]). Unlike `to_f32`, it vectorizes.
+    #[inline(always)]
+    fn rounded(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[inline(always)]
+    fn from_bf16(v: bf16) -> bf16 {
+        v
+    }
+}
+
 /// [`ns_one`] on the AMX products, in three passes over the matrix where the other backends
 /// take six or seven: the norm of the bf16-rounded input, the scaled input straight into the
 /// bf16 working matrix, the result straight back into `x`. A tall matrix is taken as it is
 /// (`Xᵀ·X` and `X·Q`, the same bits as on its transpose; [`iterate_amx`]), so nothing is
 /// transposed. The bits are those of the module table's steps (`round(round(v) / d)` is what
 /// the bf16 matrix would hold after step 2 either way).
-fn ns_amx(x: &mut [f32], rows: usize, cols: usize, cfg: &NsConfig, par: Parallelism) -> Result<()> {
+fn ns_amx<S: AmxElement>(
+    x: &mut [S],
+    rows: usize,
+    cols: usize,
+    cfg: &NsConfig,
+    par: Parallelism,
+) -> Result<()> {
     let amx = amx_bf16::amx()?;
     let tall = rows > cols;
     let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
-    let round = |v: f32| bf16::from_f32(v).to_f32();
-    let Some(denom) = Denom::of(wide::sum_of_squares(amx, x, &round), cfg) else {
-        x.fill(f32::NAN); // a non-finite element
+    let Some(denom) = Denom::of(wide::sum_of_squares(amx, x, &S::rounded), cfg) else {
+        x.fill(S::NAN); // a non-finite element
         return Ok(());
     };
     // One loop per kind of divisor ([`Denom::divide`]).
-    let load = move |d: Denom, v: f32| bf16::from_f32(d.divide(round(v)));
+    let load = move |d: Denom, v: S| bf16::from_f32(d.divide(v.rounded()));
     match denom {
         Denom::F32(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v)),
         Denom::F64(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v)),
@@ -1285,6 +1327,50 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
         check_matrix("orthogonalize_many", x.len(), *rows, *cols)?;
     }
     let backend = resolve_config(cfg)?;
+    schedule(tasks, cfg, backend, |x, rows, cols, par| {
+        ns_one(x, rows, cols, cfg, backend, par)
+    })
+}
+
+/// [`orthogonalize_many`] on matrices held in bf16 (already rounded: the values the `f32`
+/// path rounds its input to), the results left in bf16: the same bits as widening them
+/// first and running the `f32` form, without the widened copies. AMX only: `Err` unless
+/// `cfg` asks for bf16 and resolves to [`NsBackend::Amx`] here.
+pub(crate) fn orthogonalize_many_bf16(
+    tasks: Vec<(&mut [bf16], usize, usize)>,
+    cfg: &NsConfig,
+) -> Result<()> {
+    cfg.validate()?;
+    for (x, rows, cols) in &tasks {
+        check_matrix("orthogonalize_many_bf16", x.len(), *rows, *cols)?;
+    }
+    let backend = resolve_config(cfg)?;
+    if !takes_bf16_input(cfg)? {
+        return Err(Error::BadInput {
+            op: "orthogonalize_many_bf16",
+            what: format!("{:?} Newton–Schulz on {backend:?}", cfg.precision),
+            reason: "bf16 input is taken by the AMX bf16 backend only".into(),
+        });
+    }
+    schedule(tasks, cfg, backend, |x, rows, cols, par| {
+        ns_amx(x, rows, cols, cfg, par)
+    })
+}
+
+/// Whether Newton–Schulz under `cfg` takes its input in bf16 ([`orthogonalize_many_bf16`]):
+/// bf16 precision on the AMX backend. `Err` as [`resolve_config`].
+pub(crate) fn takes_bf16_input(cfg: &NsConfig) -> Result<bool> {
+    Ok(cfg.precision == NsPrecision::Bf16 && resolve_config(cfg)? == NsBackend::Amx)
+}
+
+/// Runs `one(x, rows, cols, par)` on every task: across threads or one after another
+/// ([`orthogonalize_many`]), the first error returned.
+fn schedule<S: Send>(
+    tasks: Vec<(&mut [S], usize, usize)>,
+    cfg: &NsConfig,
+    backend: NsBackend,
+    one: impl Fn(&mut [S], usize, usize, Parallelism) -> Result<()> + Sync,
+) -> Result<()> {
     let threads = rayon::current_num_threads();
     let across = across_threads(&tasks, backend, threads);
     let (mut spread, large): (Vec<_>, Vec<_>) = tasks.into_iter().partition(|t| across(t.1, t.2));
@@ -1293,7 +1379,7 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
     spread.sort_by_cached_key(|t| std::cmp::Reverse(ns_macs(t.1, t.2, cfg)));
     let failed = std::sync::Mutex::new(None);
     share(spread, threads - 1, |(x, rows, cols)| {
-        if let Err(e) = ns_one(x, rows, cols, cfg, backend, Parallelism::None) {
+        if let Err(e) = one(x, rows, cols, Parallelism::None) {
             failed
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -1306,7 +1392,7 @@ pub fn orthogonalize_many(tasks: Vec<(&mut [f32], usize, usize)>, cfg: &NsConfig
     let all = Parallelism::Rayon(threads);
     large
         .into_iter()
-        .try_for_each(|(x, rows, cols)| ns_one(x, rows, cols, cfg, backend, all))
+        .try_for_each(|(x, rows, cols)| one(x, rows, cols, all))
 }
 
 /// Bytes of Newton–Schulz's working buffers for a `rows × cols` matrix (`s ≤ l` its sides):
@@ -1330,8 +1416,8 @@ pub fn ns_working_bytes(rows: usize, cols: usize) -> usize {
 pub const ACROSS_MIN_PER_THREAD: usize = 2;
 
 /// Whether a `rows × cols` matrix of `tasks` runs on one thread ([`orthogonalize_many`]).
-fn across_threads(
-    tasks: &[(&mut [f32], usize, usize)],
+fn across_threads<S>(
+    tasks: &[(&mut [S], usize, usize)],
     backend: NsBackend,
     threads: usize,
 ) -> impl Fn(usize, usize) -> bool {
@@ -1379,6 +1465,88 @@ mod tests {
         assert!(!across_threads(&tasks(&stack), NsBackend::Amx, 3)(
             255, 4096
         ));
+    }
+
+    /// bf16 input gives the bits of the `f32` input it rounds from, the result left in bf16:
+    /// wide, tall and edge shapes (one per thread and threaded products), a zero matrix, one
+    /// holding a NaN; and bf16 input is refused where it is not taken.
+    #[test]
+    fn bf16_input_gives_the_bits_of_the_f32_input() {
+        let cfg = NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        };
+        if let Err(e) = amx_bf16::amx() {
+            eprintln!("bf16_input_gives_the_bits_of_the_f32_input: skipped ({e})");
+            assert!(orthogonalize_many_bf16(vec![(&mut [bf16::ONE][..], 1, 1)], &cfg).is_err());
+            return;
+        }
+        let shapes = [
+            (64, 96),
+            (96, 64),
+            (33, 47),
+            (100, 70),
+            (3, 3),
+            (8, 8),
+            (40, 160),
+        ];
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut f32s: Vec<Vec<f32>> = shapes
+            .iter()
+            .map(|&(r, c)| {
+                (0..r * c)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                    })
+                    .collect()
+            })
+            .collect();
+        f32s[5].fill(0.0);
+        f32s[4][4] = f32::NAN;
+        let mut bf16s: Vec<Vec<bf16>> = f32s
+            .iter()
+            .map(|v| v.iter().map(|&x| bf16::from_f32(x)).collect())
+            .collect();
+        let tasks32: Vec<(&mut [f32], usize, usize)> = f32s
+            .iter_mut()
+            .zip(shapes)
+            .map(|(x, (r, c))| (&mut x[..], r, c))
+            .collect();
+        orthogonalize_many(tasks32, &cfg).unwrap();
+        let tasks16: Vec<(&mut [bf16], usize, usize)> = bf16s
+            .iter_mut()
+            .zip(shapes)
+            .map(|(x, (r, c))| (&mut x[..], r, c))
+            .collect();
+        orthogonalize_many_bf16(tasks16, &cfg).unwrap();
+        for ((want, got), shape) in f32s.iter().zip(&bf16s).zip(shapes) {
+            let widened: Vec<u32> = got.iter().map(|v| v.to_f32().to_bits()).collect();
+            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(widened, want, "{shape:?}");
+        }
+        assert!(bf16s[4].iter().all(|v| v.is_nan()) && bf16s[5].iter().all(|v| v.to_f32() == 0.0));
+        // One matrix alone: its products threaded.
+        let (mut x32, mut x16) = (f32s[3].clone(), bf16s[3].clone());
+        orthogonalize_many(vec![(&mut x32[..], 100, 70)], &cfg).unwrap();
+        orthogonalize_many_bf16(vec![(&mut x16[..], 100, 70)], &cfg).unwrap();
+        assert!(x16
+            .iter()
+            .zip(&x32)
+            .all(|(a, b)| a.to_f32().to_bits() == b.to_bits()));
+        // Not taken: f32 precision, or a backend other than AMX.
+        let mut one = [bf16::ONE];
+        for other in [
+            NsConfig::default(),
+            NsConfig {
+                backend: NsBackend::Gemm,
+                ..cfg.clone()
+            },
+        ] {
+            assert!(orthogonalize_many_bf16(vec![(&mut one[..], 1, 1)], &other).is_err());
+        }
     }
 
     /// Bytes of the working copy this thread keeps.

@@ -257,11 +257,23 @@ fn atomic_block_is_matrix_for_muon_params_and_element_for_the_fallback() {
 
 #[test]
 fn muon_step_follows_torch_operation_order() {
-    // Hand-written torch order on one 2-D matrix, default (Nesterov, `original` scale).
-    let c = MuonConfig {
-        lr: 0.02,
-        ..MuonConfig::default()
-    };
+    // Hand-written torch order on one 2-D matrix, default (Nesterov, `original` scale), with
+    // f32 and bf16 Newton–Schulz (bf16 on an AMX CPU: the step keeps `U` in bf16, this
+    // order keeps it in f32 and `orthogonalize` rounds it).
+    for precision in [NsPrecision::F32, NsPrecision::Bf16] {
+        let c = MuonConfig {
+            lr: 0.02,
+            ns: NsConfig {
+                precision,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        };
+        torch_order_on_one_matrix(&c);
+    }
+}
+
+fn torch_order_on_one_matrix(c: &MuonConfig) {
     let opt = Muon::new(c.clone()).unwrap();
     let (rows, cols) = (20, 12);
     let spec = specs(&[("w", &[rows, cols])]);
@@ -289,7 +301,7 @@ fn muon_step_follows_torch_operation_order() {
         for (p, &o) in want_p.iter_mut().zip(&u) {
             *p = *p * decay + neg_lr * o;
         }
-        assert_eq!(bits(&p), bits(&want_p));
+        assert_eq!(bits(&p), bits(&want_p), "{:?}", c.ns.precision);
         assert_eq!(bits(state.m.cpu().unwrap()), bits(&buf));
     }
 }
@@ -943,6 +955,51 @@ fn released_buffers_are_freed_and_change_no_bit() {
     }
     assert_eq!(bits(&p), bits(&p_kept));
     assert_eq!(s, s_kept);
+}
+
+/// bf16 Newton–Schulz on the AMX products takes `U` in bf16 where every matrix is whole on
+/// the rank: the kept buffer is 2 bytes an element, not 4 (the bits are those of the `f32`
+/// `U` of a split layout: `sharded_muon_step_is_bitwise_equal_to_unsharded`); elsewhere,
+/// and for a split layout, `U` stays `f32`.
+#[test]
+fn bf16_newton_schulz_on_amx_keeps_u_in_bf16() {
+    let spec = specs(&TENSORS);
+    let (p0, grads) = data(&spec, 1, 5);
+    let opt = Muon::new(MuonConfig {
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let amx = ragged_optimizers::kernels::amx_bf16::amx();
+    if let Err(e) = &amx {
+        eprintln!("bf16_newton_schulz_on_amx_keeps_u_in_bf16: U stays f32 here ({e})");
+    }
+    let shard = whole_shard(&opt, &spec);
+    run_rank(&opt, &shard, &p0, &grads, &SingleRank);
+    let bytes = opt.release_buffers();
+    if amx.is_ok() {
+        assert!(
+            (2 * shard.len..4 * shard.len).contains(&bytes),
+            "{bytes} bytes"
+        );
+    } else {
+        assert!(bytes >= 4 * shard.len, "{bytes} bytes");
+    }
+    // Rows split over 2 ranks: the matrices travel to their roots in `f32`.
+    let shards = layout_shards(&opt, &spec, 2, Layout::Rows, &PlanOptions::default());
+    let opts: Vec<Muon> = shards.iter().map(|_| opt.clone()).collect();
+    ThreadWorld::run(2, |comm| {
+        let r = comm.rank();
+        run_rank(&opts[r], &shards[r], &p0, &grads, comm);
+        Ok(())
+    })
+    .unwrap();
+    for (o, sh) in opts.iter().zip(&shards) {
+        assert!(o.release_buffers() >= 4 * sh.len);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
