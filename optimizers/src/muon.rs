@@ -41,7 +41,9 @@
 //! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters: the block the math
 //! needs. How matrices are actually laid out is negotiable, per tensor
 //! ([`MuonConfig::layout`], [`Muon::plan_layout`], [`crate::muon_layout`]):
-//! - a matrix **whole on one rank** is orthogonalized in place, with no communication;
+//! - a matrix **whole on one rank** is orthogonalized in place, with no communication (with
+//!   bf16 Newton–Schulz on the AMX products and no matrix split, `U` itself is kept in bf16:
+//!   the same values in half the bytes);
 //! - a matrix **split over ranks** (a row-split plan, or FSDP2's `Shard(0)`) gets a root
 //!   chosen by longest-processing-time ([`crate::roots`]); one batched all-to-all gathers
 //!   every split matrix's `U` to its root, the root runs Newton–Schulz, one all-to-all sends
