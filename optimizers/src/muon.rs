@@ -507,10 +507,10 @@ impl Optimizer for Muon {
             ViewMut::Cpu(params) => {
                 // Fail on an unavailable Newton–Schulz backend or method before anything is
                 // modified.
-                resolve_config(&self.config.ns)?;
+                let backend = resolve_config(&self.config.ns)?;
                 let grads = grads.cpu(OP)?;
                 let (m, v) = state.host_mut()?;
-                let in_bf16 = routes.is_none() && takes_bf16_input(&self.config.ns)?;
+                let in_bf16 = routes.is_none() && takes_bf16_input(&self.config.ns, backend);
                 let mut host = HostMuon {
                     params,
                     grads,

@@ -1345,7 +1345,7 @@ pub(crate) fn orthogonalize_many_bf16(
         check_matrix("orthogonalize_many_bf16", x.len(), *rows, *cols)?;
     }
     let backend = resolve_config(cfg)?;
-    if !takes_bf16_input(cfg)? {
+    if !takes_bf16_input(cfg, backend) {
         return Err(Error::BadInput {
             op: "orthogonalize_many_bf16",
             what: format!("{:?} Newton–Schulz on {backend:?}", cfg.precision),
@@ -1357,10 +1357,11 @@ pub(crate) fn orthogonalize_many_bf16(
     })
 }
 
-/// Whether Newton–Schulz under `cfg` takes its input in bf16 ([`orthogonalize_many_bf16`]):
-/// bf16 precision on the AMX backend. `Err` as [`resolve_config`].
-pub(crate) fn takes_bf16_input(cfg: &NsConfig) -> Result<bool> {
-    Ok(cfg.precision == NsPrecision::Bf16 && resolve_config(cfg)? == NsBackend::Amx)
+/// Whether Newton–Schulz under `cfg`, whose backend resolved to `backend`
+/// ([`resolve_config`]), takes its input in bf16 ([`orthogonalize_many_bf16`]): bf16
+/// precision on the AMX products.
+pub(crate) fn takes_bf16_input(cfg: &NsConfig, backend: NsBackend) -> bool {
+    cfg.precision == NsPrecision::Bf16 && backend == NsBackend::Amx
 }
 
 /// Runs `one(x, rows, cols, par)` on every task: across threads or one after another
