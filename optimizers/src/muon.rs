@@ -890,7 +890,7 @@ impl MatrixStep<'_> {
     /// # Panics
     /// If the slices differ in length.
     #[track_caller]
-    pub fn momentum_bf16(&self, g: &[f32], m: &mut [f32], u: &mut [bf16]) {
+    pub(crate) fn momentum_bf16(&self, g: &[f32], m: &mut [f32], u: &mut [bf16]) {
         assert!(
             g.len() == m.len() && g.len() == u.len(),
             "MatrixStep::momentum_bf16: lengths"
@@ -932,7 +932,7 @@ impl MatrixStep<'_> {
     /// # Panics
     /// If the slices differ in length.
     #[track_caller]
-    pub fn update_bf16(&self, p: &mut [f32], o: &[bf16]) {
+    pub(crate) fn update_bf16(&self, p: &mut [f32], o: &[bf16]) {
         assert_eq!(p.len(), o.len(), "MatrixStep::update_bf16: lengths");
         #[cfg(target_arch = "x86_64")]
         if wide::available() {
