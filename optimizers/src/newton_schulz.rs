@@ -994,23 +994,27 @@ fn iterate_amx<S: AmxElement>(
         a: ldx,
         b: ldx,
         out: ldp,
+        add: ldp,
     };
     let square = Strides {
         a: ldp,
         b: ldp,
         out: ldp,
+        add: ldp,
     };
     let update_ld = if tall {
         Strides {
             a: ldx,
             b: ldp,
             out: ldx,
+            add: ldx,
         }
     } else {
         Strides {
             a: ldp,
             b: ldx,
             out: ldx,
+            add: ldx,
         }
     };
     for k in 0..cfg.steps {
@@ -1033,11 +1037,27 @@ fn iterate_amx<S: AmxElement>(
             alpha: 1.0,
             add: Some((a, x)),
         };
-        if tall {
-            amx.matmul_strided(l, s, s, x, Rhs::Plain(q), y, update, par, update_ld);
-        } else {
-            amx.matmul_strided(s, l, s, q, Rhs::Plain(x), y, update, par, update_ld);
+        let product = |out: &mut [bf16], ld: Strides| {
+            if tall {
+                amx.matmul_strided(l, s, s, x, Rhs::Plain(q), out, update, par, ld);
+            } else {
+                amx.matmul_strided(s, l, s, q, Rhs::Plain(x), out, update, par, ld);
+            }
+        };
+        // The last product of a bf16 result goes straight into it (dense rows), saving the
+        // copy out of `Y`; every other goes to `Y`, the next step's `X`.
+        if let Some(result) = S::as_bf16(xw).filter(|_| k + 1 == cfg.steps) {
+            product(
+                result,
+                Strides {
+                    out: x_cols,
+                    ..update_ld
+                },
+            );
+            WORK.set(work.map(AlignedBf16::retained));
+            return Ok(());
         }
+        product(y, update_ld);
         std::mem::swap(&mut x, &mut y);
     }
     map_rows_amx(amx, (x_rows, x_cols), x, ldx, xw, x_cols, par, S::from_bf16);
@@ -1204,6 +1224,8 @@ pub(crate) trait AmxElement: Copy + Send + Sync {
     fn rounded(self) -> f32;
     /// A result element.
     fn from_bf16(v: bf16) -> Self;
+    /// The matrix as bf16 when it is (Newton–Schulz's last product then writes it).
+    fn as_bf16(v: &mut [Self]) -> Option<&mut [bf16]>;
 }
 
 impl AmxElement for f32 {
@@ -1215,6 +1237,9 @@ impl AmxElement for f32 {
     #[inline(always)]
     fn from_bf16(v: bf16) -> f32 {
         v.to_f32()
+    }
+    fn as_bf16(_: &mut [f32]) -> Option<&mut [bf16]> {
+        None
     }
 }
 
@@ -1230,6 +1255,9 @@ impl AmxElement for bf16 {
     #[inline(always)]
     fn from_bf16(v: bf16) -> bf16 {
         v
+    }
+    fn as_bf16(v: &mut [bf16]) -> Option<&mut [bf16]> {
+        Some(v)
     }
 }
 

@@ -888,8 +888,9 @@ fn strided_copy(v: &[bf16], rows: usize, cols: usize, ld: usize) -> AlignedBf16 
 
 /// The strided products (Newton–Schulz's padded rows, [`amx_bf16::padded_ld`]) give the
 /// dense products' bits, read no padding (it holds NaNs) and write none: plain and
-/// transposed right operands, both symmetric products, an epilogue addend, left operands in
-/// place (sides multiples of 32) and packed.
+/// transposed right operands, both symmetric products, an epilogue addend (also with its
+/// own stride beside a dense output), left operands in place (sides multiples of 32) and
+/// packed.
 #[test]
 fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
     if !amx_or_skip("amx_strided_products_are_the_dense_ones_bit_for_bit") {
@@ -947,6 +948,7 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
                 a: ld(k),
                 b: ld(b_cols),
                 out: ld(n),
+                add: ld(n),
             };
             amx.matmul_strided(m, n, k, sa, srhs, got, sepi, POOL, strides);
             let what = format!("{m}×{k}·{k}×{n} transposed={transposed}");
@@ -955,6 +957,11 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
                 bits_bf16(&want),
                 "{what}"
             );
+            // A dense output beside a padded addend (Newton–Schulz's last product).
+            let mut dense = vec![bf16::ZERO; m * n];
+            let strides = Strides { out: n, ..strides };
+            amx.matmul_strided(m, n, k, sa, srhs, &mut dense, sepi, POOL, strides);
+            assert_eq!(bits_bf16(&dense), bits_bf16(&want), "{what}, dense output");
         }
         // Symmetric: `a·aᵀ` (a: m×k) and `aᵀ·a` (a as k×m: the same buffer read tall).
         for tall in [false, true] {
@@ -983,6 +990,7 @@ fn amx_strided_products_are_the_dense_ones_bit_for_bit() {
                 a: ld(k),
                 b: 0,
                 out: ld(nn),
+                add: ld(nn),
             };
             if tall {
                 amx.sym_tn(nn, kk, &a, &mut want, e_dense, POOL);

@@ -192,24 +192,27 @@ pub enum Rhs<'a> {
 pub struct Epilogue<'a> {
     /// Scales the product.
     pub alpha: f32,
-    /// `Some((beta, add))`: adds `beta` times the same element of `add` (laid out like
-    /// `out`, rows [`Strides::out`] apart).
+    /// `Some((beta, add))`: adds `beta` times the same element of `add` (`m×n`, rows
+    /// [`Strides::add`] apart).
     pub add: Option<(f32, &'a [bf16])>,
 }
 
 /// Elements between consecutive rows of a product's matrices as stored: the left operand
 /// (as given: `m×k`, or `k×n` for [`Amx::sym_tn`]), the right one (as given: `k×n` plain,
-/// `n×k` transposed) and the output (and the epilogue's addend). Dense matrices have their
+/// `n×k` transposed), the output and the epilogue's addend. Dense matrices have their
 /// column counts; Newton–Schulz pads its rows ([`padded_ld`]) so that the tile loads of a
-/// left operand read in place do not fall into a few L1 sets.
+/// left operand read in place do not fall into a few L1 sets, and writes its last product
+/// straight into a dense result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Strides {
     /// Between rows of the left operand.
     pub a: usize,
     /// Between rows of the right operand (ignored by [`Amx::sym_strided`]).
     pub b: usize,
-    /// Between rows of the output and of the epilogue's addend.
+    /// Between rows of the output.
     pub out: usize,
+    /// Between rows of the epilogue's addend (unused without one).
+    pub add: usize,
 }
 
 /// The row stride Newton–Schulz stores a matrix of `cols` columns with: `cols` rounded up to
@@ -250,7 +253,12 @@ impl Amx {
             Rhs::Plain(_) => n,
             Rhs::Transposed(_) => k,
         };
-        let ld = Strides { a: k, b, out: n };
+        let ld = Strides {
+            a: k,
+            b,
+            out: n,
+            add: n,
+        };
         self.matmul_strided(m, n, k, a, rhs, out, epi, par, ld);
     }
 
@@ -284,7 +292,7 @@ impl Amx {
                 Rhs::Plain(b) => pack_plain(b, k, n, ld.b, bbuf, par),
                 Rhs::Transposed(b) => pack_transposed(b, n, k, ld.b, bbuf, par),
             };
-            run_blocks(ap, bp, (m, n, k), out, ld.out, epi, false, par);
+            run_blocks(ap, bp, (m, n, k), out, ld, epi, false, par);
         });
     }
 
@@ -304,7 +312,12 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        let ld = Strides { a: k, b: k, out: n };
+        let ld = Strides {
+            a: k,
+            b: k,
+            out: n,
+            add: n,
+        };
         self.sym_strided(n, k, a, out, epi, par, false, ld);
     }
 
@@ -324,7 +337,12 @@ impl Amx {
         epi: Epilogue<'_>,
         par: Parallelism,
     ) {
-        let ld = Strides { a: n, b: n, out: n };
+        let ld = Strides {
+            a: n,
+            b: n,
+            out: n,
+            add: n,
+        };
         self.sym_strided(n, k, a, out, epi, par, true, ld);
     }
 
@@ -368,7 +386,7 @@ impl Amx {
                 let ap = lhs(a, n, k, ld.a, abuf, par);
                 (ap, pack_transposed(a, n, k, ld.a, bbuf, par))
             };
-            run_blocks(ap, bp, (n, n, k), out, ld.out, epi, true, par);
+            run_blocks(ap, bp, (n, n, k), out, ld, epi, true, par);
         });
     }
 }
@@ -396,7 +414,7 @@ fn check_lengths(
     };
     let add_ok = epi
         .add
-        .is_none_or(|(_, add)| fits(add.len(), (m, n), ld.out));
+        .is_none_or(|(_, add)| fits(add.len(), (m, n), ld.add));
     assert!(
         fits(a.len(), a_shape, ld.a)
             && fits(b.len(), b_shape, ld.b)
@@ -727,7 +745,7 @@ fn run_blocks(
     bp: &[Line],
     (m, n, k): (usize, usize, usize),
     out: &mut [bf16],
-    ld: usize,
+    ld: Strides,
     epi: Epilogue<'_>,
     lower: bool,
     threaded: bool,
@@ -738,7 +756,8 @@ fn run_blocks(
         out: OutPtr(out.as_mut_ptr().cast::<u16>()),
         m,
         n,
-        ld,
+        ld: ld.out,
+        add_ld: ld.add,
         bf16_convert: has_avx512_bf16(),
         alpha: epi.alpha,
         add: epi.add.map(|(beta, add)| (beta, bits(add))),
@@ -992,8 +1011,10 @@ struct BlockOut<'a> {
     out: OutPtr,
     m: usize,
     n: usize,
-    /// Elements between rows of the output and of the addend.
+    /// Elements between rows of the output.
     ld: usize,
+    /// Elements between rows of the addend.
+    add_ld: usize,
     /// Whether the CPU has AVX512-BF16 for the epilogue's rounding
     /// ([`simd::finish_row_bf16`]).
     bf16_convert: bool,
@@ -1010,15 +1031,19 @@ impl BlockOut<'_> {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
             let (i0, j0) = (ib * BLOCK, jp * BLOCK);
             for r in 0..BLOCK.min(self.m - i0) {
-                let at = (i0 + r) * self.ld + j0;
                 // SAFETY: a prefetch never faults, whatever the address.
                 unsafe {
                     if let Some((_, add)) = self.add {
+                        let at = (i0 + r) * self.add_ld + j0;
                         let p = add.as_ptr().wrapping_add(at).cast::<i8>();
                         _mm_prefetch::<_MM_HINT_T0>(p);
                         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(63));
                     }
-                    let o = self.out.0.wrapping_add(at).cast::<i8>();
+                    let o = self
+                        .out
+                        .0
+                        .wrapping_add((i0 + r) * self.ld + j0)
+                        .cast::<i8>();
                     _mm_prefetch::<_MM_HINT_ET0>(o);
                     _mm_prefetch::<_MM_HINT_ET0>(o.wrapping_add(63));
                 }
@@ -1061,8 +1086,8 @@ impl BlockOut<'_> {
         if cols == BLOCK {
             let add = self
                 .add
-                .map(|(beta, add)| (beta, &add[i0 * self.ld + j0..]));
-            let (acc, alpha, ld) = (&acc.0, self.alpha, self.ld);
+                .map(|(beta, add)| (beta, &add[i0 * self.add_ld + j0..]));
+            let (acc, alpha, ld) = (&acc.0, self.alpha, self.add_ld);
             if self.bf16_convert {
                 // SAFETY: checked AVX-512 F, BW and BF16 (`bf16_convert`).
                 unsafe { simd::finish_block_bf16(acc, alpha, add, ld, rows, count) };
@@ -1076,7 +1101,7 @@ impl BlockOut<'_> {
         for (r, row) in rows.iter_mut().enumerate().take(count) {
             let add_row = self
                 .add
-                .map(|(beta, add)| (beta, &add[(i0 + r) * self.ld + j0..][..cols]));
+                .map(|(beta, add)| (beta, &add[(i0 + r) * self.add_ld + j0..][..cols]));
             finish_row(&acc.0[r * BLOCK..][..BLOCK], self.alpha, add_row, row);
         }
     }
