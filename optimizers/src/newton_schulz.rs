@@ -948,7 +948,8 @@ fn iterate_onednn<T: Element>(
 }
 
 /// Step 3 in bf16 on the AMX products, on `load(v)` of every element of `xw` (the result
-/// goes back into `xw`, widened): the same three roundings per step as [`iterate_onednn`],
+/// goes back into `xw`: widened into an `f32` one, written by the last product into a bf16
+/// one): the same three roundings per step as [`iterate_onednn`],
 /// with `P·P` as `P·Pᵀ` (the AMX `P` is exactly symmetric) and the addends read from `P` and
 /// `X` directly.
 ///
