@@ -81,9 +81,9 @@ use crate::common::{
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{
     ns_macs, orthogonalize, orthogonalize_many, orthogonalize_many_bf16, resolve_config,
-    takes_bf16_input, NsConfig,
+    takes_bf16_input, NsConfig, NsPrecision,
 };
-use crate::roots::{RootPlan, Routes};
+use crate::roots::{RootPlan, RouteElem, Routes};
 
 /// Muon's state on one rank's shard (module doc, "State"), in host or device memory
 /// ([`Storage`]); a checkpoint is these three fields ([`MuonState::to_le_bytes`]).
@@ -510,7 +510,7 @@ impl Optimizer for Muon {
                 let backend = resolve_config(&self.config.ns)?;
                 let grads = grads.cpu(OP)?;
                 let (m, v) = state.host_mut()?;
-                let in_bf16 = routes.is_none() && takes_bf16_input(&self.config.ns, backend);
+                let in_bf16 = takes_bf16_input(&self.config.ns, backend);
                 let mut host = HostMuon {
                     params,
                     grads,
@@ -655,28 +655,16 @@ impl MuonKernels for HostMuon<'_> {
     }
 
     fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
-        let (shard, ns) = (plan.shard, &muon.config.ns);
-        let u = match &mut self.u {
-            UWork::F32(u) => u,
-            // Only without routes (`Muon::step`): every matrix is whole here.
-            UWork::Bf16(u) => {
-                let tasks = muon.ns_tasks(shard, plan.roots, u, &mut [], &[]);
-                return orthogonalize_many_bf16(tasks, ns);
+        let ns = &muon.config.ns;
+        match &mut self.u {
+            UWork::F32(u) if ns.precision == NsPrecision::Bf16 => {
+                orthogonalize_routed::<f32, bf16>(muon, plan, u, orthogonalize_many)
             }
-        };
-        let mut gathered = match (plan.routes, plan.comm) {
-            (Some(r), Some(c)) => r.gather(u, c)?,
-            _ => Vec::new(),
-        };
-        let sizes = plan.routes.map_or(&[][..], |r| r.sizes());
-        orthogonalize_many(
-            muon.ns_tasks(shard, plan.roots, u, &mut gathered, sizes),
-            ns,
-        )?;
-        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
-            r.scatter(&gathered, u, c)?;
+            UWork::F32(u) => orthogonalize_routed::<f32, f32>(muon, plan, u, orthogonalize_many),
+            UWork::Bf16(u) => {
+                orthogonalize_routed::<bf16, bf16>(muon, plan, u, orthogonalize_many_bf16)
+            }
         }
-        Ok(())
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
@@ -687,6 +675,32 @@ impl MuonKernels for HostMuon<'_> {
         }
         Ok(())
     }
+}
+
+/// Newton–Schulz on every matrix this rank works on, `u`'s whole ones in place and the split
+/// ones gathered to their roots and back, carried as `W`: bf16 whenever Newton–Schulz runs
+/// in bf16, whose first operation rounds every element to bf16 and whose results are bf16
+/// values, so the wire's rounding changes no bit and the two all-to-alls move half the
+/// bytes. `W` depends on the configuration only, so every rank carries the same.
+fn orthogonalize_routed<E: RouteElem, W: RouteElem>(
+    muon: &Muon,
+    plan: &StepPlan<'_>,
+    u: &mut [E],
+    run: impl FnOnce(Vec<(&mut [E], usize, usize)>, &NsConfig) -> Result<()>,
+) -> Result<()> {
+    let mut gathered = match (plan.routes, plan.comm) {
+        (Some(r), Some(c)) => r.gather::<E, W>(u, c)?,
+        _ => Vec::new(),
+    };
+    let sizes = plan.routes.map_or(&[][..], |r| r.sizes());
+    run(
+        muon.ns_tasks(plan.shard, plan.roots, u, &mut gathered, sizes),
+        &muon.config.ns,
+    )?;
+    if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
+        r.scatter::<E, W>(&gathered, u, c)?;
+    }
+    Ok(())
 }
 
 impl Muon {

@@ -22,7 +22,8 @@
 
 use std::ops::Range;
 
-use ragged::comm::Communicator;
+use half::bf16;
+use ragged::comm::{Buf, BufMut, Communicator};
 use ragged::optim::{LocalShard, ParamMeta};
 use ragged::ragged::{redistribute, RaggedShard};
 use ragged::{Error, Result};
@@ -290,15 +291,22 @@ impl Exchange {
         self.recv_counts.iter().sum()
     }
 
-    /// The exchange on host buffers. Every rank must call it.
-    pub fn run_host(&self, from: &[f32], to: &mut [f32], comm: &dyn Communicator) -> Result<()> {
-        let mut send = vec![0.0f32; self.send_len()];
+    /// The exchange on host buffers of element type `E`, carried as `W` (each element
+    /// converted through `f32`: a bf16 wire rounds `f32` elements to the nearest bf16, and
+    /// carries bf16 ones as they are). Every rank must call it with the same `W`.
+    pub fn run_host<E: RouteElem, W: RouteElem>(
+        &self,
+        from: &[E],
+        to: &mut [E],
+        comm: &dyn Communicator,
+    ) -> Result<()> {
+        let mut send = vec![W::default(); self.send_len()];
         copy_runs(&self.pack, from, &mut send);
-        let mut recv = vec![0.0f32; self.recv_len()];
+        let mut recv = vec![W::default(); self.recv_len()];
         comm.all_to_all_v(
-            send.as_slice().into(),
+            W::buf(&send),
             &self.send_counts,
-            recv.as_mut_slice().into(),
+            W::buf_mut(&mut recv),
             &self.recv_counts,
         )?;
         copy_runs(&self.unpack, &recv, to);
@@ -307,9 +315,52 @@ impl Exchange {
     }
 }
 
-fn copy_runs(runs: &[Run], from: &[f32], to: &mut [f32]) {
+/// An element the host exchanges hold or carry: `f32`, or bf16 (Muon's wire when its
+/// Newton–Schulz runs in bf16, whose first operation rounds every element to bf16 anyway).
+pub trait RouteElem: Copy + Default + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// `v` as this type (bf16: nearest, ties to even).
+    fn from_f32(v: f32) -> Self;
+    fn buf(v: &[Self]) -> Buf<'_>;
+    fn buf_mut(v: &mut [Self]) -> BufMut<'_>;
+}
+
+impl RouteElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+    fn buf(v: &[f32]) -> Buf<'_> {
+        v.into()
+    }
+    fn buf_mut(v: &mut [f32]) -> BufMut<'_> {
+        v.into()
+    }
+}
+
+impl RouteElem for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> bf16 {
+        bf16::from_f32(v)
+    }
+    fn buf(v: &[bf16]) -> Buf<'_> {
+        v.into()
+    }
+    fn buf_mut(v: &mut [bf16]) -> BufMut<'_> {
+        v.into()
+    }
+}
+
+fn copy_runs<S: RouteElem, D: RouteElem>(runs: &[Run], from: &[S], to: &mut [D]) {
     for r in runs {
-        to[r.dst..r.dst + r.len].copy_from_slice(&from[r.src..r.src + r.len]);
+        let (from, to) = (&from[r.src..r.src + r.len], &mut to[r.dst..r.dst + r.len]);
+        for (d, &s) in to.iter_mut().zip(from) {
+            *d = D::from_f32(s.to_f32());
+        }
     }
 }
 
@@ -388,17 +439,27 @@ impl Routes {
     }
 
     /// Gathers the split matrices rooted at this rank from `local` (laid out like the shard)
-    /// into a fresh arena. Every rank must call it.
-    pub fn gather(&self, local: &[f32], comm: &dyn Communicator) -> Result<Vec<f32>> {
-        let mut arena = vec![0.0f32; self.arena_len()];
-        self.gather_exchange().run_host(local, &mut arena, comm)?;
+    /// into a fresh arena, carried as `W` ([`Exchange::run_host`]). Every rank must call it.
+    pub fn gather<E: RouteElem, W: RouteElem>(
+        &self,
+        local: &[E],
+        comm: &dyn Communicator,
+    ) -> Result<Vec<E>> {
+        let mut arena = vec![E::default(); self.arena_len()];
+        self.gather_exchange()
+            .run_host::<E, W>(local, &mut arena, comm)?;
         Ok(arena)
     }
 
     /// Sends each holder its runs of the matrices rooted here (`arena`, as
-    /// [`Routes::gather`] returned it) and writes the runs this rank holds into `local`.
-    /// Every rank must call it.
-    pub fn scatter(&self, arena: &[f32], local: &mut [f32], comm: &dyn Communicator) -> Result<()> {
+    /// [`Routes::gather`] returned it), carried as `W`, and writes the runs this rank holds
+    /// into `local`. Every rank must call it.
+    pub fn scatter<E: RouteElem, W: RouteElem>(
+        &self,
+        arena: &[E],
+        local: &mut [E],
+        comm: &dyn Communicator,
+    ) -> Result<()> {
         if arena.len() != self.arena_len() {
             return Err(Error::InvalidShard {
                 op: "Routes::scatter",
@@ -409,7 +470,7 @@ impl Routes {
                 ),
             });
         }
-        self.scatter_exchange().run_host(arena, local, comm)
+        self.scatter_exchange().run_host::<E, W>(arena, local, comm)
     }
 }
 

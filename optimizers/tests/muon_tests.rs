@@ -515,7 +515,16 @@ fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
         },
         ..MuonConfig::default()
     };
-    for (ci, c) in [MuonConfig::default(), loud(), bf16]
+    // bf16 on the gemm backend too: an `f32` `U` whose split matrices travel in bf16 (on an
+    // AMX CPU the default bf16 backend keeps `U` itself in bf16).
+    let bf16_gemm = MuonConfig {
+        ns: NsConfig {
+            backend: NsBackend::Gemm,
+            ..bf16.ns.clone()
+        },
+        ..bf16.clone()
+    };
+    for (ci, c) in [MuonConfig::default(), loud(), bf16, bf16_gemm]
         .into_iter()
         .enumerate()
     {
@@ -557,12 +566,13 @@ fn sharded_muon_step_is_bitwise_equal_to_unsharded() {
 // 4. Split matrices: roots and routes
 // ---------------------------------------------------------------------------------------------
 
-/// A communicator that forwards to a real one and counts all-to-alls and the elements each
-/// rank sends through them.
+/// A communicator that forwards to a real one and counts all-to-alls and the elements and
+/// bytes each rank sends through them.
 struct Counting<'a> {
     inner: &'a dyn Communicator,
     calls: AtomicUsize,
     sent: AtomicUsize,
+    sent_bytes: AtomicUsize,
 }
 
 impl Communicator for Counting<'_> {
@@ -598,6 +608,12 @@ impl Communicator for Counting<'_> {
             .map(|j| send_counts[j])
             .sum();
         self.sent.fetch_add(away, Ordering::Relaxed);
+        let size = match send {
+            Buf::F32(_) => 4,
+            Buf::BF16(_) => 2,
+            _ => 0,
+        };
+        self.sent_bytes.fetch_add(size * away, Ordering::Relaxed);
         self.inner
             .all_to_all_v(send, send_counts, recv, recv_counts)
     }
@@ -609,11 +625,24 @@ impl Communicator for Counting<'_> {
     }
 }
 
+/// ... in `f32`, and in bf16 when Newton–Schulz runs in bf16 (half the bytes).
 #[test]
 fn split_matrices_travel_in_one_all_to_all_each_way_to_a_holding_root() {
+    let bf16 = MuonConfig {
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    };
+    for (config, elem_bytes) in [(MuonConfig::default(), 4), (bf16, 2)] {
+        travel_to_holding_roots(&Muon::new(config).unwrap(), elem_bytes);
+    }
+}
+
+fn travel_to_holding_roots(opt: &Muon, elem_bytes: usize) {
     let spec = specs(&TENSORS);
     let (p0, grads) = data(&spec, 1, 17);
-    let opt = Muon::new(MuonConfig::default()).unwrap();
     let muon_elems: usize = spec
         .iter()
         .filter(|t| opt.uses_muon(&t.name, &t.shape))
@@ -625,7 +654,7 @@ fn split_matrices_travel_in_one_all_to_all_each_way_to_a_holding_root() {
     };
     for layout in [Layout::Rows, Layout::Fsdp2] {
         for world in [2, 3, 4, 8] {
-            let shards = layout_shards(&opt, &spec, world, layout, &opts);
+            let shards = layout_shards(opt, &spec, world, layout, &opts);
             let roots = opt.roots(&shards[0]);
             assert!(roots.has_split(), "{layout:?} world {world}: nothing split");
             // Every rank derives the same roots; each root holds part of its matrix.
@@ -655,28 +684,34 @@ fn split_matrices_travel_in_one_all_to_all_each_way_to_a_holding_root() {
             assert!(worst <= total / world as u64 + largest, "{:?}", roots.load);
 
             let comms = ThreadWorld::new(world).unwrap();
-            let counted: Vec<(usize, usize)> = std::thread::scope(|s| {
+            let counted: Vec<(usize, usize, usize)> = std::thread::scope(|s| {
                 let handles: Vec<_> = shards
                     .iter()
                     .zip(&comms)
                     .map(|(shard, comm)| {
                         let (p0, grads) = (&p0, &grads);
-                        let opt = &opt;
                         s.spawn(move || {
                             let c = Counting {
                                 inner: comm,
                                 calls: AtomicUsize::new(0),
                                 sent: AtomicUsize::new(0),
+                                sent_bytes: AtomicUsize::new(0),
                             };
                             run_rank(opt, shard, p0, grads, &c);
-                            (c.calls.into_inner(), c.sent.into_inner())
+                            (
+                                c.calls.into_inner(),
+                                c.sent.into_inner(),
+                                c.sent_bytes.into_inner(),
+                            )
                         })
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             let sent: usize = counted.iter().map(|c| c.1).sum();
-            for (rank, (calls, _)) in counted.iter().enumerate() {
+            let bytes: usize = counted.iter().map(|c| c.2).sum();
+            assert_eq!(bytes, elem_bytes * sent, "{layout:?} world {world}: bytes");
+            for (rank, (calls, ..)) in counted.iter().enumerate() {
                 assert_eq!(
                     *calls, 2,
                     "{layout:?} world {world} rank {rank}: all-to-alls"
@@ -957,10 +992,10 @@ fn released_buffers_are_freed_and_change_no_bit() {
     assert_eq!(s, s_kept);
 }
 
-/// bf16 Newton–Schulz on the AMX products takes `U` in bf16 where every matrix is whole on
-/// the rank: the kept buffer is 2 bytes an element, not 4 (the bits are those of the `f32`
-/// `U` of a split layout: `sharded_muon_step_is_bitwise_equal_to_unsharded`); elsewhere,
-/// and for a split layout, `U` stays `f32`.
+/// bf16 Newton–Schulz on the AMX products keeps `U` in bf16, whole matrices and split ones
+/// alike: the kept buffer is 2 bytes an element, not 4 (the bits are those of an `f32` `U`:
+/// `sharded_muon_step_is_bitwise_equal_to_unsharded` with the gemm backend); elsewhere `U`
+/// stays `f32`.
 #[test]
 fn bf16_newton_schulz_on_amx_keeps_u_in_bf16() {
     let spec = specs(&TENSORS);
@@ -977,19 +1012,20 @@ fn bf16_newton_schulz_on_amx_keeps_u_in_bf16() {
     if let Err(e) = &amx {
         eprintln!("bf16_newton_schulz_on_amx_keeps_u_in_bf16: U stays f32 here ({e})");
     }
+    let kept_as_expected = |bytes: usize, len: usize| {
+        if amx.is_ok() {
+            (2 * len..4 * len).contains(&bytes)
+        } else {
+            bytes >= 4 * len
+        }
+    };
     let shard = whole_shard(&opt, &spec);
     run_rank(&opt, &shard, &p0, &grads, &SingleRank);
     let bytes = opt.release_buffers();
-    if amx.is_ok() {
-        assert!(
-            (2 * shard.len..4 * shard.len).contains(&bytes),
-            "{bytes} bytes"
-        );
-    } else {
-        assert!(bytes >= 4 * shard.len, "{bytes} bytes");
-    }
-    // Rows split over 2 ranks: the matrices travel to their roots in `f32`.
+    assert!(kept_as_expected(bytes, shard.len), "{bytes} bytes");
+    // Rows split over 2 ranks: the split matrices travel to their roots and back.
     let shards = layout_shards(&opt, &spec, 2, Layout::Rows, &PlanOptions::default());
+    assert!(opt.roots(&shards[0]).has_split());
     let opts: Vec<Muon> = shards.iter().map(|_| opt.clone()).collect();
     ThreadWorld::run(2, |comm| {
         let r = comm.rank();
@@ -998,7 +1034,8 @@ fn bf16_newton_schulz_on_amx_keeps_u_in_bf16() {
     })
     .unwrap();
     for (o, sh) in opts.iter().zip(&shards) {
-        assert!(o.release_buffers() >= 4 * sh.len);
+        let bytes = o.release_buffers();
+        assert!(kept_as_expected(bytes, sh.len), "{bytes} bytes");
     }
 }
 
