@@ -38,7 +38,7 @@ use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::{AtomicBlock, Result};
-use ragged_optimizers::{AdamW, AdamWConfig, Muon, MuonConfig};
+use ragged_optimizers::{AdamW, AdamWConfig, Muon, MuonConfig, NsConfig, NsPrecision};
 
 /// One check: `Some(passed)`, or `None` when it needs more ranks than this world has.
 type Check = fn(&MpiComm) -> Result<Option<bool>>;
@@ -201,8 +201,7 @@ fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
 }
 
 fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    if world < 2 {
+    if comm.world_size() < 2 {
         return Ok(None);
     }
     let specs = [
@@ -214,7 +213,26 @@ fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
     .into_iter()
     .map(|(n, s)| TensorSpec::new(n.to_string(), &s, DType::F32))
     .collect::<Result<Vec<_>>>()?;
-    let opt = Muon::new(MuonConfig::default())?;
+    // f32 Newton–Schulz, and bf16 (its split matrices then travel in bf16).
+    let bf16 = MuonConfig {
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    };
+    let mut all_same = true;
+    for config in [MuonConfig::default(), bf16] {
+        all_same &= sharded_muon_with(comm, &specs, Muon::new(config)?)?;
+    }
+    Ok(Some(all_same))
+}
+
+/// [`sharded_muon`] with one configuration: whether this rank's elements equal the unsharded
+/// run's bit for bit, with matrices split.
+fn sharded_muon_with(comm: &MpiComm, specs: &[TensorSpec], opt: Muon) -> Result<bool> {
+    let rank = comm.rank();
+    let world = comm.world_size();
     // Row-granular blocks, so the planner splits matrices between ranks.
     let unit = Unit {
         name: "unit".into(),
@@ -259,7 +277,7 @@ fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {
             .zip(want)
             .all(|(a, b)| a.to_bits() == b.to_bits())
     });
-    Ok(Some(same && opt.roots(&shard).has_split()))
+    Ok(same && opt.roots(&shard).has_split())
 }
 
 /// A local buffer holding this shard's pieces of the global tensors; padding zero.

@@ -828,7 +828,7 @@ pub fn muon_comm_bytes(muon: &Muon, set: &ShapeSet) -> Result<u64> {
         tensors: specs.iter().collect(),
     };
     let (_, report) = split.plan_layout(&unit, COMM_WORLD, &PlanOptions::default())?;
-    Ok(2 * 4 * report.moved as u64)
+    Ok(2 * report.route_elem_bytes * report.moved as u64)
 }
 
 /// Shampoo on a `[.., c]` tensor cut into blocks of at most `SHAMPOO_DIM` rows and columns:

@@ -42,7 +42,7 @@
 //! needs. How matrices are actually laid out is negotiable, per tensor
 //! ([`MuonConfig::layout`], [`Muon::plan_layout`], [`crate::muon_layout`]):
 //! - a matrix **whole on one rank** is orthogonalized in place, with no communication (with
-//!   bf16 Newton–Schulz on the AMX products and no matrix split, `U` itself is kept in bf16:
+//!   bf16 Newton–Schulz on the AMX products, `U` itself is kept in bf16:
 //!   the same values in half the bytes);
 //! - a matrix **split over ranks** (a row-split plan, or FSDP2's `Shard(0)`) gets a root
 //!   chosen by longest-processing-time ([`crate::roots`]); one batched all-to-all gathers
@@ -269,8 +269,8 @@ pub struct Muon {
 struct UBuffer(std::sync::Mutex<UWork>);
 
 /// `U` in `f32`, or in bf16 where Newton–Schulz takes bf16 input ([`takes_bf16_input`]: bf16
-/// on the AMX products, which round their input to bf16 first) and no matrix is split (the
-/// routes to the roots carry `f32`). bf16 holds the same values the products read, in half
+/// on the AMX products, which round their input to bf16 first; split matrices then travel
+/// to their roots and back in bf16 too). bf16 holds the same values the products read, in half
 /// the bytes: the momentum pass writes 2 bytes an element instead of 4, the norm and the
 /// products' packing read 2, Newton–Schulz writes its result back in 2 and the update reads
 /// 2, so the bits are those of the `f32` path.

@@ -7,9 +7,12 @@
 //!
 //! # Cost model (bytes on the wire per step, all ranks together)
 //! - Padding: every padded element rides in each step's parameter all-gather and gradient
-//!   reduce-scatter and reaches the `V − 1` other ranks: `2·(V − 1)·padding` elements.
+//!   reduce-scatter and reaches the `V − 1` other ranks: `2·(V − 1)·padding` elements of 4
+//!   bytes.
 //! - Split matrices: each element not already on its root travels there and back:
-//!   `2·moved` elements ([`RootPlan::moved_elems`](crate::roots::RootPlan::moved_elems)).
+//!   `2·moved` elements ([`RootPlan::moved_elems`](crate::roots::RootPlan::moved_elems)) of
+//!   [`Muon::route_elem_bytes`]: 4, or 2 when Newton–Schulz runs in bf16 (the routes carry
+//!   bf16), which makes splitting cheaper.
 //!
 //! [`MatrixLayout::Auto`] searches greedily from both ends, every Muon tensor whole (then
 //! splitting some while that lowers the total) and every one split (then making some whole),
@@ -32,6 +35,7 @@ use ragged::plan::{plan_unit, Plan, PlanOptions};
 use ragged::{AtomicBlock, Result};
 
 use crate::muon::Muon;
+use crate::newton_schulz::NsPrecision;
 
 /// How Muon lays out its matrices (see the module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -70,12 +74,14 @@ pub struct LayoutReport {
     pub whole_padding: usize,
     /// Elements sent to roots per step and direction by the final plan.
     pub moved: usize,
+    /// Bytes of one element on the routes to the roots ([`Muon::route_elem_bytes`]).
+    pub route_elem_bytes: u64,
 }
 
 impl LayoutReport {
-    /// Bytes on the wire per step that the layout costs (module doc), for `f32` elements.
+    /// Bytes on the wire per step that the layout costs (module doc).
     pub fn cost_bytes(&self) -> u64 {
-        wire_elems(self.world, self.padding, self.moved) * 4
+        wire_bytes(self.world, self.padding, self.moved, self.route_elem_bytes)
     }
 }
 
@@ -112,11 +118,22 @@ impl fmt::Display for LayoutReport {
     }
 }
 
-fn wire_elems(world: usize, padding: usize, moved: usize) -> u64 {
-    2 * (world.saturating_sub(1) as u64) * padding as u64 + 2 * moved as u64
+/// The module doc's cost: padding in `f32` collectives, moved elements of `route_elem_bytes`.
+fn wire_bytes(world: usize, padding: usize, moved: usize, route_elem_bytes: u64) -> u64 {
+    let padding = 2 * (world.saturating_sub(1) as u64) * padding as u64;
+    4 * padding + 2 * moved as u64 * route_elem_bytes
 }
 
 impl Muon {
+    /// Bytes of one element on the routes of split matrices to their roots: 2 when
+    /// Newton–Schulz runs in bf16 (the host step carries them in bf16), else 4.
+    pub fn route_elem_bytes(&self) -> u64 {
+        match self.config().ns.precision {
+            NsPrecision::Bf16 => 2,
+            NsPrecision::F32 => 4,
+        }
+    }
+
     /// Plans `unit` under [`crate::MuonConfig::layout`] and reports the choice per tensor.
     pub fn plan_layout(
         &self,
@@ -170,6 +187,7 @@ impl Muon {
             padding: best.plan.padding(),
             whole_padding,
             moved: best.moved,
+            route_elem_bytes: self.route_elem_bytes(),
         };
         Ok((best.plan, report))
     }
@@ -284,7 +302,7 @@ impl Muon {
         }
         let moved = per_param.iter().sum();
         Ok(Costed {
-            wire: wire_elems(world, plan.padding(), moved),
+            wire: wire_bytes(world, plan.padding(), moved, self.route_elem_bytes()),
             plan,
             moved,
             per_param,

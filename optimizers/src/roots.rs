@@ -18,7 +18,9 @@
 //!
 //! # Routes
 //! One batched `all_to_all_v` gathers every split matrix to its root; a second one, with the
-//! counts mirrored, scatters the results back ([`Routes`], derived once per step).
+//! counts mirrored, scatters the results back ([`Routes`], derived once per step). The host
+//! exchanges carry the caller's wire type ([`Exchange::run_host`]): Muon sends bf16 when its
+//! Newton–Schulz runs in bf16.
 
 use std::ops::Range;
 

@@ -13,7 +13,7 @@ use ragged::{RoleRule, RoleSettings};
 use ragged_optimizers::validate::{LayoutKind, ValidateReport};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamState, AdamW, AdamWConfig, LrScale, MatrixLayout, Muon,
-    MuonConfig, Shampoo,
+    MuonConfig, NsConfig, NsPrecision, Shampoo,
 };
 
 mod harness;
@@ -407,16 +407,28 @@ fn layout_cost_counts_padding_and_both_trips_of_moved_elements() {
         name: "unit".into(),
         tensors: spec.iter().collect(),
     };
-    for layout in [MatrixLayout::Split, MatrixLayout::Auto, MatrixLayout::Whole] {
+    // Moved elements travel in f32, or in bf16 when Newton–Schulz runs in bf16.
+    let layouts = [MatrixLayout::Split, MatrixLayout::Auto, MatrixLayout::Whole];
+    let precisions = [(NsPrecision::F32, 4), (NsPrecision::Bf16, 2)];
+    for (layout, (precision, route)) in layouts.into_iter().flat_map(|l| precisions.map(|p| (l, p)))
+    {
         for world in [3, 8] {
             let opt = muon(MuonConfig {
                 layout,
+                ns: NsConfig {
+                    precision,
+                    ..NsConfig::default()
+                },
                 ..MuonConfig::default()
             });
             let (plan, report) = opt.plan_layout(&unit, world, &opts).unwrap();
             let v = world as u64;
             let (pad, moved) = (report.padding as u64, report.moved as u64);
-            assert_eq!(report.cost_bytes(), 4 * (2 * (v - 1) * pad + 2 * moved));
+            assert_eq!(report.route_elem_bytes, route);
+            assert_eq!(
+                report.cost_bytes(),
+                4 * 2 * (v - 1) * pad + route * 2 * moved
+            );
             let shard = LocalShard::from_plan(&plan, 0).unwrap();
             assert_eq!(opt.roots(&shard).moved_elems(&shard), report.moved);
             if layout == MatrixLayout::Split {

@@ -105,6 +105,7 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     c.all_gather_segments((&send[..]).into(), &mut segments)?;
     drop(segments);
     out.push(f32_bits(&parts.concat()));
+    out.push(bf16_bits(&uneven_all_to_all_bf16(c)?));
     Ok(out)
 }
 
@@ -116,6 +117,26 @@ pub fn uneven_all_to_all(c: &dyn Communicator) -> Result<Vec<f32>> {
     let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
     let send = values(send_counts.iter().sum(), rank as u32 + 7);
     let mut recv = vec![0f32; recv_counts.iter().sum()];
+    c.all_to_all_v(
+        (&send[..]).into(),
+        &send_counts,
+        (&mut recv[..]).into(),
+        &recv_counts,
+    )?;
+    Ok(recv)
+}
+
+/// [`uneven_all_to_all`]'s counts with bf16 values (Muon's routes when its Newton–Schulz
+/// runs in bf16).
+fn uneven_all_to_all_bf16(c: &dyn Communicator) -> Result<Vec<bf16>> {
+    let (rank, world) = (c.rank(), c.world_size());
+    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
+    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
+    let send: Vec<bf16> = values(send_counts.iter().sum(), rank as u32 + 11)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let mut recv = vec![bf16::ZERO; recv_counts.iter().sum()];
     c.all_to_all_v(
         (&send[..]).into(),
         &send_counts,
