@@ -772,7 +772,11 @@ pub fn ns_flops(rows: usize, cols: usize, steps: usize) -> f64 {
 /// The cost of one step of `kind` on `set` (the benchmark's configs).
 pub fn cost(kind: OptimKind, set: &ShapeSet) -> Result<Cost> {
     let adam8 = Adam8bit::new(Adam8bitConfig::default())?;
-    let muon = Muon::new(muon_config(NsPrecision::F32))?;
+    let precision = match kind {
+        OptimKind::MuonBf16 => NsPrecision::Bf16,
+        _ => NsPrecision::F32,
+    };
+    let muon = Muon::new(muon_config(precision))?;
     let steps = muon.config().ns.steps;
     let mut c = Cost {
         comm_bytes: Some(0),
@@ -1284,8 +1288,9 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(
         out,
         "`comm B/step`: bytes Muon's gather and scatter all-to-alls move per step when the \
-         shapes are one unit row-split over {COMM_WORLD} ranks (0 for whole-matrix layouts and \
-         for the element-wise optimizers, whose only traffic is FSDP's own). Shampoo's \
+         shapes are one unit row-split over {COMM_WORLD} ranks, `f32` or, with bf16 \
+         Newton–Schulz, bf16 (0 for whole-matrix layouts and for the element-wise optimizers, \
+         whose only traffic is FSDP's own). Shampoo's \
          GFLOP/step leaves out its eigendecompositions.\n"
     );
     let _ = writeln!(
@@ -1370,6 +1375,16 @@ pub fn markdown(r: &Report) -> String {
 mod tests {
     use super::*;
     use crate::newton_schulz::{resolve_backend, NsBackend};
+
+    #[test]
+    fn bf16_muon_moves_half_the_bytes_of_f32_muon() {
+        for set in [square(512), llama_stack(256, 1)] {
+            let f32_bytes = cost(OptimKind::Muon, &set).unwrap().comm_bytes.unwrap();
+            let bf16_bytes = cost(OptimKind::MuonBf16, &set).unwrap().comm_bytes.unwrap();
+            assert!(f32_bytes > 0, "{}: nothing moved", set.name);
+            assert_eq!(2 * bf16_bytes, f32_bytes, "{}", set.name);
+        }
+    }
 
     #[test]
     fn ns_flops_of_a_square_matrix_is_six_cubes_per_iteration_plus_element_ops() {
