@@ -7,7 +7,7 @@
 
 use half::bf16;
 
-use super::{Communicator, ReduceOp, Segment};
+use super::{Buf, BufMut, Communicator, ReduceOp, Segment};
 use crate::Result;
 
 /// Elements per rank slice in [`exercise`] (odd, so no buffer is a power of two).
@@ -112,31 +112,33 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
 /// An uneven all-to-all-v: rank `r` sends `((r + j) mod 3)·5` seeded values to rank `j`; what
 /// this rank received.
 pub fn uneven_all_to_all(c: &dyn Communicator) -> Result<Vec<f32>> {
-    let (rank, world) = (c.rank(), c.world_size());
-    let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
-    let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
-    let send = values(send_counts.iter().sum(), rank as u32 + 7);
-    let mut recv = vec![0f32; recv_counts.iter().sum()];
-    c.all_to_all_v(
-        (&send[..]).into(),
-        &send_counts,
-        (&mut recv[..]).into(),
-        &recv_counts,
-    )?;
-    Ok(recv)
+    uneven_all_to_all_of(c, 7, |x| x)
 }
 
 /// [`uneven_all_to_all`]'s counts with bf16 values (Muon's routes when its Newton–Schulz
 /// runs in bf16).
 fn uneven_all_to_all_bf16(c: &dyn Communicator) -> Result<Vec<bf16>> {
+    uneven_all_to_all_of(c, 11, bf16::from_f32)
+}
+
+/// The uneven all-to-all-v of values seeded `seed + rank`, as `T`.
+fn uneven_all_to_all_of<T: Copy + Default>(
+    c: &dyn Communicator,
+    seed: u32,
+    to: impl Fn(f32) -> T,
+) -> Result<Vec<T>>
+where
+    for<'a> &'a [T]: Into<Buf<'a>>,
+    for<'a> &'a mut [T]: Into<BufMut<'a>>,
+{
     let (rank, world) = (c.rank(), c.world_size());
     let send_counts: Vec<usize> = (0..world).map(|j| (rank + j) % 3 * 5).collect();
     let recv_counts: Vec<usize> = (0..world).map(|j| (j + rank) % 3 * 5).collect();
-    let send: Vec<bf16> = values(send_counts.iter().sum(), rank as u32 + 11)
+    let send: Vec<T> = values(send_counts.iter().sum(), rank as u32 + seed)
         .into_iter()
-        .map(bf16::from_f32)
+        .map(to)
         .collect();
-    let mut recv = vec![bf16::ZERO; recv_counts.iter().sum()];
+    let mut recv = vec![T::default(); recv_counts.iter().sum()];
     c.all_to_all_v(
         (&send[..]).into(),
         &send_counts,
