@@ -126,7 +126,7 @@ fn wire_bytes(world: usize, padding: usize, moved: usize, route_elem_bytes: u64)
 
 impl Muon {
     /// Bytes of one element on the routes of split matrices to their roots: 2 when
-    /// Newton–Schulz runs in bf16 (the host step carries them in bf16), else 4.
+    /// Newton–Schulz runs in bf16 (the host and device steps carry them in bf16), else 4.
     pub fn route_elem_bytes(&self) -> u64 {
         match self.config().ns.precision {
             NsPrecision::Bf16 => 2,

@@ -651,6 +651,44 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     assert_eq!(st.step, 0, "nothing modified");
 }
 
+/// With bf16 Newton–Schulz the device step's split matrices travel to their roots and back
+/// in bf16 (as the host step's): bitwise the device step of the whole matrices on one rank,
+/// since Newton–Schulz rounds its input to bf16 first and returns bf16 values.
+#[test]
+fn bf16_split_matrices_on_the_device_equal_whole_ones_bitwise() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[48, 32]),
+        ("w1", &[48, 32]),
+        ("w2", &[40, 24]),
+        ("b", &[7]),
+    ]);
+    let opt = Muon::new(MuonConfig {
+        lr: 1e-2,
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..standard_ns()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(opt.route_elem_bytes(), 2);
+    let shards = split_rows(&opt, &spec, 3);
+    let whole = [muon_shard(&opt, &spec)];
+    let mut rng = Rng::new(35);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    let (_, split) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
+    let (_, one) = sharded_muon_on_cpu_and_gpu_threads(&opt, &whole, &dev, &p0, &grads);
+    let numels: Vec<usize> = spec.iter().map(TensorSpec::numel).collect();
+    let locals: Vec<Vec<f32>> = split.iter().map(|r| r.0.clone()).collect();
+    let got = harness::gather(&shards, &locals, &numels);
+    let want = harness::gather(&whole, &[one[0].0.clone()], &numels);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(bits(g), bits(w), "params of {}", spec[i].name);
+    }
+}
+
 /// The GPU benchmark (`ragged bench optim --device cuda`) on tiny sizes: every row is a finite
 /// positive rate with a positive same-run baseline, the 8-bit rows say the kernel's launch
 /// shape (cuda-emu reports 0 registers), and the table names the device.

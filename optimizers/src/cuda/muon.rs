@@ -13,7 +13,9 @@ use std::ops::Range;
 
 use ragged::comm::Communicator;
 
+use half::bf16;
 use ragged::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::storage::View;
 use ragged::Result;
@@ -116,8 +118,10 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
         let (dev, shard) = (self.dev, plan.shard);
         let arena_len = plan.routes.map_or(0, |r| r.arena_len()).max(1);
         let mut arena = dev.zeros::<f32>(arena_len)?;
+        // As on the host: split matrices travel in bf16 when Newton–Schulz runs in bf16.
+        let bf16_wire = muon.route_elem_bytes() == 2;
         if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
-            exchange(&r.gather_exchange(), dev, &self.u, &mut arena, c)?;
+            exchange(&r.gather_exchange(), dev, &self.u, &mut arena, c, bf16_wire)?;
         }
         for piece in &shard.pieces {
             let Some(step) = muon.matrix_step(&shard.params[piece.param]) else {
@@ -139,7 +143,14 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
                 orthogonalize_cuda(dev, &mut x, 1, job.rows, job.cols, &muon.config().ns)?;
                 at += n;
             }
-            exchange(&r.scatter_exchange(), dev, &arena, &mut self.u, c)?;
+            exchange(
+                &r.scatter_exchange(),
+                dev,
+                &arena,
+                &mut self.u,
+                c,
+                bf16_wire,
+            )?;
         }
         Ok(())
     }
@@ -175,17 +186,37 @@ fn exchange(
     from: &CudaSlice<f32>,
     to: &mut CudaSlice<f32>,
     comm: &dyn Communicator,
+    bf16_wire: bool,
 ) -> Result<()> {
     let (ns, nr) = (ex.send_len(), ex.recv_len());
     let mut send = dev.zeros::<f32>(ns.max(1))?;
     copy_runs(dev, &ex.pack, from, &mut send)?;
     let mut recv = dev.zeros::<f32>(nr.max(1))?;
-    comm.all_to_all_v(
-        send.slice(..ns).into(),
-        &ex.send_counts,
-        recv.slice_mut(..nr).into(),
-        &ex.recv_counts,
-    )?;
+    if bf16_wire {
+        // The send buffer rounded to bf16 (nearest, ties to even: the host's rounding),
+        // exchanged, widened back.
+        let (mut send16, mut recv16) =
+            (dev.zeros::<bf16>(ns.max(1))?, dev.zeros::<bf16>(nr.max(1))?);
+        if ns > 0 {
+            f32_to_bf16(dev, &send.slice(..ns), &mut send16.slice_mut(..ns))?;
+        }
+        comm.all_to_all_v(
+            send16.slice(..ns).into(),
+            &ex.send_counts,
+            recv16.slice_mut(..nr).into(),
+            &ex.recv_counts,
+        )?;
+        if nr > 0 {
+            bf16_to_f32(dev, &recv16.slice(..nr), &mut recv.slice_mut(..nr))?;
+        }
+    } else {
+        comm.all_to_all_v(
+            send.slice(..ns).into(),
+            &ex.send_counts,
+            recv.slice_mut(..nr).into(),
+            &ex.recv_counts,
+        )?;
+    }
     copy_runs(dev, &ex.unpack, &recv, to)?;
     copy_runs(dev, &ex.own, from, to)
 }
