@@ -47,7 +47,9 @@
 //! - a matrix **split over ranks** (a row-split plan, or FSDP2's `Shard(0)`) gets a root
 //!   chosen by longest-processing-time ([`crate::roots`]); one batched all-to-all gathers
 //!   every split matrix's `U` to its root, the root runs Newton–Schulz, one all-to-all sends
-//!   each holder its rows of `O` back. Element steps 1–2 and 4–5 run where the elements live.
+//!   each holder its rows of `O` back (both in bf16 when Newton–Schulz runs in bf16, which
+//!   rounds its input to bf16 first and returns bf16 values: the same bits in half the
+//!   bytes). Element steps 1–2 and 4–5 run where the elements live.
 //!
 //! Either way Newton–Schulz sees the whole matrix, bit for bit the unsharded one, so a
 //! sharded step equals the unsharded step bitwise. A partial matrix is never orthogonalized:
@@ -81,7 +83,7 @@ use crate::common::{
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{
     ns_macs, orthogonalize, orthogonalize_many, orthogonalize_many_bf16, resolve_config,
-    takes_bf16_input, NsConfig, NsPrecision,
+    takes_bf16_input, NsConfig,
 };
 use crate::roots::{RootPlan, RouteElem, Routes};
 
@@ -655,9 +657,8 @@ impl MuonKernels for HostMuon<'_> {
     }
 
     fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
-        let ns = &muon.config.ns;
         match &mut self.u {
-            UWork::F32(u) if ns.precision == NsPrecision::Bf16 => {
+            UWork::F32(u) if muon.route_elem_bytes() == 2 => {
                 orthogonalize_routed::<f32, bf16>(muon, plan, u, orthogonalize_many)
             }
             UWork::F32(u) => orthogonalize_routed::<f32, f32>(muon, plan, u, orthogonalize_many),
