@@ -1216,8 +1216,8 @@ impl Denom {
 }
 
 /// An element Newton–Schulz's AMX path reads its input from and writes its result to: `f32`
-/// (rounded to bf16 as it is read, the result widened), or bf16 (Muon's `U` on a rank whose
-/// matrices are all whole: the same values in half the bytes, so the same bits).
+/// (rounded to bf16 as it is read, the result widened), or bf16 (Muon's `U` on the AMX
+/// backend: the same values in half the bytes, so the same bits).
 pub(crate) trait AmxElement: Copy + Send + Sync {
     /// What a non-finite input turns the matrix into.
     const NAN: Self;
