@@ -303,7 +303,7 @@ impl Exchange {
         comm: &dyn Communicator,
     ) -> Result<()> {
         let mut send = vec![W::default(); self.send_len()];
-        copy_runs(&self.pack, from, &mut send);
+        convert_runs(&self.pack, from, &mut send);
         let mut recv = vec![W::default(); self.recv_len()];
         comm.all_to_all_v(
             W::buf(&send),
@@ -311,7 +311,7 @@ impl Exchange {
             W::buf_mut(&mut recv),
             &self.recv_counts,
         )?;
-        copy_runs(&self.unpack, &recv, to);
+        convert_runs(&self.unpack, &recv, to);
         copy_runs(&self.own, from, to);
         Ok(())
     }
@@ -357,7 +357,15 @@ impl RouteElem for bf16 {
     }
 }
 
-fn copy_runs<S: RouteElem, D: RouteElem>(runs: &[Run], from: &[S], to: &mut [D]) {
+/// `runs` from `from` into `to`, as they are (the runs that never leave this rank).
+fn copy_runs<T: Copy>(runs: &[Run], from: &[T], to: &mut [T]) {
+    for r in runs {
+        to[r.dst..r.dst + r.len].copy_from_slice(&from[r.src..r.src + r.len]);
+    }
+}
+
+/// `runs` from `from` into `to`, each element converted through `f32` (onto or off the wire).
+fn convert_runs<S: RouteElem, D: RouteElem>(runs: &[Run], from: &[S], to: &mut [D]) {
     for r in runs {
         let (from, to) = (&from[r.src..r.src + r.len], &mut to[r.dst..r.dst + r.len]);
         for (d, &s) in to.iter_mut().zip(from) {

@@ -604,6 +604,22 @@ fn sharded_muon_on_cpu_and_gpu_threads(
     (cpu, gpu)
 }
 
+/// Three Muon matrices and a vector for the split-layout device tests, with seeded initial
+/// parameters and [`STEPS`] gradients.
+#[allow(clippy::type_complexity)]
+fn split_case(seed: u64) -> (Vec<TensorSpec>, Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+    let spec = specs(&[
+        ("w0", &[48, 32]),
+        ("w1", &[48, 32]),
+        ("w2", &[40, 24]),
+        ("b", &[7]),
+    ]);
+    let mut rng = Rng::new(seed);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    (spec, p0, grads)
+}
+
 /// The device step on a split layout over thread ranks on one GPU (matrices gathered to their
 /// roots with device copies and the device all-to-all) against the CPU sharded step: momentum
 /// and the AdamW moments bitwise, parameters within the Newton–Schulz tolerance.
@@ -611,23 +627,14 @@ fn sharded_muon_on_cpu_and_gpu_threads(
 fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let spec = specs(&[
-        ("w0", &[48, 32]),
-        ("w1", &[48, 32]),
-        ("w2", &[40, 24]),
-        ("b", &[7]),
-    ]);
     let opt = Muon::new(MuonConfig {
         lr: 1e-2,
         ns: standard_ns(),
         ..Default::default()
     })
     .unwrap();
-    let world = 3;
-    let shards = split_rows(&opt, &spec, world);
-    let mut rng = Rng::new(33);
-    let p0 = globals(&spec, &mut rng, 1.0);
-    let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    let (spec, p0, grads) = split_case(33);
+    let shards = split_rows(&opt, &spec, 3);
     let (cpu, gpu) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
     for (r, ((gp, gm, gv), (cp, cm, cv))) in gpu.iter().zip(&cpu).enumerate() {
         assert_eq!(bits(gm), bits(cm), "rank {r}: m");
@@ -657,12 +664,6 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
 #[test]
 fn bf16_split_matrices_on_the_device_equal_whole_ones_bitwise() {
     let Some(dev) = device() else { return };
-    let spec = specs(&[
-        ("w0", &[48, 32]),
-        ("w1", &[48, 32]),
-        ("w2", &[40, 24]),
-        ("b", &[7]),
-    ]);
     let opt = Muon::new(MuonConfig {
         lr: 1e-2,
         ns: NsConfig {
@@ -673,11 +674,9 @@ fn bf16_split_matrices_on_the_device_equal_whole_ones_bitwise() {
     })
     .unwrap();
     assert_eq!(opt.route_elem_bytes(), 2);
+    let (spec, p0, grads) = split_case(35);
     let shards = split_rows(&opt, &spec, 3);
     let whole = [muon_shard(&opt, &spec)];
-    let mut rng = Rng::new(35);
-    let p0 = globals(&spec, &mut rng, 1.0);
-    let grads: Vec<Vec<Vec<f32>>> = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
     let (_, split) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
     let (_, one) = sharded_muon_on_cpu_and_gpu_threads(&opt, &whole, &dev, &p0, &grads);
     let numels: Vec<usize> = spec.iter().map(TensorSpec::numel).collect();
