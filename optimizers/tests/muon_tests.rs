@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use half::bf16;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
 use ragged::model::{DType, TensorSpec, Unit};
@@ -723,6 +724,84 @@ fn travel_to_holding_roots(opt: &Muon, elem_bytes: usize) {
                 "{layout:?} world {world}: {sent} elements moved for {muon_elems}"
             );
         }
+    }
+}
+
+/// The host routes carry bf16 elements on a bf16 wire as they are: every split matrix arrives
+/// at its root with the bits of the global matrix, and goes back to its holders unchanged,
+/// a signaling NaN's payload included (a conversion through `f32` would quiet it). On any
+/// CPU: the bf16 Muon step takes this path only where Newton–Schulz runs on AMX.
+#[test]
+fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
+    let spec = specs(&TENSORS);
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    let opts = PlanOptions {
+        coll_align: 1,
+        ..PlanOptions::default()
+    };
+    let mut rng = Rng::new(23);
+    let mut global: Vec<Vec<bf16>> = spec
+        .iter()
+        .map(|t| rng.units(t.numel()).into_iter().map(bf16::from_f32).collect())
+        .collect();
+    let (wide, tall) = (0, 1);
+    global[wide][5] = bf16::from_bits(0x7f81); // signaling NaN, payload 1
+    global[tall][77] = bf16::from_bits(0x0001); // smallest subnormal
+    for world in [2, 3, 4] {
+        let shards = layout_shards(&opt, &spec, world, Layout::Rows, &opts);
+        let roots = opt.roots(&shards[0]);
+        assert!(roots.has_split(), "world {world}: nothing split");
+        let comms = ThreadWorld::new(world).unwrap();
+        std::thread::scope(|s| {
+            for (shard, comm) in shards.iter().zip(&comms) {
+                let (roots, global) = (&roots, &global);
+                s.spawn(move || {
+                    let mut local = vec![bf16::ZERO; shard.len];
+                    for p in &shard.pieces {
+                        local[p.offset..p.offset + p.range.len()]
+                            .copy_from_slice(&global[p.param][p.range.clone()]);
+                    }
+                    let routes = roots.routes(shard).unwrap();
+                    let arena = routes.gather::<bf16, bf16>(&local, comm).unwrap();
+                    let want: Vec<u16> = roots
+                        .rooted_here(shard.rank)
+                        .filter(|&k| roots.jobs[k].split)
+                        .flat_map(|k| &global[roots.jobs[k].param][roots.jobs[k].elems.clone()])
+                        .map(|x| x.to_bits())
+                        .collect();
+                    let got: Vec<u16> = arena.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(got.len(), want.len(), "world {world} rank {}", shard.rank);
+                    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                        panic!(
+                            "world {world} rank {}: gathered element {i} is {:#06x}, not {:#06x}",
+                            shard.rank, got[i], want[i]
+                        );
+                    }
+                    let mut back = vec![bf16::ZERO; shard.len];
+                    routes.scatter::<bf16, bf16>(&arena, &mut back, comm).unwrap();
+                    // Every element this rank holds of a split matrix comes back as it was.
+                    let mut checked = 0;
+                    for job in roots.jobs.iter().filter(|j| j.split) {
+                        for p in shard.pieces.iter().filter(|p| p.param == job.param) {
+                            let lo = p.range.start.max(job.elems.start);
+                            let hi = p.range.end.min(job.elems.end);
+                            for e in lo..hi {
+                                let at = p.offset + e - p.range.start;
+                                assert_eq!(
+                                    back[at].to_bits(),
+                                    local[at].to_bits(),
+                                    "world {world} rank {}: element {e} of param {}",
+                                    shard.rank,
+                                    job.param
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                    assert!(checked > 0, "world {world} rank {}: holds no split part", shard.rank);
+                });
+            }
+        });
     }
 }
 
