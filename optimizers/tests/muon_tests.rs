@@ -742,7 +742,12 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
     let mut rng = Rng::new(23);
     let mut global: Vec<Vec<bf16>> = spec
         .iter()
-        .map(|t| rng.units(t.numel()).into_iter().map(bf16::from_f32).collect())
+        .map(|t| {
+            rng.units(t.numel())
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        })
         .collect();
     let (wide, tall) = (0, 1);
     global[wide][5] = bf16::from_bits(0x7f81); // signaling NaN, payload 1
@@ -778,7 +783,9 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
                         );
                     }
                     let mut back = vec![bf16::ZERO; shard.len];
-                    routes.scatter::<bf16, bf16>(&arena, &mut back, comm).unwrap();
+                    routes
+                        .scatter::<bf16, bf16>(&arena, &mut back, comm)
+                        .unwrap();
                     // Every element this rank holds of a split matrix comes back as it was.
                     let mut checked = 0;
                     for job in roots.jobs.iter().filter(|j| j.split) {
@@ -798,7 +805,11 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
                             }
                         }
                     }
-                    assert!(checked > 0, "world {world} rank {}: holds no split part", shard.rank);
+                    assert!(
+                        checked > 0,
+                        "world {world} rank {}: holds no split part",
+                        shard.rank
+                    );
                 });
             }
         });
