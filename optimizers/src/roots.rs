@@ -293,9 +293,9 @@ impl Exchange {
         self.recv_counts.iter().sum()
     }
 
-    /// The exchange on host buffers of element type `E`, carried as `W` (each element
-    /// converted through `f32`: a bf16 wire rounds `f32` elements to the nearest bf16, and
-    /// carries bf16 ones as they are). Every rank must call it with the same `W`.
+    /// The exchange on host buffers of element type `E`, carried as `W` (a bf16 wire rounds
+    /// `f32` elements to the nearest bf16 and carries bf16 ones bit for bit; see
+    /// `convert_runs`). Every rank must call it with the same `W`.
     pub fn run_host<E: RouteElem, W: RouteElem>(
         &self,
         from: &[E],

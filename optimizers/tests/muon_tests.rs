@@ -761,11 +761,7 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
             for (shard, comm) in shards.iter().zip(&comms) {
                 let (roots, global) = (&roots, &global);
                 s.spawn(move || {
-                    let mut local = vec![bf16::ZERO; shard.len];
-                    for p in &shard.pieces {
-                        local[p.offset..p.offset + p.range.len()]
-                            .copy_from_slice(&global[p.param][p.range.clone()]);
-                    }
+                    let local = scatter(shard, global);
                     let routes = roots.routes(shard).unwrap();
                     let arena = routes.gather::<bf16, bf16>(&local, comm).unwrap();
                     let want: Vec<u16> = roots

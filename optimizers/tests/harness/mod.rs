@@ -44,8 +44,8 @@ pub fn numels(specs: &[TensorSpec]) -> Vec<usize> {
 }
 
 /// A local buffer holding this shard's pieces of the global tensors; padding zero.
-pub fn scatter(shard: &LocalShard, global: &[Vec<f32>]) -> Vec<f32> {
-    let mut local = vec![0.0; shard.len];
+pub fn scatter<T: Copy + Default>(shard: &LocalShard, global: &[Vec<T>]) -> Vec<T> {
+    let mut local = vec![T::default(); shard.len];
     for p in &shard.pieces {
         local[p.offset..p.offset + p.range.len()]
             .copy_from_slice(&global[p.param][p.range.clone()]);
