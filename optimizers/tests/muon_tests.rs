@@ -609,12 +609,8 @@ impl Communicator for Counting<'_> {
             .map(|j| send_counts[j])
             .sum();
         self.sent.fetch_add(away, Ordering::Relaxed);
-        let size = match send {
-            Buf::F32(_) => 4,
-            Buf::BF16(_) => 2,
-            _ => 0,
-        };
-        self.sent_bytes.fetch_add(size * away, Ordering::Relaxed);
+        self.sent_bytes
+            .fetch_add(send.elem_type().size() * away, Ordering::Relaxed);
         self.inner
             .all_to_all_v(send, send_counts, recv, recv_counts)
     }

@@ -51,6 +51,17 @@ pub enum ElemType {
     U8,
 }
 
+impl ElemType {
+    /// Bytes of one element.
+    pub fn size(self) -> usize {
+        match self {
+            ElemType::F32 => 4,
+            ElemType::BF16 => 2,
+            ElemType::U8 => 1,
+        }
+    }
+}
+
 /// A read-only buffer of one of the supported element types, in host memory or (feature
 /// `cuda`) device memory. Backends take the storage they support and return a
 /// clear `Err` for the other ([`host_only`]).

@@ -47,9 +47,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
 use mpi::Count;
 
-use super::protocol::{
-    elem_size, part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region,
-};
+use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
 use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::{Error, Result};
 
@@ -431,7 +429,7 @@ fn reduce_runs(elem: ElemType, runs: &[u8], n: usize, dst: &mut [u8], op: Reduce
     if n == 0 {
         return; // this rank's range is empty (a buffer shorter than the world)
     }
-    let es = elem_size(elem);
+    let es = elem.size();
     let srcs: Vec<*const u8> = runs.chunks(n * es).map(<[u8]>::as_ptr).collect();
     // SAFETY: each source holds `n` elements of `elem` (the runs are `n·es` bytes, validated
     // lengths), `dst` holds `n` and is a separate buffer; both are a `Scratch` or a caller's
@@ -489,7 +487,7 @@ impl Communicator for MpiComm {
             let s = me.len / v;
             let mut gathered = Scratch::new(bytes.len());
             world.all_to_all_into(&bytes[..], gathered.bytes_mut());
-            let own = &mut bytes[r * s * elem_size(me.elem)..(r + 1) * s * elem_size(me.elem)];
+            let own = &mut bytes[r * s * me.elem.size()..(r + 1) * s * me.elem.size()];
             reduce_runs(me.elem, gathered.bytes(), s, own, op);
             Ok(())
         })
@@ -507,7 +505,7 @@ impl Communicator for MpiComm {
         let elem = recv.elem_type();
         let (send, recv) = (bytes_of_mut(send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
-            let s = recv.len() / elem_size(elem);
+            let s = recv.len() / elem.size();
             let mut gathered = Scratch::new(send.len());
             world.all_to_all_into(&send[..], gathered.bytes_mut());
             reduce_runs(elem, gathered.bytes(), s, recv, op);
@@ -525,7 +523,7 @@ impl Communicator for MpiComm {
         };
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
-            let (v, r, es) = (self.size, self.rank, elem_size(me.elem));
+            let (v, r, es) = (self.size, self.rank, me.elem.size());
             let ranges: Vec<(usize, usize)> = (0..v).map(|k| part(me.len, v, k)).collect();
             // Phase 1: range r of every rank to rank r, reduced there in rank order.
             let send_counts = counts(ranges.iter().map(|&(lo, hi)| (hi - lo) * es));
@@ -563,7 +561,7 @@ impl Communicator for MpiComm {
             recv_counts: recv_counts.to_vec(),
             ..Post::new(Op::AllToAllV)
         };
-        let es = elem_size(post.send.elem);
+        let es = post.send.elem.size();
         let (send, recv) = (bytes_of(&send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
             let sc = counts(send_counts.iter().map(|&c| c * es));

@@ -119,15 +119,7 @@ impl Region {
 
     /// Address of element `i`, for `i <= len` (checked by the validation before any call).
     pub(crate) fn at(&self, i: usize) -> *mut u8 {
-        self.ptr.wrapping_add(i * elem_size(self.elem))
-    }
-}
-
-pub(crate) fn elem_size(elem: ElemType) -> usize {
-    match elem {
-        ElemType::F32 => 4,
-        ElemType::BF16 => 2,
-        ElemType::U8 => 1,
+        self.ptr.wrapping_add(i * self.elem.size())
     }
 }
 
@@ -177,8 +169,8 @@ pub(crate) fn widest_buffer_bytes(p: &Post, v: usize) -> usize {
     };
     [p.send, p.recv]
         .iter()
-        .map(|r| r.len.saturating_mul(elem_size(r.elem)))
-        .chain([runs.saturating_mul(elem_size(p.recv.elem))])
+        .map(|r| r.len.saturating_mul(r.elem.size()))
+        .chain([runs.saturating_mul(p.recv.elem.size())])
         .max()
         .unwrap_or(0)
 }

@@ -75,7 +75,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub(crate) use super::protocol::{elem_size, Region};
+pub(crate) use super::protocol::Region;
 use super::protocol::{offset, part, reduce_dyn, validate, Op, Post};
 use super::{check_segments, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
@@ -675,7 +675,7 @@ impl ThreadComm {
         };
         let (call, posts) = self.enter_in(mem, post)?;
         let s = me.len / self.world.size;
-        let bytes = s * elem_size(me.elem);
+        let bytes = s * me.elem.size();
         let phase = posts
             .iter()
             .enumerate()
@@ -695,7 +695,7 @@ impl ThreadComm {
         };
         let (call, posts) = self.enter_in(mem, post)?;
         let s = posts[0].send.len;
-        let bytes = s * elem_size(me.elem);
+        let bytes = s * me.elem.size();
         let phase = posts
             .iter()
             .enumerate()
@@ -726,7 +726,7 @@ impl ThreadComm {
             ..Post::new(Op::AllGather)
         };
         let (call, posts) = self.enter_in(mem, post)?;
-        let (s, es) = (send.len, elem_size(send.elem));
+        let (s, es) = (send.len, send.elem.size());
         let phase = segments.iter().try_for_each(|&(offset, seg)| {
             let end = offset + seg.len;
             // The ranks whose shards the segment covers (none when shards are empty).
@@ -818,7 +818,7 @@ impl ThreadComm {
                     // SAFETY: phase 2 reads only range k of buf_k, which rank k does not write (it
                     // writes its ranges ≠ k), and writes range k ≠ r of our buffer, which nobody
                     // else reads.
-                    unsafe { mem.copy(p.recv.at(lo), me.at(lo), (hi - lo) * elem_size(me.elem)) }
+                    unsafe { mem.copy(p.recv.at(lo), me.at(lo), (hi - lo) * me.elem.size()) }
                 })
         });
         call.finish_phase(mem, phase)
@@ -847,7 +847,7 @@ impl ThreadComm {
             // SAFETY: send buffers are shared borrows, never written; segment j of our recv
             // buffer is only ours; counts validated against every buffer length and against
             // each other (send_counts_j[r] == recv_counts_r[j]).
-            unsafe { mem.copy(src, dst, p.send_counts[r] * elem_size(me.elem)) }
+            unsafe { mem.copy(src, dst, p.send_counts[r] * me.elem.size()) }
         });
         call.finish_phase(mem, phase)
     }
@@ -862,7 +862,7 @@ impl ThreadComm {
         let phase = if self.rank != root {
             // SAFETY: the root only waits in this collective, so its buffer is not written;
             // ours is only ours; equal lengths validated.
-            unsafe { mem.copy(posts[root].recv.ptr, me.ptr, me.len * elem_size(me.elem)) }
+            unsafe { mem.copy(posts[root].recv.ptr, me.ptr, me.len * me.elem.size()) }
         } else {
             Ok(())
         };

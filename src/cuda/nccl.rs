@@ -246,7 +246,7 @@ fn join(
 }
 
 fn bytes_of(elem: ElemType) -> u64 {
-    crate::comm::threads::elem_size(elem) as u64
+    elem.size() as u64
 }
 
 impl NcclComm {
