@@ -308,12 +308,6 @@ impl NsConfig {
                 "must be finite and positive",
             );
         }
-        if self.method == NsMethod::Gram && self.precision == NsPrecision::Bf16 {
-            return bad(
-                "method = Gram, precision = Bf16".into(),
-                "Gram Newton–Schulz runs in f32 only (bf16 blurs X·Xᵀ's small eigenvalues)",
-            );
-        }
         Ok(())
     }
 
@@ -752,73 +746,176 @@ fn iterate_f32(
     }
 }
 
-/// Gram Newton–Schulz restarts (forms `X = M·X₀` and its Gram matrix afresh) before the
-/// `R` updates since the last restart would multiply `R`'s rounding noise by more than this.
-/// Near `R`'s zero eigenvalues an update multiplies by `Q(0)² = a²`: 11.9 for the quintic
-/// triple, so it restarts after step 3 of 5; 66.6 then 16.3 for Polar Express, so after step
-/// 2. Without restarts the `f32` Gram iteration drifts from an `f64` Newton–Schulz up to
-/// 1.8e-3 (relative Frobenius) on a rank-1 input and 1e-4 at condition number 1e6, 20–30× the
-/// standard iteration's error; restarting after step 3 of the quintic brings it to within 2×
-/// (1.4e-4, 9e-6; measured on 256×896 inputs).
+/// Gram Newton–Schulz restarts (forms `X = M·X₀` and its Gram matrix afresh) in `f32`
+/// before the `R` updates since the last restart would multiply `R`'s rounding noise by more
+/// than this. Near `R`'s zero eigenvalues an update multiplies by `Q(0)² = a²`: 11.9 for the
+/// quintic triple, so it restarts after step 3 of 5; 66.6 then 16.3 for Polar Express, so
+/// after step 2. Without restarts the `f32` Gram iteration drifts from an `f64` Newton–Schulz
+/// up to 1.8e-3 (relative Frobenius) on a rank-1 input and 1e-4 at condition number 1e6,
+/// 20–30× the standard iteration's error; restarting after step 3 of the quintic brings it to
+/// within 2× (1.4e-4, 9e-6; measured on 256×896 inputs).
 pub const GRAM_MAX_GROWTH: f32 = 200.0;
 
-/// Per step of `cfg`, whether Gram Newton–Schulz restarts after it ([`GRAM_MAX_GROWTH`]).
+/// [`GRAM_MAX_GROWTH`] for bf16, where every product rounds to 8 bits: the quintic restarts
+/// after steps 2 and 4 of 5, Polar Express after steps 1, 2 and 4. Against an `f64`
+/// Newton–Schulz the bf16 Gram iteration then errs at most 1.3× (quintic) and 1.9× (Polar
+/// Express) as much as torch's standard bf16 iteration on Gaussian, rank-4, graded and
+/// condition-1e3 inputs of 96×320 to 1024×3584 (both about 1 % on Gaussian ones); with `f32`'s
+/// bound (one restart) up to 1.9× and 5.2× (a session-35 script emulating both in torch;
+/// `tests/ns_kernel_tests.rs` checks the bound on ragged's own products).
+pub const GRAM_MAX_GROWTH_BF16: f32 = 16.0;
+
+/// Per step of `cfg`, whether Gram Newton–Schulz restarts after it ([`GRAM_MAX_GROWTH`],
+/// [`GRAM_MAX_GROWTH_BF16`]).
 fn gram_restarts(cfg: &NsConfig) -> Vec<bool> {
+    let max_growth = match cfg.precision {
+        NsPrecision::F32 => GRAM_MAX_GROWTH,
+        NsPrecision::Bf16 => GRAM_MAX_GROWTH_BF16,
+    };
     let mut growth = 1.0f32;
     (0..cfg.steps)
         .map(|k| {
             let a = cfg.coeffs_at(k)[0];
             let grown = growth * a * a;
-            let restart = k + 1 < cfg.steps && grown > GRAM_MAX_GROWTH;
+            let restart = k + 1 < cfg.steps && grown > max_growth;
             growth = if restart { 1.0 } else { grown };
             restart
         })
         .collect()
 }
 
-/// Step 3 as Gram Newton–Schulz on `f32` buffers (`xw` = `X₀` on entry, the result on exit).
+/// The products of Gram Newton–Schulz on one backend's buffers of `E` (an `s × l` working
+/// matrix `X`, `s × s` matrices `R`, `Q`, `M`), each rounding its result to the working
+/// precision. `R`, `Q` and `M` are polynomials of the first `R`: symmetric, and they commute.
+trait GramOps {
+    type E: Copy;
+    /// `r ← X·Xᵀ`.
+    fn gram(&self, x: &[Self::E], r: &mut [Self::E]) -> Result<()>;
+    /// `q ← a + b·r + c·r·r`.
+    fn poly(&self, r: &[Self::E], abc: [f32; 3], q: &mut [Self::E]) -> Result<()>;
+    /// `out ← u·v` (`u·v` symmetric).
+    fn sym_product(&self, u: &[Self::E], v: &[Self::E], out: &mut [Self::E]) -> Result<()>;
+    /// `y ← m·X`.
+    fn apply(&self, m: &[Self::E], x: &[Self::E], y: &mut [Self::E]) -> Result<()>;
+}
+
+/// Step 3 as Gram Newton–Schulz, up to its last product: on return `m` holds `M` and `x` the
+/// `X` it applies to (the result is `M·X`, [`GramOps::apply`]); `y`, `r`, `q`, `t` are
+/// workspace. `x` holds `X₀` on entry; buffers are swapped, not copied.
 ///
 /// With `R = X·Xᵀ` and `Q = a + b·R + c·R²`, a step maps `X` to `Q·X`, so `X_k = M_k·X₀` with
 /// `M_k = Q_{k−1}···Q₀`, and `R_{k+1} = Q·R·Q = Q²·R`: every product but the first Gram
 /// matrix and the last `M·X₀` is `s × s`. All of `R`, `Q`, `M` are polynomials of `R₀`, so
 /// they are symmetric and commute: their products are symmetric products (half the
-/// multiply-adds above [`gemm_f32::SYM_LEAF`]).
-fn iterate_gram(xw: &mut Vec<f32>, s: usize, l: usize, cfg: &NsConfig, ops: &impl StepOps) {
-    let mut r = vec![0.0f32; s * s];
-    let mut q = vec![0.0f32; s * s];
-    let mut m = vec![0.0f32; s * s];
-    let mut t = vec![0.0f32; s * s];
-    let mut y = vec![0.0f32; s * l];
-    ops.gram(xw, s, l, &mut r);
-    // `M = I` (no product yet) since the start or the last restart.
+/// multiply-adds on the gemm and AMX backends). At a restart ([`gram_restarts`]) `X ← M·X`
+/// and `R` is formed afresh.
+fn gram_steps<O: GramOps, B: std::ops::DerefMut<Target = [O::E]>>(
+    ops: &O,
+    cfg: &NsConfig,
+    x: &mut B,
+    y: &mut B,
+    [r, q, m, t]: [&mut B; 4],
+) -> Result<()> {
+    ops.gram(x, r)?;
+    // `M = Q` (no product yet) since the start or the last restart.
     let mut fresh = true;
     for (k, restart) in gram_restarts(cfg).into_iter().enumerate() {
-        let [a, b, c] = cfg.coeffs_at(k);
-        ops.poly(&r, s, b, c, &mut q);
-        q.iter_mut().step_by(s + 1).for_each(|d| *d += a);
+        ops.poly(r, cfg.coeffs_at(k), q)?;
         if fresh {
-            m.copy_from_slice(&q);
-            fresh = false;
+            // `M` takes `Q`'s buffer; `q` keeps `Q` (an alias) until the next poly.
+            std::mem::swap(m, q);
         } else {
-            ops.sym_product(&q, &m, s, &mut t);
-            std::mem::swap(&mut m, &mut t);
+            ops.sym_product(q, m, t)?;
+            std::mem::swap(m, t);
         }
         if k + 1 == cfg.steps {
             break;
         }
         if restart {
-            ops.product(&m, xw, s, l, &mut y);
-            std::mem::swap(xw, &mut y);
-            ops.gram(xw, s, l, &mut r);
-            fresh = true;
+            ops.apply(m, x, y)?;
+            std::mem::swap(x, y);
+            ops.gram(x, r)?;
         } else {
-            ops.sym_product(&q, &q, s, &mut t);
-            ops.sym_product(&t, &r, s, &mut q);
-            std::mem::swap(&mut r, &mut q);
+            let qk: &[O::E] = if fresh { m } else { q };
+            ops.sym_product(qk, qk, t)?;
+            ops.sym_product(t, r, q)?;
+            std::mem::swap(r, q);
+        }
+        fresh = restart;
+    }
+    Ok(())
+}
+
+/// [`GramOps`] on `f32` buffers through a [`StepOps`] (the reference loops or gemm), each
+/// result rounded to bf16 (kept as `f32`) when `bf16`.
+struct GramF32<'o, O> {
+    ops: &'o O,
+    s: usize,
+    l: usize,
+    bf16: bool,
+    par: Parallelism,
+}
+
+impl<O: StepOps> GramF32<'_, O> {
+    fn round(&self, v: &mut [f32]) {
+        if self.bf16 {
+            round_bf16(v, self.par);
         }
     }
-    ops.product(&m, xw, s, l, &mut y);
+}
+
+impl<O: StepOps> GramOps for GramF32<'_, O> {
+    type E = f32;
+    fn gram(&self, x: &[f32], r: &mut [f32]) -> Result<()> {
+        self.ops.gram(x, self.s, self.l, r);
+        self.round(r);
+        Ok(())
+    }
+    fn poly(&self, r: &[f32], [a, b, c]: [f32; 3], q: &mut [f32]) -> Result<()> {
+        self.ops.poly(r, self.s, b, c, q);
+        self.round(q);
+        for d in q.iter_mut().step_by(self.s + 1) {
+            *d += a;
+            self.round(std::slice::from_mut(d));
+        }
+        Ok(())
+    }
+    fn sym_product(&self, u: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        self.ops.sym_product(u, v, self.s, out);
+        self.round(out);
+        Ok(())
+    }
+    fn apply(&self, m: &[f32], x: &[f32], y: &mut [f32]) -> Result<()> {
+        self.ops.product(m, x, self.s, self.l, y);
+        self.round(y);
+        Ok(())
+    }
+}
+
+/// Step 3 as Gram Newton–Schulz on `f32` buffers (`xw` = `X₀` on entry, the result on exit),
+/// rounding every result to bf16 with `bf16`.
+fn iterate_gram(
+    xw: &mut Vec<f32>,
+    (s, l): (usize, usize),
+    cfg: &NsConfig,
+    bf16: bool,
+    ops: &impl StepOps,
+    par: Parallelism,
+) -> Result<()> {
+    let square = || vec![0.0f32; s * s];
+    let (mut r, mut q, mut m, mut t) = (square(), square(), square(), square());
+    let mut y = vec![0.0f32; s * l];
+    let ops = GramF32 {
+        ops,
+        s,
+        l,
+        bf16,
+        par,
+    };
+    gram_steps(&ops, cfg, xw, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
+    ops.apply(&m, xw, &mut y)?;
     std::mem::swap(xw, &mut y);
+    Ok(())
 }
 
 /// Multiply-adds of step 3 on an `s × l` matrix (`s ≤ l`) with the gemm backend's products:
@@ -853,67 +950,46 @@ pub fn gram_pays(s: usize, l: usize, cfg: &NsConfig) -> bool {
 /// on 1024² (1.07×). Below 0.9 the gain is clear of that machine's noise.
 pub const GRAM_MAX_COST: (u128, u128) = (9, 10);
 
-/// The method that runs for an `s × l` matrix: [`NsMethod::Auto`] resolved; `Err` for `Gram`
-/// in bf16 or on a backend without it.
-pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> Result<NsMethod> {
-    check_method(cfg, backend)?;
-    Ok(if takes_gram(cfg, backend == NsBackend::Gemm, s, l) {
+/// The method that runs for an `s × l` matrix on `backend`: [`NsMethod::Auto`] resolved.
+pub fn resolve_method(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> NsMethod {
+    if takes_gram(cfg, backend, s, l) {
         NsMethod::Gram
     } else {
         NsMethod::Standard
-    })
+    }
 }
 
-/// Whether `cfg`'s method is Gram for an `s × l` matrix on the gemm backend (`gemm`) or
-/// another one.
-fn takes_gram(cfg: &NsConfig, gemm: bool, s: usize, l: usize) -> bool {
+/// Whether `cfg`'s method is Gram for an `s × l` matrix on `backend` (`Auto` as it stands in
+/// `cfg`, or resolved). `Auto` takes it where it pays ([`gram_pays`]) on every backend but
+/// the reference loops, which stay the standard iteration unless asked (they are the
+/// oracle); `Auto` never resolves to them, so the answer is the same before and after
+/// resolving the backend.
+fn takes_gram(cfg: &NsConfig, backend: NsBackend, s: usize, l: usize) -> bool {
     match cfg.method {
         NsMethod::Gram => true,
         NsMethod::Standard => false,
-        NsMethod::Auto => gemm && cfg.precision == NsPrecision::F32 && gram_pays(s, l, cfg),
+        NsMethod::Auto => backend != NsBackend::Reference && gram_pays(s, l, cfg),
     }
 }
 
 /// Multiply-adds of Newton–Schulz's products on a `rows × cols` matrix with `cfg`, by the
-/// method `Auto` takes there, decided from `cfg` alone (no library is probed: `Auto` is the
-/// gemm backend for `f32`, and bf16 takes the standard iteration on every backend), so every
-/// rank of a group gets the same number: Muon's root plan weighs matrices by it.
+/// method `Auto` takes there, decided from `cfg` alone (no library is probed: the method
+/// does not depend on which backend `Auto` resolves to), so every rank of a group gets the
+/// same number: Muon's root plan weighs matrices by it.
 pub fn ns_macs(rows: usize, cols: usize, cfg: &NsConfig) -> u128 {
     let (s, l) = (rows.min(cols), rows.max(cols));
-    let gemm = match cfg.backend {
-        NsBackend::Gemm => true,
-        NsBackend::Auto => cfg.precision == NsPrecision::F32,
-        _ => false,
-    };
     let (standard, gram) = step_macs(s, l, cfg);
-    if takes_gram(cfg, gemm, s, l) {
+    if takes_gram(cfg, cfg.backend, s, l) {
         gram
     } else {
         standard
     }
 }
 
-/// `Err` when `cfg` asks for Gram Newton–Schulz where it is not offered (bf16, or a backend
-/// other than gemm and the reference loops).
-fn check_method(cfg: &NsConfig, backend: NsBackend) -> Result<()> {
-    let offered = cfg.precision == NsPrecision::F32
-        && matches!(backend, NsBackend::Gemm | NsBackend::Reference);
-    if cfg.method == NsMethod::Gram && !offered {
-        return Err(Error::BadInput {
-            op: "resolve_method",
-            what: format!("Gram Newton–Schulz with {:?} on {backend:?}", cfg.precision),
-            reason: "Gram runs in f32 on the gemm and reference backends only".into(),
-        });
-    }
-    Ok(())
-}
-
-/// `cfg`'s backend ([`resolve_backend`]), after checking that it offers `cfg`'s method: what
-/// every entry point checks before it changes anything.
+/// `cfg`'s backend: [`resolve_backend`] of its precision and backend, what every entry point
+/// checks before it changes anything.
 pub fn resolve_config(cfg: &NsConfig) -> Result<NsBackend> {
-    let backend = resolve_backend(cfg.precision, cfg.backend)?;
-    check_method(cfg, backend)?;
-    Ok(backend)
+    resolve_backend(cfg.precision, cfg.backend)
 }
 
 /// Step 3 on oneDNN's matmul primitive, in `T` (bf16: `xw` holds bf16 values on entry).
@@ -1066,6 +1142,214 @@ fn iterate_amx<S: AmxElement>(
     Ok(())
 }
 
+/// [`GramOps`] on the AMX products: bf16 matrices with rows [`amx_bf16::padded_ld`] apart
+/// (`ldx` for `X`, `ldp` for the `s × s` ones), a tall `X` (`l × s`) taken as it is:
+/// `R = Xᵀ·X` and `X ← X·M`, the same bits as on its transpose (`M` is exactly symmetric).
+struct GramAmx<'a> {
+    amx: &'a Amx,
+    s: usize,
+    l: usize,
+    tall: bool,
+    par: Parallelism,
+    ldx: usize,
+    ldp: usize,
+}
+
+/// No addend: `out ← acc`.
+const PLAIN: Epilogue<'static> = Epilogue {
+    alpha: 1.0,
+    add: None,
+};
+
+impl GramAmx<'_> {
+    fn square(&self) -> Strides {
+        let ld = self.ldp;
+        Strides {
+            a: ld,
+            b: ld,
+            out: ld,
+            add: ld,
+        }
+    }
+
+    /// `out ← m·X` (`X·m` when tall), `out`'s rows `out_ld` apart.
+    fn apply_to(&self, m: &[bf16], x: &[bf16], out: &mut [bf16], out_ld: usize) {
+        let (s, l) = (self.s, self.l);
+        let (ldx, ldp) = (self.ldx, self.ldp);
+        if self.tall {
+            let ld = Strides {
+                a: ldx,
+                b: ldp,
+                out: out_ld,
+                add: out_ld,
+            };
+            self.amx
+                .matmul_strided(l, s, s, x, Rhs::Plain(m), out, PLAIN, self.par, ld);
+        } else {
+            let ld = Strides {
+                a: ldp,
+                b: ldx,
+                out: out_ld,
+                add: out_ld,
+            };
+            self.amx
+                .matmul_strided(s, l, s, m, Rhs::Plain(x), out, PLAIN, self.par, ld);
+        }
+    }
+}
+
+impl GramOps for GramAmx<'_> {
+    type E = bf16;
+    fn gram(&self, x: &[bf16], r: &mut [bf16]) -> Result<()> {
+        let ld = Strides {
+            a: self.ldx,
+            b: self.ldx,
+            ..self.square()
+        };
+        let (s, l) = (self.s, self.l);
+        self.amx
+            .sym_strided(s, l, x, r, PLAIN, self.par, self.tall, ld);
+        Ok(())
+    }
+    fn poly(&self, r: &[bf16], [a, b, c]: [f32; 3], q: &mut [bf16]) -> Result<()> {
+        let poly = Epilogue {
+            alpha: c,
+            add: Some((b, r)),
+        };
+        let s = self.s;
+        self.amx
+            .sym_strided(s, s, r, q, poly, self.par, false, self.square());
+        for d in q.iter_mut().step_by(self.ldp + 1).take(s) {
+            *d = bf16::from_f32(d.to_f32() + a);
+        }
+        Ok(())
+    }
+    fn sym_product(&self, u: &[bf16], v: &[bf16], out: &mut [bf16]) -> Result<()> {
+        self.amx
+            .sym_product_strided(self.s, u, v, out, PLAIN, self.par, self.square());
+        Ok(())
+    }
+    fn apply(&self, m: &[bf16], x: &[bf16], y: &mut [bf16]) -> Result<()> {
+        self.apply_to(m, x, y, self.ldx);
+        Ok(())
+    }
+}
+
+/// Step 3 as Gram Newton–Schulz ([`gram_steps`]) in bf16 on the AMX products, on `load(v)`
+/// of every element of `xw`, the result back into `xw`, as [`iterate_amx`] (its buffers'
+/// layout, a tall matrix taken as it is). Every product rounds once to bf16; `Q`'s diagonal
+/// a second time when `a` is added to it.
+#[allow(clippy::too_many_arguments)]
+fn iterate_amx_gram<S: AmxElement>(
+    amx: &Amx,
+    xw: &mut [S],
+    s: usize,
+    l: usize,
+    tall: bool,
+    cfg: &NsConfig,
+    par: Parallelism,
+    load: impl Fn(S) -> bf16 + Sync,
+) -> Result<()> {
+    thread_local! {
+        /// `X`, `Y` and four `s × s` matrices, kept as [`iterate_amx`]'s.
+        static WORK: std::cell::Cell<[AlignedBf16; 6]> = std::cell::Cell::new(Default::default());
+    }
+    let mut work = WORK.take();
+    let [xv, yv, rv, qv, mv, tv] = &mut work;
+    let (x_rows, x_cols) = if tall { (l, s) } else { (s, l) };
+    let (ldx, ldp) = (amx_bf16::padded_ld(x_cols), amx_bf16::padded_ld(s));
+    let (mut x, mut y) = (xv.get(x_rows * ldx), yv.get(x_rows * ldx));
+    let (mut r, mut q, mut m, mut t) = (
+        rv.get(s * ldp),
+        qv.get(s * ldp),
+        mv.get(s * ldp),
+        tv.get(s * ldp),
+    );
+    map_rows_amx(amx, (x_rows, x_cols), xw, x_cols, x, ldx, par, load);
+    let ops = GramAmx {
+        amx,
+        s,
+        l,
+        tall,
+        par,
+        ldx,
+        ldp,
+    };
+    gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
+    // The last product of a bf16 result goes straight into it (dense rows).
+    if let Some(result) = S::as_bf16(xw) {
+        ops.apply_to(m, x, result, x_cols);
+    } else {
+        ops.apply_to(m, x, y, ldx);
+        map_rows_amx(amx, (x_rows, x_cols), y, ldx, xw, x_cols, par, S::from_bf16);
+    }
+    WORK.set(work.map(AlignedBf16::retained));
+    Ok(())
+}
+
+/// [`GramOps`] on oneDNN's matmul primitive in `T` (rows dense): `X·Xᵀ` and `c·R·R + b·R`
+/// by halves ([`onednn::OneDnn::sym_nt`]), the products of two polynomials whole.
+struct GramOneDnn<T> {
+    d: &'static onednn::OneDnn,
+    s: usize,
+    l: usize,
+    element: std::marker::PhantomData<T>,
+}
+
+impl<T: Element> GramOps for GramOneDnn<T> {
+    type E = T;
+    fn gram(&self, x: &[T], r: &mut [T]) -> Result<()> {
+        self.d.sym_nt(self.s, self.l, x, r, self.s, 1.0, None)?;
+        Ok(())
+    }
+    fn poly(&self, r: &[T], [a, b, c]: [f32; 3], q: &mut [T]) -> Result<()> {
+        let s = self.s;
+        q.copy_from_slice(r);
+        self.d.sym_nt(s, s, r, q, s, c, Some(b))?;
+        for d in q.iter_mut().step_by(s + 1) {
+            *d = T::from_f32(d.to_f32() + a);
+        }
+        Ok(())
+    }
+    fn sym_product(&self, u: &[T], v: &[T], out: &mut [T]) -> Result<()> {
+        let s = self.s;
+        self.d.matmul(s, s, s, u, v, false, out, 1.0, None)?;
+        Ok(())
+    }
+    fn apply(&self, m: &[T], x: &[T], y: &mut [T]) -> Result<()> {
+        let (s, l) = (self.s, self.l);
+        self.d.matmul(s, l, s, m, x, false, y, 1.0, None)?;
+        Ok(())
+    }
+}
+
+/// Step 3 as Gram Newton–Schulz ([`gram_steps`]) on oneDNN in `T` (bf16: `xw` holds bf16
+/// values on entry), as [`iterate_onednn`].
+fn iterate_onednn_gram<T: Element>(
+    xw: &mut [f32],
+    (s, l): (usize, usize),
+    cfg: &NsConfig,
+    par: Parallelism,
+) -> Result<()> {
+    let d = onednn::onednn()?;
+    let zero = T::from_f32(0.0);
+    let mut x = vec![zero; s * l];
+    map_into(xw, &mut x, par, T::from_f32);
+    let mut y = vec![zero; s * l];
+    let square = || vec![zero; s * s];
+    let (mut r, mut q, mut m, mut t) = (square(), square(), square(), square());
+    let ops = GramOneDnn {
+        d,
+        s,
+        l,
+        element: std::marker::PhantomData,
+    };
+    gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
+    ops.apply(&m, &x, &mut y)?;
+    map_into(&y, xw, par, |v| v.to_f32());
+    Ok(())
+}
+
 thread_local! {
     /// [`ns_one`]'s working copy, kept between calls on each thread up to
     /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) (taken out for a call, as
@@ -1114,7 +1398,7 @@ fn ns_one(
     } else {
         (rows, cols)
     };
-    let method = resolve_method(cfg, backend, s, l)?;
+    let method = resolve_method(cfg, backend, s, l);
     if backend == NsBackend::Amx {
         return ns_amx(x, rows, cols, cfg, par);
     }
@@ -1159,8 +1443,14 @@ fn ns_one(
     // Step 3.
     let gram = method == NsMethod::Gram;
     match backend {
-        NsBackend::Reference if gram => iterate_gram(&mut xw, s, l, cfg, &ReferenceOps),
-        NsBackend::Gemm if gram => iterate_gram(&mut xw, s, l, cfg, &GemmOps(par)),
+        NsBackend::Reference if gram => {
+            iterate_gram(&mut xw, (s, l), cfg, bf16, &ReferenceOps, par)?
+        }
+        NsBackend::Gemm if gram => iterate_gram(&mut xw, (s, l), cfg, bf16, &GemmOps(par), par)?,
+        NsBackend::OneDnn if gram && bf16 => {
+            iterate_onednn_gram::<bf16>(&mut xw, (s, l), cfg, par)?
+        }
+        NsBackend::OneDnn if gram => iterate_onednn_gram::<f32>(&mut xw, (s, l), cfg, par)?,
         NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps, par),
         NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
         NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
@@ -1284,9 +1574,20 @@ fn ns_amx<S: AmxElement>(
     };
     // One loop per kind of divisor ([`Denom::divide`]).
     let load = move |d: Denom, v: S| bf16::from_f32(d.divide(v.rounded()));
-    match denom {
-        Denom::F32(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v)),
-        Denom::F64(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v)),
+    let gram = resolve_method(cfg, NsBackend::Amx, s, l) == NsMethod::Gram;
+    match (denom, gram) {
+        (Denom::F32(d), false) => {
+            iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v))
+        }
+        (Denom::F64(d), false) => {
+            iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v))
+        }
+        (Denom::F32(d), true) => {
+            iterate_amx_gram(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v))
+        }
+        (Denom::F64(d), true) => {
+            iterate_amx_gram(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v))
+        }
     }
 }
 

@@ -389,6 +389,38 @@ impl Amx {
             run_blocks(ap, bp, (n, n, k), out, ld, epi, true, par);
         });
     }
+
+    /// `out (n×n) ← alpha·u·v + beta·add` for symmetric `u`, `v` that commute, so that `u·v`
+    /// is symmetric (Gram Newton–Schulz's products of polynomials of one matrix), with `add`
+    /// symmetric: only the blocks on and below the diagonal are multiplied and each
+    /// off-diagonal one is written again transposed, so the result is exactly symmetric.
+    /// Row strides as [`Amx::matmul_strided`] (`ld.b` for `v`).
+    ///
+    /// # Panics
+    /// As [`Amx::matmul_strided`].
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    pub fn sym_product_strided(
+        &self,
+        n: usize,
+        u: &[bf16],
+        v: &[bf16],
+        out: &mut [bf16],
+        epi: Epilogue<'_>,
+        par: Parallelism,
+        ld: Strides,
+    ) {
+        check_lengths((n, n, n), u, (n, n), Rhs::Plain(v), out, epi, ld);
+        if n == 0 {
+            return;
+        }
+        let par = threaded(par);
+        with_packing(|abuf, bbuf| {
+            let ap = lhs(u, n, n, ld.a, abuf, par);
+            let bp = pack_plain(v, n, n, ld.b, bbuf, par);
+            run_blocks(ap, bp, (n, n, n), out, ld, epi, true, par);
+        });
+    }
 }
 
 /// Panics unless each slice holds exactly its matrix: `a` as `a_shape` (rows, columns) rows

@@ -271,7 +271,7 @@ pub fn singular_range(x: &[f32], rows: usize, cols: usize) -> (f64, f64) {
 pub fn default_ns_method(rows: usize, cols: usize) -> NsMethod {
     let ns = NsConfig::default();
     let backend = resolve_config(&ns).unwrap();
-    resolve_method(&ns, backend, rows.min(cols), rows.max(cols)).unwrap()
+    resolve_method(&ns, backend, rows.min(cols), rows.max(cols))
 }
 
 /// `f32` tensor specs from `(name, shape)` pairs.
