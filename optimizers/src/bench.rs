@@ -603,7 +603,12 @@ pub fn kernel_name(kind: OptimKind) -> String {
             ns_method_name(),
             ns.f32
         ),
-        OptimKind::MuonBf16 => format!("NS bf16: {:?}, {}", ns.bf16_backend, ns.bf16),
+        OptimKind::MuonBf16 => format!(
+            "NS bf16: {:?} ({}), {}",
+            ns.bf16_backend,
+            ns_method_name(),
+            ns.bf16
+        ),
         OptimKind::Shampoo => "nalgebra eigh roots, plain f32 loops".into(),
     }
 }
@@ -627,7 +632,7 @@ pub fn ns_method_override() -> Option<NsMethod> {
     std::env::var("RAGGED_NS_METHOD").ok()?.parse().ok()
 }
 
-/// The f32 Newton–Schulz method of the benchmark's Muon, in a few words.
+/// The Newton–Schulz method of the benchmark's Muon, in a few words.
 fn ns_method_name() -> String {
     match ns_method_override() {
         None | Some(NsMethod::Auto) => "Gram NS where it pays, else standard".into(),

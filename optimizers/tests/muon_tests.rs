@@ -1168,14 +1168,6 @@ fn invalid_configs_are_refused() {
             },
             ..MuonConfig::default()
         },
-        MuonConfig {
-            ns: NsConfig {
-                method: NsMethod::Gram,
-                precision: NsPrecision::Bf16,
-                ..NsConfig::default()
-            },
-            ..MuonConfig::default()
-        },
     ];
     for c in bad {
         assert!(Muon::new(c.clone()).is_err(), "{c:?} accepted");
@@ -1184,14 +1176,14 @@ fn invalid_configs_are_refused() {
 }
 
 #[test]
-fn a_method_the_backend_lacks_fails_the_step_before_anything_changes() {
-    // Gram Newton–Schulz on oneDNN is refused at the step (the backend is chosen at run
-    // time): parameters and momentum keep their bits, the step count stays. Where oneDNN
-    // does not load the backend itself is the error, with the same guarantee.
+fn a_backend_that_cannot_run_the_config_fails_the_step_before_anything_changes() {
+    // The AMX backend in f32 is refused at the step (the backend is resolved at run time,
+    // and AMX runs bf16 only): parameters and momentum keep their bits, the step count stays.
     let opt = Muon::new(MuonConfig {
         ns: NsConfig {
             method: NsMethod::Gram,
-            backend: NsBackend::OneDnn,
+            backend: NsBackend::Amx,
+            precision: NsPrecision::F32,
             ..NsConfig::default()
         },
         ..MuonConfig::default()
