@@ -359,6 +359,30 @@ fn amx_bf16_gram_agrees_with_the_reference_loops() {
 }
 
 #[test]
+fn amx_bf16_gram_of_a_tall_matrix_is_that_of_its_transpose_bit_for_bit() {
+    // The AMX path takes a tall matrix as it is (`Xᵀ·X`, `X·M`): the same bits as the wide
+    // iteration on its transpose, because every `s × s` matrix it multiplies by is exactly
+    // symmetric (the symmetric products mirror their diagonal blocks too).
+    if !amx_or_skip("amx_bf16_gram_of_a_tall_matrix_is_that_of_its_transpose_bit_for_bit") {
+        return;
+    }
+    let c = with_method(cfg(NsPrecision::Bf16, NsBackend::Amx), NsMethod::Gram);
+    let mut rng = Rng::new(67);
+    for (rows, cols) in [(100, 37), (1100, 300), (700, 260)] {
+        let x = rng.units(rows * cols);
+        let xt: Vec<f32> = (0..rows * cols)
+            .map(|e| x[(e % rows) * cols + e / rows])
+            .collect();
+        let tall = run(&x, rows, cols, &c);
+        let wide = run(&xt, cols, rows, &c);
+        let wide_t: Vec<f32> = (0..rows * cols)
+            .map(|e| wide[(e % cols) * rows + e / cols])
+            .collect();
+        assert_eq!(bits(&tall), bits(&wide_t), "{rows}×{cols}");
+    }
+}
+
+#[test]
 fn ns_macs_follow_the_method_each_matrix_runs() {
     // The config-only cost (Muon's root plan) must name the method the step resolves on this
     // machine, for f32 and bf16 and wide, tall and square shapes.
@@ -1125,6 +1149,72 @@ fn amx_left_operand_in_place_equals_packed() {
         amx.sym_nt(m, k, aligned, &mut here, plain, POOL);
         amx.sym_nt(m, k, &off[1..], &mut packed, plain, POOL);
         assert_eq!(raw(&here), raw(&packed), "sym {m}×{k}");
+    }
+}
+
+#[test]
+fn amx_product_of_commuting_symmetric_matrices_is_exactly_symmetric() {
+    if !amx_or_skip("amx_product_of_commuting_symmetric_matrices_is_exactly_symmetric") {
+        return;
+    }
+    let amx = amx_bf16::amx().unwrap();
+    let mut rng = Rng::new(61);
+    let plain = Epilogue {
+        alpha: 1.0,
+        add: None,
+    };
+    for n in [1, 31, 33, 100, 200] {
+        // `u` symmetric and `v = u·u` (exactly symmetric, `sym_nt`): they commute up to
+        // rounding, as Gram Newton–Schulz's `Q` and `M` do.
+        let a = bf16_units(&mut rng, n * n);
+        let mut u = vec![bf16::ZERO; n * n];
+        amx.sym_nt(n, n, &a, &mut u, plain, POOL);
+        let mut v = vec![bf16::ZERO; n * n];
+        amx.sym_nt(n, n, &u, &mut v, plain, POOL);
+        let mut full = vec![bf16::ZERO; n * n];
+        amx.matmul(n, n, n, &u, Rhs::Plain(&v), &mut full, plain, POOL);
+        // Stored with padded rows, on the pool and on the calling thread.
+        let ld = amx_bf16::padded_ld(n);
+        let pad = |m: &[bf16]| {
+            let mut out = vec![bf16::from_f32(7.0); n * ld];
+            for i in 0..n {
+                out[i * ld..i * ld + n].copy_from_slice(&m[i * n..(i + 1) * n]);
+            }
+            out
+        };
+        let (up, vp) = (pad(&u), pad(&v));
+        let strides = Strides {
+            a: ld,
+            b: ld,
+            out: ld,
+            add: ld,
+        };
+        let mut asymmetric = 0;
+        for par in [POOL, Parallelism::None] {
+            let mut out = vec![bf16::ZERO; n * ld];
+            amx.sym_product_strided(n, &up, &vp, &mut out, plain, par, strides);
+            for i in 0..n {
+                for j in 0..=i {
+                    let what = format!("n = {n}, {par:?}, ({i}, {j})");
+                    assert_eq!(
+                        out[i * ld + j].to_bits(),
+                        full[i * n + j].to_bits(),
+                        "{what}"
+                    );
+                    assert_eq!(
+                        out[j * ld + i].to_bits(),
+                        out[i * ld + j].to_bits(),
+                        "{what}"
+                    );
+                    asymmetric += usize::from(full[j * n + i] != full[i * n + j]);
+                }
+            }
+        }
+        // The full product of the rounded matrices is not symmetric itself (beyond tiny n):
+        // the mirroring is what makes the result so.
+        if n >= 100 {
+            assert!(asymmetric > 0, "n = {n}: u·v came out symmetric by itself");
+        }
     }
 }
 

@@ -392,9 +392,12 @@ impl Amx {
 
     /// `out (n×n) ← alpha·u·v + beta·add` for symmetric `u`, `v` that commute, so that `u·v`
     /// is symmetric (Gram Newton–Schulz's products of polynomials of one matrix), with `add`
-    /// symmetric: only the blocks on and below the diagonal are multiplied and each
-    /// off-diagonal one is written again transposed, so the result is exactly symmetric.
-    /// Row strides as [`Amx::matmul_strided`] (`ld.b` for `v`).
+    /// symmetric: only the blocks on and below the diagonal are multiplied; each off-diagonal
+    /// one is written again transposed, and each diagonal block's lower triangle over its
+    /// upper one (rounded inputs commute only approximately, so the product's own upper
+    /// triangle differs in the last bits), so the result is exactly symmetric: its elements
+    /// on and below the diagonal are those of [`Amx::matmul`]`(u, Rhs::Plain(v))`. Row
+    /// strides as [`Amx::matmul_strided`] (`ld.b` for `v`).
     ///
     /// # Panics
     /// As [`Amx::matmul_strided`].
@@ -420,6 +423,13 @@ impl Amx {
             let bp = pack_plain(v, n, n, ld.b, bbuf, par);
             run_blocks(ap, bp, (n, n, n), out, ld, epi, true, par);
         });
+        for start in (0..n).step_by(BLOCK) {
+            for i in start..(start + BLOCK).min(n) {
+                for j in start..i {
+                    out[j * ld.out + i] = out[i * ld.out + j];
+                }
+            }
+        }
     }
 }
 
