@@ -1039,121 +1039,13 @@ thread_local! {
     static AMX_WORK: std::cell::Cell<[AlignedBf16; 6]> = std::cell::Cell::new(Default::default());
 }
 
-/// Step 3 in bf16 on the AMX products, on `load(v)` of every element of `xw` (the result
-/// goes back into `xw`: widened into an `f32` one, written by the last product into a bf16
-/// one): the same three roundings per step as [`iterate_onednn`],
-/// with `P·P` as `P·Pᵀ` (the AMX `P` is exactly symmetric) and the addends read from `P` and
-/// `X` directly.
-///
-/// `tall`: `xw` is the `l × s` matrix itself, not its transpose: `P = Xᵀ·X` and
-/// `X ← X·Q + a·X`, each output element the same pairs summed in the same order as on the
-/// transpose (`Q` is exactly symmetric), so the same bits without transposing twice.
-#[allow(clippy::too_many_arguments)]
-fn iterate_amx<S: AmxElement>(
-    amx: &Amx,
-    xw: &mut [S],
-    s: usize,
-    l: usize,
-    tall: bool,
-    cfg: &NsConfig,
-    par: Parallelism,
-    load: impl Fn(S) -> bf16 + Sync,
-) -> Result<()> {
-    let mut work = AMX_WORK.take();
-    // Aligned, so that the products read the left operands in place, and rows padded
-    // ([`amx_bf16::padded_ld`]) so that those reads spread over L1's sets; each buffer only
-    // grows (every element used is written before it is read; the padding never is), so a
-    // larger matrix after a smaller one zero-fills nothing it already had.
-    let [xv, pv, qv, yv, ..] = &mut work;
-    // `X` as stored: `s × l`, or `l × s` when tall.
-    let (x_rows, x_cols) = if tall { (l, s) } else { (s, l) };
-    let (ldx, ldp) = (amx_bf16::padded_ld(x_cols), amx_bf16::padded_ld(s));
-    let (mut x, p, q, mut y) = (
-        xv.get(x_rows * ldx),
-        pv.get(s * ldp),
-        qv.get(s * ldp),
-        yv.get(x_rows * ldx),
-    );
-    map_rows_amx(amx, (x_rows, x_cols), xw, x_cols, x, ldx, par, load);
-    let gram = Strides {
-        a: ldx,
-        b: ldx,
-        out: ldp,
-        add: ldp,
-    };
-    let square = Strides {
-        a: ldp,
-        b: ldp,
-        out: ldp,
-        add: ldp,
-    };
-    let update_ld = if tall {
-        Strides {
-            a: ldx,
-            b: ldp,
-            out: ldx,
-            add: ldx,
-        }
-    } else {
-        Strides {
-            a: ldp,
-            b: ldx,
-            out: ldx,
-            add: ldx,
-        }
-    };
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        let plain = Epilogue {
-            alpha: 1.0,
-            add: None,
-        };
-        if tall {
-            amx.sym_strided(s, l, x, p, plain, par, true, gram);
-        } else {
-            amx.sym_strided(s, l, x, p, plain, par, false, gram);
-        }
-        let poly = Epilogue {
-            alpha: c,
-            add: Some((b, p)),
-        };
-        amx.sym_strided(s, s, p, q, poly, par, false, square);
-        let update = Epilogue {
-            alpha: 1.0,
-            add: Some((a, x)),
-        };
-        let product = |out: &mut [bf16], ld: Strides| {
-            if tall {
-                amx.matmul_strided(l, s, s, x, Rhs::Plain(q), out, update, par, ld);
-            } else {
-                amx.matmul_strided(s, l, s, q, Rhs::Plain(x), out, update, par, ld);
-            }
-        };
-        // The last product of a bf16 result goes straight into it (dense rows), saving the
-        // copy out of `Y`; every other goes to `Y`, the next step's `X`.
-        if let Some(result) = S::as_bf16(xw).filter(|_| k + 1 == cfg.steps) {
-            product(
-                result,
-                Strides {
-                    out: x_cols,
-                    ..update_ld
-                },
-            );
-            AMX_WORK.set(work.map(AlignedBf16::retained));
-            return Ok(());
-        }
-        product(y, update_ld);
-        std::mem::swap(&mut x, &mut y);
-    }
-    map_rows_amx(amx, (x_rows, x_cols), x, ldx, xw, x_cols, par, S::from_bf16);
-    AMX_WORK.set(work.map(AlignedBf16::retained));
-    Ok(())
-}
-
-/// [`GramOps`] on the AMX products: bf16 matrices with rows [`amx_bf16::padded_ld`] apart
-/// (`ldx` for `X`, `ldp` for the `s × s` ones), a tall `X` (`l × s`) taken as it is:
-/// `R = Xᵀ·X` and `X ← X·M`, the same bits as on its transpose (`M` is exactly symmetric).
-struct GramAmx<'a> {
+/// The AMX products on Newton–Schulz's bf16 matrices, stored with rows
+/// [`amx_bf16::padded_ld`] apart (`ldx` for `X`, `ldp` for the `s × s` ones): aligned, so
+/// that the products read the left operands in place, and padded so that those reads spread
+/// over L1's sets. `tall`: `X` is the `l × s` matrix itself, not its transpose: `P = Xᵀ·X`
+/// and `X ← X·Q` (`+ a·X`), each output element the same pairs summed in the same order as
+/// on the transpose (`Q` is exactly symmetric), so the same bits without transposing twice.
+struct AmxSteps<'a> {
     amx: &'a Amx,
     s: usize,
     l: usize,
@@ -1169,7 +1061,7 @@ const PLAIN: Epilogue<'static> = Epilogue {
     add: None,
 };
 
-impl GramAmx<'_> {
+impl AmxSteps<'_> {
     fn square(&self) -> Strides {
         let ld = self.ldp;
         Strides {
@@ -1180,35 +1072,8 @@ impl GramAmx<'_> {
         }
     }
 
-    /// `out ← m·X` (`X·m` when tall), `out`'s rows `out_ld` apart.
-    fn apply_to(&self, m: &[bf16], x: &[bf16], out: &mut [bf16], out_ld: usize) {
-        let (s, l) = (self.s, self.l);
-        let (ldx, ldp) = (self.ldx, self.ldp);
-        if self.tall {
-            let ld = Strides {
-                a: ldx,
-                b: ldp,
-                out: out_ld,
-                add: out_ld,
-            };
-            self.amx
-                .matmul_strided(l, s, s, x, Rhs::Plain(m), out, PLAIN, self.par, ld);
-        } else {
-            let ld = Strides {
-                a: ldp,
-                b: ldx,
-                out: out_ld,
-                add: out_ld,
-            };
-            self.amx
-                .matmul_strided(s, l, s, m, Rhs::Plain(x), out, PLAIN, self.par, ld);
-        }
-    }
-}
-
-impl GramOps for GramAmx<'_> {
-    type E = bf16;
-    fn gram(&self, x: &[bf16], r: &mut [bf16]) -> Result<()> {
+    /// `p ← X·Xᵀ` (`Xᵀ·X` when tall).
+    fn gram_into(&self, x: &[bf16], p: &mut [bf16]) {
         let ld = Strides {
             a: self.ldx,
             b: self.ldx,
@@ -1216,18 +1081,52 @@ impl GramOps for GramAmx<'_> {
         };
         let (s, l) = (self.s, self.l);
         self.amx
-            .sym_strided(s, l, x, r, PLAIN, self.par, self.tall, ld);
-        Ok(())
+            .sym_strided(s, l, x, p, PLAIN, self.par, self.tall, ld);
     }
-    fn poly(&self, r: &[bf16], [a, b, c]: [f32; 3], q: &mut [bf16]) -> Result<()> {
+
+    /// `q ← c·p·p + b·p` (`p·p` as `p·pᵀ`: the AMX `p` is exactly symmetric).
+    fn poly_into(&self, p: &[bf16], b: f32, c: f32, q: &mut [bf16]) {
         let poly = Epilogue {
             alpha: c,
-            add: Some((b, r)),
+            add: Some((b, p)),
         };
         let s = self.s;
         self.amx
-            .sym_strided(s, s, r, q, poly, self.par, false, self.square());
-        for d in q.iter_mut().step_by(self.ldp + 1).take(s) {
+            .sym_strided(s, s, p, q, poly, self.par, false, self.square());
+    }
+
+    /// `out ← epi(m·X)` (`X·m` when tall; an addend is `X`'s shape, rows `ldx` apart), `out`'s
+    /// rows `out_ld` apart.
+    fn apply_to(&self, m: &[bf16], x: &[bf16], out: &mut [bf16], out_ld: usize, epi: Epilogue) {
+        let (s, l) = (self.s, self.l);
+        let (ldx, ldp) = (self.ldx, self.ldp);
+        let ld = Strides {
+            a: if self.tall { ldx } else { ldp },
+            b: if self.tall { ldp } else { ldx },
+            out: out_ld,
+            add: ldx,
+        };
+        if self.tall {
+            self.amx
+                .matmul_strided(l, s, s, x, Rhs::Plain(m), out, epi, self.par, ld);
+        } else {
+            self.amx
+                .matmul_strided(s, l, s, m, Rhs::Plain(x), out, epi, self.par, ld);
+        }
+    }
+}
+
+/// Gram Newton–Schulz's products ([`gram_steps`]) on the AMX: every product rounds once to
+/// bf16; `Q`'s diagonal a second time when `a` is added to it.
+impl GramOps for AmxSteps<'_> {
+    type E = bf16;
+    fn gram(&self, x: &[bf16], r: &mut [bf16]) -> Result<()> {
+        self.gram_into(x, r);
+        Ok(())
+    }
+    fn poly(&self, r: &[bf16], [a, b, c]: [f32; 3], q: &mut [bf16]) -> Result<()> {
+        self.poly_into(r, b, c, q);
+        for d in q.iter_mut().step_by(self.ldp + 1).take(self.s) {
             *d = bf16::from_f32(d.to_f32() + a);
         }
         Ok(())
@@ -1238,17 +1137,19 @@ impl GramOps for GramAmx<'_> {
         Ok(())
     }
     fn apply(&self, m: &[bf16], x: &[bf16], y: &mut [bf16]) -> Result<()> {
-        self.apply_to(m, x, y, self.ldx);
+        self.apply_to(m, x, y, self.ldx, PLAIN);
         Ok(())
     }
 }
 
-/// Step 3 as Gram Newton–Schulz ([`gram_steps`]) in bf16 on the AMX products, on `load(v)`
-/// of every element of `xw`, the result back into `xw`, as [`iterate_amx`] (its buffers'
-/// layout, a tall matrix taken as it is). Every product rounds once to bf16; `Q`'s diagonal
-/// a second time when `a` is added to it.
+/// Step 3 in bf16 on the AMX products ([`AmxSteps`]), on `load(v)` of every element of `xw`
+/// (the result goes back into `xw`: widened into an `f32` one, written by the last product
+/// into a bf16 one), by `cfg`'s method for this shape ([`resolve_method`]):
+/// - standard: the same three roundings per step as [`iterate_onednn`], with `P·P` as
+///   `P·Pᵀ` and the addends read from `P` and `X` directly;
+/// - Gram ([`gram_steps`]): as the other backends' Gram iterations.
 #[allow(clippy::too_many_arguments)]
-fn iterate_amx_gram<S: AmxElement>(
+fn iterate_amx<S: AmxElement>(
     amx: &Amx,
     xw: &mut [S],
     s: usize,
@@ -1259,18 +1160,15 @@ fn iterate_amx_gram<S: AmxElement>(
     load: impl Fn(S) -> bf16 + Sync,
 ) -> Result<()> {
     let mut work = AMX_WORK.take();
-    let [xv, rv, qv, yv, mv, tv] = &mut work;
+    // Each buffer only grows (every element used is written before it is read; the padding
+    // never is), so a larger matrix after a smaller one zero-fills nothing it already had.
+    let [xv, pv, qv, yv, mv, tv] = &mut work;
+    // `X` as stored: `s × l`, or `l × s` when tall.
     let (x_rows, x_cols) = if tall { (l, s) } else { (s, l) };
     let (ldx, ldp) = (amx_bf16::padded_ld(x_cols), amx_bf16::padded_ld(s));
     let (mut x, mut y) = (xv.get(x_rows * ldx), yv.get(x_rows * ldx));
-    let (mut r, mut q, mut m, mut t) = (
-        rv.get(s * ldp),
-        qv.get(s * ldp),
-        mv.get(s * ldp),
-        tv.get(s * ldp),
-    );
     map_rows_amx(amx, (x_rows, x_cols), xw, x_cols, x, ldx, par, load);
-    let ops = GramAmx {
+    let ops = AmxSteps {
         amx,
         s,
         l,
@@ -1279,12 +1177,40 @@ fn iterate_amx_gram<S: AmxElement>(
         ldx,
         ldp,
     };
-    gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
-    // The last product of a bf16 result goes straight into it (dense rows).
-    if let Some(result) = S::as_bf16(xw) {
-        ops.apply_to(m, x, result, x_cols);
+    let (p, q) = (pv.get(s * ldp), qv.get(s * ldp));
+    // Every product but the last, which multiplies `X` by `m` and adds `a·X` (standard)
+    // or nothing (Gram).
+    let (m, a): (&[bf16], _) = if resolve_method(cfg, NsBackend::Amx, s, l) == NsMethod::Gram {
+        let (mut r, mut q, mut m, mut t) = (p, q, mv.get(s * ldp), tv.get(s * ldp));
+        gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
+        (m, None)
     } else {
-        ops.apply_to(m, x, y, ldx);
+        for k in 0..cfg.steps {
+            let [a, b, c] = cfg.coeffs_at(k);
+            ops.gram_into(x, p);
+            ops.poly_into(p, b, c, q);
+            if k + 1 == cfg.steps {
+                break;
+            }
+            let update = Epilogue {
+                alpha: 1.0,
+                add: Some((a, &*x)),
+            };
+            ops.apply_to(q, x, y, ldx, update);
+            std::mem::swap(&mut x, &mut y);
+        }
+        (&*q, Some(cfg.coeffs_at(cfg.steps - 1)[0]))
+    };
+    let last = Epilogue {
+        alpha: 1.0,
+        add: a.map(|a| (a, &*x)),
+    };
+    // The last product of a bf16 result goes straight into it (dense rows), saving the copy
+    // out of `Y`.
+    if let Some(result) = S::as_bf16(xw) {
+        ops.apply_to(m, x, result, x_cols, last);
+    } else {
+        ops.apply_to(m, x, y, ldx, last);
         map_rows_amx(amx, (x_rows, x_cols), y, ldx, xw, x_cols, par, S::from_bf16);
     }
     AMX_WORK.set(work.map(AlignedBf16::retained));
@@ -1578,20 +1504,9 @@ fn ns_amx<S: AmxElement>(
     };
     // One loop per kind of divisor ([`Denom::divide`]).
     let load = move |d: Denom, v: S| bf16::from_f32(d.divide(v.rounded()));
-    let gram = resolve_method(cfg, NsBackend::Amx, s, l) == NsMethod::Gram;
-    match (denom, gram) {
-        (Denom::F32(d), false) => {
-            iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v))
-        }
-        (Denom::F64(d), false) => {
-            iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v))
-        }
-        (Denom::F32(d), true) => {
-            iterate_amx_gram(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v))
-        }
-        (Denom::F64(d), true) => {
-            iterate_amx_gram(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v))
-        }
+    match denom {
+        Denom::F32(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F32(d), v)),
+        Denom::F64(d) => iterate_amx(amx, x, s, l, tall, cfg, par, |v| load(Denom::F64(d), v)),
     }
 }
 
