@@ -5,6 +5,10 @@ Muon-step comparison (target: ragged's step <= 0.5x torch's on the same machine)
 The matrices are those of `ragged_optimizers::bench::llama_stack(1024, 4)`: 4 layers of
 q/o 1024x1024, k/v 256x1024, gate/up 3584x1024, down 1024x3584 (f32 parameters; torch's Muon
 runs its Newton-Schulz in bf16). Also prints same-run f32 and bf16 matmul rates of torch.
+ragged's default (`NsMethod::Auto`) runs Gram Newton-Schulz on the wide and tall matrices
+(the same polynomial, iterated on X.X^T with restarts; numerics in the README); the
+environment variable RAGGED_NS_METHOD=standard, which the `muon_steps` processes inherit,
+times torch's own iteration instead.
 
 Run (from the repository root):
     python3 -m venv /tmp/ragged-venv && /tmp/ragged-venv/bin/pip install torch   # PyPI
