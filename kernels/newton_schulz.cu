@@ -1,6 +1,7 @@
 // Newton-Schulz helpers around the cuBLAS products (optimizers/src/cuda/newton_schulz.rs):
-// batched transpose, the Frobenius pre-normalization and filling the upper triangle of a syrk
-// result (the f32 <-> bf16 conversions are group_ops.cu's).
+// batched transpose, the Frobenius pre-normalization, filling the upper triangle of a syrk
+// result and adding a scalar to a stack's diagonals (the f32 <-> bf16 conversions are
+// group_ops.cu's).
 //
 // ns_transpose: grid (ceil(cols/32), ceil(rows/32), batch), block (32, 8); a 32x33 shared tile.
 // ns_sumsq_partial: grid (blocks, batch), block 256: per block, the f64 sum of squares of a
@@ -85,5 +86,26 @@ extern "C" __global__ void ns_symmetrize_lower(float* c, unsigned int n) {
          idx += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long i = idx % n, j = idx / n;  // element (row i, column j)
         if (i < j) cm[idx] = cm[j + i * n];
+    }
+}
+
+// ns_add_diagonal_f32 / ns_add_diagonal_bf16: grid (any, batch), block 256. q holds batch
+// n x n matrices; q[i][i] <- q[i][i] + a: Gram Newton-Schulz's Q = a + b*R + c*R*R after the
+// GEMM of b*R + c*R*R. bf16: the element widened, a added in f32, rounded to nearest even (a
+// NaN stays a quiet NaN), as the CPU's bf16 Gram iteration and group_ops.cu's to_bf16.
+extern "C" __global__ void ns_add_diagonal_f32(float* q, unsigned int n, float a) {
+    float* qm = q + (unsigned long long)n * n * blockIdx.y;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        qm[(unsigned long long)i * n + i] += a;
+    }
+}
+
+extern "C" __global__ void ns_add_diagonal_bf16(unsigned short* q, unsigned int n, float a) {
+    unsigned short* qm = q + (unsigned long long)n * n * blockIdx.y;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const unsigned long long d = (unsigned long long)i * n + i;
+        const unsigned int u = __float_as_uint(__uint_as_float(((unsigned int)qm[d]) << 16) + a);
+        qm[d] = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x0040u)
+                                                : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
 }

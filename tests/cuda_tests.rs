@@ -513,6 +513,8 @@ const ENTRIES: [(&str, &[&str]); 6] = [
             "ns_sumsq_partial",
             "ns_normalize",
             "ns_symmetrize_lower",
+            "ns_add_diagonal_f32",
+            "ns_add_diagonal_bf16",
         ],
     ),
     (

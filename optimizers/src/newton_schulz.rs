@@ -84,6 +84,7 @@
 //! The quintic coefficients (3.4445, −4.7750, 2.0315) trade exactness for speed: after 5
 //! steps the singular values land in roughly `[0.7, 1.2]`, not at 1 (Jordan 2024).
 
+use std::borrow::{Borrow, BorrowMut};
 use std::fmt;
 
 use half::bf16;
@@ -210,8 +211,7 @@ pub enum NsMethod {
     Standard,
     /// Gram Newton–Schulz: the iteration on the `s × s` Gram matrix, `X` multiplied once at
     /// the end and at each restart ([`GRAM_MAX_GROWTH`], [`GRAM_MAX_GROWTH_BF16`]), on every
-    /// backend. (The device Newton–Schulz, `cuda::orthogonalize_cuda`, runs the standard
-    /// iteration whatever the method.)
+    /// backend, the device's (`cuda::orthogonalize_cuda`) included.
     Gram,
 }
 
@@ -791,19 +791,21 @@ fn gram_restarts(cfg: &NsConfig) -> Vec<bool> {
         .collect()
 }
 
-/// The products of Gram Newton–Schulz on one backend's buffers of `E` (an `s × l` working
-/// matrix `X`, `s × s` matrices `R`, `Q`, `M`), each rounding its result to the working
-/// precision. `R`, `Q` and `M` are polynomials of the first `R`: symmetric, and they commute.
-trait GramOps {
-    type E: Copy;
+/// The products of Gram Newton–Schulz on one backend's matrices ([`GramOps::Buf`]: an
+/// `s × l` working matrix `X`, `s × s` matrices `R`, `Q`, `M`; the device's hold a stack of
+/// them), each rounding its result to the working precision. `R`, `Q` and `M` are
+/// polynomials of the first `R`: symmetric, and they commute.
+pub(crate) trait GramOps {
+    /// A matrix as the backend holds it.
+    type Buf: ?Sized;
     /// `r ← X·Xᵀ`.
-    fn gram(&self, x: &[Self::E], r: &mut [Self::E]) -> Result<()>;
+    fn gram(&self, x: &Self::Buf, r: &mut Self::Buf) -> Result<()>;
     /// `q ← a + b·r + c·r·r`.
-    fn poly(&self, r: &[Self::E], abc: [f32; 3], q: &mut [Self::E]) -> Result<()>;
+    fn poly(&self, r: &Self::Buf, abc: [f32; 3], q: &mut Self::Buf) -> Result<()>;
     /// `out ← u·v` (`u·v` symmetric).
-    fn sym_product(&self, u: &[Self::E], v: &[Self::E], out: &mut [Self::E]) -> Result<()>;
+    fn sym_product(&self, u: &Self::Buf, v: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
     /// `y ← m·X`.
-    fn apply(&self, m: &[Self::E], x: &[Self::E], y: &mut [Self::E]) -> Result<()>;
+    fn apply(&self, m: &Self::Buf, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;
 }
 
 /// Step 3 as Gram Newton–Schulz, up to its last product: on return `m` holds `M` and `x` the
@@ -816,41 +818,51 @@ trait GramOps {
 /// they are symmetric and commute: their products are symmetric products (half the
 /// multiply-adds on the gemm and AMX backends). At a restart ([`gram_restarts`]) `X ← M·X`
 /// and `R` is formed afresh.
-fn gram_steps<O: GramOps, B: std::ops::DerefMut<Target = [O::E]>>(
+pub(crate) fn gram_steps<O: GramOps, B: BorrowMut<O::Buf>>(
     ops: &O,
     cfg: &NsConfig,
     x: &mut B,
     y: &mut B,
     [r, q, m, t]: [&mut B; 4],
 ) -> Result<()> {
-    ops.gram(x, r)?;
+    ops.gram(mat(x), mat_mut(r))?;
     // `M = Q` (no product yet) since the start or the last restart.
     let mut fresh = true;
     for (k, restart) in gram_restarts(cfg).into_iter().enumerate() {
-        ops.poly(r, cfg.coeffs_at(k), q)?;
+        ops.poly(mat(r), cfg.coeffs_at(k), mat_mut(q))?;
         if fresh {
             // `M` takes `Q`'s buffer; `q` keeps `Q` (an alias) until the next poly.
             std::mem::swap(m, q);
         } else {
-            ops.sym_product(q, m, t)?;
+            ops.sym_product(mat(q), mat(m), mat_mut(t))?;
             std::mem::swap(m, t);
         }
         if k + 1 == cfg.steps {
             break;
         }
         if restart {
-            ops.apply(m, x, y)?;
+            ops.apply(mat(m), mat(x), mat_mut(y))?;
             std::mem::swap(x, y);
-            ops.gram(x, r)?;
+            ops.gram(mat(x), mat_mut(r))?;
         } else {
-            let qk: &[O::E] = if fresh { m } else { q };
-            ops.sym_product(qk, qk, t)?;
-            ops.sym_product(t, r, q)?;
+            let qk: &O::Buf = if fresh { mat(m) } else { mat(q) };
+            ops.sym_product(qk, qk, mat_mut(t))?;
+            ops.sym_product(mat(t), mat(r), mat_mut(q))?;
             std::mem::swap(r, q);
         }
         fresh = restart;
     }
     Ok(())
+}
+
+/// A buffer as the backend's matrix (`Borrow` named: every buffer also borrows as itself).
+fn mat<T: ?Sized, B: Borrow<T>>(b: &B) -> &T {
+    Borrow::<T>::borrow(b)
+}
+
+/// [`mat`], mutable.
+fn mat_mut<T: ?Sized, B: BorrowMut<T>>(b: &mut B) -> &mut T {
+    BorrowMut::<T>::borrow_mut(b)
 }
 
 /// [`GramOps`] on `f32` buffers through a [`StepOps`] (the reference loops or gemm), each
@@ -872,7 +884,7 @@ impl<O: StepOps> GramF32<'_, O> {
 }
 
 impl<O: StepOps> GramOps for GramF32<'_, O> {
-    type E = f32;
+    type Buf = [f32];
     fn gram(&self, x: &[f32], r: &mut [f32]) -> Result<()> {
         self.ops.gram(x, self.s, self.l, r);
         self.round(r);
@@ -1119,7 +1131,7 @@ impl AmxSteps<'_> {
 /// Gram Newton–Schulz's products ([`gram_steps`]) on the AMX: every product rounds once to
 /// bf16; `Q`'s diagonal a second time when `a` is added to it.
 impl GramOps for AmxSteps<'_> {
-    type E = bf16;
+    type Buf = [bf16];
     fn gram(&self, x: &[bf16], r: &mut [bf16]) -> Result<()> {
         self.gram_into(x, r);
         Ok(())
@@ -1227,7 +1239,7 @@ struct GramOneDnn<T> {
 }
 
 impl<T: Element> GramOps for GramOneDnn<T> {
-    type E = T;
+    type Buf = [T];
     fn gram(&self, x: &[T], r: &mut [T]) -> Result<()> {
         self.d.sym_nt(self.s, self.l, x, r, self.s, 1.0, None)?;
         Ok(())

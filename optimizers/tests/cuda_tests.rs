@@ -389,16 +389,23 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
     ];
     for (batch, rows, cols) in shapes {
         let x = rng.units(batch * rows * cols);
-        for (prec, gram, max_abs, max_rel) in [
+        let cases = [
             (NsPrecision::F32, GramProduct::Auto, 2e-3f32, 1e-3f64),
             (NsPrecision::F32, GramProduct::Gemm, 2e-3, 1e-3),
             (NsPrecision::F32, GramProduct::Syrk, 2e-3, 1e-3),
             (NsPrecision::Bf16, GramProduct::Auto, f32::INFINITY, 5e-2),
-        ] {
+        ];
+        // Both methods, each against the CPU's: Gram Newton–Schulz (the CPU's restarts too)
+        // on every shape, including the square ones the `Auto` method leaves standard.
+        for ((prec, gram, max_abs, max_rel), method) in cases
+            .into_iter()
+            .flat_map(|c| [(c, NsMethod::Standard), (c, NsMethod::Gram)])
+        {
             // The CPU reference in the same precision (its bf16 path has the same semantics)
             // and the device's iteration.
             let cfg = NsConfig {
                 precision: prec,
+                method,
                 ..standard_ns()
             };
             let mut want = x.clone();
@@ -412,7 +419,8 @@ fn newton_schulz_cuda_matches_cpu_within_tolerance() {
             let (abs, rel) = diffs(&got, &want);
             assert!(
                 abs <= max_abs && rel <= max_rel,
-                "{prec:?} {gram:?} {batch}×{rows}×{cols}: max |Δ| = {abs}, relative {rel}"
+                "{prec:?} {gram:?} {method:?} {batch}×{rows}×{cols}: max |Δ| = {abs}, \
+                 relative {rel}"
             );
         }
     }

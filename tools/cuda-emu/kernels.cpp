@@ -50,6 +50,8 @@ static const KernelEntry KERNELS[] = {
     ENTRY(newton_schulz, ns_sumsq_partial, true),
     ENTRY(newton_schulz, ns_normalize, true),
     ENTRY(newton_schulz, ns_symmetrize_lower, false),
+    ENTRY(newton_schulz, ns_add_diagonal_f32, false),
+    ENTRY(newton_schulz, ns_add_diagonal_bf16, false),
     ENTRY(reduce_ranks, reduce_ranks_f32, false),
     ENTRY(reduce_ranks, reduce_ranks_bf16, false),
     ENTRY(reduce_ranks, reduce_ranks_u8, false),

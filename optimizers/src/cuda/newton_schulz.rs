@@ -11,6 +11,13 @@
 //! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
 //! | 4 | transpose back | `ns_transpose` |
 //!
+//! Step 3 takes the method the CPU's fast backends take for the shape
+//! ([`crate::newton_schulz::NsMethod`]; `Auto`: Gram Newton–Schulz where it pays): Gram's
+//! products are the same GEMMs (`R = X·Xᵀ` and `b·R + c·R·R` on syrk where the standard
+//! iteration's are), `a` is added to `Q`'s diagonal by `ns_add_diagonal_f32` /
+//! `ns_add_diagonal_bf16`, and the products of two `s × s` polynomials and `M·X` are plain
+//! GEMMs; the restarts are the CPU's (one `gram_steps` runs both).
+//!
 //! Row-major buffers are column-major transposes, so each product is issued as its transpose
 //! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
 //! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
@@ -45,13 +52,17 @@ use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use crate::newton_schulz::{NsConfig, NsPrecision};
+use crate::newton_schulz::{
+    gram_steps, resolve_method, GramOps, NsBackend, NsConfig, NsMethod, NsPrecision,
+};
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";
 pub const NS_SUMSQ_PARTIAL: &str = "ns_sumsq_partial";
 pub const NS_NORMALIZE: &str = "ns_normalize";
 pub const NS_SYMMETRIZE_LOWER: &str = "ns_symmetrize_lower";
+pub const NS_ADD_DIAGONAL_F32: &str = "ns_add_diagonal_f32";
+pub const NS_ADD_DIAGONAL_BF16: &str = "ns_add_diagonal_bf16";
 
 /// Blocks per matrix of the sum-of-squares pass (fixed, so the partial sums are always added
 /// in the same order: the result does not depend on the device).
@@ -320,16 +331,17 @@ pub fn orthogonalize_cuda_with(
             .launch(cfgn)
     })?;
 
-    // Step 3.
+    // Step 3, by the method the CPU's fast backends take for this shape (the device is no
+    // oracle: `Auto` is Gram where it pays).
     let blas = dev.blas()?;
+    let gram = resolve_method(cfg, NsBackend::Auto, s, l) == NsMethod::Gram;
+    let dims = (bi, si, li);
     match prec {
-        NsPrecision::F32 => {
-            iterate::<f32>(&blas, dev, prec, &mut xw, bi, si, li, cfg, syrk)?;
-        }
+        NsPrecision::F32 => step3::<f32>(&blas, dev, prec, &mut xw, dims, cfg, syrk, gram)?,
         NsPrecision::Bf16 => {
             let mut xb = dev.zeros::<u16>(batch * mn)?;
             f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
-            iterate::<u16>(&blas, dev, prec, &mut xb, bi, si, li, cfg, syrk)?;
+            step3::<u16>(&blas, dev, prec, &mut xb, dims, cfg, syrk, gram)?;
             bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
         }
     }
@@ -342,54 +354,106 @@ pub fn orthogonalize_cuda_with(
     }
 }
 
-/// An element type the iteration stores (`f32`, or the `u16` bits of bf16), and how it forms
-/// the two symmetric products on syrk (module doc).
+/// An element type the iteration stores (`f32`, or the `u16` bits of bf16): how it forms the
+/// two symmetric products on syrk (module doc) and adds a scalar to diagonals.
 trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
-    /// `P = X·Xᵀ` and `Q = b·P + c·P·Pᵀ` as syrk lower triangles made whole; `Q` holds a copy
-    /// of `P` on entry. `dims` = (batch, s, l).
-    fn symmetric_products(
+    /// `P = X·Xᵀ` as syrk's lower triangle made whole. `dims` = (batch, s, l).
+    fn gram_syrk(
         blas: &CudaBlas,
         dev: &Device,
         x: &CudaSlice<Self>,
         p: &mut CudaSlice<Self>,
-        q: &mut CudaSlice<Self>,
         dims: (usize, usize, usize),
+    ) -> Result<()>;
+
+    /// `Q = b·P + c·P·Pᵀ` (`P` symmetric and whole) as syrk's lower triangle made whole;
+    /// `q` holds a copy of `P` on entry. `dims` = (batch, s).
+    fn square_syrk(
+        blas: &CudaBlas,
+        dev: &Device,
+        p: &CudaSlice<Self>,
+        q: &mut CudaSlice<Self>,
+        dims: (usize, usize),
         bc: (f32, f32),
+    ) -> Result<()>;
+
+    /// `ns_add_diagonal_*`: `a` added to the diagonal of each of the `batch` `n × n`
+    /// matrices of `q` (bf16: rounded once more).
+    fn add_diagonal(
+        dev: &Device,
+        q: &mut CudaSlice<Self>,
+        batch: usize,
+        n: usize,
+        a: f32,
     ) -> Result<()>;
 }
 
 impl NsElem for f32 {
-    fn symmetric_products(
+    fn gram_syrk(
         blas: &CudaBlas,
         dev: &Device,
         x: &CudaSlice<f32>,
         p: &mut CudaSlice<f32>,
-        q: &mut CudaSlice<f32>,
         (batch, s, l): (usize, usize, usize),
+    ) -> Result<()> {
+        // X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
+        syrk_each(blas, dev, x, p, (s, l), true, (1.0, 0.0))?;
+        symmetrize(dev, p, batch, s)
+    }
+
+    fn square_syrk(
+        blas: &CudaBlas,
+        dev: &Device,
+        p: &CudaSlice<f32>,
+        q: &mut CudaSlice<f32>,
+        (batch, s): (usize, usize),
         (b, c): (f32, f32),
     ) -> Result<()> {
-        const OP: &str = "newton_schulz syrk products";
-        // P = X·Xᵀ: X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
-        syrk_each(blas, dev, x, p, (s, l), true, (1.0, 0.0))?;
-        symmetrize(dev, p, batch, s)?;
-        // Q = b·P + c·P·Pᵀ (P symmetric and whole), trans = N.
-        guarded(OP, || dev.stream().memcpy_dtod(&*p, q))?;
         syrk_each(blas, dev, p, q, (s, s), false, (c, b))?;
         symmetrize(dev, q, batch, s)
+    }
+
+    fn add_diagonal(
+        dev: &Device,
+        q: &mut CudaSlice<f32>,
+        batch: usize,
+        n: usize,
+        a: f32,
+    ) -> Result<()> {
+        add_diagonal(dev, NS_ADD_DIAGONAL_F32, q, batch, n, a)
     }
 }
 
 impl NsElem for u16 {
-    fn symmetric_products(
+    fn gram_syrk(
         _: &CudaBlas,
         _: &Device,
         _: &CudaSlice<u16>,
         _: &mut CudaSlice<u16>,
-        _: &mut CudaSlice<u16>,
         _: (usize, usize, usize),
+    ) -> Result<()> {
+        Err(no_bf16_syrk())
+    }
+
+    fn square_syrk(
+        _: &CudaBlas,
+        _: &Device,
+        _: &CudaSlice<u16>,
+        _: &mut CudaSlice<u16>,
+        _: (usize, usize),
         _: (f32, f32),
     ) -> Result<()> {
         Err(no_bf16_syrk())
+    }
+
+    fn add_diagonal(
+        dev: &Device,
+        q: &mut CudaSlice<u16>,
+        batch: usize,
+        n: usize,
+        a: f32,
+    ) -> Result<()> {
+        add_diagonal(dev, NS_ADD_DIAGONAL_BF16, q, batch, n, a)
     }
 }
 
@@ -398,6 +462,26 @@ fn no_bf16_syrk() -> Error {
         op: "orthogonalize_cuda",
         what: "GramProduct::Syrk with bf16".into(),
         reason: "cuBLAS has syrk for f32 only".into(),
+    }
+}
+
+/// Step 3 on the normalized stack `x` (`dims` = batch, s, l): Gram Newton–Schulz when `gram`,
+/// else the standard iteration.
+#[allow(clippy::too_many_arguments)]
+fn step3<T: NsElem>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    x: &mut CudaSlice<T>,
+    (batch, s, l): (i32, i32, i32),
+    cfg: &NsConfig,
+    syrk: bool,
+    gram: bool,
+) -> Result<()> {
+    if gram {
+        iterate_gram(blas, dev, prec, x, batch, s, l, cfg, syrk)
+    } else {
+        iterate(blas, dev, prec, x, batch, s, l, cfg, syrk)
     }
 }
 
@@ -424,7 +508,9 @@ fn iterate<T: NsElem>(
     for k in 0..cfg.steps {
         let [a, b, c] = cfg.coeffs_at(k);
         if syrk {
-            T::symmetric_products(blas, dev, x, &mut p, &mut q, (bu, su, lu), (b, c))?;
+            T::gram_syrk(blas, dev, x, &mut p, (bu, su, lu))?;
+            guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
+            T::square_syrk(blas, dev, &p, &mut q, (bu, su), (b, c))?;
         } else {
             // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
             let gram = GemmArgs::row_major_gram(s, l);
@@ -451,6 +537,147 @@ fn iterate<T: NsElem>(
         std::mem::swap(x, &mut y);
     }
     Ok(())
+}
+
+/// Gram Newton–Schulz's products ([`gram_steps`]) on a stack of `batch` matrices, each one
+/// strided-batched GEMM (`X·Xᵀ` and `R·R` on syrk when `syrk`), `a` added to `Q`'s diagonal
+/// by `ns_add_diagonal_*`: the CPU's Gram iteration (restarts included) up to summation order.
+struct DeviceGram<'a, T> {
+    blas: &'a CudaBlas,
+    dev: &'a Device,
+    prec: NsPrecision,
+    batch: i32,
+    s: i32,
+    l: i32,
+    syrk: bool,
+    elem: std::marker::PhantomData<T>,
+}
+
+impl<T: NsElem> DeviceGram<'_, T> {
+    /// `c ← α·(row-major a·b) + β·c`, `a: m×k`, `b: k×n` (cuBLAS sees the transpose).
+    fn product(
+        &self,
+        (m, n, k): (i32, i32, i32),
+        a: &CudaSlice<T>,
+        b: &CudaSlice<T>,
+        c: &mut CudaSlice<T>,
+        ab: (f32, f32),
+    ) -> Result<()> {
+        let args = GemmArgs::row_major(m, n, k);
+        gemm(
+            self.blas, self.dev, self.prec, self.batch, &args, b, a, c, ab,
+        )
+    }
+
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.batch as usize, self.s as usize, self.l as usize)
+    }
+}
+
+impl<T: NsElem> GramOps for DeviceGram<'_, T> {
+    type Buf = CudaSlice<T>;
+    fn gram(&self, x: &CudaSlice<T>, r: &mut CudaSlice<T>) -> Result<()> {
+        if self.syrk {
+            return T::gram_syrk(self.blas, self.dev, x, r, self.dims());
+        }
+        let args = GemmArgs::row_major_gram(self.s, self.l);
+        gemm(
+            self.blas,
+            self.dev,
+            self.prec,
+            self.batch,
+            &args,
+            x,
+            x,
+            r,
+            (1.0, 0.0),
+        )
+    }
+    fn poly(&self, r: &CudaSlice<T>, [a, b, c]: [f32; 3], q: &mut CudaSlice<T>) -> Result<()> {
+        let (batch, s, _) = self.dims();
+        guarded("newton_schulz gram poly", || {
+            self.dev.stream().memcpy_dtod(r, q)
+        })?;
+        if self.syrk {
+            T::square_syrk(self.blas, self.dev, r, q, (batch, s), (b, c))?;
+        } else {
+            self.product((self.s, self.s, self.s), r, r, q, (c, b))?;
+        }
+        T::add_diagonal(self.dev, q, batch, s, a)
+    }
+    fn sym_product(
+        &self,
+        u: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        self.product((self.s, self.s, self.s), u, v, out, (1.0, 0.0))
+    }
+    fn apply(&self, m: &CudaSlice<T>, x: &CudaSlice<T>, y: &mut CudaSlice<T>) -> Result<()> {
+        self.product((self.s, self.l, self.s), m, x, y, (1.0, 0.0))
+    }
+}
+
+/// Step 3 as Gram Newton–Schulz on the normalized `batch × s × l` stack `x` (in place).
+#[allow(clippy::too_many_arguments)]
+fn iterate_gram<T: NsElem>(
+    blas: &CudaBlas,
+    dev: &Device,
+    prec: NsPrecision,
+    x: &mut CudaSlice<T>,
+    batch: i32,
+    s: i32,
+    l: i32,
+    cfg: &NsConfig,
+    syrk: bool,
+) -> Result<()> {
+    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
+    let square = || dev.zeros::<T>(bu * su * su);
+    let (mut r, mut q, mut m, mut t) = (square()?, square()?, square()?, square()?);
+    let mut y = dev.zeros::<T>(bu * su * lu)?;
+    let ops = DeviceGram {
+        blas,
+        dev,
+        prec,
+        batch,
+        s,
+        l,
+        syrk,
+        elem: std::marker::PhantomData,
+    };
+    gram_steps(&ops, cfg, x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
+    ops.apply(&m, x, &mut y)?;
+    std::mem::swap(x, &mut y);
+    Ok(())
+}
+
+/// `kernel` (`ns_add_diagonal_f32` or `_bf16`) on `batch` `n × n` matrices.
+fn add_diagonal<T: DeviceRepr>(
+    dev: &Device,
+    kernel: &str,
+    q: &mut CudaSlice<T>,
+    batch: usize,
+    n: usize,
+    a: f32,
+) -> Result<()> {
+    const OP: &str = "newton_schulz add_diagonal";
+    let f = dev.function(&NEWTON_SCHULZ, kernel)?;
+    let nu = n as u32;
+    let mut cfg = elementwise(n);
+    cfg.grid_dim = (
+        cfg.grid_dim.0.min(1024),
+        u32::try_from(batch).unwrap_or(u32::MAX),
+        1,
+    );
+    guarded(OP, || unsafe {
+        dev.stream()
+            .launch_builder(&f)
+            .arg(q)
+            .arg(&nu)
+            .arg(&a)
+            .launch(cfg)
+    })
+    .map(drop)
 }
 
 /// `C_i = α·op(A_i)·op(A_i)ᵀ + β·C_i` (lower triangle) for every matrix `i` of the stacks:
