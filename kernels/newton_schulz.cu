@@ -95,17 +95,20 @@ extern "C" __global__ void ns_symmetrize_lower(float* c, unsigned int n) {
 // NaN stays a quiet NaN), as the CPU's bf16 Gram iteration and group_ops.cu's to_bf16.
 extern "C" __global__ void ns_add_diagonal_f32(float* q, unsigned int n, float a) {
     float* qm = q + (unsigned long long)n * n * blockIdx.y;
-    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const unsigned int stride = gridDim.x * blockDim.x;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         qm[(unsigned long long)i * n + i] += a;
     }
 }
 
 extern "C" __global__ void ns_add_diagonal_bf16(unsigned short* q, unsigned int n, float a) {
     unsigned short* qm = q + (unsigned long long)n * n * blockIdx.y;
-    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const unsigned int stride = gridDim.x * blockDim.x;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const unsigned long long d = (unsigned long long)i * n + i;
-        const unsigned int u = __float_as_uint(__uint_as_float(((unsigned int)qm[d]) << 16) + a);
-        qm[d] = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x0040u)
-                                                : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        const unsigned int u = __float_as_uint(__uint_as_float((unsigned int)qm[d] << 16) + a);
+        const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+        qm[d] = nan ? (unsigned short)((u >> 16) | 0x0040u)
+                    : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
 }

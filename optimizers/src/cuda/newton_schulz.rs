@@ -11,12 +11,13 @@
 //! |   | `X ← a·X + Q·X` | copy `X → Y`, GEMM `α = 1, β = a`, swap |
 //! | 4 | transpose back | `ns_transpose` |
 //!
-//! Step 3 takes the method the CPU's fast backends take for the shape
+//! Step 3 takes the method `cfg` gives the shape on the CPU
 //! ([`crate::newton_schulz::NsMethod`]; `Auto`: Gram Newton–Schulz where it pays): Gram's
 //! products are the same GEMMs (`R = X·Xᵀ` and `b·R + c·R·R` on syrk where the standard
 //! iteration's are), `a` is added to `Q`'s diagonal by `ns_add_diagonal_f32` /
 //! `ns_add_diagonal_bf16`, and the products of two `s × s` polynomials and `M·X` are plain
-//! GEMMs; the restarts are the CPU's (one `gram_steps` runs both).
+//! GEMMs; the restarts are the CPU's (one `gram_steps` runs both). `NsConfig::backend` names
+//! the CPU's kernels: here it only keeps `Auto` standard when it names the reference loops.
 //!
 //! Row-major buffers are column-major transposes, so each product is issued as its transpose
 //! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
@@ -30,7 +31,7 @@
 //! form (one call per matrix), so [`GramProduct::Auto`] takes syrk for `f32` with `s ≥ 256` and
 //! GEMM otherwise; `ragged bench optim --device cuda` measures both.
 //!
-//! # Precision (`NsConfig::precision`; `NsConfig::backend` is the CPU's and is ignored here)
+//! # Precision (`NsConfig::precision`)
 //! - [`NsPrecision::F32`]: `f32` operands and results. Equal to the CPU up to summation order:
 //!   cuBLAS accumulates dot products in its own (blocked, FMA) order, the CPU in index order
 //!   without FMA, so the results differ by rounding. Tests compare with a tolerance of `1e-4`
@@ -52,9 +53,7 @@ use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use crate::newton_schulz::{
-    gram_steps, resolve_method, GramOps, NsBackend, NsConfig, NsMethod, NsPrecision,
-};
+use crate::newton_schulz::{gram_steps, resolve_method, GramOps, NsConfig, NsMethod, NsPrecision};
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";
@@ -331,10 +330,10 @@ pub fn orthogonalize_cuda_with(
             .launch(cfgn)
     })?;
 
-    // Step 3, by the method the CPU's fast backends take for this shape (the device is no
-    // oracle: `Auto` is Gram where it pays).
+    // Step 3, by the method `cfg` gives this shape on the CPU (and in `ns_macs`): `Auto` is
+    // Gram where it pays, unless `cfg` names the CPU's reference loops.
     let blas = dev.blas()?;
-    let gram = resolve_method(cfg, NsBackend::Auto, s, l) == NsMethod::Gram;
+    let gram = resolve_method(cfg, cfg.backend, s, l) == NsMethod::Gram;
     let dims = (bi, si, li);
     match prec {
         NsPrecision::F32 => step3::<f32>(&blas, dev, prec, &mut xw, dims, cfg, syrk, gram)?,
