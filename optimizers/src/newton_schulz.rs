@@ -63,7 +63,9 @@
 //! multiply-adds ([`gram_pays`]) on every backend but the reference loops (the oracle, which
 //! run it when asked): a bf16 Muon step of the d = 1024 Llama stack on AMX takes 0.84× the
 //! standard iteration's time. `NsMethod::Standard` keeps torch's iteration (numerics parity
-//! with torch.optim.Muon).
+//! with torch.optim.Muon). Each iteration is written once (`standard_steps`, `gram_steps`)
+//! over a backend's products (`NsOps`: the reference loops and gemm on `f32` buffers,
+//! oneDNN, the AMX tiles, and cuBLAS in `crate::cuda::newton_schulz`).
 //!
 //! # Determinism
 //! For a given backend and precision the result is a function of the input bits (and, for
@@ -721,36 +723,6 @@ impl StepOps for GemmOps {
     }
 }
 
-/// Step 3 on `f32` buffers; with `bf16`, every product's result is rounded to bf16.
-fn iterate_f32(
-    xw: &mut Vec<f32>,
-    s: usize,
-    l: usize,
-    cfg: &NsConfig,
-    bf16: bool,
-    ops: &impl StepOps,
-    par: Parallelism,
-) {
-    let mut p = vec![0.0f32; s * s];
-    let mut q = vec![0.0f32; s * s];
-    let mut y = vec![0.0f32; s * l];
-    let round = |v: &mut [f32]| {
-        if bf16 {
-            round_bf16(v, par);
-        }
-    };
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        ops.gram(xw, s, l, &mut p);
-        round(&mut p);
-        ops.poly(&p, s, b, c, &mut q);
-        round(&mut q);
-        ops.update(&q, xw, s, l, a, &mut y);
-        round(&mut y);
-        std::mem::swap(xw, &mut y);
-    }
-}
-
 /// Gram Newton–Schulz restarts (forms `X = M·X₀` and its Gram matrix afresh) in `f32`
 /// before the `R` updates since the last restart would multiply `R`'s rounding noise by more
 /// than this. Near `R`'s zero eigenvalues an update multiplies by `Q(0)² = a²`: 11.9 for the
@@ -791,26 +763,52 @@ fn gram_restarts(cfg: &NsConfig) -> Vec<bool> {
         .collect()
 }
 
-/// The products of Gram Newton–Schulz on one backend's matrices ([`GramOps::Buf`]: an
-/// `s × l` working matrix `X`, `s × s` matrices `R`, `Q`, `M`; the device's hold a stack of
-/// them), each rounding its result to the working precision. `R`, `Q` and `M` are
-/// polynomials of the first `R`: symmetric, and they commute.
-pub(crate) trait GramOps {
+/// The products of Newton–Schulz's step 3 on one backend's matrices ([`NsOps::Buf`]: an
+/// `s × l` working matrix `X` and `s × s` ones; the device's hold a stack of them), each
+/// rounding its result to the working precision. Both methods run on them:
+/// [`standard_steps`] and [`gram_steps`].
+pub(crate) trait NsOps {
     /// A matrix as the backend holds it.
     type Buf: ?Sized;
-    /// `r ← X·Xᵀ`.
-    fn gram(&self, x: &Self::Buf, r: &mut Self::Buf) -> Result<()>;
-    /// `q ← a + b·r + c·r·r`.
-    fn poly(&self, r: &Self::Buf, abc: [f32; 3], q: &mut Self::Buf) -> Result<()>;
-    /// `out ← u·v` (`u·v` symmetric).
+    /// `p ← X·Xᵀ`.
+    fn gram(&self, x: &Self::Buf, p: &mut Self::Buf) -> Result<()>;
+    /// `q ← b·p + c·p·p` (`p` symmetric).
+    fn poly(&self, p: &Self::Buf, b: f32, c: f32, q: &mut Self::Buf) -> Result<()>;
+    /// `q ← q + a·I`, each diagonal element rounded again.
+    fn add_diagonal(&self, q: &mut Self::Buf, a: f32) -> Result<()>;
+    /// `out ← u·v` for symmetric `u`, `v` that commute (`u·v` symmetric).
     fn sym_product(&self, u: &Self::Buf, v: &Self::Buf, out: &mut Self::Buf) -> Result<()>;
-    /// `y ← m·X`.
-    fn apply(&self, m: &Self::Buf, x: &Self::Buf, y: &mut Self::Buf) -> Result<()>;
+    /// `y ← m·X`, plus `a·X` with `Some(a)` (one rounding).
+    fn apply(&self, m: &Self::Buf, x: &Self::Buf, a: Option<f32>, y: &mut Self::Buf) -> Result<()>;
+}
+
+/// Step 3 as torch's iteration, up to its last product: per step `P = X·Xᵀ`,
+/// `Q = b·P + c·P·P`, `X ← a·X + Q·X`. On return `q` holds the last `Q` and `x` the `X` it
+/// applies to; the result is `apply(q, x, Some(a))` with the returned `a`. `x` holds `X₀` on
+/// entry; `y` and `p` are workspace; buffers are swapped, not copied.
+pub(crate) fn standard_steps<O: NsOps, B: BorrowMut<O::Buf>>(
+    ops: &O,
+    cfg: &NsConfig,
+    x: &mut B,
+    y: &mut B,
+    [p, q]: [&mut B; 2],
+) -> Result<f32> {
+    for k in 0..cfg.steps {
+        let [a, b, c] = cfg.coeffs_at(k);
+        ops.gram(mat(x), mat_mut(p))?;
+        ops.poly(mat(p), b, c, mat_mut(q))?;
+        if k + 1 == cfg.steps {
+            return Ok(a);
+        }
+        ops.apply(mat(q), mat(x), Some(a), mat_mut(y))?;
+        std::mem::swap(x, y);
+    }
+    unreachable!("NsConfig::validate: at least one step")
 }
 
 /// Step 3 as Gram Newton–Schulz, up to its last product: on return `m` holds `M` and `x` the
-/// `X` it applies to (the result is `M·X`, [`GramOps::apply`]); `y`, `r`, `q`, `t` are
-/// workspace. `x` holds `X₀` on entry; buffers are swapped, not copied.
+/// `X` it applies to (the result is `apply(m, x, None)`); `y`, `r`, `q`, `t` are workspace.
+/// `x` holds `X₀` on entry; buffers are swapped, not copied.
 ///
 /// With `R = X·Xᵀ` and `Q = a + b·R + c·R²`, a step maps `X` to `Q·X`, so `X_k = M_k·X₀` with
 /// `M_k = Q_{k−1}···Q₀`, and `R_{k+1} = Q·R·Q = Q²·R`: every product but the first Gram
@@ -818,7 +816,7 @@ pub(crate) trait GramOps {
 /// they are symmetric and commute: their products are symmetric products (half the
 /// multiply-adds on the gemm and AMX backends). At a restart ([`gram_restarts`]) `X ← M·X`
 /// and `R` is formed afresh.
-pub(crate) fn gram_steps<O: GramOps, B: BorrowMut<O::Buf>>(
+pub(crate) fn gram_steps<O: NsOps, B: BorrowMut<O::Buf>>(
     ops: &O,
     cfg: &NsConfig,
     x: &mut B,
@@ -829,7 +827,9 @@ pub(crate) fn gram_steps<O: GramOps, B: BorrowMut<O::Buf>>(
     // `M = Q` (no product yet) since the start or the last restart.
     let mut fresh = true;
     for (k, restart) in gram_restarts(cfg).into_iter().enumerate() {
-        ops.poly(mat(r), cfg.coeffs_at(k), mat_mut(q))?;
+        let [a, b, c] = cfg.coeffs_at(k);
+        ops.poly(mat(r), b, c, mat_mut(q))?;
+        ops.add_diagonal(mat_mut(q), a)?;
         if fresh {
             // `M` takes `Q`'s buffer; `q` keeps `Q` (an alias) until the next poly.
             std::mem::swap(m, q);
@@ -841,7 +841,7 @@ pub(crate) fn gram_steps<O: GramOps, B: BorrowMut<O::Buf>>(
             break;
         }
         if restart {
-            ops.apply(mat(m), mat(x), mat_mut(y))?;
+            ops.apply(mat(m), mat(x), None, mat_mut(y))?;
             std::mem::swap(x, y);
             ops.gram(mat(x), mat_mut(r))?;
         } else {
@@ -865,9 +865,9 @@ fn mat_mut<T: ?Sized, B: BorrowMut<T>>(b: &mut B) -> &mut T {
     BorrowMut::<T>::borrow_mut(b)
 }
 
-/// [`GramOps`] on `f32` buffers through a [`StepOps`] (the reference loops or gemm), each
+/// [`NsOps`] on `f32` buffers through a [`StepOps`] (the reference loops or gemm), each
 /// result rounded to bf16 (kept as `f32`) when `bf16`.
-struct GramF32<'o, O> {
+struct F32Ops<'o, O> {
     ops: &'o O,
     s: usize,
     l: usize,
@@ -875,7 +875,7 @@ struct GramF32<'o, O> {
     par: Parallelism,
 }
 
-impl<O: StepOps> GramF32<'_, O> {
+impl<O: StepOps> F32Ops<'_, O> {
     fn round(&self, v: &mut [f32]) {
         if self.bf16 {
             round_bf16(v, self.par);
@@ -883,16 +883,19 @@ impl<O: StepOps> GramF32<'_, O> {
     }
 }
 
-impl<O: StepOps> GramOps for GramF32<'_, O> {
+impl<O: StepOps> NsOps for F32Ops<'_, O> {
     type Buf = [f32];
-    fn gram(&self, x: &[f32], r: &mut [f32]) -> Result<()> {
-        self.ops.gram(x, self.s, self.l, r);
-        self.round(r);
+    fn gram(&self, x: &[f32], p: &mut [f32]) -> Result<()> {
+        self.ops.gram(x, self.s, self.l, p);
+        self.round(p);
         Ok(())
     }
-    fn poly(&self, r: &[f32], [a, b, c]: [f32; 3], q: &mut [f32]) -> Result<()> {
-        self.ops.poly(r, self.s, b, c, q);
+    fn poly(&self, p: &[f32], b: f32, c: f32, q: &mut [f32]) -> Result<()> {
+        self.ops.poly(p, self.s, b, c, q);
         self.round(q);
+        Ok(())
+    }
+    fn add_diagonal(&self, q: &mut [f32], a: f32) -> Result<()> {
         for d in q.iter_mut().step_by(self.s + 1) {
             *d += a;
             self.round(std::slice::from_mut(d));
@@ -904,35 +907,44 @@ impl<O: StepOps> GramOps for GramF32<'_, O> {
         self.round(out);
         Ok(())
     }
-    fn apply(&self, m: &[f32], x: &[f32], y: &mut [f32]) -> Result<()> {
-        self.ops.product(m, x, self.s, self.l, y);
+    fn apply(&self, m: &[f32], x: &[f32], a: Option<f32>, y: &mut [f32]) -> Result<()> {
+        match a {
+            Some(a) => self.ops.update(m, x, self.s, self.l, a, y),
+            None => self.ops.product(m, x, self.s, self.l, y),
+        }
         self.round(y);
         Ok(())
     }
 }
 
-/// Step 3 as Gram Newton–Schulz on `f32` buffers (`xw` = `X₀` on entry, the result on exit),
-/// rounding every result to bf16 with `bf16`.
-fn iterate_gram(
+/// Step 3 on `f32` buffers through `ops` (`xw` = `X₀` on entry, the result on exit), as Gram
+/// Newton–Schulz when `gram`; with `bf16`, every product's result is rounded to bf16.
+fn iterate_f32(
     xw: &mut Vec<f32>,
     (s, l): (usize, usize),
     cfg: &NsConfig,
-    bf16: bool,
+    (gram, bf16): (bool, bool),
     ops: &impl StepOps,
     par: Parallelism,
 ) -> Result<()> {
     let square = || vec![0.0f32; s * s];
-    let (mut r, mut q, mut m, mut t) = (square(), square(), square(), square());
+    let (mut p, mut q) = (square(), square());
     let mut y = vec![0.0f32; s * l];
-    let ops = GramF32 {
+    let ops = F32Ops {
         ops,
         s,
         l,
         bf16,
         par,
     };
-    gram_steps(&ops, cfg, xw, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
-    ops.apply(&m, xw, &mut y)?;
+    if gram {
+        let (mut m, mut t) = (square(), square());
+        gram_steps(&ops, cfg, xw, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
+        ops.apply(&m, xw, None, &mut y)?;
+    } else {
+        let a = standard_steps(&ops, cfg, xw, &mut y, [&mut p, &mut q])?;
+        ops.apply(&q, xw, Some(a), &mut y)?;
+    }
     std::mem::swap(xw, &mut y);
     Ok(())
 }
@@ -1009,37 +1021,6 @@ pub fn ns_macs(rows: usize, cols: usize, cfg: &NsConfig) -> u128 {
 /// checks before it changes anything.
 pub fn resolve_config(cfg: &NsConfig) -> Result<NsBackend> {
     resolve_backend(cfg.precision, cfg.backend)
-}
-
-/// Step 3 on oneDNN's matmul primitive, in `T` (bf16: `xw` holds bf16 values on entry).
-fn iterate_onednn<T: Element>(
-    xw: &mut [f32],
-    s: usize,
-    l: usize,
-    cfg: &NsConfig,
-    par: Parallelism,
-) -> std::result::Result<(), DnnlError> {
-    let d = onednn::onednn()?;
-    let zero = T::from_f32(0.0);
-    let mut x = vec![zero; s * l];
-    map_into(xw, &mut x, par, T::from_f32);
-    let mut p = vec![zero; s * s];
-    let mut q = vec![zero; s * s];
-    let mut y = vec![zero; s * l];
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        // P = X·Xᵀ: the weights Xᵀ (l×s) are X read transposed.
-        d.sym_nt(s, l, &x, &mut p, s, 1.0, None)?;
-        // Q = c·P·P + b·P, with P·P = P·Pᵀ (P is symmetric, to rounding inside its leaves).
-        q.copy_from_slice(&p);
-        d.sym_nt(s, s, &p, &mut q, s, c, Some(b))?;
-        // X ← Q·X + a·X.
-        y.copy_from_slice(&x);
-        d.matmul(s, l, s, &q, &x, false, &mut y, 1.0, Some(a))?;
-        std::mem::swap(&mut x, &mut y);
-    }
-    map_into(&x, xw, par, |v| v.to_f32());
-    Ok(())
 }
 
 thread_local! {
@@ -1130,14 +1111,17 @@ impl AmxSteps<'_> {
 
 /// Gram Newton–Schulz's products ([`gram_steps`]) on the AMX: every product rounds once to
 /// bf16; `Q`'s diagonal a second time when `a` is added to it.
-impl GramOps for AmxSteps<'_> {
+impl NsOps for AmxSteps<'_> {
     type Buf = [bf16];
-    fn gram(&self, x: &[bf16], r: &mut [bf16]) -> Result<()> {
-        self.gram_into(x, r);
+    fn gram(&self, x: &[bf16], p: &mut [bf16]) -> Result<()> {
+        self.gram_into(x, p);
         Ok(())
     }
-    fn poly(&self, r: &[bf16], [a, b, c]: [f32; 3], q: &mut [bf16]) -> Result<()> {
-        self.poly_into(r, b, c, q);
+    fn poly(&self, p: &[bf16], b: f32, c: f32, q: &mut [bf16]) -> Result<()> {
+        self.poly_into(p, b, c, q);
+        Ok(())
+    }
+    fn add_diagonal(&self, q: &mut [bf16], a: f32) -> Result<()> {
         for d in q.iter_mut().step_by(self.ldp + 1).take(self.s) {
             *d = bf16::from_f32(d.to_f32() + a);
         }
@@ -1148,9 +1132,17 @@ impl GramOps for AmxSteps<'_> {
             .sym_product_strided(self.s, u, v, out, PLAIN, self.par, self.square());
         Ok(())
     }
-    fn apply(&self, m: &[bf16], x: &[bf16], y: &mut [bf16]) -> Result<()> {
-        self.apply_to(m, x, y, self.ldx, PLAIN);
+    fn apply(&self, m: &[bf16], x: &[bf16], a: Option<f32>, y: &mut [bf16]) -> Result<()> {
+        self.apply_to(m, x, y, self.ldx, plus(a, x));
         Ok(())
+    }
+}
+
+/// `out ← acc + a·x` (`Some(a)`), or `acc`.
+fn plus(a: Option<f32>, x: &[bf16]) -> Epilogue<'_> {
+    Epilogue {
+        alpha: 1.0,
+        add: a.map(|a| (a, x)),
     }
 }
 
@@ -1197,26 +1189,11 @@ fn iterate_amx<S: AmxElement>(
         gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
         (m, None)
     } else {
-        for k in 0..cfg.steps {
-            let [a, b, c] = cfg.coeffs_at(k);
-            ops.gram_into(x, p);
-            ops.poly_into(p, b, c, q);
-            if k + 1 == cfg.steps {
-                break;
-            }
-            let update = Epilogue {
-                alpha: 1.0,
-                add: Some((a, &*x)),
-            };
-            ops.apply_to(q, x, y, ldx, update);
-            std::mem::swap(&mut x, &mut y);
-        }
-        (&*q, Some(cfg.coeffs_at(cfg.steps - 1)[0]))
+        let (mut p, mut q) = (p, q);
+        let a = standard_steps(&ops, cfg, &mut x, &mut y, [&mut p, &mut q])?;
+        (q, Some(a))
     };
-    let last = Epilogue {
-        alpha: 1.0,
-        add: a.map(|a| (a, &*x)),
-    };
+    let last = plus(a, x);
     // The last product of a bf16 result goes straight into it (dense rows), saving the copy
     // out of `Y`.
     if let Some(result) = S::as_bf16(xw) {
@@ -1229,26 +1206,31 @@ fn iterate_amx<S: AmxElement>(
     Ok(())
 }
 
-/// [`GramOps`] on oneDNN's matmul primitive in `T` (rows dense): `X·Xᵀ` and `c·R·R + b·R`
-/// by halves ([`onednn::OneDnn::sym_nt`]), the products of two polynomials whole.
-struct GramOneDnn<T> {
+/// [`NsOps`] on oneDNN's matmul primitive in `T` (rows dense): `X·Xᵀ` and `c·P·P + b·P` by
+/// halves ([`onednn::OneDnn::sym_nt`]; `P·P` as `P·Pᵀ`, `P` symmetric to rounding inside its
+/// leaves), the other products whole.
+struct OneDnnOps<T> {
     d: &'static onednn::OneDnn,
     s: usize,
     l: usize,
     element: std::marker::PhantomData<T>,
 }
 
-impl<T: Element> GramOps for GramOneDnn<T> {
+impl<T: Element> NsOps for OneDnnOps<T> {
     type Buf = [T];
-    fn gram(&self, x: &[T], r: &mut [T]) -> Result<()> {
-        self.d.sym_nt(self.s, self.l, x, r, self.s, 1.0, None)?;
+    fn gram(&self, x: &[T], p: &mut [T]) -> Result<()> {
+        // The weights Xᵀ (l×s) are X read transposed.
+        self.d.sym_nt(self.s, self.l, x, p, self.s, 1.0, None)?;
         Ok(())
     }
-    fn poly(&self, r: &[T], [a, b, c]: [f32; 3], q: &mut [T]) -> Result<()> {
+    fn poly(&self, p: &[T], b: f32, c: f32, q: &mut [T]) -> Result<()> {
         let s = self.s;
-        q.copy_from_slice(r);
-        self.d.sym_nt(s, s, r, q, s, c, Some(b))?;
-        for d in q.iter_mut().step_by(s + 1) {
+        q.copy_from_slice(p);
+        self.d.sym_nt(s, s, p, q, s, c, Some(b))?;
+        Ok(())
+    }
+    fn add_diagonal(&self, q: &mut [T], a: f32) -> Result<()> {
+        for d in q.iter_mut().step_by(self.s + 1) {
             *d = T::from_f32(d.to_f32() + a);
         }
         Ok(())
@@ -1258,36 +1240,45 @@ impl<T: Element> GramOps for GramOneDnn<T> {
         self.d.matmul(s, s, s, u, v, false, out, 1.0, None)?;
         Ok(())
     }
-    fn apply(&self, m: &[T], x: &[T], y: &mut [T]) -> Result<()> {
+    fn apply(&self, m: &[T], x: &[T], a: Option<f32>, y: &mut [T]) -> Result<()> {
         let (s, l) = (self.s, self.l);
-        self.d.matmul(s, l, s, m, x, false, y, 1.0, None)?;
+        if a.is_some() {
+            y.copy_from_slice(x);
+        }
+        self.d.matmul(s, l, s, m, x, false, y, 1.0, a)?;
         Ok(())
     }
 }
 
-/// Step 3 as Gram Newton–Schulz ([`gram_steps`]) on oneDNN in `T` (bf16: `xw` holds bf16
-/// values on entry), as [`iterate_onednn`].
-fn iterate_onednn_gram<T: Element>(
+/// Step 3 on oneDNN's matmul primitive in `T` (bf16: `xw` holds bf16 values on entry), as
+/// Gram Newton–Schulz when `gram`.
+fn iterate_onednn<T: Element>(
     xw: &mut [f32],
     (s, l): (usize, usize),
     cfg: &NsConfig,
+    gram: bool,
     par: Parallelism,
 ) -> Result<()> {
-    let d = onednn::onednn()?;
     let zero = T::from_f32(0.0);
     let mut x = vec![zero; s * l];
     map_into(xw, &mut x, par, T::from_f32);
     let mut y = vec![zero; s * l];
     let square = || vec![zero; s * s];
-    let (mut r, mut q, mut m, mut t) = (square(), square(), square(), square());
-    let ops = GramOneDnn {
-        d,
+    let (mut p, mut q) = (square(), square());
+    let ops = OneDnnOps {
+        d: onednn::onednn()?,
         s,
         l,
         element: std::marker::PhantomData,
     };
-    gram_steps(&ops, cfg, &mut x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
-    ops.apply(&m, &x, &mut y)?;
+    if gram {
+        let (mut m, mut t) = (square(), square());
+        gram_steps(&ops, cfg, &mut x, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
+        ops.apply(&m, &x, None, &mut y)?;
+    } else {
+        let a = standard_steps(&ops, cfg, &mut x, &mut y, [&mut p, &mut q])?;
+        ops.apply(&q, &x, Some(a), &mut y)?;
+    }
     map_into(&y, xw, par, |v| v.to_f32());
     Ok(())
 }
@@ -1385,18 +1376,12 @@ fn ns_one(
     // Step 3.
     let gram = method == NsMethod::Gram;
     match backend {
-        NsBackend::Reference if gram => {
-            iterate_gram(&mut xw, (s, l), cfg, bf16, &ReferenceOps, par)?
+        NsBackend::Reference => {
+            iterate_f32(&mut xw, (s, l), cfg, (gram, bf16), &ReferenceOps, par)?
         }
-        NsBackend::Gemm if gram => iterate_gram(&mut xw, (s, l), cfg, bf16, &GemmOps(par), par)?,
-        NsBackend::OneDnn if gram && bf16 => {
-            iterate_onednn_gram::<bf16>(&mut xw, (s, l), cfg, par)?
-        }
-        NsBackend::OneDnn if gram => iterate_onednn_gram::<f32>(&mut xw, (s, l), cfg, par)?,
-        NsBackend::Reference => iterate_f32(&mut xw, s, l, cfg, bf16, &ReferenceOps, par),
-        NsBackend::Gemm => iterate_f32(&mut xw, s, l, cfg, bf16, &GemmOps(par), par),
-        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, s, l, cfg, par)?,
-        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, s, l, cfg, par)?,
+        NsBackend::Gemm => iterate_f32(&mut xw, (s, l), cfg, (gram, bf16), &GemmOps(par), par)?,
+        NsBackend::OneDnn if bf16 => iterate_onednn::<bf16>(&mut xw, (s, l), cfg, gram, par)?,
+        NsBackend::OneDnn => iterate_onednn::<f32>(&mut xw, (s, l), cfg, gram, par)?,
         NsBackend::Amx | NsBackend::Auto => unreachable!("ns_one takes AMX apart, Auto resolved"),
     }
     // Step 4.

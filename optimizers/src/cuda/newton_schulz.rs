@@ -53,7 +53,9 @@ use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use crate::newton_schulz::{gram_steps, resolve_method, GramOps, NsConfig, NsMethod, NsPrecision};
+use crate::newton_schulz::{
+    gram_steps, resolve_method, standard_steps, NsConfig, NsMethod, NsOps, NsPrecision,
+};
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";
@@ -336,11 +338,11 @@ pub fn orthogonalize_cuda_with(
     let gram = resolve_method(cfg, cfg.backend, s, l) == NsMethod::Gram;
     let dims = (bi, si, li);
     match prec {
-        NsPrecision::F32 => step3::<f32>(&blas, dev, prec, &mut xw, dims, cfg, syrk, gram)?,
+        NsPrecision::F32 => iterate::<f32>(&blas, dev, prec, &mut xw, dims, cfg, syrk, gram)?,
         NsPrecision::Bf16 => {
             let mut xb = dev.zeros::<u16>(batch * mn)?;
             f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
-            step3::<u16>(&blas, dev, prec, &mut xb, dims, cfg, syrk, gram)?;
+            iterate::<u16>(&blas, dev, prec, &mut xb, dims, cfg, syrk, gram)?;
             bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
         }
     }
@@ -464,10 +466,10 @@ fn no_bf16_syrk() -> Error {
     }
 }
 
-/// Step 3 on the normalized stack `x` (`dims` = batch, s, l): Gram Newton–Schulz when `gram`,
-/// else the standard iteration.
+/// Step 3 on the normalized stack `x` (in place; `dims` = batch, s, l), as Gram Newton–Schulz
+/// when `gram`; the symmetric products `X·Xᵀ` and `b·P + c·P·P` on syrk when `syrk`.
 #[allow(clippy::too_many_arguments)]
-fn step3<T: NsElem>(
+fn iterate<T: NsElem>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
@@ -477,71 +479,36 @@ fn step3<T: NsElem>(
     syrk: bool,
     gram: bool,
 ) -> Result<()> {
-    if gram {
-        iterate_gram(blas, dev, prec, x, batch, s, l, cfg, syrk)
-    } else {
-        iterate(blas, dev, prec, x, batch, s, l, cfg, syrk)
-    }
-}
-
-/// Step 3 on the normalized `batch × s × l` stack `x` (in place); the symmetric products on
-/// GEMMs, or on syrk when `syrk`.
-#[allow(clippy::too_many_arguments)]
-fn iterate<T: NsElem>(
-    blas: &CudaBlas,
-    dev: &Device,
-    prec: NsPrecision,
-    x: &mut CudaSlice<T>,
-    batch: i32,
-    s: i32,
-    l: i32,
-    cfg: &NsConfig,
-    syrk: bool,
-) -> Result<()> {
-    const OP: &str = "newton_schulz iterate";
     let (su, lu, bu) = (s as usize, l as usize, batch as usize);
-    let mut p = dev.zeros::<T>(bu * su * su)?;
-    let mut q = dev.zeros::<T>(bu * su * su)?;
+    let square = || dev.zeros::<T>(bu * su * su);
+    let (mut p, mut q) = (square()?, square()?);
     let mut y = dev.zeros::<T>(bu * su * lu)?;
-    let stream = dev.stream();
-    for k in 0..cfg.steps {
-        let [a, b, c] = cfg.coeffs_at(k);
-        if syrk {
-            T::gram_syrk(blas, dev, x, &mut p, (bu, su, lu))?;
-            guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
-            T::square_syrk(blas, dev, &p, &mut q, (bu, su), (b, c))?;
-        } else {
-            // P = X·Xᵀ: (s×l)·(l×s); Xᵀ is X stored l-major, used transposed.
-            let gram = GemmArgs::row_major_gram(s, l);
-            gemm(blas, dev, prec, batch, &gram, x, x, &mut p, (1.0, 0.0))?;
-            // Q = b·P + c·P·P.
-            guarded(OP, || stream.memcpy_dtod(&p, &mut q))?;
-            let square = GemmArgs::row_major(s, s, s);
-            gemm(blas, dev, prec, batch, &square, &p, &p, &mut q, (c, b))?;
-        }
-        // X ← a·X + Q·X.
-        guarded(OP, || stream.memcpy_dtod(&*x, &mut y))?;
-        // Row-major Q·X: `first` is X's buffer, `second` is Q's (see GemmArgs::row_major).
-        gemm(
-            blas,
-            dev,
-            prec,
-            batch,
-            &GemmArgs::row_major(s, l, s),
-            &*x,
-            &q,
-            &mut y,
-            (1.0, a),
-        )?;
-        std::mem::swap(x, &mut y);
+    let ops = DeviceOps {
+        blas,
+        dev,
+        prec,
+        batch,
+        s,
+        l,
+        syrk,
+        elem: std::marker::PhantomData,
+    };
+    if gram {
+        let (mut m, mut t) = (square()?, square()?);
+        gram_steps(&ops, cfg, x, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
+        ops.apply(&m, x, None, &mut y)?;
+    } else {
+        let a = standard_steps(&ops, cfg, x, &mut y, [&mut p, &mut q])?;
+        ops.apply(&q, x, Some(a), &mut y)?;
     }
+    std::mem::swap(x, &mut y);
     Ok(())
 }
 
-/// Gram Newton–Schulz's products ([`gram_steps`]) on a stack of `batch` matrices, each one
-/// strided-batched GEMM (`X·Xᵀ` and `R·R` on syrk when `syrk`), `a` added to `Q`'s diagonal
-/// by `ns_add_diagonal_*`: the CPU's Gram iteration (restarts included) up to summation order.
-struct DeviceGram<'a, T> {
+/// Newton–Schulz's products ([`NsOps`]) on a stack of `batch` matrices, each one
+/// strided-batched GEMM (`X·Xᵀ` and `b·P + c·P·P` on syrk when `syrk`), a scalar added to
+/// diagonals by `ns_add_diagonal_*`: the CPU's iterations up to summation order.
+struct DeviceOps<'a, T> {
     blas: &'a CudaBlas,
     dev: &'a Device,
     prec: NsPrecision,
@@ -552,7 +519,7 @@ struct DeviceGram<'a, T> {
     elem: std::marker::PhantomData<T>,
 }
 
-impl<T: NsElem> DeviceGram<'_, T> {
+impl<T: NsElem> DeviceOps<'_, T> {
     /// `c ← α·(row-major a·b) + β·c`, `a: m×k`, `b: k×n` (cuBLAS sees the transpose).
     fn product(
         &self,
@@ -568,17 +535,21 @@ impl<T: NsElem> DeviceGram<'_, T> {
         )
     }
 
-    fn dims(&self) -> (usize, usize, usize) {
-        (self.batch as usize, self.s as usize, self.l as usize)
+    fn copy(&self, from: &CudaSlice<T>, to: &mut CudaSlice<T>) -> Result<()> {
+        guarded("newton_schulz copy", || {
+            self.dev.stream().memcpy_dtod(from, to)
+        })
     }
 }
 
-impl<T: NsElem> GramOps for DeviceGram<'_, T> {
+impl<T: NsElem> NsOps for DeviceOps<'_, T> {
     type Buf = CudaSlice<T>;
-    fn gram(&self, x: &CudaSlice<T>, r: &mut CudaSlice<T>) -> Result<()> {
+    fn gram(&self, x: &CudaSlice<T>, p: &mut CudaSlice<T>) -> Result<()> {
+        let (batch, s, l) = (self.batch as usize, self.s as usize, self.l as usize);
         if self.syrk {
-            return T::gram_syrk(self.blas, self.dev, x, r, self.dims());
+            return T::gram_syrk(self.blas, self.dev, x, p, (batch, s, l));
         }
+        // Xᵀ is X stored l-major, used transposed.
         let args = GemmArgs::row_major_gram(self.s, self.l);
         gemm(
             self.blas,
@@ -588,21 +559,20 @@ impl<T: NsElem> GramOps for DeviceGram<'_, T> {
             &args,
             x,
             x,
-            r,
+            p,
             (1.0, 0.0),
         )
     }
-    fn poly(&self, r: &CudaSlice<T>, [a, b, c]: [f32; 3], q: &mut CudaSlice<T>) -> Result<()> {
-        let (batch, s, _) = self.dims();
-        guarded("newton_schulz gram poly", || {
-            self.dev.stream().memcpy_dtod(r, q)
-        })?;
+    fn poly(&self, p: &CudaSlice<T>, b: f32, c: f32, q: &mut CudaSlice<T>) -> Result<()> {
+        self.copy(p, q)?;
         if self.syrk {
-            T::square_syrk(self.blas, self.dev, r, q, (batch, s), (b, c))?;
-        } else {
-            self.product((self.s, self.s, self.s), r, r, q, (c, b))?;
+            let dims = (self.batch as usize, self.s as usize);
+            return T::square_syrk(self.blas, self.dev, p, q, dims, (b, c));
         }
-        T::add_diagonal(self.dev, q, batch, s, a)
+        self.product((self.s, self.s, self.s), p, p, q, (c, b))
+    }
+    fn add_diagonal(&self, q: &mut CudaSlice<T>, a: f32) -> Result<()> {
+        T::add_diagonal(self.dev, q, self.batch as usize, self.s as usize, a)
     }
     fn sym_product(
         &self,
@@ -612,42 +582,19 @@ impl<T: NsElem> GramOps for DeviceGram<'_, T> {
     ) -> Result<()> {
         self.product((self.s, self.s, self.s), u, v, out, (1.0, 0.0))
     }
-    fn apply(&self, m: &CudaSlice<T>, x: &CudaSlice<T>, y: &mut CudaSlice<T>) -> Result<()> {
-        self.product((self.s, self.l, self.s), m, x, y, (1.0, 0.0))
+    fn apply(
+        &self,
+        m: &CudaSlice<T>,
+        x: &CudaSlice<T>,
+        a: Option<f32>,
+        y: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        if a.is_some() {
+            self.copy(x, y)?;
+        }
+        let dims = (self.s, self.l, self.s);
+        self.product(dims, m, x, y, (1.0, a.unwrap_or(0.0)))
     }
-}
-
-/// Step 3 as Gram Newton–Schulz on the normalized `batch × s × l` stack `x` (in place).
-#[allow(clippy::too_many_arguments)]
-fn iterate_gram<T: NsElem>(
-    blas: &CudaBlas,
-    dev: &Device,
-    prec: NsPrecision,
-    x: &mut CudaSlice<T>,
-    batch: i32,
-    s: i32,
-    l: i32,
-    cfg: &NsConfig,
-    syrk: bool,
-) -> Result<()> {
-    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
-    let square = || dev.zeros::<T>(bu * su * su);
-    let (mut r, mut q, mut m, mut t) = (square()?, square()?, square()?, square()?);
-    let mut y = dev.zeros::<T>(bu * su * lu)?;
-    let ops = DeviceGram {
-        blas,
-        dev,
-        prec,
-        batch,
-        s,
-        l,
-        syrk,
-        elem: std::marker::PhantomData,
-    };
-    gram_steps(&ops, cfg, x, &mut y, [&mut r, &mut q, &mut m, &mut t])?;
-    ops.apply(&m, x, &mut y)?;
-    std::mem::swap(x, &mut y);
-    Ok(())
 }
 
 /// `kernel` (`ns_add_diagonal_f32` or `_bf16`) on `batch` `n × n` matrices.
