@@ -704,7 +704,7 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
     use ragged_optimizers::cuda::bench::bench_gpu;
     let Some(dev) = device() else { return };
     let report = bench_gpu(&dev, true).unwrap();
-    assert_eq!(report.rows.len(), 8, "{report:?}");
+    assert_eq!(report.rows.len(), 10, "{report:?}");
     for r in &report.rows {
         assert!(r.value.is_finite() && r.value > 0.0, "{r:?}");
         assert!(

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | Newton–Schulz, one `n × n` matrix, bf16 (GEMM) and f32 (GEMM, and syrk for the symmetric products) | TFLOP/s (`steps · 3` GEMMs of `2n³`, whichever product ran) | one plain cuBLAS GEMM `n³` of the same precision on random data |
 //! | Newton–Schulz, a stack of 8 `n/4 × n/4` experts (strided-batched), bf16 | TFLOP/s | the same GEMM |
+//! | Newton–Schulz, one `n × 3.5n` matrix (an MLP weight), bf16, standard and Gram | TFLOP/s in the standard iteration's nominal FLOPs (Gram's rate over the standard one is its speed-up) | the same GEMM |
 //! | AdamW step on one `len`-element shard, and on a Llama-3-8B decoder layer (7 matrices, 2 norms) | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy of `len` elements, read + write bytes |
 //! | 8-bit Adam step, the same shards | GB/s (16 B per element: p, g, both codes read; p, both codes written; 28 B for the norms' f32 fallback) | the same memcpy |
 //!
@@ -23,7 +24,7 @@ use ragged::storage::Placement;
 use ragged::Result;
 
 use super::newton_schulz::{gemm_seconds, orthogonalize_cuda_with, GramProduct};
-use crate::newton_schulz::{NsConfig, NsPrecision};
+use crate::newton_schulz::{NsConfig, NsMethod, NsPrecision};
 use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig};
 
 /// One row of the GPU table: a measured rate and the same-run baseline it is compared with.
@@ -137,12 +138,61 @@ pub fn bench_gpu(dev: &Arc<Device>, quick: bool) -> Result<GpuReport> {
                 baseline_value: gemm,
             });
         }
+        if prec == NsPrecision::Bf16 {
+            rows.extend(bench_methods(dev, n, &cfg, gemm, &baseline)?);
+        }
     }
     rows.extend(bench_elementwise(dev, len, quick)?);
     Ok(GpuReport {
         device: dev.name().unwrap_or_else(|_| "unknown GPU".into()),
         rows,
     })
+}
+
+/// Newton–Schulz on one `n × 3.5n` matrix (a Llama MLP weight's shape) by the standard
+/// iteration and by Gram Newton–Schulz, both in the standard iteration's nominal FLOPs
+/// (`steps · (4s²l + 2s³)`), so the Gram row's rate over the standard one is its speed-up.
+fn bench_methods(
+    dev: &Arc<Device>,
+    n: usize,
+    cfg: &NsConfig,
+    gemm: f64,
+    baseline: &str,
+) -> Result<Vec<GpuRow>> {
+    let long = n * 7 / 2;
+    let (s, l) = (n as f64, long as f64);
+    let flop = cfg.steps as f64 * (4.0 * s * s * l + 2.0 * s * s * s);
+    let mut rows = Vec::new();
+    for method in [NsMethod::Standard, NsMethod::Gram] {
+        let cfg = NsConfig {
+            method,
+            ..cfg.clone()
+        };
+        let mut x = dev.upload(&units(n * long, 11))?;
+        let secs = time(dev, 3, &mut || {
+            orthogonalize_cuda_with(
+                dev,
+                &mut x.slice_mut(..),
+                1,
+                n,
+                long,
+                &cfg,
+                GramProduct::Gemm,
+            )
+        })?;
+        rows.push(GpuRow {
+            case: format!(
+                "Newton–Schulz {:?} {n}×{long} (an MLP weight), {method:?}, {} steps, nominal \
+                 FLOPs of the standard iteration",
+                cfg.precision, cfg.steps
+            ),
+            value: flop / secs / 1e12,
+            unit: "TFLOP/s",
+            baseline: baseline.to_string(),
+            baseline_value: gemm,
+        });
+    }
+    Ok(rows)
 }
 
 /// Llama-3-8B's decoder layer: the seven matrices and the two norms (218 M elements), each
