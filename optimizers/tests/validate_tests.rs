@@ -48,7 +48,13 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
         name: "u".into(),
         tensors: specs.iter().collect(),
     };
-    for kind in [OptimKind::AdamW, OptimKind::Adam8bit, OptimKind::Muon] {
+    let kinds = [
+        OptimKind::AdamW,
+        OptimKind::Adam8bit,
+        OptimKind::Muon,
+        OptimKind::MuonBf16,
+    ];
+    for kind in kinds {
         let report = validate(std::slice::from_ref(&unit), &config(kind)).unwrap();
         assert_eq!(report.breaches(), 0, "{kind}: {report:?}");
         // Every parameter at every world of the ragged layout was compared.
@@ -58,7 +64,7 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
             .filter(|c| c.layout == LayoutKind::Ragged)
             .count();
         assert_eq!(ragged, 3 * 4, "{kind}");
-        if kind == OptimKind::AdamW || kind == OptimKind::Muon {
+        if kind != OptimKind::Adam8bit {
             assert_eq!(report.reference.len(), 3, "{kind}");
             assert!(
                 report.reference.iter().all(|r| r.max_rel > 0.0),
@@ -291,4 +297,64 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
         wrong > 10.0 * tol,
         "without Nesterov: {wrong}, tolerance {tol}"
     );
+}
+
+#[test]
+fn the_bf16_muon_reference_tells_a_short_newton_schulz_from_bf16_rounding() {
+    use ragged::comm::SingleRank;
+    use ragged_optimizers::validate::MUON_BF16_UPDATE_RTOL;
+    use ragged_optimizers::validate_f64::muon_f64;
+    use ragged_optimizers::{Muon, MuonConfig, NsConfig, NsPrecision};
+    // A wide matrix (Gram Newton–Schulz under `Auto`) and a square one (standard).
+    for shape in [[64usize, 256], [96, 96]] {
+        let n = shape[0] * shape[1];
+        let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.5) * s;
+        let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
+        let grads: Vec<Vec<f32>> = (0..3)
+            .map(|s| (0..n).map(|k| wave(k * (s + 2) + s, 1.0)).collect())
+            .collect();
+        let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+        let c = MuonConfig {
+            ns: NsConfig {
+                precision: NsPrecision::Bf16,
+                ..NsConfig::default()
+            },
+            ..MuonConfig::default()
+        };
+        let opt = Muon::new(c.clone()).unwrap();
+        let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
+        let shard = LocalShard::unsharded(
+            spec.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+            &|name, shape| opt.atomic_block(name, shape),
+        )
+        .unwrap();
+        let mut p = p0.clone();
+        let mut state = opt.init(&shard).unwrap();
+        for g in &grads {
+            opt.step_slices(&mut state, &shard, &mut p, g, &SingleRank)
+                .unwrap();
+        }
+        // validate's measure: the update's relative Frobenius error.
+        let update_err = |want: &[f64]| {
+            let sq = |v: f64| v * v;
+            let err: f64 = p
+                .iter()
+                .zip(want)
+                .map(|(&x, &w)| sq(f64::from(x) - w))
+                .sum();
+            let upd: f64 = want
+                .iter()
+                .zip(&p0)
+                .map(|(&w, &q)| sq(w - f64::from(q)))
+                .sum();
+            (err / upd).sqrt()
+        };
+        let right = update_err(&muon_f64(&c, &shape, &p0, &g).unwrap());
+        let mut short = c.clone();
+        short.ns.steps = 4;
+        let wrong = update_err(&muon_f64(&short, &shape, &p0, &g).unwrap());
+        eprintln!("{shape:?}: bf16 vs f64 {right:.3e}, one step short {wrong:.3e}");
+        assert!(right <= MUON_BF16_UPDATE_RTOL, "{shape:?}: {right}");
+        assert!(wrong > MUON_BF16_UPDATE_RTOL, "{shape:?}: {wrong}");
+    }
 }
