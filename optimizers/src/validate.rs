@@ -735,12 +735,23 @@ fn muon_reference(
     Ok(())
 }
 
-/// A Muon matrix with bf16 Newton–Schulz against the f64 Muon: the relative Frobenius error
-/// of the update, `‖p − p_f64‖ / ‖p_f64 − p₀‖`, against [`MUON_BF16_UPDATE_RTOL`] (bf16 keeps
-/// 8 bits: per element its error is of the order of the update's own rounding, so only the
-/// whole update's error is a sharp measure).
+/// A Muon matrix with bf16 Newton–Schulz against the f64 Muon: [`update_error`] against
+/// [`MUON_BF16_UPDATE_RTOL`] (bf16 keeps 8 bits: per element its error is of the order of the
+/// update's own rounding, so only the whole update's error is a sharp measure).
 fn update_check(name: &str, got: &[f32], want: &[f64], p0: &[f32]) -> ReferenceCheck {
     let (abs, _) = errors(got, want);
+    ReferenceCheck {
+        name: name.to_string(),
+        max_abs: abs,
+        max_rel: update_error(got, want, p0),
+        tolerance: MUON_BF16_UPDATE_RTOL,
+        absolute: false,
+    }
+}
+
+/// The relative Frobenius error of an update: `‖p − p_ref‖ / ‖p_ref − p₀‖` for final
+/// parameters `got`, reference final parameters `want` and initial ones `p0`.
+pub fn update_error(got: &[f32], want: &[f64], p0: &[f32]) -> f64 {
     let sq = |v: f64| v * v;
     let err: f64 = got
         .iter()
@@ -752,13 +763,7 @@ fn update_check(name: &str, got: &[f32], want: &[f64], p0: &[f32]) -> ReferenceC
         .zip(p0)
         .map(|(&w, &p)| sq(w - f64::from(p)))
         .sum();
-    ReferenceCheck {
-        name: name.to_string(),
-        max_abs: abs,
-        max_rel: (err / update).sqrt(),
-        tolerance: MUON_BF16_UPDATE_RTOL,
-        absolute: false,
-    }
+    (err / update).sqrt()
 }
 
 /// The report as text: one line per parameter and check, then the verdict.

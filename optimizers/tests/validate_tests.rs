@@ -9,7 +9,7 @@ use ragged::plan::PlanOptions;
 use ragged::{AtomicBlock, Result};
 use ragged_optimizers::bench::OptimKind;
 use ragged_optimizers::validate::{validate, validate_with, LayoutKind, ValidateConfig};
-use ragged_optimizers::{AdamState, AdamW, AdamWConfig, NsMethod};
+use ragged_optimizers::{AdamState, AdamW, AdamWConfig, Muon, MuonConfig, NsMethod};
 
 mod harness;
 use harness::default_ns_method;
@@ -242,20 +242,20 @@ fn scatter_and_gather_are_inverse_and_refuse_inconsistent_buffers() {
     assert!(LocalShard::gather(&wrapped, &locals).is_err());
 }
 
-#[test]
-fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
+/// Three Muon steps under `c` on one `shape` matrix from unsharded initial parameters:
+/// `(p0, grads, final p)`. Gradient `s` samples a wave at `k·(s + 2) + shift·s`.
+fn three_muon_steps(
+    c: &MuonConfig,
+    shape: [usize; 2],
+    shift: usize,
+) -> (Vec<f32>, Vec<Vec<f32>>, Vec<f32>) {
     use ragged::comm::SingleRank;
-    use ragged_optimizers::validate_f64::muon_f64;
-    use ragged_optimizers::{Muon, MuonConfig};
-    let shape = [64usize, 96];
     let n = shape[0] * shape[1];
     let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.5) * s;
     let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
     let grads: Vec<Vec<f32>> = (0..3)
-        .map(|s| (0..n).map(|k| wave(k * (s + 2), 1.0)).collect())
+        .map(|s| (0..n).map(|k| wave(k * (s + 2) + shift * s, 1.0)).collect())
         .collect();
-    let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
-    let c = MuonConfig::default();
     let opt = Muon::new(c.clone()).unwrap();
     let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
     let shard = LocalShard::unsharded(
@@ -269,6 +269,17 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
         opt.step_slices(&mut state, &shard, &mut p, g, &SingleRank)
             .unwrap();
     }
+    (p0, grads, p)
+}
+
+#[test]
+fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
+    use ragged_optimizers::validate_f64::muon_f64;
+    let shape = [64usize, 96];
+    let n = shape[0] * shape[1];
+    let c = MuonConfig::default();
+    let (p0, grads, p) = three_muon_steps(&c, shape, 0);
+    let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
     let max_err = |want: &[f64]| {
         p.iter()
             .zip(want)
@@ -301,58 +312,25 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
 
 #[test]
 fn the_bf16_muon_reference_tells_a_short_newton_schulz_from_bf16_rounding() {
-    use ragged::comm::SingleRank;
-    use ragged_optimizers::validate::MUON_BF16_UPDATE_RTOL;
+    use ragged_optimizers::validate::{update_error, MUON_BF16_UPDATE_RTOL};
     use ragged_optimizers::validate_f64::muon_f64;
-    use ragged_optimizers::{Muon, MuonConfig, NsConfig, NsPrecision};
+    use ragged_optimizers::{NsConfig, NsPrecision};
+    let c = MuonConfig {
+        ns: NsConfig {
+            precision: NsPrecision::Bf16,
+            ..NsConfig::default()
+        },
+        ..MuonConfig::default()
+    };
     // A wide matrix (Gram Newton–Schulz under `Auto`) and a square one (standard).
     for shape in [[64usize, 256], [96, 96]] {
-        let n = shape[0] * shape[1];
-        let wave = |k: usize, s: f32| ((k * 7919 % 1013) as f32 / 1013.0 - 0.5) * s;
-        let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 1.0)).collect();
-        let grads: Vec<Vec<f32>> = (0..3)
-            .map(|s| (0..n).map(|k| wave(k * (s + 2) + s, 1.0)).collect())
-            .collect();
+        let (p0, grads, p) = three_muon_steps(&c, shape, 1);
         let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
-        let c = MuonConfig {
-            ns: NsConfig {
-                precision: NsPrecision::Bf16,
-                ..NsConfig::default()
-            },
-            ..MuonConfig::default()
-        };
-        let opt = Muon::new(c.clone()).unwrap();
-        let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
-        let shard = LocalShard::unsharded(
-            spec.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
-            &|name, shape| opt.atomic_block(name, shape),
-        )
-        .unwrap();
-        let mut p = p0.clone();
-        let mut state = opt.init(&shard).unwrap();
-        for g in &grads {
-            opt.step_slices(&mut state, &shard, &mut p, g, &SingleRank)
-                .unwrap();
-        }
         // validate's measure: the update's relative Frobenius error.
-        let update_err = |want: &[f64]| {
-            let sq = |v: f64| v * v;
-            let err: f64 = p
-                .iter()
-                .zip(want)
-                .map(|(&x, &w)| sq(f64::from(x) - w))
-                .sum();
-            let upd: f64 = want
-                .iter()
-                .zip(&p0)
-                .map(|(&w, &q)| sq(w - f64::from(q)))
-                .sum();
-            (err / upd).sqrt()
-        };
-        let right = update_err(&muon_f64(&c, &shape, &p0, &g).unwrap());
+        let right = update_error(&p, &muon_f64(&c, &shape, &p0, &g).unwrap(), &p0);
         let mut short = c.clone();
         short.ns.steps = 4;
-        let wrong = update_err(&muon_f64(&short, &shape, &p0, &g).unwrap());
+        let wrong = update_error(&p, &muon_f64(&short, &shape, &p0, &g).unwrap(), &p0);
         eprintln!("{shape:?}: bf16 vs f64 {right:.3e}, one step short {wrong:.3e}");
         assert!(right <= MUON_BF16_UPDATE_RTOL, "{shape:?}: {right}");
         assert!(wrong > MUON_BF16_UPDATE_RTOL, "{shape:?}: {wrong}");

@@ -317,8 +317,6 @@ pub fn orthogonalize_cuda_with(
             .launch(cfg2)
     })?;
     let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
-    let mut cfgn = elementwise(mn);
-    cfgn.grid_dim = (cfgn.grid_dim.0.min(1024), by, 1);
     let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
     guarded(OP, || unsafe {
         stream
@@ -329,7 +327,7 @@ pub fn orthogonalize_cuda_with(
             .arg(&nparts)
             .arg(&scale)
             .arg(&eps)
-            .launch(cfgn)
+            .launch(per_matrix(mn, batch))
     })?;
 
     // Step 3, by the method `cfg` gives this shape on the CPU (and in `ns_macs`): `Auto` is
@@ -378,18 +376,13 @@ trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
         bc: (f32, f32),
     ) -> Result<()>;
 
-    /// `ns_add_diagonal_*`: `a` added to the diagonal of each of the `batch` `n × n`
-    /// matrices of `q` (bf16: rounded once more).
-    fn add_diagonal(
-        dev: &Device,
-        q: &mut CudaSlice<Self>,
-        batch: usize,
-        n: usize,
-        a: f32,
-    ) -> Result<()>;
+    /// The `ns_add_diagonal_*` kernel for this element ([`add_diagonal`]).
+    const ADD_DIAGONAL: &'static str;
 }
 
 impl NsElem for f32 {
+    const ADD_DIAGONAL: &'static str = NS_ADD_DIAGONAL_F32;
+
     fn gram_syrk(
         blas: &CudaBlas,
         dev: &Device,
@@ -413,19 +406,11 @@ impl NsElem for f32 {
         syrk_each(blas, dev, p, q, (s, s), false, (c, b))?;
         symmetrize(dev, q, batch, s)
     }
-
-    fn add_diagonal(
-        dev: &Device,
-        q: &mut CudaSlice<f32>,
-        batch: usize,
-        n: usize,
-        a: f32,
-    ) -> Result<()> {
-        add_diagonal(dev, NS_ADD_DIAGONAL_F32, q, batch, n, a)
-    }
 }
 
 impl NsElem for u16 {
+    const ADD_DIAGONAL: &'static str = NS_ADD_DIAGONAL_BF16;
+
     fn gram_syrk(
         _: &CudaBlas,
         _: &Device,
@@ -445,16 +430,6 @@ impl NsElem for u16 {
         _: (f32, f32),
     ) -> Result<()> {
         Err(no_bf16_syrk())
-    }
-
-    fn add_diagonal(
-        dev: &Device,
-        q: &mut CudaSlice<u16>,
-        batch: usize,
-        n: usize,
-        a: f32,
-    ) -> Result<()> {
-        add_diagonal(dev, NS_ADD_DIAGONAL_BF16, q, batch, n, a)
     }
 }
 
@@ -572,7 +547,14 @@ impl<T: NsElem> NsOps for DeviceOps<'_, T> {
         self.product((self.s, self.s, self.s), p, p, q, (c, b))
     }
     fn add_diagonal(&self, q: &mut CudaSlice<T>, a: f32) -> Result<()> {
-        T::add_diagonal(self.dev, q, self.batch as usize, self.s as usize, a)
+        add_diagonal(
+            self.dev,
+            T::ADD_DIAGONAL,
+            q,
+            self.batch as usize,
+            self.s as usize,
+            a,
+        )
     }
     fn sym_product(
         &self,
@@ -609,21 +591,29 @@ fn add_diagonal<T: DeviceRepr>(
     const OP: &str = "newton_schulz add_diagonal";
     let f = dev.function(&NEWTON_SCHULZ, kernel)?;
     let nu = n as u32;
-    let mut cfg = elementwise(n);
-    cfg.grid_dim = (
-        cfg.grid_dim.0.min(1024),
-        u32::try_from(batch).unwrap_or(u32::MAX),
-        1,
-    );
+    // SAFETY: the kernel writes element `i·n + i` of each of `batch` matrices of `n·n`,
+    // `i < n`: inside `q`, which holds them.
     guarded(OP, || unsafe {
         dev.stream()
             .launch_builder(&f)
             .arg(q)
             .arg(&nu)
             .arg(&a)
-            .launch(cfg)
+            .launch(per_matrix(n, batch))
     })
     .map(drop)
+}
+
+/// An element-wise launch over `len` elements of each of `batch` stacked matrices: the
+/// matrix is the grid's y (`batch` is checked against [`GRID_YZ_MAX`] before step 1).
+fn per_matrix(len: usize, batch: usize) -> LaunchConfig {
+    let mut cfg = elementwise(len);
+    cfg.grid_dim = (
+        cfg.grid_dim.0.min(1024),
+        u32::try_from(batch).unwrap_or(u32::MAX),
+        1,
+    );
+    cfg
 }
 
 /// `C_i = α·op(A_i)·op(A_i)ᵀ + β·C_i` (lower triangle) for every matrix `i` of the stacks:
@@ -677,14 +667,12 @@ fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: usize) -> R
     const OP: &str = "newton_schulz symmetrize";
     let f = dev.function(&NEWTON_SCHULZ, NS_SYMMETRIZE_LOWER)?;
     let nu = n as u32;
-    let mut cfg = elementwise(n * n);
-    cfg.grid_dim = (
-        cfg.grid_dim.0.min(1024),
-        u32::try_from(batch).unwrap_or(u32::MAX),
-        1,
-    );
     guarded(OP, || unsafe {
-        dev.stream().launch_builder(&f).arg(c).arg(&nu).launch(cfg)
+        dev.stream()
+            .launch_builder(&f)
+            .arg(c)
+            .arg(&nu)
+            .launch(per_matrix(n * n, batch))
     })
     .map(drop)
 }
