@@ -16,6 +16,8 @@ use ragged::demo::{
     TransformerStages,
 };
 use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout, ShardedModel};
+use ragged::optim::Optimizer;
+use ragged::roles::Role;
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
     ShampooConfig,
@@ -153,25 +155,68 @@ fn run_tiny(
 
 /// A Muon checkpoint in the format before session 30, whose `v` held an array (of zeros) for
 /// every Muon matrix too (`tests/data/muon-v-for-every-matrix/`, written at step 3 by commit
-/// `826382c` with `run_tiny(None, 0..3, Some(dir))`), still loads: its matrices' `v` arrays are
-/// not read, and 3 more steps give the bits of 6 uninterrupted ones.
+/// `826382c` with `run_tiny(None, 0..3, Some(dir))`), still loads: saved again at once, it
+/// gives every array of the fixture bit for bit except the matrices' `v` (not read), and
+/// training on from either copy gives the same bits.
+///
+/// The fixture's own steps ran on the CPU that wrote it, and candle's and Muon's `f32`
+/// products accumulate in an order that depends on the vector width the GEMM kernel picks at
+/// run time (8 lanes under AVX2, 16 under AVX-512), so "3 more steps give the bits of 6
+/// uninterrupted ones" holds only where this CPU's first 3 steps reproduce the fixture; it is
+/// checked there and the reason printed elsewhere.
 #[test]
 fn a_muon_checkpoint_with_v_for_every_matrix_still_loads() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/muon-v-for-every-matrix");
-    let manifest = Manifest::read(&ckpt_fs::resolve(&fixture).unwrap()).unwrap();
-    let v_of = |param: &str| {
-        manifest
-            .fields
-            .iter()
-            .any(|f| f.param == param && f.field == "v")
-    };
+    let old = saved_arrays(&fixture);
+    let matrices: Vec<String> = TINY
+        .init_params(5)
+        .unwrap()
+        .iter()
+        .filter(|(name, t)| muon(MatrixLayout::Auto).role(name, t.dims()) == Role::Matrix)
+        .map(|(name, _)| name.clone())
+        .collect();
     assert!(
-        v_of("layers.0.attn.q.weight") && v_of("layers.0.attn_norm.weight"),
-        "the fixture is the old format: v for a Muon matrix and for a norm"
+        matrices.len() == 6
+            && matrices
+                .iter()
+                .all(|p| old.contains_key(&(p.clone(), "v".into())))
+            && old.contains_key(&("layers.0.attn_norm.weight".into(), "v".into())),
+        "the fixture is the old format: v for each of the 6 Muon matrices and for a norm"
     );
-    let straight = run_tiny(None, 0..6, None).unwrap();
+
+    let resaved = scratch(SUITE, "muon-v-resaved");
+    run_tiny(Some(&fixture), 3..3, Some(&resaved)).unwrap();
+    let mut expected = old.clone();
+    expected.retain(|(param, field), _| !(field == "v" && matrices.contains(param)));
+    let new = saved_arrays(&resaved);
+    assert_eq!(
+        new.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>(),
+        "the arrays saved after loading the old format"
+    );
+    for (key, bytes) in &expected {
+        assert!(new[key] == *bytes, "{key:?} changed through the old format");
+    }
+
     let resumed = run_tiny(Some(&fixture), 3..6, None).unwrap();
-    assert_eq!(resumed, straight, "resumed from the old format");
+    let from_resaved = run_tiny(Some(&resaved), 3..6, None).unwrap();
+    assert_eq!(resumed, from_resaved, "resumed from the old format");
+
+    let here = scratch(SUITE, "muon-v-here");
+    run_tiny(None, 0..3, Some(&here)).unwrap();
+    if saved_arrays(&here) == new {
+        let straight = run_tiny(None, 0..6, None).unwrap();
+        assert_eq!(
+            resumed, straight,
+            "resumed from the old format vs 6 straight steps"
+        );
+    } else {
+        println!(
+            "skipped: 6 straight steps vs 3 resumed from the fixture: this CPU's first 3 steps \
+             differ from those of the CPU that wrote it (its GEMM kernels accumulate in another \
+             order), so only the two resumed runs are compared"
+        );
+    }
 }
 
 /// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
