@@ -406,7 +406,9 @@ impl CodeBook {
     }
 
     /// [`CodeBook::quantize_scaled_segments`] with the segments' first `8·⌊seg/8⌋` elements
-    /// in AVX2 lanes, each lane [`CodeBook::quantize`] of [`Unscale::apply`].
+    /// in AVX2 lanes, each lane [`CodeBook::quantize`] of [`Unscale::apply`]. Two vectors of
+    /// 8 a round, packed and stored together (two independent lookup chains in flight: 0.96×
+    /// the time of one vector a round on a Zen 3 EPYC, the whole 8-bit step).
     ///
     /// # Safety
     /// The CPU must support AVX2.
@@ -432,40 +434,50 @@ impl CodeBook {
         let one = _mm256_set1_epi32(1);
         let lanes = |this: &Self, xs: &[f32], unscale: Unscale, out: &mut [u8]| {
             let n8 = xs.len() / 8 * 8;
-            for i in (0..n8).step_by(8) {
-                // SAFETY: i + 8 ≤ n8 ≤ xs.len() = out.len(); indices are clamped buckets.
+            // The codes of xs[i..i + 8] as 8 words. SAFETY: the callers keep i + 8 ≤ n8 ≤
+            // xs.len(); indices are clamped buckets.
+            let words = |i: usize| unsafe {
+                let x = _mm256_loadu_ps(xs.as_ptr().add(i));
+                let x = match unscale {
+                    Unscale::Reciprocal(r) => _mm256_mul_ps(x, _mm256_set1_ps(r)),
+                    Unscale::Divide(a) => _mm256_div_ps(x, _mm256_set1_ps(a)),
+                };
+                let bits = _mm256_castps_si256(x);
+                let sign = _mm256_srai_epi32::<31>(bits);
+                let mag = _mm256_srl_epi32(_mm256_and_si256(bits, abs_mask), shift);
+                let b = _mm256_min_epi32(
+                    _mm256_max_epi32(_mm256_sub_epi32(mag, first), _mm256_setzero_si256()),
+                    last,
+                );
+                let idx = _mm256_add_epi32(b, _mm256_and_si256(sign, negative_half));
+                let entry = lookup_8(table, idx);
+                let low = _mm256_and_si256(_mm256_xor_si256(bits, sign), low_mask);
+                // −1 where x is below the bucket's threshold: code = base + 1 − 1.
+                let below = _mm256_cmpgt_epi32(_mm256_and_si256(entry, field_mask), low);
+                let code = _mm256_add_epi32(
+                    _mm256_srli_epi32::<{ BASE_SHIFT as i32 }>(entry),
+                    _mm256_add_epi32(one, below),
+                );
+                let code =
+                    _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(x, x)));
+                _mm_packus_epi32(
+                    _mm256_castsi256_si128(code),
+                    _mm256_extracti128_si256::<1>(code),
+                )
+            };
+            let n16 = n8 / 16 * 16;
+            for i in (0..n16).step_by(16) {
+                // SAFETY: i + 16 ≤ n16 ≤ out.len().
                 unsafe {
-                    let x = _mm256_loadu_ps(xs.as_ptr().add(i));
-                    let x = match unscale {
-                        Unscale::Reciprocal(r) => _mm256_mul_ps(x, _mm256_set1_ps(r)),
-                        Unscale::Divide(a) => _mm256_div_ps(x, _mm256_set1_ps(a)),
-                    };
-                    let bits = _mm256_castps_si256(x);
-                    let sign = _mm256_srai_epi32::<31>(bits);
-                    let mag = _mm256_srl_epi32(_mm256_and_si256(bits, abs_mask), shift);
-                    let b = _mm256_min_epi32(
-                        _mm256_max_epi32(_mm256_sub_epi32(mag, first), _mm256_setzero_si256()),
-                        last,
-                    );
-                    let idx = _mm256_add_epi32(b, _mm256_and_si256(sign, negative_half));
-                    let entry = lookup_8(table, idx);
-                    let low = _mm256_and_si256(_mm256_xor_si256(bits, sign), low_mask);
-                    // −1 where x is below the bucket's threshold: code = base + 1 − 1.
-                    let below = _mm256_cmpgt_epi32(_mm256_and_si256(entry, field_mask), low);
-                    let code = _mm256_add_epi32(
-                        _mm256_srli_epi32::<{ BASE_SHIFT as i32 }>(entry),
-                        _mm256_add_epi32(one, below),
-                    );
-                    let code = _mm256_and_si256(
-                        code,
-                        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(x, x)),
-                    );
-                    let words = _mm_packus_epi32(
-                        _mm256_castsi256_si128(code),
-                        _mm256_extracti128_si256::<1>(code),
-                    );
-                    let bytes = _mm_packus_epi16(words, words);
-                    _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, bytes);
+                    let bytes = _mm_packus_epi16(words(i), words(i + 8));
+                    _mm_storeu_si128(out.as_mut_ptr().add(i).cast(), bytes);
+                }
+            }
+            if n16 < n8 {
+                // SAFETY: n16 + 8 = n8 ≤ out.len().
+                unsafe {
+                    let w = words(n16);
+                    _mm_storel_epi64(out.as_mut_ptr().add(n16).cast(), _mm_packus_epi16(w, w));
                 }
             }
             this.quantize_tail(&xs[n8..], unscale, &mut out[n8..]);
@@ -904,17 +916,23 @@ mod tests {
                     );
                 }
             }
-            // The slice path (vector lanes and the scalar tail) on every x, several scales.
+            // The slice path (16 and 8 vector lanes, the scalar tail) on every x, several
+            // scales; the cuts vary the length modulo 16.
             let mut none: [u8; 0] = [];
             book.quantize_scaled_slice(&[], 1.0, 7, &mut none); // empty: no panic
-            for absmax in [0.0f32, 1.0, 0.5, 3.0e-3, 7.0] {
+            for (absmax, cut) in [0.0f32, 1.0, 0.5, 3.0e-3, 7.0]
+                .into_iter()
+                .zip([0, 5, 8, 13, 3])
+            {
+                let xs = &xs[cut..];
                 let mut out = vec![0u8; xs.len()];
-                book.quantize_scaled_slice(&xs, absmax, 7, &mut out);
+                book.quantize_scaled_slice(xs, absmax, 7, &mut out);
                 for (k, (&x, &c)) in xs.iter().zip(&out).enumerate() {
                     assert_eq!(
                         c,
                         quantize_scaled(x, absmax, &m, 7),
-                        "x[{k}] = {x:e}, absmax {absmax}"
+                        "x[{k}] = {x:e}, absmax {absmax}, {} values",
+                        xs.len()
                     );
                 }
             }
