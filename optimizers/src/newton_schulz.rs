@@ -782,6 +782,30 @@ pub(crate) trait NsOps {
     fn apply(&self, m: &Self::Buf, x: &Self::Buf, a: Option<f32>, y: &mut Self::Buf) -> Result<()>;
 }
 
+/// Step 3 whole on `ops`: [`gram_steps`] when `gram`, else [`standard_steps`], then the last
+/// product, so that `y` holds the result. `x` holds `X₀` on entry and is workspace after;
+/// `square` makes each `s × s` work buffer (two, or four for Gram). The drivers of the
+/// backends whose products write a plain `Buf` share it (the AMX one fuses its last product
+/// into the result's layout instead).
+pub(crate) fn iterate_with<O: NsOps, B: BorrowMut<O::Buf>>(
+    ops: &O,
+    cfg: &NsConfig,
+    gram: bool,
+    x: &mut B,
+    y: &mut B,
+    mut square: impl FnMut() -> Result<B>,
+) -> Result<()> {
+    let (mut p, mut q) = (square()?, square()?);
+    if gram {
+        let (mut m, mut t) = (square()?, square()?);
+        gram_steps(ops, cfg, x, y, [&mut p, &mut q, &mut m, &mut t])?;
+        ops.apply(mat(&m), mat(x), None, mat_mut(y))
+    } else {
+        let a = standard_steps(ops, cfg, x, y, [&mut p, &mut q])?;
+        ops.apply(mat(&q), mat(x), Some(a), mat_mut(y))
+    }
+}
+
 /// Step 3 as torch's iteration, up to its last product: per step `P = X·Xᵀ`,
 /// `Q = b·P + c·P·P`, `X ← a·X + Q·X`. On return `q` holds the last `Q` and `x` the `X` it
 /// applies to; the result is `apply(q, x, Some(a))` with the returned `a`. `x` holds `X₀` on
@@ -927,8 +951,6 @@ fn iterate_f32(
     ops: &impl StepOps,
     par: Parallelism,
 ) -> Result<()> {
-    let square = || vec![0.0f32; s * s];
-    let (mut p, mut q) = (square(), square());
     let mut y = vec![0.0f32; s * l];
     let ops = F32Ops {
         ops,
@@ -937,14 +959,7 @@ fn iterate_f32(
         bf16,
         par,
     };
-    if gram {
-        let (mut m, mut t) = (square(), square());
-        gram_steps(&ops, cfg, xw, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
-        ops.apply(&m, xw, None, &mut y)?;
-    } else {
-        let a = standard_steps(&ops, cfg, xw, &mut y, [&mut p, &mut q])?;
-        ops.apply(&q, xw, Some(a), &mut y)?;
-    }
+    iterate_with(&ops, cfg, gram, xw, &mut y, || Ok(vec![0.0f32; s * s]))?;
     std::mem::swap(xw, &mut y);
     Ok(())
 }
@@ -1263,22 +1278,13 @@ fn iterate_onednn<T: Element>(
     let mut x = vec![zero; s * l];
     map_into(xw, &mut x, par, T::from_f32);
     let mut y = vec![zero; s * l];
-    let square = || vec![zero; s * s];
-    let (mut p, mut q) = (square(), square());
     let ops = OneDnnOps {
         d: onednn::onednn()?,
         s,
         l,
         element: std::marker::PhantomData,
     };
-    if gram {
-        let (mut m, mut t) = (square(), square());
-        gram_steps(&ops, cfg, &mut x, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
-        ops.apply(&m, &x, None, &mut y)?;
-    } else {
-        let a = standard_steps(&ops, cfg, &mut x, &mut y, [&mut p, &mut q])?;
-        ops.apply(&q, &x, Some(a), &mut y)?;
-    }
+    iterate_with(&ops, cfg, gram, &mut x, &mut y, || Ok(vec![zero; s * s]))?;
     map_into(&y, xw, par, |v| v.to_f32());
     Ok(())
 }

@@ -53,9 +53,7 @@ use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use crate::newton_schulz::{
-    gram_steps, resolve_method, standard_steps, NsConfig, NsMethod, NsOps, NsPrecision,
-};
+use crate::newton_schulz::{iterate_with, resolve_method, NsConfig, NsMethod, NsOps, NsPrecision};
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";
@@ -455,8 +453,6 @@ fn iterate<T: NsElem>(
     gram: bool,
 ) -> Result<()> {
     let (su, lu, bu) = (s as usize, l as usize, batch as usize);
-    let square = || dev.zeros::<T>(bu * su * su);
-    let (mut p, mut q) = (square()?, square()?);
     let mut y = dev.zeros::<T>(bu * su * lu)?;
     let ops = DeviceOps {
         blas,
@@ -468,14 +464,7 @@ fn iterate<T: NsElem>(
         syrk,
         elem: std::marker::PhantomData,
     };
-    if gram {
-        let (mut m, mut t) = (square()?, square()?);
-        gram_steps(&ops, cfg, x, &mut y, [&mut p, &mut q, &mut m, &mut t])?;
-        ops.apply(&m, x, None, &mut y)?;
-    } else {
-        let a = standard_steps(&ops, cfg, x, &mut y, [&mut p, &mut q])?;
-        ops.apply(&q, x, Some(a), &mut y)?;
-    }
+    iterate_with(&ops, cfg, gram, x, &mut y, || dev.zeros::<T>(bu * su * su))?;
     std::mem::swap(x, &mut y);
     Ok(())
 }
