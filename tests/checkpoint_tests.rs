@@ -186,7 +186,7 @@ fn a_muon_checkpoint_with_v_for_every_matrix_still_loads() {
 
     let resaved = scratch(SUITE, "muon-v-resaved");
     run_tiny(Some(&fixture), 3..3, Some(&resaved)).unwrap();
-    let mut expected = old.clone();
+    let mut expected = old;
     expected.retain(|(param, field), _| !(field == "v" && matrices.contains(param)));
     let new = saved_arrays(&resaved);
     assert_eq!(

@@ -46,10 +46,7 @@ fn main() -> ragged::Result<()> {
         .unwrap_or(5);
     let only = std::env::args().nth(2).unwrap_or_default();
     let amx = amx()?;
-    let plain = Epilogue {
-        alpha: 1.0,
-        add: None,
-    };
+    let plain = Epilogue::PLAIN;
     println!("threads {}", rayon::current_num_threads());
     let pool = Parallelism::Rayon(rayon::current_num_threads());
     let peak: f64 = rayon::broadcast(|_| tdp_peak()).iter().sum();

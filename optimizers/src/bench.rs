@@ -372,10 +372,7 @@ impl GemmProbe {
             }
             Operands::Bf16Amx([a, b, c]) => {
                 let amx = crate::kernels::amx_bf16::amx().map_err(unsupported)?;
-                let epi = crate::kernels::amx_bf16::Epilogue {
-                    alpha: 1.0,
-                    add: None,
-                };
+                let epi = crate::kernels::amx_bf16::Epilogue::PLAIN;
                 let par = crate::kernels::Parallelism::Rayon(rayon::current_num_threads());
                 amx.matmul(
                     n,

@@ -1063,12 +1063,6 @@ struct AmxSteps<'a> {
     ldp: usize,
 }
 
-/// No addend: `out ← acc`.
-const PLAIN: Epilogue<'static> = Epilogue {
-    alpha: 1.0,
-    add: None,
-};
-
 impl AmxSteps<'_> {
     fn square(&self) -> Strides {
         let ld = self.ldp;
@@ -1089,7 +1083,7 @@ impl AmxSteps<'_> {
         };
         let (s, l) = (self.s, self.l);
         self.amx
-            .sym_strided(s, l, x, p, PLAIN, self.par, self.tall, ld);
+            .sym_strided(s, l, x, p, Epilogue::PLAIN, self.par, self.tall, ld);
     }
 
     /// `q ← c·p·p + b·p` (`p·p` as `p·pᵀ`: the AMX `p` is exactly symmetric).
@@ -1144,7 +1138,7 @@ impl NsOps for AmxSteps<'_> {
     }
     fn sym_product(&self, u: &[bf16], v: &[bf16], out: &mut [bf16]) -> Result<()> {
         self.amx
-            .sym_product_strided(self.s, u, v, out, PLAIN, self.par, self.square());
+            .sym_product_strided(self.s, u, v, out, Epilogue::PLAIN, self.par, self.square());
         Ok(())
     }
     fn apply(&self, m: &[bf16], x: &[bf16], a: Option<f32>, y: &mut [bf16]) -> Result<()> {

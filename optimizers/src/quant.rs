@@ -434,10 +434,10 @@ impl CodeBook {
         let one = _mm256_set1_epi32(1);
         let lanes = |this: &Self, xs: &[f32], unscale: Unscale, out: &mut [u8]| {
             let n8 = xs.len() / 8 * 8;
-            // The codes of xs[i..i + 8] as 8 words. SAFETY: the callers keep i + 8 ≤ n8 ≤
-            // xs.len(); indices are clamped buckets.
+            // The codes of xs[i..i + 8] as 8 words. SAFETY: the load reads a checked slice
+            // of 8; the table indices are clamped buckets.
             let words = |i: usize| unsafe {
-                let x = _mm256_loadu_ps(xs.as_ptr().add(i));
+                let x = _mm256_loadu_ps(xs[i..i + 8].as_ptr());
                 let x = match unscale {
                     Unscale::Reciprocal(r) => _mm256_mul_ps(x, _mm256_set1_ps(r)),
                     Unscale::Divide(a) => _mm256_div_ps(x, _mm256_set1_ps(a)),

@@ -1142,10 +1142,7 @@ fn amx_left_operand_in_place_equals_packed() {
             assert_eq!(raw(&here), raw(&packed), "{m}×{k}·{k}×{n} {rhs:?}");
         }
         let (mut here, mut packed) = (vec![bf16::ZERO; m * m], vec![bf16::ZERO; m * m]);
-        let plain = Epilogue {
-            alpha: 1.0,
-            add: None,
-        };
+        let plain = Epilogue::PLAIN;
         amx.sym_nt(m, k, aligned, &mut here, plain, POOL);
         amx.sym_nt(m, k, &off[1..], &mut packed, plain, POOL);
         assert_eq!(raw(&here), raw(&packed), "sym {m}×{k}");
@@ -1159,10 +1156,7 @@ fn amx_product_of_commuting_symmetric_matrices_is_exactly_symmetric() {
     }
     let amx = amx_bf16::amx().unwrap();
     let mut rng = Rng::new(61);
-    let plain = Epilogue {
-        alpha: 1.0,
-        add: None,
-    };
+    let plain = Epilogue::PLAIN;
     for n in [1, 31, 33, 100, 200] {
         // `u` symmetric and `v = u·u` (exactly symmetric, `sym_nt`): they commute up to
         // rounding, as Gram Newton–Schulz's `Q` and `M` do.
@@ -1327,17 +1321,7 @@ fn amx_newton_schulz_by_hand(x: &[f32], rows: usize, cols: usize, c: &NsConfig) 
     );
     for k in 0..c.steps {
         let [a, b, cc] = c.coeffs_at(k);
-        amx.sym_nt(
-            s,
-            l,
-            &xb,
-            &mut p,
-            Epilogue {
-                alpha: 1.0,
-                add: None,
-            },
-            POOL,
-        );
+        amx.sym_nt(s, l, &xb, &mut p, Epilogue::PLAIN, POOL);
         amx.sym_nt(
             s,
             s,

@@ -167,6 +167,9 @@ fn gemm<T>(
     let (fp, _gf) = first.device_ptr(stream);
     let (sp, _gs) = second.device_ptr(stream);
     let (cp, _gc) = c.device_ptr_mut(stream);
+    // SAFETY: the callers size `first`, `second` and `c` for `batch` matrices at `args`'
+    // dense strides (`GemmArgs`' constructors); α and β are host pointers (the handle's
+    // default pointer mode); the guards keep the buffers alive until the call is queued.
     guarded("newton_schulz gemm", || unsafe {
         blas::gemm_strided_batched_ex(
             *blas.handle(),
@@ -306,6 +309,8 @@ pub fn orthogonalize_cuda_with(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    // SAFETY: block (x, m) reads a stride of matrix m's `len` elements of `xw` (`batch`
+    // matrices) and writes slot `m·SUMSQ_BLOCKS + x` of `partial`, which has them all.
     guarded(OP, || unsafe {
         stream
             .launch_builder(&f)
@@ -316,6 +321,8 @@ pub fn orthogonalize_cuda_with(
     })?;
     let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
     let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
+    // SAFETY: matrix m's threads scale its `len` elements of `xw` in place, reading its
+    // `nparts` partial sums, both inside their buffers.
     guarded(OP, || unsafe {
         stream
             .launch_builder(&f)
@@ -656,6 +663,8 @@ fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: usize) -> R
     const OP: &str = "newton_schulz symmetrize";
     let f = dev.function(&NEWTON_SCHULZ, NS_SYMMETRIZE_LOWER)?;
     let nu = n as u32;
+    // SAFETY: each matrix's threads copy its lower triangle onto the upper one: elements
+    // of its `n·n`, inside `c`, which holds `batch` of them.
     guarded(OP, || unsafe {
         dev.stream()
             .launch_builder(&f)
@@ -694,6 +703,9 @@ where
     let stream = dev.stream();
     let (xp, _gx) = x.device_ptr(stream);
     let (op, _go) = out.device_ptr_mut(stream);
+    // SAFETY: the kernel reads `rows × cols` elements of each of `batch` matrices of `x` and
+    // writes their transposes to `out` (the callers size both for that); the guards keep
+    // them alive until the launch is queued.
     guarded(OP, || unsafe {
         stream
             .launch_builder(&f)

@@ -197,6 +197,14 @@ pub struct Epilogue<'a> {
     pub add: Option<(f32, &'a [bf16])>,
 }
 
+impl Epilogue<'_> {
+    /// No scale, no addend: `out ← acc`.
+    pub const PLAIN: Epilogue<'static> = Epilogue {
+        alpha: 1.0,
+        add: None,
+    };
+}
+
 /// Elements between consecutive rows of a product's matrices as stored: the left operand
 /// (as given: `m×k`, or `k×n` for [`Amx::sym_tn`]), the right one (as given: `k×n` plain,
 /// `n×k` transposed), the output and the epilogue's addend. Dense matrices have their
