@@ -368,7 +368,7 @@ pub fn resolve_backend(precision: NsPrecision, backend: NsBackend) -> Result<NsB
 pub struct NsBackendInfo {
     /// `Auto`'s backend for `F32`.
     pub f32_backend: NsBackend,
-    /// e.g. `gemm 0.19 f32, AVX-512 microkernels, 2 rayon threads`.
+    /// e.g. `gemm 0.19 f32, AVX-512 microkernels, symmetric leaves of 256, 2 rayon threads`.
     pub f32: String,
     /// `Auto`'s backend for `Bf16`.
     pub bf16_backend: NsBackend,
@@ -404,8 +404,9 @@ fn simd_name() -> &'static str {
 /// the implementation its primitive descriptor reports for a 1024³ bf16 matmul).
 pub fn ns_backend_info() -> NsBackendInfo {
     let f32 = format!(
-        "gemm 0.19 f32, {}, {} rayon threads",
+        "gemm 0.19 f32, {}, symmetric leaves of {}, {} rayon threads",
         simd_name(),
+        gemm_f32::sym_leaf(),
         rayon::current_num_threads()
     );
     // The same choice the step makes (`Auto` resolves without error), described.
@@ -965,9 +966,15 @@ fn iterate_f32(
 }
 
 /// Multiply-adds of step 3 on an `s × l` matrix (`s ≤ l`) with the gemm backend's products:
-/// `(standard, gram)`.
+/// `(standard, gram)`. Counted with symmetric leaves of [`gemm_f32::SYM_LEAF`] on every CPU
+/// (the AVX2 products split further, [`gemm_f32::sym_leaf`]): the method and the cost must
+/// be the same on every rank of a group, whatever its CPU ([`ns_macs`]).
 fn step_macs(s: usize, l: usize, cfg: &NsConfig) -> (u128, u128) {
-    let (sq, xs) = (gemm_f32::sym_macs(s, s), gemm_f32::sym_macs(s, l));
+    let leaf = gemm_f32::SYM_LEAF;
+    let (sq, xs) = (
+        gemm_f32::sym_macs(s, s, leaf),
+        gemm_f32::sym_macs(s, l, leaf),
+    );
     let full = (s * s) as u128 * l as u128;
     let n = cfg.steps as u128;
     let standard = n * (xs + sq + full);

@@ -227,7 +227,7 @@ fn gram_newton_schulz_matches_an_f64_newton_schulz_on_hard_spectra() {
 #[test]
 fn gram_on_the_reference_loops_matches_gram_on_gemm() {
     // The same iteration through both backends' products (the reference's are full products,
-    // gemm's symmetric halves), on shapes that split around gemm_f32::SYM_LEAF (256).
+    // gemm's symmetric halves), on shapes that split around gemm_f32::sym_leaf() (128 or 256).
     let mut rng = Rng::new(37);
     for (rows, cols) in [(37, 100), (300, 700), (700, 300)] {
         let x = rng.units(rows * cols);

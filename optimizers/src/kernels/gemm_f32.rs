@@ -19,9 +19,30 @@ use super::transpose_f32::transpose_raw;
 
 /// Symmetric products with a side of at most this many rows are computed as one full GEMM;
 /// larger ones split into halves (the off-diagonal block once, then mirrored), so every GEMM
-/// keeps a side of at least 128 (smaller products run far from gemm's peak). Not tuned: the
-/// shared development host was too noisy to rank 128, 256 and 512.
+/// keeps a side of at least 128 (smaller products run far from gemm's peak). Not tuned on
+/// AVX-512: the shared development host was too noisy to rank 128, 256 and 512 there.
 pub const SYM_LEAF: usize = 256;
+
+/// [`SYM_LEAF`] where gemm runs its AVX2/FMA microkernels (16 × 6): their GEMMs keep their
+/// rate down to a side of 128, where the symmetric product of a side of 1024 does 56 % of
+/// the full product's multiply-adds instead of 62.5 %. Muon on the 28 matrices of the
+/// d = 1024 Llama stack, one matrix per thread on 2 threads of a Zen 3 EPYC: 0.96× and
+/// 0.975× the step time of leaves of 256 (medians of 8 and 10 alternating steps; leaves of
+/// 64: 0.98×).
+pub const SYM_LEAF_AVX2: usize = 128;
+
+/// The leaf side of this CPU's symmetric products: [`SYM_LEAF_AVX2`] where gemm takes its
+/// AVX2 microkernels (FMA without AVX-512F), else [`SYM_LEAF`]. Fixed for the process, so a
+/// product's bits do not depend on when it runs.
+pub fn sym_leaf() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("fma") && !is_x86_feature_detected!("avx512f") {
+            return SYM_LEAF_AVX2;
+        }
+    }
+    SYM_LEAF
+}
 
 /// The pointers of one symmetric product, moved into the rayon tasks of its blocks.
 #[derive(Clone, Copy)]
@@ -101,11 +122,12 @@ unsafe fn gemm_raw(
 
 /// [`gemm_raw`] for a product known to be symmetric (`lhs·rhs = (lhs·rhs)ᵀ`, and `dst`
 /// symmetric on entry when `read_dst`): the upper off-diagonal block is computed once and
-/// mirrored, the diagonal blocks recursively, down to [`SYM_LEAF`]. The result is exactly
-/// symmetric. For a side of 1024 this does 62.5 % of the full product's multiply-adds.
+/// mirrored, the diagonal blocks recursively, down to [`sym_leaf`]. The result is exactly
+/// symmetric. For a side of 1024 this does 62.5 % of the full product's multiply-adds with
+/// leaves of 256, 56.25 % with leaves of 128.
 ///
 /// With threads (`par` not `None`), the three blocks of each split are rayon tasks, each a
-/// single-threaded GEMM: the leaves are 256 wide, too small for gemm to split among threads
+/// single-threaded GEMM: the leaves (128 or 256 wide) are too small for gemm to split among threads
 /// without waiting at every block (with 2 threads on the 28-matrix stack: 8.6–9.1 s per Muon
 /// step against 9.2–9.9 s splitting every GEMM, three alternating pairs). gemm's result does
 /// not depend on its thread count (module doc), so neither does this one.
@@ -125,7 +147,7 @@ unsafe fn sym_gemm_raw(
     beta: f32,
     par: Parallelism,
 ) {
-    if n <= SYM_LEAF {
+    if n <= sym_leaf() {
         gemm_raw(n, n, k, dst, ldd, lhs, rhs, read_dst, alpha, beta, par);
         return;
     }
@@ -315,12 +337,12 @@ pub fn sym_product(a: &[f32], b: &[f32], s: usize, out: &mut [f32], par: Paralle
     }
 }
 
-/// Multiply-adds of `sym_gemm_raw` for an `n × n` result with inner dimension `k` (the
-/// halves it computes, down to [`SYM_LEAF`]).
-pub fn sym_macs(n: usize, k: usize) -> u128 {
-    if n <= SYM_LEAF {
+/// Multiply-adds of a symmetric product of an `n × n` result with inner dimension `k` split
+/// down to leaves of side `leaf` (`sym_gemm_raw` with [`sym_leaf`]).
+pub fn sym_macs(n: usize, k: usize, leaf: usize) -> u128 {
+    if n <= leaf.max(1) {
         return (n * n) as u128 * k as u128;
     }
     let (h, r) = (n / 2, n - n / 2);
-    sym_macs(h, k) + sym_macs(r, k) + (h * r) as u128 * k as u128
+    sym_macs(h, k, leaf) + sym_macs(r, k, leaf) + (h * r) as u128 * k as u128
 }
