@@ -408,7 +408,9 @@ fn ns_macs_follow_the_method_each_matrix_runs() {
             );
         }
     }
-    // The quintic on a Llama MLP weight: Gram needs 20.125 s³ against 31.5625 s³.
+    // The quintic on a Llama MLP weight: Gram needs 20.125 s³ against 31.5625 s³, counted
+    // with symmetric leaves of 256 on every CPU (the AVX2 products split to 128, but every
+    // rank of a group must weigh its matrices alike, whatever its CPU).
     let f32 = NsConfig::default();
     let standard = with_method(f32.clone(), NsMethod::Standard);
     let s3 = 1024u128.pow(3);
