@@ -28,6 +28,31 @@ pub enum BenchCommand {
     Checkpoint(CheckpointBenchArgs),
 }
 
+/// Where a bench writes its table besides stdout: its own section of a markdown file.
+#[derive(Args)]
+pub struct Output {
+    /// Markdown file whose section for this bench is replaced (the file is created if
+    /// missing); `-`: the table on stdout only.
+    #[arg(long, default_value = "docs/benchmarks.md")]
+    out: PathBuf,
+    /// Print the table only and leave the markdown file alone (the same as `--out -`).
+    #[arg(long)]
+    no_write: bool,
+}
+
+impl Output {
+    /// Replaces section `name` of the file with `body()` and says so on stderr; nothing when
+    /// the table goes to stdout only.
+    fn write(&self, name: &str, body: impl FnOnce() -> String) -> Result<()> {
+        if self.no_write || self.out.as_os_str() == "-" {
+            return Ok(());
+        }
+        replace_section(&self.out, name, &body())?;
+        eprintln!("updated {}", self.out.display());
+        Ok(())
+    }
+}
+
 #[derive(Args)]
 pub struct CheckpointBenchArgs {
     /// World sizes (thread ranks).
@@ -47,9 +72,8 @@ pub struct CheckpointBenchArgs {
     /// Measurements per world size (rates are medians).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Markdown file whose checkpoint section is replaced; - for stdout only.
-    #[arg(long, default_value = "docs/benchmarks.md")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: Output,
 }
 
 #[derive(Args)]
@@ -84,9 +108,8 @@ pub struct TrainBenchArgs {
     /// with `--features candle-cuda`; section `train-cuda`, with MFU against a same-run GEMM).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     device: DeviceKind,
-    /// Markdown file whose training section is replaced; - for stdout only.
-    #[arg(long, default_value = "docs/benchmarks.md")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: Output,
 }
 
 /// Where `bench optim` and `bench train` run.
@@ -118,15 +141,11 @@ pub struct OptimBenchArgs {
     // Negative numbers reach the check, which says why they are refused.
     #[arg(long, allow_negative_numbers = true)]
     ghz: Option<f64>,
-    /// Print the table only; leave the markdown file alone.
-    #[arg(long)]
-    no_write: bool,
     /// Tiny shapes and buffers (for tests).
     #[arg(long, hide = true)]
     quick: bool,
-    /// Markdown file whose optimizer section is replaced (`-`: the table on stdout only).
-    #[arg(long, default_value = "docs/benchmarks.md")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: Output,
 }
 
 #[derive(Args)]
@@ -146,9 +165,8 @@ pub struct CommBenchArgs {
     /// Training steps per layout (the first is not timed); 0 skips the training comparison.
     #[arg(long, default_value_t = 4)]
     train_steps: usize,
-    /// Markdown file whose runtime section is replaced; - for stdout only.
-    #[arg(long, default_value = "docs/benchmarks.md")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: Output,
 }
 
 #[derive(Args)]
@@ -171,9 +189,8 @@ pub struct PlanBenchArgs {
     /// Plan each point this many times and keep the fastest.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Markdown file whose planner section is replaced (created if missing); - for stdout only.
-    #[arg(long, default_value = "docs/benchmarks.md")]
-    out: PathBuf,
+    #[command(flatten)]
+    output: Output,
 }
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
@@ -208,9 +225,9 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     let rows = with_progress(steps, |step| run(&cfg, adamw, step))?;
     let table = markdown(&rows);
     println!("{table}");
-    if args.out.as_os_str() != "-" {
+    args.output.write("checkpoint", || {
         let n = args.layers * 2 * args.width * args.hidden;
-        let body = format!(
+        format!(
             "## Checkpoints: save and load against the disk\n\n\
              Command: `target/release/ragged bench checkpoint`. Model: {} blocks \
              of Linear({w}→{h}) and back ({n} parameters) with AdamW state (one step taken), \
@@ -228,11 +245,8 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
             machine(),
             w = args.width,
             h = args.hidden,
-        );
-        replace_section(&args.out, "checkpoint", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 /// glibc gives large freed blocks back to the kernel and faults in fresh zeroed pages on the
@@ -284,9 +298,9 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
     if args.device == DeviceKind::Cuda {
         return write_train_cuda(args, &table);
     }
-    if args.out.as_os_str() != "-" {
+    args.output.write("train", || {
         let n = args.layers * 2 * args.width * args.hidden;
-        let body = format!(
+        format!(
             "## Runtime: a training step unit by unit\n\n\
              Command: `target/release/ragged bench train`. Model: {} blocks of \
              Linear({w}→{h}), GELU, Linear({h}→{w}), no bias ({n} parameters, {} MiB f32), \
@@ -324,35 +338,28 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
             machine(),
             w = args.width,
             h = args.hidden,
-        );
-        replace_section(&args.out, "train", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 /// `bench train --device cuda`: the GPU table into section `train-cuda`.
 fn write_train_cuda(args: &TrainBenchArgs, table: &str) -> Result<()> {
-    if args.out.as_os_str() == "-" {
-        return Ok(());
-    }
-    let body = format!(
-        "## Runtime on the GPU: a training step unit by unit\n\n\
-         Command: `ragged bench train --device cuda` (a `--features candle-cuda` build). The \
-         model and rows of `bench train`, on candle's CUDA tensors; sharded rows on thread \
-         ranks whose collectives run on the GPU, on candle's stream; every step ends with a \
-         device synchronization. Predicted MiB/rank: device memory from the plans; no \
-         measured column (the counting allocator sees host memory only). MFU: 6 FLOPs per \
-         weight and row per step over the step time, against a 4096³ f32 matmul measured in \
-         the same run. At V = 1 the overlap variants run without their collectives thread \
-         (`ShardedModel::overlaps`: a world of one's collectives are queued on the rank's own \
-         stream), so they time the same schedule as `no overlap`. {} steps after a \
-         warm-up.\n\n{table}",
-        args.steps
-    );
-    replace_section(&args.out, "train-cuda", &body)?;
-    eprintln!("updated {}", args.out.display());
-    Ok(())
+    args.output.write("train-cuda", || {
+        format!(
+            "## Runtime on the GPU: a training step unit by unit\n\n\
+             Command: `ragged bench train --device cuda` (a `--features candle-cuda` build). The \
+             model and rows of `bench train`, on candle's CUDA tensors; sharded rows on thread \
+             ranks whose collectives run on the GPU, on candle's stream; every step ends with a \
+             device synchronization. Predicted MiB/rank: device memory from the plans; no \
+             measured column (the counting allocator sees host memory only). MFU: 6 FLOPs per \
+             weight and row per step over the step time, against a 4096³ f32 matmul measured in \
+             the same run. At V = 1 the overlap variants run without their collectives thread \
+             (`ShardedModel::overlaps`: a world of one's collectives are queued on the rank's own \
+             stream), so they time the same schedule as `no overlap`. {} steps after a \
+             warm-up.\n\n{table}",
+            args.steps
+        )
+    })
 }
 
 /// `bench train --paired`: world-1 ratios with interleaved steps.
@@ -365,8 +372,8 @@ fn train_paired(
     let rows = with_progress(variants().len() as u64, |step| paired(cfg, step))?;
     let table = paired_markdown(&rows);
     println!("{table}");
-    if args.out.as_os_str() != "-" {
-        let body = format!(
+    args.output.write("train-paired", || {
+        format!(
             "### World 1, steps interleaved with plain candle\n\n\
              Command: `target/release/ragged bench train --paired --steps {}`. Same model and \
              batch; plain candle and the variant alive at once, their steps alternating ({} \
@@ -381,11 +388,8 @@ fn train_paired(
                 "not raised (mallopt refused)"
             },
             machine(),
-        );
-        replace_section(&args.out, "train-paired", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 /// The progress bar of a benchmark sweep of `len` points.
@@ -572,9 +576,8 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         rows,
     });
     println!("{table}");
-    // `--out -`: stdout only, as for the other benches.
-    if !args.no_write && args.out.as_os_str() != "-" {
-        let body = format!(
+    args.output.write("optim", || {
+        format!(
             "## Optimizers: step time against peak, memcpy and GEMM\n\n\
              Command: `target/release/ragged bench optim`{}. Each case is one \
              `Optimizer::step` on a one-rank shard holding the whole shape set (default \
@@ -597,17 +600,15 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
              with its AVX-512 build also steps the same case on the AVX2 build, alternating step \
              by step, and the kernel column gives that build's times and the speed-up. \
              Newton–Schulz FLOPs are nominal: the gemm backend computes the symmetric \
-             products `X·Xᵀ` and `P·P` as half-products (recursive halves down to 256-wide \
-             blocks), 71–75 % of the nominal work at 1024–2048, so its MFU can exceed what a \
+             products `X·Xᵀ` and `P·P` as half-products (recursive halves down to 128-wide \
+             blocks on AVX2, 256-wide elsewhere: the kernel column names the leaf), 69–75 % of \
+             the nominal work at 1024–2048, so its MFU can exceed what a \
              plain GEMM reaches. \
              Machine: {}.\n\n{table}",
             if args.full { " --full" } else { "" },
             machine()
-        );
-        replace_section(&args.out, "optim", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 /// `bench optim --device cuda`: the GPU table (`ragged_optimizers::cuda::bench`) into the
@@ -619,9 +620,8 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
     let report = ragged_optimizers::cuda::bench::bench_gpu(&dev, args.quick)?;
     let table = report.markdown();
     println!("{table}");
-    // `--out -`: stdout only, as for the other benches.
-    if !args.no_write && args.out.as_os_str() != "-" {
-        let body = format!(
+    args.output.write("optim-cuda", || {
+        format!(
             "## Optimizers on the GPU: against cuBLAS GEMM and device memcpy\n\n\
              Command: `ragged bench optim --device cuda` (a `--features cuda` build; \
              `scripts/gpu-check.sh` runs it). Newton–Schulz: TFLOP/s of `steps · 3` GEMMs of \
@@ -630,11 +630,8 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
              GB/s, on one matrix and on a Llama-3-8B decoder layer (seven matrices, two norms), \
              against a device-to-device memcpy counting read + write bytes. Mean of the timed runs after one warm-up, the \
              device synchronized around each timing.\n\n{table}"
-        );
-        replace_section(&args.out, "optim-cuda", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -675,11 +672,8 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     bar.finish_and_clear();
     let table = markdown(&rows);
     println!("{table}");
-    if args.out.as_os_str() != "-" {
-        replace_section(&args.out, "plan", &section_text(&table, args.repeats))?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+    args.output
+        .write("plan", || section_text(&table, args.repeats))
 }
 
 fn comm(args: &CommBenchArgs) -> Result<()> {
@@ -730,8 +724,8 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
     );
     let table = markdown(&rows, &steps, &model);
     println!("{table}");
-    if args.out.as_os_str() != "-" {
-        let body = format!(
+    args.output.write("comm", || {
+        format!(
             "## Runtime: collectives and training step\n\n\
              Command: `target/release/ragged bench comm`. Collectives: in-place all-gather and \
              reduce-scatter (sum) of {} f32 elements per rank on thread ranks; `bytes` is what \
@@ -742,11 +736,8 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
             args.shard,
             args.repeats,
             machine()
-        );
-        replace_section(&args.out, "comm", &body)?;
-        eprintln!("updated {}", args.out.display());
-    }
-    Ok(())
+        )
+    })
 }
 
 fn section_text(table: &str, repeats: usize) -> String {

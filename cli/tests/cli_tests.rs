@@ -406,21 +406,32 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
 
 #[test]
 fn bench_comm_without_training_steps_prints_the_collectives_only() {
-    let args = [
-        "bench",
-        "comm",
-        "--worlds",
-        "2",
-        "--shard",
-        "1024",
-        "--repeats",
-        "1",
-        "--train-steps",
-        "0",
-        "--out",
-        "-",
-    ];
-    let out = ragged(&args);
+    // Every bench takes `--no-write` (as `--out -`): the table on stdout, the file untouched;
+    // without it the file gets the bench's section.
+    let md = tmp("bench-comm.md");
+    let _ = std::fs::remove_file(&md);
+    let md_arg = md.to_str().unwrap();
+    let args = |write: bool| {
+        let mut a = vec![
+            "bench",
+            "comm",
+            "--worlds",
+            "2",
+            "--shard",
+            "1024",
+            "--repeats",
+            "1",
+            "--train-steps",
+            "0",
+            "--out",
+            md_arg,
+        ];
+        if !write {
+            a.push("--no-write");
+        }
+        a
+    };
+    let out = ragged(&args(false));
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -430,6 +441,12 @@ fn bench_comm_without_training_steps_prints_the_collectives_only() {
     assert!(stdout.contains("| all-gather | 2 | 8192 |"), "{stdout}");
     assert!(stdout.contains("| reduce-scatter | 2 | 8192 |"), "{stdout}");
     assert!(!stdout.contains("Training step"), "{stdout}");
+    assert!(!md.exists(), "--no-write wrote {}", md.display());
+    let out = ragged(&args(true));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let written = std::fs::read_to_string(&md).unwrap();
+    assert!(written.contains("<!-- bench:comm -->"), "{written}");
+    assert!(written.contains("| all-gather | 2 | 8192 |"), "{written}");
 }
 
 #[test]
