@@ -443,7 +443,11 @@ fn bench_comm_without_training_steps_prints_the_collectives_only() {
     assert!(!stdout.contains("Training step"), "{stdout}");
     assert!(!md.exists(), "--no-write wrote {}", md.display());
     let out = ragged(&args(true));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let written = std::fs::read_to_string(&md).unwrap();
     assert!(written.contains("<!-- bench:comm -->"), "{written}");
     assert!(written.contains("| all-gather | 2 | 8192 |"), "{written}");
