@@ -6,8 +6,8 @@
 
 use half::bf16;
 use ragged_optimizers::kernels::amx_bf16::{self, AlignedBf16, Epilogue, Rhs, Strides};
-use ragged_optimizers::kernels::onednn;
 use ragged_optimizers::kernels::Parallelism;
+use ragged_optimizers::kernels::{gemm_f32, onednn};
 use ragged_optimizers::newton_schulz::{
     ns_macs, ns_working_bytes, orthogonalize_many, resolve_backend, resolve_config, resolve_method,
     NsMethod, POLAR_EXPRESS_NORM_SCALE,
@@ -237,6 +237,77 @@ fn gram_on_the_reference_loops_matches_gram_on_gemm() {
         let err = rel_frob(&got, &widen(&want));
         assert!(err <= GEMM_VS_REFERENCE_REL, "{rows}×{cols}: {err:e}");
     }
+}
+
+/// `a·b` in f64 for row-major `n × k` and `k × n` operands given as `a` and `bt = bᵀ` (`n × k`).
+fn product_f64(a: &[f32], bt: &[f32], n: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0.0; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            let (ai, bj) = (&a[i * k..(i + 1) * k], &bt[j * k..(j + 1) * k]);
+            out[i * n + j] = ai
+                .iter()
+                .zip(bj)
+                .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                .sum();
+        }
+    }
+    out
+}
+
+/// The lower triangle's bits against the upper's: `None` when `m` is exactly symmetric.
+fn asymmetry(m: &[f32], n: usize) -> Option<(usize, usize)> {
+    (0..n)
+        .flat_map(|i| (0..i).map(move |j| (i, j)))
+        .find(|&(i, j)| m[i * n + j].to_bits() != m[j * n + i].to_bits())
+}
+
+#[test]
+fn gemm_symmetric_products_are_exact_mirrors_around_the_leaf_side() {
+    // gemm_f32's Gram matrix and product of commuting symmetric matrices compute the upper
+    // off-diagonal block once and mirror it, splitting down to sym_leaf() (128 with the AVX2
+    // microkernels, else 256): on sides each side of one and two splits, every result is
+    // exactly symmetric, the same bits threaded or not, and within f32 rounding of the f64
+    // product (k = 96 terms of |x| < 1: 1e-6 of the Frobenius norm is ~30 ulps).
+    let leaf = gemm_f32::sym_leaf();
+    let mut rng = Rng::new(41);
+    let k = 96;
+    for n in [1, leaf - 1, leaf, leaf + 1, 2 * leaf + 3] {
+        let x = rng.units(n * k);
+        let (mut p, mut p_threads) = (vec![0f32; n * n], vec![0f32; n * n]);
+        gemm_f32::gram(&x, n, k, &mut p, Parallelism::None);
+        gemm_f32::gram(&x, n, k, &mut p_threads, Parallelism::Rayon(2));
+        assert_eq!(
+            bits(&p),
+            bits(&p_threads),
+            "gram n = {n}: threads change bits"
+        );
+        assert_eq!(asymmetry(&p, n), None, "gram n = {n} not exactly symmetric");
+        let err = rel_frob(&p, &product_f64(&x, &x, n, k));
+        assert!(err <= 1e-6, "gram n = {n}: {err:e} from f64");
+
+        // `p` and `p` commute; `p·p = p·pᵀ`, so `p` is its own transposed operand.
+        let (mut q, mut q_threads) = (vec![0f32; n * n], vec![0f32; n * n]);
+        gemm_f32::sym_product(&p, &p, n, &mut q, Parallelism::None);
+        gemm_f32::sym_product(&p, &p, n, &mut q_threads, Parallelism::Rayon(2));
+        assert_eq!(
+            bits(&q),
+            bits(&q_threads),
+            "sym_product n = {n}: threads change bits"
+        );
+        assert_eq!(
+            asymmetry(&q, n),
+            None,
+            "sym_product n = {n} not exactly symmetric"
+        );
+        let err = rel_frob(&q, &product_f64(&p, &p, n, n));
+        assert!(err <= 1e-6, "sym_product n = {n}: {err:e} from f64");
+    }
+    // The multiply-adds the splits leave: a side of 1024 does 1/2 + 1/16 of the full
+    // product with leaves of 128, 1/2 + 1/8 with leaves of 256.
+    let full = 1024u128 * 1024 * 96;
+    assert_eq!(gemm_f32::sym_macs(1024, 96, 128) * 16, full * 9);
+    assert_eq!(gemm_f32::sym_macs(1024, 96, 256) * 8, full * 5);
 }
 
 #[test]
