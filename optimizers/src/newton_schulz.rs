@@ -1222,9 +1222,10 @@ fn iterate_amx<S: AmxElement>(
     Ok(())
 }
 
-/// [`NsOps`] on oneDNN's matmul primitive in `T` (rows dense): `X·Xᵀ` and `c·P·P + b·P` by
-/// halves ([`onednn::OneDnn::sym_nt`]; `P·P` as `P·Pᵀ`, `P` symmetric to rounding inside its
-/// leaves), the other products whole.
+/// [`NsOps`] on oneDNN's matmul primitive in `T` (rows dense): `X·Xᵀ`, `c·P·P + b·P` and
+/// Gram's products of commuting symmetric matrices by halves ([`onednn::OneDnn::sym_nt`],
+/// [`onednn::OneDnn::sym_product`]; `P·P` as `P·Pᵀ`, `U·V` as `U·Vᵀ`, the right operand
+/// symmetric to rounding inside its leaves), the products with `X` whole.
 struct OneDnnOps<T> {
     d: &'static onednn::OneDnn,
     s: usize,
@@ -1252,8 +1253,7 @@ impl<T: Element> NsOps for OneDnnOps<T> {
         Ok(())
     }
     fn sym_product(&self, u: &[T], v: &[T], out: &mut [T]) -> Result<()> {
-        let s = self.s;
-        self.d.matmul(s, s, s, u, v, false, out, 1.0, None)?;
+        self.d.sym_product(self.s, u, v, out)?;
         Ok(())
     }
     fn apply(&self, m: &[T], x: &[T], a: Option<f32>, y: &mut [T]) -> Result<()> {

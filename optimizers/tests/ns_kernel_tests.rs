@@ -609,11 +609,11 @@ fn many_matrices_of_mixed_shapes_equal_one_matrix_at_a_time_bitwise() {
 // 1b. oneDNN plumbing in f32 (runs wherever oneDNN loads, AVX-512 or not)
 // ---------------------------------------------------------------------------------------------
 
-/// oneDNN's symmetric product `scale·a·aᵀ + sum·dst` against gemm's full product, on sides
-/// that split once and twice around `OneDnn::sym_leaf` (its blocks are products into a
-/// wider `dst`, mirrored): the same `√k·2⁻²⁴` summation-order bound as below (`1e-5`); the
-/// mirrored blocks exactly symmetric; and a strided product leaves the elements between its rows as
-/// they were, bit for bit.
+/// oneDNN's symmetric products, `scale·a·aᵀ + sum·dst` and `u·v` of commuting symmetric
+/// matrices, against gemm's full product, on sides that split once and twice around
+/// `OneDnn::sym_leaf` (its blocks are products into a wider `dst`, mirrored): the same
+/// `√k·2⁻²⁴` summation-order bound as below (`1e-5`); the mirrored blocks exactly symmetric;
+/// and a strided product leaves the elements between its rows as they were, bit for bit.
 #[test]
 fn onednn_symmetric_and_strided_products_match_gemm() {
     use ragged_optimizers::kernels::{gemm_f32, Parallelism};
@@ -666,6 +666,35 @@ fn onednn_symmetric_and_strided_products_match_gemm() {
                 }
             }
         }
+        // The product of commuting symmetric matrices `u` and `v = u·u` (Gram
+        // Newton–Schulz's `Q·M`), by the same halves: against gemm's full `u·v`, the top
+        // split's off-diagonal blocks one product and its mirror.
+        let u = c0;
+        let mut v = vec![0.0f32; n * n];
+        gemm_f32::sym_product(&u, &u, n, &mut v, Parallelism::None);
+        let mut want = vec![0.0f32; n * n];
+        gemm_f32::matmul(
+            n,
+            n,
+            n,
+            &u,
+            &v,
+            &mut want,
+            false,
+            0.0,
+            1.0,
+            Parallelism::None,
+        );
+        let mut got = vec![0.0f32; n * n];
+        d.sym_product(n, &u, &v, &mut got).unwrap();
+        let err = rel_frob(&got, &widen(&want));
+        assert!(err <= 1e-5, "sym_product {n}: {err:e}");
+        let h = n / 2;
+        let mirrored = (h..n).all(|i| (0..h).all(|j| got[i * n + j] == got[j * n + i]));
+        assert!(
+            mirrored,
+            "sym_product {n}: the off-diagonal blocks are not mirrors"
+        );
     }
     // A 5×3 product into columns 2..5 of a 5×9 matrix.
     let (m, nn, k, ldd) = (5, 3, 4, 9);

@@ -709,21 +709,58 @@ impl OneDnn {
         scale: f32,
         sum: Option<f32>,
     ) -> Result<(), DnnlError> {
+        self.sym_abt(n, k, (a, a), dst, ldd, scale, sum)
+    }
+
+    /// `dst (n×n, dense) ← u·v` for symmetric row-major `n × n` matrices `u`, `v` that
+    /// commute (polynomials of one matrix, as in Gram Newton–Schulz), so that the product is
+    /// symmetric: as `u·vᵀ` by [`OneDnn::sym_nt`]'s halves. Where `v` is symmetric only to
+    /// rounding (inside the leaves of oneDNN's products), the result is `u·vᵀ` computed
+    /// exactly as that.
+    ///
+    /// # Panics
+    /// As [`OneDnn::matmul_strided`].
+    #[track_caller]
+    pub fn sym_product<T: Element>(
+        &self,
+        n: usize,
+        u: &[T],
+        v: &[T],
+        dst: &mut [T],
+    ) -> Result<(), DnnlError> {
+        self.sym_abt(n, n, (u, v), dst, n, 1.0, None)
+    }
+
+    /// `dst ← scale·a·bᵀ + sum·dst` for row-major `a`, `b: n×k` whose product is symmetric:
+    /// [`OneDnn::sym_nt`]'s recursion, the lower-left block mirrored.
+    #[allow(clippy::too_many_arguments)]
+    #[track_caller]
+    fn sym_abt<T: Element>(
+        &self,
+        n: usize,
+        k: usize,
+        (a, b): (&[T], &[T]),
+        dst: &mut [T],
+        ldd: usize,
+        scale: f32,
+        sum: Option<f32>,
+    ) -> Result<(), DnnlError> {
         if n <= self.sym_leaf() {
-            self.matmul_strided(n, n, k, a, a, true, dst, ldd, scale, sum)?;
+            self.matmul_strided(n, n, k, a, b, true, dst, ldd, scale, sum)?;
             return Ok(());
         }
         let h = n / 2;
-        let (top, bottom) = a.split_at(h * k);
-        self.sym_nt(h, k, top, dst, ldd, scale, sum)?;
-        self.sym_nt(n - h, k, bottom, &mut dst[h * ldd + h..], ldd, scale, sum)?;
+        let ((a_top, a_bottom), (b_top, b_bottom)) = (a.split_at(h * k), b.split_at(h * k));
+        self.sym_abt(h, k, (a_top, b_top), dst, ldd, scale, sum)?;
+        let lower_right = &mut dst[h * ldd + h..];
+        self.sym_abt(n - h, k, (a_bottom, b_bottom), lower_right, ldd, scale, sum)?;
         // Lower-left block: rows h..n, columns 0..h.
         self.matmul_strided(
             n - h,
             h,
             k,
-            bottom,
-            top,
+            a_bottom,
+            b_top,
             true,
             &mut dst[h * ldd..],
             ldd,
