@@ -387,25 +387,12 @@ impl fmt::Display for NsBackendInfo {
     }
 }
 
-fn simd_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            return "AVX-512 microkernels";
-        }
-        if is_x86_feature_detected!("fma") {
-            return "AVX2/FMA microkernels";
-        }
-    }
-    "generic microkernels"
-}
-
 /// Which backends `Auto` picks here and which instruction sets they use (the oneDNN ISA is
 /// the implementation its primitive descriptor reports for a 1024³ bf16 matmul).
 pub fn ns_backend_info() -> NsBackendInfo {
     let f32 = format!(
-        "gemm 0.19 f32, {}, symmetric leaves of {}, {} rayon threads",
-        simd_name(),
+        "gemm 0.19 f32, {} microkernels, symmetric leaves of {}, {} rayon threads",
+        gemm_f32::Microkernels::detect().name(),
         gemm_f32::sym_leaf(),
         rayon::current_num_threads()
     );

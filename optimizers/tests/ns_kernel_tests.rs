@@ -690,7 +690,8 @@ fn onednn_symmetric_and_strided_products_match_gemm() {
         let err = rel_frob(&got, &widen(&want));
         assert!(err <= 1e-5, "sym_product {n}: {err:e}");
         let h = n / 2;
-        let mirrored = (h..n).all(|i| (0..h).all(|j| got[i * n + j] == got[j * n + i]));
+        let mirrored =
+            (h..n).all(|i| (0..h).all(|j| got[i * n + j].to_bits() == got[j * n + i].to_bits()));
         assert!(
             mirrored,
             "sym_product {n}: the off-diagonal blocks are not mirrors"

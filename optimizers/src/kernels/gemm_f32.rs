@@ -31,17 +31,48 @@ pub const SYM_LEAF: usize = 256;
 /// 64: 0.98×).
 pub const SYM_LEAF_AVX2: usize = 128;
 
-/// The leaf side of this CPU's symmetric products: [`SYM_LEAF_AVX2`] where gemm takes its
-/// AVX2 microkernels (FMA without AVX-512F), else [`SYM_LEAF`]. Fixed for the process, so a
-/// product's bits do not depend on when it runs.
-pub fn sym_leaf() -> usize {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("fma") && !is_x86_feature_detected!("avx512f") {
-            return SYM_LEAF_AVX2;
+/// The microkernels gemm picks at run time from what the CPU reports (AVX-512F first, then
+/// FMA): the one place that says which ran, for the leaf side and the backend's description.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Microkernels {
+    Avx512,
+    Avx2Fma,
+    Generic,
+}
+
+impl Microkernels {
+    /// This CPU's (`is_x86_feature_detected!` caches its answer: cheap on every call).
+    pub fn detect() -> Microkernels {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Microkernels::Avx512;
+            }
+            if is_x86_feature_detected!("fma") {
+                return Microkernels::Avx2Fma;
+            }
+        }
+        Microkernels::Generic
+    }
+
+    /// e.g. `AVX2/FMA`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Microkernels::Avx512 => "AVX-512",
+            Microkernels::Avx2Fma => "AVX2/FMA",
+            Microkernels::Generic => "generic",
         }
     }
-    SYM_LEAF
+}
+
+/// The leaf side of this CPU's symmetric products: [`SYM_LEAF_AVX2`] where gemm takes its
+/// AVX2 microkernels, else [`SYM_LEAF`]. Fixed for the process, so a product's bits do not
+/// depend on when it runs.
+pub fn sym_leaf() -> usize {
+    match Microkernels::detect() {
+        Microkernels::Avx2Fma => SYM_LEAF_AVX2,
+        Microkernels::Avx512 | Microkernels::Generic => SYM_LEAF,
+    }
 }
 
 /// The pointers of one symmetric product, moved into the rayon tasks of its blocks.
