@@ -606,7 +606,10 @@ pub fn kernel_name(kind: OptimKind) -> String {
             ns_method_name(),
             ns.bf16
         ),
-        OptimKind::Shampoo => "nalgebra eigh roots, plain f32 loops".into(),
+        OptimKind::Shampoo => format!(
+            "nalgebra eigh roots, products in {}",
+            crate::kernels::lane_dot::kernel_name()
+        ),
     }
 }
 

@@ -76,7 +76,8 @@
 //! tensor. Element operations are single `f32` operations in the order of the table, without
 //! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`,
 //! `Q·diag·Qᵀ`) accumulate exact products in `f64` in a fixed order (term `k` in lane
-//! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`) and round once, and the norms of step 7
+//! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`; `kernels::lane_dot`, in AVX2 + FMA
+//! register tiles where the CPU has them, with the same bits) and round once, and the norms of step 7
 //! are `f64` sums (fb uses `f32` GEMMs and norms); `bc₂` is an `f64` scalar rounded once (fb
 //! computes it in an `f32` tensor).
 //!
@@ -108,6 +109,7 @@ use ragged::storage::{View, ViewMut};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::common::{check_hyperparameters, check_len, ema_sq_elem, lerp_elem, next_step, MIN_EPS};
+use crate::kernels::lane_dot::{self, mul_abt};
 
 /// The grafting method: the diagonal optimizer whose per-block step norm Shampoo's direction
 /// takes, and the whole update before `start_preconditioning_step`. Defaults are fb's
@@ -762,51 +764,6 @@ fn norm(x: &[f32]) -> f32 {
         .sqrt() as f32
 }
 
-/// Lanes of the `f64` sums in [`dot`] and [`dot_scaled`]: term `k` goes to lane `k mod 4`,
-/// and the lanes are added as `(s₀ + s₁) + (s₂ + s₃)`. A fixed order (so deterministic) that
-/// the compiler can vectorize, unlike one running sum.
-const LANES: usize = 4;
-
-/// `Σ_k a_k·b_k` of `f32` rows: exact products summed in `f64` in [`LANES`] fixed lanes.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f64 {
-    let b = &b[..a.len()];
-    let mut s = [0.0f64; LANES];
-    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for ((s, &x), &y) in s.iter_mut().zip(x).zip(y) {
-            *s += f64::from(x) * f64::from(y);
-        }
-    }
-    for (l, (&x, &y)) in ar.iter().zip(br).enumerate() {
-        s[l] += f64::from(x) * f64::from(y);
-    }
-    (s[0] + s[1]) + (s[2] + s[3])
-}
-
-/// `Σ_k d_k·(a_k·b_k)` in `f64`, in the lanes of [`dot`]; symmetric in `a` and `b`.
-#[inline]
-fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
-    let (a, b) = (&a[..d.len()], &b[..d.len()]);
-    let mut s = [0.0f64; LANES];
-    let (dc, ac, bc) = (
-        d.chunks_exact(LANES),
-        a.chunks_exact(LANES),
-        b.chunks_exact(LANES),
-    );
-    let (dr, ar, br) = (dc.remainder(), ac.remainder(), bc.remainder());
-    for ((d, x), y) in dc.zip(ac).zip(bc) {
-        for (((s, &d), &x), &y) in s.iter_mut().zip(d).zip(x).zip(y) {
-            *s += d * (x * y);
-        }
-    }
-    for (l, ((&d, &x), &y)) in dr.iter().zip(ar).zip(br).enumerate() {
-        s[l] += d * (x * y);
-    }
-    (s[0] + s[1]) + (s[2] + s[3])
-}
-
 /// Rows of a `rows × cols` row-major matrix transposed (`cols × rows`).
 fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut t = vec![0.0; rows * cols];
@@ -823,23 +780,6 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// same order.
 fn gram(x: &[f32], n: usize, k: usize) -> Vec<f32> {
     mul_abt(x, x, n, n, k)
-}
-
-/// `A·Bᵀ` for row-major `A` (`n × k`) and `B` (`m × k`), `f64`-accumulated, rounded once.
-/// Output rows are computed by rayon tasks when large (each element's sum has a fixed order).
-fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; n * m];
-    let row = |(i, o): (usize, &mut [f32])| {
-        for (j, o) in o.iter_mut().enumerate() {
-            *o = dot(&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]) as f32;
-        }
-    };
-    if n * m * k >= 1 << 20 {
-        out.par_chunks_mut(m).enumerate().for_each(row);
-    } else {
-        out.chunks_mut(m).enumerate().for_each(row);
-    }
-    out
 }
 
 /// Step 2 on one block: `F ← β₂·F + w·(G·Gᵀ or Gᵀ·G)` (`β₂·F` skipped when `β₂ = 1`).
@@ -995,24 +935,6 @@ fn inverse_root_with(
             qr[i * n + k] = q[(i, k)];
         }
     }
-    // The upper triangle, mirrored: exactly symmetric.
-    let mut x = vec![0.0f32; n * n];
-    let row = |(i, o): (usize, &mut [f32])| {
-        let qi = &qr[i * n..(i + 1) * n];
-        for (j, o) in o.iter_mut().enumerate().skip(i) {
-            let qj = &qr[j * n..(j + 1) * n];
-            *o = dot_scaled(&d, qi, qj) as f32;
-        }
-    };
-    if n >= 64 {
-        x.par_chunks_mut(n).enumerate().for_each(row);
-    } else {
-        x.chunks_mut(n).enumerate().for_each(row);
-    }
-    for i in 0..n {
-        for j in 0..i {
-            x[i * n + j] = x[j * n + i];
-        }
-    }
+    let x = lane_dot::scaled_gram_sym(&qr, &d, n);
     x.iter().all(|v| v.is_finite()).then_some(x)
 }

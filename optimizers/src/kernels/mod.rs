@@ -6,6 +6,7 @@
 //! | [`gemm_f32`] | `gemm` crate 0.19 (AVX-512 microkernels with `x86-v4`) | `f32` | rayon (`gemm::Parallelism`) | always |
 //! | [`adam8bit_avx512`] | 8-bit Adam's row-block step (not a matrix product), on [`octave_index`]'s byte-permute quantizer index (which the CUDA kernel reads from shared memory too) | `f32` lanes, 8-bit codes | the caller's (`work_share`: the calling thread and rayon's workers claim chunks of row blocks) | x86-64 with AVX-512 F/BW/VBMI, chosen at run time |
 //! | `transpose_f32` | not a product: strided `f32` transposes (NS's tall matrices, the mirrored half of a symmetric product) in 8×8 register blocks | `f32` (a copy) | the caller's | AVX chosen at run time, else scalar |
+//! | `lane_dot` | Shampoo's products `A·Bᵀ` and `Q·diag(d)·Qᵀ`: dot products summed in `f64` in four fixed lanes (bits independent of CPU and threads) | `f32` or `f64` in, `f64` sums, `f32` out | rayon, 24 output rows per task | AVX2 + FMA 3×3 register tiles chosen at run time, else scalar (same bits) |
 //! | `work_share` | not a kernel: one step's independent items shared by the calling thread and rayon's workers | — | the caller and rayon | always |
 //! | [`amx_bf16`] | ragged's own: 32×32 output blocks on the AMX tiles (`TDPBF16PS`), operands packed once per product (an aligned left operand read in place), symmetric products by lower blocks (also `aᵀ·a` of a tall `a`) | bf16 in, `f32` accumulation, bf16 out | rayon, a 128×512 output region per task | x86-64 Linux with AMX-TILE/BF16 and AVX-512 BW, chosen at run time |
 //! | [`onednn`] | oneDNN 2.x matmul primitive (`brg:avx512_core_amx_bf16` on AMX) | bf16 in, `f32` accumulation, bf16 out | oneDNN's OpenMP threads | when `libdnnl.so.2` loads at run time |
@@ -14,6 +15,7 @@
 pub mod adam8bit_avx512;
 pub mod amx_bf16;
 pub mod gemm_f32;
+pub(crate) mod lane_dot;
 #[cfg(any(target_arch = "x86_64", feature = "cuda"))]
 pub mod octave_index;
 pub mod onednn;
