@@ -242,7 +242,7 @@ mod avx2 {
         first: usize,
     ) {
         let rows = out.len() / m;
-        assert!(a.len() >= rows * kp && b.len() >= m * kp && kp % LANES == 0);
+        assert!(a.len() >= rows * kp && b.len() >= m * kp && kp.is_multiple_of(LANES));
         if let Triangle::Upper(d) = tri {
             assert!(d.len() >= kp);
         }
@@ -317,6 +317,9 @@ mod avx2 {
     /// # Safety
     /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `kp` apart, readable for `kp`
     /// elements; `R × C` outputs writable at `out + r·ldo + c`.
+    // Index loops over the tile's registers, which the compiler unrolls (both indices pick
+    // an accumulator).
+    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn tile<const R: usize, const C: usize>(at: Tile, tri: Triangle) {
