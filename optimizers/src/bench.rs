@@ -607,7 +607,7 @@ pub fn kernel_name(kind: OptimKind) -> String {
             ns.bf16
         ),
         OptimKind::Shampoo => format!(
-            "nalgebra eigh roots, products in {}",
+            "faer eigh roots, products in {}",
             crate::kernels::lane_dot::kernel_name()
         ),
     }

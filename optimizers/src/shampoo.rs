@@ -59,9 +59,10 @@
 //!
 //! # Inverse roots ([`inverse_root`])
 //! `A = F / bc₂` (f32), `A ← A + ε·I` (fb's `perturb_before_computation`), then the symmetric
-//! eigendecomposition `A = Q·diag(λ)·Qᵀ` by nalgebra's `SymmetricEigen` in `f32`, retried in
-//! `f64` when it does not converge or returns a non-finite value (fb retries `eigh` in
-//! float64; [`inverse_root_f64`] is that path alone). If `λ_min < ε` every eigenvalue is shifted, `λ ← λ − λ_min + ε`; then
+//! eigendecomposition `A = Q·diag(λ)·Qᵀ` by faer's `self_adjoint_eigen` (sequential; a block's
+//! two factors on two rayon tasks) in `f32`, retried in `f64` when it does not converge or
+//! returns a non-finite value (fb retries `eigh` in float64; [`inverse_root_f64`] is that path
+//! alone). If `λ_min < ε` every eigenvalue is shifted, `λ ← λ − λ_min + ε`; then
 //! `X = Q·diag(λ^(−e))·Qᵀ`, with `e = 1/(2·order)` or the override. The power and the
 //! product are evaluated in `f64` and rounded to `f32` once; `X` is exactly symmetric (its
 //! upper triangle is mirrored). When both precisions fail, or the factor is not finite, the
@@ -84,8 +85,10 @@
 //! # Sharding and determinism
 //! A rank holds whole row blocks, hence whole Shampoo blocks, so it steps them with no
 //! communication. Blocks are independent and are processed by rayon tasks, each block's
-//! arithmetic in a fixed order, so the result depends only on the input bits: a sharded step
-//! equals the unsharded step bitwise at every world size, layout and thread count. A piece
+//! arithmetic in a fixed order, so the result depends only on the input bits and the CPU's
+//! vector instructions (faer's eigendecomposition runs `gemm`'s AVX-512 or AVX2 kernels, like
+//! Muon's Newton–Schulz): a sharded step equals the unsharded step bitwise at every world
+//! size, layout and thread count. A piece
 //! that starts or ends inside a row block (a plan made with a smaller block) is refused with
 //! `Error::InvalidShard` before anything is modified.
 //!
@@ -100,7 +103,7 @@
 //! inverse roots, concatenated in shard order (row blocks, then column chunks; `L` before `R`,
 //! row-major). [`ShampooState::to_le_bytes`] saves it exactly.
 
-use nalgebra::{DMatrix, SymmetricEigen};
+use faer::{Mat, Side};
 use rayon::prelude::*;
 
 use ragged::comm::Communicator;
@@ -806,19 +809,28 @@ fn update_factors(b: &Block, g: &[f32], f: &mut [f32], beta2: Option<f32>, w: f3
 /// Step 4 on one block: every factor's inverse root into `r` (kept when it fails). Returns
 /// how many failed.
 fn compute_roots(b: &Block, f: &[f32], r: &mut [f32], bc2: Option<f32>, eps: f64, e: f64) -> u64 {
-    let mut at = 0;
-    let mut failed = 0;
-    for (has, n) in [(b.has_left(), b.rows), (b.has_right(), b.cols)] {
-        if has {
-            let s = at..at + n * n;
-            match inverse_root(&f[s.clone()], n, bc2, eps, e) {
-                Some(x) => r[s].copy_from_slice(&x),
-                None => failed += 1,
-            }
-            at += n * n;
+    let left = if b.has_left() { b.rows * b.rows } else { 0 };
+    let (f_left, f_right) = f.split_at(left);
+    let (r_left, r_right) = r.split_at_mut(left);
+    // The two factors' roots are independent: on two threads when rayon has them (a rank
+    // holding a single block would otherwise leave the others idle), the same bits.
+    let one = |has: bool, n: usize, f: &[f32], r: &mut [f32]| -> u64 {
+        if !has {
+            return 0;
         }
-    }
-    failed
+        match inverse_root(f, n, bc2, eps, e) {
+            Some(x) => {
+                r.copy_from_slice(&x);
+                0
+            }
+            None => 1,
+        }
+    };
+    let (l, rr) = rayon::join(
+        || one(b.has_left(), b.rows, f_left, r_left),
+        || one(b.has_right(), b.cols, f_right, r_right),
+    );
+    l + rr
 }
 
 /// Step 7's `P_s` on one block: `L^(−e)·Ḡ·R^(−e)` (only the factors the block has).
@@ -900,41 +912,40 @@ fn inverse_root_with(
     for i in 0..n {
         m[i * n + i] += eps32;
     }
-    let max_iter = 64 * n.max(8);
     let f32_try = (precision == Precision::F32ThenF64)
-        .then(|| SymmetricEigen::try_new(DMatrix::from_row_slice(n, n, &m), f32::EPSILON, max_iter))
-        .flatten()
-        .filter(|s| {
-            s.eigenvalues.iter().all(|x| x.is_finite())
-                && s.eigenvectors.iter().all(|x| x.is_finite())
-        })
-        .map(|s| {
-            (
-                s.eigenvalues
-                    .iter()
-                    .map(|&x| f64::from(x))
-                    .collect::<Vec<_>>(),
-                s.eigenvectors.map(f64::from),
-            )
-        });
-    let (lambda, q) = match f32_try {
+        .then(|| eigh(n, |i, j| m[i * n + j]))
+        .flatten();
+    let (lambda, qr) = match f32_try {
         Some(x) => x,
-        None => {
-            let m64 = DMatrix::from_row_slice(n, n, &m).map(f64::from);
-            let s = SymmetricEigen::try_new(m64, f64::EPSILON, max_iter)?;
-            (s.eigenvalues.iter().copied().collect(), s.eigenvectors)
-        }
+        None => eigh(n, |i, j| f64::from(m[i * n + j]))?,
     };
     let lmin = lambda.iter().copied().fold(f64::INFINITY, f64::min);
     let shift = if lmin < eps { eps - lmin } else { 0.0 };
     let d: Vec<f64> = lambda.iter().map(|&l| (l + shift).powf(-e)).collect();
-    // Rows of Q, for X_ij = Σ_k d_k·(Q_ik·Q_jk).
-    let mut qr = vec![0.0f64; n * n];
-    for i in 0..n {
-        for k in 0..n {
-            qr[i * n + k] = q[(i, k)];
-        }
-    }
+    // X_ij = Σ_k d_k·(Q_ik·Q_jk), over the rows of Q.
     let x = lane_dot::scaled_gram_sym(&qr, &d, n);
     x.iter().all(|v| v.is_finite()).then_some(x)
+}
+
+/// The eigendecomposition of the symmetric `n × n` matrix whose element `(i, j)` is `a(i, j)`
+/// (its lower triangle is read) by faer, in the precision of `T`: the eigenvalues and the rows
+/// of `Q` (`Q[i][k]` at `i·n + k`), widened to `f64`; `None` when it does not converge or a
+/// value is not finite.
+fn eigh<T>(n: usize, a: impl Fn(usize, usize) -> T) -> Option<(Vec<f64>, Vec<f64>)>
+where
+    T: faer::traits::RealField + Copy + Into<f64>,
+{
+    let evd = Mat::<T>::from_fn(n, n, a)
+        .self_adjoint_eigen(Side::Lower)
+        .ok()?;
+    let (s, u) = (evd.S(), evd.U());
+    let lambda: Vec<f64> = (0..n).map(|k| s[k].into()).collect();
+    let mut rows = vec![0.0f64; n * n];
+    for i in 0..n {
+        for k in 0..n {
+            rows[i * n + k] = u[(i, k)].into();
+        }
+    }
+    let finite = lambda.iter().chain(&rows).all(|x| x.is_finite());
+    finite.then_some((lambda, rows))
 }
