@@ -901,7 +901,7 @@ fn bf16_compute_copies_train_on_the_gpu_like_on_the_cpu() {
         };
         let train = |comm: &dyn Communicator,
                      device: &candle_core::Device|
-         -> ragged::Result<HashMap<String, Vec<f32>>> {
+         -> ragged::Result<(HashMap<String, Vec<f32>>, u64)> {
             let params = mlp_params(&mlp, 3, device)?;
             let adamw = AdamW::new(AdamWConfig {
                 lr,
@@ -914,10 +914,17 @@ fn bf16_compute_copies_train_on_the_gpu_like_on_the_cpu() {
                 sharded.forward_backward(&MlpStages(mlp), &b)?;
                 sharded.step()?;
             }
-            sharded.full_params()
+            Ok((sharded.full_params()?, sharded.stats().collective()))
         };
         let cpu = ThreadWorld::run(2, |c| train(c, &candle_core::Device::Cpu)).unwrap();
         let on_gpu = ThreadDeviceComm::run(dev.clone(), 2, |c| train(c, &gpu)).unwrap();
+        // The collectives' bytes as counted: bf16 device buffers at 2 bytes an element, as
+        // on the host (they were counted at 4).
+        assert_eq!(on_gpu[0].1, cpu[0].1, "{reduce_dtype:?}: collective bytes");
+        let (cpu, on_gpu): (Vec<_>, Vec<_>) = (
+            cpu.into_iter().map(|r| r.0).collect(),
+            on_gpu.into_iter().map(|r| r.0).collect(),
+        );
         let bound = 2.0 * steps as f32 * lr as f32;
         let mut f32_only = 0;
         for (name, want) in &cpu[0] {

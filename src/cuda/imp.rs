@@ -256,6 +256,17 @@ impl std::fmt::Debug for Device {
     }
 }
 
+/// Waits for the whole context before the device's own buffers ([`Device::memo`]'s values)
+/// are freed: cudarc frees a buffer on the dropping thread's stream, which does not wait for
+/// kernels other threads queued on theirs (thread ranks share one `Device` and its memoized
+/// tables, and the last owner to drop it may be another thread). An error here has no caller
+/// to go to; the context's next call reports it.
+impl Drop for Device {
+    fn drop(&mut self) {
+        let _ = self.ctx.synchronize();
+    }
+}
+
 impl Device {
     /// Opens device `ordinal`: `Err(CudaUnavailable)` when the driver library cannot be loaded,
     /// there is no CUDA device or fewer than `ordinal + 1`; never panics.

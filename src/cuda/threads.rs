@@ -61,7 +61,14 @@ impl ThreadDeviceComm {
         // parameters return before their DMA ends) is on its own stream, which the ranks'
         // streams do not wait for: wait for the whole context before they start.
         dev.sync_context()?;
-        run_ranks("ThreadDeviceComm::run", Self::world(dev, n)?, f)
+        let out = run_ranks("ThreadDeviceComm::run", Self::world(dev.clone(), n)?, f);
+        // And for the ranks' queued work before returning, failed or not: what they leave
+        // (device buffers included) may be dropped on this thread's stream, which does not
+        // wait for theirs.
+        let synced = dev.sync_context();
+        let out = out?;
+        synced?;
+        Ok(out)
     }
 
     fn mem(&self) -> DeviceMemory<'_> {

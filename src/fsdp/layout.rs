@@ -121,10 +121,8 @@ impl UnitLayout {
         dsts: &mut [BufMut<'_>],
         stats: &CopyStats,
     ) -> Result<()> {
-        let elem_bytes = match master {
-            Buf::BF16(_) => 2,
-            _ => 4,
-        };
+        // From the element type, so device bf16 counts 2 bytes too.
+        let elem_bytes = master.elem_type().size();
         match self {
             UnitLayout::Ragged(g) => {
                 let mut segments: Vec<Segment<'_>> = g
@@ -157,11 +155,7 @@ impl UnitLayout {
         op: ReduceOp,
         stats: &CopyStats,
     ) -> Result<()> {
-        let elem_bytes = if matches!(full, BufMut::BF16(_)) {
-            2
-        } else {
-            4
-        };
+        let elem_bytes = full.elem_type().size();
         match self {
             UnitLayout::Ragged(g) => {
                 if full.len() != g.full_len() || local.len() != g.shard_size {
