@@ -223,9 +223,14 @@ mod avx2 {
     /// Side of a register tile.
     const T: usize = 3;
 
+    /// Elements of `k` a pass over the tiles covers: a tile's rows of `a` (3 × 2 KiB) stay in
+    /// L1 while the panel's rows of `b` pass. Longer rows take several passes, the tiles'
+    /// lane sums kept in a scratch between them (the same additions in the same order).
+    const K_BLOCK: usize = 256;
+
     /// One band of output rows: `out[r·m + j]` for the rows of `a` (`kp` each) against the
-    /// `m` rows of `b`, the right operand walked in panels that fit L2. `first` is the band's
-    /// first row index (for the triangle).
+    /// `m` rows of `b`, the right operand walked in panels that fit L2 and `k` in blocks of
+    /// [`K_BLOCK`]. `first` is the band's first row index (for the triangle).
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `kp` and `b` `m`
@@ -246,42 +251,79 @@ mod avx2 {
         if let Triangle::Upper(d) = tri {
             assert!(d.len() >= kp);
         }
-        let panel = (PANEL_BYTES / (8 * kp.max(1))).max(T) / T * T;
+        let kb = K_BLOCK.min(kp);
+        let panel = (PANEL_BYTES / (8 * kb.max(1))).max(T) / T * T;
+        // The lane sums of a band × panel between k blocks (none when one block covers k).
+        let mut partial = if kb < kp {
+            vec![_mm256_setzero_pd(); rows * panel.min(m)]
+        } else {
+            Vec::new()
+        };
         for jp in (0..m).step_by(panel) {
             let jn = panel.min(m - jp);
-            for i in (0..rows).step_by(T) {
-                let ri = T.min(rows - i);
-                for j in (jp..jp + jn).step_by(T) {
-                    let cj = T.min(jp + jn - j);
-                    if let Triangle::Upper(_) = tri {
-                        if j + cj <= first + i {
-                            continue; // the whole tile is below the diagonal
+            for k0 in (0..kp).step_by(kb.max(1)) {
+                let pass = Pass {
+                    k0,
+                    len: kb.min(kp - k0),
+                    first: k0 == 0,
+                    last: k0 + kb >= kp,
+                };
+                for i in (0..rows).step_by(T) {
+                    let ri = T.min(rows - i);
+                    for j in (jp..jp + jn).step_by(T) {
+                        let cj = T.min(jp + jn - j);
+                        if let Triangle::Upper(_) = tri {
+                            if j + cj <= first + i {
+                                continue; // the whole tile is below the diagonal
+                            }
                         }
+                        let at = Tile {
+                            a: a[i * kp + k0..].as_ptr(),
+                            b: b[j * kp + k0..].as_ptr(),
+                            ld: kp,
+                            out: out[i * m + j..].as_mut_ptr(),
+                            ldo: m,
+                            partial: partial[..].as_mut_ptr().wrapping_add(i * jn + (j - jp)),
+                            ldp: jn,
+                            below: (first + i) as isize - j as isize,
+                        };
+                        // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` (from `k0`, `len`
+                        // elements), their outputs and, with several passes, their partial
+                        // sums are inside the operands (asserted and sized above); AVX2 and
+                        // FMA as this function.
+                        unsafe { tile_dyn(ri, cj, at, pass, tri) };
                     }
-                    let at = Tile {
-                        a: a[i * kp..].as_ptr(),
-                        b: b[j * kp..].as_ptr(),
-                        kp,
-                        out: out[i * m + j..].as_mut_ptr(),
-                        ldo: m,
-                        below: (first + i) as isize - j as isize,
-                    };
-                    // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` and their outputs are
-                    // inside the operands (asserted above); AVX2 and FMA as this function.
-                    unsafe { tile_dyn(ri, cj, at, tri) };
                 }
             }
         }
     }
 
+    /// Which part of `k` a pass covers.
+    #[derive(Clone, Copy)]
+    struct Pass {
+        /// Its first element (the weights of [`Triangle::Upper`] are read from here).
+        k0: usize,
+        /// Its elements (a multiple of [`LANES`]).
+        len: usize,
+        /// Whether the lane sums start at zero (else they are read from the partial sums).
+        first: bool,
+        /// Whether the lane sums are complete (and added and written out; else stored).
+        last: bool,
+    }
+
     /// Where one register tile reads and writes.
     #[derive(Clone, Copy)]
     struct Tile {
+        /// The tile's first row of `a` and of `b`, at the pass's first element.
         a: *const f64,
         b: *const f64,
-        kp: usize,
+        /// Elements between rows of `a` and of `b`.
+        ld: usize,
         out: *mut f32,
         ldo: usize,
+        /// The tile's first partial lane sums, rows `ldp` apart.
+        partial: *mut __m256d,
+        ldp: usize,
         /// Global row minus global column of the tile's first element: element `(r, c)` is
         /// below the diagonal when `below + r > c`.
         below: isize,
@@ -292,47 +334,59 @@ mod avx2 {
     /// # Safety
     /// As [`tile`].
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile_dyn(ri: usize, cj: usize, at: Tile, tri: Triangle) {
+    unsafe fn tile_dyn(ri: usize, cj: usize, at: Tile, pass: Pass, tri: Triangle) {
         // SAFETY: the caller's contract, for the tile size it names.
         unsafe {
             match (ri, cj) {
-                (3, 3) => tile::<3, 3>(at, tri),
-                (3, 2) => tile::<3, 2>(at, tri),
-                (3, 1) => tile::<3, 1>(at, tri),
-                (2, 3) => tile::<2, 3>(at, tri),
-                (2, 2) => tile::<2, 2>(at, tri),
-                (2, 1) => tile::<2, 1>(at, tri),
-                (1, 3) => tile::<1, 3>(at, tri),
-                (1, 2) => tile::<1, 2>(at, tri),
-                _ => tile::<1, 1>(at, tri),
+                (3, 3) => tile::<3, 3>(at, pass, tri),
+                (3, 2) => tile::<3, 2>(at, pass, tri),
+                (3, 1) => tile::<3, 1>(at, pass, tri),
+                (2, 3) => tile::<2, 3>(at, pass, tri),
+                (2, 2) => tile::<2, 2>(at, pass, tri),
+                (2, 1) => tile::<2, 1>(at, pass, tri),
+                (1, 3) => tile::<1, 3>(at, pass, tri),
+                (1, 2) => tile::<1, 2>(at, pass, tri),
+                _ => tile::<1, 1>(at, pass, tri),
             }
         }
     }
 
-    /// `R × C` dot products of `kp`-long `f64` rows, each in one vector of the four lanes, the
-    /// lanes added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`. [`Triangle::Full`]: exact
-    /// products by fused multiply-adds; [`Triangle::Upper`]: `s + d·(a·b)`, each operation
-    /// rounded as in the scalar loop, and only elements on or above the diagonal written.
+    /// `R × C` dot products over one pass of `k`, each in one vector of the four lanes. At the
+    /// last pass the lanes are added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
+    /// [`Triangle::Full`]: exact products by fused multiply-adds; [`Triangle::Upper`]:
+    /// `s + d·(a·b)`, each operation rounded as in the scalar loop, and only elements on or
+    /// above the diagonal written.
     ///
     /// # Safety
-    /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `kp` apart, readable for `kp`
-    /// elements; `R × C` outputs writable at `out + r·ldo + c`.
+    /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `ld` apart, readable for `len`
+    /// elements; `R × C` outputs writable at `out + r·ldo + c`; unless the pass is both first
+    /// and last, `R × C` partial sums at `partial + r·ldp + c`.
     // Index loops over the tile's registers, which the compiler unrolls (both indices pick
     // an accumulator).
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile<const R: usize, const C: usize>(at: Tile, tri: Triangle) {
-        let mut acc = [[_mm256_setzero_pd(); C]; R];
-        // SAFETY: every load is four elements of a row inside its `kp` (caller's contract).
+    unsafe fn tile<const R: usize, const C: usize>(at: Tile, pass: Pass, tri: Triangle) {
+        let part = |r: usize, c: usize| at.partial.wrapping_add(r * at.ldp + c);
+        // SAFETY: the partial sums of a pass that is not the first (caller's contract).
+        let mut acc: [[__m256d; C]; R] = std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                if pass.first {
+                    _mm256_setzero_pd()
+                } else {
+                    unsafe { *part(r, c) }
+                }
+            })
+        });
+        // SAFETY: every load is four elements of a row inside the pass (caller's contract).
         unsafe {
             match tri {
                 Triangle::Full => {
-                    for k in (0..at.kp).step_by(LANES) {
+                    for k in (0..pass.len).step_by(LANES) {
                         let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.kp + k)));
+                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
                         for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.kp + k));
+                            let bv = _mm256_loadu_pd(at.b.add(c * at.ld + k));
                             for r in 0..R {
                                 acc[r][c] = _mm256_fmadd_pd(av[r], bv, acc[r][c]);
                             }
@@ -340,12 +394,13 @@ mod avx2 {
                     }
                 }
                 Triangle::Upper(d) => {
-                    for k in (0..at.kp).step_by(LANES) {
-                        let dv = _mm256_loadu_pd(d.as_ptr().add(k));
+                    let d = d[pass.k0..].as_ptr();
+                    for k in (0..pass.len).step_by(LANES) {
+                        let dv = _mm256_loadu_pd(d.add(k));
                         let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.kp + k)));
+                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
                         for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.kp + k));
+                            let bv = _mm256_loadu_pd(at.b.add(c * at.ld + k));
                             for r in 0..R {
                                 let p = _mm256_mul_pd(dv, _mm256_mul_pd(av[r], bv));
                                 acc[r][c] = _mm256_add_pd(acc[r][c], p);
@@ -358,11 +413,13 @@ mod avx2 {
         let upper = matches!(tri, Triangle::Upper(_));
         for (r, row) in acc.iter().enumerate() {
             for (c, v) in row.iter().enumerate() {
-                if upper && at.below + r as isize > c as isize {
-                    continue;
+                if !pass.last {
+                    // SAFETY: as the reads above.
+                    unsafe { *part(r, c) = *v };
+                } else if !(upper && at.below + r as isize > c as isize) {
+                    // SAFETY: output (r, c) of the tile (caller's contract).
+                    unsafe { *at.out.add(r * at.ldo + c) = lane_sum(*v) as f32 };
                 }
-                // SAFETY: output (r, c) of the tile (caller's contract).
-                unsafe { *at.out.add(r * at.ldo + c) = lane_sum(*v) as f32 };
             }
         }
     }
@@ -404,7 +461,8 @@ mod tests {
     }
 
     /// Every tiled product equals the scalar definition bit for bit, at shapes that leave
-    /// every edge tile and every lane remainder, on one thread and on several.
+    /// every edge tile and every lane remainder, in one pass over `k` and in several (601:
+    /// three, the last short), on one thread and on several.
     #[test]
     fn tiled_products_equal_the_scalar_lanes_bitwise() {
         for &(n, m, k) in &[
@@ -414,6 +472,7 @@ mod tests {
             (25, 26, 13),
             (50, 61, 130),
             (3, 200, 1),
+            (8, 101, 601),
         ] {
             let (a, b) = (values(n * k, 1 + k as u64), values(m * k, 7 + n as u64));
             let got = mul_abt(&a, &b, n, m, k);
@@ -443,7 +502,7 @@ mod tests {
 
     #[test]
     fn tiled_scaled_gram_equals_the_scalar_lanes_bitwise_and_is_symmetric() {
-        for n in [1, 2, 3, 5, 27, 64, 103] {
+        for n in [1, 2, 3, 5, 27, 64, 103, 290] {
             let q: Vec<f64> = values(n * n, n as u64)
                 .iter()
                 .map(|&x| f64::from(x) * 1e-3)
