@@ -105,12 +105,7 @@ pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec
     if avx2_fma() {
         let kp = k.next_multiple_of(LANES);
         let (wa, wb) = (widen(a, k, kp), widen(b, k, kp));
-        let band = |(t, o): (usize, &mut [f32])| {
-            let rows = &wa[t * BAND * kp..][..o.len() / m * kp];
-            // SAFETY: AVX2 and FMA are present (checked above).
-            unsafe { avx2::abt_band(rows, &wb, m, kp, o, Triangle::Full, t * BAND) }
-        };
-        for_bands(&mut out, m, parallel, band);
+        tiled(&mut out, &wa, &wb, m, kp, Triangle::Full, parallel);
         return out;
     }
     let band = |(t, o): (usize, &mut [f32])| {
@@ -139,13 +134,7 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     if avx2_fma() {
         let kp = n.next_multiple_of(LANES);
         let (wq, wd) = (pad(q, n, kp), pad(d, n, kp));
-        let band = |(t, o): (usize, &mut [f32])| {
-            let rows = &wq[t * BAND * kp..][..o.len() / n * kp];
-            let upper = Triangle::Upper(&wd);
-            // SAFETY: AVX2 and FMA are present (checked above).
-            unsafe { avx2::abt_band(rows, &wq, n, kp, o, upper, t * BAND) }
-        };
-        for_bands(&mut x, n, parallel, band);
+        tiled(&mut x, &wq, &wq, n, kp, Triangle::Upper(&wd), parallel);
     } else {
         scaled_gram_scalar(q, d, n, &mut x, parallel);
     }
@@ -157,6 +146,27 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
         }
     }
     x
+}
+
+/// `out` (`a`'s rows × `b`'s rows) by the AVX2 + FMA tiles, [`BAND`] rows of `a` a task; the
+/// caller has checked that the CPU has them. `a` and `b` (`m` rows) hold rows of `kp`
+/// elements.
+#[cfg(target_arch = "x86_64")]
+fn tiled(
+    out: &mut [f32],
+    a: &[f64],
+    b: &[f64],
+    m: usize,
+    kp: usize,
+    tri: Triangle,
+    parallel: bool,
+) {
+    let band = |(t, o): (usize, &mut [f32])| {
+        let rows = &a[t * BAND * kp..][..o.len() / m * kp];
+        // SAFETY: the caller checked AVX2 and FMA; the operands are as `abt_band` needs.
+        unsafe { avx2::abt_band(rows, b, m, kp, o, tri, t * BAND) }
+    };
+    for_bands(out, m, parallel, band);
 }
 
 /// The upper triangle of [`scaled_gram_sym`] by [`dot_scaled`].
