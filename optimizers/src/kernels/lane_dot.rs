@@ -97,15 +97,24 @@ pub(crate) fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
 pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
     let (a, b) = (&a[..n * k], &b[..m * k]);
     let mut out = vec![0.0f32; n * m];
-    if n == 0 || m == 0 {
-        return out;
+    if n == 0 || m == 0 || k == 0 {
+        return out; // empty sums: (0 + 0) + (0 + 0) = +0
     }
     let parallel = n * m * k >= PAR_MIN_MACS;
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         let kp = k.next_multiple_of(LANES);
-        let (wa, wb) = (widen(a, k, kp), widen(b, k, kp));
-        tiled(&mut out, &wa, &wb, m, kp, Triangle::Full, parallel);
+        let ld = row_stride(kp);
+        let (wa, wb) = (widen(a, k, ld), widen(b, k, ld));
+        tiled(
+            &mut out,
+            wa.as_slice(),
+            wb.as_slice(),
+            m,
+            [kp, ld],
+            Triangle::Full,
+            parallel,
+        );
         return out;
     }
     let band = |(t, o): (usize, &mut [f32])| {
@@ -133,8 +142,10 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         let kp = n.next_multiple_of(LANES);
-        let (wq, wd) = (pad(q, n, kp), pad(d, n, kp));
-        tiled(&mut x, &wq, &wq, n, kp, Triangle::Upper(&wd), parallel);
+        let ld = row_stride(kp);
+        let (wq, wd) = (pad(q, n, ld), pad(d, n, kp));
+        let (wq, upper) = (wq.as_slice(), Triangle::Upper(wd.as_slice()));
+        tiled(&mut x, wq, wq, n, [kp, ld], upper, parallel);
     } else {
         scaled_gram_scalar(q, d, n, &mut x, parallel);
     }
@@ -149,22 +160,22 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
 }
 
 /// `out` (`a`'s rows × `b`'s rows) by the AVX2 + FMA tiles, [`BAND`] rows of `a` a task; the
-/// caller has checked that the CPU has them. `a` and `b` (`m` rows) hold rows of `kp`
-/// elements.
+/// caller has checked that the CPU has them. `a` and `b` (`m` rows) hold rows of `ld`
+/// elements, `kp` of them summed.
 #[cfg(target_arch = "x86_64")]
 fn tiled(
     out: &mut [f32],
     a: &[f64],
     b: &[f64],
     m: usize,
-    kp: usize,
+    [kp, ld]: [usize; 2],
     tri: Triangle,
     parallel: bool,
 ) {
     let band = |(t, o): (usize, &mut [f32])| {
-        let rows = &a[t * BAND * kp..][..o.len() / m * kp];
+        let rows = &a[t * BAND * ld..][..o.len() / m * ld];
         // SAFETY: the caller checked AVX2 and FMA; the operands are as `abt_band` needs.
-        unsafe { avx2::abt_band(rows, b, m, kp, o, tri, t * BAND) }
+        unsafe { avx2::abt_band(rows, b, m, [kp, ld], o, tri, t * BAND) }
     };
     for_bands(out, m, parallel, band);
 }
@@ -205,21 +216,50 @@ enum Triangle<'a> {
     Upper(&'a [f64]),
 }
 
-/// The `rows × k` matrix `x` as `f64` rows of `kp ≥ k` elements, the padding zero.
-fn widen(x: &[f32], k: usize, kp: usize) -> Vec<f64> {
-    let mut w = vec![0.0f64; x.len() / k.max(1) * kp];
-    if k > 0 {
-        for (w, x) in w.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
-            w.iter_mut().zip(x).for_each(|(w, &x)| *w = f64::from(x));
-        }
+/// Elements between rows of a widened operand: `kp` and one cache line more, so that rows
+/// `kp · 8` bytes apart (a multiple of 4 KiB at `kp` = 512 or 1024) do not all fall in one
+/// L1 set: a 3 × 3 tile reads six rows at once.
+fn row_stride(kp: usize) -> usize {
+    kp + 8
+}
+
+/// Four `f64` on a 32-byte boundary.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(32))]
+struct Quad([f64; LANES]);
+
+/// A zeroed `f64` buffer whose rows (of a multiple of [`LANES`] elements) start on 32-byte
+/// boundaries, so that no 256-bit load of a tile straddles two cache lines.
+struct Aligned(Vec<Quad>);
+
+impl Aligned {
+    fn zeros(len: usize) -> Self {
+        Aligned(vec![Quad::default(); len.div_ceil(LANES)])
+    }
+    fn as_slice(&self) -> &[f64] {
+        // SAFETY: `Quad` is `repr(C)` over `[f64; 4]`: the vector's quads are contiguous
+        // `f64`s, initialized, and borrowed immutably with `self`.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * LANES) }
+    }
+    fn as_mut_slice(&mut self) -> &mut [f64] {
+        // SAFETY: as `as_slice`, borrowed mutably with `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * LANES) }
+    }
+}
+
+/// The `rows × k` matrix `x` as `f64` rows of `ld ≥ k` elements, the padding zero.
+fn widen(x: &[f32], k: usize, ld: usize) -> Aligned {
+    let mut w = Aligned::zeros(x.len() / k * ld);
+    for (w, x) in w.as_mut_slice().chunks_exact_mut(ld).zip(x.chunks_exact(k)) {
+        w.iter_mut().zip(x).for_each(|(w, &x)| *w = f64::from(x));
     }
     w
 }
 
-/// The rows of `k` elements of `x` padded with zeros to `kp`.
-fn pad(x: &[f64], k: usize, kp: usize) -> Vec<f64> {
-    let mut w = vec![0.0f64; x.len() / k * kp];
-    for (w, x) in w.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+/// The rows of `k` elements of `x` padded with zeros to `ld`.
+fn pad(x: &[f64], k: usize, ld: usize) -> Aligned {
+    let mut w = Aligned::zeros(x.len() / k * ld);
+    for (w, x) in w.as_mut_slice().chunks_exact_mut(ld).zip(x.chunks_exact(k)) {
         w[..k].copy_from_slice(x);
     }
     w
@@ -233,107 +273,71 @@ mod avx2 {
     /// Side of a register tile.
     const T: usize = 3;
 
-    /// Elements of `k` a pass over the tiles covers: a tile's rows of `a` (3 × 2 KiB) stay in
-    /// L1 while the panel's rows of `b` pass. Longer rows take several passes, the tiles'
-    /// lane sums kept in a scratch between them (the same additions in the same order).
-    const K_BLOCK: usize = 256;
-
-    /// One band of output rows: `out[r·m + j]` for the rows of `a` (`kp` each) against the
-    /// `m` rows of `b`, the right operand walked in panels that fit L2 and `k` in blocks of
-    /// [`K_BLOCK`]. `first` is the band's first row index (for the triangle).
+    /// One band of output rows: `out[r·m + j]` for the rows of `a` (`ld` apart, `kp` summed)
+    /// against the `m` rows of `b`, the right operand walked in panels that fit L2. `first` is
+    /// the band's first row index (for the triangle). (Passes over `k` in blocks of 256 with
+    /// the lane sums kept between them were no faster at `kp` = 512 and 1024: tried.)
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `kp` and `b` `m`
-    /// rows of `kp`, `kp` a multiple of [`LANES`]; with [`Triangle::Upper`] its weights hold
+    /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `ld ≥ kp` and `b`
+    /// `m` rows of `ld`, `kp` a multiple of [`LANES`]; with [`Triangle::Upper`] its weights hold
     /// `kp` elements.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn abt_band(
         a: &[f64],
         b: &[f64],
         m: usize,
-        kp: usize,
+        [kp, ld]: [usize; 2],
         out: &mut [f32],
         tri: Triangle,
         first: usize,
     ) {
         let rows = out.len() / m;
-        assert!(a.len() >= rows * kp && b.len() >= m * kp && kp.is_multiple_of(LANES));
+        assert!(ld >= kp && kp.is_multiple_of(LANES));
+        assert!(a.len() >= rows * ld && b.len() >= m * ld);
         if let Triangle::Upper(d) = tri {
             assert!(d.len() >= kp);
         }
-        let kb = K_BLOCK.min(kp);
-        let panel = (PANEL_BYTES / (8 * kb.max(1))).max(T) / T * T;
-        // The lane sums of a band × panel between k blocks (none when one block covers k).
-        let mut partial = if kb < kp {
-            vec![_mm256_setzero_pd(); rows * panel.min(m)]
-        } else {
-            Vec::new()
-        };
+        let panel = (PANEL_BYTES / (8 * ld)).max(T) / T * T;
         for jp in (0..m).step_by(panel) {
             let jn = panel.min(m - jp);
-            for k0 in (0..kp).step_by(kb.max(1)) {
-                let pass = Pass {
-                    k0,
-                    len: kb.min(kp - k0),
-                    first: k0 == 0,
-                    last: k0 + kb >= kp,
-                };
-                for i in (0..rows).step_by(T) {
-                    let ri = T.min(rows - i);
-                    for j in (jp..jp + jn).step_by(T) {
-                        let cj = T.min(jp + jn - j);
-                        if let Triangle::Upper(_) = tri {
-                            if j + cj <= first + i {
-                                continue; // the whole tile is below the diagonal
-                            }
+            for i in (0..rows).step_by(T) {
+                let ri = T.min(rows - i);
+                for j in (jp..jp + jn).step_by(T) {
+                    let cj = T.min(jp + jn - j);
+                    if let Triangle::Upper(_) = tri {
+                        if j + cj <= first + i {
+                            continue; // the whole tile is below the diagonal
                         }
-                        let at = Tile {
-                            a: a[i * kp + k0..].as_ptr(),
-                            b: b[j * kp + k0..].as_ptr(),
-                            ld: kp,
-                            out: out[i * m + j..].as_mut_ptr(),
-                            ldo: m,
-                            partial: partial[..].as_mut_ptr().wrapping_add(i * jn + (j - jp)),
-                            ldp: jn,
-                            below: (first + i) as isize - j as isize,
-                        };
-                        // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` (from `k0`, `len`
-                        // elements), their outputs and, with several passes, their partial
-                        // sums are inside the operands (asserted and sized above); AVX2 and
-                        // FMA as this function.
-                        unsafe { tile_dyn(ri, cj, at, pass, tri) };
                     }
+                    let at = Tile {
+                        a: a[i * ld..].as_ptr(),
+                        b: b[j * ld..].as_ptr(),
+                        ld,
+                        kp,
+                        out: out[i * m + j..].as_mut_ptr(),
+                        ldo: m,
+                        below: (first + i) as isize - j as isize,
+                    };
+                    // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` and their outputs are
+                    // inside the operands (asserted above); AVX2 and FMA as this function.
+                    unsafe { tile_dyn(ri, cj, at, tri) };
                 }
             }
         }
     }
 
-    /// Which part of `k` a pass covers.
-    #[derive(Clone, Copy)]
-    struct Pass {
-        /// Its first element (the weights of [`Triangle::Upper`] are read from here).
-        k0: usize,
-        /// Its elements (a multiple of [`LANES`]).
-        len: usize,
-        /// Whether the lane sums start at zero (else they are read from the partial sums).
-        first: bool,
-        /// Whether the lane sums are complete (and added and written out; else stored).
-        last: bool,
-    }
-
     /// Where one register tile reads and writes.
     #[derive(Clone, Copy)]
     struct Tile {
-        /// The tile's first row of `a` and of `b`, at the pass's first element.
+        /// The tile's first row of `a` and of `b`.
         a: *const f64,
         b: *const f64,
-        /// Elements between rows of `a` and of `b`.
+        /// Elements between rows of `a` and of `b`, and elements summed.
         ld: usize,
+        kp: usize,
         out: *mut f32,
         ldo: usize,
-        /// The tile's first partial lane sums, rows `ldp` apart.
-        partial: *mut __m256d,
-        ldp: usize,
         /// Global row minus global column of the tile's first element: element `(r, c)` is
         /// below the diagonal when `below + r > c`.
         below: isize,
@@ -344,55 +348,44 @@ mod avx2 {
     /// # Safety
     /// As [`tile`].
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile_dyn(ri: usize, cj: usize, at: Tile, pass: Pass, tri: Triangle) {
+    unsafe fn tile_dyn(ri: usize, cj: usize, at: Tile, tri: Triangle) {
         // SAFETY: the caller's contract, for the tile size it names.
         unsafe {
             match (ri, cj) {
-                (3, 3) => tile::<3, 3>(at, pass, tri),
-                (3, 2) => tile::<3, 2>(at, pass, tri),
-                (3, 1) => tile::<3, 1>(at, pass, tri),
-                (2, 3) => tile::<2, 3>(at, pass, tri),
-                (2, 2) => tile::<2, 2>(at, pass, tri),
-                (2, 1) => tile::<2, 1>(at, pass, tri),
-                (1, 3) => tile::<1, 3>(at, pass, tri),
-                (1, 2) => tile::<1, 2>(at, pass, tri),
-                _ => tile::<1, 1>(at, pass, tri),
+                (3, 3) => tile::<3, 3>(at, tri),
+                (3, 2) => tile::<3, 2>(at, tri),
+                (3, 1) => tile::<3, 1>(at, tri),
+                (2, 3) => tile::<2, 3>(at, tri),
+                (2, 2) => tile::<2, 2>(at, tri),
+                (2, 1) => tile::<2, 1>(at, tri),
+                (1, 3) => tile::<1, 3>(at, tri),
+                (1, 2) => tile::<1, 2>(at, tri),
+                _ => tile::<1, 1>(at, tri),
             }
         }
     }
 
-    /// `R × C` dot products over one pass of `k`, each in one vector of the four lanes. At the
-    /// last pass the lanes are added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
+    /// `R × C` dot products, each in one vector of the four lanes, the lanes added as
+    /// `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
     /// [`Triangle::Full`]: exact products by fused multiply-adds; [`Triangle::Upper`]:
     /// `s + d·(a·b)`, each operation rounded as in the scalar loop, and only elements on or
     /// above the diagonal written.
     ///
     /// # Safety
-    /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `ld` apart, readable for `len`
-    /// elements; `R × C` outputs writable at `out + r·ldo + c`; unless the pass is both first
-    /// and last, `R × C` partial sums at `partial + r·ldp + c`.
+    /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `ld` apart, readable for `kp`
+    /// elements; `R × C` outputs writable at `out + r·ldo + c`.
     // Index loops over the tile's registers, which the compiler unrolls (both indices pick
     // an accumulator).
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile<const R: usize, const C: usize>(at: Tile, pass: Pass, tri: Triangle) {
-        let part = |r: usize, c: usize| at.partial.wrapping_add(r * at.ldp + c);
-        // SAFETY: the partial sums of a pass that is not the first (caller's contract).
-        let mut acc: [[__m256d; C]; R] = std::array::from_fn(|r| {
-            std::array::from_fn(|c| {
-                if pass.first {
-                    _mm256_setzero_pd()
-                } else {
-                    unsafe { *part(r, c) }
-                }
-            })
-        });
-        // SAFETY: every load is four elements of a row inside the pass (caller's contract).
+    unsafe fn tile<const R: usize, const C: usize>(at: Tile, tri: Triangle) {
+        let mut acc = [[_mm256_setzero_pd(); C]; R];
+        // SAFETY: every load is four elements of a row inside its `kp` (caller's contract).
         unsafe {
             match tri {
                 Triangle::Full => {
-                    for k in (0..pass.len).step_by(LANES) {
+                    for k in (0..at.kp).step_by(LANES) {
                         let av: [__m256d; R] =
                             std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
                         for c in 0..C {
@@ -404,8 +397,8 @@ mod avx2 {
                     }
                 }
                 Triangle::Upper(d) => {
-                    let d = d[pass.k0..].as_ptr();
-                    for k in (0..pass.len).step_by(LANES) {
+                    let d = d.as_ptr();
+                    for k in (0..at.kp).step_by(LANES) {
                         let dv = _mm256_loadu_pd(d.add(k));
                         let av: [__m256d; R] =
                             std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
@@ -423,10 +416,7 @@ mod avx2 {
         let upper = matches!(tri, Triangle::Upper(_));
         for (r, row) in acc.iter().enumerate() {
             for (c, v) in row.iter().enumerate() {
-                if !pass.last {
-                    // SAFETY: as the reads above.
-                    unsafe { *part(r, c) = *v };
-                } else if !(upper && at.below + r as isize > c as isize) {
+                if !(upper && at.below + r as isize > c as isize) {
                     // SAFETY: output (r, c) of the tile (caller's contract).
                     unsafe { *at.out.add(r * at.ldo + c) = lane_sum(*v) as f32 };
                 }
@@ -471,8 +461,7 @@ mod tests {
     }
 
     /// Every tiled product equals the scalar definition bit for bit, at shapes that leave
-    /// every edge tile and every lane remainder, in one pass over `k` and in several (601:
-    /// three, the last short), on one thread and on several.
+    /// every edge tile and every lane remainder (`k` up to 601), on one thread and on several.
     #[test]
     fn tiled_products_equal_the_scalar_lanes_bitwise() {
         for &(n, m, k) in &[
@@ -538,5 +527,30 @@ mod tests {
         assert!(mul_abt(&[], &[1.0; 12], 0, 3, 4).is_empty());
         assert_eq!(mul_abt(&[], &[], 2, 3, 0), vec![0.0; 6]);
         assert!(scaled_gram_sym(&[], &[], 0).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    /// The tiled product's rate at Shampoo's block sides (`cargo test --release -p
+    /// ragged-optimizers --lib lane_dot::timing -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn time_products() {
+        for n in [256usize, 512, 1024] {
+            let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 - 3.0).collect();
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                std::hint::black_box(super::mul_abt(&a, &a, n, n, n));
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let gflops = 2.0 * (n as f64).powi(3) / best / 1e9;
+            eprintln!(
+                "{n}³: {:.2} ms, {gflops:.1} GFLOP/s ({})",
+                best * 1e3,
+                super::kernel_name()
+            );
+        }
     }
 }
