@@ -389,3 +389,13 @@ pub fn next_step(op: &'static str, step: u64) -> Result<u64> {
         reason: "step counter overflows u64".into(),
     })
 }
+
+/// The next state of the 64-bit linear congruential sequence (Knuth's MMIX constants) the
+/// kernels' tests draw their inputs from.
+#[cfg(test)]
+pub(crate) fn lcg(x: &mut u64) -> u64 {
+    *x = x
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    *x
+}

@@ -811,9 +811,7 @@ mod tests {
         let mut x = seed;
         (0..n)
             .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                crate::common::lcg(&mut x);
                 ((x >> 33) as f64 / (1u64 << 31) as f64) - 0.5
             })
             .collect()

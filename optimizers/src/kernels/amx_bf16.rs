@@ -1562,9 +1562,7 @@ mod tests {
         let mut x = seed;
         (0..n)
             .map(|i| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                crate::common::lcg(&mut x);
                 if i % 7 == 0 {
                     special[(x >> 60) as usize % special.len()]
                 } else {

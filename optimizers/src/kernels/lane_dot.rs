@@ -442,9 +442,7 @@ mod tests {
         let mut s = seed;
         (0..len)
             .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                crate::common::lcg(&mut s);
                 let u = (s >> 40) as u32;
                 let sign = if u & 1 == 0 { 1.0 } else { -1.0 };
                 match u % 13 {
