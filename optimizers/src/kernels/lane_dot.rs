@@ -15,7 +15,9 @@
 //!
 //! Why not `gemm`: its sums are `f32`, blocked by CPU (the AVX-512 and AVX2 microkernels add in
 //! different orders), so ranks on different CPUs would disagree; this keeps Shampoo's factors
-//! and roots CPU-independent, at `f64`'s rate.
+//! and preconditioned gradients the same on every CPU given the same roots, at `f64`'s rate
+//! (the roots themselves come from faer's eigendecomposition, whose bits follow the CPU's
+//! vector instructions).
 
 use rayon::prelude::*;
 
