@@ -107,7 +107,7 @@ pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec
     if avx2_fma() {
         let kp = k.next_multiple_of(LANES);
         let ld = row_stride(kp);
-        let (wa, wb) = (widen(a, k, ld), widen(b, k, ld));
+        let (wa, wb) = (pad(a, k, ld), pad(b, k, ld));
         tiled(
             &mut out,
             wa.as_slice(),
@@ -140,25 +140,36 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     if n == 0 {
         return x;
     }
-    let parallel = n * n * n >= PAR_MIN_MACS;
-    #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        let kp = n.next_multiple_of(LANES);
-        let ld = row_stride(kp);
-        let (wq, wd) = (pad(q, n, ld), pad(d, n, kp));
-        let (wq, upper) = (wq.as_slice(), Triangle::Upper(wd.as_slice()));
-        tiled(&mut x, wq, wq, n, [kp, ld], upper, parallel);
-    } else {
-        scaled_gram_scalar(q, d, n, &mut x, parallel);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    scaled_gram_scalar(q, d, n, &mut x, parallel);
+    upper_triangle(q, d, n, &mut x, n * n * n >= PAR_MIN_MACS);
     for i in 0..n {
         for j in 0..i {
             x[i * n + j] = x[j * n + i];
         }
     }
     x
+}
+
+/// The elements `j ≥ i` of [`scaled_gram_sym`]'s `x`: by the tiles where the CPU has them, else
+/// by [`dot_scaled`].
+fn upper_triangle(q: &[f64], d: &[f64], n: usize, x: &mut [f32], parallel: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_fma() {
+        let kp = n.next_multiple_of(LANES);
+        let ld = row_stride(kp);
+        let (wq, wd) = (pad(q, n, ld), pad(d, n, kp));
+        let (wq, upper) = (wq.as_slice(), Triangle::Upper(wd.as_slice()));
+        return tiled(x, wq, wq, n, [kp, ld], upper, parallel);
+    }
+    let band = |(t, o): (usize, &mut [f32])| {
+        for (r, o) in o.chunks_mut(n).enumerate() {
+            let i = t * BAND + r;
+            let qi = &q[i * n..(i + 1) * n];
+            for (j, o) in o.iter_mut().enumerate().skip(i) {
+                *o = dot_scaled(d, qi, &q[j * n..(j + 1) * n]) as f32;
+            }
+        }
+    };
+    for_bands(x, n, parallel, band);
 }
 
 /// `out` (`a`'s rows × `b`'s rows) by the AVX2 + FMA tiles, [`BAND`] rows of `a` a task; the
@@ -180,20 +191,6 @@ fn tiled(
         unsafe { avx2::abt_band(rows, b, m, [kp, ld], o, tri, t * BAND) }
     };
     for_bands(out, m, parallel, band);
-}
-
-/// The upper triangle of [`scaled_gram_sym`] by [`dot_scaled`].
-fn scaled_gram_scalar(q: &[f64], d: &[f64], n: usize, x: &mut [f32], parallel: bool) {
-    let band = |(t, o): (usize, &mut [f32])| {
-        for (r, o) in o.chunks_mut(n).enumerate() {
-            let i = t * BAND + r;
-            let qi = &q[i * n..(i + 1) * n];
-            for (j, o) in o.iter_mut().enumerate().skip(i) {
-                *o = dot_scaled(d, qi, &q[j * n..(j + 1) * n]) as f32;
-            }
-        }
-    };
-    for_bands(x, n, parallel, band);
 }
 
 /// Runs `band` on each [`BAND`] rows of the `cols`-wide `out` with the band's index, on rayon's
@@ -249,20 +246,11 @@ impl Aligned {
     }
 }
 
-/// The `rows × k` matrix `x` as `f64` rows of `ld ≥ k` elements, the padding zero.
-fn widen(x: &[f32], k: usize, ld: usize) -> Aligned {
+/// The rows of `k` elements of `x` as `f64` rows of `ld ≥ k` elements, the padding zero.
+fn pad<T: Copy + Into<f64>>(x: &[T], k: usize, ld: usize) -> Aligned {
     let mut w = Aligned::zeros(x.len() / k * ld);
     for (w, x) in w.as_mut_slice().chunks_exact_mut(ld).zip(x.chunks_exact(k)) {
-        w.iter_mut().zip(x).for_each(|(w, &x)| *w = f64::from(x));
-    }
-    w
-}
-
-/// The rows of `k` elements of `x` padded with zeros to `ld`.
-fn pad(x: &[f64], k: usize, ld: usize) -> Aligned {
-    let mut w = Aligned::zeros(x.len() / k * ld);
-    for (w, x) in w.as_mut_slice().chunks_exact_mut(ld).zip(x.chunks_exact(k)) {
-        w[..k].copy_from_slice(x);
+        w.iter_mut().zip(x).for_each(|(w, &x)| *w = x.into());
     }
     w
 }
