@@ -506,7 +506,16 @@ pub fn train_rank_with<O: CheckpointState>(
         (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
         (None, None) => {}
     }
-    let first_step = sharded.steps_taken() + sharded.skipped_steps();
+    // The next batch: steps taken and skipped both consumed one (a loaded count is checked
+    // against overflow when its manifest is read; this keeps the sum honest for any caller).
+    let first_step = sharded
+        .steps_taken()
+        .checked_add(sharded.skipped_steps())
+        .ok_or_else(|| crate::Error::BadInput {
+            op: "train_rank_with",
+            what: "step count".into(),
+            reason: "steps taken plus steps skipped overflow".into(),
+        })?;
     let save = SaveOptions {
         keep: ckpt.keep,
         ..SaveOptions::default()

@@ -10,6 +10,7 @@
 //! | [`at_most`] | a count above its maximum (`--reps` that would run for days) |
 //! | [`checked_product`] | a product of sizes that overflows `usize` |
 //! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
+//! | [`zeroed`] | an allocation the allocator refuses (`ulimit -v`), as an `Err`, not an abort |
 
 use crate::{Error, Result};
 
@@ -98,6 +99,23 @@ pub fn fits_in_memory(op: &'static str, what: &str, bytes: usize) -> Result<usiz
         }),
         _ => Ok(bytes),
     }
+}
+
+/// `n` zeros, or `Err` naming `what` where the allocator refuses them: an address-space limit
+/// (`ulimit -v`) or a cgroup can refuse what [`fits_in_memory`] saw available, and an
+/// infallible allocation would then abort the process.
+pub fn zeroed<T: Clone + Default>(op: &'static str, what: &str, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| Error::BadInput {
+        op,
+        what: what.to_string(),
+        reason: format!(
+            "cannot allocate {n} elements of {} bytes: {e}",
+            std::mem::size_of::<T>()
+        ),
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
 }
 
 /// `start + timeout`, or a deadline about a century away where the sum overflows `Instant`
@@ -206,6 +224,11 @@ mod tests {
     #[test]
     fn products_that_overflow_are_refused_and_others_are_exact() {
         assert_eq!(checked_product("t", "x", &[3, 5, 7]).unwrap(), 105);
+        assert_eq!(zeroed::<u16>("t", "x", 3).unwrap(), [0, 0, 0]);
+        let refused = zeroed::<u64>("t", "x", usize::MAX / 8)
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("cannot allocate"), "{refused}");
         assert_eq!(checked_product("t", "x", &[]).unwrap(), 1);
         let err = checked_product("t", "buffer", &[usize::MAX / 2, 3]).unwrap_err();
         assert!(err.to_string().contains("overflows"), "{err}");

@@ -717,6 +717,164 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// Rewrites rank `rank`'s file of the checkpoint in `dir` with `reshape` applied to every
+/// tensor's shape (same bytes, fresh digests) and records the new digest in the manifest: a
+/// rank file whose checksums hold but whose header says something else.
+fn reshape_rank_file(dir: &Path, rank: usize, reshape: impl Fn(&[usize]) -> Vec<usize>) {
+    use ragged::checkpoint::safetensors::{TensorHeader, Writer};
+    let m = Manifest::read(dir).unwrap();
+    let path = dir.join(&m.files[rank].file);
+    let mut reader = Reader::open(&path, None).unwrap();
+    let mut infos: Vec<_> = reader.tensors().clone().into_iter().collect();
+    infos.sort_by_key(|(_, info)| info.bytes.start);
+    let headers: Vec<TensorHeader> = infos
+        .iter()
+        .map(|(name, info)| TensorHeader {
+            name: name.clone(),
+            dtype: ["F32", "U16", "U8"]
+                .into_iter()
+                .find(|d| *d == info.dtype)
+                .unwrap(),
+            shape: reshape(&info.shape),
+        })
+        .collect();
+    let bytes: Vec<Vec<u8>> = infos
+        .iter()
+        .map(|(name, info)| {
+            let mut b = vec![0u8; (info.bytes.end - info.bytes.start) as usize];
+            reader.read_tensor(name, 0..b.len() as u64, &mut b).unwrap();
+            b
+        })
+        .collect();
+    let metadata = reader.metadata().clone();
+    drop(reader);
+    let chunk = m.files[rank].digest.chunk_bytes;
+    let mut w = Writer::create(&path, &headers, &metadata, chunk).unwrap();
+    bytes.iter().for_each(|b| w.write(b).unwrap());
+    let digest = serde_json::to_value(w.finish().unwrap()).unwrap();
+    edit_manifest(dir, |v| v["files"][rank]["digest"] = digest.clone());
+}
+
+/// Manifests and rank files that hold their checksums but lie, or whose damage would turn a
+/// check off, are refused by every reader (`Manifest::read`, `verify`, a load on 2 ranks)
+/// with an error that says what is wrong: never a panic, an abort or an allocation sized by
+/// the file's word, and never a silent load.
+#[test]
+fn manifests_that_lie_or_disable_their_checks_are_refused() {
+    let root = scratch(SUITE, "lying");
+    let params = CFG.init_params(3).unwrap();
+    let good = root.join("good");
+    run(2, &params, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
+    let good = ckpt_fs::resolve(&good).unwrap();
+    type Damage = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Damage, Vec<&str>)> = vec![
+        (
+            // One flipped bit ('2' to '0') must not switch the manifest's checksum off.
+            "version 0",
+            Box::new(|d: &Path| tamper_manifest(d, "\"version\": 2,", "\"version\": 0,")),
+            vec!["format version Some(0)", "damaged"],
+        ),
+        (
+            "version 1 with a checksum",
+            Box::new(|d: &Path| {
+                tamper_manifest(d, "\"version\": 2,", "\"version\": 1,");
+                tamper_manifest(d, "\"steps\": 1,", "\"steps\": 5,");
+            }),
+            vec!["has no checksum, but carries one"],
+        ),
+        (
+            // Was a list of `world` ranks built to compare with: a capacity-overflow panic.
+            "huge world",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["world"] = u64::MAX.into())),
+            vec!["2 rank files in a world of 18446744073709551615"],
+        ),
+        (
+            "unknown layout",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["layout"] = "bogus".into())),
+            vec!["layout \"bogus\""],
+        ),
+        (
+            "model dtype",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["model"][1]["dtype"] = "BOGUS".into())),
+            vec!["(BOGUS)", "F32 this build saves and reads"],
+        ),
+        (
+            "empty model",
+            Box::new(|d: &Path| edit_manifest(d, |v| v["model"] = serde_json::json!([]))),
+            vec!["empty model"],
+        ),
+        (
+            "repeated field",
+            Box::new(|d: &Path| {
+                edit_manifest(d, |v| {
+                    let first = v["fields"][0].clone();
+                    v["fields"].as_array_mut().unwrap().push(first);
+                })
+            }),
+            vec!["a repeated field"],
+        ),
+        (
+            "unsaved tensor",
+            Box::new(|d: &Path| {
+                edit_manifest(d, |v| {
+                    let mut extra = v["model"][0].clone();
+                    extra["name"] = "extra.weight".into();
+                    v["model"].as_array_mut().unwrap().push(extra);
+                })
+            }),
+            vec!["no values for extra.weight"],
+        ),
+        (
+            // Would wrap the next batch's index on resume.
+            "overflowing step count",
+            Box::new(|d: &Path| {
+                edit_manifest(d, |v| {
+                    v["progress"]["steps"] = u64::MAX.into();
+                    v["progress"]["skipped"] = 1.into();
+                })
+            }),
+            vec!["overflow a step count"],
+        ),
+    ];
+    for (what, damage, needles) in cases {
+        let dir = root.join(what.replace(' ', "-"));
+        copy_dir(&good, &dir);
+        damage(&dir);
+        let read = Manifest::read(&dir).map(|_| ()).unwrap_err().to_string();
+        let verified = ragged::checkpoint::read::verify(&dir, |_, _| {});
+        let mut errors = vec![read, verified.unwrap_err().to_string()];
+        errors.extend(load_errors(&params, adamw(), &dir));
+        for e in errors {
+            for n in &needles {
+                assert!(e.contains(n), "{what}: {e:?} lacks {n:?}");
+            }
+        }
+    }
+    // A manifest of over a GiB (here sparse) is refused unread.
+    let big = root.join("big");
+    copy_dir(&good, &big);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(big.join("manifest.json"))
+        .unwrap();
+    f.set_len((1 << 30) + 1).unwrap();
+    let err = Manifest::read(&big).unwrap_err().to_string();
+    assert!(err.contains("1073741825 bytes, over the"), "{err}");
+    // A rank file whose digests hold but whose tensors have other shapes than the flat
+    // ranges the manifest gives its rank: `verify` compares them.
+    let reshaped = root.join("reshaped-rank-file");
+    copy_dir(&good, &reshaped);
+    reshape_rank_file(&reshaped, 1, |s| match s {
+        [n] if n % 2 == 0 => vec![n / 2, 2],
+        _ => s.to_vec(),
+    });
+    let err = ragged::checkpoint::read::verify(&reshaped, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("as shape [") && err.contains(", 2]"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A learning-rate schedule resumes where it was, with the base it multiplied: loaded into a
 /// model with no schedule set, or with the schedule set again after the load, 3 more steps
 /// give the parameters and rate of 6 uninterrupted steps, bitwise.

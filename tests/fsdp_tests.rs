@@ -546,6 +546,29 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
         .collect();
     expected.sort();
     assert_eq!(missing, expected);
+    // `require_gradients`: the first backward fails on every rank, naming every one of them
+    // (not only those of the first unit reduced).
+    let strict = FsdpOptions {
+        require_gradients: true,
+        ..FsdpOptions::default()
+    };
+    let errors = ThreadWorld::run(2, |c| {
+        let mut sharded = fully_shard(&params, adamw(), c, strict.clone())?;
+        let ids = batch(corpus()?, &CFG, 0, c.rank() * 2, 2)?;
+        let stages = SkipsHead(TransformerStages(CFG));
+        Ok(sharded
+            .forward_backward(&stages, &ids)
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    for e in errors {
+        assert!(e.contains("no gradient reached"), "{e}");
+        for name in &expected {
+            assert!(e.contains(&format!("{name:?}")), "{name} not in {e}");
+        }
+        assert!(!e.contains("\"norm.weight\""), "{e}");
+    }
 }
 
 /// A stage that computes with a parameter of an earlier stage's unit (a weight shared between
@@ -621,6 +644,56 @@ fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() 
             "unary op: {unary}: {text}"
         );
         run(unary, false).expect("gathered from forward to backward, the weight is there");
+    }
+}
+
+/// A stage that asks for another unit's parameter (a wrap rule that put it in the wrong unit)
+/// gets an error naming the unit that holds it, not the hint about freed parameters that a
+/// resharded unit before it would otherwise add.
+#[test]
+fn a_stage_asking_for_another_units_parameter_is_told_where_it_is() {
+    struct AsksForLayer0;
+    impl Stages for AsksForLayer0 {
+        type Batch = Tensor;
+        fn stage_units(&self) -> Vec<String> {
+            vec!["layers.0".into(), "layers.1".into()]
+        }
+        fn forward(
+            &self,
+            s: usize,
+            p: &UnitParams,
+            x: Option<&Tensor>,
+            batch: &Tensor,
+        ) -> candle_core::Result<Tensor> {
+            match x {
+                None => batch.matmul(p.get("layers.0.w")?),
+                Some(x) => x.matmul(p.get(&format!("layers.{}.w", s - 1))?)?.mean_all(),
+            }
+        }
+    }
+    let params: Vec<(String, Tensor)> = (0..2)
+        .map(|i| {
+            let w = Tensor::randn(0f32, 0.1, (16, 16), &Device::Cpu).unwrap();
+            (format!("layers.{i}.w"), w)
+        })
+        .collect();
+    let errors = ThreadWorld::run(2, |c| {
+        let mut sharded = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let batch = Tensor::ones((4, 16), DType::F32, &Device::Cpu)?;
+        Ok(sharded
+            .forward_backward(&AsksForLayer0, &batch)
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    for text in errors {
+        assert!(
+            text.contains("stage 1")
+                && text
+                    .contains("layers.0.w is a parameter of unit layers.0, not of unit layers.1")
+                && !text.contains("were freed"),
+            "{text}"
+        );
     }
 }
 

@@ -19,8 +19,19 @@ pub const FORMAT: &str = "ragged-checkpoint";
 /// checksum ([`Manifest::checksum`]); version 1 manifests (without it) are still read.
 pub const VERSION: u32 = 2;
 
+/// [`VERSION`] as the JSON reader gives it.
+const VERSION_U64: u64 = VERSION as u64;
+
 /// The first version whose manifest carries its own checksum.
 const CHECKSUM_VERSION: u64 = 2;
+
+/// The largest `manifest.json` read: a manifest grows with tensors × fields × holders
+/// (hundreds of MB for thousands of tensors over thousands of ranks at most), and one far
+/// larger is damage, not a checkpoint, which must not exhaust memory before it is refused.
+const MAX_MANIFEST_BYTES: u64 = 1 << 30;
+
+/// `dtype` of every model tensor: the parameters are saved as their f32 master values.
+const MODEL_DTYPE: &str = "F32";
 
 /// The field name of the parameters themselves (their f32 master values).
 pub const PARAM_FIELD: &str = "param";
@@ -182,32 +193,41 @@ impl Manifest {
     /// per rank, and holders that tile every field.
     pub fn read(dir: &Path) -> Result<Manifest> {
         let path = dir.join("manifest.json");
-        let text = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => bad(
-                dir,
-                "no manifest.json (not a checkpoint folder, or a save that did not finish)",
-            ),
-            _ => Error::io("checkpoint: read manifest", &path, e),
-        })?;
+        let text = read_bounded(dir, &path)?;
         let head: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| bad(&path, format!("not JSON (damaged?): {e}")))?;
         if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(bad(&path, format!("not a {FORMAT} manifest")));
         }
-        match head.get("version").and_then(|v| v.as_u64()) {
-            Some(v) if v <= u64::from(VERSION) => {}
+        let version = head.get("version").and_then(|v| v.as_u64());
+        match version {
+            Some(1..=VERSION_U64) => {}
             v => {
+                let why = match v {
+                    Some(n) if n > VERSION_U64 => "written by a newer ragged?",
+                    _ => "damaged?",
+                };
                 return Err(bad(
                     &path,
                     format!(
-                        "format version {v:?}: this build of ragged reads versions up to \
-                         {VERSION} (written by a newer ragged?)"
+                        "format version {v:?}: this build of ragged reads versions 1 to \
+                         {VERSION} ({why})"
                     ),
-                ))
+                ));
             }
         }
-        if head.get("version").and_then(|v| v.as_u64()) >= Some(CHECKSUM_VERSION) {
+        if version >= Some(CHECKSUM_VERSION) {
             check_sealed(&text, &path)?;
+        } else if head.get("checksum").is_some() {
+            // A version without the seal never wrote one: a lowered version must not turn
+            // the check off.
+            return Err(bad(
+                &path,
+                format!(
+                    "says format version {version:?}, which has no checksum, but carries one: \
+                     the version was edited or damaged"
+                ),
+            ));
         }
         let m: Manifest = serde_json::from_value(head)
             .map_err(|e| bad(&path, format!("malformed manifest: {e}")))?;
@@ -215,7 +235,34 @@ impl Manifest {
         Ok(m)
     }
 
+    /// `Err` unless the manifest describes one checkpoint this build can read: one file per
+    /// rank in rank order, a known layout, a non-empty model of unique f32 tensors, one
+    /// parameter array per tensor of its shape's size, unique fields of those tensors whose
+    /// holders tile them, and a step count that does not overflow.
     fn check(&self, path: &Path) -> Result<()> {
+        self.check_files(path)?;
+        if !["ragged", "fsdp2"].contains(&self.layout.as_str()) {
+            return Err(bad(
+                path,
+                format!("layout {:?}: expected \"ragged\" or \"fsdp2\"", self.layout),
+            ));
+        }
+        self.check_model(path)?;
+        self.check_fields(path)?;
+        let p = &self.progress;
+        if p.steps.checked_add(p.skipped).is_none() {
+            return Err(bad(
+                path,
+                format!(
+                    "{} steps taken and {} skipped overflow a step count",
+                    p.steps, p.skipped
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_files(&self, path: &Path) -> Result<()> {
         // Rank files are plain names inside the checkpoint folder, never a path elsewhere.
         if let Some(f) = self.files.iter().find(|f| !is_plain_file_name(&f.file)) {
             return Err(bad(
@@ -226,16 +273,85 @@ impl Manifest {
                 ),
             ));
         }
-        let ranks: Vec<usize> = self.files.iter().map(|f| f.rank).collect();
-        if self.world == 0 || ranks != (0..self.world).collect::<Vec<_>>() {
+        // Compared in place: `world` is the file's word, and may be any number.
+        let out_of_order = self.files.iter().enumerate().find(|(i, f)| f.rank != *i);
+        if self.world == 0 || self.files.len() != self.world || out_of_order.is_some() {
+            let ranks = match out_of_order {
+                Some((i, f)) => format!(", rank {} in place {i}", f.rank),
+                None => String::new(),
+            };
             return Err(bad(
                 path,
-                format!("files for ranks {ranks:?} in a world of {}", self.world),
+                format!(
+                    "{} rank files{ranks} in a world of {}: expected one per rank, in rank order",
+                    self.files.len(),
+                    self.world
+                ),
             ));
         }
-        self.fields
+        Ok(())
+    }
+
+    fn check_model(&self, path: &Path) -> Result<()> {
+        if self.model.is_empty() {
+            return Err(bad(path, "an empty model (no parameters saved)"));
+        }
+        let mut names = std::collections::HashSet::new();
+        for t in &self.model {
+            if t.dtype != MODEL_DTYPE || !names.insert(t.name.as_str()) {
+                return Err(bad(
+                    path,
+                    format!(
+                        "model tensor {} ({}): a repeated name, or a dtype other than the \
+                         {MODEL_DTYPE} this build saves and reads",
+                        t.name, t.dtype
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_fields(&self, path: &Path) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        let mut shapes: std::collections::HashMap<&str, Option<&[usize]>> = self
+            .model
             .iter()
-            .try_for_each(|f| f.check(self.world, path))
+            .map(|t| (t.name.as_str(), Some(t.shape.as_slice())))
+            .collect();
+        for f in &self.fields {
+            f.check(self.world, path)?;
+            if !seen.insert((f.param.as_str(), f.field.as_str())) || !shapes.contains_key(&*f.param)
+            {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{} of {}: a repeated field, or one of no model tensor",
+                        f.field, f.param
+                    ),
+                ));
+            }
+            if f.field == PARAM_FIELD {
+                let shape = shapes
+                    .get_mut(f.param.as_str())
+                    .and_then(Option::take)
+                    .unwrap_or_default();
+                let n = crate::limits::checked_product("checkpoint manifest", &f.param, shape);
+                if n.ok() != Some(f.len) {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "{} has shape {shape:?} but {} saved elements",
+                            f.param, f.len
+                        ),
+                    ));
+                }
+            }
+        }
+        match shapes.iter().find(|(_, unsaved)| unsaved.is_some()) {
+            Some((name, _)) => Err(bad(path, format!("no values for {name} in it"))),
+            None => Ok(()),
+        }
     }
 
     /// Writes the manifest to `dir/manifest.json`, with its checksum, and fsyncs it.
@@ -261,6 +377,25 @@ fn checksum_span(text: &[u8]) -> Option<std::ops::Range<usize>> {
     let start = key + KEY.len();
     let end = start + 64;
     (text.get(end) == Some(&b'"')).then_some(start..end)
+}
+
+/// The bytes of `path` (`dir`'s manifest), refused unread past [`MAX_MANIFEST_BYTES`].
+fn read_bounded(dir: &Path, path: &Path) -> Result<Vec<u8>> {
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::NotFound => bad(
+            dir,
+            "no manifest.json (not a checkpoint folder, or a save that did not finish)",
+        ),
+        _ => Error::io("checkpoint: read manifest", path, e),
+    };
+    let size = std::fs::metadata(path).map_err(io)?.len();
+    if size > MAX_MANIFEST_BYTES {
+        return Err(bad(
+            path,
+            format!("{size} bytes, over the {MAX_MANIFEST_BYTES} a manifest may have (damaged?)"),
+        ));
+    }
+    std::fs::read(path).map_err(io)
 }
 
 /// `Err` unless the manifest bytes `text`, with their checksum's digits set to `0`, hash to it.

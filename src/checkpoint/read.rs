@@ -100,34 +100,41 @@ impl<'a> SourceFiles<'a> {
 
 /// A whole saved array as little-endian bytes (one tensor in memory: for tools and tests).
 pub fn read_global(dir: &Path, manifest: &Manifest, rec: &FieldRecord) -> Result<Vec<u8>> {
-    const OP: &str = "checkpoint::read_global";
-    // `len` comes from the manifest: size the buffers before allocating them (a typed copy and
-    // its bytes), so a hostile or mistaken length is an error, not an abort.
-    let what = format!("{} of {}", rec.field, rec.param);
-    let n = crate::limits::checked_product(OP, &what, &[rec.len, rec.dtype.size()])?;
-    crate::limits::fits_in_memory(
-        OP,
-        &what,
-        crate::limits::checked_product(OP, &what, &[n, 2])?,
-    )?;
-    let mut files = SourceFiles::new(dir, manifest);
-    let mut bytes = vec![0u8; n];
-    match rec.dtype {
-        FieldType::F32 => {
-            let mut v = vec![0f32; rec.len];
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
-            bytes.copy_from_slice(bytemuck::cast_slice(&v));
+    SourceFiles::new(dir, manifest).read_global(rec)
+}
+
+impl SourceFiles<'_> {
+    /// [`read_global`] through these open files (an export reads every tensor through one
+    /// `SourceFiles`, so each rank file's header is parsed once, not once per tensor).
+    pub fn read_global(&mut self, rec: &FieldRecord) -> Result<Vec<u8>> {
+        const OP: &str = "checkpoint::read_global";
+        // `len` comes from the manifest: size the buffers before allocating them (a typed copy
+        // and its bytes), so a hostile or mistaken length is an error, not an abort.
+        let what = format!("{} of {}", rec.field, rec.param);
+        let n = crate::limits::checked_product(OP, &what, &[rec.len, rec.dtype.size()])?;
+        crate::limits::fits_in_memory(
+            OP,
+            &what,
+            crate::limits::checked_product(OP, &what, &[n, 2])?,
+        )?;
+        let mut bytes = crate::limits::zeroed::<u8>(OP, &what, n)?;
+        match rec.dtype {
+            FieldType::F32 => {
+                let mut v = crate::limits::zeroed::<f32>(OP, &what, rec.len)?;
+                self.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
+                bytes.copy_from_slice(bytemuck::cast_slice(&v));
+            }
+            FieldType::U16 => {
+                let mut v = crate::limits::zeroed::<u16>(OP, &what, rec.len)?;
+                self.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
+                bytes.copy_from_slice(bytemuck::cast_slice(&v));
+            }
+            FieldType::U8 => {
+                self.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut bytes[..]), 0)?;
+            }
         }
-        FieldType::U16 => {
-            let mut v = vec![0u16; rec.len];
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut v[..]), 0)?;
-            bytes.copy_from_slice(bytemuck::cast_slice(&v));
-        }
-        FieldType::U8 => {
-            files.read_range(rec, 0..rec.len, &mut FieldDataMut::from(&mut bytes[..]), 0)?;
-        }
+        Ok(bytes)
     }
-    Ok(bytes)
 }
 
 /// `Err` when `out` would be written inside the checkpoint folder `dir` (it could replace a
@@ -161,13 +168,17 @@ fn check_holdings(manifest: &Manifest, rank: usize, reader: &Reader, path: &Path
             let info = reader.tensor(&name)?;
             let want = ((end - start) as u64).checked_mul(rec.dtype.size() as u64);
             let got = info.bytes.end - info.bytes.start;
-            if info.dtype != rec.dtype.safetensors() || want != Some(got) {
+            // A saved range is one flat tensor of its length.
+            let flat = info.shape == [end - start];
+            if info.dtype != rec.dtype.safetensors() || want != Some(got) || !flat {
                 return Err(bad(
                     path,
                     format!(
-                        "{name}: {} bytes of {}, the manifest says elements {start}..{end} of {}",
+                        "{name}: {} bytes of {} as shape {:?}, the manifest says elements \
+                         {start}..{end} of {}",
                         got,
                         info.dtype,
+                        info.shape,
                         rec.dtype.safetensors()
                     ),
                 ));
@@ -202,6 +213,8 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
 pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<()> {
     use super::manifest::PARAM_FIELD;
     use super::safetensors::Consolidated;
+    // `Manifest::read` checked that every model tensor has one parameter array of its size,
+    // so a mismatch is refused before anything is written.
     let manifest = Manifest::read(dir)?;
     refuse_inside(dir, out)?;
     let records: HashMap<&str, &FieldRecord> = manifest
@@ -214,32 +227,14 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
         .model
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()));
-    // Every shape against its saved array first: a mismatch is the manifest's, not the
-    // output file's, and is found before anything is written.
-    let saved = manifest
-        .model
-        .iter()
-        .map(|t| {
-            let rec = records
-                .get(t.name.as_str())
-                .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
-            let n = crate::limits::checked_product("checkpoint export", &t.name, &t.shape).ok();
-            if n != Some(rec.len) || rec.len == 0 {
-                return Err(bad(
-                    dir,
-                    format!(
-                        "manifest.json: {} has shape {:?} but {} saved elements",
-                        t.name, t.shape, rec.len
-                    ),
-                ));
-            }
-            Ok((t.name.as_str(), *rec))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let mut file = Consolidated::create(out, tensors)?;
-    for (name, rec) in saved {
-        file.write(&read_global(dir, &manifest, rec)?)?;
-        progress(name);
+    let mut files = SourceFiles::new(dir, &manifest);
+    for t in &manifest.model {
+        let rec = records
+            .get(t.name.as_str())
+            .ok_or_else(|| bad(dir, format!("no values for {} in it", t.name)))?;
+        file.write(&files.read_global(rec)?)?;
+        progress(&t.name);
     }
     file.finish()
 }

@@ -206,8 +206,9 @@ pub struct FsdpOptions {
     /// optimizer's own [`Optimizer::plan_unit`]. The FSDP2-style layout has one buffer.
     pub buffers: Option<MultiOptions>,
     pub non_finite: NonFinitePolicy,
-    /// Fail the first reduction of a unit in which a parameter got no gradient (default: only
-    /// report it, [`ShardedModel::params_without_gradient`]).
+    /// Fail the first backward if a parameter got no gradient, naming every such parameter
+    /// once all units are reduced (default: only report them,
+    /// [`ShardedModel::params_without_gradient`]).
     pub require_gradients: bool,
     /// Frozen parameters: those the rule matches are gathered for compute like the others, but
     /// in a buffer of their own per unit that takes no gradient, is never reduce-scattered and
@@ -541,25 +542,28 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 reduce_bf16(comm, &placement, layout, full, local, op, &stats)
             })?
         };
+        if unit.reported {
+            return Ok(());
+        }
+        unit.reported = true;
+        let slots = unit.params.slots().iter().zip(&touched);
+        let missing = slots.filter(|(_, &t)| !t).map(|(s, _)| s.name.clone());
         let without = self.without_gradient.get_or_insert_with(Vec::new);
-        if !unit.reported {
-            unit.reported = true;
-            let slots = unit.params.slots().iter().zip(&touched);
-            let missing: Vec<String> = slots
-                .filter(|(_, &t)| !t)
-                .map(|(s, _)| s.name.clone())
-                .collect();
-            if self.opts.require_gradients && !missing.is_empty() {
-                return Err(crate::Error::BadInput {
-                    op: "reduce gradients",
-                    what: format!("unit {}", unit.name),
-                    reason: format!(
-                        "no gradient reached {missing:?} (a forward-only kernel, or a parameter \
-                         the loss does not use)"
-                    ),
-                });
-            }
-            without.extend(missing);
+        without.extend(missing);
+        let all_reported = self
+            .units
+            .iter()
+            .all(|u| u.reported || u.params.is_frozen());
+        if self.opts.require_gradients && all_reported && !without.is_empty() {
+            // Once every unit has been reduced: the error names every such parameter.
+            return Err(crate::Error::BadInput {
+                op: "reduce gradients",
+                what: "the first backward".into(),
+                reason: format!(
+                    "no gradient reached {without:?} (a forward-only kernel such as \
+                     candle_nn::LayerNorm's, or a parameter the loss does not use)"
+                ),
+            });
         }
         Ok(())
     }

@@ -351,13 +351,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             let out = self.overlapped(&jobs, &mut report, || {
                 stage_forward(model, s, &params, tracked, input, batch)
             })?;
-            let out = out.with_context(|| {
-                format!(
-                    "stage {s} (unit {}){}",
-                    self.unit_names()[u],
-                    freed_hint(&freed)
-                )
-            })?;
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => {
+                    let hint = self.stage_hint(u, &freed, &e.to_string());
+                    let unit = &self.units[u].name;
+                    return Err(e).with_context(|| format!("stage {s} (unit {unit}){hint}"));
+                }
+            };
             let output_bytes = out.elem_count() * out.dtype().size_in_bytes();
             activations[s].output_bytes = output_bytes;
             if s + 1 < n {
@@ -582,6 +583,27 @@ enum Job {
     Gather(usize),
     /// Reduce-scatter unit `u`'s gradients, then free it under `reshard_after_forward`.
     Reduce(usize),
+}
+
+impl<O: Optimizer> ShardedModel<'_, O> {
+    /// What stage `u`'s error adds: the unit that holds a parameter the error names when it
+    /// is not the stage's own (a wrap rule that put it elsewhere), else [`freed_hint`].
+    fn stage_hint(&self, u: usize, freed: &[String], error: &str) -> String {
+        let others = self.units.iter().enumerate().filter(|&(k, _)| k != u);
+        let named = others
+            .flat_map(|(_, unit)| unit.params.slots().iter().map(move |s| (&s.name, unit)))
+            .filter(|(name, _)| error.contains(name.as_str()))
+            .max_by_key(|(name, _)| name.len());
+        match named {
+            Some((name, owner)) => format!(
+                "; {name} is a parameter of unit {}, not of unit {}: a stage sees its own \
+                 unit's parameters only (does the wrap rule put {name} in the unit whose stage \
+                 uses it?)",
+                owner.name, self.units[u].name
+            ),
+            None => freed_hint(freed),
+        }
+    }
 }
 
 /// What a stage's error adds when units were resharded before it: the likely cause of a
