@@ -506,8 +506,7 @@ pub fn train_rank_with<O: CheckpointState>(
         (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
         (None, None) => {}
     }
-    // The next batch: steps taken and skipped both consumed one (a loaded count is checked
-    // against overflow when its manifest is read; this keeps the sum honest for any caller).
+    // Steps taken and steps skipped each consumed a batch.
     let first_step = sharded
         .steps_taken()
         .checked_add(sharded.skipped_steps())
