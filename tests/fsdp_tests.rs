@@ -571,6 +571,16 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
     }
 }
 
+/// `layers.0.w` and `layers.1.w`, random `n × n`: two units of one matrix each.
+fn two_square_layers(n: usize) -> Vec<(String, Tensor)> {
+    (0..2)
+        .map(|i| {
+            let w = Tensor::randn(0f32, 0.1, (n, n), &Device::Cpu).unwrap();
+            (format!("layers.{i}.w"), w)
+        })
+        .collect()
+}
+
 /// A stage that computes with a parameter of an earlier stage's unit (a weight shared between
 /// units, kept from that stage): with the default reshard-after-forward that unit's storages
 /// are freed by then. The stage gets an `Err` naming the freed unit and the two fixes, on every
@@ -612,12 +622,7 @@ fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() 
             y.matmul(p.get("layers.1.w")?)?.sqr()?.mean_all()
         }
     }
-    let params: Vec<(String, Tensor)> = (0..2)
-        .map(|i| {
-            let w = Tensor::randn(0f32, 0.1, (64, 64), &Device::Cpu).unwrap();
-            (format!("layers.{i}.w"), w)
-        })
-        .collect();
+    let params = two_square_layers(64);
     let run = |unary: bool, reshard: bool| {
         ThreadWorld::run(2, |c| {
             let opts = FsdpOptions {
@@ -671,12 +676,7 @@ fn a_stage_asking_for_another_units_parameter_is_told_where_it_is() {
             }
         }
     }
-    let params: Vec<(String, Tensor)> = (0..2)
-        .map(|i| {
-            let w = Tensor::randn(0f32, 0.1, (16, 16), &Device::Cpu).unwrap();
-            (format!("layers.{i}.w"), w)
-        })
-        .collect();
+    let params = two_square_layers(16);
     let errors = ThreadWorld::run(2, |c| {
         let mut sharded = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
         let batch = Tensor::ones((4, 16), DType::F32, &Device::Cpu)?;
