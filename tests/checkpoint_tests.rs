@@ -875,6 +875,48 @@ fn manifests_that_lie_or_disable_their_checks_are_refused() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A safetensors header is read as written: a tensor named twice (which entry a JSON map
+/// keeps is the parser's choice, and another reader may take the other) and a header that is
+/// JSON but not an object are refused by name.
+#[test]
+fn a_safetensors_header_naming_a_tensor_twice_is_refused() {
+    let root = scratch(SUITE, "header");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = |name: &str, header: &str| {
+        let mut header = header.as_bytes().to_vec();
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header);
+        bytes.extend([0u8; 16]);
+        let path = root.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        Reader::open(&path, None).map(|_| ())
+    };
+    let entry = |at: u64| {
+        format!(
+            r#"{{"dtype":"F32","shape":[2],"data_offsets":[{at},{}]}}"#,
+            at + 8
+        )
+    };
+    file(
+        "once.safetensors",
+        &format!(r#"{{"w":{},"b":{}}}"#, entry(0), entry(8)),
+    )
+    .unwrap();
+    let twice = file(
+        "twice.safetensors",
+        &format!(r#"{{"w":{},"w":{}}}"#, entry(0), entry(8)),
+    );
+    let err = twice.unwrap_err().to_string();
+    assert!(
+        err.contains("twice.safetensors") && err.contains("header names w twice"),
+        "{err}"
+    );
+    let err = file("list.safetensors", "[1, 2]").unwrap_err().to_string();
+    assert!(err.contains("header is not a JSON object"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A learning-rate schedule resumes where it was, with the base it multiplied: loaded into a
 /// model with no schedule set, or with the schedule set again after the load, 3 more steps
 /// give the parameters and rate of 6 uninterrupted steps, bitwise.

@@ -221,6 +221,32 @@ pub struct TensorInfo {
     pub bytes: Range<u64>,
 }
 
+/// A JSON object's entries in file order, repeated keys kept (`serde_json::Map` keeps one).
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Entries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(Entries(entries))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 /// The chunks of a file and which were verified.
 struct Chunks {
     digest: FileDigest,
@@ -287,14 +313,22 @@ impl Reader {
         }
         let mut json = vec![0u8; n as usize];
         self.read_at(8, &mut json)?;
-        let value: serde_json::Value = serde_json::from_slice(&json)
-            .map_err(|e| bad(&self.path, format!("header is not JSON: {e}")))?;
-        let serde_json::Value::Object(map) = value else {
-            return Err(bad(&self.path, "header is not a JSON object"));
-        };
+        // Its entries as written: a JSON map keeps one of two equal keys, and which of two
+        // entries of one name a reader takes is not a question a checkpoint may leave open.
+        let Entries(entries) = serde_json::from_slice(&json).map_err(|e| {
+            let what = match e.is_data() {
+                true => "header is not a JSON object",
+                false => "header is not JSON",
+            };
+            bad(&self.path, format!("{what}: {e}"))
+        })?;
+        let mut names = std::collections::HashSet::new();
+        if let Some(name) = entries.iter().map(|(n, _)| n).find(|&n| !names.insert(n)) {
+            return Err(bad(&self.path, format!("header names {name} twice")));
+        }
         let data_start = 8 + n;
         let mut spans = Vec::new();
-        for (name, entry) in map {
+        for (name, entry) in entries {
             if name == "__metadata__" {
                 self.metadata = serde_json::from_value(entry)
                     .map_err(|e| bad(&self.path, format!("__metadata__: {e}")))?;
