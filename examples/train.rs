@@ -27,7 +27,7 @@ use ragged::checkpoint::CheckpointState;
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{
-    train_rank, train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
+    train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
 };
 use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
@@ -457,17 +457,24 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         ..FsdpOptions::default()
     };
     let opt = optimizer(args.lr)?;
-    let (reference, ref_full) = train_rank(
-        cfg,
+    // From the same start as the sharded run: the imported values under --init-from (a
+    // resumed run's steps are compared from the checkpoint's step on, the reference having
+    // run them all).
+    let start = Checkpointing {
+        init_from: args.init_from.clone(),
+        ..Checkpointing::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, args.steps, args.batch);
+    let reference = train_rank_with(
         &cpu_params,
         opt,
         &SingleRank,
         reference_opts,
-        TrainMode::UnitByUnit,
-        args.steps,
-        args.batch,
+        job,
+        &start,
         progress,
     )?;
+    let (reference, ref_full) = (reference.reports, reference.params);
     bar.finish();
     print_table(&sharded, Some(&reference), first_step);
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).

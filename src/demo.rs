@@ -521,7 +521,8 @@ pub fn train_rank_with<O: CheckpointState>(
     };
     let mut whole: Option<Transformer> = None;
     let stages = TransformerStages(cfg);
-    let mut reports = Vec::with_capacity(steps.saturating_sub(first_step));
+    // Grown step by step: `steps` is the caller's number, and may be any.
+    let mut reports = Vec::new();
     for step in first_step..steps {
         let start = Instant::now();
         let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;

@@ -3,6 +3,7 @@
 //! real candle transformer, real files and (for the kill test) a real child process.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -914,6 +915,77 @@ fn a_safetensors_header_naming_a_tensor_twice_is_refused() {
     );
     let err = file("list.safetensors", "[1, 2]").unwrap_err().to_string();
     assert!(err.contains("header is not a JSON object"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Files a reader would wait on for ever or read without end are refused, not opened: a FIFO
+/// (as a safetensors file, as an index, named by an index), an index over 100 MB (here
+/// sparse), and an export over something other than a regular file (the rename would replace
+/// a device or a FIFO). A header shape of more than 64 dimensions is refused as it is read.
+#[test]
+fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
+    let root = scratch(SUITE, "special");
+    std::fs::create_dir_all(&root).unwrap();
+    let fifo = |name: &str| {
+        let path = root.join(name);
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.unwrap().success(), "mkfifo {name}");
+        path
+    };
+    let params = CFG.init_params(5).unwrap();
+    let import = |path: &Path| {
+        let errors = ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+            Ok(m.load_safetensors(path)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string())
+        });
+        errors.unwrap()
+    };
+    let named = fifo("pipe.safetensors");
+    std::fs::write(
+        root.join("pipes.index.json"),
+        r#"{"weight_map": {"embed.weight": "pipe.safetensors"}}"#,
+    )
+    .unwrap();
+    let big = root.join("big.index.json");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len(100_000_001).unwrap();
+    let cases = [
+        (named.clone(), "not a regular file"),
+        (fifo("pipe.index.json"), "not a regular file"),
+        (root.join("pipes.index.json"), "not a regular file"),
+        (big, "100000001 bytes, over the"),
+    ];
+    for (path, needle) in cases {
+        for e in import(&path) {
+            assert!(e.contains(needle), "{}: {e}", path.display());
+        }
+    }
+    let exports = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        Ok(m.export_safetensors(&named).unwrap_err().to_string())
+    });
+    for e in exports.unwrap() {
+        assert!(e.contains("exists and is not a regular file"), "{e}");
+    }
+    assert!(std::fs::metadata(&named).unwrap().file_type().is_fifo());
+    let header = |dims: usize| {
+        let shape = vec!["1"; dims].join(",");
+        let json = format!(r#"{{"w":{{"dtype":"U8","shape":[{shape}],"data_offsets":[0,1]}}}}"#);
+        let mut json = json.into_bytes();
+        json.resize(json.len().div_ceil(8) * 8, b' ');
+        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(json);
+        bytes.push(7);
+        let path = root.join(format!("dims-{dims}.safetensors"));
+        std::fs::write(&path, bytes).unwrap();
+        Reader::open(&path, None).map(|r| r.tensor("w").unwrap().shape.len())
+    };
+    assert_eq!(header(64).unwrap(), 64);
+    let err = header(65).unwrap_err().to_string();
+    assert!(err.contains("more than 64 dimensions"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
 

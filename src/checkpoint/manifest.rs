@@ -10,7 +10,7 @@ use super::bad;
 use super::safetensors::FileDigest;
 use super::state::FieldType;
 use crate::ragged::RaggedShard;
-use crate::{Error, Result};
+use crate::Result;
 
 /// `format` of every manifest.
 pub const FORMAT: &str = "ragged-checkpoint";
@@ -381,21 +381,13 @@ fn checksum_span(text: &[u8]) -> Option<std::ops::Range<usize>> {
 
 /// The bytes of `path` (`dir`'s manifest), refused unread past [`MAX_MANIFEST_BYTES`].
 fn read_bounded(dir: &Path, path: &Path) -> Result<Vec<u8>> {
-    let io = |e: std::io::Error| match e.kind() {
-        std::io::ErrorKind::NotFound => bad(
+    if !path.exists() {
+        return Err(bad(
             dir,
             "no manifest.json (not a checkpoint folder, or a save that did not finish)",
-        ),
-        _ => Error::io("checkpoint: read manifest", path, e),
-    };
-    let size = std::fs::metadata(path).map_err(io)?.len();
-    if size > MAX_MANIFEST_BYTES {
-        return Err(bad(
-            path,
-            format!("{size} bytes, over the {MAX_MANIFEST_BYTES} a manifest may have (damaged?)"),
         ));
     }
-    std::fs::read(path).map_err(io)
+    super::fs::read_regular(path, MAX_MANIFEST_BYTES)
 }
 
 /// `Err` unless the manifest bytes `text`, with their checksum's digits set to `0`, hash to it.

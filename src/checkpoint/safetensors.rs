@@ -221,30 +221,87 @@ pub struct TensorInfo {
     pub bytes: Range<u64>,
 }
 
-/// A JSON object's entries in file order, repeated keys kept (`serde_json::Map` keeps one).
-struct Entries(Vec<(String, serde_json::Value)>);
+/// Most dimensions a header's tensor may have: a 100 MB header could otherwise claim one
+/// tensor of 50 M dimensions of 1 (and a reader hold them all).
+const MAX_DIMS: usize = 64;
 
-impl<'de> Deserialize<'de> for Entries {
+/// A header's tensor entry, as written.
+#[derive(Deserialize)]
+struct Entry {
+    dtype: String,
+    #[serde(deserialize_with = "bounded_shape")]
+    shape: Vec<usize>,
+    data_offsets: [u64; 2],
+}
+
+/// A header's entries in file order, repeated names kept (a JSON map keeps one of two equal
+/// keys), parsed straight into their types: no JSON tree of a header that may be 100 MB.
+struct Header {
+    tensors: Vec<(String, Entry)>,
+    metadata: Vec<BTreeMap<String, String>>,
+}
+
+impl<'de> Deserialize<'de> for Header {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
         struct Visit;
         impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Entries;
+            type Value = Header;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> std::result::Result<Entries, A::Error> {
-                let mut entries = Vec::new();
-                while let Some(entry) = map.next_entry()? {
-                    entries.push(entry);
+            ) -> std::result::Result<Header, A::Error> {
+                let mut header = Header {
+                    tensors: Vec::new(),
+                    metadata: Vec::new(),
+                };
+                while let Some(name) = map.next_key::<String>()? {
+                    let named = |e: A::Error| A::Error::custom(format!("{name}: {e}"));
+                    if name == "__metadata__" {
+                        header.metadata.push(map.next_value().map_err(named)?);
+                    } else {
+                        let entry = map.next_value().map_err(named)?;
+                        header.tensors.push((name, entry));
+                    }
                 }
-                Ok(Entries(entries))
+                Ok(header)
             }
         }
         d.deserialize_map(Visit)
     }
+}
+
+/// `shape`, refused past [`MAX_DIMS`] dimensions before they are all read.
+fn bounded_shape<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<usize>, D::Error> {
+    use serde::de::Error as _;
+    struct Visit;
+    impl<'de> serde::de::Visitor<'de> for Visit {
+        type Value = Vec<usize>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_DIMS} dimensions")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Vec<usize>, A::Error> {
+            let mut dims = Vec::new();
+            while let Some(d) = seq.next_element()? {
+                if dims.len() == MAX_DIMS {
+                    return Err(A::Error::custom(format!(
+                        "a shape of more than {MAX_DIMS} dimensions"
+                    )));
+                }
+                dims.push(d);
+            }
+            Ok(dims)
+        }
+    }
+    d.deserialize_seq(Visit)
 }
 
 /// The chunks of a file and which were verified.
@@ -268,6 +325,8 @@ impl Reader {
     /// Opens `path` and parses its header. With `digest`, the file's size must match and the
     /// header's chunks are verified before it is parsed.
     pub fn open(path: &Path, digest: Option<&FileDigest>) -> Result<Reader> {
+        // Checked before the open, which blocks on a FIFO.
+        super::fs::regular_file_size(path)?;
         let file = File::open(path).map_err(|e| Error::io("checkpoint: open", path, e))?;
         let size = file
             .metadata()
@@ -313,28 +372,27 @@ impl Reader {
         }
         let mut json = vec![0u8; n as usize];
         self.read_at(8, &mut json)?;
-        // Its entries as written: a JSON map keeps one of two equal keys, and which of two
-        // entries of one name a reader takes is not a question a checkpoint may leave open.
-        let Entries(entries) = serde_json::from_slice(&json).map_err(|e| {
+        // Its entries as written: which of two entries of one name a reader takes is not a
+        // question a checkpoint may leave open.
+        let header: Header = serde_json::from_slice(&json).map_err(|e| {
             let what = match e.is_data() {
-                true => "header is not a JSON object",
+                true => "header is not a JSON object of tensors",
                 false => "header is not JSON",
             };
             bad(&self.path, format!("{what}: {e}"))
         })?;
-        let mut names = std::collections::HashSet::new();
-        if let Some(name) = entries.iter().map(|(n, _)| n).find(|&n| !names.insert(n)) {
+        let mut names = header.tensors.iter().map(|(n, _)| n.as_str());
+        let mut seen = std::collections::HashSet::new();
+        let metadata_twice = header.metadata.len() > 1;
+        let twice = names.find(|&n| !seen.insert(n));
+        if let Some(name) = twice.or(metadata_twice.then_some("__metadata__")) {
             return Err(bad(&self.path, format!("header names {name} twice")));
         }
+        self.metadata = header.metadata.into_iter().next().unwrap_or_default();
         let data_start = 8 + n;
         let mut spans = Vec::new();
-        for (name, entry) in entries {
-            if name == "__metadata__" {
-                self.metadata = serde_json::from_value(entry)
-                    .map_err(|e| bad(&self.path, format!("__metadata__: {e}")))?;
-                continue;
-            }
-            let info = self.tensor_info(&name, &entry, data_start, size)?;
+        for (name, entry) in header.tensors {
+            let info = self.tensor_info(&name, entry, data_start, size)?;
             spans.push((info.bytes.clone(), name.clone()));
             self.tensors.insert(name, info);
         }
@@ -350,21 +408,7 @@ impl Reader {
         Ok(())
     }
 
-    fn tensor_info(
-        &self,
-        name: &str,
-        entry: &serde_json::Value,
-        data_start: u64,
-        size: u64,
-    ) -> Result<TensorInfo> {
-        #[derive(Deserialize)]
-        struct Entry {
-            dtype: String,
-            shape: Vec<usize>,
-            data_offsets: [u64; 2],
-        }
-        let e: Entry = serde_json::from_value(entry.clone())
-            .map_err(|err| bad(&self.path, format!("tensor {name}: {err}")))?;
+    fn tensor_info(&self, name: &str, e: Entry, data_start: u64, size: u64) -> Result<TensorInfo> {
         let elem = dtype_size(&e.dtype)
             .ok_or_else(|| bad(&self.path, format!("tensor {name}: dtype {}", e.dtype)))?;
         let want = e
@@ -574,7 +618,19 @@ impl Consolidated {
                 shape,
             })
             .collect();
-        let tmp = out.with_extension("safetensors.tmp");
+        // The rename at `finish` replaces what `out` names: only a regular file, never a
+        // device, a FIFO, a folder or a link (it would replace the link, not its target).
+        if let Ok(meta) = std::fs::symlink_metadata(out) {
+            if !meta.is_file() {
+                return Err(bad(
+                    out,
+                    "exists and is not a regular file: export to a new or regular file",
+                ));
+            }
+        }
+        let mut tmp = out.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
         Ok(Consolidated {
             writer: Some(Writer::create(&tmp, &headers, &meta, u64::MAX)?),

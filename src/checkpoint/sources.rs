@@ -19,6 +19,10 @@ pub struct Sources {
     holder: HashMap<String, usize>,
 }
 
+/// The largest index read: the safetensors header limit (an index lists one short entry per
+/// tensor; a large model's is a few hundred KiB).
+const MAX_INDEX_BYTES: u64 = 100_000_000;
+
 /// The part of a Hugging Face index this reads.
 #[derive(serde::Deserialize)]
 struct Index {
@@ -42,8 +46,8 @@ impl Sources {
                 holder,
             });
         }
-        let text = std::fs::read_to_string(path).map_err(|e| bad(path, e.to_string()))?;
-        let index: Index = serde_json::from_str(&text)
+        let text = super::fs::read_regular(path, MAX_INDEX_BYTES)?;
+        let index: Index = serde_json::from_slice(&text)
             .map_err(|e| bad(path, format!("not a safetensors index (weight_map): {e}")))?;
         let folder = path.parent().unwrap_or(Path::new("."));
         let (mut files, mut opened) = (Vec::new(), HashMap::new());
