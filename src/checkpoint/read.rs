@@ -111,6 +111,10 @@ impl SourceFiles<'_> {
         // `len` comes from the manifest: size the buffers before allocating them (a typed copy
         // and its bytes), so a hostile or mistaken length is an error, not an abort.
         let what = format!("{} of {}", rec.field, rec.param);
+        // The files must hold what the manifest claims before its length sizes an allocation.
+        for &[rank, start, end] in &rec.holders {
+            check_held(self.reader(rank)?, rec, start..end)?;
+        }
         let n = crate::limits::checked_product(OP, &what, &[rec.len, rec.dtype.size()])?;
         crate::limits::fits_in_memory(
             OP,
@@ -161,29 +165,34 @@ fn refuse_inside(dir: &Path, out: &Path) -> Result<()> {
 
 /// `Err` unless rank `rank`'s file (`reader`) holds every range the manifest says it holds,
 /// each a tensor of that many elements of the field's type: the manifest and the files agree.
-fn check_holdings(manifest: &Manifest, rank: usize, reader: &Reader, path: &Path) -> Result<()> {
+fn check_holdings(manifest: &Manifest, rank: usize, reader: &Reader) -> Result<()> {
     for rec in &manifest.fields {
         for &[_, start, end] in rec.holders.iter().filter(|h| h[0] == rank) {
-            let name = tensor_name(&rec.param, &rec.field);
-            let info = reader.tensor(&name)?;
-            let want = ((end - start) as u64).checked_mul(rec.dtype.size() as u64);
-            let got = info.bytes.end - info.bytes.start;
-            // A saved range is one flat tensor of its length.
-            let flat = info.shape == [end - start];
-            if info.dtype != rec.dtype.safetensors() || want != Some(got) || !flat {
-                return Err(bad(
-                    path,
-                    format!(
-                        "{name}: {} bytes of {} as shape {:?}, the manifest says elements \
-                         {start}..{end} of {}",
-                        got,
-                        info.dtype,
-                        info.shape,
-                        rec.dtype.safetensors()
-                    ),
-                ));
-            }
+            check_held(reader, rec, start..end)?;
         }
+    }
+    Ok(())
+}
+
+/// `Err` unless `reader`'s file holds elements `range` of `rec` as the manifest says: one flat
+/// tensor of that many elements of the field's type.
+fn check_held(reader: &Reader, rec: &FieldRecord, range: std::ops::Range<usize>) -> Result<()> {
+    let name = tensor_name(&rec.param, &rec.field);
+    let info = reader.tensor(&name)?;
+    let want = (range.len() as u64).checked_mul(rec.dtype.size() as u64);
+    let got = info.bytes.end - info.bytes.start;
+    let flat = info.shape == [range.len()];
+    if info.dtype != rec.dtype.safetensors() || want != Some(got) || !flat {
+        return Err(bad(
+            reader.path(),
+            format!(
+                "{name}: {got} bytes of {} as shape {:?}, the manifest says elements {range:?} \
+                 of {}",
+                info.dtype,
+                info.shape,
+                rec.dtype.safetensors()
+            ),
+        ));
     }
     Ok(())
 }
@@ -199,7 +208,7 @@ pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
             return Err(bad(&path, "missing (every rank's file is needed)"));
         }
         let mut reader = Reader::open(&path, Some(&f.digest))?;
-        check_holdings(&manifest, f.rank, &reader, &path)?;
+        check_holdings(&manifest, f.rank, &reader)?;
         reader.verify_all()?;
         total += f.digest.bytes;
         progress(&f.file, f.digest.bytes);
