@@ -492,6 +492,10 @@ pub fn train_rank_with<O: CheckpointState>(
         global_batch,
         comm.world_size(),
     )?;
+    // Before the training it would otherwise end (rank 0 writes the export).
+    if let (Some(out), 0) = (&ckpt.export, comm.rank()) {
+        crate::checkpoint::safetensors::check_export_target(out)?;
+    }
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
     match (&ckpt.resume, &ckpt.init_from) {
         (Some(_), Some(_)) => {

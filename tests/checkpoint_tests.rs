@@ -974,6 +974,38 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
         assert!(e.contains("exists and is not a regular file"), "{e}");
     }
     assert!(std::fs::metadata(&named).unwrap().file_type().is_fifo());
+    // The main job checks its export target before it trains, not after.
+    for out in [named.clone(), root.join("no-folder/model.safetensors")] {
+        let export = Checkpointing {
+            export: Some(out.clone()),
+            ..Checkpointing::default()
+        };
+        let job = (CFG, TrainMode::UnitByUnit, 3, BATCH);
+        let steps = std::sync::atomic::AtomicUsize::new(0);
+        let count = |_: usize, _: &_| {
+            steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        let err = ThreadWorld::run(2, |c| {
+            train_rank_with(
+                &params,
+                adamw(),
+                c,
+                opts(ShardLayout::Ragged),
+                job,
+                &export,
+                count,
+            )
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(&out.display().to_string()), "{err}");
+        assert_eq!(
+            steps.into_inner(),
+            0,
+            "{} trained before its export failed",
+            out.display()
+        );
+    }
     let header = |dims: usize| {
         let shape = vec!["1"; dims].join(",");
         let json = format!(r#"{{"w":{{"dtype":"U8","shape":[{shape}],"data_offsets":[0,1]}}}}"#);

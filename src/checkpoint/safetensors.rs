@@ -585,6 +585,26 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
     Ok(())
 }
 
+/// `Err` unless `out` can take an export: its folder exists, and it is new or a regular file
+/// (the rename that ends an export replaces what `out` names: never a device, a FIFO, a
+/// folder or a link, whose target it would not write). A run checks it before it trains.
+pub fn check_export_target(out: &Path) -> Result<()> {
+    let folder = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !folder.is_dir() {
+        return Err(bad(out, "its folder does not exist"));
+    }
+    match std::fs::symlink_metadata(out) {
+        Ok(meta) if !meta.is_file() => Err(bad(
+            out,
+            "exists and is not a regular file: export to a new or regular file",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A consolidated checkpoint being written: one f32 tensor per parameter (names and shapes as
 /// given), under a temporary name that [`Consolidated::finish`] renames to the destination,
 /// so a failed export never leaves a partial file under the real name; dropped before it is
@@ -618,16 +638,7 @@ impl Consolidated {
                 shape,
             })
             .collect();
-        // The rename at `finish` replaces what `out` names: only a regular file, never a
-        // device, a FIFO, a folder or a link (it would replace the link, not its target).
-        if let Ok(meta) = std::fs::symlink_metadata(out) {
-            if !meta.is_file() {
-                return Err(bad(
-                    out,
-                    "exists and is not a regular file: export to a new or regular file",
-                ));
-            }
-        }
+        check_export_target(out)?;
         let mut tmp = out.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
