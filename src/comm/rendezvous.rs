@@ -4,7 +4,7 @@
 //!
 //! | variable | way |
 //! |---|---|
-//! | `RAGGED_RENDEZVOUS_ADDR=host:port` | TCP: rank 0 listens there and hands the blob to each of the other `V − 1` ranks as it connects; the others retry until rank 0 is up. For nodes without a shared file system. |
+//! | `RAGGED_RENDEZVOUS_ADDR=host:port` | TCP: rank 0 listens there and hands the blob to each of the other `V − 1` ranks as it connects and says which rank it is (a connection that does not, such as a port probe, is closed uncounted); the others retry until rank 0 is up. For nodes without a shared file system. |
 //! | `RAGGED_NCCL_ID_FILE=path` | a file every rank can read: rank 0 writes it under a temporary name and renames it (readers never see half a file); the others poll for it. |
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long anyone waits (default 120 s, also where it is `0`, which turns off only the collectives' wait) |
 //! | `RAGGED_RUN_ID` | this launch's identity ([`run_id_from_env`]; else Slurm's `SLURM_JOB_ID.SLURM_STEP_ID`, else torchrun's `TORCHELASTIC_RUN_ID`) |
@@ -143,14 +143,14 @@ impl Rendezvous {
             let blob = make()?;
             let msg = encode(&blob, run);
             match self {
-                Rendezvous::Tcp(addr) => serve(addr, world - 1, &msg, deadline)?,
+                Rendezvous::Tcp(addr) => serve(addr, world, &msg, deadline)?,
                 Rendezvous::File(path) => write_file(path, &msg)?,
             }
             Ok(blob)
         } else {
             match self {
                 Rendezvous::Tcp(addr) => {
-                    let msg = fetch(addr, N, deadline)?;
+                    let msg = fetch(addr, rank, N, deadline)?;
                     of_run(decode(&msg, self)?, run, self)
                 }
                 Rendezvous::File(path) => poll_file(path, run, deadline, self),
@@ -277,8 +277,17 @@ fn timed_out(what: String) -> Error {
     }
 }
 
-/// Rank 0 over TCP: accept `peers` connections and write the message to each.
-fn serve(addr: &str, peers: usize, msg: &[u8], deadline: Instant) -> Result<()> {
+/// What a rank > 0 sends rank 0 over TCP before it reads: these 4 bytes and its rank (a
+/// little-endian `u64`), so that a connection that is not a rank's (a port probe, a health
+/// check) takes no rank's place.
+const HELLO: &[u8; 4] = b"RGHI";
+
+fn hello(rank: usize) -> Vec<u8> {
+    [HELLO.as_slice(), &(rank as u64).to_le_bytes()].concat()
+}
+
+/// Rank 0 over TCP: answer connections until every other rank of `world` has had the message.
+fn serve(addr: &str, world: usize, msg: &[u8], deadline: Instant) -> Result<()> {
     let listener = TcpListener::bind(addr).map_err(|e| Error::Comm {
         op: OP,
         rank: 0,
@@ -287,21 +296,19 @@ fn serve(addr: &str, peers: usize, msg: &[u8], deadline: Instant) -> Result<()> 
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io(OP, addr, e))?;
-    let mut served = 0;
-    while served < peers {
+    // Ranks, not connections: a rank that connects twice counts once.
+    let mut served = std::collections::HashSet::new();
+    while served.len() < world - 1 {
         match listener.accept() {
-            Ok((mut stream, _)) => {
-                stream
-                    .set_nonblocking(false)
-                    .and_then(|()| stream.set_write_timeout(Some(Duration::from_secs(10))))
-                    .and_then(|()| stream.write_all(msg))
-                    .map_err(|e| Error::io(OP, addr, e))?;
-                served += 1;
+            Ok((stream, _)) => {
+                served.extend(answer(stream, world, msg));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     return Err(timed_out(format!(
-                        "rank 0 on {addr}: {served} of {peers} ranks connected before the timeout"
+                        "rank 0 on {addr}: {} of {} ranks connected before the timeout",
+                        served.len(),
+                        world - 1
                     )));
                 }
                 std::thread::sleep(Duration::from_millis(20));
@@ -312,8 +319,29 @@ fn serve(addr: &str, peers: usize, msg: &[u8], deadline: Instant) -> Result<()> 
     Ok(())
 }
 
-/// A rank > 0 over TCP: connect (retrying until rank 0 listens) and read the message.
-fn fetch(addr: &str, n: usize, deadline: Instant) -> Result<Vec<u8>> {
+/// The rank a connection's peer says it is ([`hello`]), once the message went to it; `None`
+/// for a connection that is not a rank's of `world` (no hello within a second, another
+/// greeting, a rank outside the world), which is closed uncounted.
+fn answer(mut stream: TcpStream, world: usize, msg: &[u8]) -> Option<usize> {
+    let mut greeting = [0u8; 12];
+    stream.set_nonblocking(false).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    stream
+        .set_write_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    stream.read_exact(&mut greeting).ok()?;
+    let rank = u64::from_le_bytes(greeting[4..].try_into().ok()?);
+    let rank = usize::try_from(rank).ok()?;
+    if &greeting[..4] != HELLO || !(1..world).contains(&rank) {
+        return None;
+    }
+    stream.write_all(msg).ok()?;
+    Some(rank)
+}
+
+/// Rank `rank` > 0 over TCP: connect (retrying until rank 0 listens), say which rank it is
+/// ([`hello`]) and read the message.
+fn fetch(addr: &str, rank: usize, n: usize, deadline: Instant) -> Result<Vec<u8>> {
     let targets: Vec<_> = addr
         .to_socket_addrs()
         .map_err(|e| Error::io(OP, addr, e))?
@@ -331,7 +359,8 @@ fn fetch(addr: &str, n: usize, deadline: Instant) -> Result<Vec<u8>> {
             // Rank 0 writes one message and closes: read to the end, at most the longest one.
             let mut msg = Vec::new();
             stream
-                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .write_all(&hello(rank))
+                .and_then(|()| stream.set_read_timeout(Some(left.max(Duration::from_millis(1)))))
                 .and_then(|()| {
                     let most = (12 + n + MAX_RUN_ID) as u64;
                     (&mut stream).take(most).read_to_end(&mut msg)
@@ -477,6 +506,47 @@ mod tests {
         // A rank outside the world.
         assert!(file.share(2, 2, short, || Ok(blob(0))).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Connections in rank 0's backlog before any rank (a probe speaking another protocol,
+    /// one that says nothing, one claiming a rank outside the world) are answered with nothing
+    /// and take no rank's place: every rank gets the blob. Before, each took a place, and the
+    /// ranks left over waited out their timeout.
+    #[test]
+    fn a_connection_that_is_not_a_rank_takes_no_ranks_place() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let via = &Rendezvous::Tcp(addr.clone());
+        let world = 3;
+        let share = move |r: usize| {
+            via.share_in_run("job-1", r, world, Duration::from_secs(20), || Ok(blob(5)))
+        };
+        std::thread::scope(|s| {
+            let root = s.spawn(move || share(0));
+            let connect = || loop {
+                if let Ok(c) = TcpStream::connect(&addr) {
+                    break c;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            let mut probe = connect();
+            probe.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+            let silent = connect();
+            let mut outside = connect();
+            outside.write_all(&hello(world)).unwrap();
+            let peers: Vec<_> = (1..world).map(|r| s.spawn(move || share(r))).collect();
+            for p in peers {
+                assert_eq!(p.join().unwrap().unwrap(), blob(5));
+            }
+            assert_eq!(root.join().unwrap().unwrap(), blob(5));
+            for mut stray in [probe, silent, outside] {
+                let mut got = Vec::new();
+                stray
+                    .set_read_timeout(Some(Duration::from_secs(5)))
+                    .unwrap();
+                let _ = stray.read_to_end(&mut got);
+                assert!(got.is_empty(), "a stray connection got {} bytes", got.len());
+            }
+        });
     }
 
     #[test]
