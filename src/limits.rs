@@ -11,6 +11,9 @@
 //! | [`checked_product`] | a product of sizes that overflows `usize` |
 //! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
 //! | [`zeroed`] | an allocation the allocator refuses (`ulimit -v`), as an `Err`, not an abort |
+//! | [`read_regular`], [`regular_file_size`] | a FIFO, device or folder where a file is read (a read that would block or never end), and a file past its kind's size |
+
+use std::path::Path;
 
 use crate::{Error, Result};
 
@@ -116,6 +119,34 @@ pub fn zeroed<T: Clone + Default>(op: &'static str, what: &str, n: usize) -> Res
     })?;
     v.resize(n, T::default());
     Ok(v)
+}
+
+/// `path`'s size if it is a regular file (or a link to one), else `Err`: reading a FIFO
+/// blocks until a writer comes, and a device may never end.
+pub fn regular_file_size(op: &'static str, path: &Path) -> Result<u64> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(op, path, e))?;
+    if !meta.is_file() {
+        return Err(Error::BadInput {
+            op,
+            what: path.display().to_string(),
+            reason: "not a regular file (a folder, FIFO or device)".into(),
+        });
+    }
+    Ok(meta.len())
+}
+
+/// The bytes of the regular file `path`, refused unread past `max` bytes (a JSON file that
+/// large is damage, and must not exhaust memory before it is refused).
+pub fn read_regular(op: &'static str, path: &Path, max: u64) -> Result<Vec<u8>> {
+    let size = regular_file_size(op, path)?;
+    if size > max {
+        return Err(Error::BadInput {
+            op,
+            what: path.display().to_string(),
+            reason: format!("{size} bytes, over the {max} a file of this kind may have (damaged?)"),
+        });
+    }
+    std::fs::read(path).map_err(|e| Error::io(op, path, e))
 }
 
 /// `start + timeout`, or a deadline about a century away where the sum overflows `Instant`

@@ -156,3 +156,32 @@ proptest! {
         }
     }
 }
+
+/// A model file the planner would wait on for ever or read without end is refused before it
+/// is read: a FIFO (as an inventory or as a `.safetensors` header) and an inventory over
+/// 100 MB (here sparse).
+#[test]
+fn a_model_file_that_is_a_fifo_or_too_large_is_refused_unread() {
+    use ragged::model::Inventory;
+    let dir = std::env::temp_dir().join(format!("ragged-hostile-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["pipe.json", "pipe.safetensors"] {
+        let path = dir.join(name);
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.unwrap().success(), "mkfifo {name}");
+        let err = Inventory::load(path.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a regular file"), "{name}: {err}");
+    }
+    let big = dir.join("big.json");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(100_000_001)
+        .unwrap();
+    let err = Inventory::load(big.to_str().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("100000001 bytes, over the"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

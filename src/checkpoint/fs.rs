@@ -38,32 +38,6 @@ fn old_step_of(name: &str) -> Option<usize> {
         .ok()
 }
 
-/// `path`'s size if it is a regular file (or a link to one), else `Err`: reading a FIFO
-/// blocks until a writer comes, a device may never end, and neither is a checkpoint.
-pub fn regular_file_size(path: &Path) -> Result<u64> {
-    let meta = fs::metadata(path).map_err(|e| Error::io("checkpoint: stat", path, e))?;
-    if !meta.is_file() {
-        return Err(super::bad(
-            path,
-            "not a regular file (a folder, FIFO or device)",
-        ));
-    }
-    Ok(meta.len())
-}
-
-/// The bytes of the regular file `path`, refused unread past `max` bytes (a JSON file that
-/// large is damage, and must not exhaust memory before it is refused).
-pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>> {
-    let size = regular_file_size(path)?;
-    if size > max {
-        return Err(super::bad(
-            path,
-            format!("{size} bytes, over the {max} a file of this kind may have (damaged?)"),
-        ));
-    }
-    fs::read(path).map_err(|e| Error::io("checkpoint: read", path, e))
-}
-
 /// Writes `bytes` to `path` and fsyncs it.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = fs::File::create(path).map_err(|e| Error::io("checkpoint: create", path, e))?;

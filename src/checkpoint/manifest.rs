@@ -387,7 +387,7 @@ fn read_bounded(dir: &Path, path: &Path) -> Result<Vec<u8>> {
             "no manifest.json (not a checkpoint folder, or a save that did not finish)",
         ));
     }
-    super::fs::read_regular(path, MAX_MANIFEST_BYTES)
+    crate::limits::read_regular("checkpoint: read manifest", path, MAX_MANIFEST_BYTES)
 }
 
 /// `Err` unless the manifest bytes `text`, with their checksum's digits set to `0`, hash to it.

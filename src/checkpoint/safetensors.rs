@@ -326,7 +326,7 @@ impl Reader {
     /// header's chunks are verified before it is parsed.
     pub fn open(path: &Path, digest: Option<&FileDigest>) -> Result<Reader> {
         // Checked before the open, which blocks on a FIFO.
-        super::fs::regular_file_size(path)?;
+        crate::limits::regular_file_size("checkpoint: open", path)?;
         let file = File::open(path).map_err(|e| Error::io("checkpoint: open", path, e))?;
         let size = file
             .metadata()

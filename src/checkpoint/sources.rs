@@ -46,7 +46,7 @@ impl Sources {
                 holder,
             });
         }
-        let text = super::fs::read_regular(path, MAX_INDEX_BYTES)?;
+        let text = crate::limits::read_regular("checkpoint: read index", path, MAX_INDEX_BYTES)?;
         let index: Index = serde_json::from_slice(&text)
             .map_err(|e| bad(path, format!("not a safetensors index (weight_map): {e}")))?;
         let folder = path.parent().unwrap_or(Path::new("."));

@@ -139,8 +139,14 @@ impl Inventory {
     /// Reads an inventory file (format: `models/README.md`).
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text =
-            std::fs::read_to_string(path).map_err(|e| Error::io("read inventory", path, e))?;
+        // Inventories of the largest models are a few MB.
+        const MAX_BYTES: u64 = 100_000_000;
+        let bytes = crate::limits::read_regular("read inventory", path, MAX_BYTES)?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::BadInput {
+            op: "read inventory",
+            what: path.display().to_string(),
+            reason: format!("not UTF-8 text: {e}"),
+        })?;
         Self::from_json_str(&text).map_err(|e| Error::Context {
             context: format!("inventory {}", path.display()),
             inner: Box::new(e),
