@@ -299,18 +299,20 @@ fn serve(addr: &str, world: usize, msg: &[u8], deadline: Instant) -> Result<()> 
     // Ranks, not connections: a rank that connects twice counts once.
     let mut served = std::collections::HashSet::new();
     while served.len() < world - 1 {
+        // Checked on every pass: connections that keep coming, none a rank's, must not hold
+        // rank 0 past its deadline.
+        if Instant::now() >= deadline {
+            return Err(timed_out(format!(
+                "rank 0 on {addr}: {} of {} ranks connected before the timeout",
+                served.len(),
+                world - 1
+            )));
+        }
         match listener.accept() {
             Ok((stream, _)) => {
                 served.extend(answer(stream, world, msg));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(timed_out(format!(
-                        "rank 0 on {addr}: {} of {} ranks connected before the timeout",
-                        served.len(),
-                        world - 1
-                    )));
-                }
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e) => return Err(Error::io(OP, addr, e)),
