@@ -955,11 +955,21 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
     let big = root.join("big.index.json");
     let f = std::fs::File::create(&big).unwrap();
     f.set_len(100_000_001).unwrap();
+    // A tensor the index maps twice (to one real file, so the repeat is what fails).
+    let header = br#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.iter().chain(&[7u8]));
+    std::fs::write(root.join("one.safetensors"), file).unwrap();
+    let twice = root.join("twice.index.json");
+    let map =
+        r#"{"weight_map": {"embed.weight": "one.safetensors", "embed.weight": "one.safetensors"}}"#;
+    std::fs::write(&twice, map).unwrap();
     let cases = [
         (named.clone(), "not a regular file"),
         (fifo("pipe.index.json"), "not a regular file"),
         (root.join("pipes.index.json"), "not a regular file"),
         (big, "100000001 bytes, over the"),
+        (twice, "weight_map names embed.weight twice"),
     ];
     for (path, needle) in cases {
         for e in import(&path) {

@@ -2,7 +2,7 @@
 //! checkpoint split over several (`model.safetensors.index.json`, whose `weight_map` names the
 //! file beside it that holds each tensor).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::bad;
@@ -26,7 +26,34 @@ const MAX_INDEX_BYTES: u64 = 100_000_000;
 /// The part of a Hugging Face index this reads.
 #[derive(serde::Deserialize)]
 struct Index {
-    weight_map: BTreeMap<String, String>,
+    weight_map: WeightMap,
+}
+
+/// `weight_map`'s `(tensor, file)` entries as written: a JSON map keeps one of two entries of
+/// a name, and which file holds a tensor named twice is not a question to leave open.
+struct WeightMap(Vec<(String, String)>);
+
+impl<'de> serde::Deserialize<'de> for WeightMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = WeightMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of tensor names and file names")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<WeightMap, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(WeightMap(entries))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
 }
 
 impl Sources {
@@ -52,7 +79,10 @@ impl Sources {
         let folder = path.parent().unwrap_or(Path::new("."));
         let (mut files, mut opened) = (Vec::new(), HashMap::new());
         let mut holder = HashMap::new();
-        for (tensor, file) in &index.weight_map {
+        for (tensor, file) in &index.weight_map.0 {
+            if holder.contains_key(tensor) {
+                return Err(bad(path, format!("weight_map names {tensor} twice")));
+            }
             if !is_plain_file_name(file) {
                 return Err(bad(
                     path,
