@@ -879,6 +879,17 @@ fn manifests_that_lie_or_disable_their_checks_are_refused() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// Writes a safetensors file by hand: `header` (JSON, padded with spaces to a multiple of 8
+/// bytes), its length before it, `data` after: headers no `Writer` would write.
+fn write_raw_safetensors(path: &Path, header: &str, data: &[u8]) {
+    let mut header = header.as_bytes().to_vec();
+    header.resize(header.len().div_ceil(8) * 8, b' ');
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
 /// A safetensors header is read as written: a tensor named twice (which entry a JSON map
 /// keeps is the parser's choice, and another reader may take the other) and a header that is
 /// JSON but not an object are refused by name.
@@ -887,13 +898,8 @@ fn a_safetensors_header_naming_a_tensor_twice_is_refused() {
     let root = scratch(SUITE, "header");
     std::fs::create_dir_all(&root).unwrap();
     let file = |name: &str, header: &str| {
-        let mut header = header.as_bytes().to_vec();
-        header.resize(header.len().div_ceil(8) * 8, b' ');
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(header);
-        bytes.extend([0u8; 16]);
         let path = root.join(name);
-        std::fs::write(&path, bytes).unwrap();
+        write_raw_safetensors(&path, header, &[0u8; 16]);
         Reader::open(&path, None).map(|_| ())
     };
     let entry = |at: u64| {
@@ -956,10 +962,8 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
     let f = std::fs::File::create(&big).unwrap();
     f.set_len(100_000_001).unwrap();
     // A tensor the index maps twice (to one real file, so the repeat is what fails).
-    let header = br#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend(header.iter().chain(&[7u8]));
-    std::fs::write(root.join("one.safetensors"), file).unwrap();
+    let header = r#"{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+    write_raw_safetensors(&root.join("one.safetensors"), header, &[7]);
     let twice = root.join("twice.index.json");
     let map =
         r#"{"weight_map": {"embed.weight": "one.safetensors", "embed.weight": "one.safetensors"}}"#;
@@ -1019,13 +1023,8 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
     let header = |dims: usize| {
         let shape = vec!["1"; dims].join(",");
         let json = format!(r#"{{"w":{{"dtype":"U8","shape":[{shape}],"data_offsets":[0,1]}}}}"#);
-        let mut json = json.into_bytes();
-        json.resize(json.len().div_ceil(8) * 8, b' ');
-        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(json);
-        bytes.push(7);
         let path = root.join(format!("dims-{dims}.safetensors"));
-        std::fs::write(&path, bytes).unwrap();
+        write_raw_safetensors(&path, &json, &[7]);
         Reader::open(&path, None).map(|r| r.tensor("w").unwrap().shape.len())
     };
     assert_eq!(header(64).unwrap(), 64);

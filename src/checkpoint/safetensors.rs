@@ -31,7 +31,7 @@ use crate::{Error, Result};
 pub const CHUNK_BYTES: u64 = 4 << 20;
 
 /// Largest header a reader accepts (the safetensors crate's own limit).
-const MAX_HEADER: u64 = 100_000_000;
+pub(crate) const MAX_HEADER: u64 = 100_000_000;
 
 /// What the manifest records of one written file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -326,12 +326,8 @@ impl Reader {
     /// header's chunks are verified before it is parsed.
     pub fn open(path: &Path, digest: Option<&FileDigest>) -> Result<Reader> {
         // Checked before the open, which blocks on a FIFO.
-        crate::limits::regular_file_size("checkpoint: open", path)?;
+        let size = crate::limits::regular_file_size("checkpoint: open", path)?;
         let file = File::open(path).map_err(|e| Error::io("checkpoint: open", path, e))?;
-        let size = file
-            .metadata()
-            .map_err(|e| Error::io("checkpoint: stat", path, e))?
-            .len();
         let chunks = match digest {
             Some(d) => {
                 check_digest_shape(path, d, size)?;

@@ -19,10 +19,6 @@ pub struct Sources {
     holder: HashMap<String, usize>,
 }
 
-/// The largest index read: the safetensors header limit (an index lists one short entry per
-/// tensor; a large model's is a few hundred KiB).
-const MAX_INDEX_BYTES: u64 = 100_000_000;
-
 /// The part of a Hugging Face index this reads.
 #[derive(serde::Deserialize)]
 struct Index {
@@ -73,7 +69,10 @@ impl Sources {
                 holder,
             });
         }
-        let text = crate::limits::read_regular("checkpoint: read index", path, MAX_INDEX_BYTES)?;
+        // At most a header's size: an index lists one short entry per tensor, as a header
+        // does (a large model's is a few hundred KiB).
+        let most = super::safetensors::MAX_HEADER;
+        let text = crate::limits::read_regular("checkpoint: read index", path, most)?;
         let index: Index = serde_json::from_slice(&text)
             .map_err(|e| bad(path, format!("not a safetensors index (weight_map): {e}")))?;
         let folder = path.parent().unwrap_or(Path::new("."));
