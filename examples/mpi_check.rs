@@ -19,12 +19,14 @@
 //!
 //! Exits with status 1 on any failure.
 //!
-//! `mpi_check --fail-rank R --fail-how err|panic|leave` instead checks how a failing rank ends
-//! the job: every rank enters a barrier except rank `R`, which returns an `Err` (passed to
-//! [`MpiComm::abort_job`]), panics, or returns from `main` with success (dropping its
-//! communicator). The job must end at once with a message naming rank `R` and the `MPI_Abort`
-//! code as `mpirun`'s status (1, 101, 1), not hang in the barrier; `.ci/run` checks all three
-//! under `timeout`.
+//! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end` instead checks how a
+//! failing rank ends the job: every rank enters a barrier except rank `R`, which returns an
+//! `Err` (passed to [`MpiComm::abort_job`]), panics, returns from `main` with success (dropping
+//! its communicator), or stays alive without calling MPI again (`stall-at-end`: while the
+//! others return from `main`). The job must end with a message naming rank `R` and the
+//! `MPI_Abort` code as `mpirun`'s status (1, 101, 1, 1, 1), not hang: at once for the first
+//! three, after `RAGGED_MPI_TIMEOUT_S` for the stalls; `.ci/run` checks all five under
+//! `timeout`.
 
 use std::process::ExitCode;
 
@@ -59,6 +61,12 @@ fn main() -> ExitCode {
             drop(comm);
             return ExitCode::SUCCESS;
         }
+        Ok(Some((bad, FailHow::StallAtEnd))) if rank != bad => {
+            // The others end their program while rank `bad` never calls again: the drop's
+            // leaving exchange must not wait for it for ever either.
+            drop(comm);
+            return ExitCode::SUCCESS;
+        }
         Ok(Some((bad, how))) => fail_on(&comm, bad, how),
         Ok(None) => {}
         Err(e) => comm.abort_job(&e),
@@ -90,13 +98,17 @@ fn main() -> ExitCode {
     }
 }
 
-/// How `--fail-rank R --fail-how err|panic|leave` asks a rank to fail.
+/// How `--fail-rank R --fail-how ...` asks a rank to fail.
 #[derive(Clone, Copy)]
 enum FailHow {
     Err,
     Panic,
     /// Return from `main` with success, dropping the communicator.
     Leave,
+    /// Stay alive and never call MPI again (a rank stuck in its own work).
+    Stall,
+    /// As `Stall`, while the other ranks return from `main` instead of entering a barrier.
+    StallAtEnd,
 }
 
 /// The failure mode from the command line: `None` for the ordinary checks.
@@ -110,7 +122,8 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
     let bad_arg = |what: String| ragged::Error::BadInput {
         op: "mpi_check",
         what,
-        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic|leave]".into(),
+        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end]"
+            .into(),
     };
     let (Some(rank), Some(how)) = (value("--fail-rank"), value("--fail-how")) else {
         return match args.is_empty() {
@@ -125,6 +138,8 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
         "err" => FailHow::Err,
         "panic" => FailHow::Panic,
         "leave" => FailHow::Leave,
+        "stall" => FailHow::Stall,
+        "stall-at-end" => FailHow::StallAtEnd,
         _ => return Err(bad_arg(format!("--fail-how {how}"))),
     };
     Ok(Some((rank, how)))
@@ -139,6 +154,10 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
             ))),
             FailHow::Panic => panic!("rank {bad} panics on purpose (--fail-how panic)"),
             FailHow::Leave => unreachable!("rank {bad} returned from main"),
+            // Until the others' wait runs out and their MPI_Abort ends this process too.
+            FailHow::Stall | FailHow::StallAtEnd => loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
         }
     } else {
         comm.barrier()

@@ -12,6 +12,7 @@
 //! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
 //! | [`zeroed`] | an allocation the allocator refuses (`ulimit -v`), as an `Err`, not an abort |
 //! | [`read_regular`], [`regular_file_size`] | a FIFO, device or folder where a file is read (a read that would block or never end), and a file past its kind's size |
+//! | [`env_timeout`] | a timeout variable (`RAGGED_NCCL_TIMEOUT_S`, `RAGGED_MPI_TIMEOUT_S`) that is not a finite, non-negative number of seconds |
 
 use std::path::Path;
 
@@ -159,6 +160,45 @@ pub fn deadline(start: std::time::Instant, timeout: std::time::Duration) -> std:
         .unwrap_or(start)
 }
 
+/// The timeout a variable such as `RAGGED_MPI_TIMEOUT_S` sets: seconds, fractions allowed,
+/// `default` when unset, `Ok(None)` for `0` (no limit). `Err` for a value that is not a
+/// finite, non-negative number of seconds that a `Duration` can hold.
+pub fn env_timeout(
+    var: &'static str,
+    default: std::time::Duration,
+) -> Result<Option<std::time::Duration>> {
+    parse_timeout(var, std::env::var(var).ok().as_deref(), default)
+}
+
+/// [`env_timeout`] of the variable's value (`None`: unset).
+pub fn parse_timeout(
+    var: &'static str,
+    value: Option<&str>,
+    default: std::time::Duration,
+) -> Result<Option<std::time::Duration>> {
+    let Some(v) = value else {
+        return Ok(Some(default));
+    };
+    let bad = |reason: &str| Error::BadInput {
+        op: var,
+        what: v.to_string(),
+        reason: reason.into(),
+    };
+    let secs: f64 = v
+        .trim()
+        .parse()
+        .map_err(|_| bad("not a number of seconds"))?;
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(bad("must be a finite, non-negative number of seconds"));
+    }
+    if secs == 0.0 {
+        return Ok(None);
+    }
+    std::time::Duration::try_from_secs_f64(secs)
+        .map(Some)
+        .map_err(|_| bad("more seconds than a Duration holds"))
+}
+
 /// Bytes of memory available to new allocations: `MemAvailable` of `/proc/meminfo`.
 pub fn available_memory() -> Result<u64> {
     const PATH: &str = "/proc/meminfo";
@@ -209,6 +249,27 @@ fn join(factors: &[usize]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_timeout_variable_is_seconds_zero_turns_the_wait_off_and_nonsense_is_refused() {
+        let (var, default) = ("RAGGED_TEST_TIMEOUT_S", Duration::from_secs(7));
+        assert_eq!(parse_timeout(var, None, default).unwrap(), Some(default));
+        assert_eq!(
+            parse_timeout(var, Some(" 2.5 "), default).unwrap(),
+            Some(Duration::from_millis(2500))
+        );
+        assert_eq!(parse_timeout(var, Some("0"), default).unwrap(), None);
+        for bad in ["-1", "inf", "NaN", "soon", "1e20"] {
+            let err = parse_timeout(var, Some(bad), default)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(var) && err.contains(bad), "{err}");
+        }
+        // The largest a Duration holds waits "for ever" without overflowing a deadline.
+        let far = parse_timeout(var, Some("1e19"), default).unwrap().unwrap();
+        assert!(deadline(Instant::now(), far) > Instant::now());
+    }
 
     #[test]
     fn rates_must_be_finite_and_positive() {

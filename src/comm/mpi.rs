@@ -26,7 +26,18 @@
 //! | panics | the panic hook set by [`MpiComm::init`] prints the panic and `MPI_Abort`s (code 101) |
 //! | returns `Err` | the program calls [`MpiComm::abort_job`] with it (as `examples/mpi_check.rs` does), which prints it and `MPI_Abort`s (code 1) |
 //! | returns early (`Ok`), dropping its communicator | the drop posts a *leaving* descriptor, which meets the others' next call: each of them returns an `Err` naming the rank that left (every later call fails at once), and the leaving rank, seeing ranks that did not leave, prints their list and `MPI_Abort`s (code 1) |
-//! | is alive but never calls | the others block inside MPI, which has no timeout: run the job under `timeout` |
+//! | is alive but never calls | each other rank waits at most `RAGGED_MPI_TIMEOUT_S` ([`DEFAULT_TIMEOUT`]) for it in its next collective, then asks the ranks which of them wait too, prints the ranks that did not answer and `MPI_Abort`s (code 1) |
+//!
+//! A rank waits with a limit because MPI has none: the descriptor exchange that starts every
+//! call is a non-blocking all-gather (`MPI_Iallgather`) this rank polls, answering meanwhile
+//! the questions of ranks whose limit ran out ("do you wait in a collective?", point-to-point
+//! messages of their own tags). A rank whose limit runs out asks every other rank, waits up to
+//! [`ANSWER_GRACE`] for the answers, and names the ranks that gave none: those are not in a
+//! collective at all (stuck, or busy past the limit). The data that follows the exchange moves
+//! in blocking calls: once every rank has posted its descriptor, all of them are in the call.
+//! Work one rank does alone between collectives counts against the limit, so the default is
+//! long (torch's default collective timeout): rank 0 writing a large export while the others
+//! wait at the job's end must fit in it. `RAGGED_MPI_TIMEOUT_S=0` waits for ever.
 //!
 //! The leaving rank aborts rather than finalizes because Open MPI 4.1's `mpirun` can crash
 //! (`PMIx_server_finalize`, status 139) or hang for good, deaf to `SIGTERM`, when one process
@@ -40,16 +51,27 @@
 //! need `--oversubscribe`).
 
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator as _, CommunicatorCollectives as _, Root as _};
+use mpi::traits::{
+    Communicator as _, CommunicatorCollectives as _, Destination as _, Root as _, Source as _,
+};
 use mpi::Count;
 
 use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
 use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
 use crate::{Error, Result};
+
+/// How long a rank waits by default in a collective for ranks that have not called it
+/// (`RAGGED_MPI_TIMEOUT_S`; module doc, "A failing rank ends the job"): ten minutes, torch's
+/// default collective timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How long a rank whose wait ran out waits for the other ranks' answers.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(2);
 
 /// MPI's world, held by one process.
 struct Inner {
@@ -57,6 +79,10 @@ struct Inner {
     /// A rank that left the world while this one called a collective: every later call fails
     /// at once, and the drop posts nothing more (that rank waits in `MPI_Finalize`).
     left: Option<usize>,
+    /// Descriptor exchanges so far (the drop's included): named when a wait runs out.
+    calls: u64,
+    /// `RAGGED_MPI_TIMEOUT_S`, read once by [`MpiComm::init`]; `None`: no limit.
+    timeout: Option<Duration>,
     /// Finalizes MPI when dropped (after `world`).
     _universe: Universe,
 }
@@ -84,8 +110,10 @@ impl std::fmt::Debug for MpiComm {
 
 impl MpiComm {
     /// Initializes MPI and returns this process's rank of the world; `Err` when MPI was
-    /// initialized before in this process or cannot serialize calls from several threads.
+    /// initialized before in this process, cannot serialize calls from several threads, or
+    /// `RAGGED_MPI_TIMEOUT_S` is not a number of seconds.
     pub fn init() -> Result<Self> {
+        let timeout = crate::limits::env_timeout("RAGGED_MPI_TIMEOUT_S", DEFAULT_TIMEOUT)?;
         // No rank yet: MPI is not initialized.
         let fail = |reason: String| Error::BadInput {
             op: "MpiComm::init",
@@ -106,6 +134,8 @@ impl MpiComm {
             inner: Mutex::new(Inner {
                 world,
                 left: None,
+                calls: 0,
+                timeout,
                 _universe: universe,
             }),
             rank,
@@ -152,7 +182,7 @@ impl MpiComm {
                 format!("rank {j} has left the world (see the first error)"),
             ));
         }
-        let posts = match exchange(&inner.world, Some(&post), self.size) {
+        let posts = match inner.exchange(Some(&post), self.rank, self.size) {
             Exchanged::Posts(posts) => posts,
             Exchanged::Left { first: j, .. } => {
                 inner.left = Some(j);
@@ -174,6 +204,22 @@ impl MpiComm {
     }
 }
 
+impl Inner {
+    /// [`exchange`] as this rank's next call (`post`; `None`: the drop's leaving), waiting for
+    /// the other ranks within the limit.
+    fn exchange(&mut self, post: Option<&Post>, rank: usize, size: usize) -> Exchanged {
+        self.calls += 1;
+        let at = CallSite {
+            rank,
+            size,
+            call: self.calls,
+            what: post.map_or("the leaving exchange at its program's end", |p| p.op.name()),
+            timeout: self.timeout,
+        };
+        exchange(&self.world, post, &at)
+    }
+}
+
 impl Drop for MpiComm {
     /// Posts this rank's leaving descriptor before MPI is finalized. At a normal end it meets
     /// every other rank's; a rank that still calls collectives gets an `Err` naming this one
@@ -186,12 +232,13 @@ impl Drop for MpiComm {
         if inner.left.is_some() {
             return;
         }
-        if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, self.size) {
+        let (rank, size) = (self.rank, self.size);
+        if let Exchanged::Left { staying, .. } = inner.exchange(None, rank, size) {
             if !staying.is_empty() {
                 eprintln!(
                     "rank {} of {} left the world while ranks {staying:?} still called \
                      collectives; aborting the MPI job",
-                    self.rank, self.size
+                    rank, size
                 );
                 abort_world(1)
             }
@@ -297,10 +344,11 @@ enum Exchanged {
 /// every rank calls all-to-all-v, one of the counts (`V` per side, padded; the true lengths
 /// ride in the header, so a wrong length still fails validation on every rank). Every rank
 /// sees the same headers, so all reach the same outcome.
-fn exchange(world: &SimpleCommunicator, post: Option<&Post>, v: usize) -> Exchanged {
+fn exchange(world: &SimpleCommunicator, post: Option<&Post>, at: &CallSite) -> Exchanged {
+    let v = at.size;
     let mine = post.map_or([LEAVE; HEADER], header);
     let mut all = vec![0u64; HEADER * v];
-    world.all_gather_into(&mine[..], &mut all[..]);
+    all_gather_within(world, &mine[..], &mut all[..], at);
     let leaving = |h: &[u64]| h[0] == LEAVE;
     if let Some(first) = all.chunks(HEADER).position(leaving) {
         let staying = (0..v).filter(|&j| !leaving(&all[j * HEADER..])).collect();
@@ -334,6 +382,116 @@ fn exchange(world: &SimpleCommunicator, post: Option<&Post>, v: usize) -> Exchan
         }
     }
     Exchanged::Posts(posts)
+}
+
+// --- Waiting with a limit ------------------------------------------------------------------
+
+/// A rank's place in the job while it waits: named when the wait runs out.
+struct CallSite {
+    rank: usize,
+    size: usize,
+    /// The rank's descriptor exchanges so far, this one included.
+    call: u64,
+    /// The collective, or the drop.
+    what: &'static str,
+    timeout: Option<Duration>,
+}
+
+/// Tag of a timed-out rank's question ("do you wait in a collective?"); its answer is tagged
+/// [`ANSWER`] and carries the answering rank's call count. Collectives never match
+/// point-to-point messages, so these cannot mix with the data.
+const ASK: i32 = 0x5247;
+const ANSWER: i32 = 0x5248;
+
+/// The descriptor all-gather, waited for at most `at.timeout` (module doc): polls a
+/// non-blocking all-gather, answering other ranks' questions meanwhile, and ends the job
+/// naming the ranks that never came when the limit runs out.
+fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
+    let start = Instant::now();
+    mpi::request::scope(|scope| {
+        let mut request = world.immediate_all_gather_into(scope, mine, all);
+        loop {
+            request = match request.test() {
+                Ok(_) => return,
+                Err(pending) => pending,
+            };
+            answer_questions(world, at.call);
+            let waited = start.elapsed();
+            if at.timeout.is_some_and(|limit| waited >= limit) {
+                abort_naming_the_absent(world, at, waited)
+            }
+            // Yield while a wait is short (a collective's usual skew); past 100 ms a rank
+            // idles, and a millisecond more to notice the others costs nothing.
+            if waited < Duration::from_millis(100) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    })
+}
+
+/// Answers every rank that asked whether this one waits in a collective.
+fn answer_questions(world: &SimpleCommunicator, call: u64) {
+    while let Some(status) = world.any_process().immediate_probe_with_tag(ASK) {
+        let asker = world.process_at_rank(status.source_rank());
+        let _question: (u64, _) = asker.receive_with_tag(ASK);
+        asker.send_with_tag(&call, ANSWER);
+    }
+}
+
+/// The wait ran out: asks every other rank whether it waits in a collective, gives them
+/// [`ANSWER_GRACE`] to say so (answering their own questions meanwhile), and ends the job with
+/// a message naming the ranks that did not answer.
+fn abort_naming_the_absent(world: &SimpleCommunicator, at: &CallSite, waited: Duration) -> ! {
+    let question = at.call;
+    let mut answered = vec![false; at.size];
+    answered[at.rank] = true;
+    mpi::request::scope(|scope| {
+        let _asks: Vec<_> = (0..at.size)
+            .filter(|&j| j != at.rank)
+            .map(|j| {
+                world
+                    .process_at_rank(j as i32)
+                    .immediate_send_with_tag(scope, &question, ASK)
+            })
+            .collect();
+        let asked = Instant::now();
+        while asked.elapsed() < ANSWER_GRACE && answered.contains(&false) {
+            while let Some(status) = world.any_process().immediate_probe_with_tag(ANSWER) {
+                let from = status.source_rank();
+                let _call: (u64, _) = world.process_at_rank(from).receive_with_tag(ANSWER);
+                answered[from as usize] = true;
+            }
+            answer_questions(world, at.call);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Inside the scope: its requests never complete (a rank that never answers never
+        // receives its question), and a scope left with requests pending panics.
+        report_absent(at, waited, &answered)
+    });
+    std::process::abort()
+}
+
+/// Prints which ranks did not answer a timed-out rank's question and ends the job.
+fn report_absent(at: &CallSite, waited: Duration, answered: &[bool]) -> ! {
+    let absent: Vec<usize> = (0..at.size).filter(|&j| !answered[j]).collect();
+    let limit = at.timeout.map_or(0.0, |t| t.as_secs_f64());
+    let who = if absent.is_empty() {
+        "ranks that answered only after the grace period".to_string()
+    } else {
+        format!("ranks {absent:?}, which are not in any collective")
+    };
+    eprintln!(
+        "rank {} of {} waited {:.1} s in {} (its call #{}) for {who}: alive but stuck, or \
+         busy longer than RAGGED_MPI_TIMEOUT_S = {limit} s; aborting the MPI job",
+        at.rank,
+        at.size,
+        waited.as_secs_f64(),
+        at.what,
+        at.call,
+    );
+    abort_world(1)
 }
 
 /// MPI counts are `int`: every buffer, in bytes, must fit. No count or displacement of a call

@@ -162,36 +162,10 @@ impl Rendezvous {
 const OP: &str = "Rendezvous::share";
 
 /// `RAGGED_NCCL_TIMEOUT_S`, the one reading of the variable (the rendezvous and every NCCL
-/// collective): seconds, fractions allowed, default [`DEFAULT_TIMEOUT`]; `Ok(None)` for `0`
-/// (turns the collectives' wait off). `Err` for a value that is not a finite, non-negative
-/// number of seconds that a `Duration` can hold.
+/// collective): [`crate::limits::env_timeout`] with default [`DEFAULT_TIMEOUT`]; `Ok(None)` for
+/// `0` (turns the collectives' wait off).
 pub fn env_timeout() -> Result<Option<Duration>> {
-    parse_timeout(std::env::var("RAGGED_NCCL_TIMEOUT_S").ok().as_deref())
-}
-
-/// [`env_timeout`] of the variable's value (`None`: unset).
-pub fn parse_timeout(value: Option<&str>) -> Result<Option<Duration>> {
-    let Some(v) = value else {
-        return Ok(Some(DEFAULT_TIMEOUT));
-    };
-    let bad = |reason: &str| Error::BadInput {
-        op: "RAGGED_NCCL_TIMEOUT_S",
-        what: v.to_string(),
-        reason: reason.into(),
-    };
-    let secs: f64 = v
-        .trim()
-        .parse()
-        .map_err(|_| bad("not a number of seconds"))?;
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(bad("must be a finite, non-negative number of seconds"));
-    }
-    if secs == 0.0 {
-        return Ok(None);
-    }
-    Duration::try_from_secs_f64(secs)
-        .map(Some)
-        .map_err(|_| bad("more seconds than a Duration holds"))
+    crate::limits::env_timeout("RAGGED_NCCL_TIMEOUT_S", DEFAULT_TIMEOUT)
 }
 
 fn encode(blob: &[u8], run: &str) -> Vec<u8> {
@@ -420,22 +394,6 @@ fn poll_file<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_timeout_variable_is_seconds_zero_turns_the_wait_off_and_nonsense_is_refused() {
-        assert_eq!(parse_timeout(None).unwrap(), Some(DEFAULT_TIMEOUT));
-        assert_eq!(
-            parse_timeout(Some(" 2.5 ")).unwrap(),
-            Some(Duration::from_millis(2500))
-        );
-        assert_eq!(parse_timeout(Some("0")).unwrap(), None);
-        for bad in ["-1", "inf", "NaN", "soon", "1e20"] {
-            assert!(parse_timeout(Some(bad)).is_err(), "{bad}");
-        }
-        // The largest a Duration holds waits "for ever" without overflowing a deadline.
-        let far = parse_timeout(Some("1e19")).unwrap().unwrap();
-        assert!(crate::limits::deadline(Instant::now(), far) > Instant::now());
-    }
 
     fn blob(seed: u8) -> [u8; 128] {
         std::array::from_fn(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
