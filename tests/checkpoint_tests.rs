@@ -16,7 +16,7 @@ use ragged::demo::{
     batch, corpus, train_rank_with, Checkpointing, TrainMode, Transformer, TransformerConfig,
     TransformerStages,
 };
-use ragged::fsdp::{fully_shard, FsdpOptions, ShardLayout, ShardedModel};
+use ragged::fsdp::{fully_shard, FsdpOptions, NameRule, ShardLayout, ShardedModel};
 use ragged::optim::Optimizer;
 use ragged::roles::Role;
 use ragged_optimizers::{
@@ -231,6 +231,53 @@ fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
             ((f.param.clone(), f.field.clone()), bytes)
         })
         .collect()
+}
+
+/// Parameters frozen by name (`FsdpOptions::frozen`) belong to no optimizer: under each
+/// optimizer, at a world where the frozen matrices are split across ranks (element-granular
+/// frozen buffers, which 8-bit Adam's tiles and Shampoo's blocks refused when the optimizer
+/// was given them), training leaves them bitwise at their initial values while the rest moves,
+/// and a checkpoint saved on 3 ranks loads on 2 with the same parameters.
+#[test]
+fn parameters_frozen_by_name_train_and_checkpoint_under_every_optimizer() {
+    check_frozen_by_name("adamw", adamw);
+    check_frozen_by_name("adam8bit", adam8bit);
+    check_frozen_by_name("muon", || muon(MatrixLayout::Auto));
+    check_frozen_by_name("shampoo", shampoo);
+}
+
+fn check_frozen_by_name<O: CheckpointState>(name: &str, make: impl Fn() -> O + Sync) {
+    let params = CFG.init_params(3).unwrap();
+    let frozen = |n: &str| n == "embed.weight" || n.starts_with("layers.0.");
+    let opts = FsdpOptions {
+        frozen: Some(NameRule::new(frozen)),
+        ..FsdpOptions::default()
+    };
+    let dir = scratch(SUITE, &format!("frozen-by-name-{name}"));
+    let (trained, digest) = ThreadWorld::run(3, |c| {
+        let mut m = fully_shard(&params, make(), c, opts.clone())?;
+        train(&mut m, c, 0..2)?;
+        m.save(&dir, &SaveOptions::default())?;
+        Ok((m.full_params()?, m.param_digest()?))
+    })
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+    .remove(0);
+    for (n, init) in &params {
+        let kept = trained[n] == common::f32_values(init);
+        assert_eq!(
+            kept,
+            frozen(n),
+            "{name}: {n} kept its initial values: {kept}"
+        );
+    }
+    let loaded = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, make(), c, opts.clone())?;
+        m.load(&dir)?;
+        m.param_digest()
+    })
+    .unwrap_or_else(|e| panic!("{name}: {e}"))
+    .remove(0);
+    assert_eq!(loaded, digest, "{name}: loaded on 2 ranks");
 }
 
 fn opts(layout: ShardLayout) -> FsdpOptions {

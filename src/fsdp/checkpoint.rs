@@ -53,7 +53,7 @@ fn fields_of<O: CheckpointState>(
         FieldType::F32,
         &unit.local,
     )];
-    fields.extend(optimizer.state_layout(&unit.local)?);
+    fields.extend(optimizer.state_layout(&unit.optimizer_shard())?);
     let state = optimizer.state_data(&unit.state)?;
     let lens = std::iter::once((FieldType::F32, unit.local.len))
         .chain(state.iter().map(|d| (d.dtype(), d.len())))

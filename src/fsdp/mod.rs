@@ -249,6 +249,30 @@ struct ShardedUnit<S> {
     reported: bool,
 }
 
+impl<S> ShardedUnit<S> {
+    /// The shard as the optimizer sees it ([`optimizer_shard`]).
+    fn optimizer_shard(&self) -> std::borrow::Cow<'_, LocalShard> {
+        optimizer_shard(&self.local, self.params.is_frozen())
+    }
+}
+
+/// A buffer's shard as its optimizer sees it: a frozen buffer's parameters belong to no
+/// optimizer, whatever its role rule says of them ([`FsdpOptions::frozen`] freezes by name), so
+/// its state holds none of them and no optimizer's block constraint applies to their
+/// element-granular layout ([`UnitLayout::frozen`]).
+fn optimizer_shard(local: &LocalShard, frozen: bool) -> std::borrow::Cow<'_, LocalShard> {
+    if !frozen {
+        return std::borrow::Cow::Borrowed(local);
+    }
+    std::borrow::Cow::Owned(LocalShard {
+        rank: local.rank,
+        world: local.world,
+        len: local.len,
+        params: Vec::new(),
+        pieces: Vec::new(),
+    })
+}
+
 /// A model's parameters sharded over the ranks of `comm`, with their optimizer.
 pub struct ShardedModel<'c, O: Optimizer> {
     comm: &'c dyn Communicator,
@@ -370,7 +394,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         }
         units.push(ShardedUnit {
             name,
-            state: optimizer.init_on(&local, &placement)?,
+            state: optimizer.init_on(&optimizer_shard(&local, frozen), &placement)?,
             local,
             layout,
             params,
