@@ -927,6 +927,26 @@ fn units_follow_numbered_blocks_or_a_custom_wrap_rule() {
         ..FsdpOptions::default()
     });
     assert_eq!(units, ["root", "pair0", "pair5"]);
+    // A rule that names `root` itself puts the tensor in the one root unit, not a second unit
+    // of the same name that no stage list could tell apart.
+    let into_root = ragged::fsdp::WrapPolicy::Custom(std::sync::Arc::new(|name: &str| {
+        Some(
+            if name.contains(".h.1") {
+                "late"
+            } else {
+                "root"
+            }
+            .to_string(),
+        )
+    }));
+    let (units, sizes) = names(FsdpOptions {
+        wrap: into_root,
+        ..FsdpOptions::default()
+    });
+    assert_eq!(
+        (units, sizes),
+        (vec!["root".into(), "late".into()], vec![4, 2])
+    );
 }
 
 /// A diverging run (lr 1e30) is stopped before its first non-finite step on every rank, with an
@@ -1349,6 +1369,17 @@ fn duplicate_parameter_names_are_refused() {
         .err()
         .expect("an empty tensor is refused");
     assert!(err.to_string().contains("parameter empty.weight"), "{err}");
+    // `w` and `w::m` would both train, and every save would then fail on `w`'s AdamW moment.
+    let mut colliding = CFG.init_params(6).unwrap();
+    let m = colliding[0].1.clone();
+    colliding.push((format!("{}::m", colliding[0].0), m));
+    let err = fully_shard(&colliding, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("a name with `::` is refused");
+    assert!(
+        err.to_string().contains("::m\"") && err.to_string().contains("checkpoint"),
+        "{err}"
+    );
 }
 
 /// A demo configuration that cannot work is an `Err` naming the field, wherever it enters:
@@ -1767,4 +1798,161 @@ fn a_reused_gradient_buffer_holds_zeros_where_no_gradient_arrived() {
         2 * n,
         "two steps of every element"
     );
+}
+
+const MLP: ragged::demo::MlpConfig = ragged::demo::MlpConfig {
+    width: 8,
+    hidden: 16,
+    layers: 3,
+};
+
+/// This rank's two rows of the MLP stack's 4-row batch `step` (world 2).
+fn mlp_rows(step: usize, rank: usize) -> ragged::Result<ragged::demo::MlpBatch> {
+    let b = MLP.batch(step, 4)?;
+    let rows = |t: &Tensor| t.narrow(0, 2 * rank, 2);
+    Ok(ragged::demo::MlpBatch {
+        x: rows(&b.x)?,
+        y: rows(&b.y)?,
+    })
+}
+
+/// The MLP stack in the order `order` (unit indices), each stage computing with its own unit's
+/// layer: any order runs, so ranks that list them differently would each gather another unit
+/// in lockstep (the layers are the same size) and train on scrambled values.
+struct InOrder(Vec<usize>);
+
+impl Stages for InOrder {
+    type Batch = ragged::demo::MlpBatch;
+    fn stage_units(&self) -> Vec<String> {
+        self.0.iter().map(|i| format!("layers.{i}")).collect()
+    }
+    fn forward(
+        &self,
+        s: usize,
+        p: &UnitParams,
+        x: Option<&Tensor>,
+        b: &Self::Batch,
+    ) -> candle_core::Result<Tensor> {
+        let out = MLP.block(self.0[s], |n| p.get(n).cloned(), x.unwrap_or(&b.x))?;
+        if s + 1 == self.0.len() {
+            ragged::demo::MlpConfig::loss(&out, &b.y)
+        } else {
+            Ok(out)
+        }
+    }
+}
+
+/// Ranks whose stage lists differ (here rank 1 runs the first two layers swapped) get the same
+/// `Err` on every rank, naming the ranks and both lists, before any gather; lists that agree
+/// train, and a change that every rank makes is compared again and accepted.
+#[test]
+fn ranks_running_different_stage_lists_fail_on_every_rank() {
+    let params = MLP.init_params(2).unwrap();
+    let results = ThreadWorld::run_with_timeout(2, std::time::Duration::from_secs(20), |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let b = mlp_rows(0, c.rank())?;
+        let mine = if c.rank() == 1 { [1, 0, 2] } else { [0, 1, 2] };
+        let differ = m.forward_backward(&InOrder(mine.to_vec()), &b).err();
+        m.forward_backward(&InOrder(vec![0, 1, 2]), &b)?;
+        m.forward_backward(&InOrder(vec![1, 0, 2]), &b)?;
+        m.step()?;
+        Ok(differ.map(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, e) in results.iter().enumerate() {
+        let e = e
+            .as_deref()
+            .unwrap_or_else(|| panic!("rank {rank} ran differing stages"));
+        assert!(
+            e.contains("ranks [1] differ from rank 0")
+                && e.contains(r#"rank 1 runs ["layers.1","layers.0","layers.2"]"#)
+                && e.contains(r#"rank 0 runs ["layers.0","layers.1","layers.2"]"#),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// A backward that fails part way (stage 0 fails when recomputed, after the later units'
+/// gradients were reduce-scattered) leaves gradients that count the batch for some units only:
+/// `step` refuses them, saying what to do, also once the next batch's backward has completed
+/// every unit (before, that step counted the failed batch for two units of three), and after
+/// `discard_gradients` the next batch's step is bitwise the step of a model that never saw the
+/// failed one.
+#[test]
+fn a_backward_that_fails_part_way_leaves_gradients_step_refuses() {
+    let params = MLP.init_params(3).unwrap();
+    let opts = FsdpOptions {
+        recompute: true,
+        ..FsdpOptions::default()
+    };
+    let run = |fail: bool| {
+        ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, opts.clone())?;
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let failing = common::Watching {
+                stages: ragged::demo::MlpStages(MLP),
+                watch: |s: usize, _: &UnitParams| match s == 0 && calls.fetch_add(1, SeqCst) == 1 {
+                    true => Err(candle_core::Error::Msg(
+                        "stage 0 fails when recomputed".into(),
+                    )),
+                    false => Ok(()),
+                },
+            };
+            let mut refused = None;
+            if fail {
+                let e = m.forward_backward(&failing, &mlp_rows(0, c.rank())?);
+                assert!(format!("{:?}", e.err()).contains("fails when recomputed"));
+                m.forward_backward(&ragged::demo::MlpStages(MLP), &mlp_rows(1, c.rank())?)?;
+                refused = m.step().err().map(|e| e.to_string());
+                m.discard_gradients();
+            }
+            m.forward_backward(&ragged::demo::MlpStages(MLP), &mlp_rows(1, c.rank())?)?;
+            m.step()?;
+            Ok((refused, m.full_params()?))
+        })
+        .unwrap()
+        .remove(0)
+    };
+    use std::sync::atomic::Ordering::SeqCst;
+    let (refused, after_failure) = run(true);
+    let refused = refused.expect("step took gradients of a failed backward");
+    assert!(
+        refused.contains("failed part way") && refused.contains("discard_gradients()"),
+        "{refused}"
+    );
+    let (_, clean) = run(false);
+    assert_eq!(after_failure, clean);
+}
+
+/// A last stage whose loss is an integer tensor (no gradient reaches any parameter through it)
+/// is an `Err`, not a step on zero gradients.
+#[test]
+fn an_integer_loss_is_refused() {
+    struct IntegerLoss;
+    impl Stages for IntegerLoss {
+        type Batch = ragged::demo::MlpBatch;
+        fn stage_units(&self) -> Vec<String> {
+            ragged::demo::MlpStages(MLP).stage_units()
+        }
+        fn forward(
+            &self,
+            s: usize,
+            p: &UnitParams,
+            x: Option<&Tensor>,
+            b: &Self::Batch,
+        ) -> candle_core::Result<Tensor> {
+            let out = ragged::demo::MlpStages(MLP).forward(s, p, x, b)?;
+            match s + 1 == MLP.layers {
+                true => (out * 1000.0)?.to_dtype(DType::U32),
+                false => Ok(out),
+            }
+        }
+    }
+    let params = MLP.init_params(4).unwrap();
+    let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let e = m
+        .forward_backward(&IntegerLoss, &MLP.batch(0, 2).unwrap())
+        .expect_err("an integer loss")
+        .to_string();
+    assert!(e.contains("dtype U32") && e.contains("float scalar"), "{e}");
 }

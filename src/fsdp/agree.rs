@@ -171,3 +171,27 @@ fn settings_differ(settings: &[&[u8]]) -> Option<String> {
         show(&b)
     ))
 }
+
+/// Exchanges every rank's stage list (`forward_backward`'s units, by name) and returns the
+/// same `Err` on every rank unless all equal rank 0's: ranks running different units in
+/// lockstep would each train on another unit's gathered values wherever the buffers have the
+/// same length (a list built from a `HashMap`, in another order on each rank).
+pub(crate) fn check_stages_agree(comm: &dyn Communicator, stages: &[String]) -> Result<()> {
+    let all = all_gather_bytes(comm, &serde_json::to_vec(stages)?)?;
+    let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    let Some(&other) = differ.first() else {
+        return Ok(());
+    };
+    let list = |r: usize| String::from_utf8_lossy(&all[r]).into_owned();
+    Err(Error::BadInput {
+        op: "forward_backward",
+        what: "the stage lists of the ranks".into(),
+        reason: format!(
+            "ranks {differ:?} differ from rank 0: rank {other} runs {}, rank 0 runs {}; every \
+             rank must run the same units in the same order (build the list in a fixed order, \
+             not from a HashMap)",
+            list(other),
+            list(0)
+        ),
+    })
+}

@@ -402,6 +402,8 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             .map(|f| ((f.param.as_str(), f.field.as_str()), f))
             .collect();
         let mut files = SourceFiles::new(dir, m);
+        // Gradients since the last step belong to the values being replaced.
+        self.discard_gradients();
         let optimizer = &self.optimizer;
         for unit in &mut self.units {
             let fields = fields_of(optimizer, unit)?;
@@ -409,10 +411,8 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                 local,
                 params,
                 state,
-                grads,
                 ..
             } = unit;
-            grads.discard();
             let data = std::iter::once(FieldDataMut::from(params.master_storage_mut()))
                 .chain(optimizer.state_data_mut(state)?);
             for (f, mut d) in fields.iter().zip(data) {
@@ -448,7 +448,6 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     fn restore_progress(&mut self, p: &Progress) -> Result<()> {
         self.steps = p.steps;
         self.skipped = p.skipped;
-        self.loss_not_finite = false;
         if let (Some(lr), Some(_)) = (p.learning_rate, self.optimizer.learning_rate()) {
             self.optimizer.set_learning_rate(lr)?;
         }
@@ -548,6 +547,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     fn import_local(&mut self, path: &Path) -> Result<Vec<String>> {
         let mut sources = Sources::open(path)?;
+        self.discard_gradients();
         for unit in &mut self.units {
             let local = &unit.local;
             let master = unit.params.master_storage_mut();
@@ -568,7 +568,6 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)
                 })?;
             }
-            unit.grads.discard();
         }
         let model = self.model_tensors();
         let names: HashSet<&str> = model.iter().map(|t| t.name.as_str()).collect();

@@ -288,6 +288,11 @@ pub struct ShardedModel<'c, O: Optimizer> {
     without_gradient: Option<Vec<String>>,
     /// A loss seen since the last step was not finite (on this rank).
     loss_not_finite: bool,
+    /// Why a backward since the last step failed part way: [`ShardedModel::step`] refuses
+    /// the gradients until [`ShardedModel::discard_gradients`].
+    partial_gradients: Option<String>,
+    /// The stage list (unit indices) every rank was last found to run.
+    agreed_stages: Vec<usize>,
     skipped: usize,
     /// Steps taken (skipped ones not counted): the schedule's clock.
     steps: usize,
@@ -416,6 +421,8 @@ pub fn fully_shard<'c, O: Optimizer>(
         stats,
         without_gradient: None,
         loss_not_finite: false,
+        partial_gradients: None,
+        agreed_stages: Vec::new(),
         skipped: 0,
         steps: 0,
         schedule: None,
@@ -438,6 +445,16 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
                     op: "fully_shard",
                     what: format!("parameter {name} of dtype {:?}", t.dtype()),
                     reason: "only floating-point tensors train; keep buffers out of the list"
+                        .into(),
+                });
+            }
+            if name.contains("::") {
+                return Err(crate::Error::BadInput {
+                    op: "fully_shard",
+                    what: format!("parameter name {name:?}"),
+                    reason: "`::` separates a parameter from its optimizer state in checkpoint \
+                             files (`name::m`), so such a name could collide with another \
+                             parameter's state"
                         .into(),
                 });
             }
@@ -612,9 +629,38 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Reduce-scatters every unit's accumulated gradients (average or sum over ranks, per
     /// [`FsdpOptions::reduce`]) into its local gradient shard. A unit the loss did not reach
     /// reduces zeros, so every rank runs the same collectives.
+    /// An `Err` part way leaves some units reduced and others not: [`ShardedModel::step`]
+    /// then refuses until [`ShardedModel::discard_gradients`].
     pub fn reduce_gradients(&mut self) -> Result<()> {
-        for u in 0..self.units.len() {
-            self.reduce_unit(u)?;
+        let reduced = (0..self.units.len()).try_for_each(|u| self.reduce_unit(u));
+        if let Err(e) = &reduced {
+            self.note_partial_gradients(e);
+        }
+        reduced
+    }
+
+    /// Records that a backward or reduction failed part way (`error`), so that `step` refuses
+    /// gradients that count the failed batch for some units and not others.
+    pub(crate) fn note_partial_gradients(&mut self, error: &crate::Error) {
+        self.partial_gradients = Some(error.to_string());
+    }
+
+    /// Drops every gradient since the last step (reduced or still in a unit's buffer) and the
+    /// losses noted with them: after a `forward_backward` or `reduce_gradients` that failed
+    /// part way, run the step's micro-batches again from here.
+    pub fn discard_gradients(&mut self) {
+        self.units.iter_mut().for_each(|u| u.grads.discard());
+        self.loss_not_finite = false;
+        self.partial_gradients = None;
+    }
+
+    /// Compares the stage list with every rank's (one exchange) when it is not the list they
+    /// last agreed on: ranks whose stages differ would gather different units in lockstep, and
+    /// same-length gathers pass every collective's checks.
+    pub(crate) fn check_stages_agree(&mut self, names: &[String], units: &[usize]) -> Result<()> {
+        if units != self.agreed_stages.as_slice() {
+            agree::check_stages_agree(self.comm, names)?;
+            self.agreed_stages = units.to_vec();
         }
         Ok(())
     }
@@ -624,6 +670,17 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
     pub fn step(&mut self) -> Result<()> {
         const OP: &str = "ShardedModel::step";
+        if let Some(cause) = &self.partial_gradients {
+            return Err(crate::Error::BadInput {
+                op: OP,
+                what: "the gradients".into(),
+                reason: format!(
+                    "a backward since the last step failed part way ({cause}), so some units' \
+                     gradients count its batch and others not: call discard_gradients() and run \
+                     the step's micro-batches again"
+                ),
+            });
+        }
         let trained: Vec<_> = self
             .units
             .iter()

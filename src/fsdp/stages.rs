@@ -318,22 +318,62 @@ fn replay_step(
     peak.max(b.alive())
 }
 
+/// What the forward pass leaves the backward pass.
+struct Forward {
+    /// Each stage's unit.
+    stage_units: Vec<usize>,
+    activations: Vec<StageActivations>,
+    /// Each stage's saved input (`None` for the first).
+    inputs: Vec<Option<Var>>,
+    /// Each stage's kept graph (the last stage's always).
+    graphs: Vec<Option<Tensor>>,
+    /// The loss, detached from the last graph.
+    loss: Tensor,
+}
+
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// One forward and backward of `model` on `batch`, unit by unit (module doc): every unit's
     /// gradients end reduce-scattered into its local gradient shard (added to earlier
     /// micro-batches' since the last [`ShardedModel::step`]). Returns this rank's loss and the
     /// time per phase.
+    ///
+    /// The ranks must run the same stages: the stage lists are compared across ranks on the
+    /// first call and whenever this rank's list changes, and differing lists are an `Err` on
+    /// every rank. An `Err` once backward has begun leaves some units' gradients with this
+    /// batch's contribution and others without: [`ShardedModel::step`] then refuses until
+    /// [`ShardedModel::discard_gradients`].
     pub fn forward_backward<M: Stages>(
         &mut self,
         model: &M,
         batch: &M::Batch,
     ) -> Result<StageReport> {
-        let stage_units = self.stage_indices(&model.stage_units())?;
+        let names = model.stage_units();
+        let stage_units = self.stage_indices(&names)?;
+        self.check_stages_agree(&names, &stage_units)?;
+        let mut report = StageReport::default();
+        let forward = self.forward_pass(model, batch, stage_units, &mut report)?;
+        let loss = forward.loss.clone();
+        if let Err(e) = self.backward_pass(model, batch, forward, &mut report) {
+            self.note_partial_gradients(&e);
+            return Err(e);
+        }
+        report.loss = scalar_value(&loss)?;
+        self.note_loss(report.loss);
+        Ok(report)
+    }
+
+    /// Runs the stages forward, freeing each unit after its last forward stage (module doc).
+    fn forward_pass<M: Stages>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+        stage_units: Vec<usize>,
+        report: &mut StageReport,
+    ) -> Result<Forward> {
         let n = stage_units.len();
-        let (first, last) = uses(&stage_units, self.unit_names().len());
+        let (_, last) = uses(&stage_units, self.unit_names().len());
         let reshard = self.options().reshard_after_forward;
         let recompute = self.options().recompute;
-        let mut report = StageReport::default();
         let mut activations = vec![StageActivations::default(); n];
         let mut inputs: Vec<Option<Var>> = vec![None; n];
         let mut graphs: Vec<Option<Tensor>> = vec![None; n];
@@ -341,14 +381,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         // Units resharded so far in this forward, named in a later stage's error.
         let mut freed: Vec<String> = Vec::new();
         for (s, &u) in stage_units.iter().enumerate() {
-            self.timed_gather(u, &mut report)?;
+            self.timed_gather(u, report)?;
             let start = Instant::now();
             let tracked = s + 1 == n || !recompute;
             let params = self.unit_params(u, tracked)?;
             let next = stage_units.get(s + 1).copied().filter(|_| overlap);
             let input = inputs[s].as_ref();
             let jobs: Vec<Job> = next.map(Job::Gather).into_iter().collect();
-            let out = self.overlapped(&jobs, &mut report, || {
+            let out = self.overlapped(&jobs, report, || {
                 stage_forward(model, s, &params, tracked, input, batch)
             })?;
             let out = match out {
@@ -390,6 +430,34 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .expect("the last graph is kept")
             .detach();
         check_scalar(&loss)?;
+        Ok(Forward {
+            stage_units,
+            activations,
+            inputs,
+            graphs,
+            loss,
+        })
+    }
+
+    /// Runs the stages backward from the loss, reduce-scattering each unit's gradients after
+    /// its first stage (module doc).
+    fn backward_pass<M: Stages>(
+        &mut self,
+        model: &M,
+        batch: &M::Batch,
+        forward: Forward,
+        report: &mut StageReport,
+    ) -> Result<()> {
+        let Forward {
+            stage_units,
+            mut activations,
+            inputs,
+            mut graphs,
+            ..
+        } = forward;
+        let n = stage_units.len();
+        let (first, _) = uses(&stage_units, self.unit_names().len());
+        let overlap = self.overlaps();
         let mut g: Option<Tensor> = None;
         // A unit whose gradients are complete, reduce-scattered behind the next stage's backward.
         let mut pending: Option<usize> = None;
@@ -401,7 +469,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             // The collectives never depend on this rank's graph: a rank whose stage got no
             // gradient (its loss times 0, a detached output) gathers and prefetches as the
             // others do, or the ranks would call different collectives.
-            self.timed_gather(u, &mut report)?;
+            self.timed_gather(u, report)?;
             let prev = s.checked_sub(1).map(|p| stage_units[p]);
             jobs.extend(prev.filter(|_| overlap).map(Job::Gather));
             if s + 1 == n || g.is_some() {
@@ -414,7 +482,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 let (input, seed) = (inputs[s].as_ref(), g.take());
                 let start = Instant::now();
                 let recomputed = &mut activations[s].graph_bytes;
-                let grad = self.overlapped(&jobs, &mut report, || {
+                let grad = self.overlapped(&jobs, report, || {
                     let out = match source {
                         Ok(out) => out,
                         Err(params) => {
@@ -428,20 +496,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 g = grad.with_context(|| format!("backward of stage {s}"))?;
                 report.backward_seconds += start.elapsed().as_secs_f64();
             } else {
-                self.run_now(&jobs, &mut report)?;
+                self.run_now(&jobs, report)?;
             }
             if first[u] == s {
                 if overlap && s > 0 {
                     pending = Some(u);
                 } else {
-                    self.run_now(&[Job::Reduce(u)], &mut report)?;
+                    self.run_now(&[Job::Reduce(u)], report)?;
                 }
             }
         }
         self.set_activations(activations);
-        report.loss = scalar_value(&loss)?;
-        self.note_loss(report.loss);
-        Ok(report)
+        Ok(())
     }
 
     /// Unit indices of the stages, or an error naming an unknown unit.
@@ -674,6 +740,17 @@ fn backward_stage(out: Tensor, g: Option<&Tensor>, input: Option<&Var>) -> Resul
 
 /// An error if the last stage did not return a scalar (the loss).
 fn check_scalar(loss: &Tensor) -> Result<()> {
+    // An integer loss has no gradient: backward would reach no parameter, silently.
+    if !loss.dtype().is_float() {
+        return Err(Error::BadInput {
+            op: "forward_backward",
+            what: "last stage output".into(),
+            reason: format!(
+                "dtype {:?}; the last stage must return the loss as a float scalar",
+                loss.dtype()
+            ),
+        });
+    }
     if loss.elem_count() != 1 {
         return Err(Error::BadInput {
             op: "forward_backward",

@@ -313,8 +313,9 @@ impl Inventory {
         })
     }
 
-    /// FSDP units by a wrap rule: `unit_of(name)` names a tensor's unit, `None` puts it in
-    /// `root`. `root` first (if not empty), then the units in order of first appearance.
+    /// FSDP units by a wrap rule: `unit_of(name)` names a tensor's unit, `None` (or `root`)
+    /// puts it in `root`. `root` first (if not empty), then the units in order of first
+    /// appearance.
     pub fn units_by(&self, unit_of: &dyn Fn(&str) -> Option<String>) -> Vec<Unit<'_>> {
         let mut root = Unit {
             name: "root".into(),
@@ -323,7 +324,7 @@ impl Inventory {
         let mut units: Vec<Unit> = Vec::new();
         let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         for t in &self.tensors {
-            match unit_of(&t.name) {
+            match unit_of(&t.name).filter(|unit| *unit != root.name) {
                 None => root.tensors.push(t),
                 Some(unit) => {
                     let i = *index.entry(unit.clone()).or_insert_with(|| {
