@@ -868,6 +868,38 @@ fn ranks_that_disagree_fail_on_every_rank_with_the_same_error() {
         .unwrap();
         same_error_naming_rank_1(&errors, what);
     }
+    // Other FsdpOptions on rank 1: another overlap or reshard rhythm would call other
+    // collectives mid-step, another non-finite policy would part the ranks silently.
+    for (what, rank1) in [
+        (
+            "rank 0 has `overlap: true`, rank 1 `overlap: false`",
+            FsdpOptions {
+                overlap: false,
+                ..FsdpOptions::default()
+            },
+        ),
+        (
+            "rank 0 has `non_finite: Error`, rank 1 `non_finite: SkipStep`",
+            FsdpOptions {
+                non_finite: ragged::fsdp::NonFinitePolicy::SkipStep,
+                ..FsdpOptions::default()
+            },
+        ),
+    ] {
+        let errors = ThreadWorld::run(3, |c| {
+            let opts = if c.rank() == 1 {
+                rank1.clone()
+            } else {
+                FsdpOptions::default()
+            };
+            Ok(fully_shard(&params, adamw(), c, opts)
+                .err()
+                .map(|e| e.to_string()))
+        })
+        .unwrap();
+        same_error_naming_rank_1(&errors, what);
+        assert!(errors[0].as_deref().unwrap().contains("the FsdpOptions"));
+    }
     // The same input everywhere passes.
     ThreadWorld::run(3, |c| {
         fully_shard(&params, adamw(), c, FsdpOptions::default()).map(|_| ())

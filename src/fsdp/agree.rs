@@ -59,6 +59,10 @@ pub(crate) struct OptimizerId<'a> {
     pub settings: String,
     /// Every parameter's role, in the order of the parameters.
     pub roles: Vec<Role>,
+    /// The `FsdpOptions` (`Debug` text): ranks with another `reshard_after_forward`, `overlap`
+    /// or precision would call other collectives mid-step, and another `non_finite` policy or
+    /// `recompute` would make them part silently.
+    pub options: String,
 }
 
 /// The fingerprints of one rank's input.
@@ -108,12 +112,13 @@ pub(crate) fn check_ranks_agree(
     shards: &[&LocalShard],
     optimizer: &OptimizerId<'_>,
 ) -> Result<()> {
-    // One exchange: the fingerprints, then the settings' text.
+    // One exchange: the fingerprints, then the optimizer's settings and the options as text.
     let mine = fingerprints(params, shards, optimizer)?;
+    let texts = serde_json::to_vec(&[&optimizer.settings, &optimizer.options])?;
     let bytes: Vec<u8> = mine
         .iter()
         .flat_map(|f| f.to_le_bytes())
-        .chain(optimizer.settings.bytes())
+        .chain(texts)
         .collect();
     let all = all_gather_bytes(comm, &bytes)?;
     let table: Vec<[u64; N]> = all
@@ -131,8 +136,17 @@ pub(crate) fn check_ranks_agree(
                 .then(|| format!("{} (ranks {ranks:?} differ from rank 0)", ASPECTS[a]))
         })
         .collect();
-    let settings: Vec<&[u8]> = all.iter().map(|r| &r[8 * N..]).collect();
-    differ.extend(settings_differ(&settings));
+    let texts: Vec<[String; 2]> = all
+        .iter()
+        .map(|r| serde_json::from_slice(&r[8 * N..]))
+        .collect::<std::result::Result<_, _>>()?;
+    for (k, what) in ["the optimizer's settings", "the FsdpOptions"]
+        .iter()
+        .enumerate()
+    {
+        let each: Vec<&[u8]> = texts.iter().map(|t| t[k].as_bytes()).collect();
+        differ.extend(settings_differ(what, &each));
+    }
     if differ.is_empty() {
         return Ok(());
     }
@@ -147,9 +161,10 @@ pub(crate) fn check_ranks_agree(
     })
 }
 
-/// The optimizer settings' first difference from rank 0's, one entry per differing text:
-/// the first `field: value` item (of the `Debug` text) that differs, with the ranks.
-fn settings_differ(settings: &[&[u8]]) -> Option<String> {
+/// The settings' first difference from rank 0's (`what`: whose settings), one entry per
+/// differing text: the first `field: value` item (of the `Debug` text) that differs, with the
+/// ranks.
+fn settings_differ(what: &str, settings: &[&[u8]]) -> Option<String> {
     let ranks: Vec<usize> = (1..settings.len())
         .filter(|&r| settings[r] != settings[0])
         .collect();
@@ -165,8 +180,7 @@ fn settings_differ(settings: &[&[u8]]) -> Option<String> {
     let at = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
     let show = |v: &[String]| v.get(at).cloned().unwrap_or_default();
     Some(format!(
-        "the optimizer's settings (ranks {ranks:?} differ from rank 0; rank 0 has `{}`, rank \
-         {first} `{}`)",
+        "{what} (ranks {ranks:?} differ from rank 0; rank 0 has `{}`, rank {first} `{}`)",
         show(&a),
         show(&b)
     ))

@@ -372,6 +372,7 @@ pub fn fully_shard<'c, O: Optimizer>(
             .iter()
             .map(|(name, t)| optimizer.role(name, t.dims()))
             .collect(),
+        options: format!("{opts:?}"),
     };
     agree::check_ranks_agree(comm, params, &shards, &optimizer_id)?;
     let mut units = Vec::with_capacity(planned.len());
