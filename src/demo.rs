@@ -519,6 +519,17 @@ pub fn train_rank_with<O: CheckpointState>(
             what: "step count".into(),
             reason: "steps taken plus steps skipped overflow".into(),
         })?;
+    if first_step > steps {
+        // Nothing would run, and the result would be the checkpoint's, not `steps` steps'.
+        return Err(crate::Error::BadInput {
+            op: "train_rank_with",
+            what: format!("{steps} steps"),
+            reason: format!(
+                "the resumed checkpoint is already past them ({first_step} batches consumed): \
+                 ask for at least {first_step} steps"
+            ),
+        });
+    }
     let save = SaveOptions {
         keep: ckpt.keep,
         ..SaveOptions::default()

@@ -1368,5 +1368,23 @@ fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("both set"), "{err}");
+    // Resuming a checkpoint of 3 steps into a job of 2 would run nothing and report the
+    // checkpoint's parameters as a 2-step result.
+    let past = Checkpointing {
+        resume: Some(root.join("adamw")),
+        ..Checkpointing::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, 2, 4);
+    let err = train_rank_with(
+        &params,
+        adamw(),
+        &ragged::comm::SingleRank,
+        FsdpOptions::default(),
+        job,
+        &past,
+        |_, _| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("already past them"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
