@@ -3,7 +3,9 @@
 //! rank's file and the manifest are fsynced, so a crash at any moment leaves the previous
 //! complete checkpoint as it was. A save over an existing step moves the old one aside to
 //! `ROOT/.step-00000042.old/` for the instant between two renames; if the save dies there, the
-//! old one is still found ([`list`]) and put back by the next save ([`prepare`]).
+//! old one is still found ([`list`]) and put back by the next save ([`prepare`]). A checkpoint
+//! being removed is first renamed to `ROOT/.step-00000042.del/` (out of [`list`]'s sight in
+//! one step), so a crash while its files go leaves no half checkpoint that looks complete.
 
 use std::fs;
 use std::io::Write;
@@ -98,10 +100,11 @@ fn with_manifest(
         .collect())
 }
 
-/// Folders of saves that did not finish under `root`.
+/// Folders of saves and removals that did not finish under `root`.
 pub fn leftovers(root: &Path) -> Result<Vec<PathBuf>> {
-    let unfinished =
-        |n: &str| n.starts_with(".step-") && (n.ends_with(".tmp") || n.ends_with(".old"));
+    let unfinished = |n: &str| {
+        n.starts_with(".step-") && [".tmp", ".old", ".del"].iter().any(|s| n.ends_with(s))
+    };
     Ok(entries(root)?
         .into_iter()
         .filter(|(name, _)| unfinished(name))
@@ -145,20 +148,39 @@ pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 }
 
 /// After a save of step `saved`, keeps it and the `keep − 1` newest checkpoints before it
-/// and removes the rest; returns what it removed. Checkpoints of later steps are removed too:
-/// they belong to a run this one went back from (it resumed from an earlier step into the same
-/// root), and left in place they would be what "the newest checkpoint" resolves to.
+/// and removes the older ones; returns what it removed.
 pub fn rotate(root: &Path, keep: usize, saved: usize) -> Result<Vec<PathBuf>> {
-    let (mut before, later): (Vec<_>, Vec<_>) =
-        list(root)?.into_iter().partition(|&(n, _)| n <= saved);
-    let drop = before.len().saturating_sub(keep.max(1));
-    before.truncate(drop);
-    let mut removed = Vec::new();
-    for (_, path) in before.into_iter().chain(later) {
-        fs::remove_dir_all(&path).map_err(|e| Error::io("checkpoint: remove", &path, e))?;
-        removed.push(path);
-    }
-    Ok(removed)
+    let mut before: Vec<_> = list(root)?
+        .into_iter()
+        .filter(|&(n, _)| n <= saved)
+        .collect();
+    before.truncate(before.len().saturating_sub(keep.max(1)));
+    before
+        .into_iter()
+        .map(|(_, path)| remove(root, path))
+        .collect()
+}
+
+/// Before a save of step `saved` is published, removes the checkpoints of later steps: they
+/// belong to a run this one went back from (it resumed from an earlier step into the same
+/// root), and left in place they would be what "the newest checkpoint" resolves to. Removed
+/// before publishing, so a crash at any moment leaves a newest checkpoint of this run's own
+/// line. Returns what it removed.
+pub fn remove_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
+    let later = list(root)?.into_iter().filter(|&(n, _)| n > saved);
+    later.map(|(_, path)| remove(root, path)).collect()
+}
+
+/// Removes the checkpoint folder `path` of `root`: renamed to `.<name>.del` first (out of
+/// [`list`]'s sight at once), then deleted. Returns `path`.
+fn remove(root: &Path, path: PathBuf) -> Result<PathBuf> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let aside = root.join(format!(".{}.del", name.trim_start_matches('.')));
+    let _ = fs::remove_dir_all(&aside);
+    fs::rename(&path, &aside).map_err(|e| Error::io("checkpoint: rename", &path, e))?;
+    sync_dir(root)?;
+    fs::remove_dir_all(&aside).map_err(|e| Error::io("checkpoint: remove", &aside, e))?;
+    Ok(path)
 }
 
 /// The checkpoint folder `path` names: itself if it holds a manifest, else the newest complete
@@ -229,21 +251,40 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
     }
 
-    /// Rotation after a save keeps that save and the `keep − 1` newest before it (here one);
-    /// checkpoints of later
-    /// steps (an abandoned run's) go, so the newest checkpoint is the one just saved.
+    /// Before a save of step 15 is published, the checkpoints of later steps (an abandoned
+    /// run's) go, so the newest is of this run's line even if the save dies now (here 10);
+    /// rotation after the save keeps it and the `keep − 1` newest before it (here one).
     #[test]
     fn rotation_keeps_the_save_just_made_and_drops_later_steps() {
         let root = scratch("rotate");
-        for n in [10, 20, 30, 15] {
+        for n in [5, 10, 20, 30] {
             fake_checkpoint(&step_dir(&root, n));
         }
+        assert_eq!(remove_later(&root, 15).unwrap().len(), 2);
+        assert_eq!(resolve(&root).unwrap(), step_dir(&root, 10));
+        fake_checkpoint(&step_dir(&root, 15));
         let removed = rotate(&root, 2, 15).unwrap();
         assert_eq!(steps(&root), [10, 15]);
-        assert_eq!(removed.len(), 2);
-        assert_eq!(resolve(&root).unwrap(), step_dir(&root, 15));
+        assert_eq!(removed, [step_dir(&root, 5)]);
         rotate(&root, 1, 15).unwrap();
         assert_eq!(steps(&root), [15]);
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    /// A removal that died while deleting files (the folder already renamed to `.del`) leaves
+    /// nothing `list` counts, and the next save clears it; before, the half-deleted folder
+    /// kept its manifest and stayed "the newest checkpoint" (or failed to load).
+    #[test]
+    fn a_removal_that_died_part_way_leaves_no_checkpoint_behind() {
+        let root = scratch("removal");
+        fake_checkpoint(&step_dir(&root, 4));
+        fake_checkpoint(&step_dir(&root, 6));
+        // What a kill after the rename leaves: the whole folder, manifest and all, under `.del`.
+        fs::rename(step_dir(&root, 6), root.join(".step-00000006.del")).unwrap();
+        assert_eq!(steps(&root), [4]);
+        assert_eq!(resolve(&root).unwrap(), step_dir(&root, 4));
+        prepare(&root, 5).unwrap();
+        assert!(!root.join(".step-00000006.del").exists());
         let _ = fs::remove_dir_all(&root);
     }
 }

@@ -236,12 +236,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         manifest.write(tmp)?;
         // Read back through the loader's checks: a manifest that would not load is not published.
         Manifest::read(tmp)?;
+        let mut removed = Vec::new();
+        if opts.keep > 0 {
+            removed = fs::remove_later(root, self.steps)?;
+        }
         fs::publish(root, tmp, self.steps)?;
-        let removed = if opts.keep > 0 {
-            fs::rotate(root, opts.keep, self.steps)?
-        } else {
-            Vec::new()
-        };
+        if opts.keep > 0 {
+            removed.extend(fs::rotate(root, opts.keep, self.steps)?);
+        }
         Ok(serde_json::to_vec(&removed)?)
     }
 
