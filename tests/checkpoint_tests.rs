@@ -278,6 +278,56 @@ fn check_frozen_by_name<O: CheckpointState>(name: &str, make: impl Fn() -> O + S
     .unwrap_or_else(|e| panic!("{name}: {e}"))
     .remove(0);
     assert_eq!(loaded, digest, "{name}: loaded on 2 ranks");
+    // Unfrozen after the load (fine-tuning on): the frozen parameters had no saved state, so
+    // theirs starts afresh, and they train.
+    let (unfrozen, before) = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, make(), c, FsdpOptions::default())?;
+        m.load(&dir)?;
+        let before = m.param_digest()?;
+        train(&mut m, c, 2..3)?;
+        Ok((m.full_params()?, before))
+    })
+    .unwrap_or_else(|e| panic!("{name}, unfrozen: {e}"))
+    .remove(0);
+    assert_eq!(before, digest, "{name}: loaded unfrozen");
+    for (n, init) in params.iter().filter(|(n, _)| frozen(n)) {
+        assert!(
+            unfrozen[n] != common::f32_values(init),
+            "{name}: {n} did not train"
+        );
+    }
+}
+
+/// A checkpoint records each parameter's role, since it decides what the saved optimizer
+/// state means: Muon's `head.weight` saved element-wise (AdamW moments `m` and `v`) and loaded
+/// as a Muon matrix would take its AdamW first moment as momentum. That load is refused,
+/// naming the parameter and both roles.
+#[test]
+fn a_role_change_between_save_and_load_is_refused() {
+    let params = CFG.init_params(4).unwrap();
+    let dir = scratch(SUITE, "role-change");
+    let head_as_matrix = || {
+        Muon::new(MuonConfig {
+            lr: 0.02,
+            roles: ragged::RoleRule::with_patterns(&[("head", Role::Matrix)]),
+            ..MuonConfig::default()
+        })
+        .unwrap()
+    };
+    let e = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, muon(MatrixLayout::Auto), c, FsdpOptions::default())?;
+        train(&mut m, c, 0..1)?;
+        m.save(&dir, &SaveOptions::default())?;
+        let mut changed = fully_shard(&params, head_as_matrix(), c, FsdpOptions::default())?;
+        Ok(changed.load(&dir).err().map(|e| e.to_string()))
+    })
+    .unwrap()
+    .remove(0)
+    .expect("a load that reads AdamW moments as Muon momentum");
+    assert!(
+        e.contains("head.weight: saved with role ElementWise") && e.contains("gives it Matrix"),
+        "{e}"
+    );
 }
 
 fn opts(layout: ShardLayout) -> FsdpOptions {

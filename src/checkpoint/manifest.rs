@@ -69,6 +69,10 @@ pub struct ModelTensor {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: String,
+    /// The parameter's role when saved (`Matrix`, `ElementWise`, `Fp32State`, `Frozen`: what
+    /// its optimizer state means); absent in checkpoints saved before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -362,6 +362,19 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                         ),
                     ))
                 }
+                Some(s) if !role_change_allowed(s.role.as_deref(), t.role.as_deref()) => {
+                    return Err(bad(
+                        dir,
+                        format!(
+                            "{}: saved with role {}, this model's optimizer gives it {}: its \
+                             saved optimizer state means something else under another role \
+                             (another role rule?); only freezing and unfreezing may change",
+                            t.name,
+                            s.role.as_deref().unwrap_or_default(),
+                            t.role.as_deref().unwrap_or_default()
+                        ),
+                    ))
+                }
                 Some(_) => {}
             }
         }
@@ -396,8 +409,15 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// Reads this rank's ranges of every field; returns the bytes read.
+    /// Reads this rank's ranges of every field; returns the bytes read. A parameter saved
+    /// frozen and trained now has no saved optimizer state: its state stays as initialized.
     fn read_all(&mut self, dir: &Path, m: &Manifest) -> Result<u64> {
+        let unfrozen: HashSet<&str> = m
+            .model
+            .iter()
+            .filter(|t| t.role.as_deref() == Some(FROZEN))
+            .map(|t| t.name.as_str())
+            .collect();
         let records: HashMap<(&str, &str), &FieldRecord> = m
             .fields
             .iter()
@@ -420,6 +440,9 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             for (f, mut d) in fields.iter().zip(data) {
                 for span in &f.spans {
                     let name = &local.params[span.param].name;
+                    if f.name != PARAM_FIELD && unfrozen.contains(name.as_str()) {
+                        continue;
+                    }
                     let rec = records.get(&(name.as_str(), f.name)).ok_or_else(|| {
                         bad(
                             dir,
@@ -534,15 +557,21 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(unused)
     }
 
-    /// Every parameter (name, global shape, the saved f32), in unit order.
+    /// Every parameter (name, global shape, the saved f32, its role), in unit order.
     fn model_tensors(&self) -> Vec<ModelTensor> {
+        let role =
+            |u: &ShardedUnit<O::State>, m: &crate::optim::ParamMeta| match u.params.is_frozen() {
+                true => crate::Role::Frozen,
+                false => self.optimizer.role(&m.name, &m.shape),
+            };
         self.units
             .iter()
-            .flat_map(|u| &u.local.params)
-            .map(|m| ModelTensor {
+            .flat_map(|u| u.local.params.iter().map(move |m| (u, m)))
+            .map(|(u, m)| ModelTensor {
                 name: m.name.clone(),
                 shape: m.shape.clone(),
                 dtype: "F32".into(),
+                role: Some(format!("{:?}", role(u, m))),
             })
             .collect()
     }
@@ -625,4 +654,18 @@ fn read_as_f32(
         }
     }
     Ok(())
+}
+
+/// A role's name as checkpoints record it.
+const FROZEN: &str = "Frozen";
+
+/// Whether a parameter saved with role `saved` may load under role `now`: the same role, a
+/// checkpoint that did not record it, or freezing and unfreezing (a frozen parameter has no
+/// saved state; one unfrozen starts its state afresh). Other changes would read one role's
+/// state as another's (AdamW moments as Muon momentum).
+fn role_change_allowed(saved: Option<&str>, now: Option<&str>) -> bool {
+    match (saved, now) {
+        (Some(a), Some(b)) => a == b || a == FROZEN || b == FROZEN,
+        _ => true,
+    }
 }
