@@ -662,6 +662,13 @@ fn report_checkpoints(args: &Args, trained: &Trained) {
             from.display(),
             trained.first_step
         );
+        if !trained.changed_settings.is_empty() {
+            println!(
+                "optimizer settings that differ from the checkpoint's (this run's apply; the \
+                 learning rate is the checkpoint's): {}",
+                trained.changed_settings.join(", ")
+            );
+        }
     }
     if let Some(dir) = &args.checkpoint_dir {
         let saved = ragged::checkpoint::fs::list(dir).unwrap_or_default();

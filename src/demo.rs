@@ -449,6 +449,9 @@ pub struct Trained {
     pub first_step: usize,
     /// [`ShardedModel::optimizer_events`] at the end (over every rank).
     pub optimizer_events: Vec<(&'static str, u64)>,
+    /// A resumed run's optimizer settings that differ from its checkpoint's
+    /// ([`crate::checkpoint::Loaded::changed_settings`]).
+    pub changed_settings: Vec<String>,
 }
 
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
@@ -497,6 +500,7 @@ pub fn train_rank_with<O: CheckpointState>(
         crate::checkpoint::safetensors::check_export_target(out)?;
     }
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
+    let mut changed_settings = Vec::new();
     match (&ckpt.resume, &ckpt.init_from) {
         (Some(_), Some(_)) => {
             return Err(crate::Error::BadInput {
@@ -506,7 +510,7 @@ pub fn train_rank_with<O: CheckpointState>(
                     .into(),
             })
         }
-        (Some(from), None) => sharded.load(from).map(|_| ())?,
+        (Some(from), None) => changed_settings = sharded.load(from)?.changed_settings,
         (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
         (None, None) => {}
     }
@@ -581,6 +585,7 @@ pub fn train_rank_with<O: CheckpointState>(
         digest: sharded.param_digest()?,
         first_step,
         optimizer_events: sharded.optimizer_events()?,
+        changed_settings,
     })
 }
 

@@ -328,6 +328,34 @@ fn a_role_change_between_save_and_load_is_refused() {
         e.contains("head.weight: saved with role ElementWise") && e.contains("gives it Matrix"),
         "{e}"
     );
+    // Other hyperparameters may change on a resume (the learning rate is restored); the load
+    // says which did.
+    let changed = ThreadWorld::run(2, |c| {
+        let other = Muon::new(MuonConfig {
+            lr: 0.05,
+            momentum: 0.5,
+            ..MuonConfig::default()
+        })?;
+        let mut m = fully_shard(&params, other, c, FsdpOptions::default())?;
+        Ok(m.load(&dir)?.changed_settings)
+    })
+    .unwrap()
+    .remove(0);
+    // The fallback's rate follows the restored matrix rate in proportion to this config's.
+    assert_eq!(
+        changed,
+        [
+            "momentum: 0.95 → 0.5",
+            "adamw.lr: 0.001 → 0.00039999999999999996"
+        ]
+    );
+    let same = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, muon(MatrixLayout::Auto), c, FsdpOptions::default())?;
+        Ok(m.load(&dir)?.changed_settings)
+    })
+    .unwrap()
+    .remove(0);
+    assert!(same.is_empty(), "{same:?}");
 }
 
 fn opts(layout: ShardLayout) -> FsdpOptions {
@@ -1153,7 +1181,12 @@ fn a_schedule_resumes_at_its_position_with_its_base() {
     let want = (straight.full_params().unwrap(), straight.learning_rate());
     for set_again in [false, true] {
         let mut resumed = model();
-        resumed.load(&root).unwrap();
+        let loaded = resumed.load(&root).unwrap();
+        assert!(
+            loaded.changed_settings.is_empty(),
+            "{:?}",
+            loaded.changed_settings
+        );
         if set_again {
             resumed.set_schedule(sched).unwrap();
         }

@@ -90,6 +90,10 @@ pub struct Loaded {
     /// Bytes this rank read.
     pub bytes_read: u64,
     pub seconds: f64,
+    /// The optimizer settings that differ from the checkpoint's (`name: saved → now`). The
+    /// learning rate is restored from the checkpoint; the others are this model's, as its
+    /// optimizer was configured (a resumed run may change them; here they are said).
+    pub changed_settings: Vec<String>,
 }
 
 /// A checkpoint error about `path` (the one constructor the checkpoint modules share).

@@ -328,7 +328,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let bytes_read = *read.as_ref().unwrap_or(&0);
         agree(self.comm, &dir, read.map(|_| Vec::new()))?;
         self.restore_progress(&manifest.progress)?;
+        // After the restored learning rate (and Muon's fallback rate with it) is in place.
+        let changed_settings =
+            super::agree::setting_changes(&manifest.optimizer.config, &self.optimizer.settings());
         Ok(Loaded {
+            changed_settings,
             saved_world: manifest.world,
             steps: manifest.progress.steps,
             bytes_read,
