@@ -420,9 +420,12 @@ fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], 
             if at.timeout.is_some_and(|limit| waited >= limit) {
                 abort_naming_the_absent(world, at, waited)
             }
-            // Yield while a wait is short (a collective's usual skew); past 100 ms a rank
-            // idles, and a millisecond more to notice the others costs nothing.
-            if waited < Duration::from_millis(100) {
+            // Spin through a collective's usual skew (as MPI's blocking calls poll), yield
+            // while a wait is short, and past 100 ms idle: a rank that waits that long loses
+            // nothing by noticing the others a millisecond late.
+            if waited < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(100) {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_millis(1));
