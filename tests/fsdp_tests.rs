@@ -1956,6 +1956,38 @@ fn a_backward_that_fails_part_way_leaves_gradients_step_refuses() {
     assert_eq!(after_failure, clean);
 }
 
+/// Whole-model mode trains only if `unshard()` runs before each step's forward: a backward
+/// on the tensors of before the last step (the masters moved, the model's tensors did not)
+/// is refused at the reduction, naming the fix, instead of a loss that stops falling.
+#[test]
+fn a_backward_on_parameters_gathered_before_the_last_step_is_refused() {
+    let params = MLP.init_params(5).unwrap();
+    let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let b = MLP.batch(0, 2).unwrap();
+    let views = m.unshard().unwrap();
+    let loss = || {
+        let mut x = b.x.clone();
+        for i in 0..MLP.layers {
+            x = MLP.block(i, |n| Ok(views[n].clone()), &x)?;
+        }
+        ragged::demo::MlpConfig::loss(&x, &b.y)?.backward()
+    };
+    loss().unwrap();
+    m.reduce_gradients().unwrap();
+    m.step().unwrap();
+    loss().unwrap();
+    let e = m
+        .reduce_gradients()
+        .expect_err("stale parameters")
+        .to_string();
+    assert!(e.contains("call unshard() before each step"), "{e}");
+    m.discard_gradients();
+    m.unshard().unwrap();
+    loss().unwrap();
+    m.reduce_gradients().unwrap();
+    m.step().unwrap();
+}
+
 /// A last stage whose loss is an integer tensor (no gradient reaches any parameter through it)
 /// is an `Err`, not a step on zero gradients.
 #[test]

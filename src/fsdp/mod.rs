@@ -568,6 +568,18 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         if self.units[u].params.is_frozen() {
             return Ok(());
         }
+        if self.units[u].params.state() == Materialized::Stale {
+            // Whole-model mode without a new `unshard`: the step moved the masters, not the
+            // tensors the model computed with, and the loss would stop falling silently.
+            return Err(crate::Error::BadInput {
+                op: "reduce gradients",
+                what: format!("unit {}", self.units[u].name),
+                reason: "its parameters changed in a step after they were gathered, so this \
+                         backward ran on the old values: call unshard() before each step's \
+                         forward (it rewrites the same tensors in place)"
+                    .into(),
+            });
+        }
         let (comm, op) = (self.comm, self.opts.reduce);
         let bf16 = self.opts.mixed_precision.reduce_dtype == DType::BF16;
         let (stats, placement) = (self.stats.clone(), self.placement());
