@@ -652,6 +652,52 @@ fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() 
     }
 }
 
+/// A stage that computes with a parameter tensor it kept from the previous step (its storage
+/// freed since, a U8 placeholder) gets an error that says so, not only candle's dtype mismatch.
+#[test]
+fn a_stage_using_a_tensor_kept_from_an_earlier_step_is_told_why_it_fails() {
+    use std::sync::Mutex as StdMutex;
+    struct KeepsAcrossSteps(StdMutex<Option<Tensor>>);
+    impl Stages for KeepsAcrossSteps {
+        type Batch = Tensor;
+        fn stage_units(&self) -> Vec<String> {
+            vec!["layers.0".into(), "layers.1".into()]
+        }
+        fn forward(
+            &self,
+            s: usize,
+            p: &UnitParams,
+            x: Option<&Tensor>,
+            batch: &Tensor,
+        ) -> candle_core::Result<Tensor> {
+            let w = p.get(&format!("layers.{s}.w"))?.clone();
+            let w = match s {
+                0 => self.0.lock().unwrap().get_or_insert(w).clone(),
+                _ => w,
+            };
+            let y = x.unwrap_or(batch).matmul(&w)?;
+            if s == 1 {
+                return y.sqr()?.mean_all();
+            }
+            Ok(y)
+        }
+    }
+    let params = two_square_layers(16);
+    let mut m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let model = KeepsAcrossSteps(StdMutex::new(None));
+    let batch = Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap();
+    m.forward_backward(&model, &batch).unwrap();
+    m.step().unwrap();
+    let e = m
+        .forward_backward(&model, &batch)
+        .expect_err("a kept tensor's storage is freed");
+    assert!(
+        e.to_string()
+            .contains("kept from an earlier forward_backward"),
+        "{e}"
+    );
+}
+
 /// A stage that asks for another unit's parameter (a wrap rule that put it in the wrong unit)
 /// gets an error naming the unit that holds it, not the hint about freed parameters that a
 /// resharded unit before it would otherwise add.

@@ -667,10 +667,17 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                  uses it?)",
                 owner.name, self.units[u].name
             ),
+            None if freed.is_empty() && error.contains("U8") => STALE_HINT.into(),
             None => freed_hint(freed),
         }
     }
 }
+
+/// What a stage's `U8` error adds when nothing was freed in this forward: a freed storage is a
+/// byte placeholder, so the likely cause is a parameter tensor kept from an earlier step.
+const STALE_HINT: &str = "; a parameter's freed storage is a U8 placeholder: if this stage \
+                          computes with a tensor kept from an earlier forward_backward (or from \
+                          unshard()), take it from the stage's params on every call";
 
 /// What a stage's error adds when units were resharded before it: the likely cause of a
 /// failure that only such a stage meets (computing with a freed parameter, whose storage is a
