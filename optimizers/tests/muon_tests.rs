@@ -10,7 +10,7 @@ use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged::{AtomicBlock, Error};
+use ragged::{AtomicBlock, Error, RoleRule, RoleSettings};
 use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::newton_schulz::ns_macs;
@@ -1173,6 +1173,79 @@ fn invalid_configs_are_refused() {
         assert!(Muon::new(c.clone()).is_err(), "{c:?} accepted");
     }
     assert!(Muon::new(MuonConfig::default()).is_ok());
+}
+
+/// Muon's matrix rate `lr·lr_scale` and decay are checked as products: each of these was
+/// accepted, and the first step wrote NaN into the parameters and returned `Ok`.
+#[test]
+fn configs_whose_updates_overflow_are_refused() {
+    let d = MuonConfig::default;
+    let matrix = |lr_scale: f64, weight_decay: Option<f64>| RoleRule {
+        matrix: RoleSettings {
+            lr_scale,
+            weight_decay,
+        },
+        ..RoleRule::default()
+    };
+    for (c, says) in [
+        (
+            MuonConfig {
+                roles: matrix(1e300, None),
+                ..d()
+            },
+            "matrix lr·lr_scale",
+        ),
+        (
+            MuonConfig {
+                roles: matrix(1.0, Some(1e300)),
+                ..d()
+            },
+            "matrix lr·lr_scale",
+        ),
+        (
+            MuonConfig { lr: 1e-40, ..d() },
+            "learning rate must be 0 or",
+        ),
+        (
+            MuonConfig {
+                lr: 3e38,
+                weight_decay: 0.0,
+                ..d()
+            },
+            "learning rate must be 0 or",
+        ),
+    ] {
+        let err = Muon::new(c.clone()).unwrap_err().to_string();
+        assert!(err.contains(says), "{c:?}: {err}");
+    }
+}
+
+/// Muon's `set_learning_rate` runs construction's rate checks at the new rate, and the AdamW
+/// fallback's, whose rate follows in proportion: from a tiny configured rate the proportion
+/// is huge. Refused, nothing changes.
+#[test]
+fn set_learning_rate_checks_muons_and_the_fallbacks_rates_and_changes_nothing_on_error() {
+    let mut opt = Muon::new(MuonConfig {
+        lr: 1e-30,
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let fallback = opt.config().adamw.lr;
+    // The fallback would be at fallback·1e30 = 1e27, past 2^64.
+    let err = opt.set_learning_rate(1.0).unwrap_err().to_string();
+    assert!(err.contains("learning rate must be 0 or"), "{err}");
+    assert_eq!((opt.config().lr, opt.config().adamw.lr), (1e-30, fallback));
+    opt.set_learning_rate(1e-29).unwrap();
+    assert_eq!(opt.config().adamw.lr, fallback * (1e-29 / 1e-30));
+
+    let mut opt = Muon::new(MuonConfig {
+        weight_decay: 1e15,
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let err = opt.set_learning_rate(1e5).unwrap_err().to_string();
+    assert!(err.contains("lr·weight_decay"), "{err}");
+    assert_eq!(opt.learning_rate(), Some(1e-3));
 }
 
 #[test]
