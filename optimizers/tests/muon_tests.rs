@@ -138,25 +138,20 @@ fn loud() -> MuonConfig {
 /// NS of f32 vs f64 reference. Each f32 product carries a relative error of about
 /// `k·2⁻²⁴` (`k ≤ 80`, ≈ 5e-6) and each NS step can amplify an error by at most about
 /// `a = 3.4445` (the polynomial's slope at 0), so after 5 steps the bound is roughly
-/// `5e-6 · 3.4445⁵ ≈ 2.5e-3` of the entry scale. Observed (seed 7): at most 8e-7 with the
-/// quintic triple, 6.4e-5 with the steeper dion schedule (7×5). The tolerance, `5e-4` absolute
-/// on entries of size `~1/√short side`, is about 8× the worst observed error and still fails
-/// for any real bug (a wrong coefficient or a missing transpose changes entries by `> 1e-2`).
+/// `5e-6 · 3.4445⁵ ≈ 2.5e-3` of the entry scale. Observed (seed 7): at most 8.5e-7 with the
+/// quintic triple, 5.7e-7 with dion's five-triple schedule (a made-up schedule of dion's first
+/// two triples then the quintic, which `NsConfig::validate` now refuses, reached 6.4e-5: it
+/// amplified errors as it amplified singular values). The tolerance, `5e-4` absolute on
+/// entries of size `~1/√short side`, stays under the bound and still fails for any real bug (a
+/// wrong coefficient or a missing transpose changes entries by `> 1e-2`).
 const NS_ATOL: f64 = 5e-4;
 
 #[test]
 fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
     let mut rng = Rng::new(7);
-    let schedule = NsConfig {
-        steps: 5,
-        coeffs: vec![
-            [4.0848, -6.8946, 2.9270],
-            [3.9505, -6.3029, 2.6377],
-            QUINTIC,
-        ],
-        eps: 1e-7,
-        ..NsConfig::default()
-    };
+    // dion's five triples. (Its first two followed by the quintic, tested here before, can
+    // send a singular value of 0.86 to 6: `NsConfig::validate` refuses that schedule.)
+    let schedule = NsConfig::dion_quintic();
     for cfg in [NsConfig::default(), schedule] {
         for (rows, cols) in [
             (48, 80),
@@ -1175,8 +1170,9 @@ fn invalid_configs_are_refused() {
     assert!(Muon::new(MuonConfig::default()).is_ok());
 }
 
-/// Muon's matrix rate `lr·lr_scale` and decay are checked as products: each of these was
-/// accepted, and the first step wrote NaN into the parameters and returned `Ok`.
+/// Muon's matrix rate `lr·lr_scale` and decay are checked as products, and a Newton–Schulz
+/// schedule that lets a singular value grow is refused: each of these was accepted, and the
+/// first step wrote NaN into the parameters and returned `Ok`.
 #[test]
 fn configs_whose_updates_overflow_are_refused() {
     let d = MuonConfig::default;
@@ -1186,6 +1182,11 @@ fn configs_whose_updates_overflow_are_refused() {
             weight_decay,
         },
         ..RoleRule::default()
+    };
+    let ns = |coeffs: Vec<[f32; 3]>, norm_scale: f32| NsConfig {
+        coeffs,
+        norm_scale,
+        ..NsConfig::default()
     };
     for (c, says) in [
         (
@@ -1213,6 +1214,20 @@ fn configs_whose_updates_overflow_are_refused() {
                 ..d()
             },
             "learning rate must be 0 or",
+        ),
+        (
+            MuonConfig {
+                ns: ns(vec![[3.4445, 4.7750, 2.0315]], 1.0),
+                ..d()
+            },
+            "does not orthogonalize",
+        ),
+        (
+            MuonConfig {
+                ns: ns(vec![QUINTIC], 1e-30),
+                ..d()
+            },
+            "does not orthogonalize",
         ),
     ] {
         let err = Muon::new(c.clone()).unwrap_err().to_string();
