@@ -49,7 +49,8 @@ impl std::fmt::Display for Role {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RoleSettings {
     /// Multiplies the optimizer's learning rate for this role (default 1). The weight decay
-    /// `1 − lr·wd` uses the scaled rate too, so 0 leaves the role's parameters unchanged.
+    /// `1 − lr·wd` uses the scaled rate too, so 0 leaves the role's parameters unchanged. The
+    /// scaled rate and its decay are bounded as every rate is ([`RoleSettings::check_rates`]).
     pub lr_scale: f64,
     /// Replaces the optimizer's weight decay for this role (`None`, the default: the
     /// optimizer's own).

@@ -350,8 +350,9 @@ impl NsConfig {
                 let x2 = *x * *x;
                 *x = (*x * (a + x2 * (b + c * x2))).abs();
             }
-            // `!(x <= max)` also catches the NaN of ∞ − ∞.
-            if let Some(i) = sigma.iter().position(|x| !(*x <= MAX_SINGULAR_VALUE)) {
+            // NaN: the ∞ − ∞ of a value that overflowed f64.
+            let past = |x: &f64| x.is_nan() || *x > MAX_SINGULAR_VALUE;
+            if let Some(i) = sigma.iter().position(past) {
                 return Err(Error::BadInput {
                     op: "NsConfig::validate",
                     what: format!(
