@@ -107,19 +107,29 @@ pub fn fits_in_memory(op: &'static str, what: &str, bytes: usize) -> Result<usiz
 
 /// `n` zeros, or `Err` naming `what` where the allocator refuses them: an address-space limit
 /// (`ulimit -v`) or a cgroup can refuse what [`fits_in_memory`] saw available, and an
-/// infallible allocation would then abort the process.
-pub fn zeroed<T: Clone + Default>(op: &'static str, what: &str, n: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|e| Error::BadInput {
-        op,
-        what: what.to_string(),
-        reason: format!(
-            "cannot allocate {n} elements of {} bytes: {e}",
-            std::mem::size_of::<T>()
-        ),
-    })?;
-    v.resize(n, T::default());
-    Ok(v)
+/// infallible allocation would then abort the process (`vec![0; n]` aborts, or panics when
+/// `n` elements overflow the address space).
+pub fn zeroed<T: bytemuck::Zeroable>(op: &'static str, what: &str, n: usize) -> Result<Vec<T>> {
+    // Allocated zeroed (calloc), as `vec![0.0; n]` is: a large allocation's fresh pages are
+    // zero already, so nothing is written before the caller writes.
+    bytemuck::allocation::try_zeroed_vec(n).map_err(|()| {
+        let size = std::mem::size_of::<T>();
+        let bytes = n.checked_mul(size).filter(|&b| b <= isize::MAX as usize);
+        Error::BadInput {
+            op,
+            what: what.to_string(),
+            reason: match bytes {
+                Some(b) => format!(
+                    "cannot allocate {n} elements of {size} bytes: the allocator refused {}",
+                    human_bytes(b as u64)
+                ),
+                None => format!(
+                    "cannot allocate {n} elements of {size} bytes: more than one allocation can \
+                     hold"
+                ),
+            },
+        }
+    })
 }
 
 /// `path`'s size if it is a regular file (or a link to one), else `Err`: reading a FIFO

@@ -385,8 +385,9 @@ pub trait Optimizer: Send + Sync {
     }
 
     /// Sets the learning rate of the main update; an optimizer with several rates (Muon's
-    /// element-wise fallback) scales the others by the same ratio. `Err` for a rate that is
-    /// negative or not finite, or an optimizer that does not support it (the default).
+    /// element-wise fallback) scales the others by the same ratio. `Err`, the rate unchanged,
+    /// for a rate [`check_rates`] refuses at the optimizer's weight decays and role scales (as
+    /// its constructor would), or an optimizer that does not support it (the default).
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         let _ = lr;
         Err(crate::Error::BadInput {
@@ -445,7 +446,16 @@ pub trait Optimizer: Send + Sync {
 /// `ragged-optimizers` crate).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
+    /// Checked by [`check_rate`] in `init`, `init_on` and `step` (a public field, so it may
+    /// change between them): NaN, negative (gradient ascent) and infinite rates are `Err`.
     pub lr: f32,
+}
+
+impl Sgd {
+    /// `Err(BadInput)` from `op` unless `lr` passes [`check_rate`].
+    fn check(&self, op: &'static str) -> Result<()> {
+        check_rate(op, "Sgd lr", f64::from(self.lr)).map(drop)
+    }
 }
 
 impl Optimizer for Sgd {
@@ -461,10 +471,12 @@ impl Optimizer for Sgd {
     }
 
     fn init(&self, _shard: &LocalShard) -> Result<Placement> {
+        self.check("Sgd::init")?;
         Ok(Placement::Cpu)
     }
 
     fn init_on(&self, _shard: &LocalShard, place: &Placement) -> Result<Placement> {
+        self.check("Sgd::init_on")?;
         Ok(place.clone())
     }
 
@@ -492,6 +504,7 @@ impl Optimizer for Sgd {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Sgd::step";
+        self.check(OP)?;
         check_shard_lengths(shard, params.len(), grads.len(), OP)?;
         shard.check(OP)?;
         let spans = shard
@@ -535,18 +548,63 @@ fn check_globals<T>(op: &'static str, params: &[ParamMeta], global: &[Vec<T>]) -
     Ok(())
 }
 
-/// `lr` if it is finite and not negative (what [`Optimizer::set_learning_rate`] accepts).
-pub fn check_learning_rate(lr: f64) -> Result<f64> {
-    // The steps compute in f32: a rate beyond f32's range would become infinite there.
-    if lr.is_finite() && lr >= 0.0 && lr <= f64::from(f32::MAX) {
-        Ok(lr)
-    } else {
-        Err(crate::Error::BadInput {
-            op: "set_learning_rate",
-            what: format!("learning rate {lr}"),
-            reason: "must be finite (as an f32) and not negative".into(),
-        })
+/// The largest learning rate an optimizer accepts, role scales included, and the largest
+/// decay `lr·weight_decay`: 2^64 (1.8e19), the square root of f32's range (f32::MAX < 2^128).
+/// A step multiplies the rate by a normalized update: Adam's `m̂/(√v̂ + ε)` (about 1; for
+/// `β₁² < β₂` at most `(1 − β₁)/√((1 − β₂)(1 − β₁²/β₂))` by Cauchy–Schwarz over the moments'
+/// sums, 7.3 at torch's betas), Muon's orthogonalized matrix
+/// (entries at most about 1) times its shape scale (`√(rows/cols)` or `0.2·√max(rows, cols)`),
+/// SGD's gradient; and the decay factor `1 − lr·wd` multiplies a parameter. Splitting f32's
+/// range evenly between the two factors, a product stays finite for every update (or
+/// parameter) below `f32::MAX / 2^64` (1.8e19), far above any of these, while the bound
+/// refuses only rates no one trains with (torch's default is 1e-3; rates above 10 are rare).
+pub const MAX_LEARNING_RATE: f64 = 18_446_744_073_709_551_616.0;
+
+/// `rate` if it is 0 or a normal f32 at most [`MAX_LEARNING_RATE`], else `Err(BadInput)` from
+/// `op` naming `what`: the one check of every learning rate an optimizer multiplies an update
+/// by (its own, [`Optimizer::set_learning_rate`]'s, each role's `lr·lr_scale`).
+pub fn check_rate(op: &'static str, what: &str, rate: f64) -> Result<f64> {
+    // 0 is a rate (a warm-up starts there). A positive rate below f32::MIN_POSITIVE is
+    // subnormal, or 0, where it meets the f32 update, and a rate kept in proportion to it
+    // (Muon's fallback follows `lr / base lr`) would be scaled by up to 1e45.
+    let normal = (f64::from(f32::MIN_POSITIVE)..=MAX_LEARNING_RATE).contains(&rate);
+    if rate == 0.0 || normal {
+        return Ok(rate);
     }
+    Err(crate::Error::BadInput {
+        op,
+        what: format!("{what} = {rate}"),
+        reason: "a learning rate must be 0 or lie in [f32::MIN_POSITIVE, 2^64] = [1.2e-38, \
+                 1.8e19]: smaller rates are subnormal in the f32 update, larger ones let it \
+                 overflow"
+            .into(),
+    })
+}
+
+/// `Err(BadInput)` from `op` unless `lr` passes [`check_rate`] and its decay `lr·weight_decay`
+/// is at most [`MAX_LEARNING_RATE`] (so the factor `1 − lr·wd` times a parameter stays finite).
+/// `what` names the rate (`lr`, `matrix lr·lr_scale`). Construction and
+/// [`Optimizer::set_learning_rate`] both call it: a decay finite at one rate may not be at
+/// the next.
+pub fn check_rates(op: &'static str, what: &str, lr: f64, weight_decay: f64) -> Result<()> {
+    check_rate(op, what, lr)?;
+    let decay = lr * weight_decay;
+    // Also refuses NaN (an infinite decay at a rate of 0).
+    if decay <= MAX_LEARNING_RATE {
+        return Ok(());
+    }
+    Err(crate::Error::BadInput {
+        op,
+        what: format!("{what}·weight_decay = {lr}·{weight_decay} = {decay}"),
+        reason: "the decay lr·weight_decay must be at most 2^64 (1.8e19), or the factor \
+                 1 − lr·wd times a parameter overflows f32"
+            .into(),
+    })
+}
+
+/// `lr` if [`check_rate`] accepts it as [`Optimizer::set_learning_rate`]'s argument.
+pub fn check_learning_rate(lr: f64) -> Result<f64> {
+    check_rate("set_learning_rate", "learning rate", lr)
 }
 
 /// Checks that `params` and `grads` cover exactly the local shard.
@@ -566,4 +624,61 @@ pub fn check_shard_lengths(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::SingleRank;
+
+    #[test]
+    fn learning_rates_are_zero_or_normal_f32_up_to_two_to_the_64() {
+        let min = f64::from(f32::MIN_POSITIVE);
+        for ok in [0.0, min, 1e-6, 1.0, 10.0, MAX_LEARNING_RATE] {
+            assert_eq!(check_learning_rate(ok).unwrap(), ok);
+        }
+        for bad in [
+            -1.0,
+            min / 2.0,
+            1e-45,
+            MAX_LEARNING_RATE * 1.01,
+            3e38,
+            f64::NAN,
+        ] {
+            let err = check_learning_rate(bad).unwrap_err().to_string();
+            assert!(err.contains("must be 0 or lie in"), "{bad}: {err}");
+        }
+        // The decay is a product of two accepted values: each passing alone is not enough.
+        check_rates("t", "lr", 1e-3, 1e20).unwrap();
+        let err = check_rates("t", "lr", 1.0, 1e20).unwrap_err().to_string();
+        assert!(err.contains("lr·weight_decay"), "{err}");
+        assert!(
+            check_rates("t", "lr", 0.0, f64::INFINITY).is_err(),
+            "0·∞ is NaN"
+        );
+    }
+
+    /// `Sgd`'s rate is a public field nothing constructs through: `init` and `step` check it
+    /// (NaN wrote NaN into every parameter, −1 ascended the gradient, both `Ok`).
+    #[test]
+    fn sgd_refuses_a_nan_negative_or_infinite_rate_at_init_and_step() {
+        let shard =
+            LocalShard::unsharded([("w", &[4usize][..])], &|_, _| AtomicBlock::Element).unwrap();
+        let (mut p, g) = (vec![1.0f32; 4], vec![0.5f32; 4]);
+        for lr in [f32::NAN, -1.0, f32::INFINITY, 1e-40] {
+            let sgd = Sgd { lr };
+            let err = sgd.init(&shard).unwrap_err().to_string();
+            assert!(err.contains("Sgd::init") && err.contains("Sgd lr"), "{err}");
+            assert!(sgd.init_on(&shard, &Placement::Cpu).is_err());
+            let mut place = Placement::Cpu;
+            let step = sgd.step_slices(&mut place, &shard, &mut p, &g, &SingleRank);
+            assert!(step.is_err(), "{lr}");
+        }
+        assert_eq!(p, [1.0; 4], "nothing stepped");
+        let sgd = Sgd { lr: 0.5 };
+        let mut place = sgd.init(&shard).unwrap();
+        sgd.step_slices(&mut place, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+        assert_eq!(p, [0.75; 4]);
+    }
 }

@@ -49,11 +49,30 @@ impl std::fmt::Display for Role {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RoleSettings {
     /// Multiplies the optimizer's learning rate for this role (default 1). The weight decay
-    /// `1 − lr·wd` uses the scaled rate too, so 0 leaves the role's parameters unchanged.
+    /// `1 − lr·wd` uses the scaled rate too, so 0 leaves the role's parameters unchanged. The
+    /// scaled rate and its decay are bounded as every rate is ([`RoleSettings::check_rates`]).
     pub lr_scale: f64,
     /// Replaces the optimizer's weight decay for this role (`None`, the default: the
     /// optimizer's own).
     pub weight_decay: Option<f64>,
+}
+
+impl RoleSettings {
+    /// `Err(BadInput)` from `op` unless this role's rate `lr·lr_scale` and its decay (times
+    /// its weight decay, or the optimizer's `weight_decay`) pass
+    /// [`crate::optim::check_rates`]: what a step multiplies this role's tensors by, at the
+    /// optimizer's rate `lr`. Each value passing [`RoleRule::validate`] alone does not make
+    /// their product finite (`lr_scale = 1e300`).
+    pub fn check_rates(
+        &self,
+        op: &'static str,
+        role: Role,
+        lr: f64,
+        weight_decay: f64,
+    ) -> Result<()> {
+        let wd = self.weight_decay.unwrap_or(weight_decay);
+        crate::optim::check_rates(op, &format!("{role} lr·lr_scale"), lr * self.lr_scale, wd)
+    }
 }
 
 impl Default for RoleSettings {
@@ -152,10 +171,17 @@ impl RoleRule {
         }
     }
 
+    /// The roles a step updates, with their settings.
+    fn stepped(&self) -> impl Iterator<Item = (Role, RoleSettings)> + '_ {
+        let roles = [Role::Matrix, Role::ElementWise, Role::Fp32State];
+        roles
+            .into_iter()
+            .filter_map(|r| Some((r, self.settings(r)?)))
+    }
+
     /// `Err` unless every role's `lr_scale` and `weight_decay` are finite and non-negative.
     pub fn validate(&self) -> Result<()> {
-        let roles = [Role::Matrix, Role::ElementWise, Role::Fp32State];
-        for (role, s) in roles.iter().filter_map(|&r| Some((r, self.settings(r)?))) {
+        for (role, s) in self.stepped() {
             let wd = s.weight_decay.unwrap_or(0.0);
             for (what, v) in [("lr_scale", s.lr_scale), ("weight_decay", wd)] {
                 if !(v.is_finite() && v >= 0.0) {
@@ -168,6 +194,13 @@ impl RoleRule {
             }
         }
         Ok(())
+    }
+
+    /// [`RoleSettings::check_rates`] for every stepped role at the optimizer's `lr` and
+    /// `weight_decay`; call it after [`RoleRule::validate`] (which names a bad value alone).
+    pub fn check_rates(&self, op: &'static str, lr: f64, weight_decay: f64) -> Result<()> {
+        self.stepped()
+            .try_for_each(|(role, s)| s.check_rates(op, role, lr, weight_decay))
     }
 }
 

@@ -23,10 +23,13 @@ use crate::{Error, Result};
 
 /// The element types storage holds (plain data; on a `cuda` build also device-representable).
 #[cfg(feature = "cuda")]
-pub trait Elem: Copy + Default + Send + Sync + 'static + DeviceRepr + ValidAsZeroBits {}
+pub trait Elem:
+    Copy + Default + Send + Sync + 'static + bytemuck::Zeroable + DeviceRepr + ValidAsZeroBits
+{
+}
 /// The element types storage holds (plain data; on a `cuda` build also device-representable).
 #[cfg(not(feature = "cuda"))]
-pub trait Elem: Copy + Default + Send + Sync + 'static {}
+pub trait Elem: Copy + Default + Send + Sync + 'static + bytemuck::Zeroable {}
 
 impl Elem for f32 {}
 impl Elem for u8 {}
@@ -114,10 +117,14 @@ fn on_device(op: &'static str) -> Error {
 }
 
 impl Placement {
-    /// `len` zeroed elements here.
+    /// `len` zeroed elements here; `Err`, not an abort, where the memory is refused.
     pub fn zeros<T: Elem>(&self, len: usize) -> Result<Storage<T>> {
         match self {
-            Placement::Cpu => Ok(Storage::Cpu(vec![T::default(); len])),
+            Placement::Cpu => Ok(Storage::Cpu(crate::limits::zeroed(
+                "Placement::zeros",
+                "host storage",
+                len,
+            )?)),
             #[cfg(feature = "cuda")]
             Placement::Cuda(dev) => Ok(Storage::Cuda(DeviceVec {
                 data: dev.zeros(len)?,
@@ -550,6 +557,23 @@ mod tests {
             Placement::Cpu.put(vec![3u8, 4]).unwrap(),
             Storage::Cpu(vec![3u8, 4])
         );
+    }
+
+    /// Host storage beyond memory, or beyond the address space, is an `Err` naming the op:
+    /// `vec![0.0; n]` aborted the process ("memory allocation of … bytes failed") or panicked
+    /// ("capacity overflow"), reached from `fully_shard` with a huge collective alignment.
+    #[test]
+    fn host_storage_beyond_memory_is_an_error_not_an_abort() {
+        // 2^60 f32 = 4 EiB (no machine has it); 2^62 f32 = 2^64 bytes overflows usize.
+        for len in [1usize << 60, 1 << 62] {
+            let err = Placement::Cpu.zeros::<f32>(len).unwrap_err().to_string();
+            assert!(
+                err.contains("Placement::zeros") && err.contains("cannot allocate"),
+                "{err}"
+            );
+        }
+        let s = Placement::Cpu.zeros::<u16>(5).unwrap();
+        assert_eq!(s.cpu().unwrap(), &[0u16; 5]);
     }
 
     #[test]

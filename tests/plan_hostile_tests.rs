@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use ragged::plan::multi::{plan_multi_items, MultiOptions};
-use ragged::plan::{plan_items, Item, Layout, PlanOptions};
+use ragged::plan::{plan_items, Item, Layout, PlanOptions, MAX_ALIGN};
 
 /// Far above any real plan (milliseconds); a search scanning element by element takes minutes.
 const HANG: Duration = Duration::from_secs(5);
@@ -94,6 +94,37 @@ fn whole_blocks_of_a_trillion_elements_plan_fast() {
     }
 }
 
+/// An alignment above `MAX_ALIGN` (2^20 elements) is refused by the options check, before
+/// anything is planned or allocated: `fully_shard` with `coll_align = 2^33` aborted the
+/// process on a 32 GiB allocation, `2^62` panicked ("capacity overflow"), and
+/// `start_align = coll_align = 2^28` took 28 s. `MAX_ALIGN` itself plans.
+#[test]
+fn alignments_above_two_to_the_20_are_refused_before_planning() {
+    let items = vec![Item::new(1000, 1, 1).unwrap(); 3];
+    for (coll_align, start_align) in [
+        (MAX_ALIGN + 1, 1),
+        (1 << 28, 1 << 28),
+        (1 << 33, 1),
+        (1 << 62, 1),
+        (usize::MAX, 1),
+    ] {
+        let opts = PlanOptions {
+            coll_align,
+            start_align,
+            ..PlanOptions::default()
+        };
+        let err = timed(&items, 2, &opts).unwrap_err().to_string();
+        assert!(err.contains("is above 1048576 elements"), "{err}");
+    }
+    let opts = PlanOptions {
+        coll_align: MAX_ALIGN,
+        start_align: MAX_ALIGN,
+        ..PlanOptions::default()
+    };
+    let layout = timed(&items, 2, &opts).unwrap();
+    check_layout(&items, &layout, MAX_ALIGN);
+}
+
 /// Sizes from tiny to 2^64 − 1, mixed so that sums and products overflow in every way.
 fn size() -> impl Strategy<Value = usize> {
     prop_oneof![
@@ -111,7 +142,7 @@ proptest! {
     fn any_sizes_give_a_valid_layout_or_an_error_in_bounded_time(
         tensors in prop::collection::vec((size(), size()), 1..=6),
         world in size(),
-        coll in prop_oneof![Just(1usize), Just(64), size()],
+        coll in prop_oneof![Just(1usize), Just(64), 1..=MAX_ALIGN, size()],
     ) {
         let items: Vec<Item> = tensors
             .iter()
@@ -134,7 +165,7 @@ proptest! {
     fn multi_buffer_plans_are_valid_or_errors_in_bounded_time(
         tensors in prop::collection::vec((size(), size()), 1..=8),
         world in size(),
-        coll in prop_oneof![Just(1usize), Just(64), size()],
+        coll in prop_oneof![Just(1usize), Just(64), 1..=MAX_ALIGN, size()],
         max_buffers in 1..=16usize,
     ) {
         let items: Vec<Item> = tensors

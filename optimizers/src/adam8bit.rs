@@ -693,7 +693,7 @@ impl Optimizer for Adam8bit {
 
     /// The 8-bit moments and the f32 fallback share one rate.
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
-        let lr = ragged::optim::check_learning_rate(lr)?;
+        // AdamW's checks: the rates of `config.adam` at `lr`, roles included.
         self.adamw.set_learning_rate(lr)?;
         self.config.adam.lr = lr;
         Ok(())

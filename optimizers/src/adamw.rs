@@ -122,24 +122,32 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
-    /// torch's checks (`0 ≤ lr`, `0 ≤ β₁ < 1`, `0 ≤ β₂ < 1`, `0 ≤ wd`, all finite), but
-    /// `ε ≥` [`MIN_EPS`] where torch takes `0 ≤ ε`, and each value and `lr·wd` finite as an
-    /// `f32` (the kernels' precision).
+    /// torch's checks (`0 ≤ β₁ < 1`, `0 ≤ β₂ < 1`, `0 ≤ wd`, all finite), but `ε ≥`
+    /// [`MIN_EPS`] where torch takes `0 ≤ ε`, each value finite as an `f32` (the kernels'
+    /// precision), [`RoleRule::validate`], and the rates of [`AdamWConfig::check_rates`].
     pub fn validate(&self) -> Result<()> {
+        const OP: &str = "AdamWConfig::validate";
         check_hyperparameters(
-            "AdamWConfig::validate",
-            "betas must lie in [0, 1); lr and weight_decay must not be negative; eps must be at \
-             least f32::MIN_POSITIVE (1.2e-38), or Adam divides 0 by 0 where a gradient is zero",
+            OP,
+            "betas must lie in [0, 1); weight_decay must not be negative; eps must be at least \
+             f32::MIN_POSITIVE (1.2e-38), or Adam divides 0 by 0 where a gradient is zero",
             &[
-                ("lr", self.lr, self.lr >= 0.0),
                 ("eps", self.eps, self.eps >= MIN_EPS),
                 ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
                 ("beta2", self.beta2, (0.0..1.0).contains(&self.beta2)),
                 ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
-                ("lr·weight_decay", self.lr * self.weight_decay, true),
             ],
         )?;
-        self.roles.validate()
+        self.roles.validate()?;
+        self.check_rates(OP, self.lr)
+    }
+
+    /// `Err(BadInput)` from `op` unless, at learning rate `lr`, the rate and every role's
+    /// `lr·lr_scale` and decay pass [`ragged::optim::check_rates`]: the one check of the rates
+    /// that [`AdamWConfig::validate`] and [`Optimizer::set_learning_rate`] share.
+    pub fn check_rates(&self, op: &'static str, lr: f64) -> Result<()> {
+        ragged::optim::check_rates(op, "lr", lr, self.weight_decay)?;
+        self.roles.check_rates(op, lr, self.weight_decay)
     }
 }
 
@@ -312,7 +320,8 @@ impl Optimizer for AdamW {
     }
 
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
-        self.config.lr = ragged::optim::check_learning_rate(lr)?;
+        self.config.check_rates("set_learning_rate", lr)?;
+        self.config.lr = lr;
         Ok(())
     }
 

@@ -272,7 +272,8 @@ pub const MIN_EPS: f64 = f32::MIN_POSITIVE as f64;
 
 /// `Err(BadInput)` naming `op`, the value and `rules` for the first `(name, value, ok)` whose
 /// rule fails (`!ok`), that is not finite, or that overflows the `f32` the kernels compute
-/// with. Pass derived products (`lr·weight_decay`) too: each must stay finite in `f32`.
+/// with. Learning rates and their products with the weight decays are checked by
+/// [`ragged::optim::check_rates`] instead (bounds tighter than `f32`'s range).
 pub fn check_hyperparameters(
     op: &'static str,
     rules: &str,

@@ -222,26 +222,38 @@ impl Default for MuonConfig {
 }
 
 impl MuonConfig {
-    /// torch's checks (`0 ≤ lr`, `0 ≤ wd`, `0 ≤ μ < 1`, finite), [`NsConfig::validate`] and
+    /// torch's checks (`0 ≤ wd`, `0 ≤ μ < 1`, finite), [`NsConfig::validate`],
+    /// [`RoleRule::validate`], the rates of [`MuonConfig::check_rates`] and
     /// [`AdamWConfig::validate`].
     pub fn validate(&self) -> Result<()> {
+        const OP: &str = "MuonConfig::validate";
         check_hyperparameters(
-            "MuonConfig::validate",
-            "momentum must lie in [0, 1); lr and weight_decay must not be negative",
+            OP,
+            "momentum must lie in [0, 1); weight_decay must not be negative",
             &[
-                ("lr", self.lr, self.lr >= 0.0),
                 ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
                 (
                     "momentum",
                     self.momentum,
                     (0.0..1.0).contains(&self.momentum),
                 ),
-                ("lr·weight_decay", self.lr * self.weight_decay, true),
             ],
         )?;
         self.ns.validate()?;
         self.roles.validate()?;
+        self.check_rates(OP, self.lr)?;
         self.adamw.validate()
+    }
+
+    /// `Err(BadInput)` from `op` unless, at learning rate `lr`, Muon's rate and the `Matrix`
+    /// role's `lr·lr_scale` and decay pass [`ragged::optim::check_rates`] (the fallback's are
+    /// [`AdamWConfig::check_rates`]): the one check of the rates that
+    /// [`MuonConfig::validate`] and [`Optimizer::set_learning_rate`] share.
+    pub fn check_rates(&self, op: &'static str, lr: f64) -> Result<()> {
+        ragged::optim::check_rates(op, "lr", lr, self.weight_decay)?;
+        self.roles
+            .matrix
+            .check_rates(op, Role::Matrix, lr, self.weight_decay)
     }
 }
 
@@ -441,9 +453,12 @@ impl Optimizer for Muon {
     }
 
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
-        let lr = ragged::optim::check_learning_rate(lr)?;
+        self.config.check_rates("set_learning_rate", lr)?;
         // From the configured rates, not the current ones: a rate of 0 would otherwise lose
         // the proportion for good. Configured with lr = 0, the fallback keeps its own rate.
+        // The base rate is 0 or normal in f32 (`check_rates`), but the proportion can still
+        // carry the fallback past its bounds: the fallback's `set_learning_rate` checks its
+        // rates, and refuses without changing anything (nor has anything here changed yet).
         let (base_lr, base_fallback) = self.base_rates;
         let fallback = if base_lr > 0.0 {
             base_fallback * (lr / base_lr)

@@ -141,6 +141,21 @@ pub const POLAR_EXPRESS: [[f32; 3]; 5] = {
 /// dion's Polar Express divides by `1.02·‖X‖_F` so the spectrum starts safely below 1.
 pub const POLAR_EXPRESS_NORM_SCALE: f32 = 1.02;
 
+/// The largest singular value a Newton–Schulz schedule may produce, at any step, from any
+/// input ([`NsConfig::validate`]). Newton–Schulz drives singular values towards 1: the
+/// published schedules peak at 1.20 ([`QUINTIC`]), 1.27 ([`DION_QUINTIC`]) and 1.99 (the
+/// first, overshooting step of [`POLAR_EXPRESS`]). A schedule that sends one past 4 does not
+/// orthogonalize: with a typo'd coefficient, or a `norm_scale` below 0.8 ([`QUINTIC`]; 0.98
+/// for Polar Express), a step's `c·σ⁵` passes it, each further step raises it to the fifth
+/// power again, and within a few steps the update is infinite.
+pub const MAX_SINGULAR_VALUE: f64 = 4.0;
+
+/// Points of `[0, 1/norm_scale]` whose path through the schedule [`NsConfig::validate`]
+/// follows. The published schedules' steps have slopes below 17 where they act (Polar
+/// Express's first step), so a peak between two points lies at most about 0.03 above them;
+/// measured, these points' maximum is within 1e-5 of a 100 000-point grid's.
+const SCHEDULE_CHECK_POINTS: usize = 256;
+
 /// Products with at least this many output elements are split over rayon tasks by row
 /// (`Reference` backend).
 pub const PAR_MIN_OUT: usize = 1 << 14;
@@ -288,7 +303,8 @@ impl NsConfig {
     }
 
     /// `Err` unless `1 ≤ steps < 100`, the schedule is non-empty and every value is finite
-    /// (`eps > 0`, `norm_scale > 0`).
+    /// (`eps > 0`, `norm_scale > 0`), and the schedule keeps every singular value at most
+    /// [`MAX_SINGULAR_VALUE`] (`NsConfig::check_schedule`).
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String, reason: &str| {
             Err(Error::BadInput {
@@ -314,6 +330,44 @@ impl NsConfig {
                 format!("norm_scale = {}", self.norm_scale),
                 "must be finite and positive",
             );
+        }
+        self.check_schedule()
+    }
+
+    /// `Err(BadInput)` if a singular value of the normalized input can pass
+    /// [`MAX_SINGULAR_VALUE`] at some step. Step 2 leaves every singular value in
+    /// `[0, 1/norm_scale]` (`σ ≤ ‖X‖_F`, equal for a rank-1 matrix, which a one-example
+    /// gradient is), and step `k` maps each `σ` to `|p(σ)|`, `p(x) = a·x + b·x³ + c·x⁵`: the
+    /// check follows [`SCHEDULE_CHECK_POINTS`] points of that interval through `steps` steps
+    /// in `f64` (a few thousand multiply-adds).
+    fn check_schedule(&self) -> Result<()> {
+        let top = 1.0 / f64::from(self.norm_scale);
+        let n = SCHEDULE_CHECK_POINTS;
+        let mut sigma: Vec<f64> = (0..=n).map(|i| top * i as f64 / n as f64).collect();
+        for k in 0..self.steps {
+            let [a, b, c] = self.coeffs_at(k).map(f64::from);
+            for x in &mut sigma {
+                let x2 = *x * *x;
+                *x = (*x * (a + x2 * (b + c * x2))).abs();
+            }
+            // NaN: the ∞ − ∞ of a value that overflowed f64.
+            let past = |x: &f64| x.is_nan() || *x > MAX_SINGULAR_VALUE;
+            if let Some(i) = sigma.iter().position(past) {
+                return Err(Error::BadInput {
+                    op: "NsConfig::validate",
+                    what: format!(
+                        "coeffs = {:?}, norm_scale = {}",
+                        self.coeffs, self.norm_scale
+                    ),
+                    reason: format!(
+                        "step {k} sends the singular value {:.3} of the normalized input to {:e}, \
+                         past {MAX_SINGULAR_VALUE}: the schedule does not orthogonalize (the \
+                         published ones stay below 2)",
+                        top * i as f64 / n as f64,
+                        sigma[i]
+                    ),
+                });
+            }
         }
         Ok(())
     }

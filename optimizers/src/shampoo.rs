@@ -213,9 +213,9 @@ impl Default for ShampooConfig {
 }
 
 impl ShampooConfig {
-    /// fb's checks: `0 ≤ lr`, `0 ≤ β₁ < 1`, `0 < β₂ ≤ 1`, `ε > 0`, `wd ≥ 0`, all finite;
-    /// `d ≥ 1`, `f ≥ 1`, `start ≥ f`; an exponent override `> 0`; grafting `ε > 0`,
-    /// `0 < β₂ᵍ ≤ 1`.
+    /// fb's checks: `0 ≤ β₁ < 1`, `0 < β₂ ≤ 1`, `ε > 0`, `wd ≥ 0`, all finite; `d ≥ 1`,
+    /// `f ≥ 1`, `start ≥ f`; an exponent override `> 0`; grafting `ε > 0`, `0 < β₂ᵍ ≤ 1`; and
+    /// the rates of [`ShampooConfig::check_rates`].
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String, reason: &str| {
             Err(Error::BadInput {
@@ -226,16 +226,15 @@ impl ShampooConfig {
         };
         check_hyperparameters(
             "ShampooConfig::validate",
-            "need 0 ≤ lr, 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0",
+            "need 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0",
             &[
-                ("lr", self.lr, self.lr >= 0.0),
                 ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
                 ("beta2", self.beta2, self.beta2 > 0.0 && self.beta2 <= 1.0),
                 ("epsilon", self.epsilon, self.epsilon > 0.0),
                 ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
-                ("lr·weight_decay", self.lr * self.weight_decay, true),
             ],
         )?;
+        self.check_rates("ShampooConfig::validate", self.lr)?;
         if self.max_preconditioner_dim == 0 {
             return bad(
                 "max_preconditioner_dim = 0".into(),
@@ -277,6 +276,13 @@ impl ShampooConfig {
             }
         }
         Ok(())
+    }
+
+    /// `Err(BadInput)` from `op` unless the rate `lr` and its decay `lr·weight_decay` pass
+    /// [`ragged::optim::check_rates`]: the check [`ShampooConfig::validate`] and
+    /// [`Optimizer::set_learning_rate`] share.
+    pub fn check_rates(&self, op: &'static str, lr: f64) -> Result<()> {
+        ragged::optim::check_rates(op, "lr", lr, self.weight_decay)
     }
 
     /// The step Shampoo starts at (`start_preconditioning_step`, or `f` when `None`).
@@ -594,7 +600,8 @@ impl Optimizer for Shampoo {
     }
 
     fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
-        self.config.lr = ragged::optim::check_learning_rate(lr)?;
+        self.config.check_rates("set_learning_rate", lr)?;
+        self.config.lr = lr;
         Ok(())
     }
 

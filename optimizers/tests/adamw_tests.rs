@@ -5,12 +5,13 @@
 use proptest::prelude::*;
 use ragged::comm::SingleRank;
 use ragged::model::{DType, TensorSpec};
+use ragged::optim::MAX_LEARNING_RATE;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged::AtomicBlock;
+use ragged::{AtomicBlock, RoleRule, RoleSettings};
 use ragged_optimizers::adamw::{adamw_update, PAR_MIN_ELEMS};
 use ragged_optimizers::common::{self, AdamScale, MomentCoeffs};
-use ragged_optimizers::{AdamState, AdamW, AdamWConfig, DecayRule};
+use ragged_optimizers::{Adam8bit, Adam8bitConfig, AdamState, AdamW, AdamWConfig, DecayRule};
 
 mod harness;
 use harness::{bits, gather, numels, padding, planned_shards, scatter, whole_shard, Rng};
@@ -815,6 +816,114 @@ fn invalid_hyperparameters_are_rejected() {
         ..d
     })
     .is_ok());
+}
+
+/// A role's rate `lr·lr_scale` and decay `lr·lr_scale·wd` are what a step multiplies by:
+/// each value finite alone does not make their product finite, so the products are checked
+/// (these wrote NaN into the parameters and the step returned `Ok`).
+#[test]
+fn role_rates_whose_products_overflow_are_refused() {
+    let d = AdamWConfig::default();
+    let role = |lr_scale: f64, weight_decay: Option<f64>| RoleRule {
+        matrix: RoleSettings {
+            lr_scale,
+            weight_decay,
+        },
+        ..RoleRule::default()
+    };
+    for roles in [
+        role(1e300, None),
+        role(1.0, Some(1e300)),
+        role(1e30, Some(1e10)),
+    ] {
+        let err = AdamW::new(AdamWConfig { roles, ..d })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("matrix lr·lr_scale"), "{err}");
+    }
+    // A role at rate 0 (lr_scale 0) is frozen in place, and that is fine.
+    assert!(AdamW::new(AdamWConfig {
+        roles: role(0.0, Some(1e300)),
+        ..d
+    })
+    .is_ok());
+}
+
+/// The rates of 0 and of [1.2e-38, 2^64] are accepted: a rate that is subnormal in f32 is not
+/// (it would scale anything kept in proportion by up to 1e45), nor one whose update can
+/// overflow f32 (`lr = 3e38` is finite, its updates were not).
+#[test]
+fn learning_rates_are_zero_or_normal_up_to_two_to_the_64() {
+    let d = AdamWConfig::default();
+    for lr in [
+        0.0,
+        1e-6,
+        1e-3,
+        10.0,
+        f64::from(f32::MIN_POSITIVE),
+        MAX_LEARNING_RATE,
+    ] {
+        assert!(
+            AdamW::new(AdamWConfig {
+                lr,
+                weight_decay: 0.0,
+                ..d
+            })
+            .is_ok(),
+            "{lr}"
+        );
+    }
+    for lr in [1e-40, 1e-300, 2.0 * MAX_LEARNING_RATE, 3e38, f64::INFINITY] {
+        let err = AdamW::new(AdamWConfig {
+            lr,
+            weight_decay: 0.0,
+            ..d
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("learning rate must be 0 or lie in"),
+            "{err}"
+        );
+    }
+}
+
+/// `set_learning_rate` checks what construction checks, at the new rate: a decay or a role's
+/// rate finite at the configured rate can overflow at the next. Refused, the rate stays.
+#[test]
+fn set_learning_rate_rechecks_the_decay_and_role_rates() {
+    let mut opt = AdamW::new(AdamWConfig {
+        weight_decay: 1e15,
+        ..AdamWConfig::default()
+    })
+    .unwrap();
+    let err = opt.set_learning_rate(1e5).unwrap_err().to_string();
+    assert!(err.contains("lr·weight_decay"), "{err}");
+    assert_eq!(opt.learning_rate(), Some(1e-3));
+    opt.set_learning_rate(1e-4).unwrap();
+
+    let mut opt = AdamW::new(AdamWConfig {
+        roles: RoleRule {
+            fp32_state: RoleSettings {
+                lr_scale: 1e15,
+                weight_decay: Some(0.0),
+            },
+            ..RoleRule::default()
+        },
+        ..AdamWConfig::default()
+    })
+    .unwrap();
+    let err = opt.set_learning_rate(1e5).unwrap_err().to_string();
+    assert!(err.contains("fp32-state lr·lr_scale"), "{err}");
+    assert_eq!(opt.config().lr, 1e-3);
+    // An 8-bit Adam steps with the same AdamW rates, and checks them the same way.
+    let mut a8 = Adam8bit::new(Adam8bitConfig {
+        adam: *opt.config(),
+        ..Adam8bitConfig::default()
+    })
+    .unwrap();
+    assert!(a8.set_learning_rate(1e5).is_err());
+    assert_eq!(a8.learning_rate(), Some(1e-3));
 }
 
 /// At the smallest ε accepted, elements whose gradient has always been zero stay where they

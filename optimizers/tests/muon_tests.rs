@@ -10,7 +10,7 @@ use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
-use ragged::{AtomicBlock, Error};
+use ragged::{AtomicBlock, Error, RoleRule, RoleSettings};
 use ragged_optimizers::common::lerp_elem;
 use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::newton_schulz::ns_macs;
@@ -138,25 +138,20 @@ fn loud() -> MuonConfig {
 /// NS of f32 vs f64 reference. Each f32 product carries a relative error of about
 /// `k·2⁻²⁴` (`k ≤ 80`, ≈ 5e-6) and each NS step can amplify an error by at most about
 /// `a = 3.4445` (the polynomial's slope at 0), so after 5 steps the bound is roughly
-/// `5e-6 · 3.4445⁵ ≈ 2.5e-3` of the entry scale. Observed (seed 7): at most 8e-7 with the
-/// quintic triple, 6.4e-5 with the steeper dion schedule (7×5). The tolerance, `5e-4` absolute
-/// on entries of size `~1/√short side`, is about 8× the worst observed error and still fails
-/// for any real bug (a wrong coefficient or a missing transpose changes entries by `> 1e-2`).
+/// `5e-6 · 3.4445⁵ ≈ 2.5e-3` of the entry scale. Observed (seed 7): at most 8.5e-7 with the
+/// quintic triple, 5.7e-7 with dion's five-triple schedule (a made-up schedule of dion's first
+/// two triples then the quintic, which `NsConfig::validate` now refuses, reached 6.4e-5: it
+/// amplified errors as it amplified singular values). The tolerance, `5e-4` absolute on
+/// entries of size `~1/√short side`, stays under the bound and still fails for any real bug (a
+/// wrong coefficient or a missing transpose changes entries by `> 1e-2`).
 const NS_ATOL: f64 = 5e-4;
 
 #[test]
 fn newton_schulz_matches_an_f64_reference_within_f32_rounding() {
     let mut rng = Rng::new(7);
-    let schedule = NsConfig {
-        steps: 5,
-        coeffs: vec![
-            [4.0848, -6.8946, 2.9270],
-            [3.9505, -6.3029, 2.6377],
-            QUINTIC,
-        ],
-        eps: 1e-7,
-        ..NsConfig::default()
-    };
+    // dion's five triples. (Its first two followed by the quintic, tested here before, can
+    // send a singular value of 0.86 to 6: `NsConfig::validate` refuses that schedule.)
+    let schedule = NsConfig::dion_quintic();
     for cfg in [NsConfig::default(), schedule] {
         for (rows, cols) in [
             (48, 80),
@@ -1173,6 +1168,99 @@ fn invalid_configs_are_refused() {
         assert!(Muon::new(c.clone()).is_err(), "{c:?} accepted");
     }
     assert!(Muon::new(MuonConfig::default()).is_ok());
+}
+
+/// Muon's matrix rate `lr·lr_scale` and decay are checked as products, and a Newton–Schulz
+/// schedule that lets a singular value grow is refused: each of these was accepted, and the
+/// first step wrote NaN into the parameters and returned `Ok`.
+#[test]
+fn configs_whose_updates_overflow_are_refused() {
+    let d = MuonConfig::default;
+    let matrix = |lr_scale: f64, weight_decay: Option<f64>| RoleRule {
+        matrix: RoleSettings {
+            lr_scale,
+            weight_decay,
+        },
+        ..RoleRule::default()
+    };
+    let ns = |coeffs: Vec<[f32; 3]>, norm_scale: f32| NsConfig {
+        coeffs,
+        norm_scale,
+        ..NsConfig::default()
+    };
+    for (c, says) in [
+        (
+            MuonConfig {
+                roles: matrix(1e300, None),
+                ..d()
+            },
+            "matrix lr·lr_scale",
+        ),
+        (
+            MuonConfig {
+                roles: matrix(1.0, Some(1e300)),
+                ..d()
+            },
+            "matrix lr·lr_scale",
+        ),
+        (
+            MuonConfig { lr: 1e-40, ..d() },
+            "learning rate must be 0 or",
+        ),
+        (
+            MuonConfig {
+                lr: 3e38,
+                weight_decay: 0.0,
+                ..d()
+            },
+            "learning rate must be 0 or",
+        ),
+        (
+            MuonConfig {
+                ns: ns(vec![[3.4445, 4.7750, 2.0315]], 1.0),
+                ..d()
+            },
+            "does not orthogonalize",
+        ),
+        (
+            MuonConfig {
+                ns: ns(vec![QUINTIC], 1e-30),
+                ..d()
+            },
+            "does not orthogonalize",
+        ),
+    ] {
+        let err = Muon::new(c.clone()).unwrap_err().to_string();
+        assert!(err.contains(says), "{c:?}: {err}");
+    }
+}
+
+/// Muon's `set_learning_rate` runs construction's rate checks at the new rate, and the AdamW
+/// fallback's, whose rate follows in proportion: from a tiny configured rate the proportion
+/// is huge. Refused, nothing changes.
+#[test]
+fn set_learning_rate_checks_muons_and_the_fallbacks_rates_and_changes_nothing_on_error() {
+    let mut opt = Muon::new(MuonConfig {
+        lr: 1e-30,
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let fallback = opt.config().adamw.lr;
+    // The fallback would be at fallback·1e30 = 1e27, past 2^64.
+    let err = opt.set_learning_rate(1.0).unwrap_err().to_string();
+    assert!(err.contains("learning rate must be 0 or"), "{err}");
+    assert_eq!((opt.config().lr, opt.config().adamw.lr), (1e-30, fallback));
+    opt.set_learning_rate(1e-29).unwrap();
+    assert_eq!(opt.config().adamw.lr, fallback * (1e-29 / 1e-30));
+
+    let mut opt = Muon::new(MuonConfig {
+        weight_decay: 1e15,
+        ..MuonConfig::default()
+    })
+    .unwrap();
+    let err = opt.set_learning_rate(1e5).unwrap_err().to_string();
+    assert!(err.contains("lr·weight_decay"), "{err}");
+    assert_eq!(opt.learning_rate(), Some(1e-3));
 }
 
 #[test]

@@ -1688,6 +1688,47 @@ fn bad_shapes_and_configs_are_errors_not_panics() {
     assert_eq!(x, vec![1.0f32; 10], "errors leave the input unchanged");
 }
 
+/// A schedule that sends a singular value of the normalized input past `MAX_SINGULAR_VALUE`
+/// is refused before anything runs: a sign typo in the quintic, a huge coefficient, or a
+/// `norm_scale` that leaves singular values above 1 (a rank-1 matrix's is `1/norm_scale`).
+/// These diverged to an all-NaN or infinite update. The published schedules pass, repeated
+/// over the most steps accepted, and so does a `norm_scale` just above each one's limit.
+#[test]
+fn schedules_that_let_singular_values_grow_are_refused() {
+    let cfg = |coeffs: Vec<[f32; 3]>, norm_scale: f32| NsConfig {
+        coeffs,
+        norm_scale,
+        ..NsConfig::default()
+    };
+    let mut x = vec![1.0f32; 6]; // rank 1: its singular value after step 2 is 1/norm_scale
+    for bad in [
+        cfg(vec![[3.4445, 4.7750, 2.0315]], 1.0),
+        cfg(vec![[1e30, 0.0, 0.0]], 1.0),
+        cfg(vec![QUINTIC], 1e-30),
+        cfg(vec![QUINTIC], 0.5),
+        cfg(POLAR_EXPRESS.to_vec(), 0.9),
+        cfg(vec![[1.1, 0.0, 0.0]], 1.0), // grows 10 % a step: past 4 by step 15
+    ] {
+        let bad = NsConfig { steps: 20, ..bad };
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("does not orthogonalize"), "{bad:?}: {err}");
+        assert!(orthogonalize(&mut x, 2, 3, &bad).is_err());
+    }
+    assert_eq!(x, vec![1.0f32; 6], "refused before anything runs");
+    for good in [
+        NsConfig::default(),
+        NsConfig::dion_quintic(),
+        NsConfig::polar_express(),
+        cfg(vec![QUINTIC], 0.8),
+        cfg(POLAR_EXPRESS.to_vec(), 0.98),
+        cfg(vec![[1.0, 0.0, 0.0]], 1.0),
+        cfg(vec![[0.0, 0.0, 0.0]], 1e30),
+    ] {
+        let good = NsConfig { steps: 99, ..good };
+        good.validate().unwrap_or_else(|e| panic!("{good:?}: {e}"));
+    }
+}
+
 #[test]
 fn named_schedules_are_the_published_values() {
     assert_eq!(NsConfig::default().coeffs, vec![QUINTIC]);

@@ -1071,6 +1071,24 @@ fn invalid_configs_are_refused() {
     }
 }
 
+/// Shampoo's rate is bounded as every optimizer's (`lr = 1e38` was accepted and its first
+/// step's parameters overflowed), and `set_learning_rate` re-checks the decay `lr·wd`.
+#[test]
+fn rates_whose_updates_overflow_are_refused_at_construction_and_on_change() {
+    let d = ShampooConfig::default();
+    for lr in [1e38, 1e-40] {
+        assert!(Shampoo::new(ShampooConfig { lr, ..d }).is_err(), "{lr}");
+    }
+    let mut opt = Shampoo::new(ShampooConfig {
+        weight_decay: 1e15,
+        ..d
+    })
+    .unwrap();
+    let err = opt.set_learning_rate(1e5).unwrap_err().to_string();
+    assert!(err.contains("lr·weight_decay"), "{err}");
+    assert_eq!(opt.learning_rate(), Some(d.lr));
+}
+
 #[test]
 fn non_finite_gradients_are_refused_before_anything_changes() {
     let opt = Shampoo::new(loud_shampoo()).unwrap();

@@ -141,10 +141,19 @@ impl fmt::Display for Order {
     }
 }
 
+/// The largest alignment [`PlanOptions`] accept, in elements: 2^20, a 2 MiB huge page of
+/// bf16. Collectives ask for a few hundred bytes (NCCL and Megatron align buffers to 128 or
+/// 256 bytes, 64 elements of bf16 by default here); the bound is 4096 times that, and
+/// still big enough to align shards to huge pages. Every shard is padded up to the
+/// alignment, so a larger one costs up to that many elements per rank and group in every
+/// buffer (2^33 made `fully_shard` abort on a 32 GiB allocation; 2^28 took 28 s and GiBs).
+pub const MAX_ALIGN: usize = 1 << 20;
+
 /// Planner knobs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PlanOptions {
-    /// `S` must be a multiple of this many elements (NCCL prefers aligned chunks).
+    /// `S` must be a multiple of this many elements (NCCL prefers aligned chunks); at most
+    /// [`MAX_ALIGN`].
     pub coll_align: usize,
     /// Every tensor starts at a multiple of this many elements; must divide `coll_align`.
     pub start_align: usize,
@@ -179,6 +188,15 @@ impl PlanOptions {
         };
         if self.coll_align == 0 || self.start_align == 0 {
             return Err(bad("alignments must be positive".into()));
+        }
+        // `start_align` divides `coll_align` (below), so this bounds both.
+        if self.coll_align > MAX_ALIGN {
+            return Err(bad(format!(
+                "collective alignment {} is above {MAX_ALIGN} elements (2^20, a 2 MiB huge page \
+                 of bf16; collectives need a few hundred bytes): every shard would be padded \
+                 up to it",
+                self.coll_align
+            )));
         }
         if self.coll_align % self.start_align != 0 {
             return Err(bad(format!(
