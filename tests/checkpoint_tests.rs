@@ -1438,36 +1438,29 @@ fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
         init_from: Some(digests[0].0.clone()),
         ..Checkpointing::default()
     };
-    let job = (cfg, TrainMode::UnitByUnit, 1, 4);
     let params = cfg.init_params(0).unwrap();
-    let err = train_rank_with(
-        &params,
-        adamw(),
-        &ragged::comm::SingleRank,
-        FsdpOptions::default(),
-        job,
-        &both,
-        |_, _| {},
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("both set"), "{err}");
+    let refusal = |steps: usize, ckpt: &Checkpointing| {
+        let job = (cfg, TrainMode::UnitByUnit, steps, 4);
+        let run = train_rank_with(
+            &params,
+            adamw(),
+            &ragged::comm::SingleRank,
+            FsdpOptions::default(),
+            job,
+            ckpt,
+            |_, _| {},
+        );
+        run.err().expect("a refused job").to_string()
+    };
+    let err = refusal(1, &both);
+    assert!(err.contains("both set"), "{err}");
     // Resuming a checkpoint of 3 steps into a job of 2 would run nothing and report the
     // checkpoint's parameters as a 2-step result.
     let past = Checkpointing {
         resume: Some(root.join("adamw")),
         ..Checkpointing::default()
     };
-    let job = (cfg, TrainMode::UnitByUnit, 2, 4);
-    let err = train_rank_with(
-        &params,
-        adamw(),
-        &ragged::comm::SingleRank,
-        FsdpOptions::default(),
-        job,
-        &past,
-        |_, _| {},
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("already past them"), "{err}");
+    let err = refusal(2, &past);
+    assert!(err.contains("already past them"), "{err}");
     let _ = std::fs::remove_dir_all(&root);
 }
