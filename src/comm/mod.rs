@@ -282,8 +282,8 @@ pub fn check_segments(segments: &[Segment<'_>], elem: ElemType, full: usize) -> 
 /// order with matching sizes; a mismatch is an `Err` on every rank. What a rank that fails,
 /// leaves or stalls does to the others depends on the backend (README, "Failure guarantees"):
 /// thread ranks get an `Err` (at once, or after the world's timeout for a stalled rank); under
-/// MPI a failing rank ends the job, but a rank that stalls leaves the others blocked in MPI,
-/// which has no timeout.
+/// MPI a failing rank ends the job, at once, or for a rank that stalls once the others' wait
+/// (`RAGGED_MPI_TIMEOUT_S`) runs out.
 pub trait Communicator: Send + Sync {
     /// This rank, `0..world_size`.
     fn rank(&self) -> usize;
