@@ -419,7 +419,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let unfrozen: HashSet<&str> = m
             .model
             .iter()
-            .filter(|t| t.role.as_deref() == Some(FROZEN))
+            .filter(|t| t.role.as_deref() == Some(role_name(crate::Role::Frozen).as_str()))
             .map(|t| t.name.as_str())
             .collect();
         let records: HashMap<(&str, &str), &FieldRecord> = m
@@ -575,7 +575,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 name: m.name.clone(),
                 shape: m.shape.clone(),
                 dtype: "F32".into(),
-                role: Some(format!("{:?}", role(u, m))),
+                role: Some(role_name(role(u, m))),
             })
             .collect()
     }
@@ -660,8 +660,10 @@ fn read_as_f32(
     Ok(())
 }
 
-/// A role's name as checkpoints record it.
-const FROZEN: &str = "Frozen";
+/// A role's name as checkpoints record it (its `Debug` text, written and compared here only).
+fn role_name(role: crate::Role) -> String {
+    format!("{role:?}")
+}
 
 /// Whether a parameter saved with role `saved` may load under role `now`: the same role, a
 /// checkpoint that did not record it, or freezing and unfreezing (a frozen parameter has no
@@ -669,7 +671,10 @@ const FROZEN: &str = "Frozen";
 /// state as another's (AdamW moments as Muon momentum).
 fn role_change_allowed(saved: Option<&str>, now: Option<&str>) -> bool {
     match (saved, now) {
-        (Some(a), Some(b)) => a == b || a == FROZEN || b == FROZEN,
+        (Some(a), Some(b)) => {
+            let frozen = role_name(crate::Role::Frozen);
+            a == b || a == frozen || b == frozen
+        }
         _ => true,
     }
 }
