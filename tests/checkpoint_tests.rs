@@ -846,6 +846,139 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A failed load either leaves the model as it was (what is checked before any value is
+/// replaced: here a missing rank file, a truncated one, a manifest from a wider model) or,
+/// failing while it reads (a checksum mismatch found in the last chunk), leaves it refusing
+/// every use until a load succeeds; a safetensors import likewise checks every tensor's
+/// shape and dtype before it replaces a value. Before, each of these left the ranks training
+/// on a mix of old and loaded values with `Ok`.
+#[test]
+fn a_failed_load_leaves_the_model_as_it_was_or_refuses_it() {
+    let root = scratch(SUITE, "failed-load");
+    let saved = CFG.init_params(3).unwrap();
+    let good = root.join("good");
+    run(2, &saved, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
+    let good = ckpt_fs::resolve(&good).unwrap();
+    let rank1 = "rank-00001-of-00002.safetensors";
+    let damaged = |name: &str, damage: &dyn Fn(&Path)| {
+        let dir = root.join(name);
+        copy_dir(&good, &dir);
+        damage(&dir);
+        dir
+    };
+    let missing = damaged("missing", &|d| std::fs::remove_file(d.join(rank1)).unwrap());
+    let truncated = damaged("truncated", &|d| {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(rank1))
+            .unwrap();
+        f.set_len(f.metadata().unwrap().len() - 1).unwrap();
+    });
+    let flipped = damaged("flipped", &|d| {
+        let p = d.join(rank1);
+        let mut b = std::fs::read(&p).unwrap();
+        let i = b.len() - 3;
+        b[i] ^= 0x10;
+        std::fs::write(&p, b).unwrap();
+    });
+    // The first parameter's saved record claims another length: found in the plan.
+    let relengthed = damaged("relengthed", &|d| {
+        edit_manifest(d, |v| {
+            let last = v["fields"].as_array().unwrap().len() - 1;
+            let n = v["fields"][last]["len"].as_u64().unwrap() + 1;
+            v["fields"][last]["len"] = n.into();
+        })
+    });
+    // A consolidated file whose last tensor is I32: refused before the first is read.
+    let exported = root.join("model.safetensors");
+    let last_i32 = root.join("last-i32.safetensors");
+    let params = CFG.init_params(7).unwrap();
+    let before = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let m0 = m.full_params()?;
+        for dir in [&missing, &truncated, &relengthed] {
+            let err = m.load(dir).expect_err("a damaged checkpoint must not load");
+            assert!(m.full_params()? == m0, "{err}: the model is as it was");
+        }
+        m.load(&good)?;
+        m.export_safetensors(&exported)?;
+        c.barrier()?;
+        if c.rank() == 0 {
+            rewrite_last_tensor_as_i32(&exported, &last_i32);
+        }
+        c.barrier()?;
+        let loaded = m.full_params()?;
+        let err = m.load_safetensors(&last_i32).unwrap_err().to_string();
+        assert!(err.contains("dtype I32"), "{err}");
+        assert!(m.full_params()? == loaded, "the import replaced nothing");
+        train(&mut m, c, 1..2)?;
+        let trained = m.full_params()?;
+        // Rank 1's last chunk fails its checksum after earlier arrays were read.
+        let err = m.load(&flipped).unwrap_err().to_string();
+        assert!(err.contains("checksum"), "{err}");
+        let refusals = [
+            m.full_params().map(|_| ()),
+            train(&mut m, c, 2..3),
+            m.step(),
+            m.save(
+                root.join(format!("after-{}", c.world_size())),
+                &SaveOptions::default(),
+            )
+            .map(|_| ()),
+        ];
+        for refused in refusals {
+            let e = refused
+                .expect_err("a partly loaded model must not be used")
+                .to_string();
+            assert!(
+                e.contains("partly replaced") && e.contains("checksum"),
+                "{e}"
+            );
+        }
+        // An import replaces the parameters only: the optimizer state stays refused.
+        m.load_safetensors(&exported)?;
+        assert!(m
+            .step()
+            .unwrap_err()
+            .to_string()
+            .contains("partly replaced"));
+        // A load that succeeds makes the model whole again.
+        m.load(&good)?;
+        assert!(m.full_params()? == loaded, "the good checkpoint's values");
+        train(&mut m, c, 1..2)?;
+        assert!(
+            m.full_params()? == trained,
+            "training goes on as after the first load"
+        );
+        Ok(m0)
+    })
+    .unwrap();
+    assert!(before[0] == before[1], "ranks agree on the initial values");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Copies the safetensors file `from` to `to` with its last tensor (by offset) stored as I32
+/// (same shape and bytes): a well-formed file the model cannot load.
+fn rewrite_last_tensor_as_i32(from: &Path, to: &Path) {
+    let bytes = std::fs::read(from).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let last = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .max_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap())
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    header[&last]["dtype"] = "I32".into();
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(&text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(to, out).unwrap();
+}
+
 /// Rewrites rank `rank`'s file of the checkpoint in `dir` with `reshape` applied to every
 /// tensor's shape (same bytes, fresh digests) and records the new digest in the manifest: a
 /// rank file whose checksums hold but whose header says something else.

@@ -38,6 +38,20 @@ impl<'a> SourceFiles<'a> {
         self.dir
     }
 
+    /// `Err` unless every rank file is a regular file of the size the manifest records: a
+    /// missing or truncated file found before a load replaces any value.
+    pub fn check_sizes(&self) -> Result<()> {
+        for rec in &self.manifest.files {
+            let path = self.dir.join(&rec.file);
+            if !path.is_file() {
+                return Err(bad(&path, "missing (every rank's file is needed)"));
+            }
+            let size = crate::limits::regular_file_size("checkpoint: open", &path)?;
+            super::safetensors::check_size(&path, &rec.digest, size)?;
+        }
+        Ok(())
+    }
+
     fn reader(&mut self, rank: usize) -> Result<&mut Reader> {
         if !self.open.contains_key(&rank) {
             if self.open.len() >= MAX_OPEN {

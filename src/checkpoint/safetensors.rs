@@ -561,7 +561,8 @@ impl Reader {
 }
 
 /// `Err` unless the digest describes a file of `size` bytes.
-fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
+/// `Err` unless the file at `path` has the `size` its digest records.
+pub(crate) fn check_size(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
     if size != d.bytes {
         return Err(bad(
             path,
@@ -571,6 +572,11 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
             ),
         ));
     }
+    Ok(())
+}
+
+fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
+    check_size(path, d, size)?;
     let want = d.bytes.div_ceil(d.chunk_bytes.max(1));
     if d.chunk_bytes == 0 || d.chunks.len() as u64 != want || file_sha(&d.chunks) != d.sha256 {
         return Err(bad(

@@ -9,7 +9,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{ShardLayout, ShardedModel, ShardedUnit};
+use super::{PartlyLoaded, ShardLayout, ShardedModel, ShardedUnit};
 use crate::checkpoint::bad;
 use crate::checkpoint::manifest::{
     rank_file, tensor_name, BufferRecord, FieldRecord, FileRecord, Manifest, ModelTensor,
@@ -33,6 +33,13 @@ struct Held {
     len: usize,
     start: usize,
     end: usize,
+}
+
+/// What a load reads into one buffer: its fields, and for each field's spans the saved array
+/// each comes from (`None`: not read).
+struct UnitReads<'m> {
+    fields: Vec<FieldLayout>,
+    reads: Vec<Vec<Option<&'m FieldRecord>>>,
 }
 
 /// What one rank wrote.
@@ -71,7 +78,10 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let step = self.steps;
         let tmp = fs::tmp_dir(root, step);
-        let prepared = match (self.check_no_pending_gradients(root), rank) {
+        let savable = self
+            .check_not_partly_loaded("ShardedModel::save")
+            .and_then(|_| self.check_no_pending_gradients(root));
+        let prepared = match (savable, rank) {
             (Err(e), _) => Err(e),
             (Ok(()), 0) => fs::prepare(root, step).map(|_| Vec::new()),
             (Ok(()), _) => Ok(Vec::new()),
@@ -301,8 +311,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     /// Loads a checkpoint saved at any world size and layout: `path` is a checkpoint folder or
     /// a root holding `step-N` folders (the newest complete one is taken). Restores the
     /// parameters, the optimizer state, the step counters and the learning rate; drops pending
-    /// gradients. Call it on every rank; every rank returns the same `Ok` or `Err`. After an
-    /// `Err` from a damaged file the model's values are unspecified: load again or rebuild.
+    /// gradients. Call it on every rank; every rank returns the same `Ok` or `Err`. An `Err`
+    /// found before any value is replaced (no checkpoint, another model or optimizer, a rank
+    /// file missing or truncated) leaves the model as it was; one while reading (a checksum
+    /// mismatch, an I/O error) leaves it partly loaded, and then every use of it but another
+    /// load returns an `Err` naming the cause.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<Loaded> {
         let (path, start) = (path.as_ref(), Instant::now());
         let resolved = fs::resolve(path);
@@ -324,10 +337,24 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             return Err(bad(&dir, "ranks resolved different checkpoint folders"));
         }
         let (dir, manifest) = checked.expect("every rank succeeded above");
-        let read = self.read_all(&dir, &manifest);
+        // Every rank checks what it will read before any rank replaces a value.
+        let planned = Self::check_progress(&manifest.progress)
+            .and_then(|_| self.planned_reads(&dir, &manifest));
+        let (plan, status) = match planned {
+            Ok(plan) => (Some(plan), Ok(Vec::new())),
+            Err(e) => (None, Err(e)),
+        };
+        agree(self.comm, &dir, status)?;
+        let plan = plan.expect("every rank succeeded above");
+        let read = self.read_all(&dir, &manifest, &plan);
         let bytes_read = *read.as_ref().unwrap_or(&0);
-        agree(self.comm, &dir, read.map(|_| Vec::new()))?;
-        self.restore_progress(&manifest.progress)?;
+        let applied = agree(self.comm, &dir, read.map(|_| Vec::new()))
+            .and_then(|_| self.restore_progress(&manifest.progress));
+        self.partly_loaded = applied.as_ref().err().map(|e| PartlyLoaded {
+            cause: e.to_string(),
+            state_too: true,
+        });
+        applied?;
         // After the restored learning rate (and Muon's fallback rate with it) is in place.
         let changed_settings =
             super::agree::setting_changes(&manifest.optimizer.config, &self.optimizer.settings());
@@ -413,13 +440,16 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         Ok(())
     }
 
-    /// Reads this rank's ranges of every field; returns the bytes read. A parameter saved
-    /// frozen and trained now has no saved optimizer state: its state stays as initialized.
-    fn read_all(&mut self, dir: &Path, m: &Manifest) -> Result<u64> {
-        let unfrozen: HashSet<&str> = m
+    /// Every range this rank reads, unit by unit and field by field (`None`: a parameter
+    /// saved frozen and trained now, whose state stays as initialized), each checked against
+    /// the record it comes from, and every rank file found at its saved size: what can be
+    /// found wrong before a value is replaced.
+    fn planned_reads<'m>(&self, dir: &Path, m: &'m Manifest) -> Result<Vec<UnitReads<'m>>> {
+        let frozen = role_name(crate::Role::Frozen);
+        let saved_frozen: HashSet<&str> = m
             .model
             .iter()
-            .filter(|t| t.role.as_deref() == Some(role_name(crate::Role::Frozen).as_str()))
+            .filter(|t| t.role.as_deref() == Some(frozen.as_str()))
             .map(|t| t.name.as_str())
             .collect();
         let records: HashMap<(&str, &str), &FieldRecord> = m
@@ -427,24 +457,16 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             .iter()
             .map(|f| ((f.param.as_str(), f.field.as_str()), f))
             .collect();
-        let mut files = SourceFiles::new(dir, m);
-        // Gradients since the last step belong to the values being replaced.
-        self.discard_gradients();
-        let optimizer = &self.optimizer;
-        for unit in &mut self.units {
-            let fields = fields_of(optimizer, unit)?;
-            let ShardedUnit {
-                local,
-                params,
-                state,
-                ..
-            } = unit;
-            let data = std::iter::once(FieldDataMut::from(params.master_storage_mut()))
-                .chain(optimizer.state_data_mut(state)?);
-            for (f, mut d) in fields.iter().zip(data) {
+        let mut plan = Vec::with_capacity(self.units.len());
+        for unit in &self.units {
+            let fields = fields_of(&self.optimizer, unit)?;
+            let mut reads = Vec::with_capacity(fields.len());
+            for f in &fields {
+                let mut spans = Vec::with_capacity(f.spans.len());
                 for span in &f.spans {
-                    let name = &local.params[span.param].name;
-                    if f.name != PARAM_FIELD && unfrozen.contains(name.as_str()) {
+                    let name = &unit.local.params[span.param].name;
+                    if f.name != PARAM_FIELD && saved_frozen.contains(name.as_str()) {
+                        spans.push(None);
                         continue;
                     }
                     let rec = records.get(&(name.as_str(), f.name)).ok_or_else(|| {
@@ -466,7 +488,33 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
                             ),
                         ));
                     }
-                    files.read_range(rec, span.global.clone(), &mut d, span.local)?;
+                    spans.push(Some(*rec));
+                }
+                reads.push(spans);
+            }
+            plan.push(UnitReads { fields, reads });
+        }
+        SourceFiles::new(dir, m).check_sizes()?;
+        Ok(plan)
+    }
+
+    /// Reads this rank's ranges of every field, as planned; returns the bytes read. Only a
+    /// file that fails its checksum or its read part way leaves values replaced and others
+    /// not.
+    fn read_all(&mut self, dir: &Path, m: &Manifest, plan: &[UnitReads<'_>]) -> Result<u64> {
+        let mut files = SourceFiles::new(dir, m);
+        // Gradients since the last step belong to the values being replaced.
+        self.discard_gradients();
+        let optimizer = &self.optimizer;
+        for (unit, planned) in self.units.iter_mut().zip(plan) {
+            let ShardedUnit { params, state, .. } = unit;
+            let data = std::iter::once(FieldDataMut::from(params.master_storage_mut()))
+                .chain(optimizer.state_data_mut(state)?);
+            for ((f, recs), mut d) in planned.fields.iter().zip(&planned.reads).zip(data) {
+                for (span, rec) in f.spans.iter().zip(recs) {
+                    if let Some(rec) = rec {
+                        files.read_range(rec, span.global.clone(), &mut d, span.local)?;
+                    }
                 }
             }
             optimizer.set_state_step(state, m.progress.state_step);
@@ -474,17 +522,25 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         Ok(files.bytes_read)
     }
 
-    fn restore_progress(&mut self, p: &Progress) -> Result<()> {
-        self.steps = p.steps;
-        self.skipped = p.skipped;
-        if let (Some(lr), Some(_)) = (p.learning_rate, self.optimizer.learning_rate()) {
-            self.optimizer.set_learning_rate(lr)?;
-        }
-        // The schedule that was running goes on from `steps`, with the base it multiplied.
+    /// `Err` unless the saved schedule and its base rate are valid (checked before a load
+    /// replaces values; the saved rate itself is checked where it is set).
+    fn check_progress(p: &Progress) -> Result<()> {
         if let Some((schedule, base)) = p.schedule_state {
             schedule.validate()?;
             crate::optim::check_learning_rate(base)?;
-            self.schedule = Some((schedule, base));
+        }
+        Ok(())
+    }
+
+    fn restore_progress(&mut self, p: &Progress) -> Result<()> {
+        if let (Some(lr), Some(_)) = (p.learning_rate, self.optimizer.learning_rate()) {
+            self.optimizer.set_learning_rate(lr)?;
+        }
+        self.steps = p.steps;
+        self.skipped = p.skipped;
+        // The schedule that was running goes on from `steps`, with the base it multiplied.
+        if let Some(saved) = p.schedule_state {
+            self.schedule = Some(saved);
         }
         Ok(())
     }
@@ -553,12 +609,26 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// gradients are dropped.
     pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
         let path = path.as_ref();
-        let (unused, status) = match self.import_local(path) {
-            Ok(unused) => (unused, Ok(Vec::new())),
-            Err(e) => (Vec::new(), Err(e)),
+        let (sources, status) = match self.import_sources(path) {
+            Ok(sources) => (Some(sources), Ok(Vec::new())),
+            Err(e) => (None, Err(e)),
         };
         agree(self.comm, path, status)?;
-        Ok(unused)
+        let mut sources = sources.expect("every rank succeeded above");
+        let read = self.import_local(&mut sources);
+        let applied = agree(self.comm, path, read.map(|_| Vec::new()));
+        // A failed `load` left optimizer state partly replaced too, which this does not read.
+        let state_too = self.partly_loaded.as_ref().is_some_and(|p| p.state_too);
+        self.partly_loaded = match (&applied, state_too) {
+            (Err(e), _) => Some(PartlyLoaded {
+                cause: e.to_string(),
+                state_too,
+            }),
+            (Ok(_), true) => self.partly_loaded.take(),
+            (Ok(_), false) => None,
+        };
+        applied?;
+        Ok(self.unused_tensors(&sources))
     }
 
     /// Every parameter (name, global shape, the saved f32, its role), in unit order.
@@ -580,8 +650,28 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .collect()
     }
 
-    fn import_local(&mut self, path: &Path) -> Result<Vec<String>> {
+    /// The file(s) at `path`, checked to hold every parameter with its shape in a dtype
+    /// loads as f32: what can be found wrong before a value is replaced.
+    fn import_sources(&self, path: &Path) -> Result<Sources> {
         let mut sources = Sources::open(path)?;
+        for meta in self.units.iter().flat_map(|u| &u.local.params) {
+            let (_, info) = sources.tensor(&meta.name)?;
+            if info.shape != meta.shape {
+                return Err(bad(
+                    path,
+                    format!(
+                        "{}: {:?} in the file, {:?} in the model",
+                        meta.name, info.shape, meta.shape
+                    ),
+                ));
+            }
+            element_size(path, &meta.name, &info.dtype)?;
+        }
+        Ok(sources)
+    }
+
+    /// Reads this rank's pieces of every parameter from `sources`.
+    fn import_local(&mut self, sources: &mut Sources) -> Result<()> {
         self.discard_gradients();
         for unit in &mut self.units {
             let local = &unit.local;
@@ -589,21 +679,17 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             for piece in &local.pieces {
                 let meta = &local.params[piece.param];
                 let (file, info) = sources.tensor(&meta.name)?;
-                if info.shape != meta.shape {
-                    return Err(bad(
-                        path,
-                        format!(
-                            "{}: {:?} in the file, {:?} in the model",
-                            meta.name, info.shape, meta.shape
-                        ),
-                    ));
-                }
                 let at = piece.offset..piece.offset + piece.range.len();
                 master.fill_range(at, |out| {
                     read_as_f32(file, &meta.name, &info.dtype, piece.range.clone(), out)
                 })?;
             }
         }
+        Ok(())
+    }
+
+    /// The tensors of `sources` the model does not have, sorted.
+    fn unused_tensors(&self, sources: &Sources) -> Vec<String> {
         let model = self.model_tensors();
         let names: HashSet<&str> = model.iter().map(|t| t.name.as_str()).collect();
         let mut unused: Vec<String> = sources
@@ -612,7 +698,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .cloned()
             .collect();
         unused.sort();
-        Ok(unused)
+        unused
     }
 }
 
@@ -624,16 +710,7 @@ fn read_as_f32(
     range: std::ops::Range<usize>,
     out: &mut [f32],
 ) -> Result<()> {
-    let size: usize = match dtype {
-        "F32" => 4,
-        "BF16" | "F16" => 2,
-        other => {
-            return Err(bad(
-                file.path(),
-                format!("{name}: dtype {other}; F32, BF16 and F16 load as f32"),
-            ))
-        }
-    };
+    let size = element_size(file.path(), name, dtype)?;
     let bytes_of = |r: std::ops::Range<usize>| (r.start * size) as u64..(r.end * size) as u64;
     if size == 4 {
         return file.read_tensor(name, bytes_of(range), bytemuck::cast_slice_mut(out));
@@ -658,6 +735,18 @@ fn read_as_f32(
         }
     }
     Ok(())
+}
+
+/// Bytes per element of a tensor of `dtype` that loads as f32, or `Err` for another dtype.
+fn element_size(path: &Path, name: &str, dtype: &str) -> Result<usize> {
+    match dtype {
+        "F32" => Ok(4),
+        "BF16" | "F16" => Ok(2),
+        other => Err(bad(
+            path,
+            format!("{name}: dtype {other}; F32, BF16 and F16 load as f32"),
+        )),
+    }
 }
 
 /// A role's name as checkpoints record it (its `Debug` text, written and compared here only).

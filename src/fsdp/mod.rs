@@ -273,6 +273,15 @@ fn optimizer_shard(local: &LocalShard, frozen: bool) -> std::borrow::Cow<'_, Loc
     })
 }
 
+/// A load that failed while reading: some values replaced, others not.
+#[derive(Clone, Debug)]
+struct PartlyLoaded {
+    cause: String,
+    /// The optimizer state was being read too ([`ShardedModel::load`]; a safetensors
+    /// import replaces parameters only).
+    state_too: bool,
+}
+
 /// A model's parameters sharded over the ranks of `comm`, with their optimizer.
 pub struct ShardedModel<'c, O: Optimizer> {
     comm: &'c dyn Communicator,
@@ -291,6 +300,9 @@ pub struct ShardedModel<'c, O: Optimizer> {
     /// Why a backward since the last step failed part way: [`ShardedModel::step`] refuses
     /// the gradients until [`ShardedModel::discard_gradients`].
     partial_gradients: Option<String>,
+    /// Why the last load failed after replacing values: every use of the parameters refuses
+    /// until a load succeeds.
+    partly_loaded: Option<PartlyLoaded>,
     /// The stage list (unit indices) every rank was last found to run.
     agreed_stages: Vec<usize>,
     skipped: usize,
@@ -423,6 +435,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         without_gradient: None,
         loss_not_finite: false,
         partial_gradients: None,
+        partly_loaded: None,
         agreed_stages: Vec::new(),
         skipped: 0,
         steps: 0,
@@ -541,6 +554,7 @@ fn reduce_bf16(
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
     fn gather_unit(&mut self, u: usize, spare: Option<Vec<candle_core::Storage>>) -> Result<()> {
+        self.check_not_partly_loaded("ShardedModel: gather a unit")?;
         let comm = self.comm;
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
@@ -652,6 +666,26 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         reduced
     }
 
+    /// `Err` after a load that failed while reading: the values are part old, part new.
+    pub(crate) fn check_not_partly_loaded(&self, op: &'static str) -> Result<()> {
+        let Some(p) = &self.partly_loaded else {
+            return Ok(());
+        };
+        let what = match p.state_too {
+            true => "parameters and optimizer state",
+            false => "parameters",
+        };
+        Err(crate::Error::BadInput {
+            op,
+            what: "the model".into(),
+            reason: format!(
+                "a load failed while reading ({}), leaving its {what} partly replaced: load a \
+                 checkpoint again, or build the model anew with fully_shard",
+                p.cause
+            ),
+        })
+    }
+
     /// Records that a backward or reduction failed part way (`error`), so that `step` refuses
     /// gradients that count the failed batch for some units and not others.
     pub(crate) fn note_partial_gradients(&mut self, error: &crate::Error) {
@@ -683,6 +717,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
     pub fn step(&mut self) -> Result<()> {
         const OP: &str = "ShardedModel::step";
+        self.check_not_partly_loaded(OP)?;
         if let Some(cause) = &self.partial_gradients {
             return Err(crate::Error::BadInput {
                 op: OP,
@@ -855,6 +890,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// (device to device on a GPU), then read to the host, in slot order: what
     /// [`Self::full_params`], the digest and the export read.
     pub(crate) fn gather_buffer(&self, u: usize) -> Result<Vec<Vec<f32>>> {
+        self.check_not_partly_loaded("ShardedModel: gather a buffer")?;
         let unit = &self.units[u];
         let (slots, placement) = (unit.params.slots(), unit.params.placement());
         let mut values = slots
