@@ -127,7 +127,8 @@ struct Args {
     /// Save checkpoints under this folder (one `step-N` folder each; see README "Checkpoints").
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
-    /// Save every N steps, and after the last (needs --checkpoint-dir; 0: after the last only).
+    /// Save every N steps, and after the last (needs --checkpoint-dir; 0: after the last only;
+    /// a fresh run of --steps 0 saves its initial state).
     #[arg(long, default_value_t = 0)]
     save_every: usize,
     /// Keep only the newest N checkpoints (0: keep all).
@@ -664,11 +665,18 @@ fn report_checkpoints(args: &Args, trained: &Trained) {
         );
         if !trained.changed_settings.is_empty() {
             println!(
-                "optimizer settings that differ from the checkpoint's (this run's apply; the \
-                 learning rate is the checkpoint's): {}",
+                "settings that differ from the checkpoint's (this run's apply; the learning \
+                 rate is the checkpoint's): {}",
                 trained.changed_settings.join(", ")
             );
         }
+    }
+    if let Some(moved) = trained.set_aside.first().and_then(|p| p.parent()) {
+        println!(
+            "moved the checkpoints of later steps, of the run this one went back from, to {} \
+             (resume from there to continue that run)",
+            moved.display()
+        );
     }
     if let Some(dir) = &args.checkpoint_dir {
         let saved = ragged::checkpoint::fs::list(dir).unwrap_or_default();

@@ -436,6 +436,9 @@ pub struct Checkpointing {
     pub export: Option<std::path::PathBuf>,
 }
 
+/// The key under which [`train_rank_with`] records the global batch in its checkpoints.
+pub const GLOBAL_BATCH: &str = "global_batch";
+
 /// What [`train_rank_with`] returns.
 #[derive(Clone, Debug)]
 pub struct Trained {
@@ -449,9 +452,11 @@ pub struct Trained {
     pub first_step: usize,
     /// [`ShardedModel::optimizer_events`] at the end (over every rank).
     pub optimizer_events: Vec<(&'static str, u64)>,
-    /// A resumed run's optimizer settings that differ from its checkpoint's
-    /// ([`crate::checkpoint::Loaded::changed_settings`]).
+    /// A resumed run's settings that differ from its checkpoint's
+    /// ([`crate::checkpoint::Loaded::changed_settings`], then the global batch).
     pub changed_settings: Vec<String>,
+    /// Checkpoints of later steps its saves moved aside ([`crate::checkpoint::Saved::set_aside`]).
+    pub set_aside: Vec<std::path::PathBuf>,
 }
 
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
@@ -478,7 +483,10 @@ pub fn train_rank<O: CheckpointState>(
 /// [`train_rank`] with checkpoints: resumes from [`Checkpointing::resume`] (the steps already
 /// taken are not run again; batches follow the step number, so a resumed run sees what an
 /// uninterrupted one would), saves every [`Checkpointing::save_every`] steps and after the
-/// last, and exports at the end. `job` is `(cfg, mode, steps, global_batch)`.
+/// last (a fresh run of 0 steps saves its initial state), recording the global batch
+/// ([`GLOBAL_BATCH`]; a resume at another is allowed and listed in
+/// [`Trained::changed_settings`]), and exports at the end. `job` is
+/// `(cfg, mode, steps, global_batch)`.
 pub fn train_rank_with<O: CheckpointState>(
     params: &[(String, Tensor)],
     optimizer: O,
@@ -510,7 +518,18 @@ pub fn train_rank_with<O: CheckpointState>(
                     .into(),
             })
         }
-        (Some(from), None) => changed_settings = sharded.load(from)?.changed_settings,
+        (Some(from), None) => {
+            let loaded = sharded.load(from)?;
+            changed_settings = loaded.changed_settings;
+            let now = global_batch.to_string();
+            // Batches follow the step at any size, so a new size is allowed (a ramp), and said.
+            match loaded.metadata.get(GLOBAL_BATCH) {
+                Some(saved) if *saved != now => {
+                    changed_settings.push(format!("{GLOBAL_BATCH}: {saved} → {now}"))
+                }
+                _ => {}
+            }
+        }
         (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
         (None, None) => {}
     }
@@ -536,8 +555,14 @@ pub fn train_rank_with<O: CheckpointState>(
     }
     let save = SaveOptions {
         keep: ckpt.keep,
+        metadata: [(GLOBAL_BATCH.to_string(), global_batch.to_string())].into(),
         ..SaveOptions::default()
     };
+    let mut set_aside = Vec::new();
+    // A fresh run of no steps saves its initial state (what `--steps 0` is for).
+    if let (Some(dir), 0, None) = (&ckpt.dir, steps, &ckpt.resume) {
+        set_aside = sharded.save(dir, &save)?.set_aside;
+    }
     let mut whole: Option<Transformer> = None;
     let stages = TransformerStages(cfg);
     // Grown step by step: `steps` is the caller's number, and may be any.
@@ -573,7 +598,7 @@ pub fn train_rank_with<O: CheckpointState>(
         reports.push(report);
         let due = ckpt.save_every > 0 && (step + 1) % ckpt.save_every == 0;
         if let (Some(dir), true) = (&ckpt.dir, due || step + 1 == steps) {
-            sharded.save(dir, &save)?;
+            set_aside.extend(sharded.save(dir, &save)?.set_aside);
         }
     }
     if let Some(path) = &ckpt.export {
@@ -586,6 +611,7 @@ pub fn train_rank_with<O: CheckpointState>(
         first_step,
         optimizer_events: sharded.optimizer_events()?,
         changed_settings,
+        set_aside,
     })
 }
 

@@ -358,6 +358,105 @@ fn a_role_change_between_save_and_load_is_refused() {
     assert!(same.is_empty(), "{same:?}");
 }
 
+/// A checkpoint records the FSDP options that change the numbers and the caller's metadata:
+/// a load returns the metadata and names each changed option after the optimizer's; the
+/// main job records its global batch, names a resume at another, and saves the initial state
+/// of a fresh run of 0 steps (before, it saved nothing).
+#[test]
+fn a_checkpoint_records_the_run_and_a_load_names_what_changed() {
+    let params = CFG.init_params(4).unwrap();
+    let dir = scratch(SUITE, "run-record");
+    let bf16_skip = FsdpOptions {
+        mixed_precision: ragged::fsdp::MixedPrecision {
+            param_dtype: DType::BF16,
+            ..Default::default()
+        },
+        non_finite: ragged::fsdp::NonFinitePolicy::SkipStep,
+        ..FsdpOptions::default()
+    };
+    let metadata: BTreeMap<String, String> =
+        [("data position".to_string(), "shard 3\nline 7".to_string())].into();
+    let loads = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, bf16_skip.clone())?;
+        train(&mut m, c, 0..1)?;
+        let save = SaveOptions {
+            metadata: metadata.clone(),
+            ..SaveOptions::default()
+        };
+        m.save(&dir, &save)?;
+        let mut other = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let changed = other.load(&dir)?;
+        let mut same = fully_shard(&params, adamw(), c, bf16_skip.clone())?;
+        Ok((changed, same.load(&dir)?))
+    })
+    .unwrap();
+    for (changed, same) in loads {
+        assert_eq!(
+            changed.changed_settings,
+            [
+                "fsdp.mixed_precision.param_dtype: BF16 → F32",
+                "fsdp.non_finite: SkipStep → Error"
+            ]
+        );
+        assert_eq!(changed.metadata, metadata);
+        assert!(
+            same.changed_settings.is_empty(),
+            "{:?}",
+            same.changed_settings
+        );
+    }
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(0).unwrap();
+    let job_dir = dir.join("job");
+    let main_job = |steps: usize, global_batch: usize, resume: Option<PathBuf>| {
+        let ckpt = Checkpointing {
+            dir: Some(job_dir.clone()),
+            resume,
+            ..Checkpointing::default()
+        };
+        let job = (cfg, TrainMode::UnitByUnit, steps, global_batch);
+        let one = &ragged::comm::SingleRank;
+        train_rank_with(
+            &params,
+            adamw(),
+            one,
+            FsdpOptions::default(),
+            job,
+            &ckpt,
+            |_, _| {},
+        )
+        .unwrap()
+    };
+    main_job(0, 4, None);
+    let steps = |d: &Path| -> Vec<usize> {
+        ckpt_fs::list(d)
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect()
+    };
+    assert_eq!(steps(&job_dir), [0], "the initial state is saved");
+    let newest = Some(job_dir.clone());
+    assert_eq!(
+        main_job(1, 2, newest.clone()).changed_settings,
+        ["global_batch: 4 → 2"]
+    );
+    assert!(main_job(2, 2, newest).changed_settings.is_empty());
+    assert_eq!(steps(&job_dir), [0, 1, 2]);
+    // Going back to step 0 with every checkpoint kept: the save of step 1 replaces step 1 and
+    // moves step 2 aside, whole, so the newest under the root is this run's.
+    let back = main_job(1, 4, Some(ckpt_fs::step_dir(&job_dir, 0)));
+    let aside = job_dir.join("abandoned-1");
+    assert_eq!(back.set_aside, [ckpt_fs::step_dir(&aside, 2)]);
+    assert_eq!(steps(&job_dir), [0, 1]);
+    assert_eq!(steps(&aside), [2]);
+    assert_eq!(
+        ckpt_fs::resolve(&job_dir).unwrap(),
+        ckpt_fs::step_dir(&job_dir, 1)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn opts(layout: ShardLayout) -> FsdpOptions {
     FsdpOptions {
         layout,

@@ -107,6 +107,13 @@ fn info(path: &std::path::Path) -> Result<()> {
     if let Some(s) = &p.schedule {
         println!("  schedule: {s}");
     }
+    if let Some(t) = &m.training {
+        println!("  fsdp: {}", t.fsdp);
+        // The caller's strings, escaped: a newline or a terminal control must not print as one.
+        for (key, value) in &t.metadata {
+            println!("  {}: {}", key.escape_debug(), value.escape_debug());
+        }
+    }
     let mut fields: Vec<&str> = m.fields.iter().map(|f| f.field.as_str()).collect();
     fields.sort_unstable();
     fields.dedup();

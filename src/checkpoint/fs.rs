@@ -171,6 +171,35 @@ pub fn remove_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
     later.map(|(_, path)| remove(root, path)).collect()
 }
 
+/// Before a save of step `saved` that keeps every checkpoint, moves the checkpoints of later
+/// steps (of a run this one went back from, as for [`remove_later`]) into a new folder
+/// `root/abandoned-K/` (`K` the first free number): complete and loadable there (resume from
+/// that folder to continue that run), out of what "the newest checkpoint" under `root`
+/// resolves to. Each move is one rename, made before publishing. Returns the new paths.
+pub fn set_aside_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
+    let later: Vec<_> = list(root)?
+        .into_iter()
+        .filter(|&(n, _)| n > saved)
+        .collect();
+    if later.is_empty() {
+        return Ok(Vec::new());
+    }
+    let folder = (1..)
+        .map(|k| root.join(format!("abandoned-{k}")))
+        .find(|p| !p.exists())
+        .expect("some number is free");
+    fs::create_dir(&folder).map_err(|e| Error::io("checkpoint: create folder", &folder, e))?;
+    let mut moved = Vec::with_capacity(later.len());
+    for (step, path) in later {
+        let to = step_dir(&folder, step);
+        fs::rename(&path, &to).map_err(|e| Error::io("checkpoint: rename", &path, e))?;
+        moved.push(to);
+    }
+    sync_dir(&folder)?;
+    sync_dir(root)?;
+    Ok(moved)
+}
+
 /// Removes the checkpoint folder `path` of `root`: renamed to `.<name>.del` first (out of
 /// [`list`]'s sight at once), then deleted. Returns `path`.
 fn remove(root: &Path, path: PathBuf) -> Result<PathBuf> {
@@ -268,6 +297,36 @@ mod tests {
         assert_eq!(removed, [step_dir(&root, 5)]);
         rotate(&root, 1, 15).unwrap();
         assert_eq!(steps(&root), [15]);
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn keeping_all_sets_later_steps_aside_whole_and_loadable() {
+        let root = scratch("set-aside");
+        for n in [5, 10, 20] {
+            fake_checkpoint(&step_dir(&root, n));
+        }
+        // A save that died moving step 30 aside left only `.step-30.old`: it moves too.
+        fake_checkpoint(&old_dir(&root, 30));
+        let first = root.join("abandoned-1");
+        let moved = set_aside_later(&root, 15).unwrap();
+        assert_eq!(moved, [20, 30].map(|n| step_dir(&first, n)));
+        assert_eq!(steps(&root), [5, 10]);
+        assert_eq!(resolve(&first).unwrap(), step_dir(&first, 30));
+        // Going back again takes the next free folder; nothing later: nothing moves.
+        fake_checkpoint(&step_dir(&root, 12));
+        let moved = set_aside_later(&root, 8).unwrap();
+        assert_eq!(
+            moved,
+            [10, 12].map(|n| step_dir(&root.join("abandoned-2"), n))
+        );
+        assert!(set_aside_later(&root, 8).unwrap().is_empty());
+        assert_eq!(steps(&root), [5]);
+        assert_eq!(
+            steps(&first),
+            [20, 30],
+            "the first folder is left as it was"
+        );
         let _ = fs::remove_dir_all(&root);
     }
 

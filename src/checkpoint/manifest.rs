@@ -56,6 +56,10 @@ pub struct Manifest {
     pub fields: Vec<FieldRecord>,
     /// One per rank, in rank order.
     pub files: Vec<FileRecord>,
+    /// How the run that saved it trained beyond the optimizer (informational: reported by a
+    /// load where it differs); absent in checkpoints saved before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<TrainingRecord>,
     /// SHA-256 (hex) of the manifest's own bytes as written with these 64 hex digits all `0`
     /// ([`Manifest::write`] fills it in, [`Manifest::read`] checks it): an edit or a flipped
     /// bit anywhere in the manifest (a step count, a holder range, a name) is an `Err`.
@@ -73,6 +77,15 @@ pub struct ModelTensor {
     /// its optimizer state means); absent in checkpoints saved before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainingRecord {
+    /// The FSDP options that change the numbers (mixed precision, the reduction, the
+    /// non-finite policy), as [`crate::fsdp::FsdpOptions::numerics`] prints them.
+    pub fsdp: String,
+    /// What the saving run recorded ([`super::SaveOptions::metadata`], rank 0's).
+    pub metadata: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

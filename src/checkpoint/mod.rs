@@ -38,6 +38,7 @@ pub use state::{
     FieldType,
 };
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::comm::{all_gather_bytes, Communicator};
@@ -50,11 +51,16 @@ compile_error!("checkpoints write memory as little-endian bytes (safetensors' by
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SaveOptions {
     /// Keep only the newest `keep` checkpoints under the root, this save's and those of
-    /// earlier steps (`0`: keep all). With `keep > 0`, checkpoints of later steps (from a run
-    /// this one resumed before the end of) are removed, so the newest is always this run's.
+    /// earlier steps (`0`: keep all). Checkpoints of later steps (from a run this one resumed
+    /// before the end of) are removed with `keep > 0`, and with `0` moved into a new
+    /// `abandoned-K` folder under the root, so the newest is always this run's.
     pub keep: usize,
     /// Bytes per checksum chunk.
     pub chunk_bytes: u64,
+    /// The caller's own facts about the run (a data position, the global batch, a config
+    /// name), saved in the manifest (rank 0's) and returned by a load as
+    /// [`Loaded::metadata`].
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl Default for SaveOptions {
@@ -62,6 +68,7 @@ impl Default for SaveOptions {
         SaveOptions {
             keep: 0,
             chunk_bytes: safetensors::CHUNK_BYTES,
+            metadata: BTreeMap::new(),
         }
     }
 }
@@ -77,6 +84,9 @@ pub struct Saved {
     pub seconds: f64,
     /// Checkpoints removed by rotation ([`SaveOptions::keep`]).
     pub removed: Vec<PathBuf>,
+    /// Checkpoints of later steps moved into an `abandoned-K` folder, where they now are
+    /// ([`SaveOptions::keep`] `0`).
+    pub set_aside: Vec<PathBuf>,
 }
 
 /// What a load read.
@@ -92,8 +102,12 @@ pub struct Loaded {
     pub seconds: f64,
     /// The optimizer settings that differ from the checkpoint's (`name: saved → now`). The
     /// learning rate is restored from the checkpoint; the others are this model's, as its
-    /// optimizer was configured (a resumed run may change them; here they are said).
+    /// optimizer was configured (a resumed run may change them; here they are said). The
+    /// FSDP options that change the numbers follow, as `fsdp.<path>: saved → now`.
     pub changed_settings: Vec<String>,
+    /// What the saving run recorded ([`SaveOptions::metadata`]; empty for checkpoints saved
+    /// before it was recorded).
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// A checkpoint error about `path` (the one constructor the checkpoint modules share).

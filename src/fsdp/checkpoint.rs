@@ -13,7 +13,7 @@ use super::{PartlyLoaded, ShardLayout, ShardedModel, ShardedUnit};
 use crate::checkpoint::bad;
 use crate::checkpoint::manifest::{
     rank_file, tensor_name, BufferRecord, FieldRecord, FileRecord, Manifest, ModelTensor,
-    OptimizerRecord, Progress, UnitRecord, FORMAT, PARAM_FIELD, VERSION,
+    OptimizerRecord, Progress, TrainingRecord, UnitRecord, FORMAT, PARAM_FIELD, VERSION,
 };
 use crate::checkpoint::read::SourceFiles;
 use crate::checkpoint::safetensors::{hex, Consolidated, FileDigest, Reader, TensorHeader, Writer};
@@ -113,13 +113,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         if published.is_err() && rank == 0 {
             let _ = std::fs::remove_dir_all(&tmp);
         }
-        let removed = agree(self.comm, root, published)?;
-        let removed: Vec<PathBuf> = serde_json::from_slice(&removed[0])?;
+        let moved = agree(self.comm, root, published)?;
+        let (removed, set_aside): (Vec<PathBuf>, Vec<PathBuf>) = serde_json::from_slice(&moved[0])?;
         Ok(Saved {
             dir: fs::step_dir(root, step),
             bytes: writes.iter().map(|w| w.digest.bytes).sum(),
             seconds: start.elapsed().as_secs_f64(),
             removed,
+            set_aside,
         })
     }
 
@@ -241,20 +242,24 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             units: self.unit_records(),
             fields: fields.into_values().collect(),
             files,
+            training: Some(TrainingRecord {
+                fsdp: self.opts.numerics(),
+                metadata: opts.metadata.clone(),
+            }),
             checksum: String::new(),
         };
         manifest.write(tmp)?;
         // Read back through the loader's checks: a manifest that would not load is not published.
         Manifest::read(tmp)?;
-        let mut removed = Vec::new();
-        if opts.keep > 0 {
-            removed = fs::remove_later(root, self.steps)?;
-        }
+        let (mut removed, set_aside) = match opts.keep {
+            0 => (Vec::new(), fs::set_aside_later(root, self.steps)?),
+            _ => (fs::remove_later(root, self.steps)?, Vec::new()),
+        };
         fs::publish(root, tmp, self.steps)?;
         if opts.keep > 0 {
             removed.extend(fs::rotate(root, opts.keep, self.steps)?);
         }
-        Ok(serde_json::to_vec(&removed)?)
+        Ok(serde_json::to_vec(&(removed, set_aside))?)
     }
 
     fn progress(&self) -> Result<Progress> {
@@ -356,10 +361,16 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         });
         applied?;
         // After the restored learning rate (and Muon's fallback rate with it) is in place.
-        let changed_settings =
+        let mut changed_settings =
             super::agree::setting_changes(&manifest.optimizer.config, &self.optimizer.settings());
+        let training = manifest.training.unwrap_or_default();
+        if !training.fsdp.is_empty() {
+            let fsdp = super::agree::setting_changes(&training.fsdp, &self.opts.numerics());
+            changed_settings.extend(fsdp.into_iter().map(|c| format!("fsdp.{c}")));
+        }
         Ok(Loaded {
             changed_settings,
+            metadata: training.metadata,
             saved_world: manifest.world,
             steps: manifest.progress.steps,
             bytes_read,

@@ -218,6 +218,18 @@ pub struct FsdpOptions {
     pub plan: PlanOptions,
 }
 
+impl FsdpOptions {
+    /// The options that change the numbers a step computes (mixed precision, the reduction,
+    /// the non-finite policy), as text in `Debug` form: what a checkpoint records and a load
+    /// compares. The others change where values live and when, not what they are.
+    pub fn numerics(&self) -> String {
+        format!(
+            "FsdpNumerics {{ mixed_precision: {:?}, reduce: {:?}, non_finite: {:?} }}",
+            self.mixed_precision, self.reduce, self.non_finite
+        )
+    }
+}
+
 impl Default for FsdpOptions {
     fn default() -> Self {
         FsdpOptions {
