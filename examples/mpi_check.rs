@@ -19,21 +19,22 @@
 //!
 //! Exits with status 1 on any failure.
 //!
-//! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end` instead checks how a
-//! failing rank ends the job: every rank enters a barrier except rank `R`, which returns an
-//! `Err` (passed to [`MpiComm::abort_job`]), panics, returns from `main` with success (dropping
-//! its communicator), or stays alive without calling MPI again (`stall-at-end`: while the
-//! others return from `main`). The job must end with a message naming rank `R` and the
-//! `MPI_Abort` code as `mpirun`'s status (1, 101, 1, 1, 1), not hang: at once for the first
-//! three, after `RAGGED_MPI_TIMEOUT_S` for the stalls; `.ci/run` checks all five under
-//! `timeout`.
+//! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop` instead checks
+//! how a failing rank ends the job: every rank enters a barrier except rank `R`, which returns
+//! an `Err` (passed to [`MpiComm::abort_job`]), panics, returns from `main` with success
+//! (dropping its communicator), or stays alive without calling MPI again (`stall-at-end`:
+//! while the others return from `main`); or (`stop`) every rank moves large all-gathers and
+//! rank `R` stops itself with `SIGSTOP`, nearly always inside one's transfers. The job must end
+//! with a message naming rank `R` and the `MPI_Abort` code as `mpirun`'s status (1, 101, 1, 1,
+//! 1, 1), not hang: at once for the first three, after `RAGGED_MPI_TIMEOUT_S` for the others;
+//! `.ci/run` checks all six under `timeout`.
 
 use std::process::ExitCode;
 
 use ragged::comm::conformance::exercise;
 use ragged::comm::mpi::MpiComm;
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::{Communicator, SingleRank};
+use ragged::comm::{Buf, BufMut, Communicator, SingleRank};
 use ragged::demo::{train_rank_with, Checkpointing, SplitMix, TrainMode, TransformerConfig};
 use ragged::fsdp::{fully_shard, FsdpOptions};
 use ragged::model::{DType, TensorSpec, Unit};
@@ -109,6 +110,9 @@ enum FailHow {
     Stall,
     /// As `Stall`, while the other ranks return from `main` instead of entering a barrier.
     StallAtEnd,
+    /// Stop (`SIGSTOP`, as a debugger or a frozen node would) while every rank moves large
+    /// all-gathers: nearly always inside one's transfers, after its descriptor exchange.
+    Stop,
 }
 
 /// The failure mode from the command line: `None` for the ordinary checks.
@@ -122,8 +126,9 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
     let bad_arg = |what: String| ragged::Error::BadInput {
         op: "mpi_check",
         what,
-        reason: "usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end]"
-            .into(),
+        reason:
+            "usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]"
+                .into(),
     };
     let (Some(rank), Some(how)) = (value("--fail-rank"), value("--fail-how")) else {
         return match args.is_empty() {
@@ -140,13 +145,18 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
         "leave" => FailHow::Leave,
         "stall" => FailHow::Stall,
         "stall-at-end" => FailHow::StallAtEnd,
+        "stop" => FailHow::Stop,
         _ => return Err(bad_arg(format!("--fail-how {how}"))),
     };
     Ok(Some((rank, how)))
 }
 
-/// Rank `bad` fails while every other rank waits in a barrier; the job must end here.
+/// Rank `bad` fails while every other rank waits in a barrier (or, for `Stop`, in transfers);
+/// the job must end here.
 fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
+    if let FailHow::Stop = how {
+        comm.abort_job(&stop_in_transfers(comm, bad))
+    }
     let result = if comm.rank() == bad {
         match how {
             FailHow::Err => Err(ragged::Error::Msg(format!(
@@ -154,6 +164,7 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
             ))),
             FailHow::Panic => panic!("rank {bad} panics on purpose (--fail-how panic)"),
             FailHow::Leave => unreachable!("rank {bad} returned from main"),
+            FailHow::Stop => unreachable!("handled above"),
             // Until the others' wait runs out and their MPI_Abort ends this process too.
             FailHow::Stall | FailHow::StallAtEnd => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
@@ -169,6 +180,32 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
         ))
     });
     comm.abort_job(&e)
+}
+
+/// Every rank all-gathers 32 MiB a rank, over and over, while rank `bad` stops itself after
+/// 300 ms; the others' wait must run out and end the job. Returns the error to abort with if
+/// the job goes on for 60 s instead.
+fn stop_in_transfers(comm: &MpiComm, bad: usize) -> ragged::Error {
+    if comm.rank() == bad {
+        std::thread::spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            // SAFETY: raising a signal has no memory effects; SIGSTOP stops the whole process.
+            unsafe { libc::raise(libc::SIGSTOP) };
+        });
+    }
+    let n = 8 << 20;
+    let mine = vec![comm.rank() as f32; n];
+    let mut all = vec![0f32; n * comm.world_size()];
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(60) {
+        if let Err(e) = comm.all_gather(Buf::F32(&mine), BufMut::F32(&mut all)) {
+            return e;
+        }
+    }
+    ragged::Error::Msg(format!(
+        "rank {} moved all-gathers for 60 s although rank {bad} stopped",
+        comm.rank()
+    ))
 }
 
 fn collectives(comm: &MpiComm) -> Result<Option<bool>> {

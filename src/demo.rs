@@ -507,6 +507,9 @@ pub fn train_rank_with<O: CheckpointState>(
     if let (Some(out), 0) = (&ckpt.export, comm.rank()) {
         crate::checkpoint::safetensors::check_export_target(out)?;
     }
+    if let Some(dir) = &ckpt.dir {
+        check_checkpoint_dir(dir, ckpt.resume.as_deref(), comm.rank())?;
+    }
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
     let mut changed_settings = Vec::new();
     match (&ckpt.resume, &ckpt.init_from) {
@@ -612,6 +615,38 @@ pub fn train_rank_with<O: CheckpointState>(
         optimizer_events: sharded.optimizer_events()?,
         changed_settings,
         set_aside,
+    })
+}
+
+/// `Err` unless a run may save into `dir`: writable (found now, not at the first save), and
+/// holding no checkpoints unless the run resumes from one of them. A root holds one run's
+/// line: a fresh run's saves would mix with another run's steps there, and rotation or the
+/// move of later steps aside would treat that run's checkpoints as its own.
+fn check_checkpoint_dir(
+    dir: &std::path::Path,
+    resume: Option<&std::path::Path>,
+    rank: usize,
+) -> Result<()> {
+    use crate::checkpoint::fs;
+    fs::check_writable(dir, rank)?;
+    let held = fs::list(dir)?;
+    let Some((newest, _)) = held.last() else {
+        return Ok(());
+    };
+    let inside = |from: &std::path::Path| {
+        let (from, dir) = (std::fs::canonicalize(from), std::fs::canonicalize(dir));
+        matches!((from, dir), (Ok(f), Ok(d)) if f.starts_with(&d))
+    };
+    if resume.is_some_and(inside) {
+        return Ok(());
+    }
+    Err(Error::Checkpoint {
+        path: dir.display().to_string(),
+        reason: format!(
+            "it holds checkpoints of another run ({} of them, the newest of step {newest}): \
+             resume from it to continue that run, or save into another folder",
+            held.len()
+        ),
     })
 }
 

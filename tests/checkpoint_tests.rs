@@ -425,9 +425,9 @@ fn a_checkpoint_records_the_run_and_a_load_names_what_changed() {
             &ckpt,
             |_, _| {},
         )
-        .unwrap()
+        .map_err(|e| e.to_string())
     };
-    main_job(0, 4, None);
+    main_job(0, 4, None).unwrap();
     let steps = |d: &Path| -> Vec<usize> {
         ckpt_fs::list(d)
             .unwrap()
@@ -436,16 +436,33 @@ fn a_checkpoint_records_the_run_and_a_load_names_what_changed() {
             .collect()
     };
     assert_eq!(steps(&job_dir), [0], "the initial state is saved");
+    let no_dir = dir.join("a-file");
+    std::fs::write(&no_dir, b"").unwrap();
+    let unwritable = Checkpointing {
+        dir: Some(no_dir.join("ckpt")),
+        ..Checkpointing::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, 1000, 4);
+    let one = &ragged::comm::SingleRank;
+    let opts = FsdpOptions::default();
+    let early = train_rank_with(&params, adamw(), one, opts, job, &unwritable, |_, _| {});
+    assert!(early.is_err(), "found before 1000 steps are trained");
     let newest = Some(job_dir.clone());
     assert_eq!(
-        main_job(1, 2, newest.clone()).changed_settings,
+        main_job(1, 2, newest.clone()).unwrap().changed_settings,
         ["global_batch: 4 → 2"]
     );
-    assert!(main_job(2, 2, newest).changed_settings.is_empty());
+    assert!(main_job(2, 2, newest).unwrap().changed_settings.is_empty());
+    // A fresh run into that root would mix its steps with these (or, keeping 2, remove them).
+    let err = main_job(1, 4, None).unwrap_err();
+    assert!(
+        err.contains("holds checkpoints of another run (3 of them"),
+        "{err}"
+    );
     assert_eq!(steps(&job_dir), [0, 1, 2]);
     // Going back to step 0 with every checkpoint kept: the save of step 1 replaces step 1 and
     // moves step 2 aside, whole, so the newest under the root is this run's.
-    let back = main_job(1, 4, Some(ckpt_fs::step_dir(&job_dir, 0)));
+    let back = main_job(1, 4, Some(ckpt_fs::step_dir(&job_dir, 0))).unwrap();
     let aside = job_dir.join("abandoned-1");
     assert_eq!(back.set_aside, [ckpt_fs::step_dir(&aside, 2)]);
     assert_eq!(steps(&job_dir), [0, 1]);

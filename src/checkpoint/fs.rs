@@ -58,8 +58,9 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 /// Creates `root` if needed and an empty temporary folder for `step`, after putting back a
 /// checkpoint a save that died had moved aside (`.step-N.old` without `step-N`) and removing
 /// what such saves left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
-pub fn prepare(root: &Path, step: usize) -> Result<PathBuf> {
+pub fn prepare(root: &Path, step: usize) -> Result<(PathBuf, RootLock)> {
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
+    let lock = RootLock::take(root)?;
     for (n, old) in moved_aside(root)? {
         let dst = step_dir(root, n);
         fs::rename(&old, &dst).map_err(|e| Error::io("checkpoint: rename", &old, e))?;
@@ -69,7 +70,53 @@ pub fn prepare(root: &Path, step: usize) -> Result<PathBuf> {
     }
     let tmp = tmp_dir(root, step);
     fs::create_dir(&tmp).map_err(|e| Error::io("checkpoint: create folder", &tmp, e))?;
-    Ok(tmp)
+    Ok((tmp, lock))
+}
+
+/// An exclusive lock on a checkpoint root (`flock` on `ROOT/.lock`), held by the saving rank 0
+/// from [`prepare`] to the end of the save and released when dropped: a second job saving
+/// into the same root at the same time gets an `Err` naming the cause, instead of each
+/// removing the other's temporary folder as a leftover.
+#[derive(Debug)]
+pub struct RootLock {
+    _file: fs::File,
+}
+
+impl RootLock {
+    fn take(root: &Path) -> Result<RootLock> {
+        use std::os::fd::AsRawFd as _;
+        let path = root.join(".lock");
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io("checkpoint: open lock", &path, e))?;
+        // SAFETY: `flock` on a descriptor this function owns (open until the lock drops).
+        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if taken != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(Error::Checkpoint {
+                    path: root.display().to_string(),
+                    reason: "another process is saving into this folder (it holds .lock): \
+                             one job saves into a root at a time"
+                        .into(),
+                });
+            }
+            return Err(Error::io("checkpoint: lock", &path, e));
+        }
+        Ok(RootLock { _file: file })
+    }
+}
+
+/// `Err` unless a save could create its files under `root` (created if missing): checked
+/// before a run trains, so an unwritable folder is found at the start, not at the first save.
+pub fn check_writable(root: &Path, rank: usize) -> Result<()> {
+    fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
+    let probe = root.join(format!(".write-probe-rank-{rank}"));
+    fs::write(&probe, b"").map_err(|e| Error::io("checkpoint: write", &probe, e))?;
+    fs::remove_file(&probe).map_err(|e| Error::io("checkpoint: remove", &probe, e))
 }
 
 /// Every entry of `root`: its name (lossy UTF-8) and path.
@@ -297,6 +344,32 @@ mod tests {
         assert_eq!(removed, [step_dir(&root, 5)]);
         rotate(&root, 1, 15).unwrap();
         assert_eq!(steps(&root), [15]);
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn one_save_at_a_time_holds_a_root_and_unwritable_roots_are_found_early() {
+        let root = scratch("lock");
+        let (_, held) = prepare(&root, 1).unwrap();
+        let err = prepare(&root, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("another process is saving into this folder"),
+            "{err}"
+        );
+        assert!(
+            tmp_dir(&root, 1).is_dir(),
+            "the first save's folder is left alone"
+        );
+        drop(held);
+        prepare(&root, 2).unwrap();
+        check_writable(&root.join("new"), 3).unwrap();
+        assert!(
+            fs::read_dir(root.join("new")).unwrap().next().is_none(),
+            "no probe left"
+        );
+        let file = root.join("a-file");
+        fs::write(&file, b"").unwrap();
+        assert!(check_writable(&file.join("sub"), 0).is_err());
         let _ = fs::remove_dir_all(&root);
     }
 

@@ -26,15 +26,16 @@
 //! | panics | the panic hook set by [`MpiComm::init`] prints the panic and `MPI_Abort`s (code 101) |
 //! | returns `Err` | the program calls [`MpiComm::abort_job`] with it (as `examples/mpi_check.rs` does), which prints it and `MPI_Abort`s (code 1) |
 //! | returns early (`Ok`), dropping its communicator | the drop posts a *leaving* descriptor, which meets the others' next call: each of them returns an `Err` naming the rank that left (every later call fails at once), and the leaving rank, seeing ranks that did not leave, prints their list and `MPI_Abort`s (code 1) |
-//! | is alive but never calls | each other rank waits at most `RAGGED_MPI_TIMEOUT_S` ([`DEFAULT_TIMEOUT`]) for it in its next collective, then asks the ranks which of them wait too, prints the ranks that did not answer and `MPI_Abort`s (code 1) |
+//! | is alive but never calls, or stops inside a call (a `SIGSTOP`, a debugger) | each other rank waits at most `RAGGED_MPI_TIMEOUT_S` ([`DEFAULT_TIMEOUT`]) for it in its next collective or in the transfers of the current one, then asks the ranks which of them wait too, prints the ranks that did not answer and `MPI_Abort`s (code 1) |
 //!
-//! A rank waits with a limit because MPI has none: the descriptor exchange that starts every
-//! call is a non-blocking all-gather (`MPI_Iallgather`) this rank polls, answering meanwhile
-//! the questions of ranks whose limit ran out ("do you wait in a collective?", point-to-point
-//! messages of their own tags). A rank whose limit runs out asks every other rank, waits up to
+//! A rank waits with a limit because MPI has none: every MPI call inside a collective, the
+//! descriptor exchange that starts it and the transfers that follow, is a non-blocking one
+//! (`MPI_Iallgather`, `MPI_Ialltoallv`, ...) this rank polls, answering meanwhile the questions
+//! of ranks whose limit ran out ("do you wait in a collective?", point-to-point messages of
+//! their own tags). A rank whose limit runs out asks every other rank, waits up to
 //! [`ANSWER_GRACE`] for the answers, and names the ranks that gave none: those are not in a
-//! collective at all (stuck, or busy past the limit). The data that follows the exchange moves
-//! in blocking calls: once every rank has posted its descriptor, all of them are in the call.
+//! collective at all (stuck, stopped, or busy past the limit); ranks blocked on the same rank
+//! answer, since they poll too. Each wait has its own limit (the exchange's, each transfer's).
 //! Work one rank does alone between collectives counts against the limit, so the default is
 //! long (torch's default collective timeout): rank 0 writing a large export while the others
 //! wait at the job's end must fit in it. `RAGGED_MPI_TIMEOUT_S=0` waits for ever.
@@ -55,6 +56,7 @@ use std::time::{Duration, Instant};
 
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
+use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{
     Communicator as _, CommunicatorCollectives as _, Destination as _, Root as _, Source as _,
@@ -149,10 +151,10 @@ impl MpiComm {
     /// `Err` a rank's work returned; returning from `main` instead would leave the other ranks
     /// waiting for this one inside MPI (module doc, "A failing rank ends the job").
     pub fn abort_job(&self, error: &Error) -> ! {
-        eprintln!(
+        say(format!(
             "rank {} of {} failed: {error}; aborting the MPI job",
             self.rank, self.size
-        );
+        ));
         abort_world(1)
     }
 
@@ -165,12 +167,8 @@ impl MpiComm {
     }
 
     /// Posts `post` with every rank's, validates the table (every rank reaches the same
-    /// verdict), and runs `data` on the world.
-    fn collective(
-        &self,
-        post: Post,
-        data: impl FnOnce(&SimpleCommunicator) -> Result<()>,
-    ) -> Result<()> {
+    /// verdict), and runs `data`, whose transfers wait within the same limit.
+    fn collective(&self, post: Post, data: impl FnOnce(&Waiting<'_>) -> Result<()>) -> Result<()> {
         let op = post.op;
         let mut inner = self
             .inner
@@ -182,7 +180,8 @@ impl MpiComm {
                 format!("rank {j} has left the world (see the first error)"),
             ));
         }
-        let posts = match inner.exchange(Some(&post), self.rank, self.size) {
+        let at = inner.call_site(Some(&post), self.rank, self.size);
+        let posts = match exchange(&inner.world, Some(&post), &at) {
             Exchanged::Posts(posts) => posts,
             Exchanged::Left { first: j, .. } => {
                 inner.left = Some(j);
@@ -200,23 +199,28 @@ impl MpiComm {
         validate(&posts)
             .and_then(|()| check_mpi_limits(&posts))
             .map_err(|reason| self.err(op, reason))?;
-        data(&inner.world)
+        data(&Waiting {
+            world: &inner.world,
+            at: CallSite {
+                transfers: true,
+                ..at
+            },
+        })
     }
 }
 
 impl Inner {
-    /// [`exchange`] as this rank's next call (`post`; `None`: the drop's leaving), waiting for
-    /// the other ranks within the limit.
-    fn exchange(&mut self, post: Option<&Post>, rank: usize, size: usize) -> Exchanged {
+    /// This rank's next call (`post`; `None`: the drop's leaving), as its waits name it.
+    fn call_site(&mut self, post: Option<&Post>, rank: usize, size: usize) -> CallSite {
         self.calls += 1;
-        let at = CallSite {
+        CallSite {
             rank,
             size,
             call: self.calls,
             what: post.map_or("the leaving exchange at its program's end", |p| p.op.name()),
+            transfers: false,
             timeout: self.timeout,
-        };
-        exchange(&self.world, post, &at)
+        }
     }
 }
 
@@ -232,14 +236,15 @@ impl Drop for MpiComm {
         if inner.left.is_some() {
             return;
         }
+        let at = inner.call_site(None, self.rank, self.size);
         let (rank, size) = (self.rank, self.size);
-        if let Exchanged::Left { staying, .. } = inner.exchange(None, rank, size) {
+        if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
             if !staying.is_empty() {
-                eprintln!(
+                say(format!(
                     "rank {} of {} left the world while ranks {staying:?} still called \
                      collectives; aborting the MPI job",
                     rank, size
-                );
+                ));
                 abort_world(1)
             }
         }
@@ -255,9 +260,18 @@ fn abort_job_on_panic(rank: usize, size: usize) {
         if mpi::environment::is_finalized() {
             return; // MPI is over here: the process ends on its own
         }
-        eprintln!("rank {rank} of {size} panicked: aborting the MPI job");
+        say(format!(
+            "rank {rank} of {size} panicked: aborting the MPI job"
+        ));
         abort_world(101)
     }));
+}
+
+/// Prints `line` to stderr in one write: the ranks of a job share the terminal, and a line
+/// `eprintln!` writes piece by piece interleaves with the other ranks' mid-line.
+fn say(line: String) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 /// `MPI_Abort`s every process of the job with `code`; MPI must be initialized and not
@@ -365,7 +379,7 @@ fn exchange(world: &SimpleCommunicator, post: Option<&Post>, at: &CallSite) -> E
         let mut counts = fixed(&post.send_counts);
         counts.extend(fixed(&post.recv_counts));
         let mut table = vec![0u64; 2 * v * v];
-        world.all_gather_into(&counts[..], &mut table[..]);
+        all_gather_within(world, &counts[..], &mut table[..], at);
         for ((p, row), h) in posts
             .iter_mut()
             .zip(table.chunks(2 * v))
@@ -394,6 +408,8 @@ struct CallSite {
     call: u64,
     /// The collective, or the drop.
     what: &'static str,
+    /// Waiting for the collective's transfers, after its descriptor exchange.
+    transfers: bool,
     timeout: Option<Duration>,
 }
 
@@ -403,35 +419,99 @@ struct CallSite {
 const ASK: i32 = 0x5247;
 const ANSWER: i32 = 0x5248;
 
-/// The descriptor all-gather, waited for at most `at.timeout` (module doc): polls a
-/// non-blocking all-gather, answering other ranks' questions meanwhile, and ends the job
-/// naming the ranks that never came when the limit runs out.
+/// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
 fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
-    let start = Instant::now();
     mpi::request::scope(|scope| {
-        let mut request = world.immediate_all_gather_into(scope, mine, all);
-        loop {
-            request = match request.test() {
-                Ok(_) => return,
-                Err(pending) => pending,
-            };
-            answer_questions(world, at.call);
-            let waited = start.elapsed();
-            if at.timeout.is_some_and(|limit| waited >= limit) {
-                abort_naming_the_absent(world, at, waited)
-            }
-            // Spin through a collective's usual skew (as MPI's blocking calls poll), yield
-            // while a wait is short, and past 100 ms idle: a rank that waits that long loses
-            // nothing by noticing the others a millisecond late.
-            if waited < Duration::from_micros(50) {
-                std::hint::spin_loop();
-            } else if waited < Duration::from_millis(100) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+        wait_within(world, world.immediate_all_gather_into(scope, mine, all), at)
     })
+}
+
+/// Waits for `request` at most `at.timeout` (module doc): polls it, answering other ranks'
+/// questions meanwhile, and ends the job naming the ranks that never came when the limit
+/// runs out. Every wait inside a collective goes through here, the data's as the
+/// descriptors', so a rank stopped part way through a call is found too.
+fn wait_within<'a, D: ?Sized, S: Scope<'a>>(
+    world: &SimpleCommunicator,
+    mut request: Request<'a, D, S>,
+    at: &CallSite,
+) {
+    let start = Instant::now();
+    loop {
+        request = match request.test() {
+            Ok(_) => return,
+            Err(pending) => pending,
+        };
+        answer_questions(world, at.call);
+        let waited = start.elapsed();
+        if at.timeout.is_some_and(|limit| waited >= limit) {
+            abort_naming_the_absent(world, at, waited)
+        }
+        // Spin through a collective's usual skew (as MPI's blocking calls poll), yield while
+        // a wait is short, and past 100 ms idle: a rank that waits that long loses nothing by
+        // noticing the others a millisecond late.
+        if waited < Duration::from_micros(50) {
+            std::hint::spin_loop();
+        } else if waited < Duration::from_millis(100) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// The world during one call's data transfers, each a non-blocking MPI collective waited for
+/// within the call's limit.
+struct Waiting<'w> {
+    world: &'w SimpleCommunicator,
+    at: CallSite,
+}
+
+impl Waiting<'_> {
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) {
+        let w = self.world;
+        mpi::request::scope(|s| {
+            wait_within(w, w.immediate_all_gather_into(s, send, recv), &self.at)
+        })
+    }
+
+    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) {
+        let w = self.world;
+        mpi::request::scope(|s| {
+            wait_within(w, w.immediate_all_to_all_into(s, send, recv), &self.at)
+        })
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: &Partition<'_, [u8], Vec<Count>, Vec<Count>>,
+        recv: &mut PartitionMut<'_, [u8], Vec<Count>, Vec<Count>>,
+    ) {
+        let w = self.world;
+        mpi::request::scope(|s| {
+            wait_within(
+                w,
+                w.immediate_all_to_all_varcount_into(s, send, recv),
+                &self.at,
+            )
+        })
+    }
+
+    fn all_gather_v(&self, send: &[u8], recv: &mut PartitionMut<'_, [u8], Vec<Count>, Vec<Count>>) {
+        let w = self.world;
+        mpi::request::scope(|s| {
+            wait_within(
+                w,
+                w.immediate_all_gather_varcount_into(s, send, recv),
+                &self.at,
+            )
+        })
+    }
+
+    fn broadcast(&self, root: usize, bytes: &mut [u8]) {
+        let w = self.world;
+        let root = w.process_at_rank(root as i32);
+        mpi::request::scope(|s| wait_within(w, root.immediate_broadcast_into(s, bytes), &self.at))
+    }
 }
 
 /// Answers every rank that asked whether this one waits in a collective.
@@ -483,17 +563,19 @@ fn report_absent(at: &CallSite, waited: Duration, answered: &[bool]) -> ! {
     let who = if absent.is_empty() {
         "ranks that answered only after the grace period".to_string()
     } else {
-        format!("ranks {absent:?}, which are not in any collective")
+        format!("ranks {absent:?}, which did not answer")
     };
-    eprintln!(
-        "rank {} of {} waited {:.1} s in {} (its call #{}) for {who}: alive but stuck, or \
-         busy longer than RAGGED_MPI_TIMEOUT_S = {limit} s; aborting the MPI job",
+    let phase = if at.transfers { "'s transfers" } else { "" };
+    say(format!(
+        "rank {} of {} waited {:.1} s in {}{phase} (its call #{}) for {who}: stopped or stuck \
+         (inside a collective or outside any), or busy longer than RAGGED_MPI_TIMEOUT_S = \
+         {limit} s; aborting the MPI job",
         at.rank,
         at.size,
         waited.as_secs_f64(),
         at.what,
         at.call,
-    );
+    ));
     abort_world(1)
 }
 
@@ -617,7 +699,7 @@ impl Communicator for MpiComm {
         self.collective(post, |world| {
             let s = bytes.len() / self.size;
             let own = bytes[self.rank * s..(self.rank + 1) * s].to_vec();
-            world.all_gather_into(&own[..], bytes);
+            world.all_gather(&own[..], bytes);
             Ok(())
         })
     }
@@ -630,7 +712,7 @@ impl Communicator for MpiComm {
         };
         let (send, recv) = (bytes_of(&send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
-            world.all_gather_into(send, recv);
+            world.all_gather(send, recv);
             Ok(())
         })
     }
@@ -647,7 +729,7 @@ impl Communicator for MpiComm {
             let (v, r) = (self.size, self.rank);
             let s = me.len / v;
             let mut gathered = Scratch::new(bytes.len());
-            world.all_to_all_into(&bytes[..], gathered.bytes_mut());
+            world.all_to_all(&bytes[..], gathered.bytes_mut());
             let own = &mut bytes[r * s * me.elem.size()..(r + 1) * s * me.elem.size()];
             reduce_runs(me.elem, gathered.bytes(), s, own, op);
             Ok(())
@@ -668,7 +750,7 @@ impl Communicator for MpiComm {
         self.collective(post, |world| {
             let s = recv.len() / elem.size();
             let mut gathered = Scratch::new(send.len());
-            world.all_to_all_into(&send[..], gathered.bytes_mut());
+            world.all_to_all(&send[..], gathered.bytes_mut());
             reduce_runs(elem, gathered.bytes(), s, recv, op);
             Ok(())
         })?;
@@ -693,16 +775,16 @@ impl Communicator for MpiComm {
             let recv_counts = vec![(n * es) as Count; v];
             let recv_displs = displs(&recv_counts);
             let mut runs = Scratch::new(v * n * es);
-            world.all_to_all_varcount_into(
-                &Partition::new(&bytes[..], &send_counts[..], &send_displs[..]),
-                &mut PartitionMut::new(runs.bytes_mut(), &recv_counts[..], &recv_displs[..]),
+            world.all_to_all_v(
+                &Partition::new(&bytes[..], send_counts.clone(), send_displs.clone()),
+                &mut PartitionMut::new(runs.bytes_mut(), recv_counts, recv_displs),
             );
             let mut reduced = Scratch::new(n * es);
             reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
             // Phase 2: every range to every rank.
-            world.all_gather_varcount_into(
+            world.all_gather_v(
                 reduced.bytes(),
-                &mut PartitionMut::new(bytes, &send_counts[..], &send_displs[..]),
+                &mut PartitionMut::new(bytes, send_counts, send_displs),
             );
             Ok(())
         })
@@ -728,9 +810,9 @@ impl Communicator for MpiComm {
             let sc = counts(send_counts.iter().map(|&c| c * es));
             let rc = counts(recv_counts.iter().map(|&c| c * es));
             let (sd, rd) = (displs(&sc), displs(&rc));
-            world.all_to_all_varcount_into(
-                &Partition::new(send, &sc[..], &sd[..]),
-                &mut PartitionMut::new(recv, &rc[..], &rd[..]),
+            world.all_to_all_v(
+                &Partition::new(send, sc, sd),
+                &mut PartitionMut::new(recv, rc, rd),
             );
             Ok(())
         })
@@ -744,7 +826,7 @@ impl Communicator for MpiComm {
         };
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
-            world.process_at_rank(root as i32).broadcast_into(bytes);
+            world.broadcast(root, bytes);
             Ok(())
         })
     }

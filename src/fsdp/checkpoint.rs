@@ -81,9 +81,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let savable = self
             .check_not_partly_loaded("ShardedModel::save")
             .and_then(|_| self.check_no_pending_gradients(root));
+        // Rank 0 holds the root's lock until the save returns.
+        let mut _lock = None;
         let prepared = match (savable, rank) {
             (Err(e), _) => Err(e),
-            (Ok(()), 0) => fs::prepare(root, step).map(|_| Vec::new()),
+            (Ok(()), 0) => fs::prepare(root, step).map(|(_, lock)| {
+                _lock = Some(lock);
+                Vec::new()
+            }),
             (Ok(()), _) => Ok(Vec::new()),
         };
         agree(self.comm, root, prepared)?;
