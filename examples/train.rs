@@ -254,6 +254,11 @@ fn check_args(args: &Args) -> Result<()> {
             });
         }
     }
+    // Before the GPU is opened, so that this, not "CUDA unavailable", is what a build without
+    // CUDA says.
+    if args.device == Place::Cuda && args.comm == CommKind::Mpi {
+        return Err(mpi_on_gpu());
+    }
     if args.muon_layout.is_some() && !matches!(args.optimizer, Opt::Muon) {
         return Err(ragged::Error::BadInput {
             op: OP,
@@ -496,13 +501,7 @@ fn run<O: CheckpointState>(
         CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, args.device, &rank_run)?)),
         CommKind::Nccl => gpu::nccl(args.device, &rank_run)?,
         CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
-        CommKind::Mpi => {
-            return Err(ragged::Error::BadInput {
-                op: "train",
-                what: "--device cuda --comm mpi".into(),
-                reason: "MPI moves host memory; use --comm nccl or gpu-threads".into(),
-            })
-        }
+        CommKind::Mpi => return Err(mpi_on_gpu()),
     };
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
@@ -577,6 +576,15 @@ fn run<O: CheckpointState>(
         args.steps
     );
     Ok(())
+}
+
+/// `--device cuda --comm mpi`: refused by `check_args`, and where the ranks start.
+fn mpi_on_gpu() -> ragged::Error {
+    ragged::Error::BadInput {
+        op: "train",
+        what: "--device cuda --comm mpi".into(),
+        reason: "MPI moves host memory; use --comm nccl or gpu-threads".into(),
+    }
 }
 
 /// Rank 0's result.
@@ -830,6 +838,15 @@ mod tests {
         // An optimizer that saved no rate: --lr (or the default) applies.
         let (lr, _) = learning_rate(&args(&["--lr", "0.1"]), Some(&resumed(None, 2)));
         assert_eq!(lr, 0.1);
+    }
+
+    #[test]
+    fn mpi_with_the_model_on_the_gpu_is_refused_before_the_gpu_is_opened() {
+        let err = check_args(&args(&["--device", "cuda", "--comm", "mpi"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MPI moves host memory"), "{err}");
+        assert!(check_args(&args(&["--device", "cuda", "--comm", "nccl"])).is_ok());
     }
 
     #[test]
