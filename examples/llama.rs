@@ -34,10 +34,13 @@ enum Opt {
 #[derive(Parser, Debug)]
 #[command(about = "Train candle-transformers' Llama (tiny) sharded over thread ranks")]
 struct Args {
+    /// Thread ranks the model is sharded over.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
+    /// Optimizer of the sharded and the unsharded run.
     #[arg(long, value_enum, default_value_t = Opt::Muon)]
     optimizer: Opt,
+    /// Training steps (each compared with the unsharded run's).
     #[arg(long, default_value_t = 20)]
     steps: usize,
     /// Global batch: sequences of 16 tokens per step, split evenly over the ranks.

@@ -46,7 +46,25 @@ use ragged_optimizers::{AdamW, AdamWConfig, Muon, MuonConfig, NsConfig, NsPrecis
 /// One check: `Some(passed)`, or `None` when it needs more ranks than this world has.
 type Check = fn(&MpiComm) -> Result<Option<bool>>;
 
+/// What `--help` prints.
+const USAGE: &str = "\
+mpi_check: the MPI backend held to the thread backend (collectives, disagreeing ranks, sharded
+Muon, a checkpoint saved over MPI); run under mpirun, e.g.
+  mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
+
+Usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end]
+
+  --fail-rank R --fail-how HOW   instead check how rank R failing ends the job: it returns an
+                                 Err, panics, leaves, or stalls (stall-at-end: while the others
+                                 return from main); the job must end with a message naming R
+  -h, --help                     print this and exit";
+
 fn main() -> ExitCode {
+    // Before MPI starts: a help request is not bad input to abort the job over.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let comm = match MpiComm::init() {
         Ok(c) => c,
         Err(e) => {

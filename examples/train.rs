@@ -102,9 +102,10 @@ struct Args {
     /// blocks inside 32-row blocks); blocked Shampoo with Adam grafting.
     #[arg(long, value_enum, default_value_t = Opt::Adamw)]
     optimizer: Opt,
-    /// Learning rate (a resumed run continues at its checkpoint's rate).
-    #[arg(long, default_value_t = 3e-3)]
-    lr: f64,
+    /// Learning rate [default: 0.003]. A resumed run continues at its checkpoint's rate, and
+    /// so does its unsharded reference; a different --lr is then ignored.
+    #[arg(long)]
+    lr: Option<f64>,
     /// Keep every unit gathered from its forward to its backward (more memory). Default: free
     /// each unit's parameters after its forward stage (its graph kept) and re-gather them for
     /// its backward.
@@ -165,6 +166,9 @@ impl From<MuonLayout> for MatrixLayout {
     }
 }
 
+/// `--lr` when a fresh run does not give it.
+const DEFAULT_LR: f64 = 3e-3;
+
 fn adamw(lr: f64) -> Result<AdamW> {
     AdamW::new(AdamWConfig {
         lr,
@@ -215,7 +219,8 @@ fn shampoo(lr: f64) -> Result<Shampoo> {
 }
 
 fn main() -> std::process::ExitCode {
-    match train(&Args::parse()) {
+    let args = Args::parse();
+    match check_args(&args).and_then(|()| train(&args)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -228,7 +233,9 @@ fn main() -> std::process::ExitCode {
 /// batch whose activations would not fit in memory) before anything is allocated.
 fn check_args(args: &Args) -> Result<()> {
     const OP: &str = "train";
-    positive_finite(OP, "--lr", args.lr)?;
+    if let Some(lr) = args.lr {
+        positive_finite(OP, "--lr", lr)?;
+    }
     at_least(OP, "--ranks", args.ranks, 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
     // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
@@ -246,6 +253,11 @@ fn check_args(args: &Args) -> Result<()> {
                 reason: "needs --checkpoint-dir (where to save)".into(),
             });
         }
+    }
+    // Before the GPU is opened, so that this, not "CUDA unavailable", is what a build without
+    // CUDA says.
+    if args.device == Place::Cuda && args.comm == CommKind::Mpi {
+        return Err(mpi_on_gpu());
     }
     if args.muon_layout.is_some() && !matches!(args.optimizer, Opt::Muon) {
         return Err(ragged::Error::BadInput {
@@ -266,6 +278,73 @@ impl Args {
     /// `--muon-layout`, auto when not given.
     fn muon_layout(&self) -> MuonLayout {
         self.muon_layout.unwrap_or(MuonLayout::Auto)
+    }
+}
+
+/// What the checkpoint `--resume` names says about the run it continues, read before anything
+/// is printed or allocated.
+struct Resumed {
+    /// The rate it saved: the sharded run continues at it, so the reference must train at it.
+    lr: Option<f64>,
+    /// Batches it consumed (steps taken and steps skipped): where the resumed run starts.
+    batches: usize,
+}
+
+impl Resumed {
+    /// `None` for a fresh run.
+    fn read(args: &Args) -> Result<Option<Resumed>> {
+        let Some(path) = &args.resume else {
+            return Ok(None);
+        };
+        let dir = ragged::checkpoint::fs::resolve(path)?;
+        let progress = ragged::checkpoint::Manifest::read(&dir)?.progress;
+        let batches = progress
+            .steps
+            .checked_add(progress.skipped)
+            .ok_or_else(|| ragged::Error::Checkpoint {
+                path: dir.display().to_string(),
+                reason: "steps taken plus steps skipped overflow".into(),
+            })?;
+        Ok(Some(Resumed {
+            lr: progress.learning_rate,
+            batches,
+        }))
+    }
+
+    /// `Err` when the checkpoint has already consumed more than `--steps` batches: refused
+    /// here, before the start-up table, as well as by `train_rank_with` (the library's check).
+    fn check_steps(&self, steps: usize) -> Result<()> {
+        if self.batches <= steps {
+            return Ok(());
+        }
+        Err(ragged::Error::BadInput {
+            op: "train",
+            what: format!("--steps {steps}"),
+            reason: format!(
+                "the resumed checkpoint is already past them ({} batches consumed): ask for at \
+                 least {} steps",
+                self.batches, self.batches
+            ),
+        })
+    }
+}
+
+/// The rate this run trains at, and how the banner names it: a resumed run's is its
+/// checkpoint's (an explicit --lr that differs is ignored), a fresh run's --lr or the default.
+fn learning_rate(args: &Args, resumed: Option<&Resumed>) -> (f64, String) {
+    let given = args.lr;
+    match resumed.and_then(|r| r.lr) {
+        Some(saved) => {
+            let note = match given {
+                Some(lr) if lr != saved => format!("the checkpoint's; --lr {lr} is ignored"),
+                _ => "the checkpoint's".to_string(),
+            };
+            (saved, format!("{saved} ({note})"))
+        }
+        None => {
+            let lr = given.unwrap_or(DEFAULT_LR);
+            (lr, lr.to_string())
+        }
     }
 }
 
@@ -293,22 +372,26 @@ fn launched_world(args: &Args) -> Option<(usize, usize)> {
 }
 
 fn train(args: &Args) -> Result<()> {
-    check_args(args)?;
+    let resumed = Resumed::read(args)?;
+    if let Some(r) = &resumed {
+        r.check_steps(args.steps)?;
+    }
+    let lr = learning_rate(args, resumed.as_ref());
     match args.optimizer {
-        Opt::Adamw => run(args, adamw),
+        Opt::Adamw => run(args, lr, adamw),
         Opt::Muon => {
             // Printed once, for the world that runs (the launcher's, not --ranks, under MPI).
             match launched_world(args) {
                 Some((ranks, 0)) if matches!(args.layout, Layout::Ragged) => {
-                    print_muon_layout(args, ranks)?
+                    print_muon_layout(args, ranks, lr.0)?
                 }
                 _ => {}
             }
             let layout = args.muon_layout();
-            run(args, move |lr| muon(lr, layout))
+            run(args, lr, move |lr| muon(lr, layout))
         }
-        Opt::Adam8bit => run(args, adam8bit),
-        Opt::Shampoo => run(args, shampoo),
+        Opt::Adam8bit => run(args, lr, adam8bit),
+        Opt::Shampoo => run(args, lr, shampoo),
     }
 }
 
@@ -320,10 +403,10 @@ fn model_config(size: Size) -> TransformerConfig {
 }
 
 /// Muon's per-unit choice of whole or split matrices, and what it costs on the wire.
-fn print_muon_layout(args: &Args, ranks: usize) -> Result<()> {
+fn print_muon_layout(args: &Args, ranks: usize, lr: f64) -> Result<()> {
     let params = model_config(args.size).init_params(0)?;
     let inventory = inventory_of(&params)?;
-    let opt = muon(args.lr, args.muon_layout())?;
+    let opt = muon(lr, args.muon_layout())?;
     let (mut split, mut total, mut bytes) = (0, 0, 0);
     let wrap = FsdpOptions::default().wrap;
     for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
@@ -345,7 +428,13 @@ fn print_muon_layout(args: &Args, ranks: usize) -> Result<()> {
     Ok(())
 }
 
-fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + Sync) -> Result<()> {
+/// Trains sharded, then (unless --no-reference) unsharded at the same rate `lr` (the rate and
+/// the banner's words for it, from [`learning_rate`]), and reports how far the two drifted.
+fn run<O: CheckpointState>(
+    args: &Args,
+    (lr, lr_text): (f64, String),
+    optimizer: impl Fn(f64) -> Result<O> + Sync,
+) -> Result<()> {
     let cfg = model_config(args.size);
     let params = cfg.init_params(0)?;
     let n_params: usize = params.iter().map(|(_, t)| t.elem_count()).sum();
@@ -361,14 +450,9 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
     let world = launched_world(args);
     let ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
     if world.is_none_or(|(_, rank)| rank == 0) {
-        // On resume the checkpoint's rate applies, not --lr.
-        let lr = match args.resume {
-            Some(_) => "from the checkpoint (ragged checkpoint info shows it)".to_string(),
-            None => args.lr.to_string(),
-        };
         println!(
-            "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {lr}, global \
-             batch {} x {} tokens",
+            "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {lr_text}, \
+             global batch {} x {} tokens",
             args.layout, args.optimizer, args.batch, cfg.seq_len
         );
     }
@@ -404,11 +488,11 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
             }
         };
         // The start-up table: every parameter's role, unit, block and holding ranks.
-        let table = fully_shard(&params, optimizer(args.lr)?, comm, opts.clone())?.describe();
+        let table = fully_shard(&params, optimizer(lr)?, comm, opts.clone())?.describe();
         if comm.rank() == 0 {
             bar.suspend(|| println!("{table}\n"));
         }
-        let opt = optimizer(args.lr)?;
+        let opt = optimizer(lr)?;
         let job = (cfg, mode, args.steps, args.batch);
         train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)
     };
@@ -417,13 +501,7 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, args.device, &rank_run)?)),
         CommKind::Nccl => gpu::nccl(args.device, &rank_run)?,
         CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
-        CommKind::Mpi => {
-            return Err(ragged::Error::BadInput {
-                op: "train",
-                what: "--device cuda --comm mpi".into(),
-                reason: "MPI moves host memory; use --comm nccl or gpu-threads".into(),
-            })
-        }
+        CommKind::Mpi => return Err(mpi_on_gpu()),
     };
     bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
@@ -457,10 +535,10 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         layout: ShardLayout::Ragged,
         ..FsdpOptions::default()
     };
-    let opt = optimizer(args.lr)?;
-    // From the same start as the sharded run: the imported values under --init-from (a
-    // resumed run's steps are compared from the checkpoint's step on, the reference having
-    // run them all).
+    // At the sharded run's rate (a resumed run's is its checkpoint's), from the same start:
+    // the imported values under --init-from (a resumed run's steps are compared from the
+    // checkpoint's step on, the reference having run them all).
+    let opt = optimizer(lr)?;
     let start = Checkpointing {
         init_from: args.init_from.clone(),
         ..Checkpointing::default()
@@ -498,6 +576,15 @@ fn run<O: CheckpointState>(args: &Args, optimizer: impl Fn(f64) -> Result<O> + S
         args.steps
     );
     Ok(())
+}
+
+/// `--device cuda --comm mpi`: refused by `check_args`, and where the ranks start.
+fn mpi_on_gpu() -> ragged::Error {
+    ragged::Error::BadInput {
+        op: "train",
+        what: "--device cuda --comm mpi".into(),
+        reason: "MPI moves host memory; use --comm nccl or gpu-threads".into(),
+    }
 }
 
 /// Rank 0's result.
@@ -708,6 +795,68 @@ fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>, firs
         println!(
             "{:>5} {:>12.6} {:>12} {:>10} {:>9.3}",
             i, r.loss, u, d, r.seconds
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(flags: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("train").chain(flags.iter().copied())).unwrap()
+    }
+
+    fn resumed(lr: Option<f64>, batches: usize) -> Resumed {
+        Resumed { lr, batches }
+    }
+
+    #[test]
+    fn a_fresh_run_trains_at_lr_or_the_default() {
+        assert_eq!(
+            learning_rate(&args(&[]), None),
+            (DEFAULT_LR, "0.003".into())
+        );
+        assert_eq!(
+            learning_rate(&args(&["--lr", "0.01"]), None),
+            (0.01, "0.01".into())
+        );
+    }
+
+    /// The unsharded reference trains at the returned rate: a resume of a run saved at 0.01
+    /// must not compare against one at the default (or at an ignored --lr).
+    #[test]
+    fn a_resumed_run_trains_at_its_checkpoints_rate_and_says_so() {
+        let saved = resumed(Some(0.01), 2);
+        let (lr, text) = learning_rate(&args(&[]), Some(&saved));
+        assert_eq!((lr, text.as_str()), (0.01, "0.01 (the checkpoint's)"));
+        let (lr, text) = learning_rate(&args(&["--lr", "0.1"]), Some(&saved));
+        assert_eq!(lr, 0.01);
+        assert!(text.contains("--lr 0.1 is ignored"), "{text}");
+        let (_, text) = learning_rate(&args(&["--lr", "0.01"]), Some(&saved));
+        assert!(!text.contains("ignored"), "{text}");
+        // An optimizer that saved no rate: --lr (or the default) applies.
+        let (lr, _) = learning_rate(&args(&["--lr", "0.1"]), Some(&resumed(None, 2)));
+        assert_eq!(lr, 0.1);
+    }
+
+    #[test]
+    fn mpi_with_the_model_on_the_gpu_is_refused_before_the_gpu_is_opened() {
+        let err = check_args(&args(&["--device", "cuda", "--comm", "mpi"]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MPI moves host memory"), "{err}");
+        assert!(check_args(&args(&["--device", "cuda", "--comm", "nccl"])).is_ok());
+    }
+
+    #[test]
+    fn a_resume_already_past_the_steps_is_refused_up_front() {
+        let saved = resumed(Some(0.01), 20);
+        assert!(saved.check_steps(20).is_ok());
+        let err = saved.check_steps(10).unwrap_err().to_string();
+        assert!(
+            err.contains("already past them (20 batches consumed)"),
+            "{err}"
         );
     }
 }

@@ -171,7 +171,8 @@ pub struct CommBenchArgs {
 
 #[derive(Args)]
 pub struct PlanBenchArgs {
-    /// Inventory files or presets; default: every *.json in the models/ folder.
+    /// Inventory files or presets; default: every *.json in ./models, or, where the working
+    /// directory has none, in the models/ folder of the source tree this binary was built from.
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
     /// World sizes.
@@ -646,7 +647,7 @@ fn optim_cuda(_: &OptimBenchArgs) -> Result<()> {
 
 fn plan(args: &PlanBenchArgs) -> Result<()> {
     let models = if args.models.is_empty() {
-        model_files(Path::new("models"))?
+        model_files(&default_models_dir())?
     } else {
         args.models.clone()
     };
@@ -791,9 +792,28 @@ fn load_average() -> String {
     }
 }
 
+/// Where `bench plan` finds its models when `--models` names none: `models/` in the working
+/// directory (the repository root, as the README runs it), else the repository's own, found
+/// from where this crate was built, so that the command works from any directory.
+fn default_models_dir() -> PathBuf {
+    let here = Path::new("models");
+    if here.is_dir() {
+        return here.to_path_buf();
+    }
+    let cli_crate = Path::new(env!("CARGO_MANIFEST_DIR"));
+    cli_crate.parent().unwrap_or(cli_crate).join("models")
+}
+
 /// Every `*.json` inventory in `dir`, sorted.
 fn model_files(dir: &Path) -> Result<Vec<String>> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("list models", dir, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::BadInput {
+        op: OP_PLAN,
+        what: format!("models folder {}", dir.display()),
+        reason: format!(
+            "cannot be listed ({e}): name the inventories with --models, or run from the \
+             repository root"
+        ),
+    })?;
     let mut files: Vec<String> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json"))

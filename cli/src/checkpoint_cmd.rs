@@ -16,10 +16,27 @@ pub enum CheckpointCommand {
         path: PathBuf,
     },
     /// Read every byte of every rank file and check it against the manifest's checksums.
-    Verify { path: PathBuf },
+    Verify {
+        /// A checkpoint folder, or a root holding `step-N` folders (the newest is taken).
+        path: PathBuf,
+    },
     /// Write the parameters to one safetensors file (f32, the model's names) that candle and
     /// Hugging Face tools load, one tensor in memory at a time.
-    Export { path: PathBuf, out: PathBuf },
+    Export {
+        /// A checkpoint folder, or a root holding `step-N` folders (the newest is taken).
+        path: PathBuf,
+        /// The safetensors file to write (replaced if it is a regular file; not inside the
+        /// checkpoint folder).
+        out: PathBuf,
+    },
+}
+
+/// `n` and `noun`, plural unless `n` is 1 ("1 rank", "3 ranks").
+fn count(n: usize, noun: &str) -> String {
+    match n {
+        1 => format!("1 {noun}"),
+        _ => format!("{n} {noun}s"),
+    }
 }
 
 fn bar(len: u64, what: &str) -> ProgressBar {
@@ -40,9 +57,9 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
             })?;
             b.finish_and_clear();
             println!(
-                "{}: {} files, {bytes} bytes, every checksum matches",
+                "{}: {}, {bytes} bytes, every checksum matches",
                 dir.display(),
-                m.files.len()
+                count(m.files.len(), "file")
             );
             Ok(())
         }
@@ -56,8 +73,8 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
             })?;
             b.finish_and_clear();
             println!(
-                "wrote {} tensors of {} to {}",
-                m.model.len(),
+                "wrote {} of {} to {}",
+                count(m.model.len(), "tensor"),
                 dir.display(),
                 out.display()
             );
@@ -90,12 +107,16 @@ fn info(path: &std::path::Path) -> Result<()> {
     println!("{}", dir.display());
     println!("  format {} version {}", m.format, m.version);
     println!(
-        "  {} ranks, {} layout, {} units",
-        m.world,
+        "  {}, {} layout, {}",
+        count(m.world, "rank"),
         m.layout,
-        m.units.len()
+        count(m.units.len(), "unit")
     );
-    println!("  model: {} tensors, {params} parameters", m.model.len());
+    println!(
+        "  model: {}, {}",
+        count(m.model.len(), "tensor"),
+        count(params, "parameter")
+    );
     println!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config);
     println!(
         "  steps {} (skipped {}), optimizer step {}, learning rate {}",
@@ -118,6 +139,6 @@ fn info(path: &std::path::Path) -> Result<()> {
     fields.sort_unstable();
     fields.dedup();
     println!("  arrays per parameter: {}", fields.join(", "));
-    println!("  {} rank files, {bytes} bytes", m.files.len());
+    println!("  {}, {bytes} bytes", count(m.files.len(), "rank file"));
     Ok(())
 }

@@ -210,6 +210,61 @@ fn bad_input_exits_with_a_message() {
     }
 }
 
+/// Planner options out of range: the message names the option and its value (no `Debug`
+/// dump of the options struct), after the same "error:" as every other refusal.
+#[test]
+fn plan_options_out_of_range_name_the_option_and_value() {
+    let cases: [(&[&str], &str); 2] = [
+        (
+            &["--coll-align", "2097152"],
+            "bad input coll_align 2097152: ",
+        ),
+        (&["--start-align", "3"], "bad input start_align 3: "),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["plan", "--model", "llama3_8b", "--devices", "8"];
+        args.extend_from_slice(flags);
+        let out = ragged(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            err.starts_with("error: ") && err.contains(want),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains(" { "), "{args:?}: a Debug struct: {err}");
+    }
+}
+
+/// `bench plan` without `--models` finds the repository's models from any working directory.
+#[test]
+fn bench_plan_finds_its_default_models_outside_the_repository_root() {
+    let elsewhere = tmp("bench-plan-elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let args = [
+        "bench",
+        "plan",
+        "--worlds",
+        "8",
+        "--blocks",
+        "rows:16",
+        "--repeats",
+        "1",
+        "--no-write",
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_ragged"))
+        .args(args)
+        .current_dir(&elsewhere)
+        .output()
+        .expect("run ragged");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("| Meta-Llama-3-8B | 8 | rows:16 |"), "{text}");
+}
+
 /// A tensor of `2^63 − 1` elements (from the fuzz tests): on one rank, with one buffer or up to
 /// three, `ragged plan` exits with a message naming the overflow, never a panic.
 #[test]
@@ -614,6 +669,23 @@ fn bench_checkpoint_never_deletes_files_it_did_not_write() {
         "left files behind"
     );
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Counts of one read "1 rank", "1 file", not "1 ranks" (a 1-rank checkpoint in the tests).
+#[test]
+fn checkpoint_info_and_verify_count_in_the_singular() {
+    let one_rank = "tests/data/muon-v-for-every-matrix";
+    let out = ragged(&["checkpoint", "info", one_rank]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("  1 rank, ") && text.contains("  1 rank file, "),
+        "{text}"
+    );
+    let out = ragged(&["checkpoint", "verify", one_rank]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(": 1 file, "), "{text}");
 }
 
 /// `ragged checkpoint info|verify|export` on a checkpoint 3 thread ranks saved: info names it,

@@ -205,6 +205,13 @@ impl FieldRecord {
     }
 }
 
+/// A manifest's `version` field as a message names it: the number, or that there is none.
+fn version_text(version: Option<u64>) -> String {
+    version.map_or("none (missing or not a whole number)".to_string(), |v| {
+        v.to_string()
+    })
+}
+
 impl Manifest {
     /// Reads and checks `dir/manifest.json`: the format, a version this build reads, one file
     /// per rank, and holders that tile every field.
@@ -227,8 +234,9 @@ impl Manifest {
                 return Err(bad(
                     &path,
                     format!(
-                        "format version {v:?}: this build of ragged reads versions 1 to \
-                         {VERSION} ({why})"
+                        "format version {}: this build of ragged reads versions 1 to \
+                         {VERSION} ({why})",
+                        version_text(v)
                     ),
                 ));
             }
@@ -241,8 +249,9 @@ impl Manifest {
             return Err(bad(
                 &path,
                 format!(
-                    "says format version {version:?}, which has no checksum, but carries one: \
-                     the version was edited or damaged"
+                    "says format version {}, which has no checksum, but carries one: the \
+                     version was edited or damaged",
+                    version_text(version)
                 ),
             ));
         }

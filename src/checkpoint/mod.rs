@@ -118,6 +118,20 @@ pub(crate) fn bad(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
+/// `e`'s text inside the combined error of [`agree`], which names `dir` once: a checkpoint
+/// error about `dir` itself gives its reason, one about a file under it the file's path
+/// relative to `dir` and the reason; any other error its whole text.
+fn reason_within(dir: &Path, e: &Error) -> String {
+    let Error::Checkpoint { path, reason } = e else {
+        return e.to_string();
+    };
+    match Path::new(path).strip_prefix(dir) {
+        Ok(inside) if inside.as_os_str().is_empty() => reason.clone(),
+        Ok(inside) => format!("{}: {reason}", inside.display()),
+        Err(_) => e.to_string(),
+    }
+}
+
 /// Every rank's outcome of a local part of a checkpoint operation: every rank's payload when
 /// all succeeded, else the same `Err` on every rank naming each failed rank's problem (one
 /// exchange; on one rank the error itself).
@@ -131,7 +145,7 @@ pub(crate) fn agree(
     }
     let msg = match &local {
         Ok(p) => [&[0u8][..], p].concat(),
-        Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+        Err(e) => [&[1u8][..], reason_within(dir, e).as_bytes()].concat(),
     };
     let all = all_gather_bytes(comm, &msg)?;
     // Failed ranks grouped by their message, in rank order (all ranks often fail alike).

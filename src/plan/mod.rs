@@ -180,32 +180,42 @@ impl PlanOptions {
         Order::ALL.iter().all(|o| self.orders.contains(o))
     }
 
+    /// `Err` naming the offending option and its value (not the whole struct, whose `Debug`
+    /// text a command line would print back at its user).
     fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Error::BadInput {
+        let bad = |what: String, reason: String| Error::BadInput {
             op: "PlanOptions",
-            what: format!("{self:?}"),
+            what,
             reason,
         };
-        if self.coll_align == 0 || self.start_align == 0 {
-            return Err(bad("alignments must be positive".into()));
+        let (coll, start) = (self.coll_align, self.start_align);
+        for (name, align) in [("coll_align", coll), ("start_align", start)] {
+            if align == 0 {
+                return Err(bad(
+                    format!("{name} 0"),
+                    "alignments must be positive".into(),
+                ));
+            }
         }
         // `start_align` divides `coll_align` (below), so this bounds both.
-        if self.coll_align > MAX_ALIGN {
-            return Err(bad(format!(
-                "collective alignment {} is above {MAX_ALIGN} elements (2^20, a 2 MiB huge page \
-                 of bf16; collectives need a few hundred bytes): every shard would be padded \
-                 up to it",
-                self.coll_align
-            )));
+        if coll > MAX_ALIGN {
+            return Err(bad(
+                format!("coll_align {coll}"),
+                format!(
+                    "collective alignment {coll} is above {MAX_ALIGN} elements (2^20, a 2 MiB \
+                     huge page of bf16; collectives need a few hundred bytes): every shard \
+                     would be padded up to it"
+                ),
+            ));
         }
-        if self.coll_align % self.start_align != 0 {
-            return Err(bad(format!(
-                "start alignment {} must divide the collective alignment {}",
-                self.start_align, self.coll_align
-            )));
+        if coll % start != 0 {
+            return Err(bad(
+                format!("start_align {start}"),
+                format!("start alignment {start} must divide the collective alignment {coll}"),
+            ));
         }
         if self.orders.is_empty() {
-            return Err(bad("no order to try".into()));
+            return Err(bad("orders []".into(), "no order to try".into()));
         }
         Ok(())
     }
