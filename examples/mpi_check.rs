@@ -52,11 +52,12 @@ mpi_check: the MPI backend held to the thread backend (collectives, disagreeing 
 Muon, a checkpoint saved over MPI); run under mpirun, e.g.
   mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
 
-Usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end]
+Usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job: it returns an
-                                 Err, panics, leaves, or stalls (stall-at-end: while the others
-                                 return from main); the job must end with a message naming R
+                                 Err, panics, leaves, stalls (stall-at-end: while the others
+                                 return from main), or stops itself (SIGSTOP) inside large
+                                 all-gathers; the job must end with a message naming R
   -h, --help                     print this and exit";
 
 fn main() -> ExitCode {
