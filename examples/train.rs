@@ -312,20 +312,9 @@ impl Resumed {
     }
 
     /// `Err` when the checkpoint has already consumed more than `--steps` batches: refused
-    /// here, before the start-up table, as well as by `train_rank_with` (the library's check).
+    /// here, before the start-up table, as well as by `train_rank_with` after its load.
     fn check_steps(&self, steps: usize) -> Result<()> {
-        if self.batches <= steps {
-            return Ok(());
-        }
-        Err(ragged::Error::BadInput {
-            op: "train",
-            what: format!("--steps {steps}"),
-            reason: format!(
-                "the resumed checkpoint is already past them ({} batches consumed): ask for at \
-                 least {} steps",
-                self.batches, self.batches
-            ),
-        })
+        ragged::demo::check_resumable(self.batches, steps)
     }
 }
 

@@ -545,17 +545,7 @@ pub fn train_rank_with<O: CheckpointState>(
             what: "step count".into(),
             reason: "steps taken plus steps skipped overflow".into(),
         })?;
-    if first_step > steps {
-        // Nothing would run, and the result would be the checkpoint's, not `steps` steps'.
-        return Err(crate::Error::BadInput {
-            op: "train_rank_with",
-            what: format!("{steps} steps"),
-            reason: format!(
-                "the resumed checkpoint is already past them ({first_step} batches consumed): \
-                 ask for at least {first_step} steps"
-            ),
-        });
-    }
+    check_resumable(first_step, steps)?;
     let save = SaveOptions {
         keep: ckpt.keep,
         metadata: [(GLOBAL_BATCH.to_string(), global_batch.to_string())].into(),
@@ -615,6 +605,24 @@ pub fn train_rank_with<O: CheckpointState>(
         optimizer_events: sharded.optimizer_events()?,
         changed_settings,
         set_aside,
+    })
+}
+
+/// `Err` when a resumed checkpoint has consumed more than `steps` batches (`batches`, steps
+/// taken and skipped): nothing would run, and the result would be the checkpoint's, not
+/// `steps` steps'. A program may call it before it starts (`examples/train.rs` reads the
+/// manifest first); [`train_rank_with`] calls it after its load.
+pub fn check_resumable(batches: usize, steps: usize) -> Result<()> {
+    if batches <= steps {
+        return Ok(());
+    }
+    Err(Error::BadInput {
+        op: "train_rank_with",
+        what: format!("{steps} steps"),
+        reason: format!(
+            "the resumed checkpoint is already past them ({batches} batches consumed): ask for \
+             at least {batches} steps"
+        ),
     })
 }
 
