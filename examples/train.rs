@@ -77,7 +77,8 @@ enum Size {
 #[derive(Parser, Debug)]
 #[command(about = "Sharded training of a small transformer on thread ranks")]
 struct Args {
-    /// Number of thread ranks sharing the model (nccl: the environment's world size).
+    /// Number of thread ranks sharing the model (not used under mpi and nccl, whose launcher
+    /// sets the world size; the banner prints the one that runs).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
     /// Where the ranks and their collectives run (module doc).
