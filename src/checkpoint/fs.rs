@@ -214,8 +214,16 @@ pub fn rotate(root: &Path, keep: usize, saved: usize) -> Result<Vec<PathBuf>> {
 /// before publishing, so a crash at any moment leaves a newest checkpoint of this run's own
 /// line. Returns what it removed.
 pub fn remove_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
-    let later = list(root)?.into_iter().filter(|&(n, _)| n > saved);
+    let later = later_than(root, saved)?.into_iter();
     later.map(|(_, path)| remove(root, path)).collect()
+}
+
+/// The complete checkpoints under `root` of steps after `saved` ([`list`]'s, oldest first).
+fn later_than(root: &Path, saved: usize) -> Result<Vec<(usize, PathBuf)>> {
+    Ok(list(root)?
+        .into_iter()
+        .filter(|&(n, _)| n > saved)
+        .collect())
 }
 
 /// Before a save of step `saved` that keeps every checkpoint, moves the checkpoints of later
@@ -224,10 +232,7 @@ pub fn remove_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
 /// that folder to continue that run), out of what "the newest checkpoint" under `root`
 /// resolves to. Each move is one rename, made before publishing. Returns the new paths.
 pub fn set_aside_later(root: &Path, saved: usize) -> Result<Vec<PathBuf>> {
-    let later: Vec<_> = list(root)?
-        .into_iter()
-        .filter(|&(n, _)| n > saved)
-        .collect();
+    let later = later_than(root, saved)?;
     if later.is_empty() {
         return Ok(Vec::new());
     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::bad;
-use super::manifest::{tensor_name, FieldRecord, Manifest};
+use super::manifest::{tensor_name, FieldRecord, FileRecord, Manifest};
 use super::safetensors::Reader;
 use super::state::{FieldDataMut, FieldType};
 use crate::ragged::{redistribute, RaggedShard};
@@ -42,14 +42,20 @@ impl<'a> SourceFiles<'a> {
     /// missing or truncated file found before a load replaces any value.
     pub fn check_sizes(&self) -> Result<()> {
         for rec in &self.manifest.files {
-            let path = self.dir.join(&rec.file);
-            if !path.is_file() {
-                return Err(bad(&path, "missing (every rank's file is needed)"));
-            }
+            let path = self.present(rec)?;
             let size = crate::limits::regular_file_size("checkpoint: open", &path)?;
             super::safetensors::check_size(&path, &rec.digest, size)?;
         }
         Ok(())
+    }
+
+    /// The path of the rank file `rec` names, or `Err` if it is missing.
+    fn present(&self, rec: &FileRecord) -> Result<std::path::PathBuf> {
+        let path = self.dir.join(&rec.file);
+        if !path.is_file() {
+            return Err(bad(&path, "missing (every rank's file is needed)"));
+        }
+        Ok(path)
     }
 
     fn reader(&mut self, rank: usize) -> Result<&mut Reader> {
@@ -58,10 +64,7 @@ impl<'a> SourceFiles<'a> {
                 self.open.clear();
             }
             let rec = &self.manifest.files[rank];
-            let path = self.dir.join(&rec.file);
-            if !path.is_file() {
-                return Err(bad(&path, "missing (every rank's file is needed)"));
-            }
+            let path = self.present(rec)?;
             self.open
                 .insert(rank, Reader::open(&path, Some(&rec.digest))?);
         }

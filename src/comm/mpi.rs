@@ -54,7 +54,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use mpi::datatype::{Partition, PartitionMut};
+use mpi::datatype::{Partition, PartitionMut, PartitionedBuffer, PartitionedBufferMut};
 use mpi::environment::Universe;
 use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
@@ -481,11 +481,7 @@ impl Waiting<'_> {
         })
     }
 
-    fn all_to_all_v(
-        &self,
-        send: &Partition<'_, [u8], Vec<Count>, Vec<Count>>,
-        recv: &mut PartitionMut<'_, [u8], Vec<Count>, Vec<Count>>,
-    ) {
+    fn all_to_all_v(&self, send: &impl PartitionedBuffer, recv: &mut impl PartitionedBufferMut) {
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(
@@ -496,7 +492,7 @@ impl Waiting<'_> {
         })
     }
 
-    fn all_gather_v(&self, send: &[u8], recv: &mut PartitionMut<'_, [u8], Vec<Count>, Vec<Count>>) {
+    fn all_gather_v(&self, send: &[u8], recv: &mut impl PartitionedBufferMut) {
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(
@@ -776,15 +772,15 @@ impl Communicator for MpiComm {
             let recv_displs = displs(&recv_counts);
             let mut runs = Scratch::new(v * n * es);
             world.all_to_all_v(
-                &Partition::new(&bytes[..], send_counts.clone(), send_displs.clone()),
-                &mut PartitionMut::new(runs.bytes_mut(), recv_counts, recv_displs),
+                &Partition::new(&bytes[..], &send_counts[..], &send_displs[..]),
+                &mut PartitionMut::new(runs.bytes_mut(), &recv_counts[..], &recv_displs[..]),
             );
             let mut reduced = Scratch::new(n * es);
             reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
             // Phase 2: every range to every rank.
             world.all_gather_v(
                 reduced.bytes(),
-                &mut PartitionMut::new(bytes, send_counts, send_displs),
+                &mut PartitionMut::new(bytes, &send_counts[..], &send_displs[..]),
             );
             Ok(())
         })
@@ -811,8 +807,8 @@ impl Communicator for MpiComm {
             let rc = counts(recv_counts.iter().map(|&c| c * es));
             let (sd, rd) = (displs(&sc), displs(&rc));
             world.all_to_all_v(
-                &Partition::new(send, sc, sd),
-                &mut PartitionMut::new(recv, rc, rd),
+                &Partition::new(send, &sc[..], &sd[..]),
+                &mut PartitionMut::new(recv, &rc[..], &rd[..]),
             );
             Ok(())
         })
