@@ -77,10 +77,10 @@ enum Size {
 #[derive(Parser, Debug)]
 #[command(about = "Sharded training of a small transformer on thread ranks")]
 struct Args {
-    /// Number of thread ranks sharing the model (not used under mpi and nccl, whose launcher
-    /// sets the world size; the banner prints the one that runs).
-    #[arg(long, default_value_t = 4)]
-    ranks: usize,
+    /// Number of thread ranks sharing the model [default: 4]. Under mpi and nccl the launcher
+    /// sets the world size; given there, it must match it.
+    #[arg(long)]
+    ranks: Option<usize>,
     /// Where the ranks and their collectives run (module doc).
     #[arg(long, value_enum, default_value_t = CommKind::Threads)]
     comm: CommKind,
@@ -237,12 +237,13 @@ fn check_args(args: &Args) -> Result<()> {
     if let Some(lr) = args.lr {
         positive_finite(OP, "--lr", lr)?;
     }
-    at_least(OP, "--ranks", args.ranks, 1)?;
+    at_least(OP, "--ranks", args.thread_ranks(), 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
     // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
     if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
-        even_share(OP, "--batch", args.batch, args.ranks)?;
+        even_share(OP, "--batch", args.batch, args.thread_ranks())?;
     }
+    check_launched_ranks(args, launched_world(args))?;
     for (flag, given) in [
         ("--save-every", args.save_every > 0),
         ("--keep", args.keep > 0),
@@ -279,6 +280,11 @@ impl Args {
     /// `--muon-layout`, auto when not given.
     fn muon_layout(&self) -> MuonLayout {
         self.muon_layout.unwrap_or(MuonLayout::Auto)
+    }
+
+    /// `--ranks`, 4 when not given: the thread ranks' world (a launcher's sets its own).
+    fn thread_ranks(&self) -> usize {
+        self.ranks.unwrap_or(4)
     }
 }
 
@@ -348,7 +354,7 @@ fn launched_world(args: &Args) -> Option<(usize, usize)> {
             .find_map(|n| std::env::var(n).ok()?.trim().parse::<usize>().ok())
     };
     match args.comm {
-        CommKind::Threads | CommKind::GpuThreads => Some((args.ranks, 0)),
+        CommKind::Threads | CommKind::GpuThreads => Some((args.thread_ranks(), 0)),
         CommKind::Mpi | CommKind::Nccl => Some((
             env(&[
                 "OMPI_COMM_WORLD_SIZE",
@@ -358,6 +364,29 @@ fn launched_world(args: &Args) -> Option<(usize, usize)> {
             ])?,
             env(&["OMPI_COMM_WORLD_RANK", "PMI_RANK", "RAGGED_RANK", "RANK"])?,
         )),
+    }
+}
+
+/// An explicit `--ranks` under a launcher that started another number of processes: refused,
+/// since the user asked for a world this run would not be (it was ignored before).
+/// `launched` is [`launched_world`]'s answer.
+fn check_launched_ranks(args: &Args, launched: Option<(usize, usize)>) -> Result<()> {
+    let (Some(asked), CommKind::Mpi | CommKind::Nccl) = (args.ranks, args.comm) else {
+        return Ok(());
+    };
+    match launched {
+        Some((size, _)) if size != asked => Err(ragged::Error::BadInput {
+            op: "train",
+            what: format!("--ranks {asked}"),
+            reason: format!(
+                "the launcher started {size} processes (under --comm {} the world is the \
+                 launcher's: leave --ranks out, or start {asked})",
+                args.comm
+                    .to_possible_value()
+                    .map_or("?".into(), |v| v.get_name().to_string())
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -380,9 +409,46 @@ fn train(args: &Args) -> Result<()> {
             let layout = args.muon_layout();
             run(args, lr, move |lr| muon(lr, layout))
         }
-        Opt::Adam8bit => run(args, lr, adam8bit),
+        Opt::Adam8bit => {
+            if launched_world(args).is_none_or(|(_, rank)| rank == 0) {
+                print_adam8bit_state(args, lr.0)?;
+            }
+            run(args, lr, adam8bit)
+        }
         Opt::Shampoo => run(args, lr, shampoo),
     }
+}
+
+/// How many parameters 8-bit Adam quantizes: the others keep `f32` state, AdamW's update bit
+/// for bit (bnb's small-tensor fallback), so a model of small matrices (`--size tiny`, none of
+/// 4096 elements) trains as AdamW, which the banner should not leave unsaid.
+fn print_adam8bit_state(args: &Args, lr: f64) -> Result<()> {
+    let params = model_config(args.size).init_params(0)?;
+    let opt = adam8bit(lr)?;
+    let (mut quantized, mut elems, mut total_elems) = (0, 0, 0);
+    for (name, t) in &params {
+        total_elems += t.elem_count();
+        if opt.tiling(name, t.dims()).is_some() {
+            quantized += 1;
+            elems += t.elem_count();
+        }
+    }
+    let fallback = if quantized == params.len() {
+        String::new()
+    } else {
+        format!(
+            "; the other {} keep f32 state and take AdamW's update (1-D, under {} elements, \
+             an embedding, or rows not a multiple of 32 wide)",
+            params.len() - quantized,
+            Adam8bitConfig::default().min_8bit_size
+        )
+    };
+    println!(
+        "8-bit Adam: 8-bit state for {quantized} of {} parameters ({elems} of {total_elems} \
+         elements){fallback}",
+        params.len()
+    );
+    Ok(())
 }
 
 fn model_config(size: Size) -> TransformerConfig {
@@ -487,8 +553,14 @@ fn run<O: CheckpointState>(
         train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)
     };
     let (rank, trained) = match args.comm {
-        CommKind::Threads => (0, first(ThreadWorld::run(args.ranks, |c| rank_run(c))?)),
-        CommKind::GpuThreads => (0, first(gpu::threads(args.ranks, args.device, &rank_run)?)),
+        CommKind::Threads => (
+            0,
+            first(ThreadWorld::run(args.thread_ranks(), |c| rank_run(c))?),
+        ),
+        CommKind::GpuThreads => (
+            0,
+            first(gpu::threads(args.thread_ranks(), args.device, &rank_run)?),
+        ),
         CommKind::Nccl => gpu::nccl(args.device, &rank_run)?,
         CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
         CommKind::Mpi => return Err(mpi_on_gpu()),
@@ -562,8 +634,9 @@ fn run<O: CheckpointState>(
         sharded.last().map_or(0, |r| r.copied_bytes)
     );
     println!(
-        "max |parameter difference| sharded vs unsharded after {} steps: {max_diff:.3e}",
-        args.steps
+        "max |parameter difference| sharded vs unsharded after {} step{}: {max_diff:.3e}",
+        args.steps,
+        if args.steps == 1 { "" } else { "s" }
     );
     Ok(())
 }
@@ -760,6 +833,25 @@ fn report_checkpoints(args: &Args, trained: &Trained) {
         let steps: Vec<usize> = saved.iter().map(|(s, _)| *s).collect();
         println!("checkpoints in {}: steps {steps:?}", dir.display());
     }
+    if let Some(path) = &args.init_from {
+        let unused = match trained.unused_tensors.as_slice() {
+            [] => String::new(),
+            names => {
+                let more = names.len().saturating_sub(5);
+                let tail = if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                };
+                format!(
+                    " ({} of its tensors not in the model, unused: {}{tail})",
+                    names.len(),
+                    names[..names.len().min(5)].join(", ")
+                )
+            }
+        };
+        println!("started from the parameters in {}{unused}", path.display());
+    }
     if let Some(path) = &args.export {
         println!("exported the parameters to {}", path.display());
     }
@@ -795,6 +887,25 @@ mod tests {
 
     fn args(flags: &[&str]) -> Args {
         Args::try_parse_from(std::iter::once("train").chain(flags.iter().copied())).unwrap()
+    }
+
+    /// `--ranks` was ignored under a launcher; now it must match the world it started.
+    #[test]
+    fn an_explicit_ranks_must_match_the_launchers_world() {
+        let mpi = args(&["--comm", "mpi", "--ranks", "4"]);
+        let err = check_launched_ranks(&mpi, Some((2, 0)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--ranks 4") && err.contains("started 2 processes"),
+            "{err}"
+        );
+        assert!(err.contains("--comm mpi"), "{err}");
+        assert!(check_launched_ranks(&mpi, Some((4, 1))).is_ok());
+        // Not given, or thread ranks (where it is the world): nothing to compare.
+        assert!(check_launched_ranks(&args(&["--comm", "mpi"]), Some((2, 0))).is_ok());
+        assert!(check_launched_ranks(&args(&["--ranks", "4"]), Some((4, 0))).is_ok());
+        assert_eq!(args(&[]).thread_ranks(), 4);
     }
 
     fn resumed(lr: Option<f64>, batches: usize) -> Resumed {

@@ -457,6 +457,9 @@ pub struct Trained {
     pub changed_settings: Vec<String>,
     /// Checkpoints of later steps its saves moved aside ([`crate::checkpoint::Saved::set_aside`]).
     pub set_aside: Vec<std::path::PathBuf>,
+    /// Under [`Checkpointing::init_from`], the file's tensors the model does not have
+    /// ([`ShardedModel::load_safetensors`]'s answer; empty otherwise).
+    pub unused_tensors: Vec<String>,
 }
 
 /// Trains the transformer for `steps` steps on one rank of `comm`: each rank takes its
@@ -511,7 +514,7 @@ pub fn train_rank_with<O: CheckpointState>(
         check_checkpoint_dir(dir, ckpt.resume.as_deref(), comm.rank())?;
     }
     let mut sharded = fully_shard(params, optimizer, comm, opts)?;
-    let mut changed_settings = Vec::new();
+    let (mut changed_settings, mut unused_tensors) = (Vec::new(), Vec::new());
     match (&ckpt.resume, &ckpt.init_from) {
         (Some(_), Some(_)) => {
             return Err(crate::Error::BadInput {
@@ -533,7 +536,7 @@ pub fn train_rank_with<O: CheckpointState>(
                 _ => {}
             }
         }
-        (None, Some(file)) => sharded.load_safetensors(file).map(|_| ())?,
+        (None, Some(file)) => unused_tensors = sharded.load_safetensors(file)?,
         (None, None) => {}
     }
     // Steps taken and steps skipped each consumed a batch.
@@ -605,6 +608,7 @@ pub fn train_rank_with<O: CheckpointState>(
         optimizer_events: sharded.optimizer_events()?,
         changed_settings,
         set_aside,
+        unused_tensors,
     })
 }
 

@@ -387,9 +387,32 @@ fn a_checkpoint_records_the_run_and_a_load_names_what_changed() {
         let mut other = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
         let changed = other.load(&dir)?;
         let mut same = fully_shard(&params, adamw(), c, bf16_skip.clone())?;
-        Ok((changed, same.load(&dir)?))
+        // Metadata only rank 0's would be written: refused on every rank, nothing published.
+        let mine = SaveOptions {
+            metadata: [("rank".to_string(), c.rank().to_string())].into(),
+            ..SaveOptions::default()
+        };
+        train(&mut m, c, 1..2)?;
+        let refused = m.save(&dir, &mine).map(drop).unwrap_err().to_string();
+        Ok((changed, same.load(&dir)?, refused))
     })
     .unwrap();
+    assert_eq!(
+        ckpt_fs::list(&dir).unwrap().len(),
+        1,
+        "the refused save published"
+    );
+    assert!(
+        !ckpt_fs::tmp_dir(&dir, 2).exists(),
+        "the refused save left its folder"
+    );
+    for (_, _, refused) in &loads {
+        assert!(
+            refused.contains("ranks [1] passed another keep or metadata"),
+            "{refused}"
+        );
+    }
+    let loads = loads.into_iter().map(|(a, b, _)| (a, b));
     for (changed, same) in loads {
         assert_eq!(
             changed.changed_settings,

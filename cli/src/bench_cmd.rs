@@ -28,6 +28,18 @@ pub enum BenchCommand {
     Checkpoint(CheckpointBenchArgs),
 }
 
+impl BenchCommand {
+    fn output(&self) -> &Output {
+        match self {
+            BenchCommand::Plan(args) => &args.output,
+            BenchCommand::Comm(args) => &args.output,
+            BenchCommand::Optim(args) => &args.output,
+            BenchCommand::Train(args) => &args.output,
+            BenchCommand::Checkpoint(args) => &args.output,
+        }
+    }
+}
+
 /// Where a bench writes its table besides stdout: its own section of a markdown file.
 #[derive(Args)]
 pub struct Output {
@@ -41,15 +53,76 @@ pub struct Output {
 }
 
 impl Output {
+    /// The markdown file to update; `None` for the table on stdout only.
+    fn file(&self) -> Option<&Path> {
+        let stdout_only = self.no_write || self.out.as_os_str() == "-";
+        (!stdout_only).then_some(self.out.as_path())
+    }
+
     /// Replaces section `name` of the file with `body()` and says so on stderr; nothing when
     /// the table goes to stdout only.
     fn write(&self, name: &str, body: impl FnOnce() -> String) -> Result<()> {
-        if self.no_write || self.out.as_os_str() == "-" {
+        let Some(path) = self.file() else {
             return Ok(());
-        }
-        replace_section(&self.out, name, &body())?;
-        eprintln!("updated {}", self.out.display());
+        };
+        replace_section(path, name, &body())?;
+        eprintln!("updated {}", path.display());
         Ok(())
+    }
+
+    /// Before a bench runs (minutes, some of them): the file reads as the update will read it,
+    /// is not read-only, and its folder takes a new file, so that a table is not lost at the
+    /// end to a path that cannot be written (the default is relative to the working folder).
+    fn check(&self) -> Result<()> {
+        let Some(path) = self.file() else {
+            return Ok(());
+        };
+        let refuse = |reason: String| Error::BadInput {
+            op: "ragged bench",
+            what: format!("--out {}", path.display()),
+            reason,
+        };
+        let dir = folder_of(path);
+        if !dir.is_dir() {
+            return Err(refuse(format!(
+                "the folder {} does not exist (the default, docs/benchmarks.md, is relative to \
+                 the working folder: run from the repository's root, or give --out FILE, or \
+                 --out - for the table on stdout only)",
+                dir.display()
+            )));
+        }
+        read_or_new(path)?;
+        if std::fs::metadata(path).is_ok_and(|m| m.permissions().readonly()) {
+            return Err(refuse("the file is read-only".into()));
+        }
+        let probe = temporary_beside(path);
+        std::fs::write(&probe, b"").map_err(|e| Error::io("write", &probe, e))?;
+        std::fs::remove_file(&probe).map_err(|e| Error::io("remove", &probe, e))
+    }
+}
+
+/// The folder `path` is in (`.` for a bare file name).
+fn folder_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// A temporary file beside `path`, named for it and this process.
+fn temporary_beside(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map_or("out".into(), |n| n.to_string_lossy());
+    folder_of(path).join(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// The markdown file's text, or a new file's heading where there is none yet.
+fn read_or_new(path: &Path) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Ok(s),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok("# Benchmarks\n".to_string()),
+        Err(e) => Err(Error::io("read", path, e)),
     }
 }
 
@@ -61,8 +134,10 @@ pub struct CheckpointBenchArgs {
     /// Blocks of the MLP stack saved.
     #[arg(long, default_value_t = 4)]
     layers: usize,
+    /// Width of the stack (in and out of every block).
     #[arg(long, default_value_t = 1024)]
     width: usize,
+    /// Hidden width of every block.
     #[arg(long, default_value_t = 4096)]
     hidden: usize,
     /// Scratch folder on the disk to measure: new or empty (nothing else in it is touched);
@@ -196,6 +271,7 @@ pub struct PlanBenchArgs {
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     check(cmd)?;
+    cmd.output().check()?;
     match cmd {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
@@ -838,17 +914,21 @@ pub fn replace_section(path: &Path, name: &str, body: &str) -> Result<()> {
         format!("<!-- bench:{name} -->"),
         format!("<!-- /bench:{name} -->"),
     );
-    let old = match std::fs::read_to_string(path) {
-        Ok(s) => s,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "# Benchmarks\n".to_string(),
-        Err(e) => return Err(Error::io("read", path, e)),
-    };
+    let old = read_or_new(path)?;
     let block = format!("{open}\n{body}\n{close}");
     let new = match (old.find(&open), old.find(&close)) {
         (Some(a), Some(b)) if a < b => format!("{}{block}{}", &old[..a], &old[b + close.len()..]),
         _ => format!("{}\n{block}\n", old.trim_end()),
     };
-    std::fs::write(path, new).map_err(|e| Error::io("write", path, e))
+    // Written beside and renamed over it (into a link's target), so that an interrupted
+    // write leaves the old file whole.
+    let target = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let tmp = temporary_beside(&target);
+    std::fs::write(&tmp, new).map_err(|e| Error::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, &target).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io("rename", &tmp, e)
+    })
 }
 
 #[cfg(test)]

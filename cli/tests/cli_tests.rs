@@ -508,6 +508,89 @@ fn bench_comm_without_training_steps_prints_the_collectives_only() {
     assert!(written.contains("| all-gather | 2 | 8192 |"), "{written}");
 }
 
+/// The markdown file is checked before a bench runs (a table is not lost at the end of a long
+/// run to an unwritable path), and updated whole: the other sections kept, a link's target
+/// written, no temporary file left.
+#[test]
+fn bench_output_is_checked_before_running_and_updated_whole() {
+    let dir = tmp("bench-output");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let quick = [
+        "bench",
+        "comm",
+        "--worlds",
+        "2",
+        "--shard",
+        "1024",
+        "--repeats",
+        "1",
+        "--train-steps",
+        "0",
+    ];
+    let run = |cwd: &Path, out: Option<&Path>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ragged"));
+        cmd.args(quick).current_dir(cwd);
+        if let Some(out) = out {
+            cmd.arg("--out").arg(out);
+        }
+        cmd.output().expect("run ragged")
+    };
+    let refused = |out: Output, want: &str| {
+        let (stdout, err) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(!out.status.success(), "succeeded: {stdout}");
+        assert!(err.contains(want), "{err:?} lacks {want:?}");
+        // Refused before the bench ran: no table printed.
+        assert!(
+            !stdout.contains("all-gather"),
+            "the bench ran first: {stdout}"
+        );
+    };
+    // The default, docs/benchmarks.md, from a folder without docs/.
+    refused(run(&dir, None), "the folder docs does not exist");
+    let read_only = dir.join("read-only.md");
+    std::fs::write(&read_only, "# kept\n").unwrap();
+    let mut perms = std::fs::metadata(&read_only).unwrap().permissions();
+    perms.set_readonly(true);
+    std::fs::set_permissions(&read_only, perms).unwrap();
+    refused(run(&dir, Some(&read_only)), "read-only");
+    assert_eq!(std::fs::read_to_string(&read_only).unwrap(), "# kept\n");
+
+    let target = dir.join("target.md");
+    let text = "# Mine\n\n<!-- bench:plan -->\nold plan\n<!-- /bench:plan -->\n\nnotes\n";
+    std::fs::write(&target, text).unwrap();
+    let link = dir.join("link.md");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let out = run(&dir, Some(&link));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    let written = std::fs::read_to_string(&target).unwrap();
+    for kept in [
+        "# Mine",
+        "old plan",
+        "notes",
+        "<!-- bench:comm -->",
+        "| all-gather | 2 |",
+    ] {
+        assert!(written.contains(kept), "{kept:?} missing: {written}");
+    }
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
+}
+
 #[test]
 fn svg_draws_every_buffer_of_a_multi_buffer_unit() {
     let svg = tmp("mixtral-layer.svg");

@@ -1,5 +1,5 @@
-//! 8-bit Adam's drift from fp32 AdamW on the three standard seeded streams
-//! ([`ragged_optimizers::drift`]), and optionally the streams themselves for another
+//! 8-bit Adam's drift from fp32 Adam (AdamW at weight decay 0) on the three standard seeded
+//! streams ([`ragged_optimizers::drift`]), and optionally the streams themselves for another
 //! implementation.
 //!
 //! `cargo run --release -p ragged-optimizers --example adam8bit_drift [-- OUT_DIR]`
@@ -25,7 +25,7 @@ fn main() -> ragged::Result<()> {
         let stream = DriftStream::standard(structure)?;
         let drift = stream.relative_drift(&stream.run(&eight_bit)?, &stream.run(&fp32)?)?;
         println!(
-            "stream {:<9}: ragged Adam8bit drift from fp32 AdamW {drift:.5}",
+            "stream {:<9}: ragged Adam8bit drift from fp32 Adam {drift:.5}",
             structure.name()
         );
         if let Some(dir) = &out {

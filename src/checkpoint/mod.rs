@@ -58,8 +58,9 @@ pub struct SaveOptions {
     /// Bytes per checksum chunk.
     pub chunk_bytes: u64,
     /// The caller's own facts about the run (a data position, the global batch, a config
-    /// name), saved in the manifest (rank 0's) and returned by a load as
-    /// [`Loaded::metadata`].
+    /// name), saved in the manifest and returned by a load as [`Loaded::metadata`]. Every rank
+    /// passes the same `keep` and `metadata` (a save where they differ is refused on every
+    /// rank).
     pub metadata: BTreeMap<String, String>,
 }
 

@@ -69,6 +69,24 @@ fn fields_of<O: CheckpointState>(
     Ok(fields)
 }
 
+/// `Err` on every rank when a rank passed another `keep` or `metadata` than rank 0 (`all`:
+/// each rank's, serialized alike): rank 0 publishes and rotates, so another rank's would be
+/// dropped without a word.
+fn same_save_options(all: &[Vec<u8>]) -> Result<()> {
+    let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(Error::BadInput {
+        op: "ShardedModel::save",
+        what: "SaveOptions".into(),
+        reason: format!(
+            "ranks {differ:?} passed another keep or metadata than rank 0 (a save is one call \
+             of every rank, with the same options)"
+        ),
+    })
+}
+
 impl<O: CheckpointState> ShardedModel<'_, O> {
     /// Saves parameters, optimizer state and progress to `root/step-N/` (N = steps taken),
     /// from every rank (call it on all ranks, between steps). Returns once the checkpoint is
@@ -85,13 +103,18 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let mut _lock = None;
         let prepared = match (savable, rank) {
             (Err(e), _) => Err(e),
-            (Ok(()), 0) => fs::prepare(root, step).map(|(_, lock)| {
-                _lock = Some(lock);
-                Vec::new()
-            }),
-            (Ok(()), _) => Ok(Vec::new()),
+            (Ok(()), 0) => fs::prepare(root, step).map(|(_, lock)| _lock = Some(lock)),
+            (Ok(()), _) => Ok(()),
         };
-        agree(self.comm, root, prepared)?;
+        // With each rank's options: rank 0's are the ones written and applied.
+        let options = prepared.and_then(|()| Ok(serde_json::to_vec(&(opts.keep, &opts.metadata))?));
+        let same = agree(self.comm, root, options).and_then(|all| same_save_options(&all));
+        if let Err(e) = same {
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Err(e);
+        }
         let file = tmp.join(rank_file(rank, world));
         let written = self
             .write_rank_file(&file, opts.chunk_bytes)
