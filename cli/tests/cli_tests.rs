@@ -459,6 +459,20 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
     }
 }
 
+/// A `bench comm` of one small all-gather and reduce-scatter per world, no training: quick.
+const QUICK_COMM: [&str; 10] = [
+    "bench",
+    "comm",
+    "--worlds",
+    "2",
+    "--shard",
+    "1024",
+    "--repeats",
+    "1",
+    "--train-steps",
+    "0",
+];
+
 #[test]
 fn bench_comm_without_training_steps_prints_the_collectives_only() {
     // Every bench takes `--no-write` (as `--out -`): the table on stdout, the file untouched;
@@ -467,20 +481,8 @@ fn bench_comm_without_training_steps_prints_the_collectives_only() {
     let _ = std::fs::remove_file(&md);
     let md_arg = md.to_str().unwrap();
     let args = |write: bool| {
-        let mut a = vec![
-            "bench",
-            "comm",
-            "--worlds",
-            "2",
-            "--shard",
-            "1024",
-            "--repeats",
-            "1",
-            "--train-steps",
-            "0",
-            "--out",
-            md_arg,
-        ];
+        let mut a = QUICK_COMM.to_vec();
+        a.extend(["--out", md_arg]);
         if !write {
             a.push("--no-write");
         }
@@ -516,21 +518,9 @@ fn bench_output_is_checked_before_running_and_updated_whole() {
     let dir = tmp("bench-output");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let quick = [
-        "bench",
-        "comm",
-        "--worlds",
-        "2",
-        "--shard",
-        "1024",
-        "--repeats",
-        "1",
-        "--train-steps",
-        "0",
-    ];
     let run = |cwd: &Path, out: Option<&Path>| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ragged"));
-        cmd.args(quick).current_dir(cwd);
+        cmd.args(QUICK_COMM).current_dir(cwd);
         if let Some(out) = out {
             cmd.arg("--out").arg(out);
         }
