@@ -508,7 +508,11 @@ pub fn train_rank_with<O: CheckpointState>(
     )?;
     // Before the training it would otherwise end (rank 0 writes the export).
     if let (Some(out), 0) = (&ckpt.export, comm.rank()) {
-        crate::checkpoint::safetensors::check_export_target(out)?;
+        use crate::checkpoint::safetensors::{check_export_not_input, check_export_target};
+        check_export_target(out)?;
+        if let Some(input) = &ckpt.init_from {
+            check_export_not_input(out, input)?;
+        }
     }
     if let Some(dir) = &ckpt.dir {
         check_checkpoint_dir(dir, ckpt.resume.as_deref(), comm.rank())?;

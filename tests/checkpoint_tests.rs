@@ -359,6 +359,65 @@ fn a_role_change_between_save_and_load_is_refused() {
 }
 
 /// A checkpoint records the FSDP options that change the numbers and the caller's metadata:
+/// Two runs saving into one root (two jobs started while it was empty) replaced each other's
+/// steps and left a line mixed from both: a run's save now refuses a root holding another
+/// run's checkpoints, on every rank, and leaves them as they were; a run that loads from the
+/// root continues it (its id is the checkpoint's), at any world size.
+#[test]
+fn two_runs_never_mix_their_checkpoints_in_one_root() {
+    let params = CFG.init_params(5).unwrap();
+    let dir = scratch(SUITE, "two-runs");
+    let results = ThreadWorld::run(2, |c| {
+        let mut a = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        let mut b = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        train(&mut a, c, 0..1)?;
+        train(&mut b, c, 0..1)?;
+        a.save(&dir, &SaveOptions::default())?;
+        let refused = b.save(&dir, &SaveOptions::default()).map(drop).unwrap_err();
+        train(&mut a, c, 1..2)?;
+        a.save(&dir, &SaveOptions::default())?;
+        Ok((
+            refused.to_string(),
+            a.run_id().to_string(),
+            a.param_digest()?,
+        ))
+    })
+    .unwrap();
+    let (refused, run_a, digest_a) = results[0].clone();
+    assert!(results.iter().all(|r| r.0 == refused), "{results:?}");
+    assert!(
+        refused.contains("holds checkpoints of another run (steps [1])"),
+        "{refused}"
+    );
+    let steps: Vec<usize> = ckpt_fs::list(&dir)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, [1, 2]);
+    let manifest = Manifest::read(&ckpt_fs::step_dir(&dir, 2)).unwrap();
+    assert_eq!(
+        manifest.training.unwrap().run.as_deref(),
+        Some(run_a.as_str())
+    );
+    // A run that loads continues the root's run, at another world size.
+    let continued = ThreadWorld::run(3, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        m.load(&dir)?;
+        let id = m.run_id().to_string();
+        let digest = m.param_digest()?;
+        train(&mut m, c, 2..3)?;
+        m.save(&dir, &SaveOptions::default())?;
+        Ok((id, digest))
+    })
+    .unwrap();
+    assert!(continued
+        .iter()
+        .all(|(id, d)| *id == run_a && *d == digest_a));
+    assert_eq!(ckpt_fs::list(&dir).unwrap().len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// a load returns the metadata and names each changed option after the optimizer's; the
 /// main job records its global batch, names a resume at another, and saves the initial state
 /// of a fresh run of 0 steps (before, it saved nothing).
@@ -1432,6 +1491,97 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
     assert_eq!(header(64).unwrap(), 64);
     let err = header(65).unwrap_err().to_string();
     assert!(err.contains("more than 64 dimensions"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// An export never replaces a checkpoint, the run's input or a file it does not own: inside a
+/// checkpoint folder (this one's or a sibling's, from the model or from the files alone),
+/// named as a step a save would create, `-`, a read-only file, the `init_from` file are
+/// refused, each leaving what was there; the temporary file is this process's own, created
+/// new (a user's `OUT.tmp` stays, and a link there is not written through).
+#[test]
+fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
+    let root = scratch(SUITE, "export-targets");
+    let ck = root.join("ck");
+    let params = CFG.init_params(6).unwrap();
+    let export = |out: &Path| {
+        ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+            m.load(&ck)?;
+            m.export_safetensors(out)
+        })
+        .map(drop)
+    };
+    ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        m.save(&ck, &SaveOptions::default())?;
+        train(&mut m, c, 0..1)?;
+        m.save(&ck, &SaveOptions::default()).map(drop)
+    })
+    .unwrap();
+    let manifest_of = |step| ckpt_fs::step_dir(&ck, step).join("manifest.json");
+    let before = std::fs::read(manifest_of(0)).unwrap();
+    let read_only = root.join("read-only.safetensors");
+    std::fs::write(&read_only, b"mine").unwrap();
+    let mut perms = std::fs::metadata(&read_only).unwrap().permissions();
+    perms.set_readonly(true);
+    std::fs::set_permissions(&read_only, perms).unwrap();
+    let refused = [
+        (manifest_of(1), "inside or named as the checkpoint folder"),
+        (manifest_of(0), "inside or named as the checkpoint folder"),
+        (
+            ckpt_fs::step_dir(&ck, 9),
+            "inside or named as the checkpoint folder",
+        ),
+        (PathBuf::from("-"), "not written to stdout"),
+        (read_only.clone(), "is read-only"),
+    ];
+    for (out, needle) in &refused {
+        let err = export(out).unwrap_err().to_string();
+        assert!(err.contains(needle), "{}: {err}", out.display());
+        // With no training world, from the files alone (`ragged checkpoint export`).
+        let dir = ckpt_fs::step_dir(&ck, 1);
+        let err = ragged::checkpoint::read::export(&dir, out, |_| {}).unwrap_err();
+        assert!(err.to_string().contains(needle), "{}: {err}", out.display());
+    }
+    assert_eq!(std::fs::read(manifest_of(0)).unwrap(), before);
+    assert!(!ckpt_fs::step_dir(&ck, 9).exists());
+    assert_eq!(std::fs::read(&read_only).unwrap(), b"mine");
+
+    let out = root.join("model.safetensors");
+    let users = root.join("model.safetensors.tmp");
+    std::fs::write(&users, b"the user's").unwrap();
+    export(&out).unwrap();
+    assert_eq!(std::fs::read(&users).unwrap(), b"the user's");
+    let victim = root.join("victim.txt");
+    std::fs::write(&victim, b"untouched").unwrap();
+    let ours = root.join(format!("model.safetensors.tmp-{}", std::process::id()));
+    std::os::unix::fs::symlink(&victim, &ours).unwrap();
+    let err = export(&out).unwrap_err().to_string();
+    assert!(err.contains("exists"), "{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+    std::fs::remove_file(&ours).unwrap();
+
+    // The main job: an export over the file it starts from.
+    let weights = std::fs::read(&out).unwrap();
+    let ckpt = Checkpointing {
+        init_from: Some(out.clone()),
+        export: Some(out.clone()),
+        ..Checkpointing::default()
+    };
+    let job = (CFG, TrainMode::UnitByUnit, 1, BATCH);
+    let run = train_rank_with(
+        &params,
+        adamw(),
+        &ragged::comm::SingleRank,
+        opts(ShardLayout::Ragged),
+        job,
+        &ckpt,
+        |_, _| {},
+    );
+    let err = run.map(drop).unwrap_err().to_string();
+    assert!(err.contains("is the file the run starts from"), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), weights);
     let _ = std::fs::remove_dir_all(&root);
 }
 

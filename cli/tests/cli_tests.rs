@@ -804,7 +804,7 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     let out = ragged(&["checkpoint", "export", dir, rank0.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("inside the checkpoint folder"),
+        !out.status.success() && err.contains("inside or named as the checkpoint folder"),
         "{err}"
     );
     assert!(ragged(&["checkpoint", "verify", dir]).status.success());

@@ -40,6 +40,21 @@ fn old_step_of(name: &str) -> Option<usize> {
         .ok()
 }
 
+/// The checkpoint folder `path` is in or is named as: `path` itself when named as a checkpoint
+/// step (`step-N`, or a save's `.step-N.*`, which a save may create), else the nearest of its
+/// ancestors that holds a `manifest.json` or is a save's `.step-N.*` folder; `None` elsewhere.
+/// `path` should be absolute (canonical where it exists).
+pub fn enclosing_checkpoint(path: &Path) -> Option<PathBuf> {
+    let name_of = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let in_a_save = |p: &Path| name_of(p).is_some_and(|n| n.starts_with(".step-"));
+    if in_a_save(path) || name_of(path).is_some_and(|n| step_of(&n).is_some()) {
+        return Some(path.to_path_buf());
+    }
+    path.ancestors()
+        .find(|p| in_a_save(p) || p.join("manifest.json").is_file())
+        .map(Path::to_path_buf)
+}
+
 /// Writes `bytes` to `path` and fsyncs it.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = fs::File::create(path).map_err(|e| Error::io("checkpoint: create", path, e))?;
@@ -58,9 +73,10 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 /// Creates `root` if needed and an empty temporary folder for `step`, after putting back a
 /// checkpoint a save that died had moved aside (`.step-N.old` without `step-N`) and removing
 /// what such saves left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
-pub fn prepare(root: &Path, step: usize) -> Result<(PathBuf, RootLock)> {
+pub fn prepare(root: &Path, step: usize, run: &str) -> Result<(PathBuf, RootLock)> {
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
     let lock = RootLock::take(root)?;
+    check_one_run(root, run)?;
     for (n, old) in moved_aside(root)? {
         let dst = step_dir(root, n);
         fs::rename(&old, &dst).map_err(|e| Error::io("checkpoint: rename", &old, e))?;
@@ -71,6 +87,56 @@ pub fn prepare(root: &Path, step: usize) -> Result<(PathBuf, RootLock)> {
     let tmp = tmp_dir(root, step);
     fs::create_dir(&tmp).map_err(|e| Error::io("checkpoint: create folder", &tmp, e))?;
     Ok((tmp, lock))
+}
+
+/// A new run id: 16 hex digits from the clock, the process and the standard library's random
+/// hash keys (unique enough to tell two runs' checkpoints apart; not a secret).
+pub fn new_run_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(now);
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
+}
+
+/// The run id a checkpoint's manifest records, read without the rest of the manifest (`None`
+/// for a checkpoint from before runs had one, or a manifest that does not read: the load
+/// reports those).
+fn run_of(checkpoint: &Path) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Training {
+        run: Option<String>,
+    }
+    #[derive(serde::Deserialize)]
+    struct RunOnly {
+        training: Option<Training>,
+    }
+    let text = fs::read(checkpoint.join("manifest.json")).ok()?;
+    serde_json::from_slice::<RunOnly>(&text).ok()?.training?.run
+}
+
+/// `Err` when `root` holds checkpoints another run saved: two jobs saving into one root (both
+/// started while it was empty, or one not resumed from it) would otherwise replace each
+/// other's steps and leave a line of checkpoints mixed from both.
+fn check_one_run(root: &Path, run: &str) -> Result<()> {
+    let others: Vec<usize> = list(root)?
+        .into_iter()
+        .filter(|(_, path)| run_of(path).is_some_and(|r| r != run))
+        .map(|(step, _)| step)
+        .collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Checkpoint {
+        path: root.display().to_string(),
+        reason: format!(
+            "holds checkpoints of another run (steps {others:?}): save into another folder, \
+             or load one of them first to continue that run"
+        ),
+    })
 }
 
 /// An exclusive lock on a checkpoint root (`flock` on `ROOT/.lock`), held by the saving rank 0
@@ -321,13 +387,13 @@ mod tests {
         fs::create_dir_all(tmp_dir(&root, 5)).unwrap();
         assert_eq!(steps(&root), [3, 5]);
         assert_eq!(resolve(&root).unwrap(), old_dir(&root, 5));
-        prepare(&root, 6).unwrap();
+        prepare(&root, 6, "run").unwrap();
         assert!(step_dir(&root, 5).join("manifest.json").is_file());
         assert!(!old_dir(&root, 5).exists() && !tmp_dir(&root, 5).exists());
         assert_eq!(resolve(&root).unwrap(), step_dir(&root, 5));
         // An `.old` beside its replacement is a leftover: removed, not put back.
         fake_checkpoint(&old_dir(&root, 3));
-        prepare(&root, 7).unwrap();
+        prepare(&root, 7, "run").unwrap();
         assert!(!old_dir(&root, 3).exists());
         let _ = fs::remove_dir_all(&root);
     }
@@ -355,8 +421,8 @@ mod tests {
     #[test]
     fn one_save_at_a_time_holds_a_root_and_unwritable_roots_are_found_early() {
         let root = scratch("lock");
-        let (_, held) = prepare(&root, 1).unwrap();
-        let err = prepare(&root, 2).unwrap_err().to_string();
+        let (_, held) = prepare(&root, 1, "run").unwrap();
+        let err = prepare(&root, 2, "run").unwrap_err().to_string();
         assert!(
             err.contains("another process is saving into this folder"),
             "{err}"
@@ -366,7 +432,7 @@ mod tests {
             "the first save's folder is left alone"
         );
         drop(held);
-        prepare(&root, 2).unwrap();
+        prepare(&root, 2, "run").unwrap();
         check_writable(&root.join("new"), 3).unwrap();
         assert!(
             fs::read_dir(root.join("new")).unwrap().next().is_none(),
@@ -420,7 +486,7 @@ mod tests {
         fs::rename(step_dir(&root, 6), root.join(".step-00000006.del")).unwrap();
         assert_eq!(steps(&root), [4]);
         assert_eq!(resolve(&root).unwrap(), step_dir(&root, 4));
-        prepare(&root, 5).unwrap();
+        prepare(&root, 5, "run").unwrap();
         assert!(!root.join(".step-00000006.del").exists());
         let _ = fs::remove_dir_all(&root);
     }

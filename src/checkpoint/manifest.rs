@@ -84,8 +84,12 @@ pub struct TrainingRecord {
     /// The FSDP options that change the numbers (mixed precision, the reduction, the
     /// non-finite policy), as [`crate::fsdp::FsdpOptions::numerics`] prints them.
     pub fsdp: String,
-    /// What the saving run recorded ([`super::SaveOptions::metadata`], rank 0's).
+    /// What the saving run recorded ([`super::SaveOptions::metadata`]).
     pub metadata: std::collections::BTreeMap<String, String>,
+    /// The saving run's id ([`crate::fsdp::ShardedModel::run_id`]); `None` in checkpoints
+    /// from before runs had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -158,28 +158,6 @@ impl SourceFiles<'_> {
     }
 }
 
-/// `Err` when `out` would be written inside the checkpoint folder `dir` (it could replace a
-/// rank file or the manifest, and a checkpoint's folder holds only what its save wrote).
-fn refuse_inside(dir: &Path, out: &Path) -> Result<()> {
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let (Ok(dir), Ok(parent)) = (dir.canonicalize(), parent.canonicalize()) else {
-        return Ok(()); // a missing output folder fails at create, naming it
-    };
-    if parent.starts_with(&dir) {
-        return Err(bad(
-            out,
-            format!(
-                "is inside the checkpoint folder {}: write the export elsewhere",
-                dir.display()
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// `Err` unless rank `rank`'s file (`reader`) holds every range the manifest says it holds,
 /// each a tensor of that many elements of the field's type: the manifest and the files agree.
 fn check_holdings(manifest: &Manifest, rank: usize, reader: &Reader) -> Result<()> {
@@ -242,7 +220,6 @@ pub fn export(dir: &Path, out: &Path, mut progress: impl FnMut(&str)) -> Result<
     // `Manifest::read` checked that every model tensor has one parameter array of its size,
     // so a mismatch is refused before anything is written.
     let manifest = Manifest::read(dir)?;
-    refuse_inside(dir, out)?;
     let records: HashMap<&str, &FieldRecord> = manifest
         .fields
         .iter()

@@ -95,7 +95,7 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Creates `path` (truncating it) and writes the header of `tensors` with `metadata`.
+    /// Creates `path` (new: `Err` if it exists) and writes the header of `tensors` with `metadata`.
     pub fn create(
         path: &Path,
         tensors: &[TensorHeader],
@@ -127,7 +127,12 @@ impl Writer {
         }
         let mut json = serde_json::to_vec(&header)?;
         json.resize(json.len().div_ceil(8) * 8, b' ');
-        let file = File::create(path).map_err(|e| Error::io("checkpoint: create", path, e))?;
+        // Created new, so an existing file (or a link) is never written through.
+        let file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| Error::io("checkpoint: create", path, e))?;
         let mut w = Writer {
             path: path.to_path_buf(),
             out: BufWriter::with_capacity(1 << 20, file),
@@ -587,10 +592,19 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
     Ok(())
 }
 
-/// `Err` unless `out` can take an export: its folder exists, and it is new or a regular file
-/// (the rename that ends an export replaces what `out` names: never a device, a FIFO, a
-/// folder or a link, whose target it would not write). A run checks it before it trains.
+/// `Err` unless `out` can take an export: its folder exists; it is new or a writable regular
+/// file (the rename that ends an export replaces what `out` names: never a device, a FIFO, a
+/// folder, a link, whose target it would not write, or a file its owner made read-only); it
+/// is neither inside a checkpoint folder (whose manifest or rank file it would replace) nor
+/// named as one (a `step-N` a save may create); and it is not `-`, which other commands read
+/// as stdout. A run checks it before it trains.
 pub fn check_export_target(out: &Path) -> Result<()> {
+    if out.as_os_str() == "-" {
+        return Err(bad(
+            out,
+            "an export is a file, not written to stdout: name a file (./- for one called -)",
+        ));
+    }
     let folder = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -598,10 +612,42 @@ pub fn check_export_target(out: &Path) -> Result<()> {
     if !folder.is_dir() {
         return Err(bad(out, "its folder does not exist"));
     }
+    let within = folder
+        .canonicalize()
+        .map(|f| f.join(out.file_name().unwrap_or_default()));
+    if let Some(ckpt) = within
+        .ok()
+        .and_then(|p| super::fs::enclosing_checkpoint(&p))
+    {
+        let reason = format!(
+            "is inside or named as the checkpoint folder {}: write the export elsewhere",
+            ckpt.display()
+        );
+        return Err(bad(out, reason));
+    }
     match std::fs::symlink_metadata(out) {
         Ok(meta) if !meta.is_file() => Err(bad(
             out,
             "exists and is not a regular file: export to a new or regular file",
+        )),
+        Ok(meta) if meta.permissions().readonly() => Err(bad(
+            out,
+            "is read-only: export elsewhere, or make it writable to replace it",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `Err` when `out` and `input` are one file: an export over the file a run started from
+/// would replace the weights it read.
+pub fn check_export_not_input(out: &Path, input: &Path) -> Result<()> {
+    match (out.canonicalize(), input.canonicalize()) {
+        (Ok(a), Ok(b)) if a == b => Err(bad(
+            out,
+            format!(
+                "is the file the run starts from ({}): export to another file",
+                input.display()
+            ),
         )),
         _ => Ok(()),
     }
@@ -641,8 +687,10 @@ impl Consolidated {
             })
             .collect();
         check_export_target(out)?;
+        // This process's own name, created new: never a file of the user's, nor a link's
+        // target.
         let mut tmp = out.as_os_str().to_owned();
-        tmp.push(".tmp");
+        tmp.push(format!(".tmp-{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
         Ok(Consolidated {

@@ -103,7 +103,9 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let mut _lock = None;
         let prepared = match (savable, rank) {
             (Err(e), _) => Err(e),
-            (Ok(()), 0) => fs::prepare(root, step).map(|(_, lock)| _lock = Some(lock)),
+            (Ok(()), 0) => {
+                fs::prepare(root, step, &self.run_id).map(|(_, lock)| _lock = Some(lock))
+            }
             (Ok(()), _) => Ok(()),
         };
         // With each rank's options: rank 0's are the ones written and applied.
@@ -273,6 +275,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             training: Some(TrainingRecord {
                 fsdp: self.opts.numerics(),
                 metadata: opts.metadata.clone(),
+                run: Some(self.run_id.clone()),
             }),
             checksum: String::new(),
         };
@@ -392,6 +395,10 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let mut changed_settings =
             super::agree::setting_changes(&manifest.optimizer.config, &self.optimizer.settings());
         let training = manifest.training.unwrap_or_default();
+        // Its saves continue the loaded run (and may share its root).
+        if let Some(run) = &training.run {
+            self.run_id.clone_from(run);
+        }
         if !training.fsdp.is_empty() {
             let fsdp = super::agree::setting_changes(&training.fsdp, &self.opts.numerics());
             changed_settings.extend(fsdp.into_iter().map(|c| format!("fsdp.{c}")));

@@ -326,6 +326,9 @@ pub struct ShardedModel<'c, O: Optimizer> {
     activations: Vec<StageActivations>,
     /// Compute-copy storages between a unit's free and the next gather.
     param_pool: ParamPool,
+    /// This run's id, recorded in every checkpoint it saves: new from `fully_shard`, the
+    /// loaded checkpoint's after a load (only rank 0's is used, to save and to check a root).
+    run_id: String,
 }
 
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
@@ -454,6 +457,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         schedule: None,
         activations: Vec::new(),
         param_pool,
+        run_id: crate::checkpoint::fs::new_run_id(),
     })
 }
 
@@ -833,6 +837,13 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Steps taken since construction (skipped steps not counted).
     pub fn steps_taken(&self) -> usize {
         self.steps
+    }
+
+    /// This run's id (16 hex digits), recorded in every checkpoint it saves: new from
+    /// [`fully_shard`], the loaded checkpoint's after [`ShardedModel::load`]. A save refuses a
+    /// root holding checkpoints of another run. Rank 0's is the one saved and compared.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// Clips the reduced gradients to a global L2 norm of at most `max_norm` (torch's
