@@ -1585,6 +1585,51 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A starting point with a NaN or an infinity (f32, or bf16 as Hugging Face files hold them)
+/// is refused naming the tensor and element: one in an embedding row no batch reaches trained
+/// with `Ok` and reached the export. The model then refuses to train until a load succeeds.
+#[test]
+fn a_starting_point_that_is_not_finite_is_refused_naming_the_element() {
+    let root = scratch(SUITE, "import-non-finite");
+    std::fs::create_dir_all(&root).unwrap();
+    let params = CFG.init_params(3).unwrap();
+    let good = root.join("good.safetensors");
+    let good_map: HashMap<String, Tensor> = params.iter().cloned().collect();
+    candle_core::safetensors::save(&good_map, &good).unwrap();
+    for (dtype, bad_value) in [(DType::F32, f32::NAN), (DType::BF16, f32::INFINITY)] {
+        let file = root.join(format!("bad-{dtype:?}.safetensors"));
+        let map: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(n, t)| {
+                let mut v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                if n == "embed.weight" {
+                    v[5] = bad_value;
+                }
+                let t = Tensor::from_vec(v, t.shape(), &Device::Cpu).unwrap();
+                (n.clone(), t.to_dtype(dtype).unwrap())
+            })
+            .collect();
+        candle_core::safetensors::save(&map, &file).unwrap();
+        let runs = ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+            let err = m.load_safetensors(&file).map(drop).unwrap_err().to_string();
+            let refused = train(&mut m, c, 0..1).is_err();
+            m.load_safetensors(&good)?;
+            train(&mut m, c, 0..1)?;
+            Ok((err, refused))
+        })
+        .unwrap();
+        for (err, refused) in runs {
+            assert!(
+                err.contains("embed.weight: element 5 is"),
+                "{dtype:?}: {err}"
+            );
+            assert!(refused, "{dtype:?}: trained after the refused load");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A learning-rate schedule resumes where it was, with the base it multiplied: loaded into a
 /// model with no schedule set, or with the schedule set again after the load, 3 more steps
 /// give the parameters and rate of 6 uninterrupted steps, bitwise.

@@ -650,7 +650,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// [`Self::export_safetensors`] checkpoint), or a Hugging Face checkpoint split over
     /// several files (the path of its `model.safetensors.index.json`): each rank reads only
     /// its ranges of each tensor, converting F32, BF16 or F16 to the f32 master. Every model
-    /// parameter must be in the file(s) with its shape; returns the tensors the model does not
+    /// parameter must be in the file(s) with its shape and finite values (a NaN or an infinity
+    /// is refused naming its tensor and element); returns the tensors the model does not
     /// have. The optimizer state is left as it is (fresh after `fully_shard`); pending
     /// gradients are dropped.
     pub fn load_safetensors(&mut self, path: impl AsRef<Path>) -> Result<Vec<String>> {
@@ -748,8 +749,33 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 }
 
-/// Reads elements `range` of tensor `name` (of `dtype`) as f32 into `out`.
+/// Reads elements `range` of tensor `name` (of `dtype`) as f32 into `out`; `Err` naming the
+/// first element that is NaN or infinite: a starting point with one would train on (a row no
+/// gradient reaches) or fail at the first step far from its cause.
 fn read_as_f32(
+    file: &mut Reader,
+    name: &str,
+    dtype: &str,
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    let start = range.start;
+    read_values(file, name, dtype, range, out)?;
+    match out.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(bad(
+            file.path(),
+            format!(
+                "{name}: element {} is {} (a starting point must be finite)",
+                start + i,
+                out[i]
+            ),
+        )),
+    }
+}
+
+/// [`read_as_f32`]'s reading and conversion.
+fn read_values(
     file: &mut Reader,
     name: &str,
     dtype: &str,
