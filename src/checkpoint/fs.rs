@@ -40,19 +40,46 @@ fn old_step_of(name: &str) -> Option<usize> {
         .ok()
 }
 
-/// The checkpoint folder `path` is in or is named as: `path` itself when named as a checkpoint
-/// step (`step-N`, or a save's `.step-N.*`, which a save may create), else the nearest of its
-/// ancestors that holds a `manifest.json` or is a save's `.step-N.*` folder; `None` elsewhere.
-/// `path` should be absolute (canonical where it exists).
+/// Whether `name` is a checkpoint's (`step-N`) or a save's (`.step-N.*`) folder name.
+pub fn is_step_name(name: &str) -> bool {
+    step_of(name).is_some() || name.starts_with(".step-")
+}
+
+/// The checkpoint folder `path` is in: the nearest of `path` and its ancestors that holds a
+/// `manifest.json` or is a save's `.step-N.*` folder; `None` elsewhere. `path` should be
+/// absolute (canonical where it exists).
 pub fn enclosing_checkpoint(path: &Path) -> Option<PathBuf> {
-    let name_of = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
-    let in_a_save = |p: &Path| name_of(p).is_some_and(|n| n.starts_with(".step-"));
-    if in_a_save(path) || name_of(path).is_some_and(|n| step_of(&n).is_some()) {
-        return Some(path.to_path_buf());
-    }
+    let in_a_save = |p: &Path| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(".step-"))
+    };
     path.ancestors()
         .find(|p| in_a_save(p) || p.join("manifest.json").is_file())
         .map(Path::to_path_buf)
+}
+
+/// `Err` unless `root` can hold checkpoints: a folder or nothing yet (not a file), and not
+/// inside a checkpoint (whose `step-N` folders would nest there, out of sight of `list` on
+/// the real root).
+fn check_root(root: &Path) -> Result<()> {
+    let refuse = |reason: String| Error::Checkpoint {
+        path: root.display().to_string(),
+        reason,
+    };
+    if root.exists() && !root.is_dir() {
+        return Err(refuse(
+            "not a folder: checkpoints are saved into a folder".into(),
+        ));
+    }
+    let absolute = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    match enclosing_checkpoint(&absolute) {
+        Some(ck) => Err(refuse(format!(
+            "is inside the checkpoint folder {}: save into the folder that holds the step-N \
+             folders, or into another",
+            ck.display()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Writes `bytes` to `path` and fsyncs it.
@@ -74,6 +101,7 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 /// checkpoint a save that died had moved aside (`.step-N.old` without `step-N`) and removing
 /// what such saves left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
 pub fn prepare(root: &Path, step: usize, run: &str) -> Result<(PathBuf, RootLock)> {
+    check_root(root)?;
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
     let lock = RootLock::take(root)?;
     check_one_run(root, run)?;
@@ -179,6 +207,7 @@ impl RootLock {
 /// `Err` unless a save could create its files under `root` (created if missing): checked
 /// before a run trains, so an unwritable folder is found at the start, not at the first save.
 pub fn check_writable(root: &Path, rank: usize) -> Result<()> {
+    check_root(root)?;
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
     let probe = root.join(format!(".write-probe-rank-{rank}"));
     fs::write(&probe, b"").map_err(|e| Error::io("checkpoint: write", &probe, e))?;
@@ -441,6 +470,25 @@ mod tests {
         let file = root.join("a-file");
         fs::write(&file, b"").unwrap();
         assert!(check_writable(&file.join("sub"), 0).is_err());
+        let err = check_writable(&file, 0).unwrap_err().to_string();
+        assert!(err.contains("not a folder"), "{err}");
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    /// A root inside a checkpoint (`--checkpoint-dir ck/step-2`) nested `step-3` in there,
+    /// where neither the real root nor the checkpoint lists it: refused early and at the save.
+    #[test]
+    fn a_root_inside_a_checkpoint_is_refused() {
+        let root = scratch("nested");
+        fake_checkpoint(&step_dir(&root, 2));
+        for inner in [step_dir(&root, 2), step_dir(&root, 2).join("deeper")] {
+            let err = check_writable(&inner, 0).unwrap_err().to_string();
+            assert!(err.contains("is inside the checkpoint folder"), "{err}");
+            let err = prepare(&inner, 3, "run").unwrap_err().to_string();
+            assert!(err.contains("is inside the checkpoint folder"), "{err}");
+        }
+        assert!(!step_dir(&root, 2).join("deeper").exists());
+        assert_eq!(steps(&root), [2]);
         let _ = fs::remove_dir_all(&root);
     }
 

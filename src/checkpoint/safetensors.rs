@@ -612,13 +612,14 @@ pub fn check_export_target(out: &Path) -> Result<()> {
     if !folder.is_dir() {
         return Err(bad(out, "its folder does not exist"));
     }
-    let within = folder
-        .canonicalize()
-        .map(|f| f.join(out.file_name().unwrap_or_default()));
-    if let Some(ckpt) = within
-        .ok()
-        .and_then(|p| super::fs::enclosing_checkpoint(&p))
-    {
+    let name = out.file_name().unwrap_or_default();
+    let within = folder.canonicalize().map(|f| f.join(name));
+    let named_as_step = super::fs::is_step_name(&name.to_string_lossy());
+    let enclosing = within.ok().and_then(|p| match named_as_step {
+        true => Some(p),
+        false => super::fs::enclosing_checkpoint(&p),
+    });
+    if let Some(ckpt) = enclosing {
         let reason = format!(
             "is inside or named as the checkpoint folder {}: write the export elsewhere",
             ckpt.display()
