@@ -105,7 +105,7 @@ struct Args {
     optimizer: Opt,
     /// Learning rate [default: 0.003]. A resumed run continues at its checkpoint's rate, and
     /// so does its unsharded reference; a different --lr is then ignored.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// Keep every unit gathered from its forward to its backward (more memory). Default: free
     /// each unit's parameters after its forward stage (its graph kept) and re-gather them for
@@ -236,6 +236,7 @@ fn check_args(args: &Args) -> Result<()> {
     const OP: &str = "train";
     if let Some(lr) = args.lr {
         positive_finite(OP, "--lr", lr)?;
+        ragged::optim::check_rate(OP, "--lr", lr)?;
     }
     at_least(OP, "--ranks", args.thread_ranks(), 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
@@ -910,6 +911,21 @@ mod tests {
 
     fn resumed(lr: Option<f64>, batches: usize) -> Resumed {
         Resumed { lr, batches }
+    }
+
+    /// `--lr -1` was a parse error about an unexpected argument, `--lr 1e30` an optimizer's
+    /// message about its config: both now name --lr and why.
+    #[test]
+    fn a_rate_out_of_range_is_refused_naming_lr() {
+        for (lr, why) in [
+            ("-1", "greater than 0"),
+            ("1e30", "[1.2e-38, 1.8e19]"),
+            ("nan", "finite"),
+        ] {
+            let err = check_args(&args(&["--lr", lr])).unwrap_err().to_string();
+            assert!(err.contains("--lr") && err.contains(why), "{lr}: {err}");
+        }
+        assert!(check_args(&args(&["--lr", "0.02"])).is_ok());
     }
 
     #[test]
