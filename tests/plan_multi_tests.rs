@@ -454,8 +454,17 @@ fn bad_multi_options_are_errors() {
             ..MultiOptions::default()
         },
     ];
-    for m in bad {
-        assert!(plan_multi_items(&items, 4, &opts(1), &m).is_err(), "{m:?}");
+    // The message names the field and its value, not the whole struct.
+    let names = [
+        "max_buffers 0",
+        "collective_latency_s NaN",
+        "link_bytes_per_s 0",
+    ];
+    for (m, name) in bad.into_iter().zip(names) {
+        let err = plan_multi_items(&items, 4, &opts(1), &m)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(name) && !err.contains(" { "), "{m:?}: {err}");
     }
     assert!(plan_multi_items(&items, 0, &opts(1), &MultiOptions::default()).is_err());
     for (world, coll, k) in [(0, 1, 2), (4, 0, 2), (4, 1, 0)] {

@@ -6,10 +6,16 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, markdown, plan_row};
-use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
+use ragged::limits::{
+    at_least, at_most, checked_product, even_share, fits_in_memory, read_regular,
+};
 use ragged::model::Inventory;
-use ragged::{AtomicBlock, Error, Result};
+use ragged::plan::baselines::BaselineLayout;
+use ragged::{AtomicBlock, Context, Error, Result};
 use ragged_optimizers::bench::OptimKind;
+
+use crate::flags::finite_within;
+use crate::print::printable;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -29,16 +35,23 @@ pub enum BenchCommand {
 }
 
 impl BenchCommand {
-    fn output(&self) -> &Output {
+    /// Where the bench writes its table, and the name of its section there.
+    fn output(&self) -> (&Output, &'static str) {
         match self {
-            BenchCommand::Plan(args) => &args.output,
-            BenchCommand::Comm(args) => &args.output,
-            BenchCommand::Optim(args) => &args.output,
-            BenchCommand::Train(args) => &args.output,
-            BenchCommand::Checkpoint(args) => &args.output,
+            BenchCommand::Plan(args) => (&args.output, "plan"),
+            BenchCommand::Comm(args) => (&args.output, "comm"),
+            BenchCommand::Optim(args) => (&args.output, args.section()),
+            BenchCommand::Train(args) => (&args.output, args.section()),
+            BenchCommand::Checkpoint(args) => (&args.output, "checkpoint"),
         }
     }
 }
+
+/// The largest `--out` file read: a benchmarks file is kilobytes, and a larger one is not the
+/// markdown the benches write (it must not fill memory before it is refused).
+const MAX_MARKDOWN_BYTES: u64 = 64 << 20;
+
+const OP_OUT: &str = "ragged bench --out";
 
 /// Where a bench writes its table besides stdout: its own section of a markdown file.
 #[derive(Args)]
@@ -59,21 +72,22 @@ impl Output {
         (!stdout_only).then_some(self.out.as_path())
     }
 
-    /// Replaces section `name` of the file with `body()` and says so on stderr; nothing when
-    /// the table goes to stdout only.
-    fn write(&self, name: &str, body: impl FnOnce() -> String) -> Result<()> {
-        let Some(path) = self.file() else {
-            return Ok(());
-        };
-        replace_section(path, name, &body())?;
-        eprintln!("updated {}", path.display());
-        Ok(())
+    /// Replaces section `name` of the file with `body()` (saying so on stderr), then prints
+    /// `table` on stdout. The file first: a reader that stops early (`ragged bench … | head`)
+    /// ends this process by SIGPIPE while it prints, and the measurement must be saved by then.
+    fn finish(&self, name: &str, table: &str, body: impl FnOnce() -> String) -> Result<()> {
+        if let Some(path) = self.file() {
+            replace_section(path, name, &body())?;
+            eprintln!("updated {}", path.display());
+        }
+        outln!("{table}")
     }
 
-    /// Before a bench runs (minutes, some of them): the file reads as the update will read it,
-    /// is not read-only, and its folder takes a new file, so that a table is not lost at the
-    /// end to a path that cannot be written (the default is relative to the working folder).
-    fn check(&self) -> Result<()> {
+    /// Before a bench runs (minutes, some of them): the file is a regular file (or new), reads
+    /// as the update will read it, has section `name`'s markers in order if at all, is not
+    /// read-only, and its folder takes a new file, so that a table is not lost at the end to a
+    /// path that cannot be written (the default is relative to the working folder).
+    fn check(&self, name: &str) -> Result<()> {
         let Some(path) = self.file() else {
             return Ok(());
         };
@@ -91,7 +105,16 @@ impl Output {
                 dir.display()
             )));
         }
-        read_or_new(path)?;
+        // Links followed: a device (`/dev/full`, `/dev/zero`) would be read without end, a FIFO
+        // would block.
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            return Err(refuse(
+                "is not a regular file (a folder, FIFO or device): give a markdown file, or \
+                 --out - for the table on stdout only"
+                    .into(),
+            ));
+        }
+        section_span(&read_or_new(path)?, name).map_err(refuse)?;
         if std::fs::metadata(path).is_ok_and(|m| m.permissions().readonly()) {
             return Err(refuse("the file is read-only".into()));
         }
@@ -117,12 +140,52 @@ fn temporary_beside(path: &Path) -> PathBuf {
     folder_of(path).join(format!(".{name}.tmp-{}", std::process::id()))
 }
 
-/// The markdown file's text, or a new file's heading where there is none yet.
+/// The markdown file's text, or a new file's heading where there is none yet; `Err` for
+/// anything but a regular file of UTF-8 text.
 fn read_or_new(path: &Path) -> Result<String> {
-    match std::fs::read_to_string(path) {
-        Ok(s) => Ok(s),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok("# Benchmarks\n".to_string()),
-        Err(e) => Err(Error::io("read", path, e)),
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok("# Benchmarks\n".to_string())
+        }
+        Err(e) => return Err(Error::io("read", path, e)),
+        Ok(_) => {}
+    }
+    let bytes = read_regular(OP_OUT, path, MAX_MARKDOWN_BYTES)?;
+    String::from_utf8(bytes).map_err(|e| Error::BadInput {
+        op: OP_OUT,
+        what: path.display().to_string(),
+        reason: format!("not UTF-8 text: {e}"),
+    })
+}
+
+/// The opening and closing markers of section `name`.
+fn markers(name: &str) -> (String, String) {
+    (
+        format!("<!-- bench:{name} -->"),
+        format!("<!-- /bench:{name} -->"),
+    )
+}
+
+/// Where section `name` lies in `text`: from its opening marker's start to its closing
+/// marker's end; `None` where neither marker is there (the section is then appended). `Err`
+/// (the reason, naming the marker) unless there is one of each, opening first: replacing
+/// would otherwise append another section on every run, or swallow the text between stray
+/// markers.
+fn section_span(text: &str, name: &str) -> std::result::Result<Option<(usize, usize)>, String> {
+    let (open, close) = markers(name);
+    let fix = "leave one of each, the opening one first, or remove both";
+    for marker in [&open, &close] {
+        let n = text.matches(marker.as_str()).count();
+        if n > 1 {
+            return Err(format!("the marker {marker} appears {n} times: {fix}"));
+        }
+    }
+    match (text.find(&open), text.find(&close)) {
+        (None, None) => Ok(None),
+        (Some(a), Some(b)) if a < b => Ok(Some((a, b + close.len()))),
+        (Some(_), Some(_)) => Err(format!("the marker {close} comes before {open}: {fix}")),
+        (Some(_), None) => Err(format!("the marker {open} has no {close}: {fix}")),
+        (None, Some(_)) => Err(format!("the marker {close} has no {open}: {fix}")),
     }
 }
 
@@ -144,7 +207,7 @@ pub struct CheckpointBenchArgs {
     /// default a fresh folder under the system's temporary folder.
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Measurements per world size (rates are medians).
+    /// Measurements per world size (rates are medians); at most 10000.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     #[command(flatten)]
@@ -187,6 +250,26 @@ pub struct TrainBenchArgs {
     output: Output,
 }
 
+impl TrainBenchArgs {
+    /// The world sizes that run: `--paired` runs world 1 only.
+    fn worlds(&self) -> Vec<usize> {
+        if self.paired {
+            vec![1]
+        } else {
+            self.worlds.clone()
+        }
+    }
+
+    /// The section of the markdown file the table goes to.
+    fn section(&self) -> &'static str {
+        match (self.paired, self.device) {
+            (true, _) => "train-paired",
+            (false, DeviceKind::Cuda) => "train-cuda",
+            (false, DeviceKind::Cpu) => "train",
+        }
+    }
+}
+
 /// Where `bench optim` and `bench train` run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {
@@ -205,14 +288,15 @@ pub struct OptimBenchArgs {
     /// Add the 4096×4096 point to the square sweep.
     #[arg(long)]
     full: bool,
-    /// Timed steps per case (best and median are reported; slow cases run fewer).
+    /// Timed steps per case (best and median are reported; slow cases run fewer); at most
+    /// 10000.
     #[arg(long, default_value_t = 5)]
     reps: usize,
     /// Run one optimizer only: adamw, adam8bit, muon, muon-bf16 or shampoo.
     #[arg(long)]
     only: Option<OptimKind>,
-    /// Clock in GHz for the peak (default: measured by an FMA loop on every core); finite
-    /// and positive.
+    /// Clock in GHz for the peak (default: measured by an FMA loop on every core); 0.1 to 100
+    /// (a value outside is a unit mistake, and would print an MFU far from any real one).
     // Negative numbers reach the check, which says why they are refused.
     #[arg(long, allow_negative_numbers = true)]
     ghz: Option<f64>,
@@ -223,6 +307,16 @@ pub struct OptimBenchArgs {
     output: Output,
 }
 
+impl OptimBenchArgs {
+    /// The section of the markdown file the table goes to.
+    fn section(&self) -> &'static str {
+        match self.device {
+            DeviceKind::Cpu => "optim",
+            DeviceKind::Cuda => "optim-cuda",
+        }
+    }
+}
+
 #[derive(Args)]
 pub struct CommBenchArgs {
     /// World sizes for the collectives.
@@ -231,7 +325,7 @@ pub struct CommBenchArgs {
     /// f32 elements per rank in the collective benchmark (default 4 Mi = 16 MiB).
     #[arg(long, default_value_t = 4 << 20)]
     shard: usize,
-    /// Repeats (the best is kept).
+    /// Repeats (the best is kept); at most 10000.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
     /// Ranks for the training-step comparison.
@@ -262,7 +356,7 @@ pub struct PlanBenchArgs {
         default_value = "elem,rows:1,rows:16,rows:128,tile:32x32"
     )]
     blocks: Vec<String>,
-    /// Plan each point this many times and keep the fastest.
+    /// Plan each point this many times and keep the fastest; at most 10000.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     #[command(flatten)]
@@ -271,7 +365,8 @@ pub struct PlanBenchArgs {
 
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     check(cmd)?;
-    cmd.output().check()?;
+    let (output, section) = cmd.output();
+    output.check(section)?;
     match cmd {
         BenchCommand::Plan(args) => plan(args),
         BenchCommand::Comm(args) => comm(args),
@@ -301,8 +396,7 @@ fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     let steps = (args.repeats * args.worlds.len()) as u64;
     let rows = with_progress(steps, |step| run(&cfg, adamw, step))?;
     let table = markdown(&rows);
-    println!("{table}");
-    args.output.write("checkpoint", || {
+    args.output.finish("checkpoint", &table, || {
         let n = args.layers * 2 * args.width * args.hidden;
         format!(
             "## Checkpoints: save and load against the disk\n\n\
@@ -357,7 +451,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
             layers: args.layers,
         },
         batch: args.batch,
-        worlds: args.worlds.clone(),
+        worlds: args.worlds(),
         steps: args.steps,
         only: args.only.clone(),
         device: match args.device {
@@ -371,11 +465,10 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
     let steps = 1 + (ragged::bench::train::variants().len() * args.worlds.len()) as u64;
     let rows = with_progress(steps, |step| run(&cfg, step))?;
     let table = markdown(&rows);
-    println!("{table}");
     if args.device == DeviceKind::Cuda {
         return write_train_cuda(args, &table);
     }
-    args.output.write("train", || {
+    args.output.finish(args.section(), &table, || {
         let n = args.layers * 2 * args.width * args.hidden;
         format!(
             "## Runtime: a training step unit by unit\n\n\
@@ -421,7 +514,7 @@ fn train(args: &TrainBenchArgs) -> Result<()> {
 
 /// `bench train --device cuda`: the GPU table into section `train-cuda`.
 fn write_train_cuda(args: &TrainBenchArgs, table: &str) -> Result<()> {
-    args.output.write("train-cuda", || {
+    args.output.finish(args.section(), table, || {
         format!(
             "## Runtime on the GPU: a training step unit by unit\n\n\
              Command: `ragged bench train --device cuda` (a `--features candle-cuda` build). The \
@@ -448,8 +541,7 @@ fn train_paired(
     use ragged::bench::train::{paired, paired_markdown, variants};
     let rows = with_progress(variants().len() as u64, |step| paired(cfg, step))?;
     let table = paired_markdown(&rows);
-    println!("{table}");
-    args.output.write("train-paired", || {
+    args.output.finish(args.section(), &table, || {
         format!(
             "### World 1, steps interleaved with plain candle\n\n\
              Command: `target/release/ragged bench train --paired --steps {}`. Same model and \
@@ -514,7 +606,7 @@ fn check_stack(op: &'static str, worlds: &[usize], sizes: [usize; 3]) -> Result<
 
 fn check_checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench checkpoint";
-    at_least(OP, "--repeats", args.repeats, 1)?;
+    check_repeats(OP, "--repeats", args.repeats)?;
     check_stack(OP, &args.worlds, [args.layers, args.width, args.hidden])?;
     // The model's initial values, master, gradient and two AdamW moments, f32.
     let bytes = checked_product(
@@ -529,14 +621,19 @@ fn check_train(args: &TrainBenchArgs) -> Result<()> {
     const OP: &str = "ragged bench train";
     at_least(OP, "--steps", args.steps, 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
-    check_stack(OP, &args.worlds, [args.layers, args.width, args.hidden])?;
+    // Only the worlds that run: `--paired` runs world 1, whatever `--worlds`' default.
+    let worlds = args.worlds();
+    check_stack(OP, &worlds, [args.layers, args.width, args.hidden])?;
+    for &world in &worlds {
+        even_share(OP, "--batch", args.batch, world)?;
+    }
     // Parameters, master and gradient shards, and a unit's full buffers, f32, on every rank.
     let params = checked_product(
         OP,
         "--layers × --width × --hidden",
         &[2, args.layers, args.width, args.hidden, 4],
     )?;
-    let ranks: usize = args.worlds.iter().copied().max().unwrap_or(1);
+    let ranks: usize = worlds.iter().copied().max().unwrap_or(1);
     fits_in_memory(
         OP,
         "the model on every rank",
@@ -547,36 +644,30 @@ fn check_train(args: &TrainBenchArgs) -> Result<()> {
 
 fn check_optim(args: &OptimBenchArgs) -> Result<()> {
     if let Some(ghz) = args.ghz {
-        positive_finite(OP_OPTIM, "--ghz", ghz)?;
-        if ghz > MAX_GHZ {
-            return Err(ragged::Error::BadInput {
-                op: OP_OPTIM,
-                what: format!("--ghz {ghz}"),
-                reason: format!("a CPU clock above {MAX_GHZ} GHz (a unit mistake?)"),
-            });
-        }
+        finite_within(OP_OPTIM, "--ghz", ghz, GHZ_RANGE, "GHz")?;
     }
-    at_least(OP_OPTIM, "--reps", args.reps, 1)?;
     // The baselines time `reps` GEMMs and copies each, uncapped by the per-case time limit.
-    ragged::limits::at_most(
-        OP_OPTIM,
-        "--reps",
-        args.reps,
-        MAX_REPS,
-        "each is a timed run",
-    )
-    .map(drop)
+    check_repeats(OP_OPTIM, "--reps", args.reps)
 }
 
-/// The highest clock `--ghz` takes: far above any CPU, low enough to catch MHz typed as GHz.
-const MAX_GHZ: f64 = 100.0;
+/// The clocks `--ghz` takes: far around any CPU's, narrow enough to catch MHz typed as GHz
+/// (or GHz as THz): the peak and MFU scale with it.
+const GHZ_RANGE: (f64, f64) = (0.1, 100.0);
 
-/// The most timed repetitions `bench optim` runs per case and baseline.
-const MAX_REPS: usize = 10_000;
+/// The most timed repetitions a bench runs per case (`--reps`, `--repeats`): more is a typo
+/// that would run for days, silently.
+const MAX_REPEATS: usize = 10_000;
+
+/// `Err` unless `n` timed repetitions are 1 to [`MAX_REPEATS`].
+fn check_repeats(op: &'static str, flag: &str, n: usize) -> Result<()> {
+    at_least(op, flag, n, 1)?;
+    at_most(op, flag, n, MAX_REPEATS, "each is a timed run").map(drop)
+}
 
 fn check_comm(args: &CommBenchArgs) -> Result<()> {
     use ragged::bench::comm::check_collectives;
     at_least(OP_COMM, "--worlds (how many)", args.worlds.len(), 1)?;
+    check_repeats(OP_COMM, "--repeats", args.repeats)?;
     for &world in &args.worlds {
         check_collectives(world, args.shard, args.repeats)?;
     }
@@ -597,11 +688,22 @@ fn check_comm(args: &CommBenchArgs) -> Result<()> {
 const TRAIN_BATCH: usize = 8;
 
 fn check_plan(args: &PlanBenchArgs) -> Result<()> {
-    at_least(OP_PLAN, "--repeats", args.repeats, 1)?;
+    check_repeats(OP_PLAN, "--repeats", args.repeats)?;
     for &world in &args.worlds {
         at_least(OP_PLAN, "--worlds", world, 1)?;
     }
-    Ok(())
+    parse_blocks(&args.blocks).map(drop)
+}
+
+/// `--blocks`' specs, each refused with the flag and the spec typed.
+fn parse_blocks(specs: &[String]) -> Result<Vec<AtomicBlock>> {
+    specs
+        .iter()
+        .map(|b| {
+            b.parse()
+                .with_context(|| format!("{OP_PLAN} --blocks {b:?}"))
+        })
+        .collect()
 }
 
 const OP_COMM: &str = "ragged bench comm";
@@ -652,8 +754,7 @@ fn optim(args: &OptimBenchArgs) -> Result<()> {
         baselines: base,
         rows,
     });
-    println!("{table}");
-    args.output.write("optim", || {
+    args.output.finish(args.section(), &table, || {
         format!(
             "## Optimizers: step time against peak, memcpy and GEMM\n\n\
              Command: `target/release/ragged bench optim`{}. Each case is one \
@@ -696,8 +797,7 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
     eprintln!("device: {}", dev.name()?);
     let report = ragged_optimizers::cuda::bench::bench_gpu(&dev, args.quick)?;
     let table = report.markdown();
-    println!("{table}");
-    args.output.write("optim-cuda", || {
+    args.output.finish(args.section(), &table, || {
         format!(
             "## Optimizers on the GPU: against cuBLAS GEMM and device memcpy\n\n\
              Command: `ragged bench optim --device cuda` (a `--features cuda` build; \
@@ -727,30 +827,50 @@ fn plan(args: &PlanBenchArgs) -> Result<()> {
     } else {
         args.models.clone()
     };
-    let blocks: Vec<AtomicBlock> = args
-        .blocks
-        .iter()
-        .map(|b| b.parse())
-        .collect::<Result<_>>()?;
+    let blocks = parse_blocks(&args.blocks)?;
+    let sweep = plan_sweep(&models, &args.worlds)?;
     let total = (models.len() * args.worlds.len() * blocks.len()) as u64;
     let bar = sweep_bar(total);
     let mut rows = Vec::new();
-    for name in &models {
-        let inv = Inventory::load(name)?;
-        for &world in &args.worlds {
-            let layouts = baseline_layouts(&inv, world)?;
+    for (inv, points) in &sweep {
+        for (world, layouts) in points {
+            let world = *world;
             for &block in &blocks {
-                bar.set_message(format!("{} V={world} {block}", inv.model));
-                rows.push(plan_row(&inv, &layouts, block, world, args.repeats)?);
+                bar.set_message(format!("{} V={world} {block}", printable(&inv.model)));
+                let row = plan_row(inv, layouts, block, world, args.repeats)
+                    .with_context(|| format!("{OP_PLAN} --worlds {world} --blocks {block}"))?;
+                rows.push(row);
                 bar.inc(1);
             }
         }
     }
     bar.finish_and_clear();
     let table = markdown(&rows);
-    println!("{table}");
     args.output
-        .write("plan", || section_text(&table, args.repeats))
+        .finish("plan", &table, || section_text(&table, args.repeats))
+}
+
+/// Every model's inventory with each world's baseline layouts: read and laid out before the
+/// sweep (milliseconds each), so that a model or world the sweep cannot take is refused,
+/// naming it, before minutes of planning.
+type PlanSweep = Vec<(Inventory, Vec<(usize, Vec<BaselineLayout>)>)>;
+
+fn plan_sweep(models: &[String], worlds: &[usize]) -> Result<PlanSweep> {
+    models
+        .iter()
+        .map(|name| {
+            let inv = Inventory::load(name)?;
+            let points = worlds
+                .iter()
+                .map(|&world| {
+                    let layouts = baseline_layouts(&inv, world)
+                        .with_context(|| format!("{OP_PLAN} --worlds {world} with model {name}"))?;
+                    Ok((world, layouts))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((inv, points))
+        })
+        .collect()
 }
 
 fn comm(args: &CommBenchArgs) -> Result<()> {
@@ -800,8 +920,7 @@ fn comm(args: &CommBenchArgs) -> Result<()> {
         args.train_ranks, cfg.seq_len
     );
     let table = markdown(&rows, &steps, &model);
-    println!("{table}");
-    args.output.write("comm", || {
+    args.output.finish("comm", &table, || {
         format!(
             "## Runtime: collectives and training step\n\n\
              Command: `target/release/ragged bench comm`. Collectives: in-place all-gather and \
@@ -910,15 +1029,18 @@ fn model_files(dir: &Path) -> Result<Vec<String>> {
 /// Replaces the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in `path`
 /// (appending the markers if absent), so each benchmark owns one section of the file.
 pub fn replace_section(path: &Path, name: &str, body: &str) -> Result<()> {
-    let (open, close) = (
-        format!("<!-- bench:{name} -->"),
-        format!("<!-- /bench:{name} -->"),
-    );
+    let (open, close) = markers(name);
     let old = read_or_new(path)?;
     let block = format!("{open}\n{body}\n{close}");
-    let new = match (old.find(&open), old.find(&close)) {
-        (Some(a), Some(b)) if a < b => format!("{}{block}{}", &old[..a], &old[b + close.len()..]),
-        _ => format!("{}\n{block}\n", old.trim_end()),
+    // `Output::check` refused bad markers before the bench; the file may have changed since.
+    let span = section_span(&old, name).map_err(|reason| Error::BadInput {
+        op: OP_OUT,
+        what: path.display().to_string(),
+        reason,
+    })?;
+    let new = match span {
+        Some((a, b)) => format!("{}{block}{}", &old[..a], &old[b..]),
+        None => format!("{}\n{block}\n", old.trim_end()),
     };
     // Written beside and renamed over it (into a link's target), so that an interrupted
     // write leaves the old file whole.

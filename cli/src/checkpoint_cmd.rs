@@ -8,6 +8,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::checkpoint::{fs, read, Manifest};
 use ragged::Result;
 
+use crate::print::printable;
+
 #[derive(Subcommand)]
 pub enum CheckpointCommand {
     /// What a checkpoint holds: step, world, layout, optimizer, tensors, files.
@@ -56,11 +58,11 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
                 b.inc(1);
             })?;
             b.finish_and_clear();
-            println!(
+            outln!(
                 "{}: {}, {bytes} bytes, every checksum matches",
                 dir.display(),
                 count(m.files.len(), "file")
-            );
+            )?;
             Ok(())
         }
         CheckpointCommand::Export { path, out } => {
@@ -72,12 +74,12 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
                 b.inc(1);
             })?;
             b.finish_and_clear();
-            println!(
+            outln!(
                 "wrote {} of {} to {}",
                 count(m.model.len(), "tensor"),
                 dir.display(),
                 out.display()
-            );
+            )?;
             Ok(())
         }
     }
@@ -104,41 +106,41 @@ fn info(path: &std::path::Path) -> Result<()> {
         .try_fold(0u64, |sum, f| sum.checked_add(f.digest.bytes))
         .ok_or_else(|| overflow("the file sizes"))?;
     let p = &m.progress;
-    println!("{}", dir.display());
-    println!("  format {} version {}", m.format, m.version);
-    println!(
+    outln!("{}", dir.display())?;
+    outln!("  format {} version {}", m.format, m.version)?;
+    outln!(
         "  {}, {} layout, {}",
         count(m.world, "rank"),
         m.layout,
         count(m.units.len(), "unit")
-    );
-    println!(
+    )?;
+    outln!(
         "  model: {}, {}",
         count(m.model.len(), "tensor"),
         count(params, "parameter")
-    );
-    println!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config);
-    println!(
+    )?;
+    outln!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config)?;
+    outln!(
         "  steps {} (skipped {}), optimizer step {}, learning rate {}",
         p.steps,
         p.skipped,
         p.state_step,
         p.learning_rate.map_or("none".into(), |lr| lr.to_string())
-    );
+    )?;
     if let Some(s) = &p.schedule {
-        println!("  schedule: {s}");
+        outln!("  schedule: {s}")?;
     }
     if let Some(t) = &m.training {
-        println!("  fsdp: {}", t.fsdp);
+        outln!("  fsdp: {}", t.fsdp)?;
         // The caller's strings, escaped: a newline or a terminal control must not print as one.
         for (key, value) in &t.metadata {
-            println!("  {}: {}", key.escape_debug(), value.escape_debug());
+            outln!("  {}: {}", printable(key), printable(value))?;
         }
     }
     let mut fields: Vec<&str> = m.fields.iter().map(|f| f.field.as_str()).collect();
     fields.sort_unstable();
     fields.dedup();
-    println!("  arrays per parameter: {}", fields.join(", "));
-    println!("  {}, {bytes} bytes", count(m.files.len(), "rank file"));
+    outln!("  arrays per parameter: {}", fields.join(", "))?;
+    outln!("  {}, {bytes} bytes", count(m.files.len(), "rank file"))?;
     Ok(())
 }

@@ -1,8 +1,13 @@
 //! The `ragged` command-line tool: `ragged plan`, `ragged bench`, `ragged validate` and
 //! `ragged checkpoint`.
 
+// First: the `outln!` macro is used by the modules below.
+#[macro_use]
+mod print;
+
 mod bench_cmd;
 mod checkpoint_cmd;
+mod flags;
 #[cfg(test)]
 mod fuzz_tests;
 mod plan_cmd;

@@ -3,13 +3,14 @@
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, pct};
-use ragged::model::{Inventory, Unit};
+use ragged::limits::{at_least, at_most, checked_product};
+use ragged::model::{presets, Inventory, Unit};
 use ragged::plan::baselines;
 use ragged::plan::export::{svg_multi, write_multi_json};
 use ragged::plan::multi::MultiOptions;
@@ -20,8 +21,24 @@ use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 use ragged_optimizers::{LayoutReport, MatrixLayout, Muon, MuonConfig};
 
+use crate::flags::{finite_within, same_file};
+use crate::print::{print_stdout, printable};
+
+const OP: &str = "ragged plan";
+
 /// The most devices `--full-units` writes a per-rank list for.
 const MAX_FULL_UNITS_DEVICES: usize = 1 << 16;
+
+/// The most buffers per unit `--max-buffers` takes: each buffer is one more all-gather and
+/// reduce-scatter per unit and step, and the planner's time grows with the count (76 s for
+/// deepseek_v3_671b at V=1000 with 1000) while no model here gains past a handful.
+const MAX_BUFFERS: usize = 64;
+
+/// `--alpha-us`' range, microseconds: 0 (latency ignored) to one second per collective.
+const ALPHA_US_RANGE: (f64, f64) = (0.0, 1e6);
+
+/// `--link-gbs`' range, GB/s: 1 MB/s to 1 PB/s per rank, far past any link either way.
+const LINK_GBS_RANGE: (f64, f64) = (1e-3, 1e6);
 
 #[derive(Args, Clone)]
 pub struct PlanArgs {
@@ -46,28 +63,31 @@ pub struct PlanArgs {
     #[arg(long, default_value = "all")]
     order: String,
     /// At most this many collective buffers per unit, each with its own shard size (1: one
-    /// buffer per unit).
+    /// buffer per unit; at most 64: each buffer is one more collective per unit and step, and
+    /// planning time grows with the count).
     #[arg(long, default_value_t = MultiOptions::default().max_buffers)]
     max_buffers: usize,
-    /// Latency of one collective in microseconds (the price of one more buffer).
+    /// Latency of one collective in microseconds (the price of one more buffer); 0 to 1e6.
     // A negative value is taken as a value (and refused by the planner with a reason), not as
     // an unknown flag.
     #[arg(long, default_value_t = MultiOptions::default().collective_latency_s * 1e6, allow_negative_numbers = true)]
     alpha_us: f64,
-    /// Link bandwidth per rank in GB/s (the price of padding moved).
+    /// Link bandwidth per rank in GB/s (the price of padding moved); 0.001 to 1e6.
     #[arg(long, default_value_t = MultiOptions::default().link_bytes_per_s / 1e9, allow_negative_numbers = true)]
     link_gbs: f64,
     /// Numbered blocks (decoder layers: `layers.N`, `transformer.h.N`, ...) per FSDP unit.
     #[arg(long, default_value_t = 1)]
     layers_per_unit: usize,
-    /// Write the full plan as JSON to this file (- for standard output).
+    /// Write the full plan as JSON to this file (- for standard output; not the --model
+    /// file nor the --svg file).
     #[arg(long)]
     json: Option<PathBuf>,
     /// In the JSON, also write every tensor's V-entry units_per_rank list (large at big V; at
     /// most 65536 devices).
     #[arg(long, requires = "json")]
     full_units: bool,
-    /// Draw one unit's layout (every buffer) as SVG to this file (`-`: stdout).
+    /// Draw one unit's layout (every buffer) as SVG to this file (`-`: stdout; not the
+    /// --model file nor the --json file).
     #[arg(long)]
     svg: Option<PathBuf>,
     /// The unit to draw with --svg (default: the first decoder layer, else the first unit).
@@ -84,24 +104,7 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
-    // The smallest buffer a plan can have is V shards of --coll-align elements: refuse a V for
-    // which even that overflows, before the planner computes with it.
-    ragged::limits::checked_product(
-        "ragged plan",
-        "--devices × --coll-align elements",
-        &[args.devices, args.coll_align],
-    )?;
-    if args.full_units {
-        // V numbers per tensor in memory and in the file: beyond this the JSON runs to
-        // gigabytes; `unit_runs` (always written) says the same in O(1) per tensor.
-        ragged::limits::at_most(
-            "ragged plan",
-            "--full-units with --devices",
-            args.devices,
-            MAX_FULL_UNITS_DEVICES,
-            "it writes V numbers per tensor; unit_runs holds the same in three",
-        )?;
-    }
+    check_args(args)?;
     let inv = Inventory::load(&args.model)?;
     let opts = PlanOptions {
         coll_align: args.coll_align,
@@ -134,6 +137,80 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     if let Some(path) = &args.svg {
         write_svg(&multi, args.unit.as_deref(), path)?;
+    }
+    Ok(())
+}
+
+/// Refuses bad flags before the model is read or anything is planned.
+fn check_args(args: &PlanArgs) -> Result<()> {
+    // The smallest buffer a plan can have is V shards of --coll-align elements: refuse a V for
+    // which even that overflows, before the planner computes with it.
+    checked_product(
+        OP,
+        "--devices × --coll-align elements",
+        &[args.devices, args.coll_align],
+    )?;
+    if args.full_units {
+        // V numbers per tensor in memory and in the file: beyond this the JSON runs to
+        // gigabytes; `unit_runs` (always written) says the same in O(1) per tensor.
+        at_most(
+            OP,
+            "--full-units with --devices",
+            args.devices,
+            MAX_FULL_UNITS_DEVICES,
+            "it writes V numbers per tensor; unit_runs holds the same in three",
+        )?;
+    }
+    at_least(OP, "--max-buffers", args.max_buffers, 1)?;
+    at_most(
+        OP,
+        "--max-buffers",
+        args.max_buffers,
+        MAX_BUFFERS,
+        "each buffer is one more collective per unit and step, and planning time grows with it",
+    )?;
+    finite_within(OP, "--alpha-us", args.alpha_us, ALPHA_US_RANGE, "µs")?;
+    finite_within(OP, "--link-gbs", args.link_gbs, LINK_GBS_RANGE, "GB/s")?;
+    check_outputs(args)
+}
+
+/// Refuses `--json` and `--svg` naming one file (both `-` included: JSON and SVG on one
+/// stdout parse as neither), and either naming the `--model` file: it would be replaced by
+/// the plan.
+fn check_outputs(args: &PlanArgs) -> Result<()> {
+    let refuse = |flag: &str, path: &Path, reason: String| Error::BadInput {
+        op: OP,
+        what: format!("{flag} {}", path.display()),
+        reason,
+    };
+    if let (Some(json), Some(svg)) = (&args.json, &args.svg) {
+        if same_file(json, svg) {
+            return Err(refuse(
+                "--json",
+                json,
+                format!(
+                    "--svg {} names the same output: give each its own",
+                    svg.display()
+                ),
+            ));
+        }
+    }
+    // A preset is read from no file (a file of the same name is not the model).
+    let model_file = Path::new(&args.model);
+    if presets::canonical_name(&args.model).is_some() || !model_file.exists() {
+        return Ok(());
+    }
+    for (flag, out) in [("--json", &args.json), ("--svg", &args.svg)] {
+        if let Some(out) = out.as_deref().filter(|out| same_file(out, model_file)) {
+            return Err(refuse(
+                flag,
+                out,
+                format!(
+                    "is the --model file {}: it would be overwritten",
+                    args.model
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -207,11 +284,7 @@ fn multi_summary(
                         .eq(sizes.iter().copied())
             })
             .count();
-        let name = if same > 1 {
-            format!("{} .. {} ({same})", u.unit, multi.units[i + same - 1].unit)
-        } else {
-            u.unit.clone()
-        };
+        let name = run_name(&u.unit, &multi.units[i + same - 1].unit, same);
         let pad = u.buffer_elems() - u.numel() as u64;
         let floor_pad = u.floor_elems().saturating_sub(u.numel() as u64);
         let _ = writeln!(
@@ -304,11 +377,7 @@ muon (Auto layout, V = {world}, plan time {:.2} s): {splits} of {matrices} matri
             .iter()
             .take_while(|q| outcome(q) == outcome(r))
             .count();
-        let name = if same > 1 {
-            format!("{} .. {} ({same})", r.unit, reports[i + same - 1].unit)
-        } else {
-            r.unit.clone()
-        };
+        let name = run_name(&r.unit, &reports[i + same - 1].unit, same);
         let numel: usize = units[i].tensors.iter().map(|t| t.numel()).sum();
         let _ = writeln!(
             s,
@@ -347,6 +416,16 @@ fn muon_ends_bytes(
     Ok((whole_bytes, split_bytes))
 }
 
+/// The name of a run of `count` equal units from `first` to `last` (the unit's own name for a
+/// run of one), escaped: unit names come from the model file.
+fn run_name(first: &str, last: &str, count: usize) -> String {
+    if count > 1 {
+        format!("{} .. {} ({count})", printable(first), printable(last))
+    } else {
+        printable(first)
+    }
+}
+
 /// Bytes as GB (or MB below 1 GB), two decimals.
 fn gb(bytes: u64) -> String {
     let b = bytes as f64;
@@ -365,7 +444,7 @@ fn parse_orders(s: &str) -> Result<Vec<Order>> {
             "block-size" => Ok(vec![Order::BlockSize]),
             "shape" => Ok(vec![Order::Shape]),
             other => Err(Error::BadInput {
-                op: "ragged plan",
+                op: OP,
                 what: format!("order {other:?}"),
                 reason: "expected module, block-size, shape or all".into(),
             }),
@@ -379,7 +458,7 @@ fn summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<String>
     let _ = writeln!(
         s,
         "{}: {} tensors, {} parameters, {} units ({} distinct), V={}, block {}",
-        inv.model,
+        printable(&inv.model),
         inv.tensors.len(),
         inv.total_params(),
         plan.units.len(),
@@ -434,11 +513,7 @@ fn summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<String>
             .iter()
             .take_while(|v| v.shard_size == u.shard_size && v.padding() == u.padding())
             .count();
-        let name = if same > 1 {
-            format!("{} .. {} ({same})", u.unit, plan.units[i + same - 1].unit)
-        } else {
-            u.unit.clone()
-        };
+        let name = run_name(&u.unit, &plan.units[i + same - 1].unit, same);
         let _ = writeln!(
             s,
             "  {name:<32} S={:<12} padding {:>8}%  order {}  checks {}",
@@ -454,12 +529,14 @@ fn summary(inv: &Inventory, plan: &ModelPlan, args: &PlanArgs) -> Result<String>
 
 fn write_plan_json(plan: &MultiModelPlan, full_units: bool, path: &PathBuf) -> Result<()> {
     if path.as_os_str() == "-" {
-        let stdout = std::io::stdout();
-        let mut out = BufWriter::new(stdout.lock());
-        write_multi_json(plan, full_units, &mut out)?;
-        return out
-            .flush()
-            .map_err(|e| Error::io("write plan json", "-", e));
+        // Streamed (a --full-units plan can be large); its errors read as every other print's.
+        let as_print = |e: Error| match e {
+            Error::Io { source, .. } => Error::io("print", "-", source),
+            e => e,
+        };
+        let mut out = BufWriter::new(std::io::stdout().lock());
+        write_multi_json(plan, full_units, &mut out).map_err(as_print)?;
+        return out.flush().map_err(|e| Error::io("print", "-", e));
     }
     let file = File::create(path).map_err(|e| Error::io("create", path, e))?;
     let mut out = BufWriter::new(file);
@@ -486,30 +563,21 @@ fn write_svg(plan: &MultiModelPlan, unit: Option<&str>, path: &PathBuf) -> Resul
             "no such unit; the units are {}",
             plan.units
                 .iter()
-                .map(|u| u.unit.as_str())
+                .map(|u| printable(&u.unit))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
     })?;
     if path.as_os_str() == "-" {
         // As `--json -`: the drawing on stdout.
-        println!("{}", svg_multi(chosen));
-        return Ok(());
+        return outln!("{}", svg_multi(chosen));
     }
     std::fs::write(path, svg_multi(chosen)).map_err(|e| Error::io("write svg", path, e))?;
     eprintln!(
         "wrote {} (unit {}, {} buffer(s))",
         path.display(),
-        chosen.unit,
+        printable(&chosen.unit),
         chosen.k()
     );
     Ok(())
-}
-
-/// Writes to standard output; a closed pipe (`ragged plan … | head`) is not an error.
-pub fn print_stdout(text: &str) -> Result<()> {
-    match std::io::stdout().lock().write_all(text.as_bytes()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::io("print", "-", e)),
-        _ => Ok(()),
-    }
 }

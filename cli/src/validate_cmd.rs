@@ -9,6 +9,8 @@ use ragged_optimizers::validate::{
     check_config, render, scaled, validate, LayoutKind, ValidateConfig,
 };
 
+use crate::print::{print_stdout, printable};
+
 #[derive(Args)]
 pub struct ValidateArgs {
     /// A preset (llama3_8b, llama3_70b, gpt_oss_20b, gpt_oss_120b, deepseek_v3_671b), an
@@ -43,6 +45,16 @@ pub struct ValidateArgs {
 
 /// Runs the checks, prints the report, and returns `Err` on any breach (exit status 1).
 pub fn run(args: &ValidateArgs) -> Result<()> {
+    let cfg = ValidateConfig {
+        optimizer: args.optimizer,
+        worlds: args.worlds.clone(),
+        layouts: args.layouts.clone(),
+        steps: args.steps,
+        seed: args.seed,
+        mesh_invariance: args.mesh_invariance,
+    };
+    // Before the model is read and scaled: a bad world list is refused without that work.
+    check_config(&cfg)?;
     let inv = Inventory::load(&args.model)?;
     let small = Inventory {
         model: inv.model.clone(),
@@ -52,25 +64,16 @@ pub fn run(args: &ValidateArgs) -> Result<()> {
     if let Some(n) = args.units {
         units.truncate(n);
     }
-    let cfg = ValidateConfig {
-        optimizer: args.optimizer,
-        worlds: args.worlds.clone(),
-        layouts: args.layouts.clone(),
-        steps: args.steps,
-        seed: args.seed,
-        mesh_invariance: args.mesh_invariance,
-    };
-    check_config(&cfg)?;
-    println!(
+    outln!(
         "validate {} ({} units, dimensions ÷ {}) with {}, {} steps",
-        inv.model,
+        printable(&inv.model),
         units.len(),
         args.scale,
         args.optimizer,
         args.steps
-    );
+    )?;
     let report = validate(&units, &cfg)?;
-    print!("{}", render(&report));
+    print_stdout(&render(&report))?;
     match report.breaches() {
         0 => Ok(()),
         n => Err(Error::Msg(format!("{n} breaches of the numerics contract"))),

@@ -940,3 +940,398 @@ fn plan_muon_reports_every_unit_and_auto_costs_no_more_than_either_end() {
         assert_eq!(units, want_units, "--layers-per-unit {layers}: {rest}");
     }
 }
+
+/// Runs `ragged` with `args` in the repository root and its stdout on `stdout`.
+fn ragged_to(args: &[&str], stdout: impl Into<std::process::Stdio>) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ragged"))
+        .args(args)
+        .current_dir(root())
+        .stdout(stdout)
+        .output()
+        .expect("run ragged")
+}
+
+/// A bench's argument list: `QUICK_COMM` writing into `out`.
+fn quick_comm_into(out: &Path) -> Vec<&str> {
+    let mut args = QUICK_COMM.to_vec();
+    args.extend(["--out", out.to_str().unwrap()]);
+    args
+}
+
+/// `--out` that is not a regular file once links are followed (a folder, a FIFO that would
+/// block, a device that would be read without end) is refused, naming `--out` and the path,
+/// before the bench runs.
+#[test]
+fn bench_out_that_is_not_a_regular_file_is_refused_before_running() {
+    let dir = tmp("bench-out-not-regular");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("folder.md")).unwrap();
+    let fifo = dir.join("fifo.md");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let link = dir.join("link.md");
+    std::os::unix::fs::symlink(&fifo, &link).unwrap();
+    for out in [dir.join("folder.md"), fifo, link] {
+        let result = ragged(&quick_comm_into(&out));
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(!result.status.success(), "{} accepted", out.display());
+        let want = format!("--out {}: is not a regular file", out.display());
+        assert!(err.contains(&want), "{err:?} lacks {want:?}");
+        let said = String::from_utf8_lossy(&result.stdout);
+        assert!(!said.contains("all-gather"), "the bench ran: {said}");
+    }
+}
+
+/// Section markers out of order, repeated or alone are refused before the bench runs, naming
+/// the file and the marker, and the file is left as it was (it used to get one more section
+/// on every run).
+#[test]
+fn bench_out_with_bad_section_markers_is_refused_and_kept() {
+    let dir = tmp("bench-out-markers");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (open, close) = ("<!-- bench:comm -->", "<!-- /bench:comm -->");
+    let cases = [
+        (format!("{close}\nold\n{open}\n"), "comes before"),
+        (
+            format!("{open}\na\n{close}\n{open}\nb\n{close}\n"),
+            "appears 2 times",
+        ),
+        (format!("# Mine\n{open}\nold\n"), "has no"),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let md = dir.join(format!("case{i}.md"));
+        std::fs::write(&md, text).unwrap();
+        let out = ragged(&quick_comm_into(&md));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "case {i} accepted");
+        assert!(
+            err.contains(&format!("--out {}", md.display())) && err.contains(want),
+            "case {i}: {err}"
+        );
+        assert!(err.contains("bench:comm -->"), "no marker named: {err}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("all-gather"));
+        assert_eq!(&std::fs::read_to_string(&md).unwrap(), text);
+    }
+    // Another bench's section, or markers in order, do not stand in the way.
+    let md = dir.join("fine.md");
+    std::fs::write(&md, format!("<!-- /bench:plan -->\n{open}\nold\n{close}\n")).unwrap();
+    let out = ragged(&quick_comm_into(&md));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let written = std::fs::read_to_string(&md).unwrap();
+    assert_eq!(written.matches(open).count(), 1, "{written}");
+    assert!(!written.contains("old"), "{written}");
+}
+
+/// A bench whose stdout reader is gone (`ragged bench … | head`) has written `--out` before
+/// it prints the table and is ended by SIGPIPE.
+#[test]
+fn bench_writes_out_before_a_closed_stdout_ends_it() {
+    use std::os::unix::process::ExitStatusExt;
+    let md = tmp("bench-out-before-print.md");
+    let _ = std::fs::remove_file(&md);
+    let (reader, writer) = std::io::pipe().unwrap();
+    // Closed before the bench starts: its first print meets a pipe with no reader.
+    drop(reader);
+    let out = ragged_to(&quick_comm_into(&md), writer);
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{out:?}");
+    let written = std::fs::read_to_string(&md).expect("--out written");
+    assert!(written.contains("| all-gather | 2 | 8192 |"), "{written}");
+}
+
+/// Standard output on a full disk: every subcommand exits 1 with one line saying so, no panic
+/// (it was `failed printing to stdout` and exit 101).
+#[test]
+fn a_full_stdout_is_an_error_not_a_panic() {
+    let small_validate = [
+        "validate",
+        "--model",
+        "llama3_8b",
+        "--optimizer",
+        "adamw",
+        "--scale",
+        "64",
+        "--units",
+        "1",
+        "--worlds",
+        "1",
+        "--steps",
+        "1",
+    ];
+    let mut bench = QUICK_COMM.to_vec();
+    bench.extend(["--out", "-"]);
+    let plan = ["plan", "--model", "llama3_8b", "--devices", "8"];
+    let cases: [&[&str]; 6] = [
+        &["checkpoint", "info", "tests/data/muon-v-for-every-matrix"],
+        &["checkpoint", "verify", "tests/data/muon-v-for-every-matrix"],
+        &small_validate,
+        &bench,
+        &plan,
+        &[&plan[..], &["--svg", "-"]].concat(),
+    ];
+    for args in cases {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = ragged_to(args, full);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("error: print: -: No space left on device") && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// World sizes past the thread-rank limit are refused by the argument check, before the
+/// model's data is built for every rank (it took 9.5 GB at 100000).
+#[test]
+fn validate_refuses_more_thread_ranks_than_one_process_runs_before_any_work() {
+    let out = ragged(&[
+        "validate",
+        "--model",
+        "llama3_8b",
+        "--optimizer",
+        "adamw",
+        "--worlds",
+        "1,5000",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("world 5000 is more than 4096 thread ranks"),
+        "{err}"
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!said.contains("steps"), "it started: {said}");
+}
+
+/// Out-of-range planner flags are refused naming the flag, the value as typed and the range;
+/// no `Debug` dump of the options and no unrelated `unit root:`.
+#[test]
+fn plan_cost_model_flags_out_of_range_name_the_flag_and_value() {
+    let cases: [(&str, &str); 8] = [
+        ("--max-buffers=0", "--max-buffers 0: must be at least 1"),
+        ("--max-buffers=65", "--max-buffers 65: must be at most 64"),
+        (
+            "--alpha-us=-5",
+            "--alpha-us -5: must be a finite number from 0 to 1000000 µs",
+        ),
+        ("--alpha-us=NaN", "--alpha-us NaN: "),
+        (
+            "--link-gbs=0",
+            "--link-gbs 0: must be a finite number from 0.001 to 1000000 GB/s",
+        ),
+        ("--link-gbs=1e300", "--link-gbs 1e300: "),
+        ("--link-gbs=inf", "--link-gbs inf: "),
+        ("--alpha-us=1e7", "--alpha-us 10000000: "),
+    ];
+    for (flag, want) in cases {
+        let out = ragged(&["plan", "--model", "llama3_8b", "--devices", "8", flag]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} accepted");
+        assert!(err.contains(want), "{flag}: {err:?} lacks {want:?}");
+        assert!(
+            !err.contains(" { ") && !err.contains("unit root"),
+            "{flag}: {err}"
+        );
+    }
+}
+
+/// `--json` and `--svg` may not name the same file (both `-` included) nor the `--model` file
+/// read (it was replaced by the plan); the model is left as it was.
+#[test]
+fn plan_outputs_may_not_name_each_other_or_the_model() {
+    let dir = tmp("plan-outputs");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("mine.json");
+    let text = r#"{"model":"mine","params":[{"name":"a","shape":[4,4]}]}"#;
+    std::fs::write(&model, text).unwrap();
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink(&model, &link).unwrap();
+    let (m, l) = (model.to_str().unwrap(), link.to_str().unwrap());
+    let same = dir.join("same");
+    let s = same.to_str().unwrap();
+    let dotted = format!("{}/./same", dir.display());
+    let cases: [(&[&str], &str); 5] = [
+        (&["--json", m], "--json"),
+        (&["--svg", l], "--svg"),
+        (&["--json", s, "--svg", s], "--svg"),
+        (&["--json", s, "--svg", &dotted], "--svg"),
+        (&["--json", "-", "--svg", "-"], "--svg -"),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["plan", "--model", m, "--devices", "2"];
+        args.extend_from_slice(flags);
+        let out = ragged(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} accepted");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(out.stdout.is_empty(), "{flags:?} printed");
+    }
+    assert_eq!(std::fs::read_to_string(&model).unwrap(), text);
+    assert!(!same.exists());
+}
+
+/// A model name from the user's file is printed escaped: a terminal escape sequence in it does
+/// not run (`checkpoint info` escapes its strings the same way).
+#[test]
+fn plan_prints_names_from_the_model_file_escaped() {
+    let model = tmp("escape-name.json");
+    let json =
+        r#"{"model":"evil\u001b[2J\nname","params":[{"name":"layers.0.a\u0007","shape":[4,4]}]}"#;
+    std::fs::write(&model, json).unwrap();
+    let out = ragged(&["plan", "--model", model.to_str().unwrap(), "--devices", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(r"evil\u{1b}[2J\nname: 1 tensors"), "{text}");
+    assert!(
+        !text.contains('\u{1b}') && !text.contains('\u{7}'),
+        "{text:?}"
+    );
+}
+
+/// An inventory saved with a UTF-8 byte-order mark (some Windows editors) reads as without.
+#[test]
+fn plan_reads_an_inventory_with_a_byte_order_mark() {
+    let model = tmp("bom.json");
+    std::fs::write(
+        &model,
+        "\u{feff}{\"params\":[{\"name\":\"a\",\"shape\":[4,4]}]}",
+    )
+    .unwrap();
+    let out = ragged(&["plan", "--model", model.to_str().unwrap(), "--devices", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A safetensors file with a zero-size tensor (legal in the format, not plannable): the error
+/// names the file.
+#[test]
+fn plan_of_a_safetensors_with_a_zero_size_tensor_names_the_file() {
+    let path = tmp("zero-size.safetensors");
+    let mut header = r#"{"a":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]}}"#.to_string();
+    while !header.len().is_multiple_of(8) {
+        header.push(' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let out = ragged(&["plan", "--model", path.to_str().unwrap(), "--devices", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!("safetensors {}", path.display())) && err.contains("zero-sized"),
+        "{err}"
+    );
+}
+
+/// `--paired` runs world 1 only: `--batch` is checked against that, not against the default
+/// `--worlds` it never runs; without `--paired` a batch the worlds cannot split is refused
+/// naming `--batch`.
+#[test]
+fn bench_train_checks_batch_against_the_worlds_that_run() {
+    let tiny = [
+        "bench", "train", "--layers", "1", "--width", "8", "--hidden", "8", "--steps", "1",
+        "--batch", "6", "--out", "-",
+    ];
+    let out = ragged(&[&tiny[..], &["--paired"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ragged(&[&tiny[..], &["--worlds", "1,4"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--batch 6: must split evenly over 4 ranks"),
+        "{err}"
+    );
+}
+
+/// Counts past the cap are refused, naming the flag (they ran silently for ever), and
+/// `bench plan` names `--worlds` and `--blocks` in its refusals.
+#[test]
+fn bench_counts_are_capped_and_plan_errors_name_the_flag() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &[
+                "bench",
+                "comm",
+                "--repeats",
+                "18446744073709551615",
+                "--out",
+                "-",
+            ],
+            "--repeats 18446744073709551615: must be at most 10000",
+        ),
+        (
+            &[
+                "bench",
+                "plan",
+                "--models",
+                "llama3_8b",
+                "--repeats",
+                "10001",
+                "--out",
+                "-",
+            ],
+            "--repeats 10001: must be at most 10000",
+        ),
+        (
+            &["bench", "checkpoint", "--repeats", "10001", "--out", "-"],
+            "--repeats 10001: must be at most 10000",
+        ),
+        (
+            &["bench", "optim", "--ghz", "1e-300", "--out", "-"],
+            "--ghz 1e-300: must be a finite number from 0.1 to 100 GHz",
+        ),
+        (
+            &[
+                "bench",
+                "plan",
+                "--models",
+                "llama3_8b",
+                "--blocks",
+                "bogus",
+                "--out",
+                "-",
+            ],
+            "--blocks \"bogus\"",
+        ),
+        (
+            &[
+                "bench",
+                "plan",
+                "--models",
+                "llama3_8b",
+                "--worlds",
+                "144115188075855871",
+                "--out",
+                "-",
+            ],
+            "--worlds 144115188075855871 with model llama3_8b",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = ragged(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+        assert!(out.stdout.is_empty(), "{args:?} printed a table");
+    }
+}

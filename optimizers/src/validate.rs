@@ -13,7 +13,7 @@
 //! its scale blocks) is reported as refused, not as a breach: the optimizer returned `Err`
 //! before touching anything, which is the contract's answer to such a layout.
 
-use ragged::comm::threads::ThreadWorld;
+use ragged::comm::threads::{ThreadWorld, MAX_THREAD_RANKS};
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::SplitMix;
 use ragged::fsdp::fsdp2::Fsdp2Unit;
@@ -250,6 +250,14 @@ pub fn check_config(cfg: &ValidateConfig) -> Result<()> {
         return bad(
             format!("worlds {:?}", cfg.worlds),
             "needs one or more world sizes, each ≥ 1",
+        );
+    }
+    // Every world runs as thread ranks, each with its own copy of the units' data: refused
+    // here, before any of it is built, not by `ThreadWorld` after.
+    if let Some(w) = cfg.worlds.iter().find(|&&w| w > MAX_THREAD_RANKS) {
+        return bad(
+            format!("worlds {:?}", cfg.worlds),
+            &format!("world {w} is more than {MAX_THREAD_RANKS} thread ranks (one process)"),
         );
     }
     let mut seen = std::collections::BTreeSet::new();

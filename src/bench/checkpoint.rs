@@ -27,8 +27,9 @@ use crate::{Error, Result};
 pub struct CheckpointBench {
     pub model: MlpConfig,
     pub worlds: Vec<usize>,
-    /// Scratch folder: created if absent, and it must be empty (the bench writes `ckpt/` and
-    /// `baseline.bin` there and removes exactly those, so it never deletes files of yours).
+    /// Scratch folder: created if absent, and it must be empty (the bench writes `ckpt/`,
+    /// `baseline.bin` and `prime.bin` there and removes exactly those, so it never deletes
+    /// files of yours).
     pub dir: PathBuf,
     /// Measurements per world size; each rate is the median over them (the disk is shared).
     pub repeats: usize,
@@ -55,6 +56,12 @@ pub struct CheckpointRow {
 
 const BLOCK: usize = 8 << 20;
 
+/// What the bench writes in its scratch folder: the checkpoint root, the disk baseline's file
+/// and the page-cache primer's file.
+const CKPT: &str = "ckpt";
+const BASELINE_FILE: &str = "baseline.bin";
+const PRIME_FILE: &str = "prime.bin";
+
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |e| Error::io(op, path, e)
 }
@@ -79,7 +86,7 @@ fn evict(path: &Path) -> Result<()> {
 /// page-cache writes into never-used memory ran 3-8x slower here than into recycled memory,
 /// which would favour whichever side runs second.)
 fn prime_page_cache(dir: &Path, bytes: u64, block: &[u8]) -> Result<()> {
-    let path = dir.join("prime.bin");
+    let path = dir.join(PRIME_FILE);
     drop(write_blocks(&path, bytes, block)?);
     std::fs::remove_file(&path).map_err(io("bench checkpoint: remove", &path))
 }
@@ -108,7 +115,7 @@ fn random_block() -> Vec<u8> {
 
 /// Sequential write (fsynced) and read of `bytes` in 8 MiB blocks: GB/s each.
 fn disk_baseline(dir: &Path, bytes: u64) -> Result<(f64, f64)> {
-    let path = dir.join("baseline.bin");
+    let path = dir.join(BASELINE_FILE);
     let block = random_block();
     prime_page_cache(dir, bytes, &block)?;
     let start = Instant::now();
@@ -147,12 +154,20 @@ pub fn run<O: CheckpointState + Clone>(
 ) -> Result<Vec<CheckpointRow>> {
     let created = claim_scratch(&cfg.dir)?;
     let rows = run_worlds(cfg, optimizer, &mut progress);
-    let _ = std::fs::remove_dir_all(cfg.dir.join("ckpt"));
-    let _ = std::fs::remove_file(cfg.dir.join("baseline.bin"));
+    remove_scratch(&cfg.dir);
     if created {
         let _ = std::fs::remove_dir(&cfg.dir);
     }
     rows
+}
+
+/// Removes everything the bench may have left in `dir`, whether it ended or failed part way (a
+/// full disk stops it mid-file, and the disk it filled must be given back); nothing else.
+fn remove_scratch(dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir.join(CKPT));
+    for file in [BASELINE_FILE, PRIME_FILE] {
+        let _ = std::fs::remove_file(dir.join(file));
+    }
 }
 
 /// Creates the scratch folder `dir` if absent (`Ok(true)`); `Err` if it holds anything.
@@ -240,7 +255,7 @@ fn measure<O: CheckpointState + Clone>(
     world: usize,
     baseline_first: Option<u64>,
 ) -> Result<CheckpointRow> {
-    let root = cfg.dir.join("ckpt");
+    let root = cfg.dir.join(CKPT);
     let _ = std::fs::remove_dir_all(&root);
     let early = baseline_first
         .map(|b| disk_baseline(&cfg.dir, b))
@@ -341,4 +356,27 @@ pub fn markdown(rows: &[CheckpointRow]) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a failed run leaves (a save cut off, a baseline or primer file part written) is
+    /// removed; a file the bench did not write is kept.
+    #[test]
+    fn remove_scratch_removes_every_file_the_bench_writes_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("ragged-scratch-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join(CKPT).join("step-00000001")).unwrap();
+        for file in [BASELINE_FILE, PRIME_FILE, "yours.txt"] {
+            std::fs::write(dir.join(file), b"x").unwrap();
+        }
+        remove_scratch(&dir);
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["yours.txt"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -15,7 +15,7 @@ use std::str::FromStr;
 
 use serde::Deserialize;
 
-use crate::{block, Error, Result};
+use crate::{block, Context, Error, Result};
 
 /// Storage type of a parameter; only its size matters to the layouts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -147,7 +147,9 @@ impl Inventory {
             what: path.display().to_string(),
             reason: format!("not UTF-8 text: {e}"),
         })?;
-        Self::from_json_str(&text).map_err(|e| Error::Context {
+        // A byte-order mark (some Windows editors save one) is no part of the JSON.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        Self::from_json_str(text).map_err(|e| Error::Context {
             context: format!("inventory {}", path.display()),
             inner: Box::new(e),
         })
@@ -265,7 +267,8 @@ impl Inventory {
                 };
                 Some(TensorSpec::new(name.clone(), &info.shape, dtype))
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()
+            .with_context(|| format!("safetensors {}", path.display()))?;
         if tensors.is_empty() {
             return Err(Error::BadInput {
                 op: "Inventory::from_safetensors",
@@ -278,7 +281,8 @@ impl Inventory {
             model: path.display().to_string(),
             tensors,
         };
-        inv.validate(None, None)?;
+        inv.validate(None, None)
+            .with_context(|| format!("safetensors {}", path.display()))?;
         Ok(inv)
     }
 

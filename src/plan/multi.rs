@@ -81,25 +81,35 @@ impl Default for MultiOptions {
 }
 
 impl MultiOptions {
-    fn validate(&self) -> Result<()> {
-        let bad = |reason: &str| Error::BadInput {
+    pub(crate) fn validate(&self) -> Result<()> {
+        // Named by field and value (not the whole struct): a caller maps the field to its flag.
+        let bad = |what: String, reason: &str| Error::BadInput {
             op: "MultiOptions",
-            what: format!("{self:?}"),
+            what,
             reason: reason.into(),
         };
         if self.max_buffers == 0 {
-            return Err(bad("at least one buffer per unit"));
+            return Err(bad("max_buffers 0".into(), "at least one buffer per unit"));
         }
-        if !(self.collective_latency_s.is_finite() && self.collective_latency_s >= 0.0) {
+        let latency = self.collective_latency_s;
+        if !(latency.is_finite() && latency >= 0.0) {
             return Err(bad(
+                format!("collective_latency_s {latency}"),
                 "the collective latency must be finite and non-negative",
             ));
         }
-        if !(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0) {
-            return Err(bad("the link bandwidth must be finite and positive"));
+        let bandwidth = self.link_bytes_per_s;
+        if !(bandwidth.is_finite() && bandwidth > 0.0) {
+            return Err(bad(
+                format!("link_bytes_per_s {bandwidth}"),
+                "the link bandwidth must be finite and positive",
+            ));
         }
         if self.elem_bytes == 0 {
-            return Err(bad("elements have at least one byte"));
+            return Err(bad(
+                "elem_bytes 0".into(),
+                "elements have at least one byte",
+            ));
         }
         Ok(())
     }

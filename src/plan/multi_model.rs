@@ -176,6 +176,8 @@ pub fn plan_model_multi(
     opts: &PlanOptions,
     mopts: &MultiOptions,
 ) -> Result<MultiModelPlan> {
+    // Once, before the units: a bad option is no one unit's error.
+    mopts.validate()?;
     let start = Instant::now();
     let mut cache: HashMap<Vec<Item>, MultiLayout> = HashMap::new();
     let mut units = Vec::new();
