@@ -19,6 +19,7 @@ use unit_args::UnitArgs;
 mod unit_args;
 
 fn main() -> std::process::ExitCode {
+    ragged::demo::end_quietly_when_stdout_closes();
     unit_args::exit(run())
 }
 

@@ -117,6 +117,7 @@ fn run<O: Optimizer>(args: &Args, opt: impl Fn() -> Result<O> + Sync) -> Result<
 }
 
 fn main() -> std::process::ExitCode {
+    ragged::demo::end_quietly_when_stdout_closes();
     let args = Args::parse();
     let result =
         even_share("llama", "--batch", args.batch, args.ranks).and_then(|_| match args.optimizer {

@@ -444,11 +444,11 @@ fn print_adam8bit_state(args: &Args, lr: f64) -> Result<()> {
             Adam8bitConfig::default().min_8bit_size
         )
     };
-    println!(
+    ragged::outln!(
         "8-bit Adam: 8-bit state for {quantized} of {} parameters ({elems} of {total_elems} \
          elements){fallback}",
         params.len()
-    );
+    )?;
     Ok(())
 }
 
@@ -476,12 +476,12 @@ fn print_muon_layout(args: &Args, ranks: usize, lr: f64) -> Result<()> {
             .count();
         bytes += report.cost_bytes();
     }
-    println!(
+    ragged::outln!(
         "muon layout ({:?}): {split} of {total} matrices split over ranks (gathered to LPT \
          roots); padding + root traffic {:.2} MB per step",
         args.muon_layout(),
         bytes as f64 / 1e6
-    );
+    )?;
     Ok(())
 }
 
@@ -507,11 +507,14 @@ fn run<O: CheckpointState>(
     let world = launched_world(args);
     let ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
     if world.is_none_or(|(_, rank)| rank == 0) {
-        println!(
+        ragged::outln!(
             "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {lr_text}, \
              global batch {} x {} tokens",
-            args.layout, args.optimizer, args.batch, cfg.seq_len
-        );
+            args.layout,
+            args.optimizer,
+            args.batch,
+            cfg.seq_len
+        )?;
     }
 
     let bar = ProgressBar::new(args.steps as u64).with_style(
@@ -547,7 +550,7 @@ fn run<O: CheckpointState>(
         // The start-up table: every parameter's role, unit, block and holding ranks.
         let table = fully_shard(&params, optimizer(lr)?, comm, opts.clone())?.describe();
         if comm.rank() == 0 {
-            bar.suspend(|| println!("{table}\n"));
+            bar.suspend(|| ragged::outln!("{table}\n"))?;
         }
         let opt = optimizer(lr)?;
         let job = (cfg, mode, args.steps, args.batch);
@@ -571,9 +574,9 @@ fn run<O: CheckpointState>(
     if rank != 0 {
         return Ok(()); // rank 0 reports
     }
-    report_checkpoints(args, &trained);
+    report_checkpoints(args, &trained)?;
     for (what, count) in &trained.optimizer_events {
-        println!("{what}: {count}");
+        ragged::outln!("{what}: {count}")?;
     }
     let Trained {
         reports: sharded,
@@ -583,7 +586,7 @@ fn run<O: CheckpointState>(
     } = trained;
 
     if args.no_reference {
-        print_table(&sharded, None, first_step);
+        print_table(&sharded, None, first_step)?;
         return Ok(());
     }
     let bar = ProgressBar::new(args.steps as u64).with_style(
@@ -618,7 +621,7 @@ fn run<O: CheckpointState>(
     )?;
     let (reference, ref_full) = (reference.reports, reference.params);
     bar.finish();
-    print_table(&sharded, Some(&reference), first_step);
+    print_table(&sharded, Some(&reference), first_step)?;
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
         .iter()
@@ -630,15 +633,15 @@ fn run<O: CheckpointState>(
                 m.max(d)
             }
         });
-    println!(
+    ragged::outln!(
         "\nsharded run {sharded_time:.1} s; bytes copied outside collectives: {}",
         sharded.last().map_or(0, |r| r.copied_bytes)
-    );
-    println!(
+    )?;
+    ragged::outln!(
         "max |parameter difference| sharded vs unsharded after {} step{}: {max_diff:.3e}",
         args.steps,
         if args.steps == 1 { "" } else { "s" }
-    );
+    )?;
     Ok(())
 }
 
@@ -807,32 +810,32 @@ mod gpu {
 }
 
 /// Where the run resumed, saved and exported, and the digest of its final parameters.
-fn report_checkpoints(args: &Args, trained: &Trained) {
+fn report_checkpoints(args: &Args, trained: &Trained) -> Result<()> {
     if let Some(from) = &args.resume {
-        println!(
+        ragged::outln!(
             "resumed from {} at step {}",
             from.display(),
             trained.first_step
-        );
+        )?;
         if !trained.changed_settings.is_empty() {
-            println!(
+            ragged::outln!(
                 "settings that differ from the checkpoint's (this run's apply; the learning \
                  rate is the checkpoint's): {}",
                 trained.changed_settings.join(", ")
-            );
+            )?;
         }
     }
     if let Some(moved) = trained.set_aside.first().and_then(|p| p.parent()) {
-        println!(
+        ragged::outln!(
             "moved the checkpoints of later steps, of the run this one went back from, to {} \
              (resume from there to continue that run)",
             moved.display()
-        );
+        )?;
     }
     if let Some(dir) = &args.checkpoint_dir {
         let saved = ragged::checkpoint::fs::list(dir).unwrap_or_default();
         let steps: Vec<usize> = saved.iter().map(|(s, _)| *s).collect();
-        println!("checkpoints in {}: steps {steps:?}", dir.display());
+        ragged::outln!("checkpoints in {}: steps {steps:?}", dir.display())?;
     }
     if let Some(path) = &args.init_from {
         let unused = match trained.unused_tensors.as_slice() {
@@ -851,22 +854,30 @@ fn report_checkpoints(args: &Args, trained: &Trained) {
                 )
             }
         };
-        println!("started from the parameters in {}{unused}", path.display());
+        ragged::outln!("started from the parameters in {}{unused}", path.display())?;
     }
     if let Some(path) = &args.export {
-        println!("exported the parameters to {}", path.display());
+        ragged::outln!("exported the parameters to {}", path.display())?;
     }
-    println!(
+    ragged::outln!(
         "parameter digest (sha256 of the f32 values by name): {}",
         trained.digest
-    );
+    )
 }
 
-fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>, first_step: usize) {
-    println!(
+fn print_table(
+    sharded: &[StepReport],
+    reference: Option<&Vec<StepReport>>,
+    first_step: usize,
+) -> Result<()> {
+    ragged::outln!(
         "\n{:>5} {:>12} {:>12} {:>10} {:>9}",
-        "step", "loss", "unsharded", "|diff|", "step s"
-    );
+        "step",
+        "loss",
+        "unsharded",
+        "|diff|",
+        "step s"
+    )?;
     for (i, r) in sharded.iter().enumerate().map(|(i, r)| (i + first_step, r)) {
         let (u, d) = match reference {
             Some(rf) => (
@@ -875,11 +886,16 @@ fn print_table(sharded: &[StepReport], reference: Option<&Vec<StepReport>>, firs
             ),
             None => ("-".into(), "-".into()),
         };
-        println!(
+        ragged::outln!(
             "{:>5} {:>12.6} {:>12} {:>10} {:>9.3}",
-            i, r.loss, u, d, r.seconds
-        );
+            i,
+            r.loss,
+            u,
+            d,
+            r.seconds
+        )?;
     }
+    Ok(())
 }
 
 #[cfg(test)]

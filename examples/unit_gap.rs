@@ -19,6 +19,7 @@ mod unit_args;
 use std::fmt::Debug;
 
 fn main() -> std::process::ExitCode {
+    ragged::demo::end_quietly_when_stdout_closes();
     unit_args::exit(run())
 }
 

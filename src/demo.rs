@@ -837,3 +837,38 @@ impl Stages for MlpStages {
         }
     }
 }
+
+/// `println!` that returns `ragged::Result<()>` instead of panicking when stdout fails: for
+/// programs ([`print_stdout`]).
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::demo::print_stdout(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// Writes `text` to standard output and flushes it (an unflushed tail would be written at
+/// exit, where its error could no longer be reported): `Err` when stdout fails (a full disk,
+/// `>/dev/full`), where `println!` panics. A reader that went away (`train | head`) is not an
+/// error: the output is dropped and the program goes on (a training run to its checkpoints and
+/// export), unless the program restored SIGPIPE ([`end_quietly_when_stdout_closes`]).
+pub fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::io("print", "-", e)),
+        _ => Ok(()),
+    }
+}
+
+/// Makes this process end quietly when the reader of its stdout goes away (`train | head`), as
+/// other command-line tools do: Rust ignores SIGPIPE, so a `println!` after that panicked (in a
+/// rank's thread, reported as that rank failing). For programs (the `ragged` CLI, the
+/// examples), at the start of `main`.
+pub fn end_quietly_when_stdout_closes() {
+    // SAFETY: restoring a signal's default disposition has no preconditions; at the start of
+    // `main` no other thread can be relying on SIGPIPE being ignored.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

@@ -446,6 +446,10 @@ fn bad_multi_options_are_errors() {
             ..MultiOptions::default()
         },
         MultiOptions {
+            max_buffers: ragged::plan::multi::MAX_BUFFERS + 1,
+            ..MultiOptions::default()
+        },
+        MultiOptions {
             collective_latency_s: f64::NAN,
             ..MultiOptions::default()
         },
@@ -457,6 +461,7 @@ fn bad_multi_options_are_errors() {
     // The message names the field and its value, not the whole struct.
     let names = [
         "max_buffers 0",
+        "max_buffers 65: from 1 to 64",
         "collective_latency_s NaN",
         "link_bytes_per_s 0",
     ];

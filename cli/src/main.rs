@@ -3,6 +3,7 @@
 
 // First: the `outln!` macro is used by the modules below.
 #[macro_use]
+extern crate ragged; // outln!
 mod print;
 
 mod bench_cmd;
@@ -45,13 +46,8 @@ enum Command {
 }
 
 fn main() {
-    // Exit quietly when the reader of stdout goes away (`ragged checkpoint info | head -1`), as
-    // other command-line tools do: Rust ignores SIGPIPE, so `println!` would panic instead.
-    // SAFETY: restoring a signal's default disposition at start-up, before any other thread
-    // exists, has no preconditions.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // `ragged checkpoint info | head -1` ends quietly.
+    ragged::demo::end_quietly_when_stdout_closes();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(&args),

@@ -29,11 +29,6 @@ const OP: &str = "ragged plan";
 /// The most devices `--full-units` writes a per-rank list for.
 const MAX_FULL_UNITS_DEVICES: usize = 1 << 16;
 
-/// The most buffers per unit `--max-buffers` takes: each buffer is one more all-gather and
-/// reduce-scatter per unit and step, and the planner's time grows with the count (76 s for
-/// deepseek_v3_671b at V=1000 with 1000) while no model here gains past a handful.
-const MAX_BUFFERS: usize = 64;
-
 /// `--alpha-us`' range, microseconds: 0 (latency ignored) to one second per collective.
 const ALPHA_US_RANGE: (f64, f64) = (0.0, 1e6);
 
@@ -166,7 +161,7 @@ fn check_args(args: &PlanArgs) -> Result<()> {
         OP,
         "--max-buffers",
         args.max_buffers,
-        MAX_BUFFERS,
+        ragged::plan::multi::MAX_BUFFERS,
         "each buffer is one more collective per unit and step, and planning time grows with it",
     )?;
     finite_within(OP, "--alpha-us", args.alpha_us, ALPHA_US_RANGE, "µs")?;

@@ -41,12 +41,23 @@ impl UnitArgs {
                 reason: e.to_string(),
             })
         };
+        let (world, k) = (number(world)?, number(k)?);
+        ragged::limits::at_least(op, "V", world, 1)?;
+        ragged::limits::at_least(op, "K", k, 1)?;
+        let most = ragged::plan::multi::MAX_BUFFERS;
+        if k > most {
+            return Err(Error::BadInput {
+                op,
+                what: format!("K {k}"),
+                reason: format!("at most {most} buffers per unit (the planner's limit)"),
+            });
+        }
         Ok(UnitArgs {
             model: model.clone(),
             unit_name: unit_name.clone(),
             block: block.parse()?,
-            world: number(world)?,
-            k: number(k)?,
+            world,
+            k,
             inv: Inventory::load(model)?,
         })
     }
