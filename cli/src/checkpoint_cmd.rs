@@ -131,6 +131,9 @@ fn info(path: &std::path::Path) -> Result<()> {
         outln!("  schedule: {s}")?;
     }
     if let Some(t) = &m.training {
+        if let Some(run) = &t.run {
+            outln!("  run: {}", printable(run))?;
+        }
         outln!("  fsdp: {}", t.fsdp)?;
         // The caller's strings, escaped: a newline or a terminal control must not print as one.
         for (key, value) in &t.metadata {

@@ -777,11 +777,11 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     let _ = std::fs::remove_dir_all(&root);
     let cfg = TransformerConfig::TINY;
     let params = cfg.init_params(1).unwrap();
-    let full = ThreadWorld::run(3, |c| {
+    let (full, run) = ThreadWorld::run(3, |c| {
         let adamw = AdamW::new(AdamWConfig::default())?;
         let mut m = fully_shard(&params, adamw, c, FsdpOptions::default())?;
         m.save(&root, &SaveOptions::default())?;
-        m.full_params()
+        Ok((m.full_params()?, m.run_id().to_string()))
     })
     .unwrap()
     .remove(0);
@@ -790,6 +790,7 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("3 ranks") && text.contains("adamw"), "{text}");
+    assert!(text.contains(&format!("run: {run}")), "{text}");
     assert!(ragged(&["checkpoint", "verify", dir]).status.success());
 
     let exported = root.join("model.safetensors");
