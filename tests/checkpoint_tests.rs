@@ -942,6 +942,30 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
             vec![rank1, "missing"],
         ),
         (
+            "rank file a folder",
+            Box::new(move |d: &Path| {
+                std::fs::remove_file(d.join(rank1)).unwrap();
+                std::fs::create_dir(d.join(rank1)).unwrap();
+            }),
+            vec![rank1, "not a regular file"],
+        ),
+        (
+            "rank file a link loop",
+            Box::new(move |d: &Path| {
+                std::fs::remove_file(d.join(rank1)).unwrap();
+                std::os::unix::fs::symlink(rank1, d.join(rank1)).unwrap();
+            }),
+            vec![rank1, "a link to nothing, or a link loop"],
+        ),
+        (
+            "manifest a folder",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("manifest.json")).unwrap();
+                std::fs::create_dir(d.join("manifest.json")).unwrap();
+            }),
+            vec!["manifest.json", "not a regular file"],
+        ),
+        (
             "newer format",
             Box::new(|d: &Path| edit_manifest(d, |v| v["version"] = 99.into())),
             vec!["manifest.json", "format version 99:", "newer"],
@@ -987,7 +1011,14 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     // its temporary one.
     let out = root.join("out.safetensors");
     assert!(ragged::checkpoint::read::export(&root.join("truncated"), &out, |_| {}).is_err());
-    assert!(!out.exists() && !out.with_extension("safetensors.tmp").exists());
+    let left = |root: &Path| {
+        std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("out.safetensors"))
+            .collect::<Vec<_>>()
+    };
+    assert!(left(&root).is_empty(), "{:?}", left(&root));
     // A (sealed) manifest whose shape disagrees with its saved array: the export names the
     // manifest, before it writes anything.
     let reshaped = root.join("reshaped");
@@ -1000,7 +1031,7 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
         err.to_string().contains("manifest.json") && err.to_string().contains("saved elements"),
         "{err}"
     );
-    assert!(!out.exists() && !out.with_extension("safetensors.tmp").exists());
+    assert!(left(&root).is_empty(), "{:?}", left(&root));
     // Another model (other shapes of the same names; other names) and another optimizer.
     let wider = TransformerConfig { d_ff: 64, ..CFG }
         .init_params(3)

@@ -362,8 +362,17 @@ fn remove(root: &Path, path: PathBuf) -> Result<PathBuf> {
 /// The checkpoint folder `path` names: itself if it holds a manifest, else the newest complete
 /// checkpoint under it.
 pub fn resolve(path: &Path) -> Result<PathBuf> {
-    if path.join("manifest.json").is_file() {
+    let manifest = path.join("manifest.json");
+    if manifest.is_file() {
         return Ok(path.to_path_buf());
+    }
+    if std::fs::symlink_metadata(&manifest).is_ok() {
+        return Err(Error::Checkpoint {
+            path: manifest.display().to_string(),
+            reason: "not a regular file (a folder, a device, a FIFO, a link to nothing or a \
+                     link loop): a checkpoint's manifest is a file"
+                .into(),
+        });
     }
     if !path.is_dir() {
         let reason = if path.exists() {

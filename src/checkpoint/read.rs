@@ -49,13 +49,9 @@ impl<'a> SourceFiles<'a> {
         Ok(())
     }
 
-    /// The path of the rank file `rec` names, or `Err` if it is missing.
+    /// The path of the rank file `rec` names ([`rank_file`]).
     fn present(&self, rec: &FileRecord) -> Result<std::path::PathBuf> {
-        let path = self.dir.join(&rec.file);
-        if !path.is_file() {
-            return Err(bad(&path, "missing (every rank's file is needed)"));
-        }
-        Ok(path)
+        rank_file(&self.dir, rec)
     }
 
     fn reader(&mut self, rank: usize) -> Result<&mut Reader> {
@@ -192,16 +188,27 @@ fn check_held(reader: &Reader, rec: &FieldRecord, range: std::ops::Range<usize>)
     Ok(())
 }
 
+/// The path of the rank file `rec` names in `dir`, or `Err` saying what is there instead:
+/// nothing, a link to nothing or a link loop, or something other than a regular file (a
+/// folder, a device, a FIFO, which a read would not end on).
+fn rank_file(dir: &Path, rec: &FileRecord) -> Result<std::path::PathBuf> {
+    let path = dir.join(&rec.file);
+    let reason = match (std::fs::metadata(&path), std::fs::symlink_metadata(&path)) {
+        (Ok(meta), _) if meta.is_file() => return Ok(path),
+        (Ok(_), _) => "not a regular file (a folder, a device or a FIFO)",
+        (Err(_), Ok(_)) => "a link to nothing, or a link loop",
+        (Err(_), Err(_)) => "missing (every rank's file is needed)",
+    };
+    Err(bad(&path, reason))
+}
+
 /// Reads and verifies every chunk of every rank file of the checkpoint in `dir`, and that each
 /// file holds the ranges the manifest gives its rank; returns the bytes checked. `progress(file, bytes)` is called after each file.
 pub fn verify(dir: &Path, mut progress: impl FnMut(&str, u64)) -> Result<u64> {
     let manifest = Manifest::read(dir)?;
     let mut total = 0;
     for f in &manifest.files {
-        let path = dir.join(&f.file);
-        if !path.is_file() {
-            return Err(bad(&path, "missing (every rank's file is needed)"));
-        }
+        let path = rank_file(dir, f)?;
         let mut reader = Reader::open(&path, Some(&f.digest))?;
         check_holdings(&manifest, f.rank, &reader)?;
         reader.verify_all()?;
