@@ -51,7 +51,7 @@ impl<'a> SourceFiles<'a> {
 
     /// The path of the rank file `rec` names ([`rank_file`]).
     fn present(&self, rec: &FileRecord) -> Result<std::path::PathBuf> {
-        rank_file(&self.dir, rec)
+        rank_file(self.dir, rec)
     }
 
     fn reader(&mut self, rank: usize) -> Result<&mut Reader> {
