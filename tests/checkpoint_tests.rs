@@ -1245,6 +1245,8 @@ fn reshape_rank_file(dir: &Path, rank: usize, reshape: impl Fn(&[usize]) -> Vec<
     let metadata = reader.metadata().clone();
     drop(reader);
     let chunk = m.files[rank].digest.chunk_bytes;
+    // `Writer::create` makes a new file only.
+    std::fs::remove_file(&path).unwrap();
     let mut w = Writer::create(&path, &headers, &metadata, chunk).unwrap();
     bytes.iter().for_each(|b| w.write(b).unwrap());
     let digest = serde_json::to_value(w.finish().unwrap()).unwrap();
