@@ -1529,9 +1529,10 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
 
 /// An export never replaces a checkpoint, the run's input or a file it does not own: inside a
 /// checkpoint folder (this one's or a sibling's, from the model or from the files alone),
-/// named as a step a save would create, `-`, a read-only file, the `init_from` file are
-/// refused, each leaving what was there; the temporary file is this process's own, created
-/// new (a user's `OUT.tmp` stays, and a link there is not written through).
+/// named as a step a save would create, `-`, a read-only file, a file that is not safetensors,
+/// the `init_from` file are refused, each leaving what was there; the temporary file is this
+/// process's own, created new (a user's `OUT.tmp` stays, and a link there is not written
+/// through).
 #[test]
 fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let root = scratch(SUITE, "export-targets");
@@ -1559,6 +1560,8 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let mut perms = std::fs::metadata(&read_only).unwrap().permissions();
     perms.set_readonly(true);
     std::fs::set_permissions(&read_only, perms).unwrap();
+    let notes = root.join("notes.txt");
+    std::fs::write(&notes, b"my notes").unwrap();
     let refused = [
         (manifest_of(1), "inside or named as the checkpoint folder"),
         (manifest_of(0), "inside or named as the checkpoint folder"),
@@ -1568,6 +1571,7 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
         ),
         (PathBuf::from("-"), "not written to stdout"),
         (read_only.clone(), "is read-only"),
+        (notes.clone(), "exists and is not a safetensors file"),
     ];
     for (out, needle) in &refused {
         let err = export(out).unwrap_err().to_string();
@@ -1580,6 +1584,7 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     assert_eq!(std::fs::read(manifest_of(0)).unwrap(), before);
     assert!(!ckpt_fs::step_dir(&ck, 9).exists());
     assert_eq!(std::fs::read(&read_only).unwrap(), b"mine");
+    assert_eq!(std::fs::read(&notes).unwrap(), b"my notes");
 
     let out = root.join("model.safetensors");
     let users = root.join("model.safetensors.tmp");

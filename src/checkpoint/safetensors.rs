@@ -594,7 +594,8 @@ fn check_digest_shape(path: &Path, d: &FileDigest, size: u64) -> Result<()> {
 
 /// `Err` unless `out` can take an export: its folder exists; it is new or a writable regular
 /// file (the rename that ends an export replaces what `out` names: never a device, a FIFO, a
-/// folder, a link, whose target it would not write, or a file its owner made read-only); it
+/// folder, a link, whose target it would not write, a file its owner made read-only, or a
+/// file that is not safetensors, which a mistyped name would destroy); it
 /// is neither inside a checkpoint folder (whose manifest or rank file it would replace) nor
 /// named as one (a `step-N` a save may create); and it is not `-`, which other commands read
 /// as stdout. A run checks it before it trains.
@@ -634,6 +635,12 @@ pub fn check_export_target(out: &Path) -> Result<()> {
         Ok(meta) if meta.permissions().readonly() => Err(bad(
             out,
             "is read-only: export elsewhere, or make it writable to replace it",
+        )),
+        // A typo must not replace notes or code: only an earlier safetensors file (or an
+        // empty one) is replaced.
+        Ok(meta) if meta.len() > 0 && Reader::open(out, None).is_err() => Err(bad(
+            out,
+            "exists and is not a safetensors file: export elsewhere, or remove it first",
         )),
         _ => Ok(()),
     }
