@@ -204,7 +204,8 @@ pub struct CheckpointBenchArgs {
     #[arg(long, default_value_t = 4096)]
     hidden: usize,
     /// Scratch folder on the disk to measure: new or empty (nothing else in it is touched);
-    /// default a fresh folder under the system's temporary folder.
+    /// default a fresh folder under the system's temporary folder (what an interrupted run
+    /// left in its own is removed by the next run).
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Measurements per world size (rates are medians); at most 10000.
@@ -377,11 +378,14 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 }
 
 fn checkpoint(args: &CheckpointBenchArgs) -> Result<()> {
-    use ragged::bench::checkpoint::{markdown, run, CheckpointBench};
+    use ragged::bench::checkpoint::{
+        default_scratch, markdown, remove_abandoned_scratch, run, CheckpointBench,
+    };
     use ragged::demo::MlpConfig;
-    let dir = args.dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("ragged-bench-checkpoint-{}", std::process::id()))
-    });
+    for dir in remove_abandoned_scratch() {
+        eprintln!("removed {}, left by an interrupted bench", dir.display());
+    }
+    let dir = args.dir.clone().unwrap_or_else(default_scratch);
     let cfg = CheckpointBench {
         model: MlpConfig {
             width: args.width,

@@ -170,6 +170,42 @@ fn remove_scratch(dir: &Path) {
     }
 }
 
+/// Prefix of the default scratch folders, under the system's temporary folder; this process's
+/// is [`default_scratch`].
+const SCRATCH_PREFIX: &str = "ragged-bench-checkpoint-";
+
+/// This process's default scratch folder (`$TMPDIR/ragged-bench-checkpoint-PID`).
+pub fn default_scratch() -> PathBuf {
+    std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()))
+}
+
+/// Removes what benches that were interrupted (Ctrl-C, a kill: no cleanup runs) left in their
+/// default scratch folders, gigabytes at the default size: folders of processes that no
+/// longer run (no `/proc/PID`), and in them only the files a bench writes, then the folder if
+/// that empties it. Returns the folders removed.
+pub fn remove_abandoned_scratch() -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return Vec::new();
+    };
+    let abandoned = entries.filter_map(|e| {
+        let path = e.ok()?.path();
+        let pid: u32 = path
+            .file_name()?
+            .to_str()?
+            .strip_prefix(SCRATCH_PREFIX)?
+            .parse()
+            .ok()?;
+        let running = Path::new("/proc").join(pid.to_string()).exists();
+        (!running && path.is_dir()).then_some(path)
+    });
+    abandoned
+        .filter(|dir| {
+            remove_scratch(dir);
+            std::fs::remove_dir(dir).is_ok()
+        })
+        .collect()
+}
+
 /// Creates the scratch folder `dir` if absent (`Ok(true)`); `Err` if it holds anything.
 fn claim_scratch(dir: &Path) -> Result<bool> {
     match std::fs::read_dir(dir) {
@@ -378,5 +414,30 @@ mod tests {
             .collect();
         assert_eq!(left, ["yours.txt"]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Default scratch folders of processes that no longer run are emptied of the bench's
+    /// files and removed; a file of the user's keeps its folder, and a running process's
+    /// folder (this one's) is left alone.
+    #[test]
+    fn abandoned_default_scratch_folders_are_removed_and_nothing_else() {
+        let tmp = std::env::temp_dir();
+        // Above any pid_max (2^22 at most): no such process.
+        let dead = tmp.join(format!("{SCRATCH_PREFIX}4294967000"));
+        let dead_kept = tmp.join(format!("{SCRATCH_PREFIX}4294967001"));
+        let live = default_scratch();
+        for dir in [&dead, &dead_kept, &live] {
+            std::fs::create_dir_all(dir.join(CKPT).join("step-00000001")).unwrap();
+            std::fs::write(dir.join(BASELINE_FILE), b"x").unwrap();
+        }
+        std::fs::write(dead_kept.join("yours.txt"), b"x").unwrap();
+        let removed = remove_abandoned_scratch();
+        assert!(removed.contains(&dead) && !dead.exists(), "{removed:?}");
+        assert!(!removed.contains(&dead_kept) && dead_kept.join("yours.txt").exists());
+        assert!(!dead_kept.join(BASELINE_FILE).exists());
+        assert!(live.join(BASELINE_FILE).exists() && !removed.contains(&live));
+        for dir in [&dead_kept, &live] {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
     }
 }
