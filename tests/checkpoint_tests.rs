@@ -1532,7 +1532,7 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
 /// named as a step a save would create, `-`, a read-only file, a file that is not safetensors,
 /// the `init_from` file are refused, each leaving what was there; the temporary file is this
 /// process's own, created new (a user's `OUT.tmp` stays, and a link there is not written
-/// through).
+/// through), and one a killed export left is removed.
 #[test]
 fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let root = scratch(SUITE, "export-targets");
@@ -1589,8 +1589,12 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let out = root.join("model.safetensors");
     let users = root.join("model.safetensors.tmp");
     std::fs::write(&users, b"the user's").unwrap();
+    // A partial file an export killed part way left (its process, above any pid_max, is gone).
+    let killed = root.join("model.safetensors.tmp-4294967000");
+    std::fs::write(&killed, b"partial").unwrap();
     export(&out).unwrap();
     assert_eq!(std::fs::read(&users).unwrap(), b"the user's");
+    assert!(!killed.exists(), "a killed export's file was kept");
     let victim = root.join("victim.txt");
     std::fs::write(&victim, b"untouched").unwrap();
     let ours = root.join(format!("model.safetensors.tmp-{}", std::process::id()));

@@ -189,14 +189,9 @@ pub fn remove_abandoned_scratch() -> Vec<PathBuf> {
     };
     let abandoned = entries.filter_map(|e| {
         let path = e.ok()?.path();
-        let pid: u32 = path
-            .file_name()?
-            .to_str()?
-            .strip_prefix(SCRATCH_PREFIX)?
-            .parse()
-            .ok()?;
-        let running = Path::new("/proc").join(pid.to_string()).exists();
-        (!running && path.is_dir()).then_some(path)
+        let name = path.file_name()?.to_str()?;
+        let left = crate::checkpoint::fs::left_by_ended_process(name, SCRATCH_PREFIX);
+        (left && path.is_dir()).then_some(path)
     });
     abandoned
         .filter(|dir| {

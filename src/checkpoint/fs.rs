@@ -40,6 +40,15 @@ fn old_step_of(name: &str) -> Option<usize> {
         .ok()
 }
 
+/// Whether `name` is `prefix` and a process id, of a process that no longer runs (no
+/// `/proc/PID`): a file or folder an interrupted process left (no cleanup runs on a kill).
+pub fn left_by_ended_process(name: &str, prefix: &str) -> bool {
+    let pid = name
+        .strip_prefix(prefix)
+        .and_then(|p| p.parse::<u32>().ok());
+    pid.is_some_and(|pid| !Path::new("/proc").join(pid.to_string()).exists())
+}
+
 /// Whether `name` is a checkpoint's (`step-N`) or a save's (`.step-N.*`) folder name.
 pub fn is_step_name(name: &str) -> bool {
     step_of(name).is_some() || name.starts_with(".step-")

@@ -606,10 +606,7 @@ pub fn check_export_target(out: &Path) -> Result<()> {
             "an export is a file, not written to stdout: name a file (./- for one called -)",
         ));
     }
-    let folder = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
+    let folder = folder_of(out);
     if !folder.is_dir() {
         return Err(bad(out, "its folder does not exist"));
     }
@@ -661,6 +658,35 @@ pub fn check_export_not_input(out: &Path, input: &Path) -> Result<()> {
     }
 }
 
+/// Between an export's name and the process id, in its temporary file's name.
+const TMP_INFIX: &str = ".tmp-";
+
+/// Removes the temporary files earlier exports to `out` left when they were killed (a partial
+/// file of up to the model's size): `OUT.tmp-PID` of processes that no longer run.
+fn remove_abandoned_exports(out: &Path) {
+    let (Some(name), Ok(entries)) = (out.file_name(), std::fs::read_dir(folder_of(out))) else {
+        return;
+    };
+    let prefix = format!("{}{TMP_INFIX}", name.to_string_lossy());
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let left = name
+            .to_str()
+            .is_some_and(|n| super::fs::left_by_ended_process(n, &prefix));
+        if left && entry.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The folder `path` is in (`.` for a bare file name).
+fn folder_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
 /// A consolidated checkpoint being written: one f32 tensor per parameter (names and shapes as
 /// given), under a temporary name that [`Consolidated::finish`] renames to the destination,
 /// so a failed export never leaves a partial file under the real name; dropped before it is
@@ -695,10 +721,11 @@ impl Consolidated {
             })
             .collect();
         check_export_target(out)?;
+        remove_abandoned_exports(out);
         // This process's own name, created new: never a file of the user's, nor a link's
         // target.
         let mut tmp = out.as_os_str().to_owned();
-        tmp.push(format!(".tmp-{}", std::process::id()));
+        tmp.push(format!("{TMP_INFIX}{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
         Ok(Consolidated {
