@@ -1562,6 +1562,13 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     std::fs::set_permissions(&read_only, perms).unwrap();
     let notes = root.join("notes.txt");
     std::fs::write(&notes, b"my notes").unwrap();
+    // A checkpoint copied under another name is still one; another program's manifest.json
+    // (a web app's) makes no checkpoint of its folder.
+    let renamed = root.join("renamed");
+    copy_dir(&ckpt_fs::step_dir(&ck, 0), &renamed);
+    let app = root.join("app");
+    std::fs::create_dir_all(&app).unwrap();
+    std::fs::write(app.join("manifest.json"), br#"{"name": "app"}"#).unwrap();
     let refused = [
         (manifest_of(1), "inside or named as the checkpoint folder"),
         (manifest_of(0), "inside or named as the checkpoint folder"),
@@ -1572,6 +1579,10 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
         (PathBuf::from("-"), "not written to stdout"),
         (read_only.clone(), "is read-only"),
         (notes.clone(), "exists and is not a safetensors file"),
+        (
+            renamed.join("rank-00000-of-00002.safetensors"),
+            "inside or named as the checkpoint folder",
+        ),
     ];
     for (out, needle) in &refused {
         let err = export(out).unwrap_err().to_string();
@@ -1586,6 +1597,7 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     assert_eq!(std::fs::read(&read_only).unwrap(), b"mine");
     assert_eq!(std::fs::read(&notes).unwrap(), b"my notes");
 
+    export(&app.join("model.safetensors")).unwrap();
     let out = root.join("model.safetensors");
     let users = root.join("model.safetensors.tmp");
     std::fs::write(&users, b"the user's").unwrap();

@@ -55,16 +55,31 @@ pub fn is_step_name(name: &str) -> bool {
 }
 
 /// The checkpoint folder `path` is in: the nearest of `path` and its ancestors that holds a
-/// `manifest.json` or is a save's `.step-N.*` folder; `None` elsewhere. `path` should be
-/// absolute (canonical where it exists).
+/// checkpoint's manifest (whatever the folder's name: checkpoints are copied and renamed) or
+/// is a save's `.step-N.*` folder; `None` elsewhere (another program's `manifest.json`, a web
+/// app's, makes no checkpoint). `path` should be absolute (canonical where it exists).
 pub fn enclosing_checkpoint(path: &Path) -> Option<PathBuf> {
     let in_a_save = |p: &Path| {
         p.file_name()
             .is_some_and(|n| n.to_string_lossy().starts_with(".step-"))
     };
     path.ancestors()
-        .find(|p| in_a_save(p) || p.join("manifest.json").is_file())
+        .find(|p| in_a_save(p) || holds_checkpoint_manifest(p))
         .map(Path::to_path_buf)
+}
+
+/// Whether `dir/manifest.json` is a regular file whose `format` is a ragged checkpoint's.
+fn holds_checkpoint_manifest(dir: &Path) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Format {
+        format: String,
+    }
+    let manifest = dir.join("manifest.json");
+    manifest.is_file()
+        && fs::read(&manifest)
+            .ok()
+            .and_then(|text| serde_json::from_slice::<Format>(&text).ok())
+            .is_some_and(|f| f.format == super::manifest::FORMAT)
 }
 
 /// `Err` unless `root` can hold checkpoints: a folder or nothing yet (not a file), and not
@@ -109,6 +124,8 @@ pub fn sync_dir(path: &Path) -> Result<()> {
 /// Creates `root` if needed and an empty temporary folder for `step`, after putting back a
 /// checkpoint a save that died had moved aside (`.step-N.old` without `step-N`) and removing
 /// what such saves left behind (`.step-*.tmp`, `.step-*.old`; one job saves into a root).
+/// `Err` for a root that is a file or inside a checkpoint, one another save holds, or one
+/// holding checkpoints of a run other than `run`.
 pub fn prepare(root: &Path, step: usize, run: &str) -> Result<(PathBuf, RootLock)> {
     check_root(root)?;
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
@@ -410,7 +427,11 @@ mod tests {
     /// A folder that `list` counts as a complete checkpoint.
     fn fake_checkpoint(dir: &Path) {
         fs::create_dir_all(dir).unwrap();
-        fs::write(dir.join("manifest.json"), b"{}").unwrap();
+        fs::write(
+            dir.join("manifest.json"),
+            br#"{"format": "ragged-checkpoint"}"#,
+        )
+        .unwrap();
     }
 
     fn steps(root: &Path) -> Vec<usize> {
@@ -507,6 +528,12 @@ mod tests {
         }
         assert!(!step_dir(&root, 2).join("deeper").exists());
         assert_eq!(steps(&root), [2]);
+        // Another program's manifest.json (a web app's) makes no checkpoint of its folder.
+        let app = root.join("app");
+        fs::create_dir_all(&app).unwrap();
+        fs::write(app.join("manifest.json"), b"{}").unwrap();
+        check_writable(&app.join("ckpt"), 0).unwrap();
+        assert_eq!(enclosing_checkpoint(&app.join("ckpt")), None);
         let _ = fs::remove_dir_all(&root);
     }
 
