@@ -424,14 +424,15 @@ fn train(args: &Args) -> Result<()> {
 /// for bit (bnb's small-tensor fallback), so a model of small matrices (`--size tiny`, none of
 /// 4096 elements) trains as AdamW, which the banner should not leave unsaid.
 fn print_adam8bit_state(args: &Args, lr: f64) -> Result<()> {
-    let params = model_config(args.size).init_params(0)?;
+    let params = model_config(args.size).param_shapes();
     let opt = adam8bit(lr)?;
     let (mut quantized, mut elems, mut total_elems) = (0, 0, 0);
-    for (name, t) in &params {
-        total_elems += t.elem_count();
-        if opt.tiling(name, t.dims()).is_some() {
+    for (name, shape) in &params {
+        let n: usize = shape.iter().product();
+        total_elems += n;
+        if opt.tiling(name, shape).is_some() {
             quantized += 1;
-            elems += t.elem_count();
+            elems += n;
         }
     }
     let fallback = if quantized == params.len() {

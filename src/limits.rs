@@ -12,6 +12,7 @@
 //! | [`fits_in_memory`] | more bytes than `/proc/meminfo`'s `MemAvailable` |
 //! | [`zeroed`] | an allocation the allocator refuses (`ulimit -v`), as an `Err`, not an abort |
 //! | [`read_regular`], [`regular_file_size`] | a FIFO, device or folder where a file is read (a read that would block or never end), and a file past its kind's size |
+//! | [`same_file`] | two path flags (an output and an input, two outputs) that name one file; [`folder_of`] is the folder a path names a file in |
 //! | [`env_timeout`] | a timeout variable (`RAGGED_NCCL_TIMEOUT_S`, `RAGGED_MPI_TIMEOUT_S`) that is not a finite, non-negative number of seconds |
 
 use std::path::Path;
@@ -158,6 +159,37 @@ pub fn read_regular(op: &'static str, path: &Path, max: u64) -> Result<Vec<u8>> 
         });
     }
     std::fs::read(path).map_err(|e| Error::io(op, path, e))
+}
+
+/// The folder `path` is in (`.` for a bare file name).
+pub fn folder_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// Whether the paths `a` and `b` name the same file: both `-` (standard output), or the same
+/// file once links and `.`/`..` are resolved (for a file not yet there, its folder's resolved
+/// path and its name).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    let stdout = |p: &Path| p.as_os_str() == "-";
+    if stdout(a) || stdout(b) {
+        return stdout(a) && stdout(b);
+    }
+    resolved(a) == resolved(b)
+}
+
+/// `path` resolved as far as it exists: the file itself, else its folder joined with its name,
+/// else as typed.
+fn resolved(path: &Path) -> std::path::PathBuf {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return p;
+    }
+    match (std::fs::canonicalize(folder_of(path)), path.file_name()) {
+        (Ok(dir), Some(name)) => dir.join(name),
+        _ => path.to_path_buf(),
+    }
 }
 
 /// `start + timeout`, or a deadline about a century away where the sum overflows `Instant`
@@ -362,5 +394,24 @@ mod tests {
             err.contains("the buffers") && err.contains("available"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn same_file_sees_through_spelling_and_links() {
+        let dir = std::env::temp_dir().join(format!("ragged-same-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("a.json");
+        std::fs::write(&file, "{}").unwrap();
+        let link = dir.join("link.json");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert!(same_file(&file, &link));
+        assert!(same_file(&file, &dir.join(".").join("a.json")));
+        // Not there yet: the same folder and name.
+        assert!(same_file(&dir.join("new.svg"), &dir.join("./new.svg")));
+        assert!(!same_file(&dir.join("new.svg"), &file));
+        assert!(same_file(Path::new("-"), Path::new("-")));
+        assert!(!same_file(Path::new("-"), &file));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use ragged::bench::plan::{baseline_layouts, markdown, plan_row};
 use ragged::limits::{
-    at_least, at_most, checked_product, even_share, fits_in_memory, read_regular,
+    at_least, at_most, checked_product, even_share, fits_in_memory, folder_of, read_regular,
 };
 use ragged::model::Inventory;
 use ragged::plan::baselines::BaselineLayout;
@@ -107,7 +107,8 @@ impl Output {
         }
         // Links followed: a device (`/dev/full`, `/dev/zero`) would be read without end, a FIFO
         // would block.
-        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+        let meta = std::fs::metadata(path).ok();
+        if meta.as_ref().is_some_and(|m| !m.is_file()) {
             return Err(refuse(
                 "is not a regular file (a folder, FIFO or device): give a markdown file, or \
                  --out - for the table on stdout only"
@@ -115,20 +116,12 @@ impl Output {
             ));
         }
         section_span(&read_or_new(path)?, name).map_err(refuse)?;
-        if std::fs::metadata(path).is_ok_and(|m| m.permissions().readonly()) {
+        if meta.is_some_and(|m| m.permissions().readonly()) {
             return Err(refuse("the file is read-only".into()));
         }
         let probe = temporary_beside(path);
         std::fs::write(&probe, b"").map_err(|e| Error::io("write", &probe, e))?;
         std::fs::remove_file(&probe).map_err(|e| Error::io("remove", &probe, e))
-    }
-}
-
-/// The folder `path` is in (`.` for a bare file name).
-fn folder_of(path: &Path) -> &Path {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
     }
 }
 

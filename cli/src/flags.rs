@@ -1,7 +1,5 @@
-//! Checks on flags shared by the subcommands, beside `ragged::limits`' checks on counts: a
-//! number within a stated range, and two path flags that name one file.
-
-use std::path::{Path, PathBuf};
+//! Checks on flags shared by the subcommands, beside `ragged::limits`' checks on counts and
+//! paths: a number within a stated range.
 
 use ragged::{Error, Result};
 
@@ -35,33 +33,6 @@ fn short(x: f64) -> String {
     }
 }
 
-/// Whether the path flags `a` and `b` name the same file: both `-` (standard output), or the
-/// same file once links and `.`/`..` are resolved (for a file not yet there, its folder's
-/// resolved path and its name).
-pub fn same_file(a: &Path, b: &Path) -> bool {
-    let stdout = |p: &Path| p.as_os_str() == "-";
-    if stdout(a) || stdout(b) {
-        return stdout(a) && stdout(b);
-    }
-    resolved(a) == resolved(b)
-}
-
-/// `path` resolved as far as it exists: the file itself, else its folder joined with its name,
-/// else as typed.
-fn resolved(path: &Path) -> PathBuf {
-    if let Ok(p) = std::fs::canonicalize(path) {
-        return p;
-    }
-    let folder = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    match (std::fs::canonicalize(folder), path.file_name()) {
-        (Ok(dir), Some(name)) => dir.join(name),
-        _ => path.to_path_buf(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,24 +57,5 @@ mod tests {
             assert!(text.contains(&format!("{typed}: ")), "{text}");
             assert!(text.contains("from 1 to 3 s"), "{text}");
         }
-    }
-
-    #[test]
-    fn same_file_sees_through_spelling_and_links() {
-        let dir = std::env::temp_dir().join(format!("ragged-same-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("a.json");
-        std::fs::write(&file, "{}").unwrap();
-        let link = dir.join("link.json");
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&file, &link).unwrap();
-        assert!(same_file(&file, &link));
-        assert!(same_file(&file, &dir.join(".").join("a.json")));
-        // Not there yet: the same folder and name.
-        assert!(same_file(&dir.join("new.svg"), &dir.join("./new.svg")));
-        assert!(!same_file(&dir.join("new.svg"), &file));
-        assert!(same_file(Path::new("-"), Path::new("-")));
-        assert!(!same_file(Path::new("-"), &file));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

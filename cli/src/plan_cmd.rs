@@ -21,8 +21,9 @@ use ragged::plan::{plan_model, ModelPlan, Order, PlanOptions};
 use ragged::{AtomicBlock, Context, Error, Result};
 use ragged_optimizers::{LayoutReport, MatrixLayout, Muon, MuonConfig};
 
-use crate::flags::{finite_within, same_file};
+use crate::flags::finite_within;
 use crate::print::{print_stdout, printable};
+use ragged::limits::same_file;
 
 const OP: &str = "ragged plan";
 

@@ -45,13 +45,7 @@ impl UnitArgs {
         ragged::limits::at_least(op, "V", world, 1)?;
         ragged::limits::at_least(op, "K", k, 1)?;
         let most = ragged::plan::multi::MAX_BUFFERS;
-        if k > most {
-            return Err(Error::BadInput {
-                op,
-                what: format!("K {k}"),
-                reason: format!("at most {most} buffers per unit (the planner's limit)"),
-            });
-        }
+        ragged::limits::at_most(op, "K", k, most, "the planner's limit on buffers per unit")?;
         Ok(UnitArgs {
             model: model.clone(),
             unit_name: unit_name.clone(),

@@ -184,16 +184,10 @@ pub fn default_scratch() -> PathBuf {
 /// longer run (no `/proc/PID`), and in them only the files a bench writes, then the folder if
 /// that empties it. Returns the folders removed.
 pub fn remove_abandoned_scratch() -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return Vec::new();
-    };
-    let abandoned = entries.filter_map(|e| {
-        let path = e.ok()?.path();
-        let name = path.file_name()?.to_str()?;
-        let left = crate::checkpoint::fs::left_by_ended_process(name, SCRATCH_PREFIX);
-        (left && path.is_dir()).then_some(path)
-    });
-    abandoned
+    let left =
+        crate::checkpoint::fs::left_by_ended_processes(&std::env::temp_dir(), SCRATCH_PREFIX);
+    left.into_iter()
+        .filter(|dir| dir.is_dir())
         .filter(|dir| {
             remove_scratch(dir);
             std::fs::remove_dir(dir).is_ok()

@@ -40,13 +40,24 @@ fn old_step_of(name: &str) -> Option<usize> {
         .ok()
 }
 
-/// Whether `name` is `prefix` and a process id, of a process that no longer runs (no
-/// `/proc/PID`): a file or folder an interrupted process left (no cleanup runs on a kill).
-pub fn left_by_ended_process(name: &str, prefix: &str) -> bool {
-    let pid = name
-        .strip_prefix(prefix)
-        .and_then(|p| p.parse::<u32>().ok());
-    pid.is_some_and(|pid| !Path::new("/proc").join(pid.to_string()).exists())
+/// The entries of `dir` named `prefix` and a process id, of processes that no longer run (no
+/// `/proc/PID`): what interrupted processes left (no cleanup runs on a kill). Empty where
+/// `dir` does not read.
+pub fn left_by_ended_processes(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let ended = |name: &str| {
+        let pid = name
+            .strip_prefix(prefix)
+            .and_then(|p| p.parse::<u32>().ok());
+        pid.is_some_and(|pid| !Path::new("/proc").join(pid.to_string()).exists())
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(ended))
+        .map(|e| e.path())
+        .collect()
 }
 
 /// Whether `name` is a checkpoint's (`step-N`) or a save's (`.step-N.*`) folder name.

@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3Default};
 
 use super::bad;
+use crate::limits::folder_of;
 use crate::{Error, Result};
 
 /// Default chunk size of the digests: 4 MiB (a 100 GB checkpoint lists 25 600 digests).
@@ -646,16 +647,14 @@ pub fn check_export_target(out: &Path) -> Result<()> {
 /// `Err` when `out` and `input` are one file: an export over the file a run started from
 /// would replace the weights it read.
 pub fn check_export_not_input(out: &Path, input: &Path) -> Result<()> {
-    match (out.canonicalize(), input.canonicalize()) {
-        (Ok(a), Ok(b)) if a == b => Err(bad(
-            out,
-            format!(
-                "is the file the run starts from ({}): export to another file",
-                input.display()
-            ),
-        )),
-        _ => Ok(()),
+    if !crate::limits::same_file(out, input) {
+        return Ok(());
     }
+    let reason = format!(
+        "is the file the run starts from ({}): export to another file",
+        input.display()
+    );
+    Err(bad(out, reason))
 }
 
 /// Between an export's name and the process id, in its temporary file's name.
@@ -664,26 +663,15 @@ const TMP_INFIX: &str = ".tmp-";
 /// Removes the temporary files earlier exports to `out` left when they were killed (a partial
 /// file of up to the model's size): `OUT.tmp-PID` of processes that no longer run.
 fn remove_abandoned_exports(out: &Path) {
-    let (Some(name), Ok(entries)) = (out.file_name(), std::fs::read_dir(folder_of(out))) else {
+    let Some(name) = out.file_name() else {
         return;
     };
     let prefix = format!("{}{TMP_INFIX}", name.to_string_lossy());
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let left = name
-            .to_str()
-            .is_some_and(|n| super::fs::left_by_ended_process(n, &prefix));
-        if left && entry.file_type().is_ok_and(|t| t.is_file()) {
-            let _ = std::fs::remove_file(entry.path());
+    for left in super::fs::left_by_ended_processes(folder_of(out), &prefix) {
+        // Not through a link (`is_file` of the entry itself).
+        if std::fs::symlink_metadata(&left).is_ok_and(|m| m.is_file()) {
+            let _ = std::fs::remove_file(left);
         }
-    }
-}
-
-/// The folder `path` is in (`.` for a bare file name).
-fn folder_of(path: &Path) -> &Path {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
     }
 }
 
