@@ -459,6 +459,22 @@ fn hostile_bench_inputs_are_refused_with_the_reason() {
     }
 }
 
+/// Asserts that a quick `bench comm` (its table has an `all-gather` row) failed with `want` in
+/// its message before the bench ran (no table printed); returns the message.
+fn refused_before_the_bench(out: &Output, want: &str) -> String {
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(!out.status.success(), "succeeded: {stdout}");
+    assert!(err.contains(want), "{err:?} lacks {want:?}");
+    assert!(
+        !stdout.contains("all-gather"),
+        "the bench ran first: {stdout}"
+    );
+    err
+}
+
 /// A `bench comm` of one small all-gather and reduce-scatter per world, no training: quick.
 const QUICK_COMM: [&str; 10] = [
     "bench",
@@ -526,19 +542,7 @@ fn bench_output_is_checked_before_running_and_updated_whole() {
         }
         cmd.output().expect("run ragged")
     };
-    let refused = |out: Output, want: &str| {
-        let (stdout, err) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
-        assert!(!out.status.success(), "succeeded: {stdout}");
-        assert!(err.contains(want), "{err:?} lacks {want:?}");
-        // Refused before the bench ran: no table printed.
-        assert!(
-            !stdout.contains("all-gather"),
-            "the bench ran first: {stdout}"
-        );
-    };
+    let refused = |out: Output, want: &str| drop(refused_before_the_bench(&out, want));
     // The default, docs/benchmarks.md, from a folder without docs/.
     refused(run(&dir, None), "the folder docs does not exist");
     let read_only = dir.join("read-only.md");
@@ -973,13 +977,8 @@ fn bench_out_that_is_not_a_regular_file_is_refused_before_running() {
     let link = dir.join("link.md");
     std::os::unix::fs::symlink(&fifo, &link).unwrap();
     for out in [dir.join("folder.md"), fifo, link] {
-        let result = ragged(&quick_comm_into(&out));
-        let err = String::from_utf8_lossy(&result.stderr);
-        assert!(!result.status.success(), "{} accepted", out.display());
         let want = format!("--out {}: is not a regular file", out.display());
-        assert!(err.contains(&want), "{err:?} lacks {want:?}");
-        let said = String::from_utf8_lossy(&result.stdout);
-        assert!(!said.contains("all-gather"), "the bench ran: {said}");
+        refused_before_the_bench(&ragged(&quick_comm_into(&out)), &want);
     }
 }
 
@@ -1004,14 +1003,9 @@ fn bench_out_with_bad_section_markers_is_refused_and_kept() {
         let md = dir.join(format!("case{i}.md"));
         std::fs::write(&md, text).unwrap();
         let out = ragged(&quick_comm_into(&md));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "case {i} accepted");
-        assert!(
-            err.contains(&format!("--out {}", md.display())) && err.contains(want),
-            "case {i}: {err}"
-        );
+        let err = refused_before_the_bench(&out, &format!("--out {}", md.display()));
+        assert!(err.contains(want), "case {i}: {err}");
         assert!(err.contains("bench:comm -->"), "no marker named: {err}");
-        assert!(!String::from_utf8_lossy(&out.stdout).contains("all-gather"));
         assert_eq!(&std::fs::read_to_string(&md).unwrap(), text);
     }
     // Another bench's section, or markers in order, do not stand in the way.
