@@ -214,15 +214,23 @@ fn bad_input_exits_with_a_message() {
 /// dump of the options struct), after the same "error:" as every other refusal.
 #[test]
 fn plan_options_out_of_range_name_the_option_and_value() {
-    let cases: [(&[&str], &str); 2] = [
+    let cases: [(&[&str], &str); 3] = [
         (
-            &["--coll-align", "2097152"],
+            &["--devices", "8", "--coll-align", "2097152"],
             "bad input coll_align 2097152: ",
         ),
-        (&["--start-align", "3"], "bad input start_align 3: "),
+        (
+            &["--devices", "8", "--start-align", "3"],
+            "bad input start_align 3: ",
+        ),
+        // 2^57 ranks: each shard fits, the model's buffers together do not.
+        (
+            &["--devices", "144115188075855872"],
+            "at 144115188075855872 shards each, overflow",
+        ),
     ];
     for (flags, want) in cases {
-        let mut args = vec!["plan", "--model", "llama3_8b", "--devices", "8"];
+        let mut args = vec!["plan", "--model", "llama3_8b"];
         args.extend_from_slice(flags);
         let out = ragged(&args);
         let err = String::from_utf8_lossy(&out.stderr);

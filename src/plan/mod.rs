@@ -609,7 +609,10 @@ pub fn plan_model(
         .ok_or_else(|| Error::BadInput {
             op: "plan_model",
             what: format!("model {}", inv.model),
-            reason: "the buffers of all units together overflow a 64-bit element count".into(),
+            reason: format!(
+                "the buffers of all units together, at {world} shards each, overflow a 64-bit \
+                 element count"
+            ),
         })?;
     Ok(ModelPlan {
         model: inv.model.clone(),
