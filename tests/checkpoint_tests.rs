@@ -386,7 +386,7 @@ fn two_runs_never_mix_their_checkpoints_in_one_root() {
     let (refused, run_a, digest_a) = results[0].clone();
     assert!(results.iter().all(|r| r.0 == refused), "{results:?}");
     assert!(
-        refused.contains("holds checkpoints of another run (steps [1])"),
+        refused.contains("holds checkpoints of another run (1 in all, the newest of step 1)"),
         "{refused}"
     );
     let steps: Vec<usize> = ckpt_fs::list(&dir)

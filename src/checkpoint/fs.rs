@@ -185,23 +185,27 @@ fn run_of(checkpoint: &Path) -> Option<String> {
 
 /// `Err` when `root` holds checkpoints another run saved: two jobs saving into one root (both
 /// started while it was empty, or one not resumed from it) would otherwise replace each
-/// other's steps and leave a line of checkpoints mixed from both.
+/// other's steps and leave a line of checkpoints mixed from both. Every save checks this, so a
+/// root holds one run's line and its newest checkpoint that records a run names it: one
+/// manifest is read, however many checkpoints the root keeps (older ones, from before runs were
+/// recorded, name none and are skipped).
 fn check_one_run(root: &Path, run: &str) -> Result<()> {
-    let others: Vec<usize> = list(root)?
-        .into_iter()
-        .filter(|(_, path)| run_of(path).is_some_and(|r| r != run))
-        .map(|(step, _)| step)
-        .collect();
-    if others.is_empty() {
-        return Ok(());
+    let held = list(root)?;
+    let newest_run = held
+        .iter()
+        .rev()
+        .find_map(|(step, path)| run_of(path).map(|r| (*step, r)));
+    match newest_run {
+        Some((step, other)) if other != run => Err(Error::Checkpoint {
+            path: root.display().to_string(),
+            reason: format!(
+                "holds checkpoints of another run ({} in all, the newest of step {step}): save \
+                 into another folder, or load one of them first to continue that run",
+                held.len()
+            ),
+        }),
+        _ => Ok(()),
     }
-    Err(Error::Checkpoint {
-        path: root.display().to_string(),
-        reason: format!(
-            "holds checkpoints of another run (steps {others:?}): save into another folder, \
-             or load one of them first to continue that run"
-        ),
-    })
 }
 
 /// An exclusive lock on a checkpoint root (`flock` on `ROOT/.lock`), held by the saving rank 0
