@@ -820,6 +820,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// (which restores the saved schedule and base) does not take the decayed rate as its
     /// base. [`Self::set_learning_rate`] drops the schedule, and with it the base.
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
+        use crate::error::Context;
         schedule.validate()?;
         let current = self
             .optimizer
@@ -830,6 +831,16 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 reason: "the optimizer has no learning rate to schedule".into(),
             })?;
         let base = self.schedule.map_or(current, |(_, base)| base);
+        // Every rate the schedule will set is checked now, not at the step that reaches it
+        // (a `min_factor` of 1e-300 was refused only at step `total`, mid-run): each of the
+        // lowest is set and the current rate put back; a refused one changes nothing.
+        for step in schedule.lowest_steps() {
+            let lr = base * schedule.factor(step);
+            self.optimizer.set_learning_rate(lr).with_context(|| {
+                format!("set_schedule: {schedule:?} sets the rate {lr:?} at step {step}")
+            })?;
+            self.optimizer.set_learning_rate(current)?;
+        }
         self.schedule = Some((schedule, base));
         Ok(())
     }
