@@ -1468,6 +1468,42 @@ fn a_schedule_with_a_rate_the_optimizer_refuses_is_refused_when_set() {
     sharded.set_schedule(to_zero).unwrap();
 }
 
+/// A trained parameter whose initial value is NaN or infinite (or an f64 beyond f32's range,
+/// infinite in the f32 master) is refused by `fully_shard` on every rank, naming the element,
+/// as `load_safetensors` refuses such a starting point. Before, it was taken, and the first
+/// step failed advising a lower learning rate (under `SkipStep`, every step was skipped). A
+/// frozen parameter (a mask of `-inf`) is not stepped and may hold any value.
+#[test]
+fn initial_values_that_are_not_finite_are_refused_naming_the_element() {
+    let finite = Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu).unwrap();
+    let cases = [
+        Tensor::new(&[1f32, 2.0, f32::NAN], &Device::Cpu).unwrap(),
+        Tensor::new(&[1f32, 2.0, f32::NEG_INFINITY], &Device::Cpu).unwrap(),
+        Tensor::new(&[1f64, 2.0, 1e300], &Device::Cpu).unwrap(),
+    ];
+    for bad in cases {
+        let params = vec![
+            ("layers.0.w".to_string(), finite.clone()),
+            ("layers.1.w".to_string(), bad.clone()),
+        ];
+        let errors = ThreadWorld::run(2, |c| {
+            let e = fully_shard(&params, adamw(), c, FsdpOptions::default()).err();
+            Ok(e.map(|e| e.to_string()))
+        })
+        .unwrap();
+        for e in &errors {
+            let e = e.as_deref().unwrap_or("accepted");
+            assert!(e.contains("layers.1.w: element 2 is"), "{bad}: {e}");
+        }
+        // Frozen, the same value is taken.
+        let opts = FsdpOptions {
+            frozen: Some(ragged::fsdp::NameRule::new(|n| n == "layers.1.w")),
+            ..FsdpOptions::default()
+        };
+        fully_shard(&params, adamw(), &SingleRank, opts).unwrap();
+    }
+}
+
 /// Two parameters of one name would share their values, their gathered copy and their
 /// checkpoint entry: `fully_shard` refuses them, naming the parameter.
 #[test]

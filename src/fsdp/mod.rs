@@ -401,7 +401,14 @@ pub fn fully_shard<'c, O: Optimizer>(
             .collect(),
         options: format!("{opts:?}"),
     };
-    agree::check_ranks_agree(comm, params, &shards, &optimizer_id)?;
+    let trained: Vec<bool> = params
+        .iter()
+        .map(|(name, t)| {
+            optimizer.role(name, t.dims()) != crate::Role::Frozen
+                && !opts.frozen.as_ref().is_some_and(|f| f.matches(name))
+        })
+        .collect();
+    agree::check_ranks_agree(comm, params, &trained, &shards, &optimizer_id)?;
     let mut units = Vec::with_capacity(planned.len());
     // Full gradient buffers are reused from one unit's backward to the next.
     let pool = Arc::new(GradPool::default());
