@@ -450,6 +450,21 @@ fn a_save_with_another_root_on_some_rank_names_the_cause() {
     }
 }
 
+/// `save("")` is refused as an empty path. Before, it took the lock as `.lock` in the working
+/// folder and failed with "checkpoint: list: : No such file or directory".
+#[test]
+fn a_save_to_an_empty_path_is_refused_as_such() {
+    let params = CFG.init_params(5).unwrap();
+    let errors = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        Ok(m.save("", &SaveOptions::default()).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in &errors {
+        assert!(e.contains("an empty path"), "{e}");
+    }
+}
+
 /// a load returns the metadata and names each changed option after the optimizer's; the
 /// main job records its global batch, names a resume at another, and saves the initial state
 /// of a fresh run of 0 steps (before, it saved nothing).
