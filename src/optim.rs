@@ -573,7 +573,7 @@ pub fn check_rate(op: &'static str, what: &str, rate: f64) -> Result<f64> {
     }
     Err(crate::Error::BadInput {
         op,
-        what: format!("{what} = {rate}"),
+        what: format!("{what} = {rate:?}"),
         reason: "a learning rate must be 0 or lie in [f32::MIN_POSITIVE, 2^64] = [1.2e-38, \
                  1.8e19]: smaller rates are subnormal in the f32 update, larger ones let it \
                  overflow"
@@ -595,7 +595,7 @@ pub fn check_rates(op: &'static str, what: &str, lr: f64, weight_decay: f64) -> 
     }
     Err(crate::Error::BadInput {
         op,
-        what: format!("{what}·weight_decay = {lr}·{weight_decay} = {decay}"),
+        what: format!("{what}·weight_decay = {lr:?}·{weight_decay:?} = {decay:?}"),
         reason: "the decay lr·weight_decay must be at most 2^64 (1.8e19), or the factor \
                  1 − lr·wd times a parameter overflows f32"
             .into(),

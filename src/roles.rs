@@ -187,7 +187,7 @@ impl RoleRule {
                 if !(v.is_finite() && v >= 0.0) {
                     return Err(Error::BadInput {
                         op: "RoleRule::validate",
-                        what: format!("{role} {what} = {v}"),
+                        what: format!("{role} {what} = {v:?}"),
                         reason: "must be finite and non-negative".into(),
                     });
                 }

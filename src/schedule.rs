@@ -52,6 +52,19 @@ impl Schedule {
         Ok(())
     }
 
+    /// The steps of the smallest factors above the floor, and of the floor: the first warmup
+    /// step, the last step before `total` and `total` itself. The factor rises through the
+    /// warmup and falls through the decay, so a rate checked at these steps (and at 1) is
+    /// checked at every step.
+    pub(crate) fn lowest_steps(&self) -> Vec<usize> {
+        match *self {
+            Schedule::Constant => vec![0],
+            Schedule::WarmupCosine { total, .. } | Schedule::WarmupLinear { total, .. } => {
+                vec![0, total.saturating_sub(1), total]
+            }
+        }
+    }
+
     /// The factor at `step`.
     pub fn factor(&self, step: usize) -> f64 {
         let (warmup, total, min, cosine) = match *self {

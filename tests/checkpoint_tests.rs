@@ -418,6 +418,53 @@ fn two_runs_never_mix_their_checkpoints_in_one_root() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Ranks that pass different roots to `save` (or do not share rank 0's file system) are told
+/// so on every rank; before, rank 1 said only "No such file or directory" of a rank file in
+/// a temporary folder it never made. Nothing is left in either root.
+#[test]
+fn a_save_with_another_root_on_some_rank_names_the_cause() {
+    let params = CFG.init_params(5).unwrap();
+    let roots = [scratch(SUITE, "root-rank0"), scratch(SUITE, "root-rank1")];
+    let errors = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        train(&mut m, c, 0..1)?;
+        let e = m
+            .save(&roots[c.rank()], &SaveOptions::default())
+            .unwrap_err();
+        Ok(e.to_string())
+    })
+    .unwrap();
+    for e in &errors {
+        assert!(
+            e.contains("rank 1") && e.contains("every rank must pass the same root"),
+            "{e}"
+        );
+    }
+    for root in &roots {
+        let left: Vec<_> = std::fs::read_dir(root).unwrap().flatten().collect();
+        assert!(
+            left.iter().all(|e| e.file_name() == ".lock"),
+            "{root:?}: {left:?}"
+        );
+        let _ = std::fs::remove_dir_all(root);
+    }
+}
+
+/// `save("")` is refused as an empty path. Before, it took the lock as `.lock` in the working
+/// folder and failed with "checkpoint: list: : No such file or directory".
+#[test]
+fn a_save_to_an_empty_path_is_refused_as_such() {
+    let params = CFG.init_params(5).unwrap();
+    let errors = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        Ok(m.save("", &SaveOptions::default()).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in &errors {
+        assert!(e.contains("an empty path"), "{e}");
+    }
+}
+
 /// a load returns the metadata and names each changed option after the optimizer's; the
 /// main job records its global batch, names a resume at another, and saves the initial state
 /// of a fresh run of 0 steps (before, it saved nothing).

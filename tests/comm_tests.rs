@@ -211,6 +211,14 @@ fn a_world_of_too_many_thread_ranks_is_an_error() {
     .unwrap_err();
     assert!(matches!(err, Error::BadInput { .. }), "{err}");
     assert_eq!(started.into_inner(), 0);
+    // Far beyond, refused before the world's tables are allocated: `1 << 40` ranks aborted
+    // the process (an 8 TB allocation) and `usize::MAX` panicked (capacity overflow).
+    for n in [1 << 40, usize::MAX] {
+        let err = ThreadWorld::run(n, |_| Ok(())).unwrap_err();
+        assert!(matches!(err, Error::BadInput { .. }), "{err}");
+        let err = ThreadWorld::new(n).unwrap_err();
+        assert!(matches!(err, Error::BadInput { .. }), "{err}");
+    }
 }
 
 #[test]

@@ -1415,6 +1415,95 @@ fn schedules_and_set_learning_rate_drive_the_optimizer() {
     assert_eq!(sharded.learning_rate(), Some(0.5));
 }
 
+/// A schedule whose rates the optimizer would refuse is refused by `set_schedule`, not by the
+/// step that reaches such a rate: a floor of 1e-300 (a rate of 1e-302, subnormal in f32)
+/// failed `step()` at step `total` of a run, and a long warmup from a small rate failed the
+/// first step. The refusal leaves the rate and any earlier schedule as they were.
+#[test]
+fn a_schedule_with_a_rate_the_optimizer_refuses_is_refused_when_set() {
+    use ragged::schedule::Schedule;
+    let params = CFG.init_params(6).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let good = Schedule::WarmupLinear {
+        warmup: 0,
+        total: 3,
+        min_factor: 0.5,
+    };
+    sharded.set_schedule(good).unwrap();
+    let floor = Schedule::WarmupLinear {
+        warmup: 1,
+        total: 3,
+        min_factor: 1e-300,
+    };
+    let err = sharded.set_schedule(floor).expect_err("a subnormal rate");
+    let err = err.to_string();
+    assert!(
+        err.contains("set_schedule") && err.contains("learning rate must be 0 or lie in"),
+        "{err}"
+    );
+    // The good schedule still runs, from the configured rate.
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 2).unwrap();
+    for step in 0..4 {
+        sharded
+            .forward_backward(&TransformerStages(CFG), &ids)
+            .unwrap();
+        sharded.step().unwrap();
+        assert_eq!(sharded.learning_rate(), Some(LR * good.factor(step)));
+    }
+    // A warmup's first rate: 1e-30 / 1e9 is subnormal in f32; the rate stays 1e-30.
+    sharded.set_learning_rate(1e-30).unwrap();
+    let warmup = Schedule::WarmupLinear {
+        warmup: 1_000_000_000,
+        total: 1_000_000_000,
+        min_factor: 1.0,
+    };
+    assert!(sharded.set_schedule(warmup).is_err());
+    assert_eq!(sharded.learning_rate(), Some(1e-30));
+    // A floor of 0 is a rate (the run ends there), and so are small but normal rates.
+    let to_zero = Schedule::WarmupCosine {
+        warmup: 1_000,
+        total: 2_000,
+        min_factor: 0.0,
+    };
+    sharded.set_schedule(to_zero).unwrap();
+}
+
+/// A trained parameter whose initial value is NaN or infinite (or an f64 beyond f32's range,
+/// infinite in the f32 master) is refused by `fully_shard` on every rank, naming the element,
+/// as `load_safetensors` refuses such a starting point. Before, it was taken, and the first
+/// step failed advising a lower learning rate (under `SkipStep`, every step was skipped). A
+/// frozen parameter (a mask of `-inf`) is not stepped and may hold any value.
+#[test]
+fn initial_values_that_are_not_finite_are_refused_naming_the_element() {
+    let finite = Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu).unwrap();
+    let cases = [
+        Tensor::new(&[1f32, 2.0, f32::NAN], &Device::Cpu).unwrap(),
+        Tensor::new(&[1f32, 2.0, f32::NEG_INFINITY], &Device::Cpu).unwrap(),
+        Tensor::new(&[1f64, 2.0, 1e300], &Device::Cpu).unwrap(),
+    ];
+    for bad in cases {
+        let params = vec![
+            ("layers.0.w".to_string(), finite.clone()),
+            ("layers.1.w".to_string(), bad.clone()),
+        ];
+        let errors = ThreadWorld::run(2, |c| {
+            let e = fully_shard(&params, adamw(), c, FsdpOptions::default()).err();
+            Ok(e.map(|e| e.to_string()))
+        })
+        .unwrap();
+        for e in &errors {
+            let e = e.as_deref().unwrap_or("accepted");
+            assert!(e.contains("layers.1.w: element 2 is"), "{bad}: {e}");
+        }
+        // Frozen, the same value is taken.
+        let opts = FsdpOptions {
+            frozen: Some(ragged::fsdp::NameRule::new(|n| n == "layers.1.w")),
+            ..FsdpOptions::default()
+        };
+        fully_shard(&params, adamw(), &SingleRank, opts).unwrap();
+    }
+}
+
 /// Two parameters of one name would share their values, their gathered copy and their
 /// checkpoint entry: `fully_shard` refuses them, naming the parameter.
 #[test]

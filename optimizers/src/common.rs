@@ -283,7 +283,7 @@ pub fn check_hyperparameters(
         if !ok || !value.is_finite() || !(value as f32).is_finite() {
             return Err(Error::BadInput {
                 op,
-                what: format!("{name} = {value}"),
+                what: format!("{name} = {value:?}"),
                 reason: format!("{rules}; every value finite as an f32"),
             });
         }

@@ -851,7 +851,8 @@ fn role_rates_whose_products_overflow_are_refused() {
 
 /// The rates of 0 and of [1.2e-38, 2^64] are accepted: a rate that is subnormal in f32 is not
 /// (it would scale anything kept in proportion by up to 1e45), nor one whose update can
-/// overflow f32 (`lr = 3e38` is finite, its updates were not).
+/// overflow f32 (`lr = 3e38` is finite, its updates were not). Refusals write the value as
+/// `1e-300` (they printed its 300 decimal digits).
 #[test]
 fn learning_rates_are_zero_or_normal_up_to_two_to_the_64() {
     let d = AdamWConfig::default();
@@ -885,7 +886,21 @@ fn learning_rates_are_zero_or_normal_up_to_two_to_the_64() {
                 .contains("learning rate must be 0 or lie in"),
             "{err}"
         );
+        // The rate as written (`1e-300`), not its 300 decimal digits.
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("lr = {lr:?}:")) && text.len() < 300,
+            "{text}"
+        );
     }
+    // Every hyperparameter likewise: `weight_decay = 1e300`, not 301 digits.
+    let err = AdamW::new(AdamWConfig {
+        weight_decay: 1e300,
+        ..d
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("weight_decay = 1e300:"), "{err}");
 }
 
 /// `set_learning_rate` checks what construction checks, at the new rate: a decay or a role's

@@ -101,6 +101,12 @@ fn check_root(root: &Path) -> Result<()> {
         path: root.display().to_string(),
         reason,
     };
+    if root.as_os_str().is_empty() {
+        // `create_dir_all("")` succeeds and the lock would land in the working folder.
+        return Err(refuse(
+            "an empty path: name the folder to save into (`.` for the working folder)".into(),
+        ));
+    }
     if root.exists() && !root.is_dir() {
         return Err(refuse(
             "not a folder: checkpoints are saved into a folder".into(),

@@ -83,9 +83,9 @@ use crate::{Error, Result};
 /// How long a rank waits at a rendezvous for the others before the world fails.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The most thread ranks one process runs ([`ThreadWorld::run`]): each is an OS thread with
-/// its own stack, and far beyond this the system's limits abort the process rather than
-/// refuse a thread.
+/// The most thread ranks one process runs ([`ThreadWorld::run`]; [`ThreadWorld::new`] makes no
+/// more communicators): each is an OS thread with its own stack, and far beyond this the
+/// system's limits abort the process rather than refuse a thread.
 pub const MAX_THREAD_RANKS: usize = 4096;
 
 /// Constructors of a thread world; holds no state itself.
@@ -132,6 +132,17 @@ impl ThreadWorld {
                 op: "ThreadWorld::new",
                 rank: 0,
                 reason: "a world needs at least one rank".into(),
+            });
+        }
+        // Before the world's per-rank tables are allocated: `1 << 40` ranks aborted the
+        // process (an 8 TB allocation), `usize::MAX` panicked (capacity overflow).
+        if n > MAX_THREAD_RANKS {
+            return Err(Error::BadInput {
+                op: "ThreadWorld::new",
+                what: format!("a world of {n} thread ranks"),
+                reason: format!(
+                    "each rank is an OS thread; at most {MAX_THREAD_RANKS} run in one process"
+                ),
             });
         }
         if timeout.is_zero() {

@@ -65,12 +65,15 @@ pub(crate) struct OptimizerId<'a> {
     pub options: String,
 }
 
-/// The fingerprints of one rank's input.
+/// The fingerprints of one rank's input, and the first trained parameter element that is not
+/// finite as an `f32` (read in the same pass), as `name: element i is v`.
 fn fingerprints(
     params: &[(String, Tensor)],
+    trained: &[bool],
     shards: &[&LocalShard],
     optimizer: &OptimizerId<'_>,
-) -> Result<[u64; N]> {
+) -> Result<([u64; N], Option<String>)> {
+    let mut not_finite = None;
     let mut h: [Fnv; N] = std::array::from_fn(|_| Fnv::default());
     h[4].write(optimizer.name.as_bytes());
     h[4].write_u64(optimizer.lr.map_or(u64::MAX, f64::to_bits));
@@ -78,7 +81,7 @@ fn fingerprints(
         h[5].write(format!("{role:?}").as_bytes());
         h[5].write_u8(0);
     }
-    for (name, t) in params {
+    for ((name, t), &trained) in params.iter().zip(trained) {
         h[0].write(name.as_bytes());
         h[0].write_u8(0);
         h[1].write_usize(t.rank());
@@ -89,6 +92,10 @@ fn fingerprints(
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(candle("fully_shard: fingerprint"))?;
         values.iter().for_each(|v| h[3].write_u32(v.to_bits()));
+        let bad = values.iter().position(|v| !v.is_finite());
+        if let (None, true, Some(i)) = (&not_finite, trained, bad) {
+            not_finite = Some(format!("{name}: element {i} is {}", values[i]));
+        }
     }
     for shard in shards {
         h[2].write_usize(shard.len);
@@ -101,19 +108,21 @@ fn fingerprints(
             }
         }
     }
-    Ok(h.map(|h| h.finish()))
+    Ok((h.map(|h| h.finish()), not_finite))
 }
 
 /// Exchanges the fingerprints (one all-gather) and returns the same `Err` on every rank if any
-/// rank's differ from rank 0's.
+/// rank's differ from rank 0's, or else if a parameter marked `trained` has an initial value
+/// that is NaN or infinite as an `f32` (as `load_safetensors` refuses one).
 pub(crate) fn check_ranks_agree(
     comm: &dyn Communicator,
     params: &[(String, Tensor)],
+    trained: &[bool],
     shards: &[&LocalShard],
     optimizer: &OptimizerId<'_>,
 ) -> Result<()> {
     // One exchange: the fingerprints, then the optimizer's settings and the options as text.
-    let mine = fingerprints(params, shards, optimizer)?;
+    let (mine, not_finite) = fingerprints(params, trained, shards, optimizer)?;
     let texts = serde_json::to_vec(&[&optimizer.settings, &optimizer.options])?;
     let bytes: Vec<u8> = mine
         .iter()
@@ -148,7 +157,18 @@ pub(crate) fn check_ranks_agree(
         differ.extend(settings_differ(what, &each));
     }
     if differ.is_empty() {
-        return Ok(());
+        // The ranks agree on the values, so every rank finds the same element.
+        return match not_finite {
+            None => Ok(()),
+            Some(what) => Err(Error::BadInput {
+                op: "fully_shard",
+                what: format!("initial value of {what} (as f32)"),
+                reason: "a trained parameter's starting point must be finite (an f64 beyond \
+                         f32::MAX is infinite in the f32 master); the first step would fail, or \
+                         under NonFinitePolicy::SkipStep every step be skipped"
+                    .into(),
+            }),
+        };
     }
     Err(Error::BadInput {
         op: "fully_shard",

@@ -401,7 +401,14 @@ pub fn fully_shard<'c, O: Optimizer>(
             .collect(),
         options: format!("{opts:?}"),
     };
-    agree::check_ranks_agree(comm, params, &shards, &optimizer_id)?;
+    let trained: Vec<bool> = params
+        .iter()
+        .map(|(name, t)| {
+            optimizer.role(name, t.dims()) != crate::Role::Frozen
+                && !opts.frozen.as_ref().is_some_and(|f| f.matches(name))
+        })
+        .collect();
+    agree::check_ranks_agree(comm, params, &trained, &shards, &optimizer_id)?;
     let mut units = Vec::with_capacity(planned.len());
     // Full gradient buffers are reused from one unit's backward to the next.
     let pool = Arc::new(GradPool::default());
@@ -820,6 +827,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// (which restores the saved schedule and base) does not take the decayed rate as its
     /// base. [`Self::set_learning_rate`] drops the schedule, and with it the base.
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
+        use crate::error::Context;
         schedule.validate()?;
         let current = self
             .optimizer
@@ -830,6 +838,16 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 reason: "the optimizer has no learning rate to schedule".into(),
             })?;
         let base = self.schedule.map_or(current, |(_, base)| base);
+        // Every rate the schedule will set is checked now, not at the step that reaches it
+        // (a `min_factor` of 1e-300 was refused only at step `total`, mid-run): each of the
+        // lowest is set and the current rate put back; a refused one changes nothing.
+        for step in schedule.lowest_steps() {
+            let lr = base * schedule.factor(step);
+            self.optimizer.set_learning_rate(lr).with_context(|| {
+                format!("set_schedule: {schedule:?} sets the rate {lr:?} at step {step}")
+            })?;
+            self.optimizer.set_learning_rate(current)?;
+        }
         self.schedule = Some((schedule, base));
         Ok(())
     }
