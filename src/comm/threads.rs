@@ -262,15 +262,7 @@ pub(crate) fn run_ranks<C: Member, T: Send>(
     comms: Vec<C>,
     f: impl Fn(&C) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    if comms.len() > MAX_THREAD_RANKS {
-        return Err(Error::BadInput {
-            op,
-            what: format!("a world of {} thread ranks", comms.len()),
-            reason: format!(
-                "each rank is an OS thread; at most {MAX_THREAD_RANKS} run in one process"
-            ),
-        });
-    }
+    // The world's size was checked against MAX_THREAD_RANKS where it was made (`with_timeout`).
     let f = &f;
     // Ranks whose closure failed, in the order they failed: a rank's failure is recorded before
     // it leaves the world, so before any failure that its leaving causes on the others.

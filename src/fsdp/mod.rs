@@ -361,12 +361,15 @@ pub fn fully_shard<'c, O: Optimizer>(
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     // Frozen: by the optimizer's role rule, or by the older name rule.
-    let is_frozen = |t: &TensorSpec| {
-        optimizer.role(&t.name, &t.shape) == crate::Role::Frozen
-            || opts.frozen.as_ref().is_some_and(|f| f.matches(&t.name))
+    let is_frozen = |name: &str, shape: &[usize]| {
+        optimizer.role(name, shape) == crate::Role::Frozen
+            || opts.frozen.as_ref().is_some_and(|f| f.matches(name))
     };
     for unit in inv.units_by(&|name| opts.wrap.unit_of(name)) {
-        let (frozen, trained): (Vec<_>, Vec<_>) = unit.tensors.iter().partition(|t| is_frozen(t));
+        let (frozen, trained): (Vec<_>, Vec<_>) = unit
+            .tensors
+            .iter()
+            .partition(|t| is_frozen(&t.name, &t.shape));
         let first = planned.len();
         let multi = opts.buffers.as_ref();
         for (tensors, frozen) in [(trained, false), (frozen, true)] {
@@ -403,10 +406,7 @@ pub fn fully_shard<'c, O: Optimizer>(
     };
     let trained: Vec<bool> = params
         .iter()
-        .map(|(name, t)| {
-            optimizer.role(name, t.dims()) != crate::Role::Frozen
-                && !opts.frozen.as_ref().is_some_and(|f| f.matches(name))
-        })
+        .map(|(name, t)| !is_frozen(name, t.dims()))
         .collect();
     agree::check_ranks_agree(comm, params, &trained, &shards, &optimizer_id)?;
     let mut units = Vec::with_capacity(planned.len());
