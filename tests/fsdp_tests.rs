@@ -1468,6 +1468,64 @@ fn a_schedule_with_a_rate_the_optimizer_refuses_is_refused_when_set() {
     sharded.set_schedule(to_zero).unwrap();
 }
 
+/// Ranks about to step at different learning rates (`set_learning_rate` or `set_schedule`
+/// called on some ranks only) all get the same `Err` and take no step; before, each rank
+/// moved its shard of the same parameters by its own rate, with no error. The gradients are
+/// kept: once the rates agree again, the step goes on and equals a run that never differed.
+#[test]
+fn ranks_stepping_at_different_learning_rates_are_refused_on_every_rank() {
+    use ragged::schedule::Schedule;
+    let params = CFG.init_params(7).unwrap();
+    let run = |diverge: bool| {
+        ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+            let ids = batch(corpus()?, &CFG, 0, c.rank() * 2, 2)?;
+            m.forward_backward(&TransformerStages(CFG), &ids)?;
+            let mut refused = Vec::new();
+            if diverge {
+                if c.rank() == 1 {
+                    m.set_learning_rate(LR / 2.0)?;
+                }
+                refused.push(m.step().unwrap_err().to_string());
+                m.set_learning_rate(LR)?;
+                if c.rank() == 0 {
+                    m.set_schedule(Schedule::WarmupLinear {
+                        warmup: 4,
+                        total: 8,
+                        min_factor: 0.5,
+                    })?;
+                }
+                refused.push(m.step().unwrap_err().to_string());
+                m.set_learning_rate(LR)?;
+            }
+            m.step()?;
+            Ok((refused, m.full_params()?))
+        })
+        .unwrap()
+    };
+    let diverged = run(true);
+    for (refused, _) in &diverged {
+        assert_eq!(refused, &diverged[0].0);
+    }
+    let [by_rate, by_schedule] = &diverged[0].0[..] else {
+        panic!("{:?}", diverged[0].0)
+    };
+    assert!(
+        by_rate
+            .contains("ranks [1] differ from rank 0: rank 1 would step at 0.005, rank 0 at 0.01"),
+        "{by_rate}"
+    );
+    assert!(
+        by_schedule.contains("rank 1 would step at 0.01, rank 0 at 0.0025"),
+        "{by_schedule}"
+    );
+    assert_eq!(
+        diverged[0].1,
+        run(false)[0].1,
+        "the kept gradients stepped alike"
+    );
+}
+
 /// A trained parameter whose initial value is NaN or infinite (or an f64 beyond f32's range,
 /// infinite in the f32 master) is refused by `fully_shard` on every rank, naming the element,
 /// as `load_safetensors` refuses such a starting point. Before, it was taken, and the first

@@ -10,7 +10,7 @@ use std::hash::Hasher;
 
 use candle_core::{DType, Tensor};
 
-use crate::comm::{all_gather_bytes, Communicator};
+use crate::comm::{all_gather_bytes, Buf, BufMut, Communicator};
 use crate::dbuffer::candle;
 use crate::optim::LocalShard;
 use crate::roles::Role;
@@ -267,6 +267,48 @@ pub(crate) fn setting_changes(saved: &str, now: &str) -> Vec<String> {
         .filter(|(x, y)| x.1 != y.1)
         .map(|((path, old), (_, new))| format!("{path}: {old} → {new}"))
         .collect()
+}
+
+/// The step's one exchange (an all-gather of 24 bytes a rank): each rank's count of non-finite
+/// losses and gradient shards, and the learning rate it is about to step at. Returns the
+/// count over all ranks, or the same `Err` on every rank when the rates differ: a
+/// `set_learning_rate` or `set_schedule` called on some ranks only moved each rank's shard of
+/// the same parameters by its own rate, with no error.
+pub(crate) fn step_flags(comm: &dyn Communicator, bad: u64, rate: Option<f64>) -> Result<u64> {
+    let mut mine = [0u8; 24];
+    mine[..8].copy_from_slice(&bad.to_le_bytes());
+    mine[8..16].copy_from_slice(&u64::from(rate.is_some()).to_le_bytes());
+    mine[16..].copy_from_slice(&rate.unwrap_or(0.0).to_bits().to_le_bytes());
+    let mut all = vec![0u8; 24 * comm.world_size()];
+    comm.all_gather(Buf::U8(&mine), BufMut::U8(&mut all))?;
+    let word = |r: &[u8], i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&r[8 * i..8 * i + 8]);
+        u64::from_le_bytes(w)
+    };
+    let rates: Vec<(u64, u64)> = all
+        .chunks_exact(24)
+        .map(|r| (word(r, 1), word(r, 2)))
+        .collect();
+    let differ: Vec<usize> = (1..rates.len()).filter(|&r| rates[r] != rates[0]).collect();
+    if let Some(&other) = differ.first() {
+        let show = |(some, bits): (u64, u64)| match some {
+            0 => "none".to_string(),
+            _ => format!("{:?}", f64::from_bits(bits)),
+        };
+        return Err(Error::BadInput {
+            op: "ShardedModel::step",
+            what: "the learning rates of the ranks".into(),
+            reason: format!(
+                "ranks {differ:?} differ from rank 0: rank {other} would step at {}, rank 0 at \
+                 {}; call set_learning_rate and set_schedule on every rank alike (the step was \
+                 not taken)",
+                show(rates[other]),
+                show(rates[0])
+            ),
+        });
+    }
+    Ok(all.chunks_exact(24).map(|r| word(r, 0)).sum())
 }
 
 /// Exchanges every rank's stage list (`forward_backward`'s units, by name) and returns the

@@ -737,7 +737,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 
     /// One optimizer step on every unit's local shard, with the gradients reduced since the
     /// last step (several micro-batches accumulate). If a loss or gradient is not finite on any
-    /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank (one all-reduce).
+    /// rank, [`FsdpOptions::non_finite`] decides, alike on every rank; ranks about to step at
+    /// different learning rates all get `Err` and take no step (one small all-gather).
     pub fn step(&mut self) -> Result<()> {
         const OP: &str = "ShardedModel::step";
         self.check_not_partly_loaded(OP)?;
@@ -762,12 +763,14 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             unit.grads.add_non_finite_to(&mut counts, slot, OP)?;
         }
         let shards = counts.read()?.iter().filter(|&&c| c > 0).count();
-        let bad = f32::from(u8::from(self.loss_not_finite)) + shards as f32;
-        let mut flag = [bad];
-        self.comm
-            .all_reduce(BufMut::F32(&mut flag), ReduceOp::Sum)?;
+        let bad = u64::from(self.loss_not_finite) + shards as u64;
+        let rate = match self.schedule {
+            Some((schedule, base)) => Some(base * schedule.factor(self.steps)),
+            None => self.optimizer.learning_rate(),
+        };
+        let bad = agree::step_flags(self.comm, bad, rate)?;
         self.loss_not_finite = false;
-        if flag[0] > 0.0 {
+        if bad > 0 {
             self.units.iter_mut().for_each(|u| u.grads.consume());
             if self.opts.non_finite == NonFinitePolicy::SkipStep {
                 self.skipped += 1;
@@ -776,9 +779,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             return Err(crate::Error::NonFinite {
                 op: "ShardedModel::step",
                 what: format!(
-                    "{} loss or gradient shards over all ranks are NaN or infinite; the step was \
-                     not taken (lower the learning rate, or set NonFinitePolicy::SkipStep)",
-                    flag[0]
+                    "{bad} loss or gradient shards over all ranks are NaN or infinite; the step \
+                     was not taken (lower the learning rate, or set NonFinitePolicy::SkipStep)"
                 ),
             });
         }
