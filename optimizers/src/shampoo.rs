@@ -175,7 +175,8 @@ pub struct ShampooConfig {
     pub beta1: f64,
     /// `β₂` of the factors (default `1.0`: plain accumulation, AdaGrad-like).
     pub beta2: f64,
-    /// `ε` added to the factors' diagonal before the root (default `1e-12`).
+    /// `ε` added to the factors' diagonal before the root (default `1e-12`; at least
+    /// `f32::MIN_POSITIVE`, as the factors are `f32`).
     pub epsilon: f64,
     /// Decoupled weight decay, added to the search direction (default `0`).
     pub weight_decay: f64,
@@ -226,11 +227,12 @@ impl ShampooConfig {
         };
         check_hyperparameters(
             "ShampooConfig::validate",
-            "need 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, epsilon > 0, weight_decay ≥ 0",
+            "need 0 ≤ beta1 < 1, 0 < beta2 ≤ 1, weight_decay ≥ 0, and epsilon at least \
+             f32::MIN_POSITIVE (1.2e-38): the factors add it in f32, where a smaller one is 0",
             &[
                 ("beta1", self.beta1, (0.0..1.0).contains(&self.beta1)),
                 ("beta2", self.beta2, self.beta2 > 0.0 && self.beta2 <= 1.0),
-                ("epsilon", self.epsilon, self.epsilon > 0.0),
+                ("epsilon", self.epsilon, self.epsilon >= MIN_EPS),
                 ("weight_decay", self.weight_decay, self.weight_decay >= 0.0),
             ],
         )?;

@@ -1013,6 +1013,11 @@ fn invalid_configs_are_refused() {
         ShampooConfig { beta2: 0.0, ..d },
         ShampooConfig { beta2: 1.5, ..d },
         ShampooConfig { epsilon: 0.0, ..d },
+        // 0 in the f32 factors: every root of a singular factor then failed.
+        ShampooConfig {
+            epsilon: 1e-300,
+            ..d
+        },
         ShampooConfig {
             weight_decay: -0.1,
             ..d

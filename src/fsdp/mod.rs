@@ -662,7 +662,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers every unit and returns its parameter tensors by name (feed them to
     /// `candle_nn::VarBuilder::from_tensors` to build the model, once: later calls rewrite the
     /// same tensors in place). Their gradients accumulate in the units' gradient buffers on
-    /// every `backward`.
+    /// every `backward`. A unit-by-unit [`Self::forward_backward`] in between frees what these
+    /// tensors hold (each storage becomes an empty byte placeholder, on which candle's ops
+    /// fail or panic): call `unshard` again, and rebuild the model, before using them.
     pub fn unshard(&mut self) -> Result<HashMap<String, Tensor>> {
         let mut views = HashMap::new();
         for u in 0..self.units.len() {
