@@ -628,6 +628,13 @@ fn mismatched_collectives_are_an_error_on_every_rank() {
         reasons[0].contains("reduce_scatter_in_place"),
         "{reasons:?}"
     );
+    // Every mismatch says the likely cause: the ranks' programs diverged.
+    assert!(
+        reasons
+            .iter()
+            .all(|m| m.contains("every rank must make the same collective calls")),
+        "{reasons:?}"
+    );
     // A barrier against a data collective is a disagreement too.
     assert_rejected_everywhere(
         2,

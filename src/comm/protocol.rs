@@ -181,8 +181,19 @@ pub(crate) fn offset(counts: &[usize], i: usize) -> usize {
 }
 
 /// The rendezvous check, a pure function of the posted table, so every rank reaches the same
-/// verdict and message.
+/// verdict and message. A mismatch most often means the programs diverged (a save or export
+/// called on rank 0 only meets the next collective of the others, of another element type or
+/// length), which the message says after what differs.
 pub(crate) fn validate(posts: &[Post]) -> std::result::Result<(), String> {
+    validate_table(posts).map_err(|what| {
+        format!(
+            "{what} (every rank must make the same collective calls in the same order: one \
+             made on some ranks only meets another call on the others)"
+        )
+    })
+}
+
+fn validate_table(posts: &[Post]) -> std::result::Result<(), String> {
     let v = posts.len();
     let op = posts[0].op;
     if let Some((j, p)) = posts.iter().enumerate().find(|(_, p)| p.op != op) {
