@@ -1605,6 +1605,16 @@ fn duplicate_parameter_names_are_refused() {
         err.to_string().contains("::m\"") && err.to_string().contains("checkpoint"),
         "{err}"
     );
+    // An empty name (it was taken, and keyed the values and the checkpoint entry as "").
+    let mut unnamed = CFG.init_params(6).unwrap();
+    unnamed[1].0 = String::new();
+    let err = fully_shard(&unnamed, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("an empty name is refused");
+    assert!(
+        err.to_string().contains("an unnamed parameter of shape"),
+        "{err}"
+    );
 }
 
 /// A demo configuration that cannot work is an `Err` naming the field, wherever it enters:

@@ -485,6 +485,15 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
                         .into(),
                 });
             }
+            if name.is_empty() {
+                return Err(crate::Error::BadInput {
+                    op: "fully_shard",
+                    what: format!("an unnamed parameter of shape {:?}", t.dims()),
+                    reason: "names key the parameters' values, units, roles and checkpoint \
+                             entries: name every parameter (a prefix left empty?)"
+                        .into(),
+                });
+            }
             if name.contains("::") {
                 return Err(crate::Error::BadInput {
                     op: "fully_shard",
