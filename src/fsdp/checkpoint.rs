@@ -120,16 +120,17 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let file = tmp.join(rank_file(rank, world));
         // Rank 0 made `tmp`: a rank that does not see it was given another root, or its file
         // system is not rank 0's (the bare "No such file or directory" said neither).
-        let visible = match rank != 0 && !tmp.is_dir() {
-            true => Err(bad(
+        let visible = if rank != 0 && !tmp.is_dir() {
+            Err(bad(
                 root,
                 format!(
                     "the temporary folder {}, which rank 0 makes, is not there: every rank \
                      must pass the same root, on a file system that every rank sees",
                     tmp.display()
                 ),
-            )),
-            false => Ok(()),
+            ))
+        } else {
+            Ok(())
         };
         let written = visible
             .and_then(|()| self.write_rank_file(&file, opts.chunk_bytes))

@@ -775,10 +775,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         }
         let shards = counts.read()?.iter().filter(|&&c| c > 0).count();
         let bad = u64::from(self.loss_not_finite) + shards as u64;
-        let rate = match self.schedule {
-            Some((schedule, base)) => Some(base * schedule.factor(self.steps)),
-            None => self.optimizer.learning_rate(),
-        };
+        let scheduled = self
+            .schedule
+            .map(|(schedule, base)| base * schedule.factor(self.steps));
+        let rate = scheduled.or_else(|| self.optimizer.learning_rate());
         let bad = agree::step_flags(self.comm, bad, rate)?;
         self.loss_not_finite = false;
         if bad > 0 {
@@ -795,9 +795,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 ),
             });
         }
-        if let Some((schedule, base)) = self.schedule {
-            self.optimizer
-                .set_learning_rate(base * schedule.factor(self.steps))?;
+        if let Some(lr) = scheduled {
+            self.optimizer.set_learning_rate(lr)?;
         }
         for unit in self.units.iter_mut().filter(|u| !u.params.is_frozen()) {
             let ShardedUnit {
