@@ -1851,7 +1851,7 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
                 "--ignored",
                 "--nocapture",
             ])
-            .env("RAGGED_KILL_TEST_DIR", &root)
+            .env("RAGGED_KILL_TEST_DIR", root.as_os_str())
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();

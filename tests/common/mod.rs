@@ -2,20 +2,53 @@
 //! (each test file is its own crate, so not every file uses every helper).
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ragged::fsdp::ShardedModel;
 use ragged::optim::Optimizer;
 use ragged_optimizers::{AdamW, AdamWConfig};
 
-/// An empty scratch folder `suite/name-PID` under the system's temporary folder.
-pub fn scratch(suite: &str, name: &str) -> PathBuf {
+/// An empty scratch folder `suite/name-PID` under the system's temporary folder, removed when
+/// the value is dropped after a passing test; kept (and its path printed) when the test fails,
+/// so what it wrote can be inspected.
+pub fn scratch(suite: &str, name: &str) -> Scratch {
     let dir = std::env::temp_dir()
         .join(suite)
         .join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// See [`scratch`].
+#[derive(Debug)]
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("scratch folder kept: {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+            // The suite's folder goes too once no other test (or process) has one in it.
+            if let Some(suite) = self.0.parent() {
+                let _ = std::fs::remove_dir(suite);
+            }
+        }
+    }
 }
 
 /// AdamW with a learning rate of 0.1 (large enough that a wrong gradient shows in one step).
