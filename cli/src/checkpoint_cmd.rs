@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::checkpoint::{fs, read, Manifest};
 use ragged::Result;
 
-use crate::print::printable;
+use crate::print::{debug_fields, printable};
 
 #[derive(Subcommand)]
 pub enum CheckpointCommand {
@@ -85,6 +85,20 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
     }
 }
 
+/// Recorded settings (a config's `Debug` text), a field a line.
+fn print_settings(text: &str) -> Result<()> {
+    match debug_fields(text) {
+        Some(fields) => {
+            for (path, value) in fields {
+                outln!("    {} = {}", printable(&path), printable(&value))?;
+            }
+        }
+        None if text.is_empty() => {}
+        None => outln!("    {}", printable(text))?,
+    }
+    Ok(())
+}
+
 fn info(path: &std::path::Path) -> Result<()> {
     let dir = fs::resolve(path)?;
     let m = Manifest::read(&dir)?;
@@ -119,7 +133,8 @@ fn info(path: &std::path::Path) -> Result<()> {
         count(m.model.len(), "tensor"),
         count(params, "parameter")
     )?;
-    outln!("  optimizer: {} {}", m.optimizer.name, m.optimizer.config)?;
+    outln!("  optimizer: {}", printable(&m.optimizer.name))?;
+    print_settings(&m.optimizer.config)?;
     outln!(
         "  steps {} (skipped {}), optimizer step {}, learning rate {}",
         p.steps,
@@ -134,7 +149,8 @@ fn info(path: &std::path::Path) -> Result<()> {
         if let Some(run) = &t.run {
             outln!("  run: {}", printable(run))?;
         }
-        outln!("  fsdp: {}", t.fsdp)?;
+        outln!("  fsdp:")?;
+        print_settings(&t.fsdp)?;
         // The caller's strings, escaped: a newline or a terminal control must not print as one.
         for (key, value) in &t.metadata {
             outln!("  {}: {}", printable(key), printable(value))?;

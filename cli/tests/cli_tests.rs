@@ -803,6 +803,15 @@ fn checkpoint_info_verify_and_export_work_without_a_training_world() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("3 ranks") && text.contains("adamw"), "{text}");
     assert!(text.contains(&format!("run: {run}")), "{text}");
+    // The recorded settings, a field a line.
+    let default = AdamWConfig::default();
+    for line in [
+        format!("\n    lr = {:?}\n", default.lr),
+        format!("\n    roles.matrix.lr_scale = {:?}\n", 1.0f64),
+        "\n    mixed_precision.param_dtype = F32\n".to_string(),
+    ] {
+        assert!(text.contains(&line), "{line:?} in {text}");
+    }
     assert!(ragged(&["checkpoint", "verify", dir]).status.success());
 
     let exported = root.join("model.safetensors");
