@@ -591,9 +591,18 @@ fn two_square_layers(n: usize) -> Vec<(String, Tensor)> {
 #[test]
 fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() {
     use std::sync::Mutex as StdMutex;
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Use {
+        /// `x · w0`: candle checks the operands' dtypes.
+        Matmul,
+        /// `exp(w0)`: reads the storage directly.
+        Unary,
+        /// Not `w0` at all: a shape error of the stage's own.
+        OwnError,
+    }
     struct KeepsWeight {
         kept: StdMutex<Option<Tensor>>,
-        unary: bool,
+        use_: Use,
     }
     impl Stages for KeepsWeight {
         type Batch = Tensor;
@@ -614,16 +623,16 @@ fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() 
             }
             let w0 = self.kept.lock().unwrap().clone().expect("stage 0 ran");
             let x = x.expect("stage 1 has an input");
-            let y = if self.unary {
-                x.broadcast_add(&w0.exp()?.sum_all()?)?
-            } else {
-                x.matmul(&w0)?
+            let y = match self.use_ {
+                Use::Unary => x.broadcast_add(&w0.exp()?.sum_all()?)?,
+                Use::Matmul => x.matmul(&w0)?,
+                Use::OwnError => x.matmul(x)?,
             };
             y.matmul(p.get("layers.1.w")?)?.sqr()?.mean_all()
         }
     }
     let params = two_square_layers(64);
-    let run = |unary: bool, reshard: bool| {
+    let run = |use_: Use, reshard: bool| {
         ThreadWorld::run(2, |c| {
             let opts = FsdpOptions {
                 reshard_after_forward: reshard,
@@ -633,23 +642,31 @@ fn a_stage_using_a_freed_parameter_gets_an_error_naming_the_cause_not_a_crash() 
             let batch = Tensor::ones((8, 64), DType::F32, &Device::Cpu)?;
             let model = KeepsWeight {
                 kept: StdMutex::new(None),
-                unary,
+                use_,
             };
             sharded.forward_backward(&model, &batch)?;
             sharded.step()
         })
     };
-    for unary in [false, true] {
-        let e = run(unary, true).expect_err("a freed parameter was read");
+    for use_ in [Use::Matmul, Use::Unary] {
+        let e = run(use_, true).expect_err("a freed parameter was read");
         let text = e.to_string();
         assert!(
             text.contains("stage 1")
                 && text.contains("[\"layers.0\"] were freed after their forward")
                 && text.contains("reshard_after_forward: false"),
-            "unary op: {unary}: {text}"
+            "{use_:?}: {text}"
         );
-        run(unary, false).expect("gathered from forward to backward, the weight is there");
+        run(use_, false).expect("gathered from forward to backward, the weight is there");
     }
+    // The stage's own error, after a freed unit, is not blamed on the freed unit.
+    let text = run(Use::OwnError, true).unwrap_err().to_string();
+    assert!(
+        text.contains("stage 1")
+            && text.contains("shape mismatch")
+            && !text.contains("were freed after their forward"),
+        "{text}"
+    );
 }
 
 /// A stage that computes with a parameter tensor it kept from the previous step (its storage

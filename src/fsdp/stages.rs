@@ -394,7 +394,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             let out = match out {
                 Ok(out) => out,
                 Err(e) => {
-                    let hint = self.stage_hint(u, &freed, &e.to_string());
+                    let hint = self.stage_hint(u, &freed, &e);
                     let unit = &self.units[u].name;
                     return Err(e).with_context(|| format!("stage {s} (unit {unit}){hint}"));
                 }
@@ -653,8 +653,10 @@ enum Job {
 
 impl<O: Optimizer> ShardedModel<'_, O> {
     /// What stage `u`'s error adds: the unit that holds a parameter the error names when it
-    /// is not the stage's own (a wrap rule that put it elsewhere), else [`freed_hint`].
-    fn stage_hint(&self, u: usize, freed: &[String], error: &str) -> String {
+    /// is not the stage's own (a wrap rule that put it elsewhere), else, when the error is one
+    /// a freed storage causes, [`freed_hint`] or [`STALE_HINT`].
+    fn stage_hint(&self, u: usize, freed: &[String], e: &Error) -> String {
+        let error = e.to_string();
         let others = self.units.iter().enumerate().filter(|&(k, _)| k != u);
         let named = others
             .flat_map(|(_, unit)| unit.params.slots().iter().map(move |s| (&s.name, unit)))
@@ -667,7 +669,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                  uses it?)",
                 owner.name, self.units[u].name
             ),
-            None if freed.is_empty() && error.contains("U8") => STALE_HINT.into(),
+            None if !placeholder_symptom(e, &error) => String::new(),
+            None if freed.is_empty() => STALE_HINT.into(),
             None => freed_hint(freed),
         }
     }
@@ -678,6 +681,21 @@ impl<O: Optimizer> ShardedModel<'_, O> {
 const STALE_HINT: &str = "; a parameter's freed storage is a U8 placeholder: if this stage \
                           computes with a tensor kept from an earlier forward_backward (or from \
                           unshard()), take it from the stage's params on every call";
+
+/// Whether a stage's error (its text `error`) is one that computing with a freed storage, a
+/// `U8` placeholder of no elements, causes: an op that checks its operands names the `U8`
+/// dtype; one that reads the storage directly panics on an index past its end (caught as the
+/// stage's `Err`, [`stage_forward`]). The user's own errors (a shape mismatch, a missing
+/// parameter) get no hint about freed units.
+fn placeholder_symptom(e: &Error, error: &str) -> bool {
+    let panicked = matches!(e, Error::BadInput { op: STAGE_FORWARD, reason, .. }
+        if reason.starts_with(PANICKED));
+    panicked || error.contains("U8")
+}
+
+/// The `op` of a stage's own error, and how the reason of one that panicked starts.
+const STAGE_FORWARD: &str = "stage forward";
+const PANICKED: &str = "it panicked: ";
 
 /// What a stage's error adds when units were resharded before it: the likely cause of a
 /// failure that only such a stage meets (computing with a freed parameter, whose storage is a
@@ -716,14 +734,11 @@ fn stage_forward<M: Stages>(
         model.forward(s, params, x.as_ref(), batch)
     }));
     match forward {
-        Ok(out) => out.map_err(candle("stage forward")),
+        Ok(out) => out.map_err(candle(STAGE_FORWARD)),
         Err(payload) => Err(Error::BadInput {
-            op: "stage forward",
+            op: STAGE_FORWARD,
             what: format!("stage {s}"),
-            reason: format!(
-                "it panicked: {}",
-                crate::error::panic_text(payload.as_ref())
-            ),
+            reason: format!("{PANICKED}{}", crate::error::panic_text(payload.as_ref())),
         }),
     }
 }
