@@ -52,15 +52,15 @@ fn main() -> ragged::Result<()> {
     let params: Vec<(String, Tensor)> = vec![
         (
             "blocks.0.weight".into(),
-            (Tensor::randn(0f32, 0.1, (64, 64), &dev)?),
+            Tensor::randn(0f32, 0.1, (64, 64), &dev)?,
         ),
         (
             "blocks.1.weight".into(),
-            (Tensor::randn(0f32, 0.1, (64, 64), &dev)?),
+            Tensor::randn(0f32, 0.1, (64, 64), &dev)?,
         ),
         (
             "head.weight".into(),
-            (Tensor::randn(0f32, 0.1, (8, 64), &dev)?),
+            Tensor::randn(0f32, 0.1, (8, 64), &dev)?,
         ),
     ];
     let inputs = Tensor::randn(0f32, 1.0, (32, 64), &dev)?;
