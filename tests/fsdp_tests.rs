@@ -1133,6 +1133,92 @@ fn gradients_whose_norm_overflows_f32_are_clipped_to_max_norm() {
     );
 }
 
+/// The clip factor is torch's `max_norm / (norm + 1e-6)`, computed in f64 and applied as one
+/// f32 multiply. With a small norm the `1e-6` matters: 16 gradients of 1e-4 have norm 4e-4
+/// (exact: 16·g² and its square root are exact in f64), and a maximum of 1e-4 scales them by
+/// 1e-4 / (4e-4 + 1e-6) ≈ 0.2494, not 0.25; each clipped gradient must be bitwise
+/// `g · f32(factor)`, the factor derived here from the gradients, not from the returned norm.
+#[test]
+fn clipping_scales_by_max_norm_over_norm_plus_torchs_1e_minus_6() {
+    let params = vec![(
+        "w".to_string(),
+        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
+    )];
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 1e-4).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut before = Vec::new();
+    sharded
+        .with_local_grads(|_, g| before.extend_from_slice(g))
+        .unwrap();
+    // The local shard may hold zero padding after the 16 gradients.
+    let g0 = before[0];
+    assert!(g0 > 0.0);
+    assert_eq!(before.iter().filter(|&&x| x == g0).count(), 16);
+    assert!(before.iter().all(|&x| x == g0 || x == 0.0));
+    let norm: f64 = before
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = 1e-4f32;
+    let factor = (f64::from(max_norm) / (norm + 1e-6)) as f32;
+    assert_ne!(
+        factor,
+        (f64::from(max_norm) / norm) as f32,
+        "the 1e-6 matters"
+    );
+    let got = sharded.clip_grad_norm(max_norm).unwrap();
+    assert_eq!(got, norm as f32);
+    sharded
+        .with_local_grads(|_, g| {
+            for (i, (&a, &b)) in g.iter().zip(&before).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    (b * factor).to_bits(),
+                    "element {i}: {a} vs {b}·{factor}"
+                );
+            }
+        })
+        .unwrap();
+}
+
+/// A non-finite gradient makes the norm NaN (whatever the finite ones sum to) and leaves every
+/// gradient as it was, for the step's non-finite policy to see; a norm summed over the finite
+/// elements only would look healthy and scale the others.
+#[test]
+fn a_non_finite_gradient_gives_a_nan_norm_and_no_scaling() {
+    let params = vec![(
+        "w".to_string(),
+        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
+    )];
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    let mut c = vec![1e3f32; 16];
+    c[5] = f32::NAN;
+    let c = Tensor::from_vec(c, (4, 4), &Device::Cpu).unwrap();
+    // d(sum(w·c))/dw = c, exactly.
+    (w * c).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut before = Vec::new();
+    sharded
+        .with_local_grads(|_, g| before.extend(g.iter().map(|x| x.to_bits())))
+        .unwrap();
+    assert_eq!(
+        before.iter().filter(|&&b| f32::from_bits(b) == 1e3).count(),
+        15
+    );
+    let norm = sharded.clip_grad_norm(1.0).unwrap();
+    assert!(norm.is_nan(), "norm {norm}");
+    sharded
+        .with_local_grads(|_, g| {
+            let after: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(after, before, "gradients changed");
+        })
+        .unwrap();
+}
+
 /// Clipping given the same gradients: rank 0 backpropagates the whole batch, the others a zero
 /// loss, and gradients are summed, so every sharding holds exactly the unsharded gradients.
 /// The global norm is then the same bits at V = 1, 2, 3, 4 and unsharded, so are the clipped
