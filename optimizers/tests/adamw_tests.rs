@@ -101,14 +101,19 @@ fn loud(decay_rule: DecayRule) -> AdamWConfig {
     }
 }
 
-/// The configs the bitwise tests sweep: torch defaults, `loud`, and β₁ < 0.5 (torch's other
-/// `lerp` branch).
+/// The configs the bitwise tests sweep: torch defaults, `loud`, β₁ < 0.5 (torch's other
+/// `lerp` branch) and β₁ = 0.5 exactly (lerp weight 0.5, which torch's `|w| < 0.5` test sends
+/// to the `g − (g − m)·β₁` branch; the other branch rounds differently).
 fn configs() -> Vec<AdamWConfig> {
     vec![
         AdamWConfig::default(),
         loud(DecayRule::NoDecayFor1D),
         AdamWConfig {
             beta1: 0.3,
+            ..loud(DecayRule::All)
+        },
+        AdamWConfig {
+            beta1: 0.5,
             ..loud(DecayRule::All)
         },
     ]
@@ -417,7 +422,7 @@ proptest! {
         shapes in prop::collection::vec(prop::collection::vec(1usize..12, 1..4), 1..6),
         world in 1usize..9,
         coll_align in prop::sample::select(vec![1usize, 4, 64]),
-        config in 0usize..3,
+        config in 0usize..4,
         seed in any::<u64>(),
     ) {
         let shape_refs: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
