@@ -1219,6 +1219,42 @@ fn a_non_finite_gradient_gives_a_nan_norm_and_no_scaling() {
         .unwrap();
 }
 
+/// With the default options, reduced gradients are the rank-order average over ranks (torch
+/// FSDP's mean), not the sum: rank r's gradient is the constant c_r, so every element the
+/// ranks hold reduces to ((c_0 + c_1) + c_2) / 3 in f32, bitwise, and the padding to zero.
+#[test]
+fn default_options_average_gradients_over_ranks_in_rank_order() {
+    let params = vec![(
+        "w".to_string(),
+        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
+    )];
+    let c = [0.1f32, 0.7, 1.3];
+    let want = ((c[0] + c[1]) + c[2]) / 3.0;
+    assert_ne!(want, (c[0] + c[1]) + c[2]);
+    let held = ThreadWorld::run(3, |comm| {
+        let mut sharded = fully_shard(&params, adamw(), comm, FsdpOptions::default())?;
+        let w = sharded.unshard()?.remove("w").unwrap();
+        // d(sum(w·c_r))/dw = c_r, exactly.
+        (w * f64::from(c[comm.rank()]))?.sum_all()?.backward()?;
+        sharded.reduce_gradients()?;
+        let mut local = Vec::new();
+        sharded.with_local_grads(|_, g| local.extend_from_slice(g))?;
+        Ok(local)
+    })
+    .unwrap();
+    let mut owned = 0;
+    for (rank, g) in held.iter().enumerate() {
+        for (i, &x) in g.iter().enumerate() {
+            if x.to_bits() == want.to_bits() {
+                owned += 1;
+            } else {
+                assert_eq!(x.to_bits(), 0, "rank {rank} element {i}: {x}, want {want}");
+            }
+        }
+    }
+    assert_eq!(owned, 16, "every element reduced once: {held:?}");
+}
+
 /// Clipping given the same gradients: rank 0 backpropagates the whole batch, the others a zero
 /// loss, and gradients are summed, so every sharding holds exactly the unsharded gradients.
 /// The global norm is then the same bits at V = 1, 2, 3, 4 and unsharded, so are the clipped
