@@ -1255,6 +1255,30 @@ fn default_options_average_gradients_over_ranks_in_rank_order() {
     assert_eq!(owned, 16, "every element reduced once: {held:?}");
 }
 
+/// Gradients discarded before a step are gone: the next backward starts from zero, not from
+/// the discarded values (the discarded buffer goes back to the pool and is handed out again,
+/// so the first gradient into each tensor must overwrite, not accumulate).
+#[test]
+fn a_backward_after_discard_gradients_starts_from_zero() {
+    let params = vec![(
+        "w".to_string(),
+        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
+    )];
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.discard_gradients();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 0.5).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut got = Vec::new();
+    sharded
+        .with_local_grads(|_, g| got.extend_from_slice(g))
+        .unwrap();
+    assert_eq!(got.iter().filter(|&&x| x == 0.5).count(), 16, "{got:?}");
+    assert!(got.iter().all(|&x| x == 0.5 || x.to_bits() == 0), "{got:?}");
+}
+
 /// Clipping given the same gradients: rank 0 backpropagates the whole batch, the others a zero
 /// loss, and gradients are summed, so every sharding holds exactly the unsharded gradients.
 /// The global norm is then the same bits at V = 1, 2, 3, 4 and unsharded, so are the clipped
