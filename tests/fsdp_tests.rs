@@ -1631,6 +1631,34 @@ fn a_schedule_with_a_rate_the_optimizer_refuses_is_refused_when_set() {
     sharded.set_schedule(to_zero).unwrap();
 }
 
+/// The lowest positive rate of a decay to zero comes at step `total − 1`, not at `total` (0, a
+/// rate) or at 0: a linear decay over 10⁶ steps from 1e-33 sets 1e-33 · 10⁻⁶ = 1e-39 there,
+/// subnormal in f32, and `set_schedule` must refuse it then rather than the step that gets there.
+#[test]
+fn a_schedule_whose_rate_just_before_total_is_subnormal_is_refused_when_set() {
+    use ragged::schedule::Schedule;
+    let params = CFG.init_params(6).unwrap();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    sharded.set_learning_rate(1e-33).unwrap();
+    let total = 1_000_000;
+    let last = (1e-33 * (1.0 / total as f64)) as f32;
+    assert!(last > 0.0 && last < f32::MIN_POSITIVE, "{last}");
+    let decay = Schedule::WarmupLinear {
+        warmup: 0,
+        total,
+        min_factor: 0.0,
+    };
+    let err = sharded
+        .set_schedule(decay)
+        .expect_err("a subnormal rate at step total - 1")
+        .to_string();
+    assert!(
+        err.contains("at step 999999") && err.contains("learning rate must be 0 or lie in"),
+        "{err}"
+    );
+    assert_eq!(sharded.learning_rate(), Some(1e-33));
+}
+
 /// Ranks about to step at different learning rates (`set_learning_rate` or `set_schedule`
 /// called on some ranks only) all get the same `Err` and take no step; before, each rank
 /// moved its shard of the same parameters by its own rate, with no error. The gradients are
