@@ -1127,6 +1127,72 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A sealed manifest (fresh checksum) whose holders or rank files do not tile the saved arrays
+/// in rank order is refused when read, naming the cause: holders with a gap, holders out of
+/// rank order, holders short of the array's length, rank files listed out of rank order. A
+/// reader trusting them would take elements from the wrong place or the wrong rank's file.
+#[test]
+fn a_sealed_manifest_with_holders_or_rank_files_out_of_order_is_refused() {
+    let root = scratch(SUITE, "holders");
+    let params = CFG.init_params(3).unwrap();
+    let good = root.join("good");
+    run(2, &params, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
+    let good = ckpt_fs::resolve(&good).unwrap();
+    let n = Manifest::read(&good).unwrap().fields[0].len as u64;
+    assert!(n >= 4, "{n}");
+    let h = n / 2;
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let holders = |hs: serde_json::Value| -> Edit {
+        Box::new(move |v: &mut serde_json::Value| v["fields"][0]["holders"] = hs.clone())
+    };
+    let cases: Vec<(&str, Edit, Option<&str>)> = vec![
+        // The control: two holders in rank order that tile the array are read.
+        (
+            "tiled",
+            holders(serde_json::json!([[0, 0, h], [1, h, n]])),
+            None,
+        ),
+        (
+            "gap",
+            holders(serde_json::json!([[0, 0, h], [1, h + 1, n]])),
+            Some("does not continue at"),
+        ),
+        (
+            "rank order",
+            holders(serde_json::json!([[1, 0, h], [0, h, n]])),
+            Some("does not continue at"),
+        ),
+        (
+            "short",
+            holders(serde_json::json!([[0, 0, h], [1, h, n - 1]])),
+            Some("holders cover"),
+        ),
+        (
+            "files swapped",
+            Box::new(|v: &mut serde_json::Value| {
+                let files = v["files"].as_array_mut().unwrap();
+                files.swap(0, 1);
+            }),
+            Some("in rank order"),
+        ),
+    ];
+    for (what, edit, needle) in cases {
+        let dir = root.join(what.replace(' ', "-"));
+        copy_dir(&good, &dir);
+        edit_manifest(&dir, edit);
+        match (Manifest::read(&dir), needle) {
+            (Ok(_), None) => {}
+            (Ok(_), Some(n)) => panic!("{what}: read, want an error with {n:?}"),
+            (Err(e), None) => panic!("{what}: {e}"),
+            (Err(e), Some(n)) => {
+                let e = e.to_string();
+                assert!(e.contains(n) && e.contains("manifest.json"), "{what}: {e}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// A failed load either leaves the model as it was (what is checked before any value is
 /// replaced: here a missing rank file, a truncated one, a manifest from a wider model) or,
 /// failing while it reads (a checksum mismatch found in the last chunk), leaves it refusing
