@@ -845,6 +845,44 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
     }
 }
 
+/// A block whose gradient is zero at every step has a zero Shampoo direction and a zero
+/// grafting direction; its grafting scale is 0 / (0 + 1e-16) = 0, so (without weight decay)
+/// its parameters stay bitwise as they were, while the other block moves. A scale of
+/// ‖P_g‖ / ‖P‖ alone would be 0 / 0 = NaN and turn the block's parameters into NaN.
+#[test]
+fn a_block_whose_gradient_is_always_zero_keeps_its_parameters_under_grafting() {
+    for grafting in [Grafting::ADAM, Grafting::ADAGRAD, Grafting::Sgd] {
+        let c = ShampooConfig {
+            weight_decay: 0.0,
+            grafting,
+            ..loud_shampoo()
+        };
+        let opt = Shampoo::new(c).unwrap();
+        // Rows 0..4 and 4..8 are two blocks of max_preconditioner_dim = 4 rows.
+        let spec = specs(&[("w", &[8, 3])]);
+        let (p0, mut grads) = data(&spec, 4, 21);
+        for g in &mut grads {
+            g[0][..12].iter_mut().for_each(|x| *x = 0.0);
+        }
+        let shard = whole_shard(&opt, &spec);
+        let (got, _) = run_rank(&opt, &shard, &p0, &grads);
+        let piece = &shard.pieces[0];
+        let got = &got[piece.offset..piece.offset + piece.range.len()];
+        assert_eq!(
+            bits(&got[..12]),
+            bits(&p0[0][..12]),
+            "{grafting:?}: the zero-gradient block moved"
+        );
+        assert!(
+            got[12..]
+                .iter()
+                .zip(&p0[0][12..])
+                .all(|(a, b)| a.is_finite() && a != b),
+            "{grafting:?}: the other block did not step: {got:?}"
+        );
+    }
+}
+
 #[test]
 fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
     let c = ShampooConfig {
