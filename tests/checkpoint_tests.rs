@@ -1190,7 +1190,6 @@ fn a_sealed_manifest_with_holders_or_rank_files_out_of_order_is_refused() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A failed load either leaves the model as it was (what is checked before any value is
