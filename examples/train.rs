@@ -18,8 +18,9 @@
 //! `gpu-threads` or `nccl`) puts it, its shards and the optimizer state on the GPU; the
 //! unsharded reference always trains on the CPU, so the drift column compares the two.
 
+use std::io::Write as _;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -518,10 +519,7 @@ fn run<O: CheckpointState>(
         )?;
     }
 
-    let bar = ProgressBar::new(args.steps as u64).with_style(
-        ProgressStyle::with_template("sharded   {bar:30} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
+    let bar = Progress::new("sharded  ", args.steps);
     let ckpt = Checkpointing {
         dir: args.checkpoint_dir.clone(),
         save_every: args.save_every,
@@ -544,14 +542,13 @@ fn run<O: CheckpointState>(
     let rank_run = |comm: &dyn Communicator| {
         let progress = |step: usize, r: &StepReport| {
             if comm.rank() == 0 {
-                bar.set_position(step as u64 + 1);
-                bar.set_message(format!("loss {:.4}", r.loss));
+                bar.step(step, r.loss);
             }
         };
         // The start-up table: every parameter's role, unit, block and holding ranks.
         let table = fully_shard(&params, optimizer(lr)?, comm, opts.clone())?.describe();
         if comm.rank() == 0 {
-            bar.suspend(|| ragged::outln!("{table}\n"))?;
+            bar.bar.suspend(|| ragged::outln!("{table}\n"))?;
         }
         let opt = optimizer(lr)?;
         let job = (cfg, mode, args.steps, args.batch);
@@ -570,7 +567,7 @@ fn run<O: CheckpointState>(
         CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
         CommKind::Mpi => return Err(mpi_on_gpu()),
     };
-    bar.finish();
+    bar.bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
     if rank != 0 {
         return Ok(()); // rank 0 reports
@@ -590,14 +587,8 @@ fn run<O: CheckpointState>(
         print_table(&sharded, None, first_step)?;
         return Ok(());
     }
-    let bar = ProgressBar::new(args.steps as u64).with_style(
-        ProgressStyle::with_template("unsharded {bar:30} {pos}/{len} {msg} [{elapsed}]")
-            .expect("valid template"),
-    );
-    let progress = |step: usize, r: &StepReport| {
-        bar.set_position(step as u64 + 1);
-        bar.set_message(format!("loss {:.4}", r.loss));
-    };
+    let bar = Progress::new("unsharded", args.steps);
+    let progress = |step: usize, r: &StepReport| bar.step(step, r.loss);
     let reference_opts = FsdpOptions {
         layout: ShardLayout::Ragged,
         ..FsdpOptions::default()
@@ -621,7 +612,7 @@ fn run<O: CheckpointState>(
         progress,
     )?;
     let (reference, ref_full) = (reference.reports, reference.params);
-    bar.finish();
+    bar.bar.finish();
     print_table(&sharded, Some(&reference), first_step)?;
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
@@ -864,6 +855,56 @@ fn report_checkpoints(args: &Args, trained: &Trained) -> Result<()> {
         "parameter digest (sha256 of the f32 values by name): {}",
         trained.digest
     )
+}
+
+/// How often a run whose progress bar cannot show (output to a file, a pipe, `mpirun`) says
+/// where it is.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A run's progress: a bar on a terminal; elsewhere a line on stderr every [`LOG_EVERY`]
+/// (the step, the loss, the time so far), so a long run under `nohup` or `mpirun` shows that
+/// it is alive and how its loss goes before the table at the end.
+struct Progress {
+    bar: ProgressBar,
+    label: &'static str,
+    steps: usize,
+    /// When the last line was written (the start before the first).
+    logged: std::sync::Mutex<Instant>,
+}
+
+impl Progress {
+    fn new(label: &'static str, steps: usize) -> Progress {
+        let template = format!("{label} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}]");
+        let style = ProgressStyle::with_template(&template).expect("valid template");
+        Progress {
+            bar: ProgressBar::new(steps as u64).with_style(style),
+            label,
+            steps,
+            logged: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Step `step` (from 0) is done with loss `loss`.
+    fn step(&self, step: usize, loss: f32) {
+        self.bar.set_position(step as u64 + 1);
+        self.bar.set_message(format!("loss {loss:.4}"));
+        if !self.bar.is_hidden() {
+            return;
+        }
+        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.elapsed() >= LOG_EVERY {
+            *logged = Instant::now();
+            let elapsed = self.bar.elapsed().as_secs_f64();
+            // A progress line that cannot be written is not worth failing the run for.
+            let _ = writeln!(
+                std::io::stderr(),
+                "{} step {}/{} loss {loss:.4} [{elapsed:.0} s]",
+                self.label.trim_end(),
+                step + 1,
+                self.steps
+            );
+        }
+    }
 }
 
 fn print_table(
