@@ -571,6 +571,12 @@ fn parameters_that_get_no_gradient_are_reported_by_name() {
     }
 }
 
+/// One parameter `w`, a 4 × 4 matrix of ones: its gradient under `sum(w · c)` is `c` exactly.
+fn ones_matrix_w() -> Vec<(String, Tensor)> {
+    let w = Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap();
+    vec![("w".to_string(), w)]
+}
+
 /// `layers.0.w` and `layers.1.w`, random `n × n`: two units of one matrix each.
 fn two_square_layers(n: usize) -> Vec<(String, Tensor)> {
     (0..2)
@@ -1140,10 +1146,7 @@ fn gradients_whose_norm_overflows_f32_are_clipped_to_max_norm() {
 /// `g · f32(factor)`, the factor derived here from the gradients, not from the returned norm.
 #[test]
 fn clipping_scales_by_max_norm_over_norm_plus_torchs_1e_minus_6() {
-    let params = vec![(
-        "w".to_string(),
-        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
-    )];
+    let params = ones_matrix_w();
     let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     let w = sharded.unshard().unwrap().remove("w").unwrap();
     (w * 1e-4).unwrap().sum_all().unwrap().backward().unwrap();
@@ -1189,10 +1192,7 @@ fn clipping_scales_by_max_norm_over_norm_plus_torchs_1e_minus_6() {
 /// elements only would look healthy and scale the others.
 #[test]
 fn a_non_finite_gradient_gives_a_nan_norm_and_no_scaling() {
-    let params = vec![(
-        "w".to_string(),
-        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
-    )];
+    let params = ones_matrix_w();
     let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     let w = sharded.unshard().unwrap().remove("w").unwrap();
     let mut c = vec![1e3f32; 16];
@@ -1224,10 +1224,7 @@ fn a_non_finite_gradient_gives_a_nan_norm_and_no_scaling() {
 /// ranks hold reduces to ((c_0 + c_1) + c_2) / 3 in f32, bitwise, and the padding to zero.
 #[test]
 fn default_options_average_gradients_over_ranks_in_rank_order() {
-    let params = vec![(
-        "w".to_string(),
-        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
-    )];
+    let params = ones_matrix_w();
     let c = [0.1f32, 0.7, 1.3];
     let want = ((c[0] + c[1]) + c[2]) / 3.0;
     assert_ne!(want, (c[0] + c[1]) + c[2]);
@@ -1260,10 +1257,7 @@ fn default_options_average_gradients_over_ranks_in_rank_order() {
 /// so the first gradient into each tensor must overwrite, not accumulate).
 #[test]
 fn a_backward_after_discard_gradients_starts_from_zero() {
-    let params = vec![(
-        "w".to_string(),
-        Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
-    )];
+    let params = ones_matrix_w();
     let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     let w = sharded.unshard().unwrap().remove("w").unwrap();
     (w * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
