@@ -1,8 +1,10 @@
 //! What `ShardedModel` accumulates, counts and agrees on between a backward and a step:
 //! gradients over several backwards and several reductions, a non-finite loss on one rank,
-//! skipped steps, clipping below the threshold, the padding of a reused gradient buffer, plans
-//! that differ between ranks, a role's weight decay under AdamW, and the optimizer's events
-//! summed over ranks. Each test was written
+//! skipped steps, clipping below the threshold and above it (torch's `max_norm / (norm + 1e-6)`,
+//! a NaN norm from a non-finite gradient), the padding of a reused gradient buffer, discarded
+//! gradients, the default reduction (an average in rank order), plans that differ between
+//! ranks, a role's weight decay under AdamW, and the optimizer's events summed over ranks.
+//! Each test was written
 //! against a mutation of the runtime that no other test caught (an overwrite instead of an
 //! add, a rank deciding alone, ...) and fails on it.
 
@@ -267,4 +269,144 @@ fn optimizer_events_sum_every_ranks_counts() {
     // AdamW counts nothing.
     let m = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
     assert_eq!(m.optimizer_events().unwrap(), vec![]);
+}
+
+/// One parameter `w`, a 4 × 4 matrix of ones: its gradient under `sum(w · c)` is `c` exactly.
+fn ones_matrix_w() -> Vec<(String, Tensor)> {
+    let w = Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap();
+    vec![("w".to_string(), w)]
+}
+
+/// The clip factor is torch's `max_norm / (norm + 1e-6)`, computed in f64 and applied as one
+/// f32 multiply. With a small norm the `1e-6` matters: 16 gradients of 1e-4 have norm 4e-4
+/// (exact: 16·g² and its square root are exact in f64), and a maximum of 1e-4 scales them by
+/// 1e-4 / (4e-4 + 1e-6) ≈ 0.2494, not 0.25; each clipped gradient must be bitwise
+/// `g · f32(factor)`, the factor derived here from the gradients, not from the returned norm.
+#[test]
+fn clipping_scales_by_max_norm_over_norm_plus_torchs_1e_minus_6() {
+    let params = ones_matrix_w();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 1e-4).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut before = Vec::new();
+    sharded
+        .with_local_grads(|_, g| before.extend_from_slice(g))
+        .unwrap();
+    // The local shard may hold zero padding after the 16 gradients.
+    let g0 = before[0];
+    assert!(g0 > 0.0);
+    assert_eq!(before.iter().filter(|&&x| x == g0).count(), 16);
+    assert!(before.iter().all(|&x| x == g0 || x == 0.0));
+    let norm: f64 = before
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = 1e-4f32;
+    let factor = (f64::from(max_norm) / (norm + 1e-6)) as f32;
+    assert_ne!(
+        factor,
+        (f64::from(max_norm) / norm) as f32,
+        "the 1e-6 matters"
+    );
+    let got = sharded.clip_grad_norm(max_norm).unwrap();
+    assert_eq!(got, norm as f32);
+    sharded
+        .with_local_grads(|_, g| {
+            for (i, (&a, &b)) in g.iter().zip(&before).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    (b * factor).to_bits(),
+                    "element {i}: {a} vs {b}·{factor}"
+                );
+            }
+        })
+        .unwrap();
+}
+
+/// A non-finite gradient makes the norm NaN (whatever the finite ones sum to) and leaves every
+/// gradient as it was, for the step's non-finite policy to see; a norm summed over the finite
+/// elements only would look healthy and scale the others.
+#[test]
+fn a_non_finite_gradient_gives_a_nan_norm_and_no_scaling() {
+    let params = ones_matrix_w();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    let mut c = vec![1e3f32; 16];
+    c[5] = f32::NAN;
+    let c = Tensor::from_vec(c, (4, 4), &Device::Cpu).unwrap();
+    // d(sum(w·c))/dw = c, exactly.
+    (w * c).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut before = Vec::new();
+    sharded
+        .with_local_grads(|_, g| before.extend(g.iter().map(|x| x.to_bits())))
+        .unwrap();
+    assert_eq!(
+        before.iter().filter(|&&b| f32::from_bits(b) == 1e3).count(),
+        15
+    );
+    let norm = sharded.clip_grad_norm(1.0).unwrap();
+    assert!(norm.is_nan(), "norm {norm}");
+    sharded
+        .with_local_grads(|_, g| {
+            let after: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(after, before, "gradients changed");
+        })
+        .unwrap();
+}
+
+/// With the default options, reduced gradients are the rank-order average over ranks (torch
+/// FSDP's mean), not the sum: rank r's gradient is the constant c_r, so every element the
+/// ranks hold reduces to ((c_0 + c_1) + c_2) / 3 in f32, bitwise, and the padding to zero.
+#[test]
+fn default_options_average_gradients_over_ranks_in_rank_order() {
+    let params = ones_matrix_w();
+    let c = [0.1f32, 0.7, 1.3];
+    let want = ((c[0] + c[1]) + c[2]) / 3.0;
+    assert_ne!(want, (c[0] + c[1]) + c[2]);
+    let held = ThreadWorld::run(3, |comm| {
+        let mut sharded = fully_shard(&params, adamw(), comm, FsdpOptions::default())?;
+        let w = sharded.unshard()?.remove("w").unwrap();
+        // d(sum(w·c_r))/dw = c_r, exactly.
+        (w * f64::from(c[comm.rank()]))?.sum_all()?.backward()?;
+        sharded.reduce_gradients()?;
+        let mut local = Vec::new();
+        sharded.with_local_grads(|_, g| local.extend_from_slice(g))?;
+        Ok(local)
+    })
+    .unwrap();
+    let mut owned = 0;
+    for (rank, g) in held.iter().enumerate() {
+        for (i, &x) in g.iter().enumerate() {
+            if x.to_bits() == want.to_bits() {
+                owned += 1;
+            } else {
+                assert_eq!(x.to_bits(), 0, "rank {rank} element {i}: {x}, want {want}");
+            }
+        }
+    }
+    assert_eq!(owned, 16, "every element reduced once: {held:?}");
+}
+
+/// Gradients discarded before a step are gone: the next backward starts from zero, not from
+/// the discarded values (the discarded buffer goes back to the pool and is handed out again,
+/// so the first gradient into each tensor must overwrite, not accumulate).
+#[test]
+fn a_backward_after_discard_gradients_starts_from_zero() {
+    let params = ones_matrix_w();
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.discard_gradients();
+    let w = sharded.unshard().unwrap().remove("w").unwrap();
+    (w * 0.5).unwrap().sum_all().unwrap().backward().unwrap();
+    sharded.reduce_gradients().unwrap();
+    let mut got = Vec::new();
+    sharded
+        .with_local_grads(|_, g| got.extend_from_slice(g))
+        .unwrap();
+    assert_eq!(got.iter().filter(|&&x| x == 0.5).count(), 16, "{got:?}");
+    assert!(got.iter().all(|&x| x == 0.5 || x.to_bits() == 0), "{got:?}");
 }
