@@ -138,7 +138,6 @@ fn a_load_restores_skips_learning_rate_and_clears_the_non_finite_flag() {
     let loaded = one.load(&root).unwrap();
     assert_eq!(loaded.saved_world, 2, "the world that saved it");
     assert_eq!(one.skipped_steps(), 1);
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Pending gradients are dropped by a load (`load`'s "drops pending gradients"), whether
@@ -181,7 +180,6 @@ fn a_load_drops_pending_gradients_reduced_or_not() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A root holding several checkpoints loads the newest: saved after steps 1, 2 and 3 (none
@@ -203,7 +201,6 @@ fn a_root_resolves_to_its_newest_checkpoint() {
         t.full_params().unwrap() == want,
         "loaded an older checkpoint"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A checkpoint that holds every parameter of the model and more (another, larger model that
@@ -221,7 +218,6 @@ fn a_checkpoint_with_parameters_the_model_lacks_is_refused() {
         err.contains("2 parameters") && err.contains("\"b\""),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Compute copies gathered before a load (by `unshard`, which later calls rewrite in place) are
@@ -259,7 +255,6 @@ fn compute_copies_gathered_before_a_load_show_the_loaded_values() {
         })
         .unwrap();
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Imports F16 and BF16 tensors as f32 exactly as candle converts them, at 1 and 2 ranks,
@@ -302,7 +297,6 @@ fn half_precision_imports_convert_f16_and_bf16_over_many_blocks() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A Hugging Face index may interleave its files (`a` and `c` in one, `b` in the other): each
@@ -338,7 +332,6 @@ fn an_index_that_interleaves_files_loads_every_tensor_from_its_file() {
         let want: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         assert!(got[n] == want, "{n} read from the wrong file");
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Under a bf16 compute dtype the gathered copies are the master values rounded to nearest

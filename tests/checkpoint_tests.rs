@@ -415,7 +415,6 @@ fn two_runs_never_mix_their_checkpoints_in_one_root() {
         .iter()
         .all(|(id, d)| *id == run_a && *d == digest_a));
     assert_eq!(ckpt_fs::list(&dir).unwrap().len(), 3);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ranks that pass different roots to `save` (or do not share rank 0's file system) are told
@@ -446,7 +445,6 @@ fn a_save_with_another_root_on_some_rank_names_the_cause() {
             left.iter().all(|e| e.file_name() == ".lock"),
             "{root:?}: {left:?}"
         );
-        let _ = std::fs::remove_dir_all(root);
     }
 }
 
@@ -600,7 +598,6 @@ fn a_checkpoint_records_the_run_and_a_load_names_what_changed() {
         ckpt_fs::resolve(&job_dir).unwrap(),
         ckpt_fs::step_dir(&job_dir, 1)
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn opts(layout: ShardLayout) -> FsdpOptions {
@@ -675,7 +672,6 @@ fn resume_is_exact<O: CheckpointState + Clone>(label: &str, opt: O, world: usize
     }
     let fields: std::collections::BTreeSet<&str> = x.keys().map(|(_, f)| f.as_str()).collect();
     println!("{label}: bitwise after resume at V={world}; fields {fields:?}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -778,7 +774,6 @@ fn reshard_is_exact<O: CheckpointState + Clone>(
             assert!(worst <= LR as f32 / 10.0, "{label} at {world}: {worst}");
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -906,7 +901,6 @@ fn export_loads_in_candle_and_a_safetensors_file_starts_a_sharded_run() {
         err.contains("every rank: ") && err.matches("missing").count() == 2,
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Loads `dir` on 2 ranks into a model of `params` with `opt`; every rank's error text.
@@ -1124,7 +1118,6 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
         err.to_string().contains("the manifest says elements"),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A sealed manifest (fresh checksum) whose holders or rank files do not tile the saved arrays
@@ -1300,7 +1293,6 @@ fn a_failed_load_leaves_the_model_as_it_was_or_refuses_it() {
     })
     .unwrap();
     assert!(before[0] == before[1], "ranks agree on the initial values");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Copies the safetensors file `from` to `to` with its last tensor (by offset) stored as I32
@@ -1482,7 +1474,6 @@ fn manifests_that_lie_or_disable_their_checks_are_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("as shape [") && err.contains(", 2]"), "{err}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Writes a safetensors file by hand: `header` (JSON, padded with spaces to a multiple of 8
@@ -1530,7 +1521,6 @@ fn a_safetensors_header_naming_a_tensor_twice_is_refused() {
     );
     let err = file("list.safetensors", "[1, 2]").unwrap_err().to_string();
     assert!(err.contains("header is not a JSON object"), "{err}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Files a reader would wait on for ever or read without end are refused, not opened: a FIFO
@@ -1636,7 +1626,6 @@ fn special_files_and_oversized_inputs_are_refused_not_waited_on() {
     assert_eq!(header(64).unwrap(), 64);
     let err = header(65).unwrap_err().to_string();
     assert!(err.contains("more than 64 dimensions"), "{err}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// An export never replaces a checkpoint, the run's input or a file it does not own: inside a
@@ -1748,7 +1737,6 @@ fn an_export_never_replaces_a_checkpoint_an_input_or_a_file_it_does_not_own() {
     let err = run.map(drop).unwrap_err().to_string();
     assert!(err.contains("is the file the run starts from"), "{err}");
     assert_eq!(std::fs::read(&out).unwrap(), weights);
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A starting point with a NaN or an infinity (f32, or bf16 as Hugging Face files hold them)
@@ -1793,7 +1781,6 @@ fn a_starting_point_that_is_not_finite_is_refused_naming_the_element() {
             assert!(refused, "{dtype:?}: trained after the refused load");
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// A learning-rate schedule resumes where it was, with the base it multiplied: loaded into a
@@ -1832,7 +1819,6 @@ fn a_schedule_resumes_at_its_position_with_its_base() {
         let got = (resumed.full_params().unwrap(), resumed.learning_rate());
         assert!(got == want, "set again after load: {set_again}");
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Rotation keeps the newest checkpoints; a save with gradients pending is refused.
@@ -1864,7 +1850,6 @@ fn saves_rotate_and_refuse_pending_gradients() {
         .map(|(s, _)| s)
         .collect();
     assert_eq!(steps, vec![3, 4]);
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// The child of [`a_save_killed_midway_leaves_the_previous_checkpoint_loadable`]: trains and
@@ -1978,7 +1963,6 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_loadable() {
         ckpt_fs::leftovers(&root).unwrap().is_empty(),
         "the next save removes the leftover"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// The child of [`the_main_job_resumes_bit_for_bit_in_a_new_process`]: the main job's
@@ -2103,5 +2087,4 @@ fn the_main_job_resumes_bit_for_bit_in_a_new_process() {
     };
     let err = refusal(2, &past);
     assert!(err.contains("already past them"), "{err}");
-    let _ = std::fs::remove_dir_all(&root);
 }
