@@ -197,10 +197,7 @@ fn run_of(checkpoint: &Path) -> Option<String> {
 /// recorded, name none and are skipped).
 fn check_one_run(root: &Path, run: &str) -> Result<()> {
     // Newest first by the names alone: a folder without a manifest records no run.
-    let mut named = named_steps(root, step_of, |_| true)?;
-    named.extend(moved_aside(root)?);
-    named.sort();
-    let newest_run = named
+    let newest_run = by_name(root, |_| true)?
         .iter()
         .rev()
         .find_map(|(step, path)| run_of(path).map(|r| (*step, r)));
@@ -293,18 +290,9 @@ fn named_steps(
         .collect())
 }
 
-/// [`named_steps`] that hold a manifest. The steps are read from the names before any folder
-/// is looked into, so a save into a root that keeps thousands of checkpoints looks into those
-/// of the steps it wants only (looking into every one cost a save about 7 µs per checkpoint
-/// kept, twice what the listings cost).
-fn with_manifest(
-    root: &Path,
-    step_of_name: fn(&str) -> Option<usize>,
-    wanted: impl Fn(usize) -> bool,
-) -> Result<Vec<(usize, PathBuf)>> {
-    let mut named = named_steps(root, step_of_name, wanted)?;
-    named.retain(|(_, path)| path.join("manifest.json").is_file());
-    Ok(named)
+/// Whether checkpoint folder `path` holds a manifest (a complete save).
+fn has_manifest(path: &Path) -> bool {
+    path.join("manifest.json").is_file()
 }
 
 /// Folders of saves and removals that did not finish under `root`.
@@ -322,8 +310,8 @@ pub fn leftovers(root: &Path) -> Result<Vec<PathBuf>> {
 /// Complete checkpoints a save moved aside and did not replace: `(step, .step-N.old)` where
 /// `step-N` does not exist and the folder has a manifest.
 fn moved_aside(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let mut aside = with_manifest(root, old_step_of, |_| true)?;
-    aside.retain(|&(step, _)| !step_dir(root, step).exists());
+    let mut aside = named_steps(root, old_step_of, |_| true)?;
+    aside.retain(|(step, path)| has_manifest(path) && !step_dir(root, *step).exists());
     Ok(aside)
 }
 
@@ -353,7 +341,18 @@ pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 
 /// [`list`]'s checkpoints of the steps `wanted` accepts.
 fn complete_where(root: &Path, wanted: impl Fn(usize) -> bool) -> Result<Vec<(usize, PathBuf)>> {
-    let mut out = with_manifest(root, step_of, &wanted)?;
+    let mut out = by_name(root, wanted)?;
+    out.retain(|(_, path)| has_manifest(path));
+    Ok(out)
+}
+
+/// The folders `step-N` under `root`, and the checkpoints a save that died had moved aside,
+/// of the steps `wanted` accepts, oldest first. The steps are read from the names before any
+/// `step-N` folder is looked into, so a save into a root that keeps thousands of checkpoints
+/// looks into those of the steps it wants only (looking into every one cost a save about 7 µs
+/// per checkpoint kept, twice what the listings cost).
+fn by_name(root: &Path, wanted: impl Fn(usize) -> bool) -> Result<Vec<(usize, PathBuf)>> {
+    let mut out = named_steps(root, step_of, &wanted)?;
     out.extend(moved_aside(root)?.into_iter().filter(|&(n, _)| wanted(n)));
     out.sort();
     Ok(out)
