@@ -519,7 +519,7 @@ fn run<O: CheckpointState>(
         )?;
     }
 
-    let bar = Progress::new("sharded  ", args.steps);
+    let bar = Progress::new("sharded", args.steps);
     let ckpt = Checkpointing {
         dir: args.checkpoint_dir.clone(),
         save_every: args.save_every,
@@ -548,7 +548,7 @@ fn run<O: CheckpointState>(
         // The start-up table: every parameter's role, unit, block and holding ranks.
         let table = fully_shard(&params, optimizer(lr)?, comm, opts.clone())?.describe();
         if comm.rank() == 0 {
-            bar.bar.suspend(|| ragged::outln!("{table}\n"))?;
+            bar.suspend(|| ragged::outln!("{table}\n"))?;
         }
         let opt = optimizer(lr)?;
         let job = (cfg, mode, args.steps, args.batch);
@@ -567,7 +567,7 @@ fn run<O: CheckpointState>(
         CommKind::Mpi if args.device == Place::Cpu => mpi_rank(&rank_run)?,
         CommKind::Mpi => return Err(mpi_on_gpu()),
     };
-    bar.bar.finish();
+    bar.finish();
     let sharded_time = started.elapsed().as_secs_f64();
     if rank != 0 {
         return Ok(()); // rank 0 reports
@@ -612,7 +612,7 @@ fn run<O: CheckpointState>(
         progress,
     )?;
     let (reference, ref_full) = (reference.reports, reference.params);
-    bar.bar.finish();
+    bar.finish();
     print_table(&sharded, Some(&reference), first_step)?;
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
@@ -867,21 +867,28 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 struct Progress {
     bar: ProgressBar,
     label: &'static str,
-    steps: usize,
     /// When the last line was written (the start before the first).
     logged: std::sync::Mutex<Instant>,
 }
 
 impl Progress {
     fn new(label: &'static str, steps: usize) -> Progress {
-        let template = format!("{label} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}]");
+        let template = format!("{label:<9} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}]");
         let style = ProgressStyle::with_template(&template).expect("valid template");
         Progress {
             bar: ProgressBar::new(steps as u64).with_style(style),
             label,
-            steps,
             logged: std::sync::Mutex::new(Instant::now()),
         }
+    }
+
+    /// Runs `f` with the bar cleared, so what it prints is not drawn over.
+    fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.bar.suspend(f)
+    }
+
+    fn finish(&self) {
+        self.bar.finish();
     }
 
     /// Step `step` (from 0) is done with loss `loss`.
@@ -899,9 +906,9 @@ impl Progress {
             let _ = writeln!(
                 std::io::stderr(),
                 "{} step {}/{} loss {loss:.4} [{elapsed:.0} s]",
-                self.label.trim_end(),
+                self.label,
                 step + 1,
-                self.steps
+                self.bar.length().unwrap_or_default()
             );
         }
     }
