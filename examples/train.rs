@@ -137,6 +137,10 @@ struct Args {
     /// Keep only the newest N checkpoints (0: keep all).
     #[arg(long, default_value_t = 0)]
     keep: usize,
+    /// With output that is not a terminal (a file, a pipe, mpirun), where the progress bar
+    /// cannot show: a line on stderr with the step and loss every SECONDS (0: every step).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10)]
+    log_every: u64,
     /// Resume from a checkpoint folder, or from the newest checkpoint under a root; any world
     /// size and layout. --steps stays the total.
     #[arg(long)]
@@ -519,7 +523,7 @@ fn run<O: CheckpointState>(
         )?;
     }
 
-    let bar = Progress::new("sharded", args.steps);
+    let bar = Progress::new("sharded", args);
     let ckpt = Checkpointing {
         dir: args.checkpoint_dir.clone(),
         save_every: args.save_every,
@@ -587,7 +591,7 @@ fn run<O: CheckpointState>(
         print_table(&sharded, None, first_step)?;
         return Ok(());
     }
-    let bar = Progress::new("unsharded", args.steps);
+    let bar = Progress::new("unsharded", args);
     let progress = |step: usize, r: &StepReport| bar.step(step, r.loss);
     let reference_opts = FsdpOptions {
         layout: ShardLayout::Ragged,
@@ -857,27 +861,26 @@ fn report_checkpoints(args: &Args, trained: &Trained) -> Result<()> {
     )
 }
 
-/// How often a run whose progress bar cannot show (output to a file, a pipe, `mpirun`) says
-/// where it is.
-const LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// A run's progress: a bar on a terminal; elsewhere a line on stderr every [`LOG_EVERY`]
+/// A run's progress: a bar on a terminal; elsewhere a line on stderr every `--log-every`
 /// (the step, the loss, the time so far), so a long run under `nohup` or `mpirun` shows that
 /// it is alive and how its loss goes before the table at the end.
 struct Progress {
     bar: ProgressBar,
     label: &'static str,
+    /// How often a line is written where the bar is hidden.
+    every: Duration,
     /// When the last line was written (the start before the first).
     logged: std::sync::Mutex<Instant>,
 }
 
 impl Progress {
-    fn new(label: &'static str, steps: usize) -> Progress {
+    fn new(label: &'static str, args: &Args) -> Progress {
         let template = format!("{label:<9} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}]");
         let style = ProgressStyle::with_template(&template).expect("valid template");
         Progress {
-            bar: ProgressBar::new(steps as u64).with_style(style),
+            bar: ProgressBar::new(args.steps as u64).with_style(style),
             label,
+            every: Duration::from_secs(args.log_every),
             logged: std::sync::Mutex::new(Instant::now()),
         }
     }
@@ -899,7 +902,7 @@ impl Progress {
             return;
         }
         let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
-        if logged.elapsed() >= LOG_EVERY {
+        if logged.elapsed() >= self.every {
             *logged = Instant::now();
             let elapsed = self.bar.elapsed().as_secs_f64();
             // A progress line that cannot be written is not worth failing the run for.
