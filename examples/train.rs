@@ -544,9 +544,12 @@ fn run<O: CheckpointState>(
         Place::Cuda => gpu::to_gpu(&cpu_params)?,
     };
     let rank_run = |comm: &dyn Communicator| {
+        // Rank 0 reports; the others keep nothing.
+        let mut losses = Table::new(args.steps, None);
         let progress = |step: usize, r: &StepReport| {
             if comm.rank() == 0 {
                 bar.step(step, r.loss);
+                losses.record(step, r);
             }
         };
         // The start-up table: every parameter's role, unit, block and holding ranks.
@@ -556,9 +559,10 @@ fn run<O: CheckpointState>(
         }
         let opt = optimizer(lr)?;
         let job = (cfg, mode, args.steps, args.batch);
-        train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)
+        let trained = train_rank_with(&params, opt, comm, opts.clone(), job, &ckpt, progress)?;
+        Ok((trained, losses))
     };
-    let (rank, trained) = match args.comm {
+    let (rank, (trained, sharded)) = match args.comm {
         CommKind::Threads => (
             0,
             first(ThreadWorld::run(args.thread_ranks(), |c| rank_run(c))?),
@@ -581,18 +585,21 @@ fn run<O: CheckpointState>(
         ragged::outln!("{what}: {count}")?;
     }
     let Trained {
-        reports: sharded,
         params: full,
         first_step,
         ..
     } = trained;
 
     if args.no_reference {
-        print_table(&sharded, None, first_step)?;
+        sharded.print(None)?;
         return Ok(());
     }
     let bar = Progress::new("unsharded", args);
-    let progress = |step: usize, r: &StepReport| bar.step(step, r.loss);
+    let mut reference = Table::new(args.steps, Some(first_step));
+    let progress = |step: usize, r: &StepReport| {
+        bar.step(step, r.loss);
+        reference.record(step, r);
+    };
     let reference_opts = FsdpOptions {
         layout: ShardLayout::Ragged,
         ..FsdpOptions::default()
@@ -606,7 +613,7 @@ fn run<O: CheckpointState>(
         ..Checkpointing::default()
     };
     let job = (cfg, TrainMode::UnitByUnit, args.steps, args.batch);
-    let reference = train_rank_with(
+    let ref_full = train_rank_with(
         &cpu_params,
         opt,
         &SingleRank,
@@ -614,10 +621,10 @@ fn run<O: CheckpointState>(
         job,
         &start,
         progress,
-    )?;
-    let (reference, ref_full) = (reference.reports, reference.params);
+    )?
+    .params;
     bar.finish();
-    print_table(&sharded, Some(&reference), first_step)?;
+    sharded.print(Some(&reference))?;
     // NaN stays NaN (f32::max would drop it and report a diverged run as agreeing).
     let max_diff = full
         .iter()
@@ -631,7 +638,7 @@ fn run<O: CheckpointState>(
         });
     ragged::outln!(
         "\nsharded run {sharded_time:.1} s; bytes copied outside collectives: {}",
-        sharded.last().map_or(0, |r| r.copied_bytes)
+        sharded.copied_bytes()
     )?;
     ragged::outln!(
         "max |parameter difference| sharded vs unsharded after {} step{}: {max_diff:.3e}",
@@ -917,37 +924,85 @@ impl Progress {
     }
 }
 
-fn print_table(
-    sharded: &[StepReport],
-    reference: Option<&Vec<StepReport>>,
-    first_step: usize,
-) -> Result<()> {
-    ragged::outln!(
-        "\n{:>5} {:>12} {:>12} {:>10} {:>9}",
-        "step",
-        "loss",
-        "unsharded",
-        "|diff|",
-        "step s"
-    )?;
-    for (i, r) in sharded.iter().enumerate().map(|(i, r)| (i + first_step, r)) {
-        let (u, d) = match reference {
-            Some(rf) => (
-                format!("{:.6}", rf[i].loss),
-                format!("{:.2e}", (rf[i].loss - r.loss).abs()),
-            ),
-            None => ("-".into(), "-".into()),
-        };
-        ragged::outln!(
-            "{:>5} {:>12.6} {:>12} {:>10} {:>9.3}",
-            i,
-            r.loss,
-            u,
-            d,
-            r.seconds
-        )?;
+/// Most rows of the loss table; a longer run shows every k-th step (k 1, 2 or 5 × 10ⁿ).
+const TABLE_ROWS: usize = 100;
+
+/// The steps a run's loss table shows, kept as they run: every `every`-th step, the first one
+/// run, the last, and `also` (the reference keeps the sharded run's first).
+struct Table {
+    total: usize,
+    every: usize,
+    also: Option<usize>,
+    rows: Vec<(usize, StepReport)>,
+}
+
+impl Table {
+    fn new(total: usize, also: Option<usize>) -> Table {
+        let every = (0..)
+            .flat_map(|e| [1, 2, 5].map(|m| m * 10usize.saturating_pow(e)))
+            .find(|k| total.div_ceil(*k) <= TABLE_ROWS)
+            .unwrap_or(usize::MAX);
+        Table {
+            total,
+            every,
+            also,
+            rows: Vec::new(),
+        }
     }
-    Ok(())
+
+    fn record(&mut self, step: usize, report: &StepReport) {
+        let shown = self.rows.is_empty()
+            || (step + 1) % self.every == 0
+            || step + 1 == self.total
+            || self.also == Some(step);
+        if shown {
+            self.rows.push((step, *report));
+        }
+    }
+
+    /// Bytes copied outside collectives by the end of the run.
+    fn copied_bytes(&self) -> u64 {
+        self.rows.last().map_or(0, |(_, r)| r.copied_bytes)
+    }
+
+    fn loss_at(&self, step: usize) -> Option<f32> {
+        let i = self.rows.binary_search_by_key(&step, |(s, _)| *s).ok()?;
+        Some(self.rows[i].1.loss)
+    }
+
+    /// The table, with the reference's loss at each step where there is one.
+    fn print(&self, reference: Option<&Table>) -> Result<()> {
+        if self.every > 1 {
+            ragged::outln!(
+                "\n(a row every {} steps of {}, and the first and last run)",
+                self.every,
+                self.total
+            )?;
+        }
+        ragged::outln!(
+            "\n{:>5} {:>12} {:>12} {:>10} {:>9}",
+            "step",
+            "loss",
+            "unsharded",
+            "|diff|",
+            "step s"
+        )?;
+        for (step, r) in &self.rows {
+            let (u, d) = match reference.and_then(|t| t.loss_at(*step)) {
+                Some(u) => (format!("{u:.6}"), format!("{:.2e}", (u - r.loss).abs())),
+                None => ("-".into(), "-".into()),
+            };
+            ragged::outln!(
+                "{:>5} {:>12.6} {:>12} {:>10} {:>9.3}",
+                step,
+                r.loss,
+                u,
+                d,
+                r.seconds
+            )?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -975,6 +1030,61 @@ mod tests {
         assert!(check_launched_ranks(&args(&["--comm", "mpi"]), Some((2, 0))).is_ok());
         assert!(check_launched_ranks(&args(&["--ranks", "4"]), Some((4, 0))).is_ok());
         assert_eq!(args(&[]).thread_ranks(), 4);
+    }
+
+    fn report(loss: f32) -> StepReport {
+        StepReport {
+            loss,
+            seconds: 0.0,
+            fsdp_seconds: 0.0,
+            phases: Default::default(),
+            step_seconds: 0.0,
+            copied_bytes: 0,
+        }
+    }
+
+    /// Steps `from..total` through a table; the steps it keeps.
+    fn kept(total: usize, also: Option<usize>, from: usize) -> Vec<usize> {
+        let mut t = Table::new(total, also);
+        (from..total).for_each(|step| t.record(step, &report(step as f32)));
+        t.rows.iter().map(|(s, _)| *s).collect()
+    }
+
+    /// The loss table kept every step of every run on every rank (a million-step run, a
+    /// million rows); now at most about 100 rows, the first and last run among them.
+    #[test]
+    fn the_loss_table_keeps_a_bounded_number_of_rows() {
+        assert_eq!(kept(30, None, 0), (0..30).collect::<Vec<_>>());
+        assert_eq!(kept(100, None, 0).len(), 100);
+        let every_2: Vec<usize> = std::iter::once(0).chain((1..101).step_by(2)).collect();
+        assert_eq!(
+            kept(101, None, 0),
+            every_2.iter().copied().chain([100]).collect::<Vec<_>>()
+        );
+        let million = kept(1_000_000, None, 0);
+        assert_eq!(million.len(), 101, "{:?}", &million[..3]);
+        assert_eq!((million[1], million[100]), (9_999, 999_999));
+        // A resumed run keeps its first step; the reference keeps that one too.
+        let resumed = kept(1000, None, 7);
+        assert_eq!(&resumed[..3], &[7, 9, 19]);
+        assert!(kept(1000, Some(7), 0).contains(&7));
+        assert!(!kept(1000, None, 0).contains(&7));
+    }
+
+    #[test]
+    fn the_table_compares_the_steps_both_runs_kept() {
+        let mut sharded = Table::new(1000, None);
+        let mut reference = Table::new(1000, Some(7));
+        for step in 0..1000 {
+            reference.record(step, &report(step as f32));
+            if step >= 7 {
+                sharded.record(step, &report(step as f32 + 0.5));
+            }
+        }
+        for (step, r) in &sharded.rows {
+            assert_eq!(reference.loss_at(*step), Some(r.loss - 0.5), "step {step}");
+        }
+        assert_eq!(reference.loss_at(8), None);
     }
 
     fn resumed(lr: Option<f64>, batches: usize) -> Resumed {

@@ -442,8 +442,6 @@ pub const GLOBAL_BATCH: &str = "global_batch";
 /// What [`train_rank_with`] returns.
 #[derive(Clone, Debug)]
 pub struct Trained {
-    /// Reports of the steps run here (from `first_step`).
-    pub reports: Vec<StepReport>,
     /// The final full parameters, by name.
     pub params: HashMap<String, Vec<f32>>,
     /// [`ShardedModel::param_digest`] of the final parameters.
@@ -475,15 +473,21 @@ pub fn train_rank<O: CheckpointState>(
     mode: TrainMode,
     steps: usize,
     global_batch: usize,
-    on_step: impl FnMut(usize, &StepReport),
+    mut on_step: impl FnMut(usize, &StepReport),
 ) -> Result<TrainRun> {
     let job = (cfg, mode, steps, global_batch);
     let none = Checkpointing::default();
-    let t = train_rank_with(params, optimizer, comm, opts, job, &none, on_step)?;
-    Ok((t.reports, t.params))
+    let mut reports = Vec::new();
+    let record = |step: usize, report: &StepReport| {
+        on_step(step, report);
+        reports.push(*report);
+    };
+    let t = train_rank_with(params, optimizer, comm, opts, job, &none, record)?;
+    Ok((reports, t.params))
 }
 
-/// [`train_rank`] with checkpoints: resumes from [`Checkpointing::resume`] (the steps already
+/// [`train_rank`] with checkpoints, keeping no reports (`on_step` sees each, and keeps what
+/// its caller wants: a run of a million steps would otherwise hold a million): resumes from [`Checkpointing::resume`] (the steps already
 /// taken are not run again; batches follow the step number, so a resumed run sees what an
 /// uninterrupted one would), saves every [`Checkpointing::save_every`] steps and after the
 /// last (a fresh run of 0 steps saves its initial state), recording the global batch
@@ -565,8 +569,6 @@ pub fn train_rank_with<O: CheckpointState>(
     }
     let mut whole: Option<Transformer> = None;
     let stages = TransformerStages(cfg);
-    // Grown step by step: `steps` is the caller's number, and may be any.
-    let mut reports = Vec::new();
     for step in first_step..steps {
         let start = Instant::now();
         let ids = batch(corpus()?, &cfg, step, comm.rank() * rows, rows)?;
@@ -595,7 +597,6 @@ pub fn train_rank_with<O: CheckpointState>(
             copied_bytes: sharded.stats().copied(),
         };
         on_step(step, &report);
-        reports.push(report);
         let due = ckpt.save_every > 0 && (step + 1) % ckpt.save_every == 0;
         if let (Some(dir), true) = (&ckpt.dir, due || step + 1 == steps) {
             set_aside.extend(sharded.save(dir, &save)?.set_aside);
@@ -605,7 +606,6 @@ pub fn train_rank_with<O: CheckpointState>(
         sharded.export_safetensors(path)?;
     }
     Ok(Trained {
-        reports,
         params: sharded.full_params()?,
         digest: sharded.param_digest()?,
         first_step,
