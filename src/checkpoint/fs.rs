@@ -147,12 +147,16 @@ pub fn prepare(root: &Path, step: usize, run: &str) -> Result<(PathBuf, RootLock
     check_root(root)?;
     fs::create_dir_all(root).map_err(|e| Error::io("checkpoint: create folder", root, e))?;
     let lock = RootLock::take(root)?;
-    check_one_run(root, run)?;
-    for (n, old) in moved_aside(root)? {
-        let dst = step_dir(root, n);
-        fs::rename(&old, &dst).map_err(|e| Error::io("checkpoint: rename", &old, e))?;
+    // One listing serves the whole preparation: the lock keeps other saves out meanwhile.
+    let listing = Listing::of(root)?;
+    check_one_run(root, &listing, run)?;
+    let aside = listing.moved_aside(root);
+    for (n, old) in &aside {
+        let dst = step_dir(root, *n);
+        fs::rename(old, &dst).map_err(|e| Error::io("checkpoint: rename", old, e))?;
     }
-    for leftover in leftovers(root)? {
+    let put_back = |path: &PathBuf| aside.iter().any(|(_, old)| old == path);
+    for leftover in listing.leftovers().into_iter().filter(|p| !put_back(p)) {
         fs::remove_dir_all(&leftover).map_err(|e| Error::io("checkpoint: remove", &leftover, e))?;
     }
     let tmp = tmp_dir(root, step);
@@ -195,9 +199,10 @@ fn run_of(checkpoint: &Path) -> Option<String> {
 /// root holds one run's line and its newest checkpoint that records a run names it: one
 /// manifest is read, however many checkpoints the root keeps (older ones, from before runs were
 /// recorded, name none and are skipped).
-fn check_one_run(root: &Path, run: &str) -> Result<()> {
+fn check_one_run(root: &Path, listing: &Listing, run: &str) -> Result<()> {
     // Newest first by the names alone: a folder without a manifest records no run.
-    let newest_run = by_name(root, |_| true)?
+    let newest_run = listing
+        .by_name(root, |_| true)
         .iter()
         .rev()
         .find_map(|(step, path)| run_of(path).map(|r| (*step, r)));
@@ -207,7 +212,7 @@ fn check_one_run(root: &Path, run: &str) -> Result<()> {
             reason: format!(
                 "holds checkpoints of another run ({} in all, the newest of step {step}): save \
                  into another folder, or load one of them first to continue that run",
-                list(root)?.len()
+                listing.complete_where(root, |_| true).len()
             ),
         }),
         _ => Ok(()),
@@ -261,33 +266,80 @@ pub fn check_writable(root: &Path, rank: usize) -> Result<()> {
     fs::remove_file(&probe).map_err(|e| Error::io("checkpoint: remove", &probe, e))
 }
 
-/// Every entry of `root`: its name (lossy UTF-8) and path.
-fn entries(root: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let list = |e| Error::io("checkpoint: list", root, e);
-    fs::read_dir(root)
-        .map_err(list)?
-        .map(|entry| {
-            let entry = entry.map_err(list)?;
-            Ok((
-                entry.file_name().to_string_lossy().into_owned(),
-                entry.path(),
-            ))
-        })
-        .collect()
+/// One listing of a root: the names of its entries (lossy UTF-8) and their paths. What a
+/// save needs is read from the names first, and only the folders it wants are looked into
+/// (looking into every one cost a save about 7 µs per checkpoint kept); a save lists its root
+/// once before writing and once before publishing (and once more to rotate), where it listed
+/// it six to eight times.
+struct Listing {
+    entries: Vec<(String, PathBuf)>,
 }
 
-/// `(step, path)` of the entries of `root` whose name `step_of_name` reads a step from and
-/// `wanted` accepts; nothing inside them is looked at.
-fn named_steps(
-    root: &Path,
-    step_of_name: fn(&str) -> Option<usize>,
-    wanted: impl Fn(usize) -> bool,
-) -> Result<Vec<(usize, PathBuf)>> {
-    Ok(entries(root)?
-        .into_iter()
-        .filter_map(|(name, path)| Some((step_of_name(&name)?, path)))
-        .filter(|&(step, _)| wanted(step))
-        .collect())
+impl Listing {
+    fn of(root: &Path) -> Result<Listing> {
+        let list = |e| Error::io("checkpoint: list", root, e);
+        let entries = fs::read_dir(root)
+            .map_err(list)?
+            .map(|entry| {
+                let entry = entry.map_err(list)?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                Ok((name, entry.path()))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Listing { entries })
+    }
+
+    /// `(step, path)` of the entries whose name `step_of_name` reads a step from and `wanted`
+    /// accepts; nothing inside them is looked at.
+    fn named_steps(
+        &self,
+        step_of_name: fn(&str) -> Option<usize>,
+        wanted: impl Fn(usize) -> bool,
+    ) -> Vec<(usize, PathBuf)> {
+        let steps = self.entries.iter().filter_map(|(name, path)| {
+            let step = step_of_name(name)?;
+            wanted(step).then(|| (step, path.clone()))
+        });
+        steps.collect()
+    }
+
+    /// Folders of saves and removals that did not finish.
+    fn leftovers(&self) -> Vec<PathBuf> {
+        let unfinished = |n: &str| {
+            n.starts_with(".step-") && [".tmp", ".old", ".del"].iter().any(|s| n.ends_with(s))
+        };
+        let found = self.entries.iter().filter(|(name, _)| unfinished(name));
+        found.map(|(_, path)| path.clone()).collect()
+    }
+
+    /// Complete checkpoints a save moved aside and did not replace: `(step, .step-N.old)`
+    /// where `step-N` is not listed and the folder has a manifest.
+    fn moved_aside(&self, root: &Path) -> Vec<(usize, PathBuf)> {
+        let mut aside = self.named_steps(old_step_of, |_| true);
+        let listed = |step| self.entries.iter().any(|(_, p)| *p == step_dir(root, step));
+        aside.retain(|(step, path)| has_manifest(path) && !listed(*step));
+        aside
+    }
+
+    /// The folders `step-N`, and the checkpoints a save that died had moved aside, of the
+    /// steps `wanted` accepts, oldest first.
+    fn by_name(&self, root: &Path, wanted: impl Fn(usize) -> bool) -> Vec<(usize, PathBuf)> {
+        let mut out = self.named_steps(step_of, &wanted);
+        out.extend(
+            self.moved_aside(root)
+                .into_iter()
+                .filter(|&(n, _)| wanted(n)),
+        );
+        out.sort();
+        out
+    }
+
+    /// [`list`]'s checkpoints of the steps `wanted` accepts.
+    fn complete_where(&self, root: &Path, wanted: impl Fn(usize) -> bool) -> Vec<(usize, PathBuf)> {
+        let mut out = self.by_name(root, wanted);
+        out.retain(|(_, path)| has_manifest(path));
+        out
+    }
 }
 
 /// Whether checkpoint folder `path` holds a manifest (a complete save).
@@ -297,22 +349,7 @@ fn has_manifest(path: &Path) -> bool {
 
 /// Folders of saves and removals that did not finish under `root`.
 pub fn leftovers(root: &Path) -> Result<Vec<PathBuf>> {
-    let unfinished = |n: &str| {
-        n.starts_with(".step-") && [".tmp", ".old", ".del"].iter().any(|s| n.ends_with(s))
-    };
-    Ok(entries(root)?
-        .into_iter()
-        .filter(|(name, _)| unfinished(name))
-        .map(|(_, path)| path)
-        .collect())
-}
-
-/// Complete checkpoints a save moved aside and did not replace: `(step, .step-N.old)` where
-/// `step-N` does not exist and the folder has a manifest.
-fn moved_aside(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let mut aside = named_steps(root, old_step_of, |_| true)?;
-    aside.retain(|(step, path)| has_manifest(path) && !step_dir(root, *step).exists());
-    Ok(aside)
+    Ok(Listing::of(root)?.leftovers())
 }
 
 /// Renames the complete temporary folder into place (replacing a checkpoint of the same step)
@@ -341,21 +378,7 @@ pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 
 /// [`list`]'s checkpoints of the steps `wanted` accepts.
 fn complete_where(root: &Path, wanted: impl Fn(usize) -> bool) -> Result<Vec<(usize, PathBuf)>> {
-    let mut out = by_name(root, wanted)?;
-    out.retain(|(_, path)| has_manifest(path));
-    Ok(out)
-}
-
-/// The folders `step-N` under `root`, and the checkpoints a save that died had moved aside,
-/// of the steps `wanted` accepts, oldest first. The steps are read from the names before any
-/// `step-N` folder is looked into, so a save into a root that keeps thousands of checkpoints
-/// looks into those of the steps it wants only (looking into every one cost a save about 7 µs
-/// per checkpoint kept, twice what the listings cost).
-fn by_name(root: &Path, wanted: impl Fn(usize) -> bool) -> Result<Vec<(usize, PathBuf)>> {
-    let mut out = named_steps(root, step_of, &wanted)?;
-    out.extend(moved_aside(root)?.into_iter().filter(|&(n, _)| wanted(n)));
-    out.sort();
-    Ok(out)
+    Ok(Listing::of(root)?.complete_where(root, wanted))
 }
 
 /// After a save of step `saved`, keeps it and the `keep − 1` newest checkpoints before it
