@@ -1621,7 +1621,8 @@ fn duplicate_parameter_names_are_refused() {
             .contains(&format!("{} listed twice", params[0].0)),
         "{err}"
     );
-    // An integer buffer is not a parameter, and an empty tensor is named.
+    // An integer buffer is not a parameter; an empty tensor holds nothing to shard (torch
+    // accepts one; here the error says to leave it out).
     let mut with_ids = CFG.init_params(6).unwrap();
     let ids = Tensor::zeros(4, DType::U32, &Device::Cpu).unwrap();
     with_ids.push(("position_ids".into(), ids));
@@ -1638,7 +1639,13 @@ fn duplicate_parameter_names_are_refused() {
     let err = fully_shard(&with_empty, adamw(), &SingleRank, FsdpOptions::default())
         .err()
         .expect("an empty tensor is refused");
-    assert!(err.to_string().contains("parameter empty.weight"), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("parameter empty.weight of shape [0, 4]")
+            && text.contains("holds no elements")
+            && text.contains("leave it out of the list"),
+        "{err}"
+    );
     // `w` and `w::m` would both train, and every save would then fail on `w`'s AdamW moment.
     let mut colliding = CFG.init_params(6).unwrap();
     let m = colliding[0].1.clone();
