@@ -1376,6 +1376,41 @@ fn a_rank_whose_graph_is_cut_calls_the_same_collectives() {
     }
 }
 
+/// Whether a parameter got a gradient is decided over all ranks: one whose loss reaches no
+/// parameter (rank 1's, times 0) while rank 0's reaches them all reports none missing, as
+/// rank 0 does, and `require_gradients` passes on both. Before, each rank judged its own
+/// backward: rank 1 listed every parameter and, under `require_gradients`, failed alone while
+/// rank 0 went on to a step whose collectives rank 1 never joined.
+#[test]
+fn parameters_without_gradient_are_judged_over_all_ranks() {
+    let params = MLP3.init_params(1).unwrap();
+    for require_gradients in [false, true] {
+        let opts = FsdpOptions {
+            require_gradients,
+            ..FsdpOptions::default()
+        };
+        let missing = ThreadWorld::run(2, |c| {
+            let mut m = fully_shard(&params, adamw(), c, opts.clone())?;
+            let stages = TweakedMlp {
+                inner: ragged::demo::MlpStages(MLP3),
+                listed: MLP3.layers,
+                rank: c.rank(),
+                zero_rank: Some(1),
+                drop_graph: true,
+            };
+            m.forward_backward(&stages, &MLP3.batch(0, 4)?)?;
+            m.step()?;
+            Ok(m.params_without_gradient().map(<[String]>::to_vec))
+        })
+        .unwrap();
+        assert_eq!(
+            missing,
+            vec![Some(vec![]), Some(vec![])],
+            "require_gradients {require_gradients}"
+        );
+    }
+}
+
 /// A unit with trainable parameters that no stage lists is named by `forward_backward`
 /// (before, every `step` failed with "no reduced gradients", naming nothing).
 #[test]

@@ -311,6 +311,21 @@ pub(crate) fn step_flags(comm: &dyn Communicator, bad: u64, rate: Option<f64>) -
     Ok(all.chunks_exact(24).map(|r| word(r, 0)).sum())
 }
 
+/// `flags` OR-ed over the ranks (one all-gather of a byte per flag; every rank passes as
+/// many): whether any rank set each.
+pub(crate) fn any_rank(comm: &dyn Communicator, flags: &[bool]) -> Result<Vec<bool>> {
+    if comm.world_size() == 1 || flags.is_empty() {
+        return Ok(flags.to_vec());
+    }
+    let mine: Vec<u8> = flags.iter().map(|&f| u8::from(f)).collect();
+    let mut all = vec![0u8; mine.len() * comm.world_size()];
+    comm.all_gather(Buf::U8(&mine), BufMut::U8(&mut all))?;
+    let ranks: Vec<&[u8]> = all.chunks_exact(mine.len()).collect();
+    Ok((0..mine.len())
+        .map(|i| ranks.iter().any(|r| r[i] != 0))
+        .collect())
+}
+
 /// Exchanges every rank's stage list (`forward_backward`'s units, by name) and returns the
 /// same `Err` on every rank unless all equal rank 0's: ranks running different units in
 /// lockstep would each train on another unit's gathered values wherever the buffers have the

@@ -617,7 +617,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     }
 
     /// Reduce-scatters unit `u`'s gradient buffer into its local gradient shard, and records
-    /// parameters that got no gradient on the first reduction.
+    /// parameters that got no gradient on any rank in the first reduction (one small
+    /// all-gather of a flag per parameter, that time only).
     fn reduce_unit(&mut self, u: usize) -> Result<()> {
         if self.units[u].params.is_frozen() {
             return Ok(());
@@ -654,6 +655,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             return Ok(());
         }
         unit.reported = true;
+        // Over all ranks (every rank reduces every unit first at the same point): a gradient
+        // that reached a parameter on any rank trains it, and a per-rank verdict would make
+        // `require_gradients` fail on some ranks only, the others waiting in the next step.
+        let touched = agree::any_rank(comm, &touched)?;
         let slots = unit.params.slots().iter().zip(&touched);
         let missing = slots.filter(|(_, &t)| !t).map(|(s, _)| s.name.clone());
         let without = self.without_gradient.get_or_insert_with(Vec::new);
@@ -966,8 +971,9 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         values.into_iter().map(Storage::into_vec).collect()
     }
 
-    /// Parameters that received no gradient in the first reduction of their unit (`None`
-    /// before any reduction). candle's forward-only kernels (`*_no_bwd`) are the usual cause.
+    /// Parameters that received no gradient on any rank in the first reduction of their unit
+    /// (the same list on every rank; `None` before any reduction). candle's forward-only
+    /// kernels (`*_no_bwd`) are the usual cause.
     pub fn params_without_gradient(&self) -> Option<&[String]> {
         self.without_gradient.as_deref()
     }
