@@ -35,7 +35,11 @@
 //!   [`NsConfig::precision`] to `Bf16` for torch's dtype (see [`crate::newton_schulz`]).
 //! - The Frobenius norm is summed in `f64` (see [`crate::newton_schulz`]).
 //! - torch refuses non-2-D parameters; here `[…, m, n]` runs NS per trailing matrix and the
-//!   rest falls back to AdamW.
+//!   rest falls back to AdamW. A conv weight `[out, in, kh, kw]` (`[out, in, k]`) is `Matrix` by
+//!   the default role and so is orthogonalized per `kh × kw` kernel (`k`-column slice), not as
+//!   the `[out, in·kh·kw]` matrix that Keller Jordan's Muon flattens it to: for that update,
+//!   pass the weight 2-D and reshape it in the forward (the same gradient, flattened); or give
+//!   it the `ElementWise` role for AdamW.
 //!
 //! # Sharding
 //! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters: the block the math

@@ -409,6 +409,30 @@ fn each_expert_matrix_steps_like_an_independent_2d_param() {
     }
 }
 
+/// A conv weight `[out, in, kh, kw]` (or `[out, in, k]`) is a batch of `kh × kw` matrices, as
+/// experts are: it steps bitwise as `[out·in, kh, kw]`, not as the `[out, in·kh·kw]` matrix that
+/// Keller Jordan's Muon flattens it to (`torch.optim.Muon` refuses it). The module doc and the
+/// README say so and how to get the flattened update (store the weight 2-D, reshape in the
+/// forward).
+#[test]
+fn a_conv_weight_steps_per_kernel_not_flattened() {
+    let opt = Muon::new(loud()).unwrap();
+    let (out, inp, kh, kw) = (8, 3, 3, 3);
+    let n = out * inp * kh * kw;
+    let mut rng = Rng::new(9);
+    let (p0, g) = (rng.units(n), rng.units(n));
+    let step = |shape: &[usize]| {
+        let shard = whole_shard(&opt, &specs(&[("conv.weight", shape)]));
+        let (mut p, mut state) = (p0.clone(), opt.init(&shard).unwrap());
+        opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
+            .unwrap();
+        bits(&p)
+    };
+    let conv = step(&[out, inp, kh, kw]);
+    assert_eq!(conv, step(&[out * inp, kh, kw]), "per kernel");
+    assert_ne!(conv, step(&[out, inp * kh * kw]), "not flattened");
+}
+
 #[test]
 fn lr_scale_rules_match_torch() {
     assert_eq!(LrScale::Original.factor(80, 48), (80.0f64 / 48.0).sqrt());
