@@ -334,7 +334,9 @@ pub struct ShardedModel<'c, O: Optimizer> {
 /// Shards `params` (full initial values, identical on every rank, checked) into FSDP units
 /// ([`FsdpOptions::wrap`]: by default one per numbered block plus a root unit), plans each unit from the optimizer's atomic
 /// blocks, and allocates master shards, gradient shards and optimizer state by that plan. No
-/// full buffer exists until the first gather.
+/// full buffer exists until the first gather. Initial values of any float dtype become `f32`
+/// masters (f64 rounded to nearest, bf16/f16 widened), and stages compute in `f32` unless
+/// [`MixedPrecision::param_dtype`] is bf16.
 pub fn fully_shard<'c, O: Optimizer>(
     params: &[(String, Tensor)],
     optimizer: O,
