@@ -1692,6 +1692,39 @@ fn duplicate_parameter_names_are_refused() {
         err.to_string().contains("::m\"") && err.to_string().contains("checkpoint"),
         "{err}"
     );
+    // One tensor under two names (a tied embedding and head) would train as two copies.
+    let mut tied = CFG.init_params(6).unwrap();
+    let shared = tied[0].1.clone();
+    tied.push(("lm_head_tied.weight".into(), shared));
+    let err = fully_shard(&tied, adamw(), &SingleRank, FsdpOptions::default())
+        .err()
+        .expect("one tensor under two names is refused");
+    assert!(
+        err.to_string()
+            .contains(&format!("parameters {} and lm_head_tied.weight", tied[0].0))
+            && err.to_string().contains("are one tensor"),
+        "{err}"
+    );
+    // Equal values in two tensors are two parameters.
+    let mut copied = CFG.init_params(6).unwrap();
+    let copy = copied[0].1.copy().unwrap();
+    copied.push(("lm_head_copy.weight".into(), copy));
+    assert!(fully_shard(&copied, adamw(), &SingleRank, FsdpOptions::default()).is_ok());
+    // A wrap rule that names a unit "" (it was taken, and showed as a blank unit).
+    let blank = FsdpOptions {
+        wrap: ragged::fsdp::WrapPolicy::Custom(std::sync::Arc::new(|name: &str| {
+            name.starts_with("layers.0").then(String::new)
+        })),
+        ..FsdpOptions::default()
+    };
+    let err = fully_shard(&CFG.init_params(6).unwrap(), adamw(), &SingleRank, blank)
+        .err()
+        .expect("an empty unit name is refused");
+    assert!(
+        err.to_string().contains("the unit of parameter layers.0.")
+            && err.to_string().contains("named it \"\""),
+        "{err}"
+    );
     // An empty name (it was taken, and keyed the values and the checkpoint entry as "").
     let mut unnamed = CFG.init_params(6).unwrap();
     unnamed[1].0 = String::new();

@@ -368,6 +368,7 @@ pub fn fully_shard<'c, O: Optimizer>(
             || opts.frozen.as_ref().is_some_and(|f| f.matches(name))
     };
     for unit in inv.units_by(&|name| opts.wrap.unit_of(name)) {
+        check_unit_name(&unit)?;
         let (frozen, trained): (Vec<_>, Vec<_>) = unit
             .tensors
             .iter()
@@ -524,7 +525,41 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
     };
     // Names key the values, the gathered parameters and the checkpoint: one name, one tensor.
     inventory.validate(None, None)?;
+    check_untied(params)?;
     Ok(inventory)
+}
+
+/// `Err` when one candle tensor is listed under two names (a tied embedding and head passed
+/// as both): each name would get its own master copy and the two would train apart, untied.
+fn check_untied(params: &[(String, Tensor)]) -> Result<()> {
+    let mut first_name = HashMap::new();
+    for (name, t) in params {
+        let first = first_name.entry(t.id()).or_insert(name.as_str());
+        if *first != name.as_str() {
+            return Err(crate::Error::BadInput {
+                op: "fully_shard",
+                what: format!("parameters {first} and {name}"),
+                reason: "are one tensor (tied weights?): sharded, each name would train a copy \
+                         of its own and the two would drift apart; list it once and read it \
+                         under that name in every stage that uses it (stages of one unit)"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `Err` for a unit a custom wrap rule named `""`: unit names key the stages, the describe
+/// table and the checkpoint's layout, where an empty one would show as nothing.
+fn check_unit_name(unit: &Unit) -> Result<()> {
+    match unit.tensors.first() {
+        Some(t) if unit.name.is_empty() => Err(crate::Error::BadInput {
+            op: "fully_shard",
+            what: format!("the unit of parameter {}", t.name),
+            reason: "the wrap rule named it \"\": name every unit (return None for root)".into(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Writes this rank's pieces of the initial values into the master shard.
