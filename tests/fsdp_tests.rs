@@ -13,7 +13,9 @@ use ragged::demo::{
     batch, corpus, train_rank, TrainMode, TrainRun, Transformer, TransformerConfig,
     TransformerStages,
 };
-use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout, Stages, UnitParams};
+use ragged::fsdp::{
+    forward_unsharded, fully_shard, FsdpOptions, MixedPrecision, ShardLayout, Stages, UnitParams,
+};
 use ragged::roles::{Role, RoleFn, RoleRule};
 use ragged_optimizers::{AdamW, AdamWConfig};
 
@@ -504,6 +506,66 @@ fn every_parameter_of_the_demo_model_receives_a_nonzero_gradient() {
         "parameters with an all-zero gradient: {zero:?}"
     );
     assert_eq!(sharded.params_without_gradient(), Some(&[][..]));
+}
+
+/// A staged model runs without sharding through `forward_unsharded` over `Var`s, and candle's
+/// backward there gives, bitwise, the loss and every gradient that `forward_backward` reduces
+/// in a world of one rank: the check of a user's staged model against plain candle.
+#[test]
+fn a_staged_model_runs_unsharded_with_the_gradients_a_world_of_one_reduces() {
+    let params = CFG.init_params(5).unwrap();
+    let ids = batch(corpus().unwrap(), &CFG, 0, 0, 4).unwrap();
+    let vars: Vec<(String, candle_core::Var)> = params
+        .iter()
+        .map(|(n, t)| (n.clone(), candle_core::Var::from_tensor(t).unwrap()))
+        .collect();
+    let all = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone()));
+    let unit_params = UnitParams::from_tensors(all).unwrap();
+    let loss = forward_unsharded(&TransformerStages(CFG), &unit_params, &ids).unwrap();
+    let grads = loss.backward().unwrap();
+
+    let mut sharded = fully_shard(&params, adamw(), &SingleRank, FsdpOptions::default()).unwrap();
+    let report = sharded
+        .forward_backward(&TransformerStages(CFG), &ids)
+        .unwrap();
+    assert_eq!(
+        report.loss.to_bits(),
+        loss.to_scalar::<f32>().unwrap().to_bits()
+    );
+    let mut compared = 0;
+    sharded
+        .with_local_grads(|local, g| {
+            for piece in &local.pieces {
+                let name = &local.params[piece.param].name;
+                let (_, var) = vars.iter().find(|(n, _)| n == name).unwrap();
+                let full = grads.get(var).expect("a gradient").flatten_all().unwrap();
+                let want = full.to_vec1::<f32>().unwrap()[piece.range.clone()].to_vec();
+                let got = &g[piece.offset..piece.offset + piece.range.len()];
+                assert!(
+                    want.iter().any(|&x| x != 0.0),
+                    "{name}: an all-zero gradient"
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&want), "{name}");
+                compared += piece.range.len();
+            }
+        })
+        .unwrap();
+    assert_eq!(
+        compared,
+        params.iter().map(|(_, t)| t.elem_count()).sum::<usize>()
+    );
+    // Bad input is named.
+    let t = || Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap();
+    let twice = UnitParams::from_tensors([("a".into(), t()), ("a".into(), t())]);
+    assert!(twice.err().unwrap().to_string().contains("listed twice"));
+    let f64 = Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
+    let mixed = UnitParams::from_tensors([("a".into(), t()), ("b".into(), f64)]);
+    assert!(mixed
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("is F64, the ones before F32"));
 }
 
 /// A stage that ignores a parameter (as a forward-only kernel does) gets it reported by name.

@@ -36,7 +36,7 @@ mod stages;
 
 pub use activations::StageActivations;
 pub use describe::{ParamRow, ParamTable};
-pub use stages::{StageReport, Stages, UnitParams};
+pub use stages::{forward_unsharded, StageReport, Stages, UnitParams};
 
 use std::collections::HashMap;
 use std::sync::Arc;

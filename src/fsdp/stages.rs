@@ -68,6 +68,34 @@ impl UnitParams {
         }
     }
 
+    /// Parameters for running a [`Stages`] model without sharding (a reference run, a check of
+    /// the staged model against plain candle): one `UnitParams` over all of the model's
+    /// parameters serves every stage (each reads its own by name; see [`forward_unsharded`]).
+    /// Give it `Var`s' tensors to backpropagate the loss into them. The compute dtype is the
+    /// tensors' (f32 for none); `Err` for a name listed twice or tensors of two dtypes.
+    pub fn from_tensors(tensors: impl IntoIterator<Item = (String, Tensor)>) -> Result<Self> {
+        let mut map = HashMap::new();
+        let mut dtype = None;
+        for (name, t) in tensors {
+            let bad = |reason: String| Error::BadInput {
+                op: "UnitParams::from_tensors",
+                what: format!("tensor {name}"),
+                reason,
+            };
+            if *dtype.get_or_insert(t.dtype()) != t.dtype() {
+                let first = dtype.unwrap_or(t.dtype());
+                return Err(bad(format!(
+                    "is {:?}, the ones before {first:?}",
+                    t.dtype()
+                )));
+            }
+            if map.insert(name.clone(), t).is_some() {
+                return Err(bad("listed twice".into()));
+            }
+        }
+        Ok(UnitParams::new(map, dtype.unwrap_or(DType::F32)))
+    }
+
     /// These parameters for a recomputation whose output value nothing reads.
     fn for_gradients_only(self) -> Self {
         UnitParams {
@@ -116,6 +144,32 @@ impl UnitParams {
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+}
+
+/// Runs every stage of `model` in order on `params` (all of the model's parameters,
+/// [`UnitParams::from_tensors`]) and returns the last stage's output, the loss: the model's
+/// forward without sharding, for a reference run or to check the staged model against plain
+/// candle. Over `Var`s, `loss.backward()` gives the gradients that a world of one rank
+/// reduces, bitwise (`a_staged_model_runs_unsharded_with_the_gradients_a_world_of_one_reduces`).
+pub fn forward_unsharded<S: Stages + ?Sized>(
+    model: &S,
+    params: &UnitParams,
+    batch: &S::Batch,
+) -> Result<Tensor> {
+    let stages = model.stage_units().len();
+    let mut x: Option<Tensor> = None;
+    for stage in 0..stages {
+        let out = model
+            .forward(stage, params, x.as_ref(), batch)
+            .map_err(candle("forward_unsharded"))
+            .with_context(|| format!("stage {stage}"))?;
+        x = Some(out);
+    }
+    x.ok_or_else(|| Error::BadInput {
+        op: "forward_unsharded",
+        what: "the model".into(),
+        reason: "lists no stages".into(),
+    })
 }
 
 /// What one [`ShardedModel::forward_backward`] measured on this rank.
