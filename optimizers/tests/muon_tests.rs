@@ -827,6 +827,194 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
     }
 }
 
+/// `x` rounded to the nearest bf16, ties to the even one, found by distance (not by the bit
+/// trick the library's conversion uses): of the two bf16 values around a finite `x`, the nearer,
+/// or on a tie the one whose last mantissa bit is 0.
+fn bf16_nearest_even(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let down = f32::from_bits(bits & 0xffff_0000);
+    let up = f32::from_bits((bits & 0xffff_0000) + 0x1_0000);
+    let (dd, du) = (
+        (f64::from(x) - f64::from(down)).abs(),
+        (f64::from(up) - f64::from(x)).abs(),
+    );
+    if dd < du || (dd == du && (down.to_bits() >> 16) & 1 == 0) {
+        down
+    } else {
+        up
+    }
+}
+
+/// The host routes carry `f32` elements on a bf16 wire rounded to the nearest bf16, ties to
+/// even (as Newton–Schulz's own first rounding, so the wire changes no bit of its result):
+/// exact ties of even and odd bf16s, both signs, one unit either side of a tie, and a carry
+/// into the exponent. The runs a rank holds of its own matrices never travel and keep every
+/// bit, in the gather and in the scatter back.
+#[test]
+fn split_matrices_round_to_nearest_even_on_a_bf16_wire() {
+    let spec = specs(&TENSORS);
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    let opts = PlanOptions {
+        coll_align: 1,
+        ..PlanOptions::default()
+    };
+    let mut rng = Rng::new(31);
+    let global: Vec<Vec<f32>> = spec
+        .iter()
+        .map(|t| {
+            rng.units(t.numel())
+                .into_iter()
+                .enumerate()
+                .map(|(i, u)| {
+                    let upper = ((0.5 + u.abs()).copysign(u).to_bits() >> 16) & !1;
+                    let bits = match i % 8 {
+                        0 => (upper << 16) | 0x8000,          // tie, even below: down
+                        1 => ((upper | 1) << 16) | 0x8000,    // tie, odd below: up
+                        2 => ((upper | 1) << 16) | 0x7fff,    // just under a tie: down
+                        3 => (upper << 16) | 0x8001,          // just over a tie: up
+                        4 => ((upper | 0x7f) << 16) | 0xc000, // up, carrying into the exponent
+                        5 => u.to_bits(),
+                        6 => upper << 16, // a bf16 already
+                        _ => ((upper ^ 0x8000 | 1) << 16) | 0x8000, // other sign, tie, up
+                    };
+                    f32::from_bits(bits)
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        bf16_nearest_even(f32::from_bits(0x3f80_8000)).to_bits(),
+        0x3f80_0000
+    );
+    for (x, rounded) in global.iter().flatten().map(|&x| (x, bf16_nearest_even(x))) {
+        assert_eq!(
+            bf16::from_f32(x).to_f32().to_bits(),
+            rounded.to_bits(),
+            "{x:e}"
+        );
+    }
+    for world in [2, 3, 4] {
+        let shards = layout_shards(&opt, &spec, world, Layout::Rows, &opts);
+        let roots = opt.roots(&shards[0]);
+        assert!(roots.has_split(), "world {world}: nothing split");
+        // Through `ThreadWorld::run`: a rank whose assertion fails ends the others' waits.
+        let counts = ThreadWorld::run(world, |comm| {
+            let shard = &shards[comm.rank()];
+            let rank = shard.rank;
+            let holds = |param: usize, e: usize| {
+                shard
+                    .pieces
+                    .iter()
+                    .any(|p| p.param == param && p.range.contains(&e))
+            };
+            let local = scatter(shard, &global);
+            let routes = roots.routes(shard).unwrap();
+            let arena = routes.gather::<f32, bf16>(&local, comm).unwrap();
+            let (mut at, mut own, mut carried) = (0, 0, 0);
+            for k in roots.rooted_here(rank) {
+                let job = &roots.jobs[k];
+                for e in job.elems.clone() {
+                    let x = global[job.param][e];
+                    let want = if holds(job.param, e) {
+                        own += 1;
+                        x
+                    } else {
+                        carried += 1;
+                        bf16_nearest_even(x)
+                    };
+                    assert_eq!(
+                        arena[at].to_bits(),
+                        want.to_bits(),
+                        "world {world} rank {rank}: element {e} of param {} ({x:e})",
+                        job.param
+                    );
+                    at += 1;
+                }
+            }
+            assert_eq!(at, arena.len());
+            let mut back = vec![f32::NAN; shard.len];
+            routes
+                .scatter::<f32, bf16>(&arena, &mut back, comm)
+                .unwrap();
+            for job in roots.jobs.iter().filter(|j| j.split) {
+                for p in shard.pieces.iter().filter(|p| p.param == job.param) {
+                    let lo = p.range.start.max(job.elems.start);
+                    let hi = p.range.end.min(job.elems.end);
+                    for e in lo..hi {
+                        let x = global[job.param][e];
+                        let want = match job.root == rank {
+                            true => x,
+                            false => bf16_nearest_even(x),
+                        };
+                        assert_eq!(
+                            back[p.offset + e - p.range.start].to_bits(),
+                            want.to_bits(),
+                            "world {world} rank {rank}: back, element {e} of param {}",
+                            job.param
+                        );
+                    }
+                }
+            }
+            // An arena of another length than this rank's matrices is refused on
+            // every rank, before anything is sent.
+            let mut longer = arena.clone();
+            longer.push(0.0);
+            let err = routes
+                .scatter::<f32, bf16>(&longer, &mut back, comm)
+                .unwrap_err();
+            assert!(err.to_string().contains("an arena of"), "{err}");
+            Ok((own, carried))
+        })
+        .unwrap();
+        let (own, carried) = counts.iter().fold((0, 0), |(a, b), &(o, c)| (a + o, b + c));
+        assert!(
+            own > 0 && carried > 0,
+            "world {world}: {own} own, {carried} carried"
+        );
+    }
+}
+
+/// A rank that roots several split matrices of different sizes lays them back to back in its
+/// arena, each at the sum of the sizes before it: under FSDP2's `Shard(0)` every matrix below
+/// is split, so each rank roots three or more, no two of one size, and the sharded step is
+/// still bitwise the unsharded one.
+#[test]
+fn a_root_of_several_split_matrices_of_different_sizes_steps_bitwise() {
+    const MATRICES: [(&str, &[usize]); 7] = [
+        ("a", &[24, 16]),
+        ("b", &[12, 20]),
+        ("c", &[30, 10]),
+        ("d", &[18, 14]),
+        ("e", &[9, 26]),
+        ("f", &[22, 18]),
+        ("g", &[6, 30]),
+    ];
+    let spec = specs(&MATRICES);
+    let n = numels(&spec);
+    let (p0, grads) = data(&spec, 2, 17);
+    let opt = Muon::new(MuonConfig::default()).unwrap();
+    let want = run_world(&opt, &[whole_shard(&opt, &spec)], &n, &p0, &grads);
+    for world in [2, 3] {
+        let shards = fsdp2_shards(&spec, world);
+        let roots = opt.roots(&shards[0]);
+        let many = (0..world).any(|r| {
+            let sizes: Vec<usize> = roots
+                .rooted_here(r)
+                .map(|k| roots.jobs[k].elems.len())
+                .collect();
+            sizes.len() >= 3 && sizes[0] != sizes[1]
+        });
+        assert!(
+            many,
+            "world {world}: no rank roots three matrices: {roots:?}"
+        );
+        let got = run_world(&opt, &shards, &n, &p0, &grads);
+        for (i, (g, w)) in got[0].iter().zip(&want[0]).enumerate() {
+            assert_eq!(bits(g), bits(w), "world {world}: {}", MATRICES[i].0);
+        }
+    }
+}
+
 #[test]
 fn whole_matrix_layouts_need_no_communication() {
     let spec = specs(&TENSORS);
