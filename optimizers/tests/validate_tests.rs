@@ -336,3 +336,134 @@ fn the_bf16_muon_reference_tells_a_short_newton_schulz_from_bf16_rounding() {
         assert!(wrong > MUON_BF16_UPDATE_RTOL, "{shape:?}: {wrong}");
     }
 }
+
+/// AdamW whose step leaves the first element of the first tensor at `-0.0` unsharded and at
+/// `+0.0` on more than one rank: equal as numbers, not as bits.
+struct SignOfZero(AdamW);
+
+impl Optimizer for SignOfZero {
+    type State = AdamState;
+    fn name(&self) -> &'static str {
+        "sign-of-zero"
+    }
+    fn atomic_block(&self, _: &str, _: &[usize]) -> AtomicBlock {
+        AtomicBlock::Element
+    }
+    fn init(&self, shard: &LocalShard) -> Result<AdamState> {
+        self.0.init(shard)
+    }
+    fn step(
+        &self,
+        state: &mut AdamState,
+        shard: &LocalShard,
+        params: ragged::storage::ViewMut<'_, f32>,
+        grads: ragged::storage::View<'_, f32>,
+        comm: &dyn Communicator,
+    ) -> Result<()> {
+        let params = params.cpu("validate test")?;
+        self.0.step(state, shard, params.into(), grads, comm)?;
+        if let Some(p) = shard
+            .pieces
+            .iter()
+            .find(|p| p.param == 0 && p.range.start == 0)
+        {
+            params[p.offset] = if shard.world > 1 { 0.0 } else { -0.0 };
+        }
+        Ok(())
+    }
+}
+
+/// The contract is bitwise: `+0.0` against `-0.0` is a breach although the two compare equal,
+/// and it is 0 ulps and 0 absolute error apart (adjacent across zero, not 2³¹ apart).
+#[test]
+fn a_sign_of_zero_is_a_breach_zero_ulps_apart() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let opt = SignOfZero(AdamW::new(AdamWConfig::default()).unwrap());
+    let cfg = config(OptimKind::AdamW);
+    let report = validate_with(&opt, &[unit], &cfg).unwrap();
+    let sharded = cfg.worlds.iter().filter(|&&w| w > 1).count() * cfg.layouts.len();
+    assert_eq!(report.breaches(), sharded, "{report:?}");
+    for c in &report.sharded {
+        let breach = c.world > 1 && c.name == "w.q";
+        assert_eq!(c.bitwise, !breach, "{c:?}");
+        assert_eq!((c.max_ulp, c.max_abs, c.max_rel), (0, 0.0, 0.0), "{c:?}");
+    }
+}
+
+/// Every layout asked for is run and compared at every world: the world-dependent step is a
+/// breach under FSDP2's layout as under the optimizer's own.
+#[test]
+fn every_layout_is_compared_at_every_world() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let opt = WorldDependent(AdamW::new(AdamWConfig::default()).unwrap());
+    let cfg = config(OptimKind::AdamW);
+    let report = validate_with(&opt, &[unit], &cfg).unwrap();
+    assert!(report.refused.is_empty(), "{:?}", report.refused);
+    for &layout in &cfg.layouts {
+        for &world in &cfg.worlds {
+            let checks: Vec<_> = report
+                .sharded
+                .iter()
+                .filter(|c| c.layout == layout && c.world == world)
+                .collect();
+            assert_eq!(checks.len(), specs.len(), "{layout:?} at {world}");
+            assert_eq!(
+                checks.iter().any(|c| !c.bitwise),
+                world > 1,
+                "{layout:?} at {world}: {checks:?}"
+            );
+        }
+    }
+}
+
+/// Muon's f64 check is as tight as the README states: per step `lr·scale·5e-4` plus the f32
+/// roundings of `p` (`4·2⁻²⁴·max|p|`, `|p|` here under 1.5 plus the steps' updates), never
+/// looser, so that a wrong formula cannot pass it.
+#[test]
+fn the_muon_reference_tolerance_is_the_stated_one() {
+    let specs = specs();
+    let unit = Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    };
+    let cfg = ValidateConfig {
+        worlds: vec![1],
+        layouts: vec![LayoutKind::Ragged],
+        ..config(OptimKind::Muon)
+    };
+    let report = validate(&[unit], &cfg).unwrap();
+    assert_eq!(report.breaches(), 0, "{report:?}");
+    let c = MuonConfig::default();
+    let steps = cfg.steps as f64;
+    let mut matrices = 0;
+    for t in &specs {
+        let Some(check) = report.reference.iter().find(|r| r.name == t.name) else {
+            panic!("{}: no reference check", t.name);
+        };
+        if t.shape.len() < 2 {
+            assert!(!check.absolute, "{check:?}");
+            continue;
+        }
+        matrices += 1;
+        let scale = c.lr * c.lr_scale.factor(t.shape[0], t.shape[1]);
+        let p_max = 1.5 + steps * scale * 2.0;
+        let most = steps * (scale * 5e-4 + 4.0 * 2f64.powi(-24) * p_max);
+        assert!(check.absolute, "{check:?}");
+        assert!(
+            check.tolerance >= steps * scale * 5e-4 && check.tolerance <= most,
+            "{}: tolerance {} outside [{}, {most}]",
+            t.name,
+            check.tolerance,
+            steps * scale * 5e-4
+        );
+    }
+    assert_eq!(matrices, 2);
+}
