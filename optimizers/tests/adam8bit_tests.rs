@@ -896,3 +896,31 @@ fn drift_from_fp32_adam_is_no_worse_than_bitsandbytes_on_the_seeded_streams() {
         );
     }
 }
+
+/// The drift is measured against how far the *reference* moved: the initial parameters are
+/// exactly 1 away (`‖p₀ − p_ref‖ / ‖p_ref − p₀‖`), the reference itself 0, and a run that
+/// moved twice as far as the reference in the same direction exactly 1 too (a drift relative
+/// to its own movement would say ½).
+#[test]
+fn drift_is_relative_to_the_reference_movement() {
+    let stream = DriftStream::generate(&[[32, 64], [64, 32]], 3, 5, GradStructure::Rows).unwrap();
+    let adam = AdamW::new(AdamWConfig {
+        lr: DRIFT_LR,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    })
+    .unwrap();
+    let p_ref = stream.run(&adam).unwrap();
+    assert_eq!(stream.relative_drift(&stream.p0, &p_ref).unwrap(), 1.0);
+    assert_eq!(stream.relative_drift(&p_ref, &p_ref).unwrap(), 0.0);
+    // p₀ + 2·(p_ref − p₀) in f32: the drift is ‖d‖/‖d‖ up to f32 rounding.
+    let twice: Vec<Vec<f32>> = stream
+        .p0
+        .iter()
+        .zip(&p_ref)
+        .map(|(a, b)| a.iter().zip(b).map(|(&x, &y)| x + 2.0 * (y - x)).collect())
+        .collect();
+    let d = stream.relative_drift(&twice, &p_ref).unwrap();
+    assert!((d - 1.0).abs() < 1e-3, "{d}");
+    assert!(stream.relative_drift(&p_ref[..1], &p_ref).is_err());
+}
