@@ -1120,6 +1120,149 @@ fn damaged_or_mismatched_checkpoints_fail_clearly_on_every_rank() {
     );
 }
 
+/// `dir` copied to `root/what` with the byte at `at` of rank 0's file flipped.
+fn with_flipped_byte(root: &Path, what: &str, good: &Path, file: &str, at: u64) -> PathBuf {
+    let dir = root.join(what);
+    copy_dir(good, &dir);
+    let mut b = std::fs::read(dir.join(file)).unwrap();
+    b[at as usize] ^= 0x10;
+    std::fs::write(dir.join(file), b).unwrap();
+    dir
+}
+
+/// Every chunk a read touches is verified, whichever way the read takes it: a run of whole
+/// chunks past its first (the middle of a tensor many chunks long), a chunk two tensors share
+/// (read in parts, through the cached chunk), and the file's short last chunk (`verify`); a
+/// file grown past the size its digest records is refused as one cut short is; and a digest
+/// whose whole-file checksum disagrees with its chunks is refused. Chunks of 1002 bytes
+/// (`run`), so every tensor spans many.
+#[test]
+fn every_chunk_a_read_touches_is_verified() {
+    let root = scratch(SUITE, "chunks");
+    let params = CFG.init_params(3).unwrap();
+    let good = root.join("good");
+    run(2, &params, &adamw(), ShardLayout::Ragged, None, 0..1, &good);
+    let good = ckpt_fs::resolve(&good).unwrap();
+    let rec = Manifest::read(&good).unwrap().files[0].clone();
+    let (chunk, size) = (rec.digest.chunk_bytes, rec.digest.bytes);
+    let mut spans: Vec<std::ops::Range<u64>> = Reader::open(&good.join(&rec.file), None)
+        .unwrap()
+        .tensors()
+        .values()
+        .map(|t| t.bytes.clone())
+        .collect();
+    spans.sort_by_key(|r| r.start);
+    let largest = spans.iter().max_by_key(|r| r.end - r.start).unwrap();
+    // The third whole chunk of the largest tensor: inside its run of whole chunks.
+    let first_whole = largest.start.div_ceil(chunk);
+    assert!((first_whole + 3) * chunk <= largest.end, "{largest:?}");
+    let in_run = (first_whole + 2) * chunk + chunk / 2;
+    // The last byte of a tensor whose last chunk the next tensor starts in.
+    let shared = spans
+        .windows(2)
+        .find(|w| w[0].end % chunk != 0 && w[1].start / chunk == (w[0].end - 1) / chunk)
+        .map(|w| w[0].end - 1)
+        .unwrap();
+    assert!(shared >= chunk, "past the header's chunk");
+    assert_ne!(size % chunk, 0, "the last chunk is short");
+    for (what, at) in [
+        ("in-a-run", in_run),
+        ("shared-chunk", shared),
+        ("last-chunk", size - 1),
+    ] {
+        let dir = with_flipped_byte(&root, what, &good, &rec.file, at);
+        let verified = ragged::checkpoint::read::verify(&dir, |_, _| {});
+        let mut errors = vec![verified.unwrap_err().to_string()];
+        errors.extend(load_errors(&params, adamw(), &dir));
+        for e in errors {
+            assert!(
+                e.contains(&rec.file) && e.contains("do not match their checksum"),
+                "{what} (byte {at}): {e}"
+            );
+        }
+    }
+    // Grown: 8 bytes appended that no tensor covers.
+    let grown = root.join("grown");
+    copy_dir(&good, &grown);
+    let mut b = std::fs::read(grown.join(&rec.file)).unwrap();
+    b.extend([0u8; 8]);
+    std::fs::write(grown.join(&rec.file), b).unwrap();
+    let mut errors = vec![ragged::checkpoint::read::verify(&grown, |_, _| {})
+        .unwrap_err()
+        .to_string()];
+    errors.extend(load_errors(&params, adamw(), &grown));
+    for e in errors {
+        let says = format!("{} bytes, the manifest says {size}", size + 8);
+        assert!(e.contains(&rec.file) && e.contains(&says), "grown: {e}");
+    }
+    // The whole-file checksum of rank 0's digest replaced (a sealed manifest).
+    let resummed = root.join("resummed");
+    copy_dir(&good, &resummed);
+    edit_manifest(&resummed, |v| {
+        v["files"][0]["digest"]["sha256"] = "0".repeat(64).into()
+    });
+    let mut errors = vec![ragged::checkpoint::read::verify(&resummed, |_, _| {})
+        .unwrap_err()
+        .to_string()];
+    errors.extend(load_errors(&params, adamw(), &resummed));
+    for e in errors {
+        assert!(
+            e.contains("checksums for this file are inconsistent"),
+            "{e}"
+        );
+    }
+}
+
+/// A file whose size is a whole number of chunks has exactly that many digests (no empty
+/// last one): saved in 1, 2 and 4 chunks, it loads back bitwise and verifies.
+#[test]
+fn a_file_of_whole_chunks_loads_and_verifies() {
+    let root = scratch(SUITE, "whole-chunks");
+    let params = CFG.init_params(4).unwrap();
+    let save = |dir: &Path, chunk_bytes: u64| {
+        ThreadWorld::run(1, |c| {
+            let mut m = fully_shard(&params, adamw(), c, opts(ShardLayout::Ragged))?;
+            train(&mut m, c, 0..1)?;
+            m.save(
+                dir,
+                &SaveOptions {
+                    chunk_bytes,
+                    ..SaveOptions::default()
+                },
+            )?;
+            m.param_digest()
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let first = root.join("first");
+    let want = save(&first, SaveOptions::default().chunk_bytes);
+    let size = Manifest::read(&ckpt_fs::resolve(&first).unwrap())
+        .unwrap()
+        .files[0]
+        .digest
+        .bytes;
+    assert_eq!(size % 4, 0, "f32 arrays and a header padded to 8 bytes");
+    for k in [1, 2, 4] {
+        let dir = root.join(format!("in-{k}"));
+        assert_eq!(save(&dir, size / k), want);
+        let latest = ckpt_fs::resolve(&dir).unwrap();
+        let digest = &Manifest::read(&latest).unwrap().files[0].digest;
+        assert_eq!((digest.bytes, digest.chunks.len() as u64), (size, k));
+        assert_eq!(
+            ragged::checkpoint::read::verify(&latest, |_, _| {}).unwrap(),
+            size
+        );
+        let loaded = ThreadWorld::run(1, |c| {
+            let mut m = fully_shard(&params, adamw(), c, opts(ShardLayout::Ragged))?;
+            m.load(&dir)?;
+            m.param_digest()
+        })
+        .unwrap();
+        assert_eq!(loaded[0], want, "{k} chunks");
+    }
+}
+
 /// A sealed manifest (fresh checksum) whose holders or rank files do not tile the saved arrays
 /// in rank order is refused when read, naming the cause: holders with a gap, holders out of
 /// rank order, holders short of the array's length, rank files listed out of rank order. A
