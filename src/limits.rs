@@ -308,6 +308,9 @@ mod tests {
                 .to_string();
             assert!(err.contains(var) && err.contains(bad), "{err}");
         }
+        // A negative one is refused for being negative (not for its size).
+        let err = parse_timeout(var, Some("-1"), default).unwrap_err();
+        assert!(err.to_string().contains("non-negative"), "{err}");
         // The largest a Duration holds waits "for ever" without overflowing a deadline.
         let far = parse_timeout(var, Some("1e19"), default).unwrap().unwrap();
         assert!(deadline(Instant::now(), far) > Instant::now());
