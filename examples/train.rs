@@ -32,7 +32,7 @@ use ragged::demo::{
 };
 use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
-use ragged::{AtomicBlock, Result};
+use ragged::Result;
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, DecayRule, Grafting, MatrixLayout, Muon,
     MuonConfig, Shampoo, ShampooConfig,
@@ -475,11 +475,7 @@ fn print_muon_layout(args: &Args, ranks: usize, lr: f64) -> Result<()> {
     for unit in inventory.units_by(&|name| wrap.unit_of(name)) {
         let (_, report) = opt.plan_layout(&unit, ranks, &FsdpOptions::default().plan)?;
         total += report.tensors.len();
-        split += report
-            .tensors
-            .iter()
-            .filter(|t| t.block != AtomicBlock::Matrix)
-            .count();
+        split += report.tensors.iter().filter(|t| t.is_split()).count();
         bytes += report.cost_bytes();
     }
     ragged::outln!(

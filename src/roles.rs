@@ -11,8 +11,9 @@
 //!
 //! The default rule ([`default_role`]) is right for Hugging Face / candle-transformers names:
 //! hidden matrices (2-D, and batched `[E, m, n]` experts: any tensor of 3 or more dimensions,
-//! so a conv weight too, whose Muon update is then per `kh × kw` kernel) are `Matrix`;
-//! embeddings are `Fp32State`; output heads, norms, biases and every 1-D or 0-D parameter are `ElementWise`.
+//! so a conv filter too, which Muon flattens to `[out, in·kh·kw]`) are `Matrix`; embeddings
+//! are `Fp32State`; output heads, norms, biases and every 1-D or 0-D parameter are
+//! `ElementWise`.
 //! It reproduces the two rules it replaces, Muon's `adamw_patterns` (`embed`, `lm_head`) and
 //! 8-bit Adam's `fp32_patterns` (`embed`); `FsdpOptions::frozen` stays beside `Role::Frozen`
 //! (either freezes a parameter).

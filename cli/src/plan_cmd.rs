@@ -345,12 +345,7 @@ fn muon_summary(inv: &Inventory, args: &PlanArgs, opts: &PlanOptions) -> Result<
     let elapsed = start.elapsed();
     progress.finish_and_clear();
     let (whole_bytes, split_bytes) = muon_ends_bytes(&auto, &units, world, opts)?;
-    let split_of = |r: &LayoutReport| {
-        r.tensors
-            .iter()
-            .filter(|t| t.block != AtomicBlock::Matrix)
-            .count()
-    };
+    let split_of = |r: &LayoutReport| r.tensors.iter().filter(|t| t.is_split()).count();
     let matrices: usize = reports.iter().map(|r| r.tensors.len()).sum();
     let splits: usize = reports.iter().map(split_of).sum();
     let auto_bytes: u64 = reports.iter().map(LayoutReport::cost_bytes).sum();

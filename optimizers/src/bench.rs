@@ -799,9 +799,8 @@ pub fn cost(kind: OptimKind, set: &ShapeSet) -> Result<Cost> {
                 None => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
             },
             OptimKind::Muon | OptimKind::MuonBf16 if muon.uses_muon(name, shape) => {
-                let d = shape.len();
-                let (rows, cols) = (shape[d - 2], shape[d - 1]);
-                let matrices = (shape[..d - 2].iter().product::<usize>()) as f64;
+                let (matrices, rows, cols) = muon.config().matrices_of(shape);
+                let matrices = matrices as f64;
                 (
                     matrices * ns_flops(rows, cols, steps) + MUON_ELEM_FLOPS * n,
                     MUON_BYTES * n,

@@ -8,7 +8,8 @@
 //! # Which parameters Muon updates
 //! A parameter of two or more dimensions whose role ([`MuonConfig::roles`], [`ragged::roles`])
 //! is [`Role::Matrix`] is a *Muon parameter*: its trailing `rows × cols` matrices (each expert
-//! of `[E, m, n]`) are orthogonalized one by one. Every other parameter (0-D, 1-D, embeddings,
+//! of `[E, m, n]`) are orthogonalized one by one, or the whole tensor as one `[d₀, d₁·…]`
+//! matrix from four dimensions on (a conv filter; [`MuonConfig::matrices_of`]). Every other parameter (0-D, 1-D, embeddings,
 //! output heads: by default) is updated by [`AdamW`] with the `adamw` settings of
 //! [`MuonConfig`]; a `Frozen` one is not stepped. Each role's settings scale its learning rate
 //! and can replace its weight decay.
@@ -26,7 +27,7 @@
 //!
 //! `scale` is [`LrScale`]: `original` `√max(1, rows/cols)` (torch's default),
 //! `match_rms_adamw` `0.2·√max(rows, cols)` or `spectral_unclamped` `√(rows/cols)`, all on the
-//! *trailing matrix's* shape. Scalars are
+//! *matrix's* shape. Scalars are
 //! `f64`, rounded to `f32` once where they meet a tensor; element operations are single `f32`
 //! operations without FMA (see [`crate::adamw`] for the precision contract).
 //!
@@ -34,16 +35,15 @@
 //! - Working dtype `f32` by default, not bf16 (torch casts the NS input to bf16); set
 //!   [`NsConfig::precision`] to `Bf16` for torch's dtype (see [`crate::newton_schulz`]).
 //! - The Frobenius norm is summed in `f64` (see [`crate::newton_schulz`]).
-//! - torch refuses non-2-D parameters; here `[…, m, n]` runs NS per trailing matrix and the
-//!   rest falls back to AdamW. A conv weight `[out, in, kh, kw]` (`[out, in, k]`) is `Matrix` by
-//!   the default role and so is orthogonalized per `kh × kw` kernel (`k`-column slice), not as
-//!   the `[out, in·kh·kw]` matrix that Keller Jordan's Muon flattens it to: for that update,
-//!   pass the weight 2-D and reshape it in the forward (the same gradient, flattened); or give
-//!   it the `ElementWise` role for AdamW.
+//! - torch refuses non-2-D parameters; here a 3-D `[…, m, n]` (MoE experts) runs NS per
+//!   trailing matrix, and from [`MuonConfig::flatten_min_dims`] (4) dimensions on the tensor is
+//!   one matrix `[d₀, d₁·…]`: a conv filter `[out, in, kh, kw]` is orthogonalized as
+//!   `[out, in·kh·kw]`, as Keller Jordan's Muon flattens it ([`MuonConfig::matrices_of`]; set 3
+//!   to flatten conv1d weights `[out, in, k]` too). Other parameters fall back to AdamW.
 //!
 //! # Sharding
-//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters: the block the math
-//! needs. How matrices are actually laid out is negotiable, per tensor
+//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters ([`AtomicBlock::Whole`]
+//! for flattened ones): the block the math needs. How matrices are actually laid out is negotiable, per tensor
 //! ([`MuonConfig::layout`], [`Muon::plan_layout`], [`crate::muon_layout`]):
 //! - a matrix **whole on one rank** is orthogonalized in place, with no communication (with
 //!   bf16 Newton–Schulz on the AMX products, `U` itself is kept in bf16:
@@ -207,6 +207,13 @@ pub struct MuonConfig {
     /// Whole or split matrices when planning (default [`MatrixLayout::Auto`], a per-tensor
     /// byte cost model; see [`crate::muon_layout`]).
     pub layout: MatrixLayout,
+    /// Muon parameters of at least this many dimensions are one matrix `[d₀, d₁·d₂·…]`, as
+    /// Keller Jordan's Muon flattens a conv filter `[out, in, kh, kw]` to `[out, in·kh·kw]`;
+    /// those of fewer are batches of trailing matrices `[…, m, n]` (each expert of `[E, m, n]`
+    /// on its own). Default 4: conv2d/3d filters flatten, 3-D experts do not; 3 flattens conv1d
+    /// weights `[out, in, k]` too (and experts with them), `usize::MAX` nothing. At least 2
+    /// ([`MuonConfig::matrices_of`]).
+    pub flatten_min_dims: usize,
 }
 
 impl Default for MuonConfig {
@@ -221,6 +228,7 @@ impl Default for MuonConfig {
             adamw: AdamWConfig::default(),
             roles: RoleRule::default(),
             layout: MatrixLayout::Auto,
+            flatten_min_dims: 4,
         }
     }
 }
@@ -245,8 +253,32 @@ impl MuonConfig {
         )?;
         self.ns.validate()?;
         self.roles.validate()?;
+        if self.flatten_min_dims < 2 {
+            return Err(Error::BadInput {
+                op: OP,
+                what: format!("flatten_min_dims {}", self.flatten_min_dims),
+                reason: "must be at least 2 (a matrix has two dimensions; usize::MAX flattens \
+                         nothing)"
+                    .into(),
+            });
+        }
         self.check_rates(OP, self.lr)?;
         self.adamw.validate()
+    }
+
+    /// How a Muon parameter of `shape` (two or more dimensions) is cut into the matrices
+    /// Newton–Schulz orthogonalizes: `(count, rows, cols)`, back to back in row-major order.
+    /// One `[d₀, d₁·…]` matrix from [`MuonConfig::flatten_min_dims`] dimensions on, else the
+    /// trailing `rows × cols` matrices. The learning-rate scale is that matrix's.
+    pub fn matrices_of(&self, shape: &[usize]) -> (usize, usize, usize) {
+        let d = shape.len();
+        let numel: usize = shape.iter().product();
+        let (rows, cols) = if d >= self.flatten_min_dims {
+            (shape[0], shape[1..].iter().product())
+        } else {
+            (shape[d - 2], shape[d - 1])
+        };
+        (numel / (rows * cols).max(1), rows, cols)
     }
 
     /// `Err(BadInput)` from `op` unless, at learning rate `lr`, Muon's rate and the `Matrix`
@@ -363,12 +395,6 @@ impl std::fmt::Debug for UBuffer {
     }
 }
 
-/// The trailing matrix of a shape: `(rows, cols)`.
-fn trailing(shape: &[usize]) -> (usize, usize) {
-    let n = shape.len();
-    (shape[n - 2], shape[n - 1])
-}
-
 impl Muon {
     /// A Muon with validated hyperparameters ([`MuonConfig::validate`]).
     pub fn new(config: MuonConfig) -> Result<Self> {
@@ -415,6 +441,12 @@ impl Muon {
 
     pub(crate) fn is_muon(&self, meta: &ParamMeta) -> bool {
         self.uses_muon(&meta.name, &meta.shape)
+    }
+
+    /// The `(rows, cols)` of each matrix of a Muon parameter ([`MuonConfig::matrices_of`]).
+    fn matrix_of(&self, meta: &ParamMeta) -> (usize, usize) {
+        let (_, rows, cols) = self.config.matrices_of(&meta.shape);
+        (rows, cols)
     }
 
     /// Elements of [`MuonState::v`] for `shard`: those of its pieces that are not Muon
@@ -480,7 +512,9 @@ impl Optimizer for Muon {
     }
 
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
-        if self.uses_muon(name, shape) {
+        if self.uses_muon(name, shape) && shape.len() >= self.config.flatten_min_dims {
+            AtomicBlock::Whole // one flattened matrix
+        } else if self.uses_muon(name, shape) {
             AtomicBlock::Matrix
         } else {
             AtomicBlock::Element
@@ -757,7 +791,7 @@ impl Muon {
 
     /// The roots of this group's Muon matrices ([`RootPlan`]; identical on every rank).
     pub fn roots(&self, shard: &LocalShard) -> RootPlan {
-        let matrix_of = |meta: &ParamMeta| self.is_muon(meta).then(|| trailing(&meta.shape));
+        let matrix_of = |meta: &ParamMeta| self.is_muon(meta).then(|| self.matrix_of(meta));
         // Newton–Schulz's multiply-adds plus the element work, the same on every rank.
         let cost_of = |rows: usize, cols: usize| {
             let macs = ns_macs(rows, cols, &self.config.ns).saturating_add((rows * cols) as u128);
@@ -772,7 +806,7 @@ impl Muon {
             return None;
         }
         let c = &self.config;
-        let (rows, cols) = trailing(&meta.shape);
+        let (rows, cols) = self.matrix_of(meta);
         let (lr, wd) = self.matrix_rates();
         Some(MatrixStep {
             rows,
@@ -805,7 +839,7 @@ impl Muon {
             if !self.is_muon(meta) {
                 continue;
             }
-            let (rows, cols) = trailing(&meta.shape);
+            let (rows, cols) = self.matrix_of(meta);
             let mn = rows * cols;
             let Some(Range { start: lo, end: hi }) = whole_matrices(piece, mn) else {
                 continue;

@@ -54,10 +54,18 @@ pub enum MatrixLayout {
 pub struct TensorChoice {
     pub name: String,
     pub shape: Vec<usize>,
-    /// [`AtomicBlock::Matrix`] (whole) or [`AtomicBlock::Element`] (split).
+    /// [`AtomicBlock::Matrix`] or, for a flattened tensor, [`AtomicBlock::Whole`] (whole);
+    /// [`AtomicBlock::Element`] (split).
     pub block: AtomicBlock,
     /// Its elements that travel to roots per step and direction in the final plan.
     pub moved: usize,
+}
+
+impl TensorChoice {
+    /// Whether its matrices are split over ranks (gathered to roots).
+    pub fn is_split(&self) -> bool {
+        self.block == AtomicBlock::Element
+    }
 }
 
 /// What [`Muon::plan_layout`] chose for a unit.
@@ -87,11 +95,7 @@ impl LayoutReport {
 
 impl fmt::Display for LayoutReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let split = self
-            .tensors
-            .iter()
-            .filter(|t| t.block != AtomicBlock::Matrix)
-            .count();
+        let split = self.tensors.iter().filter(|t| t.is_split()).count();
         writeln!(
             f,
             "{} (V = {}, {:?}): {} of {} Muon tensors split; padding {} elements ({} with all \
@@ -107,10 +111,10 @@ impl fmt::Display for LayoutReport {
             self.cost_bytes() as f64 / 1e6
         )?;
         for t in &self.tensors {
-            let how = if t.block == AtomicBlock::Matrix {
-                "whole".to_string()
-            } else {
+            let how = if t.is_split() {
                 format!("split (moves {} per way)", t.moved)
+            } else {
+                "whole".to_string()
             };
             writeln!(f, "  {:<40} {:?}: {how}", t.name, t.shape)?;
         }
@@ -293,7 +297,12 @@ impl Muon {
                 .position(|u| std::ptr::eq(*u, t))
                 .expect("a tensor of the unit")
         };
-        let plan = plan_unit(unit, &|t| blocks[index(t)], world, opts)?;
+        // `Matrix` stands for "whole" in the search: a flattened tensor's whole block is `Whole`.
+        let block = |t: &TensorSpec| match blocks[index(t)] {
+            AtomicBlock::Matrix => self.atomic_block(&t.name, &t.shape),
+            b => b,
+        };
+        let plan = plan_unit(unit, &block, world, opts)?;
         let shard = LocalShard::from_plan(&plan, 0)?;
         let roots = self.roots(&shard);
         let mut per_param = vec![0; plan.placements.len()];

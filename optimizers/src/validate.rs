@@ -728,8 +728,8 @@ fn muon_reference(
                 .push(update_check(&t.name, &got[k], &want, &p0[k]));
             continue;
         }
-        let d = t.shape.len();
-        let scale = c.lr * c.lr_scale.factor(t.shape[d - 2], t.shape[d - 1]);
+        let (_, rows, cols) = c.matrices_of(&t.shape);
+        let scale = c.lr * c.lr_scale.factor(rows, cols);
         let p_max = want.iter().fold(0f64, |a, w| a.max(w.abs()));
         let (abs, rel) = errors(&got[k], &want);
         report.reference.push(ReferenceCheck {

@@ -40,8 +40,8 @@ pub fn adamw_f64(c: &AdamWConfig, decays: bool, p0: &[f32], grads: &[&[f32]]) ->
     Ok(p)
 }
 
-/// Muon in f64 on one parameter of `shape` (≥ 2-D: its trailing `rows × cols` matrices one by
-/// one), `p0` stepped with every `grads[step]`. `Err` on a shape of fewer than two dimensions
+/// Muon in f64 on one parameter of `shape` (≥ 2-D: its matrices one by one, as
+/// [`MuonConfig::matrices_of`] cuts them), `p0` stepped with every `grads[step]`. `Err` on a shape of fewer than two dimensions
 /// or with a zero side, or buffers of other lengths.
 pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -> Result<Vec<f64>> {
     const OP: &str = "muon_f64";
@@ -57,7 +57,7 @@ pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -
         });
     }
     check_grads(OP, p0.len(), grads)?;
-    let (rows, cols) = (shape[d - 2], shape[d - 1]);
+    let (_, rows, cols) = c.matrices_of(shape);
     let scale = c.lr * c.lr_scale.factor(rows, cols);
     let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
     let mut buf = vec![0f64; p.len()];

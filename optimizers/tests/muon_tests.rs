@@ -16,7 +16,7 @@ use ragged_optimizers::muon::MatrixStep;
 use ragged_optimizers::newton_schulz::ns_macs;
 use ragged_optimizers::{
     orthogonalize, AdamWConfig, LrScale, MatrixLayout, Muon, MuonConfig, MuonState, NsBackend,
-    NsConfig, NsMethod, NsPrecision, QUINTIC,
+    NsConfig, NsMethod, NsPrecision, TensorChoice, QUINTIC,
 };
 
 mod harness;
@@ -409,28 +409,57 @@ fn each_expert_matrix_steps_like_an_independent_2d_param() {
     }
 }
 
-/// A conv weight `[out, in, kh, kw]` (or `[out, in, k]`) is a batch of `kh × kw` matrices, as
-/// experts are: it steps bitwise as `[out·in, kh, kw]`, not as the `[out, in·kh·kw]` matrix that
-/// Keller Jordan's Muon flattens it to (`torch.optim.Muon` refuses it). The module doc and the
-/// README say so and how to get the flattened update (store the weight 2-D, reshape in the
-/// forward).
+/// A conv filter `[out, in, kh, kw]` is one matrix `[out, in·kh·kw]`, as Keller Jordan's Muon
+/// flattens it (`torch.optim.Muon` refuses it): it steps bitwise as that 2-D parameter (scale
+/// rule included), as one `Whole` block. `flatten_min_dims` moves the line: 3 flattens a
+/// conv1d weight `[out, in, k]` too (3-D experts with it), `usize::MAX` steps the filter per
+/// `kh × kw` kernel, as the 3-D `[out·in, kh, kw]`; below 2 is refused.
 #[test]
-fn a_conv_weight_steps_per_kernel_not_flattened() {
-    let opt = Muon::new(loud()).unwrap();
+fn a_conv_filter_steps_as_one_flattened_matrix() {
     let (out, inp, kh, kw) = (8, 3, 3, 3);
     let n = out * inp * kh * kw;
     let mut rng = Rng::new(9);
     let (p0, g) = (rng.units(n), rng.units(n));
-    let step = |shape: &[usize]| {
+    let step = |flatten_min_dims: usize, shape: &[usize]| {
+        let opt = Muon::new(MuonConfig {
+            flatten_min_dims,
+            ..loud()
+        })
+        .unwrap();
         let shard = whole_shard(&opt, &specs(&[("conv.weight", shape)]));
         let (mut p, mut state) = (p0.clone(), opt.init(&shard).unwrap());
         opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         bits(&p)
     };
-    let conv = step(&[out, inp, kh, kw]);
-    assert_eq!(conv, step(&[out * inp, kh, kw]), "per kernel");
-    assert_ne!(conv, step(&[out, inp * kh * kw]), "not flattened");
+    let conv = step(4, &[out, inp, kh, kw]);
+    assert_eq!(conv, step(4, &[out, inp * kh * kw]), "flattened");
+    let per_kernel = step(usize::MAX, &[out, inp, kh, kw]);
+    assert_eq!(per_kernel, step(4, &[out * inp, kh, kw]), "per kernel");
+    assert_ne!(conv, per_kernel);
+    // conv1d: batched by default (as experts), flattened from 3.
+    let conv1d = [out, inp * kh, kw];
+    assert_eq!(step(3, &conv1d), step(3, &[out, inp * kh * kw]));
+    assert_ne!(step(4, &conv1d), step(3, &conv1d));
+    let opt = Muon::new(loud()).unwrap();
+    assert_eq!(
+        opt.atomic_block("c", &[out, inp, kh, kw]),
+        AtomicBlock::Whole
+    );
+    assert_eq!(opt.atomic_block("c", &conv1d), AtomicBlock::Matrix);
+    assert_eq!(opt.config().matrices_of(&[out, inp, kh, kw]), (1, out, 27));
+    assert_eq!(opt.config().matrices_of(&conv1d), (out, 9, 3));
+    for bad in [0, 1] {
+        let c = MuonConfig {
+            flatten_min_dims: bad,
+            ..MuonConfig::default()
+        };
+        let err = Muon::new(c).unwrap_err().to_string();
+        assert!(
+            err.contains("flatten_min_dims") && err.contains("at least 2"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -471,10 +500,11 @@ fn lr_scale_rules_match_torch() {
 // "wide" (48×160) takes Gram Newton–Schulz under `NsMethod::Auto` (0.71× the multiply-adds),
 // "tall" (80×48) the standard iteration: both methods go through every layout below
 // (`sharded_muon_step_takes_both_newton_schulz_methods` checks which runs).
-const TENSORS: [(&str, &[usize]); 7] = [
+const TENSORS: [(&str, &[usize]); 8] = [
     ("wide", &[48, 160]),
     ("tall", &[80, 48]),
     ("experts", &[3, 16, 24]),
+    ("conv", &[6, 3, 3, 3]), // one flattened 6 × 27 matrix
     ("small", &[7, 5]),
     ("bias", &[31]),
     ("tok_embed", &[10, 6]),
@@ -502,12 +532,13 @@ fn layout_shards(
 ) -> Vec<LocalShard> {
     let split = |to: AtomicBlock| {
         move |t: &TensorSpec| match opt.atomic_block(&t.name, &t.shape) {
-            AtomicBlock::Matrix => to,
+            AtomicBlock::Matrix | AtomicBlock::Whole => to,
             b => b,
         }
     };
+    let own = |t: &TensorSpec| opt.atomic_block(&t.name, &t.shape);
     match layout {
-        Layout::Whole => planned_shards_by(spec, world, &split(AtomicBlock::Matrix), opts),
+        Layout::Whole => planned_shards_by(spec, world, &own, opts),
         Layout::Rows => planned_shards_by(spec, world, &split(AtomicBlock::Rows(1)), opts),
         Layout::Elements => planned_shards_by(spec, world, &split(AtomicBlock::Element), opts),
         Layout::Fsdp2 => fsdp2_shards(spec, world),
@@ -1099,11 +1130,17 @@ fn layout_cost_model_splits_a_matrix_only_when_padding_costs_more_than_moving_it
     // One 64×64 matrix among small ones on 8 ranks: whole, it forces S ≥ 4096 and about
     // 7·4096 padding elements into every collective; split, it moves under 4096 per way.
     let big = specs(&[("w_big", &[64, 64]), ("b", &[100]), ("w_small", &[8, 8])]);
+    // The same as a conv filter: one flattened 64 × 64 matrix, whole as one `Whole` block.
+    let conv = specs(&[
+        ("w_big", &[64, 4, 4, 4]),
+        ("b", &[100]),
+        ("w_small", &[8, 8]),
+    ]);
     // Eight equal 32×32 matrices on 8 ranks pack whole with no padding at all.
     let even: Vec<TensorSpec> = (0..8)
         .map(|i| TensorSpec::new(format!("w{i}"), &[32, 32], DType::F32).unwrap())
         .collect();
-    for (spec, want_split) in [(&big, true), (&even, false)] {
+    for (spec, want_split) in [(&big, true), (&conv, true), (&even, false)] {
         let unit = unit_of(spec);
         let (_, auto) = muon_with(MatrixLayout::Auto)
             .plan_layout(&unit, 8, &opts)
@@ -1115,7 +1152,12 @@ fn layout_cost_model_splits_a_matrix_only_when_padding_costs_more_than_moving_it
             .plan_layout(&unit, 8, &opts)
             .unwrap();
         assert_eq!(whole.moved, 0, "whole matrices never travel");
-        assert!(whole.tensors.iter().all(|t| t.block == AtomicBlock::Matrix));
+        let whole_block = |t: &TensorChoice| match t.shape.len() {
+            4 => AtomicBlock::Whole,
+            _ => AtomicBlock::Matrix,
+        };
+        assert!(whole.tensors.iter().all(|t| t.block == whole_block(t)));
+        assert!(whole.tensors.iter().all(|t| !t.is_split()));
         assert!(split
             .tensors
             .iter()
@@ -1123,11 +1165,7 @@ fn layout_cost_model_splits_a_matrix_only_when_padding_costs_more_than_moving_it
         assert!(split.padding <= whole.padding);
         assert!(auto.cost_bytes() <= whole.cost_bytes(), "{auto}{whole}");
         assert!(auto.cost_bytes() <= split.cost_bytes(), "{auto}{split}");
-        assert_eq!(
-            auto.tensors[0].block == AtomicBlock::Element,
-            want_split,
-            "{auto}"
-        );
+        assert_eq!(auto.tensors[0].is_split(), want_split, "{auto}");
         if want_split {
             assert!(auto.cost_bytes() < whole.cost_bytes(), "{auto}{whole}");
             assert!(auto.padding < auto.whole_padding && auto.tensors[0].moved > 0);
