@@ -9,9 +9,9 @@
 //! A parameter of two or more dimensions whose role ([`MuonConfig::roles`], [`ragged::roles`])
 //! is [`Role::Matrix`] is a *Muon parameter*: its trailing `rows × cols` matrices (each expert
 //! of `[E, m, n]`) are orthogonalized one by one, or the whole tensor as one `[d₀, d₁·…]`
-//! matrix from four dimensions on (a conv filter; [`MuonConfig::matrices_of`]). Every other parameter (0-D, 1-D, embeddings,
-//! output heads: by default) is updated by [`AdamW`] with the `adamw` settings of
-//! [`MuonConfig`]; a `Frozen` one is not stepped. Each role's settings scale its learning rate
+//! matrix from four dimensions on (a conv filter; [`MuonConfig::matrices_of`]). Every other
+//! parameter (0-D, 1-D, embeddings, output heads: by default) is updated by [`AdamW`] with the
+//! `adamw` settings of [`MuonConfig`]; a `Frozen` one is not stepped. Each role's settings scale its learning rate
 //! and can replace its weight decay.
 //!
 //! # The step of one matrix, in torch's operation order
@@ -42,9 +42,10 @@
 //!   to flatten conv1d weights `[out, in, k]` too). Other parameters fall back to AdamW.
 //!
 //! # Sharding
-//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters ([`AtomicBlock::Whole`]
-//! for flattened ones): the block the math needs. How matrices are actually laid out is negotiable, per tensor
-//! ([`MuonConfig::layout`], [`Muon::plan_layout`], [`crate::muon_layout`]):
+//! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters
+//! ([`AtomicBlock::Whole`] for flattened ones): the block the math needs. How matrices are
+//! actually laid out is negotiable, per tensor ([`MuonConfig::layout`], [`Muon::plan_layout`],
+//! [`crate::muon_layout`]):
 //! - a matrix **whole on one rank** is orthogonalized in place, with no communication (with
 //!   bf16 Newton–Schulz on the AMX products, `U` itself is kept in bf16:
 //!   the same values in half the bytes);
@@ -512,12 +513,10 @@ impl Optimizer for Muon {
     }
 
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
-        if self.uses_muon(name, shape) && shape.len() >= self.config.flatten_min_dims {
-            AtomicBlock::Whole // one flattened matrix
-        } else if self.uses_muon(name, shape) {
-            AtomicBlock::Matrix
-        } else {
-            AtomicBlock::Element
+        match self.uses_muon(name, shape) {
+            true if shape.len() >= self.config.flatten_min_dims => AtomicBlock::Whole, // one matrix
+            true => AtomicBlock::Matrix,
+            false => AtomicBlock::Element,
         }
     }
 
