@@ -77,14 +77,25 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
     }
 }
 
-/// AdamW whose step nudges its first element by one ulp when the world has more than one
-/// rank: the kind of layout dependence the contract forbids.
-struct WorldDependent(AdamW);
+/// AdamW whose every step ends with `tamper` on the local parameters: a layout dependence
+/// of the kind the contract forbids, planted to see the validation catch it.
+struct Tampered(AdamW, fn(&LocalShard, &mut [f32]));
 
-impl Optimizer for WorldDependent {
+/// Nudges the first local element by one ulp when the world has more than one rank.
+fn world_dependent() -> Tampered {
+    let nudge = |shard: &LocalShard, params: &mut [f32]| {
+        if let Some(p) = shard.pieces.first().filter(|_| shard.world > 1) {
+            let x = &mut params[p.offset];
+            *x = f32::from_bits(x.to_bits() + 1);
+        }
+    };
+    Tampered(AdamW::new(AdamWConfig::default()).unwrap(), nudge)
+}
+
+impl Optimizer for Tampered {
     type State = AdamState;
     fn name(&self) -> &'static str {
-        "world-dependent"
+        "tampered"
     }
     fn atomic_block(&self, _: &str, _: &[usize]) -> AtomicBlock {
         AtomicBlock::Element
@@ -102,12 +113,7 @@ impl Optimizer for WorldDependent {
     ) -> Result<()> {
         let params = params.cpu("validate test")?;
         self.0.step(state, shard, params.into(), grads, comm)?;
-        if shard.world > 1 {
-            if let Some(p) = shard.pieces.first() {
-                let x = &mut params[p.offset];
-                *x = f32::from_bits(x.to_bits() + 1);
-            }
-        }
+        (self.1)(shard, params);
         Ok(())
     }
 }
@@ -119,7 +125,7 @@ fn a_world_dependent_step_is_a_breach_with_its_ulps() {
         name: "u".into(),
         tensors: specs.iter().collect(),
     };
-    let opt = WorldDependent(AdamW::new(AdamWConfig::default()).unwrap());
+    let opt = world_dependent();
     let report = validate_with(&opt, &[unit], &config(OptimKind::AdamW)).unwrap();
     assert!(report.breaches() > 0);
     let bad: Vec<_> = report.sharded.iter().filter(|c| !c.bitwise).collect();
@@ -337,40 +343,16 @@ fn the_bf16_muon_reference_tells_a_short_newton_schulz_from_bf16_rounding() {
     }
 }
 
-/// AdamW whose step leaves the first element of the first tensor at `-0.0` unsharded and at
-/// `+0.0` on more than one rank: equal as numbers, not as bits.
-struct SignOfZero(AdamW);
-
-impl Optimizer for SignOfZero {
-    type State = AdamState;
-    fn name(&self) -> &'static str {
-        "sign-of-zero"
-    }
-    fn atomic_block(&self, _: &str, _: &[usize]) -> AtomicBlock {
-        AtomicBlock::Element
-    }
-    fn init(&self, shard: &LocalShard) -> Result<AdamState> {
-        self.0.init(shard)
-    }
-    fn step(
-        &self,
-        state: &mut AdamState,
-        shard: &LocalShard,
-        params: ragged::storage::ViewMut<'_, f32>,
-        grads: ragged::storage::View<'_, f32>,
-        comm: &dyn Communicator,
-    ) -> Result<()> {
-        let params = params.cpu("validate test")?;
-        self.0.step(state, shard, params.into(), grads, comm)?;
-        if let Some(p) = shard
-            .pieces
-            .iter()
-            .find(|p| p.param == 0 && p.range.start == 0)
-        {
+/// Leaves the first element of the first tensor at `-0.0` unsharded and at `+0.0` on more
+/// than one rank: equal as numbers, not as bits.
+fn sign_of_zero() -> Tampered {
+    let zero = |shard: &LocalShard, params: &mut [f32]| {
+        let first = |p: &&ragged::optim::LocalPiece| p.param == 0 && p.range.start == 0;
+        if let Some(p) = shard.pieces.iter().find(first) {
             params[p.offset] = if shard.world > 1 { 0.0 } else { -0.0 };
         }
-        Ok(())
-    }
+    };
+    Tampered(AdamW::new(AdamWConfig::default()).unwrap(), zero)
 }
 
 /// The contract is bitwise: `+0.0` against `-0.0` is a breach although the two compare equal,
@@ -382,7 +364,7 @@ fn a_sign_of_zero_is_a_breach_zero_ulps_apart() {
         name: "u".into(),
         tensors: specs.iter().collect(),
     };
-    let opt = SignOfZero(AdamW::new(AdamWConfig::default()).unwrap());
+    let opt = sign_of_zero();
     let cfg = config(OptimKind::AdamW);
     let report = validate_with(&opt, &[unit], &cfg).unwrap();
     let sharded = cfg.worlds.iter().filter(|&&w| w > 1).count() * cfg.layouts.len();
@@ -403,7 +385,7 @@ fn every_layout_is_compared_at_every_world() {
         name: "u".into(),
         tensors: specs.iter().collect(),
     };
-    let opt = WorldDependent(AdamW::new(AdamWConfig::default()).unwrap());
+    let opt = world_dependent();
     let cfg = config(OptimKind::AdamW);
     let report = validate_with(&opt, &[unit], &cfg).unwrap();
     assert!(report.refused.is_empty(), "{:?}", report.refused);
