@@ -23,6 +23,7 @@ pub mod plan;
 pub mod ragged;
 pub mod roles;
 pub mod schedule;
+pub mod settings;
 pub mod storage;
 
 pub use block::AtomicBlock;

@@ -8,7 +8,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use ragged::checkpoint::{fs, read, Manifest};
 use ragged::Result;
 
-use crate::print::{debug_fields, printable};
+use crate::print::printable;
+use ragged::settings;
 
 #[derive(Subcommand)]
 pub enum CheckpointCommand {
@@ -87,7 +88,7 @@ pub fn run(cmd: &CheckpointCommand) -> Result<()> {
 
 /// Recorded settings (a config's `Debug` text), a field a line.
 fn print_settings(text: &str) -> Result<()> {
-    match debug_fields(text) {
+    match settings::fields(text) {
         Some(fields) => {
             for (path, value) in fields {
                 outln!("    {} = {}", printable(&path), printable(&value))?;

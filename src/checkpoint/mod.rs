@@ -101,7 +101,8 @@ pub struct Loaded {
     /// Bytes this rank read.
     pub bytes_read: u64,
     pub seconds: f64,
-    /// The optimizer settings that differ from the checkpoint's (`name: saved → now`). The
+    /// The optimizer settings that differ from the checkpoint's (`name: saved → now`, one
+    /// added since it was written `name: not recorded → now`; [`crate::settings::changes`]). The
     /// learning rate is restored from the checkpoint; the others are this model's, as its
     /// optimizer was configured (a resumed run may change them; here they are said). The
     /// FSDP options that change the numbers follow, as `fsdp.<path>: saved → now`.

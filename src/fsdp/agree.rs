@@ -14,6 +14,7 @@ use crate::comm::{all_gather_bytes, Buf, BufMut, Communicator};
 use crate::dbuffer::candle;
 use crate::optim::LocalShard;
 use crate::roles::Role;
+use crate::settings::fields;
 use crate::{Error, Result};
 
 /// FNV-1a, 64 bits: small, stable across processes and platforms (unlike `DefaultHasher`'s
@@ -190,83 +191,28 @@ fn settings_differ(what: &str, settings: &[&[u8]]) -> Option<String> {
         .collect();
     let &first = ranks.first()?;
     let text = |r: usize| String::from_utf8_lossy(settings[r]).into_owned();
-    let (a, b) = (setting_items(&text(0)), setting_items(&text(first)));
-    let at = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
-    let show = |v: &[(String, String)]| {
-        v.get(at)
-            .map(|(path, value)| format!("{path}: {value}"))
-            .unwrap_or_default()
+    let (a, b) = (text(0), text(first));
+    // The first setting whose value differs (texts that are not a struct's: the whole texts).
+    let (mine, theirs) = match (fields(&a), fields(&b)) {
+        (Some(fa), Some(fb)) => {
+            let value_in = |f: &[(String, String)], path: &str| {
+                let found = f.iter().find(|(p, _)| p == path);
+                found.map_or("no such setting".to_string(), |(_, v)| v.clone())
+            };
+            let differs = |(path, value): &&(String, String)| value_in(&fb, path) != *value;
+            match fa.iter().find(differs).or_else(|| fb.first()) {
+                Some((path, value)) => (
+                    format!("{path}: {value}"),
+                    format!("{path}: {}", value_in(&fb, path)),
+                ),
+                None => (a, b),
+            }
+        }
+        _ => (a, b),
     };
     Some(format!(
-        "{what} (ranks {ranks:?} differ from rank 0; rank 0 has `{}`, rank {first} `{}`)",
-        show(&a),
-        show(&b)
+        "{what} (ranks {ranks:?} differ from rank 0; rank 0 has `{mine}`, rank {first} `{theirs}`)"
     ))
-}
-
-/// The items of a settings `Debug` text as `(path, value)`, in order: a nested struct's field
-/// as `adamw.lr`, a tuple's or an option's members under their field's name (`betas`).
-fn setting_items(text: &str) -> Vec<(String, String)> {
-    #[derive(Default)]
-    struct Items {
-        out: Vec<(String, String)>,
-        /// Field names of the structs the text is inside (the outermost unnamed).
-        scope: Vec<String>,
-        /// The last field named at this depth: bare values belong to it.
-        field: String,
-        item: String,
-    }
-    impl Items {
-        fn flush(&mut self) {
-            let item = std::mem::take(&mut self.item);
-            let (name, value) = match item.split_once(':') {
-                Some((n, v)) => (n.trim().to_string(), v.trim()),
-                None => (self.field.clone(), item.trim()),
-            };
-            self.field = name.clone();
-            if !value.is_empty() {
-                let path = self.scope.iter().chain([&name]).filter(|s| !s.is_empty());
-                let path: Vec<&str> = path.map(String::as_str).collect();
-                self.out.push((path.join("."), value.to_string()));
-            }
-        }
-    }
-    let mut items = Items::default();
-    for c in text.chars() {
-        match c {
-            ',' | '(' | ')' => items.flush(),
-            '{' => {
-                let named = items
-                    .item
-                    .split_once(':')
-                    .map(|(n, _)| n.trim().to_string());
-                items.item.clear();
-                items.scope.push(named.unwrap_or_default());
-                items.field.clear();
-            }
-            '}' => {
-                items.flush();
-                items.field = items.scope.pop().unwrap_or_default();
-            }
-            c => items.item.push(c),
-        }
-    }
-    items.flush();
-    items.out
-}
-
-/// Every item of the settings text `now` that differs from `saved` (`path: old → new`), or
-/// the two whole texts where their structure differs.
-pub(crate) fn setting_changes(saved: &str, now: &str) -> Vec<String> {
-    let (a, b) = (setting_items(saved), setting_items(now));
-    if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x.0 != y.0) {
-        return vec![format!("`{saved}` → `{now}`")];
-    }
-    a.iter()
-        .zip(&b)
-        .filter(|(x, y)| x.1 != y.1)
-        .map(|((path, old), (_, new))| format!("{path}: {old} → {new}"))
-        .collect()
 }
 
 /// The step's one exchange (an all-gather of 24 bytes a rank): each rank's count of non-finite
@@ -348,31 +294,4 @@ pub(crate) fn check_stages_agree(comm: &dyn Communicator, stages: &[String]) -> 
             list(0)
         ),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::setting_changes;
-
-    #[test]
-    fn setting_changes_name_each_changed_field_and_tuple_member() {
-        let saved = "MuonConfig { lr: 0.02, adamw: AdamWConfig { lr: 0.001, betas: (0.9, 0.999), \
-                     weight_decay: Some(0.1) }, momentum: 0.95 }";
-        let now = "MuonConfig { lr: 0.02, adamw: AdamWConfig { lr: 0.001, betas: (0.5, 0.999), \
-                   weight_decay: Some(0.2) }, momentum: 0.5 }";
-        assert_eq!(
-            setting_changes(saved, now),
-            [
-                "adamw.betas: 0.9 → 0.5",
-                "adamw.weight_decay: 0.1 → 0.2",
-                "momentum: 0.95 → 0.5"
-            ]
-        );
-        assert!(setting_changes(saved, saved).is_empty());
-        let other = "MuonConfig { lr: 0.02 }";
-        assert_eq!(
-            setting_changes(saved, other),
-            [format!("`{saved}` → `{other}`")]
-        );
-    }
 }

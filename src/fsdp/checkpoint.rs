@@ -407,14 +407,14 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         applied?;
         // After the restored learning rate (and Muon's fallback rate with it) is in place.
         let mut changed_settings =
-            super::agree::setting_changes(&manifest.optimizer.config, &self.optimizer.settings());
+            crate::settings::changes(&manifest.optimizer.config, &self.optimizer.settings());
         let training = manifest.training.unwrap_or_default();
         // Its saves continue the loaded run (and may share its root).
         if let Some(run) = &training.run {
             self.run_id.clone_from(run);
         }
         if !training.fsdp.is_empty() {
-            let fsdp = super::agree::setting_changes(&training.fsdp, &self.opts.numerics());
+            let fsdp = crate::settings::changes(&training.fsdp, &self.opts.numerics());
             changed_settings.extend(fsdp.into_iter().map(|c| format!("fsdp.{c}")));
         }
         Ok(Loaded {
