@@ -74,32 +74,66 @@ fn split_top_level(text: &str, sep: char) -> Option<Vec<&str>> {
     Some(parts)
 }
 
-/// Every setting of the text `now` that differs from `saved`, as `path: old → new` in `now`'s
-/// order: values as written (`adamw.betas: (0.9, 0.999) → (0.5, 0.999)`), a setting added
-/// since `saved` was written as `path: not recorded → new`, one gone as `path: old → no such
-/// setting`. Texts that are not a struct's `Debug` (an optimizer of the user's own may record
-/// anything) differ as a whole: one entry `` `saved` → `now` `` when unequal.
-pub fn changes(saved: &str, now: &str) -> Vec<String> {
+/// One setting that differs between two texts: its path, and its value in each (`None`
+/// where that text has no such setting).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Difference {
+    pub path: String,
+    pub saved: Option<String>,
+    pub now: Option<String>,
+}
+
+/// The settings of `now` that differ from `saved`, in `now`'s order, then those `now` lacks.
+/// Texts that are not a struct's `Debug` (an optimizer of the user's own may record anything)
+/// differ as a whole: one difference of path `""` when unequal.
+pub fn differences(saved: &str, now: &str) -> Vec<Difference> {
     let (Some(old), Some(new)) = (fields(saved), fields(now)) else {
-        return match saved == now {
-            true => Vec::new(),
-            false => vec![format!("`{saved}` → `{now}`")],
+        let whole = Difference {
+            path: String::new(),
+            saved: Some(saved.to_string()),
+            now: Some(now.to_string()),
+        };
+        return if saved == now {
+            Vec::new()
+        } else {
+            vec![whole]
         };
     };
     let old_of: HashMap<&str, &str> = old.iter().map(|(p, v)| (p.as_str(), v.as_str())).collect();
     let new_of: HashMap<&str, &str> = new.iter().map(|(p, v)| (p.as_str(), v.as_str())).collect();
-    let changed = new
-        .iter()
-        .filter_map(|(path, value)| match old_of.get(path.as_str()) {
-            Some(o) if o == value => None,
-            Some(o) => Some(format!("{path}: {o} → {value}")),
-            None => Some(format!("{path}: not recorded → {value}")),
-        });
+    let changed = new.iter().filter_map(|(path, value)| {
+        let was = old_of.get(path.as_str()).copied();
+        (was != Some(value.as_str())).then(|| Difference {
+            path: path.clone(),
+            saved: was.map(str::to_string),
+            now: Some(value.clone()),
+        })
+    });
     let gone = old
         .iter()
         .filter(|(path, _)| !new_of.contains_key(path.as_str()))
-        .map(|(path, value)| format!("{path}: {value} → no such setting"));
+        .map(|(path, value)| Difference {
+            path: path.clone(),
+            saved: Some(value.clone()),
+            now: None,
+        });
     changed.chain(gone).collect()
+}
+
+/// [`differences`] as text, `path: old → new`: values as written (`adamw.betas: (0.9, 0.999)
+/// → (0.5, 0.999)`), a setting added since `saved` was written as `path: not recorded → new`,
+/// one gone as `path: old → no such setting`, texts that are no struct's as `` `saved` →
+/// `now` ``.
+pub fn changes(saved: &str, now: &str) -> Vec<String> {
+    let text = |d: Difference| match (d.path.as_str(), d.saved, d.now) {
+        ("", Some(a), Some(b)) => format!("`{a}` → `{b}`"),
+        (path, a, b) => format!(
+            "{path}: {} → {}",
+            a.as_deref().unwrap_or("not recorded"),
+            b.as_deref().unwrap_or("no such setting")
+        ),
+    };
+    differences(saved, now).into_iter().map(text).collect()
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::comm::{all_gather_bytes, Buf, BufMut, Communicator};
 use crate::dbuffer::candle;
 use crate::optim::LocalShard;
 use crate::roles::Role;
-use crate::settings::fields;
+use crate::settings::differences;
 use crate::{Error, Result};
 
 /// FNV-1a, 64 bits: small, stable across processes and platforms (unlike `DefaultHasher`'s
@@ -191,25 +191,15 @@ fn settings_differ(what: &str, settings: &[&[u8]]) -> Option<String> {
         .collect();
     let &first = ranks.first()?;
     let text = |r: usize| String::from_utf8_lossy(settings[r]).into_owned();
-    let (a, b) = (text(0), text(first));
-    // The first setting whose value differs (texts that are not a struct's: the whole texts).
-    let (mine, theirs) = match (fields(&a), fields(&b)) {
-        (Some(fa), Some(fb)) => {
-            let value_in = |f: &[(String, String)], path: &str| {
-                let found = f.iter().find(|(p, _)| p == path);
-                found.map_or("no such setting".to_string(), |(_, v)| v.clone())
-            };
-            let differs = |(path, value): &&(String, String)| value_in(&fb, path) != *value;
-            match fa.iter().find(differs).or_else(|| fb.first()) {
-                Some((path, value)) => (
-                    format!("{path}: {value}"),
-                    format!("{path}: {}", value_in(&fb, path)),
-                ),
-                None => (a, b),
-            }
-        }
-        _ => (a, b),
+    // The first setting that differs; texts that are not a struct's differ as a whole.
+    let first_difference = differences(&text(0), &text(first)).into_iter().next();
+    let show = |path: &str, value: Option<String>| match (path, value) {
+        ("", value) => value.unwrap_or_default(),
+        (path, value) => format!("{path}: {}", value.as_deref().unwrap_or("no such setting")),
     };
+    let (mine, theirs) = first_difference.map_or_else(Default::default, |d| {
+        (show(&d.path, d.saved), show(&d.path, d.now))
+    });
     Some(format!(
         "{what} (ranks {ranks:?} differ from rank 0; rank 0 has `{mine}`, rank {first} `{theirs}`)"
     ))
