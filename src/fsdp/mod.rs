@@ -501,8 +501,11 @@ pub fn inventory_of(params: &[(String, Tensor)]) -> Result<Inventory> {
                 return Err(crate::Error::BadInput {
                     op: "fully_shard",
                     what: format!("parameter {name} of shape {:?}", t.dims()),
-                    reason: "holds no elements, so nothing of it shards, trains or is saved:                              leave it out of the list (a stage that needs it can make it with                              `Tensor::zeros`)"
-                        .into(),
+                    reason:
+                        "holds no elements, so nothing of it shards, trains or is saved: leave it \
+                             out of the list (a stage that needs it can make it with \
+                             `Tensor::zeros`)"
+                            .into(),
                 });
             }
             if name.contains("::") {
