@@ -487,9 +487,9 @@ pub fn train_rank<O: CheckpointState>(
 }
 
 /// [`train_rank`] with checkpoints, keeping no reports (`on_step` sees each, and keeps what
-/// its caller wants: a run of a million steps would otherwise hold a million): resumes from [`Checkpointing::resume`] (the steps already
-/// taken are not run again; batches follow the step number, so a resumed run sees what an
-/// uninterrupted one would), saves every [`Checkpointing::save_every`] steps and after the
+/// its caller wants: a run of a million steps would otherwise hold a million): resumes from
+/// [`Checkpointing::resume`] (the steps already taken are not run again; batches follow the
+/// step number, so a resumed run sees what an uninterrupted one would), saves every [`Checkpointing::save_every`] steps and after the
 /// last (a fresh run of 0 steps saves its initial state), recording the global batch
 /// ([`GLOBAL_BATCH`]; a resume at another is allowed and listed in
 /// [`Trained::changed_settings`]), and exports at the end. `job` is

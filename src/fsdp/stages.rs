@@ -82,8 +82,8 @@ impl UnitParams {
                 what: format!("tensor {name}"),
                 reason,
             };
-            if *dtype.get_or_insert(t.dtype()) != t.dtype() {
-                let first = dtype.unwrap_or(t.dtype());
+            let first = *dtype.get_or_insert(t.dtype());
+            if first != t.dtype() {
                 return Err(bad(format!(
                     "is {:?}, the ones before {first:?}",
                     t.dtype()
