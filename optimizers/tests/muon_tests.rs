@@ -91,15 +91,10 @@ fn run_world(
     p0: &[Vec<f32>],
     grads: &[Vec<Vec<f32>>],
 ) -> [Vec<Vec<f32>>; 3] {
-    let comms = ThreadWorld::new(shards.len()).unwrap();
-    let results: Vec<(Vec<f32>, MuonState)> = std::thread::scope(|s| {
-        let handles: Vec<_> = shards
-            .iter()
-            .zip(comms)
-            .map(|(shard, comm)| s.spawn(move || run_rank(opt, shard, p0, grads, &comm)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let results: Vec<(Vec<f32>, MuonState)> = ThreadWorld::run(shards.len(), |comm| {
+        Ok(run_rank(opt, &shards[comm.rank()], p0, grads, comm))
+    })
+    .unwrap();
     let ps: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
     let ms: Vec<Vec<f32>> = results.iter().map(|r| r.1.m.to_vec().unwrap()).collect();
     let vs: Vec<Vec<f32>> = results
@@ -730,31 +725,21 @@ fn travel_to_holding_roots(opt: &Muon, elem_bytes: usize) {
             let worst = *roots.load.iter().max().unwrap();
             assert!(worst <= total / world as u64 + largest, "{:?}", roots.load);
 
-            let comms = ThreadWorld::new(world).unwrap();
-            let counted: Vec<(usize, usize, usize)> = std::thread::scope(|s| {
-                let handles: Vec<_> = shards
-                    .iter()
-                    .zip(&comms)
-                    .map(|(shard, comm)| {
-                        let (p0, grads) = (&p0, &grads);
-                        s.spawn(move || {
-                            let c = Counting {
-                                inner: comm,
-                                calls: AtomicUsize::new(0),
-                                sent: AtomicUsize::new(0),
-                                sent_bytes: AtomicUsize::new(0),
-                            };
-                            run_rank(opt, shard, p0, grads, &c);
-                            (
-                                c.calls.into_inner(),
-                                c.sent.into_inner(),
-                                c.sent_bytes.into_inner(),
-                            )
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let counted: Vec<(usize, usize, usize)> = ThreadWorld::run(world, |comm| {
+                let c = Counting {
+                    inner: comm,
+                    calls: AtomicUsize::new(0),
+                    sent: AtomicUsize::new(0),
+                    sent_bytes: AtomicUsize::new(0),
+                };
+                run_rank(opt, &shards[comm.rank()], &p0, &grads, &c);
+                Ok((
+                    c.calls.into_inner(),
+                    c.sent.into_inner(),
+                    c.sent_bytes.into_inner(),
+                ))
+            })
+            .unwrap();
             let sent: usize = counted.iter().map(|c| c.1).sum();
             let bytes: usize = counted.iter().map(|c| c.2).sum();
             assert_eq!(bytes, elem_bytes * sent, "{layout:?} world {world}: bytes");
@@ -802,59 +787,57 @@ fn split_matrices_travel_as_bf16_bits_on_a_bf16_wire() {
         let shards = layout_shards(&opt, &spec, world, Layout::Rows, &opts);
         let roots = opt.roots(&shards[0]);
         assert!(roots.has_split(), "world {world}: nothing split");
-        let comms = ThreadWorld::new(world).unwrap();
-        std::thread::scope(|s| {
-            for (shard, comm) in shards.iter().zip(&comms) {
-                let (roots, global) = (&roots, &global);
-                s.spawn(move || {
-                    let local = scatter(shard, global);
-                    let routes = roots.routes(shard).unwrap();
-                    let arena = routes.gather::<bf16, bf16>(&local, comm).unwrap();
-                    let want: Vec<u16> = roots
-                        .rooted_here(shard.rank)
-                        .filter(|&k| roots.jobs[k].split)
-                        .flat_map(|k| &global[roots.jobs[k].param][roots.jobs[k].elems.clone()])
-                        .map(|x| x.to_bits())
-                        .collect();
-                    let got: Vec<u16> = arena.iter().map(|x| x.to_bits()).collect();
-                    assert_eq!(got.len(), want.len(), "world {world} rank {}", shard.rank);
-                    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-                        panic!(
-                            "world {world} rank {}: gathered element {i} is {:#06x}, not {:#06x}",
-                            shard.rank, got[i], want[i]
-                        );
-                    }
-                    let mut back = vec![bf16::ZERO; shard.len];
-                    routes
-                        .scatter::<bf16, bf16>(&arena, &mut back, comm)
-                        .unwrap();
-                    // Every element this rank holds of a split matrix comes back as it was.
-                    let mut checked = 0;
-                    for job in roots.jobs.iter().filter(|j| j.split) {
-                        for p in shard.pieces.iter().filter(|p| p.param == job.param) {
-                            let lo = p.range.start.max(job.elems.start);
-                            let hi = p.range.end.min(job.elems.end);
-                            for e in lo..hi {
-                                let at = p.offset + e - p.range.start;
-                                assert_eq!(
-                                    back[at].to_bits(),
-                                    local[at].to_bits(),
-                                    "world {world} rank {}: element {e} of param {}",
-                                    shard.rank,
-                                    job.param
-                                );
-                                checked += 1;
-                            }
-                        }
-                    }
-                    assert!(
-                        checked > 0,
-                        "world {world} rank {}: holds no split part",
-                        shard.rank
-                    );
-                });
+        // Through the entry point users call: a rank that fails ends the others at once.
+        ThreadWorld::run(world, |comm| {
+            let shard = &shards[comm.rank()];
+            let local = scatter(shard, &global);
+            let routes = roots.routes(shard).unwrap();
+            let arena = routes.gather::<bf16, bf16>(&local, comm).unwrap();
+            let want: Vec<u16> = roots
+                .rooted_here(shard.rank)
+                .filter(|&k| roots.jobs[k].split)
+                .flat_map(|k| &global[roots.jobs[k].param][roots.jobs[k].elems.clone()])
+                .map(|x| x.to_bits())
+                .collect();
+            let got: Vec<u16> = arena.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got.len(), want.len(), "world {world} rank {}", shard.rank);
+            if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "world {world} rank {}: gathered element {i} is {:#06x}, not {:#06x}",
+                    shard.rank, got[i], want[i]
+                );
             }
-        });
+            let mut back = vec![bf16::ZERO; shard.len];
+            routes
+                .scatter::<bf16, bf16>(&arena, &mut back, comm)
+                .unwrap();
+            // Every element this rank holds of a split matrix comes back as it was.
+            let mut checked = 0;
+            for job in roots.jobs.iter().filter(|j| j.split) {
+                for p in shard.pieces.iter().filter(|p| p.param == job.param) {
+                    let lo = p.range.start.max(job.elems.start);
+                    let hi = p.range.end.min(job.elems.end);
+                    for e in lo..hi {
+                        let at = p.offset + e - p.range.start;
+                        assert_eq!(
+                            back[at].to_bits(),
+                            local[at].to_bits(),
+                            "world {world} rank {}: element {e} of param {}",
+                            shard.rank,
+                            job.param
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+            assert!(
+                checked > 0,
+                "world {world} rank {}: holds no split part",
+                shard.rank
+            );
+            Ok(())
+        })
+        .unwrap();
     }
 }
 

@@ -5,7 +5,7 @@
 
 use ragged::checkpoint::{CheckpointState, FieldData, FieldDataMut, FieldLayout};
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::SingleRank;
+use ragged::comm::{Communicator, SingleRank};
 use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
@@ -303,25 +303,17 @@ fn muon_world(
     grads: &[Vec<Vec<f32>>],
     n: &[usize],
 ) -> Vec<Vec<f32>> {
-    let comms = ThreadWorld::new(shards.len()).unwrap();
-    let ps: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let handles: Vec<_> = shards
-            .iter()
-            .zip(comms)
-            .map(|(shard, comm)| {
-                s.spawn(move || {
-                    let mut p = scatter(shard, p0);
-                    let mut st = opt.init(shard).unwrap();
-                    for g in grads {
-                        let g = scatter(shard, g);
-                        opt.step_slices(&mut st, shard, &mut p, &g, &comm).unwrap();
-                    }
-                    p
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let ps: Vec<Vec<f32>> = ThreadWorld::run(shards.len(), |comm| {
+        let shard = &shards[comm.rank()];
+        let mut p = scatter(shard, p0);
+        let mut st = opt.init(shard)?;
+        for g in grads {
+            let g = scatter(shard, g);
+            opt.step_slices(&mut st, shard, &mut p, &g, comm)?;
+        }
+        Ok(p)
+    })
+    .unwrap();
     gather(shards, &ps, n)
 }
 
