@@ -211,6 +211,10 @@ fn a_world_of_too_many_thread_ranks_is_an_error() {
     .unwrap_err();
     assert!(matches!(err, Error::BadInput { .. }), "{err}");
     assert_eq!(started.into_inner(), 0);
+    // The bound itself is a world (its communicators only: no thread starts).
+    let most = ThreadWorld::new(MAX_THREAD_RANKS).expect("a world of MAX_THREAD_RANKS ranks");
+    assert_eq!(most.len(), MAX_THREAD_RANKS);
+    assert_eq!(most[MAX_THREAD_RANKS - 1].rank(), MAX_THREAD_RANKS - 1);
     // Far beyond, refused before the world's tables are allocated: `1 << 40` ranks aborted
     // the process (an 8 TB allocation) and `usize::MAX` panicked (capacity overflow).
     for n in [1 << 40, usize::MAX] {
@@ -664,6 +668,29 @@ fn mismatched_reduce_ops_roots_and_element_types_are_errors_on_every_rank() {
         3,
         |_| 5,
         |c, buf| c.broadcast(BufMut::F32(buf), c.rank() / 2),
+    );
+    // All-reduce: one rank averages where the others sum.
+    assert_rejected_everywhere(
+        3,
+        |_| 6,
+        |c, buf| {
+            let op = if c.rank() == 1 {
+                ReduceOp::Avg
+            } else {
+                ReduceOp::Sum
+            };
+            c.all_reduce(BufMut::F32(buf), op)
+        },
+    );
+    // Out of place: send and recv of different element types, alike on every rank.
+    assert_rejected_everywhere(
+        2,
+        |_| 4,
+        |c, _| {
+            let send = vec![1.0f32; 2];
+            let mut recv = vec![bf16::ZERO; 4];
+            c.all_gather(Buf::F32(&send), BufMut::BF16(&mut recv))
+        },
     );
     // A root outside the world, the same on every rank.
     assert_rejected_everywhere(3, |_| 5, |c, buf| c.broadcast(BufMut::F32(buf), 3));
