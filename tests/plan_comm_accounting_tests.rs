@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use ragged::comm::rendezvous::Rendezvous;
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::{BufMut, Communicator, ReduceOp, SingleRank};
+use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, SingleRank};
 use ragged::model::DType;
 use ragged::plan::export::{unit_runs, write_multi_json};
 use ragged::plan::fit::fits;
@@ -485,4 +485,33 @@ fn a_one_rank_world_refuses_a_broadcast_from_rank_1() {
     })
     .unwrap();
     assert_eq!(threads, [true]);
+}
+
+/// A one-rank world's all-to-all-v takes exactly one count per side, equal to the buffer: counts
+/// for a larger world are refused even where they add up (`[n, 0]`), as in a thread world of
+/// one rank.
+#[test]
+fn a_one_rank_world_refuses_counts_for_another_world_size() {
+    let send = [1.0f32, 2.0, 3.0];
+    let mut recv = [0.0f32; 3];
+    for (sc, rc) in [
+        (&[3, 0][..], &[3][..]),
+        (&[3][..], &[3, 0][..]),
+        (&[][..], &[3][..]),
+    ] {
+        let single = SingleRank.all_to_all_v(Buf::F32(&send), sc, BufMut::F32(&mut recv), rc);
+        assert!(single.is_err(), "SingleRank took counts {sc:?} / {rc:?}");
+        let threads = ThreadWorld::run(1, |c| {
+            let mut r = [0.0f32; 3];
+            Ok(c.all_to_all_v(Buf::F32(&send), sc, BufMut::F32(&mut r), rc)
+                .is_err())
+        })
+        .unwrap();
+        assert_eq!(threads, [true], "counts {sc:?} / {rc:?}");
+    }
+    assert_eq!(recv, [0.0; 3]);
+    SingleRank
+        .all_to_all_v(Buf::F32(&send), &[3], BufMut::F32(&mut recv), &[3])
+        .unwrap();
+    assert_eq!(recv, send);
 }
