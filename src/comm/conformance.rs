@@ -207,6 +207,93 @@ mod tests {
         }
     }
 
+    /// One mistake a backend could make, planted on top of the thread backend.
+    #[derive(Clone, Copy, Debug)]
+    enum Bug {
+        /// Broadcasts from rank 0 whatever the root.
+        RootZero,
+        /// All-to-all-v as if every segment held `len / V` elements, whatever the counts.
+        EvenSegments,
+        /// All-reduces only the first `⌊len / V⌋ · V` elements (the remainder of an uneven
+        /// split left unreduced).
+        DropsRemainder,
+    }
+
+    struct Buggy<'a>(&'a ThreadComm, Bug);
+
+    impl Communicator for Buggy<'_> {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+            self.0.all_gather_in_place(buf)
+        }
+        fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+            self.0.all_gather(send, recv)
+        }
+        fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+            self.0.reduce_scatter_in_place(buf, op)
+        }
+        // The catch-all arm is for device buffers (feature `cuda`).
+        #[allow(unreachable_patterns)]
+        fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+            let Bug::DropsRemainder = self.1 else {
+                return self.0.all_reduce(buf, op);
+            };
+            let n = buf.len() / self.world_size() * self.world_size();
+            match buf {
+                BufMut::F32(b) => self.0.all_reduce(BufMut::F32(&mut b[..n]), op),
+                BufMut::BF16(b) => self.0.all_reduce(BufMut::BF16(&mut b[..n]), op),
+                BufMut::U8(b) => self.0.all_reduce(BufMut::U8(&mut b[..n]), op),
+                other => self.0.all_reduce(other, op),
+            }
+        }
+        fn all_to_all_v(
+            &self,
+            send: Buf<'_>,
+            sc: &[usize],
+            recv: BufMut<'_>,
+            rc: &[usize],
+        ) -> Result<()> {
+            let Bug::EvenSegments = self.1 else {
+                return self.0.all_to_all_v(send, sc, recv, rc);
+            };
+            let v = self.world_size();
+            let (sc, rc) = (vec![send.len() / v; v], vec![recv.len() / v; v]);
+            self.0.all_to_all_v(send, &sc, recv, &rc)
+        }
+        fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+            match self.1 {
+                Bug::RootZero => self.0.broadcast(buf, 0),
+                _ => self.0.broadcast(buf, root),
+            }
+        }
+        fn barrier(&self) -> Result<()> {
+            self.0.barrier()
+        }
+    }
+
+    /// `exercise` sees each planted bug: with it, a run returns other bits than the thread
+    /// backend's (or fails), at every world size that can show it. A change that made the
+    /// suite check less (a broadcast from rank 0, even all-to-all segments, no buffer shorter
+    /// than the world) would let a backend with the bug pass.
+    #[test]
+    fn exercise_tells_a_backend_with_a_planted_bug_from_the_reference() {
+        for world in [2, 3, 4] {
+            let reference = ThreadWorld::run(world, |c| exercise(c)).unwrap();
+            for bug in [Bug::RootZero, Bug::EvenSegments, Bug::DropsRemainder] {
+                let got = ThreadWorld::run(world, |c| exercise(&Buggy(c, bug)));
+                assert!(
+                    !matches!(&got, Ok(g) if g == &reference),
+                    "V={world}: exercise did not see {bug:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn out_of_place_forms_equal_the_in_place_ones_natively_and_staged() {
         for world in [1, 2, 3, 4] {
