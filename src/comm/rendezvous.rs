@@ -463,6 +463,14 @@ mod tests {
             .share(1, 2, short, || none(()))
             .unwrap_err();
         assert!(err.to_string().contains("16-byte blob"), "{err}");
+        // A run id longer than any launch may have, though the header gives its true length:
+        // refused even by a reader without a run id (which compares none).
+        let long = "r".repeat(MAX_RUN_ID + 1);
+        std::fs::write(dir.join("long"), encode(&blob(0), &long)).unwrap();
+        let err = Rendezvous::File(dir.join("long"))
+            .share_in_run("", 1, 2, short, || none(()))
+            .unwrap_err();
+        assert!(err.to_string().contains("run id of"), "{err}");
         // A rank outside the world.
         assert!(file.share(2, 2, short, || Ok(blob(0))).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
@@ -493,12 +501,15 @@ mod tests {
             let silent = connect();
             let mut outside = connect();
             outside.write_all(&hello(world)).unwrap();
+            // Rank 0 is the one serving: a greeting that claims it is no receiving rank's.
+            let mut claims_root = connect();
+            claims_root.write_all(&hello(0)).unwrap();
             let peers: Vec<_> = (1..world).map(|r| s.spawn(move || share(r))).collect();
             for p in peers {
                 assert_eq!(p.join().unwrap().unwrap(), blob(5));
             }
             assert_eq!(root.join().unwrap().unwrap(), blob(5));
-            for mut stray in [probe, silent, outside] {
+            for mut stray in [probe, silent, outside, claims_root] {
                 let mut got = Vec::new();
                 stray
                     .set_read_timeout(Some(Duration::from_secs(5)))
@@ -506,6 +517,28 @@ mod tests {
                 let _ = stray.read_to_end(&mut got);
                 assert!(got.is_empty(), "a stray connection got {} bytes", got.len());
             }
+        });
+    }
+
+    /// A rank that connects twice (a retry) gets the message each time but counts once: rank 0
+    /// keeps serving until every other rank had it, so the rank that comes last is not left to
+    /// its timeout.
+    #[test]
+    fn a_rank_that_connects_twice_counts_once() {
+        let via = &Rendezvous::Tcp(format!("127.0.0.1:{}", free_port()));
+        let share = move |r: usize, secs: u64| {
+            via.share_in_run("job-1", r, 3, Duration::from_secs(secs), || Ok(blob(6)))
+        };
+        std::thread::scope(|s| {
+            let root = s.spawn(move || share(0, 20));
+            assert_eq!(share(1, 20).unwrap(), blob(6));
+            assert_eq!(share(1, 20).unwrap(), blob(6));
+            assert_eq!(
+                share(2, 3).unwrap(),
+                blob(6),
+                "the last rank was not served"
+            );
+            assert_eq!(root.join().unwrap().unwrap(), blob(6));
         });
     }
 
