@@ -330,3 +330,39 @@ fn a_second_reduction_counts_its_pass_over_the_local_shard() {
         assert_eq!(rounds[1], rounds[0] + 4 * shard);
     }
 }
+
+/// A gradient pool keeps at most [`GradPool::SPARE`] buffers: one more given back is dropped
+/// (its memory returns), so the pool never holds more than the schedule has in flight.
+#[test]
+fn a_gradient_pool_keeps_at_most_its_spare_buffers() {
+    let pool = GradPool::default();
+    for k in 1..=GradPool::SPARE + 2 {
+        pool.give_back(Placement::Cpu.zeros::<f32>(5).unwrap());
+        assert_eq!(pool.spare_bytes(), 20 * k.min(GradPool::SPARE), "after {k}");
+    }
+}
+
+/// A strided gradient (a transposed view) is made contiguous before it is added, and that copy
+/// is counted as copied bytes; a contiguous one is added with no copy. Both count as
+/// accumulated, and the slot holds their sum.
+#[test]
+fn a_strided_gradient_counts_its_contiguous_copy() {
+    let stats = Arc::new(CopyStats::default());
+    let sink = GradSink::new(vec![(0, 6)], 6, stats.clone()).unwrap();
+    let plain = ramp(&[2, 3], 1.0);
+    sink.accumulate(0, &plain).unwrap();
+    assert_eq!((stats.copied(), stats.accumulated()), (0, 24));
+    let strided = ramp(&[3, 2], 4.0).t().unwrap();
+    assert!(!strided.is_contiguous());
+    sink.accumulate(0, &strided).unwrap();
+    assert_eq!((stats.copied(), stats.accumulated()), (24, 48));
+    let want: Vec<f32> = (plain + strided)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let (buf, touched) = sink.take().unwrap();
+    assert_eq!(buf.cpu().unwrap(), &want[..]);
+    assert_eq!(touched, [true]);
+}
