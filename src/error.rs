@@ -60,8 +60,10 @@ pub enum Error {
         reason: String,
     },
 
-    /// An error from candle (tensor library), with the operation that hit it.
-    #[error("{op}: candle: {source}")]
+    /// An error from candle (tensor library), with the operation that hit it. The message
+    /// leaves out the backtraces candle attaches when `RUST_BACKTRACE` is set (hundreds of lines
+    /// inside a one-line error); [`std::error::Error::source`] still holds them.
+    #[error("{op}: candle: {}", candle_message(source))]
     Candle {
         op: &'static str,
         #[source]
@@ -170,6 +172,18 @@ pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
     }
 }
 
+/// A candle error's message without the backtraces `candle_core::Error::bt` wraps around it
+/// (anywhere in a chain of contexts and paths).
+fn candle_message(error: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    match error {
+        E::WithBacktrace { inner, .. } => candle_message(inner),
+        E::Context { inner, context } => format!("{context}\n{}", candle_message(inner)),
+        E::WithPath { inner, path } => format!("path: {path:?} {}", candle_message(inner)),
+        other => other.to_string(),
+    }
+}
+
 /// `?` on candle results inside ragged code and user code returning [`Result`]. Library code
 /// names the operation instead (`map_err(dbuffer::candle("op"))`); this names it "candle".
 impl From<candle_core::Error> for Error {
@@ -189,5 +203,35 @@ impl Error {
             path: path.as_ref().display().to_string(),
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under `RUST_BACKTRACE=1` candle wraps each error in a backtrace; ragged's message keeps
+    /// candle's words and contexts and drops the frames.
+    #[test]
+    fn a_candle_error_reads_without_its_backtrace() {
+        let traced = |e: candle_core::Error| candle_core::Error::WithBacktrace {
+            inner: Box::new(e),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        let inner = traced(candle_core::Error::Msg("shape mismatch".into()));
+        let chained = traced(inner.context("stage 1").with_path("/tmp/w.safetensors"));
+        assert!(
+            chained.to_string().lines().count() > 3,
+            "the test needs real frames"
+        );
+        let message = Error::Candle {
+            op: "forward",
+            source: chained,
+        }
+        .to_string();
+        assert_eq!(
+            message,
+            "forward: candle: path: \"/tmp/w.safetensors\" stage 1\nshape mismatch"
+        );
     }
 }
