@@ -179,6 +179,18 @@ fn run<I: Send, R: Send>(
     })
 }
 
+/// Runs `f` on a thread of its own and returns its result, or fails the test if it is still
+/// running after `limit` (the thread is left behind: a hang becomes a failure, not a stall).
+fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || tx.send(f()));
+    match rx.recv_timeout(limit) {
+        Ok(r) => r,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("still running after {limit:?}"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the body panicked"),
+    }
+}
+
 /// Asserts that `res` is an `Error::Comm` reported by `rank` and returns its reason.
 #[track_caller]
 fn comm_err(res: &ragged::Result<()>, rank: usize) -> String {
@@ -769,18 +781,22 @@ fn inconsistent_all_to_all_counts_are_errors_on_every_rank() {
 
 #[test]
 fn an_error_poisons_the_world_for_every_later_call() {
-    let outs = run(world(3, GENEROUS), (0..3).collect(), |c, r| {
-        let mut buf = vec![0.0f32; 3 + usize::from(r == 1)];
-        let first = c.all_gather_in_place(BufMut::F32(&mut buf));
-        comm_err(&first, r);
-        // Now everything matches, but the world has failed.
-        let mut buf = vec![0.0f32; 3];
-        let later = [
-            c.barrier(),
-            c.all_reduce(BufMut::F32(&mut buf), ReduceOp::Sum),
-            c.broadcast(BufMut::F32(&mut buf), 0),
-        ];
-        later.iter().map(|res| comm_err(res, r)).collect::<Vec<_>>()
+    // Bounded: with the poison check broken, the ranks' call counts drift apart and a rank
+    // waits in a data phase (which has no timeout) for ever.
+    let outs = within(GENEROUS, || {
+        run(world(3, PROMPT), (0..3).collect(), |c, r| {
+            let mut buf = vec![0.0f32; 3 + usize::from(r == 1)];
+            let first = c.all_gather_in_place(BufMut::F32(&mut buf));
+            comm_err(&first, r);
+            // Now everything matches, but the world has failed.
+            let mut buf = vec![0.0f32; 3];
+            let later = [
+                c.barrier(),
+                c.all_reduce(BufMut::F32(&mut buf), ReduceOp::Sum),
+                c.broadcast(BufMut::F32(&mut buf), 0),
+            ];
+            later.iter().map(|res| comm_err(res, r)).collect::<Vec<_>>()
+        })
     });
     for reasons in outs {
         assert!(
