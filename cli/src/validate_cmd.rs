@@ -38,7 +38,8 @@ pub struct ValidateArgs {
     /// Seed of the parameters and gradients.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// 8-bit Adam: also require the same state bits at every world size and layout.
+    /// Also require the same optimizer state bits (every field, in global order) at every
+    /// world size and layout as unsharded.
     #[arg(long)]
     mesh_invariance: bool,
 }

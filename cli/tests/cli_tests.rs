@@ -685,14 +685,6 @@ fn validate_passes_a_small_preset_and_fails_bad_input() {
             "adamw",
         ],
         &["validate", "--model", "llama3_8b", "--optimizer", "sgd"],
-        &[
-            "validate",
-            "--model",
-            "llama3_8b",
-            "--optimizer",
-            "muon",
-            "--mesh-invariance",
-        ],
     ] {
         let out = ragged(bad);
         assert!(!out.status.success(), "{bad:?} succeeded");

@@ -7,12 +7,14 @@
 //! |---|---|---|
 //! | sharded vs unsharded | per parameter: bitwise, max ulp, max abs and relative error | any bit differs |
 //! | f64 reference (AdamW; Muon) | the final parameters of [`crate::validate_f64`]'s f64 Adam / Muon on the same inputs | AdamW: relative error above [`ADAMW_F64_RTOL`] per step; Muon matrices: absolute error above `lr·scale·5e-4` per step (+ f32 rounding of `p`) with f32 Newton–Schulz, the update's relative Frobenius error above [`MUON_BF16_UPDATE_RTOL`] with bf16 |
-//! | mesh invariance (8-bit Adam) | the `m`/`v` codes and scales in global order | any bit differs from the unsharded state |
+//! | mesh invariance (`--mesh-invariance`) | every state field in global order (the checkpoint's form: Adam's moments, 8-bit codes and scales, Muon's momentum, Shampoo's factors) | any bit differs from the unsharded state |
 //!
 //! A layout that an optimizer refuses (8-bit Adam on FSDP2's element cuts, which would split
 //! its scale blocks) is reported as refused, not as a breach: the optimizer returned `Err`
 //! before touching anything, which is the contract's answer to such a layout.
 
+use ragged::checkpoint::state::check_fields;
+use ragged::checkpoint::{CheckpointState, FieldLayout, FieldSpan};
 use ragged::comm::threads::{ThreadWorld, MAX_THREAD_RANKS};
 use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::SplitMix;
@@ -23,11 +25,8 @@ use ragged::plan::PlanOptions;
 use ragged::{Error, Result};
 
 use crate::bench::{muon_config, shampoo_config, OptimKind};
-use crate::quant::ScaleCode;
 use crate::validate_f64::{adamw_f64, muon_f64};
-use crate::{
-    Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, Muon, NsPrecision, Shampoo,
-};
+use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, NsPrecision, Shampoo};
 
 /// Tolerance of AdamW's final parameters against the f64 Adam, per step, relative to the
 /// tensor's largest magnitude (initial or final): torch's f32 order rounds ≲ 4.2 units of
@@ -87,7 +86,8 @@ pub struct ValidateConfig {
     pub layouts: Vec<LayoutKind>,
     pub steps: usize,
     pub seed: u64,
-    /// Also compare 8-bit Adam's state bits across world sizes.
+    /// Also compare every field of the optimizer's state, in global order, with the unsharded
+    /// run's: the same bits at every world size and layout.
     pub mesh_invariance: bool,
 }
 
@@ -126,6 +126,17 @@ impl ReferenceCheck {
     }
 }
 
+/// An optimizer state in global order against the unsharded run's, one unit at one world size
+/// and layout (`--mesh-invariance`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeshCheck {
+    pub unit: String,
+    pub layout: LayoutKind,
+    pub world: usize,
+    /// `field of parameter` for each array whose bits differ (empty: the same bits).
+    pub differs: Vec<String>,
+}
+
 /// The whole run: every check, and the layouts an optimizer refused.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ValidateReport {
@@ -133,8 +144,8 @@ pub struct ValidateReport {
     pub reference: Vec<ReferenceCheck>,
     /// `None` where no f64 reference exists for the optimizer.
     pub reference_note: Option<String>,
-    /// `(unit, layout, world, bitwise)` of the 8-bit state against the unsharded state.
-    pub mesh: Vec<(String, LayoutKind, usize, bool)>,
+    /// The optimizer state against the unsharded state, per unit, layout and world.
+    pub mesh: Vec<MeshCheck>,
     /// `(layout, world, reason)`.
     pub refused: Vec<(LayoutKind, usize, String)>,
 }
@@ -144,7 +155,7 @@ impl ValidateReport {
     pub fn breaches(&self) -> usize {
         self.sharded.iter().filter(|c| !c.bitwise).count()
             + self.reference.iter().filter(|c| !c.passes()).count()
-            + self.mesh.iter().filter(|m| !m.3).count()
+            + self.mesh.iter().filter(|m| !m.differs.is_empty()).count()
     }
 }
 
@@ -166,18 +177,15 @@ pub fn scaled(tensors: &[TensorSpec], scale: usize) -> Result<Vec<TensorSpec>> {
         .collect()
 }
 
-/// Sharded against unsharded only, for any optimizer (`cfg.optimizer` is not consulted; no
-/// f64 reference, no mesh check): what [`validate`] runs for each optimizer, open to
-/// optimizers of other crates.
-pub fn validate_with<O: Optimizer>(
+/// Sharded against unsharded (and, with `cfg.mesh_invariance`, the state too) for any
+/// checkpointable optimizer (`cfg.optimizer` is not consulted; no f64 reference): what
+/// [`validate`] runs for each optimizer, open to optimizers of other crates.
+pub fn validate_with<O: CheckpointState>(
     opt: &O,
     units: &[Unit],
     cfg: &ValidateConfig,
 ) -> Result<ValidateReport> {
-    check_config(&ValidateConfig {
-        mesh_invariance: false,
-        ..cfg.clone()
-    })?;
+    check_config(cfg)?;
     check_units(units, cfg)?;
     let mut report = ValidateReport::default();
     for u in units {
@@ -202,7 +210,7 @@ pub fn validate(units: &[Unit], cfg: &ValidateConfig) -> Result<ValidateReport> 
         OptimKind::Adam8bit => {
             let opt = Adam8bit::new(Adam8bitConfig::default())?;
             for u in units {
-                validate_adam8bit(&opt, u, cfg, &mut report)?;
+                validate_unit(&opt, u, cfg, &mut report)?;
             }
             report.reference_note = Some(
                 "adam8bit: the f64 reference with exact codes is adam8bit_tests.rs' (not run here)"
@@ -282,12 +290,6 @@ pub fn check_config(cfg: &ValidateConfig) -> Result<()> {
     }
     if cfg.steps == 0 {
         return bad("--steps 0".into(), "needs at least one step");
-    }
-    if cfg.mesh_invariance && cfg.optimizer != OptimKind::Adam8bit {
-        return bad(
-            cfg.optimizer.to_string(),
-            "--mesh-invariance compares 8-bit Adam's state",
-        );
     }
     Ok(())
 }
@@ -407,101 +409,124 @@ fn run_ranks<O: Optimizer>(
     ThreadWorld::run(shards.len(), |comm| rank(&shards[comm.rank()], comm))
 }
 
-/// 8-bit state in global order: codes per element, scales per parameter.
-#[derive(Clone, Debug, PartialEq)]
-struct StateBits {
-    m: Vec<Vec<u8>>,
-    v: Vec<Vec<u8>>,
-    scales: Vec<Vec<(ScaleCode, ScaleCode)>>,
-}
+/// Per state field: its name and each parameter's global array as little-endian bytes.
+type GlobalState = Vec<(&'static str, Vec<Vec<u8>>)>;
 
-fn state_bits(
-    opt: &Adam8bit,
+/// A state's fields in global order (the checkpoint's form, which no world size or layout
+/// changes): per field, its name and each parameter's global array as little-endian bytes,
+/// put together from every rank's spans. `Err` unless the ranks hold every element of every
+/// field exactly once, under the same field names.
+fn global_state<O: CheckpointState>(
+    opt: &O,
     shards: &[LocalShard],
-    states: &[Adam8bitState],
-) -> Result<StateBits> {
-    let m = LocalShard::gather(
-        shards,
-        &states
-            .iter()
-            .map(|s| s.m.to_vec())
-            .collect::<Result<Vec<_>>>()?,
-    )?;
-    let v = LocalShard::gather(
-        shards,
-        &states
-            .iter()
-            .map(|s| s.v.to_vec())
-            .collect::<Result<Vec<_>>>()?,
-    )?;
-    let params = &shards[0].params;
-    let mut scales: Vec<Vec<(ScaleCode, ScaleCode)>> = params
+    states: &[O::State],
+) -> Result<GlobalState> {
+    let layouts = shards
         .iter()
-        .map(|p| vec![(0, 0); opt.tiling(&p.name, &p.shape).map_or(0, |t| t.num_scales())])
-        .collect();
-    for (shard, st) in shards.iter().zip(states) {
-        let (scale_m, scale_v) = (st.scale_m.cpu()?, st.scale_v.cpu()?);
-        let mut at = 0;
-        for piece in &shard.pieces {
-            let meta = &shard.params[piece.param];
-            if let Some(t) = opt.tiling(&meta.name, &meta.shape) {
-                let (a, b) = (
-                    t.scales_before(piece.range.start),
-                    t.scales_before(piece.range.end),
-                );
-                let (Some(a), Some(b)) = (a, b) else {
-                    return Err(Error::InvalidShard {
-                        op: "validate",
-                        reason: format!("{} cut inside a row block", meta.name),
-                    });
-                };
-                for k in 0..b - a {
-                    scales[piece.param][a + k] = (scale_m[at + k], scale_v[at + k]);
-                }
-                at += b - a;
+        .map(|s| opt.state_layout(s))
+        .collect::<Result<Vec<_>>>()?;
+    let data = states
+        .iter()
+        .map(|s| opt.state_data(s))
+        .collect::<Result<Vec<_>>>()?;
+    for (layout, data) in layouts.iter().zip(&data) {
+        check_fields(OP_STATE, layout, data.iter().map(|d| (d.dtype(), d.len())))?;
+    }
+    let mut fields = Vec::new();
+    for (f, first) in layouts[0].iter().enumerate() {
+        let len = global_lengths(&layouts, f)?;
+        let size = first.dtype.size();
+        let mut bytes: Vec<Vec<u8>> = len.iter().map(|&n| vec![0; n * size]).collect();
+        let mut held: Vec<Vec<bool>> = len.iter().map(|&n| vec![false; n]).collect();
+        for (rank, (layout, data)) in layouts.iter().zip(&data).enumerate() {
+            for span in &layout[f].spans {
+                let (to, marks) =
+                    span_targets(&mut bytes, &mut held, span, size).ok_or_else(|| {
+                        state_error(format!(
+                            "rank {rank}: {} span {span:?} is past its global array, or held twice",
+                            first.name
+                        ))
+                    })?;
+                marks.fill(true);
+                data[f].with_bytes(span.local..span.local + span.global.len(), |b| {
+                    to.copy_from_slice(b);
+                    Ok(())
+                })?;
             }
         }
+        if let Some(p) = held.iter().position(|h| h.contains(&false)) {
+            let reason = format!("no rank holds part of {} of parameter {p}", first.name);
+            return Err(state_error(reason));
+        }
+        fields.push((first.name, bytes));
     }
-    Ok(StateBits { m, v, scales })
+    Ok(fields)
 }
 
-/// [`validate_unit`] plus the state comparison of `--mesh-invariance`.
-fn validate_adam8bit(
-    opt: &Adam8bit,
+const OP_STATE: &str = "validate::global_state";
+
+fn state_error(reason: String) -> Error {
+    Error::InvalidShard {
+        op: OP_STATE,
+        reason,
+    }
+}
+
+/// Field `f`'s global length per parameter: what the ranks holding part of it say (a rank
+/// that holds none may say 0). `Err` if ranks name the fields differently or disagree.
+fn global_lengths(layouts: &[Vec<FieldLayout>], f: usize) -> Result<Vec<usize>> {
+    let first = &layouts[0][f];
+    let mut len = vec![0; first.global_len.len()];
+    for (rank, layout) in layouts.iter().enumerate() {
+        let field = layout
+            .get(f)
+            .filter(|x| x.name == first.name && x.dtype == first.dtype)
+            .filter(|x| x.global_len.len() == len.len())
+            .ok_or_else(|| {
+                state_error(format!("rank {rank}'s state fields differ from rank 0's"))
+            })?;
+        for (n, &m) in len.iter_mut().zip(&field.global_len) {
+            if m != 0 && *n != 0 && m != *n {
+                let reason = format!("ranks disagree on the length of {} ({n}, {m})", first.name);
+                return Err(state_error(reason));
+            }
+            *n = (*n).max(m);
+        }
+    }
+    Ok(len)
+}
+
+/// The bytes and the held-marks `span` covers, or `None` past the end or where some element
+/// is held already.
+fn span_targets<'a>(
+    bytes: &'a mut [Vec<u8>],
+    held: &'a mut [Vec<bool>],
+    span: &FieldSpan,
+    size: usize,
+) -> Option<(&'a mut [u8], &'a mut [bool])> {
+    let g = &span.global;
+    let to = bytes
+        .get_mut(span.param)?
+        .get_mut(g.start * size..g.end * size)?;
+    let marks = held.get_mut(span.param)?.get_mut(g.clone())?;
+    (!marks.contains(&true)).then_some((to, marks))
+}
+
+/// The `field of parameter` names where `got` differs from `want` (empty: the same bits).
+fn state_differences(
     unit: &Unit,
-    cfg: &ValidateConfig,
-    report: &mut ValidateReport,
-) -> Result<()> {
-    let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
-    let whole = vec![unsharded(opt, unit)?];
-    let base = run_ranks(opt, &whole, &p0, &grads)?;
-    let (base_p, base_s): (Vec<_>, Vec<_>) = base.into_iter().unzip();
-    let want_p = LocalShard::gather(&whole, &base_p)?;
-    let want_s = state_bits(opt, &whole, &base_s)?;
-    for &layout in &cfg.layouts {
-        for &world in &cfg.worlds {
-            let Some((sh, got)) = sharded_run(opt, unit, world, layout, &p0, &grads, report)?
-            else {
-                continue;
-            };
-            let (ps, ss): (Vec<_>, Vec<_>) = got.into_iter().unzip();
-            compare(
-                unit,
-                layout,
-                world,
-                &LocalShard::gather(&sh, &ps)?,
-                &want_p,
-                report,
-            );
-            if cfg.mesh_invariance {
-                let bits = state_bits(opt, &sh, &ss)?;
-                report
-                    .mesh
-                    .push((unit.name.clone(), layout, world, bits == want_s));
+    got: &GlobalState,
+    want: &GlobalState,
+) -> Vec<String> {
+    let mut differs = Vec::new();
+    for ((name, g), (_, w)) in got.iter().zip(want) {
+        for ((a, b), t) in g.iter().zip(w).zip(&unit.tensors) {
+            if a != b {
+                differs.push(format!("{name} of {}", t.name));
             }
         }
     }
-    Ok(())
+    differs
 }
 
 /// The unsharded shard of `unit` with `opt`'s blocks.
@@ -550,8 +575,9 @@ fn sharded_run<O: Optimizer>(
     }
 }
 
-/// Sharded against unsharded for one optimizer on one unit.
-fn validate_unit<O: Optimizer>(
+/// Sharded against unsharded for one optimizer on one unit: the parameters, and with
+/// `cfg.mesh_invariance` every state field in global order.
+fn validate_unit<O: CheckpointState>(
     opt: &O,
     unit: &Unit,
     cfg: &ValidateConfig,
@@ -559,26 +585,28 @@ fn validate_unit<O: Optimizer>(
 ) -> Result<()> {
     let (p0, grads) = inputs(unit, cfg.steps, cfg.seed);
     let whole = vec![unsharded(opt, unit)?];
-    let base: Vec<Vec<f32>> = run_ranks(opt, &whole, &p0, &grads)?
-        .into_iter()
-        .map(|r| r.0)
-        .collect();
-    let want = LocalShard::gather(&whole, &base)?;
+    let (base_p, base_s): (Vec<_>, Vec<_>) =
+        run_ranks(opt, &whole, &p0, &grads)?.into_iter().unzip();
+    let want_p = LocalShard::gather(&whole, &base_p)?;
+    let want_s = global_state(opt, &whole, &base_s)?;
     for &layout in &cfg.layouts {
         for &world in &cfg.worlds {
             let Some((sh, got)) = sharded_run(opt, unit, world, layout, &p0, &grads, report)?
             else {
                 continue;
             };
-            let ps: Vec<Vec<f32>> = got.into_iter().map(|r| r.0).collect();
-            compare(
-                unit,
-                layout,
-                world,
-                &LocalShard::gather(&sh, &ps)?,
-                &want,
-                report,
-            );
+            let (ps, ss): (Vec<_>, Vec<_>) = got.into_iter().unzip();
+            let got_p = LocalShard::gather(&sh, &ps)?;
+            compare(unit, layout, world, &got_p, &want_p, report);
+            if cfg.mesh_invariance {
+                let differs = state_differences(unit, &global_state(opt, &sh, &ss)?, &want_s);
+                report.mesh.push(MeshCheck {
+                    unit: unit.name.clone(),
+                    layout,
+                    world,
+                    differs,
+                });
+            }
         }
     }
     Ok(())
@@ -823,14 +851,18 @@ pub fn render(report: &ValidateReport) -> String {
         let _ = writeln!(out, "\nf64 reference: {note}");
     }
     if !report.mesh.is_empty() {
-        let _ = writeln!(out, "\nmesh invariance (8-bit state bits vs unsharded)");
-        for (unit, layout, world, same) in &report.mesh {
-            let verdict = if *same { "same bits" } else { "DIFFERENT" };
+        let _ = writeln!(out, "\nmesh invariance (optimizer state bits vs unsharded)");
+        for m in &report.mesh {
+            let verdict = match m.differs.as_slice() {
+                [] => "same bits".to_string(),
+                d => format!("DIFFERENT: {}", d.join(", ")),
+            };
             let _ = writeln!(
                 out,
-                "{:<8} {:>5}  {unit:<48} {verdict}",
-                layout.name(),
-                world
+                "{:<8} {:>5}  {:<48} {verdict}",
+                m.layout.name(),
+                m.world,
+                m.unit
             );
         }
     }

@@ -10,7 +10,7 @@ use ragged::model::{TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::{RoleRule, RoleSettings};
-use ragged_optimizers::validate::{LayoutKind, ValidateReport};
+use ragged_optimizers::validate::{LayoutKind, MeshCheck, ValidateReport};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamState, AdamW, AdamWConfig, LrScale, MatrixLayout, Muon,
     MuonConfig, NsConfig, NsPrecision, Shampoo,
@@ -595,17 +595,19 @@ fn adam8bit_state_bytes_count_codes_scales_and_fallback_moments() {
 // 5. `ragged validate`'s verdict
 // ---------------------------------------------------------------------------------------------
 
-/// A mesh-invariance mismatch of 8-bit state is a breach of the contract, counted like a
+/// A mesh-invariance mismatch of an optimizer state is a breach (one per unit, layout and world) of the contract, counted like a
 /// sharded parameter that differs from the unsharded run.
 #[test]
 fn a_mesh_mismatch_is_counted_as_a_breach() {
     let mut report = ValidateReport::default();
-    report
-        .mesh
-        .push(("unit".into(), LayoutKind::Ragged, 2, true));
+    let check = |world, differs: &[&str]| MeshCheck {
+        unit: "unit".into(),
+        layout: LayoutKind::Ragged,
+        world,
+        differs: differs.iter().map(|d| d.to_string()).collect(),
+    };
+    report.mesh.push(check(2, &[]));
     assert_eq!(report.breaches(), 0);
-    report
-        .mesh
-        .push(("unit".into(), LayoutKind::Ragged, 3, false));
+    report.mesh.push(check(3, &["m of w", "v of w"]));
     assert_eq!(report.breaches(), 1);
 }
