@@ -145,9 +145,13 @@ fn run_tiny(
         if let Some(dir) = start {
             let loaded = m.load(dir)?;
             assert_eq!(loaded.steps, steps.start);
-            // The fixture predates `flatten_min_dims`: that setting is named, nothing else.
+            // The fixture predates `flatten_min_dims` and `flatten_patterns`: those settings
+            // are named, nothing else.
             if dir.ends_with("muon-v-for-every-matrix") {
-                let added = ["flatten_min_dims: not recorded → 4"];
+                let added = [
+                    "flatten_min_dims: not recorded → 4",
+                    "flatten_patterns: not recorded → [\"conv\"]",
+                ];
                 assert_eq!(loaded.changed_settings, added);
             }
         }

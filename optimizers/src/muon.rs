@@ -9,7 +9,8 @@
 //! A parameter of two or more dimensions whose role ([`MuonConfig::roles`], [`ragged::roles`])
 //! is [`Role::Matrix`] is a *Muon parameter*: its trailing `rows × cols` matrices (each expert
 //! of `[E, m, n]`) are orthogonalized one by one, or the whole tensor as one `[d₀, d₁·…]`
-//! matrix from four dimensions on (a conv filter; [`MuonConfig::matrices_of`]). Every other
+//! matrix from four dimensions on, or three for a name with `conv` (a conv filter;
+//! [`MuonConfig::flattens`]). Every other
 //! parameter (0-D, 1-D, embeddings, output heads: by default) is updated by [`AdamW`] with the
 //! `adamw` settings of [`MuonConfig`]; a `Frozen` one is not stepped. Each role's settings scale its learning rate
 //! and can replace its weight decay.
@@ -38,8 +39,9 @@
 //! - torch refuses non-2-D parameters; here a 3-D `[…, m, n]` (MoE experts) runs NS per
 //!   trailing matrix, and from [`MuonConfig::flatten_min_dims`] (4) dimensions on the tensor is
 //!   one matrix `[d₀, d₁·…]`: a conv filter `[out, in, kh, kw]` is orthogonalized as
-//!   `[out, in·kh·kw]`, as Keller Jordan's Muon flattens it ([`MuonConfig::matrices_of`]; set 3
-//!   to flatten conv1d weights `[out, in, k]` too). Other parameters fall back to AdamW.
+//!   `[out, in·kh·kw]`, as Keller Jordan's Muon flattens it ([`MuonConfig::matrices_of`]); so is
+//!   a 3-D parameter named like a conv (`conv1d.weight` `[out, in, k]`:
+//!   [`MuonConfig::flatten_patterns`]). Other parameters fall back to AdamW.
 //!
 //! # Sharding
 //! [`Muon::atomic_block`] is [`AtomicBlock::Matrix`] for Muon parameters
@@ -211,10 +213,16 @@ pub struct MuonConfig {
     /// Muon parameters of at least this many dimensions are one matrix `[d₀, d₁·d₂·…]`, as
     /// Keller Jordan's Muon flattens a conv filter `[out, in, kh, kw]` to `[out, in·kh·kw]`;
     /// those of fewer are batches of trailing matrices `[…, m, n]` (each expert of `[E, m, n]`
-    /// on its own). Default 4: conv2d/3d filters flatten, 3-D experts do not; 3 flattens conv1d
-    /// weights `[out, in, k]` too (and experts with them), `usize::MAX` nothing. At least 2
-    /// ([`MuonConfig::matrices_of`]).
+    /// on its own). Default 4: conv2d/3d filters flatten, 3-D experts do not (conv1d weights do
+    /// by name: [`MuonConfig::flatten_patterns`]); 3 flattens every 3-D parameter,
+    /// `usize::MAX` none but those the patterns name. At least 2 ([`MuonConfig::flattens`]).
     pub flatten_min_dims: usize,
+    /// Muon parameters of 3 or more dimensions whose name contains one of these are flattened
+    /// too, whatever [`MuonConfig::flatten_min_dims`] says: a conv1d weight `[out, in, k]`
+    /// cannot be told from an `[E, m, n]` expert by its shape, but Hugging Face names say
+    /// `conv` (Whisper's `conv1`, Mamba's `conv1d`, wav2vec2's `conv_layers`). Default
+    /// `["conv"]`; `&[]` leaves it to the dimension count.
+    pub flatten_patterns: &'static [&'static str],
 }
 
 impl Default for MuonConfig {
@@ -230,6 +238,7 @@ impl Default for MuonConfig {
             roles: RoleRule::default(),
             layout: MatrixLayout::Auto,
             flatten_min_dims: 4,
+            flatten_patterns: &["conv"],
         }
     }
 }
@@ -267,14 +276,24 @@ impl MuonConfig {
         self.adamw.validate()
     }
 
-    /// How a Muon parameter of `shape` (two or more dimensions) is cut into the matrices
-    /// Newton–Schulz orthogonalizes: `(count, rows, cols)`, back to back in row-major order.
-    /// One `[d₀, d₁·…]` matrix from [`MuonConfig::flatten_min_dims`] dimensions on, else the
-    /// trailing `rows × cols` matrices. The learning-rate scale is that matrix's.
-    pub fn matrices_of(&self, shape: &[usize]) -> (usize, usize, usize) {
+    /// Whether the Muon parameter `name` of `shape` is one flattened matrix `[d₀, d₁·…]`: 3
+    /// or more dimensions, and [`MuonConfig::flatten_min_dims`] of them or a name matching
+    /// [`MuonConfig::flatten_patterns`] (a 2-D parameter is its own matrix either way).
+    pub fn flattens(&self, name: &str, shape: &[usize]) -> bool {
+        let d = shape.len();
+        d >= 3
+            && (d >= self.flatten_min_dims
+                || self.flatten_patterns.iter().any(|p| name.contains(p)))
+    }
+
+    /// How the Muon parameter `name` of `shape` (two or more dimensions) is cut into the
+    /// matrices Newton–Schulz orthogonalizes: `(count, rows, cols)`, back to back in row-major
+    /// order. One `[d₀, d₁·…]` matrix where [`MuonConfig::flattens`], else the trailing
+    /// `rows × cols` matrices. The learning-rate scale is that matrix's.
+    pub fn matrices_of(&self, name: &str, shape: &[usize]) -> (usize, usize, usize) {
         let d = shape.len();
         let numel: usize = shape.iter().product();
-        let (rows, cols) = if d >= self.flatten_min_dims {
+        let (rows, cols) = if self.flattens(name, shape) {
             (shape[0], shape[1..].iter().product())
         } else {
             (shape[d - 2], shape[d - 1])
@@ -446,7 +465,7 @@ impl Muon {
 
     /// The `(rows, cols)` of each matrix of a Muon parameter ([`MuonConfig::matrices_of`]).
     fn matrix_of(&self, meta: &ParamMeta) -> (usize, usize) {
-        let (_, rows, cols) = self.config.matrices_of(&meta.shape);
+        let (_, rows, cols) = self.config.matrices_of(&meta.name, &meta.shape);
         (rows, cols)
     }
 
@@ -514,7 +533,7 @@ impl Optimizer for Muon {
 
     fn atomic_block(&self, name: &str, shape: &[usize]) -> AtomicBlock {
         match self.uses_muon(name, shape) {
-            true if shape.len() >= self.config.flatten_min_dims => AtomicBlock::Whole, // one matrix
+            true if self.config.flattens(name, shape) => AtomicBlock::Whole, // one matrix
             true => AtomicBlock::Matrix,
             false => AtomicBlock::Element,
         }

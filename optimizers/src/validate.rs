@@ -513,11 +513,7 @@ fn span_targets<'a>(
 }
 
 /// The `field of parameter` names where `got` differs from `want` (empty: the same bits).
-fn state_differences(
-    unit: &Unit,
-    got: &GlobalState,
-    want: &GlobalState,
-) -> Vec<String> {
+fn state_differences(unit: &Unit, got: &GlobalState, want: &GlobalState) -> Vec<String> {
     let mut differs = Vec::new();
     for ((name, g), (_, w)) in got.iter().zip(want) {
         for ((a, b), t) in g.iter().zip(w).zip(&unit.tensors) {
@@ -749,14 +745,14 @@ fn muon_reference(
                 .push(adam_check(&t.name, &got[k], &want, &p0[k], cfg.steps));
             continue;
         }
-        let want = muon_f64(c, &t.shape, &p0[k], &g)?;
+        let want = muon_f64(c, &t.name, &t.shape, &p0[k], &g)?;
         if c.ns.precision == NsPrecision::Bf16 {
             report
                 .reference
                 .push(update_check(&t.name, &got[k], &want, &p0[k]));
             continue;
         }
-        let (_, rows, cols) = c.matrices_of(&t.shape);
+        let (_, rows, cols) = c.matrices_of(&t.name, &t.shape);
         let scale = c.lr * c.lr_scale.factor(rows, cols);
         let p_max = want.iter().fold(0f64, |a, w| a.max(w.abs()));
         let (abs, rel) = errors(&got[k], &want);

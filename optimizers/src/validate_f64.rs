@@ -40,10 +40,16 @@ pub fn adamw_f64(c: &AdamWConfig, decays: bool, p0: &[f32], grads: &[&[f32]]) ->
     Ok(p)
 }
 
-/// Muon in f64 on one parameter of `shape` (≥ 2-D: its matrices one by one, as
+/// Muon in f64 on the parameter `name` of `shape` (≥ 2-D: its matrices one by one, as
 /// [`MuonConfig::matrices_of`] cuts them), `p0` stepped with every `grads[step]`. `Err` on a shape of fewer than two dimensions
 /// or with a zero side, or buffers of other lengths.
-pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -> Result<Vec<f64>> {
+pub fn muon_f64(
+    c: &MuonConfig,
+    name: &str,
+    shape: &[usize],
+    p0: &[f32],
+    grads: &[&[f32]],
+) -> Result<Vec<f64>> {
     const OP: &str = "muon_f64";
     let d = shape.len();
     if d < 2 || shape.contains(&0) || shape.iter().product::<usize>() != p0.len() {
@@ -57,7 +63,7 @@ pub fn muon_f64(c: &MuonConfig, shape: &[usize], p0: &[f32], grads: &[&[f32]]) -
         });
     }
     check_grads(OP, p0.len(), grads)?;
-    let (_, rows, cols) = c.matrices_of(shape);
+    let (_, rows, cols) = c.matrices_of(name, shape);
     let scale = c.lr * c.lr_scale.factor(rows, cols);
     let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
     let mut buf = vec![0f64; p.len()];

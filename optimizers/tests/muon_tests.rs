@@ -406,44 +406,68 @@ fn each_expert_matrix_steps_like_an_independent_2d_param() {
 
 /// A conv filter `[out, in, kh, kw]` is one matrix `[out, in·kh·kw]`, as Keller Jordan's Muon
 /// flattens it (`torch.optim.Muon` refuses it): it steps bitwise as that 2-D parameter (scale
-/// rule included), as one `Whole` block. `flatten_min_dims` moves the line: 3 flattens a
-/// conv1d weight `[out, in, k]` too (3-D experts with it), `usize::MAX` steps the filter per
-/// `kh × kw` kernel, as the 3-D `[out·in, kh, kw]`; below 2 is refused.
+/// rule included), as one `Whole` block. `flatten_min_dims` moves the line: 3 flattens every
+/// 3-D parameter (experts with conv1d weights), `usize::MAX` steps the filter per `kh × kw`
+/// kernel, as the 3-D `[out·in, kh, kw]`; below 2 is refused. A 3-D parameter whose name
+/// matches `flatten_patterns` (default `conv`) is flattened whatever the dimension count: a
+/// conv1d weight, not an expert.
 #[test]
 fn a_conv_filter_steps_as_one_flattened_matrix() {
     let (out, inp, kh, kw) = (8, 3, 3, 3);
     let n = out * inp * kh * kw;
     let mut rng = Rng::new(9);
     let (p0, g) = (rng.units(n), rng.units(n));
-    let step = |flatten_min_dims: usize, shape: &[usize]| {
-        let opt = Muon::new(MuonConfig {
-            flatten_min_dims,
-            ..loud()
-        })
-        .unwrap();
-        let shard = whole_shard(&opt, &specs(&[("conv.weight", shape)]));
+    let step = |c: MuonConfig, name: &str, shape: &[usize]| {
+        let opt = Muon::new(c).unwrap();
+        let shard = whole_shard(&opt, &specs(&[(name, shape)]));
         let (mut p, mut state) = (p0.clone(), opt.init(&shard).unwrap());
         opt.step_slices(&mut state, &shard, &mut p, &g, &SingleRank)
             .unwrap();
         bits(&p)
     };
-    let conv = step(4, &[out, inp, kh, kw]);
-    assert_eq!(conv, step(4, &[out, inp * kh * kw]), "flattened");
-    let per_kernel = step(usize::MAX, &[out, inp, kh, kw]);
-    assert_eq!(per_kernel, step(4, &[out * inp, kh, kw]), "per kernel");
+    let dims = |flatten_min_dims| MuonConfig {
+        flatten_min_dims,
+        ..loud()
+    };
+    let conv = step(dims(4), "conv.weight", &[out, inp, kh, kw]);
+    assert_eq!(conv, step(dims(4), "w", &[out, inp * kh * kw]), "flattened");
+    let per_kernel = step(dims(usize::MAX), "w", &[out, inp, kh, kw]);
+    assert_eq!(
+        per_kernel,
+        step(dims(4), "w", &[out * inp, kh, kw]),
+        "per kernel"
+    );
     assert_ne!(conv, per_kernel);
-    // conv1d: batched by default (as experts), flattened from 3.
-    let conv1d = [out, inp * kh, kw];
-    assert_eq!(step(3, &conv1d), step(3, &[out, inp * kh * kw]));
-    assert_ne!(step(4, &conv1d), step(3, &conv1d));
-    let opt = Muon::new(loud()).unwrap();
+    // A 3-D parameter: batched (as experts) by default, flattened from 3 dimensions or by name.
+    let three_d = [out, inp * kh, kw];
+    let flat = step(dims(4), "w", &[out, inp * kh * kw]);
+    let batched = step(dims(4), "experts.w", &three_d);
+    assert_ne!(batched, flat);
+    assert_eq!(step(dims(3), "experts.w", &three_d), flat);
+    assert_eq!(step(dims(4), "encoder.conv1.weight", &three_d), flat);
+    let no_patterns = MuonConfig {
+        flatten_patterns: &[],
+        ..loud()
+    };
+    assert_eq!(step(no_patterns, "encoder.conv1.weight", &three_d), batched);
+    let (opt, c) = (Muon::new(loud()).unwrap(), loud());
     assert_eq!(
         opt.atomic_block("c", &[out, inp, kh, kw]),
         AtomicBlock::Whole
     );
-    assert_eq!(opt.atomic_block("c", &conv1d), AtomicBlock::Matrix);
-    assert_eq!(opt.config().matrices_of(&[out, inp, kh, kw]), (1, out, 27));
-    assert_eq!(opt.config().matrices_of(&conv1d), (out, 9, 3));
+    assert_eq!(opt.atomic_block("experts.w", &three_d), AtomicBlock::Matrix);
+    assert_eq!(
+        opt.atomic_block("mixer.conv1d.weight", &three_d),
+        AtomicBlock::Whole
+    );
+    // A matrix is its own matrix whatever the rule.
+    assert_eq!(
+        opt.atomic_block("conv.proj", &[out, kw]),
+        AtomicBlock::Matrix
+    );
+    assert_eq!(c.matrices_of("c", &[out, inp, kh, kw]), (1, out, 27));
+    assert_eq!(c.matrices_of("experts.w", &three_d), (out, 9, 3));
+    assert_eq!(c.matrices_of("conv1d", &three_d), (1, out, 27));
     for bad in [0, 1] {
         let c = MuonConfig {
             flatten_min_dims: bad,

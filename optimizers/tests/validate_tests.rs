@@ -362,17 +362,18 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
     };
     // validate's tolerance for this matrix: 3 steps × (lr·scale·5e-4 + 4u·max|p|).
     let tol = 3.0 * (1e-3 * 5e-4 + 4.0 * 2f64.powi(-24) * 1.5);
-    let right = max_err(&muon_f64(&c, &shape, &p0, &g).unwrap());
+    let right = max_err(&muon_f64(&c, "w", &shape, &p0, &g).unwrap());
     assert!(right <= tol, "f32 Muon vs f64: {right} > {tol}");
     let plain = MuonConfig {
         nesterov: false,
         ..c.clone()
     };
-    let wrong = max_err(&muon_f64(&plain, &shape, &p0, &g).unwrap());
+    let wrong = max_err(&muon_f64(&plain, "w", &shape, &p0, &g).unwrap());
     // Bad input is an error, not a panic.
-    assert!(muon_f64(&c, &[n], &p0, &g).is_err());
+    assert!(muon_f64(&c, "w", &[n], &p0, &g).is_err());
     assert!(muon_f64(
         &c,
+        "w",
         &shape,
         &p0,
         &g[..1].iter().map(|g| &g[1..]).collect::<Vec<_>>()
@@ -401,10 +402,10 @@ fn the_bf16_muon_reference_tells_a_short_newton_schulz_from_bf16_rounding() {
         let (p0, grads, p) = three_muon_steps(&c, shape, 1);
         let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         // validate's measure: the update's relative Frobenius error.
-        let right = update_error(&p, &muon_f64(&c, &shape, &p0, &g).unwrap(), &p0);
+        let right = update_error(&p, &muon_f64(&c, "w", &shape, &p0, &g).unwrap(), &p0);
         let mut short = c.clone();
         short.ns.steps = 4;
-        let wrong = update_error(&p, &muon_f64(&short, &shape, &p0, &g).unwrap(), &p0);
+        let wrong = update_error(&p, &muon_f64(&short, "w", &shape, &p0, &g).unwrap(), &p0);
         eprintln!("{shape:?}: bf16 vs f64 {right:.3e}, one step short {wrong:.3e}");
         assert!(right <= MUON_BF16_UPDATE_RTOL, "{shape:?}: {right}");
         assert!(wrong > MUON_BF16_UPDATE_RTOL, "{shape:?}: {wrong}");
