@@ -180,8 +180,8 @@ pub enum NsPrecision {
 /// Which kernels run Newton–Schulz (module table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum NsBackend {
-    /// The fastest available for the precision: `Gemm` for `F32`; `OneDnn` for `Bf16` when
-    /// oneDNN loads, else `Gemm`.
+    /// The fastest available for the precision: `Gemm` for `F32`; for `Bf16`, `Amx` where the
+    /// CPU has AMX, else `OneDnn` when oneDNN loads with a bf16 matmul, else `Gemm`.
     #[default]
     Auto,
     /// Plain loops, bitwise portable; the oracle for the others.
