@@ -69,8 +69,8 @@
 //! previous root is kept and [`ShampooState::root_failures`] counts it (fb also keeps the
 //! previous root, but raises after `num_tolerated_failed_amortized_computations` = 3 failures
 //! in a row; this crate never raises: a factor overflows `f32` when gradients near `1e19`
-//! square past its range, and training goes on with the last good root, so read the counter,
-//! e.g. over `FullyShard::states`).
+//! square past its range, and training goes on with the last good root, so read the counter:
+//! `ShardedModel::optimizer_events` sums it over units and ranks).
 //!
 //! # Precision
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
