@@ -1,8 +1,9 @@
 //! Settings texts: what an optimizer (`Optimizer::settings`, its config's `Debug` text) and
 //! the FSDP options record in a checkpoint and exchange between ranks, read as one
-//! `path = value` pair per field ([`fields`]) and compared field by field ([`changes`]). The
-//! one reading of those texts: `ragged checkpoint info` prints them, a load lists what a
-//! resumed run changed, and `fully_shard` names the first setting on which ranks differ.
+//! `path = value` pair per field ([`fields`]) and compared field by field ([`differences`];
+//! [`changes`] writes them as text). The one reading of those texts: `ragged checkpoint info`
+//! prints them, a load lists what a resumed run changed, and `fully_shard` names the first
+//! setting on which ranks differ.
 
 use std::collections::HashMap;
 
@@ -120,8 +121,8 @@ pub fn differences(saved: &str, now: &str) -> Vec<Difference> {
     changed.chain(gone).collect()
 }
 
-/// [`differences`] as text, `path: old → new`: values as written (`adamw.betas: (0.9, 0.999)
-/// → (0.5, 0.999)`), a setting added since `saved` was written as `path: not recorded → new`,
+/// [`differences`] as text, `path: old → new`: values as written (`adamw.beta1: 0.9 → 0.5`), a
+/// setting added since `saved` was written as `path: not recorded → new`,
 /// one gone as `path: old → no such setting`, texts that are no struct's as `` `saved` →
 /// `now` ``.
 pub fn changes(saved: &str, now: &str) -> Vec<String> {
