@@ -1,7 +1,8 @@
 //! Ranks agree or fail: before anything is allocated, every rank fingerprints what it was
 //! given (parameter names and their order, shapes, the plan, the initial values, the optimizer
 //! and its learning rate, each parameter's role) and the fingerprints are exchanged once, with
-//! the optimizer's settings as text ([`crate::optim::Optimizer::settings`]). Disagreeing ranks
+//! the optimizer's settings ([`crate::optim::Optimizer::settings`]) and the `FsdpOptions` as
+//! text, compared field by field ([`crate::settings::differences`]). Disagreeing ranks
 //! (a parameter list built from a `HashMap` in another order, another seed, another model,
 //! another `--weight-decay` from a per-rank launcher script) all get the same `Err`, naming
 //! what differs and which ranks, instead of training on scrambled parameters.
