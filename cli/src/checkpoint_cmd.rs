@@ -28,8 +28,8 @@ pub enum CheckpointCommand {
     Export {
         /// A checkpoint folder, or a root holding `step-N` folders (the newest is taken).
         path: PathBuf,
-        /// The safetensors file to write (replaced if it is a regular file; not inside the
-        /// checkpoint folder).
+        /// The safetensors file to write (an existing one is replaced only if it is a writable
+        /// safetensors or empty file; never inside or named as a checkpoint folder).
         out: PathBuf,
     },
 }
