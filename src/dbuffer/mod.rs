@@ -24,11 +24,11 @@
 //! # What is copied
 //! Nothing on the parameter path: the all-gather writes each rank's shard into the tensors'
 //! storages, and candle uses those storages. On the gradient path candle always allocates a
-//! fresh gradient per parameter; backward adds it once into the full gradient buffer
-//! ([`CopyStats::accumulated`], the pass that also accumulates micro-batches), and the
-//! reduce-scatter reads that buffer in place. [`CopyStats::copied`] counts every other byte
-//! moved outside collectives (0 on the ragged path; the FSDP2-style baseline's copy-out and
-//! copy-in).
+//! fresh gradient per parameter; backward writes it once into the full gradient buffer (a copy
+//! for a tensor's first gradient, an add for later micro-batches: [`CopyStats::accumulated`]),
+//! and the reduce-scatter reads that buffer in place. [`CopyStats::copied`] counts every other
+//! byte moved outside collectives (0 on the ragged path; the FSDP2-style baseline's copy-out
+//! and copy-in).
 
 mod grads;
 mod params;
