@@ -26,8 +26,8 @@
 //!   copy cannot reach its streaming rate from memory, so AdamW's and 8-bit Adam's rows also
 //!   compare each step with a copy of the **same** bytes after the same cache eviction
 //!   ([`Row::vs_same_bytes_memcpy`]).
-//! - **MFU**: GFLOP/s over the peak of the ISA and dtype the optimizer computes in (`f32` for
-//!   all of them; [`Peak`]).
+//! - **MFU**: GFLOP/s over the peak of the ISA and dtype the optimizer computes in (`f32`, and
+//!   bf16 for `muon-bf16`, whose Newton–Schulz runs in bf16; [`Peak`]).
 //!
 //! # Adding an optimizer (Shampoo)
 //! Add a variant to [`OptimKind`] (and to [`OptimKind::ALL`] and its `name`), build it in
