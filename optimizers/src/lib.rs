@@ -9,7 +9,7 @@
 //! | optimizer | file | atomic block | reference numerics |
 //! |---|---|---|---|
 //! | [`AdamW`] | [`adamw`] | `Element` | `torch.optim.AdamW` (single-tensor, fp32) |
-//! | [`Muon`] | [`muon`], [`muon_layout`], [`roots`], [`newton_schulz`] | `Matrix` (`Whole` for a tensor of [`MuonConfig::flatten_min_dims`] or more dimensions, one flattened matrix), or `Element` where [`muon_layout`]'s cost model splits a matrix (then gathered to a root); AdamW fallback: `Element` | `torch.optim.Muon` (fp32 NS by default; bf16 NS on oneDNN/AMX with `NsPrecision::Bf16`) |
+//! | [`Muon`] | [`muon`], [`muon_layout`], [`roots`], [`newton_schulz`] | `Matrix` (`Whole` for a tensor Muon flattens to one matrix: [`MuonConfig::flattens`]), or `Element` where [`muon_layout`]'s cost model splits a matrix (then gathered to a root); AdamW fallback: `Element` | `torch.optim.Muon` (fp32 NS by default; bf16 NS on oneDNN/AMX with `NsPrecision::Bf16`) |
 //! | [`Adam8bit`] | [`adam8bit`], [`quant`], [`drift`] | `Tile { 32, 32 }` (32 whole rows; `Matrix` for stacked matrices with `m % 32 ≠ 0`; `Element` for the fp32 fallback) | bitsandbytes 8-bit Adam, CPU-backend order, 256-element scale blocks inside 32-row blocks of the global shape, 16-bit scales, positive-`v` floor |
 //! | [`Shampoo`] | [`shampoo`] | `Rows(max_preconditioner_dim)` (blocks of ≤ d rows × ≤ d columns, each local) | facebookresearch/optimizers `DistributedShampoo` (eigh root inverse, grafting, fp32 factors) |
 //!
