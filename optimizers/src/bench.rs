@@ -799,7 +799,7 @@ pub fn cost(kind: OptimKind, set: &ShapeSet) -> Result<Cost> {
                 None => (ADAMW_FLOPS * n, ADAMW_BYTES * n),
             },
             OptimKind::Muon | OptimKind::MuonBf16 if muon.uses_muon(name, shape) => {
-                let (matrices, rows, cols) = muon.config().matrices_of(name, shape);
+                let (matrices, rows, cols) = muon.config().matrices_of(name, shape)?;
                 let matrices = matrices as f64;
                 (
                     matrices * ns_flops(rows, cols, steps) + MUON_ELEM_FLOPS * n,

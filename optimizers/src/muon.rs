@@ -286,11 +286,24 @@ impl MuonConfig {
                 || self.flatten_patterns.iter().any(|p| name.contains(p)))
     }
 
-    /// How the Muon parameter `name` of `shape` (two or more dimensions) is cut into the
-    /// matrices Newton–Schulz orthogonalizes: `(count, rows, cols)`, back to back in row-major
-    /// order. One `[d₀, d₁·…]` matrix where [`MuonConfig::flattens`], else the trailing
-    /// `rows × cols` matrices. The learning-rate scale is that matrix's.
-    pub fn matrices_of(&self, name: &str, shape: &[usize]) -> (usize, usize, usize) {
+    /// How the Muon parameter `name` of `shape` is cut into the matrices Newton–Schulz
+    /// orthogonalizes: `(count, rows, cols)`, back to back in row-major order. One
+    /// `[d₀, d₁·…]` matrix where [`MuonConfig::flattens`], else the trailing `rows × cols`
+    /// matrices. The learning-rate scale is that matrix's. `Err` below two dimensions (no
+    /// matrix: such a parameter is never a Muon parameter).
+    pub fn matrices_of(&self, name: &str, shape: &[usize]) -> Result<(usize, usize, usize)> {
+        if shape.len() < 2 {
+            return Err(Error::InvalidShape {
+                op: "MuonConfig::matrices_of",
+                shape: shape.to_vec(),
+                reason: format!("{name} has no matrix: Muon needs two or more dimensions"),
+            });
+        }
+        Ok(self.cut(name, shape))
+    }
+
+    /// [`MuonConfig::matrices_of`] of a shape of two or more dimensions.
+    fn cut(&self, name: &str, shape: &[usize]) -> (usize, usize, usize) {
         let d = shape.len();
         let numel: usize = shape.iter().product();
         let (rows, cols) = if self.flattens(name, shape) {
@@ -463,9 +476,10 @@ impl Muon {
         self.uses_muon(&meta.name, &meta.shape)
     }
 
-    /// The `(rows, cols)` of each matrix of a Muon parameter ([`MuonConfig::matrices_of`]).
+    /// The `(rows, cols)` of each matrix of a Muon parameter (two or more dimensions:
+    /// [`Muon::uses_muon`]; [`MuonConfig::matrices_of`]).
     fn matrix_of(&self, meta: &ParamMeta) -> (usize, usize) {
-        let (_, rows, cols) = self.config.matrices_of(&meta.name, &meta.shape);
+        let (_, rows, cols) = self.config.cut(&meta.name, &meta.shape);
         (rows, cols)
     }
 

@@ -763,7 +763,7 @@ fn muon_reference(
                 .push(update_check(&t.name, &got[k], &want, &p0[k]));
             continue;
         }
-        let (_, rows, cols) = c.matrices_of(&t.name, &t.shape);
+        let (_, rows, cols) = c.matrices_of(&t.name, &t.shape)?;
         let scale = c.lr * c.lr_scale.factor(rows, cols);
         let p_max = want.iter().fold(0f64, |a, w| a.max(w.abs()));
         let (abs, rel) = errors(&got[k], &want);

@@ -63,7 +63,7 @@ pub fn muon_f64(
         });
     }
     check_grads(OP, p0.len(), grads)?;
-    let (_, rows, cols) = c.matrices_of(name, shape);
+    let (_, rows, cols) = c.matrices_of(name, shape)?;
     let scale = c.lr * c.lr_scale.factor(rows, cols);
     let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
     let mut buf = vec![0f64; p.len()];

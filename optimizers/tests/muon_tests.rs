@@ -465,9 +465,16 @@ fn a_conv_filter_steps_as_one_flattened_matrix() {
         opt.atomic_block("conv.proj", &[out, kw]),
         AtomicBlock::Matrix
     );
-    assert_eq!(c.matrices_of("c", &[out, inp, kh, kw]), (1, out, 27));
-    assert_eq!(c.matrices_of("experts.w", &three_d), (out, 9, 3));
-    assert_eq!(c.matrices_of("conv1d", &three_d), (1, out, 27));
+    assert_eq!(
+        c.matrices_of("c", &[out, inp, kh, kw]).unwrap(),
+        (1, out, 27)
+    );
+    assert_eq!(c.matrices_of("experts.w", &three_d).unwrap(), (out, 9, 3));
+    assert_eq!(c.matrices_of("conv1d", &three_d).unwrap(), (1, out, 27));
+    for vector in [&[5][..], &[]] {
+        let err = c.matrices_of("bias", vector).unwrap_err().to_string();
+        assert!(err.contains("bias has no matrix"), "{err}");
+    }
     for bad in [0, 1] {
         let c = MuonConfig {
             flatten_min_dims: bad,
