@@ -453,6 +453,83 @@ fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
     }
 }
 
+/// Protects NCCL's out-of-place device collectives over several ranks
+/// (`NcclComm::reduce_scatter` on device buffers: one `ncclReduceScatter` from the send buffer
+/// into the receive buffer with the caller's operation; `all_gather` from a send buffer), which
+/// `moves_and_sums` (in-place forms only) and the world of one (where an average is the sum
+/// and every slice is the rank's own) leave unchecked: against the CPU thread backend, the
+/// gather bit for bit, sums and averages within 1e-6 (NCCL's own order over ranks). Needs two
+/// devices (tools/cuda-emu with CUDA_EMU_DEVICES=3 has three).
+#[test]
+fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_backend() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::cuda::nccl::NcclComm;
+    let Some(devs) = two_or_more_devices() else {
+        return;
+    };
+    let comms = match NcclComm::from_devices(&devs) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let s = 37;
+    // (the all-gather's bits, the own slice of a reduce-scatter by Sum and by Avg)
+    type Out = (Vec<u32>, Vec<Vec<f32>>);
+    let cpu: Vec<Out> = ThreadWorld::run(devs.len(), |c| {
+        let (rank, world) = (c.rank(), c.world_size());
+        let send = values(s, rank as u32 + 2);
+        let mut all = vec![0f32; world * s];
+        c.all_gather((&send[..]).into(), (&mut all[..]).into())?;
+        let mut sums = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let mut x = values(world * s, rank as u32 + 3);
+            let mut own = vec![0f32; s];
+            c.reduce_scatter((&mut x[..]).into(), (&mut own[..]).into(), op)?;
+            sums.push(own);
+        }
+        Ok((bits(&all), sums))
+    })
+    .unwrap();
+    let on_device = |c: &NcclComm| -> ragged::Result<Out> {
+        let (rank, world, dev) = (c.rank(), c.world_size(), c.device());
+        let send = dev.upload(&values(s, rank as u32 + 2))?;
+        let mut all = dev.upload(&vec![0f32; world * s])?;
+        c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
+        let mut sums = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;
+            let mut own = dev.upload(&vec![0f32; s])?;
+            c.reduce_scatter(x.slice_mut(..).into(), own.slice_mut(..).into(), op)?;
+            sums.push(dev.download(&own)?);
+        }
+        Ok((bits(&dev.download(&all)?), sums))
+    };
+    let gpu: Vec<Out> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = comms
+            .iter()
+            .map(|c| scope.spawn(move || on_device(c)))
+            .collect();
+        ranks
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect()
+    });
+    for (rank, ((moved, sums), (cpu_moved, cpu_sums))) in gpu.iter().zip(&cpu).enumerate() {
+        assert_eq!(moved, cpu_moved, "rank {rank}: all-gather");
+        for ((got, want), op) in sums.iter().zip(cpu_sums).zip(["Sum", "Avg"]) {
+            assert_eq!(got.len(), want.len());
+            // (A NaN fails the comparison.)
+            let close = got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6);
+            assert!(
+                close,
+                "rank {rank}: reduce-scatter by {op}: {got:?}, CPU {want:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
     use ragged::comm::threads::ThreadWorld;
