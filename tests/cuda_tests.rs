@@ -128,6 +128,31 @@ fn device_storage_ops_equal_the_host_ops_bitwise() {
     assert!(matches!(x, Storage::Cuda(_)));
 }
 
+/// Protects the device branches of `Storage`'s range ops away from the start of a buffer:
+/// `zero_range`, `fill_range` and `read_range` each touch exactly their range, as on the host
+/// (a gradient buffer's gaps and untouched slots are zeroed in its middle; a checkpoint reads
+/// and fills a shard's fields by range). `device_storage_ops_equal_the_host_ops_bitwise`
+/// zeroes only a range that starts at 0.
+#[test]
+fn device_range_ops_away_from_the_start_touch_exactly_their_ranges() {
+    let Some(dev) = device() else { return };
+    let run = |place: Placement| -> (Vec<u32>, Vec<u32>) {
+        let mut x = place.put(values(1000, 11)).unwrap();
+        x.zero_range(300..420).unwrap();
+        x.fill_range(600..650, |out| {
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = i as f32 + 0.5;
+            }
+            Ok(())
+        })
+        .unwrap();
+        let part = x.read_range(250..700).unwrap().into_owned();
+        (bits(&x.to_vec().unwrap()), bits(&part))
+    };
+    let host = run(Placement::Cpu);
+    assert_eq!(run(Placement::Cuda(Arc::new(dev))), host);
+}
+
 #[test]
 fn a_memo_is_made_once_per_device_and_keeps_its_type() {
     let Some(dev) = device() else { return };
