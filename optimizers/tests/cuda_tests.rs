@@ -23,8 +23,8 @@ use ragged_optimizers::cuda::orthogonalize_cuda;
 use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::quant::{dynamic_map, quantize};
 use ragged_optimizers::{
-    orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, Muon, MuonConfig,
-    NsConfig,
+    orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule, Muon,
+    MuonConfig, NsConfig,
 };
 
 mod harness;
@@ -187,6 +187,46 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
                 .collect();
             let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
             assert_adam8bit_equal(&host, &device, "sharded");
+        }
+    }
+}
+
+/// Protects each 8-bit parameter's own decay factor on the device (`segments` in
+/// optimizers/src/cuda/adam8bit.rs reads it from the piece's parameter): with `NoDecayFor1D`,
+/// large 1-D gains held in 8 bits are not decayed while the matrices beside them are, and the
+/// device step equals the CPU's bitwise on every rank of worlds of 1 and 2. The other 8-bit
+/// tests decay every parameter by one factor, so a factor taken from another parameter (the
+/// shard's first, say) passed them.
+#[test]
+fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("norm", &[2048]),
+        ("w0", &[64, 96]),
+        ("gain", &[1536]),
+        ("w1", &[40, 64]),
+    ]);
+    let opt = Adam8bit::new(Adam8bitConfig {
+        adam: AdamWConfig {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            decay_rule: DecayRule::NoDecayFor1D,
+            ..Default::default()
+        },
+        min_8bit_size: 1024,
+    })
+    .unwrap();
+    for world in [1, 2] {
+        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(31 + world as u64);
+        let p0 = globals(&spec, &mut rng, 1.0);
+        for shard in &shards {
+            let grads: Vec<Vec<f32>> = (0..STEPS)
+                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
+                .collect();
+            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
+            let what = format!("world {world}, rank {}", shard.rank);
+            assert_adam8bit_equal(&host, &device, &what);
         }
     }
 }
