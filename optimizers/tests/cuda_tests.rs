@@ -530,6 +530,39 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     assert!(abs <= 1e-4, "params: max |Δ| = {abs}");
 }
 
+/// Protects Muon's apply kernel bit for bit (`muon_apply`: `p·decay + (−lr·scale)·o`, the
+/// CPU's operations in its order). With the identity Newton–Schulz step (`identity_ns`, whose
+/// device result is the CPU's bit for bit) every part of the step is bitwise, so the
+/// parameters must be too; the test above compares them within cuBLAS's tolerance, inside
+/// which the decay applied after the update (`(p − lr·scale·o)·decay`, off by
+/// lr²·scale·wd·o a step) passed.
+#[test]
+fn muon_device_step_with_the_identity_newton_schulz_is_bitwise_equal_to_cpu() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[64, 32]),
+        ("w1", &[32, 96]),
+        ("experts", &[2, 48, 32]),
+        ("norm", &[17]),
+    ]);
+    let opt = Muon::new(MuonConfig {
+        lr: 0.05,
+        weight_decay: 0.5,
+        ns: identity_ns(NsPrecision::F32),
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = muon_shard(&opt, &spec);
+    let mut rng = Rng::new(21);
+    let p0 = scatter(&shard, &globals(&spec, &mut rng, 1.0));
+    let grads: Vec<Vec<f32>> = (0..STEPS)
+        .map(|_| scatter(&shard, &globals(&spec, &mut rng, 0.1)))
+        .collect();
+    let ((p, state), (dp, ds)) = host_and_device(&opt, &shard, &dev, p0, &grads);
+    assert_moments_equal([&state.m, &state.v], [&ds.m, &ds.v]);
+    same_or_both_nan(&dp, &p, "params");
+}
+
 #[test]
 fn muon_step_on_device_memory_refuses_host_state_and_host_gradients() {
     let Some(dev) = device() else { return };
