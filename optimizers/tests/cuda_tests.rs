@@ -24,7 +24,7 @@ use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::quant::{dynamic_map, quantize};
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule, Muon,
-    MuonConfig, NsConfig,
+    MuonConfig, MuonState, NsConfig,
 };
 
 mod harness;
@@ -500,6 +500,23 @@ fn muon_shard(opt: &Muon, spec: &[TensorSpec]) -> LocalShard {
     whole_shard_by(spec, &|t| opt.atomic_block(&t.name, &t.shape))
 }
 
+/// `opt` on the whole-unit shard of `spec`, stepped `STEPS` times on the host and on `dev` from
+/// parameters and gradients drawn from `seed`.
+fn muon_host_and_device(
+    opt: &Muon,
+    spec: &[TensorSpec],
+    dev: &Arc<Device>,
+    seed: u64,
+) -> (Trained<MuonState>, Trained<MuonState>) {
+    let shard = muon_shard(opt, spec);
+    let mut rng = Rng::new(seed);
+    let p0 = scatter(&shard, &globals(spec, &mut rng, 1.0));
+    let grads: Vec<Vec<f32>> = (0..STEPS)
+        .map(|_| scatter(&shard, &globals(spec, &mut rng, 0.1)))
+        .collect();
+    host_and_device(opt, &shard, dev, p0, &grads)
+}
+
 #[test]
 fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
     let Some(dev) = device() else { return };
@@ -516,13 +533,7 @@ fn muon_step_cuda_matches_cpu_momentum_bitwise_and_params_within_tolerance() {
         ..Default::default()
     })
     .unwrap();
-    let shard = muon_shard(&opt, &spec);
-    let mut rng = Rng::new(9);
-    let p0 = scatter(&shard, &globals(&spec, &mut rng, 1.0));
-    let grads: Vec<Vec<f32>> = (0..STEPS)
-        .map(|_| scatter(&shard, &globals(&spec, &mut rng, 0.1)))
-        .collect();
-    let ((p, state), (dp, ds)) = host_and_device(&opt, &shard, &dev, p0, &grads);
+    let ((p, state), (dp, ds)) = muon_host_and_device(&opt, &spec, &dev, 9);
     // Momentum and the AdamW moments never see Newton–Schulz: bitwise. The parameters differ
     // by lr·scale·(NS difference) per step: ≤ 3 · 1e-2 · 1.5 · 2e-3 ≈ 1e-4.
     assert_moments_equal([&state.m, &state.v], [&ds.m, &ds.v]);
@@ -552,13 +563,7 @@ fn muon_device_step_with_the_identity_newton_schulz_is_bitwise_equal_to_cpu() {
         ..Default::default()
     })
     .unwrap();
-    let shard = muon_shard(&opt, &spec);
-    let mut rng = Rng::new(21);
-    let p0 = scatter(&shard, &globals(&spec, &mut rng, 1.0));
-    let grads: Vec<Vec<f32>> = (0..STEPS)
-        .map(|_| scatter(&shard, &globals(&spec, &mut rng, 0.1)))
-        .collect();
-    let ((p, state), (dp, ds)) = host_and_device(&opt, &shard, &dev, p0, &grads);
+    let ((p, state), (dp, ds)) = muon_host_and_device(&opt, &spec, &dev, 21);
     assert_moments_equal([&state.m, &state.v], [&ds.m, &ds.v]);
     same_or_both_nan(&dp, &p, "params");
 }
