@@ -292,6 +292,15 @@ fn two_or_more_devices() -> Option<Vec<Arc<Device>>> {
     Some(devs)
 }
 
+/// One NCCL rank per device of two or more, driven from this process, or `None` after printing
+/// why not.
+fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> {
+    let devs = two_or_more_devices()?;
+    ragged::cuda::nccl::NcclComm::from_devices(&devs)
+        .map_err(|e| println!("skipped: {e}"))
+        .ok()
+}
+
 /// Device 0 and a fresh NCCL id, or `None` after printing why not (no GPU, no NCCL).
 fn device_and_nccl_id() -> Option<(Device, [u8; ragged::cuda::nccl::ID_BYTES])> {
     let dev = device()?;
@@ -432,18 +441,10 @@ fn moves_and_sums(c: &dyn Communicator) -> ragged::Result<MovesAndSums> {
 #[test]
 fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
     use ragged::comm::threads::ThreadWorld;
-    use ragged::cuda::nccl::NcclComm;
-    let Some(devs) = two_or_more_devices() else {
+    let Some(comms) = nccl_ranks_of_one_process() else {
         return;
     };
-    let comms = match NcclComm::from_devices(&devs) {
-        Ok(c) => c,
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
-    };
-    let cpu = ThreadWorld::run(devs.len(), |c| moves_and_sums(c)).unwrap();
+    let cpu = ThreadWorld::run(comms.len(), |c| moves_and_sums(c)).unwrap();
     for on_device in [false, true] {
         let nccl: Vec<_> = std::thread::scope(|scope| {
             let ranks: Vec<_> = comms
@@ -489,20 +490,13 @@ fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
 fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_backend() {
     use ragged::comm::threads::ThreadWorld;
     use ragged::cuda::nccl::NcclComm;
-    let Some(devs) = two_or_more_devices() else {
+    let Some(comms) = nccl_ranks_of_one_process() else {
         return;
-    };
-    let comms = match NcclComm::from_devices(&devs) {
-        Ok(c) => c,
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
     };
     let s = 37;
     // (the all-gather's bits, the own slice of a reduce-scatter by Sum and by Avg)
     type Out = (Vec<u32>, Vec<Vec<f32>>);
-    let cpu: Vec<Out> = ThreadWorld::run(devs.len(), |c| {
+    let cpu: Vec<Out> = ThreadWorld::run(comms.len(), |c| {
         let (rank, world) = (c.rank(), c.world_size());
         let send = values(s, rank as u32 + 2);
         let mut all = vec![0f32; world * s];
