@@ -526,11 +526,12 @@ fn lr_scale_rules_match_torch() {
 // "wide" (48×160) takes Gram Newton–Schulz under `NsMethod::Auto` (0.71× the multiply-adds),
 // "tall" (80×48) the standard iteration: both methods go through every layout below
 // (`sharded_muon_step_takes_both_newton_schulz_methods` checks which runs).
-const TENSORS: [(&str, &[usize]); 8] = [
+const TENSORS: [(&str, &[usize]); 9] = [
     ("wide", &[48, 160]),
     ("tall", &[80, 48]),
     ("experts", &[3, 16, 24]),
-    ("conv", &[6, 3, 3, 3]), // one flattened 6 × 27 matrix
+    ("conv", &[6, 3, 3, 3]),       // one flattened 6 × 27 matrix
+    ("conv1d.weight", &[5, 2, 7]), // named a conv: one flattened 5 × 14 matrix
     ("small", &[7, 5]),
     ("bias", &[31]),
     ("tok_embed", &[10, 6]),
