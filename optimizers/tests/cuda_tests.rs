@@ -89,6 +89,31 @@ fn host_and_device<O: Optimizer>(
     ((p, state), (dev.download(&dp).unwrap(), ds))
 }
 
+/// [`host_and_device`] on every rank's planned shard of `spec` at each of `worlds`, `steps`
+/// steps from parameters and gradients drawn from `seed + world` (the parameters once per
+/// world, then each rank's gradients in rank order); `check` gets the world, the shard and
+/// both results.
+fn each_rank_host_and_device<O: Optimizer>(
+    opt: &O,
+    spec: &[TensorSpec],
+    dev: &Arc<Device>,
+    (worlds, seed, steps): (&[usize], u64, usize),
+    mut check: impl FnMut(usize, &LocalShard, Trained<O::State>, Trained<O::State>),
+) {
+    for &world in worlds {
+        let shards = planned_shards(opt, spec, world, &PlanOptions::default());
+        let mut rng = Rng::new(seed + world as u64);
+        let p0 = globals(spec, &mut rng, 1.0);
+        for shard in &shards {
+            let grads: Vec<Vec<f32>> = (0..steps)
+                .map(|_| scatter(shard, &globals(spec, &mut rng, 0.1)))
+                .collect();
+            let (host, device) = host_and_device(opt, shard, dev, scatter(shard, &p0), &grads);
+            check(world, shard, host, device);
+        }
+    }
+}
+
 /// Bitwise equality of the moments `[m, v]` of a host and a device state (AdamW's or Muon's).
 fn assert_moments_equal(
     host: [&ragged::storage::Storage<f32>; 2],
@@ -144,21 +169,12 @@ fn adamw_step_cuda_is_bitwise_equal_to_cpu() {
         ..Default::default()
     })
     .unwrap();
-    for world in [1, 3] {
-        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
-        let mut rng = Rng::new(7 + world as u64);
-        let p0 = globals(&spec, &mut rng, 1.0);
-        for shard in &shards {
-            let grads: Vec<Vec<f32>> = (0..STEPS)
-                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
-                .collect();
-            let ((p, state), (dp, ds)) =
-                host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
-            assert_eq!(ds.step, state.step);
-            assert_eq!(bits(&dp), bits(&p), "params");
-            assert_moments_equal([&state.m, &state.v], [&ds.m, &ds.v]);
-        }
-    }
+    let run = (&[1, 3][..], 7, STEPS);
+    each_rank_host_and_device(&opt, &spec, &dev, run, |_, _, (p, state), (dp, ds)| {
+        assert_eq!(ds.step, state.step);
+        assert_eq!(bits(&dp), bits(&p), "params");
+        assert_moments_equal([&state.m, &state.v], [&ds.m, &ds.v]);
+    });
 }
 
 #[test]
@@ -177,18 +193,10 @@ fn adam8bit_step_cuda_is_bitwise_equal_to_cpu() {
         ..Default::default()
     })
     .unwrap();
-    for world in [1, 2, 3] {
-        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
-        let mut rng = Rng::new(11 + world as u64);
-        let p0 = globals(&spec, &mut rng, 1.0);
-        for shard in &shards {
-            let grads: Vec<Vec<f32>> = (0..STEPS)
-                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
-                .collect();
-            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
-            assert_adam8bit_equal(&host, &device, "sharded");
-        }
-    }
+    let run = (&[1, 2, 3][..], 11, STEPS);
+    each_rank_host_and_device(&opt, &spec, &dev, run, |_, _, host, device| {
+        assert_adam8bit_equal(&host, &device, "sharded")
+    });
 }
 
 /// Protects each 8-bit parameter's own decay factor on the device (`segments` in
@@ -216,19 +224,11 @@ fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
         min_8bit_size: 1024,
     })
     .unwrap();
-    for world in [1, 2] {
-        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
-        let mut rng = Rng::new(31 + world as u64);
-        let p0 = globals(&spec, &mut rng, 1.0);
-        for shard in &shards {
-            let grads: Vec<Vec<f32>> = (0..STEPS)
-                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
-                .collect();
-            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
-            let what = format!("world {world}, rank {}", shard.rank);
-            assert_adam8bit_equal(&host, &device, &what);
-        }
-    }
+    let run = (&[1, 2][..], 31, STEPS);
+    each_rank_host_and_device(&opt, &spec, &dev, run, |world, shard, host, device| {
+        let what = format!("world {world}, rank {}", shard.rank);
+        assert_adam8bit_equal(&host, &device, &what);
+    });
 }
 
 /// Checkpoints of states in device memory ([`CheckpointState`] on device storage): every
@@ -274,16 +274,13 @@ fn span_bytes(layout: &[FieldLayout], data: &[FieldData<'_>]) -> Vec<Vec<u8>> {
 }
 
 fn fields_round_trip<O: CheckpointState>(opt: &O, spec: &[TensorSpec], dev: &Arc<Device>) {
-    for world in [1, 2] {
-        let shards = planned_shards(opt, spec, world, &PlanOptions::default());
-        let mut rng = Rng::new(5 + world as u64);
-        let p0 = globals(spec, &mut rng, 1.0);
-        for shard in &shards {
-            let grads: Vec<Vec<f32>> = (0..2)
-                .map(|_| scatter(shard, &globals(spec, &mut rng, 0.1)))
-                .collect();
-            let ((_, host), (_, on_device)) =
-                host_and_device(opt, shard, dev, scatter(shard, &p0), &grads);
+    let run = (&[1, 2][..], 5, 2);
+    each_rank_host_and_device(
+        opt,
+        spec,
+        dev,
+        run,
+        |_, shard, (_, host), (_, on_device)| {
             let layout = opt.state_layout(shard).unwrap();
             let want = span_bytes(&layout, &opt.state_data(&host).unwrap());
             let data = opt.state_data(&on_device).unwrap();
@@ -320,8 +317,8 @@ fn fields_round_trip<O: CheckpointState>(opt: &O, spec: &[TensorSpec], dev: &Arc
             }
             let filled = span_bytes(&layout, &opt.state_data(&fresh).unwrap());
             assert_eq!(filled, want, "filled on the device");
-        }
-    }
+        },
+    );
 }
 
 /// More scale blocks than the grid has warps on an H200 (at most 132 multiprocessors × 8
@@ -1140,18 +1137,11 @@ fn adam8bit_partial_scale_blocks_of_short_row_blocks_are_bitwise_equal_to_cpu() 
         ..Default::default()
     })
     .unwrap();
-    for world in [1, 2, 3] {
-        let shards = planned_shards(&opt, &spec, world, &PlanOptions::default());
-        let mut rng = Rng::new(41 + world as u64);
-        let p0 = globals(&spec, &mut rng, 1.0);
-        for (rank, shard) in shards.iter().enumerate() {
-            let grads: Vec<Vec<f32>> = (0..3)
-                .map(|_| scatter(shard, &globals(&spec, &mut rng, 0.1)))
-                .collect();
-            let (host, device) = host_and_device(&opt, shard, &dev, scatter(shard, &p0), &grads);
-            assert_adam8bit_equal(&host, &device, &format!("world {world} rank {rank}"));
-        }
-    }
+    let run = (&[1, 2, 3][..], 41, 3);
+    each_rank_host_and_device(&opt, &spec, &dev, run, |world, shard, host, device| {
+        let what = format!("world {world} rank {}", shard.rank);
+        assert_adam8bit_equal(&host, &device, &what);
+    });
 }
 
 /// Protects the vector path's alignment check (`vector_span` in `kernels/adam8bit.cu`): whole
