@@ -292,6 +292,20 @@ fn two_or_more_devices() -> Option<Vec<Arc<Device>>> {
     Some(devs)
 }
 
+/// `f(i, item)` for every item, each on a thread of its own (an NCCL rank of one process
+/// waits in its collectives for the others), in item order.
+fn on_each_thread<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sync) -> Vec<R> {
+    let f = &f;
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| scope.spawn(move || f(i, item)))
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
 /// One NCCL rank per device of two or more, driven from this process, or `None` after printing
 /// why not.
 fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> {
@@ -381,25 +395,13 @@ fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
         return;
     };
     let id = unique_id().unwrap();
-    let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = devs[..2]
-            .iter()
-            .enumerate()
-            .map(|(rank, dev)| {
-                let id = &id;
-                scope.spawn(move || {
-                    let comm = NcclComm::from_rank_within(dev.clone(), rank, 2, id, limit * 20)?;
-                    let mut x = vec![rank as f32 + 1.0; 4];
-                    comm.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
-                    ragged::Result::Ok(x)
-                })
-            })
-            .collect();
-        ranks
-            .into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect()
+    let sums = on_each_thread(&devs[..2], |rank, dev| {
+        let comm = NcclComm::from_rank_within(dev.clone(), rank, 2, &id, limit * 20)?;
+        let mut x = vec![rank as f32 + 1.0; 4];
+        comm.all_reduce((&mut x[..]).into(), ReduceOp::Sum)?;
+        ragged::Result::Ok(x)
     });
+    let sums: Vec<Vec<f32>> = sums.into_iter().map(|r| r.unwrap()).collect();
     assert_eq!(sums, vec![vec![3.0f32; 4]; 2]);
 }
 
@@ -446,23 +448,9 @@ fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
     };
     let cpu = ThreadWorld::run(comms.len(), |c| moves_and_sums(c)).unwrap();
     for on_device in [false, true] {
-        let nccl: Vec<_> = std::thread::scope(|scope| {
-            let ranks: Vec<_> = comms
-                .iter()
-                .map(|c| {
-                    scope.spawn(move || {
-                        if on_device {
-                            moves_and_sums(&ViaDevice::new(c, c.device()))
-                        } else {
-                            moves_and_sums(c)
-                        }
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .map(|h| h.join().unwrap().unwrap())
-                .collect()
+        let nccl = on_each_thread(&comms, |_, c| match on_device {
+            true => moves_and_sums(&ViaDevice::new(c, c.device())).unwrap(),
+            false => moves_and_sums(c).unwrap(),
         });
         for (rank, ((moves, sums), (cpu_moves, cpu_sums))) in nccl.iter().zip(&cpu).enumerate() {
             assert_eq!(moves, cpu_moves, "rank {rank}, device buffers: {on_device}");
@@ -525,16 +513,7 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         }
         Ok((bits(&dev.download(&all)?), sums))
     };
-    let gpu: Vec<Out> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = comms
-            .iter()
-            .map(|c| scope.spawn(move || on_device(c)))
-            .collect();
-        ranks
-            .into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect()
-    });
+    let gpu = on_each_thread(&comms, |_, c| on_device(c).unwrap());
     for (rank, ((moved, sums), (cpu_moved, cpu_sums))) in gpu.iter().zip(&cpu).enumerate() {
         assert_eq!(moved, cpu_moved, "rank {rank}: all-gather");
         for ((got, want), op) in sums.iter().zip(cpu_sums).zip(["Sum", "Avg"]) {
@@ -863,18 +842,10 @@ fn nccl_refuses_u8_reductions_over_two_or_more_ranks() {
                 return;
             }
         };
-        let outcomes: Vec<(bool, Vec<u8>)> = std::thread::scope(|scope| {
-            let ranks: Vec<_> = comms
-                .iter()
-                .map(|c| {
-                    scope.spawn(move || {
-                        let mut x = vec![200u8; 6];
-                        let err = c.all_reduce((&mut x[..]).into(), ReduceOp::Sum).is_err();
-                        (err, x)
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        let outcomes = on_each_thread(&comms, |_, c| {
+            let mut x = vec![200u8; 6];
+            let err = c.all_reduce((&mut x[..]).into(), ReduceOp::Sum).is_err();
+            (err, x)
         });
         for (rank, (err, x)) in outcomes.iter().enumerate() {
             assert!(*err, "world {world}, rank {rank}: u8 sum accepted: {x:?}");
