@@ -28,6 +28,14 @@ fn specs() -> Vec<TensorSpec> {
     .collect()
 }
 
+/// The one unit `u` holding `specs`.
+fn unit_of(specs: &[TensorSpec]) -> Unit<'_> {
+    Unit {
+        name: "u".into(),
+        tensors: specs.iter().collect(),
+    }
+}
+
 fn config(optimizer: OptimKind) -> ValidateConfig {
     ValidateConfig {
         optimizer,
@@ -45,10 +53,7 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
     // Muon's case runs both Newton–Schulz methods.
     assert_eq!(default_ns_method(64, 96), NsMethod::Standard);
     assert_eq!(default_ns_method(192, 64), NsMethod::Gram);
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let kinds = [
         OptimKind::AdamW,
         OptimKind::Adam8bit,
@@ -167,10 +172,7 @@ impl CheckpointState for Tampered {
 #[test]
 fn a_world_dependent_step_is_a_breach_with_its_ulps() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let opt = world_dependent();
     let report = validate_with(&opt, &[unit], &config(OptimKind::AdamW)).unwrap();
     assert!(report.breaches() > 0);
@@ -190,10 +192,7 @@ fn a_world_dependent_step_is_a_breach_with_its_ulps() {
 #[test]
 fn a_world_dependent_state_is_a_breach_naming_its_field() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let opt = state_world_dependent();
     let report = validate_with(&opt, &[unit], &config(OptimKind::AdamW)).unwrap();
     assert!(report.sharded.iter().all(|c| c.bitwise), "{report:?}");
@@ -214,10 +213,7 @@ fn a_world_dependent_state_is_a_breach_naming_its_field() {
 #[test]
 fn bad_configurations_are_rejected() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let units = [unit];
     let good = config(OptimKind::AdamW);
     for bad in [
@@ -275,10 +271,7 @@ fn bad_configurations_are_rejected() {
 #[test]
 fn scatter_and_gather_are_inverse_and_refuse_inconsistent_buffers() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let opt = AdamW::new(AdamWConfig::default()).unwrap();
     let plan = opt.plan_unit(&unit, 3, &PlanOptions::default()).unwrap();
     let shards: Vec<LocalShard> = (0..3)
@@ -432,10 +425,7 @@ fn sign_of_zero() -> Tampered {
 #[test]
 fn a_sign_of_zero_is_a_breach_zero_ulps_apart() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let opt = sign_of_zero();
     let cfg = config(OptimKind::AdamW);
     let report = validate_with(&opt, &[unit], &cfg).unwrap();
@@ -453,10 +443,7 @@ fn a_sign_of_zero_is_a_breach_zero_ulps_apart() {
 #[test]
 fn every_layout_is_compared_at_every_world() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let opt = world_dependent();
     let cfg = config(OptimKind::AdamW);
     let report = validate_with(&opt, &[unit], &cfg).unwrap();
@@ -484,10 +471,7 @@ fn every_layout_is_compared_at_every_world() {
 #[test]
 fn the_muon_reference_tolerance_is_the_stated_one() {
     let specs = specs();
-    let unit = Unit {
-        name: "u".into(),
-        tensors: specs.iter().collect(),
-    };
+    let unit = unit_of(&specs);
     let cfg = ValidateConfig {
         worlds: vec![1],
         layouts: vec![LayoutKind::Ragged],
