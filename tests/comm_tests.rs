@@ -1119,3 +1119,109 @@ fn thread_ranks_report_time_spent_waiting_for_late_peers() {
     assert!(waits[1] < 0.2, "the late rank waited {:.3} s", waits[1]);
     assert_eq!(ragged::comm::single::SingleRank.peer_wait_seconds(), None);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Groups (`Communicator::split`)
+
+/// A split makes worlds of their own: each group, contiguous (`rank / 3`) or interleaved
+/// (`rank % 2`), runs every collective (`conformance::exercise`) to the same bits as a fresh
+/// world of its size at the same rank, all groups at once; the parent world still works after.
+#[test]
+fn split_groups_run_every_collective_as_worlds_of_their_own() {
+    use ragged::comm::conformance::exercise;
+    let reference = |size: usize| ThreadWorld::run(size, |c| exercise(c)).unwrap();
+    let (of_3, of_2) = (reference(3), reference(2));
+    let ranks = ThreadWorld::run(6, |c| {
+        let contiguous = c.split(c.rank() / 3)?;
+        let interleaved = c.split(c.rank() % 2)?;
+        let shape = |g: &dyn Communicator| (g.rank(), g.world_size());
+        let shapes = (shape(&*contiguous), shape(&*interleaved));
+        let bits = (exercise(&*contiguous)?, exercise(&*interleaved)?);
+        let mut after = vec![0f32; 6];
+        after[c.rank()] = c.rank() as f32;
+        c.all_gather_in_place(BufMut::F32(&mut after))?;
+        Ok((shapes, bits, after))
+    })
+    .unwrap();
+    for (r, (shapes, bits, after)) in ranks.iter().enumerate() {
+        assert_eq!(*shapes, ((r % 3, 3), (r / 2, 3)), "rank {r}");
+        assert!(bits.0 == of_3[r % 3], "rank {r}: contiguous group");
+        assert!(bits.1 == of_3[r / 2], "rank {r}: interleaved group");
+        assert_eq!(*after, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    }
+    // Groups of unequal sizes, and a group of one.
+    let sizes = ThreadWorld::run(5, |c| {
+        let g = c.split(usize::from(c.rank() >= 2) + usize::from(c.rank() == 4))?;
+        Ok((g.world_size(), exercise(&*g)?))
+    })
+    .unwrap();
+    assert_eq!(
+        sizes.iter().map(|s| s.0).collect::<Vec<_>>(),
+        [2, 2, 2, 2, 1]
+    );
+    assert!(sizes[2].1 == of_2[0] && sizes[3].1 == of_2[1]);
+    assert!(sizes[4].1 == reference(1)[0]);
+}
+
+/// A group member that fails makes its group's pending collective fail promptly through
+/// `ThreadWorld::run`, naming it; ranks of the other group are not held.
+#[test]
+fn a_failing_group_member_fails_its_group_promptly() {
+    let start = Instant::now();
+    let out = within(GENEROUS, || {
+        ThreadWorld::run(4, |c| {
+            let g = c.split(c.rank() / 2)?;
+            if c.rank() == 1 {
+                return Err(Error::BadInput {
+                    op: "test",
+                    what: "rank 1".into(),
+                    reason: "fails on purpose".into(),
+                });
+            }
+            let mut buf = vec![0u8; 2];
+            let group = g.all_gather_in_place(BufMut::U8(&mut buf));
+            Ok(group.map_err(|e| e.to_string()))
+        })
+    });
+    let err = out.expect_err("rank 1 failed").to_string();
+    assert!(err.contains("fails on purpose"), "{err}");
+    assert!(start.elapsed() < PROMPT, "took {:?}", start.elapsed());
+    // Seen from inside: rank 0's group call fails naming its group's rank 1, ranks 2 and 3's
+    // succeeds.
+    let seen = within(GENEROUS, || {
+        ThreadWorld::run(4, |c| {
+            let g = c.split(c.rank() / 2)?;
+            if c.rank() == 1 {
+                drop(g);
+                return Ok(Ok(()));
+            }
+            let mut buf = vec![0u8; 2];
+            Ok(g.all_gather_in_place(BufMut::U8(&mut buf))
+                .map_err(|e| e.to_string()))
+        })
+    })
+    .unwrap();
+    assert!(
+        seen[0].as_ref().is_err_and(|e| e.contains("rank 1")),
+        "{:?}",
+        seen[0]
+    );
+    assert!(seen[2].is_ok() && seen[3].is_ok(), "{seen:?}");
+}
+
+/// One rank splits alone: the others never call, so the world's timeout names them.
+#[test]
+fn a_split_is_a_collective_of_the_whole_world() {
+    let out = ThreadWorld::run_with_timeout(3, Duration::from_millis(300), |c| {
+        if c.rank() == 0 {
+            return c.split(0).map(|_| ());
+        }
+        thread::sleep(Duration::from_millis(800));
+        Ok(())
+    });
+    let err = out.expect_err("rank 0 split alone").to_string();
+    assert!(err.contains("waiting for ranks [1, 2]"), "{err}");
+    assert!(ragged::comm::single::SingleRank
+        .split(7)
+        .is_ok_and(|g| g.world_size() == 1));
+}

@@ -333,6 +333,46 @@ pub trait Communicator: Send + Sync {
     fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
         staged_reduce_scatter(self, send, recv, op)
     }
+
+    /// Splits the world into groups, as `MPI_Comm_split`: a collective (every rank calls it),
+    /// after which the ranks that passed the same `color` form one new world of their own,
+    /// ranked in their order here. The new communicator's collectives involve its group only,
+    /// and run as zero-copy as this backend's own. HSDP ([`crate::fsdp::FsdpOptions::replicas`])
+    /// splits the world into shard groups and replica groups this way. This default refuses:
+    /// the backend has no groups.
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+        let _ = color;
+        Err(crate::Error::BadInput {
+            op: "Communicator::split",
+            what: format!("a world of {} ranks", self.world_size()),
+            reason: "this communicator cannot form groups (thread ranks, MPI and one rank can)"
+                .into(),
+        })
+    }
+}
+
+/// The rank groups a split by `colors` (one per rank, in rank order) makes: for this rank
+/// (`rank`), the ranks of its group in rank order, and its index among them.
+pub(crate) fn group_of(colors: &[u64], rank: usize) -> (Vec<usize>, usize) {
+    let members: Vec<usize> = (0..colors.len())
+        .filter(|&j| colors[j] == colors[rank])
+        .collect();
+    let index = members
+        .iter()
+        .position(|&j| j == rank)
+        .expect("a rank is in its own group");
+    (members, index)
+}
+
+/// Every rank's `color` (one all-gather of eight bytes a rank).
+pub(crate) fn all_colors(comm: &dyn Communicator, color: usize) -> Result<Vec<u64>> {
+    let mut all = vec![0u8; 8 * comm.world_size()];
+    let own = (color as u64).to_le_bytes();
+    comm.all_gather(Buf::U8(&own), BufMut::U8(&mut all))?;
+    Ok(all
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunks")))
+        .collect())
 }
 
 /// Every rank's `bytes`, whatever their lengths, in rank order: two all-gathers (the lengths,

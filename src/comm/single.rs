@@ -58,6 +58,9 @@ impl Communicator for SingleRank {
     fn all_reduce(&self, _buf: BufMut<'_>, _op: ReduceOp) -> Result<()> {
         Ok(())
     }
+    fn split(&self, _color: usize) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(SingleRank))
+    }
     fn all_to_all_v(
         &self,
         send: Buf<'_>,

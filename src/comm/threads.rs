@@ -152,19 +152,7 @@ impl ThreadWorld {
                 reason: "every rendezvous would time out before the others arrive".into(),
             });
         }
-        let world = Arc::new(World {
-            size: n,
-            timeout,
-            state: Mutex::new(State {
-                reached: vec![0; n],
-                posts: vec![Post::new(Op::Barrier); n],
-                in_call: vec![false; n],
-                poison: None,
-                aborted: None,
-                phase_failures: Vec::new(),
-            }),
-            cv: Condvar::new(),
-        });
+        let world = World::new(n, timeout);
         Ok((0..n)
             .map(|rank| ThreadComm {
                 rank,
@@ -200,6 +188,9 @@ struct World {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// Worlds being handed out by a split: the group leader (the lowest rank of a group) puts
+    /// its group's new world at its own index, and the other members clone it from there.
+    splits: Mutex<Vec<Option<Arc<World>>>>,
 }
 
 struct State {
@@ -223,6 +214,23 @@ struct State {
 }
 
 impl World {
+    fn new(n: usize, timeout: Duration) -> Arc<World> {
+        Arc::new(World {
+            size: n,
+            timeout,
+            state: Mutex::new(State {
+                reached: vec![0; n],
+                posts: vec![Post::new(Op::Barrier); n],
+                in_call: vec![false; n],
+                poison: None,
+                aborted: None,
+                phase_failures: Vec::new(),
+            }),
+            cv: Condvar::new(),
+            splits: Mutex::new(vec![None; n]),
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state stays consistent even if a holder panicked: every update is a single store.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
@@ -553,6 +561,38 @@ impl ThreadComm {
         st.poison
             .get_or_insert_with(|| format!("rank {rank} left the world ({why})"));
         w.cv.notify_all();
+    }
+}
+
+impl ThreadComm {
+    /// [`Communicator::split`] for thread ranks: each group is a new thread world (the same
+    /// protocol, zero-copy, this world's timeout), made by its leader and handed to the
+    /// others through this world's `splits` table between two barriers.
+    pub fn split_world(&self, color: usize) -> Result<ThreadComm> {
+        let colors = super::all_colors(self, color)?;
+        let (members, rank) = super::group_of(&colors, self.rank);
+        let leader = members[0];
+        let splits = || {
+            self.world
+                .splits
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        if self.rank == leader {
+            splits()[leader] = Some(World::new(members.len(), self.world.timeout));
+        }
+        self.barrier()?;
+        let world = splits()[leader].clone();
+        self.barrier()?;
+        if self.rank == leader {
+            splits()[leader] = None;
+        }
+        let world = world.expect("the leader made its group's world before the barrier");
+        Ok(ThreadComm {
+            rank,
+            world,
+            peer_wait_ns: AtomicU64::new(0),
+        })
     }
 }
 
@@ -924,6 +964,10 @@ impl Communicator for ThreadComm {
 
     fn peer_wait_seconds(&self) -> Option<f64> {
         Some(self.peer_wait_ns.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
+
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split_world(color)?))
     }
 
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
