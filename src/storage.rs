@@ -479,6 +479,15 @@ impl<'a, T> View<'a, T> {
 }
 
 impl<'a, T> ViewMut<'a, T> {
+    /// The same elements for a shorter borrow (so the view can be used again after).
+    pub fn reborrow(&mut self) -> ViewMut<'_, T> {
+        match self {
+            ViewMut::Cpu(v) => ViewMut::Cpu(v),
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(v) => ViewMut::Cuda(v.slice_mut(..)),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             ViewMut::Cpu(v) => v.len(),

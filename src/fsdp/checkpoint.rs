@@ -93,7 +93,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     /// complete and durable on every rank; rotates older ones per [`SaveOptions::keep`].
     pub fn save(&mut self, root: impl AsRef<Path>, opts: &SaveOptions) -> Result<Saved> {
         let (root, start) = (root.as_ref(), Instant::now());
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let rank = self.mesh.world().rank();
+        // Under HSDP replica 0's ranks write, each as its rank of the shard group (its world
+        // rank: replica 0 is ranks `0..S`); the other replicas hold the same values.
+        let writer = self.mesh.replica() == 0;
+        let (shard_rank, shards) = (self.mesh.shard().rank(), self.mesh.shard().world_size());
         let step = self.steps;
         let tmp = fs::tmp_dir(root, step);
         let savable = self
@@ -110,17 +114,17 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         };
         // With each rank's options: rank 0's are the ones written and applied.
         let options = prepared.and_then(|()| Ok(serde_json::to_vec(&(opts.keep, &opts.metadata))?));
-        let same = agree(self.comm, root, options).and_then(|all| same_save_options(&all));
+        let same = agree(self.mesh.world(), root, options).and_then(|all| same_save_options(&all));
         if let Err(e) = same {
             if rank == 0 {
                 let _ = std::fs::remove_dir_all(&tmp);
             }
             return Err(e);
         }
-        let file = tmp.join(rank_file(rank, world));
+        let file = tmp.join(rank_file(shard_rank, shards));
         // Rank 0 made `tmp`: a rank that does not see it was given another root, or its file
         // system is not rank 0's (the bare "No such file or directory" said neither).
-        let visible = if rank != 0 && !tmp.is_dir() {
+        let visible = if rank != 0 && writer && !tmp.is_dir() {
             Err(bad(
                 root,
                 format!(
@@ -132,11 +136,15 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         } else {
             Ok(())
         };
-        let written = visible
-            .and_then(|()| self.write_rank_file(&file, opts.chunk_bytes))
-            .and_then(|w| Ok(serde_json::to_vec(&w)?));
-        let writes = agree(self.comm, root, written).and_then(|all| {
-            all.iter()
+        let written = match writer {
+            true => visible
+                .and_then(|()| self.write_rank_file(&file, opts.chunk_bytes))
+                .and_then(|w| Ok(serde_json::to_vec(&w)?)),
+            false => Ok(Vec::new()),
+        };
+        let writes = agree(self.mesh.world(), root, written).and_then(|all| {
+            all[..shards]
+                .iter()
                 .map(|w| Ok(serde_json::from_slice::<RankWrite>(w)?))
                 .collect::<Result<Vec<RankWrite>>>()
         });
@@ -157,7 +165,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         if published.is_err() && rank == 0 {
             let _ = std::fs::remove_dir_all(&tmp);
         }
-        let moved = agree(self.comm, root, published)?;
+        let moved = agree(self.mesh.world(), root, published)?;
         let (removed, set_aside): (Vec<PathBuf>, Vec<PathBuf>) = serde_json::from_slice(&moved[0])?;
         Ok(Saved {
             dir: fs::step_dir(root, step),
@@ -210,7 +218,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             }
             layouts.push(fields);
         }
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let (rank, world) = (self.mesh.shard().rank(), self.mesh.shard().world_size());
         let metadata = BTreeMap::from([
             ("format".to_string(), FORMAT.to_string()),
             ("rank".to_string(), rank.to_string()),
@@ -241,7 +249,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         writes: &[RankWrite],
         opts: &SaveOptions,
     ) -> Result<Vec<u8>> {
-        let world = self.comm.world_size();
+        let world = self.mesh.shard().world_size();
         let mut fields: BTreeMap<(String, String), FieldRecord> = BTreeMap::new();
         let mut files = Vec::with_capacity(world);
         for (rank, w) in writes.iter().enumerate() {
@@ -382,7 +390,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             Ok((d, m)) => (Ok(d.display().to_string().into_bytes()), Some((d, m))),
             Err(e) => (Err(e), None),
         };
-        let names = agree(self.comm, &dir, named)?;
+        let names = agree(self.mesh.world(), &dir, named)?;
         if names.iter().any(|n| n != &names[0]) {
             return Err(bad(&dir, "ranks resolved different checkpoint folders"));
         }
@@ -394,11 +402,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             Ok(plan) => (Some(plan), Ok(Vec::new())),
             Err(e) => (None, Err(e)),
         };
-        agree(self.comm, &dir, status)?;
+        agree(self.mesh.world(), &dir, status)?;
         let plan = plan.expect("every rank succeeded above");
         let read = self.read_all(&dir, &manifest, &plan);
         let bytes_read = *read.as_ref().unwrap_or(&0);
-        let applied = agree(self.comm, &dir, read.map(|_| Vec::new()))
+        let applied = agree(self.mesh.world(), &dir, read.map(|_| Vec::new()))
             .and_then(|_| self.restore_progress(&manifest.progress));
         self.partly_loaded = applied.as_ref().err().map(|e| PartlyLoaded {
             cause: e.to_string(),
@@ -613,7 +621,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     pub fn export_safetensors(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let (mut file, mut failed) = (None, None);
-        if self.comm.rank() == 0 {
+        if self.mesh.world().rank() == 0 {
             let tensors = self.units.iter().flat_map(|u| u.params.slots());
             match Consolidated::create(path, tensors.map(|s| (s.name.clone(), s.shape.clone()))) {
                 Ok(f) => file = Some(f),
@@ -634,7 +642,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             (Some(f), None) => f.finish(),
             (None, None) => Ok(()),
         };
-        agree(self.comm, path, done.map(|_| Vec::new())).map(|_| ())
+        agree(self.mesh.world(), path, done.map(|_| Vec::new())).map(|_| ())
     }
 
     /// SHA-256 (hex) of the parameters' f32 values, by name: the same for the same values
@@ -674,10 +682,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             Ok(sources) => (Some(sources), Ok(Vec::new())),
             Err(e) => (None, Err(e)),
         };
-        agree(self.comm, path, status)?;
+        agree(self.mesh.world(), path, status)?;
         let mut sources = sources.expect("every rank succeeded above");
         let read = self.import_local(&mut sources);
-        let applied = agree(self.comm, path, read.map(|_| Vec::new()));
+        let applied = agree(self.mesh.world(), path, read.map(|_| Vec::new()));
         // A failed `load` left optimizer state partly replaced too, which this does not read.
         let state_too = self.partly_loaded.as_ref().is_some_and(|p| p.state_too);
         self.partly_loaded = match (&applied, state_too) {

@@ -30,6 +30,7 @@ pub(crate) mod clip;
 mod describe;
 pub mod fsdp2;
 mod layout;
+mod mesh;
 mod output_linear;
 mod param_pool;
 mod stages;
@@ -55,6 +56,7 @@ use crate::schedule::Schedule;
 use crate::storage::{NonFiniteCounts, Placement, Storage, ViewMut};
 use crate::Result;
 use layout::UnitLayout;
+use mesh::Mesh;
 use param_pool::ParamPool;
 
 /// How parameters are laid out over ranks.
@@ -216,6 +218,13 @@ pub struct FsdpOptions {
     /// ([`Optimizer::role`] returning [`crate::Role::Frozen`]) freezes parameters the same way.
     pub frozen: Option<NameRule>,
     pub plan: PlanOptions,
+    /// HSDP (hybrid sharding, FSDP2's 2-D mesh): with `R > 1` replicas, each unit is sharded
+    /// over groups of `V / R` consecutive ranks and replicated over the `R` groups; reduced
+    /// gradient shards are all-reduced over the replicas, so gathers and reduce-scatters stay
+    /// within a group (a node) and only shard-sized traffic crosses groups. `R` must divide the
+    /// world size; 1 (default): every unit sharded over the whole world. Needs a communicator
+    /// that can form groups ([`Communicator::split`]: thread ranks, MPI).
+    pub replicas: usize,
 }
 
 impl FsdpOptions {
@@ -245,6 +254,7 @@ impl Default for FsdpOptions {
             require_gradients: false,
             frozen: None,
             plan: PlanOptions::default(),
+            replicas: 1,
         }
     }
 }
@@ -296,7 +306,8 @@ struct PartlyLoaded {
 
 /// A model's parameters sharded over the ranks of `comm`, with their optimizer.
 pub struct ShardedModel<'c, O: Optimizer> {
-    comm: &'c dyn Communicator,
+    /// The world, and under HSDP this rank's shard and replica groups.
+    mesh: Mesh<'c>,
     optimizer: O,
     opts: FsdpOptions,
     /// Every collective buffer of every unit, in unit order (one per unit unless
@@ -360,6 +371,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         });
     }
     let fsdp2 = opts.layout == ShardLayout::Fsdp2;
+    let mesh = Mesh::new(comm, opts.replicas)?;
     let mut planned = Vec::new();
     let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     // Frozen: by the optimizer's role rule, or by the older name rule.
@@ -384,9 +396,9 @@ pub fn fully_shard<'c, O: Optimizer>(
                 tensors,
             };
             let buffers = if frozen {
-                UnitLayout::frozen(&part, comm, &opts.plan)?
+                UnitLayout::frozen(&part, mesh.shard(), &opts.plan)?
             } else {
-                UnitLayout::new(&part, &optimizer, comm, fsdp2, &opts.plan, multi)?
+                UnitLayout::new(&part, &optimizer, mesh.shard(), fsdp2, &opts.plan, multi)?
             };
             planned.extend(
                 buffers
@@ -451,7 +463,7 @@ pub fn fully_shard<'c, O: Optimizer>(
         .collect();
     let param_pool = ParamPool::new(&buffers);
     Ok(ShardedModel {
-        comm,
+        mesh,
         optimizer,
         opts,
         units,
@@ -635,7 +647,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Gathers buffer `u`'s compute copies unless current, into `spare` storages where they fit.
     fn gather_unit(&mut self, u: usize, spare: Option<Vec<candle_core::Storage>>) -> Result<()> {
         self.check_not_partly_loaded("ShardedModel: gather a unit")?;
-        let comm = self.comm;
+        let comm = self.mesh.shard();
         let stats = self.stats.clone();
         let unit = &mut self.units[u];
         if unit.params.state() == Materialized::Unsharded {
@@ -675,20 +687,24 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                     .into(),
             });
         }
-        let (comm, op) = (self.comm, self.opts.reduce);
+        let op = self.opts.reduce;
         let bf16 = self.opts.mixed_precision.reduce_dtype == DType::BF16;
         let (stats, placement) = (self.stats.clone(), self.placement());
+        let mesh = &self.mesh;
+        let comm = mesh.shard();
         let unit = &mut self.units[u];
         let layout = &unit.layout;
-        let single = comm.world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
+        let single = self.mesh.world().world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
         let touched = if single && !bf16 {
             unit.grads.adopt_as_local(&stats)?
         } else {
-            unit.grads.reduce_with(&stats, |full, local| {
-                if !bf16 {
-                    return layout.reduce(comm, full.into(), local.into(), op, &stats);
+            unit.grads.reduce_with(&stats, |full, mut local| {
+                if bf16 {
+                    reduce_bf16(comm, &placement, layout, full, local.reborrow(), op, &stats)?;
+                } else {
+                    layout.reduce(comm, full.into(), local.reborrow().into(), op, &stats)?;
                 }
-                reduce_bf16(comm, &placement, layout, full, local, op, &stats)
+                mesh.reduce_over_replicas(local.into(), op)
             })?
         };
         if unit.reported {
@@ -698,7 +714,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         // Over all ranks (every rank reduces every unit first at the same point): a gradient
         // that reached a parameter on any rank trains it, and a per-rank verdict would make
         // `require_gradients` fail on some ranks only, the others waiting in the next step.
-        let touched = agree::any_rank(comm, &touched)?;
+        let touched = agree::any_rank(self.mesh.world(), &touched)?;
         let slots = unit.params.slots().iter().zip(&touched);
         let missing = slots.filter(|(_, &t)| !t).map(|(s, _)| s.name.clone());
         let without = self.without_gradient.get_or_insert_with(Vec::new);
@@ -793,7 +809,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// same-length gathers pass every collective's checks.
     pub(crate) fn check_stages_agree(&mut self, names: &[String], units: &[usize]) -> Result<()> {
         if units != self.agreed_stages.as_slice() {
-            agree::check_stages_agree(self.comm, names)?;
+            agree::check_stages_agree(self.mesh.world(), names)?;
             self.agreed_stages = units.to_vec();
         }
         Ok(())
@@ -832,7 +848,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             .schedule
             .map(|(schedule, base)| base * schedule.factor(self.steps));
         let rate = scheduled.or_else(|| self.optimizer.learning_rate());
-        let bad = agree::step_flags(self.comm, bad, rate)?;
+        let bad = agree::step_flags(self.mesh.world(), bad, rate)?;
         self.loss_not_finite = false;
         if bad > 0 {
             self.units.iter_mut().for_each(|u| u.grads.consume());
@@ -861,7 +877,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             } = unit;
             let g = grads.local(OP)?;
             self.optimizer
-                .step(state, local, params.master_view_mut(), g, self.comm)?;
+                .step(state, local, params.master_view_mut(), g, self.mesh.shard())?;
             grads.consume();
         }
         self.steps += 1;
@@ -942,7 +958,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         for unit in self.units.iter().filter(|u| !u.params.is_frozen()) {
             squares.add(unit.grads.local_storage("clip_grad_norm")?)?;
         }
-        let norm = squares.total(self.comm)?.sqrt();
+        // Over the shard group: its replicas hold the same reduced gradients.
+        let norm = squares.total(self.mesh.shard())?.sqrt();
         let coef = f64::from(max_norm) / (norm + 1e-6);
         if norm.is_finite() && coef < 1.0 {
             // A subnormal f32 factor (a norm beyond ~1e38·max_norm) has too few bits: scale by
@@ -1006,7 +1023,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let mut dsts: Vec<BufMut<'_>> = values.iter_mut().map(|v| v.view_mut().into()).collect();
         let master = unit.params.master_view().into();
         unit.layout
-            .gather(self.comm, master, &mut dsts, &self.stats)?;
+            .gather(self.mesh.shard(), master, &mut dsts, &self.stats)?;
         drop(dsts);
         values.into_iter().map(Storage::into_vec).collect()
     }
@@ -1076,7 +1093,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             }
         }
         // Each rank's names and counts; the names must agree, the counts add (exactly: u64).
-        let every = crate::comm::all_gather_bytes(self.comm, &encode_events(&mine))?;
+        // Over the shard group: replicas step the same shards and count the same events.
+        let every = crate::comm::all_gather_bytes(self.mesh.shard(), &encode_events(&mine))?;
         let mut total: Vec<(&'static str, u64)> = mine.iter().map(|&(w, _)| (w, 0)).collect();
         for (rank, bytes) in every.iter().enumerate() {
             let theirs = decode_events(bytes)
@@ -1084,7 +1102,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
             let Some(theirs) = theirs else {
                 return Err(crate::Error::Comm {
                     op: OP,
-                    rank: self.comm.rank(),
+                    rank: self.mesh.world().rank(),
                     reason: format!("rank {rank} counts other optimizer events than this rank"),
                 });
             };
@@ -1202,7 +1220,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Whether a collectives thread can hide anything: not at world 1 on a device
     /// ([`Self::overlaps`]).
     fn overlap_possible(&self) -> bool {
-        self.comm.world_size() > 1 || self.placement().is_cpu()
+        self.mesh.shard().world_size() > 1 || self.mesh.replicas() > 1 || self.placement().is_cpu()
     }
 
     /// The index of unit `name` (its group of buffers).

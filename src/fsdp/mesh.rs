@@ -1,0 +1,94 @@
+//! The ranks a sharded model talks to: the whole world, or under HSDP (hybrid sharding,
+//! [`super::FsdpOptions::replicas`]) a 2-D mesh of `replicas × shard` ranks.
+//!
+//! With `R` replicas of a world of `V` ranks, each unit is sharded over a shard group of
+//! `S = V / R` consecutive ranks (`[g·S, (g+1)·S)`, replica `g`: a node's GPUs, in the usual
+//! launch order) and replicated over the `R` ranks that hold the same shard (`rank mod S`
+//! equal). Gathers, reduce-scatters, the optimizer's own collectives (Muon's matrix gather) and
+//! the gradient norm run in the shard group, so their traffic stays inside it; a reduced
+//! gradient shard is then all-reduced over its replica group, once per reduction (FSDP2's and
+//! Megatron-FSDP's HSDP). Checks that every rank must pass alike (the stage list, non-finite
+//! flags, the learning rate) go over the whole world.
+//!
+//! Replicas stay bitwise identical: they start from the same values (checked), the all-reduce
+//! gives every replica the same bits (a rank-order fold), and the optimizer step is a
+//! deterministic function of the shard, its state and that gradient.
+
+use crate::comm::{BufMut, Communicator, ReduceOp};
+use crate::{Error, Result};
+
+/// The communicators of one rank of a sharded model.
+pub(crate) struct Mesh<'c> {
+    world: &'c dyn Communicator,
+    groups: Option<Groups>,
+}
+
+/// HSDP's two groups of this rank.
+struct Groups {
+    shard: Box<dyn Communicator>,
+    replicas: Box<dyn Communicator>,
+}
+
+impl<'c> Mesh<'c> {
+    /// The mesh of `replicas` replicas over `world` (a collective when `replicas > 1`: two
+    /// splits). `Err` unless `replicas` divides the world size.
+    pub(crate) fn new(world: &'c dyn Communicator, replicas: usize) -> Result<Mesh<'c>> {
+        let v = world.world_size();
+        if replicas == 0 || !v.is_multiple_of(replicas) {
+            return Err(Error::BadInput {
+                op: "fully_shard",
+                what: format!("FsdpOptions::replicas = {replicas} on a world of {v} ranks"),
+                reason: "HSDP shards over groups of world / replicas ranks, so the number of \
+                         replicas must divide the world size (1: plain FSDP)"
+                    .into(),
+            });
+        }
+        if replicas == 1 {
+            return Ok(Mesh {
+                world,
+                groups: None,
+            });
+        }
+        let shard_size = v / replicas;
+        let rank = world.rank();
+        let shard = world.split(rank / shard_size)?;
+        let replicas = world.split(rank % shard_size)?;
+        Ok(Mesh {
+            world,
+            groups: Some(Groups { shard, replicas }),
+        })
+    }
+
+    /// Every rank of the job.
+    pub(crate) fn world(&self) -> &'c dyn Communicator {
+        self.world
+    }
+
+    /// The ranks a unit is sharded over (the world without HSDP).
+    pub(crate) fn shard(&self) -> &dyn Communicator {
+        match &self.groups {
+            Some(g) => &*g.shard,
+            None => self.world,
+        }
+    }
+
+    /// Replicas of this rank's shards (this rank among them), 1 without HSDP.
+    pub(crate) fn replicas(&self) -> usize {
+        self.groups.as_ref().map_or(1, |g| g.replicas.world_size())
+    }
+
+    /// This rank's replica, `0..replicas()`: replica 0 writes checkpoints.
+    pub(crate) fn replica(&self) -> usize {
+        self.groups.as_ref().map_or(0, |g| g.replicas.rank())
+    }
+
+    /// Combines a reduced gradient shard over its replicas (nothing without HSDP): with
+    /// [`ReduceOp::Avg`] the shard group's average over `S` ranks, averaged over `R`
+    /// replicas, is the average over all `V`.
+    pub(crate) fn reduce_over_replicas(&self, shard: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        match &self.groups {
+            Some(g) => g.replicas.all_reduce(shard, op),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! HSDP (`FsdpOptions::replicas`): units sharded over groups of `V / R` ranks and replicated
+//! over `R` groups, through `ThreadWorld::run` as users call it.
+//!
+//! - A step equals the unsharded reference **bitwise** for every optimizer when one rank holds
+//!   the whole batch's gradient and the reduction sums (every sum then adds exact zeros), so a
+//!   missing, doubled or averaged replica all-reduce, or a collective in the wrong group, shows
+//!   as different bits.
+//! - With every rank on its own data (averaged), training tracks the unsharded run within the
+//!   tolerance of `fsdp_tests.rs` (the averages are taken in another order), and every rank of
+//!   every replica holds bitwise the same parameters.
+//! - A checkpoint saved under HSDP is the shard group's (its files, its world) and loads at
+//!   any world, under HSDP or not, with every array bitwise.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use ragged::checkpoint::read::read_global;
+use ragged::checkpoint::{fs as ckpt_fs, CheckpointState, Manifest, SaveOptions};
+use ragged::comm::threads::ThreadWorld;
+use ragged::comm::{Communicator, ReduceOp, SingleRank};
+use ragged::demo::{batch, corpus, Transformer, TransformerConfig, TransformerStages};
+use ragged::fsdp::{fully_shard, FsdpOptions};
+use ragged_optimizers::{
+    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
+    ShampooConfig,
+};
+
+mod common;
+use common::scratch;
+
+const CFG: TransformerConfig = TransformerConfig {
+    vocab: 61,
+    d_model: 64,
+    n_layers: 2,
+    n_heads: 2,
+    d_ff: 96,
+    seq_len: 12,
+};
+/// Divisible by every world size used here (1, 2, 3, 4, 6).
+const BATCH: usize = 12;
+const LR: f64 = 1e-2;
+/// `(world, replicas)`: two and three replicas of groups of two and three, and replicas of one
+/// rank each (every unit whole on every rank: data parallelism).
+const MESHES: [(usize, usize); 4] = [(4, 2), (6, 3), (6, 2), (4, 4)];
+
+type Params = Vec<(String, Tensor)>;
+
+fn adamw() -> AdamW {
+    AdamW::new(AdamWConfig {
+        lr: LR,
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    })
+    .unwrap()
+}
+
+fn hsdp(replicas: usize, reduce: ReduceOp) -> FsdpOptions {
+    FsdpOptions {
+        replicas,
+        reduce,
+        ..FsdpOptions::default()
+    }
+}
+
+/// Two steps in which only rank `holder` backpropagates the batch (the others' losses are
+/// scaled by 0) and gradients are summed: the norm of each step's gradients, clipped to 0.5,
+/// and the parameters after, gathered.
+fn steps_with_one_holder<O: CheckpointState>(
+    c: &dyn Communicator,
+    params: &Params,
+    opt: O,
+    replicas: usize,
+    holder: usize,
+) -> ragged::Result<(Vec<u32>, HashMap<String, Vec<f32>>)> {
+    let mut m = fully_shard(params, opt, c, hsdp(replicas, ReduceOp::Sum))?;
+    let mut norms = Vec::new();
+    for step in 0..2 {
+        let ids = batch(corpus()?, &CFG, step, 0, 4)?;
+        let views = m.unshard()?;
+        let model = Transformer::new(
+            CFG,
+            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
+        )?;
+        let scale = if c.rank() == holder { 1.0 } else { 0.0 };
+        (model.loss(&ids)? * scale)?.backward()?;
+        m.reduce_gradients()?;
+        norms.push(m.clip_grad_norm(0.5)?.to_bits());
+        m.step()?;
+    }
+    Ok((norms, m.full_params()?))
+}
+
+fn bitwise_on_every_mesh<O: CheckpointState + Clone>(label: &str, opt: O) {
+    let params = CFG.init_params(4).unwrap();
+    let (norms, reference) =
+        steps_with_one_holder(&SingleRank, &params, opt.clone(), 1, 0).unwrap();
+    for (world, replicas) in MESHES {
+        let ranks = ThreadWorld::run(world, |c| {
+            steps_with_one_holder(c, &params, opt.clone(), replicas, world - 1)
+        })
+        .unwrap();
+        for (r, (n, full)) in ranks.iter().enumerate() {
+            let at = format!(
+                "{label}, {replicas} replicas of {}, rank {r}",
+                world / replicas
+            );
+            assert_eq!(n, &norms, "{at}: gradient norms");
+            for (name, want) in &reference {
+                let same = full[name]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{at}: {name} differs from the unsharded step");
+            }
+        }
+    }
+    println!("{label}: bitwise the unsharded steps on meshes {MESHES:?}");
+}
+
+/// Every optimizer's state is sharded by the shard group's plan, and Muon gathers its matrices
+/// (Shampoo its blocks) within that group: the steps are the unsharded ones, bit for bit.
+#[test]
+fn an_hsdp_step_is_bitwise_the_unsharded_step_for_every_optimizer() {
+    bitwise_on_every_mesh("adamw", adamw());
+    let adam8 = Adam8bitConfig {
+        adam: AdamWConfig {
+            lr: LR,
+            ..AdamWConfig::default()
+        },
+        ..Adam8bitConfig::default()
+    };
+    bitwise_on_every_mesh("adam8bit", Adam8bit::new(adam8).unwrap());
+    let muon = |layout| {
+        let cfg = MuonConfig {
+            lr: 0.02,
+            layout,
+            ..MuonConfig::default()
+        };
+        Muon::new(cfg).unwrap()
+    };
+    bitwise_on_every_mesh("muon (split matrices)", muon(MatrixLayout::Auto));
+    bitwise_on_every_mesh("muon (whole matrices)", muon(MatrixLayout::Whole));
+    let shampoo = ShampooConfig {
+        lr: LR,
+        epsilon: 1e-4,
+        max_preconditioner_dim: 32,
+        ..ShampooConfig::default()
+    };
+    bitwise_on_every_mesh("shampoo", Shampoo::new(shampoo).unwrap());
+}
+
+/// Trains `steps` with every rank on its own rows of the batch; returns the losses and the
+/// gathered parameters of every rank.
+fn train(
+    world: usize,
+    replicas: usize,
+    params: &Params,
+    steps: usize,
+) -> Vec<(Vec<f32>, HashMap<String, Vec<f32>>)> {
+    ThreadWorld::run(world, |c| {
+        let mut m = fully_shard(params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
+        let rows = BATCH / world;
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let ids = batch(corpus()?, &CFG, step, c.rank() * rows, rows)?;
+            let report = m.forward_backward(&TransformerStages(CFG), &ids)?;
+            m.step()?;
+            // Each rank's loss is its rows' mean: average over the world for the batch's.
+            let mut loss = [report.loss];
+            c.all_reduce((&mut loss[..]).into(), ReduceOp::Avg)?;
+            losses.push(loss[0]);
+        }
+        Ok((losses, m.full_params()?))
+    })
+    .unwrap()
+}
+
+/// Tolerance (as `fsdp_tests::sharded_training_matches_unsharded_within_tolerance`): the ranks'
+/// mean gradients are averaged in another order than the reference's one mean, so parameters
+/// part by rounding, at most ~lr per step where Adam normalizes a gradient at rounding level;
+/// lr/10 still fails a shard stepped with the wrong gradient.
+#[test]
+fn hsdp_training_tracks_the_unsharded_run_and_replicas_stay_identical() {
+    let params = CFG.init_params(7).unwrap();
+    let reference = train(1, 1, &params, 4).remove(0);
+    assert!(
+        reference.0[3] < reference.0[0],
+        "training must reduce the loss"
+    );
+    for (world, replicas) in MESHES {
+        let ranks = train(world, replicas, &params, 4);
+        let at = format!("{replicas} replicas of {}", world / replicas);
+        for (r, (_, full)) in ranks.iter().enumerate() {
+            let same = full.iter().all(|(n, x)| {
+                x.iter()
+                    .zip(&ranks[0].1[n])
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            });
+            assert!(same, "{at}: rank {r}'s parameters differ from rank 0's");
+        }
+        let (losses, full) = &ranks[0];
+        for (s, (a, b)) in losses.iter().zip(&reference.0).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "{at}, step {s}: loss {a} vs {b}"
+            );
+        }
+        let diff = full
+            .iter()
+            .flat_map(|(n, x)| x.iter().zip(&reference.1[n]).map(|(p, q)| (p - q).abs()))
+            .fold(0f32, f32::max);
+        println!("{at}: max |Δparam| after 4 steps = {diff:.3e}");
+        assert!(diff <= LR as f32 / 10.0, "{at}: {diff}");
+    }
+}
+
+/// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
+fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
+    let dir = ckpt_fs::resolve(root).unwrap();
+    let m = Manifest::read(&dir).unwrap();
+    m.fields
+        .iter()
+        .map(|f| {
+            (
+                (f.param.clone(), f.field.clone()),
+                read_global(&dir, &m, f).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Loads `from` on `world` ranks with `replicas`, saves to `to` (if given) and returns every
+/// rank's parameter digest.
+fn load_and_save(world: usize, replicas: usize, from: &Path, to: Option<&Path>) -> Vec<String> {
+    let params = CFG.init_params(11).unwrap();
+    ThreadWorld::run(world, |c| {
+        let mut m = fully_shard(&params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
+        m.load(from)?;
+        if let Some(to) = to {
+            m.save(to, &SaveOptions::default())?;
+        }
+        m.param_digest()
+    })
+    .unwrap()
+}
+
+/// Saved by 2 replicas of 2 ranks: the checkpoint is the shard group's (2 rank files, world 2,
+/// written by replica 0), and loads at 3 ranks and at 3 replicas of 2 with the same digest;
+/// saved again at 3 ranks, every array (parameters and AdamW's moments) is bitwise the same.
+#[test]
+fn an_hsdp_checkpoint_is_the_shard_groups_and_loads_at_any_world() {
+    let root = scratch("ragged-hsdp-tests", "checkpoint");
+    let (hsdp_root, plain_root) = (root.join("hsdp"), root.join("plain"));
+    let params = CFG.init_params(7).unwrap();
+    let saved = ThreadWorld::run(4, |c| {
+        let mut m = fully_shard(&params, adamw(), c, hsdp(2, ReduceOp::Avg))?;
+        for step in 0..2 {
+            let ids = batch(corpus()?, &CFG, step, c.rank() * 3, 3)?;
+            m.forward_backward(&TransformerStages(CFG), &ids)?;
+            m.step()?;
+        }
+        m.save(&hsdp_root, &SaveOptions::default())?;
+        m.param_digest()
+    })
+    .unwrap();
+    assert!(saved.iter().all(|d| d == &saved[0]));
+    let dir = ckpt_fs::resolve(&hsdp_root).unwrap();
+    let manifest = Manifest::read(&dir).unwrap();
+    assert_eq!(manifest.world, 2, "the shard group's world");
+    let files = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with("rank-")
+        })
+        .count();
+    assert_eq!(files, 2, "one file per rank of the shard group");
+    for d in load_and_save(3, 1, &hsdp_root, Some(&plain_root)) {
+        assert_eq!(d, saved[0], "loaded at 3 ranks");
+    }
+    for d in load_and_save(6, 3, &hsdp_root, None) {
+        assert_eq!(d, saved[0], "loaded by 3 replicas of 2");
+    }
+    let (a, b) = (saved_arrays(&hsdp_root), saved_arrays(&plain_root));
+    assert_eq!(a.len(), b.len());
+    for (key, bytes) in &a {
+        assert!(b[key] == *bytes, "{key:?} differs after a load at 3 ranks");
+    }
+    assert!(a.keys().any(|(_, f)| f == "m") && a.keys().any(|(_, f)| f == "v"));
+}
+
+/// A number of replicas that does not divide the world is refused on every rank, naming it.
+#[test]
+fn replicas_must_divide_the_world() {
+    let params = CFG.init_params(7).unwrap();
+    for replicas in [0, 4] {
+        let errors = ThreadWorld::run(6, |c| {
+            let m = fully_shard(&params, adamw(), c, hsdp(replicas, ReduceOp::Avg));
+            Ok(m.err().map(|e| e.to_string()))
+        })
+        .unwrap();
+        for e in errors {
+            let e = e.expect("refused");
+            assert!(
+                e.contains(&format!("replicas = {replicas} on a world of 6")),
+                "{e}"
+            );
+        }
+    }
+}
