@@ -46,6 +46,8 @@ const LR: f64 = 1e-2;
 const MESHES: [(usize, usize); 4] = [(4, 2), (6, 3), (6, 2), (4, 4)];
 
 type Params = Vec<(String, Tensor)>;
+/// Parameters by name, gathered (f32).
+type Full = HashMap<String, Vec<f32>>;
 
 fn adamw() -> AdamW {
     AdamW::new(AdamWConfig {
@@ -73,7 +75,7 @@ fn steps_with_one_holder<O: CheckpointState>(
     opt: O,
     replicas: usize,
     holder: usize,
-) -> ragged::Result<(Vec<u32>, HashMap<String, Vec<f32>>)> {
+) -> ragged::Result<(Vec<u32>, Full)> {
     let mut m = fully_shard(params, opt, c, hsdp(replicas, ReduceOp::Sum))?;
     let mut norms = Vec::new();
     for step in 0..2 {
@@ -158,7 +160,7 @@ fn train(
     replicas: usize,
     params: &Params,
     steps: usize,
-) -> Vec<(Vec<f32>, HashMap<String, Vec<f32>>)> {
+) -> Vec<(Vec<f32>, Full)> {
     ThreadWorld::run(world, |c| {
         let mut m = fully_shard(params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
         let rows = BATCH / world;

@@ -34,7 +34,7 @@ impl<'c> Mesh<'c> {
     /// splits). `Err` unless `replicas` divides the world size.
     pub(crate) fn new(world: &'c dyn Communicator, replicas: usize) -> Result<Mesh<'c>> {
         let v = world.world_size();
-        if replicas == 0 || !v.is_multiple_of(replicas) {
+        if replicas == 0 || v % replicas != 0 {
             return Err(Error::BadInput {
                 op: "fully_shard",
                 what: format!("FsdpOptions::replicas = {replicas} on a world of {v} ranks"),
