@@ -15,7 +15,11 @@
 //!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise;
 //! 4. a checkpoint the MPI ranks save (two AdamW steps of the demo transformer) loads on 2
 //!    thread ranks in each process with the parameters the MPI run ended with (digests equal),
-//!    and those equal a `V`-thread run's.
+//!    and those equal a `V`-thread run's;
+//! 5. groups split from the world (`Communicator::split`, ranks by parity) run every collective
+//!    as a thread world of their size does, and HSDP training (`FsdpOptions::replicas`, the
+//!    smallest divisor of `V` above 1) ends with the parameters of the same HSDP run on thread
+//!    ranks (digests equal).
 //!
 //! Exits with status 1 on any failure.
 //!
@@ -49,7 +53,7 @@ type Check = fn(&MpiComm) -> Result<Option<bool>>;
 /// What `--help` prints.
 const USAGE: &str = "\
 mpi_check: the MPI backend held to the thread backend (collectives, disagreeing ranks, sharded
-Muon, a checkpoint saved over MPI); run under mpirun, e.g.
+Muon, a checkpoint saved over MPI, groups and HSDP); run under mpirun, e.g.
   mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
 
 Usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]
@@ -91,7 +95,7 @@ fn main() -> ExitCode {
         Ok(None) => {}
         Err(e) => comm.abort_job(&e),
     }
-    let checks: [(&str, Check); 4] = [
+    let checks: [(&str, Check); 5] = [
         ("collectives equal the thread backend", collectives),
         ("disagreeing ranks all get an Err", disagreement),
         ("sharded Muon equals unsharded", sharded_muon),
@@ -99,6 +103,7 @@ fn main() -> ExitCode {
             "a checkpoint saved over MPI loads on thread ranks",
             checkpoint,
         ),
+        ("groups and HSDP equal the thread backend", groups_and_hsdp),
     ];
     let mut ok = true;
     for (what, check) in checks {
@@ -272,6 +277,37 @@ fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
     comm.barrier()?;
     Ok(Some(
         loaded.iter().all(|d| *d == mpi.digest) && threads[0].digest == mpi.digest,
+    ))
+}
+
+fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
+    let world = comm.world_size();
+    if world < 2 {
+        return Ok(None);
+    }
+    let group = comm.split(comm.rank() % 2)?;
+    let threads = ThreadWorld::run(group.world_size(), |c| exercise(c))?;
+    let same_collectives = exercise(&*group)? == threads[group.rank()];
+    drop(group);
+    let replicas = (2..=world)
+        .find(|r| world % r == 0)
+        .expect("world itself divides");
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(5)?;
+    let opts = FsdpOptions {
+        replicas,
+        ..FsdpOptions::default()
+    };
+    let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
+    let none = Checkpointing::default();
+    let adamw = || AdamW::new(AdamWConfig::default());
+    let mpi = train_rank_with(&params, adamw()?, comm, opts.clone(), job, &none, |_, _| {})?;
+    let threads = ThreadWorld::run(world, |c| {
+        train_rank_with(&params, adamw()?, c, opts.clone(), job, &none, |_, _| {})
+    })?;
+    comm.barrier()?;
+    Ok(Some(
+        same_collectives && threads.iter().all(|t| t.digest == mpi.digest),
     ))
 }
 

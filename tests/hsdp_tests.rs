@@ -155,12 +155,7 @@ fn an_hsdp_step_is_bitwise_the_unsharded_step_for_every_optimizer() {
 
 /// Trains `steps` with every rank on its own rows of the batch; returns the losses and the
 /// gathered parameters of every rank.
-fn train(
-    world: usize,
-    replicas: usize,
-    params: &Params,
-    steps: usize,
-) -> Vec<(Vec<f32>, Full)> {
+fn train(world: usize, replicas: usize, params: &Params, steps: usize) -> Vec<(Vec<f32>, Full)> {
     ThreadWorld::run(world, |c| {
         let mut m = fully_shard(params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
         let rows = BATCH / world;

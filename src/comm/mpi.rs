@@ -51,10 +51,10 @@
 //! dropped. Run under `mpirun -np V` (as root add `--allow-run-as-root`; more ranks than cores
 //! need `--oversubscribe`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use mpi::datatype::{Partition, PartitionMut, PartitionedBuffer, PartitionedBufferMut};
+use mpi::datatype::{PartitionMut, PartitionedBufferMut};
 use mpi::environment::Universe;
 use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
@@ -85,8 +85,18 @@ struct Inner {
     calls: u64,
     /// `RAGGED_MPI_TIMEOUT_S`, read once by [`MpiComm::init`]; `None`: no limit.
     timeout: Option<Duration>,
-    /// Finalizes MPI when dropped (after `world`).
-    _universe: Universe,
+    /// Finalizes MPI when the last holder drops it (after `world`): the world's communicator
+    /// and the groups split from it ([`Communicator::split`]) share it.
+    universe: Arc<Universe>,
+}
+
+/// Every MPI call of the process, whichever communicator makes it, holds this lock:
+/// `MPI_THREAD_SERIALIZED` allows one call at a time in the whole process, and a group's
+/// communicator has a mutex of its own.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// This process as one rank of `MPI_COMM_WORLD`.
@@ -138,7 +148,7 @@ impl MpiComm {
                 left: None,
                 calls: 0,
                 timeout,
-                _universe: universe,
+                universe: Arc::new(universe),
             }),
             rank,
             size,
@@ -170,6 +180,7 @@ impl MpiComm {
     /// verdict), and runs `data`, whose transfers wait within the same limit.
     fn collective(&self, post: Post, data: impl FnOnce(&Waiting<'_>) -> Result<()>) -> Result<()> {
         let op = post.op;
+        let _serial = serial();
         let mut inner = self
             .inner
             .lock()
@@ -238,6 +249,7 @@ impl Drop for MpiComm {
         }
         let at = inner.call_site(None, self.rank, self.size);
         let (rank, size) = (self.rank, self.size);
+        let _serial = serial();
         if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
             if !staying.is_empty() {
                 say(format!(
@@ -418,6 +430,9 @@ struct CallSite {
 /// point-to-point messages, so these cannot mix with the data.
 const ASK: i32 = 0x5247;
 const ANSWER: i32 = 0x5248;
+/// Tag of an all-to-all-v's messages ([`Waiting::all_to_all_v`]): between two ranks they
+/// arrive in the order sent, and every call's messages are received before the next call.
+const DATA: i32 = 0x5249;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
 fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
@@ -432,15 +447,24 @@ fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], 
 /// descriptors', so a rank stopped part way through a call is found too.
 fn wait_within<'a, D: ?Sized, S: Scope<'a>>(
     world: &SimpleCommunicator,
-    mut request: Request<'a, D, S>,
+    request: Request<'a, D, S>,
+    at: &CallSite,
+) {
+    wait_all_within(world, vec![request], at)
+}
+
+/// [`wait_within`] for several requests at once (an all-to-all-v's messages).
+fn wait_all_within<'a, D: ?Sized, S: Scope<'a>>(
+    world: &SimpleCommunicator,
+    mut pending: Vec<Request<'a, D, S>>,
     at: &CallSite,
 ) {
     let start = Instant::now();
     loop {
-        request = match request.test() {
-            Ok(_) => return,
-            Err(pending) => pending,
-        };
+        pending = pending.into_iter().filter_map(|r| r.test().err()).collect();
+        if pending.is_empty() {
+            return;
+        }
         answer_questions(world, at.call);
         let waited = start.elapsed();
         if at.timeout.is_some_and(|limit| waited >= limit) {
@@ -481,14 +505,52 @@ impl Waiting<'_> {
         })
     }
 
-    fn all_to_all_v(&self, send: &impl PartitionedBuffer, recv: &mut impl PartitionedBufferMut) {
-        let w = self.world;
+    /// An all-to-all with uneven counts, as point-to-point messages: `send` holds
+    /// `send_counts[j]` bytes for rank `j` and `recv` gets `recv_counts[j]` bytes from rank
+    /// `j`, both in rank order, back to back; the own segment is copied here. Not
+    /// `MPI_Ialltoallv`: Open MPI 4.1's nonblocking collectives complete a call whose counts
+    /// are all zero at once without taking its place in the sequence of the communicator's
+    /// nonblocking collectives, and the next one then never completes on any rank (a sharded
+    /// Muon step at `-np 4`, where one rank holds no matrix root, hung so in its second
+    /// all-to-all). A rank with nothing to send or receive posts nothing here.
+    fn all_to_all_v(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) {
+        let (w, me) = (self.world, self.at.rank);
+        let starts = |counts: &[usize]| -> Vec<usize> {
+            counts
+                .iter()
+                .scan(0, |at, &c| Some(std::mem::replace(at, *at + c)))
+                .collect()
+        };
+        let send_at = starts(send_counts);
+        let mut pieces = Vec::with_capacity(recv_counts.len());
+        let mut rest = recv;
+        for &n in recv_counts {
+            let (piece, tail) = rest.split_at_mut(n);
+            pieces.push(piece);
+            rest = tail;
+        }
+        pieces[me].copy_from_slice(&send[send_at[me]..send_at[me] + send_counts[me]]);
         mpi::request::scope(|s| {
-            wait_within(
-                w,
-                w.immediate_all_to_all_varcount_into(s, send, recv),
-                &self.at,
-            )
+            let mut requests = Vec::new();
+            for (j, piece) in pieces.into_iter().enumerate() {
+                if j != me && !piece.is_empty() {
+                    let from = w.process_at_rank(j as i32);
+                    requests.push(from.immediate_receive_into_with_tag(s, piece, DATA));
+                }
+            }
+            for (j, (&at, &n)) in send_at.iter().zip(send_counts).enumerate() {
+                if j != me && n > 0 {
+                    let to = w.process_at_rank(j as i32);
+                    requests.push(to.immediate_send_with_tag(s, &send[at..at + n], DATA));
+                }
+            }
+            wait_all_within(w, requests, &self.at)
         })
     }
 
@@ -650,18 +712,6 @@ fn counts(c: impl Iterator<Item = usize>) -> Vec<Count> {
     c.map(|x| x as Count).collect()
 }
 
-/// Displacements of consecutive runs of `counts`.
-fn displs(counts: &[Count]) -> Vec<Count> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let d = *at;
-            *at += c;
-            Some(d)
-        })
-        .collect()
-}
-
 /// Reduces `V` runs of `n` elements of `elem`, laid back to back in `runs` in rank order, into
 /// `dst` (the thread backend's reduction).
 fn reduce_runs(elem: ElemType, runs: &[u8], n: usize, dst: &mut [u8], op: ReduceOp) {
@@ -765,16 +815,12 @@ impl Communicator for MpiComm {
             let (v, r, es) = (self.size, self.rank, me.elem.size());
             let ranges: Vec<(usize, usize)> = (0..v).map(|k| part(me.len, v, k)).collect();
             // Phase 1: range r of every rank to rank r, reduced there in rank order.
-            let send_counts = counts(ranges.iter().map(|&(lo, hi)| (hi - lo) * es));
-            let send_displs = counts(ranges.iter().map(|&(lo, _)| lo * es));
+            let range_bytes: Vec<usize> = ranges.iter().map(|&(lo, hi)| (hi - lo) * es).collect();
             let n = ranges[r].1 - ranges[r].0;
-            let recv_counts = vec![(n * es) as Count; v];
-            let recv_displs = displs(&recv_counts);
             let mut runs = Scratch::new(v * n * es);
-            world.all_to_all_v(
-                &Partition::new(&bytes[..], &send_counts[..], &send_displs[..]),
-                &mut PartitionMut::new(runs.bytes_mut(), &recv_counts[..], &recv_displs[..]),
-            );
+            world.all_to_all_v(&bytes[..], &range_bytes, runs.bytes_mut(), &vec![n * es; v]);
+            let send_counts = counts(range_bytes.iter().copied());
+            let send_displs = counts(ranges.iter().map(|&(lo, _)| lo * es));
             let mut reduced = Scratch::new(n * es);
             reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
             // Phase 2: every range to every rank.
@@ -803,13 +849,8 @@ impl Communicator for MpiComm {
         let es = post.send.elem.size();
         let (send, recv) = (bytes_of(&send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
-            let sc = counts(send_counts.iter().map(|&c| c * es));
-            let rc = counts(recv_counts.iter().map(|&c| c * es));
-            let (sd, rd) = (displs(&sc), displs(&rc));
-            world.all_to_all_v(
-                &Partition::new(send, &sc[..], &sd[..]),
-                &mut PartitionMut::new(recv, &rc[..], &rd[..]),
-            );
+            let bytes = |c: &[usize]| -> Vec<usize> { c.iter().map(|&n| n * es).collect() };
+            world.all_to_all_v(send, &bytes(send_counts), recv, &bytes(recv_counts));
             Ok(())
         })
     }
@@ -830,5 +871,41 @@ impl Communicator for MpiComm {
     fn barrier(&self) -> Result<()> {
         // The descriptor exchange is itself a barrier (an all-gather every rank must join).
         self.collective(Post::new(Op::Barrier), |_| Ok(()))
+    }
+
+    /// `MPI_Comm_split`, after the colors went round as a checked collective (so a rank that
+    /// does not split is an `Err` or a named timeout, not a hang inside MPI). The group is a
+    /// communicator of this backend in every way (descriptor checks, waits within the limit,
+    /// the leaving exchange when dropped); MPI stays initialized until it and the world are
+    /// both dropped. A rank whose wait runs out asks only its group who else waits.
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+        let colors = super::all_colors(self, color)?;
+        let (members, rank) = super::group_of(&colors, self.rank);
+        // The group's lowest rank names it: a valid MPI color (non-negative, an `int`).
+        let leader = mpi::topology::Color::with_value(members[0] as i32);
+        let _serial = serial();
+        let inner = self
+            .inner
+            .lock()
+            .map_err(|_| self.err(Op::Barrier, "an earlier call panicked".into()))?;
+        let group = inner
+            .world
+            .split_by_color(leader)
+            .ok_or_else(|| Error::Comm {
+                op: "split",
+                rank: self.rank,
+                reason: "MPI_Comm_split gave no communicator for this rank's color".into(),
+            })?;
+        Ok(Box::new(MpiComm {
+            inner: Mutex::new(Inner {
+                world: group,
+                left: None,
+                calls: 0,
+                timeout: inner.timeout,
+                universe: Arc::clone(&inner.universe),
+            }),
+            rank,
+            size: members.len(),
+        }))
     }
 }
