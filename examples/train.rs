@@ -82,6 +82,11 @@ struct Args {
     /// sets the world size; given there, it must match it.
     #[arg(long)]
     ranks: Option<usize>,
+    /// HSDP: shard each unit over groups of ranks / R ranks and replicate it over the R groups
+    /// (gradient shards all-reduced between replicas); R must divide the ranks. 1: plain
+    /// FSDP. Thread ranks and MPI.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     /// Where the ranks and their collectives run (module doc).
     #[arg(long, value_enum, default_value_t = CommKind::Threads)]
     comm: CommKind,
@@ -246,8 +251,22 @@ fn check_args(args: &Args) -> Result<()> {
     at_least(OP, "--ranks", args.thread_ranks(), 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
     // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
+    at_least(OP, "--replicas", args.replicas, 1)?;
     if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
         even_share(OP, "--batch", args.batch, args.thread_ranks())?;
+        if args.thread_ranks() % args.replicas != 0 {
+            return Err(ragged::Error::BadInput {
+                op: OP,
+                what: format!(
+                    "--replicas {} with --ranks {}",
+                    args.replicas,
+                    args.thread_ranks()
+                ),
+                reason: "the replicas split the ranks into equal shard groups: R must divide \
+                         the ranks"
+                    .into(),
+            });
+        }
     }
     check_launched_ranks(args, launched_world(args))?;
     for (flag, given) in [
@@ -504,10 +523,14 @@ fn run<O: CheckpointState>(
         },
         reshard_after_forward: !args.keep_units,
         recompute: args.recompute,
+        replicas: args.replicas,
         ..FsdpOptions::default()
     };
     let world = launched_world(args);
-    let ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
+    let mut ranks = world.map_or("launcher-set".to_string(), |(v, _)| v.to_string());
+    if args.replicas > 1 {
+        ranks = format!("{ranks} (HSDP: {} replicas)", args.replicas);
+    }
     if world.is_none_or(|(_, rank)| rank == 0) {
         ragged::outln!(
             "model: {n_params} parameters; {ranks} ranks, {:?} layout, {:?} lr {lr_text}, \
