@@ -21,7 +21,7 @@ use ragged::checkpoint::{fs as ckpt_fs, CheckpointState, Manifest, SaveOptions};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, ReduceOp, SingleRank};
 use ragged::demo::{batch, corpus, Transformer, TransformerConfig, TransformerStages};
-use ragged::fsdp::{fully_shard, FsdpOptions};
+use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
     ShampooConfig,
@@ -155,9 +155,9 @@ fn an_hsdp_step_is_bitwise_the_unsharded_step_for_every_optimizer() {
 
 /// Trains `steps` with every rank on its own rows of the batch; returns the losses and the
 /// gathered parameters of every rank.
-fn train(world: usize, replicas: usize, params: &Params, steps: usize) -> Vec<(Vec<f32>, Full)> {
+fn train(world: usize, opts: FsdpOptions, params: &Params, steps: usize) -> Vec<(Vec<f32>, Full)> {
     ThreadWorld::run(world, |c| {
-        let mut m = fully_shard(params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
+        let mut m = fully_shard(params, adamw(), c, opts.clone())?;
         let rows = BATCH / world;
         let mut losses = Vec::new();
         for step in 0..steps {
@@ -181,22 +181,15 @@ fn train(world: usize, replicas: usize, params: &Params, steps: usize) -> Vec<(V
 #[test]
 fn hsdp_training_tracks_the_unsharded_run_and_replicas_stay_identical() {
     let params = CFG.init_params(7).unwrap();
-    let reference = train(1, 1, &params, 4).remove(0);
+    let reference = train(1, hsdp(1, ReduceOp::Avg), &params, 4).remove(0);
     assert!(
         reference.0[3] < reference.0[0],
         "training must reduce the loss"
     );
     for (world, replicas) in MESHES {
-        let ranks = train(world, replicas, &params, 4);
+        let ranks = train(world, hsdp(replicas, ReduceOp::Avg), &params, 4);
         let at = format!("{replicas} replicas of {}", world / replicas);
-        for (r, (_, full)) in ranks.iter().enumerate() {
-            let same = full.iter().all(|(n, x)| {
-                x.iter()
-                    .zip(&ranks[0].1[n])
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-            });
-            assert!(same, "{at}: rank {r}'s parameters differ from rank 0's");
-        }
+        assert_ranks_agree(&ranks, &at);
         let (losses, full) = &ranks[0];
         for (s, (a, b)) in losses.iter().zip(&reference.0).enumerate() {
             assert!(
@@ -210,6 +203,56 @@ fn hsdp_training_tracks_the_unsharded_run_and_replicas_stay_identical() {
             .fold(0f32, f32::max);
         println!("{at}: max |Δparam| after 4 steps = {diff:.3e}");
         assert!(diff <= LR as f32 / 10.0, "{at}: {diff}");
+    }
+}
+
+/// Every rank holds bitwise rank 0's parameters.
+fn assert_ranks_agree(ranks: &[(Vec<f32>, Full)], at: &str) {
+    for (r, (_, full)) in ranks.iter().enumerate() {
+        assert!(
+            same_bits(full, &ranks[0].1),
+            "{at}: rank {r}'s parameters differ from rank 0's"
+        );
+    }
+}
+
+fn same_bits(a: &Full, b: &Full) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .all(|(n, x)| x.iter().zip(&b[n]).all(|(p, q)| p.to_bits() == q.to_bits()))
+}
+
+/// The FSDP2-style layout under HSDP trains bitwise as the ragged one (both reduce in rank
+/// order, AdamW is element-wise); bf16 parameters and reductions keep the replicas bitwise
+/// identical and track the unsharded bf16 run within the loss tolerance of
+/// `fsdp_tests::bf16_mixed_precision_keeps_layouts_bitwise_and_tracks_unsharded` (2 %).
+#[test]
+fn the_fsdp2_layout_and_bf16_reductions_run_under_hsdp() {
+    let params = CFG.init_params(7).unwrap();
+    let ragged = train(4, hsdp(2, ReduceOp::Avg), &params, 3);
+    let fsdp2 = FsdpOptions {
+        layout: ShardLayout::Fsdp2,
+        ..hsdp(2, ReduceOp::Avg)
+    };
+    let fsdp2 = train(4, fsdp2, &params, 3);
+    for (r, (a, b)) in ragged.iter().zip(&fsdp2).enumerate() {
+        assert!(same_bits(&a.1, &b.1), "rank {r}: the layouts differ");
+    }
+    let bf16 = |replicas| FsdpOptions {
+        mixed_precision: MixedPrecision {
+            param_dtype: DType::BF16,
+            reduce_dtype: DType::BF16,
+        },
+        ..hsdp(replicas, ReduceOp::Avg)
+    };
+    let reference = train(1, bf16(1), &params, 3).remove(0);
+    let ranks = train(4, bf16(2), &params, 3);
+    assert_ranks_agree(&ranks, "bf16, 2 replicas of 2");
+    for (s, (a, b)) in ranks[0].0.iter().zip(&reference.0).enumerate() {
+        assert!(
+            (a - b).abs() <= 0.02 * b.abs(),
+            "bf16 step {s}: loss {a} vs {b}"
+        );
     }
 }
 
