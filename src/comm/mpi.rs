@@ -51,6 +51,7 @@
 //! dropped. Run under `mpirun -np V` (as root add `--allow-run-as-root`; more ranks than cores
 //! need `--oversubscribe`).
 
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -77,7 +78,8 @@ pub const ANSWER_GRACE: Duration = Duration::from_secs(2);
 
 /// MPI's world, held by one process.
 struct Inner {
-    world: SimpleCommunicator,
+    /// Freed (`MPI_Comm_free` for a group) by the drop, under the process's call lock.
+    world: ManuallyDrop<SimpleCommunicator>,
     /// A rank that left the world while this one called a collective: every later call fails
     /// at once, and the drop posts nothing more (that rank waits in `MPI_Finalize`).
     left: Option<usize>,
@@ -87,7 +89,7 @@ struct Inner {
     timeout: Option<Duration>,
     /// Finalizes MPI when the last holder drops it (after `world`): the world's communicator
     /// and the groups split from it ([`Communicator::split`]) share it.
-    universe: Arc<Universe>,
+    universe: Option<Arc<Universe>>,
 }
 
 /// Every MPI call of the process, whichever communicator makes it, holds this lock:
@@ -144,11 +146,11 @@ impl MpiComm {
         abort_job_on_panic(rank, size);
         Ok(MpiComm {
             inner: Mutex::new(Inner {
-                world,
+                world: ManuallyDrop::new(world),
                 left: None,
                 calls: 0,
                 timeout,
-                universe: Arc::new(universe),
+                universe: Some(Arc::new(universe)),
             }),
             rank,
             size,
@@ -239,27 +241,30 @@ impl Drop for MpiComm {
     /// Posts this rank's leaving descriptor before MPI is finalized. At a normal end it meets
     /// every other rank's; a rank that still calls collectives gets an `Err` naming this one
     /// instead of waiting for it for ever, and this rank ends the job (module doc).
+    /// Then frees the communicator and, with the last holder, finalizes MPI: every MPI call
+    /// under the process's call lock.
     fn drop(&mut self) {
+        let (rank, size) = (self.rank, self.size);
+        let _serial = serial();
         let inner = self
             .inner
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if inner.left.is_some() {
-            return;
-        }
-        let at = inner.call_site(None, self.rank, self.size);
-        let (rank, size) = (self.rank, self.size);
-        let _serial = serial();
-        if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
-            if !staying.is_empty() {
-                say(format!(
-                    "rank {} of {} left the world while ranks {staying:?} still called \
-                     collectives; aborting the MPI job",
-                    rank, size
-                ));
-                abort_world(1)
+        if inner.left.is_none() {
+            let at = inner.call_site(None, rank, size);
+            if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
+                if !staying.is_empty() {
+                    say(format!(
+                        "rank {rank} of {size} left the world while ranks {staying:?} still \
+                         called collectives; aborting the MPI job"
+                    ));
+                    abort_world(1)
+                }
             }
         }
+        // SAFETY: `world` is dropped once, here, and not used after: `self` is being dropped.
+        unsafe { ManuallyDrop::drop(&mut inner.world) };
+        inner.universe.take();
     }
 }
 
@@ -898,11 +903,11 @@ impl Communicator for MpiComm {
             })?;
         Ok(Box::new(MpiComm {
             inner: Mutex::new(Inner {
-                world: group,
+                world: ManuallyDrop::new(group),
                 left: None,
                 calls: 0,
                 timeout: inner.timeout,
-                universe: Arc::clone(&inner.universe),
+                universe: inner.universe.clone(),
             }),
             rank,
             size: members.len(),

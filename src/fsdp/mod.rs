@@ -1220,7 +1220,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
     /// Whether a collectives thread can hide anything: not at world 1 on a device
     /// ([`Self::overlaps`]).
     fn overlap_possible(&self) -> bool {
-        self.mesh.shard().world_size() > 1 || self.mesh.replicas() > 1 || self.placement().is_cpu()
+        self.mesh.world().world_size() > 1 || self.placement().is_cpu()
     }
 
     /// The index of unit `name` (its group of buffers).
