@@ -19,7 +19,8 @@ pub struct ParamRow {
     pub role: Role,
     /// The block it was planned with.
     pub block: AtomicBlock,
-    /// The ranks that hold elements of it, ascending: one rank when it is whole there.
+    /// The ranks that hold elements of it, ascending: one rank when it is whole there (under
+    /// HSDP, ranks of a shard group: each replica holds it alike).
     pub ranks: Vec<usize>,
 }
 

@@ -72,11 +72,6 @@ impl<'c> Mesh<'c> {
         }
     }
 
-    /// Replicas of this rank's shards (this rank among them), 1 without HSDP.
-    pub(crate) fn replicas(&self) -> usize {
-        self.groups.as_ref().map_or(1, |g| g.replicas.world_size())
-    }
-
     /// This rank's replica, `0..replicas()`: replica 0 writes checkpoints.
     pub(crate) fn replica(&self) -> usize {
         self.groups.as_ref().map_or(0, |g| g.replicas.rank())
