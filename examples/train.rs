@@ -84,7 +84,7 @@ struct Args {
     ranks: Option<usize>,
     /// HSDP: shard each unit over groups of ranks / R ranks and replicate it over the R groups
     /// (gradient shards all-reduced between replicas); R must divide the ranks. 1: plain
-    /// FSDP. Thread ranks and MPI.
+    /// FSDP.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
     /// Where the ranks and their collectives run (module doc).

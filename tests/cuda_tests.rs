@@ -546,6 +546,54 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
     }
 }
 
+/// Groups split from thread ranks on one GPU (each a thread world of its own on the device) and
+/// from NCCL ranks of one process (`ncclCommSplit`) run their collectives as worlds of their
+/// own: the GPU thread ranks' groups (`rank / 2` of 4) bitwise the CPU thread backend's on
+/// host and device buffers; NCCL's (ranks by parity) against a CPU thread world of the group's
+/// size, moves bitwise and sums within 1e-6 (as `nccl_ranks_of_one_process_match_…`).
+#[test]
+fn groups_split_from_gpu_thread_ranks_and_nccl_are_worlds_of_their_own() {
+    use ragged::comm::threads::ThreadWorld;
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    let cpu = ThreadWorld::run(2, |c| exercise(c)).unwrap();
+    let gpu = ThreadDeviceComm::run(Arc::new(dev), 4, |c| {
+        let g = c.split(c.rank() / 2)?;
+        let on_device = exercise(&ViaDevice::new(&*g, c.device()))?;
+        Ok((g.rank(), on_device, exercise(&*g)?))
+    })
+    .unwrap();
+    for (r, (rank, on_device, on_host)) in gpu.iter().enumerate() {
+        assert_eq!(*rank, r % 2);
+        assert_eq!(
+            on_device,
+            &cpu[r % 2],
+            "rank {r}: a group on device buffers"
+        );
+        assert_eq!(on_host, &cpu[r % 2], "rank {r}: a group on host buffers");
+    }
+    let Some(comms) = nccl_ranks_of_one_process() else {
+        return;
+    };
+    let groups = on_each_thread(&comms, |_, c| c.split(c.rank() % 2).unwrap());
+    let got = on_each_thread(&groups, |_, g| moves_and_sums(&**g).unwrap());
+    for (r, (g, (moves, sums))) in groups.iter().zip(&got).enumerate() {
+        assert_eq!(
+            (g.rank(), g.world_size()),
+            (r / 2, comms.len().div_ceil(2) - r % 2)
+        );
+        let want = ThreadWorld::run(g.world_size(), |c| moves_and_sums(c)).unwrap();
+        let (want_moves, want_sums) = &want[g.rank()];
+        assert_eq!(moves, want_moves, "rank {r}: an NCCL group's moves");
+        for (a, b) in sums.iter().flatten().zip(want_sums.iter().flatten()) {
+            assert!(
+                (a - b).abs() <= 1e-6,
+                "rank {r}: an NCCL group's sums: {a} vs {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
     use ragged::cuda::threads::ThreadDeviceComm;

@@ -338,14 +338,16 @@ pub trait Communicator: Send + Sync {
     /// after which the ranks that passed the same `color` form one new world of their own,
     /// ranked in their order here. The new communicator's collectives involve its group only,
     /// and run as zero-copy as this backend's own. HSDP ([`crate::fsdp::FsdpOptions::replicas`])
-    /// splits the world into shard groups and replica groups this way. This default refuses:
-    /// the backend has no groups.
-    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+    /// splits the world into shard groups and replica groups this way. Thread ranks (host and
+    /// GPU), MPI (`MPI_Comm_split`), NCCL (`ncclCommSplit`) and one rank implement it; this
+    /// default refuses.
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
         let _ = color;
         Err(crate::Error::BadInput {
             op: "Communicator::split",
             what: format!("a world of {} ranks", self.world_size()),
-            reason: "this communicator cannot form groups (thread ranks, MPI and one rank can)"
+            reason: "this communicator cannot form groups (every backend of ragged's can: a \
+                     communicator of another crate implements `split` to)"
                 .into(),
         })
     }

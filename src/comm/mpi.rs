@@ -883,7 +883,7 @@ impl Communicator for MpiComm {
     /// communicator of this backend in every way (descriptor checks, waits within the limit,
     /// the leaving exchange when dropped); MPI stays initialized until it and the world are
     /// both dropped. A rank whose wait runs out asks only its group who else waits.
-    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
         let colors = super::all_colors(self, color)?;
         let (members, rank) = super::group_of(&colors, self.rank);
         // The group's lowest rank names it: a valid MPI color (non-negative, an `int`).

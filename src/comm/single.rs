@@ -58,7 +58,7 @@ impl Communicator for SingleRank {
     fn all_reduce(&self, _buf: BufMut<'_>, _op: ReduceOp) -> Result<()> {
         Ok(())
     }
-    fn split(&self, _color: usize) -> Result<Box<dyn Communicator>> {
+    fn split(&self, _color: usize) -> Result<Box<dyn Communicator + '_>> {
         Ok(Box::new(SingleRank))
     }
     fn all_to_all_v(

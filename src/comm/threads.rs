@@ -966,7 +966,7 @@ impl Communicator for ThreadComm {
         Some(self.peer_wait_ns.load(Ordering::Relaxed) as f64 * 1e-9)
     }
 
-    fn split(&self, color: usize) -> Result<Box<dyn Communicator>> {
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
         Ok(Box::new(self.split_world(color)?))
     }
 

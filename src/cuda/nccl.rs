@@ -394,6 +394,55 @@ impl NcclComm {
     }
 }
 
+impl NcclComm {
+    /// [`Communicator::split`] over NCCL (`ncclCommSplit`, NCCL 2.18 or later): the colors
+    /// go round first as a collective of this communicator, waited for within its timeout,
+    /// so a rank that does not split is an `Err` there rather than a wait without limit in
+    /// NCCL's split. The group's ranks keep their order, device and timeout.
+    fn split_comm(&self, color: usize) -> Result<NcclComm> {
+        const OP: &str = "NcclComm::split";
+        let colors = crate::comm::all_colors(self, color)?;
+        let (members, rank) = crate::comm::group_of(&colors, self.rank);
+        let handle = self.handle.lock().map_err(|_| Error::Comm {
+            op: OP,
+            rank: self.rank,
+            reason: "an earlier NCCL call panicked".into(),
+        })?;
+        if handle.0.is_null() {
+            return Err(Error::Comm {
+                op: OP,
+                rank: self.rank,
+                reason: "the communicator was aborted after an earlier failure".into(),
+            });
+        }
+        guarded(OP, || self.dev.context().bind_to_thread())?;
+        // The group's lowest rank names it; this rank's order in the parent keeps its place.
+        let int = |x: usize| {
+            i32::try_from(x).map_err(|_| Error::BadInput {
+                op: OP,
+                what: format!("rank {x}"),
+                reason: "past NCCL's int ranks".into(),
+            })
+        };
+        let (leader, key) = (int(members[0])?, int(self.rank)?);
+        let mut group: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live communicator (its lock held), a valid out pointer written on success,
+        // and a null config (NCCL's defaults, the parent's settings).
+        guarded(OP, || {
+            named(unsafe {
+                sys::ncclCommSplit(handle.0, leader, key, &mut group, std::ptr::null_mut()).result()
+            })
+        })?;
+        Ok(NcclComm {
+            handle: Mutex::new(Handle(group)),
+            dev: Arc::clone(&self.dev),
+            rank,
+            world: members.len(),
+            timeout: self.timeout,
+        })
+    }
+}
+
 /// The device collectives (the trait's methods below stage host buffers into these).
 impl NcclComm {
     /// The device this rank's buffers live on (its stream orders the collectives).
@@ -625,6 +674,10 @@ impl Communicator for NcclComm {
 
     fn barrier(&self) -> Result<()> {
         self.barrier_dev()
+    }
+
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
+        Ok(Box::new(self.split_comm(color)?))
     }
 
     /// Device buffers: one out-of-place `ncclReduceScatter`, nothing staged; host buffers as

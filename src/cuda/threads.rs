@@ -321,4 +321,12 @@ impl Communicator for ThreadDeviceComm {
             _ => self.host.reduce_scatter(send, recv, op),
         }
     }
+
+    /// Each group is a thread world of its own on the same device.
+    fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
+        Ok(Box::new(ThreadDeviceComm {
+            host: self.host.split_world(color)?,
+            dev: Arc::clone(&self.dev),
+        }))
+    }
 }

@@ -20,13 +20,13 @@ use crate::{Error, Result};
 /// The communicators of one rank of a sharded model.
 pub(crate) struct Mesh<'c> {
     world: &'c dyn Communicator,
-    groups: Option<Groups>,
+    groups: Option<Groups<'c>>,
 }
 
-/// HSDP's two groups of this rank.
-struct Groups {
-    shard: Box<dyn Communicator>,
-    replicas: Box<dyn Communicator>,
+/// HSDP's two groups of this rank (split from the world, so they may borrow it).
+struct Groups<'c> {
+    shard: Box<dyn Communicator + 'c>,
+    replicas: Box<dyn Communicator + 'c>,
 }
 
 impl<'c> Mesh<'c> {

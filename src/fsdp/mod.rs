@@ -222,8 +222,8 @@ pub struct FsdpOptions {
     /// over groups of `V / R` consecutive ranks and replicated over the `R` groups; reduced
     /// gradient shards are all-reduced over the replicas, so gathers and reduce-scatters stay
     /// within a group (a node) and only shard-sized traffic crosses groups. `R` must divide the
-    /// world size; 1 (default): every unit sharded over the whole world. Needs a communicator
-    /// that can form groups ([`Communicator::split`]: thread ranks, MPI).
+    /// world size; 1 (default): every unit sharded over the whole world. The groups come from
+    /// [`Communicator::split`] (every backend of ragged's).
     pub replicas: usize,
 }
 

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -345,6 +346,48 @@ ncclResult_t ncclCommInitAll(void** comms, int ndev, const int* devlist) {
     w->n = ndev;
     w->joined = ndev;
     for (int i = 0; i < ndev; ++i) comms[i] = new Comm{w, i, devlist ? devlist[i] : i, 0};
+    return ncclSuccess;
+}
+
+// Every rank of `comm` calls it (a collective): ranks of one color form a new communicator,
+// ranked by key, then by rank in `comm`; NCCL_SPLIT_NOCOLOR (-1) gets none. `config` is
+// ignored (NCCL's defaults).
+ncclResult_t ncclCommSplit(void* comm, int color, int key, void** newcomm, void*) {
+    const char* call = "ncclCommSplit";
+    Comm* c = (Comm*)comm;
+    const long seq = c->next_round;
+    const int mine_ck[2] = {color, key};
+    Round mine{"ncclCommSplit", 2, 0, 0, 0, {}, 0, 0};
+    std::vector<Bytes> all;
+    if (ncclResult_t r = meet(call, c, mine, copy_of(mine_ck, sizeof mine_ck), &all)) return r;
+    *newcomm = nullptr;
+    if (color == -1) return ncclSuccess;
+    std::vector<std::pair<std::pair<int, int>, int>> members;  // ((key, rank), rank)
+    for (size_t q = 0; q < all.size(); ++q) {
+        int ck[2];
+        memcpy(ck, all[q]->data(), sizeof ck);
+        if (ck[0] == color) members.push_back({{ck[1], (int)q}, (int)q});
+    }
+    std::sort(members.begin(), members.end());
+    int rank = 0;
+    while (members[rank].second != c->rank) ++rank;
+    // One world per (communicator, split, color), made by the first of its ranks to get here.
+    char name[128];
+    snprintf(name, sizeof name, "split %p %ld %d", (void*)c->world.get(), seq, color);
+    std::shared_ptr<World> w;
+    {
+        std::lock_guard<std::mutex> g(worlds_lock);
+        auto& slot = worlds_by_id[std::string(name)];
+        if (!slot) {
+            slot = std::make_shared<World>();
+            slot->n = (int)members.size();
+            slot->joined = slot->n;
+            slot->devices.assign(slot->n, -1);
+        }
+        w = slot;
+        w->devices[rank] = c->device;
+    }
+    *newcomm = new Comm{w, rank, c->device, 0};
     return ncclSuccess;
 }
 
