@@ -575,15 +575,14 @@ fn groups_split_from_gpu_thread_ranks_and_nccl_are_worlds_of_their_own() {
     let Some(comms) = nccl_ranks_of_one_process() else {
         return;
     };
-    let groups = on_each_thread(&comms, |_, c| c.split(c.rank() % 2).unwrap());
-    let got = on_each_thread(&groups, |_, g| moves_and_sums(&**g).unwrap());
-    for (r, (g, (moves, sums))) in groups.iter().zip(&got).enumerate() {
-        assert_eq!(
-            (g.rank(), g.world_size()),
-            (r / 2, comms.len().div_ceil(2) - r % 2)
-        );
-        let want = ThreadWorld::run(g.world_size(), |c| moves_and_sums(c)).unwrap();
-        let (want_moves, want_sums) = &want[g.rank()];
+    let got = on_each_thread(&comms, |_, c| {
+        let g = c.split(c.rank() % 2).unwrap();
+        (g.rank(), g.world_size(), moves_and_sums(&*g).unwrap())
+    });
+    for (r, (rank, size, (moves, sums))) in got.iter().enumerate() {
+        assert_eq!((*rank, *size), (r / 2, comms.len().div_ceil(2) - r % 2));
+        let want = ThreadWorld::run(*size, |c| moves_and_sums(c)).unwrap();
+        let (want_moves, want_sums) = &want[*rank];
         assert_eq!(moves, want_moves, "rank {r}: an NCCL group's moves");
         for (a, b) in sums.iter().flatten().zip(want_sums.iter().flatten()) {
             assert!(
