@@ -3,7 +3,7 @@
 //!
 //! # Same results as the thread backend, bit for bit
 //! MPI only moves bytes here; every reduction runs locally in rank order with the thread
-//! backend's code ([`super::protocol`]): reduce-scatter is an all-to-all of the slices and a
+//! backend's code (`comm::protocol`): reduce-scatter is an all-to-all of the slices and a
 //! local reduction of the rank's own; all-reduce splits the buffer into `V` ranges as the thread
 //! backend does, reduces range `r` on rank `r` (all-to-all-v) and all-gathers the ranges. So a
 //! sharded step over MPI equals the same step on thread ranks, and the unsharded reference,
@@ -12,7 +12,7 @@
 //! # Disagreeing ranks get an `Err`, not a hang
 //! Before moving data, every call all-gathers a small descriptor of each rank's arguments
 //! (collective, element types, lengths, reduce op, root, and for all-to-all-v the counts) and
-//! runs the thread backend's [`validate`] on the table, plus the byte limits of MPI's `int`
+//! runs the thread backend's `validate` on the table, plus the byte limits of MPI's `int`
 //! counts. Every rank reaches the same verdict, so either all move data or all return the same
 //! `Err`.
 //!
@@ -44,6 +44,13 @@
 //! (`PMIx_server_finalize`, status 139) or hang for good, deaf to `SIGTERM`, when one process
 //! finalizes while the others abort: 2 of 150 runs of `mpi_check --fail-how leave` did (one
 //! crash, one hang) before. Once one rank left, the job cannot go on anyway.
+//!
+//! # Groups
+//! [`Communicator::split`] makes a communicator of this backend over a group of ranks
+//! (`MPI_Comm_split`, after the colors went round as a checked collective): the same descriptor
+//! checks, waits within the limit and leaving exchange, on the group only. Every MPI call of
+//! the process, whichever communicator makes it, holds one lock (`MPI_THREAD_SERIALIZED`), and
+//! MPI is finalized when the world and every group are dropped.
 //!
 //! # Start-up
 //! [`MpiComm::init`] initializes MPI once per process (`MPI_THREAD_SERIALIZED`: calls come from
@@ -889,10 +896,11 @@ impl Communicator for MpiComm {
         // The group's lowest rank names it: a valid MPI color (non-negative, an `int`).
         let leader = mpi::topology::Color::with_value(members[0] as i32);
         let _serial = serial();
-        let inner = self
-            .inner
-            .lock()
-            .map_err(|_| self.err(Op::Barrier, "an earlier call panicked".into()))?;
+        let inner = self.inner.lock().map_err(|_| Error::Comm {
+            op: "split",
+            rank: self.rank,
+            reason: "an earlier call panicked".into(),
+        })?;
         let group = inner
             .world
             .split_by_color(leader)
