@@ -1225,3 +1225,33 @@ fn a_split_is_a_collective_of_the_whole_world() {
         .split(7)
         .is_ok_and(|g| g.world_size() == 1));
 }
+
+/// A rank that leaves a group (dropping it, as a sharded model's HSDP groups drop when its
+/// closure ends) and then returns `Err` is the cause `ThreadWorld::run` reports, though the
+/// group's other member fails at once and returns first; that member's error names the group
+/// (ranks numbered within it) and reports the rank it is in the world.
+#[test]
+fn the_rank_that_left_a_group_first_is_the_failure_run_reports() {
+    let out = within(GENEROUS, || {
+        ThreadWorld::run(4, |c| {
+            let g = c.split(c.rank() % 2)?;
+            if c.rank() == 3 {
+                drop(g);
+                thread::sleep(Duration::from_millis(300));
+                return Err(Error::Msg("rank 3's own failure".into()));
+            }
+            let mut buf = vec![0u8; 2];
+            let r = g.all_gather_in_place(BufMut::U8(&mut buf));
+            if c.rank() == 1 {
+                let e = r.expect_err("group rank 1 (rank 3) left");
+                let text = e.to_string();
+                assert!(matches!(e, Error::Comm { rank: 1, .. }), "{text}");
+                assert!(text.contains("in the group of ranks [1, 3]"), "{text}");
+                return Err(e);
+            }
+            r
+        })
+    });
+    let err = out.expect_err("rank 3 failed").to_string();
+    assert!(err.contains("rank 3's own failure"), "{err}");
+}

@@ -350,3 +350,31 @@ fn replicas_must_divide_the_world() {
         }
     }
 }
+
+/// A rank that fails mid-run under HSDP ends the job promptly through `ThreadWorld::run`: its
+/// shard group fails at the next gather, the other replicas at the next replica all-reduce (or
+/// when a rank of their group leaves), and `run` returns the failing rank's error.
+#[test]
+fn a_rank_failing_under_hsdp_ends_every_rank_promptly() {
+    let params = CFG.init_params(7).unwrap();
+    let start = std::time::Instant::now();
+    let out = ThreadWorld::run(4, |c| {
+        let mut m = fully_shard(&params, adamw(), c, hsdp(2, ReduceOp::Avg))?;
+        for step in 0..20 {
+            if c.rank() == 3 && step == 1 {
+                return Err(ragged::Error::Msg("rank 3 fails on purpose".into()));
+            }
+            let ids = batch(corpus()?, &CFG, step, c.rank() * 3, 3)?;
+            m.forward_backward(&TransformerStages(CFG), &ids)?;
+            m.step()?;
+        }
+        Ok(())
+    });
+    let err = out.expect_err("rank 3 failed").to_string();
+    assert!(err.contains("on purpose"), "{err}");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+}

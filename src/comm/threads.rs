@@ -51,7 +51,14 @@
 //! `run` owns the communicators and takes each rank out of the world right after its closure
 //! ends, so the others fail at once, never at the timeout. `run` then returns the `Err` of the
 //! rank that failed first (a panic becomes an [`Error::Comm`] with the panic's message), not a
-//! panic. The guarantees, per way a rank can fail:
+//! panic; a rank whose closure left a group ([`Communicator::split`]) before it failed counts
+//! from that moment, since the group's other members fail at once.
+//!
+//! # Groups
+//! A split makes each group a thread world of its own (`split_world`): the same protocol, the
+//! parent's timeout. Its errors report the rank as a rank of the world it was split from at the
+//! top, and say which group they speak of (`(in the group of ranks [1, 3], numbered from 0
+//! there)`): the ranks the reason names are numbered within the group. The guarantees, per way a rank can fail:
 //!
 //! | the failing rank | every other rank, in its pending or next collective |
 //! |---|---|
@@ -152,7 +159,7 @@ impl ThreadWorld {
                 reason: "every rendezvous would time out before the others arrive".into(),
             });
         }
-        let world = World::new(n, timeout);
+        let world = World::new(n, timeout, None);
         Ok((0..n)
             .map(|rank| ThreadComm {
                 rank,
@@ -191,6 +198,9 @@ struct World {
     /// Worlds being handed out by a split: the group leader (the lowest rank of a group) puts
     /// its group's new world at its own index, and the other members clone it from there.
     splits: Mutex<Vec<Option<Arc<World>>>>,
+    /// A group's members as ranks of the world it was split from at the top (`None` there):
+    /// errors name this rank by that number and say which group they speak of.
+    group: Option<Vec<usize>>,
 }
 
 struct State {
@@ -214,7 +224,7 @@ struct State {
 }
 
 impl World {
-    fn new(n: usize, timeout: Duration) -> Arc<World> {
+    fn new(n: usize, timeout: Duration, group: Option<Vec<usize>>) -> Arc<World> {
         Arc::new(World {
             size: n,
             timeout,
@@ -228,6 +238,7 @@ impl World {
             }),
             cv: Condvar::new(),
             splits: Mutex::new(vec![None; n]),
+            group,
         })
     }
 
@@ -272,8 +283,8 @@ pub(crate) fn run_ranks<C: Member, T: Send>(
 ) -> Result<Vec<T>> {
     // The world's size was checked against MAX_THREAD_RANKS where it was made (`with_timeout`).
     let f = &f;
-    // Ranks whose closure failed, in the order they failed: a rank's failure is recorded before
-    // it leaves the world, so before any failure that its leaving causes on the others.
+    // Ranks whose closure failed, with when ([`LEAVES`]): a rank's failure takes its place before
+    // it leaves the world or any group, so before any failure that its leaving causes.
     let failed = Mutex::new(Vec::new());
     let failed_ref = &failed;
     let mut not_started = None;
@@ -317,8 +328,9 @@ pub(crate) fn run_ranks<C: Member, T: Send>(
     let first = failed
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .first()
-        .copied();
+        .iter()
+        .min()
+        .map(|&(_, rank)| rank);
     first_failure(results, first)
 }
 
@@ -329,8 +341,9 @@ fn run_rank<C: Member, T>(
     rank: usize,
     comm: C,
     f: &(impl Fn(&C) -> Result<T> + Sync),
-    failed: &Mutex<Vec<usize>>,
+    failed: &Mutex<Vec<(u64, usize)>>,
 ) -> Result<T> {
+    FIRST_LEAVE.with(|first| first.set(None));
     // Unwind-safe in effect: after a panic only `comm` is used again, and the world's state
     // is consistent after any panic (`World::lock`); `f` and its captures are dropped unused.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&comm)))
@@ -347,10 +360,13 @@ fn run_rank<C: Member, T>(
     let why = match &result {
         Ok(_) => "its closure returned".to_string(),
         Err(e) => {
+            let at = FIRST_LEAVE
+                .with(|first| first.get())
+                .unwrap_or_else(|| LEAVES.fetch_add(1, Ordering::SeqCst));
             failed
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .push(rank);
+                .push((at, rank));
             format!("its closure failed: {e}")
         }
     };
@@ -476,11 +492,22 @@ impl Drop for Call<'_> {
 
 impl ThreadComm {
     fn err(&self, op: Op, reason: String) -> Error {
+        let reason = match &self.world.group {
+            Some(ranks) => {
+                format!("{reason} (in the group of ranks {ranks:?}, numbered from 0 there)")
+            }
+            None => reason,
+        };
         Error::Comm {
             op: op.name(),
-            rank: self.rank,
+            rank: self.top_rank(self.rank),
             reason,
         }
+    }
+
+    /// Rank `j` of this world as a rank of the world it was split from at the top.
+    fn top_rank(&self, j: usize) -> usize {
+        self.world.group.as_ref().map_or(j, |ranks| ranks[j])
     }
 
     /// Poisons the world (keeping the first reason), wakes every waiter, and returns the error.
@@ -579,7 +606,8 @@ impl ThreadComm {
                 .unwrap_or_else(PoisonError::into_inner)
         };
         if self.rank == leader {
-            splits()[leader] = Some(World::new(members.len(), self.world.timeout));
+            let top = members.iter().map(|&j| self.top_rank(j)).collect();
+            splits()[leader] = Some(World::new(members.len(), self.world.timeout, Some(top)));
         }
         self.barrier()?;
         let world = splits()[leader].clone();
@@ -603,8 +631,27 @@ impl Drop for ThreadComm {
         } else {
             "dropped its communicator"
         };
+        if self.world.group.is_some() {
+            // Before the group learns of it: see `FIRST_LEAVE`.
+            FIRST_LEAVE.with(|first| {
+                if first.get().is_none() {
+                    first.set(Some(LEAVES.fetch_add(1, Ordering::SeqCst)));
+                }
+            });
+        }
         self.leave(how);
     }
+}
+
+/// Orders failures under [`ThreadWorld::run`] by cause: a rank's closure may drop groups split
+/// from its communicator (a sharded model's HSDP groups) before it returns `Err`, and the
+/// group's other members fail at once, possibly returning before it. So a rank's failure takes
+/// its place in the order at the first group it left, not when its closure returned.
+static LEAVES: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// When this thread first left a group since its rank's closure started ([`LEAVES`]).
+    static FIRST_LEAVE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// Where a world's buffers live, and how its data phases move and reduce them: host memory
