@@ -24,16 +24,7 @@ use ragged_optimizers::{
     ShampooConfig,
 };
 
-/// Wide enough that 8-bit Adam keeps 8-bit state (rows of 64 and 96, ≥ 4096 elements) and
-/// falls back to f32 for the embedding; Shampoo blocks of 32 rows cut every matrix.
-const CFG: TransformerConfig = TransformerConfig {
-    vocab: 61,
-    d_model: 64,
-    n_layers: 2,
-    n_heads: 2,
-    d_ff: 96,
-    seq_len: 12,
-};
+const CFG: TransformerConfig = common::SMALL;
 /// Divisible by every world size used here (1, 2, 3, 4, 8).
 const BATCH: usize = 24;
 const LR: f64 = 1e-2;
@@ -41,7 +32,7 @@ const LR: f64 = 1e-2;
 type Params = Vec<(String, Tensor)>;
 
 mod common;
-use common::scratch;
+use common::{saved_arrays, scratch};
 
 const SUITE: &str = "ragged-checkpoint-tests";
 
@@ -228,19 +219,6 @@ fn a_muon_checkpoint_with_v_for_every_matrix_still_loads() {
              order), so only the two resumed runs are compared"
         );
     }
-}
-
-/// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
-fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
-    let dir = ckpt_fs::resolve(root).unwrap();
-    let m = Manifest::read(&dir).unwrap();
-    m.fields
-        .iter()
-        .map(|f| {
-            let bytes = read_global(&dir, &m, f).unwrap();
-            ((f.param.clone(), f.field.clone()), bytes)
-        })
-        .collect()
 }
 
 /// Parameters frozen by name (`FsdpOptions::frozen`) belong to no optimizer: under each

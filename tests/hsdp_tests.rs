@@ -11,16 +11,14 @@
 //! - A checkpoint saved under HSDP is the shard group's (its files, its world) and loads at
 //!   any world, under HSDP or not, with every array bitwise.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
-use ragged::checkpoint::read::read_global;
+use candle_core::{DType, Tensor};
 use ragged::checkpoint::{fs as ckpt_fs, CheckpointState, Manifest, SaveOptions};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Communicator, ReduceOp, SingleRank};
-use ragged::demo::{batch, corpus, Transformer, TransformerConfig, TransformerStages};
+use ragged::demo::{batch, corpus, TransformerConfig, TransformerStages};
 use ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision, ShardLayout};
 use ragged_optimizers::{
     Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, MatrixLayout, Muon, MuonConfig, Shampoo,
@@ -28,16 +26,9 @@ use ragged_optimizers::{
 };
 
 mod common;
-use common::scratch;
+use common::{backward_on_one_rank, saved_arrays, scratch};
 
-const CFG: TransformerConfig = TransformerConfig {
-    vocab: 61,
-    d_model: 64,
-    n_layers: 2,
-    n_heads: 2,
-    d_ff: 96,
-    seq_len: 12,
-};
+const CFG: TransformerConfig = common::SMALL;
 /// Divisible by every world size used here (1, 2, 3, 4, 6).
 const BATCH: usize = 12;
 const LR: f64 = 1e-2;
@@ -80,14 +71,7 @@ fn steps_with_one_holder<O: CheckpointState>(
     let mut norms = Vec::new();
     for step in 0..2 {
         let ids = batch(corpus()?, &CFG, step, 0, 4)?;
-        let views = m.unshard()?;
-        let model = Transformer::new(
-            CFG,
-            VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
-        )?;
-        let scale = if c.rank() == holder { 1.0 } else { 0.0 };
-        (model.loss(&ids)? * scale)?.backward()?;
-        m.reduce_gradients()?;
+        backward_on_one_rank(&mut m, CFG, &ids, c.rank(), holder)?;
         norms.push(m.clip_grad_norm(0.5)?.to_bits());
         m.step()?;
     }
@@ -254,21 +238,6 @@ fn the_fsdp2_layout_and_bf16_reductions_run_under_hsdp() {
             "bf16 step {s}: loss {a} vs {b}"
         );
     }
-}
-
-/// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
-fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
-    let dir = ckpt_fs::resolve(root).unwrap();
-    let m = Manifest::read(&dir).unwrap();
-    m.fields
-        .iter()
-        .map(|f| {
-            (
-                (f.param.clone(), f.field.clone()),
-                read_global(&dir, &m, f).unwrap(),
-            )
-        })
-        .collect()
 }
 
 /// Loads `from` on `world` ranks with `replicas`, saves to `to` (if given) and returns every

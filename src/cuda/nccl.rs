@@ -361,12 +361,10 @@ impl NcclComm {
 
     /// Runs `f` with the communicator handle and the stream, the device's context current,
     /// then waits for it within the timeout (aborting the communicator when that fails).
-    fn call(
-        &self,
-        op: &'static str,
-        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), nccl::NcclError>,
-    ) -> Result<()> {
-        let mut handle = self.handle.lock().map_err(|_| Error::Comm {
+    /// The communicator, locked, with this rank's device bound to the calling thread; `Err`
+    /// once it was aborted.
+    fn live_handle(&self, op: &'static str) -> Result<std::sync::MutexGuard<'_, Handle>> {
+        let handle = self.handle.lock().map_err(|_| Error::Comm {
             op,
             rank: self.rank,
             reason: "an earlier NCCL call panicked".into(),
@@ -379,6 +377,15 @@ impl NcclComm {
             });
         }
         guarded(op, || self.dev.context().bind_to_thread())?;
+        Ok(handle)
+    }
+
+    fn call(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), nccl::NcclError>,
+    ) -> Result<()> {
+        let mut handle = self.live_handle(op)?;
         let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
         guarded(op, || named(f(handle.0, stream)))?;
         let Some(limit) = self.timeout else {
@@ -403,19 +410,7 @@ impl NcclComm {
         const OP: &str = "NcclComm::split";
         let colors = crate::comm::all_colors(self, color)?;
         let (members, rank) = crate::comm::group_of(&colors, self.rank);
-        let handle = self.handle.lock().map_err(|_| Error::Comm {
-            op: OP,
-            rank: self.rank,
-            reason: "an earlier NCCL call panicked".into(),
-        })?;
-        if handle.0.is_null() {
-            return Err(Error::Comm {
-                op: OP,
-                rank: self.rank,
-                reason: "the communicator was aborted after an earlier failure".into(),
-            });
-        }
-        guarded(OP, || self.dev.context().bind_to_thread())?;
+        let handle = self.live_handle(OP)?;
         // The group's lowest rank names it; this rank's order in the parent keeps its place.
         let int = |x: usize| {
             i32::try_from(x).map_err(|_| Error::BadInput {

@@ -2,11 +2,62 @@
 //! (each test file is its own crate, so not every file uses every helper).
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use ragged::checkpoint::read::read_global;
+use ragged::checkpoint::{fs as ckpt_fs, Manifest};
+use ragged::demo::{Transformer, TransformerConfig};
 use ragged::fsdp::ShardedModel;
 use ragged::optim::Optimizer;
 use ragged_optimizers::{AdamW, AdamWConfig};
+
+/// Wide enough that 8-bit Adam keeps 8-bit state (rows of 64 and 96, ≥ 4096 elements) and
+/// falls back to f32 for the embedding; Shampoo blocks of 32 rows cut every matrix.
+pub const SMALL: TransformerConfig = TransformerConfig {
+    vocab: 61,
+    d_model: 64,
+    n_layers: 2,
+    n_heads: 2,
+    d_ff: 96,
+    seq_len: 12,
+};
+
+/// Every saved array of the newest checkpoint under `root`: `(param, field)` → bytes.
+pub fn saved_arrays(root: &Path) -> BTreeMap<(String, String), Vec<u8>> {
+    let dir = ckpt_fs::resolve(root).unwrap();
+    let m = Manifest::read(&dir).unwrap();
+    m.fields
+        .iter()
+        .map(|f| {
+            let bytes = read_global(&dir, &m, f).unwrap();
+            ((f.param.clone(), f.field.clone()), bytes)
+        })
+        .collect()
+}
+
+/// One backward of the demo transformer `cfg` over the whole model gathered
+/// ([`ShardedModel::unshard`]) on `ids`, in which only rank `holder` keeps its loss (the
+/// others' are scaled by 0: with summed gradients every sum then adds exact zeros, so a sharded
+/// run's reduced gradients are the unsharded run's bits), then the reduction.
+pub fn backward_on_one_rank<O: Optimizer>(
+    m: &mut ShardedModel<'_, O>,
+    cfg: TransformerConfig,
+    ids: &candle_core::Tensor,
+    rank: usize,
+    holder: usize,
+) -> ragged::Result<()> {
+    let views = m.unshard()?;
+    let model = Transformer::new(
+        cfg,
+        VarBuilder::from_tensors(views, DType::F32, &Device::Cpu),
+    )?;
+    let scale = if rank == holder { 1.0 } else { 0.0 };
+    (model.loss(ids)? * scale)?.backward()?;
+    m.reduce_gradients()
+}
 
 /// An empty scratch folder `suite/name-PID` under the system's temporary folder, removed when
 /// the value is dropped after a passing test; kept (and its path printed) when the test fails,
