@@ -347,3 +347,30 @@ fn a_rank_failing_under_hsdp_ends_every_rank_promptly() {
         start.elapsed()
     );
 }
+
+/// A rank under HSDP holds what a rank of a plain world of the shard group's size holds: the
+/// same shard lengths, unit by unit, at its rank within the group (memory per rank is the
+/// shard group's, whatever the number of replicas).
+#[test]
+fn an_hsdp_rank_holds_the_shards_of_a_world_of_its_group() {
+    let params = CFG.init_params(7).unwrap();
+    let shards = |world: usize, replicas: usize| {
+        ThreadWorld::run(world, |c| {
+            let m = fully_shard(&params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
+            Ok(m.local_shards().iter().map(|s| s.len).collect::<Vec<_>>())
+        })
+        .unwrap()
+    };
+    for (world, replicas) in MESHES {
+        let group = world / replicas;
+        let plain = shards(group, 1);
+        for (r, lens) in shards(world, replicas).iter().enumerate() {
+            assert_eq!(
+                lens,
+                &plain[r % group],
+                "{replicas} replicas of {group}, rank {r}"
+            );
+        }
+    }
+    assert!(shards(4, 2)[0].iter().sum::<usize>() > shards(4, 1)[0].iter().sum::<usize>());
+}
