@@ -52,13 +52,8 @@
 //! ends, so the others fail at once, never at the timeout. `run` then returns the `Err` of the
 //! rank that failed first (a panic becomes an [`Error::Comm`] with the panic's message), not a
 //! panic; a rank whose closure left a group ([`Communicator::split`]) before it failed counts
-//! from that moment, since the group's other members fail at once.
-//!
-//! # Groups
-//! A split makes each group a thread world of its own (`split_world`): the same protocol, the
-//! parent's timeout. Its errors report the rank as a rank of the world it was split from at the
-//! top, and say which group they speak of (`(in the group of ranks [1, 3], numbered from 0
-//! there)`): the ranks the reason names are numbered within the group. The guarantees, per way a rank can fail:
+//! from that moment, since the group's other members fail at once. The guarantees, per way a
+//! rank can fail:
 //!
 //! | the failing rank | every other rank, in its pending or next collective |
 //! |---|---|
@@ -69,6 +64,13 @@
 //! the buffers are shared, the syncs between and after data phases wait without a timeout:
 //! returning early would hand a buffer back to its owner while another thread still reads it.
 //! Those waits only last as long as the other ranks' copies, since nothing else runs in between.
+//!
+//! # Groups
+//! A split ([`Communicator::split`]) makes each group a thread world of its own
+//! ([`ThreadComm::split_world`]): the same protocol and guarantees, the parent's timeout. A
+//! group's errors report the rank as a rank of the world it was split from at the top, and say
+//! which group they speak of (`… (in the group of ranks [1, 3], numbered from 0 there)`): the
+//! ranks the reason itself names are numbered within the group.
 //!
 //! # Memory
 //! The protocol does not care where the buffers are: the data phases go through a `Memory`

@@ -359,8 +359,6 @@ impl NcclComm {
         self.timeout = timeout;
     }
 
-    /// Runs `f` with the communicator handle and the stream, the device's context current,
-    /// then waits for it within the timeout (aborting the communicator when that fails).
     /// The communicator, locked, with this rank's device bound to the calling thread; `Err`
     /// once it was aborted.
     fn live_handle(&self, op: &'static str) -> Result<std::sync::MutexGuard<'_, Handle>> {
@@ -380,6 +378,8 @@ impl NcclComm {
         Ok(handle)
     }
 
+    /// Runs `f` with the communicator handle and the stream, the device's context current,
+    /// then waits for it within the timeout (aborting the communicator when that fails).
     fn call(
         &self,
         op: &'static str,
