@@ -17,9 +17,9 @@
 //!    thread ranks in each process with the parameters the MPI run ended with (digests equal),
 //!    and those equal a `V`-thread run's;
 //! 5. groups split from the world (`Communicator::split`, ranks by parity) run every collective
-//!    as a thread world of their size does, and HSDP training (`FsdpOptions::replicas`, the
-//!    smallest divisor of `V` above 1) ends with the parameters of the same HSDP run on thread
-//!    ranks (digests equal).
+//!    as a thread world of their size does, and HSDP training with Muon
+//!    (`FsdpOptions::replicas`, the smallest divisor of `V` above 1) ends with the parameters of
+//!    the same HSDP run on thread ranks (digests equal).
 //!
 //! Exits with status 1 on any failure.
 //!
@@ -300,10 +300,11 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     };
     let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
     let none = Checkpointing::default();
-    let adamw = || AdamW::new(AdamWConfig::default());
-    let mpi = train_rank_with(&params, adamw()?, comm, opts.clone(), job, &none, |_, _| {})?;
+    // Muon: its matrices gathered to their roots within each shard group.
+    let muon = || Muon::new(MuonConfig::default());
+    let mpi = train_rank_with(&params, muon()?, comm, opts.clone(), job, &none, |_, _| {})?;
     let threads = ThreadWorld::run(world, |c| {
-        train_rank_with(&params, adamw()?, c, opts.clone(), job, &none, |_, _| {})
+        train_rank_with(&params, muon()?, c, opts.clone(), job, &none, |_, _| {})
     })?;
     comm.barrier()?;
     Ok(Some(
