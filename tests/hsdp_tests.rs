@@ -374,3 +374,33 @@ fn an_hsdp_rank_holds_the_shards_of_a_world_of_its_group() {
     }
     assert!(shards(4, 2)[0].iter().sum::<usize>() > shards(4, 1)[0].iter().sum::<usize>());
 }
+
+/// Saved under HSDP after 2 steps and resumed (by a model initialized otherwise) for 2 more:
+/// the parameters are bitwise those of 4 uninterrupted HSDP steps.
+#[test]
+fn resuming_under_hsdp_is_bitwise() {
+    let root = scratch("ragged-hsdp-tests", "resume");
+    let run = |init: u64, steps: std::ops::Range<usize>, from: Option<&Path>, to: Option<&Path>| {
+        let params = CFG.init_params(init).unwrap();
+        ThreadWorld::run(4, |c| {
+            let mut m = fully_shard(&params, adamw(), c, hsdp(2, ReduceOp::Avg))?;
+            if let Some(from) = from {
+                m.load(from)?;
+            }
+            for step in steps.clone() {
+                let ids = batch(corpus()?, &CFG, step, c.rank() * 3, 3)?;
+                m.forward_backward(&TransformerStages(CFG), &ids)?;
+                m.step()?;
+            }
+            if let Some(to) = to {
+                m.save(to, &SaveOptions::default())?;
+            }
+            m.param_digest()
+        })
+        .unwrap()
+    };
+    let straight = run(7, 0..4, None, None);
+    run(7, 0..2, None, Some(&root));
+    let resumed = run(8, 2..4, Some(&root), None);
+    assert_eq!(resumed, straight);
+}
