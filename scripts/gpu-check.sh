@@ -172,6 +172,14 @@ if [[ -x $bins/train ]]; then
         say "train --comm gpu-threads: FAILED (exit $?)"
         status=1
     fi
+    # HSDP: 2 replicas of 2 GPU thread ranks (groups split on the device).
+    if limited 60 "$bins/train" --size tiny --steps 5 --ranks 4 --replicas 2 --comm gpu-threads \
+        >"$res/train-gpu-threads-hsdp.txt" 2>&1; then
+        say "train --comm gpu-threads --replicas 2: ok"
+    else
+        say "train --comm gpu-threads --replicas 2: FAILED (exit $?)"
+        status=1
+    fi
     if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$ids/nccl-id" \
         limited 60 "$bins/train" --size tiny --steps 5 --batch 4 --comm nccl \
         >"$res/train-nccl.txt" 2>&1; then
@@ -196,15 +204,17 @@ if [[ -x $bins/train ]]; then
     # The model itself on the GPU (`--device cuda`) needs the candle-cuda build of the example
     # (scripts/build-gpu-bins.sh says whether it could make one); without it, a skip.
     if [[ -x $bins/train-candle-cuda ]]; then
-        for comm in gpu-threads nccl; do
-            ranks=(--ranks 2)
-            [[ $comm == nccl ]] && ranks=(--batch 4)
+        for run in gpu-threads nccl hsdp; do
+            comm=$run ranks=(--ranks 2)
+            [[ $run == nccl ]] && ranks=(--batch 4)
+            # HSDP on device buffers: 2 replicas of 2 GPU thread ranks.
+            [[ $run == hsdp ]] && comm=gpu-threads ranks=(--ranks 4 --replicas 2)
             if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$ids/nccl-id-device" \
                 limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
-                --comm "$comm" --device cuda >"$res/train-device-cuda-$comm.txt" 2>&1; then
-                say "train --device cuda --comm $comm: ok"
+                --comm "$comm" --device cuda >"$res/train-device-cuda-$run.txt" 2>&1; then
+                say "train --device cuda --comm $comm ${ranks[*]}: ok"
             else
-                say "train --device cuda --comm $comm: FAILED (exit $?)"
+                say "train --device cuda --comm $comm ${ranks[*]}: FAILED (exit $?)"
                 status=1
             fi
         done
