@@ -1254,4 +1254,22 @@ fn the_rank_that_left_a_group_first_is_the_failure_run_reports() {
     });
     let err = out.expect_err("rank 3 failed").to_string();
     assert!(err.contains("rank 3's own failure"), "{err}");
+    // Groups every rank left before a collective they all came to do not count: rank 0,
+    // failing first after it, is the failure reported.
+    let out = within(GENEROUS, || {
+        ThreadWorld::run(4, |c| {
+            drop(c.split(c.rank() % 2)?);
+            c.barrier()?;
+            match c.rank() {
+                0 => Err(Error::Msg("rank 0 fails first".into())),
+                3 => {
+                    thread::sleep(Duration::from_millis(300));
+                    Err(Error::Msg("rank 3 fails later".into()))
+                }
+                _ => Ok(()),
+            }
+        })
+    });
+    let err = out.expect_err("ranks 0 and 3 failed").to_string();
+    assert!(err.contains("rank 0 fails first"), "{err}");
 }

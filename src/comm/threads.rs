@@ -568,6 +568,8 @@ impl ThreadComm {
             st.in_call[r] = false;
             return Err(self.fail(&mut st, op, reason));
         }
+        // Every rank came: a group this thread left before harmed nobody (`FIRST_LEAVE`).
+        FIRST_LEAVE.with(|first| first.set(None));
         let call = Call {
             comm: self,
             op,
@@ -648,7 +650,8 @@ impl Drop for ThreadComm {
 /// Orders failures under [`ThreadWorld::run`] by cause: a rank's closure may drop groups split
 /// from its communicator (a sharded model's HSDP groups) before it returns `Err`, and the
 /// group's other members fail at once, possibly returning before it. So a rank's failure takes
-/// its place in the order at the first group it left, not when its closure returned.
+/// its place in the order at the first group it left since its last collective that every rank
+/// came to (a model dropped and another built does not count), not when its closure returned.
 static LEAVES: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
