@@ -126,8 +126,9 @@ fn an_hsdp_step_is_bitwise_the_unsharded_step_for_every_optimizer() {
         };
         Muon::new(cfg).unwrap()
     };
-    bitwise_on_every_mesh("muon (split matrices)", muon(MatrixLayout::Auto));
+    bitwise_on_every_mesh("muon (split matrices)", muon(MatrixLayout::Split));
     bitwise_on_every_mesh("muon (whole matrices)", muon(MatrixLayout::Whole));
+    bitwise_on_every_mesh("muon (the cost model's choice)", muon(MatrixLayout::Auto));
     let shampoo = ShampooConfig {
         lr: LR,
         epsilon: 1e-4,
