@@ -72,7 +72,13 @@ impl<'c> Mesh<'c> {
         }
     }
 
-    /// This rank's replica, `0..replicas()`: replica 0 writes checkpoints.
+    /// Rank `j` of this rank's shard group as a rank of the world (groups are consecutive).
+    pub(crate) fn world_rank_of(&self, j: usize) -> usize {
+        let s = self.shard().world_size();
+        self.world.rank() / s * s + j
+    }
+
+    /// This rank's replica, `0..R`: replica 0 writes checkpoints.
     pub(crate) fn replica(&self) -> usize {
         self.groups.as_ref().map_or(0, |g| g.replicas.rank())
     }

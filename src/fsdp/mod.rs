@@ -1103,7 +1103,10 @@ impl<O: Optimizer> ShardedModel<'_, O> {
                 return Err(crate::Error::Comm {
                     op: OP,
                     rank: self.mesh.world().rank(),
-                    reason: format!("rank {rank} counts other optimizer events than this rank"),
+                    reason: format!(
+                        "rank {} counts other optimizer events than this rank",
+                        self.mesh.world_rank_of(rank)
+                    ),
                 });
             };
             for ((_, n), (_, t)) in total.iter_mut().zip(theirs) {
