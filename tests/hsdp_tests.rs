@@ -405,3 +405,28 @@ fn resuming_under_hsdp_is_bitwise() {
     let resumed = run(8, 2..4, Some(&root), None);
     assert_eq!(resumed, straight);
 }
+
+/// Frozen parameters under HSDP: gathered in the shard group, never reduced over replicas or
+/// stepped, so they stay bitwise at their initial values on every rank while the rest trains
+/// and the replicas agree.
+#[test]
+fn frozen_parameters_stay_put_under_hsdp() {
+    let params = CFG.init_params(7).unwrap();
+    let frozen = |name: &str| name.contains("attn");
+    let opts = FsdpOptions {
+        frozen: Some(ragged::fsdp::NameRule::new(frozen)),
+        ..hsdp(2, ReduceOp::Avg)
+    };
+    let ranks = train(4, opts, &params, 2);
+    assert_ranks_agree(&ranks, "frozen attention, 2 replicas of 2");
+    let initial: Full = params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.flatten_all().unwrap().to_vec1().unwrap()))
+        .collect();
+    let full = &ranks[0].1;
+    let moved = |n: &str| full[n] != initial[n];
+    assert!(full.keys().any(|n| frozen(n)), "the rule freezes something");
+    for n in full.keys() {
+        assert_eq!(moved(n), !frozen(n), "{n}");
+    }
+}
