@@ -37,12 +37,7 @@ use common::{saved_arrays, scratch};
 const SUITE: &str = "ragged-checkpoint-tests";
 
 fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig {
-        lr: LR,
-        weight_decay: 0.1,
-        ..AdamWConfig::default()
-    })
-    .unwrap()
+    common::adamw_decayed(LR)
 }
 
 fn adam8bit() -> Adam8bit {

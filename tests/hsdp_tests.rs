@@ -41,12 +41,7 @@ type Params = Vec<(String, Tensor)>;
 type Full = HashMap<String, Vec<f32>>;
 
 fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig {
-        lr: LR,
-        weight_decay: 0.1,
-        ..AdamWConfig::default()
-    })
-    .unwrap()
+    common::adamw_decayed(LR)
 }
 
 fn hsdp(replicas: usize, reduce: ReduceOp) -> FsdpOptions {

@@ -111,6 +111,16 @@ pub fn adamw() -> AdamW {
     .unwrap()
 }
 
+/// AdamW at rate `lr` with weight decay 0.1 (so the decay path is in every step).
+pub fn adamw_decayed(lr: f64) -> AdamW {
+    AdamW::new(AdamWConfig {
+        lr,
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    })
+    .unwrap()
+}
+
 /// Every gradient element this rank holds (the pieces of its local shard, not the padding).
 pub fn local_grads<O: Optimizer>(s: &ShardedModel<'_, O>) -> Vec<f32> {
     let mut out = Vec::new();
