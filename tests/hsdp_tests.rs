@@ -7,9 +7,12 @@
 //!   as different bits.
 //! - With every rank on its own data (averaged), training tracks the unsharded run within the
 //!   tolerance of `fsdp_tests.rs` (the averages are taken in another order), and every rank of
-//!   every replica holds bitwise the same parameters.
+//!   every replica holds bitwise the same parameters: also with micro-batches, the FSDP2-style
+//!   layout, bf16 reductions and frozen parameters.
 //! - A checkpoint saved under HSDP is the shard group's (its files, its world) and loads at
-//!   any world, under HSDP or not, with every array bitwise.
+//!   any world, under HSDP or not, with every array bitwise; resuming from it is bitwise.
+//! - A rank holds what a rank of a plain world of its group's size holds; a failing rank ends
+//!   every rank promptly, with its own error.
 
 use std::collections::HashMap;
 use std::path::Path;
