@@ -250,8 +250,8 @@ fn check_args(args: &Args) -> Result<()> {
     }
     at_least(OP, "--ranks", args.thread_ranks(), 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
-    // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
     at_least(OP, "--replicas", args.replicas, 1)?;
+    // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
     if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
         even_share(OP, "--batch", args.batch, args.thread_ranks())?;
         if args.thread_ranks() % args.replicas != 0 {
