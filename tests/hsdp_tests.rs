@@ -239,13 +239,28 @@ fn the_fsdp2_layout_and_bf16_reductions_run_under_hsdp() {
     }
 }
 
-/// Loads `from` on `world` ranks with `replicas`, saves to `to` (if given) and returns every
-/// rank's parameter digest.
-fn load_and_save(world: usize, replicas: usize, from: &Path, to: Option<&Path>) -> Vec<String> {
-    let params = CFG.init_params(11).unwrap();
+/// On `world` ranks with `replicas`: a model of the parameters initialized from `init`,
+/// loaded from `from` (if given), trained `steps` (the step number picks the batch, each rank
+/// its rows), saved to `to` (if given); every rank's parameter digest.
+fn digest_after(
+    (world, replicas): (usize, usize),
+    init: u64,
+    from: Option<&Path>,
+    steps: std::ops::Range<usize>,
+    to: Option<&Path>,
+) -> Vec<String> {
+    let params = CFG.init_params(init).unwrap();
     ThreadWorld::run(world, |c| {
         let mut m = fully_shard(&params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
-        m.load(from)?;
+        if let Some(from) = from {
+            m.load(from)?;
+        }
+        let rows = BATCH / world;
+        for step in steps.clone() {
+            let ids = batch(corpus()?, &CFG, step, c.rank() * rows, rows)?;
+            m.forward_backward(&TransformerStages(CFG), &ids)?;
+            m.step()?;
+        }
         if let Some(to) = to {
             m.save(to, &SaveOptions::default())?;
         }
@@ -261,18 +276,7 @@ fn load_and_save(world: usize, replicas: usize, from: &Path, to: Option<&Path>) 
 fn an_hsdp_checkpoint_is_the_shard_groups_and_loads_at_any_world() {
     let root = scratch("ragged-hsdp-tests", "checkpoint");
     let (hsdp_root, plain_root) = (root.join("hsdp"), root.join("plain"));
-    let params = CFG.init_params(7).unwrap();
-    let saved = ThreadWorld::run(4, |c| {
-        let mut m = fully_shard(&params, adamw(), c, hsdp(2, ReduceOp::Avg))?;
-        for step in 0..2 {
-            let ids = batch(corpus()?, &CFG, step, c.rank() * 3, 3)?;
-            m.forward_backward(&TransformerStages(CFG), &ids)?;
-            m.step()?;
-        }
-        m.save(&hsdp_root, &SaveOptions::default())?;
-        m.param_digest()
-    })
-    .unwrap();
+    let saved = digest_after((4, 2), 7, None, 0..2, Some(&hsdp_root));
     assert!(saved.iter().all(|d| d == &saved[0]));
     let dir = ckpt_fs::resolve(&hsdp_root).unwrap();
     let manifest = Manifest::read(&dir).unwrap();
@@ -285,10 +289,10 @@ fn an_hsdp_checkpoint_is_the_shard_groups_and_loads_at_any_world() {
         })
         .count();
     assert_eq!(files, 2, "one file per rank of the shard group");
-    for d in load_and_save(3, 1, &hsdp_root, Some(&plain_root)) {
+    for d in digest_after((3, 1), 11, Some(&hsdp_root), 0..0, Some(&plain_root)) {
         assert_eq!(d, saved[0], "loaded at 3 ranks");
     }
-    for d in load_and_save(6, 3, &hsdp_root, None) {
+    for d in digest_after((6, 3), 11, Some(&hsdp_root), 0..0, None) {
         assert_eq!(d, saved[0], "loaded by 3 replicas of 2");
     }
     let (a, b) = (saved_arrays(&hsdp_root), saved_arrays(&plain_root));
@@ -379,28 +383,9 @@ fn an_hsdp_rank_holds_the_shards_of_a_world_of_its_group() {
 #[test]
 fn resuming_under_hsdp_is_bitwise() {
     let root = scratch("ragged-hsdp-tests", "resume");
-    let run = |init: u64, steps: std::ops::Range<usize>, from: Option<&Path>, to: Option<&Path>| {
-        let params = CFG.init_params(init).unwrap();
-        ThreadWorld::run(4, |c| {
-            let mut m = fully_shard(&params, adamw(), c, hsdp(2, ReduceOp::Avg))?;
-            if let Some(from) = from {
-                m.load(from)?;
-            }
-            for step in steps.clone() {
-                let ids = batch(corpus()?, &CFG, step, c.rank() * 3, 3)?;
-                m.forward_backward(&TransformerStages(CFG), &ids)?;
-                m.step()?;
-            }
-            if let Some(to) = to {
-                m.save(to, &SaveOptions::default())?;
-            }
-            m.param_digest()
-        })
-        .unwrap()
-    };
-    let straight = run(7, 0..4, None, None);
-    run(7, 0..2, None, Some(&root));
-    let resumed = run(8, 2..4, Some(&root), None);
+    let straight = digest_after((4, 2), 7, None, 0..4, None);
+    digest_after((4, 2), 7, None, 0..2, Some(&root));
+    let resumed = digest_after((4, 2), 8, Some(&root), 2..4, None);
     assert_eq!(resumed, straight);
 }
 
