@@ -337,7 +337,7 @@ pub trait Communicator: Send + Sync {
     /// Splits the world into groups, as `MPI_Comm_split`: a collective (every rank calls it),
     /// after which the ranks that passed the same `color` form one new world of their own,
     /// ranked in their order here. The new communicator's collectives involve its group only,
-    /// and run as zero-copy as this backend's own. HSDP ([`crate::fsdp::FsdpOptions::replicas`])
+    /// with this backend's protocol. HSDP ([`crate::fsdp::FsdpOptions::replicas`])
     /// splits the world into shard groups and replica groups this way. Thread ranks (host and
     /// GPU), MPI (`MPI_Comm_split`), NCCL (`ncclCommSplit`) and one rank implement it; this
     /// default refuses.

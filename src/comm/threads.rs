@@ -597,7 +597,7 @@ impl ThreadComm {
 
 impl ThreadComm {
     /// [`Communicator::split`] for thread ranks: each group is a new thread world (the same
-    /// protocol, zero-copy, this world's timeout), made by its leader and handed to the
+    /// protocol, this world's timeout), made by its leader and handed to the
     /// others through this world's `splits` table between two barriers.
     pub fn split_world(&self, color: usize) -> Result<ThreadComm> {
         let colors = super::all_colors(self, color)?;
