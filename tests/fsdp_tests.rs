@@ -2,7 +2,7 @@
 //! points users call (`ThreadWorld::run`, `train_rank`, `forward_backward`, `unshard`).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -291,33 +291,68 @@ fn a_kept_unit_is_rewritten_in_place_after_a_step() {
     .unwrap();
 }
 
-/// A communicator that records where the all-gather wrote and what the reduce-scatter read.
-struct Recorder<'a> {
-    inner: &'a dyn Communicator,
+/// What the recording communicator and optimizer saw on one rank.
+#[derive(Default)]
+struct Observed {
     /// `(offset in the full buffer, address)` of every segment gathered into.
     segments: Mutex<Vec<(usize, usize)>>,
-    /// `(address, contents)` of every reduce-scatter input.
-    reduced: Mutex<Vec<(usize, Vec<f32>)>>,
+    /// `(input address, input contents, output address and length)` of every reduce-scatter.
+    reduced: Mutex<Vec<(usize, Vec<f32>, (usize, usize))>>,
+    /// `(address, length)` of every all-reduce buffer.
+    all_reduced: Mutex<Vec<(usize, usize)>>,
+    /// `(address, length)` of the gradients every optimizer step read.
+    stepped: Mutex<Vec<(usize, usize)>>,
+}
+
+fn span(b: &BufMut<'_>) -> Option<(usize, usize)> {
+    match b {
+        BufMut::F32(x) => Some((x.as_ptr() as usize, x.len())),
+        _ => None,
+    }
+}
+
+/// The communicator a [`Recorder`] wraps: the world, or a group split from it.
+enum Held<'a> {
+    World(&'a dyn Communicator),
+    Group(Box<dyn Communicator + 'a>),
+}
+
+/// A communicator that records where the all-gather wrote, what the reduce-scatter read and
+/// wrote, and where the all-reduce ran; its groups (HSDP's shard and replica groups) record
+/// into the same [`Observed`].
+struct Recorder<'a> {
+    inner: Held<'a>,
+    seen: Arc<Observed>,
+}
+
+impl Recorder<'_> {
+    fn inner(&self) -> &dyn Communicator {
+        match &self.inner {
+            Held::World(c) => *c,
+            Held::Group(c) => &**c,
+        }
+    }
 }
 
 impl Communicator for Recorder<'_> {
     fn rank(&self) -> usize {
-        self.inner.rank()
+        self.inner().rank()
     }
     fn world_size(&self) -> usize {
-        self.inner.world_size()
+        self.inner().world_size()
     }
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> ragged::Result<()> {
-        self.inner.all_gather_in_place(buf)
+        self.inner().all_gather_in_place(buf)
     }
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> ragged::Result<()> {
-        self.inner.all_gather(send, recv)
+        self.inner().all_gather(send, recv)
     }
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> ragged::Result<()> {
-        self.inner.reduce_scatter_in_place(buf, op)
+        self.inner().reduce_scatter_in_place(buf, op)
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> ragged::Result<()> {
-        self.inner.all_reduce(buf, op)
+        self.seen.all_reduced.lock().unwrap().extend(span(&buf));
+        self.inner().all_reduce(buf, op)
     }
     fn all_to_all_v(
         &self,
@@ -326,27 +361,26 @@ impl Communicator for Recorder<'_> {
         recv: BufMut<'_>,
         rc: &[usize],
     ) -> ragged::Result<()> {
-        self.inner.all_to_all_v(send, sc, recv, rc)
+        self.inner().all_to_all_v(send, sc, recv, rc)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> ragged::Result<()> {
-        self.inner.broadcast(buf, root)
+        self.inner().broadcast(buf, root)
     }
     fn barrier(&self) -> ragged::Result<()> {
-        self.inner.barrier()
+        self.inner().barrier()
     }
     fn all_gather_segments(
         &self,
         send: Buf<'_>,
         segs: &mut [Segment<'_>],
     ) -> ragged::Result<usize> {
-        let mut rec = self.segments.lock().unwrap();
-        for s in segs.iter_mut() {
-            if let BufMut::F32(b) = &s.buf {
-                rec.push((s.offset, b.as_ptr() as usize));
-            }
-        }
+        let mut rec = self.seen.segments.lock().unwrap();
+        rec.extend(
+            segs.iter()
+                .filter_map(|s| Some((s.offset, span(&s.buf)?.0))),
+        );
         drop(rec);
-        self.inner.all_gather_segments(send, segs)
+        self.inner().all_gather_segments(send, segs)
     }
     fn reduce_scatter(
         &self,
@@ -354,30 +388,75 @@ impl Communicator for Recorder<'_> {
         recv: BufMut<'_>,
         op: ReduceOp,
     ) -> ragged::Result<usize> {
-        if let BufMut::F32(b) = &send {
-            self.reduced
-                .lock()
-                .unwrap()
-                .push((b.as_ptr() as usize, b.to_vec()));
+        if let (BufMut::F32(b), Some(out)) = (&send, span(&recv)) {
+            let seen = (b.as_ptr() as usize, b.to_vec(), out);
+            self.seen.reduced.lock().unwrap().push(seen);
         }
-        self.inner.reduce_scatter(send, recv, op)
+        self.inner().reduce_scatter(send, recv, op)
+    }
+    fn split(&self, color: usize) -> ragged::Result<Box<dyn Communicator + '_>> {
+        Ok(Box::new(Recorder {
+            inner: Held::Group(self.inner().split(color)?),
+            seen: self.seen.clone(),
+        }))
     }
 }
 
-/// Zero copy by storage identity, on 2 thread ranks: every parameter tensor the model computes
-/// with *is* the segment the all-gather wrote (same address), the reduce-scatter reads the very
-/// buffer backward accumulated into (same address), and that buffer holds, at the planned
-/// offsets, exactly the gradients plain candle computes for the same model and batch.
-#[test]
-fn collectives_run_on_the_storage_the_model_and_backward_use() {
+/// AdamW that records where each step's gradients are.
+struct RecordingAdamW {
+    inner: AdamW,
+    seen: Arc<Observed>,
+}
+
+impl ragged::optim::Optimizer for RecordingAdamW {
+    type State = <AdamW as ragged::optim::Optimizer>::State;
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn atomic_block(&self, name: &str, shape: &[usize]) -> ragged::AtomicBlock {
+        self.inner.atomic_block(name, shape)
+    }
+    fn init(&self, shard: &ragged::optim::LocalShard) -> ragged::Result<Self::State> {
+        self.inner.init(shard)
+    }
+    fn step(
+        &self,
+        state: &mut Self::State,
+        shard: &ragged::optim::LocalShard,
+        params: ragged::storage::ViewMut<'_, f32>,
+        grads: ragged::storage::View<'_, f32>,
+        comm: &dyn Communicator,
+    ) -> ragged::Result<()> {
+        let g = grads.cpu("recording step")?;
+        let at = (g.as_ptr() as usize, g.len());
+        self.seen.stepped.lock().unwrap().push(at);
+        self.inner.step(state, shard, params, g.into(), comm)
+    }
+}
+
+/// Zero copy by storage identity, through `ThreadWorld::run`: every parameter tensor the model
+/// computes with *is* the segment the all-gather wrote (same address), the reduce-scatter reads
+/// the very buffer backward accumulated into and writes the very storage the optimizer steps
+/// on (with HSDP, `replicas > 1`, the replica all-reduce runs on that storage too), and the
+/// buffer backward wrote holds, at the planned offsets, exactly the gradients plain candle
+/// computes for the same model and batch.
+fn collectives_run_on_the_model_storage(world: usize, replicas: usize) {
     let params = CFG.init_params(3).unwrap();
-    ThreadWorld::run(2, |c| {
+    ThreadWorld::run(world, |c| {
+        let seen = Arc::new(Observed::default());
         let rec = Recorder {
-            inner: c,
-            segments: Mutex::new(Vec::new()),
-            reduced: Mutex::new(Vec::new()),
+            inner: Held::World(c),
+            seen: seen.clone(),
         };
-        let mut sharded = fully_shard(&params, adamw(), &rec, FsdpOptions::default())?;
+        let opt = RecordingAdamW {
+            inner: adamw(),
+            seen: seen.clone(),
+        };
+        let opts = FsdpOptions {
+            replicas,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, opt, &rec, opts)?;
         let views = sharded.unshard()?;
         let model = Transformer::new(
             CFG,
@@ -391,8 +470,9 @@ fn collectives_run_on_the_storage_the_model_and_backward_use() {
             .buffer_address()
             .unwrap();
         sharded.reduce_gradients()?;
+        sharded.step()?;
         // Parameters: each view's storage is the segment the gather wrote for its offset.
-        let segments = rec.segments.lock().unwrap().clone();
+        let segments = seen.segments.lock().unwrap().clone();
         for (unit, name, offset) in sharded.offsets() {
             let gathered: Vec<usize> = segments
                 .iter()
@@ -404,13 +484,34 @@ fn collectives_run_on_the_storage_the_model_and_backward_use() {
                 "{unit}/{name}: not the gathered storage"
             );
         }
-        // Gradients: the reduce-scatter input of layers.0 is the sink backward wrote...
+        // Gradients: every unit's reduce-scatter wrote the storage its step read, which is
+        // also where the replica all-reduce ran...
+        let reduced = seen.reduced.lock().unwrap().clone();
+        let outputs: Vec<(usize, usize)> = reduced.iter().map(|r| r.2).collect();
+        assert_eq!(outputs.len(), sharded.unit_names().len());
+        let mut stepped = seen.stepped.lock().unwrap().clone();
+        stepped.sort_unstable();
+        let mut sorted = outputs.clone();
+        sorted.sort_unstable();
+        assert_eq!(
+            stepped, sorted,
+            "the step must read the reduce-scatter's output"
+        );
+        let all_reduced = seen.all_reduced.lock().unwrap().clone();
+        for out in &outputs {
+            assert_eq!(
+                all_reduced.contains(out),
+                replicas > 1,
+                "replica all-reduce on the reduced shard {out:?}: {all_reduced:?}"
+            );
+        }
+        // ...the reduce-scatter input of layers.0 is the sink backward wrote...
         let order = sharded
             .unit_names()
             .iter()
             .position(|n| *n == "layers.0")
             .unwrap();
-        let (addr, contents) = rec.reduced.lock().unwrap()[order].clone();
+        let (addr, contents, _) = reduced[order].clone();
         assert_eq!(
             addr, sink.0,
             "reduce-scatter must read the buffer backward wrote"
@@ -445,6 +546,18 @@ fn collectives_run_on_the_storage_the_model_and_backward_use() {
         Ok(())
     })
     .unwrap();
+}
+
+#[test]
+fn collectives_run_on_the_storage_the_model_backward_and_step_use() {
+    collectives_run_on_the_model_storage(2, 1);
+}
+
+/// HSDP: 4 ranks as 2 replicas of shard groups of 2; the gathers and reduce-scatters run in
+/// the groups, the replica all-reduce on the reduced shard.
+#[test]
+fn under_hsdp_collectives_run_on_the_storage_the_model_backward_and_step_use() {
+    collectives_run_on_the_model_storage(4, 2);
 }
 
 /// The model is built once: tensors handed out by the first `unshard` see every later update.
