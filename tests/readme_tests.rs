@@ -8,7 +8,7 @@ fn the_readme_shows_the_own_model_example_verbatim() {
     let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
     let begin =
         example.find("// README:begin\n").expect("begin marker") + "// README:begin\n".len();
-    let end = example.find("    // README:end").expect("end marker");
+    let end = example.find("\n// README:end").expect("end marker") + 1;
     let snippet = &example[begin..end];
     assert!(
         snippet.lines().count() > 20,
