@@ -9,13 +9,14 @@
 //! Each rank checks, and prints one line:
 //! 1. every collective ([`exercise`]) gives bitwise the result rank `r` of a `V`-thread world
 //!    gives in this same process;
-//! 2. ranks that disagree (a rank-dependent buffer length) all get an `Err`, and the world
-//!    still works afterwards;
+//! 2. ranks that disagree (a rank-dependent buffer length, a rank-dependent segment layout in
+//!    `all_gather_segments`) all get an `Err`, and the world still works afterwards;
 //! 3. a sharded Muon step whose matrices are split over the ranks (gathered to their roots
 //!    with MPI's all-to-all) equals the unsharded step on this rank's elements, bitwise;
 //! 4. a checkpoint the MPI ranks save (two AdamW steps of the demo transformer) loads on 2
 //!    thread ranks in each process with the parameters the MPI run ended with (digests equal),
-//!    and those equal a `V`-thread run's;
+//!    and those equal a `V`-thread run's; the MPI run copied nothing outside collectives (its
+//!    gathers write the parameters' storages, its reduce-scatters the gradient shards);
 //! 5. groups split from the world (`Communicator::split`, ranks by parity) run every collective
 //!    as a thread world of their size does, and HSDP training with Muon
 //!    (`FsdpOptions::replicas`, the smallest divisor of `V` above 1) ends with the parameters of
@@ -38,8 +39,10 @@ use std::process::ExitCode;
 use ragged::comm::conformance::exercise;
 use ragged::comm::mpi::MpiComm;
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::{Buf, BufMut, Communicator, SingleRank};
-use ragged::demo::{train_rank_with, Checkpointing, SplitMix, TrainMode, TransformerConfig};
+use ragged::comm::{Buf, BufMut, Communicator, Segment, SingleRank};
+use ragged::demo::{
+    train_rank_with, Checkpointing, SplitMix, StepReport, TrainMode, TransformerConfig,
+};
 use ragged::fsdp::{fully_shard, FsdpOptions};
 use ragged::model::{DType, TensorSpec, Unit};
 use ragged::optim::{LocalShard, Optimizer};
@@ -245,7 +248,20 @@ fn disagreement(comm: &MpiComm) -> Result<Option<bool>> {
     let mut x = vec![0f32; 6 * comm.world_size() + comm.rank()];
     let refused = comm.all_gather_in_place((&mut x[..]).into()).is_err();
     comm.barrier()?;
-    Ok(Some(refused))
+    // Segments laid out differently on rank 1 (each rank sends only the pieces the layout
+    // covers, so the layouts must agree): refused on every rank, not a hang.
+    let send = [1f32; 4];
+    let mut part = [0f32; 3];
+    let offset = if comm.rank() == 1 { 1 } else { 0 };
+    let mut segments = [Segment {
+        offset,
+        buf: (&mut part[..]).into(),
+    }];
+    let other_layout = comm
+        .all_gather_segments((&send[..]).into(), &mut segments)
+        .is_err();
+    comm.barrier()?;
+    Ok(Some(refused && other_layout))
 }
 
 fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
@@ -264,7 +280,9 @@ fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
     };
     let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
     let opts = FsdpOptions::default();
-    let mpi = train_rank_with(&params, adamw()?, comm, opts.clone(), job, &ckpt, |_, _| {})?;
+    let mut copied = u64::MAX;
+    let on_step = |_: usize, r: &StepReport| copied = r.copied_bytes;
+    let mpi = train_rank_with(&params, adamw()?, comm, opts.clone(), job, &ckpt, on_step)?;
     let none = Checkpointing::default();
     let threads = ThreadWorld::run(world, |c| {
         train_rank_with(&params, adamw()?, c, opts.clone(), job, &none, |_, _| {})
@@ -276,7 +294,7 @@ fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
     })?;
     comm.barrier()?;
     Ok(Some(
-        loaded.iter().all(|d| *d == mpi.digest) && threads[0].digest == mpi.digest,
+        loaded.iter().all(|d| *d == mpi.digest) && threads[0].digest == mpi.digest && copied == 0,
     ))
 }
 

@@ -72,7 +72,7 @@ use mpi::traits::{
 use mpi::Count;
 
 use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
-use super::{Buf, BufMut, Communicator, ElemType, ReduceOp};
+use super::{Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// How long a rank waits by default in a collective for ranks that have not called it
@@ -188,6 +188,18 @@ impl MpiComm {
     /// Posts `post` with every rank's, validates the table (every rank reaches the same
     /// verdict), and runs `data`, whose transfers wait within the same limit.
     fn collective(&self, post: Post, data: impl FnOnce(&Waiting<'_>) -> Result<()>) -> Result<()> {
+        self.collective_laid_out(post, NO_LAYOUT, data)
+    }
+
+    /// [`MpiComm::collective`] whose data phase also needs every rank to pass the same
+    /// `layout` (a [`layout_digest`] of its segments; [`NO_LAYOUT`] for other calls), checked
+    /// with the descriptors.
+    fn collective_laid_out(
+        &self,
+        post: Post,
+        layout: u64,
+        data: impl FnOnce(&Waiting<'_>) -> Result<()>,
+    ) -> Result<()> {
         let op = post.op;
         let _serial = serial();
         let mut inner = self
@@ -201,8 +213,8 @@ impl MpiComm {
             ));
         }
         let at = inner.call_site(Some(&post), self.rank, self.size);
-        let posts = match exchange(&inner.world, Some(&post), &at) {
-            Exchanged::Posts(posts) => posts,
+        let (posts, layouts) = match exchange(&inner.world, Some((&post, layout)), &at) {
+            Exchanged::Posts { posts, layouts } => (posts, layouts),
             Exchanged::Left { first: j, .. } => {
                 inner.left = Some(j);
                 return Err(self.err(
@@ -218,6 +230,7 @@ impl MpiComm {
         };
         validate(&posts)
             .and_then(|()| check_mpi_limits(&posts))
+            .and_then(|()| check_same_layout(&layouts))
             .map_err(|reason| self.err(op, reason))?;
         data(&Waiting {
             world: &inner.world,
@@ -323,14 +336,41 @@ const OPS: [Op; 8] = [
     Op::Barrier,
 ];
 const ELEMS: [ElemType; 3] = [ElemType::F32, ElemType::BF16, ElemType::U8];
-const HEADER: usize = 9;
+/// Header words: the [`Post`]'s nine, then the segment layout's digest.
+const HEADER: usize = 10;
+
+/// The layout word of a call that gathers into no segments.
+const NO_LAYOUT: u64 = 0;
+
+/// A digest of the segments' offsets and lengths (FNV-1a over their words; never
+/// [`NO_LAYOUT`], so a segmented gather never passes for a plain one).
+fn layout_digest(segments: &[Segment<'_>]) -> u64 {
+    let words = segments.iter().flat_map(|s| [s.offset, s.buf.len()]);
+    let hash = words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+        (h ^ w as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    hash.max(1)
+}
+
+/// `Err` naming the first rank whose segment layout differs from rank 0's.
+fn check_same_layout(layouts: &[u64]) -> std::result::Result<(), String> {
+    match layouts.iter().position(|&l| l != layouts[0]) {
+        None => Ok(()),
+        Some(j) => Err(format!(
+            "rank {j} gathers into segments laid out otherwise than rank 0 (other offsets or \
+             lengths, or no segments where rank 0 has some): over MPI every rank must pass the \
+             same segments to all_gather_segments, since each sends only the pieces of its \
+             shard that the segments cover"
+        )),
+    }
+}
 
 fn index_of<T: PartialEq>(all: &[T], x: &T) -> u64 {
     all.iter().position(|y| y == x).expect("listed") as u64
 }
 
 /// The fixed-size part of a descriptor.
-fn header(p: &Post) -> [u64; HEADER] {
+fn header(p: &Post, layout: u64) -> [u64; HEADER] {
     let reduce = match p.reduce {
         None => 0,
         Some(ReduceOp::Sum) => 1,
@@ -346,6 +386,7 @@ fn header(p: &Post) -> [u64; HEADER] {
         p.root as u64,
         p.send_counts.len() as u64,
         p.recv_counts.len() as u64,
+        layout,
     ]
 }
 
@@ -372,19 +413,19 @@ const LEAVE: u64 = u64::MAX;
 
 /// What one descriptor exchange found.
 enum Exchanged {
-    /// Every rank's call.
-    Posts(Vec<Post>),
+    /// Every rank's call and segment layout.
+    Posts { posts: Vec<Post>, layouts: Vec<u64> },
     /// Some ranks left: the first of them, and the ranks that did not.
     Left { first: usize, staying: Vec<usize> },
 }
 
-/// Every rank's descriptor (`None`: this rank leaves): one all-gather of the headers, and when
-/// every rank calls all-to-all-v, one of the counts (`V` per side, padded; the true lengths
-/// ride in the header, so a wrong length still fails validation on every rank). Every rank
-/// sees the same headers, so all reach the same outcome.
-fn exchange(world: &SimpleCommunicator, post: Option<&Post>, at: &CallSite) -> Exchanged {
+/// Every rank's descriptor and layout word (`None`: this rank leaves): one all-gather of the
+/// headers, and when every rank calls all-to-all-v, one of the counts (`V` per side, padded;
+/// the true lengths ride in the header, so a wrong length still fails validation on every
+/// rank). Every rank sees the same headers, so all reach the same outcome.
+fn exchange(world: &SimpleCommunicator, post: Option<(&Post, u64)>, at: &CallSite) -> Exchanged {
     let v = at.size;
-    let mine = post.map_or([LEAVE; HEADER], header);
+    let mine = post.map_or([LEAVE; HEADER], |(p, layout)| header(p, layout));
     let mut all = vec![0u64; HEADER * v];
     all_gather_within(world, &mine[..], &mut all[..], at);
     let leaving = |h: &[u64]| h[0] == LEAVE;
@@ -392,7 +433,7 @@ fn exchange(world: &SimpleCommunicator, post: Option<&Post>, at: &CallSite) -> E
         let staying = (0..v).filter(|&j| !leaving(&all[j * HEADER..])).collect();
         return Exchanged::Left { first, staying };
     }
-    let Some(post) = post else {
+    let Some((post, _)) = post else {
         unreachable!("this rank's own header is a leaving one");
     };
     let mut posts: Vec<Post> = all.chunks(HEADER).map(from_header).collect();
@@ -419,7 +460,8 @@ fn exchange(world: &SimpleCommunicator, post: Option<&Post>, at: &CallSite) -> E
             p.recv_counts = take(&row[v..], nr);
         }
     }
-    Exchanged::Posts(posts)
+    let layouts = all.chunks(HEADER).map(|h| h[HEADER - 1]).collect();
+    Exchanged::Posts { posts, layouts }
 }
 
 // --- Waiting with a limit ------------------------------------------------------------------
@@ -560,6 +602,51 @@ impl Waiting<'_> {
                 if j != me && n > 0 {
                     let to = w.process_at_rank(j as i32);
                     requests.push(to.immediate_send_with_tag(s, &send[at..at + n], DATA));
+                }
+            }
+            wait_all_within(w, requests, &self.at)
+        })
+    }
+
+    /// An all-gather straight into the storages of a full buffer's segments, as point-to-point
+    /// messages: rank `j`'s `send` (`s` bytes) is bytes `j·s..(j+1)·s` of the full buffer, and
+    /// `spans` (byte offset in the full buffer, storage; ascending, disjoint) are the parts
+    /// this rank keeps. Every rank passes the same layout (checked with the descriptors), so
+    /// each sends every other rank exactly the pieces of its range that the spans cover (none
+    /// of the padding), one message per piece in ascending order, and each receives them in
+    /// that order into the spans (messages between two ranks with one tag match in order).
+    /// The own pieces are copied here.
+    fn all_gather_into_spans(&self, send: &[u8], spans: &mut [(usize, &mut [u8])]) {
+        let (w, me, s) = (self.world, self.at.rank, send.len());
+        let mut receives: Vec<(usize, &mut [u8])> = Vec::new();
+        let mut own: Vec<&[u8]> = Vec::new();
+        for (offset, storage) in spans.iter_mut() {
+            let (mut at, mut rest) = (*offset, &mut **storage);
+            while !rest.is_empty() {
+                // The part of the span inside rank j's range.
+                let j = at / s;
+                let end = ((j + 1) * s).min(at + rest.len());
+                let (piece, tail) = std::mem::take(&mut rest).split_at_mut(end - at);
+                if j == me {
+                    let mine = &send[at - j * s..end - j * s];
+                    piece.copy_from_slice(mine);
+                    own.push(mine);
+                } else {
+                    receives.push((j, piece));
+                }
+                (at, rest) = (end, tail);
+            }
+        }
+        mpi::request::scope(|sc| {
+            let mut requests = Vec::new();
+            for (j, piece) in receives {
+                let from = w.process_at_rank(j as i32);
+                requests.push(from.immediate_receive_into_with_tag(sc, piece, DATA));
+            }
+            for j in (0..self.at.size).filter(|&j| j != me) {
+                let to = w.process_at_rank(j as i32);
+                for &piece in &own {
+                    requests.push(to.immediate_send_with_tag(sc, piece, DATA));
                 }
             }
             wait_all_within(w, requests, &self.at)
@@ -773,6 +860,33 @@ impl Communicator for MpiComm {
             world.all_gather(send, recv);
             Ok(())
         })
+    }
+
+    /// Straight into the segments, nothing staged: each rank sends the covered pieces of its
+    /// shard as messages of their own ([`Waiting::all_gather_into_spans`]), which needs every
+    /// rank to pass the same segment layout (its digest rides with the descriptors; a rank
+    /// with another layout is an `Err` on every rank). The runtime's gathers all do: the plan
+    /// is agreed when a model is sharded.
+    fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
+        let elem = send.elem_type();
+        let full = send.len() * self.size;
+        super::check_segments(segments, elem, full)?;
+        let post = Post {
+            send: Region::of(&send)?,
+            recv: Region::sized(full, elem),
+            ..Post::new(Op::AllGather)
+        };
+        let layout = layout_digest(segments);
+        let send = bytes_of(&send)?;
+        let mut spans = segments
+            .iter_mut()
+            .map(|s| Ok((s.offset * elem.size(), bytes_of_mut(s.buf.reborrow())?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.collective_laid_out(post, layout, |world| {
+            world.all_gather_into_spans(send, &mut spans);
+            Ok(())
+        })?;
+        Ok(0)
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
