@@ -296,12 +296,21 @@ fn a_kept_unit_is_rewritten_in_place_after_a_step() {
 struct Observed {
     /// `(offset in the full buffer, address)` of every segment gathered into.
     segments: Mutex<Vec<(usize, usize)>>,
-    /// `(input address, input contents, output address and length)` of every reduce-scatter.
-    reduced: Mutex<Vec<(usize, Vec<f32>, (usize, usize))>>,
+    /// Every reduce-scatter.
+    reduced: Mutex<Vec<ReduceScatter>>,
     /// `(address, length)` of every all-reduce buffer.
     all_reduced: Mutex<Vec<(usize, usize)>>,
     /// `(address, length)` of the gradients every optimizer step read.
     stepped: Mutex<Vec<(usize, usize)>>,
+}
+
+/// What one reduce-scatter read and wrote.
+#[derive(Clone)]
+struct ReduceScatter {
+    input: usize,
+    contents: Vec<f32>,
+    /// Address and length.
+    output: (usize, usize),
 }
 
 fn span(b: &BufMut<'_>) -> Option<(usize, usize)> {
@@ -389,7 +398,11 @@ impl Communicator for Recorder<'_> {
         op: ReduceOp,
     ) -> ragged::Result<usize> {
         if let (BufMut::F32(b), Some(out)) = (&send, span(&recv)) {
-            let seen = (b.as_ptr() as usize, b.to_vec(), out);
+            let seen = ReduceScatter {
+                input: b.as_ptr() as usize,
+                contents: b.to_vec(),
+                output: out,
+            };
             self.seen.reduced.lock().unwrap().push(seen);
         }
         self.inner().reduce_scatter(send, recv, op)
@@ -487,7 +500,7 @@ fn collectives_run_on_the_model_storage(world: usize, replicas: usize) {
         // Gradients: every unit's reduce-scatter wrote the storage its step read, which is
         // also where the replica all-reduce ran...
         let reduced = seen.reduced.lock().unwrap().clone();
-        let outputs: Vec<(usize, usize)> = reduced.iter().map(|r| r.2).collect();
+        let outputs: Vec<(usize, usize)> = reduced.iter().map(|r| r.output).collect();
         assert_eq!(outputs.len(), sharded.unit_names().len());
         let mut stepped = seen.stepped.lock().unwrap().clone();
         stepped.sort_unstable();
@@ -511,9 +524,11 @@ fn collectives_run_on_the_model_storage(world: usize, replicas: usize) {
             .iter()
             .position(|n| *n == "layers.0")
             .unwrap();
-        let (addr, contents, _) = reduced[order].clone();
+        let ReduceScatter {
+            input, contents, ..
+        } = reduced[order].clone();
         assert_eq!(
-            addr, sink.0,
+            input, sink.0,
             "reduce-scatter must read the buffer backward wrote"
         );
         // ...and holds exactly plain candle's gradients at the planned offsets.
