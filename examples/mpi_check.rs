@@ -39,7 +39,7 @@ use std::process::ExitCode;
 use ragged::comm::conformance::exercise;
 use ragged::comm::mpi::MpiComm;
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::{Buf, BufMut, Communicator, Segment, SingleRank};
+use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, Segment, SingleRank};
 use ragged::demo::{
     train_rank_with, Checkpointing, SplitMix, StepReport, TrainMode, TransformerConfig,
 };
@@ -59,7 +59,11 @@ mpi_check: the MPI backend held to the thread backend (collectives, disagreeing 
 Muon, a checkpoint saved over MPI, groups and HSDP); run under mpirun, e.g.
   mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
 
-Usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]
+Usage: mpi_check [--large | --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]
+
+  --large                        instead move buffers past MPI's int counts (over 2 GiB; about
+                                 5 GiB of memory per rank): all-gather, reduce-scatter and
+                                 broadcast, each checked element by element
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job: it returns an
                                  Err, panics, leaves, stalls (stall-at-end: while the others
@@ -81,6 +85,18 @@ fn main() -> ExitCode {
         }
     };
     let (rank, world) = (comm.rank(), comm.world_size());
+    if std::env::args().skip(1).eq(["--large".to_string()]) {
+        let verdict = match large_buffers(&comm) {
+            Ok(true) => "ok".to_string(),
+            Ok(false) => "MISMATCH".to_string(),
+            Err(e) => format!("ERROR {e}"),
+        };
+        println!("mpi_check rank {rank}/{world}: buffers past MPI's int counts: {verdict}");
+        return match verdict.as_str() {
+            "ok" => ExitCode::SUCCESS,
+            _ => ExitCode::FAILURE,
+        };
+    }
     match failure_mode() {
         Ok(Some((bad, FailHow::Leave))) if rank == bad => {
             // Returns early, as a program whose loop ends sooner does: dropping the
@@ -233,6 +249,44 @@ fn stop_in_transfers(comm: &MpiComm, bad: usize) -> ragged::Error {
         "rank {} moved all-gathers for 60 s although rank {bad} stopped",
         comm.rank()
     ))
+}
+
+/// Buffers of more than 2³¹ − 1 bytes (MPI's `int` counts), which the backend moves as
+/// point-to-point messages of at most that size: an all-gather into `2^31 + 8·V` bytes, a
+/// reduce-scatter of as many (sums), and a broadcast of half that, checked element by element.
+/// The values are small integers, so every sum is exact in f32.
+fn large_buffers(comm: &MpiComm) -> Result<bool> {
+    let (v, r) = (comm.world_size(), comm.rank());
+    let s = (1usize << 29) / v + 2; // f32 elements per rank: V·S·4 > 2^31 bytes
+    let value = |rank: usize, i: usize| ((i % 1013) + 7 * rank) as f32;
+    let mut ok = true;
+    {
+        let send: Vec<f32> = (0..s).map(|i| value(r, i)).collect();
+        let mut full = vec![0f32; v * s];
+        comm.all_gather((&send[..]).into(), (&mut full[..]).into())?;
+        ok &= full
+            .chunks(s)
+            .enumerate()
+            .all(|(j, part)| part.iter().enumerate().all(|(i, &x)| x == value(j, i)));
+    }
+    {
+        let mut full: Vec<f32> = (0..v * s).map(|i| value(r, i)).collect();
+        let mut own = vec![0f32; s];
+        comm.reduce_scatter((&mut full[..]).into(), (&mut own[..]).into(), ReduceOp::Sum)?;
+        let sum = |i: usize| (0..v).map(|j| value(j, r * s + i)).sum::<f32>();
+        ok &= own.iter().enumerate().all(|(i, &x)| x == sum(i));
+    }
+    {
+        let n = (1usize << 29) + 3; // 2^31 + 12 bytes
+        let mut buf: Vec<f32> = match r {
+            0 => (0..n).map(|i| value(5, i)).collect(),
+            _ => vec![0f32; n],
+        };
+        comm.broadcast((&mut buf[..]).into(), 0)?;
+        ok &= buf.iter().enumerate().all(|(i, &x)| x == value(5, i));
+    }
+    comm.barrier()?;
+    Ok(ok)
 }
 
 fn collectives(comm: &MpiComm) -> Result<Option<bool>> {

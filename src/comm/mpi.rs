@@ -45,6 +45,14 @@
 //! finalizes while the others abort: 2 of 150 runs of `mpi_check --fail-how leave` did (one
 //! crash, one hang) before. Once one rank left, the job cannot go on anyway.
 //!
+//! # Buffers of any size
+//! MPI's counts are `int`. A call whose buffers pass 2³¹ − 1 bytes (or
+//! `RAGGED_MPI_MESSAGE_BYTES`, the smallest of the ranks' values, which ride with the
+//! descriptors) moves its data as point-to-point messages of at most that size instead of MPI
+//! collectives; every rank decides alike from the table of descriptors. An all-to-all-v and
+//! an all-gather into segments always move as messages ([`Communicator::all_gather_segments`]
+//! receives straight into the segments).
+//!
 //! # Groups
 //! [`Communicator::split`] makes a communicator of this backend over a group of ranks
 //! (`MPI_Comm_split`, after the colors went round as a checked collective): the same descriptor
@@ -62,7 +70,7 @@ use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use mpi::datatype::{PartitionMut, PartitionedBufferMut};
+use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
@@ -94,6 +102,8 @@ struct Inner {
     calls: u64,
     /// `RAGGED_MPI_TIMEOUT_S`, read once by [`MpiComm::init`]; `None`: no limit.
     timeout: Option<Duration>,
+    /// `RAGGED_MPI_MESSAGE_BYTES` ([`Waiting::message_bytes`]), read once by [`MpiComm::init`].
+    message_bytes: usize,
     /// Finalizes MPI when the last holder drops it (after `world`): the world's communicator
     /// and the groups split from it ([`Communicator::split`]) share it.
     universe: Option<Arc<Universe>>,
@@ -106,6 +116,28 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The largest message by default: MPI's counts are `int`.
+pub const MAX_MESSAGE_BYTES: usize = Count::MAX as usize;
+
+/// `RAGGED_MPI_MESSAGE_BYTES`: the largest message a call moves (default and most
+/// [`MAX_MESSAGE_BYTES`]); calls whose buffers are larger move their data as point-to-point
+/// messages of that size instead of MPI collectives. Set it lower to run that path on small
+/// buffers (`.ci/run` does); `Err` unless it is a whole number from 1 to the default.
+fn message_bytes_from_env() -> Result<usize> {
+    const VAR: &str = "RAGGED_MPI_MESSAGE_BYTES";
+    let Ok(value) = std::env::var(VAR) else {
+        return Ok(MAX_MESSAGE_BYTES);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_MESSAGE_BYTES).contains(&n) => Ok(n),
+        _ => Err(Error::BadInput {
+            op: VAR,
+            what: value,
+            reason: format!("not a number of bytes from 1 to {MAX_MESSAGE_BYTES}"),
+        }),
+    }
 }
 
 /// This process as one rank of `MPI_COMM_WORLD`.
@@ -135,6 +167,7 @@ impl MpiComm {
     /// `RAGGED_MPI_TIMEOUT_S` is not a number of seconds.
     pub fn init() -> Result<Self> {
         let timeout = crate::limits::env_timeout("RAGGED_MPI_TIMEOUT_S", DEFAULT_TIMEOUT)?;
+        let message_bytes = message_bytes_from_env()?;
         // No rank yet: MPI is not initialized.
         let fail = |reason: String| Error::BadInput {
             op: "MpiComm::init",
@@ -157,6 +190,7 @@ impl MpiComm {
                 left: None,
                 calls: 0,
                 timeout,
+                message_bytes,
                 universe: Some(Arc::new(universe)),
             }),
             rank,
@@ -213,8 +247,12 @@ impl MpiComm {
             ));
         }
         let at = inner.call_site(Some(&post), self.rank, self.size);
-        let (posts, layouts) = match exchange(&inner.world, Some((&post, layout)), &at) {
-            Exchanged::Posts { posts, layouts } => (posts, layouts),
+        let mine = Words {
+            layout,
+            message_bytes: inner.message_bytes,
+        };
+        let (posts, words) = match exchange(&inner.world, Some((&post, mine)), &at) {
+            Exchanged::Posts { posts, words } => (posts, words),
             Exchanged::Left { first: j, .. } => {
                 inner.left = Some(j);
                 return Err(self.err(
@@ -229,15 +267,20 @@ impl MpiComm {
             }
         };
         validate(&posts)
-            .and_then(|()| check_mpi_limits(&posts))
-            .and_then(|()| check_same_layout(&layouts))
+            .and_then(|()| check_same_layout(&words))
             .map_err(|reason| self.err(op, reason))?;
+        // Every rank sees the same table, so all pick the same message size and route.
+        let message_bytes = words.iter().map(|w| w.message_bytes).min().unwrap_or(1);
+        let v = posts.len();
+        let widest = posts.iter().map(|p| widest_buffer_bytes(p, v)).max();
         data(&Waiting {
             world: &inner.world,
             at: CallSite {
                 transfers: true,
                 ..at
             },
+            message_bytes,
+            point_to_point: widest.unwrap_or(0) > message_bytes,
         })
     }
 }
@@ -336,8 +379,17 @@ const OPS: [Op; 8] = [
     Op::Barrier,
 ];
 const ELEMS: [ElemType; 3] = [ElemType::F32, ElemType::BF16, ElemType::U8];
-/// Header words: the [`Post`]'s nine, then the segment layout's digest.
-const HEADER: usize = 10;
+/// Header words: the [`Post`]'s nine, then the rank's [`Words`].
+const HEADER: usize = 11;
+
+/// What a rank's descriptor carries beyond its [`Post`].
+#[derive(Clone, Copy)]
+struct Words {
+    /// [`layout_digest`] of its segments, [`NO_LAYOUT`] for other calls.
+    layout: u64,
+    /// Its largest message ([`Waiting::message_bytes`]).
+    message_bytes: usize,
+}
 
 /// The layout word of a call that gathers into no segments.
 const NO_LAYOUT: u64 = 0;
@@ -353,8 +405,8 @@ fn layout_digest(segments: &[Segment<'_>]) -> u64 {
 }
 
 /// `Err` naming the first rank whose segment layout differs from rank 0's.
-fn check_same_layout(layouts: &[u64]) -> std::result::Result<(), String> {
-    match layouts.iter().position(|&l| l != layouts[0]) {
+fn check_same_layout(words: &[Words]) -> std::result::Result<(), String> {
+    match words.iter().position(|w| w.layout != words[0].layout) {
         None => Ok(()),
         Some(j) => Err(format!(
             "rank {j} gathers into segments laid out otherwise than rank 0 (other offsets or \
@@ -370,7 +422,7 @@ fn index_of<T: PartialEq>(all: &[T], x: &T) -> u64 {
 }
 
 /// The fixed-size part of a descriptor.
-fn header(p: &Post, layout: u64) -> [u64; HEADER] {
+fn header(p: &Post, words: Words) -> [u64; HEADER] {
     let reduce = match p.reduce {
         None => 0,
         Some(ReduceOp::Sum) => 1,
@@ -386,7 +438,8 @@ fn header(p: &Post, layout: u64) -> [u64; HEADER] {
         p.root as u64,
         p.send_counts.len() as u64,
         p.recv_counts.len() as u64,
-        layout,
+        words.layout,
+        words.message_bytes as u64,
     ]
 }
 
@@ -413,19 +466,19 @@ const LEAVE: u64 = u64::MAX;
 
 /// What one descriptor exchange found.
 enum Exchanged {
-    /// Every rank's call and segment layout.
-    Posts { posts: Vec<Post>, layouts: Vec<u64> },
+    /// Every rank's call and words.
+    Posts { posts: Vec<Post>, words: Vec<Words> },
     /// Some ranks left: the first of them, and the ranks that did not.
     Left { first: usize, staying: Vec<usize> },
 }
 
-/// Every rank's descriptor and layout word (`None`: this rank leaves): one all-gather of the
+/// Every rank's descriptor and words (`None`: this rank leaves): one all-gather of the
 /// headers, and when every rank calls all-to-all-v, one of the counts (`V` per side, padded;
 /// the true lengths ride in the header, so a wrong length still fails validation on every
 /// rank). Every rank sees the same headers, so all reach the same outcome.
-fn exchange(world: &SimpleCommunicator, post: Option<(&Post, u64)>, at: &CallSite) -> Exchanged {
+fn exchange(world: &SimpleCommunicator, post: Option<(&Post, Words)>, at: &CallSite) -> Exchanged {
     let v = at.size;
-    let mine = post.map_or([LEAVE; HEADER], |(p, layout)| header(p, layout));
+    let mine = post.map_or([LEAVE; HEADER], |(p, words)| header(p, words));
     let mut all = vec![0u64; HEADER * v];
     all_gather_within(world, &mine[..], &mut all[..], at);
     let leaving = |h: &[u64]| h[0] == LEAVE;
@@ -460,8 +513,14 @@ fn exchange(world: &SimpleCommunicator, post: Option<(&Post, u64)>, at: &CallSit
             p.recv_counts = take(&row[v..], nr);
         }
     }
-    let layouts = all.chunks(HEADER).map(|h| h[HEADER - 1]).collect();
-    Exchanged::Posts { posts, layouts }
+    let words = all
+        .chunks(HEADER)
+        .map(|h| Words {
+            layout: h[HEADER - 2],
+            message_bytes: usize::try_from(h[HEADER - 1]).unwrap_or(usize::MAX),
+        })
+        .collect();
+    Exchanged::Posts { posts, words }
 }
 
 // --- Waiting with a limit ------------------------------------------------------------------
@@ -537,15 +596,86 @@ fn wait_all_within<'a, D: ?Sized, S: Scope<'a>>(
     }
 }
 
-/// The world during one call's data transfers, each a non-blocking MPI collective waited for
-/// within the call's limit.
+/// The world during one call's data transfers, each waited for within the call's limit: a
+/// non-blocking MPI collective, or point-to-point messages ([`Messages`]) where a collective
+/// does not fit (a buffer past MPI's `int` counts, all-to-all-v, segments).
 struct Waiting<'w> {
     world: &'w SimpleCommunicator,
     at: CallSite,
+    /// The largest message, in bytes: MPI's `int` counts, or less where a rank set
+    /// `RAGGED_MPI_MESSAGE_BYTES` (the smallest of the ranks' values, so all agree).
+    message_bytes: usize,
+    /// This call's buffers pass `message_bytes` on some rank: it moves its data as messages
+    /// of at most that size instead of MPI collectives (every rank decides alike, from the
+    /// table of descriptors).
+    point_to_point: bool,
+}
+
+/// One rank's side of a data phase as point-to-point messages: what it sends to which rank
+/// and where it receives from which, each list in the order the other side posts its part
+/// (between two ranks, messages of one tag match in the order posted).
+#[derive(Default)]
+struct Messages<'b> {
+    sends: Vec<(usize, &'b [u8])>,
+    receives: Vec<(usize, &'b mut [u8])>,
+}
+
+/// `buf` cut into consecutive pieces of `counts[j]` bytes.
+fn cut<'b>(mut buf: &'b mut [u8], counts: &[usize]) -> Vec<&'b mut [u8]> {
+    counts
+        .iter()
+        .map(|&n| {
+            let (piece, rest) = std::mem::take(&mut buf).split_at_mut(n);
+            buf = rest;
+            piece
+        })
+        .collect()
 }
 
 impl Waiting<'_> {
+    /// Posts `m`, every message cut into pieces of at most [`Waiting::message_bytes`] (empty
+    /// ones post nothing), and waits for all of them within the call's limit.
+    fn move_messages(&self, m: Messages<'_>) {
+        let (w, most) = (self.world, self.message_bytes);
+        mpi::request::scope(|sc| {
+            let mut requests = Vec::new();
+            for (j, buf) in m.receives {
+                let from = w.process_at_rank(j as i32);
+                for piece in buf.chunks_mut(most) {
+                    requests.push(from.immediate_receive_into_with_tag(sc, piece, DATA));
+                }
+            }
+            for (j, buf) in m.sends {
+                let to = w.process_at_rank(j as i32);
+                for piece in buf.chunks(most) {
+                    requests.push(to.immediate_send_with_tag(sc, piece, DATA));
+                }
+            }
+            wait_all_within(w, requests, &self.at)
+        })
+    }
+
+    /// An all-gather's messages: `send` to every other rank, rank `j`'s into `slots[j]`; the
+    /// own slot is copied here.
+    fn gather_messages<'b>(&self, send: &'b [u8], mut slots: Vec<&'b mut [u8]>) -> Messages<'b> {
+        let me = self.at.rank;
+        slots[me].copy_from_slice(send);
+        let others = (0..self.at.size).filter(|&j| j != me);
+        Messages {
+            sends: others.map(|j| (j, send)).collect(),
+            receives: slots
+                .into_iter()
+                .enumerate()
+                .filter(|&(j, _)| j != me)
+                .collect(),
+        }
+    }
+
     fn all_gather(&self, send: &[u8], recv: &mut [u8]) {
+        if self.point_to_point {
+            let slots = cut(recv, &vec![send.len(); self.at.size]);
+            return self.move_messages(self.gather_messages(send, slots));
+        }
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(w, w.immediate_all_gather_into(s, send, recv), &self.at)
@@ -553,6 +683,10 @@ impl Waiting<'_> {
     }
 
     fn all_to_all(&self, send: &[u8], recv: &mut [u8]) {
+        if self.point_to_point {
+            let counts = vec![send.len() / self.at.size; self.at.size];
+            return self.all_to_all_v(send, &counts, recv, &counts);
+        }
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(w, w.immediate_all_to_all_into(s, send, recv), &self.at)
@@ -574,37 +708,27 @@ impl Waiting<'_> {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) {
-        let (w, me) = (self.world, self.at.rank);
-        let starts = |counts: &[usize]| -> Vec<usize> {
-            counts
-                .iter()
-                .scan(0, |at, &c| Some(std::mem::replace(at, *at + c)))
-                .collect()
-        };
-        let send_at = starts(send_counts);
-        let mut pieces = Vec::with_capacity(recv_counts.len());
-        let mut rest = recv;
-        for &n in recv_counts {
-            let (piece, tail) = rest.split_at_mut(n);
-            pieces.push(piece);
+        let me = self.at.rank;
+        let mut outgoing = Vec::with_capacity(send_counts.len());
+        let mut rest = send;
+        for &n in send_counts {
+            let (piece, tail) = rest.split_at(n);
+            outgoing.push(piece);
             rest = tail;
         }
-        pieces[me].copy_from_slice(&send[send_at[me]..send_at[me] + send_counts[me]]);
-        mpi::request::scope(|s| {
-            let mut requests = Vec::new();
-            for (j, piece) in pieces.into_iter().enumerate() {
-                if j != me && !piece.is_empty() {
-                    let from = w.process_at_rank(j as i32);
-                    requests.push(from.immediate_receive_into_with_tag(s, piece, DATA));
-                }
-            }
-            for (j, (&at, &n)) in send_at.iter().zip(send_counts).enumerate() {
-                if j != me && n > 0 {
-                    let to = w.process_at_rank(j as i32);
-                    requests.push(to.immediate_send_with_tag(s, &send[at..at + n], DATA));
-                }
-            }
-            wait_all_within(w, requests, &self.at)
+        let mut incoming = cut(recv, recv_counts);
+        incoming[me].copy_from_slice(outgoing[me]);
+        self.move_messages(Messages {
+            sends: outgoing
+                .into_iter()
+                .enumerate()
+                .filter(|m| m.0 != me)
+                .collect(),
+            receives: incoming
+                .into_iter()
+                .enumerate()
+                .filter(|m| m.0 != me)
+                .collect(),
         })
     }
 
@@ -613,12 +737,11 @@ impl Waiting<'_> {
     /// `spans` (byte offset in the full buffer, storage; ascending, disjoint) are the parts
     /// this rank keeps. Every rank passes the same layout (checked with the descriptors), so
     /// each sends every other rank exactly the pieces of its range that the spans cover (none
-    /// of the padding), one message per piece in ascending order, and each receives them in
-    /// that order into the spans (messages between two ranks with one tag match in order).
-    /// The own pieces are copied here.
+    /// of the padding), in ascending order, and each receives them in that order into the
+    /// spans. The own pieces are copied here.
     fn all_gather_into_spans(&self, send: &[u8], spans: &mut [(usize, &mut [u8])]) {
-        let (w, me, s) = (self.world, self.at.rank, send.len());
-        let mut receives: Vec<(usize, &mut [u8])> = Vec::new();
+        let (me, s) = (self.at.rank, send.len());
+        let mut m = Messages::default();
         let mut own: Vec<&[u8]> = Vec::new();
         for (offset, storage) in spans.iter_mut() {
             let (mut at, mut rest) = (*offset, &mut **storage);
@@ -632,39 +755,48 @@ impl Waiting<'_> {
                     piece.copy_from_slice(mine);
                     own.push(mine);
                 } else {
-                    receives.push((j, piece));
+                    m.receives.push((j, piece));
                 }
                 (at, rest) = (end, tail);
             }
         }
-        mpi::request::scope(|sc| {
-            let mut requests = Vec::new();
-            for (j, piece) in receives {
-                let from = w.process_at_rank(j as i32);
-                requests.push(from.immediate_receive_into_with_tag(sc, piece, DATA));
-            }
-            for j in (0..self.at.size).filter(|&j| j != me) {
-                let to = w.process_at_rank(j as i32);
-                for &piece in &own {
-                    requests.push(to.immediate_send_with_tag(sc, piece, DATA));
-                }
-            }
-            wait_all_within(w, requests, &self.at)
-        })
+        for j in (0..self.at.size).filter(|&j| j != me) {
+            m.sends.extend(own.iter().map(|&piece| (j, piece)));
+        }
+        self.move_messages(m)
     }
 
-    fn all_gather_v(&self, send: &[u8], recv: &mut impl PartitionedBufferMut) {
+    /// An all-gather with uneven counts: rank `j`'s `counts[j]` bytes land back to back in
+    /// `recv`, in rank order.
+    fn all_gather_v(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) {
+        if self.point_to_point {
+            return self.move_messages(self.gather_messages(send, cut(recv, counts)));
+        }
+        let at = |i: usize| counts[..i].iter().sum::<usize>();
+        let displs: Vec<Count> = (0..counts.len()).map(|i| at(i) as Count).collect();
+        let counts: Vec<Count> = counts.iter().map(|&n| n as Count).collect();
+        let mut recv = PartitionMut::new(recv, &counts[..], &displs[..]);
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(
                 w,
-                w.immediate_all_gather_varcount_into(s, send, recv),
+                w.immediate_all_gather_varcount_into(s, send, &mut recv),
                 &self.at,
             )
         })
     }
 
     fn broadcast(&self, root: usize, bytes: &mut [u8]) {
+        if self.point_to_point {
+            let mut m = Messages::default();
+            if self.at.rank == root {
+                let others = (0..self.at.size).filter(|&j| j != root);
+                m.sends = others.map(|j| (j, &*bytes)).collect();
+            } else {
+                m.receives.push((root, bytes));
+            }
+            return self.move_messages(m);
+        }
         let w = self.world;
         let root = w.process_at_rank(root as i32);
         mpi::request::scope(|s| wait_within(w, root.immediate_broadcast_into(s, bytes), &self.at))
@@ -736,24 +868,6 @@ fn report_absent(at: &CallSite, waited: Duration, answered: &[bool]) -> ! {
     abort_world(1)
 }
 
-/// MPI counts are `int`: every buffer, in bytes, must fit. No count or displacement of a call
-/// exceeds the bytes of the largest buffer it uses ([`widest_buffer_bytes`]: its own buffers,
-/// and all-reduce's staged runs, which can pass its buffer by `V − 1` elements), so that bound
-/// is the limit; larger calls are refused, not split.
-fn check_mpi_limits(posts: &[Post]) -> std::result::Result<(), String> {
-    for (j, p) in posts.iter().enumerate() {
-        let bytes = widest_buffer_bytes(p, posts.len());
-        if bytes > Count::MAX as usize {
-            return Err(format!(
-                "rank {j}: {} needs a buffer of {bytes} bytes, past MPI's int counts (2^31 − 1 \
-                 bytes); split the unit (a smaller wrap, or more buffers per unit)",
-                p.op.name()
-            ));
-        }
-    }
-    Ok(())
-}
-
 // --- Buffers as bytes ------------------------------------------------------------------------
 
 /// A host buffer as bytes (`Err` for device memory: MPI here moves host memory).
@@ -805,10 +919,6 @@ impl Scratch {
         // SAFETY: the first `len` bytes of the words, borrowed exclusively.
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
     }
-}
-
-fn counts(c: impl Iterator<Item = usize>) -> Vec<Count> {
-    c.map(|x| x as Count).collect()
 }
 
 /// Reduces `V` runs of `n` elements of `elem`, laid back to back in `runs` in rank order, into
@@ -863,7 +973,7 @@ impl Communicator for MpiComm {
     }
 
     /// Straight into the segments, nothing staged: each rank sends the covered pieces of its
-    /// shard as messages of their own ([`Waiting::all_gather_into_spans`]), which needs every
+    /// shard as messages of their own (`Waiting::all_gather_into_spans`), which needs every
     /// rank to pass the same segment layout (its digest rides with the descriptors; a rank
     /// with another layout is an `Err` on every rank). The runtime's gathers all do: the plan
     /// is agreed when a model is sharded.
@@ -945,15 +1055,10 @@ impl Communicator for MpiComm {
             let n = ranges[r].1 - ranges[r].0;
             let mut runs = Scratch::new(v * n * es);
             world.all_to_all_v(&bytes[..], &range_bytes, runs.bytes_mut(), &vec![n * es; v]);
-            let send_counts = counts(range_bytes.iter().copied());
-            let send_displs = counts(ranges.iter().map(|&(lo, _)| lo * es));
             let mut reduced = Scratch::new(n * es);
             reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
-            // Phase 2: every range to every rank.
-            world.all_gather_v(
-                reduced.bytes(),
-                &mut PartitionMut::new(bytes, &send_counts[..], &send_displs[..]),
-            );
+            // Phase 2: every range to every rank (the ranges are consecutive).
+            world.all_gather_v(reduced.bytes(), bytes, &range_bytes);
             Ok(())
         })
     }
@@ -1029,6 +1134,7 @@ impl Communicator for MpiComm {
                 left: None,
                 calls: 0,
                 timeout: inner.timeout,
+                message_bytes: inner.message_bytes,
                 universe: inner.universe.clone(),
             }),
             rank,
