@@ -18,21 +18,24 @@
 //!    and those equal a `V`-thread run's; the MPI run copied nothing outside collectives (its
 //!    gathers write the parameters' storages, its reduce-scatters the gradient shards);
 //! 5. groups split from the world (`Communicator::split`, ranks by parity) run every collective
-//!    as a thread world of their size does, and HSDP training with Muon
+//!    as a thread world of their size does, a group's disagreement names the group by its
+//!    ranks in the world, and HSDP training with Muon
 //!    (`FsdpOptions::replicas`, the smallest divisor of `V` above 1) ends with the parameters of
 //!    the same HSDP run on thread ranks (digests equal).
 //!
 //! Exits with status 1 on any failure.
 //!
-//! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop` instead checks
-//! how a failing rank ends the job: every rank enters a barrier except rank `R`, which returns
-//! an `Err` (passed to [`MpiComm::abort_job`]), panics, returns from `main` with success
-//! (dropping its communicator), or stays alive without calling MPI again (`stall-at-end`:
-//! while the others return from `main`); or (`stop`) every rank moves large all-gathers and
-//! rank `R` stops itself with `SIGSTOP`, nearly always inside one's transfers. The job must end
-//! with a message naming rank `R` and the `MPI_Abort` code as `mpirun`'s status (1, 101, 1, 1,
-//! 1, 1), not hang: at once for the first three, after `RAGGED_MPI_TIMEOUT_S` for the others;
-//! `.ci/run` checks all six under `timeout`.
+//! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stall-in-group|stop`
+//! instead checks how a failing rank ends the job: every rank enters a barrier except rank
+//! `R`, which returns an `Err` (passed to [`MpiComm::abort_job`]), panics, returns from `main`
+//! with success (dropping its communicator), or stays alive without calling MPI again
+//! (`stall-at-end`: while the others return from `main`; `stall-in-group`: after splitting the
+//! world into the ranks below `R` and the rest, whose others wait in their group's barrier, so
+//! `R` is rank 0 there); or (`stop`) every rank moves large all-gathers and rank `R` stops
+//! itself with `SIGSTOP`, nearly always inside one's transfers. The job must end with a
+//! message naming rank `R` (as a rank of the world) and the `MPI_Abort` code as `mpirun`'s
+//! status (1, 101, 1, 1, 1, 1, 1), not hang: at once for the first three, after
+//! `RAGGED_MPI_TIMEOUT_S` for the others; `.ci/run` checks all seven under `timeout`.
 
 use std::process::ExitCode;
 
@@ -59,16 +62,18 @@ mpi_check: the MPI backend held to the thread backend (collectives, disagreeing 
 Muon, a checkpoint saved over MPI, groups and HSDP); run under mpirun, e.g.
   mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
 
-Usage: mpi_check [--large | --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]
+Usage: mpi_check [--large | --fail-rank R --fail-how HOW]
 
   --large                        instead move buffers past MPI's int counts (over 2 GiB; about
                                  5 GiB of memory per rank): all-gather, reduce-scatter and
                                  broadcast, each checked element by element
 
-  --fail-rank R --fail-how HOW   instead check how rank R failing ends the job: it returns an
-                                 Err, panics, leaves, stalls (stall-at-end: while the others
-                                 return from main), or stops itself (SIGSTOP) inside large
-                                 all-gathers; the job must end with a message naming R
+  --fail-rank R --fail-how HOW   instead check how rank R failing ends the job; HOW is err,
+                                 panic, leave, stall, stall-at-end (while the others return
+                                 from main), stall-in-group (the ranks from R on wait in a
+                                 group's barrier, the others in the world's) or stop (SIGSTOP
+                                 inside large all-gathers); the job must end with a message
+                                 naming R
   -h, --help                     print this and exit";
 
 fn main() -> ExitCode {
@@ -153,6 +158,9 @@ enum FailHow {
     Stall,
     /// As `Stall`, while the other ranks return from `main` instead of entering a barrier.
     StallAtEnd,
+    /// As `Stall`, after a split into the ranks below the failing one and the rest: the
+    /// failing rank's group waits in a group barrier, the others in the world's.
+    StallInGroup,
     /// Stop (`SIGSTOP`, as a debugger or a frozen node would) while every rank moves large
     /// all-gathers: nearly always inside one's transfers, after its descriptor exchange.
     Stop,
@@ -169,9 +177,9 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
     let bad_arg = |what: String| ragged::Error::BadInput {
         op: "mpi_check",
         what,
-        reason:
-            "usage: mpi_check [--fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stop]"
-                .into(),
+        reason: "usage: mpi_check [--fail-rank R --fail-how \
+             err|panic|leave|stall|stall-at-end|stall-in-group|stop]"
+            .into(),
     };
     let (Some(rank), Some(how)) = (value("--fail-rank"), value("--fail-how")) else {
         return match args.is_empty() {
@@ -188,6 +196,7 @@ fn failure_mode() -> Result<Option<(usize, FailHow)>> {
         "leave" => FailHow::Leave,
         "stall" => FailHow::Stall,
         "stall-at-end" => FailHow::StallAtEnd,
+        "stall-in-group" => FailHow::StallInGroup,
         "stop" => FailHow::Stop,
         _ => return Err(bad_arg(format!("--fail-how {how}"))),
     };
@@ -200,6 +209,14 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
     if let FailHow::Stop = how {
         comm.abort_job(&stop_in_transfers(comm, bad))
     }
+    let split = match how {
+        FailHow::StallInGroup => Some(comm.split(usize::from(comm.rank() >= bad))),
+        _ => None,
+    };
+    let group = match split.transpose() {
+        Ok(group) => group,
+        Err(e) => comm.abort_job(&e),
+    };
     let result = if comm.rank() == bad {
         match how {
             FailHow::Err => Err(ragged::Error::Msg(format!(
@@ -209,12 +226,15 @@ fn fail_on(comm: &MpiComm, bad: usize, how: FailHow) -> ! {
             FailHow::Leave => unreachable!("rank {bad} returned from main"),
             FailHow::Stop => unreachable!("handled above"),
             // Until the others' wait runs out and their MPI_Abort ends this process too.
-            FailHow::Stall | FailHow::StallAtEnd => loop {
+            FailHow::Stall | FailHow::StallAtEnd | FailHow::StallInGroup => loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
         }
     } else {
-        comm.barrier()
+        match &group {
+            Some(g) if comm.rank() > bad => g.barrier(),
+            _ => comm.barrier(),
+        }
     };
     let e = result.err().unwrap_or_else(|| {
         ragged::Error::Msg(format!(
@@ -360,6 +380,17 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     let group = comm.split(comm.rank() % 2)?;
     let threads = ThreadWorld::run(group.world_size(), |c| exercise(c))?;
     let same_collectives = exercise(&*group)? == threads[group.rank()];
+    // A group's disagreement is an Err on each member that names the group by world ranks.
+    let members: Vec<usize> = (0..world).filter(|j| j % 2 == comm.rank() % 2).collect();
+    let mut x = vec![0f32; 6 * group.world_size() + group.rank()];
+    let refused = group.all_gather_in_place((&mut x[..]).into()).err();
+    let named = match refused {
+        Some(e) => e
+            .to_string()
+            .contains(&format!("in the group of ranks {members:?}")),
+        None => members.len() == 1, // a group of one agrees with itself
+    };
+    group.barrier()?;
     drop(group);
     let replicas = (2..=world)
         .find(|r| world % r == 0)
@@ -380,7 +411,7 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     })?;
     comm.barrier()?;
     Ok(Some(
-        same_collectives && threads.iter().all(|t| t.digest == mpi.digest),
+        same_collectives && named && threads.iter().all(|t| t.digest == mpi.digest),
     ))
 }
 

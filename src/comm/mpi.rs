@@ -32,10 +32,11 @@
 //! descriptor exchange that starts it and the transfers that follow, is a non-blocking one
 //! (`MPI_Iallgather`, `MPI_Ialltoallv`, ...) this rank polls, answering meanwhile the questions
 //! of ranks whose limit ran out ("do you wait in a collective?", point-to-point messages of
-//! their own tags). A rank whose limit runs out asks every other rank, waits up to
-//! [`ANSWER_GRACE`] for the answers, and names the ranks that gave none: those are not in a
-//! collective at all (stuck, stopped, or busy past the limit); ranks blocked on the same rank
-//! answer, since they poll too. Each wait has its own limit (the exchange's, each transfer's).
+//! their own tags). A rank whose limit runs out asks every other process of `MPI_COMM_WORLD`
+//! (whichever communicator it waits in), waits up to [`ANSWER_GRACE`] for the answers, and
+//! names the ranks of the world that gave none: those are not in a collective at all (stuck,
+//! stopped, or busy past the limit); ranks blocked on the same rank answer, since they poll
+//! too, in a group's collective as in the world's. Each wait has its own limit (the exchange's, each transfer's).
 //! Work one rank does alone between collectives counts against the limit, so the default is
 //! long (torch's default collective timeout): rank 0 writing a large export while the others
 //! wait at the job's end must fit in it. `RAGGED_MPI_TIMEOUT_S=0` waits for ever.
@@ -56,9 +57,11 @@
 //! # Groups
 //! [`Communicator::split`] makes a communicator of this backend over a group of ranks
 //! (`MPI_Comm_split`, after the colors went round as a checked collective): the same descriptor
-//! checks, waits within the limit and leaving exchange, on the group only. Every MPI call of
-//! the process, whichever communicator makes it, holds one lock (`MPI_THREAD_SERIALIZED`), and
-//! MPI is finalized when the world and every group are dropped.
+//! checks, waits within the limit and leaving exchange, on the group only. Its errors and
+//! messages name ranks of the world and say which group they speak of (`… (in the group of
+//! ranks [1, 2], numbered from 0 there)`, as thread ranks' groups do). Every MPI call of the
+//! process, whichever communicator makes it, holds one lock (`MPI_THREAD_SERIALIZED`), and MPI
+//! is finalized when the world and every group are dropped.
 //!
 //! # Start-up
 //! [`MpiComm::init`] initializes MPI once per process (`MPI_THREAD_SERIALIZED`: calls come from
@@ -118,6 +121,27 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// This process's rank in `MPI_COMM_WORLD` and the world's size (MPI is initialized: an
+/// [`MpiComm`] lives).
+fn world_place() -> (usize, usize) {
+    let world = SimpleCommunicator::world();
+    (world.rank() as usize, world.size() as usize)
+}
+
+/// Rank `j` of a communicator whose members are `group` (`None`: the world) as a rank of the
+/// world.
+fn world_rank_of(group: &Option<Arc<[usize]>>, j: usize) -> usize {
+    group.as_ref().map_or(j, |g| g[j])
+}
+
+/// What a group's messages add: which group the ranks they name are numbered in.
+fn in_group(group: &Option<Arc<[usize]>>) -> String {
+    match group {
+        Some(g) => format!(" (in the group of ranks {g:?}, numbered from 0 there)"),
+        None => String::new(),
+    }
+}
+
 /// The largest message by default: MPI's counts are `int`.
 pub const MAX_MESSAGE_BYTES: usize = Count::MAX as usize;
 
@@ -140,11 +164,13 @@ fn message_bytes_from_env() -> Result<usize> {
     }
 }
 
-/// This process as one rank of `MPI_COMM_WORLD`.
+/// This process as one rank of `MPI_COMM_WORLD`, or of a group split from it.
 pub struct MpiComm {
     inner: Mutex<Inner>,
     rank: usize,
     size: usize,
+    /// A group's members as ranks of `MPI_COMM_WORLD` (`None`: the world), for messages.
+    group: Option<Arc<[usize]>>,
 }
 
 // SAFETY: MPI runs at `MPI_THREAD_SERIALIZED` (checked in `init`) and every MPI call goes
@@ -195,6 +221,7 @@ impl MpiComm {
             }),
             rank,
             size,
+            group: None,
         })
     }
 
@@ -204,18 +231,20 @@ impl MpiComm {
     /// `Err` a rank's work returned; returning from `main` instead would leave the other ranks
     /// waiting for this one inside MPI (module doc, "A failing rank ends the job").
     pub fn abort_job(&self, error: &Error) -> ! {
+        let (rank, size) = world_place();
         say(format!(
-            "rank {} of {} failed: {error}; aborting the MPI job",
-            self.rank, self.size
+            "rank {rank} of {size} failed: {error}; aborting the MPI job"
         ));
         abort_world(1)
     }
 
+    /// An error of this rank, named as a rank of the world; a group's says which group its
+    /// reason speaks of.
     fn err(&self, op: Op, reason: String) -> Error {
         Error::Comm {
             op: op.name(),
-            rank: self.rank,
-            reason,
+            rank: world_rank_of(&self.group, self.rank),
+            reason: format!("{reason}{}", in_group(&self.group)),
         }
     }
 
@@ -246,7 +275,7 @@ impl MpiComm {
                 format!("rank {j} has left the world (see the first error)"),
             ));
         }
-        let at = inner.call_site(Some(&post), self.rank, self.size);
+        let at = inner.call_site(Some(&post), self.rank, self.size, &self.group);
         let mine = Words {
             layout,
             message_bytes: inner.message_bytes,
@@ -287,11 +316,18 @@ impl MpiComm {
 
 impl Inner {
     /// This rank's next call (`post`; `None`: the drop's leaving), as its waits name it.
-    fn call_site(&mut self, post: Option<&Post>, rank: usize, size: usize) -> CallSite {
+    fn call_site(
+        &mut self,
+        post: Option<&Post>,
+        rank: usize,
+        size: usize,
+        group: &Option<Arc<[usize]>>,
+    ) -> CallSite {
         self.calls += 1;
         CallSite {
             rank,
             size,
+            group: group.clone(),
             call: self.calls,
             what: post.map_or("the leaving exchange at its program's end", |p| p.op.name()),
             transfers: false,
@@ -314,12 +350,20 @@ impl Drop for MpiComm {
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if inner.left.is_none() {
-            let at = inner.call_site(None, rank, size);
+            let at = inner.call_site(None, rank, size, &self.group);
             if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
                 if !staying.is_empty() {
+                    let group = &self.group;
+                    let staying: Vec<usize> =
+                        staying.iter().map(|&j| world_rank_of(group, j)).collect();
+                    let (rank, size) = world_place();
                     say(format!(
-                        "rank {rank} of {size} left the world while ranks {staying:?} still \
-                         called collectives; aborting the MPI job"
+                        "rank {rank} of {size} left {} while ranks {staying:?} still called \
+                         collectives; aborting the MPI job",
+                        match group {
+                            Some(g) => format!("the group of ranks {g:?}"),
+                            None => "the world".into(),
+                        }
                     ));
                     abort_world(1)
                 }
@@ -527,8 +571,11 @@ fn exchange(world: &SimpleCommunicator, post: Option<(&Post, Words)>, at: &CallS
 
 /// A rank's place in the job while it waits: named when the wait runs out.
 struct CallSite {
+    /// The rank in the communicator that waits, and its size.
     rank: usize,
     size: usize,
+    /// That communicator's members as ranks of `MPI_COMM_WORLD` (`None`: the world).
+    group: Option<Arc<[usize]>>,
     /// The rank's descriptor exchanges so far, this one included.
     call: u64,
     /// The collective, or the drop.
@@ -549,26 +596,19 @@ const DATA: i32 = 0x5249;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
 fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
-    mpi::request::scope(|scope| {
-        wait_within(world, world.immediate_all_gather_into(scope, mine, all), at)
-    })
+    mpi::request::scope(|scope| wait_within(world.immediate_all_gather_into(scope, mine, all), at))
 }
 
 /// Waits for `request` at most `at.timeout` (module doc): polls it, answering other ranks'
 /// questions meanwhile, and ends the job naming the ranks that never came when the limit
 /// runs out. Every wait inside a collective goes through here, the data's as the
 /// descriptors', so a rank stopped part way through a call is found too.
-fn wait_within<'a, D: ?Sized, S: Scope<'a>>(
-    world: &SimpleCommunicator,
-    request: Request<'a, D, S>,
-    at: &CallSite,
-) {
-    wait_all_within(world, vec![request], at)
+fn wait_within<'a, D: ?Sized, S: Scope<'a>>(request: Request<'a, D, S>, at: &CallSite) {
+    wait_all_within(vec![request], at)
 }
 
 /// [`wait_within`] for several requests at once (an all-to-all-v's messages).
 fn wait_all_within<'a, D: ?Sized, S: Scope<'a>>(
-    world: &SimpleCommunicator,
     mut pending: Vec<Request<'a, D, S>>,
     at: &CallSite,
 ) {
@@ -578,10 +618,10 @@ fn wait_all_within<'a, D: ?Sized, S: Scope<'a>>(
         if pending.is_empty() {
             return;
         }
-        answer_questions(world, at.call);
+        answer_questions(at.call);
         let waited = start.elapsed();
         if at.timeout.is_some_and(|limit| waited >= limit) {
-            abort_naming_the_absent(world, at, waited)
+            abort_naming_the_absent(at, waited)
         }
         // Spin through a collective's usual skew (as MPI's blocking calls poll), yield while
         // a wait is short, and past 100 ms idle: a rank that waits that long loses nothing by
@@ -651,7 +691,7 @@ impl Waiting<'_> {
                     requests.push(to.immediate_send_with_tag(sc, piece, DATA));
                 }
             }
-            wait_all_within(w, requests, &self.at)
+            wait_all_within(requests, &self.at)
         })
     }
 
@@ -677,9 +717,7 @@ impl Waiting<'_> {
             return self.move_messages(self.gather_messages(send, slots));
         }
         let w = self.world;
-        mpi::request::scope(|s| {
-            wait_within(w, w.immediate_all_gather_into(s, send, recv), &self.at)
-        })
+        mpi::request::scope(|s| wait_within(w.immediate_all_gather_into(s, send, recv), &self.at))
     }
 
     fn all_to_all(&self, send: &[u8], recv: &mut [u8]) {
@@ -688,9 +726,7 @@ impl Waiting<'_> {
             return self.all_to_all_v(send, &counts, recv, &counts);
         }
         let w = self.world;
-        mpi::request::scope(|s| {
-            wait_within(w, w.immediate_all_to_all_into(s, send, recv), &self.at)
-        })
+        mpi::request::scope(|s| wait_within(w.immediate_all_to_all_into(s, send, recv), &self.at))
     }
 
     /// An all-to-all with uneven counts, as point-to-point messages: `send` holds
@@ -779,7 +815,6 @@ impl Waiting<'_> {
         let w = self.world;
         mpi::request::scope(|s| {
             wait_within(
-                w,
                 w.immediate_all_gather_varcount_into(s, send, &mut recv),
                 &self.at,
             )
@@ -799,12 +834,15 @@ impl Waiting<'_> {
         }
         let w = self.world;
         let root = w.process_at_rank(root as i32);
-        mpi::request::scope(|s| wait_within(w, root.immediate_broadcast_into(s, bytes), &self.at))
+        mpi::request::scope(|s| wait_within(root.immediate_broadcast_into(s, bytes), &self.at))
     }
 }
 
-/// Answers every rank that asked whether this one waits in a collective.
-fn answer_questions(world: &SimpleCommunicator, call: u64) {
+/// Answers every process that asked whether this one waits in a collective. Questions and
+/// answers go over `MPI_COMM_WORLD`, whichever communicator a process waits in, so a rank
+/// blocked in a group's collective answers a rank that waits in the world's (HSDP).
+fn answer_questions(call: u64) {
+    let world = SimpleCommunicator::world();
     while let Some(status) = world.any_process().immediate_probe_with_tag(ASK) {
         let asker = world.process_at_rank(status.source_rank());
         let _question: (u64, _) = asker.receive_with_tag(ASK);
@@ -812,16 +850,18 @@ fn answer_questions(world: &SimpleCommunicator, call: u64) {
     }
 }
 
-/// The wait ran out: asks every other rank whether it waits in a collective, gives them
-/// [`ANSWER_GRACE`] to say so (answering their own questions meanwhile), and ends the job with
-/// a message naming the ranks that did not answer.
-fn abort_naming_the_absent(world: &SimpleCommunicator, at: &CallSite, waited: Duration) -> ! {
+/// The wait ran out: asks every other process of the world whether it waits in a collective
+/// (of any communicator), gives them [`ANSWER_GRACE`] to say so (answering their own questions
+/// meanwhile), and ends the job with a message naming the ranks that did not answer.
+fn abort_naming_the_absent(at: &CallSite, waited: Duration) -> ! {
+    let world = SimpleCommunicator::world();
+    let (me, size) = world_place();
     let question = at.call;
-    let mut answered = vec![false; at.size];
-    answered[at.rank] = true;
+    let mut answered = vec![false; size];
+    answered[me] = true;
     mpi::request::scope(|scope| {
-        let _asks: Vec<_> = (0..at.size)
-            .filter(|&j| j != at.rank)
+        let _asks: Vec<_> = (0..size)
+            .filter(|&j| j != me)
             .map(|j| {
                 world
                     .process_at_rank(j as i32)
@@ -835,7 +875,7 @@ fn abort_naming_the_absent(world: &SimpleCommunicator, at: &CallSite, waited: Du
                 let _call: (u64, _) = world.process_at_rank(from).receive_with_tag(ANSWER);
                 answered[from as usize] = true;
             }
-            answer_questions(world, at.call);
+            answer_questions(at.call);
             std::thread::sleep(Duration::from_millis(1));
         }
         // Inside the scope: its requests never complete (a rank that never answers never
@@ -845,9 +885,11 @@ fn abort_naming_the_absent(world: &SimpleCommunicator, at: &CallSite, waited: Du
     std::process::abort()
 }
 
-/// Prints which ranks did not answer a timed-out rank's question and ends the job.
+/// Prints which ranks of the world did not answer a timed-out rank's question and ends the
+/// job.
 fn report_absent(at: &CallSite, waited: Duration, answered: &[bool]) -> ! {
-    let absent: Vec<usize> = (0..at.size).filter(|&j| !answered[j]).collect();
+    let (me, size) = world_place();
+    let absent: Vec<usize> = (0..size).filter(|&j| !answered[j]).collect();
     let limit = at.timeout.map_or(0.0, |t| t.as_secs_f64());
     let who = if absent.is_empty() {
         "ranks that answered only after the grace period".to_string()
@@ -855,12 +897,14 @@ fn report_absent(at: &CallSite, waited: Duration, answered: &[bool]) -> ! {
         format!("ranks {absent:?}, which did not answer")
     };
     let phase = if at.transfers { "'s transfers" } else { "" };
+    let group = match &at.group {
+        Some(g) => format!(" in the group of ranks {g:?}"),
+        None => String::new(),
+    };
     say(format!(
-        "rank {} of {} waited {:.1} s in {}{phase} (its call #{}) for {who}: stopped or stuck \
-         (inside a collective or outside any), or busy longer than RAGGED_MPI_TIMEOUT_S = \
-         {limit} s; aborting the MPI job",
-        at.rank,
-        at.size,
+        "rank {me} of {size} waited {:.1} s in {}{phase} (its call #{}{group}) for {who}: \
+         stopped or stuck (inside a collective or outside any), or busy longer than \
+         RAGGED_MPI_TIMEOUT_S = {limit} s; aborting the MPI job",
         waited.as_secs_f64(),
         at.what,
         at.call,
@@ -1108,7 +1152,8 @@ impl Communicator for MpiComm {
     /// does not split is an `Err` or a named timeout, not a hang inside MPI). The group is a
     /// communicator of this backend in every way (descriptor checks, waits within the limit,
     /// the leaving exchange when dropped); MPI stays initialized until it and the world are
-    /// both dropped. A rank whose wait runs out asks only its group who else waits.
+    /// both dropped. A rank whose wait runs out asks every process of the world who else waits
+    /// (module doc); errors and messages name ranks of the world.
     fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
         let colors = super::all_colors(self, color)?;
         let (members, rank) = super::group_of(&colors, self.rank);
@@ -1128,6 +1173,10 @@ impl Communicator for MpiComm {
                 rank: self.rank,
                 reason: "MPI_Comm_split gave no communicator for this rank's color".into(),
             })?;
+        let top: Vec<usize> = members
+            .iter()
+            .map(|&j| world_rank_of(&self.group, j))
+            .collect();
         Ok(Box::new(MpiComm {
             inner: Mutex::new(Inner {
                 world: ManuallyDrop::new(group),
@@ -1139,6 +1188,7 @@ impl Communicator for MpiComm {
             }),
             rank,
             size: members.len(),
+            group: Some(top.into()),
         }))
     }
 }
