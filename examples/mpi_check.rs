@@ -1,5 +1,6 @@
 //! The MPI backend held to the thread backend; run under `mpirun -np V` (`.ci/run` does, with
-//! V = 3):
+//! V = 3 and 4, and with V = 3 again where rank 1 sets `RAGGED_MPI_MESSAGE_BYTES=7`, so every
+//! data phase moves as point-to-point messages of 7 bytes):
 //!
 //! ```sh
 //! cargo build --release --features mpi --example mpi_check
