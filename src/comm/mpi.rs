@@ -808,8 +808,11 @@ impl Waiting<'_> {
         if self.point_to_point {
             return self.move_messages(self.gather_messages(send, cut(recv, counts)));
         }
-        let at = |i: usize| counts[..i].iter().sum::<usize>();
-        let displs: Vec<Count> = (0..counts.len()).map(|i| at(i) as Count).collect();
+        // Below `message_bytes` (no route change), so every count and offset fits an `int`.
+        let displs: Vec<Count> = counts
+            .iter()
+            .scan(0, |at, &n| Some(std::mem::replace(at, *at + n) as Count))
+            .collect();
         let counts: Vec<Count> = counts.iter().map(|&n| n as Count).collect();
         let mut recv = PartitionMut::new(recv, &counts[..], &displs[..]);
         let w = self.world;
