@@ -22,7 +22,9 @@
 //!    as a thread world of their size does, a group's disagreement names the group by its
 //!    ranks in the world, and HSDP training with Muon
 //!    (`FsdpOptions::replicas`, the smallest divisor of `V` above 1) ends with the parameters of
-//!    the same HSDP run on thread ranks (digests equal).
+//!    the same HSDP run on thread ranks (digests equal); its checkpoint's files are shared
+//!    out over the replicas (the file of shard rank `j` from replica `j mod R`), as the bytes
+//!    the kernel counted each process writing show.
 //!
 //! Exits with status 1 on any failure.
 //!
@@ -40,6 +42,8 @@
 
 use std::process::ExitCode;
 
+use ragged::checkpoint::fs::step_dir;
+use ragged::checkpoint::manifest::rank_file;
 use ragged::comm::conformance::exercise;
 use ragged::comm::mpi::MpiComm;
 use ragged::comm::threads::ThreadWorld;
@@ -404,16 +408,50 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     };
     let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
     let none = Checkpointing::default();
+    let dir = std::env::temp_dir().join(format!("ragged-mpi-check-hsdp-{world}"));
+    if comm.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    comm.barrier()?;
+    let ckpt = Checkpointing {
+        dir: Some(dir.clone()),
+        ..Checkpointing::default()
+    };
     // Muon: its matrices gathered to their roots within each shard group.
     let muon = || Muon::new(MuonConfig::default());
-    let mpi = train_rank_with(&params, muon()?, comm, opts.clone(), job, &none, |_, _| {})?;
+    let before = bytes_written()?;
+    let mpi = train_rank_with(&params, muon()?, comm, opts.clone(), job, &ckpt, |_, _| {})?;
+    let wrote = bytes_written()? - before;
+    // The replicas share the checkpoint's files: shard rank j's from replica j mod R.
+    let shards = world / replicas;
+    let j = comm.rank() % shards;
+    let writes_file = comm.rank() == (j % replicas) * shards + j;
+    let file = step_dir(&dir, 2).join(rank_file(j, shards));
+    let file_bytes = std::fs::metadata(&file)
+        .map_err(|e| ragged::Error::Msg(format!("{}: {e}", file.display())))?
+        .len();
+    let shared = match writes_file {
+        true => wrote >= file_bytes,
+        false => wrote < file_bytes / 4,
+    };
     let threads = ThreadWorld::run(world, |c| {
         train_rank_with(&params, muon()?, c, opts.clone(), job, &none, |_, _| {})
     })?;
     comm.barrier()?;
     Ok(Some(
-        same_collectives && named && threads.iter().all(|t| t.digest == mpi.digest),
+        same_collectives && named && shared && threads.iter().all(|t| t.digest == mpi.digest),
     ))
+}
+
+/// Bytes this process has written so far, as the kernel counts them (`wchar` of
+/// `/proc/self/io`: every `write`, to files or not).
+fn bytes_written() -> Result<u64> {
+    let io = std::fs::read_to_string("/proc/self/io")
+        .map_err(|e| ragged::Error::Msg(format!("/proc/self/io: {e}")))?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("wchar:"))
+        .and_then(|n| n.trim().parse().ok())
+        .ok_or_else(|| ragged::Error::Msg("no wchar line in /proc/self/io".into()))
 }
 
 fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {

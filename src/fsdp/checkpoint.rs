@@ -94,10 +94,13 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     pub fn save(&mut self, root: impl AsRef<Path>, opts: &SaveOptions) -> Result<Saved> {
         let (root, start) = (root.as_ref(), Instant::now());
         let rank = self.mesh.world().rank();
-        // Under HSDP replica 0's ranks write, each as its rank of the shard group (its world
-        // rank: replica 0 is ranks `0..S`); the other replicas hold the same values.
-        let writer = self.mesh.replica() == 0;
+        // Under HSDP every replica holds the same values, so the replicas share the writing:
+        // the file of shard rank `j` is written by replica `j mod R` (world rank
+        // `(j mod R)·S + j`), so `R` nodes write at once.
         let (shard_rank, shards) = (self.mesh.shard().rank(), self.mesh.shard().world_size());
+        let replicas = self.mesh.world().world_size() / shards;
+        let writer_of = |j: usize| (j % replicas) * shards + j;
+        let writer = writer_of(shard_rank) == rank;
         let step = self.steps;
         let tmp = fs::tmp_dir(root, step);
         let savable = self
@@ -143,9 +146,8 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             false => Ok(Vec::new()),
         };
         let writes = agree(self.mesh.world(), root, written).and_then(|all| {
-            all[..shards]
-                .iter()
-                .map(|w| Ok(serde_json::from_slice::<RankWrite>(w)?))
+            (0..shards)
+                .map(|j| Ok(serde_json::from_slice::<RankWrite>(&all[writer_of(j)])?))
                 .collect::<Result<Vec<RankWrite>>>()
         });
         let writes = match writes {

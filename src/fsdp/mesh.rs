@@ -78,11 +78,6 @@ impl<'c> Mesh<'c> {
         self.world.rank() / s * s + j
     }
 
-    /// This rank's replica, `0..R`: replica 0 writes checkpoints.
-    pub(crate) fn replica(&self) -> usize {
-        self.groups.as_ref().map_or(0, |g| g.replicas.rank())
-    }
-
     /// Combines a reduced gradient shard over its replicas (nothing without HSDP): with
     /// [`ReduceOp::Avg`] the shard group's average over `S` ranks, averaged over `R`
     /// replicas, is the average over all `V`.
