@@ -40,6 +40,7 @@
 //! status (1, 101, 1, 1, 1, 1, 1), not hang: at once for the first three, after
 //! `RAGGED_MPI_TIMEOUT_S` for the others; `.ci/run` checks all seven under `timeout`.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ragged::checkpoint::fs::step_dir;
@@ -343,12 +344,11 @@ fn disagreement(comm: &MpiComm) -> Result<Option<bool>> {
     Ok(Some(refused && other_layout))
 }
 
-fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
+/// An empty checkpoint folder in the temporary directory (rank 0 clears the last run's) and
+/// checkpointing into it.
+fn fresh_checkpoints(comm: &MpiComm, name: &str) -> Result<(PathBuf, Checkpointing)> {
     let world = comm.world_size();
-    let cfg = TransformerConfig::TINY;
-    let params = cfg.init_params(3)?;
-    let adamw = || AdamW::new(AdamWConfig::default());
-    let dir = std::env::temp_dir().join(format!("ragged-mpi-check-checkpoint-{world}"));
+    let dir = std::env::temp_dir().join(format!("ragged-mpi-check-{name}-{world}"));
     if comm.rank() == 0 {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -357,6 +357,15 @@ fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
         dir: Some(dir.clone()),
         ..Checkpointing::default()
     };
+    Ok((dir, ckpt))
+}
+
+fn checkpoint(comm: &MpiComm) -> Result<Option<bool>> {
+    let world = comm.world_size();
+    let cfg = TransformerConfig::TINY;
+    let params = cfg.init_params(3)?;
+    let adamw = || AdamW::new(AdamWConfig::default());
+    let (dir, ckpt) = fresh_checkpoints(comm, "checkpoint")?;
     let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
     let opts = FsdpOptions::default();
     let mut copied = u64::MAX;
@@ -408,15 +417,7 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     };
     let job = (cfg, TrainMode::UnitByUnit, 2, 2 * world);
     let none = Checkpointing::default();
-    let dir = std::env::temp_dir().join(format!("ragged-mpi-check-hsdp-{world}"));
-    if comm.rank() == 0 {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-    comm.barrier()?;
-    let ckpt = Checkpointing {
-        dir: Some(dir.clone()),
-        ..Checkpointing::default()
-    };
+    let (dir, ckpt) = fresh_checkpoints(comm, "hsdp")?;
     // Muon: its matrices gathered to their roots within each shard group.
     let muon = || Muon::new(MuonConfig::default());
     let before = bytes_written()?;
