@@ -270,8 +270,9 @@ fn digest_after(
 }
 
 /// Saved by 2 replicas of 2 ranks: the checkpoint is the shard group's (2 rank files, world 2,
-/// file j written by replica j mod 2), and loads at 3 ranks and at 3 replicas of 2 with the same digest;
-/// saved again at 3 ranks, every array (parameters and AdamW's moments) is bitwise the same.
+/// file j written by replica j mod 2), and loads at 3 ranks and at 3 replicas of 2 with the
+/// same digest; saved again at 3 ranks, every array (parameters and AdamW's moments) is
+/// bitwise the same.
 #[test]
 fn an_hsdp_checkpoint_is_the_shard_groups_and_loads_at_any_world() {
     let root = scratch("ragged-hsdp-tests", "checkpoint");
