@@ -71,8 +71,8 @@ Muon, a checkpoint saved over MPI, groups and HSDP); run under mpirun, e.g.
 Usage: mpi_check [--large | --fail-rank R --fail-how HOW]
 
   --large                        instead move buffers past MPI's int counts (over 2 GiB; about
-                                 5 GiB of memory per rank): all-gather, reduce-scatter and
-                                 broadcast, each checked element by element
+                                 5 GiB of memory per rank): all-gather, reduce-scatter,
+                                 broadcast and all-reduce, each checked element by element
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job; HOW is err,
                                  panic, leave, stall, stall-at-end (while the others return
@@ -279,8 +279,9 @@ fn stop_in_transfers(comm: &MpiComm, bad: usize) -> ragged::Error {
 
 /// Buffers of more than 2³¹ − 1 bytes (MPI's `int` counts), which the backend moves as
 /// point-to-point messages of at most that size: an all-gather into `2^31 + 8·V` bytes, a
-/// reduce-scatter of as many (sums), and a broadcast of half that, checked element by element.
-/// The values are small integers, so every sum is exact in f32.
+/// reduce-scatter of as many (sums), a broadcast of `2^31 + 12` bytes and an all-reduce of
+/// as many, checked element by element. The values are small integers, so every sum is exact
+/// in f32.
 fn large_buffers(comm: &MpiComm) -> Result<bool> {
     let (v, r) = (comm.world_size(), comm.rank());
     let s = (1usize << 29) / v + 2; // f32 elements per rank: V·S·4 > 2^31 bytes
@@ -310,6 +311,14 @@ fn large_buffers(comm: &MpiComm) -> Result<bool> {
         };
         comm.broadcast((&mut buf[..]).into(), 0)?;
         ok &= buf.iter().enumerate().all(|(i, &x)| x == value(5, i));
+        // The same length summed over the ranks in place (HSDP's replica all-reduce of a
+        // large gradient shard).
+        buf.iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = value(r, i));
+        comm.all_reduce((&mut buf[..]).into(), ReduceOp::Sum)?;
+        let sum = |i: usize| (0..v).map(|j| value(j, i)).sum::<f32>();
+        ok &= buf.iter().enumerate().all(|(i, &x)| x == sum(i));
     }
     comm.barrier()?;
     Ok(ok)
