@@ -369,6 +369,21 @@ pub(crate) fn group_of(colors: &[u64], rank: usize) -> (Vec<usize>, usize) {
     (members, index)
 }
 
+/// Rank `j` of a group whose members are `group` (ranks of the world it was split from at
+/// the top; `None`: that world itself) as a rank of that world: how groups' errors name ranks.
+pub(crate) fn top_rank(group: Option<&[usize]>, j: usize) -> usize {
+    group.map_or(j, |ranks| ranks[j])
+}
+
+/// What a group's error adds to its reason, whose ranks are numbered within the group: which
+/// group it speaks of (nothing for the top world).
+pub(crate) fn in_group(group: Option<&[usize]>) -> String {
+    match group {
+        Some(ranks) => format!(" (in the group of ranks {ranks:?}, numbered from 0 there)"),
+        None => String::new(),
+    }
+}
+
 /// Every rank's `color` (one all-gather of eight bytes a rank).
 pub(crate) fn all_colors(comm: &dyn Communicator, color: usize) -> Result<Vec<u64>> {
     let mut all = vec![0u8; 8 * comm.world_size()];

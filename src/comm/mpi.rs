@@ -83,7 +83,7 @@ use mpi::traits::{
 use mpi::Count;
 
 use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
-use super::{Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
+use super::{in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// How long a rank waits by default in a collective for ranks that have not called it
@@ -126,20 +126,6 @@ fn serial() -> MutexGuard<'static, ()> {
 fn world_place() -> (usize, usize) {
     let world = SimpleCommunicator::world();
     (world.rank() as usize, world.size() as usize)
-}
-
-/// Rank `j` of a communicator whose members are `group` (`None`: the world) as a rank of the
-/// world.
-fn world_rank_of(group: &Option<Arc<[usize]>>, j: usize) -> usize {
-    group.as_ref().map_or(j, |g| g[j])
-}
-
-/// What a group's messages add: which group the ranks they name are numbered in.
-fn in_group(group: &Option<Arc<[usize]>>) -> String {
-    match group {
-        Some(g) => format!(" (in the group of ranks {g:?}, numbered from 0 there)"),
-        None => String::new(),
-    }
 }
 
 /// The largest message by default: MPI's counts are `int`.
@@ -243,8 +229,8 @@ impl MpiComm {
     fn err(&self, op: Op, reason: String) -> Error {
         Error::Comm {
             op: op.name(),
-            rank: world_rank_of(&self.group, self.rank),
-            reason: format!("{reason}{}", in_group(&self.group)),
+            rank: top_rank(self.group.as_deref(), self.rank),
+            reason: format!("{reason}{}", in_group(self.group.as_deref())),
         }
     }
 
@@ -353,9 +339,8 @@ impl Drop for MpiComm {
             let at = inner.call_site(None, rank, size, &self.group);
             if let Exchanged::Left { staying, .. } = exchange(&inner.world, None, &at) {
                 if !staying.is_empty() {
-                    let group = &self.group;
-                    let staying: Vec<usize> =
-                        staying.iter().map(|&j| world_rank_of(group, j)).collect();
+                    let group = self.group.as_deref();
+                    let staying: Vec<usize> = staying.iter().map(|&j| top_rank(group, j)).collect();
                     let (rank, size) = world_place();
                     say(format!(
                         "rank {rank} of {size} left {} while ranks {staying:?} still called \
@@ -1178,7 +1163,7 @@ impl Communicator for MpiComm {
             })?;
         let top: Vec<usize> = members
             .iter()
-            .map(|&j| world_rank_of(&self.group, j))
+            .map(|&j| top_rank(self.group.as_deref(), j))
             .collect();
         Ok(Box::new(MpiComm {
             inner: Mutex::new(Inner {

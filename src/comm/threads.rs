@@ -494,22 +494,12 @@ impl Drop for Call<'_> {
 
 impl ThreadComm {
     fn err(&self, op: Op, reason: String) -> Error {
-        let reason = match &self.world.group {
-            Some(ranks) => {
-                format!("{reason} (in the group of ranks {ranks:?}, numbered from 0 there)")
-            }
-            None => reason,
-        };
+        let group = self.world.group.as_deref();
         Error::Comm {
             op: op.name(),
-            rank: self.top_rank(self.rank),
-            reason,
+            rank: super::top_rank(group, self.rank),
+            reason: format!("{reason}{}", super::in_group(group)),
         }
-    }
-
-    /// Rank `j` of this world as a rank of the world it was split from at the top.
-    fn top_rank(&self, j: usize) -> usize {
-        self.world.group.as_ref().map_or(j, |ranks| ranks[j])
     }
 
     /// Poisons the world (keeping the first reason), wakes every waiter, and returns the error.
@@ -610,7 +600,8 @@ impl ThreadComm {
                 .unwrap_or_else(PoisonError::into_inner)
         };
         if self.rank == leader {
-            let top = members.iter().map(|&j| self.top_rank(j)).collect();
+            let group = self.world.group.as_deref();
+            let top = members.iter().map(|&j| super::top_rank(group, j)).collect();
             splits()[leader] = Some(World::new(members.len(), self.world.timeout, Some(top)));
         }
         self.barrier()?;
