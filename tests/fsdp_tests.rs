@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use ragged::comm::threads::ThreadWorld;
-use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, Segment, SingleRank};
+use ragged::comm::{Buf, BufMut, Communicator, HeldComm, ReduceOp, Segment, SingleRank};
 use ragged::dbuffer::with_ref;
 use ragged::demo::{
     batch, corpus, train_rank, TrainMode, TrainRun, Transformer, TransformerConfig,
@@ -320,48 +320,33 @@ fn span(b: &BufMut<'_>) -> Option<(usize, usize)> {
     }
 }
 
-/// The communicator a [`Recorder`] wraps: the world, or a group split from it.
-enum Held<'a> {
-    World(&'a dyn Communicator),
-    Group(Box<dyn Communicator + 'a>),
-}
-
 /// A communicator that records where the all-gather wrote, what the reduce-scatter read and
 /// wrote, and where the all-reduce ran; its groups (HSDP's shard and replica groups) record
 /// into the same [`Observed`].
 struct Recorder<'a> {
-    inner: Held<'a>,
+    inner: HeldComm<'a>,
     seen: Arc<Observed>,
-}
-
-impl Recorder<'_> {
-    fn inner(&self) -> &dyn Communicator {
-        match &self.inner {
-            Held::World(c) => *c,
-            Held::Group(c) => &**c,
-        }
-    }
 }
 
 impl Communicator for Recorder<'_> {
     fn rank(&self) -> usize {
-        self.inner().rank()
+        self.inner.rank()
     }
     fn world_size(&self) -> usize {
-        self.inner().world_size()
+        self.inner.world_size()
     }
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> ragged::Result<()> {
-        self.inner().all_gather_in_place(buf)
+        self.inner.all_gather_in_place(buf)
     }
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> ragged::Result<()> {
-        self.inner().all_gather(send, recv)
+        self.inner.all_gather(send, recv)
     }
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> ragged::Result<()> {
-        self.inner().reduce_scatter_in_place(buf, op)
+        self.inner.reduce_scatter_in_place(buf, op)
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> ragged::Result<()> {
         self.seen.all_reduced.lock().unwrap().extend(span(&buf));
-        self.inner().all_reduce(buf, op)
+        self.inner.all_reduce(buf, op)
     }
     fn all_to_all_v(
         &self,
@@ -370,13 +355,13 @@ impl Communicator for Recorder<'_> {
         recv: BufMut<'_>,
         rc: &[usize],
     ) -> ragged::Result<()> {
-        self.inner().all_to_all_v(send, sc, recv, rc)
+        self.inner.all_to_all_v(send, sc, recv, rc)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> ragged::Result<()> {
-        self.inner().broadcast(buf, root)
+        self.inner.broadcast(buf, root)
     }
     fn barrier(&self) -> ragged::Result<()> {
-        self.inner().barrier()
+        self.inner.barrier()
     }
     fn all_gather_segments(
         &self,
@@ -389,7 +374,7 @@ impl Communicator for Recorder<'_> {
                 .filter_map(|s| Some((s.offset, span(&s.buf)?.0))),
         );
         drop(rec);
-        self.inner().all_gather_segments(send, segs)
+        self.inner.all_gather_segments(send, segs)
     }
     fn reduce_scatter(
         &self,
@@ -405,11 +390,11 @@ impl Communicator for Recorder<'_> {
             };
             self.seen.reduced.lock().unwrap().push(seen);
         }
-        self.inner().reduce_scatter(send, recv, op)
+        self.inner.reduce_scatter(send, recv, op)
     }
     fn split(&self, color: usize) -> ragged::Result<Box<dyn Communicator + '_>> {
         Ok(Box::new(Recorder {
-            inner: Held::Group(self.inner().split(color)?),
+            inner: HeldComm::Group(self.inner.split(color)?),
             seen: self.seen.clone(),
         }))
     }
@@ -458,7 +443,7 @@ fn collectives_run_on_the_model_storage(world: usize, replicas: usize) {
     ThreadWorld::run(world, |c| {
         let seen = Arc::new(Observed::default());
         let rec = Recorder {
-            inner: Held::World(c),
+            inner: HeldComm::Borrowed(c),
             seen: seen.clone(),
         };
         let opt = RecordingAdamW {

@@ -369,6 +369,24 @@ pub(crate) fn group_of(colors: &[u64], rank: usize) -> (Vec<usize>, usize) {
     (members, index)
 }
 
+/// A communicator a wrapper runs on: the one it was made over, or a group split from that one
+/// and owned (what a wrapper's own [`Communicator::split`] wraps). Derefs to the communicator.
+pub enum HeldComm<'a> {
+    Borrowed(&'a dyn Communicator),
+    Group(Box<dyn Communicator + 'a>),
+}
+
+impl<'a> std::ops::Deref for HeldComm<'a> {
+    type Target = dyn Communicator + 'a;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            HeldComm::Borrowed(c) => *c,
+            HeldComm::Group(c) => &**c,
+        }
+    }
+}
+
 /// Rank `j` of a group whose members are `group` (ranks of the world it was split from at
 /// the top; `None`: that world itself) as a rank of that world: how groups' errors name ranks.
 pub(crate) fn top_rank(group: Option<&[usize]>, j: usize) -> usize {

@@ -21,7 +21,7 @@ use cudarc::driver::{
 use half::bf16;
 
 use super::{guarded, Device};
-use crate::comm::{Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
+use crate::comm::{Buf, BufMut, Communicator, ElemType, HeldComm, ReduceOp, Segment};
 use crate::{Error, Result};
 
 /// A read-only device buffer of one of the supported element types.
@@ -327,28 +327,15 @@ pub fn on_device_pair(
 /// it is given: the device data path of a backend under host code (the conformance suite,
 /// host optimizer steps), for tests and benchmarks. Device buffers pass through.
 pub struct ViaDevice<'a> {
-    inner: Inner<'a>,
+    inner: HeldComm<'a>,
     dev: &'a Device,
-}
-
-/// The communicator a [`ViaDevice`] runs on: the one it was made over, or a group split from it.
-enum Inner<'a> {
-    Borrowed(&'a dyn Communicator),
-    Group(Box<dyn Communicator + 'a>),
 }
 
 impl<'a> ViaDevice<'a> {
     pub fn new(inner: &'a dyn Communicator, dev: &'a Device) -> Self {
         ViaDevice {
-            inner: Inner::Borrowed(inner),
+            inner: HeldComm::Borrowed(inner),
             dev,
-        }
-    }
-
-    fn inner(&self) -> &dyn Communicator {
-        match &self.inner {
-            Inner::Borrowed(c) => *c,
-            Inner::Group(c) => &**c,
         }
     }
 }
@@ -356,36 +343,36 @@ impl<'a> ViaDevice<'a> {
 impl std::fmt::Debug for ViaDevice<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ViaDevice")
-            .field("rank", &self.inner().rank())
+            .field("rank", &self.inner.rank())
             .finish()
     }
 }
 
 impl Communicator for ViaDevice<'_> {
     fn rank(&self) -> usize {
-        self.inner().rank()
+        self.inner.rank()
     }
     fn world_size(&self) -> usize {
-        self.inner().world_size()
+        self.inner.world_size()
     }
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
         on_device_mut(self.dev, buf, |d| {
-            self.inner().all_gather_in_place(BufMut::Device(d))
+            self.inner.all_gather_in_place(BufMut::Device(d))
         })
     }
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
         on_device_pair(self.dev, send, recv, |s, r| {
-            self.inner().all_gather(Buf::Device(s), BufMut::Device(r))
+            self.inner.all_gather(Buf::Device(s), BufMut::Device(r))
         })
     }
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         on_device_mut(self.dev, buf, |d| {
-            self.inner().reduce_scatter_in_place(BufMut::Device(d), op)
+            self.inner.reduce_scatter_in_place(BufMut::Device(d), op)
         })
     }
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         on_device_mut(self.dev, buf, |d| {
-            self.inner().all_reduce(BufMut::Device(d), op)
+            self.inner.all_reduce(BufMut::Device(d), op)
         })
     }
     fn all_to_all_v(
@@ -397,23 +384,23 @@ impl Communicator for ViaDevice<'_> {
     ) -> Result<()> {
         on_device_pair(self.dev, send, recv, |s, r| {
             let (s, r) = (Buf::Device(s), BufMut::Device(r));
-            self.inner().all_to_all_v(s, send_counts, r, recv_counts)
+            self.inner.all_to_all_v(s, send_counts, r, recv_counts)
         })
     }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         on_device_mut(self.dev, buf, |d| {
-            self.inner().broadcast(BufMut::Device(d), root)
+            self.inner.broadcast(BufMut::Device(d), root)
         })
     }
     fn barrier(&self) -> Result<()> {
-        self.inner().barrier()
+        self.inner.barrier()
     }
 
     /// Host segments become device segments (and come back): the inner backend's device
     /// segment path.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         if send.is_device() {
-            return self.inner().all_gather_segments(send, segments);
+            return self.inner.all_gather_segments(send, segments);
         }
         let send_copy = DevCopy::upload(self.dev, &send)?;
         let mut copies = segments
@@ -430,7 +417,7 @@ impl Communicator for ViaDevice<'_> {
             .collect();
         let send_view = Buf::Device(send_copy.view(send.len()));
         let staged = self
-            .inner()
+            .inner
             .all_gather_segments(send_view, &mut device_segments)?;
         drop(device_segments);
         for (c, seg) in copies.iter().zip(segments.iter_mut()) {
@@ -442,7 +429,7 @@ impl Communicator for ViaDevice<'_> {
     /// The inner communicator's group, its collectives again on device copies.
     fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
         Ok(Box::new(ViaDevice {
-            inner: Inner::Group(self.inner().split(color)?),
+            inner: HeldComm::Group(self.inner.split(color)?),
             dev: self.dev,
         }))
     }
