@@ -94,13 +94,9 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     pub fn save(&mut self, root: impl AsRef<Path>, opts: &SaveOptions) -> Result<Saved> {
         let (root, start) = (root.as_ref(), Instant::now());
         let rank = self.mesh.world().rank();
-        // Under HSDP every replica holds the same values, so the replicas share the writing:
-        // the file of shard rank `j` is written by replica `j mod R` (world rank
-        // `(j mod R)·S + j`), so `R` nodes write at once.
+        // Under HSDP the replicas share the writing, so `R` nodes write at once.
         let (shard_rank, shards) = (self.mesh.shard().rank(), self.mesh.shard().world_size());
-        let replicas = self.mesh.world().world_size() / shards;
-        let writer_of = |j: usize| (j % replicas) * shards + j;
-        let writer = writer_of(shard_rank) == rank;
+        let writer = self.mesh.writer_of(shard_rank) == rank;
         let step = self.steps;
         let tmp = fs::tmp_dir(root, step);
         let savable = self
@@ -147,7 +143,11 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         };
         let writes = agree(self.mesh.world(), root, written).and_then(|all| {
             (0..shards)
-                .map(|j| Ok(serde_json::from_slice::<RankWrite>(&all[writer_of(j)])?))
+                .map(|j| {
+                    Ok(serde_json::from_slice::<RankWrite>(
+                        &all[self.mesh.writer_of(j)],
+                    )?)
+                })
                 .collect::<Result<Vec<RankWrite>>>()
         });
         let writes = match writes {

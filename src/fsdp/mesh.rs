@@ -72,10 +72,21 @@ impl<'c> Mesh<'c> {
         }
     }
 
-    /// Rank `j` of this rank's shard group as a rank of the world (groups are consecutive).
+    /// Rank `j` of this rank's shard group as a rank of the world.
     pub(crate) fn world_rank_of(&self, j: usize) -> usize {
-        let s = self.shard().world_size();
-        self.world.rank() / s * s + j
+        self.in_replica(self.world.rank() / self.shard().world_size(), j)
+    }
+
+    /// The rank that writes the checkpoint file of shard rank `j`: the replicas hold the same
+    /// values, so they share the writing, file `j` from replica `j mod R`.
+    pub(crate) fn writer_of(&self, j: usize) -> usize {
+        let replicas = self.world.world_size() / self.shard().world_size();
+        self.in_replica(j % replicas, j)
+    }
+
+    /// Rank `j` of replica `g`'s shard group as a rank of the world (groups are consecutive).
+    fn in_replica(&self, g: usize, j: usize) -> usize {
+        g * self.shard().world_size() + j
     }
 
     /// Combines a reduced gradient shard over its replicas (nothing without HSDP): with

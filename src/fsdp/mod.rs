@@ -694,7 +694,7 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         let comm = mesh.shard();
         let unit = &mut self.units[u];
         let layout = &unit.layout;
-        let single = self.mesh.world().world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
+        let single = mesh.world().world_size() == 1 && matches!(layout, UnitLayout::Ragged(_));
         let touched = if single && !bf16 {
             unit.grads.adopt_as_local(&stats)?
         } else {
