@@ -30,7 +30,7 @@ use ragged::comm::{Communicator, SingleRank};
 use ragged::demo::{
     train_rank_with, Checkpointing, StepReport, TrainMode, Trained, TransformerConfig,
 };
-use ragged::fsdp::{fully_shard, inventory_of, FsdpOptions, ShardLayout};
+use ragged::fsdp::{check_replicas, fully_shard, inventory_of, FsdpOptions, ShardLayout};
 use ragged::limits::{at_least, checked_product, even_share, fits_in_memory, positive_finite};
 use ragged::Result;
 use ragged_optimizers::{
@@ -254,19 +254,7 @@ fn check_args(args: &Args) -> Result<()> {
     // Thread ranks are known now (MPI and NCCL worlds only once joined, where train_rank checks).
     if matches!(args.comm, CommKind::Threads | CommKind::GpuThreads) {
         even_share(OP, "--batch", args.batch, args.thread_ranks())?;
-        if args.thread_ranks() % args.replicas != 0 {
-            return Err(ragged::Error::BadInput {
-                op: OP,
-                what: format!(
-                    "--replicas {} with --ranks {}",
-                    args.replicas,
-                    args.thread_ranks()
-                ),
-                reason: "the replicas split the ranks into equal shard groups: R must divide \
-                         the ranks"
-                    .into(),
-            });
-        }
+        check_replicas(OP, "--replicas", args.replicas, args.thread_ranks())?;
     }
     check_launched_ranks(args, launched_world(args))?;
     for (flag, given) in [

@@ -17,6 +17,22 @@
 use crate::comm::{BufMut, Communicator, ReduceOp};
 use crate::{Error, Result};
 
+/// `Err` from `op` unless `replicas` (the setting called `name`) divides a world of `world`
+/// ranks into equal shard groups: what [`super::fully_shard`] checks, for callers that know
+/// the world before they make it (a launcher's flags).
+pub fn check_replicas(op: &'static str, name: &str, replicas: usize, world: usize) -> Result<()> {
+    if replicas == 0 || world % replicas != 0 {
+        return Err(Error::BadInput {
+            op,
+            what: format!("{name} = {replicas} on a world of {world} ranks"),
+            reason: "HSDP shards over groups of world / replicas ranks, so the number of \
+                     replicas must divide the world size (1: plain FSDP)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
 /// The communicators of one rank of a sharded model.
 pub(crate) struct Mesh<'c> {
     world: &'c dyn Communicator,
@@ -34,15 +50,7 @@ impl<'c> Mesh<'c> {
     /// splits). `Err` unless `replicas` divides the world size.
     pub(crate) fn new(world: &'c dyn Communicator, replicas: usize) -> Result<Mesh<'c>> {
         let v = world.world_size();
-        if replicas == 0 || v % replicas != 0 {
-            return Err(Error::BadInput {
-                op: "fully_shard",
-                what: format!("FsdpOptions::replicas = {replicas} on a world of {v} ranks"),
-                reason: "HSDP shards over groups of world / replicas ranks, so the number of \
-                         replicas must divide the world size (1: plain FSDP)"
-                    .into(),
-            });
-        }
+        check_replicas("fully_shard", "FsdpOptions::replicas", replicas, v)?;
         if replicas == 1 {
             return Ok(Mesh {
                 world,

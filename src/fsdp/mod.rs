@@ -56,6 +56,7 @@ use crate::schedule::Schedule;
 use crate::storage::{NonFiniteCounts, Placement, Storage, ViewMut};
 use crate::Result;
 use layout::UnitLayout;
+pub use mesh::check_replicas;
 use mesh::Mesh;
 use param_pool::ParamPool;
 
