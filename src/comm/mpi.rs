@@ -227,8 +227,13 @@ impl MpiComm {
     /// An error of this rank, named as a rank of the world; a group's says which group its
     /// reason speaks of.
     fn err(&self, op: Op, reason: String) -> Error {
+        self.error(op.name(), reason)
+    }
+
+    /// [`MpiComm::err`] for any operation's name.
+    fn error(&self, op: &'static str, reason: String) -> Error {
         Error::Comm {
-            op: op.name(),
+            op,
             rank: top_rank(self.group.as_deref(), self.rank),
             reason: format!("{reason}{}", in_group(self.group.as_deref())),
         }
@@ -1148,19 +1153,14 @@ impl Communicator for MpiComm {
         // The group's lowest rank names it: a valid MPI color (non-negative, an `int`).
         let leader = mpi::topology::Color::with_value(members[0] as i32);
         let _serial = serial();
-        let inner = self.inner.lock().map_err(|_| Error::Comm {
-            op: "split",
-            rank: self.rank,
-            reason: "an earlier call panicked".into(),
+        let inner = self
+            .inner
+            .lock()
+            .map_err(|_| self.error("split", "an earlier call panicked".into()))?;
+        let group = inner.world.split_by_color(leader).ok_or_else(|| {
+            let reason = "MPI_Comm_split gave no communicator for this rank's color";
+            self.error("split", reason.into())
         })?;
-        let group = inner
-            .world
-            .split_by_color(leader)
-            .ok_or_else(|| Error::Comm {
-                op: "split",
-                rank: self.rank,
-                reason: "MPI_Comm_split gave no communicator for this rank's color".into(),
-            })?;
         let top: Vec<usize> = members
             .iter()
             .map(|&j| top_rank(self.group.as_deref(), j))
