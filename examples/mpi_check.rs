@@ -24,7 +24,9 @@
 //!    (`FsdpOptions::replicas`, the smallest divisor of `V` above 1) ends with the parameters of
 //!    the same HSDP run on thread ranks (digests equal); its checkpoint's files are shared
 //!    out over the replicas (the file of shard rank `j` from replica `j mod R`), as the bytes
-//!    the kernel counted each process writing show.
+//!    the kernel counted each process writing show, and so is loading it (the rank that wrote
+//!    a file reads it back and sends the values to the other replicas, by the bytes the kernel
+//!    counted each process reading) into a model that then holds the saved parameters.
 //!
 //! Exits with status 1 on any failure.
 //!
@@ -429,9 +431,9 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
     let (dir, ckpt) = fresh_checkpoints(comm, "hsdp")?;
     // Muon: its matrices gathered to their roots within each shard group.
     let muon = || Muon::new(MuonConfig::default());
-    let before = bytes_written()?;
+    let before = proc_io("wchar")?;
     let mpi = train_rank_with(&params, muon()?, comm, opts.clone(), job, &ckpt, |_, _| {})?;
-    let wrote = bytes_written()? - before;
+    let wrote = proc_io("wchar")? - before;
     // The replicas share the checkpoint's files: shard rank j's from replica j mod R.
     let shards = world / replicas;
     let j = comm.rank() % shards;
@@ -444,24 +446,44 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
         true => wrote >= file_bytes,
         false => wrote < file_bytes / 4,
     };
+    // Loaded by a model initialized otherwise: the writers read, the others receive.
+    let mut m = fully_shard(&cfg.init_params(6)?, muon()?, comm, opts.clone())?;
+    let before = proc_io("rchar")?;
+    m.load(&dir)?;
+    let read = proc_io("rchar")? - before;
+    let loaded = m.param_digest()? == mpi.digest;
+    drop(m);
+    // Every rank reads the manifest; only the writer its file.
+    let manifest = std::fs::metadata(step_dir(&dir, 2).join("manifest.json"))
+        .map_err(|e| ragged::Error::Msg(format!("the manifest: {e}")))?
+        .len();
+    let read_shared = match writes_file {
+        true => read >= file_bytes,
+        false => read < manifest + file_bytes / 4,
+    };
     let threads = ThreadWorld::run(world, |c| {
         train_rank_with(&params, muon()?, c, opts.clone(), job, &none, |_, _| {})
     })?;
     comm.barrier()?;
     Ok(Some(
-        same_collectives && named && shared && threads.iter().all(|t| t.digest == mpi.digest),
+        same_collectives
+            && named
+            && shared
+            && loaded
+            && read_shared
+            && threads.iter().all(|t| t.digest == mpi.digest),
     ))
 }
 
-/// Bytes this process has written so far, as the kernel counts them (`wchar` of
-/// `/proc/self/io`: every `write`, to files or not).
-fn bytes_written() -> Result<u64> {
+/// Bytes this process has written (`wchar`) or read (`rchar`) so far, as the kernel counts
+/// them in `/proc/self/io`: every `write` or `read`, of files or not.
+fn proc_io(key: &str) -> Result<u64> {
     let io = std::fs::read_to_string("/proc/self/io")
         .map_err(|e| ragged::Error::Msg(format!("/proc/self/io: {e}")))?;
     io.lines()
-        .find_map(|l| l.strip_prefix("wchar:"))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .and_then(|n| n.trim().parse().ok())
-        .ok_or_else(|| ragged::Error::Msg("no wchar line in /proc/self/io".into()))
+        .ok_or_else(|| ragged::Error::Msg(format!("no {key} line in /proc/self/io")))
 }
 
 fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {

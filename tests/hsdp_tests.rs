@@ -29,7 +29,7 @@ use ragged_optimizers::{
 };
 
 mod common;
-use common::{backward_on_one_rank, saved_arrays, scratch};
+use common::{backward_on_one_rank, saved_arrays, scratch, thread_read_bytes};
 
 const CFG: TransformerConfig = common::SMALL;
 /// Divisible by every world size used here (1, 2, 3, 4, 6).
@@ -243,17 +243,32 @@ fn the_fsdp2_layout_and_bf16_reductions_run_under_hsdp() {
 /// loaded from `from` (if given), trained `steps` (the step number picks the batch, each rank
 /// its rows), saved to `to` (if given); every rank's parameter digest.
 fn digest_after(
-    (world, replicas): (usize, usize),
+    mesh: (usize, usize),
     init: u64,
     from: Option<&Path>,
     steps: std::ops::Range<usize>,
     to: Option<&Path>,
 ) -> Vec<String> {
+    let runs = run_after(mesh, init, from, steps, to);
+    runs.into_iter().map(|(digest, _)| digest).collect()
+}
+
+/// [`digest_after`], with the bytes each rank's thread read during the load.
+fn run_after(
+    (world, replicas): (usize, usize),
+    init: u64,
+    from: Option<&Path>,
+    steps: std::ops::Range<usize>,
+    to: Option<&Path>,
+) -> Vec<(String, u64)> {
     let params = CFG.init_params(init).unwrap();
     ThreadWorld::run(world, |c| {
         let mut m = fully_shard(&params, adamw(), c, hsdp(replicas, ReduceOp::Avg))?;
+        let mut read = 0;
         if let Some(from) = from {
+            let before = thread_read_bytes();
             m.load(from)?;
+            read = thread_read_bytes() - before;
         }
         let rows = BATCH / world;
         for step in steps.clone() {
@@ -264,7 +279,7 @@ fn digest_after(
         if let Some(to) = to {
             m.save(to, &SaveOptions::default())?;
         }
-        m.param_digest()
+        Ok((m.param_digest()?, read))
     })
     .unwrap()
 }
@@ -380,14 +395,89 @@ fn an_hsdp_rank_holds_the_shards_of_a_world_of_its_group() {
 }
 
 /// Saved under HSDP after 2 steps and resumed (by a model initialized otherwise) for 2 more:
-/// the parameters are bitwise those of 4 uninterrupted HSDP steps.
+/// the parameters are bitwise those of 4 uninterrupted HSDP steps. Each shard rank's file is
+/// read by one replica (`j mod R`, the one that wrote it), which sends the values to the
+/// other: by the kernel's count of bytes each rank's thread read, the reading rank reads at
+/// least its file's arrays and the other rank next to nothing (the manifest), and the ranks
+/// that read nothing resume bitwise too, so what they received is the parameters and AdamW's
+/// moments as saved.
 #[test]
-fn resuming_under_hsdp_is_bitwise() {
+fn resuming_under_hsdp_is_bitwise_with_one_read_per_shard() {
     let root = scratch("ragged-hsdp-tests", "resume");
     let straight = digest_after((4, 2), 7, None, 0..4, None);
     digest_after((4, 2), 7, None, 0..2, Some(&root));
-    let resumed = digest_after((4, 2), 8, Some(&root), 2..4, None);
-    assert_eq!(resumed, straight);
+    let resumed = run_after((4, 2), 8, Some(&root), 2..4, None);
+    let digests: Vec<String> = resumed.iter().map(|(d, _)| d.clone()).collect();
+    assert_eq!(digests, straight);
+    let dir = ckpt_fs::resolve(&root).unwrap();
+    let manifest = Manifest::read(&dir).unwrap();
+    let arrays: Vec<u64> = (0..2).map(|j| arrays_in_file(&manifest, j)).collect();
+    // Shard rank j = r mod 2 is read by replica j mod 2: world ranks 0 and 3.
+    for (r, (_, read)) in resumed.iter().enumerate() {
+        let j = r % 2;
+        match r == (j % 2) * 2 + j {
+            true => assert!(*read >= arrays[j], "rank {r} read {read} of {}", arrays[j]),
+            false => assert!(
+                *read < arrays[j] / 8,
+                "rank {r} read {read} of {}",
+                arrays[j]
+            ),
+        }
+    }
+}
+
+/// A safetensors import under HSDP: each shard rank's ranges are read by one replica, which
+/// sends them to the other (by the kernel's count of bytes each rank's thread read: the
+/// readers together read every parameter, the others next to nothing, the file's header), and
+/// every rank holds the exported values.
+#[test]
+fn an_import_under_hsdp_reads_each_shard_on_one_replica() {
+    let root = scratch("ragged-hsdp-tests", "import");
+    let file = root.join("model.safetensors");
+    let params = CFG.init_params(7).unwrap();
+    let exported = ThreadWorld::run(2, |c| {
+        let mut m = fully_shard(&params, adamw(), c, FsdpOptions::default())?;
+        m.export_safetensors(&file)?;
+        m.param_digest()
+    })
+    .unwrap();
+    let other = CFG.init_params(8).unwrap();
+    let imported = ThreadWorld::run(4, |c| {
+        let mut m = fully_shard(&other, adamw(), c, hsdp(2, ReduceOp::Avg))?;
+        let before = thread_read_bytes();
+        let unused = m.load_safetensors(&file)?;
+        let read = thread_read_bytes() - before;
+        Ok((m.param_digest()?, read, unused))
+    })
+    .unwrap();
+    let param_bytes: u64 = other.iter().map(|(_, t)| 4 * t.elem_count() as u64).sum();
+    // Shard rank j = r mod 2 is read by replica j mod 2: world ranks 0 and 3.
+    let readers = imported[0].1 + imported[3].1;
+    assert!(
+        readers >= param_bytes,
+        "the readers read {readers} of {param_bytes}"
+    );
+    for r in [1, 2] {
+        let read = imported[r].1;
+        assert!(
+            read < param_bytes / 16,
+            "rank {r} read {read} of {param_bytes}"
+        );
+    }
+    for (r, (digest, _, unused)) in imported.iter().enumerate() {
+        assert_eq!(digest, &exported[0], "rank {r}");
+        assert!(unused.is_empty(), "rank {r}: {unused:?}");
+    }
+}
+
+/// Bytes of the saved arrays held in shard rank `j`'s file.
+fn arrays_in_file(manifest: &Manifest, j: usize) -> u64 {
+    let held = manifest.fields.iter().flat_map(|f| {
+        let size = f.dtype.size() as u64;
+        let mine = f.holders.iter().filter(move |h| h[0] == j);
+        mine.map(move |h| (h[2] - h[1]) as u64 * size)
+    });
+    held.sum()
 }
 
 /// Frozen parameters under HSDP: gathered in the shard group, never reduced over replicas or

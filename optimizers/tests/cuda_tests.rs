@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use ragged::checkpoint::{CheckpointState, FieldArray, FieldData, FieldLayout};
-use ragged::comm::SingleRank;
+use ragged::comm::{Communicator, SingleRank};
 use ragged::cuda::Device;
 use ragged::model::{DType, TensorSpec};
 use ragged::optim::{LocalShard, Optimizer};
@@ -233,8 +233,10 @@ fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
 
 /// Checkpoints of states in device memory ([`CheckpointState`] on device storage): every
 /// field's spans, read from the device range by range, are the host state's bytes after the
-/// same steps (bitwise: the steps are), and a fresh device state filled span by span from
-/// those bytes reads back the same. 8-bit Adam has fields of all three element types.
+/// same steps (bitwise: the steps are), a fresh device state filled span by span from those
+/// bytes reads back the same, and so does a fresh one on another GPU thread rank that
+/// receives every field by broadcast (an HSDP load's replicas: `FieldDataMut::as_buf_mut`,
+/// `u16` scales as their bytes). 8-bit Adam has fields of all three element types.
 #[test]
 fn checkpoint_fields_of_device_states_read_and_fill_like_host_ones() {
     let Some(dev) = device() else { return };
@@ -273,7 +275,7 @@ fn span_bytes(layout: &[FieldLayout], data: &[FieldData<'_>]) -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn fields_round_trip<O: CheckpointState>(opt: &O, spec: &[TensorSpec], dev: &Arc<Device>) {
+fn fields_round_trip<O: CheckpointState + Sync>(opt: &O, spec: &[TensorSpec], dev: &Arc<Device>) {
     let run = (&[1, 2][..], 5, 2);
     each_rank_host_and_device(
         opt,
@@ -298,27 +300,46 @@ fn fields_round_trip<O: CheckpointState>(opt: &O, spec: &[TensorSpec], dev: &Arc
             );
             assert_eq!(span_bytes(&layout, &data), want, "read from the device");
             let mut fresh = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
-            for ((f, mut d), src) in layout
-                .iter()
-                .zip(opt.state_data_mut(&mut fresh).unwrap())
-                .zip(&want)
-            {
-                let mut at = 0;
-                for s in &f.spans {
-                    let n = s.global.len() * f.dtype.size();
-                    let range = s.local..s.local + s.global.len();
-                    d.fill_bytes(range, |b| {
-                        b.copy_from_slice(&src[at..at + n]);
-                        Ok(())
-                    })
-                    .unwrap();
-                    at += n;
-                }
-            }
+            fill_spans(opt, &layout, &mut fresh, &want);
             let filled = span_bytes(&layout, &opt.state_data(&fresh).unwrap());
             assert_eq!(filled, want, "filled on the device");
+            let received = ragged::cuda::threads::ThreadDeviceComm::run(dev.clone(), 2, |c| {
+                let mut state = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
+                if c.rank() == 0 {
+                    fill_spans(opt, &layout, &mut state, &want);
+                }
+                for mut d in opt.state_data_mut(&mut state)? {
+                    c.broadcast(d.as_buf_mut(), 0)?;
+                }
+                Ok(span_bytes(&layout, &opt.state_data(&state)?))
+            })
+            .unwrap();
+            assert_eq!(received[1], want, "received by a device broadcast");
         },
     );
+}
+
+/// Fills every field's spans of `state` from `bytes` (each field's spans in order).
+fn fill_spans<O: CheckpointState>(
+    opt: &O,
+    layout: &[FieldLayout],
+    state: &mut O::State,
+    bytes: &[Vec<u8>],
+) {
+    let fields = opt.state_data_mut(state).unwrap();
+    for ((f, mut d), src) in layout.iter().zip(fields).zip(bytes) {
+        let mut at = 0;
+        for s in &f.spans {
+            let n = s.global.len() * f.dtype.size();
+            let range = s.local..s.local + s.global.len();
+            d.fill_bytes(range, |b| {
+                b.copy_from_slice(&src[at..at + n]);
+                Ok(())
+            })
+            .unwrap();
+            at += n;
+        }
+    }
 }
 
 /// More scale blocks than the grid has warps on an H200 (at most 132 multiprocessors × 8
@@ -1020,9 +1041,11 @@ fn bf16_compute_copies_train_on_the_gpu_like_on_the_cpu() {
 }
 
 /// Checkpoints of a model whose parameters and 8-bit Adam state live on the GPU: saved from
-/// two GPU thread ranks, loaded into three CPU thread ranks and into one GPU rank, the
-/// parameters come back bit for bit (a checkpoint holds the exact bits), and the step after
-/// the load on one GPU rank is the saving run's next step within the tolerance above (its
+/// two GPU thread ranks, loaded into three CPU thread ranks, into one GPU rank and into two
+/// GPU replicas of one rank (HSDP: rank 0 reads the file, rank 1 receives the parameters and
+/// the state, its `u16` scales as bytes, by a device broadcast), the parameters come back bit
+/// for bit (a checkpoint holds the exact bits), and the step after the load on one GPU rank
+/// and on each replica is the saving run's next step within the tolerance above (its
 /// gradients are summed over two ranks there, in another order).
 #[cfg(feature = "candle-cuda")]
 #[test]
@@ -1040,14 +1063,19 @@ fn checkpoints_of_a_model_on_the_gpu_load_at_other_world_sizes_and_on_the_cpu() 
                device: &candle_core::Device,
                load: bool,
                steps: std::ops::Range<usize>,
-               save_after: Option<usize>|
+               save_after: Option<usize>,
+               replicas: usize|
      -> ragged::Result<Vec<Params>> {
         let params = mlp_params(&mlp, 5, device)?;
         let opt = Adam8bit::new(Adam8bitConfig {
             min_8bit_size: 1024,
             ..Default::default()
         })?;
-        let mut sharded = fully_shard(&params, opt, comm, FsdpOptions::default())?;
+        let opts = FsdpOptions {
+            replicas,
+            ..FsdpOptions::default()
+        };
+        let mut sharded = fully_shard(&params, opt, comm, opts)?;
         if load {
             sharded.load(&root)?;
         }
@@ -1064,34 +1092,39 @@ fn checkpoints_of_a_model_on_the_gpu_load_at_other_world_sizes_and_on_the_cpu() 
         Ok(out)
     };
     // Two GPU ranks: 3 steps, saved after the second.
-    let saving = ThreadDeviceComm::run(dev.clone(), 2, |c| run(c, &gpu, false, 0..3, Some(1)))
+    let saving = ThreadDeviceComm::run(dev.clone(), 2, |c| run(c, &gpu, false, 0..3, Some(1), 1))
         .unwrap()
         .swap_remove(0);
     let saved = &saving[2];
-    let on_cpu =
-        ThreadWorld::run(3, |c| run(c, &candle_core::Device::Cpu, true, 0..0, None)).unwrap();
+    let on_cpu = ThreadWorld::run(3, |c| {
+        run(c, &candle_core::Device::Cpu, true, 0..0, None, 1)
+    })
+    .unwrap();
     let one_gpu =
-        ThreadDeviceComm::run(dev.clone(), 1, |c| run(c, &gpu, true, 2..3, None)).unwrap();
+        ThreadDeviceComm::run(dev.clone(), 1, |c| run(c, &gpu, true, 2..3, None, 1)).unwrap();
+    let replicas =
+        ThreadDeviceComm::run(dev.clone(), 2, |c| run(c, &gpu, true, 2..3, None, 2)).unwrap();
+    let loaded = [
+        ("on the CPU", &on_cpu[0]),
+        ("on the GPU", &one_gpu[0]),
+        ("by GPU replica 0", &replicas[0]),
+        ("by GPU replica 1", &replicas[1]),
+    ];
     for (name, want) in saved {
-        assert_eq!(
-            bits(&on_cpu[0][0][name]),
-            bits(want),
-            "{name}: loaded on the CPU"
-        );
-        assert_eq!(
-            bits(&one_gpu[0][0][name]),
-            bits(want),
-            "{name}: loaded on the GPU"
-        );
+        for (how, run) in loaded {
+            assert_eq!(bits(&run[0][name]), bits(want), "{name}: loaded {how}");
+        }
     }
     // The step after the load: one GPU rank against the saving run's two (the same
     // gradients up to the order of their sum over ranks, so within the tolerance above).
     for (name, want) in &saving[3] {
-        let worst = max_abs_diff(&one_gpu[0][1][name], want);
-        assert!(
-            worst < 1e-4,
-            "{name}: {worst} after the step that follows the load"
-        );
+        for (how, run) in &loaded[1..] {
+            let worst = max_abs_diff(&run[1][name], want);
+            assert!(
+                worst < 1e-4,
+                "{name}: {worst} after the step that follows the load {how}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&root);
 }

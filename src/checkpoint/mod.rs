@@ -98,7 +98,8 @@ pub struct Loaded {
     pub saved_world: usize,
     /// Steps taken when it was saved.
     pub steps: usize,
-    /// Bytes this rank read.
+    /// Bytes of saved arrays this rank read (under HSDP 0 on the replicas that received
+    /// their shard from the one that read it).
     pub bytes_read: u64,
     pub seconds: f64,
     /// The optimizer settings that differ from the checkpoint's (`name: saved → now`, one

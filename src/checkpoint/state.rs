@@ -13,6 +13,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use crate::comm::BufMut;
 use crate::optim::{LocalShard, Optimizer, ParamMeta, Sgd};
 use crate::storage::{Elem, Placement, Storage};
 use crate::{Error, Result};
@@ -263,6 +264,36 @@ macro_rules! field_from {
 field_from!(f32, F32);
 field_from!(u16, U16);
 field_from!(u8, U8);
+
+impl FieldDataMut<'_> {
+    /// The whole local array as one collective buffer (`u16` elements as their bytes, which
+    /// is all a copy needs): HSDP's replicas receive a loaded shard through it.
+    pub fn as_buf_mut(&mut self) -> BufMut<'_> {
+        match self {
+            FieldDataMut::F32(FieldArrayMut::Host(x)) => BufMut::F32(x),
+            FieldDataMut::F32(FieldArrayMut::Storage(s)) => s.view_mut().into(),
+            FieldDataMut::U8(FieldArrayMut::Host(x)) => BufMut::U8(x),
+            FieldDataMut::U8(FieldArrayMut::Storage(s)) => s.view_mut().into(),
+            FieldDataMut::U16(FieldArrayMut::Host(x)) => BufMut::U8(bytemuck::cast_slice_mut(x)),
+            FieldDataMut::U16(FieldArrayMut::Storage(s)) => u16_bytes(s),
+        }
+    }
+}
+
+/// `u16` storage as its bytes.
+fn u16_bytes(s: &mut Storage<u16>) -> BufMut<'_> {
+    match s {
+        Storage::Cpu(x) => BufMut::U8(bytemuck::cast_slice_mut(x)),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(d) => {
+            let bytes = 2 * d.data.len();
+            // SAFETY: every bit pattern is a valid `u8`, `u8` needs no alignment, and the view
+            // covers the slice's own bytes, borrowed mutably for the view's lifetime.
+            let view = unsafe { d.data.transmute_mut::<u8>(bytes) };
+            view.expect("two bytes per u16 element").into()
+        }
+    }
+}
 
 impl FieldData<'_> {
     pub fn dtype(&self) -> FieldType {

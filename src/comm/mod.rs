@@ -231,16 +231,22 @@ impl<'a> From<crate::storage::View<'a, f32>> for Buf<'a> {
         }
     }
 }
-/// A writable host or device `f32` view as a collective's buffer.
-impl<'a> From<crate::storage::ViewMut<'a, f32>> for BufMut<'a> {
-    fn from(v: crate::storage::ViewMut<'a, f32>) -> Self {
-        match v {
-            crate::storage::ViewMut::Cpu(v) => BufMut::F32(v),
-            #[cfg(feature = "cuda")]
-            crate::storage::ViewMut::Cuda(v) => v.into(),
+/// A writable host or device view as a collective's buffer.
+macro_rules! buf_mut_from_view {
+    ($t:ty, $variant:ident) => {
+        impl<'a> From<crate::storage::ViewMut<'a, $t>> for BufMut<'a> {
+            fn from(v: crate::storage::ViewMut<'a, $t>) -> Self {
+                match v {
+                    crate::storage::ViewMut::Cpu(v) => BufMut::$variant(v),
+                    #[cfg(feature = "cuda")]
+                    crate::storage::ViewMut::Cuda(v) => v.into(),
+                }
+            }
         }
-    }
+    };
 }
+buf_mut_from_view!(f32, F32);
+buf_mut_from_view!(u8, U8);
 
 /// One tensor's storage inside a full buffer that is not one allocation: elements
 /// `offset..offset + buf.len()` of the `V·S`-element full buffer live in `buf`. The parts of the

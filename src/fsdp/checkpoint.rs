@@ -409,6 +409,7 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         let read = self.read_all(&dir, &manifest, &plan);
         let bytes_read = *read.as_ref().unwrap_or(&0);
         let applied = agree(self.mesh.world(), &dir, read.map(|_| Vec::new()))
+            .and_then(|_| self.share_loaded())
             .and_then(|_| self.restore_progress(&manifest.progress));
         self.partly_loaded = applied.as_ref().err().map(|e| PartlyLoaded {
             cause: e.to_string(),
@@ -568,20 +569,21 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
         Ok(plan)
     }
 
-    /// Reads this rank's ranges of every field, as planned; returns the bytes read. Only a
-    /// file that fails its checksum or its read part way leaves values replaced and others
-    /// not.
+    /// Reads this rank's ranges of every field, as planned, where this rank reads files
+    /// ([`super::mesh::Mesh::reads_files`]; the other replicas receive the values from it next,
+    /// [`Self::share_loaded`]); returns the bytes read. Only a file that fails its checksum or
+    /// its read part way leaves values replaced and others not.
     fn read_all(&mut self, dir: &Path, m: &Manifest, plan: &[UnitReads<'_>]) -> Result<u64> {
         let mut files = SourceFiles::new(dir, m);
         // Gradients since the last step belong to the values being replaced.
         self.discard_gradients();
-        let optimizer = &self.optimizer;
+        let (optimizer, reads) = (&self.optimizer, self.mesh.reads_files());
         for (unit, planned) in self.units.iter_mut().zip(plan) {
             let ShardedUnit { params, state, .. } = unit;
             let data = std::iter::once(FieldDataMut::from(params.master_storage_mut()))
                 .chain(optimizer.state_data_mut(state)?);
             for ((f, recs), mut d) in planned.fields.iter().zip(&planned.reads).zip(data) {
-                for (span, rec) in f.spans.iter().zip(recs) {
+                for (span, rec) in f.spans.iter().zip(recs).filter(|_| reads) {
                     if let Some(rec) = rec {
                         files.read_range(rec, span.global.clone(), &mut d, span.local)?;
                     }
@@ -590,6 +592,21 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
             optimizer.set_state_step(state, m.progress.state_step);
         }
         Ok(files.bytes_read)
+    }
+
+    /// Under HSDP, sends every unit's loaded parameters and optimizer state from the replica
+    /// that read them to the others ([`super::mesh::Mesh::share_loaded`]); nothing without HSDP. Called on
+    /// every rank after every rank's reads succeeded (the fields are the ones the reads
+    /// filled, so no rank fails here alone).
+    fn share_loaded(&mut self) -> Result<()> {
+        self.share_loaded_params()?;
+        let (optimizer, mesh) = (&self.optimizer, &self.mesh);
+        for unit in &mut self.units {
+            for mut f in optimizer.state_data_mut(&mut unit.state)? {
+                mesh.share_loaded(f.as_buf_mut())?;
+            }
+        }
+        Ok(())
     }
 
     /// `Err` unless the saved schedule and its base rate are valid (checked before a load
@@ -687,7 +704,8 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         agree(self.mesh.world(), path, status)?;
         let mut sources = sources.expect("every rank succeeded above");
         let read = self.import_local(&mut sources);
-        let applied = agree(self.mesh.world(), path, read.map(|_| Vec::new()));
+        let applied = agree(self.mesh.world(), path, read.map(|_| Vec::new()))
+            .and_then(|_| self.share_loaded_params());
         // A failed `load` left optimizer state partly replaced too, which this does not read.
         let state_too = self.partly_loaded.as_ref().is_some_and(|p| p.state_too);
         self.partly_loaded = match (&applied, state_too) {
@@ -741,9 +759,23 @@ impl<O: Optimizer> ShardedModel<'_, O> {
         Ok(sources)
     }
 
-    /// Reads this rank's pieces of every parameter from `sources`.
+    /// Under HSDP, sends every unit's loaded parameters from the replica that read them to the
+    /// others ([`super::mesh::Mesh::share_loaded`]); nothing without HSDP.
+    fn share_loaded_params(&mut self) -> Result<()> {
+        for unit in &mut self.units {
+            let master = unit.params.master_storage_mut();
+            self.mesh.share_loaded(master.view_mut().into())?;
+        }
+        Ok(())
+    }
+
+    /// Reads this rank's pieces of every parameter from `sources`, where this rank reads
+    /// files ([`super::mesh::Mesh::reads_files`]; the other replicas receive them next).
     fn import_local(&mut self, sources: &mut Sources) -> Result<()> {
         self.discard_gradients();
+        if !self.mesh.reads_files() {
+            return Ok(());
+        }
         for unit in &mut self.units {
             let local = &unit.local;
             let master = unit.params.master_storage_mut();

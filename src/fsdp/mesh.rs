@@ -85,11 +85,34 @@ impl<'c> Mesh<'c> {
         self.in_replica(self.world.rank() / self.shard().world_size(), j)
     }
 
-    /// The rank that writes the checkpoint file of shard rank `j`: the replicas hold the same
-    /// values, so they share the writing, file `j` from replica `j mod R`.
+    /// The rank that writes the checkpoint file of shard rank `j`, and reads shard rank `j`'s
+    /// values back at a load: the replicas hold the same values, so they share the file work,
+    /// shard rank `j`'s from replica `j mod R` ([`Mesh::share_loaded`] sends what it read to
+    /// the other replicas).
     pub(crate) fn writer_of(&self, j: usize) -> usize {
-        let replicas = self.world.world_size() / self.shard().world_size();
-        self.in_replica(j % replicas, j)
+        self.in_replica(j % self.replicas(), j)
+    }
+
+    /// Whether this rank reads its shard's values from files at a load ([`Mesh::writer_of`]).
+    pub(crate) fn reads_files(&self) -> bool {
+        self.writer_of(self.shard().rank()) == self.world.rank()
+    }
+
+    /// Copies a loaded shard from the replica that read it from files ([`Mesh::writer_of`])
+    /// to the other replicas, over the replica group (nothing without HSDP): one read of a
+    /// checkpoint per shard group, not one per replica.
+    pub(crate) fn share_loaded(&self, shard: BufMut<'_>) -> Result<()> {
+        match &self.groups {
+            // The replica group numbers replica `g` as its rank `g` (split keeps world order).
+            Some(g) => g
+                .replicas
+                .broadcast(shard, self.shard().rank() % self.replicas()),
+            None => Ok(()),
+        }
+    }
+
+    fn replicas(&self) -> usize {
+        self.world.world_size() / self.shard().world_size()
     }
 
     /// Rank `j` of replica `g`'s shard group as a rank of the world (groups are consecutive).

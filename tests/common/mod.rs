@@ -214,3 +214,14 @@ pub fn f32_values(t: &candle_core::Tensor) -> Vec<f32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Bytes the calling thread has read so far, as the kernel counts them (`rchar` of
+/// `/proc/thread-self/io`: every `read` and `pread`, of files or not): what a thread rank read
+/// from a checkpoint, measured outside the code that reads it.
+pub fn thread_read_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/thread-self/io").expect("/proc/thread-self/io");
+    io.lines()
+        .find_map(|l| l.strip_prefix("rchar:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("an rchar line in /proc/thread-self/io")
+}
