@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use ragged::comm::conformance::{exercise, uneven_all_to_all};
-use ragged::comm::{Communicator, ReduceOp};
+use ragged::comm::{Communicator, ReduceOp, Segment};
 use ragged::cuda::collective::ViaDevice;
 use ragged::cuda::Device;
 use ragged::storage::{NonFiniteCounts, Placement, Storage};
@@ -469,11 +469,19 @@ fn nccl_ranks_of_one_process_match_the_cpu_thread_backend() {
 
 /// Protects NCCL's out-of-place device collectives over several ranks
 /// (`NcclComm::reduce_scatter` on device buffers: one `ncclReduceScatter` from the send buffer
-/// into the receive buffer with the caller's operation; `all_gather` from a send buffer), which
-/// `moves_and_sums` (in-place forms only) and the world of one (where an average is the sum
-/// and every slice is the rank's own) leave unchecked: against the CPU thread backend, the
-/// gather bit for bit, sums and averages within 1e-6 (NCCL's own order over ranks). Needs two
-/// devices (tools/cuda-emu with CUDA_EMU_DEVICES=3 has three).
+/// into the receive buffer with the caller's operation; `all_gather` from a send buffer;
+/// `all_gather_segments` into separate device allocations, uneven, with gaps and crossing
+/// rank slices, as grouped sends and receives with nothing staged), which `moves_and_sums`
+/// (in-place forms only) and the world of one (where an average is the sum and every slice
+/// is the rank's own) leave unchecked: against the CPU thread backend, the gathers bit for
+/// bit, sums and averages within 1e-6 (NCCL's own order over ranks). Needs two devices
+/// (tools/cuda-emu with CUDA_EMU_DEVICES=3 has three).
+/// Segments of a full buffer of `world` slices of `s`: uneven, with gaps, the last one
+/// crossing every slice boundary (from rank 0's slice into the last rank's).
+fn spans_of(world: usize, s: usize) -> Vec<std::ops::Range<usize>> {
+    vec![0..1, 3..s - 3, s - 2..world * s - 1]
+}
+
 #[test]
 fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_backend() {
     use ragged::comm::threads::ThreadWorld;
@@ -482,13 +490,26 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         return;
     };
     let s = 37;
-    // (the all-gather's bits, the own slice of a reduce-scatter by Sum and by Avg)
-    type Out = (Vec<u32>, Vec<Vec<f32>>);
+    // (the all-gather's bits, the own slice of a reduce-scatter by Sum and by Avg, the
+    // segments' bits and the bytes staged for them)
+    type Out = (Vec<u32>, Vec<Vec<f32>>, Vec<u32>, usize);
     let cpu: Vec<Out> = ThreadWorld::run(comms.len(), |c| {
         let (rank, world) = (c.rank(), c.world_size());
         let send = values(s, rank as u32 + 2);
         let mut all = vec![0f32; world * s];
         c.all_gather((&send[..]).into(), (&mut all[..]).into())?;
+        let spans = spans_of(world, s);
+        let mut parts: Vec<Vec<f32>> = spans.iter().map(|r| vec![0f32; r.len()]).collect();
+        let mut segments: Vec<Segment<'_>> = spans
+            .iter()
+            .zip(parts.iter_mut())
+            .map(|(r, p)| Segment {
+                offset: r.start,
+                buf: (&mut p[..]).into(),
+            })
+            .collect();
+        let staged = c.all_gather_segments((&send[..]).into(), &mut segments)?;
+        drop(segments);
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = values(world * s, rank as u32 + 3);
@@ -496,7 +517,7 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
             c.reduce_scatter((&mut x[..]).into(), (&mut own[..]).into(), op)?;
             sums.push(own);
         }
-        Ok((bits(&all), sums))
+        Ok((bits(&all), sums, bits(&parts.concat()), staged))
     })
     .unwrap();
     let on_device = |c: &NcclComm| -> ragged::Result<Out> {
@@ -504,6 +525,25 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         let send = dev.upload(&values(s, rank as u32 + 2))?;
         let mut all = dev.upload(&vec![0f32; world * s])?;
         c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
+        let spans = spans_of(world, s);
+        let mut parts = Vec::new();
+        for r in &spans {
+            parts.push(dev.upload(&vec![0f32; r.len()])?);
+        }
+        let mut segments: Vec<Segment<'_>> = spans
+            .iter()
+            .zip(parts.iter_mut())
+            .map(|(r, p)| Segment {
+                offset: r.start,
+                buf: p.slice_mut(..).into(),
+            })
+            .collect();
+        let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
+        drop(segments);
+        let mut gathered = Vec::new();
+        for p in &parts {
+            gathered.extend(dev.download(p)?);
+        }
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;
@@ -511,11 +551,14 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
             c.reduce_scatter(x.slice_mut(..).into(), own.slice_mut(..).into(), op)?;
             sums.push(dev.download(&own)?);
         }
-        Ok((bits(&dev.download(&all)?), sums))
+        Ok((bits(&dev.download(&all)?), sums, bits(&gathered), staged))
     };
     let gpu = on_each_thread(&comms, |_, c| on_device(c).unwrap());
-    for (rank, ((moved, sums), (cpu_moved, cpu_sums))) in gpu.iter().zip(&cpu).enumerate() {
+    for (rank, (got, want)) in gpu.iter().zip(&cpu).enumerate() {
+        let ((moved, sums, segs, staged), (cpu_moved, cpu_sums, cpu_segs, _)) = (got, want);
         assert_eq!(moved, cpu_moved, "rank {rank}: all-gather");
+        assert_eq!(segs, cpu_segs, "rank {rank}: all-gather into segments");
+        assert_eq!(*staged, 0, "rank {rank}: bytes staged for the segments");
         for ((got, want), op) in sums.iter().zip(cpu_sums).zip(["Sum", "Avg"]) {
             assert_eq!(got.len(), want.len());
             // (A NaN fails the comparison.)

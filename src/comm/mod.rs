@@ -257,6 +257,49 @@ pub struct Segment<'a> {
     pub buf: BufMut<'a>,
 }
 
+/// One piece of an all-gather into segments: the part of segment `segment` that lies in rank
+/// `rank`'s range of the full buffer, `len` elements from element `at` of the segment, which
+/// are elements `from..from + len` of that rank's input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentPiece {
+    pub segment: usize,
+    pub rank: usize,
+    pub at: usize,
+    pub from: usize,
+    pub len: usize,
+}
+
+/// The pieces of segments (`(offset, len)` in the full buffer, ascending and disjoint, as
+/// [`check_segments`] checks) when rank `j` holds elements `j·s..(j+1)·s`: in ascending order
+/// of the full buffer, none empty, each segment tiled by its pieces. Every backend's
+/// [`Communicator::all_gather_segments`] moves these, whatever it moves them with (copies
+/// from the peers' memory, MPI or NCCL messages); two ranks that agree on the layout list
+/// the same pieces, so the pieces a rank sends a peer come in the order the peer receives them.
+pub fn segment_pieces(
+    segments: impl IntoIterator<Item = (usize, usize)>,
+    s: usize,
+) -> impl Iterator<Item = SegmentPiece> {
+    let segments = segments.into_iter().enumerate();
+    segments.flat_map(move |(segment, (offset, len))| {
+        let end = offset + len;
+        // The ranks whose ranges the segment covers (none when the ranges are empty).
+        let ranks = match (s, len) {
+            (0, _) | (_, 0) => 0..0,
+            (s, _) => offset / s..end.div_ceil(s),
+        };
+        ranks.map(move |rank| {
+            let (lo, hi) = (offset.max(rank * s), end.min((rank + 1) * s));
+            SegmentPiece {
+                segment,
+                rank,
+                at: lo - offset,
+                from: lo - rank * s,
+                len: hi - lo,
+            }
+        })
+    })
+}
+
 /// Checks that `segments` are of `elem`, ascending, disjoint and inside a buffer of `full`
 /// elements.
 pub fn check_segments(segments: &[Segment<'_>], elem: ElemType, full: usize) -> Result<()> {
@@ -541,4 +584,33 @@ pub(crate) fn staged_reduce_scatter<C: Communicator + ?Sized>(
         (BufMut::Device(_), BufMut::Device(_)) => return Err(host_only("reduce_scatter (staged)")),
         _ => return Err(mixed_memory("reduce_scatter (staged)")),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{segment_pieces, SegmentPiece};
+
+    /// Ranges of 4 elements: a segment inside rank 0's, one across three ranks' ranges, an
+    /// empty one (no piece), one ending on a boundary; empty ranges give no piece at all.
+    #[test]
+    fn segment_pieces_tile_each_segment_by_the_ranges_it_crosses() {
+        let piece = |segment, rank, at, from, len| SegmentPiece {
+            segment,
+            rank,
+            at,
+            from,
+            len,
+        };
+        let segments = [(1, 2), (3, 6), (9, 0), (10, 2)];
+        let pieces: Vec<SegmentPiece> = segment_pieces(segments, 4).collect();
+        let want = [
+            piece(0, 0, 0, 1, 2),
+            piece(1, 0, 0, 3, 1),
+            piece(1, 1, 1, 0, 4),
+            piece(1, 2, 5, 0, 1),
+            piece(3, 2, 0, 2, 2),
+        ];
+        assert_eq!(pieces, want);
+        assert_eq!(segment_pieces([(0, 0)], 0).count(), 0);
+    }
 }

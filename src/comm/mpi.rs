@@ -83,7 +83,9 @@ use mpi::traits::{
 use mpi::Count;
 
 use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
-use super::{in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
+use super::{
+    in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
+};
 use crate::{Error, Result};
 
 /// How long a rank waits by default in a collective for ranks that have not called it
@@ -766,24 +768,22 @@ impl Waiting<'_> {
     /// of the padding), in ascending order, and each receives them in that order into the
     /// spans. The own pieces are copied here.
     fn all_gather_into_spans(&self, send: &[u8], spans: &mut [(usize, &mut [u8])]) {
-        let (me, s) = (self.at.rank, send.len());
+        let me = self.at.rank;
+        let pieces: Vec<SegmentPiece> =
+            super::segment_pieces(spans.iter().map(|(o, b)| (*o, b.len())), send.len()).collect();
+        let mut rests: Vec<&mut [u8]> = spans.iter_mut().map(|(_, b)| &mut **b).collect();
         let mut m = Messages::default();
         let mut own: Vec<&[u8]> = Vec::new();
-        for (offset, storage) in spans.iter_mut() {
-            let (mut at, mut rest) = (*offset, &mut **storage);
-            while !rest.is_empty() {
-                // The part of the span inside rank j's range.
-                let j = at / s;
-                let end = ((j + 1) * s).min(at + rest.len());
-                let (piece, tail) = std::mem::take(&mut rest).split_at_mut(end - at);
-                if j == me {
-                    let mine = &send[at - j * s..end - j * s];
-                    piece.copy_from_slice(mine);
-                    own.push(mine);
-                } else {
-                    m.receives.push((j, piece));
-                }
-                (at, rest) = (end, tail);
+        for p in pieces {
+            // A segment's pieces come in order and tile it.
+            let (piece, tail) = std::mem::take(&mut rests[p.segment]).split_at_mut(p.len);
+            rests[p.segment] = tail;
+            if p.rank == me {
+                let mine = &send[p.from..p.from + p.len];
+                piece.copy_from_slice(mine);
+                own.push(mine);
+            } else {
+                m.receives.push((p.rank, piece));
             }
         }
         for j in (0..self.at.size).filter(|&j| j != me) {

@@ -812,25 +812,17 @@ impl ThreadComm {
             ..Post::new(Op::AllGather)
         };
         let (call, posts) = self.enter_in(mem, post)?;
-        let (s, es) = (send.len, send.elem.size());
-        let phase = segments.iter().try_for_each(|&(offset, seg)| {
-            let end = offset + seg.len;
-            // The ranks whose shards the segment covers (none when shards are empty).
-            let ranks = match s {
-                0 => 0..0,
-                s => offset / s..end.div_ceil(s),
-            };
-            ranks.into_iter().try_for_each(|j| {
-                let (lo, hi) = (offset.max(j * s), end.min((j + 1) * s));
-                // SAFETY: send buffers are shared borrows, never written during the call, and
-                // hold s elements (validated), of which we read [lo − j·s, hi − j·s); the
-                // segment is ours alone and holds `seg.len` elements, of which we write
-                // [lo − offset, hi − offset).
-                unsafe {
-                    let src = posts[j].send.at(lo - j * s);
-                    mem.copy(src, seg.at(lo - offset), (hi - lo) * es)
-                }
-            })
+        let es = send.elem.size();
+        let spans = segments.iter().map(|&(offset, seg)| (offset, seg.len));
+        let phase = super::segment_pieces(spans, send.len).try_for_each(|p| {
+            // SAFETY: send buffers are shared borrows, never written during the call, and
+            // hold `send.len` elements (validated), of which the piece reads
+            // [from, from + len); the segment is ours alone and holds its elements, of which
+            // the piece writes [at, at + len).
+            unsafe {
+                let src = posts[p.rank].send.at(p.from);
+                mem.copy(src, segments[p.segment].1.at(p.at), p.len * es)
+            }
         });
         call.finish_phase(mem, phase)
     }

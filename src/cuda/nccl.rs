@@ -24,7 +24,8 @@
 //! slice of the receive buffer; the receive buffer of a reduce-scatter is the rank's own slice
 //! of the send buffer). All-to-all-v is one NCCL group of `ncclSend` / `ncclRecv` pairs, one per
 //! peer with a non-zero count, so the uneven exchange of Muon's matrices to their roots is a
-//! single launch. Each rank checks its own arguments before NCCL sees them; agreement between
+//! single launch; so is an all-gather into segments (a unit's parameter storages), whose
+//! pieces go straight from each rank's shard into the peers' storages. Each rank checks its own arguments before NCCL sees them; agreement between
 //! ranks (the same collective, matching counts) is NCCL's contract, which it does not check.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
@@ -44,8 +45,8 @@ use super::watchdog::{self, Progress};
 use super::{guarded, Device};
 use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{
-    check_segments, staged_all_gather, staged_reduce_scatter, Buf, BufMut, Communicator, ElemType,
-    ReduceOp, Segment,
+    check_segments, segment_pieces, staged_all_gather, staged_reduce_scatter, Buf, BufMut,
+    Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
 };
 use crate::{Error, Result};
 
@@ -685,36 +686,72 @@ impl Communicator for NcclComm {
         }
     }
 
-    /// Device segments: NCCL all-gathers into one contiguous device buffer, then each segment
-    /// is a device-to-device copy out of it (staged: the bytes are returned for the caller to
-    /// count); host segments through a host staging buffer, as the trait's default.
+    /// Device segments straight into their storages, nothing staged (as MPI's): one NCCL
+    /// group in which each rank sends every other rank the pieces of its input the segments
+    /// cover ([`segment_pieces`], ascending; none of the padding) and receives theirs into
+    /// the segments, its own pieces copied on the stream. Every rank must pass the same
+    /// segment layout, which NCCL cannot check (the runtime's gathers all do: the plan is
+    /// agreed when a model is sharded). Host segments go through a host staging buffer, as
+    /// the trait's default.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
-        let Buf::Device(s) = send else {
+        const OP: &str = "NcclComm::all_gather_segments";
+        let Buf::Device(input) = send else {
             return staged_all_gather(self, send, segments);
         };
-        check_segments(segments, s.elem_type(), s.len() * self.world)?;
-        macro_rules! gather_then_copy {
-            ($t:ty, $variant:ident, $v:expr) => {{
-                let full = $v.len() * self.world;
-                let mut all = self.dev.zeros::<$t>(full.max(1))?;
-                self.all_gather_dev(DevBuf::$variant($v), all.slice_mut(..full).into())?;
-                let mut staged = 0;
-                for seg in segments.iter_mut() {
-                    let BufMut::Device(DevBufMut::$variant(dst)) = &mut seg.buf else {
-                        return Err(crate::comm::mixed_memory("NcclComm::all_gather_segments"));
-                    };
-                    let src = all.slice(seg.offset..seg.offset + dst.len());
-                    let op = "NcclComm::all_gather_segments";
-                    guarded(op, || self.dev.stream().memcpy_dtod(&src, dst))?;
-                    staged += std::mem::size_of::<$t>() * dst.len();
-                }
-                Ok(staged)
-            }};
+        check_segments(segments, input.elem_type(), input.len() * self.world)?;
+        let src = input.span(&self.dev);
+        let mut spans = Vec::with_capacity(segments.len());
+        for seg in segments.iter_mut() {
+            let BufMut::Device(d) = &mut seg.buf else {
+                return Err(crate::comm::mixed_memory(OP));
+            };
+            spans.push((seg.offset, d.span(&self.dev)));
         }
-        match s {
-            DevBuf::F32(v) => gather_then_copy!(f32, F32, v),
-            DevBuf::BF16(v) => gather_then_copy!(half::bf16, BF16, v),
-            DevBuf::U8(v) => gather_then_copy!(u8, U8, v),
+        let pieces: Vec<SegmentPiece> =
+            segment_pieces(spans.iter().map(|(o, s)| (*o, s.len)), src.len).collect();
+        let (me, t, es) = (self.rank, nccl_type(src.elem), bytes_of(src.elem));
+        let at = |p: &SegmentPiece| {
+            (
+                src.ptr + p.from as u64 * es,
+                spans[p.segment].1.ptr + p.at as u64 * es,
+            )
+        };
+        guarded(OP, || self.dev.context().bind_to_thread())?;
+        for p in pieces.iter().filter(|p| p.rank == me) {
+            let (from, to) = at(p);
+            // SAFETY: `p.len` elements inside the borrowed input and inside the borrowed
+            // segment (the pieces lie within both), distinct buffers; queued on the stream
+            // NCCL's calls below run on.
+            guarded(OP, || unsafe {
+                let stream = self.dev.stream().cu_stream();
+                cudarc::driver::result::memcpy_dtod_async(to, from, p.len * es as usize, stream)
+            })?;
         }
+        if self.world == 1 {
+            return Ok(0); // every piece was the rank's own
+        }
+        self.call(OP, |comm, stream| {
+            nccl::group_start()?;
+            let mut queued = Ok(());
+            for p in &pieces {
+                let (from, to) = at(p);
+                // SAFETY: as the copies above; each piece is sent or received once per peer
+                // inside the group, which NCCL runs as one operation.
+                queued = queued.and_then(|()| unsafe {
+                    if p.rank != me {
+                        nccl::recv(to as _, p.len, t, p.rank as i32, comm, stream)?;
+                        return Ok(());
+                    }
+                    for j in (0..self.world).filter(|&j| j != me) {
+                        nccl::send(from as _, p.len, t, j as i32, comm, stream)?;
+                    }
+                    Ok(())
+                });
+            }
+            // The group is closed even when a call in it failed.
+            let closed = nccl::group_end().map(drop);
+            queued.and(closed)
+        })?;
+        Ok(0)
     }
 }
