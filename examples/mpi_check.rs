@@ -28,6 +28,9 @@
 //!    a file reads it back and sends the values to the other replicas, by the bytes the kernel
 //!    counted each process reading) into a model that then holds the saved parameters.
 //!
+//! `--memory` instead checks a reduce-scatter's peak memory, `--large` buffers past MPI's `int`
+//! counts (see `--help`).
+//!
 //! Exits with status 1 on any failure.
 //!
 //! `mpi_check --fail-rank R --fail-how err|panic|leave|stall|stall-at-end|stall-in-group|stop`
@@ -48,7 +51,7 @@ use std::process::ExitCode;
 use ragged::checkpoint::fs::step_dir;
 use ragged::checkpoint::manifest::rank_file;
 use ragged::comm::conformance::exercise;
-use ragged::comm::mpi::MpiComm;
+use ragged::comm::mpi::{MpiComm, FOLD_WINDOW};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, Segment, SingleRank};
 use ragged::demo::{
@@ -63,6 +66,8 @@ use ragged_optimizers::{AdamW, AdamWConfig, Muon, MuonConfig, NsConfig, NsPrecis
 
 /// One check: `Some(passed)`, or `None` when it needs more ranks than this world has.
 type Check = fn(&MpiComm) -> Result<Option<bool>>;
+/// One check that runs instead of the others (`--large`, `--memory`): passed or not.
+type Mode = fn(&MpiComm) -> Result<bool>;
 
 /// What `--help` prints.
 const USAGE: &str = "\
@@ -70,11 +75,15 @@ mpi_check: the MPI backend held to the thread backend (collectives, disagreeing 
 Muon, a checkpoint saved over MPI, groups and HSDP); run under mpirun, e.g.
   mpirun --allow-run-as-root --oversubscribe -np 3 target/release/examples/mpi_check
 
-Usage: mpi_check [--large | --fail-rank R --fail-how HOW]
+Usage: mpi_check [--large | --memory | --fail-rank R --fail-how HOW]
 
   --large                        instead move buffers past MPI's int counts (over 2 GiB; about
-                                 5 GiB of memory per rank): all-gather, reduce-scatter,
+                                 4 GiB of memory per rank): all-gather, reduce-scatter,
                                  broadcast and all-reduce, each checked element by element
+  --memory                       instead reduce-scatter 64 MiB slices (V + 4 of them per rank)
+                                 and check, by the peak resident memory the kernel counts,
+                                 that the call holds at most FOLD_WINDOW + 1 slices beyond its
+                                 buffers (not V)
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job; HOW is err,
                                  panic, leave, stall, stall-at-end (while the others return
@@ -98,17 +107,27 @@ fn main() -> ExitCode {
         }
     };
     let (rank, world) = (comm.rank(), comm.world_size());
-    if std::env::args().skip(1).eq(["--large".to_string()]) {
-        let verdict = match large_buffers(&comm) {
-            Ok(true) => "ok".to_string(),
-            Ok(false) => "MISMATCH".to_string(),
-            Err(e) => format!("ERROR {e}"),
-        };
-        println!("mpi_check rank {rank}/{world}: buffers past MPI's int counts: {verdict}");
-        return match verdict.as_str() {
-            "ok" => ExitCode::SUCCESS,
-            _ => ExitCode::FAILURE,
-        };
+    let modes: [(&str, &str, Mode); 2] = [
+        ("--large", "buffers past MPI's int counts", large_buffers),
+        (
+            "--memory",
+            "a reduce-scatter's memory",
+            reduce_scatter_memory,
+        ),
+    ];
+    for (flag, what, check) in modes {
+        if std::env::args().skip(1).eq([flag.to_string()]) {
+            let verdict = match check(&comm) {
+                Ok(true) => "ok".to_string(),
+                Ok(false) => "MISMATCH".to_string(),
+                Err(e) => format!("ERROR {e}"),
+            };
+            println!("mpi_check rank {rank}/{world}: {what}: {verdict}");
+            return match verdict.as_str() {
+                "ok" => ExitCode::SUCCESS,
+                _ => ExitCode::FAILURE,
+            };
+        }
     }
     match failure_mode() {
         Ok(Some((bad, FailHow::Leave))) if rank == bad => {
@@ -324,6 +343,51 @@ fn large_buffers(comm: &MpiComm) -> Result<bool> {
     }
     comm.barrier()?;
     Ok(ok)
+}
+
+/// `--memory`: a reduce-scatter of `V` slices of 64 MiB (f32 sums, checked element by
+/// element) holds at most [`FOLD_WINDOW`]` + 1` slices beyond its input and output (the
+/// window of peers' slices and the accumulator), not the `V` slices a receive of every
+/// peer's slice at once takes: the growth of the peak resident memory the kernel counts
+/// (`VmHWM`, reset through `/proc/self/clear_refs` right before the call) over the resident
+/// memory then, with 16 MiB for MPI's own buffers. The slices are larger than glibc's
+/// largest `mmap` threshold (32 MiB), so every scratch buffer is fresh pages, not reused heap.
+fn reduce_scatter_memory(comm: &MpiComm) -> Result<bool> {
+    let (v, r) = (comm.world_size(), comm.rank());
+    let s = 16usize << 20; // f32 elements per slice: 64 MiB
+    let value = |rank: usize, i: usize| ((i % 1013) + 7 * rank) as f32;
+    let mut full: Vec<f32> = (0..v * s).map(|i| value(r, i)).collect();
+    let mut own = vec![-1f32; s]; // written, so resident before the call
+    comm.barrier()?;
+    std::fs::write("/proc/self/clear_refs", "5")
+        .map_err(|e| ragged::Error::Msg(format!("resetting the peak RSS: {e}")))?;
+    let before = proc_status_kib("VmRSS")?;
+    comm.reduce_scatter((&mut full[..]).into(), (&mut own[..]).into(), ReduceOp::Sum)?;
+    let grew = proc_status_kib("VmHWM")?.saturating_sub(before);
+    let sum = |i: usize| (0..v).map(|j| value(j, r * s + i)).sum::<f32>();
+    let right = own.iter().enumerate().all(|(i, &x)| x == sum(i));
+    let slice_kib = (s * 4 / 1024) as u64;
+    let bound = (FOLD_WINDOW as u64 + 1) * slice_kib + 16 * 1024;
+    println!(
+        "mpi_check rank {r}/{v}: the reduce-scatter's peak grew {} MiB (bound {} MiB; all \
+         {v} slices: {} MiB)",
+        grew / 1024,
+        bound / 1024,
+        v as u64 * slice_kib / 1024
+    );
+    comm.barrier()?;
+    Ok(right && grew <= bound)
+}
+
+/// A `kB` line of `/proc/self/status` (`VmRSS`, `VmHWM`), in KiB.
+fn proc_status_kib(key: &str) -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| ragged::Error::Msg(format!("/proc/self/status: {e}")))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| ragged::Error::Msg(format!("no {key} line in /proc/self/status")))
 }
 
 fn collectives(comm: &MpiComm) -> Result<Option<bool>> {

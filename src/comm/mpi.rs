@@ -3,11 +3,12 @@
 //!
 //! # Same results as the thread backend, bit for bit
 //! MPI only moves bytes here; every reduction runs locally in rank order with the thread
-//! backend's code (`comm::protocol`): reduce-scatter is an all-to-all of the slices and a
-//! local reduction of the rank's own; all-reduce splits the buffer into `V` ranges as the thread
-//! backend does, reduces range `r` on rank `r` (all-to-all-v) and all-gathers the ranges. So a
-//! sharded step over MPI equals the same step on thread ranks, and the unsharded reference,
-//! wherever the thread backend does.
+//! backend's element operations (`comm::protocol`): in a reduce-scatter every rank sends each
+//! peer its slice, and each rank folds the slices for it into an accumulator in rank order as
+//! they arrive, [`FOLD_WINDOW`] peers at a time (so it never holds all `V` slices at once);
+//! all-reduce splits the buffer into `V` ranges as the thread backend does, reduces range `r`
+//! on rank `r` the same way and all-gathers the ranges. So a sharded step over MPI equals the
+//! same step on thread ranks, and the unsharded reference, wherever the thread backend does.
 //!
 //! # Disagreeing ranks get an `Err`, not a hang
 //! Before moving data, every call all-gathers a small descriptor of each rank's arguments
@@ -50,9 +51,9 @@
 //! MPI's counts are `int`. A call whose buffers pass 2³¹ − 1 bytes (or
 //! `RAGGED_MPI_MESSAGE_BYTES`, the smallest of the ranks' values, which ride with the
 //! descriptors) moves its data as point-to-point messages of at most that size instead of MPI
-//! collectives; every rank decides alike from the table of descriptors. An all-to-all-v and
-//! an all-gather into segments always move as messages ([`Communicator::all_gather_segments`]
-//! receives straight into the segments).
+//! collectives; every rank decides alike from the table of descriptors. An all-to-all-v, the
+//! reductions and an all-gather into segments always move as messages
+//! ([`Communicator::all_gather_segments`] receives straight into the segments).
 //!
 //! # Groups
 //! [`Communicator::split`] makes a communicator of this backend over a group of ranks
@@ -82,7 +83,7 @@ use mpi::traits::{
 };
 use mpi::Count;
 
-use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region};
+use super::protocol::{part, validate, widest_buffer_bytes, Op, Post, Region, Running};
 use super::{
     in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
 };
@@ -293,8 +294,7 @@ impl MpiComm {
             .map_err(|reason| self.err(op, reason))?;
         // Every rank sees the same table, so all pick the same message size and route.
         let message_bytes = words.iter().map(|w| w.message_bytes).min().unwrap_or(1);
-        let v = posts.len();
-        let widest = posts.iter().map(|p| widest_buffer_bytes(p, v)).max();
+        let widest = posts.iter().map(widest_buffer_bytes).max();
         data(&Waiting {
             world: &inner.world,
             at: CallSite {
@@ -585,6 +585,10 @@ const ANSWER: i32 = 0x5248;
 /// Tag of an all-to-all-v's messages ([`Waiting::all_to_all_v`]): between two ranks they
 /// arrive in the order sent, and every call's messages are received before the next call.
 const DATA: i32 = 0x5249;
+/// Peers' parts a reduction receives at once (module doc): with an accumulator beside them, a
+/// reduce-scatter of a `V·S` buffer holds `3·S` elements on top of its buffers instead of
+/// `V·S` (`examples/mpi_check.rs --memory` measures it).
+pub const FOLD_WINDOW: usize = 2;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
 fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
@@ -712,15 +716,6 @@ impl Waiting<'_> {
         mpi::request::scope(|s| wait_within(w.immediate_all_gather_into(s, send, recv), &self.at))
     }
 
-    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) {
-        if self.point_to_point {
-            let counts = vec![send.len() / self.at.size; self.at.size];
-            return self.all_to_all_v(send, &counts, recv, &counts);
-        }
-        let w = self.world;
-        mpi::request::scope(|s| wait_within(w.immediate_all_to_all_into(s, send, recv), &self.at))
-    }
-
     /// An all-to-all with uneven counts, as point-to-point messages: `send` holds
     /// `send_counts[j]` bytes for rank `j` and `recv` gets `recv_counts[j]` bytes from rank
     /// `j`, both in rank order, back to back; the own segment is copied here. Not
@@ -758,6 +753,52 @@ impl Waiting<'_> {
                 .filter(|m| m.0 != me)
                 .collect(),
         })
+    }
+
+    /// Every rank's part for this rank, reduced in rank order as the parts arrive: `parts[j]`
+    /// goes to rank `j` (this rank's own part is folded in its place from `parts[me]`); the
+    /// peers' parts for this rank (`n` elements of `elem` each) are received
+    /// [`FOLD_WINDOW`] at a time, so the rank holds that many parts and one accumulator
+    /// rather than all `V` (what a reduce-scatter would receive at once). The element
+    /// operations and their order are the thread backend's: the same bits.
+    fn fold_parts(&self, parts: &[&[u8]], elem: ElemType, n: usize) -> Running {
+        let (w, me, v, most) = (self.world, self.at.rank, self.at.size, self.message_bytes);
+        let mut acc = Running::new(elem, n);
+        mpi::request::scope(|sc| {
+            let mut sends = Vec::new();
+            for (j, part) in parts.iter().enumerate().filter(|&(j, _)| j != me) {
+                let to = w.process_at_rank(j as i32);
+                for piece in part.chunks(most) {
+                    sends.push(to.immediate_send_with_tag(sc, piece, DATA));
+                }
+            }
+            let window = FOLD_WINDOW.min(v - 1).max(1);
+            let mut slots: Vec<Scratch> =
+                (0..window).map(|_| Scratch::new(n * elem.size())).collect();
+            let ranks: Vec<usize> = (0..v).collect();
+            for round in ranks.chunks(window) {
+                let peers = round.iter().filter(|&&j| j != me);
+                let receives = peers
+                    .zip(slots.iter_mut())
+                    .map(|(&j, s)| (j, s.bytes_mut()));
+                self.move_messages(Messages {
+                    sends: Vec::new(),
+                    receives: receives.collect(),
+                });
+                let mut slot = slots.iter();
+                for &j in round {
+                    let src = match j == me {
+                        true => parts[me],
+                        false => slot.next().expect("a slot per peer").bytes(),
+                    };
+                    // SAFETY: `n` elements of `elem` (the parts' lengths are the validated
+                    // ones), in a `Scratch` or the caller's typed buffer, so aligned for it.
+                    unsafe { acc.fold(src.as_ptr()) };
+                }
+            }
+            wait_all_within(sends, &self.at);
+        });
+        acc
     }
 
     /// An all-gather straight into the storages of a full buffer's segments, as point-to-point
@@ -958,20 +999,6 @@ impl Scratch {
     }
 }
 
-/// Reduces `V` runs of `n` elements of `elem`, laid back to back in `runs` in rank order, into
-/// `dst` (the thread backend's reduction).
-fn reduce_runs(elem: ElemType, runs: &[u8], n: usize, dst: &mut [u8], op: ReduceOp) {
-    if n == 0 {
-        return; // this rank's range is empty (a buffer shorter than the world)
-    }
-    let es = elem.size();
-    let srcs: Vec<*const u8> = runs.chunks(n * es).map(<[u8]>::as_ptr).collect();
-    // SAFETY: each source holds `n` elements of `elem` (the runs are `n·es` bytes, validated
-    // lengths), `dst` holds `n` and is a separate buffer; both are a `Scratch` or a caller's
-    // typed slice, and every run starts at a multiple of `es`, so all are aligned for `elem`.
-    unsafe { reduce_dyn(elem, &srcs, dst.as_mut_ptr(), n, op) };
-}
-
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -1045,12 +1072,15 @@ impl Communicator for MpiComm {
         };
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
-            let (v, r) = (self.size, self.rank);
-            let s = me.len / v;
-            let mut gathered = Scratch::new(bytes.len());
-            world.all_to_all(&bytes[..], gathered.bytes_mut());
-            let own = &mut bytes[r * s * me.elem.size()..(r + 1) * s * me.elem.size()];
-            reduce_runs(me.elem, gathered.bytes(), s, own, op);
+            let (v, r, s) = (self.size, self.rank, me.len / self.size);
+            let mut parts = cut(bytes, &vec![s * me.elem.size(); v]);
+            let own = std::mem::take(&mut parts[r]);
+            let mut sources: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
+            sources[r] = &*own;
+            let acc = world.fold_parts(&sources, me.elem, s);
+            // SAFETY: the own slice, `s` elements of the caller's typed buffer, no longer
+            // read by any send (every send finished inside `fold_parts`).
+            unsafe { acc.finish(own.as_mut_ptr(), op) };
             Ok(())
         })
     }
@@ -1068,9 +1098,12 @@ impl Communicator for MpiComm {
         let (send, recv) = (bytes_of_mut(send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
             let s = recv.len() / elem.size();
-            let mut gathered = Scratch::new(send.len());
-            world.all_to_all(&send[..], gathered.bytes_mut());
-            reduce_runs(elem, gathered.bytes(), s, recv, op);
+            let parts: Vec<&[u8]> = (0..self.size)
+                .map(|j| &send[j * recv.len()..][..recv.len()])
+                .collect();
+            let acc = world.fold_parts(&parts, elem, s);
+            // SAFETY: `s` elements of the caller's typed output buffer, borrowed exclusively.
+            unsafe { acc.finish(recv.as_mut_ptr(), op) };
             Ok(())
         })?;
         Ok(0)
@@ -1090,10 +1123,14 @@ impl Communicator for MpiComm {
             // Phase 1: range r of every rank to rank r, reduced there in rank order.
             let range_bytes: Vec<usize> = ranges.iter().map(|&(lo, hi)| (hi - lo) * es).collect();
             let n = ranges[r].1 - ranges[r].0;
-            let mut runs = Scratch::new(v * n * es);
-            world.all_to_all_v(&bytes[..], &range_bytes, runs.bytes_mut(), &vec![n * es; v]);
+            let parts: Vec<&[u8]> = ranges
+                .iter()
+                .map(|&(lo, hi)| &bytes[lo * es..hi * es])
+                .collect();
+            let acc = world.fold_parts(&parts, me.elem, n);
             let mut reduced = Scratch::new(n * es);
-            reduce_runs(me.elem, runs.bytes(), n, reduced.bytes_mut(), op);
+            // SAFETY: `n` elements in a `Scratch` of as many, aligned for every element type.
+            unsafe { acc.finish(reduced.bytes_mut().as_mut_ptr(), op) };
             // Phase 2: every range to every rank (the ranges are consecutive).
             world.all_gather_v(reduced.bytes(), bytes, &range_bytes);
             Ok(())

@@ -158,19 +158,13 @@ pub(crate) fn part(len: usize, v: usize, k: usize) -> (usize, usize) {
     (start, start + base + usize::from(k < rem))
 }
 
-/// The largest buffer, in bytes, a call needs where the ranks' runs are staged (the MPI
-/// backend): its send and receive buffers, and for all-reduce the `V` runs of the longest
-/// range ([`part`]), up to `V − 1` elements more than the buffer.
+/// The largest buffer of a call, in bytes: its send or its receive buffer (the MPI backend
+/// moves a call whose buffers pass MPI's `int` counts as messages).
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-pub(crate) fn widest_buffer_bytes(p: &Post, v: usize) -> usize {
-    let runs = match p.op {
-        Op::AllReduce => p.recv.len.div_ceil(v.max(1)).saturating_mul(v),
-        _ => 0,
-    };
+pub(crate) fn widest_buffer_bytes(p: &Post) -> usize {
     [p.send, p.recv]
         .iter()
         .map(|r| r.len.saturating_mul(r.elem.size()))
-        .chain([runs.saturating_mul(p.recv.elem.size())])
         .max()
         .unwrap_or(0)
 }
@@ -416,6 +410,94 @@ pub(crate) unsafe fn reduce<E: Elem>(srcs: &[*const u8], dst: *mut u8, n: usize,
     }
 }
 
+/// [`reduce`] over sources that arrive a few at a time, in rank order: the same element
+/// operations in the same order, so the same bits, holding one accumulator of `n` elements
+/// instead of every source at once (MPI's reductions fold their peers' parts as they arrive).
+pub(crate) struct Fold<E: Elem> {
+    acc: Vec<E::Acc>,
+    folded: usize,
+}
+
+impl<E: Elem> Fold<E> {
+    fn new(n: usize) -> Self {
+        Fold {
+            acc: vec![E::Acc::default(); n],
+            folded: 0,
+        }
+    }
+
+    /// # Safety
+    /// `src` points to `n` readable `E`, aligned, that nobody writes during the call.
+    unsafe fn fold(&mut self, src: *const u8) {
+        // SAFETY: per the contract.
+        let b = unsafe { std::slice::from_raw_parts(src.cast::<E>(), self.acc.len()) };
+        let acc = self.acc.iter_mut().zip(b);
+        match self.folded {
+            0 => acc.for_each(|(a, &x)| *a = x.widen()),
+            _ => acc.for_each(|(a, &x)| *a = E::add(*a, x)),
+        }
+        self.folded += 1;
+    }
+
+    /// # Safety
+    /// `dst` points to `n` writable `E`, aligned, that no other thread accesses.
+    unsafe fn finish(&self, dst: *mut u8, op: ReduceOp) {
+        // SAFETY: per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<E>(), self.acc.len()) };
+        let v = self.folded;
+        out.iter_mut()
+            .zip(&self.acc)
+            .for_each(|(o, &a)| *o = E::finish(a, op, v));
+    }
+}
+
+/// A [`Fold`] of an element type known at run time.
+pub(crate) enum Running {
+    F32(Fold<f32>),
+    BF16(Fold<bf16>),
+    U8(Fold<u8>),
+}
+
+impl Running {
+    pub(crate) fn new(elem: ElemType, n: usize) -> Running {
+        match elem {
+            ElemType::F32 => Running::F32(Fold::new(n)),
+            ElemType::BF16 => Running::BF16(Fold::new(n)),
+            ElemType::U8 => Running::U8(Fold::new(n)),
+        }
+    }
+
+    /// Folds in the next source in rank order.
+    ///
+    /// # Safety
+    /// As [`Fold::fold`], for this fold's element type and length.
+    pub(crate) unsafe fn fold(&mut self, src: *const u8) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match self {
+                Running::F32(f) => f.fold(src),
+                Running::BF16(f) => f.fold(src),
+                Running::U8(f) => f.fold(src),
+            }
+        }
+    }
+
+    /// Writes the reduction of the sources folded so far.
+    ///
+    /// # Safety
+    /// As [`Fold::finish`], for this fold's element type and length.
+    pub(crate) unsafe fn finish(&self, dst: *mut u8, op: ReduceOp) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match self {
+                Running::F32(f) => f.finish(dst, op),
+                Running::BF16(f) => f.finish(dst, op),
+                Running::U8(f) => f.finish(dst, op),
+            }
+        }
+    }
+}
+
 /// [`reduce`] for an element type known at run time.
 ///
 /// # Safety
@@ -441,25 +523,43 @@ pub(crate) unsafe fn reduce_dyn(
 mod tests {
     use super::*;
 
-    /// An all-reduce of `2^29 − 1` f32 (just under 2 GiB) at V = 2 stages two runs of `2^28`
-    /// elements: `2^31` bytes, one past MPI's int counts, though the buffer itself fits.
+    /// A fold of the sources one at a time is bitwise the reduction of all at once, for every
+    /// element type and operation (sums that round differently in another order, bf16 ties,
+    /// u8 averages that round), so MPI's folded reduce-scatter keeps the thread backend's bits.
     #[test]
-    fn all_reduce_runs_can_exceed_the_buffer_by_v_minus_1_elements() {
-        let post = |op, len| Post {
-            recv: Region::sized(len, ElemType::F32),
-            ..Post::new(op)
-        };
-        let under = (1usize << 29) - 1;
-        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, under), 2), 1 << 31);
-        assert_eq!(
-            widest_buffer_bytes(&post(Op::AllReduce, under - 1), 2),
-            (1 << 31) - 8
-        );
-        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, 10), 4), 4 * 3 * 4);
-        assert_eq!(
-            widest_buffer_bytes(&post(Op::AllGatherInPlace, under), 2),
-            4 * under
-        );
-        assert_eq!(widest_buffer_bytes(&post(Op::AllReduce, 0), 3), 0);
+    fn a_running_fold_is_bitwise_the_reduction_of_all_sources() {
+        let (v, n) = (5, 300);
+        let f = |j: usize, i: usize| ((i * 7919 + j * 104729) % 1000) as f32 * 1.37e-3 - 0.6;
+        let f32s: Vec<Vec<f32>> = (0..v).map(|j| (0..n).map(|i| f(j, i)).collect()).collect();
+        let bf16s: Vec<Vec<bf16>> = f32s
+            .iter()
+            .map(|x| x.iter().map(|&y| bf16::from_f32(y)).collect())
+            .collect();
+        let u8s: Vec<Vec<u8>> = (0..v)
+            .map(|j| (0..n).map(|i| ((i * 31 + j * 17) % 256) as u8).collect())
+            .collect();
+        fn bytes<T>(x: &[T]) -> &[u8] {
+            // SAFETY: plain old data read as bytes.
+            unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+        }
+        let cases: [(ElemType, Vec<&[u8]>); 3] = [
+            (ElemType::F32, f32s.iter().map(|x| bytes(x)).collect()),
+            (ElemType::BF16, bf16s.iter().map(|x| bytes(x)).collect()),
+            (ElemType::U8, u8s.iter().map(|x| bytes(x)).collect()),
+        ];
+        for (elem, srcs) in cases {
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let (mut all, mut folded) = (vec![0u64; n], vec![0u64; n]);
+                let ptrs: Vec<*const u8> = srcs.iter().map(|s| s.as_ptr()).collect();
+                let mut running = Running::new(elem, n);
+                // SAFETY: `n` elements of `elem` in each source and in each `u64` output.
+                unsafe {
+                    reduce_dyn(elem, &ptrs, all.as_mut_ptr().cast(), n, op);
+                    ptrs.iter().for_each(|&p| running.fold(p));
+                    running.finish(folded.as_mut_ptr().cast(), op);
+                }
+                assert_eq!(all, folded, "{elem:?} {op:?}");
+            }
+        }
     }
 }
