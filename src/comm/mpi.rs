@@ -582,8 +582,8 @@ struct CallSite {
 /// point-to-point messages, so these cannot mix with the data.
 const ASK: i32 = 0x5247;
 const ANSWER: i32 = 0x5248;
-/// Tag of an all-to-all-v's messages ([`Waiting::all_to_all_v`]): between two ranks they
-/// arrive in the order sent, and every call's messages are received before the next call.
+/// Tag of the data's point-to-point messages ([`Waiting::move_messages`]): between two ranks
+/// they arrive in the order sent, and every call's messages are received before the next call.
 const DATA: i32 = 0x5249;
 /// Peers' parts a reduction receives at once (module doc): with an accumulator beside them, a
 /// reduce-scatter of a `V·S` buffer holds `3·S` elements on top of its buffers instead of
@@ -773,8 +773,9 @@ impl Waiting<'_> {
                 }
             }
             let window = FOLD_WINDOW.min(v - 1).max(1);
+            let peers = window.min(v - 1); // none in a world of one
             let mut slots: Vec<Scratch> =
-                (0..window).map(|_| Scratch::new(n * elem.size())).collect();
+                (0..peers).map(|_| Scratch::new(n * elem.size())).collect();
             let ranks: Vec<usize> = (0..v).collect();
             for round in ranks.chunks(window) {
                 let peers = round.iter().filter(|&&j| j != me);
