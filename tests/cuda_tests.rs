@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use ragged::comm::conformance::{exercise, uneven_all_to_all};
+use ragged::comm::conformance::{exercise, gather_into_segments, uneven_all_to_all};
 use ragged::comm::{Communicator, ReduceOp, Segment};
 use ragged::cuda::collective::ViaDevice;
 use ragged::cuda::Device;
@@ -498,18 +498,7 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         let send = values(s, rank as u32 + 2);
         let mut all = vec![0f32; world * s];
         c.all_gather((&send[..]).into(), (&mut all[..]).into())?;
-        let spans = spans_of(world, s);
-        let mut parts: Vec<Vec<f32>> = spans.iter().map(|r| vec![0f32; r.len()]).collect();
-        let mut segments: Vec<Segment<'_>> = spans
-            .iter()
-            .zip(parts.iter_mut())
-            .map(|(r, p)| Segment {
-                offset: r.start,
-                buf: (&mut p[..]).into(),
-            })
-            .collect();
-        let staged = c.all_gather_segments((&send[..]).into(), &mut segments)?;
-        drop(segments);
+        let (gathered, staged) = gather_into_segments(c, &send, &spans_of(world, s))?;
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = values(world * s, rank as u32 + 3);
@@ -517,7 +506,7 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
             c.reduce_scatter((&mut x[..]).into(), (&mut own[..]).into(), op)?;
             sums.push(own);
         }
-        Ok((bits(&all), sums, bits(&parts.concat()), staged))
+        Ok((bits(&all), sums, bits(&gathered), staged))
     })
     .unwrap();
     let on_device = |c: &NcclComm| -> ragged::Result<Out> {

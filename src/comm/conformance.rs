@@ -90,21 +90,8 @@ pub fn exercise(c: &dyn Communicator) -> Result<Vec<Vec<u32>>> {
     }
     // All-gather into uneven segments with gaps, on the all-gather's input (result 1).
     let send = f(rank + 2)[..s].to_vec();
-    let mut parts: Vec<Vec<f32>> = segment_spans(world)
-        .iter()
-        .map(|r| vec![0f32; r.len()])
-        .collect();
-    let mut segments: Vec<Segment<'_>> = segment_spans(world)
-        .into_iter()
-        .zip(parts.iter_mut())
-        .map(|(r, p)| Segment {
-            offset: r.start,
-            buf: (&mut p[..]).into(),
-        })
-        .collect();
-    c.all_gather_segments((&send[..]).into(), &mut segments)?;
-    drop(segments);
-    out.push(f32_bits(&parts.concat()));
+    let (gathered, _) = gather_into_segments(c, &send, &segment_spans(world))?;
+    out.push(f32_bits(&gathered));
     out.push(bf16_bits(&uneven_all_to_all_bf16(c)?));
     Ok(out)
 }
@@ -146,6 +133,27 @@ where
         &recv_counts,
     )?;
     Ok(recv)
+}
+
+/// All-gathers `send` into fresh host segments at `spans` (ascending, disjoint, in the full
+/// buffer); their values back to back, and the bytes the backend staged.
+pub fn gather_into_segments(
+    c: &dyn Communicator,
+    send: &[f32],
+    spans: &[std::ops::Range<usize>],
+) -> Result<(Vec<f32>, usize)> {
+    let mut parts: Vec<Vec<f32>> = spans.iter().map(|r| vec![0f32; r.len()]).collect();
+    let mut segments: Vec<Segment<'_>> = spans
+        .iter()
+        .zip(parts.iter_mut())
+        .map(|(r, p)| Segment {
+            offset: r.start,
+            buf: (&mut p[..]).into(),
+        })
+        .collect();
+    let staged = c.all_gather_segments(send.into(), &mut segments)?;
+    drop(segments);
+    Ok((parts.concat(), staged))
 }
 
 /// The segments [`exercise`] gathers into: uneven, with gaps, some crossing rank slices.

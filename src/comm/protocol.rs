@@ -413,11 +413,13 @@ pub(crate) unsafe fn reduce<E: Elem>(srcs: &[*const u8], dst: *mut u8, n: usize,
 /// [`reduce`] over sources that arrive a few at a time, in rank order: the same element
 /// operations in the same order, so the same bits, holding one accumulator of `n` elements
 /// instead of every source at once (MPI's reductions fold their peers' parts as they arrive).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) struct Fold<E: Elem> {
     acc: Vec<E::Acc>,
     folded: usize,
 }
 
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 impl<E: Elem> Fold<E> {
     fn new(n: usize) -> Self {
         Fold {
@@ -452,12 +454,14 @@ impl<E: Elem> Fold<E> {
 }
 
 /// A [`Fold`] of an element type known at run time.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) enum Running {
     F32(Fold<f32>),
     BF16(Fold<bf16>),
     U8(Fold<u8>),
 }
 
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 impl Running {
     pub(crate) fn new(elem: ElemType, n: usize) -> Running {
         match elem {
