@@ -821,7 +821,6 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
 use {
     ragged::checkpoint::SaveOptions,
     ragged::comm::threads::ThreadWorld,
-    ragged::comm::Communicator,
     ragged::cuda::threads::ThreadDeviceComm,
     ragged::demo::{MlpBatch, MlpStages},
     ragged::fsdp::{fully_shard, FsdpOptions, MixedPrecision},
