@@ -25,8 +25,9 @@
 //! of the send buffer). All-to-all-v is one NCCL group of `ncclSend` / `ncclRecv` pairs, one per
 //! peer with a non-zero count, so the uneven exchange of Muon's matrices to their roots is a
 //! single launch; so is an all-gather into segments (a unit's parameter storages), whose
-//! pieces go straight from each rank's shard into the peers' storages. Each rank checks its own arguments before NCCL sees them; agreement between
-//! ranks (the same collective, matching counts) is NCCL's contract, which it does not check.
+//! pieces go straight from each rank's shard into the peers' storages. Each rank checks its
+//! own arguments before NCCL sees them; agreement between ranks (the same collective,
+//! matching counts, the same segment layout) is NCCL's contract, which it does not check.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up

@@ -595,9 +595,9 @@ impl<O: CheckpointState> ShardedModel<'_, O> {
     }
 
     /// Under HSDP, sends every unit's loaded parameters and optimizer state from the replica
-    /// that read them to the others ([`super::mesh::Mesh::share_loaded`]); nothing without HSDP. Called on
-    /// every rank after every rank's reads succeeded (the fields are the ones the reads
-    /// filled, so no rank fails here alone).
+    /// that read them to the others ([`super::mesh::Mesh::share_loaded`]); nothing without
+    /// HSDP. Called on every rank after every rank's reads succeeded (the fields are the ones
+    /// the reads filled, so no rank fails here alone).
     fn share_loaded(&mut self) -> Result<()> {
         self.share_loaded_params()?;
         let (optimizer, mesh) = (&self.optimizer, &self.mesh);
