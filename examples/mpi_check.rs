@@ -381,13 +381,18 @@ fn reduce_scatter_memory(comm: &MpiComm) -> Result<bool> {
 
 /// A `kB` line of `/proc/self/status` (`VmRSS`, `VmHWM`), in KiB.
 fn proc_status_kib(key: &str) -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| ragged::Error::Msg(format!("/proc/self/status: {e}")))?;
-    status
-        .lines()
+    proc_field("status", key)
+}
+
+/// The number on line `key:` of `/proc/self/<file>` (a trailing unit, `kB`, dropped).
+fn proc_field(file: &str, key: &str) -> Result<u64> {
+    let path = format!("/proc/self/{file}");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| ragged::Error::Msg(format!("{path}: {e}")))?;
+    text.lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .and_then(|n| n.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or_else(|| ragged::Error::Msg(format!("no {key} line in /proc/self/status")))
+        .ok_or_else(|| ragged::Error::Msg(format!("no {key} line in {path}")))
 }
 
 fn collectives(comm: &MpiComm) -> Result<Option<bool>> {
@@ -542,12 +547,7 @@ fn groups_and_hsdp(comm: &MpiComm) -> Result<Option<bool>> {
 /// Bytes this process has written (`wchar`) or read (`rchar`) so far, as the kernel counts
 /// them in `/proc/self/io`: every `write` or `read`, of files or not.
 fn proc_io(key: &str) -> Result<u64> {
-    let io = std::fs::read_to_string("/proc/self/io")
-        .map_err(|e| ragged::Error::Msg(format!("/proc/self/io: {e}")))?;
-    io.lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
-        .and_then(|n| n.trim().parse().ok())
-        .ok_or_else(|| ragged::Error::Msg(format!("no {key} line in /proc/self/io")))
+    proc_field("io", key)
 }
 
 fn sharded_muon(comm: &MpiComm) -> Result<Option<bool>> {

@@ -370,11 +370,13 @@ pub trait Communicator: Send + Sync {
     /// All-gather from an `S`-element input straight into the segments of a `V·S` full buffer
     /// held in separate storages (one per tensor; see [`Segment`]). Returns the bytes the backend
     /// staged through a contiguous buffer of its own (copies outside the wire, for the caller to
-    /// count): 0 for backends that write the segments directly (threads, one rank, MPI). This
-    /// default stages: it gathers into a contiguous buffer and copies the segments out. Pass
-    /// the same segment offsets and lengths on every rank (the runtime's gathers do: the plan
-    /// is agreed): MPI sends only the covered pieces of each shard, so there another layout on
-    /// some rank is an `Err` on every rank.
+    /// count): 0 for backends that write the segments directly (threads, one rank, MPI, NCCL
+    /// on device memory). This default stages: it gathers into a contiguous buffer and copies
+    /// the segments out. Pass the same segment offsets and lengths on every rank (the
+    /// runtime's gathers do: the plan is agreed): MPI and NCCL send only the covered pieces of
+    /// each shard ([`segment_pieces`]), so another layout on some rank is an `Err` on every
+    /// rank over MPI and unchecked over NCCL (as its counts are: a wait until its timeout's
+    /// `Err`, or wrong data).
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         staged_all_gather(self, send, segments)
     }

@@ -772,12 +772,12 @@ impl Waiting<'_> {
                     sends.push(to.immediate_send_with_tag(sc, piece, DATA));
                 }
             }
-            let window = FOLD_WINDOW.min(v - 1).max(1);
-            let peers = window.min(v - 1); // none in a world of one
+            // A slot per peer of a round (none in a world of one, whose round is itself).
+            let window = FOLD_WINDOW.min(v - 1);
             let mut slots: Vec<Scratch> =
-                (0..peers).map(|_| Scratch::new(n * elem.size())).collect();
+                (0..window).map(|_| Scratch::new(n * elem.size())).collect();
             let ranks: Vec<usize> = (0..v).collect();
-            for round in ranks.chunks(window) {
+            for round in ranks.chunks(window.max(1)) {
                 let peers = round.iter().filter(|&&j| j != me);
                 let receives = peers
                     .zip(slots.iter_mut())

@@ -396,18 +396,29 @@ pub(crate) unsafe fn reduce<E: Elem>(srcs: &[*const u8], dst: *mut u8, n: usize,
             // SAFETY: in bounds and unwritten per the contract; this shared slice is dead before
             // `out` below is created, so the aliasing `dst == srcs[j]` is never live at once.
             let b = unsafe { std::slice::from_raw_parts(src.cast::<E>().add(start), len) };
-            if j == 0 {
-                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = x.widen());
-            } else {
-                acc.iter_mut().zip(b).for_each(|(a, &x)| *a = E::add(*a, x));
-            }
+            fold_into(acc, b, j);
         }
         // SAFETY: in bounds and exclusively this thread's per the contract.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.add(start), len) };
-        out.iter_mut()
-            .zip(acc.iter())
-            .for_each(|(o, &a)| *o = E::finish(a, op, v));
+        finish_into(acc, out, op, v);
     }
+}
+
+/// Folds `b`, the `k`-th source in rank order, into `acc`: what [`reduce`] and [`Fold`] do
+/// to each source.
+fn fold_into<E: Elem>(acc: &mut [E::Acc], b: &[E], k: usize) {
+    let pairs = acc.iter_mut().zip(b);
+    match k {
+        0 => pairs.for_each(|(a, &x)| *a = x.widen()),
+        _ => pairs.for_each(|(a, &x)| *a = E::add(*a, x)),
+    }
+}
+
+/// Writes the reduction of `v` sources folded into `acc` ([`fold_into`]).
+fn finish_into<E: Elem>(acc: &[E::Acc], out: &mut [E], op: ReduceOp, v: usize) {
+    out.iter_mut()
+        .zip(acc)
+        .for_each(|(o, &a)| *o = E::finish(a, op, v));
 }
 
 /// [`reduce`] over sources that arrive a few at a time, in rank order: the same element
@@ -433,11 +444,7 @@ impl<E: Elem> Fold<E> {
     unsafe fn fold(&mut self, src: *const u8) {
         // SAFETY: per the contract.
         let b = unsafe { std::slice::from_raw_parts(src.cast::<E>(), self.acc.len()) };
-        let acc = self.acc.iter_mut().zip(b);
-        match self.folded {
-            0 => acc.for_each(|(a, &x)| *a = x.widen()),
-            _ => acc.for_each(|(a, &x)| *a = E::add(*a, x)),
-        }
+        fold_into(&mut self.acc, b, self.folded);
         self.folded += 1;
     }
 
@@ -446,10 +453,7 @@ impl<E: Elem> Fold<E> {
     unsafe fn finish(&self, dst: *mut u8, op: ReduceOp) {
         // SAFETY: per the contract.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<E>(), self.acc.len()) };
-        let v = self.folded;
-        out.iter_mut()
-            .zip(&self.acc)
-            .for_each(|(o, &a)| *o = E::finish(a, op, v));
+        finish_into(&self.acc, out, op, self.folded);
     }
 }
 
