@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use ragged::comm::conformance::{exercise, gather_into_segments, uneven_all_to_all};
+use ragged::comm::conformance::{exercise, gather_into_segments, uneven_all_to_all, SLICE};
 use ragged::comm::{Communicator, ReduceOp, Segment};
 use ragged::cuda::collective::ViaDevice;
 use ragged::cuda::Device;
@@ -306,6 +306,87 @@ fn on_each_thread<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sy
     })
 }
 
+/// Runs `f` and returns what it gave with the most device memory that was live on device
+/// `ordinal` while it ran, beyond what was live before, as tools/cuda-emu's driver counts it
+/// at every `cuMemAlloc` and `cuMemFree` (its test hooks `cuda_emu_reset_peak` and
+/// `cuda_emu_device_memory`): the driver's count, not ragged's. `None` under a real driver,
+/// which has no such hooks (the caller says so).
+fn emulated_peak_growth<R>(ordinal: usize, f: impl FnOnce() -> R) -> (R, Option<usize>) {
+    type Reset = unsafe extern "C" fn(i32) -> i32;
+    type Memory = unsafe extern "C" fn(i32, *mut usize, *mut usize) -> i32;
+    // SAFETY: dlopen of the driver library cudarc has already loaded (the same file, so the
+    // same handle) and dlsym of two names; the handle is never closed.
+    let (reset, memory) = unsafe {
+        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
+        let reset = libc::dlsym(lib, c"cuda_emu_reset_peak".as_ptr());
+        let memory = libc::dlsym(lib, c"cuda_emu_device_memory".as_ptr());
+        if lib.is_null() || reset.is_null() || memory.is_null() {
+            return (f(), None);
+        }
+        (
+            std::mem::transmute::<*mut libc::c_void, Reset>(reset),
+            std::mem::transmute::<*mut libc::c_void, Memory>(memory),
+        )
+    };
+    let (mut before, mut live, mut peak) = (0usize, 0usize, 0usize);
+    let d = ordinal as i32;
+    // SAFETY: the hooks' signatures as tools/cuda-emu/driver.cpp declares them; valid out
+    // pointers.
+    let ok = unsafe { reset(d) == 0 && memory(d, &mut before, &mut peak) == 0 };
+    assert!(ok, "cuda-emu refused device {ordinal}");
+    let out = f();
+    // SAFETY: as above.
+    let ok = unsafe { memory(d, &mut live, &mut peak) == 0 };
+    assert!(ok, "cuda-emu refused device {ordinal}");
+    (out, Some(peak - before))
+}
+
+/// All-gathers `send` into fresh device segments at `spans`, as
+/// `conformance::gather_into_segments` does into host ones: their values back to back and the
+/// bytes staged. Asserts that the call allocates no device memory (under cuda-emu, see
+/// [`emulated_peak_growth`]): nothing staged, the segments filled straight from the peers'
+/// shards. Every rank allocates its buffers before a barrier and nothing after the call before
+/// another, so ranks sharing one device count only the gathers.
+fn gather_into_device_segments(
+    c: &dyn Communicator,
+    dev: &Device,
+    send: &[f32],
+    spans: &[std::ops::Range<usize>],
+) -> ragged::Result<(Vec<f32>, usize)> {
+    let send = dev.upload(send)?;
+    let mut parts = Vec::new();
+    for r in spans {
+        parts.push(dev.upload(&vec![0f32; r.len()])?);
+    }
+    let mut segments: Vec<Segment<'_>> = spans
+        .iter()
+        .zip(parts.iter_mut())
+        .map(|(r, p)| Segment {
+            offset: r.start,
+            buf: p.slice_mut(..).into(),
+        })
+        .collect();
+    c.barrier()?;
+    let (staged, allocated) = emulated_peak_growth(dev.context().ordinal(), || {
+        c.all_gather_segments(send.slice(..).into(), &mut segments)
+    });
+    c.barrier()?;
+    drop(segments);
+    let rank = c.rank();
+    match allocated {
+        Some(bytes) => assert_eq!(
+            bytes, 0,
+            "rank {rank}: device bytes allocated by the gather"
+        ),
+        None => println!("not under cuda-emu: the gather's device allocations are not counted"),
+    }
+    let mut gathered = Vec::new();
+    for p in &parts {
+        gathered.extend(dev.download(p)?);
+    }
+    Ok((gathered, staged?))
+}
+
 /// One NCCL rank per device of two or more, driven from this process, or `None` after printing
 /// why not.
 fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> {
@@ -514,25 +595,8 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         let send = dev.upload(&values(s, rank as u32 + 2))?;
         let mut all = dev.upload(&vec![0f32; world * s])?;
         c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
-        let spans = spans_of(world, s);
-        let mut parts = Vec::new();
-        for r in &spans {
-            parts.push(dev.upload(&vec![0f32; r.len()])?);
-        }
-        let mut segments: Vec<Segment<'_>> = spans
-            .iter()
-            .zip(parts.iter_mut())
-            .map(|(r, p)| Segment {
-                offset: r.start,
-                buf: p.slice_mut(..).into(),
-            })
-            .collect();
-        let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
-        drop(segments);
-        let mut gathered = Vec::new();
-        for p in &parts {
-            gathered.extend(dev.download(p)?);
-        }
+        let (gathered, staged) =
+            gather_into_device_segments(c, dev, &values(s, rank as u32 + 2), &spans_of(world, s))?;
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;
@@ -575,6 +639,23 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
         assert_eq!(gpu, cpu, "world of {world}, device buffers");
         let host = ThreadDeviceComm::run(dev.clone(), world, |c| exercise(c)).unwrap();
         assert_eq!(host, cpu, "world of {world}, host buffers");
+        // Device segments straight from the device shards: no device memory allocated for
+        // the call, nothing staged, the values of the CPU backend's host segments.
+        let spans = ragged::comm::conformance::segment_spans(world);
+        let seed = |c: &dyn Communicator| values(SLICE, c.rank() as u32 + 5);
+        let cpu = ThreadWorld::run(world, |c| gather_into_segments(c, &seed(c), &spans)).unwrap();
+        let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            gather_into_device_segments(c, c.device(), &seed(c), &spans)
+        })
+        .unwrap();
+        for (rank, ((got, staged), (want, _))) in gpu.iter().zip(&cpu).enumerate() {
+            assert_eq!(
+                bits(got),
+                bits(want),
+                "world of {world}, rank {rank}: segments"
+            );
+            assert_eq!(*staged, 0, "world of {world}, rank {rank}: bytes staged");
+        }
     }
 }
 

@@ -13,7 +13,9 @@
 // is: build.sh compiles the kernels with -fsanitize=alignment, so a misaligned vector load,
 // which faults on a GPU, aborts here).
 //
-// Environment: CUDA_EMU_DEVICES (default 1) devices of CUDA_EMU_MEM_MIB (default 16384) MiB.
+// Environment: CUDA_EMU_DEVICES (default 1) devices of CUDA_EMU_MEM_MIB (default 16384) MiB
+// each. Beyond the API: cuda_emu_device_memory and cuda_emu_reset_peak (at the end) count
+// each device's allocated bytes, for tests that prove a call allocates nothing.
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -72,7 +74,9 @@ struct Allocation {
     CUdevice device;  // the current context's when allocated
 };
 std::map<unsigned long long, Allocation> allocations;  // by base address
-size_t allocated_bytes = 0;
+// Per device: bytes live, and the most live since the last cuda_emu_reset_peak (test hooks
+// below), so a test can see what a call allocated, even where it freed it before returning.
+std::map<CUdevice, size_t> live_bytes, peak_bytes;
 thread_local Context* current_context = nullptr;
 
 int device_count() {
@@ -131,13 +135,15 @@ CUresult alloc(const char* call, CUdeviceptr* out, size_t bytes) {
     // nothing, so it is held to the same rule.
     if (bytes == 0) return fail(CUDA_ERROR_INVALID_VALUE, call, "zero bytes");
     std::lock_guard<std::mutex> g(lock);
-    if (allocated_bytes + bytes > device_bytes()) return CUDA_ERROR_OUT_OF_MEMORY;
+    const CUdevice d = current_device();
+    if (live_bytes[d] + bytes > device_bytes()) return CUDA_ERROR_OUT_OF_MEMORY;
     void* p = aligned_alloc(256, (bytes + 255) / 256 * 256);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     memset(p, 0xFF, bytes);
     *out = (CUdeviceptr)p;
-    allocations[*out] = {bytes, current_context ? current_context->device : 0};
-    allocated_bytes += bytes;
+    allocations[*out] = {bytes, d};
+    live_bytes[d] += bytes;
+    peak_bytes[d] = std::max(peak_bytes[d], live_bytes[d]);
     return CUDA_SUCCESS;
 }
 
@@ -145,7 +151,7 @@ CUresult release(const char* call, CUdeviceptr ptr) {
     std::lock_guard<std::mutex> g(lock);
     auto it = allocations.find(ptr);
     if (it == allocations.end()) return fail(CUDA_ERROR_INVALID_VALUE, call, "not an allocation");
-    allocated_bytes -= it->second.bytes;
+    live_bytes[it->second.device] -= it->second.bytes;
     allocations.erase(it);
     free((void*)ptr);
     return CUDA_SUCCESS;
@@ -573,7 +579,7 @@ CUresult cuMemFreeAsync(CUdeviceptr p, void*) { return release("cuMemFreeAsync",
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     std::lock_guard<std::mutex> g(lock);
     *total = device_bytes();
-    *free_bytes = device_bytes() - allocated_bytes;
+    *free_bytes = device_bytes() - live_bytes[current_device()];
     return CUDA_SUCCESS;
 }
 
@@ -692,6 +698,23 @@ int cuda_emu_check_range(const char* call, unsigned long long ptr, size_t bytes)
 // current context's device.
 int cuda_emu_device_of(const void* ptr) { return device_of(ptr); }
 int cuda_emu_current_device() { return current_device(); }
+
+// Test hooks, no CUDA API (a test finds them with dlsym and knows it runs here): the bytes
+// live on device `d` and the most that were live since the last reset, counted at every
+// cuMemAlloc(Async) and cuMemFree(Async) whoever calls it; and that reset (peak = live).
+int cuda_emu_device_memory(int d, size_t* live, size_t* peak) {
+    if (d < 0 || d >= device_count() || !live || !peak) return CUDA_ERROR_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(lock);
+    *live = live_bytes[d];
+    *peak = peak_bytes[d];
+    return CUDA_SUCCESS;
+}
+int cuda_emu_reset_peak(int d) {
+    if (d < 0 || d >= device_count()) return CUDA_ERROR_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(lock);
+    peak_bytes[d] = live_bytes[d];
+    return CUDA_SUCCESS;
+}
 
 // NVRTC opens libcuda.so.1 and asks for an internal table; without one it compiles anyway.
 CUresult cuGetExportTable(const void** table, const void*) {
