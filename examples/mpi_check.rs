@@ -83,7 +83,7 @@ Usage: mpi_check [--large | --memory | --fail-rank R --fail-how HOW]
   --memory                       instead reduce-scatter 64 MiB slices (V + 4 of them per rank)
                                  and check, by the peak resident memory the kernel counts,
                                  that the call holds at most FOLD_WINDOW + 1 slices beyond its
-                                 buffers (not V)
+                                 buffers (V - 1 where they fit one window; not V)
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job; HOW is err,
                                  panic, leave, stall, stall-at-end (while the others return
@@ -347,7 +347,8 @@ fn large_buffers(comm: &MpiComm) -> Result<bool> {
 
 /// `--memory`: a reduce-scatter of `V` slices of 64 MiB (f32 sums, checked element by
 /// element) holds at most [`FOLD_WINDOW`]` + 1` slices beyond its input and output (the
-/// window of peers' slices and the accumulator), not the `V` slices a receive of every
+/// window of peers' slices and the accumulator; `V - 1`, the peers' slices alone, where they
+/// fit one window), not the `V` slices a receive of every
 /// peer's slice at once takes: the growth of the peak resident memory the kernel counts
 /// (`VmHWM`, reset through `/proc/self/clear_refs` right before the call) over the resident
 /// memory then, with 16 MiB for MPI's own buffers. The slices are larger than glibc's
@@ -367,7 +368,11 @@ fn reduce_scatter_memory(comm: &MpiComm) -> Result<bool> {
     let sum = |i: usize| (0..v).map(|j| value(j, r * s + i)).sum::<f32>();
     let right = own.iter().enumerate().all(|(i, &x)| x == sum(i));
     let slice_kib = (s * 4 / 1024) as u64;
-    let bound = (FOLD_WINDOW as u64 + 1) * slice_kib + 16 * 1024;
+    let held = match v - 1 <= FOLD_WINDOW {
+        true => v - 1,
+        false => FOLD_WINDOW + 1,
+    };
+    let bound = held as u64 * slice_kib + 16 * 1024;
     println!(
         "mpi_check rank {r}/{v}: the reduce-scatter's peak grew {} MiB (bound {} MiB; all \
          {v} slices: {} MiB)",

@@ -5,7 +5,9 @@
 //! MPI only moves bytes here; every reduction runs locally in rank order with the thread
 //! backend's element operations (`comm::protocol`): in a reduce-scatter every rank sends each
 //! peer its slice, and each rank folds the slices for it into an accumulator in rank order as
-//! they arrive, [`FOLD_WINDOW`] peers at a time (so it never holds all `V` slices at once);
+//! they arrive, [`FOLD_WINDOW`] peers at a time (so it never holds all `V` slices at once;
+//! with no more peers than that, it receives them all and reduces them with its own slice
+//! straight into the output, without the accumulator);
 //! all-reduce splits the buffer into `V` ranges as the thread backend does, reduces range `r`
 //! on rank `r` the same way and all-gathers the ranges. So a sharded step over MPI equals the
 //! same step on thread ranks, and the unsharded reference, wherever the thread backend does.
@@ -83,7 +85,7 @@ use mpi::traits::{
 };
 use mpi::Count;
 
-use super::protocol::{part, validate, widest_buffer_bytes, Op, Post, Region, Running};
+use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region, Running};
 use super::{
     in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
 };
@@ -587,7 +589,8 @@ const ANSWER: i32 = 0x5248;
 const DATA: i32 = 0x5249;
 /// Peers' parts a reduction receives at once (module doc): with an accumulator beside them, a
 /// reduce-scatter of a `V·S` buffer holds `3·S` elements on top of its buffers instead of
-/// `V·S` (`examples/mpi_check.rs --memory` measures it).
+/// `V·S`; at `V ≤ 3`, `(V − 1)·S`, the peers' parts alone (`examples/mpi_check.rs --memory`
+/// measures it).
 pub const FOLD_WINDOW: usize = 2;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
@@ -756,14 +759,15 @@ impl Waiting<'_> {
     }
 
     /// Every rank's part for this rank, reduced in rank order as the parts arrive: `parts[j]`
-    /// goes to rank `j` (this rank's own part is folded in its place from `parts[me]`); the
-    /// peers' parts for this rank (`n` elements of `elem` each) are received
-    /// [`FOLD_WINDOW`] at a time, so the rank holds that many parts and one accumulator
-    /// rather than all `V` (what a reduce-scatter would receive at once). The element
-    /// operations and their order are the thread backend's: the same bits.
-    fn fold_parts(&self, parts: &[&[u8]], elem: ElemType, n: usize) -> Running {
+    /// goes to rank `j` (this rank's own part, `parts[me]`, is not sent); the peers' parts
+    /// for this rank (`n` elements of `elem` each) are received [`FOLD_WINDOW`] at a time and
+    /// folded into an accumulator, so the rank holds that many parts and the accumulator
+    /// rather than all `V`; with no more peers than one window they are received at once and
+    /// reduced with the own part straight into the output ([`Folded::finish`]), without an
+    /// accumulator. The element operations and their order are the thread backend's: the
+    /// same bits.
+    fn fold_parts(&self, parts: &[&[u8]], elem: ElemType, n: usize) -> Folded {
         let (w, me, v, most) = (self.world, self.at.rank, self.at.size, self.message_bytes);
-        let mut acc = Running::new(elem, n);
         mpi::request::scope(|sc| {
             let mut sends = Vec::new();
             for (j, part) in parts.iter().enumerate().filter(|&(j, _)| j != me) {
@@ -772,34 +776,44 @@ impl Waiting<'_> {
                     sends.push(to.immediate_send_with_tag(sc, piece, DATA));
                 }
             }
-            // A slot per peer of a round (none in a world of one, whose round is itself).
+            // A slot per peer of a round (none in a world of one).
             let window = FOLD_WINDOW.min(v - 1);
             let mut slots: Vec<Scratch> =
                 (0..window).map(|_| Scratch::new(n * elem.size())).collect();
-            let ranks: Vec<usize> = (0..v).collect();
-            for round in ranks.chunks(window.max(1)) {
-                let peers = round.iter().filter(|&&j| j != me);
-                let receives = peers
-                    .zip(slots.iter_mut())
-                    .map(|(&j, s)| (j, s.bytes_mut()));
-                self.move_messages(Messages {
-                    sends: Vec::new(),
-                    receives: receives.collect(),
-                });
-                let mut slot = slots.iter();
-                for &j in round {
-                    let src = match j == me {
-                        true => parts[me],
-                        false => slot.next().expect("a slot per peer").bytes(),
-                    };
-                    // SAFETY: `n` elements of `elem` (the parts' lengths are the validated
-                    // ones), in a `Scratch` or the caller's typed buffer, so aligned for it.
-                    unsafe { acc.fold(src.as_ptr()) };
+            let folded = if v - 1 <= FOLD_WINDOW {
+                self.receive_parts(&mut slots, (0..v).filter(|&j| j != me));
+                Folded::Received { slots, me, elem, n }
+            } else {
+                let mut acc = Running::new(elem, n);
+                let ranks: Vec<usize> = (0..v).collect();
+                for round in ranks.chunks(window) {
+                    self.receive_parts(&mut slots, round.iter().copied().filter(|&j| j != me));
+                    let mut slot = slots.iter();
+                    for &j in round {
+                        let src = match j == me {
+                            true => parts[me],
+                            false => slot.next().expect("a slot per peer").bytes(),
+                        };
+                        // SAFETY: `n` elements of `elem` (the parts' lengths are the
+                        // validated ones), in a `Scratch` or the caller's typed buffer, so
+                        // aligned for it.
+                        unsafe { acc.fold(src.as_ptr()) };
+                    }
                 }
-            }
+                Folded::Running(acc)
+            };
             wait_all_within(sends, &self.at);
+            folded
+        })
+    }
+
+    /// Receives the parts of `peers` (in order) into the first of `slots`.
+    fn receive_parts(&self, slots: &mut [Scratch], peers: impl Iterator<Item = usize>) {
+        let receives = peers.zip(slots.iter_mut()).map(|(j, s)| (j, s.bytes_mut()));
+        self.move_messages(Messages {
+            sends: Vec::new(),
+            receives: receives.collect(),
         });
-        acc
     }
 
     /// An all-gather straight into the storages of a full buffer's segments, as point-to-point
@@ -1000,6 +1014,43 @@ impl Scratch {
     }
 }
 
+/// What [`Waiting::fold_parts`] leaves for the caller to write into its output.
+enum Folded {
+    /// Every part folded into an accumulator (more peers than one window).
+    Running(Running),
+    /// The peers' parts as received (in rank order, without this rank), all held at once.
+    Received {
+        slots: Vec<Scratch>,
+        me: usize,
+        elem: ElemType,
+        n: usize,
+    },
+}
+
+impl Folded {
+    /// Writes the reduction of every rank's part to `dst`: the accumulator finished, or the
+    /// received parts and `own` reduced chunk by chunk in rank order (`protocol::reduce`, the
+    /// element operations a fold does, so the same bits).
+    ///
+    /// # Safety
+    /// `own` points to this rank's own part and `dst` to `n` writable elements, both of the
+    /// element type and aligned for it, that nobody else accesses during the call; `dst` may
+    /// be `own` (a chunk is read before it is written).
+    unsafe fn finish(&self, own: *const u8, dst: *mut u8, op: ReduceOp) {
+        match self {
+            // SAFETY: per the contract (`own` was folded in already).
+            Folded::Running(acc) => unsafe { acc.finish(dst, op) },
+            Folded::Received { slots, me, elem, n } => {
+                let mut srcs: Vec<*const u8> = slots.iter().map(|s| s.bytes().as_ptr()).collect();
+                srcs.insert(*me, own);
+                // SAFETY: `n` elements of `elem` in every slot (`Scratch`, aligned for every
+                // element type) and, per the contract, at `own` and `dst`.
+                unsafe { reduce_dyn(*elem, &srcs, dst, *n, op) }
+            }
+        }
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -1078,10 +1129,11 @@ impl Communicator for MpiComm {
             let own = std::mem::take(&mut parts[r]);
             let mut sources: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
             sources[r] = &*own;
-            let acc = world.fold_parts(&sources, me.elem, s);
+            let folded = world.fold_parts(&sources, me.elem, s);
+            let own = own.as_mut_ptr();
             // SAFETY: the own slice, `s` elements of the caller's typed buffer, no longer
-            // read by any send (every send finished inside `fold_parts`).
-            unsafe { acc.finish(own.as_mut_ptr(), op) };
+            // read by any send (every send finished inside `fold_parts`), read and written.
+            unsafe { folded.finish(own, own, op) };
             Ok(())
         })
     }
@@ -1102,9 +1154,10 @@ impl Communicator for MpiComm {
             let parts: Vec<&[u8]> = (0..self.size)
                 .map(|j| &send[j * recv.len()..][..recv.len()])
                 .collect();
-            let acc = world.fold_parts(&parts, elem, s);
-            // SAFETY: `s` elements of the caller's typed output buffer, borrowed exclusively.
-            unsafe { acc.finish(recv.as_mut_ptr(), op) };
+            let folded = world.fold_parts(&parts, elem, s);
+            // SAFETY: `s` elements of the caller's typed input (this rank's part, no longer
+            // sent) and output buffers, the output borrowed exclusively.
+            unsafe { folded.finish(parts[self.rank].as_ptr(), recv.as_mut_ptr(), op) };
             Ok(())
         })?;
         Ok(0)
@@ -1128,10 +1181,11 @@ impl Communicator for MpiComm {
                 .iter()
                 .map(|&(lo, hi)| &bytes[lo * es..hi * es])
                 .collect();
-            let acc = world.fold_parts(&parts, me.elem, n);
+            let folded = world.fold_parts(&parts, me.elem, n);
             let mut reduced = Scratch::new(n * es);
-            // SAFETY: `n` elements in a `Scratch` of as many, aligned for every element type.
-            unsafe { acc.finish(reduced.bytes_mut().as_mut_ptr(), op) };
+            // SAFETY: `n` elements of the caller's typed buffer (range `r`, no longer sent)
+            // and of a `Scratch` of as many, aligned for every element type.
+            unsafe { folded.finish(parts[r].as_ptr(), reduced.bytes_mut().as_mut_ptr(), op) };
             // Phase 2: every range to every rank (the ranges are consecutive).
             world.all_gather_v(reduced.bytes(), bytes, &range_bytes);
             Ok(())
