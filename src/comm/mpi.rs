@@ -4,10 +4,10 @@
 //! # Same results as the thread backend, bit for bit
 //! MPI only moves bytes here; every reduction runs locally in rank order with the thread
 //! backend's element operations (`comm::protocol`): in a reduce-scatter every rank sends each
-//! peer its slice, and each rank folds the slices for it into an accumulator in rank order as
-//! they arrive, [`FOLD_WINDOW`] peers at a time (so it never holds all `V` slices at once;
-//! with no more peers than that, it receives them all and reduces them with its own slice
-//! straight into the output, without the accumulator);
+//! peer its slice, and each rank folds the slices for it in rank order as they arrive,
+//! [`FOLD_WINDOW`] peers at a time, so it never holds all `V` slices at once (the running
+//! sum is kept in the output for `f32`, in an `f32` accumulator for `bf16` and `u8`; with no
+//! more peers than one window, all are received and reduced straight into the output);
 //! all-reduce splits the buffer into `V` ranges as the thread backend does, reduces range `r`
 //! on rank `r` the same way and all-gathers the ranges. So a sharded step over MPI equals the
 //! same step on thread ranks, and the unsharded reference, wherever the thread backend does.
@@ -587,10 +587,10 @@ const ANSWER: i32 = 0x5248;
 /// Tag of the data's point-to-point messages ([`Waiting::move_messages`]): between two ranks
 /// they arrive in the order sent, and every call's messages are received before the next call.
 const DATA: i32 = 0x5249;
-/// Peers' parts a reduction receives at once (module doc): with an accumulator beside them, a
-/// reduce-scatter of a `V·S` buffer holds `3·S` elements on top of its buffers instead of
-/// `V·S`; at `V ≤ 3`, `(V − 1)·S`, the peers' parts alone (`examples/mpi_check.rs --memory`
-/// measures it).
+/// Peers' parts a reduction receives at once (module doc): a reduce-scatter of a `V·S` buffer
+/// holds `2·S` elements on top of its buffers (`f32`; `bf16` adds an `f32` accumulator of
+/// `S`) instead of `V·S`, and at `V ≤ 3` `(V − 1)·S`, the peers' parts alone
+/// (`examples/mpi_check.rs --memory` measures it).
 pub const FOLD_WINDOW: usize = 2;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
@@ -764,9 +764,20 @@ impl Waiting<'_> {
     /// folded into an accumulator, so the rank holds that many parts and the accumulator
     /// rather than all `V`; with no more peers than one window they are received at once and
     /// reduced with the own part straight into the output ([`Folded::finish`]), without an
-    /// accumulator. The element operations and their order are the thread backend's: the
-    /// same bits.
-    fn fold_parts(&self, parts: &[&[u8]], elem: ElemType, n: usize) -> Folded {
+    /// accumulator. `f32` parts fold straight into `out` where one is given (an output
+    /// apart from the parts): no accumulator either. The element operations and their order
+    /// are the thread backend's: the same bits.
+    ///
+    /// # Safety
+    /// `out`, where given, points to `n` writable elements of `elem`, aligned, that no part
+    /// overlaps and nobody else accesses until the returned fold is finished there.
+    unsafe fn fold_parts(
+        &self,
+        parts: &[&[u8]],
+        elem: ElemType,
+        n: usize,
+        out: Option<*mut u8>,
+    ) -> Folded {
         let (w, me, v, most) = (self.world, self.at.rank, self.at.size, self.message_bytes);
         mpi::request::scope(|sc| {
             let mut sends = Vec::new();
@@ -784,7 +795,11 @@ impl Waiting<'_> {
                 self.receive_parts(&mut slots, (0..v).filter(|&j| j != me));
                 Folded::Received { slots, me, elem, n }
             } else {
-                let mut acc = Running::new(elem, n);
+                let mut acc = match (elem, out) {
+                    // SAFETY: per this function's contract.
+                    (ElemType::F32, Some(out)) => unsafe { Running::in_output(out, n) },
+                    _ => Running::new(elem, n),
+                };
                 let ranks: Vec<usize> = (0..v).collect();
                 for round in ranks.chunks(window) {
                     self.receive_parts(&mut slots, round.iter().copied().filter(|&j| j != me));
@@ -1129,7 +1144,8 @@ impl Communicator for MpiComm {
             let own = std::mem::take(&mut parts[r]);
             let mut sources: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
             sources[r] = &*own;
-            let folded = world.fold_parts(&sources, me.elem, s);
+            // SAFETY: no output given (the own part is a source).
+            let folded = unsafe { world.fold_parts(&sources, me.elem, s, None) };
             let own = own.as_mut_ptr();
             // SAFETY: the own slice, `s` elements of the caller's typed buffer, no longer
             // read by any send (every send finished inside `fold_parts`), read and written.
@@ -1154,10 +1170,13 @@ impl Communicator for MpiComm {
             let parts: Vec<&[u8]> = (0..self.size)
                 .map(|j| &send[j * recv.len()..][..recv.len()])
                 .collect();
-            let folded = world.fold_parts(&parts, elem, s);
-            // SAFETY: `s` elements of the caller's typed input (this rank's part, no longer
-            // sent) and output buffers, the output borrowed exclusively.
-            unsafe { folded.finish(parts[self.rank].as_ptr(), recv.as_mut_ptr(), op) };
+            let out = recv.as_mut_ptr();
+            // SAFETY: `s` elements of the caller's typed output buffer, borrowed exclusively,
+            // apart from the input the parts are cut from.
+            let folded = unsafe { world.fold_parts(&parts, elem, s, Some(out)) };
+            // SAFETY: as above, and `s` elements of the input (this rank's part, no longer
+            // sent).
+            unsafe { folded.finish(parts[self.rank].as_ptr(), out, op) };
             Ok(())
         })?;
         Ok(0)
@@ -1181,11 +1200,14 @@ impl Communicator for MpiComm {
                 .iter()
                 .map(|&(lo, hi)| &bytes[lo * es..hi * es])
                 .collect();
-            let folded = world.fold_parts(&parts, me.elem, n);
             let mut reduced = Scratch::new(n * es);
-            // SAFETY: `n` elements of the caller's typed buffer (range `r`, no longer sent)
-            // and of a `Scratch` of as many, aligned for every element type.
-            unsafe { folded.finish(parts[r].as_ptr(), reduced.bytes_mut().as_mut_ptr(), op) };
+            let out = reduced.bytes_mut().as_mut_ptr();
+            // SAFETY: `n` elements in a `Scratch` of as many, aligned for every element type,
+            // apart from the caller's buffer the parts are cut from.
+            let folded = unsafe { world.fold_parts(&parts, me.elem, n, Some(out)) };
+            // SAFETY: as above, and `n` elements of the caller's typed buffer (range `r`, no
+            // longer sent).
+            unsafe { folded.finish(parts[r].as_ptr(), out, op) };
             // Phase 2: every range to every rank (the ranges are consecutive).
             world.all_gather_v(reduced.bytes(), bytes, &range_bytes);
             Ok(())

@@ -463,6 +463,13 @@ pub(crate) enum Running {
     F32(Fold<f32>),
     BF16(Fold<bf16>),
     U8(Fold<u8>),
+    /// `f32` folded straight into the output, `n` elements at `out`: `f32` accumulates in
+    /// `f32`, so the output can hold the running sum and no accumulator is allocated.
+    F32InOutput {
+        out: *mut f32,
+        n: usize,
+        folded: usize,
+    },
 }
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
@@ -473,6 +480,16 @@ impl Running {
             ElemType::BF16 => Running::BF16(Fold::new(n)),
             ElemType::U8 => Running::U8(Fold::new(n)),
         }
+    }
+
+    /// A fold of `n` `f32` that accumulates in the output at `out` ([`Running::F32InOutput`]).
+    ///
+    /// # Safety
+    /// `out` points to `n` writable `f32`, aligned, that no source overlaps and nobody else
+    /// accesses until [`Running::finish`] returns.
+    pub(crate) unsafe fn in_output(out: *mut u8, n: usize) -> Running {
+        let out = out.cast();
+        Running::F32InOutput { out, n, folded: 0 }
     }
 
     /// Folds in the next source in rank order.
@@ -486,11 +503,23 @@ impl Running {
                 Running::F32(f) => f.fold(src),
                 Running::BF16(f) => f.fold(src),
                 Running::U8(f) => f.fold(src),
+                Running::F32InOutput { out, n, folded } => {
+                    // SAFETY: the output per `in_output`'s contract, the source per this one;
+                    // they do not overlap.
+                    let acc = std::slice::from_raw_parts_mut(*out, *n);
+                    fold_into(
+                        acc,
+                        std::slice::from_raw_parts(src.cast::<f32>(), *n),
+                        *folded,
+                    );
+                    *folded += 1;
+                }
             }
         }
     }
 
-    /// Writes the reduction of the sources folded so far.
+    /// Writes the reduction of the sources folded so far to `dst` (for
+    /// [`Running::F32InOutput`], its output: `dst` must be that).
     ///
     /// # Safety
     /// As [`Fold::finish`], for this fold's element type and length.
@@ -501,6 +530,14 @@ impl Running {
                 Running::F32(f) => f.finish(dst, op),
                 Running::BF16(f) => f.finish(dst, op),
                 Running::U8(f) => f.finish(dst, op),
+                &Running::F32InOutput { out, n, folded } => {
+                    assert_eq!(dst, out.cast(), "a fold in its output finishes there");
+                    // SAFETY: the output per `in_output`'s contract; `f32::finish` per
+                    // element, as `finish_into` does, in place.
+                    let acc = std::slice::from_raw_parts_mut(out, n);
+                    acc.iter_mut()
+                        .for_each(|a| *a = f32::finish(*a, op, folded));
+                }
             }
         }
     }
@@ -567,6 +604,17 @@ mod tests {
                     running.finish(folded.as_mut_ptr().cast(), op);
                 }
                 assert_eq!(all, folded, "{elem:?} {op:?}");
+                if elem == ElemType::F32 {
+                    let mut in_output = vec![0u64; n];
+                    let out = in_output.as_mut_ptr().cast();
+                    // SAFETY: as above; the output is apart from the sources.
+                    unsafe {
+                        let mut running = Running::in_output(out, n);
+                        ptrs.iter().for_each(|&p| running.fold(p));
+                        running.finish(out, op);
+                    }
+                    assert_eq!(all, in_output, "f32 {op:?} folded in the output");
+                }
             }
         }
     }
