@@ -721,6 +721,99 @@ fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
     assert!(outcomes.iter().all(|o| o.is_err()), "{outcomes:?}");
 }
 
+/// NCCL ranks that disagree get the same `Err` on every rank before any data moves (their
+/// descriptors compared over NCCL first), in well under the collective timeout, where NCCL
+/// alone would wait for it (or move mismatched bytes): rank 1 gathers a buffer of another
+/// length, then into segments laid out otherwise, then calls a broadcast where the others
+/// all-reduce; after each refusal the ranks agree again and a matching call works. Without
+/// the check (`set_check(false)`), rank 1's other layout is not seen before the data moves.
+#[test]
+fn nccl_ranks_refuse_disagreeing_calls_on_every_rank_before_moving_data() {
+    let Some(mut comms) = nccl_ranks_of_one_process() else {
+        return;
+    };
+    for c in &mut comms {
+        c.set_timeout(Some(Duration::from_secs(60)));
+    }
+    let started = Instant::now();
+    let outcomes = on_each_thread(&comms, |rank, c| -> Vec<String> {
+        let dev = c.device();
+        let world = c.world_size();
+        let other = usize::from(rank == 1);
+        let mut refusals = Vec::new();
+        let mut refused = |r: ragged::Result<()>, what: &str| match r {
+            Err(e) => refusals.push(e.to_string()),
+            Ok(()) => panic!("rank {rank}: {what} was not refused"),
+        };
+        let mut x = dev.zeros::<f32>(world * (4 + other)).unwrap();
+        refused(
+            c.all_gather_in_place(x.slice_mut(..).into()),
+            "a gather of another length",
+        );
+        let send = dev.upload(&values(4, rank as u32)).unwrap();
+        let mut part = dev.zeros::<f32>(3).unwrap();
+        let mut segments = [Segment {
+            offset: 1 + other,
+            buf: part.slice_mut(..).into(),
+        }];
+        let laid_out = c.all_gather_segments(send.slice(..).into(), &mut segments);
+        refused(laid_out.map(drop), "segments laid out otherwise");
+        let mut y = dev.zeros::<f32>(6).unwrap();
+        let mixed = match rank {
+            1 => c.broadcast(y.slice_mut(..).into(), 0),
+            _ => c.all_reduce(y.slice_mut(..).into(), ReduceOp::Sum),
+        };
+        refused(mixed, "a broadcast against an all-reduce");
+        // The ranks agree again: a matching call goes through.
+        let mut z = dev.upload(&vec![rank as f32 + 1.0; world * 2]).unwrap();
+        c.all_gather_in_place(z.slice_mut(..).into()).unwrap();
+        refusals
+    });
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(30), "refusals took {took:?}");
+    for (rank, refusals) in outcomes.iter().enumerate() {
+        assert_eq!(refusals.len(), 3, "rank {rank}: {refusals:?}");
+        assert!(
+            refusals[1].contains("laid out otherwise"),
+            "rank {rank}: {}",
+            refusals[1]
+        );
+        // Every rank's reason is the same (what follows "<op> on rank <r>: ").
+        for (j, msg) in refusals.iter().enumerate() {
+            let reason = |m: &str| m.split_once(": ").map(|(_, r)| r.to_string());
+            assert_eq!(
+                reason(msg),
+                reason(&outcomes[0][j]),
+                "rank {rank}, refusal {j}"
+            );
+        }
+    }
+    // Without the check, the other layout goes unseen before the data moves: rank 1's
+    // segment gets values (or the call times out), not the refusal.
+    for c in &mut comms {
+        c.set_check(false);
+        c.set_timeout(Some(Duration::from_secs(2)));
+    }
+    let unchecked = on_each_thread(&comms, |rank, c| {
+        let dev = c.device();
+        let send = dev.upload(&values(4, rank as u32)).unwrap();
+        let mut part = dev.zeros::<f32>(2).unwrap();
+        let mut segments = [Segment {
+            offset: 1 + usize::from(rank == 1),
+            buf: part.slice_mut(..).into(),
+        }];
+        c.all_gather_segments(send.slice(..).into(), &mut segments)
+            .map_err(|e| e.to_string())
+    });
+    assert!(
+        unchecked.iter().all(|r| r
+            .as_ref()
+            .err()
+            .is_none_or(|e| !e.contains("laid out otherwise"))),
+        "{unchecked:?}"
+    );
+}
+
 /// Entry points of every kernel file (the launchers' constants).
 const ENTRIES: [(&str, &[&str]); 6] = [
     (

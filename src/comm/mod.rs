@@ -22,6 +22,8 @@
 //! are deterministic and identical on every rank. Average divides the sum by `V` at the end.
 
 pub mod conformance;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub(crate) mod descriptor;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub(crate) mod protocol;
@@ -375,8 +377,8 @@ pub trait Communicator: Send + Sync {
     /// the segments out. Pass the same segment offsets and lengths on every rank (the
     /// runtime's gathers do: the plan is agreed): MPI and NCCL send only the covered pieces of
     /// each shard ([`segment_pieces`]), so another layout on some rank is an `Err` on every
-    /// rank over MPI and unchecked over NCCL (as its counts are: a wait until its timeout's
-    /// `Err`, or wrong data).
+    /// rank (over NCCL unless its check is off: then a wait until its timeout's `Err`, or
+    /// wrong data).
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         staged_all_gather(self, send, segments)
     }

@@ -85,6 +85,7 @@ use mpi::traits::{
 };
 use mpi::Count;
 
+use super::descriptor::{self, check_same_layout, header, layout_digest, Words, HEADER, NO_LAYOUT};
 use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region, Running};
 use super::{
     in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
@@ -274,7 +275,7 @@ impl MpiComm {
         let at = inner.call_site(Some(&post), self.rank, self.size, &self.group);
         let mine = Words {
             layout,
-            message_bytes: inner.message_bytes,
+            extra: inner.message_bytes as u64,
         };
         let (posts, words) = match exchange(&inner.world, Some((&post, mine)), &at) {
             Exchanged::Posts { posts, words } => (posts, words),
@@ -292,10 +293,11 @@ impl MpiComm {
             }
         };
         validate(&posts)
-            .and_then(|()| check_same_layout(&words))
+            .and_then(|()| check_same_layout(&words, "over MPI"))
             .map_err(|reason| self.err(op, reason))?;
         // Every rank sees the same table, so all pick the same message size and route.
-        let message_bytes = words.iter().map(|w| w.message_bytes).min().unwrap_or(1);
+        let message_bytes = words.iter().map(|w| w.extra).min().unwrap_or(1);
+        let message_bytes = usize::try_from(message_bytes).unwrap_or(usize::MAX);
         let widest = posts.iter().map(widest_buffer_bytes).max();
         data(&Waiting {
             world: &inner.world,
@@ -404,100 +406,7 @@ fn abort_world(code: i32) -> ! {
     std::process::abort()
 }
 
-// --- Descriptors on the wire ---------------------------------------------------------------
-
-const OPS: [Op; 8] = [
-    Op::AllGatherInPlace,
-    Op::AllGather,
-    Op::ReduceScatterInPlace,
-    Op::ReduceScatter,
-    Op::AllReduce,
-    Op::AllToAllV,
-    Op::Broadcast,
-    Op::Barrier,
-];
-const ELEMS: [ElemType; 3] = [ElemType::F32, ElemType::BF16, ElemType::U8];
-/// Header words: the [`Post`]'s nine, then the rank's [`Words`].
-const HEADER: usize = 11;
-
-/// What a rank's descriptor carries beyond its [`Post`].
-#[derive(Clone, Copy)]
-struct Words {
-    /// [`layout_digest`] of its segments, [`NO_LAYOUT`] for other calls.
-    layout: u64,
-    /// Its largest message ([`Waiting::message_bytes`]).
-    message_bytes: usize,
-}
-
-/// The layout word of a call that gathers into no segments.
-const NO_LAYOUT: u64 = 0;
-
-/// A digest of the segments' offsets and lengths (FNV-1a over their words; never
-/// [`NO_LAYOUT`], so a segmented gather never passes for a plain one).
-fn layout_digest(segments: &[Segment<'_>]) -> u64 {
-    let words = segments.iter().flat_map(|s| [s.offset, s.buf.len()]);
-    let hash = words.fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
-        (h ^ w as u64).wrapping_mul(0x0100_0000_01b3)
-    });
-    hash.max(1)
-}
-
-/// `Err` naming the first rank whose segment layout differs from rank 0's.
-fn check_same_layout(words: &[Words]) -> std::result::Result<(), String> {
-    match words.iter().position(|w| w.layout != words[0].layout) {
-        None => Ok(()),
-        Some(j) => Err(format!(
-            "rank {j} gathers into segments laid out otherwise than rank 0 (other offsets or \
-             lengths, or no segments where rank 0 has some): over MPI every rank must pass the \
-             same segments to all_gather_segments, since each sends only the pieces of its \
-             shard that the segments cover"
-        )),
-    }
-}
-
-fn index_of<T: PartialEq>(all: &[T], x: &T) -> u64 {
-    all.iter().position(|y| y == x).expect("listed") as u64
-}
-
-/// The fixed-size part of a descriptor.
-fn header(p: &Post, words: Words) -> [u64; HEADER] {
-    let reduce = match p.reduce {
-        None => 0,
-        Some(ReduceOp::Sum) => 1,
-        Some(ReduceOp::Avg) => 2,
-    };
-    [
-        index_of(&OPS, &p.op),
-        p.send.len as u64,
-        index_of(&ELEMS, &p.send.elem),
-        p.recv.len as u64,
-        index_of(&ELEMS, &p.recv.elem),
-        reduce,
-        p.root as u64,
-        p.send_counts.len() as u64,
-        p.recv_counts.len() as u64,
-        words.layout,
-        words.message_bytes as u64,
-    ]
-}
-
-fn from_header(h: &[u64]) -> Post {
-    let elem = |k: u64| ELEMS[k as usize % ELEMS.len()];
-    let region = |len: u64, e: u64| Region::new(std::ptr::null_mut(), len as usize, elem(e));
-    Post {
-        op: OPS[h[0] as usize % OPS.len()],
-        send: region(h[1], h[2]),
-        recv: region(h[3], h[4]),
-        reduce: match h[5] {
-            1 => Some(ReduceOp::Sum),
-            2 => Some(ReduceOp::Avg),
-            _ => None,
-        },
-        root: h[6] as usize,
-        send_counts: Vec::new(),
-        recv_counts: Vec::new(),
-    }
-}
+// --- Descriptors on the wire ([`descriptor`]) -------------------------------------------
 
 /// The header of a rank that leaves the world ([`MpiComm`]'s drop).
 const LEAVE: u64 = u64::MAX;
@@ -511,9 +420,8 @@ enum Exchanged {
 }
 
 /// Every rank's descriptor and words (`None`: this rank leaves): one all-gather of the
-/// headers, and when every rank calls all-to-all-v, one of the counts (`V` per side, padded;
-/// the true lengths ride in the header, so a wrong length still fails validation on every
-/// rank). Every rank sees the same headers, so all reach the same outcome.
+/// headers, and when every rank calls all-to-all-v, one of the counts ([`descriptor::decode`]).
+/// Every rank sees the same headers, so all reach the same outcome.
 fn exchange(world: &SimpleCommunicator, post: Option<(&Post, Words)>, at: &CallSite) -> Exchanged {
     let v = at.size;
     let mine = post.map_or([LEAVE; HEADER], |(p, words)| header(p, words));
@@ -527,37 +435,11 @@ fn exchange(world: &SimpleCommunicator, post: Option<(&Post, Words)>, at: &CallS
     let Some((post, _)) = post else {
         unreachable!("this rank's own header is a leaving one");
     };
-    let mut posts: Vec<Post> = all.chunks(HEADER).map(from_header).collect();
-    if posts.iter().all(|p| p.op == Op::AllToAllV) {
-        let fixed = |c: &[usize]| -> Vec<u64> {
-            (0..v).map(|j| c.get(j).map_or(0, |&x| x as u64)).collect()
-        };
-        let mut counts = fixed(&post.send_counts);
-        counts.extend(fixed(&post.recv_counts));
+    let Ok((posts, words)) = descriptor::decode(&all, v, post, |counts| {
         let mut table = vec![0u64; 2 * v * v];
-        all_gather_within(world, &counts[..], &mut table[..], at);
-        for ((p, row), h) in posts
-            .iter_mut()
-            .zip(table.chunks(2 * v))
-            .zip(all.chunks(HEADER))
-        {
-            let (ns, nr) = (h[7] as usize, h[8] as usize);
-            let take = |part: &[u64], n: usize| -> Vec<usize> {
-                (0..n)
-                    .map(|j| part.get(j).map_or(0, |&x| x as usize))
-                    .collect()
-            };
-            p.send_counts = take(&row[..v], ns);
-            p.recv_counts = take(&row[v..], nr);
-        }
-    }
-    let words = all
-        .chunks(HEADER)
-        .map(|h| Words {
-            layout: h[HEADER - 2],
-            message_bytes: usize::try_from(h[HEADER - 1]).unwrap_or(usize::MAX),
-        })
-        .collect();
+        all_gather_within(world, counts, &mut table[..], at);
+        Ok::<_, std::convert::Infallible>(table)
+    });
     Exchanged::Posts { posts, words }
 }
 

@@ -13,6 +13,7 @@
 //! | `RAGGED_WORLD_SIZE` (else `WORLD_SIZE`) | number of processes |
 //! | `RAGGED_RENDEZVOUS_ADDR` or `RAGGED_NCCL_ID_FILE` | where rank 0 hands out NCCL's id: `host:port` it listens on, or a file every rank can read ([`crate::comm::rendezvous`]) |
 //! | `RAGGED_RUN_ID` | this launch's identity (else Slurm's job step, else torchrun's run id): ranks take rank 0's id only from a message of the same run, so a file an earlier launch left is skipped, not joined ([`crate::comm::rendezvous::run_id_from_env`]) |
+//! | `RAGGED_NCCL_CHECK` | `0`: the ranks do not compare their calls before each collective (default `1`; "Disagreeing ranks" below) |
 //! | `RAGGED_NCCL_TIMEOUT_S` | how long ranks wait for each other there and to join the communicator ([`NcclComm::from_rank_within`]), and how long each collective may take before the rank returns `Err` and aborts the communicator (default 120; `0`: collectives do not wait, the rendezvous waits the default) |
 //!
 //! Each process drives the device it opened ([`Device`]); `CUDA_VISIBLE_DEVICES` or the
@@ -26,8 +27,18 @@
 //! peer with a non-zero count, so the uneven exchange of Muon's matrices to their roots is a
 //! single launch; so is an all-gather into segments (a unit's parameter storages), whose
 //! pieces go straight from each rank's shard into the peers' storages. Each rank checks its
-//! own arguments before NCCL sees them; agreement between ranks (the same collective,
-//! matching counts, the same segment layout) is NCCL's contract, which it does not check.
+//! own arguments before NCCL sees them.
+//!
+//! # Disagreeing ranks
+//! NCCL does not check that the ranks make the same call (collective, lengths, types, counts,
+//! root, segment layout): a mismatch waits until the timeout or moves mismatched bytes. So
+//! before each collective the ranks all-gather a small descriptor of their call over NCCL
+//! (the words MPI's ranks exchange, `comm::descriptor`) and run the thread backend's
+//! validation on the same table: ranks that disagree all get the same `Err` before any data
+//! moves, and the communicator stays usable. It costs one all-gather of `11·8·V` bytes and a
+//! device-to-host copy per collective, on top of the wait for completion each collective
+//! already makes under the timeout; `RAGGED_NCCL_CHECK=0` (or [`NcclComm::set_check`]) turns
+//! it off, the same on every rank. A world of one skips it.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up
@@ -36,6 +47,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use cudarc::driver::CudaSlice;
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
@@ -44,6 +56,10 @@ use super::collective::{
 };
 use super::watchdog::{self, Progress};
 use super::{guarded, Device};
+use crate::comm::descriptor::{
+    self, check_same_layout, header, layout_digest, Words, HEADER, NO_LAYOUT,
+};
+use crate::comm::protocol::{validate, Op, Post, Region};
 use crate::comm::rendezvous::Rendezvous;
 use crate::comm::{
     check_segments, segment_pieces, staged_all_gather, staged_reduce_scatter, Buf, BufMut,
@@ -130,6 +146,17 @@ pub struct NcclComm {
     rank: usize,
     world: usize,
     timeout: Option<Duration>,
+    /// Ranks compare their calls before each collective (module doc, "Disagreeing ranks").
+    check: bool,
+    /// The device buffers those comparisons gather through, made at the first.
+    descriptors: Mutex<Option<DescriptorBufs>>,
+}
+
+/// Device room for one descriptor exchange: this rank's words and every rank's (as bytes),
+/// for the larger of a header and an all-to-all-v's counts.
+struct DescriptorBufs {
+    mine: CudaSlice<u8>,
+    all: CudaSlice<u8>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -138,6 +165,21 @@ impl std::fmt::Debug for NcclComm {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .finish()
+    }
+}
+
+/// `RAGGED_NCCL_CHECK`: `1` (or unset) compares the ranks' calls before each collective,
+/// `0` does not (module doc, "Disagreeing ranks").
+fn check_from_env() -> Result<bool> {
+    match std::env::var("RAGGED_NCCL_CHECK") {
+        Err(_) => Ok(true),
+        Ok(v) if v.trim() == "1" => Ok(true),
+        Ok(v) if v.trim() == "0" => Ok(false),
+        Ok(v) => Err(Error::BadInput {
+            op: "NcclComm",
+            what: format!("RAGGED_NCCL_CHECK={v}"),
+            reason: "0 (do not compare the ranks' calls) or 1 (compare them, the default)".into(),
+        }),
     }
 }
 
@@ -300,6 +342,8 @@ impl NcclComm {
             rank,
             world,
             timeout: crate::comm::rendezvous::env_timeout()?,
+            check: check_from_env()?,
+            descriptors: Mutex::new(None),
         })
     }
 
@@ -316,7 +360,7 @@ impl NcclComm {
         guarded(OP, || {
             named(unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) })
         })?;
-        let timeout = crate::comm::rendezvous::env_timeout()?;
+        let (timeout, check) = (crate::comm::rendezvous::env_timeout()?, check_from_env()?);
         Ok(comms
             .into_iter()
             .zip(devs)
@@ -327,6 +371,8 @@ impl NcclComm {
                 rank,
                 world: devs.len(),
                 timeout,
+                check,
+                descriptors: Mutex::new(None),
             })
             .collect())
     }
@@ -359,6 +405,12 @@ impl NcclComm {
     /// communicator (`None`: no wait, collectives return once queued).
     pub fn set_timeout(&mut self, timeout: Option<Duration>) {
         self.timeout = timeout;
+    }
+
+    /// Whether the ranks compare their calls before each collective (module doc,
+    /// "Disagreeing ranks"; default `RAGGED_NCCL_CHECK`, on). Every rank must set the same.
+    pub fn set_check(&mut self, on: bool) {
+        self.check = on;
     }
 
     /// The communicator, locked, with this rank's device bound to the calling thread; `Err`
@@ -436,12 +488,65 @@ impl NcclComm {
             rank,
             world: members.len(),
             timeout: self.timeout,
+            check: self.check,
+            descriptors: Mutex::new(None),
         })
     }
 }
 
 /// The device collectives (the trait's methods below stage host buffers into these).
 impl NcclComm {
+    /// The ranks' calls compared before a collective (module doc, "Disagreeing ranks"): every
+    /// rank's descriptor all-gathered over NCCL, then the thread backend's validation and the
+    /// segment layouts checked on the same table, so all ranks return the same `Err` or all
+    /// go on. A world of one has no one to disagree with.
+    fn agree(&self, post: Post, layout: u64) -> Result<()> {
+        if !self.check || self.world == 1 {
+            return Ok(());
+        }
+        let mine = header(&post, Words { layout, extra: 0 });
+        let all = self.gather_words(&mine)?;
+        let (posts, words) =
+            descriptor::decode(&all, self.world, &post, |counts| self.gather_words(counts))?;
+        validate(&posts)
+            .and_then(|()| check_same_layout(&words, "over NCCL"))
+            .map_err(|reason| Error::Comm {
+                op: post.op.name(),
+                rank: self.rank,
+                reason,
+            })
+    }
+
+    /// `mine` of every rank, in rank order: one all-gather of their bytes on the device,
+    /// through buffers kept for it (no allocation per call after the first).
+    fn gather_words(&self, mine: &[u64]) -> Result<Vec<u64>> {
+        const OP: &str = "NcclComm::gather_words";
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut bufs = self.descriptors.lock().map_err(|_| Error::Comm {
+            op: OP,
+            rank: self.rank,
+            reason: "an earlier call panicked".into(),
+        })?;
+        let bufs = match &mut *bufs {
+            Some(b) => b,
+            empty => {
+                let most = 8 * HEADER.max(2 * self.world);
+                empty.insert(DescriptorBufs {
+                    mine: self.dev.zeros::<u8>(most)?,
+                    all: self.dev.zeros::<u8>(most * self.world)?,
+                })
+            }
+        };
+        let (n, all_n) = (bytes.len(), bytes.len() * self.world);
+        self.dev
+            .upload_into(&bytes, &mut bufs.mine.slice_mut(..n))?;
+        let (send, recv) = (bufs.mine.slice(..n), bufs.all.slice_mut(..all_n));
+        self.all_gather_dev(DevBuf::U8(send), DevBufMut::U8(recv))?;
+        let all = self.dev.download(&bufs.all.slice(..all_n))?;
+        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("chunks of 8"));
+        Ok(all.chunks_exact(8).map(word).collect())
+    }
+
     /// The device this rank's buffers live on (its stream orders the collectives).
     pub fn device(&self) -> &Device {
         &self.dev
@@ -624,6 +729,24 @@ impl NcclComm {
     }
 }
 
+/// The descriptor of a call on one buffer of `len` elements of `elem` (in-place collectives,
+/// broadcast: posted as the receive side).
+fn on(op: Op, len: usize, elem: ElemType) -> Post {
+    Post {
+        recv: Region::sized(len, elem),
+        ..Post::new(op)
+    }
+}
+
+/// The descriptor of a call from `send` into `recv`.
+fn between(op: Op, send: &Buf<'_>, recv: &Buf<'_>) -> Post {
+    Post {
+        send: Region::sized(send.len(), send.elem_type()),
+        recv: Region::sized(recv.len(), recv.elem_type()),
+        ..Post::new(op)
+    }
+}
+
 /// Device buffers go to NCCL as they are; host buffers through a device copy each call
 /// ([`on_device_mut`]: what lets the host runtime and optimizers run over NCCL unchanged).
 impl Communicator for NcclComm {
@@ -636,20 +759,41 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
+        self.agree(
+            on(Op::AllGatherInPlace, buf.len(), buf.elem_type()),
+            NO_LAYOUT,
+        )?;
         on_device_mut(&self.dev, buf, |d| self.all_gather_in_place_dev(d))
     }
 
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
+        self.agree(between(Op::AllGather, &send, &recv.as_buf()), NO_LAYOUT)?;
         on_device_pair(&self.dev, send, recv, |s, r| self.all_gather_dev(s, r))
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::reduce_scatter_in_place", buf.elem_type())?;
+        let post = on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type());
+        self.agree(
+            Post {
+                reduce: Some(op),
+                ..post
+            },
+            NO_LAYOUT,
+        )?;
         on_device_mut(&self.dev, buf, |d| self.reduce_scatter_in_place_dev(d, op))
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::all_reduce", buf.elem_type())?;
+        let post = on(Op::AllReduce, buf.len(), buf.elem_type());
+        self.agree(
+            Post {
+                reduce: Some(op),
+                ..post
+            },
+            NO_LAYOUT,
+        )?;
         on_device_mut(&self.dev, buf, |d| self.all_reduce_in_place_dev(d, op))
     }
 
@@ -660,16 +804,25 @@ impl Communicator for NcclComm {
         recv: BufMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        let post = Post {
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+            ..between(Op::AllToAllV, &send, &recv.as_buf())
+        };
+        self.agree(post, NO_LAYOUT)?;
         on_device_pair(&self.dev, send, recv, |s, r| {
             self.all_to_all_v_dev(s, send_counts, r, recv_counts)
         })
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        let post = on(Op::Broadcast, buf.len(), buf.elem_type());
+        self.agree(Post { root, ..post }, NO_LAYOUT)?;
         on_device_mut(&self.dev, buf, |d| self.broadcast_in_place_dev(d, root))
     }
 
     fn barrier(&self) -> Result<()> {
+        self.agree(Post::new(Op::Barrier), NO_LAYOUT)?;
         self.barrier_dev()
     }
 
@@ -681,6 +834,17 @@ impl Communicator for NcclComm {
     /// the trait's default (in place on a device copy, then the own slice copied out).
     fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
         self.check_reducible("NcclComm::reduce_scatter", send.elem_type())?;
+        if let (BufMut::Device(_), BufMut::Device(_)) = (&send, &recv) {
+            // (Host buffers are checked as the in-place call they are staged into.)
+            let post = between(Op::ReduceScatter, &send.as_buf(), &recv.as_buf());
+            self.agree(
+                Post {
+                    reduce: Some(op),
+                    ..post
+                },
+                NO_LAYOUT,
+            )?;
+        }
         match (send, recv) {
             (BufMut::Device(s), BufMut::Device(r)) => self.reduce_scatter_dev(s, r, op).map(|()| 0),
             (s, r) => staged_reduce_scatter(self, s, r, op),
@@ -691,8 +855,8 @@ impl Communicator for NcclComm {
     /// group in which each rank sends every other rank the pieces of its input the segments
     /// cover ([`segment_pieces`], ascending; none of the padding) and receives theirs into
     /// the segments, its own pieces copied on the stream. Every rank must pass the same
-    /// segment layout, which NCCL cannot check (the runtime's gathers all do: the plan is
-    /// agreed when a model is sharded). Host segments go through a host staging buffer, as
+    /// segment layout, which the descriptors compared first check (module doc, "Disagreeing
+    /// ranks"; the runtime's gathers all agree: the plan is agreed when a model is sharded). Host segments go through a host staging buffer, as
     /// the trait's default.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         const OP: &str = "NcclComm::all_gather_segments";
@@ -700,6 +864,12 @@ impl Communicator for NcclComm {
             return staged_all_gather(self, send, segments);
         };
         check_segments(segments, input.elem_type(), input.len() * self.world)?;
+        let full = on(Op::AllGather, input.len() * self.world, input.elem_type());
+        let post = Post {
+            send: Region::sized(input.len(), input.elem_type()),
+            ..full
+        };
+        self.agree(post, layout_digest(segments))?;
         let src = input.span(&self.dev);
         let mut spans = Vec::with_capacity(segments.len());
         for seg in segments.iter_mut() {
