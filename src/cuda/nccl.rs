@@ -738,6 +738,14 @@ fn on(op: Op, len: usize, elem: ElemType) -> Post {
     }
 }
 
+/// `post` reducing by `op`.
+fn reducing(post: Post, op: ReduceOp) -> Post {
+    Post {
+        reduce: Some(op),
+        ..post
+    }
+}
+
 /// The descriptor of a call from `send` into `recv`.
 fn between(op: Op, send: &Buf<'_>, recv: &Buf<'_>) -> Post {
     Post {
@@ -773,12 +781,8 @@ impl Communicator for NcclComm {
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::reduce_scatter_in_place", buf.elem_type())?;
-        let post = on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type());
         self.agree(
-            Post {
-                reduce: Some(op),
-                ..post
-            },
+            reducing(on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type()), op),
             NO_LAYOUT,
         )?;
         on_device_mut(&self.dev, buf, |d| self.reduce_scatter_in_place_dev(d, op))
@@ -786,12 +790,8 @@ impl Communicator for NcclComm {
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::all_reduce", buf.elem_type())?;
-        let post = on(Op::AllReduce, buf.len(), buf.elem_type());
         self.agree(
-            Post {
-                reduce: Some(op),
-                ..post
-            },
+            reducing(on(Op::AllReduce, buf.len(), buf.elem_type()), op),
             NO_LAYOUT,
         )?;
         on_device_mut(&self.dev, buf, |d| self.all_reduce_in_place_dev(d, op))
@@ -837,13 +837,7 @@ impl Communicator for NcclComm {
         if let (BufMut::Device(_), BufMut::Device(_)) = (&send, &recv) {
             // (Host buffers are checked as the in-place call they are staged into.)
             let post = between(Op::ReduceScatter, &send.as_buf(), &recv.as_buf());
-            self.agree(
-                Post {
-                    reduce: Some(op),
-                    ..post
-                },
-                NO_LAYOUT,
-            )?;
+            self.agree(reducing(post, op), NO_LAYOUT)?;
         }
         match (send, recv) {
             (BufMut::Device(s), BufMut::Device(r)) => self.reduce_scatter_dev(s, r, op).map(|()| 0),
