@@ -318,9 +318,12 @@ fn emulated_peak_growth<R>(ordinal: usize, f: impl FnOnce() -> R) -> (R, Option<
     // same handle) and dlsym of two names; the handle is never closed.
     let (reset, memory) = unsafe {
         let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
+        if lib.is_null() {
+            return (f(), None);
+        }
         let reset = libc::dlsym(lib, c"cuda_emu_reset_peak".as_ptr());
         let memory = libc::dlsym(lib, c"cuda_emu_device_memory".as_ptr());
-        if lib.is_null() || reset.is_null() || memory.is_null() {
+        if reset.is_null() || memory.is_null() {
             return (f(), None);
         }
         (

@@ -36,9 +36,10 @@
 //! (the words MPI's ranks exchange, `comm::descriptor`) and run the thread backend's
 //! validation on the same table: ranks that disagree all get the same `Err` before any data
 //! moves, and the communicator stays usable. It costs one all-gather of `11·8·V` bytes and a
-//! device-to-host copy per collective, on top of the wait for completion each collective
-//! already makes under the timeout; `RAGGED_NCCL_CHECK=0` (or [`NcclComm::set_check`]) turns
-//! it off, the same on every rank. A world of one skips it.
+//! device-to-host copy per collective (a host wait for the stream, which each collective
+//! makes anyway under the timeout; with `RAGGED_NCCL_TIMEOUT_S=0` it is one wait more), not
+//! measured on GPUs here (the lent machines have one GPU); `RAGGED_NCCL_CHECK=0` (or
+//! [`NcclComm::set_check`]) turns it off, the same on every rank. A world of one skips it.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up
@@ -850,8 +851,8 @@ impl Communicator for NcclComm {
     /// cover ([`segment_pieces`], ascending; none of the padding) and receives theirs into
     /// the segments, its own pieces copied on the stream. Every rank must pass the same
     /// segment layout, which the descriptors compared first check (module doc, "Disagreeing
-    /// ranks"; the runtime's gathers all agree: the plan is agreed when a model is sharded). Host segments go through a host staging buffer, as
-    /// the trait's default.
+    /// ranks"; the runtime's gathers all agree: the plan is agreed when a model is sharded).
+    /// Host segments go through a host staging buffer, as the trait's default.
     fn all_gather_segments(&self, send: Buf<'_>, segments: &mut [Segment<'_>]) -> Result<usize> {
         const OP: &str = "NcclComm::all_gather_segments";
         let Buf::Device(input) = send else {
