@@ -40,6 +40,9 @@
 //! makes anyway under the timeout; with `RAGGED_NCCL_TIMEOUT_S=0` it is one wait more), not
 //! measured on GPUs here (the lent machines have one GPU); `RAGGED_NCCL_CHECK=0` (or
 //! [`NcclComm::set_check`]) turns it off, the same on every rank. A world of one skips it.
+//! Host buffers of `reduce_scatter` and `all_gather_segments` are compared as the call they
+//! are staged through (an in-place reduce-scatter, a plain all-gather), so one rank passing
+//! host memory where the others pass device memory is refused there too.
 //!
 //! Reductions are NCCL's: the order over ranks is NCCL's ring/tree order, not the CPU
 //! backends' rank order, and `Avg` is NCCL's `ncclAvg`; results agree with the CPU backends up
