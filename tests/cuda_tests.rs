@@ -728,7 +728,7 @@ fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
 /// descriptors compared over NCCL first), in well under the collective timeout, where NCCL
 /// alone would wait for it (or move mismatched bytes): rank 1 gathers a buffer of another
 /// length, then into segments laid out otherwise, then calls a broadcast where the others
-/// all-reduce; after each refusal the ranks agree again and a matching call works. Without
+/// all-reduce, then sends rank 0 more than it receives in an all-to-all-v; after each refusal the ranks agree again and a matching call works. Without
 /// the check (`set_check(false)`), rank 1's other layout is not seen before the data moves.
 #[test]
 fn nccl_ranks_refuse_disagreeing_calls_on_every_rank_before_moving_data() {
@@ -767,6 +767,23 @@ fn nccl_ranks_refuse_disagreeing_calls_on_every_rank_before_moving_data() {
             _ => c.all_reduce(y.slice_mut(..).into(), ReduceOp::Sum),
         };
         refused(mixed, "a broadcast against an all-reduce");
+        // All-to-all-v whose counts disagree (their own table, exchanged second): rank 1
+        // sends rank 0 two elements where rank 0 expects one.
+        let send_counts: Vec<usize> = (0..world)
+            .map(|j| 1 + other * usize::from(j == 0))
+            .collect();
+        let (s, r) = (
+            dev.zeros::<f32>(send_counts.iter().sum()).unwrap(),
+            vec![1; world],
+        );
+        let mut into = dev.zeros::<f32>(world).unwrap();
+        let moved = c.all_to_all_v(
+            s.slice(..).into(),
+            &send_counts,
+            into.slice_mut(..).into(),
+            &r,
+        );
+        refused(moved, "all-to-all-v counts that do not match");
         // The ranks agree again: a matching call goes through.
         let mut z = dev.upload(&vec![rank as f32 + 1.0; world * 2]).unwrap();
         c.all_gather_in_place(z.slice_mut(..).into()).unwrap();
@@ -775,7 +792,12 @@ fn nccl_ranks_refuse_disagreeing_calls_on_every_rank_before_moving_data() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(30), "refusals took {took:?}");
     for (rank, refusals) in outcomes.iter().enumerate() {
-        assert_eq!(refusals.len(), 3, "rank {rank}: {refusals:?}");
+        assert_eq!(refusals.len(), 4, "rank {rank}: {refusals:?}");
+        let counts = &refusals[3];
+        assert!(
+            counts.contains("sends 2 elements to rank 0, which expects 1"),
+            "{counts}"
+        );
         assert!(
             refusals[1].contains("laid out otherwise"),
             "rank {rank}: {}",
