@@ -52,7 +52,7 @@ use half::bf16;
 use ragged::checkpoint::fs::step_dir;
 use ragged::checkpoint::manifest::rank_file;
 use ragged::comm::conformance::exercise;
-use ragged::comm::mpi::{MpiComm, FOLD_WINDOW};
+use ragged::comm::mpi::{MpiComm, FOLD_CHUNK, FOLD_WINDOW};
 use ragged::comm::threads::ThreadWorld;
 use ragged::comm::{Buf, BufMut, Communicator, ReduceOp, Segment, SingleRank};
 use ragged::demo::{
@@ -82,10 +82,10 @@ Usage: mpi_check [--large | --memory | --fail-rank R --fail-how HOW]
                                  4 GiB of memory per rank): all-gather, reduce-scatter,
                                  broadcast and all-reduce, each checked element by element
   --memory                       instead reduce-scatter 64 MiB slices of f32, then of bf16
-                                 (V + 4 of them per rank) and check, by the peak resident
-                                 memory the kernel counts, that each call holds at most
-                                 FOLD_WINDOW slices beyond its buffers, and bf16's f32
-                                 accumulator (V - 1 where they fit one window; not V)
+                                 (V + 1 of them per rank) and check, by the peak resident
+                                 memory the kernel counts, that each call holds no more than
+                                 FOLD_WINDOW peers' chunks of FOLD_CHUNK elements and an
+                                 accumulator of one beyond its buffers (not V slices)
 
   --fail-rank R --fail-how HOW   instead check how rank R failing ends the job; HOW is err,
                                  panic, leave, stall, stall-at-end (while the others return
@@ -348,35 +348,32 @@ fn large_buffers(comm: &MpiComm) -> Result<bool> {
 }
 
 /// `--memory`: reduce-scatters of `V` slices of 64 MiB (sums of small integers, exact in
-/// either type, checked element by element) hold no more than a fold needs beyond their input
-/// and output, not the `V` slices a receive of every peer's slice at once takes: the
-/// [`FOLD_WINDOW`] of peers' slices (`V - 1` where they fit one window), and where they do not,
-/// an accumulator of `f32`s for `bf16` (twice a slice) and none for `f32`, which folds in the
-/// output. Measured as the growth of the peak resident memory the kernel counts (`VmHWM`,
-/// reset through `/proc/self/clear_refs` right before the call) over the resident memory
-/// then, with 16 MiB for MPI's own buffers. The slices are larger than glibc's largest `mmap`
-/// threshold (32 MiB), so every scratch buffer is fresh pages, not reused heap.
+/// either type, checked element by element) hold no more than a fold of [`FOLD_CHUNK`]
+/// elements needs beyond their input and output, whatever `V`: [`FOLD_WINDOW`] peers' pieces
+/// of a chunk and an `f32` accumulator of one, not the `V` slices a receive of every peer's
+/// slice at once takes. Measured as the growth of the peak resident memory the kernel counts
+/// (`VmHWM`, reset through `/proc/self/clear_refs` right before the call) over the resident
+/// memory then, with 16 MiB for MPI's own buffers.
 fn reduce_scatter_memory(comm: &MpiComm) -> Result<bool> {
     let value = |rank: usize, i: usize| ((i % 13) + rank) as f32;
-    let f32s = reduce_scatter_peak(comm, "f32", 0, value)?;
-    let bf16s = reduce_scatter_peak(comm, "bf16", 2, |r, i| bf16::from_f32(value(r, i)))?;
+    let f32s = reduce_scatter_peak(comm, "f32", value)?;
+    let bf16s = reduce_scatter_peak(comm, "bf16", |r, i| bf16::from_f32(value(r, i)))?;
     Ok(f32s && bf16s)
 }
 
-/// One reduce-scatter of [`reduce_scatter_memory`], of `T` (whose accumulator is `acc_slices`
-/// slices wide; 0: it folds in the output) with element `i` of rank `r`'s buffer `value(r, i)`.
+/// One reduce-scatter of [`reduce_scatter_memory`], of `T` (accumulated in `f32`), with
+/// element `i` of rank `r`'s buffer `value(r, i)`.
 fn reduce_scatter_peak<T>(
     comm: &MpiComm,
     name: &str,
-    acc_slices: usize,
     value: impl Fn(usize, usize) -> T,
 ) -> Result<bool>
 where
     T: Copy + PartialEq + Into<f32>,
     for<'a> BufMut<'a>: From<&'a mut [T]>,
 {
-    let (v, r) = (comm.world_size(), comm.rank());
-    let s = (64usize << 20) / std::mem::size_of::<T>(); // elements per slice: 64 MiB
+    let (v, r, es) = (comm.world_size(), comm.rank(), std::mem::size_of::<T>());
+    let s = (64usize << 20) / es; // elements per slice: 64 MiB
     let mut full: Vec<T> = (0..v * s).map(|i| value(r, i)).collect();
     let mut own = vec![value(0, 1); s]; // written, so resident before the call
     comm.barrier()?;
@@ -387,11 +384,8 @@ where
     let grew = proc_status_kib("VmHWM")?.saturating_sub(before);
     let sum = |i: usize| (0..v).map(|j| value(j, r * s + i).into()).sum::<f32>();
     let right = own.iter().enumerate().all(|(i, &x)| x.into() == sum(i));
-    let held = match v - 1 <= FOLD_WINDOW {
-        true => v - 1,
-        false => FOLD_WINDOW + acc_slices,
-    };
-    let bound = held as u64 * (64 << 10) + 16 * 1024;
+    let fold_bytes = FOLD_CHUNK * (FOLD_WINDOW.min(v - 1) * es + 4);
+    let bound = (fold_bytes / 1024) as u64 + 16 * 1024;
     println!(
         "mpi_check rank {r}/{v}: the {name} reduce-scatter's peak grew {} MiB (bound {} MiB; \
          all {v} slices: {} MiB)",

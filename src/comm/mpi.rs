@@ -86,7 +86,7 @@ use mpi::traits::{
 use mpi::Count;
 
 use super::descriptor::{self, check_same_layout, header, layout_digest, Words, HEADER, NO_LAYOUT};
-use super::protocol::{part, reduce_dyn, validate, widest_buffer_bytes, Op, Post, Region, Running};
+use super::protocol::{part, validate, widest_buffer_bytes, Op, Post, Region, Running};
 use super::{
     in_group, top_rank, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment, SegmentPiece,
 };
@@ -469,11 +469,14 @@ const ANSWER: i32 = 0x5248;
 /// Tag of the data's point-to-point messages ([`Waiting::move_messages`]): between two ranks
 /// they arrive in the order sent, and every call's messages are received before the next call.
 const DATA: i32 = 0x5249;
-/// Peers' parts a reduction receives at once (module doc): a reduce-scatter of a `V·S` buffer
-/// holds `2·S` elements on top of its buffers (`f32`; `bf16` adds an `f32` accumulator of
-/// `S`) instead of `V·S`, and at `V ≤ 3` `(V − 1)·S`, the peers' parts alone
-/// (`examples/mpi_check.rs --memory` measures it).
+/// Peers whose pieces a reduction receives at once (module doc).
 pub const FOLD_WINDOW: usize = 2;
+/// Elements of each part a reduction receives and folds at a time (module doc): with
+/// [`FOLD_WINDOW`] peers' pieces and an accumulator of as many elements, a reduce-scatter
+/// holds at most 3 MiB on top of its buffers (`f32`: 2 MiB of pieces, 1 MiB of accumulator),
+/// whatever `V` and the size of the slices, instead of `V` slices
+/// (`examples/mpi_check.rs --memory` measures it).
+pub const FOLD_CHUNK: usize = 1 << 18;
 
 /// An all-gather of descriptor words, waited for within the limit ([`wait_within`]).
 fn all_gather_within(world: &SimpleCommunicator, mine: &[u64], all: &mut [u64], at: &CallSite) {
@@ -640,73 +643,82 @@ impl Waiting<'_> {
         })
     }
 
-    /// Every rank's part for this rank, reduced in rank order as the parts arrive: `parts[j]`
-    /// goes to rank `j` (this rank's own part, `parts[me]`, is not sent); the peers' parts
-    /// for this rank (`n` elements of `elem` each) are received [`FOLD_WINDOW`] at a time and
-    /// folded into an accumulator, so the rank holds that many parts and the accumulator
-    /// rather than all `V`; with no more peers than one window they are received at once and
-    /// reduced with the own part straight into the output ([`Folded::finish`]), without an
-    /// accumulator. `f32` parts fold straight into `out` where one is given (an output
-    /// apart from the parts): no accumulator either. The element operations and their order
-    /// are the thread backend's: the same bits.
+    /// Every rank's part for this rank, reduced in rank order into `dst` as the parts arrive:
+    /// `parts[j]` (`n` elements of `elem`) goes to rank `j`, and this rank's own part is read
+    /// at `own` (`parts[me]` is not read). The parts move and fold [`FOLD_CHUNK`] elements at
+    /// a time: for each chunk the peers' pieces are received [`FOLD_WINDOW`] peers at a time
+    /// and folded with the own piece into an accumulator of one chunk, which is then written
+    /// to `dst`; so the rank holds that many chunks beyond its buffers, whatever `V` and the
+    /// parts' size. The element operations and their order are the thread backend's: the same
+    /// bits.
     ///
     /// # Safety
-    /// `out`, where given, points to `n` writable elements of `elem`, aligned, that no part
-    /// overlaps and nobody else accesses until the returned fold is finished there.
-    unsafe fn fold_parts(
+    /// `own` points to `n` readable elements of `elem` and `dst` to `n` writable ones, both
+    /// aligned for it, that nobody else accesses during the call (other than reading `own`)
+    /// and no part of `parts` overlaps; `dst` may be `own` (a chunk is read before it is
+    /// written).
+    unsafe fn reduce_parts(
         &self,
         parts: &[&[u8]],
+        own: *const u8,
+        dst: *mut u8,
         elem: ElemType,
         n: usize,
-        out: Option<*mut u8>,
-    ) -> Folded {
+        op: ReduceOp,
+    ) {
         let (w, me, v, most) = (self.world, self.at.rank, self.at.size, self.message_bytes);
+        let (es, chunk) = (elem.size(), FOLD_CHUNK.min(n));
         mpi::request::scope(|sc| {
             let mut sends = Vec::new();
             for (j, part) in parts.iter().enumerate().filter(|&(j, _)| j != me) {
                 let to = w.process_at_rank(j as i32);
-                for piece in part.chunks(most) {
+                // Cut as the receiver's chunks (by its part's length, not this rank's `n`: an
+                // all-reduce's ranges differ by one), then as its messages (`move_messages`).
+                for piece in part.chunks(FOLD_CHUNK * es).flat_map(|c| c.chunks(most)) {
                     sends.push(to.immediate_send_with_tag(sc, piece, DATA));
                 }
             }
-            // A slot per peer of a round (none in a world of one).
+            // A slot per peer of a round (none in a world of one, whose round is itself).
             let window = FOLD_WINDOW.min(v - 1);
-            let mut slots: Vec<Scratch> =
-                (0..window).map(|_| Scratch::new(n * elem.size())).collect();
-            let folded = if v - 1 <= FOLD_WINDOW {
-                self.receive_parts(&mut slots, (0..v).filter(|&j| j != me));
-                Folded::Received { slots, me, elem, n }
-            } else {
-                let mut acc = match (elem, out) {
-                    // SAFETY: per this function's contract.
-                    (ElemType::F32, Some(out)) => unsafe { Running::in_output(out, n) },
-                    _ => Running::new(elem, n),
-                };
-                let ranks: Vec<usize> = (0..v).collect();
-                for round in ranks.chunks(window) {
-                    self.receive_parts(&mut slots, round.iter().copied().filter(|&j| j != me));
+            let mut slots: Vec<Scratch> = (0..window).map(|_| Scratch::new(chunk * es)).collect();
+            let mut acc = Running::new(elem, chunk);
+            let ranks: Vec<usize> = (0..v).collect();
+            for start in (0..n).step_by(chunk.max(1)) {
+                let len = chunk.min(n - start);
+                acc.restart(len);
+                for round in ranks.chunks(window.max(1)) {
+                    let peers = round.iter().copied().filter(|&j| j != me);
+                    self.receive_parts(&mut slots, peers, len * es);
                     let mut slot = slots.iter();
                     for &j in round {
                         let src = match j == me {
-                            true => parts[me],
-                            false => slot.next().expect("a slot per peer").bytes(),
+                            // SAFETY: element `start` of `own` (`start < n`), per the contract.
+                            true => unsafe { own.add(start * es) },
+                            false => slot.next().expect("a slot per peer").bytes().as_ptr(),
                         };
-                        // SAFETY: `n` elements of `elem` (the parts' lengths are the
-                        // validated ones), in a `Scratch` or the caller's typed buffer, so
-                        // aligned for it.
-                        unsafe { acc.fold(src.as_ptr()) };
+                        // SAFETY: `len` elements of `elem` (the parts' lengths are the validated
+                        // ones), in a `Scratch` (aligned for every type) or at `own`.
+                        unsafe { acc.fold(src) };
                     }
                 }
-                Folded::Running(acc)
-            };
+                // SAFETY: elements `start..start + len` of `dst`, per the contract; every
+                // source of this chunk was folded (read) already.
+                unsafe { acc.finish(dst.add(start * es), op) };
+            }
             wait_all_within(sends, &self.at);
-            folded
         })
     }
 
-    /// Receives the parts of `peers` (in order) into the first of `slots`.
-    fn receive_parts(&self, slots: &mut [Scratch], peers: impl Iterator<Item = usize>) {
-        let receives = peers.zip(slots.iter_mut()).map(|(j, s)| (j, s.bytes_mut()));
+    /// Receives `bytes` from each of `peers` (in order) into the first of `slots`.
+    fn receive_parts(
+        &self,
+        slots: &mut [Scratch],
+        peers: impl Iterator<Item = usize>,
+        bytes: usize,
+    ) {
+        let receives = peers
+            .zip(slots.iter_mut())
+            .map(|(j, s)| (j, &mut s.bytes_mut()[..bytes]));
         self.move_messages(Messages {
             sends: Vec::new(),
             receives: receives.collect(),
@@ -911,43 +923,6 @@ impl Scratch {
     }
 }
 
-/// What [`Waiting::fold_parts`] leaves for the caller to write into its output.
-enum Folded {
-    /// Every part folded into an accumulator (more peers than one window).
-    Running(Running),
-    /// The peers' parts as received (in rank order, without this rank), all held at once.
-    Received {
-        slots: Vec<Scratch>,
-        me: usize,
-        elem: ElemType,
-        n: usize,
-    },
-}
-
-impl Folded {
-    /// Writes the reduction of every rank's part to `dst`: the accumulator finished, or the
-    /// received parts and `own` reduced chunk by chunk in rank order (`protocol::reduce`, the
-    /// element operations a fold does, so the same bits).
-    ///
-    /// # Safety
-    /// `own` points to this rank's own part and `dst` to `n` writable elements, both of the
-    /// element type and aligned for it, that nobody else accesses during the call; `dst` may
-    /// be `own` (a chunk is read before it is written).
-    unsafe fn finish(&self, own: *const u8, dst: *mut u8, op: ReduceOp) {
-        match self {
-            // SAFETY: per the contract (`own` was folded in already).
-            Folded::Running(acc) => unsafe { acc.finish(dst, op) },
-            Folded::Received { slots, me, elem, n } => {
-                let mut srcs: Vec<*const u8> = slots.iter().map(|s| s.bytes().as_ptr()).collect();
-                srcs.insert(*me, own);
-                // SAFETY: `n` elements of `elem` in every slot (`Scratch`, aligned for every
-                // element type) and, per the contract, at `own` and `dst`.
-                unsafe { reduce_dyn(*elem, &srcs, dst, *n, op) }
-            }
-        }
-    }
-}
-
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -1023,15 +998,12 @@ impl Communicator for MpiComm {
         self.collective(post, |world| {
             let (v, r, s) = (self.size, self.rank, me.len / self.size);
             let mut parts = cut(bytes, &vec![s * me.elem.size(); v]);
-            let own = std::mem::take(&mut parts[r]);
-            let mut sources: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
-            sources[r] = &*own;
-            // SAFETY: no output given (the own part is a source).
-            let folded = unsafe { world.fold_parts(&sources, me.elem, s, None) };
-            let own = own.as_mut_ptr();
-            // SAFETY: the own slice, `s` elements of the caller's typed buffer, no longer
-            // read by any send (every send finished inside `fold_parts`), read and written.
-            unsafe { folded.finish(own, own, op) };
+            let own = std::mem::take(&mut parts[r]).as_mut_ptr();
+            // (The own part is read at `own`, not from the parts, which are only sent.)
+            let sources: Vec<&[u8]> = parts.iter().map(|p| &**p).collect();
+            // SAFETY: the own slice, `s` elements of the caller's typed buffer, borrowed
+            // exclusively and apart from the other slices, read and written in place.
+            unsafe { world.reduce_parts(&sources, own, own, me.elem, s, op) };
             Ok(())
         })
     }
@@ -1052,13 +1024,10 @@ impl Communicator for MpiComm {
             let parts: Vec<&[u8]> = (0..self.size)
                 .map(|j| &send[j * recv.len()..][..recv.len()])
                 .collect();
-            let out = recv.as_mut_ptr();
-            // SAFETY: `s` elements of the caller's typed output buffer, borrowed exclusively,
-            // apart from the input the parts are cut from.
-            let folded = unsafe { world.fold_parts(&parts, elem, s, Some(out)) };
-            // SAFETY: as above, and `s` elements of the input (this rank's part, no longer
-            // sent).
-            unsafe { folded.finish(parts[self.rank].as_ptr(), out, op) };
+            let own = parts[self.rank].as_ptr();
+            // SAFETY: `s` elements of the caller's typed input (this rank's part) and output
+            // buffers, the output borrowed exclusively and apart from the input.
+            unsafe { world.reduce_parts(&parts, own, recv.as_mut_ptr(), elem, s, op) };
             Ok(())
         })?;
         Ok(0)
@@ -1083,13 +1052,10 @@ impl Communicator for MpiComm {
                 .map(|&(lo, hi)| &bytes[lo * es..hi * es])
                 .collect();
             let mut reduced = Scratch::new(n * es);
-            let out = reduced.bytes_mut().as_mut_ptr();
-            // SAFETY: `n` elements in a `Scratch` of as many, aligned for every element type,
-            // apart from the caller's buffer the parts are cut from.
-            let folded = unsafe { world.fold_parts(&parts, me.elem, n, Some(out)) };
-            // SAFETY: as above, and `n` elements of the caller's typed buffer (range `r`, no
-            // longer sent).
-            unsafe { folded.finish(parts[r].as_ptr(), out, op) };
+            let (own, out) = (parts[r].as_ptr(), reduced.bytes_mut().as_mut_ptr());
+            // SAFETY: `n` elements of the caller's typed buffer (range `r`) and of a `Scratch`
+            // of as many (aligned for every element type), apart from the caller's buffer.
+            unsafe { world.reduce_parts(&parts, own, out, me.elem, n, op) };
             // Phase 2: every range to every rank (the ranges are consecutive).
             world.all_gather_v(reduced.bytes(), bytes, &range_bytes);
             Ok(())

@@ -439,6 +439,12 @@ impl<E: Elem> Fold<E> {
         }
     }
 
+    /// Starts a fold of `n` elements over (the accumulator's room is kept).
+    fn restart(&mut self, n: usize) {
+        self.acc.resize(n, E::Acc::default());
+        self.folded = 0;
+    }
+
     /// # Safety
     /// `src` points to `n` readable `E`, aligned, that nobody writes during the call.
     unsafe fn fold(&mut self, src: *const u8) {
@@ -463,13 +469,6 @@ pub(crate) enum Running {
     F32(Fold<f32>),
     BF16(Fold<bf16>),
     U8(Fold<u8>),
-    /// `f32` folded straight into the output, `n` elements at `out`: `f32` accumulates in
-    /// `f32`, so the output can hold the running sum and no accumulator is allocated.
-    F32InOutput {
-        out: *mut f32,
-        n: usize,
-        folded: usize,
-    },
 }
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
@@ -482,14 +481,14 @@ impl Running {
         }
     }
 
-    /// A fold of `n` `f32` that accumulates in the output at `out` ([`Running::F32InOutput`]).
-    ///
-    /// # Safety
-    /// `out` points to `n` writable `f32`, aligned, that no source overlaps and nobody else
-    /// accesses until [`Running::finish`] returns.
-    pub(crate) unsafe fn in_output(out: *mut u8, n: usize) -> Running {
-        let out = out.cast();
-        Running::F32InOutput { out, n, folded: 0 }
+    /// Starts a fold of `n` elements over, keeping the accumulator's room (MPI's reductions
+    /// fold their parts a chunk at a time through one accumulator).
+    pub(crate) fn restart(&mut self, n: usize) {
+        match self {
+            Running::F32(f) => f.restart(n),
+            Running::BF16(f) => f.restart(n),
+            Running::U8(f) => f.restart(n),
+        }
     }
 
     /// Folds in the next source in rank order.
@@ -503,23 +502,11 @@ impl Running {
                 Running::F32(f) => f.fold(src),
                 Running::BF16(f) => f.fold(src),
                 Running::U8(f) => f.fold(src),
-                Running::F32InOutput { out, n, folded } => {
-                    // SAFETY: the output per `in_output`'s contract, the source per this one;
-                    // they do not overlap.
-                    let acc = std::slice::from_raw_parts_mut(*out, *n);
-                    fold_into(
-                        acc,
-                        std::slice::from_raw_parts(src.cast::<f32>(), *n),
-                        *folded,
-                    );
-                    *folded += 1;
-                }
             }
         }
     }
 
-    /// Writes the reduction of the sources folded so far to `dst` (for
-    /// [`Running::F32InOutput`], its output: `dst` must be that).
+    /// Writes the reduction of the sources folded so far.
     ///
     /// # Safety
     /// As [`Fold::finish`], for this fold's element type and length.
@@ -530,14 +517,6 @@ impl Running {
                 Running::F32(f) => f.finish(dst, op),
                 Running::BF16(f) => f.finish(dst, op),
                 Running::U8(f) => f.finish(dst, op),
-                &Running::F32InOutput { out, n, folded } => {
-                    assert_eq!(dst, out.cast(), "a fold in its output finishes there");
-                    // SAFETY: the output per `in_output`'s contract; `f32::finish` per
-                    // element, as `finish_into` does, in place.
-                    let acc = std::slice::from_raw_parts_mut(out, n);
-                    acc.iter_mut()
-                        .for_each(|a| *a = f32::finish(*a, op, folded));
-                }
             }
         }
     }
@@ -604,17 +583,19 @@ mod tests {
                     running.finish(folded.as_mut_ptr().cast(), op);
                 }
                 assert_eq!(all, folded, "{elem:?} {op:?}");
-                if elem == ElemType::F32 {
-                    let mut in_output = vec![0u64; n];
-                    let out = in_output.as_mut_ptr().cast();
-                    // SAFETY: as above; the output is apart from the sources.
+                // Restarted over two chunks (as MPI folds), the same bits: a longer first chunk
+                // leaves no stale element behind in the shorter second.
+                let (mut chunked, es, cut) = (vec![0u64; n], elem.size(), n / 2 + 7);
+                let out: *mut u8 = chunked.as_mut_ptr().cast();
+                for (start, len) in [(0, cut), (cut, n - cut)] {
+                    running.restart(len);
+                    // SAFETY: `len` elements from `start` in every source and in the output.
                     unsafe {
-                        let mut running = Running::in_output(out, n);
-                        ptrs.iter().for_each(|&p| running.fold(p));
-                        running.finish(out, op);
+                        ptrs.iter().for_each(|&p| running.fold(p.add(start * es)));
+                        running.finish(out.add(start * es), op);
                     }
-                    assert_eq!(all, in_output, "f32 {op:?} folded in the output");
                 }
+                assert_eq!(all, chunked, "{elem:?} {op:?} in two chunks");
             }
         }
     }
