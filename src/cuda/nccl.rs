@@ -172,14 +172,18 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
-/// `RAGGED_NCCL_CHECK`: `1` (or unset) compares the ranks' calls before each collective,
-/// `0` does not (module doc, "Disagreeing ranks").
+/// `RAGGED_NCCL_CHECK` ([`parse_check`]).
 fn check_from_env() -> Result<bool> {
-    match std::env::var("RAGGED_NCCL_CHECK") {
-        Err(_) => Ok(true),
-        Ok(v) if v.trim() == "1" => Ok(true),
-        Ok(v) if v.trim() == "0" => Ok(false),
-        Ok(v) => Err(Error::BadInput {
+    parse_check(std::env::var("RAGGED_NCCL_CHECK").ok().as_deref())
+}
+
+/// A `RAGGED_NCCL_CHECK` value: `1` (or unset) compares the ranks' calls before each
+/// collective, `0` does not (module doc, "Disagreeing ranks"); anything else is an `Err`.
+fn parse_check(value: Option<&str>) -> Result<bool> {
+    match value.map(str::trim) {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(Error::BadInput {
             op: "NcclComm",
             what: format!("RAGGED_NCCL_CHECK={v}"),
             reason: "0 (do not compare the ranks' calls) or 1 (compare them, the default)".into(),
@@ -339,14 +343,17 @@ impl NcclComm {
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
+        // The settings are read first: a bad value is an `Err` before this rank joins, not
+        // after (when the others would wait for its first collective).
+        let (timeout, check) = (crate::comm::rendezvous::env_timeout()?, check_from_env()?);
         let handle = join(&dev, n, id, rank as i32, join_limit)?;
         Ok(NcclComm {
             handle: Mutex::new(handle),
             dev,
             rank,
             world,
-            timeout: crate::comm::rendezvous::env_timeout()?,
-            check: check_from_env()?,
+            timeout,
+            check,
             descriptors: Mutex::new(None),
         })
     }
@@ -359,12 +366,13 @@ impl NcclComm {
         nccl_available()?;
         let n = world_i32(OP, devs.len())?;
         let ordinals: Vec<i32> = devs.iter().map(|d| d.context().ordinal() as i32).collect();
+        // Read first, so that a bad value leaves no communicator behind.
+        let (timeout, check) = (crate::comm::rendezvous::env_timeout()?, check_from_env()?);
         let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
         // SAFETY: `comms` has room for one handle per device in `ordinals`.
         guarded(OP, || {
             named(unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) })
         })?;
-        let (timeout, check) = (crate::comm::rendezvous::env_timeout()?, check_from_env()?);
         Ok(comms
             .into_iter()
             .zip(devs)
@@ -922,5 +930,19 @@ impl Communicator for NcclComm {
             queued.and(closed)
         })?;
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_check;
+
+    #[test]
+    fn the_check_setting_takes_0_or_1_and_names_a_bad_value() {
+        assert!(parse_check(None).unwrap(), "on by default");
+        assert!(parse_check(Some(" 1")).unwrap());
+        assert!(!parse_check(Some("0 ")).unwrap());
+        let bad = parse_check(Some("yes")).unwrap_err().to_string();
+        assert!(bad.contains("RAGGED_NCCL_CHECK=yes"), "{bad}");
     }
 }
