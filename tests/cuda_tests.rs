@@ -595,11 +595,11 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
     .unwrap();
     let on_device = |c: &NcclComm| -> ragged::Result<Out> {
         let (rank, world, dev) = (c.rank(), c.world_size(), c.device());
-        let send = dev.upload(&values(s, rank as u32 + 2))?;
+        let host = values(s, rank as u32 + 2);
+        let send = dev.upload(&host)?;
         let mut all = dev.upload(&vec![0f32; world * s])?;
         c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
-        let (gathered, staged) =
-            gather_into_device_segments(c, dev, &values(s, rank as u32 + 2), &spans_of(world, s))?;
+        let (gathered, staged) = gather_into_device_segments(c, dev, &host, &spans_of(world, s))?;
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;

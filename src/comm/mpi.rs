@@ -934,11 +934,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
-        let me = Region::sized(buf.len(), buf.elem_type());
-        let post = Post {
-            recv: me,
-            ..Post::new(Op::AllGatherInPlace)
-        };
+        let post = Post::on(Op::AllGatherInPlace, buf.len(), buf.elem_type());
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let s = bytes.len() / self.size;
@@ -989,12 +985,8 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = Region::sized(buf.len(), buf.elem_type());
-        let post = Post {
-            recv: me,
-            reduce: Some(op),
-            ..Post::new(Op::ReduceScatterInPlace)
-        };
+        let post = Post::on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type()).reducing(op);
+        let me = post.recv;
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let (v, r, s) = (self.size, self.rank, me.len / self.size);
@@ -1012,12 +1004,7 @@ impl Communicator for MpiComm {
     /// MPI moves the slices into a scratch buffer and the reduction runs locally into the
     /// separate output (as the in-place form), so nothing is staged beyond what MPI receives.
     fn reduce_scatter(&self, send: BufMut<'_>, recv: BufMut<'_>, op: ReduceOp) -> Result<usize> {
-        let post = Post {
-            send: Region::sized(send.len(), send.elem_type()),
-            recv: Region::sized(recv.len(), recv.elem_type()),
-            reduce: Some(op),
-            ..Post::new(Op::ReduceScatter)
-        };
+        let post = Post::between(Op::ReduceScatter, &send.as_buf(), &recv.as_buf()).reducing(op);
         let elem = recv.elem_type();
         let (send, recv) = (bytes_of_mut(send)?, bytes_of_mut(recv)?);
         self.collective(post, |world| {
@@ -1035,12 +1022,8 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let me = Region::sized(buf.len(), buf.elem_type());
-        let post = Post {
-            recv: me,
-            reduce: Some(op),
-            ..Post::new(Op::AllReduce)
-        };
+        let post = Post::on(Op::AllReduce, buf.len(), buf.elem_type()).reducing(op);
+        let me = post.recv;
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {
             let (v, r, es) = (self.size, self.rank, me.elem.size());
@@ -1088,9 +1071,8 @@ impl Communicator for MpiComm {
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         let post = Post {
-            recv: Region::sized(buf.len(), buf.elem_type()),
             root,
-            ..Post::new(Op::Broadcast)
+            ..Post::on(Op::Broadcast, buf.len(), buf.elem_type())
         };
         let bytes = bytes_of_mut(buf)?;
         self.collective(post, |world| {

@@ -148,6 +148,35 @@ impl Post {
             recv_counts: Vec::new(),
         }
     }
+
+    /// A call on one buffer of `len` elements of `elem`, by size only (in-place collectives,
+    /// broadcast: posted as `recv`), for backends that compare descriptors (MPI, NCCL).
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn on(op: Op, len: usize, elem: ElemType) -> Post {
+        Post {
+            recv: Region::sized(len, elem),
+            ..Post::new(op)
+        }
+    }
+
+    /// A call from `send` into `recv`, by size only.
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn between(op: Op, send: &Buf<'_>, recv: &Buf<'_>) -> Post {
+        Post {
+            send: Region::sized(send.len(), send.elem_type()),
+            recv: Region::sized(recv.len(), recv.elem_type()),
+            ..Post::new(op)
+        }
+    }
+
+    /// This call, reducing by `op`.
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn reducing(self, op: ReduceOp) -> Post {
+        Post {
+            reduce: Some(op),
+            ..self
+        }
+    }
 }
 
 /// Range `k` of `len` elements split into `v` nearly equal ranges, the longer ones first:

@@ -741,32 +741,6 @@ impl NcclComm {
     }
 }
 
-/// The descriptor of a call on one buffer of `len` elements of `elem` (in-place collectives,
-/// broadcast: posted as the receive side).
-fn on(op: Op, len: usize, elem: ElemType) -> Post {
-    Post {
-        recv: Region::sized(len, elem),
-        ..Post::new(op)
-    }
-}
-
-/// `post` reducing by `op`.
-fn reducing(post: Post, op: ReduceOp) -> Post {
-    Post {
-        reduce: Some(op),
-        ..post
-    }
-}
-
-/// The descriptor of a call from `send` into `recv`.
-fn between(op: Op, send: &Buf<'_>, recv: &Buf<'_>) -> Post {
-    Post {
-        send: Region::sized(send.len(), send.elem_type()),
-        recv: Region::sized(recv.len(), recv.elem_type()),
-        ..Post::new(op)
-    }
-}
-
 /// Device buffers go to NCCL as they are; host buffers through a device copy each call
 /// ([`on_device_mut`]: what lets the host runtime and optimizers run over NCCL unchanged).
 impl Communicator for NcclComm {
@@ -780,21 +754,24 @@ impl Communicator for NcclComm {
 
     fn all_gather_in_place(&self, buf: BufMut<'_>) -> Result<()> {
         self.agree(
-            on(Op::AllGatherInPlace, buf.len(), buf.elem_type()),
+            Post::on(Op::AllGatherInPlace, buf.len(), buf.elem_type()),
             NO_LAYOUT,
         )?;
         on_device_mut(&self.dev, buf, |d| self.all_gather_in_place_dev(d))
     }
 
     fn all_gather(&self, send: Buf<'_>, recv: BufMut<'_>) -> Result<()> {
-        self.agree(between(Op::AllGather, &send, &recv.as_buf()), NO_LAYOUT)?;
+        self.agree(
+            Post::between(Op::AllGather, &send, &recv.as_buf()),
+            NO_LAYOUT,
+        )?;
         on_device_pair(&self.dev, send, recv, |s, r| self.all_gather_dev(s, r))
     }
 
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::reduce_scatter_in_place", buf.elem_type())?;
         self.agree(
-            reducing(on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type()), op),
+            Post::on(Op::ReduceScatterInPlace, buf.len(), buf.elem_type()).reducing(op),
             NO_LAYOUT,
         )?;
         on_device_mut(&self.dev, buf, |d| self.reduce_scatter_in_place_dev(d, op))
@@ -803,7 +780,7 @@ impl Communicator for NcclComm {
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         self.check_reducible("NcclComm::all_reduce", buf.elem_type())?;
         self.agree(
-            reducing(on(Op::AllReduce, buf.len(), buf.elem_type()), op),
+            Post::on(Op::AllReduce, buf.len(), buf.elem_type()).reducing(op),
             NO_LAYOUT,
         )?;
         on_device_mut(&self.dev, buf, |d| self.all_reduce_in_place_dev(d, op))
@@ -819,7 +796,7 @@ impl Communicator for NcclComm {
         let post = Post {
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
-            ..between(Op::AllToAllV, &send, &recv.as_buf())
+            ..Post::between(Op::AllToAllV, &send, &recv.as_buf())
         };
         self.agree(post, NO_LAYOUT)?;
         on_device_pair(&self.dev, send, recv, |s, r| {
@@ -828,7 +805,7 @@ impl Communicator for NcclComm {
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        let post = on(Op::Broadcast, buf.len(), buf.elem_type());
+        let post = Post::on(Op::Broadcast, buf.len(), buf.elem_type());
         self.agree(Post { root, ..post }, NO_LAYOUT)?;
         on_device_mut(&self.dev, buf, |d| self.broadcast_in_place_dev(d, root))
     }
@@ -848,8 +825,8 @@ impl Communicator for NcclComm {
         self.check_reducible("NcclComm::reduce_scatter", send.elem_type())?;
         if let (BufMut::Device(_), BufMut::Device(_)) = (&send, &recv) {
             // (Host buffers are checked as the in-place call they are staged into.)
-            let post = between(Op::ReduceScatter, &send.as_buf(), &recv.as_buf());
-            self.agree(reducing(post, op), NO_LAYOUT)?;
+            let post = Post::between(Op::ReduceScatter, &send.as_buf(), &recv.as_buf());
+            self.agree(post.reducing(op), NO_LAYOUT)?;
         }
         match (send, recv) {
             (BufMut::Device(s), BufMut::Device(r)) => self.reduce_scatter_dev(s, r, op).map(|()| 0),
@@ -870,7 +847,7 @@ impl Communicator for NcclComm {
             return staged_all_gather(self, send, segments);
         };
         check_segments(segments, input.elem_type(), input.len() * self.world)?;
-        let full = on(Op::AllGather, input.len() * self.world, input.elem_type());
+        let full = Post::on(Op::AllGather, input.len() * self.world, input.elem_type());
         let post = Post {
             send: Region::sized(input.len(), input.elem_type()),
             ..full
