@@ -799,7 +799,8 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
             "## Optimizers on the GPU: against cuBLAS GEMM and device memcpy\n\n\
              Command: `ragged bench optim --device cuda` (a `--features cuda` build; \
              `scripts/gpu-check.sh` runs it). Newton–Schulz: TFLOP/s of `steps · 3` GEMMs of \
-             `2n³` against one plain cuBLAS GEMM of the same precision on random data; AdamW \
+             `2n³` against one plain cuBLAS GEMM of the same precision on random data (the \
+             Newton–Schulz workspace kept between calls, as Muon's step keeps it); AdamW \
              (28 B per element) and 8-bit Adam (16 B per element, 28 B on its f32 fallback) \
              GB/s, on one matrix and on a Llama-3-8B decoder layer (seven matrices, two norms), \
              against a device-to-device memcpy counting read + write bytes. Mean of the timed runs after one warm-up, the \

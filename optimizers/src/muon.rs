@@ -336,7 +336,8 @@ pub struct Muon {
     base_rates: (f64, f64),
     /// Unit layouts already planned, shared by clones (identical layers plan once).
     pub(crate) layouts: LayoutCache,
-    /// The host step's Newton–Schulz input `U`, kept between steps.
+    /// The step's Newton–Schulz input `U` (and on a device its workspace), kept between
+    /// steps.
     u: UBuffer,
 }
 
@@ -347,9 +348,32 @@ pub struct Muon {
 /// frees it, and so does [`Muon::release_buffers`]. Each clone has its own (thread ranks step
 /// clones at once), empty until its first step; a scratch buffer, so it takes no part in
 /// equality. Only what a step writes first is ever read (`U` on its Muon pieces), so what an
-/// earlier step left is never seen.
+/// earlier step left is never seen. A device step keeps its `U` and Newton–Schulz's buffers
+/// here the same way (`cuda::muon::DeviceWork`).
 #[derive(Default)]
-struct UBuffer(std::sync::Mutex<UWork>);
+struct UBuffer(std::sync::Mutex<Kept>);
+
+/// What a [`UBuffer`] holds: nothing, the host step's `U` or the device step's buffers.
+#[derive(Default)]
+enum Kept {
+    #[default]
+    Nothing,
+    Host(UWork),
+    #[cfg(feature = "cuda")]
+    Device(Box<crate::cuda::muon::DeviceWork>),
+}
+
+impl Kept {
+    /// Its allocation's bytes (host or device).
+    fn bytes(&self) -> usize {
+        match self {
+            Kept::Nothing => 0,
+            Kept::Host(u) => u.bytes(),
+            #[cfg(feature = "cuda")]
+            Kept::Device(w) => w.bytes(),
+        }
+    }
+}
 
 /// `U` in `f32`, or in bf16 where Newton–Schulz takes bf16 input ([`takes_bf16_input`]: bf16
 /// on the AMX products, which round their input to bf16 first; split matrices then travel
@@ -360,12 +384,6 @@ struct UBuffer(std::sync::Mutex<UWork>);
 enum UWork {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-}
-
-impl Default for UWork {
-    fn default() -> Self {
-        UWork::F32(Vec::new())
-    }
 }
 
 impl UWork {
@@ -390,23 +408,36 @@ impl UBuffer {
     /// the same time on the same `Muon` finds it empty and grows its own; a kept buffer of
     /// the other type is freed).
     fn take(&self, len: usize, in_bf16: bool) -> UWork {
-        let u = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
-        match (u, in_bf16) {
-            (UWork::F32(u), false) => UWork::F32(sized(u, len, 0.0)),
-            (UWork::Bf16(u), true) => UWork::Bf16(sized(u, len, bf16::ZERO)),
+        match (self.take_kept(), in_bf16) {
+            (Kept::Host(UWork::F32(u)), false) => UWork::F32(sized(u, len, 0.0)),
+            (Kept::Host(UWork::Bf16(u)), true) => UWork::Bf16(sized(u, len, bf16::ZERO)),
             (_, false) => UWork::F32(sized(Vec::new(), len, 0.0)),
             (_, true) => UWork::Bf16(sized(Vec::new(), len, bf16::ZERO)),
         }
     }
 
-    /// Keeps `u` for the next step.
-    fn put(&self, u: UWork) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = u;
+    /// The device step's buffers, taken out as [`UBuffer::take`] takes the host's (a kept
+    /// host buffer is freed; device buffers on another device are replaced as they are used).
+    #[cfg(feature = "cuda")]
+    fn take_device(&self) -> Box<crate::cuda::muon::DeviceWork> {
+        match self.take_kept() {
+            Kept::Device(w) => w,
+            _ => Box::default(),
+        }
+    }
+
+    fn take_kept(&self) -> Kept {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Keeps `kept` for the next step.
+    fn put(&self, kept: Kept) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = kept;
     }
 
     /// Frees the kept buffer; its bytes.
     fn release(&self) -> usize {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner())).bytes()
+        self.take_kept().bytes()
     }
 }
 
@@ -453,9 +484,10 @@ impl Muon {
     }
 
     /// Frees the Newton–Schulz input `U` this `Muon` keeps between host steps (4 bytes per
-    /// element of the last shard it stepped), e.g. while the model evaluates; the next step
-    /// allocates it afresh, paying its page faults once. Returns the bytes freed (0 when none
-    /// was kept). The step's results do not depend on it.
+    /// element of the last shard it stepped), or the device step's `U` and Newton–Schulz
+    /// workspace, e.g. while the model evaluates; the next step allocates them afresh, paying
+    /// that once. Returns the bytes freed, host or device (0 when none were kept). The step's
+    /// results do not depend on it.
     pub fn release_buffers(&self) -> usize {
         self.u.release()
     }
@@ -606,12 +638,16 @@ impl Optimizer for Muon {
                     u: self.u.take(shard.len, in_bf16),
                 };
                 let stepped = self.run_step(&mut host, &plan);
-                self.u.put(host.u);
+                self.u.put(Kept::Host(host.u));
                 stepped?;
             }
             #[cfg(feature = "cuda")]
             ViewMut::Cuda(mut params) => {
-                crate::cuda::muon::step(self, state, &mut params, grads, &plan)?;
+                let mut work = self.u.take_device();
+                let stepped =
+                    crate::cuda::muon::step(self, state, &mut params, grads, &plan, &mut work);
+                self.u.put(Kept::Device(work));
+                stepped?;
             }
             _ => return Err(ragged::storage::no_backend(OP)),
         }

@@ -27,6 +27,8 @@ use ragged_optimizers::{
     MuonConfig, MuonState, NsConfig,
 };
 
+#[path = "../../tests/common/cuda_emu.rs"]
+mod cuda_emu;
 mod harness;
 use harness::{bits, planned_shards, scatter, whole_shard_by, Rng};
 
@@ -514,6 +516,54 @@ fn newton_schulz_cuda_keeps_a_zero_matrix_zero() {
     assert!(dev.download(&d).unwrap().iter().all(|x| x.is_nan()));
 }
 
+/// One Newton–Schulz workspace kept over calls of other shapes, precisions and methods gives
+/// the bits a fresh workspace gives: no call reads what an earlier one left. The calls run
+/// largest first, each after one on a non-finite input, so the kept workspace holds
+/// NaNs and other matrices' values wherever a later call could read before writing.
+#[test]
+fn a_kept_newton_schulz_workspace_gives_the_bits_of_a_fresh_one() {
+    use ragged_optimizers::cuda::newton_schulz::{
+        orthogonalize_cuda_in, GramProduct, NsShape, NsWorkspace,
+    };
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(8);
+    let mut kept = NsWorkspace::default();
+    let shapes = [(2, 64, 96), (1, 96, 40), (3, 24, 24), (1, 16, 40)];
+    for (i, (batch, rows, cols)) in shapes.into_iter().enumerate() {
+        for (precision, method) in [
+            (NsPrecision::F32, NsMethod::Gram),
+            (NsPrecision::Bf16, NsMethod::Standard),
+            (NsPrecision::F32, NsMethod::Standard),
+            (NsPrecision::Bf16, NsMethod::Gram),
+        ] {
+            let cfg = NsConfig {
+                precision,
+                method,
+                ..Default::default()
+            };
+            let shape = NsShape::new(batch, rows, cols);
+            let run = |x: &[f32], work: &mut NsWorkspace| {
+                let mut d = dev.upload(x).unwrap();
+                let gram = GramProduct::Auto;
+                orthogonalize_cuda_in(&dev, &mut d.slice_mut(..), shape, &cfg, gram, work).unwrap();
+                dev.download(&d).unwrap()
+            };
+            let mut poison = rng.units(batch * rows * cols);
+            poison[i] = f32::NAN;
+            // Its first matrix all NaN (each matrix is normalized by its own norm).
+            let poisoned = run(&poison, &mut kept);
+            assert!(poisoned[..rows * cols].iter().all(|v| v.is_nan()));
+            let x = rng.units(batch * rows * cols);
+            let got = run(&x, &mut kept);
+            let want = run(&x, &mut NsWorkspace::default());
+            assert!(got.iter().all(|v| v.is_finite()));
+            let what = format!("{precision:?} {method:?} {batch}×{rows}×{cols}");
+            assert_eq!(bits(&got), bits(&want), "{what}");
+        }
+    }
+    assert!(kept.bytes() > 0);
+}
+
 fn muon_shard(opt: &Muon, spec: &[TensorSpec]) -> LocalShard {
     whole_shard_by(spec, &|t| opt.atomic_block(&t.name, &t.shape))
 }
@@ -760,6 +810,77 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
         "{err}"
     );
     assert_eq!(st.step, 0, "nothing modified");
+}
+
+/// After its first step a device Muon step allocates no device memory: `U`, the roots'
+/// arena, the all-to-all buffers and Newton–Schulz's workspace are kept between steps and
+/// sized before use. Counted by tools/cuda-emu's driver over two steps of three thread ranks
+/// on one GPU (split and whole matrices; `f32` and bf16, the standard and the Gram iteration):
+/// rank 0 resets the count and reads it between barriers that enclose every rank's steps.
+#[test]
+fn device_muon_steps_after_the_first_allocate_no_device_memory() {
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let Some(dev) = device() else { return };
+    for precision in [NsPrecision::F32, NsPrecision::Bf16] {
+        for method in [NsMethod::Standard, NsMethod::Gram] {
+            let ns = NsConfig {
+                precision,
+                method,
+                ..Default::default()
+            };
+            let opt = Muon::new(MuonConfig {
+                lr: 1e-2,
+                ns,
+                ..Default::default()
+            })
+            .unwrap();
+            let (spec, p0, grads) = split_case(37);
+            let shards = split_rows(&opt, &spec, 3);
+            let grown = ThreadDeviceComm::run(dev.clone(), shards.len(), |c| {
+                // Each rank its own `Muon`, as each rank of `fully_shard` has: a `Muon` keeps
+                // one step's buffers (ranks sharing one would take turns keeping theirs).
+                let opt = opt.clone();
+                let (shard, d) = (&shards[c.rank()], c.device());
+                let mut p = d.upload(&scatter(shard, &p0))?;
+                let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
+                let gs = grads
+                    .iter()
+                    .map(|g| d.upload(&scatter(shard, g)))
+                    .collect::<ragged::Result<Vec<_>>>()?;
+                let mut step = |g: &ragged::cuda::cudarc::driver::CudaSlice<f32>| {
+                    let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+                    opt.step(&mut st, shard, pv, gv, c)
+                };
+                step(&gs[0])?;
+                c.barrier()?;
+                let mut rest = || -> ragged::Result<()> {
+                    c.barrier()?;
+                    gs[1..].iter().try_for_each(&mut step)?;
+                    d.sync()?;
+                    c.barrier()
+                };
+                let grown = if c.rank() > 0 {
+                    rest().map(|()| None)
+                } else {
+                    let (out, grown) = cuda_emu::emulated_peak_growth(d.context().ordinal(), rest);
+                    out.map(|()| grown)
+                }?;
+                // What it kept is device memory that `release_buffers` frees: at least `U`.
+                let kept = opt.release_buffers();
+                assert!(
+                    kept >= 4 * shard.len,
+                    "rank {}: {kept} bytes kept",
+                    c.rank()
+                );
+                Ok(grown)
+            })
+            .unwrap();
+            match grown[0] {
+                Some(bytes) => assert_eq!(bytes, 0, "{precision:?} {method:?}: bytes allocated"),
+                None => println!("skipped the count: the driver is not cuda-emu"),
+            }
+        }
+    }
 }
 
 /// With bf16 Newton–Schulz the device step's split matrices travel to their roots and back

@@ -24,6 +24,7 @@ pub mod adam8bit;
 pub mod bench;
 pub mod muon;
 pub mod newton_schulz;
+mod scratch;
 
 use std::sync::Arc;
 

@@ -8,6 +8,11 @@
 //! roots, the same two [`Exchange`]s of copy runs around one all-to-all each), here with
 //! device-to-device copies and a [`Communicator`] that takes device buffers (NCCL's grouped
 //! send/recv, or thread ranks on one GPU).
+//!
+//! The step's device buffers (`U`, the roots' arena, the all-to-all buffers, Newton–Schulz's
+//! workspace) are a [`DeviceWork`] the [`Muon`] keeps between steps, as it keeps the host
+//! step's `U`: sized before the first kernel of a step from its plan, so a step allocates
+//! nothing once the first has run ([`Muon::release_buffers`] frees them).
 
 use std::ops::Range;
 
@@ -20,33 +25,38 @@ use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::storage::View;
 use ragged::Result;
 
-use super::newton_schulz::orthogonalize_cuda;
+use super::newton_schulz::{orthogonalize_cuda_in, GramProduct, NsNeed, NsShape, NsWorkspace};
+use super::scratch::Scratch;
 use super::{device_moments, device_view, launch_adamw, ADAMW_STEP};
 use crate::adamw::AdamRun;
 use crate::common::MomentCoeffs;
 use crate::muon::{whole_matrices, MatrixStep, Muon, MuonKernels, MuonState, StepPlan};
+use crate::newton_schulz::NsConfig;
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
 pub const MUON_MOMENTUM: &str = "muon_momentum";
 pub const MUON_APPLY: &str = "muon_apply";
 
-/// Muon's step on device memory ([`Muon::run_step`] over [`DeviceMuon`]); the caller checked
-/// the shard and built `plan`.
+/// Muon's step on device memory ([`Muon::run_step`] over [`DeviceMuon`]) in `work`; the
+/// caller checked the shard and built `plan`.
 pub(crate) fn step(
     muon: &Muon,
     state: &mut MuonState,
     params: &mut CudaViewMut<'_, f32>,
     grads: View<'_, f32>,
     plan: &StepPlan<'_>,
+    work: &mut DeviceWork,
 ) -> Result<()> {
     let grads = device_view(OP, grads)?;
     let (dev, m, v) = device_moments(OP, &mut state.m, &mut state.v)?;
+    let DeviceWork { u, roots } = work;
     let mut device = DeviceMuon {
         adamw: dev.function(&ADAMW, ADAMW_STEP)?,
         momentum: dev.function(&MUON, MUON_MOMENTUM)?,
         apply: dev.function(&MUON, MUON_APPLY)?,
-        u: dev.zeros::<f32>(plan.shard.len)?,
+        u: u.view_mut(&dev, plan.shard.len)?,
+        work: roots,
         dev: &dev,
         params,
         grads: &grads,
@@ -56,8 +66,60 @@ pub(crate) fn step(
     muon.run_step(&mut device, plan)
 }
 
+/// The device buffers of a Muon step, kept between steps by the [`Muon`] that ran it (module
+/// doc): `U` (4 bytes per element of the local shard) and what Newton–Schulz works in.
+#[derive(Default)]
+pub(crate) struct DeviceWork {
+    u: Scratch<f32>,
+    roots: OrthoWork,
+}
+
+impl DeviceWork {
+    /// The device bytes it holds.
+    pub(crate) fn bytes(&self) -> usize {
+        let (r, w) = (&self.roots, &self.roots.wire);
+        let wire = w.send.bytes() + w.recv.bytes() + w.send16.bytes() + w.recv16.bytes();
+        self.u.bytes() + r.arena.bytes() + wire + r.ns.bytes()
+    }
+}
+
+/// Newton–Schulz's buffers: the arena of the matrices rooted here, the all-to-all buffers
+/// that carry split matrices to their roots and back, and the workspace of the calls.
+#[derive(Default)]
+struct OrthoWork {
+    arena: Scratch<f32>,
+    wire: Wire,
+    ns: NsWorkspace,
+}
+
+/// An [`Exchange`]'s buffers: runs are packed into `send` and unpacked from `recv`; on a
+/// bf16 wire the all-to-all moves `send16` and `recv16` (the `f32` buffers rounded).
+#[derive(Default)]
+struct Wire {
+    send: Scratch<f32>,
+    recv: Scratch<f32>,
+    send16: Scratch<bf16>,
+    recv16: Scratch<bf16>,
+    bf16: bool,
+}
+
+impl Wire {
+    /// Room for each of `exchanges` (declared before the first runs).
+    fn reserve(&mut self, dev: &Device, exchanges: [&Exchange; 2]) -> Result<()> {
+        let send = exchanges.iter().map(|e| e.send_len()).max().unwrap_or(0);
+        let recv = exchanges.iter().map(|e| e.recv_len()).max().unwrap_or(0);
+        self.send.reserve(dev, send)?;
+        self.recv.reserve(dev, recv)?;
+        if self.bf16 {
+            self.send16.reserve(dev, send)?;
+            self.recv16.reserve(dev, recv)?;
+        }
+        Ok(())
+    }
+}
+
 /// [`MuonKernels`] on device memory: the kernels of `kernels/muon.cu` and `kernels/adamw.cu`,
-/// Newton–Schulz on cuBLAS, `U` in device memory.
+/// Newton–Schulz on cuBLAS, `U` and the workspace in device memory kept between steps.
 struct DeviceMuon<'a, 'p, 'g> {
     dev: &'a Device,
     adamw: CudaFunction,
@@ -67,7 +129,8 @@ struct DeviceMuon<'a, 'p, 'g> {
     grads: &'a CudaView<'g, f32>,
     m: &'a mut CudaSlice<f32>,
     v: &'a mut CudaSlice<f32>,
-    u: CudaSlice<f32>,
+    u: CudaViewMut<'a, f32>,
+    work: &'a mut OrthoWork,
 }
 
 const OP: &str = "Muon::step_cuda";
@@ -116,43 +179,66 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
 
     fn orthogonalize(&mut self, muon: &Muon, plan: &StepPlan<'_>) -> Result<()> {
         let (dev, shard) = (self.dev, plan.shard);
-        let arena_len = plan.routes.map_or(0, |r| r.arena_len()).max(1);
-        let mut arena = dev.zeros::<f32>(arena_len)?;
-        // As on the host: split matrices travel in bf16 when Newton–Schulz runs in bf16.
-        let bf16_wire = muon.route_elem_bytes() == 2;
-        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
-            exchange(&r.gather_exchange(), dev, &self.u, &mut arena, c, bf16_wire)?;
-        }
-        for piece in &shard.pieces {
-            let Some(step) = muon.matrix_step(&shard.params[piece.param]) else {
-                continue;
-            };
-            let mn = step.rows * step.cols;
-            let Some(whole) = whole_matrices(piece, mn) else {
-                continue;
-            };
-            let batch = whole.len() / mn;
-            let mut x = self.u.slice_mut(whole);
-            orthogonalize_cuda(dev, &mut x, batch, step.rows, step.cols, step.ns)?;
-        }
-        if let (Some(r), Some(c)) = (plan.routes, plan.comm) {
-            let mut at = 0;
-            for (&n, k) in r.sizes().iter().zip(plan.roots.rooted_here(shard.rank)) {
-                let job = &plan.roots.jobs[k];
-                let mut x = arena.slice_mut(at..at + n);
-                orthogonalize_cuda(dev, &mut x, 1, job.rows, job.cols, &muon.config().ns)?;
-                at += n;
-            }
+        let ns_cfg = &muon.config().ns;
+        // Every call of this step, and the workspace they all fit in, before the first.
+        let whole: Vec<(Range<usize>, NsShape, &NsConfig)> = shard
+            .pieces
+            .iter()
+            .filter_map(|piece| {
+                let step = muon.matrix_step(&shard.params[piece.param])?;
+                let (rows, cols) = (step.rows, step.cols);
+                let range = whole_matrices(piece, rows * cols)?;
+                let batch = range.len() / (rows * cols);
+                Some((range, NsShape::new(batch, rows, cols), step.ns))
+            })
+            .collect();
+        let rooted: Vec<NsShape> = plan
+            .roots
+            .rooted_here(shard.rank)
+            .map(|k| NsShape::new(1, plan.roots.jobs[k].rows, plan.roots.jobs[k].cols))
+            .collect();
+        let need = whole
+            .iter()
+            .map(|&(_, shape, cfg)| NsNeed::of(shape, cfg))
+            .chain(rooted.iter().map(|&shape| NsNeed::of(shape, ns_cfg)))
+            .fold(NsNeed::default(), NsNeed::max);
+        let work = &mut *self.work;
+        work.ns.reserve(dev, need)?;
+        let routes = match (plan.routes, plan.comm) {
+            (Some(r), Some(c)) => Some((r, c, r.gather_exchange(), r.scatter_exchange())),
+            _ => None,
+        };
+        let mut arena = work
+            .arena
+            .view_mut(dev, routes.as_ref().map_or(0, |r| r.0.arena_len()))?;
+        if let Some((_, c, gather, scatter)) = &routes {
+            // As on the host: split matrices travel in bf16 when Newton–Schulz runs in bf16.
+            work.wire.bf16 = muon.route_elem_bytes() == 2;
+            work.wire.reserve(dev, [gather, scatter])?;
             exchange(
-                &r.scatter_exchange(),
+                gather,
                 dev,
-                &arena,
-                &mut self.u,
-                c,
-                bf16_wire,
+                &self.u.as_view(),
+                &mut arena,
+                *c,
+                &mut work.wire,
             )?;
         }
-        Ok(())
+        for (range, shape, cfg) in whole {
+            let mut x = self.u.slice_mut(range);
+            orthogonalize_cuda_in(dev, &mut x, shape, cfg, GramProduct::Auto, &mut work.ns)?;
+        }
+        let Some((r, c, _, scatter)) = routes else {
+            return Ok(());
+        };
+        let mut at = 0;
+        for (&n, shape) in r.sizes().iter().zip(rooted) {
+            let mut x = arena.slice_mut(at..at + n);
+            orthogonalize_cuda_in(dev, &mut x, shape, ns_cfg, GramProduct::Auto, &mut work.ns)?;
+            at += n;
+        }
+        let from = arena.as_view();
+        exchange(&scatter, dev, &from, &mut self.u, c, &mut work.wire)
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
@@ -178,54 +264,54 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
     }
 }
 
-/// One [`Exchange`] on device buffers: pack `from`'s runs into a send buffer, all-to-all,
+/// One [`Exchange`] on device buffers: pack `from`'s runs into the send buffer, all-to-all,
 /// unpack into `to`, and copy the own runs from `from` to `to` (device-to-device copies).
 fn exchange(
     ex: &Exchange,
     dev: &Device,
-    from: &CudaSlice<f32>,
-    to: &mut CudaSlice<f32>,
+    from: &CudaView<'_, f32>,
+    to: &mut CudaViewMut<'_, f32>,
     comm: &dyn Communicator,
-    bf16_wire: bool,
+    wire: &mut Wire,
 ) -> Result<()> {
     let (ns, nr) = (ex.send_len(), ex.recv_len());
-    let mut send = dev.zeros::<f32>(ns.max(1))?;
+    let mut send = wire.send.view_mut(dev, ns)?;
     copy_runs(dev, &ex.pack, from, &mut send)?;
-    let mut recv = dev.zeros::<f32>(nr.max(1))?;
-    if bf16_wire {
+    let mut recv = wire.recv.view_mut(dev, nr)?;
+    if wire.bf16 {
         // The send buffer rounded to bf16 (nearest, ties to even: the host's rounding),
         // exchanged, widened back.
-        let (mut send16, mut recv16) =
-            (dev.zeros::<bf16>(ns.max(1))?, dev.zeros::<bf16>(nr.max(1))?);
+        let mut send16 = wire.send16.view_mut(dev, ns)?;
+        let mut recv16 = wire.recv16.view_mut(dev, nr)?;
         if ns > 0 {
-            f32_to_bf16(dev, &send.slice(..ns), &mut send16.slice_mut(..ns))?;
+            f32_to_bf16(dev, &send.as_view(), &mut send16)?;
         }
         comm.all_to_all_v(
-            send16.slice(..ns).into(),
+            send16.as_view().into(),
             &ex.send_counts,
-            recv16.slice_mut(..nr).into(),
+            recv16.slice_mut(..).into(),
             &ex.recv_counts,
         )?;
         if nr > 0 {
-            bf16_to_f32(dev, &recv16.slice(..nr), &mut recv.slice_mut(..nr))?;
+            bf16_to_f32(dev, &recv16.as_view(), &mut recv)?;
         }
     } else {
         comm.all_to_all_v(
-            send.slice(..ns).into(),
+            send.as_view().into(),
             &ex.send_counts,
-            recv.slice_mut(..nr).into(),
+            recv.slice_mut(..).into(),
             &ex.recv_counts,
         )?;
     }
-    copy_runs(dev, &ex.unpack, &recv, to)?;
+    copy_runs(dev, &ex.unpack, &recv.as_view(), to)?;
     copy_runs(dev, &ex.own, from, to)
 }
 
 fn copy_runs(
     dev: &Device,
     runs: &[crate::roots::Run],
-    from: &CudaSlice<f32>,
-    to: &mut CudaSlice<f32>,
+    from: &CudaView<'_, f32>,
+    to: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     for r in runs {
         // cudarc asserts on out-of-range views: check first.

@@ -46,13 +46,13 @@
 
 use ragged::cuda::cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use ragged::cuda::cudarc::driver::{
-    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
+use super::scratch::Scratch;
 use crate::newton_schulz::{iterate_with, resolve_method, NsConfig, NsMethod, NsOps, NsPrecision};
 
 /// Entry points of `kernels/newton_schulz.cu`.
@@ -155,9 +155,9 @@ fn gemm<T>(
     prec: NsPrecision,
     batch: i32,
     args: &GemmArgs,
-    first: &CudaSlice<T>,
-    second: &CudaSlice<T>,
-    c: &mut CudaSlice<T>,
+    first: &impl DevicePtr<T>,
+    second: &impl DevicePtr<T>,
+    c: &mut impl DevicePtrMut<T>,
     (alpha, beta): (f32, f32),
 ) -> Result<()> {
     use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
@@ -224,7 +224,8 @@ impl GramProduct {
 }
 
 /// Orthogonalizes the `batch` row-major `rows × cols` matrices stored back to back in `x`, in
-/// place (the module table), with [`GramProduct::Auto`]. Queued on the device's stream.
+/// place (the module table), with [`GramProduct::Auto`]. Queued on the device's stream; the
+/// workspace is allocated for this call ([`orthogonalize_cuda_in`] keeps one).
 pub fn orthogonalize_cuda(
     dev: &Device,
     x: &mut CudaViewMut<'_, f32>,
@@ -246,8 +247,113 @@ pub fn orthogonalize_cuda_with(
     cfg: &NsConfig,
     gram: GramProduct,
 ) -> Result<()> {
+    let shape = NsShape::new(batch, rows, cols);
+    orthogonalize_cuda_in(dev, x, shape, cfg, gram, &mut NsWorkspace::default())
+}
+
+/// `batch` row-major `rows × cols` matrices stored back to back: one Newton–Schulz call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NsShape {
+    pub batch: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl NsShape {
+    pub fn new(batch: usize, rows: usize, cols: usize) -> Self {
+        NsShape { batch, rows, cols }
+    }
+}
+
+/// The device memory one Newton–Schulz call works in, in elements of each type it stores:
+/// `f32` (`X` normalized; in `f32` also `Y` and the `s × s` products), bf16 bits (in bf16:
+/// `X`, `Y` and the products) and the `f64` partial sums of the norm. Declared before use: a
+/// caller that reserves the largest need of a step ([`NsWorkspace::reserve`]) allocates
+/// nothing during it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NsNeed {
+    pub f32: usize,
+    pub bf16: usize,
+    pub f64: usize,
+}
+
+impl NsNeed {
+    /// What [`orthogonalize_cuda_in`] takes for `shape` under `cfg`: the products of `s × s`
+    /// (`s` the short side) are two for the standard iteration, four for Gram's.
+    pub fn of(shape: NsShape, cfg: &NsConfig) -> NsNeed {
+        let NsShape { batch, rows, cols } = shape;
+        let (s, l) = (rows.min(cols), rows.max(cols));
+        let stack = batch * rows * cols;
+        let squares = batch * s * s * if iterates_gram(cfg, s, l) { 4 } else { 2 };
+        let iteration = 2 * stack + squares;
+        let f64 = batch * SUMSQ_BLOCKS as usize;
+        match cfg.precision {
+            // `X` is the normalized stack itself.
+            NsPrecision::F32 => NsNeed {
+                f32: iteration,
+                bf16: 0,
+                f64,
+            },
+            NsPrecision::Bf16 => NsNeed {
+                f32: stack,
+                bf16: iteration,
+                f64,
+            },
+        }
+    }
+
+    /// The larger of each count: a workspace for both calls.
+    pub fn max(self, other: NsNeed) -> NsNeed {
+        NsNeed {
+            f32: self.f32.max(other.f32),
+            bf16: self.bf16.max(other.bf16),
+            f64: self.f64.max(other.f64),
+        }
+    }
+}
+
+/// Newton–Schulz's device workspace ([`NsNeed`]), kept by the caller between calls: it grows
+/// to the largest need it meets and is reused after that.
+#[derive(Default)]
+pub struct NsWorkspace {
+    f32: Scratch<f32>,
+    bf16: Scratch<u16>,
+    f64: Scratch<f64>,
+}
+
+impl NsWorkspace {
+    /// At least `need` on `dev` from now on.
+    pub fn reserve(&mut self, dev: &Device, need: NsNeed) -> Result<()> {
+        self.f32.reserve(dev, need.f32)?;
+        self.bf16.reserve(dev, need.bf16)?;
+        self.f64.reserve(dev, need.f64)
+    }
+
+    /// The device bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.f32.bytes() + self.bf16.bytes() + self.f64.bytes()
+    }
+}
+
+/// Whether step 3 runs Gram Newton–Schulz on short side `s`, long side `l`: the method `cfg`
+/// gives this shape on the CPU (and in `ns_macs`); `Auto` is Gram where it pays, unless `cfg`
+/// names the CPU's reference loops.
+fn iterates_gram(cfg: &NsConfig, s: usize, l: usize) -> bool {
+    resolve_method(cfg, cfg.backend, s, l) == NsMethod::Gram
+}
+
+/// [`orthogonalize_cuda_with`] in `work` (grown to [`NsNeed::of`] this call where smaller).
+pub fn orthogonalize_cuda_in(
+    dev: &Device,
+    x: &mut CudaViewMut<'_, f32>,
+    shape: NsShape,
+    cfg: &NsConfig,
+    gram: GramProduct,
+    work: &mut NsWorkspace,
+) -> Result<()> {
     const OP: &str = "orthogonalize_cuda";
     cfg.validate()?;
+    let NsShape { batch, rows, cols } = shape;
     let prec = cfg.precision;
     let mn = rows * cols;
     if x.len() != batch * mn {
@@ -283,9 +389,14 @@ pub fn orthogonalize_cuda_with(
             ),
         });
     }
+    let need = NsNeed::of(shape, cfg);
+    let stack = batch * mn;
+    let mut f32s = work.f32.view_mut(dev, need.f32)?;
+    let mut bf16s = work.bf16.view_mut(dev, need.bf16)?;
+    let mut partial = work.f64.view_mut(dev, need.f64)?;
+    let (mut xw, mut rest) = f32s.split_at_mut(stack);
 
     // Step 1 into the working buffer.
-    let mut xw = dev.zeros::<f32>(batch * mn)?;
     if transposed {
         transpose(dev, &*x, &mut xw, batch, rows, cols)?;
     } else {
@@ -294,59 +405,38 @@ pub fn orthogonalize_cuda_with(
 
     // bf16: the input is rounded to bf16 first (the norm is taken of the rounded values).
     if prec == NsPrecision::Bf16 {
-        let mut xb = dev.zeros::<u16>(batch * mn)?;
-        f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
-        bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
+        let mut xb = bf16s.slice_mut(..stack);
+        f32_to_bf16(dev, &xw.as_view(), &mut xb)?;
+        bf16_to_f32(dev, &xb.as_view(), &mut xw)?;
     }
 
     // Step 2.
-    let mut partial = dev.zeros::<f64>(batch * SUMSQ_BLOCKS as usize)?;
-    let len = count(mn);
-    let by = batch as u32; // checked against GRID_YZ_MAX before step 1
-    let f = dev.function(&NEWTON_SCHULZ, NS_SUMSQ_PARTIAL)?;
-    let cfg2 = LaunchConfig {
-        grid_dim: (SUMSQ_BLOCKS, by, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: block (x, m) reads a stride of matrix m's `len` elements of `xw` (`batch`
-    // matrices) and writes slot `m·SUMSQ_BLOCKS + x` of `partial`, which has them all.
-    guarded(OP, || unsafe {
-        stream
-            .launch_builder(&f)
-            .arg(&xw)
-            .arg(&len)
-            .arg(&mut partial)
-            .launch(cfg2)
-    })?;
-    let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
-    let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
-    // SAFETY: matrix m's threads scale its `len` elements of `xw` in place, reading its
-    // `nparts` partial sums, both inside their buffers.
-    guarded(OP, || unsafe {
-        stream
-            .launch_builder(&f)
-            .arg(&mut xw)
-            .arg(&len)
-            .arg(&partial)
-            .arg(&nparts)
-            .arg(&scale)
-            .arg(&eps)
-            .launch(per_matrix(mn, batch))
-    })?;
+    normalize(dev, &mut xw, &mut partial, (batch, mn), cfg)?;
 
-    // Step 3, by the method `cfg` gives this shape on the CPU (and in `ns_macs`): `Auto` is
-    // Gram where it pays, unless `cfg` names the CPU's reference loops.
+    // Step 3, by the method `cfg` gives this shape on the CPU.
     let blas = dev.blas()?;
-    let gram = resolve_method(cfg, cfg.backend, s, l) == NsMethod::Gram;
+    let gram = iterates_gram(cfg, s, l);
     let dims = (bi, si, li);
+    let squares = batch * s * s;
     match prec {
-        NsPrecision::F32 => iterate::<f32>(&blas, dev, prec, &mut xw, dims, cfg, syrk, gram)?,
+        NsPrecision::F32 => {
+            let (y, products) = rest.split_at_mut(stack);
+            let work = Iteration {
+                y,
+                squares: products.chunks_exact_mut(squares).collect(),
+            };
+            iterate::<f32>(&blas, dev, prec, &mut xw, work, dims, cfg, syrk, gram)?;
+        }
         NsPrecision::Bf16 => {
-            let mut xb = dev.zeros::<u16>(batch * mn)?;
-            f32_to_bf16(dev, &xw.slice(..), &mut xb.slice_mut(..))?;
-            iterate::<u16>(&blas, dev, prec, &mut xb, dims, cfg, syrk, gram)?;
-            bf16_to_f32(dev, &xb.slice(..), &mut xw.slice_mut(..))?;
+            let (mut xb, mut rest16) = bf16s.split_at_mut(stack);
+            let (y, products) = rest16.split_at_mut(stack);
+            f32_to_bf16(dev, &xw.as_view(), &mut xb)?;
+            let work = Iteration {
+                y,
+                squares: products.chunks_exact_mut(squares).collect(),
+            };
+            iterate::<u16>(&blas, dev, prec, &mut xb, work, dims, cfg, syrk, gram)?;
+            bf16_to_f32(dev, &xb.as_view(), &mut xw)?;
         }
     }
 
@@ -358,6 +448,60 @@ pub fn orthogonalize_cuda_with(
     }
 }
 
+/// Step 2 on the stack `xw` (`batch` matrices of `mn` elements): `X ← X / max(s·‖X‖_F, eps)`,
+/// the squares summed in `f64` by `SUMSQ_BLOCKS` blocks per matrix into `partial`.
+fn normalize(
+    dev: &Device,
+    xw: &mut CudaViewMut<'_, f32>,
+    partial: &mut CudaViewMut<'_, f64>,
+    (batch, mn): (usize, usize),
+    cfg: &NsConfig,
+) -> Result<()> {
+    const OP: &str = "orthogonalize_cuda";
+    let stream = dev.stream();
+    let len = count(mn);
+    let by = batch as u32; // checked against GRID_YZ_MAX by the caller
+    let f = dev.function(&NEWTON_SCHULZ, NS_SUMSQ_PARTIAL)?;
+    let cfg2 = LaunchConfig {
+        grid_dim: (SUMSQ_BLOCKS, by, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: block (x, m) reads a stride of matrix m's `len` elements of `xw` (`batch`
+    // matrices) and writes slot `m·SUMSQ_BLOCKS + x` of `partial`, which has them all.
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut *xw)
+            .arg(&len)
+            .arg(&mut *partial)
+            .launch(cfg2)
+    })?;
+    let f = dev.function(&NEWTON_SCHULZ, NS_NORMALIZE)?;
+    let (nparts, eps, scale) = (SUMSQ_BLOCKS, cfg.eps, cfg.norm_scale);
+    // SAFETY: matrix m's threads scale its `len` elements of `xw` in place, reading its
+    // `nparts` partial sums, both inside their buffers.
+    guarded(OP, || unsafe {
+        stream
+            .launch_builder(&f)
+            .arg(&mut *xw)
+            .arg(&len)
+            .arg(&mut *partial)
+            .arg(&nparts)
+            .arg(&scale)
+            .arg(&eps)
+            .launch(per_matrix(mn, batch))
+    })
+    .map(drop)
+}
+
+/// The buffers step 3 works in beside `X`: `Y` (as long as `X`) and the `s × s` products
+/// (two for the standard iteration, four for Gram's), each `batch` matrices.
+struct Iteration<'w, T> {
+    y: CudaViewMut<'w, T>,
+    squares: Vec<CudaViewMut<'w, T>>,
+}
+
 /// An element type the iteration stores (`f32`, or the `u16` bits of bf16): how it forms the
 /// two symmetric products on syrk (module doc) and adds a scalar to diagonals.
 trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
@@ -365,8 +509,8 @@ trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
     fn gram_syrk(
         blas: &CudaBlas,
         dev: &Device,
-        x: &CudaSlice<Self>,
-        p: &mut CudaSlice<Self>,
+        x: &CudaViewMut<'_, Self>,
+        p: &mut CudaViewMut<'_, Self>,
         dims: (usize, usize, usize),
     ) -> Result<()>;
 
@@ -375,8 +519,8 @@ trait NsElem: DeviceRepr + ValidAsZeroBits + Sized {
     fn square_syrk(
         blas: &CudaBlas,
         dev: &Device,
-        p: &CudaSlice<Self>,
-        q: &mut CudaSlice<Self>,
+        p: &CudaViewMut<'_, Self>,
+        q: &mut CudaViewMut<'_, Self>,
         dims: (usize, usize),
         bc: (f32, f32),
     ) -> Result<()>;
@@ -391,8 +535,8 @@ impl NsElem for f32 {
     fn gram_syrk(
         blas: &CudaBlas,
         dev: &Device,
-        x: &CudaSlice<f32>,
-        p: &mut CudaSlice<f32>,
+        x: &CudaViewMut<'_, f32>,
+        p: &mut CudaViewMut<'_, f32>,
         (batch, s, l): (usize, usize, usize),
     ) -> Result<()> {
         // X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
@@ -403,8 +547,8 @@ impl NsElem for f32 {
     fn square_syrk(
         blas: &CudaBlas,
         dev: &Device,
-        p: &CudaSlice<f32>,
-        q: &mut CudaSlice<f32>,
+        p: &CudaViewMut<'_, f32>,
+        q: &mut CudaViewMut<'_, f32>,
         (batch, s): (usize, usize),
         (b, c): (f32, f32),
     ) -> Result<()> {
@@ -419,8 +563,8 @@ impl NsElem for u16 {
     fn gram_syrk(
         _: &CudaBlas,
         _: &Device,
-        _: &CudaSlice<u16>,
-        _: &mut CudaSlice<u16>,
+        _: &CudaViewMut<'_, u16>,
+        _: &mut CudaViewMut<'_, u16>,
         _: (usize, usize, usize),
     ) -> Result<()> {
         Err(no_bf16_syrk())
@@ -429,8 +573,8 @@ impl NsElem for u16 {
     fn square_syrk(
         _: &CudaBlas,
         _: &Device,
-        _: &CudaSlice<u16>,
-        _: &mut CudaSlice<u16>,
+        _: &CudaViewMut<'_, u16>,
+        _: &mut CudaViewMut<'_, u16>,
         _: (usize, usize),
         _: (f32, f32),
     ) -> Result<()> {
@@ -446,21 +590,23 @@ fn no_bf16_syrk() -> Error {
     }
 }
 
-/// Step 3 on the normalized stack `x` (in place; `dims` = batch, s, l), as Gram Newton–Schulz
-/// when `gram`; the symmetric products `X·Xᵀ` and `b·P + c·P·P` on syrk when `syrk`.
+/// Step 3 on the normalized stack `x` (in place; `dims` = batch, s, l) in `work`, as Gram
+/// Newton–Schulz when `gram`; the symmetric products `X·Xᵀ` and `b·P + c·P·P` on syrk when
+/// `syrk`. On return `x` is the view that holds the result (`X` and `Y` are swapped, not
+/// copied).
 #[allow(clippy::too_many_arguments)]
-fn iterate<T: NsElem>(
+fn iterate<'w, T: NsElem>(
     blas: &CudaBlas,
     dev: &Device,
     prec: NsPrecision,
-    x: &mut CudaSlice<T>,
+    x: &mut CudaViewMut<'w, T>,
+    work: Iteration<'w, T>,
     (batch, s, l): (i32, i32, i32),
     cfg: &NsConfig,
     syrk: bool,
     gram: bool,
 ) -> Result<()> {
-    let (su, lu, bu) = (s as usize, l as usize, batch as usize);
-    let mut y = dev.zeros::<T>(bu * su * lu)?;
+    let Iteration { mut y, squares } = work;
     let ops = DeviceOps {
         blas,
         dev,
@@ -471,7 +617,13 @@ fn iterate<T: NsElem>(
         syrk,
         elem: std::marker::PhantomData,
     };
-    iterate_with(&ops, cfg, gram, x, &mut y, || dev.zeros::<T>(bu * su * su))?;
+    let mut squares = squares.into_iter();
+    iterate_with(&ops, cfg, gram, x, &mut y, || {
+        squares.next().ok_or_else(|| Error::Cuda {
+            op: "orthogonalize_cuda",
+            reason: "workspace sized for fewer products than the iteration takes".into(),
+        })
+    })?;
     std::mem::swap(x, &mut y);
     Ok(())
 }
@@ -479,7 +631,7 @@ fn iterate<T: NsElem>(
 /// Newton–Schulz's products ([`NsOps`]) on a stack of `batch` matrices, each one
 /// strided-batched GEMM (`X·Xᵀ` and `b·P + c·P·P` on syrk when `syrk`), a scalar added to
 /// diagonals by `ns_add_diagonal_*`: the CPU's iterations up to summation order.
-struct DeviceOps<'a, T> {
+struct DeviceOps<'a, 'w, T> {
     blas: &'a CudaBlas,
     dev: &'a Device,
     prec: NsPrecision,
@@ -487,17 +639,20 @@ struct DeviceOps<'a, T> {
     s: i32,
     l: i32,
     syrk: bool,
-    elem: std::marker::PhantomData<T>,
+    elem: std::marker::PhantomData<CudaViewMut<'w, T>>,
 }
 
-impl<T: NsElem> DeviceOps<'_, T> {
+/// A buffer of the iteration: a view of the workspace.
+type View<'w, T> = CudaViewMut<'w, T>;
+
+impl<'w, T: NsElem> DeviceOps<'_, 'w, T> {
     /// `c ← α·(row-major a·b) + β·c`, `a: m×k`, `b: k×n` (cuBLAS sees the transpose).
     fn product(
         &self,
         (m, n, k): (i32, i32, i32),
-        a: &CudaSlice<T>,
-        b: &CudaSlice<T>,
-        c: &mut CudaSlice<T>,
+        a: &View<'w, T>,
+        b: &View<'w, T>,
+        c: &mut View<'w, T>,
         ab: (f32, f32),
     ) -> Result<()> {
         let args = GemmArgs::row_major(m, n, k);
@@ -506,16 +661,16 @@ impl<T: NsElem> DeviceOps<'_, T> {
         )
     }
 
-    fn copy(&self, from: &CudaSlice<T>, to: &mut CudaSlice<T>) -> Result<()> {
+    fn copy(&self, from: &View<'w, T>, to: &mut View<'w, T>) -> Result<()> {
         guarded("newton_schulz copy", || {
             self.dev.stream().memcpy_dtod(from, to)
         })
     }
 }
 
-impl<T: NsElem> NsOps for DeviceOps<'_, T> {
-    type Buf = CudaSlice<T>;
-    fn gram(&self, x: &CudaSlice<T>, p: &mut CudaSlice<T>) -> Result<()> {
+impl<'w, T: NsElem> NsOps for DeviceOps<'_, 'w, T> {
+    type Buf = View<'w, T>;
+    fn gram(&self, x: &View<'w, T>, p: &mut View<'w, T>) -> Result<()> {
         let (batch, s, l) = (self.batch as usize, self.s as usize, self.l as usize);
         if self.syrk {
             return T::gram_syrk(self.blas, self.dev, x, p, (batch, s, l));
@@ -534,7 +689,7 @@ impl<T: NsElem> NsOps for DeviceOps<'_, T> {
             (1.0, 0.0),
         )
     }
-    fn poly(&self, p: &CudaSlice<T>, b: f32, c: f32, q: &mut CudaSlice<T>) -> Result<()> {
+    fn poly(&self, p: &View<'w, T>, b: f32, c: f32, q: &mut View<'w, T>) -> Result<()> {
         self.copy(p, q)?;
         if self.syrk {
             let dims = (self.batch as usize, self.s as usize);
@@ -542,7 +697,7 @@ impl<T: NsElem> NsOps for DeviceOps<'_, T> {
         }
         self.product((self.s, self.s, self.s), p, p, q, (c, b))
     }
-    fn add_diagonal(&self, q: &mut CudaSlice<T>, a: f32) -> Result<()> {
+    fn add_diagonal(&self, q: &mut View<'w, T>, a: f32) -> Result<()> {
         add_diagonal(
             self.dev,
             T::ADD_DIAGONAL,
@@ -552,20 +707,15 @@ impl<T: NsElem> NsOps for DeviceOps<'_, T> {
             a,
         )
     }
-    fn sym_product(
-        &self,
-        u: &CudaSlice<T>,
-        v: &CudaSlice<T>,
-        out: &mut CudaSlice<T>,
-    ) -> Result<()> {
+    fn sym_product(&self, u: &View<'w, T>, v: &View<'w, T>, out: &mut View<'w, T>) -> Result<()> {
         self.product((self.s, self.s, self.s), u, v, out, (1.0, 0.0))
     }
     fn apply(
         &self,
-        m: &CudaSlice<T>,
-        x: &CudaSlice<T>,
+        m: &View<'w, T>,
+        x: &View<'w, T>,
         a: Option<f32>,
-        y: &mut CudaSlice<T>,
+        y: &mut View<'w, T>,
     ) -> Result<()> {
         if a.is_some() {
             self.copy(x, y)?;
@@ -579,7 +729,7 @@ impl<T: NsElem> NsOps for DeviceOps<'_, T> {
 fn add_diagonal<T: DeviceRepr>(
     dev: &Device,
     kernel: &str,
-    q: &mut CudaSlice<T>,
+    q: &mut CudaViewMut<'_, T>,
     batch: usize,
     n: usize,
     a: f32,
@@ -618,8 +768,8 @@ fn per_matrix(len: usize, batch: usize) -> LaunchConfig {
 fn syrk_each(
     blas: &CudaBlas,
     dev: &Device,
-    a: &CudaSlice<f32>,
-    c: &mut CudaSlice<f32>,
+    a: &CudaViewMut<'_, f32>,
+    c: &mut CudaViewMut<'_, f32>,
     (n, k): (usize, usize),
     trans: bool,
     (alpha, beta): (f32, f32),
@@ -659,7 +809,7 @@ fn syrk_each(
 }
 
 /// `ns_symmetrize_lower` on `batch` column-major `n × n` matrices.
-fn symmetrize(dev: &Device, c: &mut CudaSlice<f32>, batch: usize, n: usize) -> Result<()> {
+fn symmetrize(dev: &Device, c: &mut CudaViewMut<'_, f32>, batch: usize, n: usize) -> Result<()> {
     const OP: &str = "newton_schulz symmetrize";
     let f = dev.function(&NEWTON_SCHULZ, NS_SYMMETRIZE_LOWER)?;
     let nu = n as u32;

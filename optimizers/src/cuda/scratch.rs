@@ -1,0 +1,53 @@
+//! Device buffers kept between steps: a step's workspace is declared before use (its
+//! lengths computed from the plan and the shapes before the first kernel runs), and once it
+//! has grown to a step's needs the next steps allocate nothing.
+//!
+//! Why keep them: a fresh `cuMemAllocAsync` per buffer per step comes from the stream's memory
+//! pool, which by default hands memory back to the driver at every synchronization (release
+//! threshold 0), so each step would map its workspace afresh; and a workspace that appears
+//! for one call and vanishes makes the device's peak depend on which call is running.
+
+use std::sync::Arc;
+
+use ragged::cuda::cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use ragged::cuda::Device;
+use ragged::Result;
+
+/// One device buffer that grows to the longest length reserved of it and never shrinks; on
+/// one device (a reservation on another device frees it and allocates there).
+pub(crate) struct Scratch<T>(Option<CudaSlice<T>>);
+
+impl<T> Default for Scratch<T> {
+    fn default() -> Self {
+        Scratch(None)
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Scratch<T> {
+    /// Its first `len` elements on `dev`: allocated (zeroed) only when it must grow or the
+    /// device changed, the old buffer freed first. What an earlier use left there is still
+    /// there: callers write before they read.
+    pub(crate) fn view_mut(&mut self, dev: &Device, len: usize) -> Result<CudaViewMut<'_, T>> {
+        let kept = self
+            .0
+            .take()
+            .filter(|b| b.len() >= len && Arc::ptr_eq(b.stream(), dev.stream()));
+        let buf = match kept {
+            Some(b) => self.0.insert(b),
+            None => self.0.insert(dev.zeros::<T>(len)?),
+        };
+        Ok(buf.slice_mut(..len))
+    }
+
+    /// At least `len` elements on `dev` from now on ([`Scratch::view_mut`]).
+    pub(crate) fn reserve(&mut self, dev: &Device, len: usize) -> Result<()> {
+        self.view_mut(dev, len).map(drop)
+    }
+
+    /// The bytes it holds.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0
+            .as_ref()
+            .map_or(0, |b| b.len() * std::mem::size_of::<T>())
+    }
+}
