@@ -90,7 +90,7 @@ use crate::common::{
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{
     ns_macs, orthogonalize, orthogonalize_many, orthogonalize_many_bf16, resolve_config,
-    takes_bf16_input, NsConfig,
+    takes_bf16_input, NsConfig, NsShape,
 };
 use crate::roots::{RootPlan, RouteElem, Routes};
 
@@ -887,10 +887,46 @@ impl Muon {
         })
     }
 
-    /// Newton–Schulz's matrices on this rank, `(data, rows, cols)`: the whole matrices inside
-    /// its pieces (in place in `u`) and the split ones gathered to it (the arena, matrices of
-    /// `sizes` back to back). They are independent, so running them in parallel changes no
-    /// bit.
+    /// Newton–Schulz's calls on this rank, host and device alike: the whole matrices inside
+    /// each of its pieces (a range of the local shard: `batch` matrices back to back) and the
+    /// split ones gathered to it (ranges of the arena, matrices of `sizes` back to back, one
+    /// each). Both lists are in increasing, disjoint ranges; the matrices are independent,
+    /// so running them in any order or in parallel changes no bit.
+    pub(crate) fn ns_calls(
+        &self,
+        shard: &LocalShard,
+        roots: &RootPlan,
+        sizes: &[usize],
+    ) -> [Vec<(Range<usize>, NsShape)>; 2] {
+        let whole = shard
+            .pieces
+            .iter()
+            .filter_map(|piece| {
+                let meta = &shard.params[piece.param];
+                if !self.is_muon(meta) {
+                    return None;
+                }
+                let (rows, cols) = self.matrix_of(meta);
+                let range = whole_matrices(piece, rows * cols)?;
+                let batch = range.len() / (rows * cols);
+                Some((range, NsShape::new(batch, rows, cols)))
+            })
+            .collect();
+        let mut at = 0;
+        let rooted = sizes
+            .iter()
+            .zip(roots.rooted_here(shard.rank))
+            .map(|(&n, k)| {
+                let job = &roots.jobs[k];
+                at += n;
+                (at - n..at, NsShape::new(1, job.rows, job.cols))
+            })
+            .collect();
+        [whole, rooted]
+    }
+
+    /// [`Muon::ns_calls`] as host tasks, `(data, rows, cols)` per matrix: the whole ones in
+    /// place in `u`, the split ones in `arena`.
     fn ns_tasks<'u, S>(
         &self,
         shard: &LocalShard,
@@ -899,31 +935,19 @@ impl Muon {
         arena: &'u mut [S],
         sizes: &[usize],
     ) -> Vec<(&'u mut [S], usize, usize)> {
-        let mut tasks: Vec<(&mut [S], usize, usize)> = Vec::new();
-        let mut rest = u;
-        let mut consumed = 0;
-        for piece in &shard.pieces {
-            let meta = &shard.params[piece.param];
-            if !self.is_muon(meta) {
-                continue;
+        let [whole, rooted] = self.ns_calls(shard, roots, sizes);
+        let mut tasks = Vec::new();
+        for (data, calls) in [(u, whole), (arena, rooted)] {
+            let mut rest = data;
+            let mut consumed = 0;
+            for (Range { start, end }, shape) in calls {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - consumed);
+                let (these, tail) = tail.split_at_mut(end - start);
+                rest = tail;
+                consumed = end;
+                let (rows, cols) = (shape.rows, shape.cols);
+                tasks.extend(these.chunks_mut(rows * cols).map(|x| (x, rows, cols)));
             }
-            let (rows, cols) = self.matrix_of(meta);
-            let mn = rows * cols;
-            let Some(Range { start: lo, end: hi }) = whole_matrices(piece, mn) else {
-                continue;
-            };
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(lo - consumed);
-            let (whole, tail) = tail.split_at_mut(hi - lo);
-            rest = tail;
-            consumed = hi;
-            tasks.extend(whole.chunks_mut(mn).map(|x| (x, rows, cols)));
-        }
-        let mut rest = arena;
-        for (&n, k) in sizes.iter().zip(roots.rooted_here(shard.rank)) {
-            let (x, tail) = std::mem::take(&mut rest).split_at_mut(n);
-            rest = tail;
-            let job = &roots.jobs[k];
-            tasks.push((x, job.rows, job.cols));
         }
         tasks
     }

@@ -1080,6 +1080,21 @@ pub fn ns_macs(rows: usize, cols: usize, cfg: &NsConfig) -> u128 {
     }
 }
 
+/// `batch` row-major `rows × cols` matrices stored back to back: one Newton–Schulz call of
+/// the device, or `batch` independent ones of the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NsShape {
+    pub batch: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl NsShape {
+    pub fn new(batch: usize, rows: usize, cols: usize) -> Self {
+        NsShape { batch, rows, cols }
+    }
+}
+
 /// `cfg`'s backend: [`resolve_backend`] of its precision and backend, what every entry point
 /// checks before it changes anything.
 pub fn resolve_config(cfg: &NsConfig) -> Result<NsBackend> {

@@ -401,9 +401,9 @@ fn adam8bit_state_round_trips_through_the_device() {
     assert_eq!(back, state);
 }
 
-/// Max |a − b| and ‖a − b‖ / ‖b‖.
-/// Newton–Schulz as the device runs it: the standard iteration (`NsMethod::Auto` may take Gram
-/// on the CPU, which the device does not have), so host and device compare like for like.
+/// Newton–Schulz fixed to the standard iteration, for the comparisons whose tolerance is the
+/// standard iteration's (`NsMethod::Auto` takes Gram's for some shapes, on the host and on
+/// the device alike).
 fn standard_ns() -> NsConfig {
     NsConfig {
         method: NsMethod::Standard,

@@ -25,13 +25,12 @@ use ragged::cuda::{check_len, count, elementwise, guarded, Device, ADAMW, MUON};
 use ragged::storage::View;
 use ragged::Result;
 
-use super::newton_schulz::{orthogonalize_cuda_in, GramProduct, NsNeed, NsShape, NsWorkspace};
+use super::newton_schulz::{orthogonalize_cuda_in, GramProduct, NsNeed, NsWorkspace};
 use super::scratch::Scratch;
 use super::{device_moments, device_view, launch_adamw, ADAMW_STEP};
 use crate::adamw::AdamRun;
 use crate::common::MomentCoeffs;
-use crate::muon::{whole_matrices, MatrixStep, Muon, MuonKernels, MuonState, StepPlan};
-use crate::newton_schulz::NsConfig;
+use crate::muon::{MatrixStep, Muon, MuonKernels, MuonState, StepPlan};
 use crate::roots::Exchange;
 
 /// Entry points of `kernels/muon.cu`.
@@ -181,26 +180,12 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
         let (dev, shard) = (self.dev, plan.shard);
         let ns_cfg = &muon.config().ns;
         // Every call of this step, and the workspace they all fit in, before the first.
-        let whole: Vec<(Range<usize>, NsShape, &NsConfig)> = shard
-            .pieces
-            .iter()
-            .filter_map(|piece| {
-                let step = muon.matrix_step(&shard.params[piece.param])?;
-                let (rows, cols) = (step.rows, step.cols);
-                let range = whole_matrices(piece, rows * cols)?;
-                let batch = range.len() / (rows * cols);
-                Some((range, NsShape::new(batch, rows, cols), step.ns))
-            })
-            .collect();
-        let rooted: Vec<NsShape> = plan
-            .roots
-            .rooted_here(shard.rank)
-            .map(|k| NsShape::new(1, plan.roots.jobs[k].rows, plan.roots.jobs[k].cols))
-            .collect();
+        let sizes = plan.routes.map_or(&[][..], |r| r.sizes());
+        let [whole, rooted] = muon.ns_calls(shard, plan.roots, sizes);
         let need = whole
             .iter()
-            .map(|&(_, shape, cfg)| NsNeed::of(shape, cfg))
-            .chain(rooted.iter().map(|&shape| NsNeed::of(shape, ns_cfg)))
+            .chain(&rooted)
+            .map(|&(_, shape)| NsNeed::of(shape, ns_cfg))
             .fold(NsNeed::default(), NsNeed::max);
         let work = &mut *self.work;
         work.ns.reserve(dev, need)?;
@@ -224,18 +209,16 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
                 &mut work.wire,
             )?;
         }
-        for (range, shape, cfg) in whole {
+        for (range, shape) in whole {
             let mut x = self.u.slice_mut(range);
-            orthogonalize_cuda_in(dev, &mut x, shape, cfg, GramProduct::Auto, &mut work.ns)?;
+            orthogonalize_cuda_in(dev, &mut x, shape, ns_cfg, GramProduct::Auto, &mut work.ns)?;
         }
-        let Some((r, c, _, scatter)) = routes else {
+        let Some((_, c, _, scatter)) = routes else {
             return Ok(());
         };
-        let mut at = 0;
-        for (&n, shape) in r.sizes().iter().zip(rooted) {
-            let mut x = arena.slice_mut(at..at + n);
+        for (range, shape) in rooted {
+            let mut x = arena.slice_mut(range);
             orthogonalize_cuda_in(dev, &mut x, shape, ns_cfg, GramProduct::Auto, &mut work.ns)?;
-            at += n;
         }
         let from = arena.as_view();
         exchange(&scatter, dev, &from, &mut self.u, c, &mut work.wire)

@@ -53,6 +53,7 @@ use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
 use super::scratch::Scratch;
+pub use crate::newton_schulz::NsShape;
 use crate::newton_schulz::{iterate_with, resolve_method, NsConfig, NsMethod, NsOps, NsPrecision};
 
 /// Entry points of `kernels/newton_schulz.cu`.
@@ -249,20 +250,6 @@ pub fn orthogonalize_cuda_with(
 ) -> Result<()> {
     let shape = NsShape::new(batch, rows, cols);
     orthogonalize_cuda_in(dev, x, shape, cfg, gram, &mut NsWorkspace::default())
-}
-
-/// `batch` row-major `rows × cols` matrices stored back to back: one Newton–Schulz call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NsShape {
-    pub batch: usize,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl NsShape {
-    pub fn new(batch: usize, rows: usize, cols: usize) -> Self {
-        NsShape { batch, rows, cols }
-    }
 }
 
 /// The device memory one Newton–Schulz call works in, in elements of each type it stores:
