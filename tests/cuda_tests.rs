@@ -356,6 +356,40 @@ fn gather_into_device_segments(
     Ok((gathered, staged?))
 }
 
+/// The device memory a reduce-scatter (out of place and in place) and an all-reduce of device
+/// buffers allocate, after one of each has run: cuda-emu's driver count over a window that the
+/// `counting` ranks (one per device: ranks sharing a device count each other's allocations)
+/// open and read between barriers enclosing every rank's calls. `None` under a real driver
+/// and on the other ranks.
+fn reductions_allocate(
+    c: &dyn Communicator,
+    dev: &Device,
+    counting: bool,
+) -> ragged::Result<Option<usize>> {
+    let world = c.world_size();
+    let mut full = dev.upload(&values(world * SLICE, c.rank() as u32 + 9))?;
+    let mut out = dev.upload(&[0f32; SLICE])?;
+    let mut reduce = || -> ragged::Result<()> {
+        let (send, recv) = (full.slice_mut(..).into(), out.slice_mut(..).into());
+        c.reduce_scatter(send, recv, ReduceOp::Sum)?;
+        c.reduce_scatter_in_place(full.slice_mut(..).into(), ReduceOp::Sum)?;
+        c.all_reduce(full.slice_mut(..).into(), ReduceOp::Avg)
+    };
+    reduce()?;
+    c.barrier()?;
+    let mut window = || -> ragged::Result<()> {
+        c.barrier()?;
+        reduce()?;
+        dev.sync()?;
+        c.barrier()
+    };
+    if !counting {
+        return window().map(|()| None);
+    }
+    let (out, grown) = emulated_peak_growth(dev.context().ordinal(), window);
+    out.map(|()| grown)
+}
+
 /// One NCCL rank per device of two or more, driven from this process, or `None` after printing
 /// why not.
 fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> {
@@ -576,6 +610,17 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         Ok((bits(&dev.download(&all)?), sums, bits(&gathered), staged))
     };
     let gpu = on_each_thread(&comms, |_, c| on_device(c).unwrap());
+    // Each rank on a device of its own counts its reductions' allocations: none after the
+    // first (NCCL's descriptor check keeps its buffers).
+    let grown = on_each_thread(&comms, |_, c| {
+        reductions_allocate(c, c.device(), true).unwrap()
+    });
+    for (rank, grown) in grown.iter().enumerate() {
+        match grown {
+            Some(bytes) => assert_eq!(*bytes, 0, "rank {rank}: reductions allocated"),
+            None => println!("not under cuda-emu: the reductions' allocations are not counted"),
+        }
+    }
     for (rank, (got, want)) in gpu.iter().zip(&cpu).enumerate() {
         let ((moved, sums, segs, staged), (cpu_moved, cpu_sums, cpu_segs, _)) = (got, want);
         assert_eq!(moved, cpu_moved, "rank {rank}: all-gather");
@@ -624,6 +669,16 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
                 "world of {world}, rank {rank}: segments"
             );
             assert_eq!(*staged, 0, "world of {world}, rank {rank}: bytes staged");
+        }
+        // Reductions after the first allocate no device memory (the kernel's table of source
+        // addresses is kept by each rank).
+        let grown = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            reductions_allocate(c, c.device(), c.rank() == 0)
+        })
+        .unwrap();
+        match grown[0] {
+            Some(bytes) => assert_eq!(bytes, 0, "world of {world}: reductions allocated"),
+            None => println!("not under cuda-emu: the reductions' allocations are not counted"),
         }
     }
 }

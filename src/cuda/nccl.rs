@@ -152,15 +152,18 @@ pub struct NcclComm {
     timeout: Option<Duration>,
     /// Ranks compare their calls before each collective (module doc, "Disagreeing ranks").
     check: bool,
-    /// The device buffers those comparisons gather through, made at the first.
-    descriptors: Mutex<Option<DescriptorBufs>>,
+    /// The device buffers those comparisons gather through and the barrier's flag, made at
+    /// the first call that needs them.
+    kept: Mutex<Option<KeptBufs>>,
 }
 
-/// Device room for one descriptor exchange: this rank's words and every rank's (as bytes),
-/// for the larger of a header and an all-to-all-v's counts.
-struct DescriptorBufs {
+/// Device buffers kept for a communicator's own bookkeeping, so that no call allocates after
+/// the first: room for one descriptor exchange (this rank's words and every rank's, as bytes,
+/// for the larger of a header and an all-to-all-v's counts) and the barrier's one-byte flag.
+struct KeptBufs {
     mine: CudaSlice<u8>,
     all: CudaSlice<u8>,
+    flag: CudaSlice<u8>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -354,7 +357,7 @@ impl NcclComm {
             world,
             timeout,
             check,
-            descriptors: Mutex::new(None),
+            kept: Mutex::new(None),
         })
     }
 
@@ -384,7 +387,7 @@ impl NcclComm {
                 world: devs.len(),
                 timeout,
                 check,
-                descriptors: Mutex::new(None),
+                kept: Mutex::new(None),
             })
             .collect())
     }
@@ -501,7 +504,7 @@ impl NcclComm {
             world: members.len(),
             timeout: self.timeout,
             check: self.check,
-            descriptors: Mutex::new(None),
+            kept: Mutex::new(None),
         })
     }
 }
@@ -534,29 +537,41 @@ impl NcclComm {
     fn gather_words(&self, mine: &[u64]) -> Result<Vec<u64>> {
         const OP: &str = "NcclComm::gather_words";
         let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mut bufs = self.descriptors.lock().map_err(|_| Error::Comm {
-            op: OP,
+        self.with_kept(OP, |bufs| {
+            let (n, all_n) = (bytes.len(), bytes.len() * self.world);
+            self.dev
+                .upload_into(&bytes, &mut bufs.mine.slice_mut(..n))?;
+            let (send, recv) = (bufs.mine.slice(..n), bufs.all.slice_mut(..all_n));
+            self.all_gather_dev(DevBuf::U8(send), DevBufMut::U8(recv))?;
+            let all = self.dev.download(&bufs.all.slice(..all_n))?;
+            let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("chunks of 8"));
+            Ok(all.chunks_exact(8).map(word).collect())
+        })
+    }
+
+    /// `f` on the kept buffers ([`KeptBufs`]), made first if this is the first call.
+    fn with_kept<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut KeptBufs) -> Result<T>,
+    ) -> Result<T> {
+        let mut kept = self.kept.lock().map_err(|_| Error::Comm {
+            op,
             rank: self.rank,
             reason: "an earlier call panicked".into(),
         })?;
-        let bufs = match &mut *bufs {
+        let bufs = match &mut *kept {
             Some(b) => b,
             empty => {
                 let most = 8 * HEADER.max(2 * self.world);
-                empty.insert(DescriptorBufs {
+                empty.insert(KeptBufs {
                     mine: self.dev.zeros::<u8>(most)?,
                     all: self.dev.zeros::<u8>(most * self.world)?,
+                    flag: self.dev.zeros::<u8>(1)?,
                 })
             }
         };
-        let (n, all_n) = (bytes.len(), bytes.len() * self.world);
-        self.dev
-            .upload_into(&bytes, &mut bufs.mine.slice_mut(..n))?;
-        let (send, recv) = (bufs.mine.slice(..n), bufs.all.slice_mut(..all_n));
-        self.all_gather_dev(DevBuf::U8(send), DevBufMut::U8(recv))?;
-        let all = self.dev.download(&bufs.all.slice(..all_n))?;
-        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("chunks of 8"));
-        Ok(all.chunks_exact(8).map(word).collect())
+        f(bufs)
     }
 
     /// The device this rank's buffers live on (its stream orders the collectives).
@@ -735,8 +750,10 @@ impl NcclComm {
 
     fn barrier_dev(&self) -> Result<()> {
         // An all-reduce of one byte, then the stream: every rank has reached this point.
-        let mut flag = self.dev.zeros::<u8>(1)?;
-        self.all_reduce_in_place_dev(DevBufMut::U8(flag.slice_mut(..)), ReduceOp::Sum)?;
+        self.with_kept("NcclComm::barrier", |bufs| {
+            let flag = DevBufMut::U8(bufs.flag.slice_mut(..));
+            self.all_reduce_in_place_dev(flag, ReduceOp::Sum)
+        })?;
         self.dev.sync()
     }
 }

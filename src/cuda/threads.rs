@@ -14,9 +14,9 @@
 //! collectives return with their copies queued on the rank's stream (as NCCL's do), in order
 //! with its later work, and never wait for the device.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::collective::Span;
 use super::{count, elementwise, guarded, Device, REDUCE_RANKS};
@@ -34,6 +34,9 @@ pub const REDUCE_RANKS_U8: &str = "reduce_ranks_u8";
 pub struct ThreadDeviceComm {
     host: ThreadComm,
     dev: Arc<Device>,
+    /// The reduction kernel's table of the ranks' source addresses, kept so that a
+    /// reduction allocates nothing after the first ([`DeviceMemory::reduce`]).
+    table: Mutex<Option<CudaSlice<u64>>>,
 }
 
 impl ThreadDeviceComm {
@@ -42,10 +45,7 @@ impl ThreadDeviceComm {
     pub fn world(dev: Arc<Device>, n: usize) -> Result<Vec<ThreadDeviceComm>> {
         Ok(ThreadWorld::new(n)?
             .into_iter()
-            .map(|host| ThreadDeviceComm {
-                host,
-                dev: Arc::clone(&dev),
-            })
+            .map(|host| ThreadDeviceComm::new(host, Arc::clone(&dev)))
             .collect())
     }
 
@@ -71,8 +71,16 @@ impl ThreadDeviceComm {
         Ok(out)
     }
 
+    fn new(host: ThreadComm, dev: Arc<Device>) -> Self {
+        let table = Mutex::new(None);
+        ThreadDeviceComm { host, dev, table }
+    }
+
     fn mem(&self) -> DeviceMemory<'_> {
-        DeviceMemory { dev: &self.dev }
+        DeviceMemory {
+            dev: &self.dev,
+            table: &self.table,
+        }
     }
 
     /// The device this rank's buffers live on.
@@ -96,6 +104,7 @@ fn region(s: Span) -> Region {
 /// The device as the thread protocol's [`Memory`].
 struct DeviceMemory<'a> {
     dev: &'a Device,
+    table: &'a Mutex<Option<CudaSlice<u64>>>,
 }
 
 impl Memory for DeviceMemory<'_> {
@@ -136,17 +145,27 @@ impl Memory for DeviceMemory<'_> {
         };
         let f = dev.function(&REDUCE_RANKS, entry)?;
         let addrs: Vec<u64> = srcs.iter().map(|&p| p as usize as u64).collect();
-        let addrs = dev.upload(&addrs)?;
+        // Rewritten whole before each use, so a panic that poisoned the lock left nothing
+        // to distrust.
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = table.take().filter(|t| t.len() >= addrs.len());
+        let table = match kept {
+            Some(t) => table.insert(t),
+            None => table.insert(dev.zeros::<u64>(addrs.len())?),
+        };
+        // Queued after the previous reduction's kernel on this stream, so it never changes
+        // a table a queued kernel still reads.
+        dev.upload_into(&addrs, &mut table.slice_mut(..addrs.len()))?;
         let v = srcs.len() as i32;
         let dst = dst as usize as u64;
         let (len, avg) = (count(n), i32::from(op == ReduceOp::Avg));
         // SAFETY: the protocol's contract: every source holds `n` elements of `elem`, `dst` is
-        // this rank's to write; the address table lives until the stream frees it after the
-        // kernel (stream-ordered free).
+        // this rank's to write; the address table holds the `v` sources' addresses and is
+        // rewritten only by work queued after this kernel.
         guarded("ThreadDeviceComm::reduce", || unsafe {
             dev.stream()
                 .launch_builder(&f)
-                .arg(&addrs)
+                .arg(&*table)
                 .arg(&v)
                 .arg(&dst)
                 .arg(&len)
@@ -324,9 +343,7 @@ impl Communicator for ThreadDeviceComm {
 
     /// Each group is a thread world of its own on the same device.
     fn split(&self, color: usize) -> Result<Box<dyn Communicator + '_>> {
-        Ok(Box::new(ThreadDeviceComm {
-            host: self.host.split_world(color)?,
-            dev: Arc::clone(&self.dev),
-        }))
+        let host = self.host.split_world(color)?;
+        Ok(Box::new(ThreadDeviceComm::new(host, Arc::clone(&self.dev))))
     }
 }
