@@ -504,6 +504,9 @@ pub struct Adam8bit {
     /// Both maps' quantizer tables as the CUDA kernel reads them.
     #[cfg(feature = "cuda")]
     pub(crate) device_tables: crate::cuda::adam8bit::QuantizerTables,
+    /// The device step's buffer for its row-block runs, kept between steps.
+    #[cfg(feature = "cuda")]
+    pub(crate) device_runs: crate::common::BetweenSteps<crate::cuda::Scratch<u32>>,
 }
 
 impl Adam8bit {
@@ -522,6 +525,8 @@ impl Adam8bit {
             planes: Box::new([BytePlanes::of(book_m.map()), BytePlanes::of(book_v.map())]),
             #[cfg(feature = "cuda")]
             device_tables: crate::cuda::adam8bit::QuantizerTables::of(&book_m, &book_v)?,
+            #[cfg(feature = "cuda")]
+            device_runs: Default::default(),
             #[cfg(target_arch = "x86_64")]
             lanes: Box::new([LaneIndex::of(index_m), LaneIndex::of(index_v)]),
             book_m,

@@ -400,3 +400,42 @@ pub(crate) fn lcg(x: &mut u64) -> u64 {
         .wrapping_add(1442695040888963407);
     *x
 }
+
+/// Scratch an optimizer keeps between its steps (which take `&self`): taken out for a step and
+/// put back after it, so a step running at the same time on the same optimizer finds it
+/// empty and makes its own. Each clone starts empty (thread ranks step clones at once), and
+/// it takes no part in equality.
+#[derive(Default)]
+pub(crate) struct BetweenSteps<T>(std::sync::Mutex<T>);
+
+impl<T: Default> BetweenSteps<T> {
+    /// What was kept (the default when nothing was), leaving nothing.
+    pub(crate) fn take(&self) -> T {
+        // Taken whole and put back whole: a panic that poisoned the lock left nothing half
+        // written.
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Keeps `value` for the next step.
+    pub(crate) fn put(&self, value: T) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = value;
+    }
+}
+
+impl<T: Default> Clone for BetweenSteps<T> {
+    fn clone(&self) -> Self {
+        BetweenSteps::default()
+    }
+}
+
+impl<T> PartialEq for BetweenSteps<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl<T> std::fmt::Debug for BetweenSteps<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BetweenSteps")
+    }
+}

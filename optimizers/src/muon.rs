@@ -85,7 +85,7 @@ use ragged::{AtomicBlock, Error, Result, Role, RoleRule};
 use crate::adamw::{adamw_update, AdamRun, AdamW, AdamWConfig, PAR_CHUNK, PAR_MIN_ELEMS};
 use crate::common::{
     self, check_hyperparameters, check_step_inputs_with_v, decay_elem, f32_state_from_le_bytes,
-    f32_state_to_le_bytes, lerp_elem, next_step, MomentCoeffs,
+    f32_state_to_le_bytes, lerp_elem, next_step, BetweenSteps, MomentCoeffs,
 };
 use crate::muon_layout::{LayoutCache, MatrixLayout};
 use crate::newton_schulz::{
@@ -350,8 +350,8 @@ pub struct Muon {
 /// equality. Only what a step writes first is ever read (`U` on its Muon pieces), so what an
 /// earlier step left is never seen. A device step keeps its `U` and Newton–Schulz's buffers
 /// here the same way (`cuda::muon::DeviceWork`).
-#[derive(Default)]
-struct UBuffer(std::sync::Mutex<Kept>);
+#[derive(Clone, Debug, Default, PartialEq)]
+struct UBuffer(BetweenSteps<Kept>);
 
 /// What a [`UBuffer`] holds: nothing, the host step's `U` or the device step's buffers.
 #[derive(Default)]
@@ -427,35 +427,17 @@ impl UBuffer {
     }
 
     fn take_kept(&self) -> Kept {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+        self.0.take()
     }
 
     /// Keeps `kept` for the next step.
     fn put(&self, kept: Kept) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = kept;
+        self.0.put(kept);
     }
 
     /// Frees the kept buffer; its bytes.
     fn release(&self) -> usize {
         self.take_kept().bytes()
-    }
-}
-
-impl Clone for UBuffer {
-    fn clone(&self) -> Self {
-        UBuffer::default()
-    }
-}
-
-impl PartialEq for UBuffer {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl std::fmt::Debug for UBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("UBuffer")
     }
 }
 

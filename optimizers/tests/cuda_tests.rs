@@ -812,15 +812,16 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     assert_eq!(st.step, 0, "nothing modified");
 }
 
-/// After its first step a device Muon step allocates no device memory: `U`, the roots'
-/// arena, the all-to-all buffers and Newton–Schulz's workspace are kept between steps and
-/// sized before use. Counted by tools/cuda-emu's driver over two steps of three thread ranks
-/// on one GPU (split and whole matrices; `f32` and bf16, the standard and the Gram iteration):
-/// rank 0 resets the count and reads it between barriers that enclose every rank's steps.
+/// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
+/// roots' arena, the all-to-all buffers and Newton–Schulz's workspace between steps, sized
+/// before use (split and whole matrices; `f32` and bf16, the standard and the Gram
+/// iteration); AdamW and 8-bit Adam step in their state. Counted by tools/cuda-emu's driver
+/// over two steps of three thread ranks on one GPU ([`steps_after_the_first_allocate`]).
 #[test]
-fn device_muon_steps_after_the_first_allocate_no_device_memory() {
-    use ragged::cuda::threads::ThreadDeviceComm;
+fn device_steps_after_the_first_allocate_no_device_memory() {
     let Some(dev) = device() else { return };
+    let (spec, p0, grads) = split_case(37);
+    let mut counted = Vec::new();
     for precision in [NsPrecision::F32, NsPrecision::Bf16] {
         for method in [NsMethod::Standard, NsMethod::Gram] {
             let ns = NsConfig {
@@ -834,53 +835,89 @@ fn device_muon_steps_after_the_first_allocate_no_device_memory() {
                 ..Default::default()
             })
             .unwrap();
-            let (spec, p0, grads) = split_case(37);
             let shards = split_rows(&opt, &spec, 3);
-            let grown = ThreadDeviceComm::run(dev.clone(), shards.len(), |c| {
-                // Each rank its own `Muon`, as each rank of `fully_shard` has: a `Muon` keeps
-                // one step's buffers (ranks sharing one would take turns keeping theirs).
-                let opt = opt.clone();
-                let (shard, d) = (&shards[c.rank()], c.device());
-                let mut p = d.upload(&scatter(shard, &p0))?;
-                let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
-                let gs = grads
-                    .iter()
-                    .map(|g| d.upload(&scatter(shard, g)))
-                    .collect::<ragged::Result<Vec<_>>>()?;
-                let mut step = |g: &ragged::cuda::cudarc::driver::CudaSlice<f32>| {
-                    let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
-                    opt.step(&mut st, shard, pv, gv, c)
-                };
-                step(&gs[0])?;
-                c.barrier()?;
-                let mut rest = || -> ragged::Result<()> {
-                    c.barrier()?;
-                    gs[1..].iter().try_for_each(&mut step)?;
-                    d.sync()?;
-                    c.barrier()
-                };
-                let grown = if c.rank() > 0 {
-                    rest().map(|()| None)
-                } else {
-                    let (out, grown) = cuda_emu::emulated_peak_growth(d.context().ordinal(), rest);
-                    out.map(|()| grown)
-                }?;
-                // What it kept is device memory that `release_buffers` frees: at least `U`.
-                let kept = opt.release_buffers();
+            let (grown, ranks) = steps_after_the_first_allocate(&opt, &shards, &dev, &p0, &grads);
+            counted.push((format!("Muon {precision:?} {method:?}"), grown));
+            // What each rank's Muon kept is device memory that `release_buffers` frees: at
+            // least `U`.
+            for (o, shard) in ranks.iter().zip(&shards) {
+                let kept = o.release_buffers();
                 assert!(
                     kept >= 4 * shard.len,
                     "rank {}: {kept} bytes kept",
-                    c.rank()
+                    shard.rank
                 );
-                Ok(grown)
-            })
-            .unwrap();
-            match grown[0] {
-                Some(bytes) => assert_eq!(bytes, 0, "{precision:?} {method:?}: bytes allocated"),
-                None => println!("skipped the count: the driver is not cuda-emu"),
             }
         }
     }
+    let opts = PlanOptions::default();
+    let adamw = AdamW::new(AdamWConfig::default()).unwrap();
+    let shards = planned_shards(&adamw, &spec, 3, &opts);
+    let (grown, _) = steps_after_the_first_allocate(&adamw, &shards, &dev, &p0, &grads);
+    counted.push(("AdamW".into(), grown));
+    let adam8bit = Adam8bit::new(Adam8bitConfig {
+        min_8bit_size: 256,
+        ..Default::default()
+    })
+    .unwrap();
+    let shards = planned_shards(&adam8bit, &spec, 3, &opts);
+    let (grown, _) = steps_after_the_first_allocate(&adam8bit, &shards, &dev, &p0, &grads);
+    counted.push(("8-bit Adam".into(), grown));
+    for (what, grown) in counted {
+        match grown {
+            Some(bytes) => assert_eq!(bytes, 0, "{what}: bytes allocated"),
+            None => println!("skipped the count: the driver is not cuda-emu"),
+        }
+    }
+}
+
+/// The device memory `opt`'s steps after the first allocate on thread ranks on one GPU, one
+/// rank per shard: each rank steps once on `grads[0]`, then rank 0 opens cuda-emu's count,
+/// every rank steps on the other gradients between barriers, and rank 0 reads the count (ranks
+/// sharing a device count each other's allocations). Each rank steps its own clone of `opt`,
+/// as each rank of `fully_shard` has its own (a `Muon` keeps one step's buffers: ranks sharing
+/// one would take turns keeping theirs). Returns the count (`None` under a real driver) and
+/// the ranks' optimizers after their steps.
+fn steps_after_the_first_allocate<O: Optimizer + Clone + Send>(
+    opt: &O,
+    shards: &[LocalShard],
+    dev: &Arc<Device>,
+    p0: &[Vec<f32>],
+    grads: &[Vec<Vec<f32>>],
+) -> (Option<usize>, Vec<O>) {
+    use ragged::cuda::threads::ThreadDeviceComm;
+    let grown = ThreadDeviceComm::run(dev.clone(), shards.len(), |c| {
+        let opt = opt.clone();
+        let (shard, d) = (&shards[c.rank()], c.device());
+        let mut p = d.upload(&scatter(shard, p0))?;
+        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
+        let gs = grads
+            .iter()
+            .map(|g| d.upload(&scatter(shard, g)))
+            .collect::<ragged::Result<Vec<_>>>()?;
+        let mut step = |g: &ragged::cuda::cudarc::driver::CudaSlice<f32>| {
+            let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+            opt.step(&mut st, shard, pv, gv, c)
+        };
+        step(&gs[0])?;
+        c.barrier()?;
+        let mut rest = || -> ragged::Result<()> {
+            c.barrier()?;
+            gs[1..].iter().try_for_each(&mut step)?;
+            d.sync()?;
+            c.barrier()
+        };
+        let grown = if c.rank() > 0 {
+            rest().map(|()| None)
+        } else {
+            let (out, grown) = cuda_emu::emulated_peak_growth(d.context().ordinal(), rest);
+            out.map(|()| grown)
+        }?;
+        Ok((grown, opt))
+    })
+    .unwrap();
+    let count = grown[0].0;
+    (count, grown.into_iter().map(|(_, o)| o).collect())
 }
 
 /// With bf16 Newton–Schulz the device step's split matrices travel to their roots and back

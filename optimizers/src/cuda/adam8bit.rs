@@ -244,8 +244,8 @@ impl Adam8bit {
 
 /// 8-bit Adam's step on device memory: one launch for every scale block of the shard, one
 /// AdamW launch per fallback piece; bitwise the host step. The runs of row blocks are
-/// uploaded each call, the quantizer table (27.5 KiB) and the launch shape are kept per
-/// device ([`Device::memo`]). `layout` comes from the host step's checks, which also
+/// copied each call into a buffer the optimizer keeps, the quantizer table (27.5 KiB) and the
+/// launch shape are kept per device ([`Device::memo`]). `layout` comes from the host step's checks, which also
 /// checked the scale arrays against it (one block per scale).
 pub(crate) fn step(
     opt: &Adam8bit,
@@ -315,7 +315,12 @@ pub(crate) fn step(
     let n_scales = word(OP, "scale blocks", scales)?;
     let quantizer = &opt.device_tables;
     let table = quantizer.on(dev)?;
-    let runs = dev.upload(&runs)?;
+    // Into a buffer the optimizer keeps between steps: a step allocates nothing after the
+    // first.
+    let mut kept = opt.device_runs.take();
+    let mut runs_on_device = kept.view_mut(dev, runs.len())?;
+    dev.upload_into(&runs, &mut runs_on_device)?;
+    let runs = runs_on_device.as_view();
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
     let cfg = launch_shape(dev, &f, scales)?;
     let (mz, vz) = (u32::from(SIGNED_ZERO_CODE), u32::from(UNSIGNED_ZERO_CODE));
@@ -348,6 +353,7 @@ pub(crate) fn step(
             .arg(&vz)
             .launch(cfg)
     })?;
+    opt.device_runs.put(kept);
     Ok(())
 }
 

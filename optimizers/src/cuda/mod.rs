@@ -26,6 +26,8 @@ pub mod muon;
 pub mod newton_schulz;
 mod scratch;
 
+pub(crate) use scratch::Scratch;
+
 use std::sync::Arc;
 
 use ragged::cuda::cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, PushKernelArg};
