@@ -314,13 +314,15 @@ fn on_each_thread<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sy
 /// `conformance::gather_into_segments` does into host ones: their values back to back and the
 /// bytes staged. Asserts that the call allocates no device memory (under cuda-emu, see
 /// [`emulated_peak_growth`]): nothing staged, the segments filled straight from the peers'
-/// shards. Every rank allocates its buffers before a barrier and nothing after the call before
-/// another, so ranks sharing one device count only the gathers.
+/// shards. Every rank allocates its buffers before a barrier; the `counting` ranks (one per
+/// device: ranks sharing a device would reset each other's count) open the count after it
+/// and read it after the barrier that follows every rank's gather.
 fn gather_into_device_segments(
     c: &dyn Communicator,
     dev: &Device,
     send: &[f32],
     spans: &[std::ops::Range<usize>],
+    counting: bool,
 ) -> ragged::Result<(Vec<f32>, usize)> {
     let send = dev.upload(send)?;
     let mut parts = Vec::new();
@@ -335,11 +337,19 @@ fn gather_into_device_segments(
             buf: p.slice_mut(..).into(),
         })
         .collect();
+    // Every rank's buffers made before the count opens.
     c.barrier()?;
-    let (staged, allocated) = emulated_peak_growth(dev.context().ordinal(), || {
-        c.all_gather_segments(send.slice(..).into(), &mut segments)
-    });
-    c.barrier()?;
+    let mut gather = || -> ragged::Result<usize> {
+        c.barrier()?;
+        let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
+        c.barrier()?;
+        Ok(staged)
+    };
+    let (staged, allocated) = if counting {
+        emulated_peak_growth(dev.context().ordinal(), gather)
+    } else {
+        (gather(), Some(0))
+    };
     drop(segments);
     let rank = c.rank();
     match allocated {
@@ -599,7 +609,8 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         let send = dev.upload(&host)?;
         let mut all = dev.upload(&vec![0f32; world * s])?;
         c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
-        let (gathered, staged) = gather_into_device_segments(c, dev, &host, &spans_of(world, s))?;
+        let (gathered, staged) =
+            gather_into_device_segments(c, dev, &host, &spans_of(world, s), true)?;
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;
@@ -659,7 +670,7 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
         let seed = |c: &dyn Communicator| values(SLICE, c.rank() as u32 + 5);
         let cpu = ThreadWorld::run(world, |c| gather_into_segments(c, &seed(c), &spans)).unwrap();
         let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            gather_into_device_segments(c, c.device(), &seed(c), &spans)
+            gather_into_device_segments(c, c.device(), &seed(c), &spans, c.rank() == 0)
         })
         .unwrap();
         for (rank, ((got, staged), (want, _))) in gpu.iter().zip(&cpu).enumerate() {
