@@ -10,7 +10,7 @@
 //! send/recv, or thread ranks on one GPU).
 //!
 //! The step's device buffers (`U`, the roots' arena, the all-to-all buffers, Newton–Schulz's
-//! workspace) are a [`DeviceWork`] the [`Muon`] keeps between steps, as it keeps the host
+//! workspace) are a `DeviceWork` the [`Muon`] keeps between steps, as it keeps the host
 //! step's `U`: sized before the first kernel of a step from its plan, so a step allocates
 //! nothing once the first has run ([`Muon::release_buffers`] frees them).
 

@@ -19,6 +19,12 @@
 //! GEMMs; the restarts are the CPU's (one `gram_steps` runs both). `NsConfig::backend` names
 //! the CPU's kernels: here it only keeps `Auto` standard when it names the reference loops.
 //!
+//! The buffers a call works in (`X` normalized, `Y`, the `s × s` products, the norm's partial
+//! sums) are views of an [`NsWorkspace`] whose size [`NsNeed::of`] declares from the shape and
+//! the configuration: [`orthogonalize_cuda_in`] runs in one the caller keeps (Muon's step
+//! reserves the largest call of the step before the first, so it allocates nothing after its
+//! first step); [`orthogonalize_cuda`] makes one for the call.
+//!
 //! Row-major buffers are column-major transposes, so each product is issued as its transpose
 //! (`Cᵀ = Bᵀ·Aᵀ`); no data moves. GEMMs use `cublasGemmStridedBatchedEx` with
 //! `CUBLAS_COMPUTE_32F` (no TF32) and `f32` α, β from the host.
