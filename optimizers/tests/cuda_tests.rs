@@ -516,6 +516,37 @@ fn newton_schulz_cuda_keeps_a_zero_matrix_zero() {
     assert!(dev.download(&d).unwrap().iter().all(|x| x.is_nan()));
 }
 
+/// The workspace a Newton–Schulz call declares: `X` and `Y` as long as the stack and two `s × s`
+/// products per matrix (four for Gram's iteration) in the iteration's type, the normalized
+/// stack in `f32`, 64 partial sums per matrix; a shape whose count overflows is an `Err`, not
+/// a wrapped size. (No device needed.)
+#[test]
+fn newton_schulz_declares_its_workspace_and_refuses_an_overflowing_one() {
+    use ragged_optimizers::cuda::newton_schulz::{NsNeed, NsShape};
+    let shape = NsShape::new(2, 5, 3); // a stack of 30 elements, short side 3
+    let need = |precision, method| {
+        let cfg = NsConfig {
+            precision,
+            method,
+            ..Default::default()
+        };
+        let n = NsNeed::of(shape, &cfg).unwrap();
+        (n.f32, n.bf16, n.f64)
+    };
+    assert_eq!(
+        need(NsPrecision::F32, NsMethod::Standard),
+        (60 + 36, 0, 128)
+    );
+    assert_eq!(need(NsPrecision::F32, NsMethod::Gram), (60 + 72, 0, 128));
+    assert_eq!(
+        need(NsPrecision::Bf16, NsMethod::Standard),
+        (30, 60 + 36, 128)
+    );
+    assert_eq!(need(NsPrecision::Bf16, NsMethod::Gram), (30, 60 + 72, 128));
+    let huge = NsShape::new(1 << 40, 1 << 20, 1 << 20);
+    assert!(NsNeed::of(huge, &NsConfig::default()).is_err());
+}
+
 /// One Newton–Schulz workspace kept over calls of other shapes, precisions and methods gives
 /// the bits a fresh workspace gives: no call reads what an earlier one left. The calls run
 /// largest first, each after one on a non-finite input, so the kept workspace holds

@@ -186,7 +186,7 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
             .iter()
             .chain(&rooted)
             .map(|&(_, shape)| NsNeed::of(shape, ns_cfg))
-            .fold(NsNeed::default(), NsNeed::max);
+            .try_fold(NsNeed::default(), |a, b| b.map(|b| a.max(b)))?;
         let work = &mut *self.work;
         work.ns.reserve(dev, need)?;
         let routes = match (plan.routes, plan.comm) {

@@ -272,15 +272,26 @@ pub struct NsNeed {
 
 impl NsNeed {
     /// What [`orthogonalize_cuda_in`] takes for `shape` under `cfg`: the products of `s × s`
-    /// (`s` the short side) are two for the standard iteration, four for Gram's.
-    pub fn of(shape: NsShape, cfg: &NsConfig) -> NsNeed {
+    /// (`s` the short side) are two for the standard iteration, four for Gram's. `Err` for a
+    /// shape whose workspace has more elements than a `usize` counts.
+    pub fn of(shape: NsShape, cfg: &NsConfig) -> Result<NsNeed> {
         let NsShape { batch, rows, cols } = shape;
         let (s, l) = (rows.min(cols), rows.max(cols));
-        let stack = batch * rows * cols;
-        let squares = batch * s * s * if iterates_gram(cfg, s, l) { 4 } else { 2 };
-        let iteration = 2 * stack + squares;
-        let f64 = batch * SUMSQ_BLOCKS as usize;
-        match cfg.precision {
+        let products = if iterates_gram(cfg, s, l) { 4 } else { 2 };
+        let count = |factors: &[usize]| factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f));
+        let sizes = (|| {
+            let stack = count(&[batch, rows, cols])?;
+            let iteration = count(&[2, stack])?.checked_add(count(&[products, batch, s, s])?)?;
+            Some((stack, iteration, count(&[batch, SUMSQ_BLOCKS as usize])?))
+        })();
+        let Some((stack, iteration, f64)) = sizes else {
+            return Err(Error::BadInput {
+                op: "NsNeed::of",
+                what: format!("{batch} matrices of {rows}×{cols}"),
+                reason: "the Newton–Schulz workspace's element count overflows usize".into(),
+            });
+        };
+        Ok(match cfg.precision {
             // `X` is the normalized stack itself.
             NsPrecision::F32 => NsNeed {
                 f32: iteration,
@@ -292,7 +303,7 @@ impl NsNeed {
                 bf16: iteration,
                 f64,
             },
-        }
+        })
     }
 
     /// The larger of each count: a workspace for both calls.
@@ -348,8 +359,8 @@ pub fn orthogonalize_cuda_in(
     cfg.validate()?;
     let NsShape { batch, rows, cols } = shape;
     let prec = cfg.precision;
-    let mn = rows * cols;
-    if x.len() != batch * mn {
+    let stack = rows.checked_mul(cols).and_then(|mn| mn.checked_mul(batch));
+    if stack != Some(x.len()) {
         return Err(Error::BadInput {
             op: OP,
             what: format!("{} elements", x.len()),
@@ -359,6 +370,7 @@ pub fn orthogonalize_cuda_in(
     if x.is_empty() {
         return Ok(());
     }
+    let mn = rows * cols; // (`batch · mn` elements are there: no overflow)
     let transposed = rows > cols;
     let (s, l) = if transposed {
         (cols, rows)
@@ -382,7 +394,7 @@ pub fn orthogonalize_cuda_in(
             ),
         });
     }
-    let need = NsNeed::of(shape, cfg);
+    let need = NsNeed::of(shape, cfg)?;
     let stack = batch * mn;
     let mut f32s = work.f32.view_mut(dev, need.f32)?;
     let mut bf16s = work.bf16.view_mut(dev, need.bf16)?;
