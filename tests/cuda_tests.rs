@@ -14,19 +14,12 @@ use ragged::cuda::Device;
 use ragged::storage::{NonFiniteCounts, Placement, Storage};
 use ragged::Error;
 
-#[path = "common/cuda_emu.rs"]
-mod cuda_emu;
-use cuda_emu::emulated_peak_growth;
-
-fn device() -> Option<Device> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
+#[path = "common/cuda.rs"]
+mod cuda;
+use cuda::{
+    bits, device, nccl_ranks_of_one_process, on_each_thread, segments_of, two_or_more_devices,
+    values,
+};
 
 #[test]
 fn gate_returns_an_error_instead_of_panicking_when_no_gpu_is_usable() {
@@ -60,15 +53,6 @@ fn gate_error_names_the_missing_library_on_a_machine_without_a_driver() {
     }
     let e = Device::open(0).unwrap_err();
     assert!(e.to_string().contains("libcuda"), "{e}");
-}
-
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let h = (i as u32 ^ seed).wrapping_mul(2_654_435_761);
-            (h >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
 }
 
 /// The same element ops on host and device storage give the same bits, and touch only their
@@ -280,133 +264,28 @@ fn bf16_casts_and_gradient_accumulation_equal_the_host_loops_bitwise() {
     assert!(r.is_err());
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
-}
-
-/// Devices 0, 1 (and 2 if present), or `None` after printing why not (fewer than two).
-fn two_or_more_devices() -> Option<Vec<Arc<Device>>> {
-    let devs: Vec<Arc<Device>> = (0..3)
-        .map_while(|i| Device::open(i).ok().map(Arc::new))
-        .collect();
-    if devs.len() < 2 {
-        println!("skipped: {} CUDA device(s), two or more needed", devs.len());
-        return None;
-    }
-    Some(devs)
-}
-
-/// `f(i, item)` for every item, each on a thread of its own (an NCCL rank of one process
-/// waits in its collectives for the others), in item order.
-fn on_each_thread<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sync) -> Vec<R> {
-    let f = &f;
-    std::thread::scope(|scope| {
-        let threads: Vec<_> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| scope.spawn(move || f(i, item)))
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap()).collect()
-    })
-}
-
 /// All-gathers `send` into fresh device segments at `spans`, as
 /// `conformance::gather_into_segments` does into host ones: their values back to back and the
-/// bytes staged. Asserts that the call allocates no device memory (under cuda-emu, see
-/// [`emulated_peak_growth`]): nothing staged, the segments filled straight from the peers'
-/// shards. Every rank allocates its buffers before a barrier; the `counting` ranks (one per
-/// device: ranks sharing a device would reset each other's count) open the count after it
-/// and read it after the barrier that follows every rank's gather.
+/// bytes staged (cuda_alloc_tests counts the device memory the gather allocates).
 fn gather_into_device_segments(
     c: &dyn Communicator,
     dev: &Device,
     send: &[f32],
     spans: &[std::ops::Range<usize>],
-    counting: bool,
 ) -> ragged::Result<(Vec<f32>, usize)> {
     let send = dev.upload(send)?;
     let mut parts = Vec::new();
     for r in spans {
         parts.push(dev.upload(&vec![0f32; r.len()])?);
     }
-    let mut segments: Vec<Segment<'_>> = spans
-        .iter()
-        .zip(parts.iter_mut())
-        .map(|(r, p)| Segment {
-            offset: r.start,
-            buf: p.slice_mut(..).into(),
-        })
-        .collect();
-    // Every rank's buffers made before the count opens.
-    c.barrier()?;
-    let mut gather = || -> ragged::Result<usize> {
-        c.barrier()?;
-        let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
-        c.barrier()?;
-        Ok(staged)
-    };
-    let (staged, allocated) = if counting {
-        emulated_peak_growth(dev.context().ordinal(), gather)
-    } else {
-        (gather(), Some(0))
-    };
+    let mut segments = segments_of(spans, &mut parts);
+    let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
     drop(segments);
-    let rank = c.rank();
-    match allocated {
-        Some(bytes) => assert_eq!(
-            bytes, 0,
-            "rank {rank}: device bytes allocated by the gather"
-        ),
-        None => println!("not under cuda-emu: the gather's device allocations are not counted"),
-    }
     let mut gathered = Vec::new();
     for p in &parts {
         gathered.extend(dev.download(p)?);
     }
-    Ok((gathered, staged?))
-}
-
-/// The device memory a reduce-scatter (out of place and in place) and an all-reduce of device
-/// buffers allocate, after one of each has run: cuda-emu's driver count over a window that the
-/// `counting` ranks (one per device: ranks sharing a device count each other's allocations)
-/// open and read between barriers enclosing every rank's calls. `None` under a real driver
-/// and on the other ranks.
-fn reductions_allocate(
-    c: &dyn Communicator,
-    dev: &Device,
-    counting: bool,
-) -> ragged::Result<Option<usize>> {
-    let world = c.world_size();
-    let mut full = dev.upload(&values(world * SLICE, c.rank() as u32 + 9))?;
-    let mut out = dev.upload(&[0f32; SLICE])?;
-    let mut reduce = || -> ragged::Result<()> {
-        let (send, recv) = (full.slice_mut(..).into(), out.slice_mut(..).into());
-        c.reduce_scatter(send, recv, ReduceOp::Sum)?;
-        c.reduce_scatter_in_place(full.slice_mut(..).into(), ReduceOp::Sum)?;
-        c.all_reduce(full.slice_mut(..).into(), ReduceOp::Avg)
-    };
-    reduce()?;
-    c.barrier()?;
-    let mut window = || -> ragged::Result<()> {
-        c.barrier()?;
-        reduce()?;
-        dev.sync()?;
-        c.barrier()
-    };
-    if !counting {
-        return window().map(|()| None);
-    }
-    let (out, grown) = emulated_peak_growth(dev.context().ordinal(), window);
-    out.map(|()| grown)
-}
-
-/// One NCCL rank per device of two or more, driven from this process, or `None` after printing
-/// why not.
-fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> {
-    let devs = two_or_more_devices()?;
-    ragged::cuda::nccl::NcclComm::from_devices(&devs)
-        .map_err(|e| println!("skipped: {e}"))
-        .ok()
+    Ok((gathered, staged))
 }
 
 /// Device 0 and a fresh NCCL id, or `None` after printing why not (no GPU, no NCCL).
@@ -609,8 +488,7 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         let send = dev.upload(&host)?;
         let mut all = dev.upload(&vec![0f32; world * s])?;
         c.all_gather(send.slice(..).into(), all.slice_mut(..).into())?;
-        let (gathered, staged) =
-            gather_into_device_segments(c, dev, &host, &spans_of(world, s), true)?;
+        let (gathered, staged) = gather_into_device_segments(c, dev, &host, &spans_of(world, s))?;
         let mut sums = Vec::new();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let mut x = dev.upload(&values(world * s, rank as u32 + 3))?;
@@ -621,17 +499,6 @@ fn nccl_out_of_place_device_collectives_of_several_ranks_match_the_cpu_thread_ba
         Ok((bits(&dev.download(&all)?), sums, bits(&gathered), staged))
     };
     let gpu = on_each_thread(&comms, |_, c| on_device(c).unwrap());
-    // Each rank on a device of its own counts its reductions' allocations: none after the
-    // first (NCCL's descriptor check keeps its buffers).
-    let grown = on_each_thread(&comms, |_, c| {
-        reductions_allocate(c, c.device(), true).unwrap()
-    });
-    for (rank, grown) in grown.iter().enumerate() {
-        match grown {
-            Some(bytes) => assert_eq!(*bytes, 0, "rank {rank}: reductions allocated"),
-            None => println!("not under cuda-emu: the reductions' allocations are not counted"),
-        }
-    }
     for (rank, (got, want)) in gpu.iter().zip(&cpu).enumerate() {
         let ((moved, sums, segs, staged), (cpu_moved, cpu_sums, cpu_segs, _)) = (got, want);
         assert_eq!(moved, cpu_moved, "rank {rank}: all-gather");
@@ -670,7 +537,7 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
         let seed = |c: &dyn Communicator| values(SLICE, c.rank() as u32 + 5);
         let cpu = ThreadWorld::run(world, |c| gather_into_segments(c, &seed(c), &spans)).unwrap();
         let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            gather_into_device_segments(c, c.device(), &seed(c), &spans, c.rank() == 0)
+            gather_into_device_segments(c, c.device(), &seed(c), &spans)
         })
         .unwrap();
         for (rank, ((got, staged), (want, _))) in gpu.iter().zip(&cpu).enumerate() {
@@ -680,16 +547,6 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
                 "world of {world}, rank {rank}: segments"
             );
             assert_eq!(*staged, 0, "world of {world}, rank {rank}: bytes staged");
-        }
-        // Reductions after the first allocate no device memory (the kernel's table of source
-        // addresses is kept by each rank).
-        let grown = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            reductions_allocate(c, c.device(), c.rank() == 0)
-        })
-        .unwrap();
-        match grown[0] {
-            Some(bytes) => assert_eq!(bytes, 0, "world of {world}: reductions allocated"),
-            None => println!("not under cuda-emu: the reductions' allocations are not counted"),
         }
     }
 }

@@ -27,41 +27,11 @@ use ragged_optimizers::{
     MuonConfig, MuonState, NsConfig,
 };
 
-#[path = "../../tests/common/cuda_emu.rs"]
-mod cuda_emu;
 mod harness;
-use harness::{bits, planned_shards, scatter, whole_shard_by, Rng};
-
-/// Device 0, or `None` after printing why the test is skipped.
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
-
-fn specs(shapes: &[(&str, &[usize])]) -> Vec<TensorSpec> {
-    shapes
-        .iter()
-        .map(|(n, s)| TensorSpec::new(*n, s, DType::F32).unwrap())
-        .collect()
-}
-
-/// Random global tensors for `specs`.
-fn globals(specs: &[TensorSpec], rng: &mut Rng, scale: f32) -> Vec<Vec<f32>> {
-    specs
-        .iter()
-        .map(|t| {
-            rng.units(t.numel())
-                .into_iter()
-                .map(|x| x * scale)
-                .collect()
-        })
-        .collect()
-}
+use harness::{
+    bits, device, globals, planned_shards, scatter, specs, split_case, split_rows, whole_shard_by,
+    Rng,
+};
 
 const STEPS: usize = 3;
 
@@ -517,14 +487,15 @@ fn newton_schulz_cuda_keeps_a_zero_matrix_zero() {
 }
 
 /// The workspace a Newton–Schulz call declares: `X` and `Y` as long as the stack and two `s × s`
-/// products per matrix (four for Gram's iteration) in the iteration's type, the normalized
-/// stack in `f32`, 64 partial sums per matrix; a shape whose count overflows is an `Err`, not
-/// a wrapped size. (No device needed.)
+/// products per matrix (four for Gram's iteration) in the iteration's type, each padded to
+/// start at a multiple of 256 bytes (64 `f32`, 128 bf16), the normalized stack in `f32`, 64
+/// partial sums per matrix; a shape whose count overflows is an `Err`, not a wrapped size.
+/// (No device needed.)
 #[test]
 fn newton_schulz_declares_its_workspace_and_refuses_an_overflowing_one() {
-    use ragged_optimizers::cuda::newton_schulz::{NsNeed, NsShape};
-    let shape = NsShape::new(2, 5, 3); // a stack of 30 elements, short side 3
-    let need = |precision, method| {
+    use ragged_optimizers::cuda::newton_schulz::{NsNeed, NsShape, ALIGN_BYTES};
+    assert_eq!(ALIGN_BYTES, 256);
+    let need = |shape, precision, method| {
         let cfg = NsConfig {
             precision,
             method,
@@ -533,16 +504,21 @@ fn newton_schulz_declares_its_workspace_and_refuses_an_overflowing_one() {
         let n = NsNeed::of(shape, &cfg).unwrap();
         (n.f32, n.bf16, n.f64)
     };
+    use NsMethod::{Gram, Standard};
+    use NsPrecision::{Bf16, F32};
+    // A stack of 30 elements (one padded buffer: 64 f32, 128 bf16), products of 18.
+    let small = NsShape::new(2, 5, 3);
+    assert_eq!(need(small, F32, Standard), (2 * 64 + 2 * 64, 0, 128));
+    assert_eq!(need(small, F32, Gram), (2 * 64 + 4 * 64, 0, 128));
+    assert_eq!(need(small, Bf16, Standard), (30, 2 * 128 + 2 * 128, 128));
+    assert_eq!(need(small, Bf16, Gram), (30, 2 * 128 + 4 * 128, 128));
+    // 3 × 64 × 100: a stack of 19 200 (a multiple of both paddings), products of 3 × 64².
+    let large = NsShape::new(3, 100, 64);
+    assert_eq!(need(large, F32, Gram), (2 * 19_200 + 4 * 12_288, 0, 192));
     assert_eq!(
-        need(NsPrecision::F32, NsMethod::Standard),
-        (60 + 36, 0, 128)
+        need(large, Bf16, Standard),
+        (19_200, 2 * 19_200 + 2 * 12_288, 192)
     );
-    assert_eq!(need(NsPrecision::F32, NsMethod::Gram), (60 + 72, 0, 128));
-    assert_eq!(
-        need(NsPrecision::Bf16, NsMethod::Standard),
-        (30, 60 + 36, 128)
-    );
-    assert_eq!(need(NsPrecision::Bf16, NsMethod::Gram), (30, 60 + 72, 128));
     let huge = NsShape::new(1 << 40, 1 << 20, 1 << 20);
     assert!(NsNeed::of(huge, &NsConfig::default()).is_err());
 }
@@ -688,21 +664,6 @@ fn muon_step_on_device_memory_refuses_host_state_and_host_gradients() {
     assert_eq!((host_state.step, ds.step), (0, 0), "nothing modified");
 }
 
-/// Row-granular shards of `spec` on `world` ranks, in which some Muon matrix is split.
-fn split_rows(opt: &Muon, spec: &[TensorSpec], world: usize) -> Vec<LocalShard> {
-    let shards = harness::planned_shards_by(
-        spec,
-        world,
-        &|_| ragged::AtomicBlock::Rows(1),
-        &PlanOptions::default(),
-    );
-    assert!(
-        shards.iter().any(|s| opt.roots(s).has_split()),
-        "a split layout"
-    );
-    shards
-}
-
 /// Sharded Muon with split matrices over thread ranks on one GPU (host Muon step, the
 /// all-to-alls on device copies through the GPU thread ranks' device path, [`ViaDevice`]) is bitwise the CPU thread-rank run: data
 /// movement is exact on both backends.
@@ -789,22 +750,6 @@ fn sharded_muon_on_cpu_and_gpu_threads(
     (cpu, gpu)
 }
 
-/// Three Muon matrices and a vector for the split-layout device tests, with seeded initial
-/// parameters and [`STEPS`] gradients.
-#[allow(clippy::type_complexity)]
-fn split_case(seed: u64) -> (Vec<TensorSpec>, Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let spec = specs(&[
-        ("w0", &[48, 32]),
-        ("w1", &[48, 32]),
-        ("w2", &[40, 24]),
-        ("b", &[7]),
-    ]);
-    let mut rng = Rng::new(seed);
-    let p0 = globals(&spec, &mut rng, 1.0);
-    let grads = (0..STEPS).map(|_| globals(&spec, &mut rng, 0.1)).collect();
-    (spec, p0, grads)
-}
-
 /// The device step on a split layout over thread ranks on one GPU (matrices gathered to their
 /// roots with device copies and the device all-to-all) against the CPU sharded step: momentum
 /// and the AdamW moments bitwise, parameters within the Newton–Schulz tolerance.
@@ -818,7 +763,7 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
         ..Default::default()
     })
     .unwrap();
-    let (spec, p0, grads) = split_case(33);
+    let (spec, p0, grads) = split_case(33, STEPS);
     let shards = split_rows(&opt, &spec, 3);
     let (cpu, gpu) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);
     for (r, ((gp, gm, gv), (cp, cm, cv))) in gpu.iter().zip(&cpu).enumerate() {
@@ -843,114 +788,6 @@ fn muon_step_cuda_comm_on_split_matrices_matches_the_cpu_sharded_step() {
     assert_eq!(st.step, 0, "nothing modified");
 }
 
-/// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
-/// roots' arena, the all-to-all buffers and Newton–Schulz's workspace between steps, sized
-/// before use (split and whole matrices; `f32` and bf16, the standard and the Gram
-/// iteration); AdamW and 8-bit Adam step in their state. Counted by tools/cuda-emu's driver
-/// over two steps of three thread ranks on one GPU ([`steps_after_the_first_allocate`]).
-#[test]
-fn device_steps_after_the_first_allocate_no_device_memory() {
-    let Some(dev) = device() else { return };
-    let (spec, p0, grads) = split_case(37);
-    let mut counted = Vec::new();
-    for precision in [NsPrecision::F32, NsPrecision::Bf16] {
-        for method in [NsMethod::Standard, NsMethod::Gram] {
-            let ns = NsConfig {
-                precision,
-                method,
-                ..Default::default()
-            };
-            let opt = Muon::new(MuonConfig {
-                lr: 1e-2,
-                ns,
-                ..Default::default()
-            })
-            .unwrap();
-            let shards = split_rows(&opt, &spec, 3);
-            let (grown, ranks) = steps_after_the_first_allocate(&opt, &shards, &dev, &p0, &grads);
-            counted.push((format!("Muon {precision:?} {method:?}"), grown));
-            // What each rank's Muon kept is device memory that `release_buffers` frees: at
-            // least `U`.
-            for (o, shard) in ranks.iter().zip(&shards) {
-                let kept = o.release_buffers();
-                assert!(
-                    kept >= 4 * shard.len,
-                    "rank {}: {kept} bytes kept",
-                    shard.rank
-                );
-            }
-        }
-    }
-    let opts = PlanOptions::default();
-    let adamw = AdamW::new(AdamWConfig::default()).unwrap();
-    let shards = planned_shards(&adamw, &spec, 3, &opts);
-    let (grown, _) = steps_after_the_first_allocate(&adamw, &shards, &dev, &p0, &grads);
-    counted.push(("AdamW".into(), grown));
-    let adam8bit = Adam8bit::new(Adam8bitConfig {
-        min_8bit_size: 256,
-        ..Default::default()
-    })
-    .unwrap();
-    let shards = planned_shards(&adam8bit, &spec, 3, &opts);
-    let (grown, _) = steps_after_the_first_allocate(&adam8bit, &shards, &dev, &p0, &grads);
-    counted.push(("8-bit Adam".into(), grown));
-    for (what, grown) in counted {
-        match grown {
-            Some(bytes) => assert_eq!(bytes, 0, "{what}: bytes allocated"),
-            None => println!("skipped the count: the driver is not cuda-emu"),
-        }
-    }
-}
-
-/// The device memory `opt`'s steps after the first allocate on thread ranks on one GPU, one
-/// rank per shard: each rank steps once on `grads[0]`, then rank 0 opens cuda-emu's count,
-/// every rank steps on the other gradients between barriers, and rank 0 reads the count (ranks
-/// sharing a device count each other's allocations). Each rank steps its own clone of `opt`,
-/// as each rank of `fully_shard` has its own (a `Muon` keeps one step's buffers: ranks sharing
-/// one would take turns keeping theirs). Returns the count (`None` under a real driver) and
-/// the ranks' optimizers after their steps.
-fn steps_after_the_first_allocate<O: Optimizer + Clone + Send>(
-    opt: &O,
-    shards: &[LocalShard],
-    dev: &Arc<Device>,
-    p0: &[Vec<f32>],
-    grads: &[Vec<Vec<f32>>],
-) -> (Option<usize>, Vec<O>) {
-    use ragged::cuda::threads::ThreadDeviceComm;
-    let grown = ThreadDeviceComm::run(dev.clone(), shards.len(), |c| {
-        let opt = opt.clone();
-        let (shard, d) = (&shards[c.rank()], c.device());
-        let mut p = d.upload(&scatter(shard, p0))?;
-        let mut st = opt.init_on(shard, &Placement::Cuda(dev.clone()))?;
-        let gs = grads
-            .iter()
-            .map(|g| d.upload(&scatter(shard, g)))
-            .collect::<ragged::Result<Vec<_>>>()?;
-        let mut step = |g: &ragged::cuda::cudarc::driver::CudaSlice<f32>| {
-            let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
-            opt.step(&mut st, shard, pv, gv, c)
-        };
-        step(&gs[0])?;
-        c.barrier()?;
-        let mut rest = || -> ragged::Result<()> {
-            c.barrier()?;
-            gs[1..].iter().try_for_each(&mut step)?;
-            d.sync()?;
-            c.barrier()
-        };
-        let grown = if c.rank() > 0 {
-            rest().map(|()| None)
-        } else {
-            let (out, grown) = cuda_emu::emulated_peak_growth(d.context().ordinal(), rest);
-            out.map(|()| grown)
-        }?;
-        Ok((grown, opt))
-    })
-    .unwrap();
-    let count = grown[0].0;
-    (count, grown.into_iter().map(|(_, o)| o).collect())
-}
-
 /// With bf16 Newton–Schulz the device step's split matrices travel to their roots and back
 /// in bf16 (as the host step's): bitwise the device step of the whole matrices on one rank,
 /// since Newton–Schulz rounds its input to bf16 first and returns bf16 values.
@@ -967,7 +804,7 @@ fn bf16_split_matrices_on_the_device_equal_whole_ones_bitwise() {
     })
     .unwrap();
     assert_eq!(opt.route_elem_bytes(), 2);
-    let (spec, p0, grads) = split_case(35);
+    let (spec, p0, grads) = split_case(35, STEPS);
     let shards = split_rows(&opt, &spec, 3);
     let whole = [muon_shard(&opt, &spec)];
     let (_, split) = sharded_muon_on_cpu_and_gpu_threads(&opt, &shards, &dev, &p0, &grads);

@@ -14,8 +14,9 @@
 // which faults on a GPU, aborts here).
 //
 // Environment: CUDA_EMU_DEVICES (default 1) devices of CUDA_EMU_MEM_MIB (default 16384) MiB
-// each. Beyond the API: cuda_emu_device_memory and cuda_emu_reset_peak (at the end) count
-// each device's allocated bytes, for tests that prove a call allocates nothing.
+// each. Beyond the API: cuda_emu_device_memory, cuda_emu_allocations and cuda_emu_reset_peak
+// (at the end) count each device's allocated bytes and allocations, for tests that prove a
+// call allocates nothing.
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -77,6 +78,9 @@ std::map<unsigned long long, Allocation> allocations;  // by base address
 // Per device: bytes live, and the most live since the last cuda_emu_reset_peak (test hooks
 // below), so a test can see what a call allocated, even where it freed it before returning.
 std::map<CUdevice, size_t> live_bytes, peak_bytes;
+// Per device: allocations and their bytes since the last cuda_emu_reset_peak (a buffer freed
+// and made again at the same size leaves the peak where it was, not these counts).
+std::map<CUdevice, size_t> allocations_made, bytes_allocated;
 thread_local Context* current_context = nullptr;
 
 int device_count() {
@@ -144,6 +148,8 @@ CUresult alloc(const char* call, CUdeviceptr* out, size_t bytes) {
     allocations[*out] = {bytes, d};
     live_bytes[d] += bytes;
     peak_bytes[d] = std::max(peak_bytes[d], live_bytes[d]);
+    ++allocations_made[d];
+    bytes_allocated[d] += bytes;
     return CUDA_SUCCESS;
 }
 
@@ -701,7 +707,8 @@ int cuda_emu_current_device() { return current_device(); }
 
 // Test hooks, no CUDA API (a test finds them with dlsym and knows it runs here): the bytes
 // live on device `d` and the most that were live since the last reset, counted at every
-// cuMemAlloc(Async) and cuMemFree(Async) whoever calls it; and that reset (peak = live).
+// cuMemAlloc(Async) and cuMemFree(Async) whoever calls it; the allocations made since the
+// reset and their bytes; and that reset (peak = live, no allocations).
 int cuda_emu_device_memory(int d, size_t* live, size_t* peak) {
     if (d < 0 || d >= device_count() || !live || !peak) return CUDA_ERROR_INVALID_VALUE;
     std::lock_guard<std::mutex> g(lock);
@@ -709,10 +716,18 @@ int cuda_emu_device_memory(int d, size_t* live, size_t* peak) {
     *peak = peak_bytes[d];
     return CUDA_SUCCESS;
 }
+int cuda_emu_allocations(int d, size_t* made, size_t* bytes) {
+    if (d < 0 || d >= device_count() || !made || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(lock);
+    *made = allocations_made[d];
+    *bytes = bytes_allocated[d];
+    return CUDA_SUCCESS;
+}
 int cuda_emu_reset_peak(int d) {
     if (d < 0 || d >= device_count()) return CUDA_ERROR_INVALID_VALUE;
     std::lock_guard<std::mutex> g(lock);
     peak_bytes[d] = live_bytes[d];
+    allocations_made[d] = bytes_allocated[d] = 0;
     return CUDA_SUCCESS;
 }
 

@@ -272,26 +272,53 @@ pub struct NsNeed {
 
 impl NsNeed {
     /// What [`orthogonalize_cuda_in`] takes for `shape` under `cfg`: the products of `s × s`
-    /// (`s` the short side) are two for the standard iteration, four for Gram's. `Err` for a
-    /// shape whose workspace has more elements than a `usize` counts.
+    /// (`s` the short side) are two for the standard iteration, four for Gram's; each buffer
+    /// of the iteration starts at a multiple of [`ALIGN_BYTES`]. `Err` for a shape whose
+    /// workspace has more elements than a `usize` counts.
     pub fn of(shape: NsShape, cfg: &NsConfig) -> Result<NsNeed> {
-        let NsShape { batch, rows, cols } = shape;
-        let (s, l) = (rows.min(cols), rows.max(cols));
-        let products = if iterates_gram(cfg, s, l) { 4 } else { 2 };
-        let count = |factors: &[usize]| factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f));
-        let sizes = (|| {
-            let stack = count(&[batch, rows, cols])?;
-            let iteration = count(&[2, stack])?.checked_add(count(&[products, batch, s, s])?)?;
-            Some((stack, iteration, count(&[batch, SUMSQ_BLOCKS as usize])?))
-        })();
-        let Some((stack, iteration, f64)) = sizes else {
-            return Err(Error::BadInput {
-                op: "NsNeed::of",
-                what: format!("{batch} matrices of {rows}×{cols}"),
-                reason: "the Newton–Schulz workspace's element count overflows usize".into(),
-            });
+        carving(shape, cfg).map(|(need, _)| need)
+    }
+
+    /// The larger of each count: a workspace for both calls.
+    pub fn max(self, other: NsNeed) -> NsNeed {
+        NsNeed {
+            f32: self.f32.max(other.f32),
+            bf16: self.bf16.max(other.bf16),
+            f64: self.f64.max(other.f64),
+        }
+    }
+}
+
+/// How a call's workspace is cut, in elements of the iteration's type (`f32` or bf16): `X`
+/// and `Y` of `x` each (the `stack`, padded), then the products, `square` each (a stack of
+/// `s × s` matrices, padded).
+#[derive(Clone, Copy, Debug)]
+struct Carving {
+    stack: usize,
+    x: usize,
+    square: usize,
+}
+
+/// [`NsNeed::of`] and the [`Carving`] it is made of.
+fn carving(shape: NsShape, cfg: &NsConfig) -> Result<(NsNeed, Carving)> {
+    let NsShape { batch, rows, cols } = shape;
+    let (s, l) = (rows.min(cols), rows.max(cols));
+    let products = if iterates_gram(cfg, s, l) { 4 } else { 2 };
+    let elem = match cfg.precision {
+        NsPrecision::F32 => 4,
+        NsPrecision::Bf16 => 2,
+    };
+    let count = |factors: &[usize]| factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f));
+    let cut = (|| {
+        let stack = count(&[batch, rows, cols])?;
+        let carving = Carving {
+            stack,
+            x: aligned(stack, elem)?,
+            square: aligned(count(&[batch, s, s])?, elem)?,
         };
-        Ok(match cfg.precision {
+        let iteration = count(&[2, carving.x])?.checked_add(count(&[products, carving.square])?)?;
+        let f64 = count(&[batch, SUMSQ_BLOCKS as usize])?;
+        let need = match cfg.precision {
             // `X` is the normalized stack itself.
             NsPrecision::F32 => NsNeed {
                 f32: iteration,
@@ -303,17 +330,25 @@ impl NsNeed {
                 bf16: iteration,
                 f64,
             },
-        })
-    }
+        };
+        Some((need, carving))
+    })();
+    cut.ok_or_else(|| Error::BadInput {
+        op: "NsNeed::of",
+        what: format!("{batch} matrices of {rows}×{cols}"),
+        reason: "the Newton–Schulz workspace's element count overflows usize".into(),
+    })
+}
 
-    /// The larger of each count: a workspace for both calls.
-    pub fn max(self, other: NsNeed) -> NsNeed {
-        NsNeed {
-            f32: self.f32.max(other.f32),
-            bf16: self.bf16.max(other.bf16),
-            f64: self.f64.max(other.f64),
-        }
-    }
+/// Where each buffer of the iteration starts in the workspace: a multiple of 256 bytes, as a
+/// buffer of its own would (`cuMemAlloc`'s alignment), so cuBLAS picks the kernels it picks
+/// for aligned operands (Hopper's TMA kernels need at least 16).
+pub const ALIGN_BYTES: usize = 256;
+
+/// `n` elements of `elem` bytes rounded up to whole [`ALIGN_BYTES`] (`None` on overflow).
+fn aligned(n: usize, elem: usize) -> Option<usize> {
+    let per = ALIGN_BYTES / elem;
+    n.div_ceil(per).checked_mul(per)
 }
 
 /// Newton–Schulz's device workspace ([`NsNeed`]), kept by the caller between calls: it grows
@@ -394,12 +429,18 @@ pub fn orthogonalize_cuda_in(
             ),
         });
     }
-    let need = NsNeed::of(shape, cfg)?;
-    let stack = batch * mn;
+    let (need, cut) = carving(shape, cfg)?;
+    let stack = cut.stack;
     let mut f32s = work.f32.view_mut(dev, need.f32)?;
     let mut bf16s = work.bf16.view_mut(dev, need.bf16)?;
     let mut partial = work.f64.view_mut(dev, need.f64)?;
-    let (mut xw, mut rest) = f32s.split_at_mut(stack);
+    // `f32`: `X` padded, `Y` and the products after it; bf16: `X` normalized in `f32`, the
+    // iteration's buffers in `bf16s`.
+    let x_len = match prec {
+        NsPrecision::F32 => cut.x,
+        NsPrecision::Bf16 => stack,
+    };
+    let (mut xw, mut rest) = f32s.split_at_mut(x_len);
 
     // Step 1 into the working buffer.
     if transposed {
@@ -418,30 +459,31 @@ pub fn orthogonalize_cuda_in(
     // Step 2.
     normalize(dev, &mut xw, &mut partial, (batch, mn), cfg)?;
 
-    // Step 3, by the method `cfg` gives this shape on the CPU.
+    // Step 3, by the method `cfg` gives this shape on the CPU. The iteration's buffers are
+    // padded views (its operations take their sizes from the shape); the conversions take
+    // the stack's exact length.
     let blas = dev.blas()?;
     let gram = iterates_gram(cfg, s, l);
     let dims = (bi, si, li);
-    let squares = batch * s * s;
     match prec {
         NsPrecision::F32 => {
-            let (y, products) = rest.split_at_mut(stack);
+            let (y, products) = rest.split_at_mut(cut.x);
             let work = Iteration {
                 y,
-                squares: products.chunks_exact_mut(squares).collect(),
+                squares: products.chunks_exact_mut(cut.square).collect(),
             };
             iterate::<f32>(&blas, dev, prec, &mut xw, work, dims, cfg, syrk, gram)?;
         }
         NsPrecision::Bf16 => {
-            let (mut xb, mut rest16) = bf16s.split_at_mut(stack);
-            let (y, products) = rest16.split_at_mut(stack);
-            f32_to_bf16(dev, &xw.as_view(), &mut xb)?;
+            let (mut xb, mut rest16) = bf16s.split_at_mut(cut.x);
+            let (y, products) = rest16.split_at_mut(cut.x);
+            f32_to_bf16(dev, &xw.as_view(), &mut xb.slice_mut(..stack))?;
             let work = Iteration {
                 y,
-                squares: products.chunks_exact_mut(squares).collect(),
+                squares: products.chunks_exact_mut(cut.square).collect(),
             };
             iterate::<u16>(&blas, dev, prec, &mut xb, work, dims, cfg, syrk, gram)?;
-            bf16_to_f32(dev, &xb.as_view(), &mut xw)?;
+            bf16_to_f32(dev, &xb.slice(..stack), &mut xw)?;
         }
     }
 
@@ -449,7 +491,7 @@ pub fn orthogonalize_cuda_in(
     if transposed {
         transpose(dev, &xw, x, batch, s, l)
     } else {
-        guarded(OP, || stream.memcpy_dtod(&xw, x))
+        guarded(OP, || stream.memcpy_dtod(&xw.slice(..stack), x))
     }
 }
 
@@ -545,7 +587,7 @@ impl NsElem for f32 {
         (batch, s, l): (usize, usize, usize),
     ) -> Result<()> {
         // X's buffer is the column-major Xᵀ (l×s, ld l): P = (Xᵀ)ᵀ·Xᵀ, trans = T.
-        syrk_each(blas, dev, x, p, (s, l), true, (1.0, 0.0))?;
+        syrk_each(blas, dev, x, p, (batch, s, l), true, (1.0, 0.0))?;
         symmetrize(dev, p, batch, s)
     }
 
@@ -557,7 +599,7 @@ impl NsElem for f32 {
         (batch, s): (usize, usize),
         (b, c): (f32, f32),
     ) -> Result<()> {
-        syrk_each(blas, dev, p, q, (s, s), false, (c, b))?;
+        syrk_each(blas, dev, p, q, (batch, s, s), false, (c, b))?;
         symmetrize(dev, q, batch, s)
     }
 }
@@ -767,15 +809,16 @@ fn per_matrix(len: usize, batch: usize) -> LaunchConfig {
     cfg
 }
 
-/// `C_i = α·op(A_i)·op(A_i)ᵀ + β·C_i` (lower triangle) for every matrix `i` of the stacks:
-/// `A_i` is column-major `k × n` used transposed (`trans`, `(n, k) = dims`, ld `k`) or
-/// `n × k` as is (ld `n`); `C_i` is `n × n`.
+/// `C_i = α·op(A_i)·op(A_i)ᵀ + β·C_i` (lower triangle) for each of the `batch` matrices `i`
+/// of the stacks: `A_i` is column-major `k × n` used transposed (`trans`, `(batch, n, k) =
+/// dims`, ld `k`) or `n × k` as is (ld `n`); `C_i` is `n × n`. (The buffers may be longer:
+/// workspace views are padded to [`ALIGN_BYTES`].)
 fn syrk_each(
     blas: &CudaBlas,
     dev: &Device,
     a: &CudaViewMut<'_, f32>,
     c: &mut CudaViewMut<'_, f32>,
-    (n, k): (usize, usize),
+    (batch, n, k): (usize, usize, usize),
     trans: bool,
     (alpha, beta): (f32, f32),
 ) -> Result<()> {
@@ -786,7 +829,6 @@ fn syrk_each(
     let lda = if trans { ki } else { ni };
     let op = if trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
     let stream = dev.stream();
-    let batch = c.len() / (n * n);
     let (ap, _ga) = a.device_ptr(stream);
     let (cp, _gc) = c.device_ptr_mut(stream);
     for i in 0..batch {

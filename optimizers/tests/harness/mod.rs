@@ -9,7 +9,7 @@ use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::{plan_unit, PlanOptions};
 use ragged::AtomicBlock;
 use ragged_optimizers::newton_schulz::{resolve_config, resolve_method};
-use ragged_optimizers::{Grafting, NsConfig, NsMethod, ShampooConfig};
+use ragged_optimizers::{Grafting, Muon, NsConfig, NsMethod, ShampooConfig};
 
 /// Every rank's shard of `specs` on `world` ranks, planned with `block_of`.
 pub fn planned_shards_by(
@@ -319,4 +319,60 @@ pub fn loud_shampoo() -> ShampooConfig {
         grafting: Grafting::ADAM,
         ..ShampooConfig::default()
     }
+}
+
+/// Device 0, or `None` after printing why the test is skipped.
+#[cfg(feature = "cuda")]
+pub fn device() -> Option<std::sync::Arc<ragged::cuda::Device>> {
+    match ragged::cuda::Device::open(0) {
+        Ok(d) => Some(std::sync::Arc::new(d)),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Random global tensors for `specs`.
+pub fn globals(specs: &[TensorSpec], rng: &mut Rng, scale: f32) -> Vec<Vec<f32>> {
+    specs
+        .iter()
+        .map(|t| {
+            rng.units(t.numel())
+                .into_iter()
+                .map(|x| x * scale)
+                .collect()
+        })
+        .collect()
+}
+
+/// Row-granular shards of `spec` on `world` ranks, in which some Muon matrix is split.
+pub fn split_rows(opt: &Muon, spec: &[TensorSpec], world: usize) -> Vec<LocalShard> {
+    let shards = planned_shards_by(
+        spec,
+        world,
+        &|_| ragged::AtomicBlock::Rows(1),
+        &PlanOptions::default(),
+    );
+    assert!(
+        shards.iter().any(|s| opt.roots(s).has_split()),
+        "a split layout"
+    );
+    shards
+}
+
+/// Three Muon matrices and a vector for the split-layout device tests, with seeded initial
+/// parameters and `steps` gradients.
+#[allow(clippy::type_complexity)]
+pub fn split_case(seed: u64, steps: usize) -> (Vec<TensorSpec>, Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+    let spec = specs(&[
+        ("w0", &[48, 32]),
+        ("w1", &[48, 32]),
+        ("w2", &[40, 24]),
+        ("b", &[7]),
+    ]);
+    let mut rng = Rng::new(seed);
+    let p0 = globals(&spec, &mut rng, 1.0);
+    let grads = (0..steps).map(|_| globals(&spec, &mut rng, 0.1)).collect();
+    (spec, p0, grads)
 }

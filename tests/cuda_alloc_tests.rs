@@ -1,0 +1,152 @@
+//! Device memory the collectives allocate (feature `cuda`), as tools/cuda-emu's driver counts
+//! it. A binary of its own: the count is the device's, so no other test may use the devices
+//! while one runs (cargo runs a binary's tests on parallel threads; these take turns, [`ALONE`]).
+//! Under a real driver, which has no count, each test says so and checks nothing more; without
+//! a GPU it prints `skipped: <reason>`.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, Mutex};
+
+use ragged::comm::conformance::{segment_spans, SLICE};
+use ragged::comm::{Communicator, ReduceOp};
+use ragged::cuda::threads::ThreadDeviceComm;
+use ragged::cuda::Device;
+
+#[path = "common/cuda.rs"]
+mod cuda;
+use cuda::{
+    device, emulated_allocations, nccl_ranks_of_one_process, on_each_thread, segments_of, values,
+    Allocated,
+};
+
+/// Held by each test for its whole run: the counts are per device, not per test.
+static ALONE: Mutex<()> = Mutex::new(());
+
+/// Gathers into device segments allocate nothing (each rank's shard goes straight into the
+/// peers' segments): thread ranks on one GPU (worlds 1–4) and NCCL ranks of one process.
+#[test]
+fn device_segment_gathers_allocate_no_device_memory() {
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    for world in [1, 2, 3, 4] {
+        let allocated = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            gather_allocates(c, c.device(), c.rank() == 0)
+        })
+        .unwrap();
+        expect_none(
+            allocated[0],
+            &format!("gathers of a world of {world} thread ranks"),
+        );
+    }
+    let Some(comms) = nccl_ranks_of_one_process() else {
+        return;
+    };
+    let allocated = on_each_thread(&comms, |_, c| {
+        gather_allocates(c, c.device(), true).unwrap()
+    });
+    for (rank, allocated) in allocated.into_iter().enumerate() {
+        expect_none(allocated, &format!("NCCL rank {rank}'s gather"));
+    }
+}
+
+/// Reduce-scatters and all-reduces after the first allocate nothing (GPU thread ranks keep
+/// their reduction kernel's table of source addresses, NCCL its descriptor buffers and its
+/// barrier's flag): thread ranks on one GPU (worlds 1–4) and NCCL ranks of one process.
+#[test]
+fn device_reductions_after_the_first_allocate_no_device_memory() {
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = device() else { return };
+    let dev = Arc::new(dev);
+    for world in [1, 2, 3, 4] {
+        let allocated = ThreadDeviceComm::run(dev.clone(), world, |c| {
+            reductions_allocate(c, c.device(), c.rank() == 0)
+        })
+        .unwrap();
+        expect_none(
+            allocated[0],
+            &format!("reductions of a world of {world} thread ranks"),
+        );
+    }
+    let Some(comms) = nccl_ranks_of_one_process() else {
+        return;
+    };
+    let allocated = on_each_thread(&comms, |_, c| {
+        reductions_allocate(c, c.device(), true).unwrap()
+    });
+    for (rank, allocated) in allocated.into_iter().enumerate() {
+        expect_none(allocated, &format!("NCCL rank {rank}'s reductions"));
+    }
+}
+
+/// Asserts that nothing was allocated, or says that the driver counts nothing.
+fn expect_none(allocated: Option<Allocated>, what: &str) {
+    match allocated {
+        Some(a) => assert_eq!(a, Allocated::NONE, "{what}: device allocations"),
+        None => println!("not under cuda-emu: {what} not counted"),
+    }
+}
+
+/// The device memory an all-gather into device segments allocates: every rank makes its
+/// buffers before a barrier; the `counting` ranks (one per device: ranks sharing a device would
+/// reset each other's count) open the count after it and read it after the barrier that
+/// follows every rank's gather. `None` under a real driver and on the other ranks.
+fn gather_allocates(
+    c: &dyn Communicator,
+    dev: &Device,
+    counting: bool,
+) -> ragged::Result<Option<Allocated>> {
+    let spans = segment_spans(c.world_size());
+    let send = dev.upload(&values(SLICE, c.rank() as u32 + 5))?;
+    let mut parts = Vec::new();
+    for r in &spans {
+        parts.push(dev.upload(&vec![0f32; r.len()])?);
+    }
+    let mut segments = segments_of(&spans, &mut parts);
+    c.barrier()?;
+    let mut gather = || -> ragged::Result<()> {
+        c.barrier()?;
+        c.all_gather_segments(send.slice(..).into(), &mut segments)?;
+        dev.sync()?;
+        c.barrier()
+    };
+    if !counting {
+        return gather().map(|()| None);
+    }
+    let (out, allocated) = emulated_allocations(dev.context().ordinal(), gather);
+    out.map(|()| allocated)
+}
+
+/// The device memory a reduce-scatter (out of place and in place) and an all-reduce of device
+/// buffers allocate, after one of each has run: cuda-emu's driver count over a window that the
+/// `counting` ranks (one per device: ranks sharing a device count each other's allocations)
+/// open and read between barriers enclosing every rank's calls. `None` under a real driver
+/// and on the other ranks.
+fn reductions_allocate(
+    c: &dyn Communicator,
+    dev: &Device,
+    counting: bool,
+) -> ragged::Result<Option<Allocated>> {
+    let world = c.world_size();
+    let mut full = dev.upload(&values(world * SLICE, c.rank() as u32 + 9))?;
+    let mut out = dev.upload(&[0f32; SLICE])?;
+    let mut reduce = || -> ragged::Result<()> {
+        let (send, recv) = (full.slice_mut(..).into(), out.slice_mut(..).into());
+        c.reduce_scatter(send, recv, ReduceOp::Sum)?;
+        c.reduce_scatter_in_place(full.slice_mut(..).into(), ReduceOp::Sum)?;
+        c.all_reduce(full.slice_mut(..).into(), ReduceOp::Avg)
+    };
+    reduce()?;
+    c.barrier()?;
+    let mut window = || -> ragged::Result<()> {
+        c.barrier()?;
+        reduce()?;
+        dev.sync()?;
+        c.barrier()
+    };
+    if !counting {
+        return window().map(|()| None);
+    }
+    let (out, allocated) = emulated_allocations(dev.context().ordinal(), window);
+    out.map(|()| allocated)
+}
