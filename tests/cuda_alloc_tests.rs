@@ -15,8 +15,8 @@ use ragged::cuda::Device;
 #[path = "common/cuda.rs"]
 mod cuda;
 use cuda::{
-    device, emulated_allocations, nccl_ranks_of_one_process, on_each_thread, segments_of, values,
-    Allocated,
+    allocated_by_every_rank, device, nccl_ranks_of_one_process, on_each_thread, segments_of,
+    values, Allocated,
 };
 
 /// Held by each test for its whole run: the counts are per device, not per test.
@@ -26,28 +26,7 @@ static ALONE: Mutex<()> = Mutex::new(());
 /// peers' segments): thread ranks on one GPU (worlds 1–4) and NCCL ranks of one process.
 #[test]
 fn device_segment_gathers_allocate_no_device_memory() {
-    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
-    for world in [1, 2, 3, 4] {
-        let allocated = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            gather_allocates(c, c.device(), c.rank() == 0)
-        })
-        .unwrap();
-        expect_none(
-            allocated[0],
-            &format!("gathers of a world of {world} thread ranks"),
-        );
-    }
-    let Some(comms) = nccl_ranks_of_one_process() else {
-        return;
-    };
-    let allocated = on_each_thread(&comms, |_, c| {
-        gather_allocates(c, c.device(), true).unwrap()
-    });
-    for (rank, allocated) in allocated.into_iter().enumerate() {
-        expect_none(allocated, &format!("NCCL rank {rank}'s gather"));
-    }
+    expect_none_on_every_backend("gathers", gather_allocates);
 }
 
 /// Reduce-scatters and all-reduces after the first allocate nothing (GPU thread ranks keep
@@ -55,27 +34,34 @@ fn device_segment_gathers_allocate_no_device_memory() {
 /// barrier's flag): thread ranks on one GPU (worlds 1–4) and NCCL ranks of one process.
 #[test]
 fn device_reductions_after_the_first_allocate_no_device_memory() {
+    expect_none_on_every_backend("reductions", reductions_allocate);
+}
+
+/// What `calls` of every rank allocate (see [`gather_allocates`]; `counting` is whether this
+/// rank reads the count): nothing on thread ranks on one GPU (worlds 1–4, rank 0 counting)
+/// nor on the NCCL ranks of one process (each counting its own device). Holds [`ALONE`].
+fn expect_none_on_every_backend(
+    what: &str,
+    calls: impl Fn(&dyn Communicator, &Device, bool) -> ragged::Result<Option<Allocated>> + Sync,
+) {
     let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {
-        let allocated = ThreadDeviceComm::run(dev.clone(), world, |c| {
-            reductions_allocate(c, c.device(), c.rank() == 0)
-        })
-        .unwrap();
+        let allocated =
+            ThreadDeviceComm::run(dev.clone(), world, |c| calls(c, c.device(), c.rank() == 0))
+                .unwrap();
         expect_none(
             allocated[0],
-            &format!("reductions of a world of {world} thread ranks"),
+            &format!("{what} of a world of {world} thread ranks"),
         );
     }
     let Some(comms) = nccl_ranks_of_one_process() else {
         return;
     };
-    let allocated = on_each_thread(&comms, |_, c| {
-        reductions_allocate(c, c.device(), true).unwrap()
-    });
+    let allocated = on_each_thread(&comms, |_, c| calls(c, c.device(), true).unwrap());
     for (rank, allocated) in allocated.into_iter().enumerate() {
-        expect_none(allocated, &format!("NCCL rank {rank}'s reductions"));
+        expect_none(allocated, &format!("NCCL rank {rank}'s {what}"));
     }
 }
 
@@ -87,10 +73,8 @@ fn expect_none(allocated: Option<Allocated>, what: &str) {
     }
 }
 
-/// The device memory an all-gather into device segments allocates: every rank makes its
-/// buffers before a barrier; the `counting` ranks (one per device: ranks sharing a device would
-/// reset each other's count) open the count after it and read it after the barrier that
-/// follows every rank's gather. `None` under a real driver and on the other ranks.
+/// The device memory an all-gather into device segments allocates on every rank
+/// ([`allocated_by_every_rank`]).
 fn gather_allocates(
     c: &dyn Communicator,
     dev: &Device,
@@ -103,25 +87,14 @@ fn gather_allocates(
         parts.push(dev.upload(&vec![0f32; r.len()])?);
     }
     let mut segments = segments_of(&spans, &mut parts);
-    c.barrier()?;
-    let mut gather = || -> ragged::Result<()> {
-        c.barrier()?;
-        c.all_gather_segments(send.slice(..).into(), &mut segments)?;
-        dev.sync()?;
-        c.barrier()
-    };
-    if !counting {
-        return gather().map(|()| None);
-    }
-    let (out, allocated) = emulated_allocations(dev.context().ordinal(), gather);
-    out.map(|()| allocated)
+    allocated_by_every_rank(c, dev, counting, || {
+        c.all_gather_segments(send.slice(..).into(), &mut segments)
+            .map(drop)
+    })
 }
 
 /// The device memory a reduce-scatter (out of place and in place) and an all-reduce of device
-/// buffers allocate, after one of each has run: cuda-emu's driver count over a window that the
-/// `counting` ranks (one per device: ranks sharing a device count each other's allocations)
-/// open and read between barriers enclosing every rank's calls. `None` under a real driver
-/// and on the other ranks.
+/// buffers allocate on every rank after one of each has run ([`allocated_by_every_rank`]).
 fn reductions_allocate(
     c: &dyn Communicator,
     dev: &Device,
@@ -137,16 +110,5 @@ fn reductions_allocate(
         c.all_reduce(full.slice_mut(..).into(), ReduceOp::Avg)
     };
     reduce()?;
-    c.barrier()?;
-    let mut window = || -> ragged::Result<()> {
-        c.barrier()?;
-        reduce()?;
-        dev.sync()?;
-        c.barrier()
-    };
-    if !counting {
-        return window().map(|()| None);
-    }
-    let (out, allocated) = emulated_allocations(dev.context().ordinal(), window);
-    out.map(|()| allocated)
+    allocated_by_every_rank(c, dev, counting, reduce)
 }

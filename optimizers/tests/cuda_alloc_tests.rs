@@ -18,7 +18,7 @@ use ragged_optimizers::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, Muon
 #[path = "../../tests/common/cuda.rs"]
 mod cuda;
 mod harness;
-use cuda::{emulated_allocations, Allocated};
+use cuda::{allocated_by_every_rank, Allocated};
 use harness::{device, planned_shards, scatter, split_case, split_rows};
 
 /// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
@@ -82,9 +82,8 @@ fn device_steps_after_the_first_allocate_no_device_memory() {
 }
 
 /// The device memory `opt`'s steps after the first allocate on thread ranks on one GPU, one
-/// rank per shard: each rank steps once on `grads[0]`, then rank 0 opens cuda-emu's count,
-/// every rank steps on the other gradients between barriers, and rank 0 reads the count (ranks
-/// sharing a device count each other's allocations). Each rank steps its own clone of `opt`,
+/// rank per shard: each rank steps once on `grads[0]`, then on the others while rank 0 counts
+/// (`allocated_by_every_rank`). Each rank steps its own clone of `opt`,
 /// as each rank of `fully_shard` has its own (a `Muon` keeps one step's buffers: ranks sharing
 /// one would take turns keeping theirs). Returns the count (`None` under a real driver) and
 /// the ranks' optimizers after their steps.
@@ -110,19 +109,9 @@ fn steps_after_the_first_allocate<O: Optimizer + Clone + Send>(
             opt.step(&mut st, shard, pv, gv, c)
         };
         step(&gs[0])?;
-        c.barrier()?;
-        let mut rest = || -> ragged::Result<()> {
-            c.barrier()?;
-            gs[1..].iter().try_for_each(&mut step)?;
-            d.sync()?;
-            c.barrier()
-        };
-        let allocated = if c.rank() > 0 {
-            rest().map(|()| None)
-        } else {
-            let (out, allocated) = emulated_allocations(d.context().ordinal(), rest);
-            out.map(|()| allocated)
-        }?;
+        let counting = c.rank() == 0;
+        let allocated =
+            allocated_by_every_rank(c, d, counting, || gs[1..].iter().try_for_each(&mut step))?;
         Ok((allocated, opt))
     })
     .unwrap();

@@ -155,3 +155,28 @@ pub fn emulated_allocations<R>(ordinal: usize, f: impl FnOnce() -> R) -> (R, Opt
     count.peak_growth = peak - before;
     (out, Some(count))
 }
+
+/// What `f` allocates on `dev` when every rank of `c` runs it at once: after a barrier (every
+/// rank's buffers made), the `counting` ranks (one per device: ranks sharing a device would
+/// reset each other's count) open the count ([`emulated_allocations`]), and read it after the
+/// barrier that follows every rank's `f` and its queued device work. `None` under a real driver
+/// and on the other ranks.
+pub fn allocated_by_every_rank(
+    c: &dyn ragged::comm::Communicator,
+    dev: &Device,
+    counting: bool,
+    mut f: impl FnMut() -> ragged::Result<()>,
+) -> ragged::Result<Option<Allocated>> {
+    c.barrier()?;
+    let mut window = || -> ragged::Result<()> {
+        c.barrier()?;
+        f()?;
+        dev.sync()?;
+        c.barrier()
+    };
+    if !counting {
+        return window().map(|()| None);
+    }
+    let (out, allocated) = emulated_allocations(dev.context().ordinal(), window);
+    out.map(|()| allocated)
+}
