@@ -628,6 +628,7 @@ impl Optimizer for Muon {
                 let mut work = self.u.take_device();
                 let stepped =
                     crate::cuda::muon::step(self, state, &mut params, grads, &plan, &mut work);
+                work.trim();
                 self.u.put(Kept::Device(work));
                 stepped?;
             }

@@ -12,7 +12,8 @@
 //! The step's device buffers (`U`, the roots' arena, the all-to-all buffers, Newton–Schulz's
 //! workspace) are a `DeviceWork` the [`Muon`] keeps between steps, as it keeps the host
 //! step's `U`: sized before the first kernel of a step from its plan, so a step allocates
-//! nothing once the first has run ([`Muon::release_buffers`] frees them).
+//! nothing once the first has run ([`Muon::release_buffers`] frees them). Newton–Schulz's
+//! buffers are kept only up to 64 MiB (the host's cap); larger ones live for one step.
 
 use std::ops::Range;
 
@@ -74,11 +75,29 @@ pub(crate) struct DeviceWork {
 }
 
 impl DeviceWork {
+    /// After a step: Newton–Schulz's buffers are kept for the next step up to
+    /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) (64 MiB, the host's cap for its own),
+    /// and freed above it, so that a rank whose largest matrix needs gigabytes of workspace (a
+    /// Llama-3-70B MLP weight: ~2.9 GB in `f32`) does not hold them through forward and
+    /// backward; the next step makes them again, once, before its first call. `U` stays, as
+    /// the host's does.
+    pub(crate) fn trim(&mut self) {
+        if self.roots.bytes() > crate::kernels::RETAIN_BYTES {
+            self.roots = OrthoWork::default();
+        }
+    }
+
     /// The device bytes it holds.
     pub(crate) fn bytes(&self) -> usize {
-        let (r, w) = (&self.roots, &self.roots.wire);
+        self.u.bytes() + self.roots.bytes()
+    }
+}
+
+impl OrthoWork {
+    fn bytes(&self) -> usize {
+        let w = &self.wire;
         let wire = w.send.bytes() + w.recv.bytes() + w.send16.bytes() + w.recv16.bytes();
-        self.u.bytes() + r.arena.bytes() + wire + r.ns.bytes()
+        self.arena.bytes() + wire + self.ns.bytes()
     }
 }
 
