@@ -339,6 +339,9 @@ pub struct Muon {
     /// The step's Newton–Schulz input `U` (and on a device its workspace), kept between
     /// steps.
     u: UBuffer,
+    /// The most bytes of Newton–Schulz workspace a device step keeps for the next
+    /// ([`Muon::keep_device_workspace`]).
+    device_keep: usize,
 }
 
 /// The host step's Newton–Schulz input `U` (4 bytes per element of the local shard, 2 in
@@ -457,6 +460,7 @@ impl Muon {
             base_rates,
             layouts: LayoutCache::default(),
             u: UBuffer::default(),
+            device_keep: crate::kernels::RETAIN_BYTES,
         })
     }
 
@@ -472,6 +476,16 @@ impl Muon {
     /// results do not depend on it.
     pub fn release_buffers(&self) -> usize {
         self.u.release()
+    }
+
+    /// The most bytes of device workspace (Newton–Schulz's buffers, the split matrices'
+    /// arena and all-to-all buffers) a device step keeps for the next: up to it the next step
+    /// allocates nothing; above it the workspace lives for its step only, so that gigabytes
+    /// of it (a Llama-3-70B MLP weight needs ~2.9 GB in `f32`) are not held through forward
+    /// and backward. Default [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) (64 MiB, the
+    /// host's cap for its own buffers). `U` is kept whatever its size, as on the host.
+    pub fn keep_device_workspace(&mut self, bytes: usize) {
+        self.device_keep = bytes;
     }
 
     /// Whether Muon (not AdamW) updates a parameter of this name and global shape.
@@ -628,7 +642,7 @@ impl Optimizer for Muon {
                 let mut work = self.u.take_device();
                 let stepped =
                     crate::cuda::muon::step(self, state, &mut params, grads, &plan, &mut work);
-                work.trim();
+                work.trim(self.device_keep);
                 self.u.put(Kept::Device(work));
                 stepped?;
             }

@@ -81,6 +81,34 @@ fn device_steps_after_the_first_allocate_no_device_memory() {
     }
 }
 
+/// A device workspace over the `Muon`'s keep limit ([`Muon::keep_device_workspace`], 64 MiB by
+/// default) lives for one step: after a step the `Muon` holds `U` only (what `release_buffers`
+/// frees); at the default limit it holds the workspace too.
+#[test]
+fn a_device_workspace_over_the_keep_limit_is_not_kept_between_steps() {
+    let Some(dev) = device() else { return };
+    let kept_after_a_step = |keep: Option<usize>| {
+        let mut opt = Muon::new(MuonConfig::default()).unwrap();
+        if let Some(bytes) = keep {
+            opt.keep_device_workspace(bytes);
+        }
+        let spec = harness::specs(&[("experts", &[4, 16, 32])]);
+        let shard = harness::whole_shard_by(&spec, &|t| opt.atomic_block(&t.name, &t.shape));
+        let mut rng = harness::Rng::new(3);
+        let mut p = dev.upload(&rng.units(shard.len)).unwrap();
+        let g = dev.upload(&rng.units(shard.len)).unwrap();
+        let mut st = opt.init_on(&shard, &Placement::Cuda(dev.clone())).unwrap();
+        let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+        opt.step(&mut st, &shard, pv, gv, &ragged::comm::SingleRank)
+            .unwrap();
+        (opt.release_buffers(), 4 * shard.len)
+    };
+    let (kept, u) = kept_after_a_step(None);
+    assert!(kept > u, "default limit: {kept} bytes kept, U is {u}");
+    let (kept, u) = kept_after_a_step(Some(1024));
+    assert_eq!(kept, u, "a 1 KiB limit: only U kept");
+}
+
 /// The device memory `opt`'s steps after the first allocate on thread ranks on one GPU, one
 /// rank per shard: each rank steps once on `grads[0]`, then on the others while rank 0 counts
 /// (`allocated_by_every_rank`). Each rank steps its own clone of `opt`,

@@ -13,7 +13,8 @@
 //! workspace) are a `DeviceWork` the [`Muon`] keeps between steps, as it keeps the host
 //! step's `U`: sized before the first kernel of a step from its plan, so a step allocates
 //! nothing once the first has run ([`Muon::release_buffers`] frees them). Newton–Schulz's
-//! buffers are kept only up to 64 MiB (the host's cap); larger ones live for one step.
+//! buffers are kept only up to [`Muon::keep_device_workspace`] (64 MiB by default); larger
+//! ones live for one step.
 
 use std::ops::Range;
 
@@ -75,14 +76,10 @@ pub(crate) struct DeviceWork {
 }
 
 impl DeviceWork {
-    /// After a step: Newton–Schulz's buffers are kept for the next step up to
-    /// [`RETAIN_BYTES`](crate::kernels::RETAIN_BYTES) (64 MiB, the host's cap for its own),
-    /// and freed above it, so that a rank whose largest matrix needs gigabytes of workspace (a
-    /// Llama-3-70B MLP weight: ~2.9 GB in `f32`) does not hold them through forward and
-    /// backward; the next step makes them again, once, before its first call. `U` stays, as
-    /// the host's does.
-    pub(crate) fn trim(&mut self) {
-        if self.roots.bytes() > crate::kernels::RETAIN_BYTES {
+    /// After a step: Newton–Schulz's buffers are kept for the next step up to `keep` bytes
+    /// ([`Muon::keep_device_workspace`]) and freed above it; `U` stays, as the host's does.
+    pub(crate) fn trim(&mut self, keep: usize) {
+        if self.roots.bytes() > keep {
             self.roots = OrthoWork::default();
         }
     }
