@@ -23,9 +23,10 @@ use harness::{device, planned_shards, scatter, split_case, split_rows};
 
 /// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
 /// roots' arena, the all-to-all buffers and Newton–Schulz's workspace between steps (these
-/// are far below the 64 MiB it keeps), sized before use (split and whole matrices; `f32` and bf16, the standard and the Gram
-/// iteration); AdamW and 8-bit Adam step in their state. Counted by tools/cuda-emu's driver
-/// over two steps of three thread ranks on one GPU ([`steps_after_the_first_allocate`]).
+/// are far below the 64 MiB it keeps), sized before use (split and whole matrices; `f32` and
+/// bf16, the standard and the Gram iteration); AdamW and 8-bit Adam step in their state.
+/// Counted by tools/cuda-emu's driver over two steps of three thread ranks on one GPU
+/// ([`steps_after_the_first_allocate`]).
 #[test]
 fn device_steps_after_the_first_allocate_no_device_memory() {
     let Some(dev) = device() else { return };

@@ -245,8 +245,8 @@ impl Adam8bit {
 /// 8-bit Adam's step on device memory: one launch for every scale block of the shard, one
 /// AdamW launch per fallback piece; bitwise the host step. The runs of row blocks are
 /// copied each call into a buffer the optimizer keeps, the quantizer table (27.5 KiB) and the
-/// launch shape are kept per device ([`Device::memo`]). `layout` comes from the host step's checks, which also
-/// checked the scale arrays against it (one block per scale).
+/// launch shape are kept per device ([`Device::memo`]). `layout` comes from the host step's
+/// checks, which also checked the scale arrays against it (one block per scale).
 pub(crate) fn step(
     opt: &Adam8bit,
     state: &mut Adam8bitState,
