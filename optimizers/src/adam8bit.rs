@@ -506,7 +506,7 @@ pub struct Adam8bit {
     pub(crate) device_tables: crate::cuda::adam8bit::QuantizerTables,
     /// The device step's buffer for its row-block runs, kept between steps.
     #[cfg(feature = "cuda")]
-    pub(crate) device_runs: crate::common::BetweenSteps<crate::cuda::Scratch<u32>>,
+    pub(crate) device_runs: crate::common::BetweenSteps<ragged::cuda::Scratch<u32>>,
 }
 
 impl Adam8bit {

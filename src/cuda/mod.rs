@@ -41,6 +41,10 @@ pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]
+pub mod scratch;
+#[cfg(feature = "cuda")]
+pub use scratch::Scratch;
+#[cfg(feature = "cuda")]
 pub mod threads;
 #[cfg(feature = "cuda")]
 pub mod watchdog;

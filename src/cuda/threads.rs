@@ -16,10 +16,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 use super::collective::Span;
-use super::{count, elementwise, guarded, Device, REDUCE_RANKS};
+use super::{count, elementwise, guarded, Device, Scratch, REDUCE_RANKS};
 use crate::comm::threads::{run_ranks, Member, Memory, Region, ThreadComm, ThreadWorld};
 use crate::comm::{check_segments, Buf, BufMut, Communicator, ElemType, ReduceOp, Segment};
 use crate::Result;
@@ -36,7 +36,7 @@ pub struct ThreadDeviceComm {
     dev: Arc<Device>,
     /// The reduction kernel's table of the ranks' source addresses, kept so that a
     /// reduction allocates nothing after the first ([`DeviceMemory::reduce`]).
-    table: Mutex<Option<CudaSlice<u64>>>,
+    table: Mutex<Scratch<u64>>,
 }
 
 impl ThreadDeviceComm {
@@ -72,7 +72,7 @@ impl ThreadDeviceComm {
     }
 
     fn new(host: ThreadComm, dev: Arc<Device>) -> Self {
-        let table = Mutex::new(None);
+        let table = Mutex::default();
         ThreadDeviceComm { host, dev, table }
     }
 
@@ -104,7 +104,7 @@ fn region(s: Span) -> Region {
 /// The device as the thread protocol's [`Memory`].
 struct DeviceMemory<'a> {
     dev: &'a Device,
-    table: &'a Mutex<Option<CudaSlice<u64>>>,
+    table: &'a Mutex<Scratch<u64>>,
 }
 
 impl Memory for DeviceMemory<'_> {
@@ -147,15 +147,11 @@ impl Memory for DeviceMemory<'_> {
         let addrs: Vec<u64> = srcs.iter().map(|&p| p as usize as u64).collect();
         // Rewritten whole before each use, so a panic that poisoned the lock left nothing
         // to distrust.
-        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let kept = table.take().filter(|t| t.len() >= addrs.len());
-        let table = match kept {
-            Some(t) => table.insert(t),
-            None => table.insert(dev.zeros::<u64>(addrs.len())?),
-        };
+        let mut kept = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let mut table = kept.view_mut(dev, addrs.len())?;
         // Queued after the previous reduction's kernel on this stream, so it never changes
         // a table a queued kernel still reads.
-        dev.upload_into(&addrs, &mut table.slice_mut(..addrs.len()))?;
+        dev.upload_into(&addrs, &mut table)?;
         let v = srcs.len() as i32;
         let dst = dst as usize as u64;
         let (len, avg) = (count(n), i32::from(op == ReduceOp::Avg));
@@ -165,7 +161,7 @@ impl Memory for DeviceMemory<'_> {
         guarded("ThreadDeviceComm::reduce", || unsafe {
             dev.stream()
                 .launch_builder(&f)
-                .arg(&*table)
+                .arg(&mut table)
                 .arg(&v)
                 .arg(&dst)
                 .arg(&len)

@@ -24,9 +24,6 @@ pub mod adam8bit;
 pub mod bench;
 pub mod muon;
 pub mod newton_schulz;
-mod scratch;
-
-pub(crate) use scratch::Scratch;
 
 use std::sync::Arc;
 

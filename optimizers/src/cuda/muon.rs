@@ -28,12 +28,12 @@ use ragged::storage::View;
 use ragged::Result;
 
 use super::newton_schulz::{orthogonalize_cuda_in, GramProduct, NsNeed, NsWorkspace};
-use super::scratch::Scratch;
 use super::{device_moments, device_view, launch_adamw, ADAMW_STEP};
 use crate::adamw::AdamRun;
 use crate::common::MomentCoeffs;
 use crate::muon::{MatrixStep, Muon, MuonKernels, MuonState, StepPlan};
 use crate::roots::Exchange;
+use ragged::cuda::Scratch;
 
 /// Entry points of `kernels/muon.cu`.
 pub const MUON_MOMENTUM: &str = "muon_momentum";
@@ -115,17 +115,16 @@ struct Wire {
     recv: Scratch<f32>,
     send16: Scratch<bf16>,
     recv16: Scratch<bf16>,
-    bf16: bool,
 }
 
 impl Wire {
-    /// Room for each of `exchanges` (declared before the first runs).
-    fn reserve(&mut self, dev: &Device, exchanges: [&Exchange; 2]) -> Result<()> {
+    /// Room for each of `exchanges` (declared before the first runs), on a bf16 wire or not.
+    fn reserve(&mut self, dev: &Device, exchanges: [&Exchange; 2], bf16: bool) -> Result<()> {
         let send = exchanges.iter().map(|e| e.send_len()).max().unwrap_or(0);
         let recv = exchanges.iter().map(|e| e.recv_len()).max().unwrap_or(0);
         self.send.reserve(dev, send)?;
         self.recv.reserve(dev, recv)?;
-        if self.bf16 {
+        if bf16 {
             self.send16.reserve(dev, send)?;
             self.recv16.reserve(dev, recv)?;
         }
@@ -205,6 +204,8 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
             .try_fold(NsNeed::default(), |a, b| b.map(|b| a.max(b)))?;
         let work = &mut *self.work;
         work.ns.reserve(dev, need)?;
+        // As on the host: split matrices travel in bf16 when Newton–Schulz runs in bf16.
+        let bf16_wire = muon.route_elem_bytes() == 2;
         let routes = match (plan.routes, plan.comm) {
             (Some(r), Some(c)) => Some((r, c, r.gather_exchange(), r.scatter_exchange())),
             _ => None,
@@ -213,17 +214,9 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
             .arena
             .view_mut(dev, routes.as_ref().map_or(0, |r| r.0.arena_len()))?;
         if let Some((_, c, gather, scatter)) = &routes {
-            // As on the host: split matrices travel in bf16 when Newton–Schulz runs in bf16.
-            work.wire.bf16 = muon.route_elem_bytes() == 2;
-            work.wire.reserve(dev, [gather, scatter])?;
-            exchange(
-                gather,
-                dev,
-                &self.u.as_view(),
-                &mut arena,
-                *c,
-                &mut work.wire,
-            )?;
+            work.wire.reserve(dev, [gather, scatter], bf16_wire)?;
+            let wire = (&mut work.wire, bf16_wire);
+            exchange(gather, dev, &self.u.as_view(), &mut arena, *c, wire)?;
         }
         for (range, shape) in whole {
             let mut x = self.u.slice_mut(range);
@@ -237,7 +230,14 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
             orthogonalize_cuda_in(dev, &mut x, shape, ns_cfg, GramProduct::Auto, &mut work.ns)?;
         }
         let from = arena.as_view();
-        exchange(&scatter, dev, &from, &mut self.u, c, &mut work.wire)
+        exchange(
+            &scatter,
+            dev,
+            &from,
+            &mut self.u,
+            c,
+            (&mut work.wire, bf16_wire),
+        )
     }
 
     fn update(&mut self, step: &MatrixStep<'_>, r: Range<usize>) -> Result<()> {
@@ -263,21 +263,22 @@ impl MuonKernels for DeviceMuon<'_, '_, '_> {
     }
 }
 
-/// One [`Exchange`] on device buffers: pack `from`'s runs into the send buffer, all-to-all,
-/// unpack into `to`, and copy the own runs from `from` to `to` (device-to-device copies).
+/// One [`Exchange`] on device buffers: pack `from`'s runs into the send buffer, all-to-all
+/// (in bf16 on a bf16 wire), unpack into `to`, and copy the own runs from `from` to `to`
+/// (device-to-device copies).
 fn exchange(
     ex: &Exchange,
     dev: &Device,
     from: &CudaView<'_, f32>,
     to: &mut CudaViewMut<'_, f32>,
     comm: &dyn Communicator,
-    wire: &mut Wire,
+    (wire, bf16_wire): (&mut Wire, bool),
 ) -> Result<()> {
     let (ns, nr) = (ex.send_len(), ex.recv_len());
     let mut send = wire.send.view_mut(dev, ns)?;
     copy_runs(dev, &ex.pack, from, &mut send)?;
     let mut recv = wire.recv.view_mut(dev, nr)?;
-    if wire.bf16 {
+    if bf16_wire {
         // The send buffer rounded to bf16 (nearest, ties to even: the host's rounding),
         // exchanged, widened back.
         let mut send16 = wire.send16.view_mut(dev, ns)?;

@@ -58,9 +58,9 @@ use ragged::cuda::ops::{bf16_to_f32, f32_to_bf16};
 use ragged::cuda::{count, elementwise, guarded, Device, NEWTON_SCHULZ};
 use ragged::{Error, Result};
 
-use super::scratch::Scratch;
 pub use crate::newton_schulz::NsShape;
 use crate::newton_schulz::{iterate_with, resolve_method, NsConfig, NsMethod, NsOps, NsPrecision};
+use ragged::cuda::Scratch;
 
 /// Entry points of `kernels/newton_schulz.cu`.
 pub const NS_TRANSPOSE: &str = "ns_transpose";

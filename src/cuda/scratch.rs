@@ -1,21 +1,29 @@
-//! Device buffers kept between steps: a step's workspace is declared before use (its
-//! lengths computed from the plan and the shapes before the first kernel runs), and once it
-//! has grown to a step's needs the next steps allocate nothing.
+//! Device buffers kept between calls: an optimizer step's workspace declared before use (its
+//! lengths computed from the plan and the shapes before the first kernel runs), a
+//! collective's table; once grown to what the calls need, the next calls allocate nothing.
 //!
-//! Why keep them: a fresh `cuMemAllocAsync` per buffer per step comes from the stream's memory
+//! Why keep them: a fresh `cuMemAllocAsync` per buffer per call comes from the stream's memory
 //! pool, which by default hands memory back to the driver at every synchronization (release
-//! threshold 0), so each step would map its workspace afresh; and a workspace that appears
+//! threshold 0), so each step would map its buffers afresh; and a workspace that appears
 //! for one call and vanishes makes the device's peak depend on which call is running.
 
 use std::sync::Arc;
 
-use ragged::cuda::cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
-use ragged::cuda::Device;
-use ragged::Result;
+use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+
+use super::Device;
+use crate::Result;
 
 /// One device buffer that grows to the longest length reserved of it and never shrinks; on
 /// one device (a reservation on another device frees it and allocates there).
-pub(crate) struct Scratch<T>(Option<CudaSlice<T>>);
+pub struct Scratch<T>(Option<CudaSlice<T>>);
+
+impl<T> std::fmt::Debug for Scratch<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let len = self.0.as_ref().map_or(0, |b| b.len());
+        write!(f, "Scratch({len} elements)")
+    }
+}
 
 impl<T> Default for Scratch<T> {
     fn default() -> Self {
@@ -27,7 +35,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Scratch<T> {
     /// Its first `len` elements on `dev`: allocated (zeroed) only when it must grow or the
     /// device changed, the old buffer freed first. What an earlier use left there is still
     /// there: callers write before they read.
-    pub(crate) fn view_mut(&mut self, dev: &Device, len: usize) -> Result<CudaViewMut<'_, T>> {
+    pub fn view_mut(&mut self, dev: &Device, len: usize) -> Result<CudaViewMut<'_, T>> {
         let kept = self
             .0
             .take()
@@ -40,12 +48,12 @@ impl<T: DeviceRepr + ValidAsZeroBits> Scratch<T> {
     }
 
     /// At least `len` elements on `dev` from now on ([`Scratch::view_mut`]).
-    pub(crate) fn reserve(&mut self, dev: &Device, len: usize) -> Result<()> {
+    pub fn reserve(&mut self, dev: &Device, len: usize) -> Result<()> {
         self.view_mut(dev, len).map(drop)
     }
 
     /// The bytes it holds.
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.0
             .as_ref()
             .map_or(0, |b| b.len() * std::mem::size_of::<T>())
