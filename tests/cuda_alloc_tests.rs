@@ -1,11 +1,11 @@
 //! Device memory the collectives allocate (feature `cuda`), as tools/cuda-emu's driver counts
 //! it. A binary of its own: the count is the device's, so no other test may use the devices
-//! while one runs (cargo runs a binary's tests on parallel threads; these take turns, [`ALONE`]).
+//! while one runs (cargo runs a binary's tests on parallel threads; these take turns, `alone`).
 //! Under a real driver, which has no count, each test says so and checks nothing more; without
 //! a GPU it prints `skipped: <reason>`.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ragged::comm::conformance::{segment_spans, SLICE};
 use ragged::comm::{Communicator, ReduceOp};
@@ -15,12 +15,9 @@ use ragged::cuda::Device;
 #[path = "common/cuda.rs"]
 mod cuda;
 use cuda::{
-    allocated_by_every_rank, device, nccl_ranks_of_one_process, on_each_thread, segments_of,
+    allocated_by_every_rank, alone, device, nccl_ranks_of_one_process, on_each_thread, segments_of,
     values, Allocated,
 };
-
-/// Held by each test for its whole run: the counts are per device, not per test.
-static ALONE: Mutex<()> = Mutex::new(());
 
 /// Gathers into device segments allocate nothing (each rank's shard goes straight into the
 /// peers' segments): thread ranks on one GPU (worlds 1–4) and NCCL ranks of one process.
@@ -39,12 +36,12 @@ fn device_reductions_after_the_first_allocate_no_device_memory() {
 
 /// What `calls` of every rank allocate (see [`gather_allocates`]; `counting` is whether this
 /// rank reads the count): nothing on thread ranks on one GPU (worlds 1–4, rank 0 counting)
-/// nor on the NCCL ranks of one process (each counting its own device). Holds [`ALONE`].
+/// nor on the NCCL ranks of one process (each counting its own device). Holds `alone`.
 fn expect_none_on_every_backend(
     what: &str,
     calls: impl Fn(&dyn Communicator, &Device, bool) -> ragged::Result<Option<Allocated>> + Sync,
 ) {
-    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let _alone = alone();
     let Some(dev) = device() else { return };
     let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {

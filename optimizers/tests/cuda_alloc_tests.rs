@@ -2,7 +2,8 @@
 //! counts it. A binary of its own: the count is the device's, so no other test may use the
 //! device while one runs (cargo runs a binary's tests on parallel threads; these share the
 //! device only with each other, one at a time). Under a real driver, which has no count, the
-//! test says so and checks nothing more; without a GPU it prints `skipped: <reason>`.
+//! test says so and checks nothing more; without a GPU it prints `skipped: <reason>`. Each
+//! test holds `alone` for its whole run.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use ragged_optimizers::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, Muon
 #[path = "../../tests/common/cuda.rs"]
 mod cuda;
 mod harness;
-use cuda::{allocated_by_every_rank, Allocated};
+use cuda::{allocated_by_every_rank, alone, Allocated};
 use harness::{device, planned_shards, scatter, split_case, split_rows};
 
 /// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
@@ -29,6 +30,7 @@ use harness::{device, planned_shards, scatter, split_case, split_rows};
 /// ([`steps_after_the_first_allocate`]).
 #[test]
 fn device_steps_after_the_first_allocate_no_device_memory() {
+    let _alone = alone();
     let Some(dev) = device() else { return };
     let (spec, p0, grads) = split_case(37, 3);
     let mut counted = Vec::new();
@@ -87,6 +89,7 @@ fn device_steps_after_the_first_allocate_no_device_memory() {
 /// frees); at the default limit it holds the workspace too.
 #[test]
 fn a_device_workspace_over_the_keep_limit_is_not_kept_between_steps() {
+    let _alone = alone();
     let Some(dev) = device() else { return };
     let kept_after_a_step = |keep: Option<usize>| {
         let mut opt = Muon::new(MuonConfig::default()).unwrap();

@@ -84,6 +84,13 @@ pub fn segments_of<'a>(
         .collect()
 }
 
+/// Held by a counting test for its whole run: the emulator's counts are the device's, and cargo
+/// runs a binary's tests on parallel threads, so the tests of a counting binary take turns.
+pub fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ALONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// What `f` allocated on one device, as tools/cuda-emu's driver counts it at every
 /// `cuMemAlloc(Async)`, whoever calls it: the driver's count, not ragged's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
