@@ -92,6 +92,16 @@
 //! that starts or ends inside a row block (a plan made with a smaller block) is refused with
 //! `Error::InvalidShard` before anything is modified.
 //!
+//! # Where it runs
+//! On the CPU, whatever memory the shard lives in. [`Shampoo::init_on`] keeps the state in
+//! host memory for every placement, and a shard in device memory (`fully_shard` on a GPU) is
+//! stepped through host copies ([`ragged::storage::ViewMut::on_host`]): each step downloads
+//! the gradients and the parameters and uploads the parameters (12 bytes of PCIe traffic per
+//! element, synchronous with the device's stream), the offload ZeRO-Offload makes for Adam.
+//! The step is the host step, so a device shard trains bitwise like a host one from the same
+//! gradients; what costs is the CPU's work on the products and eigendecompositions, and the
+//! wait for the copies. Checkpoints save the host state as on the CPU.
+//!
 //! # Non-finite gradients
 //! A NaN or ±∞ in the local gradient (padding included) makes `step` return
 //! `Error::BadInput` before anything is modified (fb raises on non-finite factor matrices,
@@ -108,7 +118,7 @@ use rayon::prelude::*;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
-use ragged::storage::{View, ViewMut};
+use ragged::storage::{Placement, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::common::{check_hyperparameters, check_len, ema_sq_elem, lerp_elem, next_step, MIN_EPS};
@@ -628,6 +638,14 @@ impl Optimizer for Shampoo {
         })
     }
 
+    /// Host state whatever `place` says: the step runs on the CPU (module doc, "Where it
+    /// runs").
+    fn init_on(&self, shard: &LocalShard, _place: &Placement) -> Result<ShampooState> {
+        self.init(shard)
+    }
+
+    /// On the CPU; a shard in device memory through host copies (module doc, "Where it
+    /// runs").
     fn step(
         &self,
         state: &mut ShampooState,
@@ -637,8 +655,21 @@ impl Optimizer for Shampoo {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Shampoo::step";
-        // Host memory only (its eigendecompositions run on the CPU).
-        let (params, grads) = (params.cpu(OP)?, grads.cpu(OP)?);
+        let grads = grads.to_host(OP)?;
+        params.on_host(OP, |params| self.step_host(state, shard, params, &grads))
+    }
+}
+
+impl Shampoo {
+    /// [`Optimizer::step`] on host memory: the module doc's steps 1–9.
+    fn step_host(
+        &self,
+        state: &mut ShampooState,
+        shard: &LocalShard,
+        params: &mut [f32],
+        grads: &[f32],
+    ) -> Result<()> {
+        const OP: &str = "Shampoo::step";
         let c = &self.config;
         check_len(OP, "params", params.len(), shard.len)?;
         check_len(OP, "grads", grads.len(), shard.len)?;

@@ -23,8 +23,8 @@ use ragged_optimizers::cuda::orthogonalize_cuda;
 use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::quant::{dynamic_map, quantize};
 use ragged_optimizers::{
-    orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule, Muon,
-    MuonConfig, MuonState, NsConfig,
+    orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule,
+    Grafting, Muon, MuonConfig, MuonState, NsConfig, Shampoo, ShampooConfig,
 };
 
 mod harness;
@@ -201,6 +201,54 @@ fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
         let what = format!("world {world}, rank {}", shard.rank);
         assert_adam8bit_equal(&host, &device, &what);
     });
+}
+
+/// Shampoo has no device kernels: a shard in device memory is stepped on the host through
+/// copies (`ViewMut::on_host`), with the state in host memory whatever the placement. So the
+/// device shard's parameters and every state array are **bitwise** the host step's, over
+/// steps that recompute the inverse roots (every 2 steps from step 2) on blocks of 16 rows
+/// and 16-column chunks, Adam grafting and weight decay, at worlds 1 and 3. A non-finite
+/// gradient is an `Err` that leaves the device parameters and the state as they were.
+#[test]
+fn shampoo_steps_a_device_shard_on_the_host_bitwise_like_a_host_shard() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[
+        ("w0", &[40, 24]),
+        ("bias", &[33]),
+        ("experts", &[2, 20, 16]),
+    ]);
+    let opt = Shampoo::new(ShampooConfig {
+        lr: 1e-2,
+        weight_decay: 1e-2,
+        max_preconditioner_dim: 16,
+        precondition_frequency: 2,
+        grafting: Grafting::Adam {
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let run = (&[1, 3][..], 11, 5);
+    each_rank_host_and_device(&opt, &spec, &dev, run, |world, _, (p, state), (dp, ds)| {
+        assert_eq!(state.step, 5);
+        assert_eq!(bits(&dp), bits(&p), "params at world {world}");
+        assert_eq!(ds, state, "state at world {world}");
+    });
+
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let mut rng = Rng::new(3);
+    let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
+    let mut grads = scatter(shard, &globals(&spec, &mut rng, 0.1));
+    let mut state = opt.init_on(shard, &Placement::Cuda(dev.clone())).unwrap();
+    let mut dp = dev.upload(&p0).unwrap();
+    grads[7] = f32::NAN;
+    let dg = dev.upload(&grads).unwrap();
+    let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
+    let err = opt.step(&mut state, shard, pv, gv, &SingleRank).unwrap_err();
+    assert!(err.to_string().contains("grads[7]"), "{err}");
+    assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p0), "params kept");
+    assert_eq!(state, opt.init(shard).unwrap(), "state kept");
 }
 
 /// Checkpoints of states in device memory ([`CheckpointState`] on device storage): every
