@@ -14,8 +14,8 @@
 # target/gpu-bin/ (carry that folder with the working tree), then `ragged bench optim --device
 # cuda` into bench-optim.md and the optim-cuda section of a copy of docs/benchmarks.md, then
 # (with the candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and
-# section train-cuda, and `train --device cuda` on thread ranks, on a one-process NCCL world
-# and saved then resumed from a checkpoint (on the GPU and on the CPU). CUDA libraries: the
+# section train-cuda, and `train --device cuda` on thread ranks (with every optimizer), on a
+# one-process NCCL world and saved then resumed from a checkpoint (on the GPU and on the CPU). CUDA libraries: the
 # driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
 # NVRTC and NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
 # nvidia-nccl-cu13) when any are installed, else from the system (CUDA toolkit on the loader
@@ -218,6 +218,18 @@ if [[ -x $bins/train ]]; then
                 status=1
             fi
         done
+        # Every other optimizer with the model on the GPU (AdamW, the default, ran above):
+        # Muon's and 8-bit Adam's device steps, Shampoo's host step through copies.
+        for opt in muon adam8bit shampoo; do
+            if limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 --ranks 2 \
+                --comm gpu-threads --device cuda --optimizer "$opt" \
+                >"$res/train-device-cuda-$opt.txt" 2>&1; then
+                say "train --device cuda --comm gpu-threads --optimizer $opt: ok"
+            else
+                say "train --device cuda --comm gpu-threads --optimizer $opt: FAILED (exit $?)"
+                status=1
+            fi
+        done
         # Checkpoints of device state through the example: 4 steps saved after the second
         # (8-bit Adam, two GPU thread ranks), resumed from step 2 (folder step-00000002) at the same world size: the
         # final parameter digests must be equal (the same kernels in the same order); then
@@ -248,7 +260,7 @@ if [[ -x $bins/train ]]; then
     else
         say "train --device cuda: skipped: no train-candle-cuda binary (built without nvcc)"
     fi
-    grep -h "max |parameter difference|" "$res"/train-*.txt | tee -a "$log"
+    grep -H "max |parameter difference|" "$res"/train-*.txt | sed "s|^$res/||" | tee -a "$log"
 fi
 if grep -q 'skipped:' "$res"/*-tests.txt 2>/dev/null; then
     say "note: some tests were skipped (no usable device or library): see the lines above"
