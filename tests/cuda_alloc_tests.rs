@@ -5,8 +5,6 @@
 //! a GPU it prints `skipped: <reason>`.
 #![cfg(feature = "cuda")]
 
-use std::sync::Arc;
-
 use ragged::comm::conformance::{segment_spans, SLICE};
 use ragged::comm::{Communicator, ReduceOp};
 use ragged::cuda::threads::ThreadDeviceComm;
@@ -16,7 +14,7 @@ use ragged::cuda::Device;
 mod cuda;
 use cuda::{
     allocated_by_every_rank, alone, device, nccl_ranks_of_one_process, on_each_thread, segments_of,
-    values, Allocated,
+    values, zeroed_parts, Allocated,
 };
 
 /// Gathers into device segments allocate nothing (each rank's shard goes straight into the
@@ -43,7 +41,6 @@ fn expect_none_on_every_backend(
 ) {
     let _alone = alone();
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {
         let allocated =
             ThreadDeviceComm::run(dev.clone(), world, |c| calls(c, c.device(), c.rank() == 0))
@@ -79,10 +76,7 @@ fn gather_allocates(
 ) -> ragged::Result<Option<Allocated>> {
     let spans = segment_spans(c.world_size());
     let send = dev.upload(&values(SLICE, c.rank() as u32 + 5))?;
-    let mut parts = Vec::new();
-    for r in &spans {
-        parts.push(dev.upload(&vec![0f32; r.len()])?);
-    }
+    let mut parts = zeroed_parts(dev, &spans)?;
     let mut segments = segments_of(&spans, &mut parts);
     allocated_by_every_rank(c, dev, counting, || {
         c.all_gather_segments(send.slice(..).into(), &mut segments)

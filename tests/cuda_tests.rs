@@ -18,7 +18,7 @@ use ragged::Error;
 mod cuda;
 use cuda::{
     bits, device, nccl_ranks_of_one_process, on_each_thread, segments_of, two_or_more_devices,
-    values,
+    values, zeroed_parts,
 };
 
 #[test]
@@ -60,7 +60,6 @@ fn gate_error_names_the_missing_library_on_a_machine_without_a_driver() {
 #[test]
 fn device_storage_ops_equal_the_host_ops_bitwise() {
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     let n = 1000;
     let run = |place: Placement| -> Vec<Vec<f32>> {
         let mut x = place.put(values(n, 1)).unwrap();
@@ -138,7 +137,7 @@ fn device_range_ops_away_from_the_start_touch_exactly_their_ranges() {
         (bits(&x.to_vec().unwrap()), bits(&part))
     };
     let host = run(Placement::Cpu);
-    assert_eq!(run(Placement::Cuda(Arc::new(dev))), host);
+    assert_eq!(run(Placement::Cuda(dev)), host);
 }
 
 #[test]
@@ -274,10 +273,7 @@ fn gather_into_device_segments(
     spans: &[std::ops::Range<usize>],
 ) -> ragged::Result<(Vec<f32>, usize)> {
     let send = dev.upload(send)?;
-    let mut parts = Vec::new();
-    for r in spans {
-        parts.push(dev.upload(&vec![0f32; r.len()])?);
-    }
+    let mut parts = zeroed_parts(dev, spans)?;
     let mut segments = segments_of(spans, &mut parts);
     let staged = c.all_gather_segments(send.slice(..).into(), &mut segments)?;
     drop(segments);
@@ -289,7 +285,7 @@ fn gather_into_device_segments(
 }
 
 /// Device 0 and a fresh NCCL id, or `None` after printing why not (no GPU, no NCCL).
-fn device_and_nccl_id() -> Option<(Device, [u8; ragged::cuda::nccl::ID_BYTES])> {
+fn device_and_nccl_id() -> Option<(Arc<Device>, [u8; ragged::cuda::nccl::ID_BYTES])> {
     let dev = device()?;
     match ragged::cuda::nccl::unique_id() {
         Ok(id) => Some((dev, id)),
@@ -306,7 +302,6 @@ fn nccl_world_of_one_gathers_and_reduces_in_place() {
     let Some((dev, id)) = device_and_nccl_id() else {
         return;
     };
-    let dev = Arc::new(dev);
     let comm = NcclComm::from_rank(dev.clone(), 0, 1, &id).unwrap();
     let s = 1000;
     let hx = values(s, 5);
@@ -350,7 +345,7 @@ fn joining_an_nccl_world_is_bounded_and_binds_each_ranks_device() {
     };
     let limit = Duration::from_millis(1500);
     let start = Instant::now();
-    let alone = NcclComm::from_rank_within(Arc::new(dev), 0, 2, &id, limit);
+    let alone = NcclComm::from_rank_within(dev, 0, 2, &id, limit);
     let waited = start.elapsed();
     let e = alone.expect_err("rank 0 of 2 joined without rank 1");
     assert!(
@@ -521,7 +516,6 @@ fn thread_ranks_on_one_gpu_equal_the_cpu_thread_backend_bitwise() {
     use ragged::comm::threads::ThreadWorld;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     for world in [1, 2, 3, 4] {
         let cpu = ThreadWorld::run(world, |c| exercise(c)).unwrap();
         let gpu = ThreadDeviceComm::run(dev.clone(), world, |c| {
@@ -562,7 +556,7 @@ fn groups_split_from_gpu_thread_ranks_and_nccl_are_worlds_of_their_own() {
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
     let cpu = ThreadWorld::run(2, |c| exercise(c)).unwrap();
-    let gpu = ThreadDeviceComm::run(Arc::new(dev), 4, |c| {
+    let gpu = ThreadDeviceComm::run(dev, 4, |c| {
         let g = c.split(c.rank() / 2)?;
         let on_device = exercise(&ViaDevice::new(&*g, c.device()))?;
         Ok((g.rank(), on_device, exercise(&*g)?))
@@ -602,7 +596,6 @@ fn groups_split_from_gpu_thread_ranks_and_nccl_are_worlds_of_their_own() {
 fn thread_ranks_on_one_gpu_refuse_disagreeing_ranks_on_every_rank() {
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     // Rank 1 posts a buffer of another length: both ranks get the same Err, nobody hangs.
     let outcomes = ThreadDeviceComm::run(dev.clone(), 2, |c| {
         let mut x = c.device().zeros::<f32>(8 + 2 * c.rank()).unwrap();
@@ -867,7 +860,7 @@ fn non_finite_counts_count_every_element_a_thread_visits_one_slot_each() {
     assert_eq!(host, bad.len() as u64);
     // On the device: two storages in two slots of one tally, and the first counted twice (the
     // kernel adds to its slot), read with one download.
-    let on_gpu = Placement::Cuda(Arc::new(dev));
+    let on_gpu = Placement::Cuda(dev);
     let (big, small) = (
         on_gpu.put(x).unwrap(),
         on_gpu.put(vec![f32::NAN, 1.0]).unwrap(),
@@ -894,7 +887,6 @@ fn bf16_rank_reduction_keeps_nan_quiet_like_the_cpu_backend() {
     use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     let values: Vec<bf16> = [0x7f81u16, 0xff81, 0x7fc0, 0x7fff, 0x3f80, 0xffff, 0x7f80]
         .iter()
         .map(|&b| bf16::from_bits(b))
@@ -941,7 +933,11 @@ fn host_work_on_device_views_writes_back_exactly_its_range_and_only_on_ok() {
         Ok(h.len())
     });
     assert_eq!(n.unwrap(), 150, "the work's result");
-    assert_eq!(bits(&dev.download(&x).unwrap()), bits(&want), "written back on Ok");
+    assert_eq!(
+        bits(&dev.download(&x).unwrap()),
+        bits(&want),
+        "written back on Ok"
+    );
 
     let xv: ragged::storage::ViewMut<'_, f32> = x.slice_mut(..).into();
     let err = xv.on_host("test", |h| -> ragged::Result<()> {
@@ -999,7 +995,6 @@ fn all_to_all_v_refuses_a_count_vector_longer_than_the_world() {
     use ragged::cuda::nccl::{unique_id, NcclComm};
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     let send = dev.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap();
     let mut recv = dev.upload(&[0.0f32; 4]).unwrap();
     let outcomes = ThreadDeviceComm::run(dev.clone(), 1, |c| {
@@ -1095,7 +1090,6 @@ fn rank_reductions_on_one_gpu_add_in_rank_order() {
     use ragged::cuda::collective::ViaDevice;
     use ragged::cuda::threads::ThreadDeviceComm;
     let Some(dev) = device() else { return };
-    let dev = Arc::new(dev);
     let world = 3;
     let perms = [
         [0, 1, 2],

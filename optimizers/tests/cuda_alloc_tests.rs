@@ -16,10 +16,8 @@ use ragged::storage::Placement;
 use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig};
 
-#[path = "../../tests/common/cuda.rs"]
-mod cuda;
 mod harness;
-use cuda::{allocated_by_every_rank, alone, Allocated};
+use harness::cuda::{allocated_by_every_rank, alone, Allocated};
 use harness::{device, planned_shards, scatter, split_case, split_rows};
 
 /// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the

@@ -245,7 +245,9 @@ fn shampoo_steps_a_device_shard_on_the_host_bitwise_like_a_host_shard() {
     grads[7] = f32::NAN;
     let dg = dev.upload(&grads).unwrap();
     let (pv, gv) = (dp.slice_mut(..).into(), dg.slice(..).into());
-    let err = opt.step(&mut state, shard, pv, gv, &SingleRank).unwrap_err();
+    let err = opt
+        .step(&mut state, shard, pv, gv, &SingleRank)
+        .unwrap_err();
     assert!(err.to_string().contains("grads[7]"), "{err}");
     assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p0), "params kept");
     assert_eq!(state, opt.init(shard).unwrap(), "state kept");

@@ -8,10 +8,11 @@ use ragged::comm::Segment;
 use ragged::cuda::cudarc::driver::CudaSlice;
 use ragged::cuda::Device;
 
-/// Device 0, or `None` after printing why the test is skipped.
-pub fn device() -> Option<Device> {
+/// Device 0 (shared, as ranks and optimizer states hold it), or `None` after printing why the
+/// test is skipped.
+pub fn device() -> Option<Arc<Device>> {
     match Device::open(0) {
-        Ok(d) => Some(d),
+        Ok(d) => Some(Arc::new(d)),
         Err(e) => {
             println!("skipped: {e}");
             None
@@ -67,6 +68,14 @@ pub fn nccl_ranks_of_one_process() -> Option<Vec<ragged::cuda::nccl::NcclComm>> 
     ragged::cuda::nccl::NcclComm::from_devices(&devs)
         .map_err(|e| println!("skipped: {e}"))
         .ok()
+}
+
+/// A zeroed device buffer per span (of its length): the storages of device segments.
+pub fn zeroed_parts(
+    dev: &Device,
+    spans: &[std::ops::Range<usize>],
+) -> ragged::Result<Vec<CudaSlice<f32>>> {
+    spans.iter().map(|r| dev.zeros::<f32>(r.len())).collect()
 }
 
 /// Segments of the full buffer at `spans`, one in each of `parts`.

@@ -2,6 +2,15 @@
 //! tensors in and out of local shards.
 #![allow(dead_code)] // each test file uses a different subset
 
+/// The CUDA test binaries' helpers (`device`, the allocation counts), shared with the root
+/// crate's tests.
+#[cfg(feature = "cuda")]
+#[path = "../../../tests/common/cuda.rs"]
+pub mod cuda;
+#[cfg(feature = "cuda")]
+#[allow(unused_imports)] // the files without device tests
+pub use cuda::device;
+
 use ragged::demo::SplitMix;
 use ragged::fsdp::fsdp2::Fsdp2Unit;
 use ragged::model::{DType, TensorSpec, Unit};
@@ -318,18 +327,6 @@ pub fn loud_shampoo() -> ShampooConfig {
         start_preconditioning_step: Some(2),
         grafting: Grafting::ADAM,
         ..ShampooConfig::default()
-    }
-}
-
-/// Device 0, or `None` after printing why the test is skipped.
-#[cfg(feature = "cuda")]
-pub fn device() -> Option<std::sync::Arc<ragged::cuda::Device>> {
-    match ragged::cuda::Device::open(0) {
-        Ok(d) => Some(std::sync::Arc::new(d)),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
     }
 }
 
