@@ -487,7 +487,7 @@ impl<'a, T: Elem> View<'a, T> {
         match self {
             View::Cpu(v) => Ok(std::borrow::Cow::Borrowed(v)),
             #[cfg(feature = "cuda")]
-            View::Cuda(v) if v.len() == 0 => Ok(std::borrow::Cow::Owned(Vec::new())),
+            View::Cuda(v) if v.is_empty() => Ok(std::borrow::Cow::Owned(Vec::new())),
             #[cfg(feature = "cuda")]
             View::Cuda(v) => Ok(std::borrow::Cow::Owned(crate::cuda::guarded(op, || {
                 v.stream().clone_dtoh(v)
@@ -507,7 +507,7 @@ impl<'a, T: Elem> ViewMut<'a, T> {
             ViewMut::Cpu(v) => f(v),
             #[cfg(feature = "cuda")]
             ViewMut::Cuda(mut v) => {
-                if v.len() == 0 {
+                if v.is_empty() {
                     return f(&mut []);
                 }
                 let stream = Arc::clone(v.stream());
