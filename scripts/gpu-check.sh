@@ -15,12 +15,12 @@
 # cuda` into bench-optim.md and the optim-cuda section of a copy of docs/benchmarks.md, then
 # (with the candle-cuda binaries) `ragged bench train --device cuda` into bench-train.md and
 # section train-cuda, and `train --device cuda` on thread ranks (with every optimizer), on a
-# one-process NCCL world and saved then resumed from a checkpoint (on the GPU and on the CPU). CUDA libraries: the
-# driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND,
-# NVRTC and NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
+# one-process NCCL world and saved then resumed from a checkpoint (on the GPU and on the CPU).
+# CUDA libraries: the driver (libcuda.so.1) must be installed; cuBLAS(Lt), cuRAND, NVRTC and
+# NCCL are taken from pip wheels (nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc,
 # nvidia-nccl-cu13) when any are installed, else from the system (CUDA toolkit on the loader
-# path). NCCL's soname is libnccl.so.2, which cudarc does not
-# search for, so a libnccl.so symlink is made in a private folder put first on LD_LIBRARY_PATH.
+# path). NCCL's soname is libnccl.so.2, which cudarc does not search for, so a libnccl.so
+# symlink is made in a private folder put first on LD_LIBRARY_PATH.
 # Nothing is downloaded: the machine may have no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
