@@ -14,7 +14,9 @@ use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
 use ragged::storage::Placement;
 use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
-use ragged_optimizers::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig};
+use ragged_optimizers::{
+    Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Muon, MuonConfig, NsConfig, Shampoo,
+};
 
 mod harness;
 use harness::cuda::{allocated_by_every_rank, alone, Allocated};
@@ -23,7 +25,8 @@ use harness::{device, planned_shards, scatter, split_case, split_rows};
 /// After its first step no device optimizer step allocates device memory. Muon keeps `U`, the
 /// roots' arena, the all-to-all buffers and Newton–Schulz's workspace between steps (these
 /// are far below the 64 MiB it keeps), sized before use (split and whole matrices; `f32` and
-/// bf16, the standard and the Gram iteration); AdamW and 8-bit Adam step in their state.
+/// bf16, the standard and the Gram iteration); AdamW and 8-bit Adam step in their state; Shampoo
+/// on the host.
 /// Counted by tools/cuda-emu's driver over two steps of three thread ranks on one GPU
 /// ([`steps_after_the_first_allocate`]).
 #[test]
@@ -74,6 +77,11 @@ fn device_steps_after_the_first_allocate_no_device_memory() {
     let shards = planned_shards(&adam8bit, &spec, 3, &opts);
     let (allocated, _) = steps_after_the_first_allocate(&adam8bit, &shards, &dev, &p0, &grads);
     counted.push(("8-bit Adam".into(), allocated));
+    // Shampoo steps device shards on the host, through host copies.
+    let shampoo = Shampoo::new(harness::loud_shampoo()).unwrap();
+    let shards = planned_shards(&shampoo, &spec, 3, &opts);
+    let (allocated, _) = steps_after_the_first_allocate(&shampoo, &shards, &dev, &p0, &grads);
+    counted.push(("Shampoo".into(), allocated));
     for (what, allocated) in counted {
         match allocated {
             Some(a) => assert_eq!(a, Allocated::NONE, "{what}: device allocations"),
