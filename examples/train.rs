@@ -528,6 +528,12 @@ fn run<O: CheckpointState>(
             args.batch,
             cfg.seq_len
         )?;
+        if args.device == Place::Cuda && matches!(args.optimizer, Opt::Shampoo) {
+            ragged::outln!(
+                "Shampoo steps on the CPU: each step downloads the device shards' gradients and \
+                 parameters and uploads the parameters (its state stays in host memory)"
+            )?;
+        }
     }
 
     let bar = Progress::new("sharded", args);
