@@ -65,6 +65,10 @@ else
     echo "build-gpu-bins: no nvcc, so no candle-cuda binaries (the model stays on the CPU)" >&2
     rm -f "$out"/*candle-cuda*.xz
 fi
+# The builds above share target/release with the usual ones: say so, since the last of them
+# (candle-cuda, linked against stubs) cannot start on a machine without CUDA.
+echo "build-gpu-bins: target/release/ragged and examples/train are now GPU builds;" \
+    "\`cargo build --release --workspace --bins --examples\` makes the CPU ones again" >&2
 # What travels to the GPU machine (the working tree with target/gpu-bin) is limited to 64 MiB.
 total=$(du -sm "$out" | cut -f1)
 echo "$out: $total MiB"
