@@ -230,11 +230,19 @@ fn shampoo_steps_a_device_shard_on_the_host_bitwise_like_a_host_shard() {
     })
     .unwrap();
     let run = (&[1, 3][..], 11, 5);
-    each_rank_host_and_device(&opt, &spec, &dev, run, |world, _, (p, state), (dp, ds)| {
-        assert_eq!(state.step, 5);
-        assert_eq!(bits(&dp), bits(&p), "params at world {world}");
-        assert_eq!(ds, state, "state at world {world}");
-    });
+    each_rank_host_and_device(
+        &opt,
+        &spec,
+        &dev,
+        run,
+        |world, shard, (p, state), (dp, ds)| {
+            assert_eq!(state.step, 5);
+            let identity = opt.init(shard).unwrap().roots;
+            assert!(state.roots != identity, "roots recomputed at world {world}");
+            assert_eq!(bits(&dp), bits(&p), "params at world {world}");
+            assert_eq!(ds, state, "state at world {world}");
+        },
+    );
 
     let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
     let mut rng = Rng::new(3);
