@@ -47,6 +47,14 @@ impl<T: DeviceRepr + ValidAsZeroBits> Scratch<T> {
         Ok(buf.slice_mut(..len))
     }
 
+    /// Its first `host.len()` elements on `dev` ([`Scratch::view_mut`]) holding a copy of
+    /// `host`, the upload queued on `dev`'s stream.
+    pub fn upload(&mut self, dev: &Device, host: &[T]) -> Result<CudaViewMut<'_, T>> {
+        let mut view = self.view_mut(dev, host.len())?;
+        dev.upload_into(host, &mut view)?;
+        Ok(view)
+    }
+
     /// At least `len` elements on `dev` from now on ([`Scratch::view_mut`]).
     pub fn reserve(&mut self, dev: &Device, len: usize) -> Result<()> {
         self.view_mut(dev, len).map(drop)

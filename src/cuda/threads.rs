@@ -148,10 +148,9 @@ impl Memory for DeviceMemory<'_> {
         // Rewritten whole before each use, so a panic that poisoned the lock left nothing
         // to distrust.
         let mut kept = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let mut table = kept.view_mut(dev, addrs.len())?;
         // Queued after the previous reduction's kernel on this stream, so it never changes
         // a table a queued kernel still reads.
-        dev.upload_into(&addrs, &mut table)?;
+        let mut table = kept.upload(dev, &addrs)?;
         let v = srcs.len() as i32;
         let dst = dst as usize as u64;
         let (len, avg) = (count(n), i32::from(op == ReduceOp::Avg));

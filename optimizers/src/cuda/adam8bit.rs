@@ -318,8 +318,7 @@ pub(crate) fn step(
     // Into a buffer the optimizer keeps between steps: a step allocates nothing after the
     // first.
     let mut kept = opt.device_runs.take();
-    let mut runs_on_device = kept.view_mut(dev, runs.len())?;
-    dev.upload_into(&runs, &mut runs_on_device)?;
+    let runs_on_device = kept.upload(dev, &runs)?;
     let runs = runs_on_device.as_view();
     let f = dev.function(&ADAM8BIT, ADAM8BIT_BLOCKS)?;
     let cfg = launch_shape(dev, &f, scales)?;
