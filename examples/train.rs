@@ -530,8 +530,8 @@ fn run<O: CheckpointState>(
         )?;
         if args.device == Place::Cuda && matches!(args.optimizer, Opt::Shampoo) {
             ragged::outln!(
-                "Shampoo steps on the CPU: each step downloads the device shards' gradients and \
-                 parameters and uploads the parameters (its state stays in host memory)"
+                "Shampoo steps on the GPU; its inverse roots are computed on the CPU (factors \
+                 down, roots up, every precondition_frequency steps)"
             )?;
         }
     }

@@ -219,7 +219,7 @@ if [[ -x $bins/train ]]; then
             fi
         done
         # Every other optimizer with the model on the GPU (AdamW, the default, ran above):
-        # Muon's and 8-bit Adam's device steps, Shampoo's host step through copies.
+        # Muon's, 8-bit Adam's and Shampoo's device steps (Shampoo's roots on the host).
         for opt in muon adam8bit shampoo; do
             if limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 --ranks 2 \
                 --comm gpu-threads --device cuda --optimizer "$opt" \

@@ -500,7 +500,8 @@ impl<'a, T: Elem> ViewMut<'a, T> {
     /// Runs `f` on the elements in host memory: host elements in place; device ones on a host
     /// copy (downloaded, waiting for their stream), uploaded back only when `f` returns `Ok`,
     /// so an `Err` leaves the device elements as they were. For a step that has only a host
-    /// backend (Shampoo): its device shard costs a download and an upload per call.
+    /// backend (an optimizer of one's own): its device shard costs a download and an upload
+    /// per call.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn on_host<R>(self, op: &'static str, f: impl FnOnce(&mut [T]) -> Result<R>) -> Result<R> {
         match self {

@@ -722,7 +722,7 @@ fn nccl_ranks_refuse_disagreeing_calls_on_every_rank_before_moving_data() {
 }
 
 /// Entry points of every kernel file (the launchers' constants).
-const ENTRIES: [(&str, &[&str]); 6] = [
+const ENTRIES: [(&str, &[&str]); 7] = [
     (
         "group_ops.cu",
         &[
@@ -755,6 +755,10 @@ const ENTRIES: [(&str, &[&str]); 6] = [
     (
         "reduce_ranks.cu",
         &["reduce_ranks_f32", "reduce_ranks_bf16", "reduce_ranks_u8"],
+    ),
+    (
+        "shampoo.cu",
+        &["shampoo_moments", "shampoo_mul_abt", "shampoo_apply"],
     ),
 ];
 
@@ -821,7 +825,13 @@ fn every_kernel_compiles_with_nvrtc_without_fma_contraction_and_with_ieee_div_an
             for approx in ["div.approx", "div.full", "sqrt.approx", "rcp.approx"] {
                 assert!(!ptx.contains(approx), "{}: {approx} in PTX", src.name);
             }
-            if src.name == "adamw.cu" || src.name == "adam8bit.cu" {
+            if src.name == "shampoo.cu" {
+                // The f64 lanes' products and sums and the norms' square root, rounded.
+                for op in ["mul.rn.f64", "add.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64"] {
+                    assert!(ptx.contains(op), "shampoo.cu: no {op}");
+                }
+            }
+            if src.name == "adamw.cu" || src.name == "adam8bit.cu" || src.name == "shampoo.cu" {
                 // The update's division and square root are there, correctly rounded.
                 assert!(ptx.contains("div.rn.f32"), "{}: no div.rn.f32", src.name);
                 assert!(ptx.contains("sqrt.rn.f32"), "{}: no sqrt.rn.f32", src.name);
@@ -907,8 +917,8 @@ fn bf16_rank_reduction_keeps_nan_quiet_like_the_cpu_backend() {
     );
 }
 
-/// Protects `View::to_host` and `ViewMut::on_host` (a host-only step on a device shard:
-/// Shampoo's): a device view away from the start of its buffer is read, and written back by
+/// Protects `View::to_host` and `ViewMut::on_host` (a host-only step on a device shard, as
+/// `Optimizer::init_on` suggests for an optimizer without a device backend): a device view away from the start of its buffer is read, and written back by
 /// an `Ok`, in exactly its range, as a host view is in place; an `Err` from the host work
 /// leaves the device elements as they were (whatever the work wrote on the host copy), and
 /// an empty view runs the work on an empty slice.

@@ -78,9 +78,9 @@
 //! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`,
 //! `Q·diag·Qᵀ`) accumulate exact products in `f64` in a fixed order (term `k` in lane
 //! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`; `kernels::lane_dot`, in AVX2 + FMA
-//! register tiles where the CPU has them, with the same bits) and round once, and the norms of step 7
-//! are `f64` sums (fb uses `f32` GEMMs and norms); `bc₂` is an `f64` scalar rounded once (fb
-//! computes it in an `f32` tensor).
+//! register tiles where the CPU has them, with the same bits) and round once, and the norms of
+//! step 7 are `f64` sums in 32 fixed lanes added as a tree (fb uses `f32` GEMMs and norms);
+//! `bc₂` is an `f64` scalar rounded once (fb computes it in an `f32` tensor).
 //!
 //! # Sharding and determinism
 //! A rank holds whole row blocks, hence whole Shampoo blocks, so it steps them with no
@@ -93,14 +93,12 @@
 //! `Error::InvalidShard` before anything is modified.
 //!
 //! # Where it runs
-//! On the CPU, whatever memory the shard lives in. [`Shampoo::init_on`] keeps the state in
-//! host memory for every placement, and a shard in device memory (`fully_shard` on a GPU) is
-//! stepped through host copies ([`ragged::storage::ViewMut::on_host`]): each step downloads
-//! the gradients and the parameters and uploads the parameters (12 bytes of PCIe traffic per
-//! element, synchronous with the device's stream), the offload ZeRO-Offload makes for Adam.
-//! The step is the host step, so a device shard trains bitwise like a host one from the same
-//! gradients; what costs is the CPU's work on the products and eigendecompositions, and the
-//! wait for the copies. Checkpoints save the host state as on the CPU.
+//! Where the shard lives: [`Shampoo::init_on`] puts the state in the shard's memory. On a
+//! GPU (feature `cuda`, [`crate::cuda::shampoo`]) steps 2, 3 and 5–9 are kernels that keep the
+//! host's operation order and `f64` lanes, and step 4 runs on the host: every
+//! `precondition_frequency` steps the factors and roots are downloaded, rooted by the same
+//! code as here, and the roots uploaded. So a device step is bitwise the host step. The
+//! device step keeps three shard-long `f32` buffers (12 bytes per element) between steps.
 //!
 //! # Non-finite gradients
 //! A NaN or ±∞ in the local gradient (padding included) makes `step` return
@@ -118,7 +116,7 @@ use rayon::prelude::*;
 
 use ragged::comm::Communicator;
 use ragged::optim::{LocalShard, Optimizer};
-use ragged::storage::{Placement, View, ViewMut};
+use ragged::storage::{Placement, Storage, View, ViewMut};
 use ragged::{AtomicBlock, Error, Result};
 
 use crate::common::{check_hyperparameters, check_len, ema_sq_elem, lerp_elem, next_step, MIN_EPS};
@@ -310,20 +308,21 @@ impl ShampooConfig {
     }
 }
 
-/// Shampoo state of one rank's shard of one group (see the module doc for the layout).
-#[derive(Clone, Debug, PartialEq)]
+/// Shampoo state of one rank's shard of one group (see the module doc for the layout), in the
+/// memory [`Shampoo::init_on`] was given (host or device).
+#[derive(Debug, PartialEq)]
 pub struct ShampooState {
     /// Steps taken (`t`). `0` before the first step.
     pub step: u64,
     /// Filtered gradient (fb's `filtered_grad`), `f32`, `shard.len` elements.
-    pub m: Vec<f32>,
+    pub m: Storage<f32>,
     /// Grafting accumulator, `shard.len` elements; empty for [`Grafting::None`] and
     /// [`Grafting::Sgd`].
-    pub v: Vec<f32>,
+    pub v: Storage<f32>,
     /// Every local block's factors (`L` then `R`, row-major), in shard order.
-    pub factors: Vec<f32>,
+    pub factors: Storage<f32>,
     /// The inverse roots of `factors`, same layout; the identity until first computed.
-    pub roots: Vec<f32>,
+    pub roots: Storage<f32>,
     /// Inverse roots that could not be computed on this rank (a non-finite factor, or neither
     /// eigendecomposition converged), each of which kept the previous root; cumulative.
     /// A diagnostic of this rank's run: [`ShampooState::to_le_bytes`] keeps it, checkpoints
@@ -337,32 +336,53 @@ const HEADER_WORDS: usize = 6;
 const MAGIC_V1: u64 = u64::from_le_bytes(*b"SHAMPOO1");
 
 impl ShampooState {
+    /// A copy in the same memory.
+    pub fn try_clone(&self) -> Result<Self> {
+        Ok(ShampooState {
+            step: self.step,
+            m: self.m.try_clone()?,
+            v: self.v.try_clone()?,
+            factors: self.factors.try_clone()?,
+            roots: self.roots.try_clone()?,
+            root_failures: self.root_failures,
+        })
+    }
+
+    /// The same state in the memory `place` names (a copy of every array).
+    pub fn to_placement(&self, place: &Placement) -> Result<Self> {
+        Ok(ShampooState {
+            step: self.step,
+            m: place.put(self.m.to_vec()?)?,
+            v: place.put(self.v.to_vec()?)?,
+            factors: place.put(self.factors.to_vec()?)?,
+            roots: place.put(self.roots.to_vec()?)?,
+            root_failures: self.root_failures,
+        })
+    }
+
     /// Serializes the state: a magic word, `step`, `len(m)`, `len(v)`, `len(factors)`,
-    /// `root_failures` as u64, then `m`, `v`, `factors`, `roots` as `f32`; all little-endian.
-    /// Exact: loading gives back the same bits. (`roots` must have `factors`' length.)
-    pub fn to_le_bytes(&self) -> Vec<u8> {
-        let n = self.m.len() + self.v.len() + self.factors.len() + self.roots.len();
+    /// `root_failures` as u64, then `m`, `v`, `factors`, `roots` as `f32`; all little-endian
+    /// (device arrays are downloaded). Exact: loading gives back the same bits. (`roots` must
+    /// have `factors`' length.)
+    pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
+        let (m, v) = (self.m.host()?, self.v.host()?);
+        let (factors, roots) = (self.factors.host()?, self.roots.host()?);
+        let n = m.len() + v.len() + factors.len() + roots.len();
         let mut out = Vec::with_capacity(8 * HEADER_WORDS + 4 * n);
         for w in [
             MAGIC,
             self.step,
-            self.m.len() as u64,
-            self.v.len() as u64,
-            self.factors.len() as u64,
+            m.len() as u64,
+            v.len() as u64,
+            factors.len() as u64,
             self.root_failures,
         ] {
             out.extend_from_slice(&w.to_le_bytes());
         }
-        for x in self
-            .m
-            .iter()
-            .chain(&self.v)
-            .chain(&self.factors)
-            .chain(&self.roots)
-        {
+        for x in m.iter().chain(&*v).chain(&*factors).chain(&*roots) {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        out
+        Ok(out)
     }
 
     /// Loads a state written by [`ShampooState::to_le_bytes`] (or by the first format, without
@@ -414,10 +434,10 @@ impl ShampooState {
         let (fs, rs) = rest.split_at(f);
         Ok(ShampooState {
             step,
-            m: ms.to_vec(),
-            v: vs.to_vec(),
-            factors: fs.to_vec(),
-            roots: rs.to_vec(),
+            m: ms.to_vec().into(),
+            v: vs.to_vec().into(),
+            factors: fs.to_vec().into(),
+            roots: rs.to_vec().into(),
             root_failures,
         })
     }
@@ -481,17 +501,25 @@ impl Block {
     }
 }
 
-/// Blocked Shampoo on local shards. Holds only hyperparameters; see the module doc.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Blocked Shampoo on local shards: hyperparameters (and, with the `cuda` feature, the device
+/// step's buffers, kept between steps); see the module doc.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Shampoo {
     config: ShampooConfig,
+    /// The device step's buffers ([`crate::cuda::shampoo`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) device_work: crate::common::BetweenSteps<crate::cuda::shampoo::DeviceWork>,
 }
 
 impl Shampoo {
     /// A Shampoo with validated hyperparameters ([`ShampooConfig::validate`]).
     pub fn new(config: ShampooConfig) -> Result<Self> {
         config.validate()?;
-        Ok(Shampoo { config })
+        Ok(Shampoo {
+            config,
+            #[cfg(feature = "cuda")]
+            device_work: Default::default(),
+        })
     }
 
     /// The hyperparameters.
@@ -622,6 +650,11 @@ impl Optimizer for Shampoo {
     }
 
     fn init(&self, shard: &LocalShard) -> Result<ShampooState> {
+        self.init_on(shard, &Placement::Cpu)
+    }
+
+    /// The state in `place`: zero moments and factors, identity roots.
+    fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<ShampooState> {
         let (blocks, len) = self.blocks(shard)?;
         let vlen = if self.config.grafting.has_accumulator() {
             shard.len
@@ -630,22 +663,15 @@ impl Optimizer for Shampoo {
         };
         Ok(ShampooState {
             step: 0,
-            m: vec![0.0; shard.len],
-            v: vec![0.0; vlen],
-            factors: vec![0.0; len],
-            roots: identity_roots(&blocks, len),
+            m: place.zeros(shard.len)?,
+            v: place.zeros(vlen)?,
+            factors: place.zeros(len)?,
+            roots: place.put(identity_roots(&blocks, len))?,
             root_failures: 0,
         })
     }
 
-    /// Host state whatever `place` says: the step runs on the CPU (module doc, "Where it
-    /// runs").
-    fn init_on(&self, shard: &LocalShard, _place: &Placement) -> Result<ShampooState> {
-        self.init(shard)
-    }
-
-    /// On the CPU; a shard in device memory through host copies (module doc, "Where it
-    /// runs").
+    /// On the CPU, or on the GPU that holds the shard (module doc, "Where it runs").
     fn step(
         &self,
         state: &mut ShampooState,
@@ -655,26 +681,71 @@ impl Optimizer for Shampoo {
         _comm: &dyn Communicator,
     ) -> Result<()> {
         const OP: &str = "Shampoo::step";
-        let grads = grads.to_host(OP)?;
-        params.on_host(OP, |params| self.step_host(state, shard, params, &grads))
+        let blocks = self.checked_blocks(state, shard, params.len(), grads.len())?;
+        match params {
+            ViewMut::Cpu(params) => {
+                let grads = grads.cpu(OP)?;
+                self.step_host(state, shard, &blocks, params, grads)
+            }
+            #[cfg(feature = "cuda")]
+            ViewMut::Cuda(mut params) => {
+                crate::cuda::shampoo::step(self, state, shard, &blocks, &mut params, grads)
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(ragged::storage::no_backend(OP)),
+        }
     }
 }
 
+/// The scalars of step `t` (module doc), as both backends use them: `f64` computations
+/// rounded to `f32` once.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepScalars {
+    /// `1 − β₁` when the filtered gradient is kept (`β₁ ≠ 0`).
+    pub momentum: Option<f32>,
+    /// `1 − β₁^t` when the filtered gradient is bias-corrected.
+    pub bc1: Option<f32>,
+    /// Grafting accumulator: `(β₂ᵍ, w, εᵍ, bc₂ᵍ)`, `w = 1 − β₂ᵍ` (AdaGrad: `β₂ᵍ = w = 1`).
+    pub graft: Option<(f32, f32, f32, Option<f32>)>,
+    /// The factors' `β₂` (`None` when `β₂ = 1`) and weight `w`.
+    pub factor_decay: (Option<f32>, f32),
+    /// The factors' bias correction `bc₂`.
+    pub factor_bc2: Option<f32>,
+    /// Whether step 4 runs.
+    pub roots_now: bool,
+    /// Step 7's direction: the grafting direction alone, `P_s`, or `P_s` grafted.
+    pub direction: Direction,
+    /// `−lr`.
+    pub neg_lr: f32,
+    /// Decoupled weight decay.
+    pub wd: Option<f32>,
+}
+
+/// Step 7's direction of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    /// `P = P_g` (before `start`, with grafting).
+    GraftOnly,
+    /// `P = P_s` (no grafting).
+    Shampoo,
+    /// `P = (‖P_g‖ / (‖P_s‖ + 1e-16))·P_s`.
+    Grafted,
+}
+
 impl Shampoo {
-    /// [`Optimizer::step`] on host memory: the module doc's steps 1–9.
-    fn step_host(
+    /// The block layout of `shard` after checking every length against it.
+    pub(crate) fn checked_blocks(
         &self,
-        state: &mut ShampooState,
+        state: &ShampooState,
         shard: &LocalShard,
-        params: &mut [f32],
-        grads: &[f32],
-    ) -> Result<()> {
+        params: usize,
+        grads: usize,
+    ) -> Result<Vec<Block>> {
         const OP: &str = "Shampoo::step";
-        let c = &self.config;
-        check_len(OP, "params", params.len(), shard.len)?;
-        check_len(OP, "grads", grads.len(), shard.len)?;
+        check_len(OP, "params", params, shard.len)?;
+        check_len(OP, "grads", grads, shard.len)?;
         check_len(OP, "state.m", state.m.len(), shard.len)?;
-        let vlen = if c.grafting.has_accumulator() {
+        let vlen = if self.config.grafting.has_accumulator() {
             shard.len
         } else {
             0
@@ -683,115 +754,162 @@ impl Shampoo {
         let (blocks, flen) = self.blocks(shard)?;
         check_len(OP, "state.factors", state.factors.len(), flen)?;
         check_len(OP, "state.roots", state.roots.len(), flen)?;
+        Ok(blocks)
+    }
+
+    /// The scalars of step `t`.
+    pub(crate) fn scalars(&self, t: u64) -> StepScalars {
+        let c = &self.config;
+        let tf = t as f64;
+        let graft = c.grafting.params().map(|(b2, eps, bc)| {
+            let bc2 = bc.then(|| (1.0 - b2.powf(tf)) as f32);
+            let w = if b2 == 1.0 { 1.0 } else { (1.0 - b2) as f32 };
+            (b2 as f32, w, eps as f32, bc2)
+        });
+        let direction = if c.grafting == Grafting::None {
+            Direction::Shampoo
+        } else if t < c.start_step() {
+            Direction::GraftOnly
+        } else {
+            Direction::Grafted
+        };
+        StepScalars {
+            momentum: (c.beta1 != 0.0).then_some((1.0 - c.beta1) as f32),
+            bc1: (c.use_bias_correction && c.beta1 != 0.0).then(|| (1.0 - c.beta1.powf(tf)) as f32),
+            graft,
+            factor_decay: if c.beta2 < 1.0 {
+                (Some(c.beta2 as f32), (1.0 - c.beta2) as f32)
+            } else {
+                (None, 1.0)
+            },
+            factor_bc2: (c.use_bias_correction && c.beta2 < 1.0)
+                .then(|| (1.0 - c.beta2.powf(tf)) as f32),
+            roots_now: c.computes_roots_at(t),
+            direction,
+            neg_lr: (-c.lr) as f32,
+            wd: (c.weight_decay != 0.0).then_some(c.weight_decay as f32),
+        }
+    }
+
+    /// Step 4 on every block of a host copy of the state's factors and roots (both backends):
+    /// returns how many roots failed.
+    pub(crate) fn compute_all_roots(
+        &self,
+        blocks: &[Block],
+        factors: &[f32],
+        roots: &mut [f32],
+        bc2: Option<f32>,
+    ) -> u64 {
+        let mut jobs = Vec::with_capacity(blocks.len());
+        let mut rs = roots;
+        for b in blocks {
+            let (r, rest) = rs.split_at_mut(b.factor_len());
+            jobs.push((*b, &factors[b.factor_at..b.factor_at + b.factor_len()], r));
+            rs = rest;
+        }
+        jobs.into_par_iter()
+            .map(|(b, f, r)| {
+                let e = self.exponent(b.order());
+                compute_roots(&b, f, r, bc2, self.config.epsilon, e)
+            })
+            .sum()
+    }
+}
+
+/// `Err(BadInput)` naming the first non-finite gradient (module doc, "Non-finite gradients").
+pub(crate) fn non_finite(op: &'static str, what: String) -> Error {
+    Error::BadInput {
+        op,
+        what,
+        reason: "gradients must be finite; nothing was updated".into(),
+    }
+}
+
+impl Shampoo {
+    /// [`Optimizer::step`] on host memory: the module doc's steps 1–9 (after
+    /// [`Shampoo::checked_blocks`]).
+    fn step_host(
+        &self,
+        state: &mut ShampooState,
+        shard: &LocalShard,
+        blocks: &[Block],
+        params: &mut [f32],
+        grads: &[f32],
+    ) -> Result<()> {
+        const OP: &str = "Shampoo::step";
         if let Some(i) = grads.iter().position(|g| !g.is_finite()) {
-            return Err(Error::BadInput {
-                op: OP,
-                what: format!("grads[{i}] = {}", grads[i]),
-                reason: "gradients must be finite; nothing was updated".into(),
-            });
+            return Err(non_finite(OP, format!("grads[{i}] = {}", grads[i])));
         }
         let t = next_step(OP, state.step)?;
+        let sc = self.scalars(t);
+        let (m, v) = (state.m.cpu_mut()?, state.v.cpu_mut()?);
+        let (factors, roots) = (state.factors.cpu_mut()?, state.roots.cpu_mut()?);
         state.step = t;
 
         // Steps 3, 5, 6: element-wise, over the pieces (padding untouched).
         let mut gbar = vec![0.0f32; shard.len];
         let mut pg = vec![0.0f32; shard.len];
-        let w1 = (1.0 - c.beta1) as f32;
-        let bc1 = (c.use_bias_correction && c.beta1 != 0.0)
-            .then(|| (1.0 - c.beta1.powf(t as f64)) as f32);
-        let graft = c.grafting.params().map(|(b2, eps, bc)| {
-            let bc2 = bc.then(|| (1.0 - b2.powf(t as f64)) as f32);
-            (b2 as f32, (1.0 - b2) as f32, eps as f32, bc2)
-        });
         for piece in &shard.pieces {
             for i in piece.offset..piece.offset + piece.range.len() {
                 let g = grads[i];
-                let gb = if c.beta1 != 0.0 {
-                    let m = lerp_elem(state.m[i], g, w1);
-                    state.m[i] = m;
-                    match bc1 {
-                        Some(bc) => m / bc,
-                        None => m,
+                let gb = match sc.momentum {
+                    Some(w1) => {
+                        m[i] = lerp_elem(m[i], g, w1);
+                        sc.bc1.map_or(m[i], |bc| m[i] / bc)
                     }
-                } else {
-                    g
+                    None => g,
                 };
                 gbar[i] = gb;
-                pg[i] = match graft {
+                pg[i] = match sc.graft {
                     Some((b2, w2, eps, bc2)) => {
-                        let v = if b2 == 1.0 {
-                            ema_sq_elem(state.v[i], g, 1.0, 1.0)
-                        } else {
-                            ema_sq_elem(state.v[i], g, b2, w2)
-                        };
-                        state.v[i] = v;
-                        let vh = match bc2 {
-                            Some(bc) => v / bc,
-                            None => v,
-                        };
-                        gb / (vh.sqrt() + eps)
+                        v[i] = ema_sq_elem(v[i], g, b2, w2);
+                        gb / (bc2.map_or(v[i], |bc| v[i] / bc).sqrt() + eps)
                     }
                     None => gb,
                 };
             }
         }
 
-        // Steps 2, 4, 7 per block (independent, in parallel), then 8–9.
-        let use_graft_only = t < c.start_step() && c.grafting != Grafting::None;
-        let grafted = c.grafting != Grafting::None;
-        let roots_now = c.computes_roots_at(t);
-        let bc2 =
-            (c.use_bias_correction && c.beta2 < 1.0).then(|| (1.0 - c.beta2.powf(t as f64)) as f32);
-        let (b2, w2) = if c.beta2 < 1.0 {
-            (Some(c.beta2 as f32), (1.0 - c.beta2) as f32)
-        } else {
-            (None, 1.0)
-        };
+        // Step 2 per block (in parallel), step 4, then step 7 per block and steps 8–9.
         let mut jobs = Vec::with_capacity(blocks.len());
-        let (mut fs, mut rs) = (&mut state.factors[..], &mut state.roots[..]);
-        for b in &blocks {
-            let (f, f_rest) = fs.split_at_mut(b.factor_len());
-            let (r, r_rest) = rs.split_at_mut(b.factor_len());
-            jobs.push((*b, f, r));
-            fs = f_rest;
-            rs = r_rest;
+        let mut fs = &mut factors[..];
+        for b in blocks {
+            let (f, rest) = fs.split_at_mut(b.factor_len());
+            jobs.push((b, f));
+            fs = rest;
         }
-        let (dirs, failures): (Vec<Vec<f32>>, Vec<u64>) = jobs
-            .into_par_iter()
-            .map(|(b, f, r)| {
-                let g = b.gather(grads);
-                update_factors(&b, &g, f, b2, w2);
-                let failed = if roots_now {
-                    let e = self.exponent(b.order());
-                    compute_roots(&b, f, r, bc2, c.epsilon, e)
-                } else {
-                    0
-                };
+        let (b2, w2) = sc.factor_decay;
+        jobs.into_par_iter()
+            .for_each(|(b, f)| update_factors(b, &b.gather(grads), f, b2, w2));
+        if sc.roots_now {
+            state.root_failures += self.compute_all_roots(blocks, factors, roots, sc.factor_bc2);
+        }
+        let dirs: Vec<Vec<f32>> = blocks
+            .par_iter()
+            .map(|b| {
                 let pg_b = b.gather(&pg);
-                if use_graft_only {
-                    return (pg_b, failed);
+                if sc.direction == Direction::GraftOnly {
+                    return pg_b;
                 }
-                let ps = precondition(&b, &b.gather(&gbar), r);
-                if !grafted {
-                    return (ps, failed);
+                let r = &roots[b.factor_at..b.factor_at + b.factor_len()];
+                let ps = precondition(b, &b.gather(&gbar), r);
+                if sc.direction == Direction::Shampoo {
+                    return ps;
                 }
                 let scale = norm(&pg_b) / (norm(&ps) + 1e-16f32);
-                (ps.into_iter().map(|x| x * scale).collect(), failed)
+                ps.into_iter().map(|x| x * scale).collect()
             })
-            .unzip();
-        state.root_failures += failures.iter().sum::<u64>();
-        let neg_lr = (-c.lr) as f32;
-        let wd = (c.weight_decay != 0.0).then_some(c.weight_decay as f32);
+            .collect();
         for (b, dir) in blocks.iter().zip(&dirs) {
             for i in 0..b.rows {
                 let s = b.idx(i, 0);
                 let row = &dir[i * b.cols..(i + 1) * b.cols];
                 for (p, &d) in params[s..s + b.cols].iter_mut().zip(row) {
-                    let d = match wd {
+                    let d = match sc.wd {
                         Some(wd) => d + wd * *p,
                         None => d,
                     };
-                    *p += neg_lr * d;
+                    *p += sc.neg_lr * d;
                 }
             }
         }
@@ -799,12 +917,26 @@ impl Shampoo {
     }
 }
 
-/// `‖x‖₂`: squares of `f32` summed in `f64` in order, `√` in `f64`, rounded once.
+/// Lanes of the grafting norms' `f64` sums (element `e` of a block, row-major, in lane
+/// `e mod 32`), combined as a tree: lane `l` adds lane `l + h` for `h` = 16, 8, 4, 2, 1. A
+/// fixed order, which the device's warp of 32 lanes follows too (`kernels/shampoo.cu`).
+pub(crate) const NORM_LANES: usize = 32;
+
+/// `‖x‖₂`: squares of `f32` (exact in `f64`) summed in `f64` in [`NORM_LANES`] lanes, `√` in
+/// `f64`, rounded once.
 fn norm(x: &[f32]) -> f32 {
-    x.iter()
-        .map(|&v| f64::from(v) * f64::from(v))
-        .sum::<f64>()
-        .sqrt() as f32
+    let mut s = [0.0f64; NORM_LANES];
+    for (e, &v) in x.iter().enumerate() {
+        s[e % NORM_LANES] += f64::from(v) * f64::from(v);
+    }
+    let mut h = NORM_LANES / 2;
+    while h > 0 {
+        for l in 0..h {
+            s[l] += s[l + h];
+        }
+        h /= 2;
+    }
+    s[0].sqrt() as f32
 }
 
 /// Rows of a `rows × cols` row-major matrix transposed (`cols × rows`).

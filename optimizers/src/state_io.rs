@@ -224,20 +224,20 @@ impl CheckpointState for Shampoo {
     }
 
     fn state_data<'a>(&self, s: &'a ShampooState) -> Result<Vec<FieldData<'a>>> {
-        let mut out = vec![FieldData::from(&s.m[..])];
+        let mut out = vec![FieldData::from(&s.m)];
         if self.config().grafting.has_accumulator() {
-            out.push(s.v[..].into());
+            out.push((&s.v).into());
         }
-        out.extend([s.factors[..].into(), s.roots[..].into()]);
+        out.extend([(&s.factors).into(), (&s.roots).into()]);
         Ok(out)
     }
 
     fn state_data_mut<'a>(&self, s: &'a mut ShampooState) -> Result<Vec<FieldDataMut<'a>>> {
-        let mut out = vec![FieldDataMut::from(&mut s.m[..])];
+        let mut out = vec![FieldDataMut::from(&mut s.m)];
         if self.config().grafting.has_accumulator() {
-            out.push((&mut s.v[..]).into());
+            out.push((&mut s.v).into());
         }
-        out.extend([(&mut s.factors[..]).into(), (&mut s.roots[..]).into()]);
+        out.extend([(&mut s.factors).into(), (&mut s.roots).into()]);
         Ok(out)
     }
 

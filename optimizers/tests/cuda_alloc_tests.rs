@@ -26,7 +26,8 @@ use harness::{device, planned_shards, scatter, split_case, split_rows};
 /// roots' arena, the all-to-all buffers and Newton–Schulz's workspace between steps (these
 /// are far below the 64 MiB it keeps), sized before use (split and whole matrices; `f32` and
 /// bf16, the standard and the Gram iteration); AdamW and 8-bit Adam step in their state; Shampoo
-/// on the host.
+/// keeps its buffers (gradient copies, `P_s`, the block table) and computes roots through
+/// host copies.
 /// Counted by tools/cuda-emu's driver over two steps of three thread ranks on one GPU
 /// ([`steps_after_the_first_allocate`]).
 #[test]
@@ -77,7 +78,7 @@ fn device_steps_after_the_first_allocate_no_device_memory() {
     let shards = planned_shards(&adam8bit, &spec, 3, &opts);
     let (allocated, _) = steps_after_the_first_allocate(&adam8bit, &shards, &dev, &p0, &grads);
     counted.push(("8-bit Adam".into(), allocated));
-    // Shampoo steps device shards on the host, through host copies.
+    // Shampoo: its kept buffers, and host copies of the factors for the roots.
     let shampoo = Shampoo::new(harness::loud_shampoo()).unwrap();
     let shards = planned_shards(&shampoo, &spec, 3, &opts);
     let (allocated, _) = steps_after_the_first_allocate(&shampoo, &shards, &dev, &p0, &grads);

@@ -24,7 +24,7 @@ use ragged_optimizers::newton_schulz::{NsMethod, NsPrecision};
 use ragged_optimizers::quant::{dynamic_map, quantize};
 use ragged_optimizers::{
     orthogonalize, Adam8bit, Adam8bitConfig, Adam8bitState, AdamW, AdamWConfig, DecayRule,
-    Grafting, Muon, MuonConfig, MuonState, NsConfig, Shampoo, ShampooConfig,
+    Grafting, Muon, MuonConfig, MuonState, NsConfig, Shampoo, ShampooConfig, ShampooState,
 };
 
 mod harness;
@@ -203,47 +203,70 @@ fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
     });
 }
 
-/// Shampoo has no device kernels: a shard in device memory is stepped on the host through
-/// copies (`ViewMut::on_host`), with the state in host memory whatever the placement. So the
-/// device shard's parameters and every state array are **bitwise** the host step's, over
-/// steps that recompute the inverse roots (every 2 steps from step 2) on blocks of 16 rows
-/// and 16-column chunks, Adam grafting and weight decay, at worlds 1 and 3. A non-finite
-/// gradient is an `Err` that leaves the device parameters and the state as they were.
+/// Shampoo's device step (`kernels/shampoo.cu`, roots on the host) against the host step:
+/// the parameters and every state array (filtered gradient, grafting accumulator, factors,
+/// roots) **bitwise**, at worlds 1 and 3, over parameters that give blocks of every order
+/// (`[.., 1]` columns: `L` only; 1-D and one-row tails: `R` only; a single element: none),
+/// 16-row blocks with 16-column chunks, and three settings: Adam grafting with weight decay
+/// and roots every 2 steps; no grafting, `β₁ = 0` and decayed, bias-corrected factors
+/// (`β₂ = 0.99`); AdaGrad grafting alone until the start step 4. A non-finite gradient is an
+/// `Err` that leaves the device parameters and the state as they were.
 #[test]
-fn shampoo_steps_a_device_shard_on_the_host_bitwise_like_a_host_shard() {
+fn shampoo_device_step_is_bitwise_the_host_step() {
     let Some(dev) = device() else { return };
     let spec = specs(&[
         ("w0", &[40, 24]),
         ("bias", &[33]),
         ("experts", &[2, 20, 16]),
+        ("column", &[20, 1]),
+        ("scale", &[1]),
     ]);
-    let opt = Shampoo::new(ShampooConfig {
+    let base = ShampooConfig {
         lr: 1e-2,
-        weight_decay: 1e-2,
         max_preconditioner_dim: 16,
-        precondition_frequency: 2,
-        grafting: Grafting::Adam {
-            beta2: 0.999,
-            eps: 1e-8,
-        },
         ..Default::default()
-    })
-    .unwrap();
-    let run = (&[1, 3][..], 11, 5);
-    each_rank_host_and_device(
-        &opt,
-        &spec,
-        &dev,
-        run,
-        |world, shard, (p, state), (dp, ds)| {
-            assert_eq!(state.step, 5);
-            let identity = opt.init(shard).unwrap().roots;
-            assert!(state.roots != identity, "roots recomputed at world {world}");
-            assert_eq!(bits(&dp), bits(&p), "params at world {world}");
-            assert_eq!(ds, state, "state at world {world}");
+    };
+    let configs = [
+        ShampooConfig {
+            weight_decay: 1e-2,
+            precondition_frequency: 2,
+            grafting: Grafting::Adam {
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            ..base
         },
-    );
+        ShampooConfig {
+            beta1: 0.0,
+            beta2: 0.99,
+            ..base
+        },
+        ShampooConfig {
+            precondition_frequency: 2,
+            start_preconditioning_step: Some(4),
+            grafting: Grafting::ADAGRAD,
+            ..base
+        },
+    ];
+    for (k, config) in configs.into_iter().enumerate() {
+        let opt = Shampoo::new(config).unwrap();
+        let run = (&[1, 3][..], 11 + k as u64, 5);
+        each_rank_host_and_device(
+            &opt,
+            &spec,
+            &dev,
+            run,
+            |world, shard, (p, state), (dp, ds)| {
+                let what = format!("config {k}, world {world}, rank {}", shard.rank);
+                let identity = opt.init(shard).unwrap().roots;
+                assert!(state.roots != identity, "{what}: roots recomputed");
+                assert_eq!(bits(&dp), bits(&p), "{what}: params");
+                assert_shampoo_equal(&state, &ds, &what);
+            },
+        );
+    }
 
+    let opt = Shampoo::new(configs[0]).unwrap();
     let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
     let mut rng = Rng::new(3);
     let p0 = scatter(shard, &globals(&spec, &mut rng, 1.0));
@@ -256,9 +279,28 @@ fn shampoo_steps_a_device_shard_on_the_host_bitwise_like_a_host_shard() {
     let err = opt
         .step(&mut state, shard, pv, gv, &SingleRank)
         .unwrap_err();
-    assert!(err.to_string().contains("grads[7]"), "{err}");
+    assert!(err.to_string().contains("1 non-finite"), "{err}");
     assert_eq!(bits(&dev.download(&dp).unwrap()), bits(&p0), "params kept");
-    assert_eq!(state, opt.init(shard).unwrap(), "state kept");
+    assert_shampoo_equal(&opt.init(shard).unwrap(), &state, "state kept");
+}
+
+/// Bitwise equality of a host and a device Shampoo state.
+fn assert_shampoo_equal(host: &ShampooState, dev: &ShampooState, what: &str) {
+    assert_eq!(host.step, dev.step, "{what}: step");
+    assert_eq!(
+        host.root_failures, dev.root_failures,
+        "{what}: root failures"
+    );
+    let fields = [
+        (&host.m, &dev.m, "m"),
+        (&host.v, &dev.v, "v"),
+        (&host.factors, &dev.factors, "factors"),
+        (&host.roots, &dev.roots, "roots"),
+    ];
+    for (h, d, name) in fields {
+        let d = d.to_vec().unwrap();
+        assert_eq!(bits(h.cpu().unwrap()), bits(&d), "{what}: {name}");
+    }
 }
 
 /// Checkpoints of states in device memory ([`CheckpointState`] on device storage): every

@@ -9,6 +9,7 @@ use ragged::comm::SingleRank;
 use ragged::model::TensorSpec;
 use ragged::optim::{LocalShard, Optimizer};
 use ragged::plan::PlanOptions;
+use ragged::storage::Storage;
 use ragged::{AtomicBlock, Error};
 use ragged_optimizers::common::{ema_sq_elem, lerp_elem};
 use ragged_optimizers::shampoo::Block;
@@ -50,9 +51,9 @@ fn run_rank(
             .unwrap();
         for i in padding(shard) {
             assert_eq!(params[i].to_bits(), 0, "padding param {i}");
-            assert_eq!(state.m[i].to_bits(), 0, "padding m {i}");
+            assert_eq!(host(&state.m)[i].to_bits(), 0, "padding m {i}");
             if !state.v.is_empty() {
-                assert_eq!(state.v[i].to_bits(), 0, "padding v {i}");
+                assert_eq!(host(&state.v)[i].to_bits(), 0, "padding v {i}");
             }
         }
     }
@@ -74,7 +75,10 @@ fn keyed_factors(opt: &Shampoo, shard: &LocalShard, state: &ShampooState, out: &
         let s = b.factor_at..b.factor_at + b.factor_len();
         let old = out.insert(
             (piece.param, elem),
-            (bits(&state.factors[s.clone()]), bits(&state.roots[s])),
+            (
+                bits(&host(&state.factors)[s.clone()]),
+                bits(&host(&state.roots)[s]),
+            ),
         );
         assert!(old.is_none(), "block ({}, {elem}) twice", piece.param);
     }
@@ -597,12 +601,12 @@ fn sharded_shampoo_step_is_bitwise_equal_to_unsharded() {
         let want_p = gather(std::slice::from_ref(&whole), &[wp], &n);
         let want_m = gather(
             std::slice::from_ref(&whole),
-            std::slice::from_ref(&ws.m),
+            std::slice::from_ref(&host(&ws.m).to_vec()),
             &n,
         );
         let want_v = gather(
             std::slice::from_ref(&whole),
-            std::slice::from_ref(&ws.v),
+            std::slice::from_ref(&host(&ws.v).to_vec()),
             &n,
         );
         let mut want_f = Keyed::new();
@@ -619,8 +623,8 @@ fn sharded_shampoo_step_is_bitwise_equal_to_unsharded() {
                     .map(|s| run_rank(&opt, s, &p0, &grads))
                     .collect();
                 let ps: Vec<_> = runs.iter().map(|r| r.0.clone()).collect();
-                let ms: Vec<_> = runs.iter().map(|r| r.1.m.clone()).collect();
-                let vs: Vec<_> = runs.iter().map(|r| r.1.v.clone()).collect();
+                let ms: Vec<_> = runs.iter().map(|r| host(&r.1.m).to_vec()).collect();
+                let vs: Vec<_> = runs.iter().map(|r| host(&r.1.v).to_vec()).collect();
                 let mut got_f = Keyed::new();
                 for (s, r) in shards.iter().zip(&runs) {
                     keyed_factors(&opt, s, &r.1, &mut got_f);
@@ -684,11 +688,11 @@ fn a_piece_cutting_a_row_block_is_refused() {
                 // step refuses too, before touching anything.
                 let good = opt.init(&whole_shard(&opt, &spec)).unwrap();
                 let mut state = ShampooState {
-                    m: vec![0.0; shard.len],
-                    v: vec![0.0; shard.len],
+                    m: vec![0.0; shard.len].into(),
+                    v: vec![0.0; shard.len].into(),
                     ..good
                 };
-                let before = state.clone();
+                let before = state.try_clone().unwrap();
                 let mut p = vec![0.5; shard.len];
                 let res = opt.step_slices(
                     &mut state,
@@ -806,7 +810,7 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
         let shard = whole_shard(&opt, &spec);
         let (p2, s2) = run_rank(&opt, &shard, &p0, &grads[..2]);
         let mut p3 = p2.clone();
-        let mut s3 = s2.clone();
+        let mut s3 = s2.try_clone().unwrap();
         opt.step_slices(&mut s3, &shard, &mut p3, &grads[2][0], &SingleRank)
             .unwrap();
         // The grafting direction at step 3, from the element formulas.
@@ -818,12 +822,12 @@ fn after_the_start_each_block_step_has_the_grafting_norm() {
             for i in 0..b.rows {
                 for j in 0..b.cols {
                     let k = b.at + i * b.stride + j;
-                    let gb = f64::from(s3.m[k]) / (1.0 - 0.9f64.powf(t));
+                    let gb = f64::from(host(&s3.m)[k]) / (1.0 - 0.9f64.powf(t));
                     let denom = match grafting {
                         Grafting::Adam { eps, beta2 } => {
-                            (f64::from(s3.v[k]) / (1.0 - beta2.powf(t))).sqrt() + eps
+                            (f64::from(host(&s3.v)[k]) / (1.0 - beta2.powf(t))).sqrt() + eps
                         }
-                        Grafting::AdaGrad { eps } => f64::from(s3.v[k]).sqrt() + eps,
+                        Grafting::AdaGrad { eps } => f64::from(host(&s3.v)[k]).sqrt() + eps,
                         _ => unreachable!(),
                     };
                     let d = (f64::from(p3[k]) - f64::from(p2[k])) / -c.lr;
@@ -900,7 +904,7 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
     let shard = whole_shard(&opt, &spec);
     let mut state = opt.init(&shard).unwrap();
     let mut params = scatter(&shard, &p0);
-    let mut roots = vec![bits(&state.roots)];
+    let mut roots = vec![bits(host(&state.roots))];
     for g in &grads {
         opt.step_slices(
             &mut state,
@@ -910,14 +914,14 @@ fn roots_are_recomputed_at_the_start_step_and_every_frequency_steps_after() {
             &SingleRank,
         )
         .unwrap();
-        roots.push(bits(&state.roots));
+        roots.push(bits(host(&state.roots)));
     }
     let changed: Vec<usize> = (1..roots.len())
         .filter(|&t| roots[t] != roots[t - 1])
         .collect();
     assert_eq!(changed, [4, 6, 9]);
     // Until the start step the roots are the initial identities.
-    let identity = bits(&opt.init(&shard).unwrap().roots);
+    let identity = bits(host(&opt.init(&shard).unwrap().roots));
     assert_eq!(roots[3], identity);
     assert_ne!(roots[4], identity);
 }
@@ -978,10 +982,10 @@ fn state_round_trip_through_bytes_continues_bitwise() {
         for shard in &shards {
             let (p_all, s_all) = run_rank(&opt, shard, &p0, &grads);
             let (mut p, s_half) = run_rank(&opt, shard, &p0, &grads[..3]);
-            let bytes = s_half.to_le_bytes();
+            let bytes = s_half.to_le_bytes().unwrap();
             let mut s = ShampooState::from_le_bytes(&bytes).unwrap();
             assert_eq!(s, s_half);
-            assert_eq!(s.to_le_bytes(), bytes);
+            assert_eq!(s.to_le_bytes().unwrap(), bytes);
             for g in &grads[3..] {
                 opt.step_slices(&mut s, shard, &mut p, &scatter(shard, g), &SingleRank)
                     .unwrap();
@@ -989,8 +993,8 @@ fn state_round_trip_through_bytes_continues_bitwise() {
             assert_eq!(bits(&p), bits(&p_all), "rank {}: params", shard.rank);
             assert_eq!(s.step, 6);
             assert_eq!(
-                s.to_le_bytes(),
-                s_all.to_le_bytes(),
+                s.to_le_bytes().unwrap(),
+                s_all.to_le_bytes().unwrap(),
                 "rank {}: state",
                 shard.rank
             );
@@ -1004,7 +1008,7 @@ fn corrupted_or_mismatched_state_bytes_are_refused() {
     let spec = specs(&[("w", &[6, 5])]);
     let shard = whole_shard(&opt, &spec);
     let state = opt.init(&shard).unwrap();
-    let bytes = state.to_le_bytes();
+    let bytes = state.to_le_bytes().unwrap();
     assert!(ShampooState::from_le_bytes(&bytes).is_ok());
     assert!(ShampooState::from_le_bytes(&bytes[..bytes.len() - 1]).is_err());
     assert!(ShampooState::from_le_bytes(&bytes[..39]).is_err());
@@ -1143,7 +1147,7 @@ fn non_finite_gradients_are_refused_before_anything_changes() {
         for at in [0, 17, shard.len - 1] {
             let mut g = scatter(&shard, &grads[0]);
             g[at] = bad;
-            let (mut p, mut s) = (params.clone(), state.clone());
+            let (mut p, mut s) = (params.clone(), state.try_clone().unwrap());
             let res = opt.step_slices(&mut s, &shard, &mut p, &g, &SingleRank);
             assert!(
                 matches!(res, Err(Error::BadInput { .. })),
@@ -1162,7 +1166,7 @@ fn step_refuses_buffers_of_the_wrong_length() {
     let good = opt.init(&shard).unwrap();
     let g = vec![0.1; 12];
     let mut p = vec![0.0; 12];
-    let mut s = good.clone();
+    let mut s = good.try_clone().unwrap();
     assert!(opt
         .step_slices(&mut s, &shard, &mut [0.0; 11], &g, &SingleRank)
         .is_err());
@@ -1170,14 +1174,17 @@ fn step_refuses_buffers_of_the_wrong_length() {
         .step_slices(&mut s, &shard, &mut p, &g[..11], &SingleRank)
         .is_err());
     for k in 0..4 {
-        let mut s = good.clone();
-        match k {
-            0 => s.m.pop(),
-            1 => s.v.pop(),
-            2 => s.factors.pop(),
-            _ => s.roots.pop(),
+        let mut s = good.try_clone().unwrap();
+        let field = match k {
+            0 => &mut s.m,
+            1 => &mut s.v,
+            2 => &mut s.factors,
+            _ => &mut s.roots,
         };
-        let before = s.clone();
+        let mut shorter = field.to_vec().unwrap();
+        shorter.pop();
+        *field = shorter.into();
+        let before = s.try_clone().unwrap();
         assert!(
             opt.step_slices(&mut s, &shard, &mut p, &g, &SingleRank)
                 .is_err(),
@@ -1267,17 +1274,21 @@ fn a_root_that_cannot_be_computed_keeps_the_previous_one_and_is_counted() {
     };
     step(&mut state, &g);
     assert_eq!(state.root_failures, 0);
-    let good_roots = bits(&state.roots);
-    assert_ne!(good_roots, bits(&opt.init(&shard).unwrap().roots));
+    let good_roots = bits(host(&state.roots));
+    assert_ne!(good_roots, bits(host(&opt.init(&shard).unwrap().roots)));
     let huge: Vec<f32> = g.iter().map(|x| x * 1e21).collect();
     step(&mut state, &huge);
-    assert!(state.factors.iter().any(|f| !f.is_finite()));
-    assert_eq!(bits(&state.roots), good_roots, "the last good roots stay");
+    assert!(host(&state.factors).iter().any(|f| !f.is_finite()));
+    assert_eq!(
+        bits(host(&state.roots)),
+        good_roots,
+        "the last good roots stay"
+    );
     assert_eq!(
         state.root_failures, 2,
         "both factors of the one block failed"
     );
-    let bytes = state.to_le_bytes();
+    let bytes = state.to_le_bytes().unwrap();
     assert_eq!(ShampooState::from_le_bytes(&bytes).unwrap(), state);
     // The first format: magic "SHAMPOO1" and a five-word header without the counter.
     let mut v1 = b"SHAMPOO1".to_vec();
@@ -1288,8 +1299,13 @@ fn a_root_that_cannot_be_computed_keeps_the_previous_one_and_is_counted() {
         old,
         ShampooState {
             root_failures: 0,
-            ..state.clone()
+            ..state.try_clone().unwrap()
         }
     );
     assert!(ShampooState::from_le_bytes(&v1[..v1.len() - 4]).is_err());
+}
+
+/// A host state array's elements.
+fn host(s: &Storage<f32>) -> &[f32] {
+    s.cpu().unwrap()
 }

@@ -57,6 +57,12 @@ pub const REDUCE_RANKS: KernelSource = KernelSource {
     src: include_str!("../../kernels/reduce_ranks.cu"),
 };
 
+/// `kernels/shampoo.cu`: Shampoo's moments, `f64`-lane products, grafting and update.
+pub const SHAMPOO: KernelSource = KernelSource {
+    name: "shampoo.cu",
+    src: include_str!("../../kernels/shampoo.cu"),
+};
+
 /// Threads per block of the element-wise kernels.
 pub const BLOCK: u32 = 256;
 
@@ -144,13 +150,14 @@ pub fn guarded<T, E: std::fmt::Debug>(
 }
 
 /// Every kernel source, in `kernels/`.
-pub const ALL_KERNELS: [KernelSource; 6] = [
+pub const ALL_KERNELS: [KernelSource; 7] = [
     GROUP_OPS,
     ADAMW,
     ADAM8BIT,
     MUON,
     NEWTON_SCHULZ,
     REDUCE_RANKS,
+    SHAMPOO,
 ];
 
 /// Compiles `src` to PTX for the virtual architecture `arch` (`compute_90`, …) with NVRTC and

@@ -22,6 +22,9 @@ namespace newton_schulz {
 namespace reduce_ranks {
 #include "../../kernels/reduce_ranks.cu"
 }
+namespace shampoo {
+#include "../../kernels/shampoo.cu"
+}
 
 #define ENTRY(ns, name, barriers)                                   \
     {                                                               \
@@ -55,6 +58,9 @@ static const KernelEntry KERNELS[] = {
     ENTRY(reduce_ranks, reduce_ranks_f32, false),
     ENTRY(reduce_ranks, reduce_ranks_bf16, false),
     ENTRY(reduce_ranks, reduce_ranks_u8, false),
+    ENTRY(shampoo, shampoo_moments, false),
+    ENTRY(shampoo, shampoo_mul_abt, true),
+    ENTRY(shampoo, shampoo_apply, true),
 };
 
 const KernelEntry* find_kernel(const char* name) {

@@ -14,6 +14,7 @@
 //! | AdamW | bitwise |
 //! | 8-bit Adam | bitwise (codes, scales, fallback moments, parameters) |
 //! | Muon | momentum bitwise; Newton–Schulz within a tolerance (cuBLAS sums in its own order; see [`newton_schulz`]) |
+//! | Shampoo | bitwise (products in the host's `f64` lanes, roots computed on the host; see [`shampoo`]) |
 //!
 //! The device comes from the state's storage ([`ragged::storage::DeviceVec`]), which the
 //! caller allocated with `Optimizer::init_on(shard, &Placement::Cuda(dev))` after opening the
@@ -24,6 +25,7 @@ pub mod adam8bit;
 pub mod bench;
 pub mod muon;
 pub mod newton_schulz;
+pub mod shampoo;
 
 use std::sync::Arc;
 

@@ -1,0 +1,157 @@
+// Blocked Shampoo's device step (optimizers/src/cuda/shampoo.rs; the step's table is in
+// optimizers/src/shampoo.rs). Three kernels: the element-wise moments (steps 3, 5, 6), the
+// matrix products of the factors and of the preconditioned gradient (steps 2 and 7), and the
+// grafting and the update (steps 7, 8, 9). The inverse roots (step 4) are computed on the host.
+//
+// Compiled with --fmad=false, --prec-div=true, --prec-sqrt=true, --ftz=false: every f32 line is
+// one correctly rounded IEEE operation in the host's order. The products sum exact f64
+// products (an f32 times an f32 needs 48 significant bits) in the host's four lanes (term k in
+// lane k mod 4, k ascending, lanes added as (s0 + s1) + (s2 + s3)) and round once; the norms sum
+// f64 squares in the host's 32 lanes (element e of the block, row-major, in lane e mod 32)
+// combined as the host's tree (lane l += lane l + h for h = 16, 8, 4, 2, 1). So the device step
+// equals the host step bit for bit.
+
+#define SHAMPOO_TILE 16
+#define SHAMPOO_NORM_LANES 32
+#define SHAMPOO_TABLE_WORDS 5
+
+__device__ __forceinline__ float lerp_elem(float start, float end, float w) {
+    // torch's lerp: small-weight form when |w| < 0.5, large-weight form otherwise.
+    if (fabsf(w) < 0.5f) {
+        return start + w * (end - start);
+    }
+    return end - (end - start) * (1.0f - w);
+}
+
+// Steps 3, 5, 6 on one piece of n contiguous elements: the filtered gradient m, the grafting
+// accumulator v (when `graft`), the bias-corrected gradient gbar and the grafting direction pg.
+// Flags are 0 or 1; a scalar whose flag is 0 is not read (nor is v without `graft`).
+extern "C" __global__ void shampoo_moments(const float* g, float* m, float* v, float* gbar,
+                                           float* pg, unsigned long long n, int momentum,
+                                           float w1, int bias1, float bc1, int graft,
+                                           float beta2, float one_minus_beta2, float eps,
+                                           int bias2, float bc2) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float gi = g[i];
+        float gb = gi;
+        if (momentum) {
+            const float mi = lerp_elem(m[i], gi, w1);
+            m[i] = mi;
+            gb = bias1 ? mi / bc1 : mi;
+        }
+        gbar[i] = gb;
+        float p = gb;
+        if (graft) {
+            const float vi = v[i] * beta2 + (one_minus_beta2 * gi) * gi;
+            v[i] = vi;
+            const float vh = bias2 ? vi / bc2 : vi;
+            p = gb / (sqrtf(vh) + eps);
+        }
+        pg[i] = p;
+    }
+}
+
+// out[i·ldo + j] for i < n, j < m from s = Σ_k A(i, k)·B(j, k), A(i, k) = a[i·a_row + k·a_k],
+// B(j, k) = b[j·b_row + k·b_k], k < kn: mode 0 stores s, 1 adds it (out + s), 2 decays
+// (out·beta2 + w·s), s rounded to f32 first. Grid (⌈m/16⌉, ⌈n/16⌉), 256 threads: a 16 × 16 tile
+// of outputs, k walked in tiles of 16 through shared memory. Terms past kn are zeros, which
+// leave every lane's bits alone (a lane starts at +0, and s + ±0 = s for s ≠ 0, +0 + ±0 = +0).
+extern "C" __global__ void __launch_bounds__(256) shampoo_mul_abt(
+    const float* a, unsigned long long a_row, unsigned long long a_k, const float* b,
+    unsigned long long b_row, unsigned long long b_k, float* out, unsigned long long ldo,
+    unsigned int n, unsigned int m, unsigned int kn, int mode, float beta2, float w) {
+    __shared__ float at[SHAMPOO_TILE][SHAMPOO_TILE + 1];
+    __shared__ float bt[SHAMPOO_TILE][SHAMPOO_TILE + 1];
+    const unsigned int tx = threadIdx.x % SHAMPOO_TILE;
+    const unsigned int ty = threadIdx.x / SHAMPOO_TILE;
+    const unsigned int i0 = blockIdx.y * SHAMPOO_TILE;
+    const unsigned int j0 = blockIdx.x * SHAMPOO_TILE;
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    for (unsigned int k0 = 0; k0 < kn; k0 += SHAMPOO_TILE) {
+        const unsigned int k = k0 + tx;
+        const unsigned int ia = i0 + ty;
+        const unsigned int jb = j0 + ty;
+        at[ty][tx] = (ia < n && k < kn) ? a[ia * a_row + k * a_k] : 0.0f;
+        bt[ty][tx] = (jb < m && k < kn) ? b[jb * b_row + k * b_k] : 0.0f;
+        __syncthreads();
+        for (unsigned int kk = 0; kk < SHAMPOO_TILE; ++kk) {
+            s[kk & 3] += (double)at[ty][kk] * (double)bt[tx][kk];
+        }
+        __syncthreads();
+    }
+    const unsigned int i = i0 + ty;
+    const unsigned int j = j0 + tx;
+    if (i < n && j < m) {
+        const float o = (float)((s[0] + s[1]) + (s[2] + s[3]));
+        float* dst = out + i * ldo + j;
+        if (mode == 0) {
+            *dst = o;
+        } else if (mode == 1) {
+            *dst = *dst + o;
+        } else {
+            *dst = *dst * beta2 + w * o;
+        }
+    }
+}
+
+// Element e (row-major) of the block described by `t` (at, stride, rows, cols): its offset.
+__device__ __forceinline__ unsigned long long shampoo_elem(const unsigned long long* t,
+                                                           unsigned long long e) {
+    return t[0] + (e / t[3]) * t[1] + e % t[3];
+}
+
+// Steps 7-9 for every block of the shard, one thread block each (256 threads). `table` holds
+// SHAMPOO_TABLE_WORDS words per block: at, stride, rows, cols, and where the block's P_s is (0:
+// ps, 1: gbar, the block with no factor). mode 0: the direction is pg (grafting only); 1: P_s;
+// 2: P_s·(‖pg‖ / (‖P_s‖ + 1e-16)), the norms of the block's elements. Then d + wd·p when
+// `decay`, and p + neg_lr·d.
+extern "C" __global__ void __launch_bounds__(256) shampoo_apply(
+    float* p, const float* pg, const float* ps, const float* gbar,
+    const unsigned long long* table, int mode, float neg_lr, int decay, float wd) {
+    __shared__ double lanes[2][SHAMPOO_NORM_LANES];
+    __shared__ float scale;
+    const unsigned long long* t = table + SHAMPOO_TABLE_WORDS * blockIdx.x;
+    const unsigned long long n = t[2] * t[3];
+    const float* dir = mode == 0 ? pg : (t[4] ? gbar : ps);
+    if (mode == 2) {
+        if (threadIdx.x < SHAMPOO_NORM_LANES) {
+            double sg = 0.0;
+            double ss = 0.0;
+            for (unsigned long long e = threadIdx.x; e < n; e += SHAMPOO_NORM_LANES) {
+                const unsigned long long at = shampoo_elem(t, e);
+                const double x = (double)pg[at];
+                const double y = (double)dir[at];
+                sg += x * x;
+                ss += y * y;
+            }
+            lanes[0][threadIdx.x] = sg;
+            lanes[1][threadIdx.x] = ss;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int h = SHAMPOO_NORM_LANES / 2; h > 0; h /= 2) {
+                for (int l = 0; l < h; ++l) {
+                    lanes[0][l] += lanes[0][l + h];
+                    lanes[1][l] += lanes[1][l + h];
+                }
+            }
+            const float norm_g = (float)sqrt(lanes[0][0]);
+            const float norm_s = (float)sqrt(lanes[1][0]);
+            scale = norm_g / (norm_s + 1e-16f);
+        }
+        __syncthreads();
+    }
+    for (unsigned long long e = threadIdx.x; e < n; e += blockDim.x) {
+        const unsigned long long at = shampoo_elem(t, e);
+        float d = dir[at];
+        if (mode == 2) {
+            d = d * scale;
+        }
+        const float p0 = p[at];
+        if (decay) {
+            d = d + wd * p0;
+        }
+        p[at] = p0 + neg_lr * d;
+    }
+}
