@@ -803,8 +803,10 @@ fn optim_cuda(args: &OptimBenchArgs) -> Result<()> {
              Newton–Schulz workspace kept between calls, as Muon's step keeps it); AdamW \
              (28 B per element) and 8-bit Adam (16 B per element, 28 B on its f32 fallback) \
              GB/s, on one matrix and on a Llama-3-8B decoder layer (seven matrices, two norms), \
-             against a device-to-device memcpy counting read + write bytes. Mean of the timed runs after one warm-up, the \
-             device synchronized around each timing.\n\n{table}"
+             against a device-to-device memcpy counting read + write bytes; Shampoo: TFLOP/s \
+             of the four `f64`-lane products of each `d × d` block (`8d³`) in a step whose \
+             roots are not due, against one cuBLAS f32 GEMM `d³`. Mean of the timed runs \
+             after one warm-up, the device synchronized around each timing.\n\n{table}"
         )
     })
 }

@@ -308,7 +308,8 @@ fn assert_shampoo_equal(host: &ShampooState, dev: &ShampooState, what: &str) {
 /// same steps (bitwise: the steps are), a fresh device state filled span by span from those
 /// bytes reads back the same, and so does a fresh one on another GPU thread rank that
 /// receives every field by broadcast (an HSDP load's replicas: `FieldDataMut::as_buf_mut`,
-/// `u16` scales as their bytes). 8-bit Adam has fields of all three element types.
+/// `u16` scales as their bytes). 8-bit Adam has fields of all three element types; Shampoo
+/// packed fields (factors and roots, by row block) beside shard-shaped ones.
 #[test]
 fn checkpoint_fields_of_device_states_read_and_fill_like_host_ones() {
     let Some(dev) = device() else { return };
@@ -324,6 +325,13 @@ fn checkpoint_fields_of_device_states_read_and_fill_like_host_ones() {
     .unwrap();
     fields_round_trip(&adam8bit, &spec, &dev);
     fields_round_trip(&AdamW::new(AdamWConfig::default()).unwrap(), &spec, &dev);
+    let shampoo = Shampoo::new(ShampooConfig {
+        max_preconditioner_dim: 16,
+        grafting: Grafting::ADAM,
+        ..Default::default()
+    })
+    .unwrap();
+    fields_round_trip(&shampoo, &spec, &dev);
 }
 
 /// Every field's spans of `data` as bytes, in the layout's order.
@@ -926,7 +934,8 @@ fn gpu_bench_rows_are_finite_positive_rates_against_same_run_baselines() {
     use ragged_optimizers::cuda::bench::bench_gpu;
     let Some(dev) = device() else { return };
     let report = bench_gpu(&dev, true).unwrap();
-    assert_eq!(report.rows.len(), 10, "{report:?}");
+    assert_eq!(report.rows.len(), 11, "{report:?}");
+    assert!(report.rows[10].case.starts_with("Shampoo"), "{report:?}");
     for r in &report.rows {
         assert!(r.value.is_finite() && r.value > 0.0, "{r:?}");
         assert!(

@@ -8,9 +8,10 @@
 //! | Newton–Schulz, one `n × 3.5n` matrix (an MLP weight), bf16, standard and Gram | TFLOP/s in the standard iteration's nominal FLOPs (Gram's rate over the standard one is its speed-up) | the same GEMM |
 //! | AdamW step on one `len`-element shard, and on a Llama-3-8B decoder layer (7 matrices, 2 norms) | GB/s (28 B per element: p, g, m, v read; p, m, v written) | device-to-device memcpy of `len` elements, read + write bytes |
 //! | 8-bit Adam step, the same shards | GB/s (16 B per element: p, g, both codes read; p, both codes written; 28 B for the norms' f32 fallback) | the same memcpy |
+//! | Shampoo step on a `2d × 2d` matrix (four `d × d` blocks), no grafting, roots not due | TFLOP/s of its four products per block (`8d³`, summed in `f64` lanes) | one plain cuBLAS f32 GEMM `d³` |
 //!
-//! Sizes: `n = 4096`, `len = 2^26`, the layer's 218 M elements (`quick`: 512, 2^20 and the
-//! layer's dimensions / 32, for tests). Every timing
+//! Sizes: `n = 4096`, `len = 2^26`, the layer's 218 M elements, `d = 1024` (`quick`: 512,
+//! 2^20, the layer's dimensions / 32 and 64, for tests). Every timing
 //! synchronizes the device before reading the clock, after one untimed warm-up.
 
 use std::sync::Arc;
@@ -27,7 +28,7 @@ use super::newton_schulz::{
     gemm_seconds, orthogonalize_cuda_in, GramProduct, NsShape, NsWorkspace,
 };
 use crate::newton_schulz::{NsConfig, NsMethod, NsPrecision};
-use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig};
+use crate::{Adam8bit, Adam8bitConfig, AdamW, AdamWConfig, Shampoo, ShampooConfig};
 
 /// One row of the GPU table: a measured rate and the same-run baseline it is compared with.
 #[derive(Clone, Debug, PartialEq)]
@@ -148,6 +149,7 @@ pub fn bench_gpu(dev: &Arc<Device>, quick: bool) -> Result<GpuReport> {
         }
     }
     rows.extend(bench_elementwise(dev, len, quick)?);
+    rows.push(bench_shampoo(dev, if quick { 64 } else { 1024 })?);
     Ok(GpuReport {
         device: dev.name().unwrap_or_else(|_| "unknown GPU".into()),
         rows,
@@ -295,4 +297,34 @@ fn bench_steps(
         secs,
     ));
     Ok(rows)
+}
+
+/// Shampoo's device step on a `2d × 2d` matrix cut into four `d × d` blocks, without grafting
+/// and with the roots not due in the timed steps (they run on the host: what is timed is the
+/// device's work, dominated by the four `f64`-lane products of each block, `8d³` FLOPs),
+/// against a cuBLAS f32 GEMM `d³` of the same run.
+fn bench_shampoo(dev: &Arc<Device>, d: usize) -> Result<GpuRow> {
+    let opt = Shampoo::new(ShampooConfig {
+        max_preconditioner_dim: d,
+        precondition_frequency: 1 << 20,
+        ..ShampooConfig::default()
+    })?;
+    let shape = [2 * d, 2 * d];
+    let shard = LocalShard::unsharded([("w", &shape[..])], &|n, s| opt.atomic_block(n, s))?;
+    let mut st = opt.init_on(&shard, &Placement::Cuda(Arc::clone(dev)))?;
+    let mut p = dev.upload(&units(shard.len, 4))?;
+    let g = dev.upload(&units(shard.len, 5))?;
+    let secs = time(dev, 3, &mut || {
+        let (pv, gv) = (p.slice_mut(..).into(), g.slice(..).into());
+        opt.step(&mut st, &shard, pv, gv, &SingleRank)
+    })?;
+    let df = d as f64;
+    let gemm = 2.0 * df.powi(3) / gemm_seconds(dev, d, NsPrecision::F32, 10)? / 1e12;
+    Ok(GpuRow {
+        case: format!("Shampoo step, 2×2 blocks of {d}², roots not due (f64-lane products)"),
+        value: 4.0 * 8.0 * df.powi(3) / secs / 1e12,
+        unit: "TFLOP/s",
+        baseline: format!("cuBLAS GEMM {d}³ F32"),
+        baseline_value: gemm,
+    })
 }
