@@ -11,7 +11,8 @@
 // combined as the host's tree (lane l += lane l + h for h = 16, 8, 4, 2, 1). So the device step
 // equals the host step bit for bit.
 
-#define SHAMPOO_TILE 16
+#define SHAMPOO_TILE 32
+#define SHAMPOO_KTILE 16
 #define SHAMPOO_NORM_LANES 32
 #define SHAMPOO_TABLE_WORDS 5
 
@@ -52,45 +53,84 @@ extern "C" __global__ void shampoo_moments(const float* g, float* m, float* v, f
     }
 }
 
+// Loads rows [r0, r0 + SHAMPOO_TILE) × terms [k0, k0 + SHAMPOO_KTILE) of X(r, k) =
+// x[r·row + k·kstep] into t, widened to f64, zeros outside rows × kn: 256 threads, two elements
+// each, consecutive threads on consecutive addresses (along k when kstep = 1, else along rows).
+__device__ __forceinline__ void shampoo_load_tile(double (*t)[SHAMPOO_KTILE + 1], const float* x,
+                                                  unsigned long long row,
+                                                  unsigned long long kstep, unsigned int r0,
+                                                  unsigned int rows, unsigned int k0,
+                                                  unsigned int kn) {
+    for (unsigned int q = 0; q < 2; ++q) {
+        const unsigned int e = threadIdx.x + 256 * q;
+        const unsigned int r = kstep == 1 ? e / SHAMPOO_KTILE : e % SHAMPOO_TILE;
+        const unsigned int k = kstep == 1 ? e % SHAMPOO_KTILE : e / SHAMPOO_TILE;
+        const unsigned int gr = r0 + r;
+        const unsigned int gk = k0 + k;
+        t[r][k] = (gr < rows && gk < kn) ? (double)x[gr * row + gk * kstep] : 0.0;
+    }
+}
+
 // out[i·ldo + j] for i < n, j < m from s = Σ_k A(i, k)·B(j, k), A(i, k) = a[i·a_row + k·a_k],
 // B(j, k) = b[j·b_row + k·b_k], k < kn: mode 0 stores s, 1 adds it (out + s), 2 decays
-// (out·beta2 + w·s), s rounded to f32 first. Grid (⌈m/16⌉, ⌈n/16⌉), 256 threads: a 16 × 16 tile
-// of outputs, k walked in tiles of 16 through shared memory. Terms past kn are zeros, which
-// leave every lane's bits alone (a lane starts at +0, and s + ±0 = s for s ≠ 0, +0 + ±0 = +0).
+// (out·beta2 + w·s), s rounded to f32 first. Grid (⌈m/32⌉, ⌈n/32⌉), 256 threads: a 32 × 32
+// tile of outputs, 2 × 2 per thread, k walked in tiles of 16 through shared memory (as f64).
+// Each product of two f32 values is exact in f64, so the fused multiply-add rounds exactly
+// where the host's multiply then add does. Terms past kn are zeros, which leave every lane's
+// bits alone (a lane starts at +0, and s + ±0 = s for s ≠ 0, +0 + ±0 = +0).
 extern "C" __global__ void __launch_bounds__(256) shampoo_mul_abt(
     const float* a, unsigned long long a_row, unsigned long long a_k, const float* b,
     unsigned long long b_row, unsigned long long b_k, float* out, unsigned long long ldo,
     unsigned int n, unsigned int m, unsigned int kn, int mode, float beta2, float w) {
-    __shared__ float at[SHAMPOO_TILE][SHAMPOO_TILE + 1];
-    __shared__ float bt[SHAMPOO_TILE][SHAMPOO_TILE + 1];
-    const unsigned int tx = threadIdx.x % SHAMPOO_TILE;
-    const unsigned int ty = threadIdx.x / SHAMPOO_TILE;
+    __shared__ double at[SHAMPOO_TILE][SHAMPOO_KTILE + 1];
+    __shared__ double bt[SHAMPOO_TILE][SHAMPOO_KTILE + 1];
+    const unsigned int half = SHAMPOO_TILE / 2;
+    const unsigned int tx = threadIdx.x % half;
+    const unsigned int ty = threadIdx.x / half;
     const unsigned int i0 = blockIdx.y * SHAMPOO_TILE;
     const unsigned int j0 = blockIdx.x * SHAMPOO_TILE;
-    double s[4] = {0.0, 0.0, 0.0, 0.0};
-    for (unsigned int k0 = 0; k0 < kn; k0 += SHAMPOO_TILE) {
-        const unsigned int k = k0 + tx;
-        const unsigned int ia = i0 + ty;
-        const unsigned int jb = j0 + ty;
-        at[ty][tx] = (ia < n && k < kn) ? a[ia * a_row + k * a_k] : 0.0f;
-        bt[ty][tx] = (jb < m && k < kn) ? b[jb * b_row + k * b_k] : 0.0f;
+    // s[u][v][l]: lane l of output (i0 + ty + 16u, j0 + tx + 16v).
+    double s[2][2][4];
+    for (int u = 0; u < 2; ++u) {
+        for (int v = 0; v < 2; ++v) {
+            for (int l = 0; l < 4; ++l) {
+                s[u][v][l] = 0.0;
+            }
+        }
+    }
+    for (unsigned int k0 = 0; k0 < kn; k0 += SHAMPOO_KTILE) {
+        shampoo_load_tile(at, a, a_row, a_k, i0, n, k0, kn);
+        shampoo_load_tile(bt, b, b_row, b_k, j0, m, k0, kn);
         __syncthreads();
-        for (unsigned int kk = 0; kk < SHAMPOO_TILE; ++kk) {
-            s[kk & 3] += (double)at[ty][kk] * (double)bt[tx][kk];
+#pragma unroll
+        for (unsigned int kk = 0; kk < SHAMPOO_KTILE; ++kk) {
+            const double x[2] = {at[ty][kk], at[ty + half][kk]};
+            const double y[2] = {bt[tx][kk], bt[tx + half][kk]};
+            for (int u = 0; u < 2; ++u) {
+                for (int v = 0; v < 2; ++v) {
+                    s[u][v][kk & 3] = fma(x[u], y[v], s[u][v][kk & 3]);
+                }
+            }
         }
         __syncthreads();
     }
-    const unsigned int i = i0 + ty;
-    const unsigned int j = j0 + tx;
-    if (i < n && j < m) {
-        const float o = (float)((s[0] + s[1]) + (s[2] + s[3]));
-        float* dst = out + i * ldo + j;
-        if (mode == 0) {
-            *dst = o;
-        } else if (mode == 1) {
-            *dst = *dst + o;
-        } else {
-            *dst = *dst * beta2 + w * o;
+    for (unsigned int u = 0; u < 2; ++u) {
+        for (unsigned int v = 0; v < 2; ++v) {
+            const unsigned int i = i0 + ty + half * u;
+            const unsigned int j = j0 + tx + half * v;
+            if (i >= n || j >= m) {
+                continue;
+            }
+            const double* l = s[u][v];
+            const float o = (float)((l[0] + l[1]) + (l[2] + l[3]));
+            float* dst = out + i * ldo + j;
+            if (mode == 0) {
+                *dst = o;
+            } else if (mode == 1) {
+                *dst = *dst + o;
+            } else {
+                *dst = *dst * beta2 + w * o;
+            }
         }
     }
 }

@@ -207,9 +207,10 @@ fn adam8bit_device_step_decays_each_8bit_parameter_by_its_own_rule() {
 /// the parameters and every state array (filtered gradient, grafting accumulator, factors,
 /// roots) **bitwise**, at worlds 1 and 3, over parameters that give blocks of every order
 /// (`[.., 1]` columns: `L` only; 1-D and one-row tails: `R` only; a single element: none),
-/// 16-row blocks with 16-column chunks, and three settings: Adam grafting with weight decay
+/// 16-row blocks with 16-column chunks, and four settings: Adam grafting with weight decay
 /// and roots every 2 steps; no grafting, `β₁ = 0` and decayed, bias-corrected factors
-/// (`β₂ = 0.99`); AdaGrad grafting alone until the start step 4. A non-finite gradient is an
+/// (`β₂ = 0.99`); AdaGrad grafting alone until the start step 4; and 48-row blocks (products
+/// of several 32 × 32 output tiles and 16-term slices). A non-finite gradient is an
 /// `Err` that leaves the device parameters and the state as they were.
 #[test]
 fn shampoo_device_step_is_bitwise_the_host_step() {
@@ -220,6 +221,7 @@ fn shampoo_device_step_is_bitwise_the_host_step() {
         ("experts", &[2, 20, 16]),
         ("column", &[20, 1]),
         ("scale", &[1]),
+        ("wide", &[50, 70]),
     ]);
     let base = ShampooConfig {
         lr: 1e-2,
@@ -247,6 +249,11 @@ fn shampoo_device_step_is_bitwise_the_host_step() {
             grafting: Grafting::ADAGRAD,
             ..base
         },
+        ShampooConfig {
+            max_preconditioner_dim: 48,
+            grafting: Grafting::ADAM,
+            ..base
+        },
     ];
     for (k, config) in configs.into_iter().enumerate() {
         let opt = Shampoo::new(config).unwrap();
@@ -260,7 +267,7 @@ fn shampoo_device_step_is_bitwise_the_host_step() {
                 let what = format!("config {k}, world {world}, rank {}", shard.rank);
                 let identity = opt.init(shard).unwrap().roots;
                 assert!(state.roots != identity, "{what}: roots recomputed");
-                assert_eq!(bits(&dp), bits(&p), "{what}: params");
+                same_bits(&dp, &p, &format!("{what}: params"));
                 assert_shampoo_equal(&state, &ds, &what);
             },
         );
@@ -299,7 +306,15 @@ fn assert_shampoo_equal(host: &ShampooState, dev: &ShampooState, what: &str) {
     ];
     for (h, d, name) in fields {
         let d = d.to_vec().unwrap();
-        assert_eq!(bits(h.cpu().unwrap()), bits(&d), "{what}: {name}");
+        same_bits(&d, h.cpu().unwrap(), &format!("{what}: {name}"));
+    }
+}
+
+/// Equal lengths and bits, or the first element that differs.
+fn same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}[{i}]: device {:e}, host {:e}", got[i], want[i]);
     }
 }
 

@@ -32,7 +32,9 @@ pub const SHAMPOO_MUL_ABT: &str = "shampoo_mul_abt";
 pub const SHAMPOO_APPLY: &str = "shampoo_apply";
 
 /// Output tile side of `shampoo_mul_abt` (`SHAMPOO_TILE`).
-const TILE: usize = 16;
+const TILE: usize = 32;
+/// Threads per block of `shampoo_mul_abt` and `shampoo_apply` (their `__launch_bounds__`).
+const THREADS: u32 = 256;
 /// Words per block of `shampoo_apply`'s table (`SHAMPOO_TABLE_WORDS`).
 const TABLE_WORDS: usize = 5;
 /// The most thread blocks along a grid's `y` (CUDA's limit), so the most rows of a product.
@@ -428,7 +430,7 @@ impl<'d> Kernels<'d> {
                 op: OP,
                 what: format!("{n} × {m} × {kn} product"),
                 reason: "its operands exceed their buffers, or it has more rows than one launch \
-                         covers (65535 × 16)"
+                         covers (65535 × 32)"
                     .into(),
             });
         }
@@ -443,7 +445,7 @@ impl<'d> Kernels<'d> {
         let [a_row, a_k, b_row, b_k, ldo] = [ao.row, ao.k_step, bo.row, bo.k_step, ldo].map(count);
         let cfg = LaunchConfig {
             grid_dim: (m.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
-            block_dim: ((TILE * TILE) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: `shampoo_mul_abt` reads A(i, k) at `a[i·a_row + k·a_k]` for i < n, k < kn,
@@ -493,7 +495,7 @@ impl<'d> Kernels<'d> {
         let (decay, wd) = flag(sc.wd);
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(blocks).map_err(|_| too_many(blocks))?, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let (pg, ps, gbar, table) = (
