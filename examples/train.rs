@@ -128,6 +128,13 @@ struct Args {
     /// Skip the unsharded reference run.
     #[arg(long)]
     no_reference: bool,
+    /// Fail (exit status 1) when the largest parameter difference from the unsharded
+    /// reference exceeds FRACTION × steps × lr: a step of AdamW, 8-bit Adam or Shampoo with
+    /// Adam grafting moves a parameter by about lr at most, so a run that drifts by a good
+    /// part of that trained a different model (scripts/gpu-check.sh uses 0.1 for the model on
+    /// the GPU against the CPU reference).
+    #[arg(long, value_name = "FRACTION", conflicts_with = "no_reference")]
+    check_drift: Option<f64>,
     /// Muon only: keep matrices whole, let the planner split them (gather-to-root), or choose
     /// per matrix by the byte cost model (default: auto).
     #[arg(long, value_enum)]
@@ -247,6 +254,9 @@ fn check_args(args: &Args) -> Result<()> {
     if let Some(lr) = args.lr {
         positive_finite(OP, "--lr", lr)?;
         ragged::optim::check_rate(OP, "--lr", lr)?;
+    }
+    if let Some(f) = args.check_drift {
+        positive_finite(OP, "--check-drift", f)?;
     }
     at_least(OP, "--ranks", args.thread_ranks(), 1)?;
     at_least(OP, "--batch", args.batch, 1)?;
@@ -658,7 +668,29 @@ fn run<O: CheckpointState>(
         args.steps,
         if args.steps == 1 { "" } else { "s" }
     )?;
-    Ok(())
+    match args.check_drift {
+        Some(fraction) => check_drift(max_diff, fraction, args.steps, lr),
+        None => Ok(()),
+    }
+}
+
+/// `--check-drift`: `Err` unless `max_diff ≤ fraction · steps · lr` (a NaN difference fails).
+fn check_drift(max_diff: f32, fraction: f64, steps: usize, lr: f64) -> Result<()> {
+    let bound = fraction * steps as f64 * lr;
+    if f64::from(max_diff) <= bound {
+        ragged::outln!(
+            "drift check: {max_diff:.3e} ≤ {bound:.3e} ({fraction} × {steps} steps × lr {lr}): ok"
+        )?;
+        return Ok(());
+    }
+    Err(ragged::Error::BadInput {
+        op: "train --check-drift",
+        what: format!("max |parameter difference| {max_diff:.3e}"),
+        reason: format!(
+            "above {bound:.3e} ({fraction} × {steps} steps × lr {lr}): the sharded run did not \
+             train the reference's model"
+        ),
+    })
 }
 
 /// `--device cuda --comm mpi`: refused by `check_args`, and where the ranks start.
@@ -1021,6 +1053,19 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--check-drift`'s bound is fraction × steps × lr; above it, or NaN, fails.
+    #[test]
+    fn the_drift_check_bounds_the_difference_by_a_fraction_of_steps_times_lr() {
+        assert!(check_drift(1.4e-3, 0.1, 5, 3e-3).is_ok());
+        let err = check_drift(1.6e-3, 0.1, 5, 3e-3).unwrap_err().to_string();
+        assert!(err.contains("1.500e-3"), "{err}");
+        assert!(check_drift(f32::NAN, 0.1, 5, 3e-3).is_err());
+        assert!(check_drift(0.0, 0.1, 5, 3e-3).is_ok());
+        let bad = Args::try_parse_from(["train", "--check-drift", "0.1", "--no-reference"]);
+        assert!(bad.is_err(), "needs the reference run");
+        assert!(check_args(&args(&["--check-drift", "0"])).is_err());
+    }
 
     fn args(flags: &[&str]) -> Args {
         Args::try_parse_from(std::iter::once("train").chain(flags.iter().copied())).unwrap()

@@ -202,7 +202,11 @@ if [[ -x $bins/train ]]; then
         status=1
     fi
     # The model itself on the GPU (`--device cuda`) needs the candle-cuda build of the example
-    # (scripts/build-gpu-bins.sh says whether it could make one); without it, a skip.
+    # (scripts/build-gpu-bins.sh says whether it could make one); without it, a skip. Each run
+    # is compared with its unsharded CPU reference and fails when a parameter differs by more
+    # than 0.1 × steps × lr (`--check-drift`: a step moves a parameter by about lr at most, so
+    # more than a tenth of that means the GPU run trained a different model; on the CPU the
+    # same runs differ by 1.2e-7, against a bound of 1.5e-3).
     if [[ -x $bins/train-candle-cuda ]]; then
         for run in gpu-threads nccl hsdp; do
             comm=$run ranks=(--ranks 2)
@@ -211,7 +215,8 @@ if [[ -x $bins/train ]]; then
             [[ $run == hsdp ]] && comm=gpu-threads ranks=(--ranks 4 --replicas 2)
             if RAGGED_RANK=0 RAGGED_WORLD_SIZE=1 RAGGED_NCCL_ID_FILE="$ids/nccl-id-device" \
                 limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 "${ranks[@]}" \
-                --comm "$comm" --device cuda >"$res/train-device-cuda-$run.txt" 2>&1; then
+                --comm "$comm" --device cuda --check-drift 0.1 \
+                >"$res/train-device-cuda-$run.txt" 2>&1; then
                 say "train --device cuda --comm $comm ${ranks[*]}: ok"
             else
                 say "train --device cuda --comm $comm ${ranks[*]}: FAILED (exit $?)"
@@ -222,7 +227,7 @@ if [[ -x $bins/train ]]; then
         # Muon's, 8-bit Adam's and Shampoo's device steps (Shampoo's roots on the host).
         for opt in muon adam8bit shampoo; do
             if limited 90 "$bins/train-candle-cuda" --size tiny --steps 5 --ranks 2 \
-                --comm gpu-threads --device cuda --optimizer "$opt" \
+                --comm gpu-threads --device cuda --optimizer "$opt" --check-drift 0.1 \
                 >"$res/train-device-cuda-$opt.txt" 2>&1; then
                 say "train --device cuda --comm gpu-threads --optimizer $opt: ok"
             else
