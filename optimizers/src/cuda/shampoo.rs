@@ -115,6 +115,7 @@ fn step_in(
         state.root_failures += roots_on_host(opt, dev, state, blocks, &sc)?;
     }
     let (_, roots) = device_array(OP, &mut state.roots)?;
+    // Reserved at every step, used or not, so that no later step allocates.
     let mut ps = work.ps.view_mut(dev, n)?;
     let most = blocks.iter().map(|b| b.rows * b.cols).max().unwrap_or(0);
     let mut left = work.left.view_mut(dev, most)?;
