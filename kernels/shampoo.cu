@@ -1,7 +1,7 @@
 // Blocked Shampoo's device step (optimizers/src/cuda/shampoo.rs; the step's table is in
-// optimizers/src/shampoo.rs). Three kernels: the element-wise moments (steps 3, 5, 6), the
+// optimizers/src/shampoo.rs). Three kernels: the element-wise moments (steps 3, 5), the
 // matrix products of the factors and of the preconditioned gradient (steps 2 and 7), and the
-// grafting and the update (steps 7, 8, 9). The inverse roots (step 4) are computed on the host.
+// grafting and the update (steps 6 to 9). The inverse roots (step 4) are computed on the host.
 //
 // Compiled with --fmad=false, --prec-div=true, --prec-sqrt=true, --ftz=false: every f32 line is
 // one correctly rounded IEEE operation in the host's order. The products sum exact f64
@@ -24,14 +24,25 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     return end - (end - start) * (1.0f - w);
 }
 
-// Steps 3, 5, 6 on one piece of n contiguous elements: the filtered gradient m, the grafting
-// accumulator v (when `graft`), the bias-corrected gradient gbar and the grafting direction pg.
-// Flags are 0 or 1; a scalar whose flag is 0 is not read (nor is v without `graft`).
+// Step 6's grafting direction of one element from its bias-corrected gradient gb and its
+// updated accumulator v: gb / (√(v / bc2) + eps), bc2 only with `bias2`; gb without `graft`.
+__device__ __forceinline__ float shampoo_graft_dir(float gb, float v, int graft, int bias2,
+                                                   float bc2, float eps) {
+    if (!graft) {
+        return gb;
+    }
+    const float vh = bias2 ? v / bc2 : v;
+    return gb / (sqrtf(vh) + eps);
+}
+
+// Steps 3 and 5 on one piece of n contiguous elements: the filtered gradient m, the grafting
+// accumulator v (when `graft`) and the bias-corrected gradient gbar (step 6 is recomputed from
+// them where it is needed, by shampoo_apply). Flags are 0 or 1; a scalar whose flag is 0 is
+// not read (nor is v without `graft`).
 extern "C" __global__ void shampoo_moments(const float* g, float* m, float* v, float* gbar,
-                                           float* pg, unsigned long long n, int momentum,
-                                           float w1, int bias1, float bc1, int graft,
-                                           float beta2, float one_minus_beta2, float eps,
-                                           int bias2, float bc2) {
+                                           unsigned long long n, int momentum, float w1,
+                                           int bias1, float bc1, int graft, float beta2,
+                                           float one_minus_beta2) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const float gi = g[i];
@@ -42,14 +53,9 @@ extern "C" __global__ void shampoo_moments(const float* g, float* m, float* v, f
             gb = bias1 ? mi / bc1 : mi;
         }
         gbar[i] = gb;
-        float p = gb;
         if (graft) {
-            const float vi = v[i] * beta2 + (one_minus_beta2 * gi) * gi;
-            v[i] = vi;
-            const float vh = bias2 ? vi / bc2 : vi;
-            p = gb / (sqrtf(vh) + eps);
+            v[i] = v[i] * beta2 + (one_minus_beta2 * gi) * gi;
         }
-        pg[i] = p;
     }
 }
 
@@ -141,26 +147,27 @@ __device__ __forceinline__ unsigned long long shampoo_elem(const unsigned long l
     return t[0] + (e / t[3]) * t[1] + e % t[3];
 }
 
-// Steps 7-9 for every block of the shard, one thread block each (256 threads). `table` holds
+// Steps 6-9 for every block of the shard, one thread block each (256 threads). `table` holds
 // SHAMPOO_TABLE_WORDS words per block: at, stride, rows, cols, and where the block's P_s is (0:
-// ps, 1: gbar, the block with no factor). mode 0: the direction is pg (grafting only); 1: P_s;
-// 2: P_s·(‖pg‖ / (‖P_s‖ + 1e-16)), the norms of the block's elements. Then d + wd·p when
-// `decay`, and p + neg_lr·d.
+// ps, 1: gbar, the block with no factor). pg is the grafting direction (shampoo_graft_dir of
+// gbar and v). mode 0: the direction is pg (grafting only); 1: P_s; 2: P_s·(‖pg‖ / (‖P_s‖ +
+// 1e-16)), the norms of the block's elements. Then d + wd·p when `decay`, and p + neg_lr·d.
 extern "C" __global__ void __launch_bounds__(256) shampoo_apply(
-    float* p, const float* pg, const float* ps, const float* gbar,
-    const unsigned long long* table, int mode, float neg_lr, int decay, float wd) {
+    float* p, const float* gbar, const float* v, const float* ps,
+    const unsigned long long* table, int mode, int graft, int bias2, float bc2, float eps,
+    float neg_lr, int decay, float wd) {
     __shared__ double lanes[2][SHAMPOO_NORM_LANES];
     __shared__ float scale;
     const unsigned long long* t = table + SHAMPOO_TABLE_WORDS * blockIdx.x;
     const unsigned long long n = t[2] * t[3];
-    const float* dir = mode == 0 ? pg : (t[4] ? gbar : ps);
+    const float* dir = t[4] ? gbar : ps;
     if (mode == 2) {
         if (threadIdx.x < SHAMPOO_NORM_LANES) {
             double sg = 0.0;
             double ss = 0.0;
             for (unsigned long long e = threadIdx.x; e < n; e += SHAMPOO_NORM_LANES) {
                 const unsigned long long at = shampoo_elem(t, e);
-                const double x = (double)pg[at];
+                const double x = (double)shampoo_graft_dir(gbar[at], v[at], graft, bias2, bc2, eps);
                 const double y = (double)dir[at];
                 sg += x * x;
                 ss += y * y;
@@ -184,9 +191,13 @@ extern "C" __global__ void __launch_bounds__(256) shampoo_apply(
     }
     for (unsigned long long e = threadIdx.x; e < n; e += blockDim.x) {
         const unsigned long long at = shampoo_elem(t, e);
-        float d = dir[at];
-        if (mode == 2) {
-            d = d * scale;
+        float d;
+        if (mode == 0) {
+            d = shampoo_graft_dir(gbar[at], v[at], graft, bias2, bc2, eps);
+        } else if (mode == 1) {
+            d = dir[at];
+        } else {
+            d = dir[at] * scale;
         }
         const float p0 = p[at];
         if (decay) {

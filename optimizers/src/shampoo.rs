@@ -98,7 +98,7 @@
 //! host's operation order and `f64` lanes, and step 4 runs on the host: every
 //! `precondition_frequency` steps the factors and roots are downloaded, rooted by the same
 //! code as here, and the roots uploaded. So a device step is bitwise the host step. The
-//! device step keeps three shard-long `f32` buffers (12 bytes per element) between steps.
+//! device step keeps two shard-long `f32` buffers (8 bytes per element) between steps.
 //!
 //! # Non-finite gradients
 //! A NaN or ±∞ in the local gradient (padding included) makes `step` return

@@ -1,21 +1,20 @@
-//! Blocked Shampoo's device backend: the host step's blocks and scalars
-//! ([`Shampoo::checked_blocks`](crate::Shampoo), [`StepScalars`]) on device memory, through
-//! `kernels/shampoo.cu`, bitwise equal to the host step:
+//! Blocked Shampoo's device backend: the host step's blocks and scalars (`checked_blocks`,
+//! `StepScalars` in [`crate::shampoo`]) on device memory, through `kernels/shampoo.cu`,
+//! bitwise equal to the host step:
 //!
 //! | steps | on the device |
 //! |---|---|
-//! | 3, 5, 6 | `shampoo_moments`, one launch per piece (padding untouched) |
+//! | 3, 5 | `shampoo_moments`, one launch per piece (padding untouched): `m`, `v` and `Ḡ` |
 //! | 2 | `shampoo_mul_abt` per factor: `G·Gᵀ`, `Gᵀ·G` in the host's `f64` lanes, decayed into the factor |
-//! | 4 | on the host: the factors downloaded, [`Shampoo::compute_all_roots`], the roots uploaded |
+//! | 4 | on the host: the factors downloaded, rooted by the host step's code, the roots uploaded |
 //! | 7 | `shampoo_mul_abt`: `L·Ḡ` (into a block-sized buffer when `R` follows), then `·R` |
-//! | 7–9 | `shampoo_apply`, one thread block per Shampoo block: the grafting norms in the host's lanes, the update |
+//! | 6–9 | `shampoo_apply`, one thread block per Shampoo block: the grafting direction from `Ḡ` and `v`, its norms in the host's lanes, the update |
 //!
 //! Roots are the only host work: every `precondition_frequency` steps the factors and roots
 //! travel to the host and the roots back (8 bytes per factor element down, 4 up), the rest of
-//! a step stays on the device. The step's buffers (the bias-corrected gradient, the grafting
-//! direction and `P_s`, 4 bytes per shard element each; one block's `L·Ḡ`; the block table)
-//! are kept between steps by the [`Shampoo`], so a step allocates nothing once the first has
-//! run.
+//! a step stays on the device. The step's buffers (`Ḡ` and `P_s`, 4 bytes per shard element
+//! each; one block's `L·Ḡ`; the block table) are kept between steps by the [`Shampoo`], so a
+//! step allocates nothing once the first has run.
 
 use ragged::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use ragged::cuda::{count, elementwise, guarded, ops, Device, Scratch, SHAMPOO};
@@ -44,7 +43,6 @@ const GRID_Y_MAX: usize = 65_535;
 #[derive(Default)]
 pub(crate) struct DeviceWork {
     gbar: Scratch<f32>,
-    pg: Scratch<f32>,
     ps: Scratch<f32>,
     left: Scratch<f32>,
     table: Scratch<u64>,
@@ -100,12 +98,10 @@ fn step_in(
     let (_, m) = device_array(OP, &mut state.m)?;
     let (_, v) = device_array(OP, &mut state.v)?;
     let (_, factors) = device_array(OP, &mut state.factors)?;
-    let gbar = work.gbar.view_mut(dev, n)?;
-    let pg = work.pg.view_mut(dev, n)?;
-    let mut bufs = Bufs { gbar, pg };
+    let mut gbar = work.gbar.view_mut(dev, n)?;
     for piece in &shard.pieces {
         let r = piece.offset..piece.offset + piece.range.len();
-        kernels.moments(&sc, &grads.slice(r.clone()), m, v, &mut bufs, r)?;
+        kernels.moments(&sc, &grads.slice(r.clone()), m, v, &mut gbar, r)?;
     }
     for b in blocks {
         kernels.update_factors(b, grads, factors, &sc)?;
@@ -121,18 +117,50 @@ fn step_in(
     let mut left = work.left.view_mut(dev, most)?;
     if sc.direction != Direction::GraftOnly {
         for b in blocks {
-            kernels.precondition(b, &bufs.gbar, roots, &mut ps, &mut left)?;
+            kernels.precondition(b, &gbar, roots, &mut ps, &mut left)?;
         }
     }
     let table = block_table(blocks);
     let table = work.table.upload(dev, &table)?;
-    kernels.apply(params, &bufs, &ps, &table, blocks.len(), &sc)
+    let (_, v) = device_array(OP, &mut state.v)?;
+    let bufs = [&gbar, &ps].map(|b| b.as_view());
+    kernels.apply(params, bufs, v, &table, blocks.len(), &sc)
 }
 
-/// The bias-corrected gradient and the grafting direction of a step (shard-long).
-struct Bufs<'a> {
-    gbar: CudaViewMut<'a, f32>,
-    pg: CudaViewMut<'a, f32>,
+/// The grafting scalars as the kernels take them (`graft`, `beta2`, `one_minus_beta2`, `eps`,
+/// `bias2`, `bc2`): flags 0 or 1, and scalars the kernels do not read without their flag.
+#[derive(Clone, Copy)]
+struct GraftArgs {
+    on: i32,
+    beta2: f32,
+    w: f32,
+    eps: f32,
+    bias2: i32,
+    bc2: f32,
+}
+
+impl GraftArgs {
+    fn new(sc: &StepScalars) -> Self {
+        let Some((beta2, w, eps, bc2)) = sc.graft else {
+            return GraftArgs {
+                on: 0,
+                beta2: 1.0,
+                w: 1.0,
+                eps: 1.0,
+                bias2: 0,
+                bc2: 1.0,
+            };
+        };
+        let (bias2, bc2) = flag(bc2);
+        GraftArgs {
+            on: 1,
+            beta2,
+            w,
+            eps,
+            bias2,
+            bc2,
+        }
+    }
 }
 
 /// Step 4: the factors and roots to the host, [`Shampoo::compute_all_roots`], the roots back.
@@ -198,14 +226,14 @@ impl<'d> Kernels<'d> {
         })
     }
 
-    /// Steps 3, 5, 6 on the run `r` of the shard (`g` is its gradient).
+    /// Steps 3 and 5 on the run `r` of the shard (`g` is its gradient): `m`, `v` and `Ḡ`.
     fn moments(
         &self,
         sc: &StepScalars,
         g: &CudaView<'_, f32>,
         m: &mut CudaSlice<f32>,
         v: &mut CudaSlice<f32>,
-        bufs: &mut Bufs<'_>,
+        gbar: &mut CudaViewMut<'_, f32>,
         r: std::ops::Range<usize>,
     ) -> Result<()> {
         let len = r.len();
@@ -214,24 +242,19 @@ impl<'d> Kernels<'d> {
         }
         let (momentum, w1) = flag(sc.momentum);
         let (bias1, bc1) = flag(sc.bc1);
-        let (graft, (b2, w2, eps, bc2)) = match sc.graft {
-            Some(x) => (1i32, x),
-            None => (0, (1.0, 1.0, 1.0, None)),
-        };
-        let (bias2, bc2) = flag(bc2);
+        let ga = GraftArgs::new(sc);
         let mut m = m.slice_mut(r.clone());
-        let mut gbar = bufs.gbar.slice_mut(r.clone());
-        let mut pg = bufs.pg.slice_mut(r.clone());
+        let mut gbar = gbar.slice_mut(r.clone());
         // Without grafting `v` is empty (a live one-element allocation that says it holds
         // none: `Device::zeros`) and not read.
-        let mut v = if graft == 1 {
+        let mut v = if ga.on == 1 {
             v.slice_mut(r)
         } else {
             v.slice_mut(0..0)
         };
         let n = count(len);
-        // SAFETY: `shampoo_moments` reads `n` elements of `g` and writes `n` of `m`, `gbar`,
-        // `pg` (each a slice of exactly `n`), and of `v` only with `graft` = 1 (then `n` too).
+        // SAFETY: `shampoo_moments` reads `n` elements of `g` and writes `n` of `m` and `gbar`
+        // (each a slice of exactly `n`), and of `v` only with `graft` = 1 (then `n` too).
         guarded("shampoo_moments launch", || unsafe {
             self.dev
                 .stream()
@@ -240,18 +263,14 @@ impl<'d> Kernels<'d> {
                 .arg(&mut m)
                 .arg(&mut v)
                 .arg(&mut gbar)
-                .arg(&mut pg)
                 .arg(&n)
                 .arg(&momentum)
                 .arg(&w1)
                 .arg(&bias1)
                 .arg(&bc1)
-                .arg(&graft)
-                .arg(&b2)
-                .arg(&w2)
-                .arg(&eps)
-                .arg(&bias2)
-                .arg(&bc2)
+                .arg(&ga.on)
+                .arg(&ga.beta2)
+                .arg(&ga.w)
                 .launch(elementwise(len))
         })
         .map(drop)
@@ -475,12 +494,13 @@ impl<'d> Kernels<'d> {
         .map(drop)
     }
 
-    /// Steps 7–9 of every block: one thread block each.
+    /// Steps 6–9 of every block, one thread block each, from `[Ḡ, P_s]` (shard-long) and
+    /// the grafting accumulator `v`.
     fn apply(
         &self,
         params: &mut CudaViewMut<'_, f32>,
-        bufs: &Bufs<'_>,
-        ps: &CudaViewMut<'_, f32>,
+        [gbar, ps]: [CudaView<'_, f32>; 2],
+        v: &CudaSlice<f32>,
         table: &CudaViewMut<'_, u64>,
         blocks: usize,
         sc: &StepScalars,
@@ -499,25 +519,26 @@ impl<'d> Kernels<'d> {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (pg, ps, gbar, table) = (
-            bufs.pg.as_view(),
-            ps.as_view(),
-            bufs.gbar.as_view(),
-            table.as_view(),
-        );
+        let ga = GraftArgs::new(sc);
+        let (v, table) = (v.as_view(), table.as_view());
         // SAFETY: `shampoo_apply` reads and writes the elements of the table's blocks, which
-        // lie inside the shard (`Shampoo::blocks`), of `params`, `pg`, `ps` and `gbar` (each
-        // shard-long), and reads `TABLE_WORDS` words per block of `table`.
+        // lie inside the shard (`Shampoo::blocks`), of `params`, `gbar` and `ps` (each
+        // shard-long) and, with grafting, of `v` (then shard-long too); it reads `TABLE_WORDS`
+        // words per block of `table`.
         guarded("shampoo_apply launch", || unsafe {
             self.dev
                 .stream()
                 .launch_builder(&self.apply)
                 .arg(params)
-                .arg(&pg)
-                .arg(&ps)
                 .arg(&gbar)
+                .arg(&v)
+                .arg(&ps)
                 .arg(&table)
                 .arg(&mode)
+                .arg(&ga.on)
+                .arg(&ga.bias2)
+                .arg(&ga.bc2)
+                .arg(&ga.eps)
                 .arg(&sc.neg_lr)
                 .arg(&decay)
                 .arg(&wd)
