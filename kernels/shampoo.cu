@@ -15,6 +15,7 @@
 #define SHAMPOO_KTILE 16
 #define SHAMPOO_NORM_LANES 32
 #define SHAMPOO_TABLE_WORDS 5
+#define SHAMPOO_PRODUCT_WORDS 11
 
 __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
     // torch's lerp: small-weight form when |w| < 0.5, large-weight form otherwise.
@@ -22,6 +23,16 @@ __device__ __forceinline__ float lerp_elem(float start, float end, float w) {
         return start + w * (end - start);
     }
     return end - (end - start) * (1.0f - w);
+}
+
+// Step 5's bias-corrected gradient of one element from its gradient g and its updated filtered
+// gradient m: m / bc1 (bc1 only with `bias1`) with `momentum`, else g.
+__device__ __forceinline__ float shampoo_gbar(float g, float m, int momentum, int bias1,
+                                              float bc1) {
+    if (!momentum) {
+        return g;
+    }
+    return bias1 ? m / bc1 : m;
 }
 
 // Step 6's grafting direction of one element from its bias-corrected gradient gb and its
@@ -46,13 +57,10 @@ extern "C" __global__ void shampoo_moments(const float* g, float* m, float* v, f
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const float gi = g[i];
-        float gb = gi;
         if (momentum) {
-            const float mi = lerp_elem(m[i], gi, w1);
-            m[i] = mi;
-            gb = bias1 ? mi / bc1 : mi;
+            m[i] = lerp_elem(m[i], gi, w1);
         }
-        gbar[i] = gb;
+        gbar[i] = shampoo_gbar(gi, m[i], momentum, bias1, bc1);
         if (graft) {
             v[i] = v[i] * beta2 + (one_minus_beta2 * gi) * gi;
         }
@@ -77,24 +85,33 @@ __device__ __forceinline__ void shampoo_load_tile(double (*t)[SHAMPOO_KTILE + 1]
     }
 }
 
-// out[i·ldo + j] for i < n, j < m from s = Σ_k A(i, k)·B(j, k), A(i, k) = a[i·a_row + k·a_k],
-// B(j, k) = b[j·b_row + k·b_k], k < kn: mode 0 stores s, 1 adds it (out + s), 2 decays
-// (out·beta2 + w·s), s rounded to f32 first. Grid (⌈m/32⌉, ⌈n/32⌉), 256 threads: a 32 × 32
-// tile of outputs, 2 × 2 per thread, k walked in tiles of 16 through shared memory (as f64).
-// Each product of two f32 values is exact in f64, so the fused multiply-add rounds exactly
-// where the host's multiply then add does. Terms past kn are zeros, which leave every lane's
-// bits alone (a lane starts at +0, and s + ±0 = s for s ≠ 0, +0 + ±0 = +0).
+// A group of products, one per blockIdx.z, each described by SHAMPOO_PRODUCT_WORDS words of
+// `table`: a_at, a_row, a_k, b_at, b_row, b_k, out_at, ldo, n, m, kn. Product z writes
+// out[out_at + i·ldo + j] for i < n, j < m from s = Σ_k A(i, k)·B(j, k), A(i, k) =
+// a[a_at + i·a_row + k·a_k], B(j, k) = b[b_at + j·b_row + k·b_k], k < kn: mode 0 stores s, 1
+// adds it (out + s), 2 decays (out·beta2 + w·s), s rounded to f32 first. Grid (⌈max m/32⌉,
+// ⌈max n/32⌉, products), 256 threads: a 32 × 32 tile of outputs, 2 × 2 per thread (a tile
+// outside its product's n × m returns at once), k walked in tiles of 16 through shared memory
+// (as f64). Each product of two f32 values is exact in f64, so the fused multiply-add rounds
+// exactly where the host's multiply then add does. Terms past kn are zeros, which leave every
+// lane's bits alone (a lane starts at +0, and s + ±0 = s for s ≠ 0, +0 + ±0 = +0).
 extern "C" __global__ void __launch_bounds__(256) shampoo_mul_abt(
-    const float* a, unsigned long long a_row, unsigned long long a_k, const float* b,
-    unsigned long long b_row, unsigned long long b_k, float* out, unsigned long long ldo,
-    unsigned int n, unsigned int m, unsigned int kn, int mode, float beta2, float w) {
+    const float* a, const float* b, float* out, const unsigned long long* table, int mode,
+    float beta2, float w) {
+    const unsigned long long* d = table + SHAMPOO_PRODUCT_WORDS * blockIdx.z;
+    const unsigned int n = (unsigned int)d[8];
+    const unsigned int m = (unsigned int)d[9];
+    const unsigned int kn = (unsigned int)d[10];
+    const unsigned int i0 = blockIdx.y * SHAMPOO_TILE;
+    const unsigned int j0 = blockIdx.x * SHAMPOO_TILE;
+    if (i0 >= n || j0 >= m) {
+        return;  // the whole thread block, before any barrier
+    }
     __shared__ double at[SHAMPOO_TILE][SHAMPOO_KTILE + 1];
     __shared__ double bt[SHAMPOO_TILE][SHAMPOO_KTILE + 1];
     const unsigned int half = SHAMPOO_TILE / 2;
     const unsigned int tx = threadIdx.x % half;
     const unsigned int ty = threadIdx.x / half;
-    const unsigned int i0 = blockIdx.y * SHAMPOO_TILE;
-    const unsigned int j0 = blockIdx.x * SHAMPOO_TILE;
     // s[u][v][l]: lane l of output (i0 + ty + 16u, j0 + tx + 16v).
     double s[2][2][4];
     for (int u = 0; u < 2; ++u) {
@@ -105,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(256) shampoo_mul_abt(
         }
     }
     for (unsigned int k0 = 0; k0 < kn; k0 += SHAMPOO_KTILE) {
-        shampoo_load_tile(at, a, a_row, a_k, i0, n, k0, kn);
-        shampoo_load_tile(bt, b, b_row, b_k, j0, m, k0, kn);
+        shampoo_load_tile(at, a + d[0], d[1], d[2], i0, n, k0, kn);
+        shampoo_load_tile(bt, b + d[3], d[4], d[5], j0, m, k0, kn);
         __syncthreads();
 #pragma unroll
         for (unsigned int kk = 0; kk < SHAMPOO_KTILE; ++kk) {
@@ -129,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(256) shampoo_mul_abt(
             }
             const double* l = s[u][v];
             const float o = (float)((l[0] + l[1]) + (l[2] + l[3]));
-            float* dst = out + i * ldo + j;
+            float* dst = out + d[6] + i * d[7] + j;
             if (mode == 0) {
                 *dst = o;
             } else if (mode == 1) {
@@ -149,25 +166,28 @@ __device__ __forceinline__ unsigned long long shampoo_elem(const unsigned long l
 
 // Steps 6-9 for every block of the shard, one thread block each (256 threads). `table` holds
 // SHAMPOO_TABLE_WORDS words per block: at, stride, rows, cols, and where the block's P_s is (0:
-// ps, 1: gbar, the block with no factor). pg is the grafting direction (shampoo_graft_dir of
-// gbar and v). mode 0: the direction is pg (grafting only); 1: P_s; 2: P_s·(‖pg‖ / (‖P_s‖ +
-// 1e-16)), the norms of the block's elements. Then d + wd·p when `decay`, and p + neg_lr·d.
+// ps; 1: pp, which holds it for a block with both factors and is Ḡ itself for a block with
+// none). The grafting direction pg is shampoo_graft_dir of Ḡ, recomputed from g and m as
+// shampoo_moments computed it, and v. mode 0: the direction is pg (grafting only); 1: P_s; 2:
+// P_s·(‖pg‖ / (‖P_s‖ + 1e-16)), the norms of the block's elements. Then d + wd·p when `decay`,
+// and p + neg_lr·d.
 extern "C" __global__ void __launch_bounds__(256) shampoo_apply(
-    float* p, const float* gbar, const float* v, const float* ps,
-    const unsigned long long* table, int mode, int graft, int bias2, float bc2, float eps,
-    float neg_lr, int decay, float wd) {
+    float* p, const float* g, const float* m, const float* v, const float* ps, const float* pp,
+    const unsigned long long* table, int mode, int momentum, int bias1, float bc1, int graft,
+    int bias2, float bc2, float eps, float neg_lr, int decay, float wd) {
     __shared__ double lanes[2][SHAMPOO_NORM_LANES];
     __shared__ float scale;
     const unsigned long long* t = table + SHAMPOO_TABLE_WORDS * blockIdx.x;
     const unsigned long long n = t[2] * t[3];
-    const float* dir = t[4] ? gbar : ps;
+    const float* dir = t[4] ? pp : ps;
     if (mode == 2) {
         if (threadIdx.x < SHAMPOO_NORM_LANES) {
             double sg = 0.0;
             double ss = 0.0;
             for (unsigned long long e = threadIdx.x; e < n; e += SHAMPOO_NORM_LANES) {
                 const unsigned long long at = shampoo_elem(t, e);
-                const double x = (double)shampoo_graft_dir(gbar[at], v[at], graft, bias2, bc2, eps);
+                const float gb = shampoo_gbar(g[at], m[at], momentum, bias1, bc1);
+                const double x = (double)shampoo_graft_dir(gb, v[at], graft, bias2, bc2, eps);
                 const double y = (double)dir[at];
                 sg += x * x;
                 ss += y * y;
@@ -193,7 +213,8 @@ extern "C" __global__ void __launch_bounds__(256) shampoo_apply(
         const unsigned long long at = shampoo_elem(t, e);
         float d;
         if (mode == 0) {
-            d = shampoo_graft_dir(gbar[at], v[at], graft, bias2, bc2, eps);
+            const float gb = shampoo_gbar(g[at], m[at], momentum, bias1, bc1);
+            d = shampoo_graft_dir(gb, v[at], graft, bias2, bc2, eps);
         } else if (mode == 1) {
             d = dir[at];
         } else {
