@@ -816,7 +816,8 @@ impl Shampoo {
     }
 }
 
-/// `Err(BadInput)` naming the first non-finite gradient (module doc, "Non-finite gradients").
+/// `Err(BadInput)` for non-finite gradients, `what` naming them (module doc, "Non-finite
+/// gradients"): the host names the first, the device counts them.
 pub(crate) fn non_finite(op: &'static str, what: String) -> Error {
     Error::BadInput {
         op,
