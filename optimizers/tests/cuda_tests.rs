@@ -291,6 +291,31 @@ fn shampoo_device_step_is_bitwise_the_host_step() {
     assert_shampoo_equal(&opt.init(shard).unwrap(), &state, "state kept");
 }
 
+/// The device products add their four `f64` lanes in the host's order, `(s₀ + s₁) + (s₂ + s₃)`:
+/// gradient rows `[1, 0, 2³⁰, 2³⁰]` and `[1, 0, 2³⁰, −2³⁰]` make the lanes of `L[0][1]`
+/// `1, 0, 2⁶⁰, −2⁶⁰`, which sum to 1 in that order and to 0 left to right (`1 + 2⁶⁰` rounds
+/// to `2⁶⁰` in `f64`). Random data cannot tell the orders apart: the `f32` rounding hides it.
+#[test]
+fn shampoo_device_products_add_their_lanes_in_the_hosts_order() {
+    let Some(dev) = device() else { return };
+    let spec = specs(&[("w", &[2, 4])]);
+    let opt = Shampoo::new(ShampooConfig {
+        max_preconditioner_dim: 16,
+        ..Default::default()
+    })
+    .unwrap();
+    let shard = &planned_shards(&opt, &spec, 1, &PlanOptions::default())[0];
+    let big = (1u32 << 30) as f32;
+    let g = scatter(shard, &[vec![1.0, 0.0, big, big, 1.0, 0.0, big, -big]]);
+    let p = scatter(shard, &[vec![0.5; 8]]);
+    let ((p, state), (dp, ds)) = host_and_device(&opt, shard, &dev, p, &[g]);
+    let (blocks, _) = opt.blocks(shard).unwrap();
+    let l01 = state.factors.cpu().unwrap()[blocks[0].factor_at + 1];
+    assert_eq!(l01, 1.0, "the host's L[0][1]: the case is sharp");
+    same_bits(&dp, &p, "params");
+    assert_shampoo_equal(&state, &ds, "state");
+}
+
 /// Bitwise equality of a host and a device Shampoo state (the device state brought to the
 /// host by `ShampooState::to_placement`).
 fn assert_shampoo_equal(host: &ShampooState, dev: &ShampooState, what: &str) {
