@@ -172,6 +172,11 @@ impl Grafting {
     }
 }
 
+/// The largest [`ShampooConfig::max_preconditioner_dim`]: a factor of a `65536`-wide block
+/// already holds `2³²` elements (16 GiB); the bound keeps every factor's element count, and
+/// the device kernels' dimensions, within 32 bits.
+pub const MAX_PRECONDITIONER_DIM: usize = 1 << 16;
+
 /// Shampoo hyperparameters; the defaults are fb's `DistributedShampoo` defaults
 /// (`use_decoupled_weight_decay = True`, `grafting_config = None`; fb's README recommends
 /// grafting from the optimizer being replaced, e.g. [`Grafting::ADAM`]).
@@ -190,7 +195,8 @@ pub struct ShampooConfig {
     pub weight_decay: f64,
     /// Bias-correct the filtered gradient and (when `β₂ < 1`) the factors (default `true`).
     pub use_bias_correction: bool,
-    /// Largest side `d` of a Shampoo block (default `1024`).
+    /// Largest side `d` of a Shampoo block (default `1024`; at most
+    /// [`MAX_PRECONDITIONER_DIM`]).
     pub max_preconditioner_dim: usize,
     /// Inverse roots are recomputed every `f` steps (default `1`).
     pub precondition_frequency: u64,
@@ -249,6 +255,13 @@ impl ShampooConfig {
             return bad(
                 "max_preconditioner_dim = 0".into(),
                 "blocks need a positive side",
+            );
+        }
+        if self.max_preconditioner_dim > MAX_PRECONDITIONER_DIM {
+            return bad(
+                format!("max_preconditioner_dim = {}", self.max_preconditioner_dim),
+                "at most 65536: a larger block's factor would hold more than 2³² elements \
+                 (16 GiB each)",
             );
         }
         if self.precondition_frequency == 0 {

@@ -1069,6 +1069,10 @@ fn invalid_configs_are_refused() {
             ..d
         },
         ShampooConfig {
+            max_preconditioner_dim: (1 << 16) + 1,
+            ..d
+        },
+        ShampooConfig {
             precondition_frequency: 0,
             ..d
         },
@@ -1108,6 +1112,11 @@ fn invalid_configs_are_refused() {
         assert!(Shampoo::new(c).is_err(), "{c:?} accepted");
     }
     assert!(Shampoo::new(d).is_ok());
+    let widest = ShampooConfig {
+        max_preconditioner_dim: 1 << 16,
+        ..d
+    };
+    assert!(Shampoo::new(widest).is_ok(), "the largest block side");
     for grafting in [
         Grafting::Sgd,
         Grafting::ADAGRAD,
