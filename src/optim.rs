@@ -365,9 +365,8 @@ pub trait Optimizer: Send + Sync {
     fn init(&self, shard: &LocalShard) -> Result<Self::State>;
 
     /// Fresh state in the memory `place` names: the host ([`Optimizer::init`]) or a device,
-    /// for an optimizer with a device backend (AdamW, Muon, 8-bit Adam, Shampoo). The default
-    /// refuses devices; an optimizer with only a host step can instead keep host state and
-    /// step a device shard through host copies ([`crate::storage::ViewMut::on_host`]).
+    /// for an optimizer with a device backend (AdamW, Muon, 8-bit Adam, Shampoo); the default
+    /// refuses devices.
     fn init_on(&self, shard: &LocalShard, place: &Placement) -> Result<Self::State> {
         if place.is_cpu() {
             return self.init(shard);

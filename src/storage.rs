@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, DeviceSlice, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::Device;
@@ -474,51 +474,6 @@ impl<'a, T> View<'a, T> {
             View::Cpu(v) => Ok(v),
             #[cfg(feature = "cuda")]
             View::Cuda(_) => Err(mixed(op, "device gradients")),
-        }
-    }
-}
-
-impl<'a, T: Elem> View<'a, T> {
-    /// The elements on the host: borrowed host elements, or a download of device ones
-    /// (waiting for their stream). What a host-only step uses to read device memory
-    /// ([`ViewMut::on_host`]).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub fn to_host(&self, op: &'static str) -> Result<std::borrow::Cow<'a, [T]>> {
-        match self {
-            View::Cpu(v) => Ok(std::borrow::Cow::Borrowed(v)),
-            #[cfg(feature = "cuda")]
-            View::Cuda(v) if v.is_empty() => Ok(std::borrow::Cow::Owned(Vec::new())),
-            #[cfg(feature = "cuda")]
-            View::Cuda(v) => Ok(std::borrow::Cow::Owned(crate::cuda::guarded(op, || {
-                v.stream().clone_dtoh(v)
-            })?)),
-        }
-    }
-}
-
-impl<'a, T: Elem> ViewMut<'a, T> {
-    /// Runs `f` on the elements in host memory: host elements in place; device ones on a host
-    /// copy (downloaded, waiting for their stream), uploaded back only when `f` returns `Ok`,
-    /// so an `Err` leaves the device elements as they were. For a step that has only a host
-    /// backend (an optimizer of one's own): its device shard costs a download and an upload
-    /// per call.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub fn on_host<R>(self, op: &'static str, f: impl FnOnce(&mut [T]) -> Result<R>) -> Result<R> {
-        match self {
-            ViewMut::Cpu(v) => f(v),
-            #[cfg(feature = "cuda")]
-            ViewMut::Cuda(mut v) => {
-                if v.is_empty() {
-                    return f(&mut []);
-                }
-                let stream = Arc::clone(v.stream());
-                let mut host = crate::cuda::guarded(op, || stream.clone_dtoh(&v))?;
-                let out = f(&mut host)?;
-                // A copy from pageable memory returns once the source is read (CUDA's
-                // documented behaviour), so `host` may go when this returns.
-                crate::cuda::guarded(op, || stream.memcpy_htod(&host, &mut v))?;
-                Ok(out)
-            }
         }
     }
 }

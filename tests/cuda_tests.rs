@@ -922,52 +922,6 @@ fn bf16_rank_reduction_keeps_nan_quiet_like_the_cpu_backend() {
     );
 }
 
-/// Protects `View::to_host` and `ViewMut::on_host` (a host-only step on a device shard, as
-/// `Optimizer::init_on` suggests for an optimizer without a device backend): a device view away from the start of its buffer is read, and written back by
-/// an `Ok`, in exactly its range, as a host view is in place; an `Err` from the host work
-/// leaves the device elements as they were (whatever the work wrote on the host copy), and
-/// an empty view runs the work on an empty slice.
-#[test]
-fn host_work_on_device_views_writes_back_exactly_its_range_and_only_on_ok() {
-    let Some(dev) = device() else { return };
-    let (x0, y0) = (values(300, 5), values(300, 6));
-    let work = |x: &mut [f32], y: &[f32]| {
-        for (a, b) in x.iter_mut().zip(y) {
-            *a = *a * 2.0 + b;
-        }
-    };
-    let mut want = x0.clone();
-    work(&mut want[100..250], &y0[40..190]);
-    let (mut x, y) = (dev.upload(&x0).unwrap(), dev.upload(&y0).unwrap());
-    let y_view: ragged::storage::View<'_, f32> = y.slice(40..190).into();
-    let y_host = y_view.to_host("test").unwrap();
-    assert_eq!(bits(&y_host), bits(&y0[40..190]));
-    let xv: ragged::storage::ViewMut<'_, f32> = x.slice_mut(100..250).into();
-    let n = xv.on_host("test", |h| {
-        work(h, &y_host);
-        Ok(h.len())
-    });
-    assert_eq!(n.unwrap(), 150, "the work's result");
-    assert_eq!(
-        bits(&dev.download(&x).unwrap()),
-        bits(&want),
-        "written back on Ok"
-    );
-
-    let xv: ragged::storage::ViewMut<'_, f32> = x.slice_mut(..).into();
-    let err = xv.on_host("test", |h| -> ragged::Result<()> {
-        h.fill(7.0);
-        Err(Error::Msg("refused".into()))
-    });
-    assert!(err.is_err());
-    assert_eq!(bits(&dev.download(&x).unwrap()), bits(&want), "kept on Err");
-
-    let empty: ragged::storage::ViewMut<'_, f32> = x.slice_mut(9..9).into();
-    assert_eq!(empty.on_host("test", |h| Ok(h.len())).unwrap(), 0);
-    let empty: ragged::storage::View<'_, f32> = y.slice(3..3).into();
-    assert!(empty.to_host("test").unwrap().is_empty());
-}
-
 /// Protects the element kernels' launch shape on empty views (`elementwise(0)`: one block,
 /// never a grid of 0 blocks, which the driver refuses): every op on an empty view succeeds
 /// and changes nothing, as on the host.
