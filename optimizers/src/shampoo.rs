@@ -613,6 +613,17 @@ impl Shampoo {
     }
 }
 
+/// Each block with its own part of `x`, an array in the factors' layout (factors or roots).
+fn per_block<'a>(blocks: &'a [Block], mut x: &'a mut [f32]) -> Vec<(&'a Block, &'a mut [f32])> {
+    let mut out = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        let (part, rest) = std::mem::take(&mut x).split_at_mut(b.factor_len());
+        out.push((b, part));
+        x = rest;
+    }
+    out
+}
+
 /// Identity matrices in every root slot of `blocks`.
 fn identity_roots(blocks: &[Block], len: usize) -> Vec<f32> {
     let mut roots = vec![0.0; len];
@@ -813,17 +824,12 @@ impl Shampoo {
         roots: &mut [f32],
         bc2: Option<f32>,
     ) -> u64 {
-        let mut jobs = Vec::with_capacity(blocks.len());
-        let mut rs = roots;
-        for b in blocks {
-            let (r, rest) = rs.split_at_mut(b.factor_len());
-            jobs.push((*b, &factors[b.factor_at..b.factor_at + b.factor_len()], r));
-            rs = rest;
-        }
-        jobs.into_par_iter()
-            .map(|(b, f, r)| {
+        per_block(blocks, roots)
+            .into_par_iter()
+            .map(|(b, r)| {
+                let f = &factors[b.factor_at..b.factor_at + b.factor_len()];
                 let e = self.exponent(b.order());
-                compute_roots(&b, f, r, bc2, self.config.epsilon, e)
+                compute_roots(b, f, r, bc2, self.config.epsilon, e)
             })
             .sum()
     }
@@ -885,15 +891,9 @@ impl Shampoo {
         }
 
         // Step 2 per block (in parallel), step 4, then step 7 per block and steps 8–9.
-        let mut jobs = Vec::with_capacity(blocks.len());
-        let mut fs = &mut factors[..];
-        for b in blocks {
-            let (f, rest) = fs.split_at_mut(b.factor_len());
-            jobs.push((b, f));
-            fs = rest;
-        }
         let (b2, w2) = sc.factor_decay;
-        jobs.into_par_iter()
+        per_block(blocks, factors)
+            .into_par_iter()
             .for_each(|(b, f)| update_factors(b, &b.gather(grads), f, b2, w2));
         if sc.roots_now {
             state.root_failures += self.compute_all_roots(blocks, factors, roots, sc.factor_bc2);
