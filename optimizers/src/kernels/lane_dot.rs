@@ -2,16 +2,26 @@
 //! `k` in lane `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`), rounded once. A fixed order,
 //! so the bits depend only on the inputs: not on threads, tiling, or the CPU.
 //!
-//! Two paths give the same bits:
+//! Three paths give the same bits ([`Path`], chosen at run time):
 //! - the scalar loops ([`dot`], [`dot_scaled`]): the definition, and what runs without AVX2;
-//! - on x86-64 with AVX2 and FMA (chosen at run time), register tiles of 3 × 3 dot products,
-//!   one `f64` vector of the four lanes each, over operands widened to `f64` and padded with
-//!   zeros to a multiple of four. The products of `f32` inputs are exact in `f64` (24 + 24
-//!   significant bits ≤ 53), so a fused multiply-add rounds exactly where the scalar loop's
-//!   add does. The zero padding adds `+0` to lanes that the scalar loop leaves alone, which
-//!   changes nothing: a lane starts at `+0` and a sum that starts at `+0` is never `−0`
-//!   (`+0 + −0 = +0`, and exact cancellation gives `+0`), and `x + 0 = x` for every other `x`,
-//!   NaN and infinities included.
+//! - on x86-64 with AVX2 and FMA, register tiles of 3 × 3 dot products, one `f64` vector of
+//!   the four lanes each;
+//! - on x86-64 with AVX-512 F, register tiles of 6 × 8 dot products, two per 512-bit vector
+//!   (the four lanes of columns `2p` and `2p + 1` side by side, the right operand packed so
+//!   that one load fetches both), 24 accumulators of the 32 registers: a quarter of the
+//!   AVX2 tile's loads per multiply-add, so the product runs from L2 where the 3 × 3 tile
+//!   waits on it.
+//!
+//! The tiles run over operands widened to `f64` and padded with zeros to a multiple of four.
+//! The products of `f32` inputs are exact in `f64` (24 + 24 significant bits ≤ 53), so a fused
+//! multiply-add rounds exactly where the scalar loop's add does. The zero padding adds `+0` to
+//! lanes that the scalar loop leaves alone, which changes nothing: a lane starts at `+0` and a
+//! sum that starts at `+0` is never `−0` (`+0 + −0 = +0`, and exact cancellation gives `+0`),
+//! and `x + 0 = x` for every other `x`, NaN and infinities included.
+//!
+//! `RAGGED_LANE_DOT=avx2` or `scalar` caps the path (to time one against another in the same
+//! run, as `ONEDNN_MAX_CPU_ISA` does for oneDNN); unset, unknown, or above what the CPU has, it
+//! changes nothing. [`kernel_name`] says which path runs.
 //!
 //! Why not `gemm`: its sums are `f32`, blocked by CPU (the AVX-512 and AVX2 microkernels add in
 //! different orders), so ranks on different CPUs would disagree; this keeps Shampoo's factors
@@ -20,6 +30,7 @@
 //! vector instructions).
 
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Lanes of the `f64` sums: term `k` goes to lane `k mod 4`.
 pub(crate) const LANES: usize = 4;
@@ -27,30 +38,87 @@ pub(crate) const LANES: usize = 4;
 /// Below this many multiply-adds a product runs on the calling thread.
 const PAR_MIN_MACS: usize = 1 << 20;
 
-/// Output rows per rayon task.
+/// Output rows per rayon task (a multiple of both tiles' rows).
 const BAND: usize = 24;
 
 /// Bytes of the right operand's rows a task walks at a time (the panel stays in L2 while the
 /// band's rows pass over it).
 const PANEL_BYTES: usize = 192 << 10;
 
-/// Which path [`mul_abt`] and [`scaled_gram_sym`] take on this CPU.
-pub fn kernel_name() -> &'static str {
-    if avx2_fma() {
-        "f64 lanes, AVX2+FMA 3×3 tiles"
-    } else {
-        "f64 lanes, scalar"
+/// How the products run: every path gives the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Path {
+    /// [`dot`] and [`dot_scaled`] per output.
+    Scalar,
+    /// AVX2 + FMA register tiles of 3 × 3 outputs.
+    Avx2,
+    /// AVX-512 F register tiles of 6 × 8 outputs, two outputs' lanes per vector.
+    Avx512,
+}
+
+impl Path {
+    /// The best path this CPU has, capped by `RAGGED_LANE_DOT` (read once).
+    pub(crate) fn detected() -> Path {
+        static PATH: OnceLock<Path> = OnceLock::new();
+        *PATH.get_or_init(|| {
+            let best = Path::best();
+            cap().map_or(best, |c| c.min(best))
+        })
+    }
+
+    /// Every path this CPU can run, slowest first.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Path> {
+        [Path::Scalar, Path::Avx2, Path::Avx512]
+            .into_iter()
+            .filter(|&p| p <= Path::best())
+            .collect()
+    }
+
+    fn best() -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") {
+                return Path::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return Path::Avx2;
+            }
+        }
+        Path::Scalar
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Path::Scalar => "f64 lanes, scalar",
+            Path::Avx2 => "f64 lanes, AVX2+FMA 3×3 tiles",
+            Path::Avx512 => "f64 lanes, AVX-512 6×8 tiles",
+        }
     }
 }
 
-fn avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+/// `RAGGED_LANE_DOT`'s cap, when it names a path.
+fn cap() -> Option<Path> {
+    match std::env::var("RAGGED_LANE_DOT").ok()?.as_str() {
+        "scalar" => Some(Path::Scalar),
+        "avx2" => Some(Path::Avx2),
+        "avx512" => Some(Path::Avx512),
+        _ => None,
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+}
+
+/// Which path [`mul_abt`] and [`scaled_gram_sym`] take on this CPU, in a few words.
+pub fn kernel_name() -> String {
+    let path = Path::detected();
+    if path < Path::best() {
+        format!(
+            "{} (RAGGED_LANE_DOT; the CPU has {})",
+            path.name(),
+            Path::best().name()
+        )
+    } else {
+        path.name().into()
     }
 }
 
@@ -69,6 +137,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f64 {
     for (l, (&x, &y)) in ar.iter().zip(br).enumerate() {
         s[l] += f64::from(x) * f64::from(y);
     }
+    lane_total(&s)
+}
+
+/// `(s₀ + s₁) + (s₂ + s₃)`: the one order in which every path adds its lanes.
+#[inline]
+fn lane_total(s: &[f64]) -> f64 {
     (s[0] + s[1]) + (s[2] + s[3])
 }
 
@@ -91,12 +165,17 @@ pub(crate) fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
     for (l, ((&d, &x), &y)) in dr.iter().zip(ar).zip(br).enumerate() {
         s[l] += d * (x * y);
     }
-    (s[0] + s[1]) + (s[2] + s[3])
+    lane_total(&s)
 }
 
 /// `A·Bᵀ` for row-major `A` (`n × k`) and `B` (`m × k`): element `(i, j)` is
 /// [`dot`]`(A row i, B row j)` rounded to `f32`.
 pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
+    mul_abt_on(Path::detected(), a, b, n, m, k)
+}
+
+/// [`mul_abt`] on `path`, which the CPU must have.
+fn mul_abt_on(path: Path, a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
     let (a, b) = (&a[..n * k], &b[..m * k]);
     let mut out = vec![0.0f32; n * m];
     if n == 0 || m == 0 || k == 0 {
@@ -104,16 +183,17 @@ pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec
     }
     let parallel = n * m * k >= PAR_MIN_MACS;
     #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
+    if path != Path::Scalar {
         let kp = k.next_multiple_of(LANES);
-        let ld = row_stride(kp);
-        let (wa, wb) = (pad(a, k, ld), pad(b, k, ld));
+        let left = Widened::rows(a, k, kp);
+        let right = Widened::right(path, b, k, kp);
         tiled(
+            path,
             &mut out,
-            wa.as_slice(),
-            wb.as_slice(),
+            &left,
+            &right,
             m,
-            [kp, ld],
+            kp,
             Triangle::Full,
             parallel,
         );
@@ -135,12 +215,17 @@ pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec
 /// [`dot_scaled`]`(d, Q row i, Q row j)` rounded to `f32`, computed for `j ≥ i` and mirrored,
 /// so `X` is exactly symmetric.
 pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
+    scaled_gram_sym_on(Path::detected(), q, d, n)
+}
+
+/// [`scaled_gram_sym`] on `path`, which the CPU must have.
+fn scaled_gram_sym_on(path: Path, q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     let q = &q[..n * n];
     let mut x = vec![0.0f32; n * n];
     if n == 0 {
         return x;
     }
-    upper_triangle(q, d, n, &mut x, n * n * n >= PAR_MIN_MACS);
+    upper_triangle(path, q, d, n, &mut x, n * n * n >= PAR_MIN_MACS);
     for i in 0..n {
         for j in 0..i {
             x[i * n + j] = x[j * n + i];
@@ -149,16 +234,16 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     x
 }
 
-/// The elements `j ≥ i` of [`scaled_gram_sym`]'s `x`: by the tiles where the CPU has them, else
-/// by [`dot_scaled`].
-fn upper_triangle(q: &[f64], d: &[f64], n: usize, x: &mut [f32], parallel: bool) {
+/// The elements `j ≥ i` of [`scaled_gram_sym`]'s `x`: by the tiles of `path`, or by
+/// [`dot_scaled`].
+fn upper_triangle(path: Path, q: &[f64], d: &[f64], n: usize, x: &mut [f32], parallel: bool) {
     #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
+    if path != Path::Scalar {
         let kp = n.next_multiple_of(LANES);
-        let ld = row_stride(kp);
-        let (wq, wd) = (pad(q, n, ld), pad(d, n, kp));
-        let (wq, upper) = (wq.as_slice(), Triangle::Upper(wd.as_slice()));
-        return tiled(x, wq, wq, n, [kp, ld], upper, parallel);
+        let (left, right) = (Widened::rows(q, n, kp), Widened::right(path, q, n, kp));
+        let weights = Widened::rows(d, n, kp);
+        let upper = Triangle::Upper(weights.data.as_slice());
+        return tiled(path, x, &left, &right, n, kp, upper, parallel);
     }
     let band = |(t, o): (usize, &mut [f32])| {
         for (r, o) in o.chunks_mut(n).enumerate() {
@@ -172,23 +257,36 @@ fn upper_triangle(q: &[f64], d: &[f64], n: usize, x: &mut [f32], parallel: bool)
     for_bands(x, n, parallel, band);
 }
 
-/// `out` (`a`'s rows × `b`'s rows) by the AVX2 + FMA tiles, [`BAND`] rows of `a` a task; the
-/// caller has checked that the CPU has them. `a` and `b` (`m` rows) hold rows of `ld`
-/// elements, `kp` of them summed.
+/// `out` (`left`'s rows × `m`) by `path`'s register tiles, [`BAND`] rows a task; `path` is a
+/// tiled one this CPU has, and `right` was widened for it.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)] // the product's shape, as `abt_band` takes it
 fn tiled(
+    path: Path,
     out: &mut [f32],
-    a: &[f64],
-    b: &[f64],
+    left: &Widened,
+    right: &Widened,
     m: usize,
-    [kp, ld]: [usize; 2],
+    kp: usize,
     tri: Triangle,
     parallel: bool,
 ) {
+    let (lda, b) = (left.stride, right.data.as_slice());
     let band = |(t, o): (usize, &mut [f32])| {
-        let rows = &a[t * BAND * ld..][..o.len() / m * ld];
-        // SAFETY: the caller checked AVX2 and FMA; the operands are as `abt_band` needs.
-        unsafe { avx2::abt_band(rows, b, m, [kp, ld], o, tri, t * BAND) }
+        let a = &left.data.as_slice()[t * BAND * lda..][..o.len() / m * lda];
+        let shape = Shape {
+            lda,
+            ldb: right.stride,
+            m,
+            kp,
+            first: t * BAND,
+        };
+        // SAFETY: `path` is one the CPU has (the caller's contract); the operands are as
+        // `abt_band` needs (widened by `Widened::rows` and `Widened::right` for `path`).
+        match path {
+            Path::Avx512 => unsafe { avx512::abt_band(a, b, shape, o, tri) },
+            _ => unsafe { avx2::abt_band(a, b, shape, o, tri) },
+        }
     };
     for_bands(out, m, parallel, band);
 }
@@ -215,106 +313,175 @@ enum Triangle<'a> {
     Upper(&'a [f64]),
 }
 
+/// The shape of one band's product: elements between rows of the left operand and between
+/// rows (AVX2) or row pairs (AVX-512) of the right one, the right operand's rows (the output's
+/// columns), the elements summed, and the band's first output row.
+#[derive(Clone, Copy)]
+struct Shape {
+    lda: usize,
+    ldb: usize,
+    m: usize,
+    kp: usize,
+    first: usize,
+}
+
+/// Calls `tile(i, ri, j, cj)` for the register tiles of one band of `rows` output rows and
+/// `m` columns, each the `ri × cj` outputs from `(i, j)`, at most `tr × tc`. The columns are
+/// walked in panels of `panel` (a multiple of `tc`), so that the right operand's panel stays
+/// in L2 while the band's rows pass over it. Under [`Triangle::Upper`] a tile wholly below the
+/// diagonal is skipped (`first`: the band's first row).
+#[allow(clippy::too_many_arguments)] // a tile walk: its band, tile and panel sizes
+fn for_tiles(
+    rows: usize,
+    m: usize,
+    [tr, tc]: [usize; 2],
+    panel: usize,
+    tri: Triangle,
+    first: usize,
+    mut tile: impl FnMut(usize, usize, usize, usize),
+) {
+    for jp in (0..m).step_by(panel) {
+        let jn = panel.min(m - jp);
+        for i in (0..rows).step_by(tr) {
+            let ri = tr.min(rows - i);
+            for j in (jp..jp + jn).step_by(tc) {
+                let cj = tc.min(jp + jn - j);
+                if matches!(tri, Triangle::Upper(_)) && j + cj <= first + i {
+                    continue; // the whole tile is below the diagonal
+                }
+                tile(i, ri, j, cj);
+            }
+        }
+    }
+}
+
 /// Elements between rows of a widened operand: `kp` and one cache line more, so that rows
 /// `kp · 8` bytes apart (a multiple of 4 KiB at `kp` = 512 or 1024) do not all fall in one
-/// L1 set: a 3 × 3 tile reads six rows at once.
+/// L1 set: a tile reads six to ten rows at once.
 fn row_stride(kp: usize) -> usize {
     kp + 8
 }
 
-/// Four `f64` on a 32-byte boundary.
+/// Eight `f64` on a 64-byte boundary: one cache line, one 512-bit load.
 #[derive(Clone, Copy, Default)]
-#[repr(C, align(32))]
-struct Quad([f64; LANES]);
+#[repr(C, align(64))]
+struct Line([f64; 8]);
 
-/// A zeroed `f64` buffer whose rows (of a multiple of [`LANES`] elements) start on 32-byte
-/// boundaries, so that no 256-bit load of a tile straddles two cache lines.
-struct Aligned(Vec<Quad>);
+/// A zeroed `f64` buffer on 64-byte boundaries, so that a tile's loads from rows (or row
+/// pairs) whose strides are multiples of their width never straddle two cache lines.
+struct Aligned(Vec<Line>);
 
 impl Aligned {
     fn zeros(len: usize) -> Self {
-        Aligned(vec![Quad::default(); len.div_ceil(LANES)])
+        Aligned(vec![Line::default(); len.div_ceil(8)])
     }
     fn as_slice(&self) -> &[f64] {
-        // SAFETY: `Quad` is `repr(C)` over `[f64; 4]`: the vector's quads are contiguous
+        // SAFETY: `Line` is `repr(C)` over `[f64; 8]`: the vector's lines are contiguous
         // `f64`s, initialized, and borrowed immutably with `self`.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * LANES) }
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 8) }
     }
     fn as_mut_slice(&mut self) -> &mut [f64] {
         // SAFETY: as `as_slice`, borrowed mutably with `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * LANES) }
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 8) }
     }
 }
 
-/// The rows of `k` elements of `x` as `f64` rows of `ld ≥ k` elements, the padding zero.
-fn pad<T: Copy + Into<f64>>(x: &[T], k: usize, ld: usize) -> Aligned {
-    let mut w = Aligned::zeros(x.len() / k * ld);
-    for (w, x) in w.as_mut_slice().chunks_exact_mut(ld).zip(x.chunks_exact(k)) {
-        w.iter_mut().zip(x).for_each(|(w, &x)| *w = x.into());
+/// An operand widened to `f64` for the tiles, zero-padded, and the elements between its rows
+/// (or, packed in pairs, between its row pairs).
+struct Widened {
+    data: Aligned,
+    stride: usize,
+}
+
+impl Widened {
+    /// The rows of `k` elements of `x` as rows of [`row_stride`]`(kp)`, `kp ≥ k`.
+    fn rows<T: Copy + Into<f64>>(x: &[T], k: usize, kp: usize) -> Widened {
+        let stride = row_stride(kp);
+        let mut data = Aligned::zeros(x.len() / k * stride);
+        for (w, x) in data
+            .as_mut_slice()
+            .chunks_exact_mut(stride)
+            .zip(x.chunks_exact(k))
+        {
+            w.iter_mut().zip(x).for_each(|(w, &x)| *w = x.into());
+        }
+        Widened { data, stride }
     }
-    w
+
+    /// The right operand for `path`'s tiles: rows as [`Widened::rows`] for AVX2; for AVX-512,
+    /// rows `2p` and `2p + 1` interleaved four elements at a time (lanes 0–3 of each 8 from
+    /// row `2p`, 4–7 from `2p + 1`; a missing last row zero), pairs `2·kp + 8` apart (one
+    /// cache line more, as [`row_stride`]).
+    fn right<T: Copy + Into<f64>>(path: Path, x: &[T], k: usize, kp: usize) -> Widened {
+        if path != Path::Avx512 {
+            return Widened::rows(x, k, kp);
+        }
+        let stride = 2 * kp + 8;
+        let rows = x.len() / k;
+        let mut data = Aligned::zeros(rows.div_ceil(2) * stride);
+        let w = data.as_mut_slice();
+        for (r, x) in x.chunks_exact(k).enumerate() {
+            let pair = &mut w[r / 2 * stride..];
+            for (q, x) in x.chunks(LANES).enumerate() {
+                let at = q * 2 * LANES + (r % 2) * LANES;
+                pair[at..at + x.len()]
+                    .iter_mut()
+                    .zip(x)
+                    .for_each(|(w, &x)| *w = x.into());
+            }
+        }
+        Widened { data, stride }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Triangle, LANES, PANEL_BYTES};
+    use super::{for_tiles, Shape, Triangle, LANES, PANEL_BYTES};
     use std::arch::x86_64::*;
 
     /// Side of a register tile.
     const T: usize = 3;
 
-    /// One band of output rows: `out[r·m + j]` for the rows of `a` (`ld` apart, `kp` summed)
-    /// against the `m` rows of `b`, the right operand walked in panels that fit L2. `first` is
-    /// the band's first row index (for the triangle). (Passes over `k` in blocks of 256 with
-    /// the lane sums kept between them were no faster at `kp` = 512 and 1024: tried.)
+    /// One band of output rows: `out[r·m + j]` for the rows of `a` (`lda` apart, `kp` summed)
+    /// against the `m` rows of `b` (`ldb` apart), the right operand walked in panels that fit
+    /// L2. (Passes over `k` in blocks of 256 with the lane sums kept between them were no
+    /// faster at `kp` = 512 and 1024: tried.)
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `ld ≥ kp` and `b`
-    /// `m` rows of `ld`, `kp` a multiple of [`LANES`]; with [`Triangle::Upper`] its weights hold
-    /// `kp` elements.
+    /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `lda ≥ kp` and `b`
+    /// `m` rows of `ldb ≥ kp`, `kp` a multiple of [`LANES`]; with [`Triangle::Upper`] its
+    /// weights hold `kp` elements.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn abt_band(
-        a: &[f64],
-        b: &[f64],
-        m: usize,
-        [kp, ld]: [usize; 2],
-        out: &mut [f32],
-        tri: Triangle,
-        first: usize,
-    ) {
+    pub(super) unsafe fn abt_band(a: &[f64], b: &[f64], sh: Shape, out: &mut [f32], tri: Triangle) {
+        let Shape {
+            lda,
+            ldb,
+            m,
+            kp,
+            first,
+        } = sh;
         let rows = out.len() / m;
-        assert!(ld >= kp && kp.is_multiple_of(LANES));
-        assert!(a.len() >= rows * ld && b.len() >= m * ld);
+        assert!(lda >= kp && ldb >= kp && kp.is_multiple_of(LANES));
+        assert!(a.len() >= rows * lda && b.len() >= m * ldb);
         if let Triangle::Upper(d) = tri {
             assert!(d.len() >= kp);
         }
-        let panel = (PANEL_BYTES / (8 * ld)).max(T) / T * T;
-        for jp in (0..m).step_by(panel) {
-            let jn = panel.min(m - jp);
-            for i in (0..rows).step_by(T) {
-                let ri = T.min(rows - i);
-                for j in (jp..jp + jn).step_by(T) {
-                    let cj = T.min(jp + jn - j);
-                    if let Triangle::Upper(_) = tri {
-                        if j + cj <= first + i {
-                            continue; // the whole tile is below the diagonal
-                        }
-                    }
-                    let at = Tile {
-                        a: a[i * ld..].as_ptr(),
-                        b: b[j * ld..].as_ptr(),
-                        ld,
-                        kp,
-                        out: out[i * m + j..].as_mut_ptr(),
-                        ldo: m,
-                        below: (first + i) as isize - j as isize,
-                    };
-                    // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` and their outputs are
-                    // inside the operands (asserted above); AVX2 and FMA as this function.
-                    unsafe { tile_dyn(ri, cj, at, tri) };
-                }
-            }
-        }
+        let panel = (PANEL_BYTES / (8 * ldb)).max(T) / T * T;
+        for_tiles(rows, m, [T, T], panel, tri, first, |i, ri, j, cj| {
+            let at = Tile {
+                a: a[i * lda..].as_ptr(),
+                b: b[j * ldb..].as_ptr(),
+                lda,
+                ldb,
+                kp,
+                out: out[i * m + j..].as_mut_ptr(),
+                ldo: m,
+                below: (first + i) as isize - j as isize,
+            };
+            // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` and their outputs are inside
+            // the operands (asserted above); AVX2 and FMA as this function.
+            unsafe { tile_dyn(ri, cj, at, tri) };
+        });
     }
 
     /// Where one register tile reads and writes.
@@ -324,7 +491,8 @@ mod avx2 {
         a: *const f64,
         b: *const f64,
         /// Elements between rows of `a` and of `b`, and elements summed.
-        ld: usize,
+        lda: usize,
+        ldb: usize,
         kp: usize,
         out: *mut f32,
         ldo: usize,
@@ -362,8 +530,8 @@ mod avx2 {
     /// above the diagonal written.
     ///
     /// # Safety
-    /// AVX2 and FMA; `R` rows of `a` and `C` rows of `b`, `ld` apart, readable for `kp`
-    /// elements; `R × C` outputs writable at `out + r·ldo + c`.
+    /// AVX2 and FMA; `R` rows of `a` (`lda` apart) and `C` rows of `b` (`ldb` apart),
+    /// readable for `kp` elements; `R × C` outputs writable at `out + r·ldo + c`.
     // Index loops over the tile's registers, which the compiler unrolls (both indices pick
     // an accumulator).
     #[allow(clippy::needless_range_loop)]
@@ -377,9 +545,9 @@ mod avx2 {
                 Triangle::Full => {
                     for k in (0..at.kp).step_by(LANES) {
                         let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
+                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.lda + k)));
                         for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.ld + k));
+                            let bv = _mm256_loadu_pd(at.b.add(c * at.ldb + k));
                             for r in 0..R {
                                 acc[r][c] = _mm256_fmadd_pd(av[r], bv, acc[r][c]);
                             }
@@ -391,9 +559,9 @@ mod avx2 {
                     for k in (0..at.kp).step_by(LANES) {
                         let dv = _mm256_loadu_pd(d.add(k));
                         let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.ld + k)));
+                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.lda + k)));
                         for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.ld + k));
+                            let bv = _mm256_loadu_pd(at.b.add(c * at.ldb + k));
                             for r in 0..R {
                                 let p = _mm256_mul_pd(dv, _mm256_mul_pd(av[r], bv));
                                 acc[r][c] = _mm256_add_pd(acc[r][c], p);
@@ -415,11 +583,191 @@ mod avx2 {
     }
 
     /// `(s₀ + s₁) + (s₂ + s₃)` of a vector's lanes.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx")]
     #[inline]
     fn lane_sum(v: __m256d) -> f64 {
-        let h = _mm_hadd_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd::<1>(v));
-        _mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h))
+        let mut lanes = [0.0f64; LANES];
+        // SAFETY: four `f64` into an array of four.
+        unsafe { _mm256_storeu_pd(lanes.as_mut_ptr(), v) };
+        super::lane_total(&lanes)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{for_tiles, Shape, Triangle, LANES, PANEL_BYTES};
+    use std::arch::x86_64::*;
+
+    /// Rows of a register tile.
+    const ROWS: usize = 6;
+    /// Column pairs of a register tile: the lanes of two columns share one vector.
+    const PAIRS: usize = 4;
+    /// Columns of a register tile.
+    const COLS: usize = 2 * PAIRS;
+
+    /// One band of output rows: `out[r·m + j]` for the rows of `a` (`lda` apart, `kp`
+    /// summed) against the `m` rows of `b`, packed in pairs `ldb` apart
+    /// (`Widened::right`), the right operand walked in panels that fit L2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `a` holds `out.len() / m` rows of `lda ≥ kp` and `b`
+    /// `⌈m / 2⌉` pairs of `ldb ≥ 2·kp`, `kp` a multiple of [`LANES`]; with
+    /// [`Triangle::Upper`] its weights hold `kp` elements.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn abt_band(a: &[f64], b: &[f64], sh: Shape, out: &mut [f32], tri: Triangle) {
+        let Shape {
+            lda,
+            ldb,
+            m,
+            kp,
+            first,
+        } = sh;
+        let rows = out.len() / m;
+        assert!(lda >= kp && ldb >= 2 * kp && kp.is_multiple_of(LANES));
+        assert!(a.len() >= rows * lda && b.len() >= m.div_ceil(2) * ldb);
+        if let Triangle::Upper(d) = tri {
+            assert!(d.len() >= kp);
+        }
+        let panel = (PANEL_BYTES / (8 * ldb) * 2).max(COLS) / COLS * COLS;
+        for_tiles(rows, m, [ROWS, COLS], panel, tri, first, |i, ri, j, cj| {
+            // `j` is a multiple of COLS: the tile's columns start a pair.
+            let at = Tile {
+                a: a[i * lda..].as_ptr(),
+                b: b[j / 2 * ldb..].as_ptr(),
+                lda,
+                ldb,
+                kp,
+                out: out[i * m + j..].as_mut_ptr(),
+                ldo: m,
+                cols: cj,
+                below: (first + i) as isize - j as isize,
+            };
+            // SAFETY: rows i..i + ri of `a`, pairs j/2..j/2 + ⌈cj/2⌉ of `b` and the tile's
+            // outputs are inside the operands (asserted above); AVX-512 F as this function.
+            unsafe { tile_dyn(ri, cj.div_ceil(2), at, tri) };
+        });
+    }
+
+    /// Where one register tile reads and writes.
+    #[derive(Clone, Copy)]
+    struct Tile {
+        /// The tile's first row of `a` and first pair of `b`.
+        a: *const f64,
+        b: *const f64,
+        /// Elements between rows of `a` and between pairs of `b`, and elements summed.
+        lda: usize,
+        ldb: usize,
+        kp: usize,
+        out: *mut f32,
+        ldo: usize,
+        /// Columns written (an odd count leaves the last pair's second half unwritten).
+        cols: usize,
+        /// Global row minus global column of the tile's first element: element `(r, c)` is
+        /// below the diagonal when `below + r > c`.
+        below: isize,
+    }
+
+    /// [`tile`] for a tile of `ri` rows (1 to [`ROWS`]) and `pairs` column pairs (1 to
+    /// [`PAIRS`]).
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_dyn(ri: usize, pairs: usize, at: Tile, tri: Triangle) {
+        macro_rules! rows {
+            ($p:literal) => {
+                match ri {
+                    1 => tile::<1, $p>(at, tri),
+                    2 => tile::<2, $p>(at, tri),
+                    3 => tile::<3, $p>(at, tri),
+                    4 => tile::<4, $p>(at, tri),
+                    5 => tile::<5, $p>(at, tri),
+                    _ => tile::<6, $p>(at, tri),
+                }
+            };
+        }
+        // SAFETY: the caller's contract, for the tile size it names.
+        unsafe {
+            match pairs {
+                1 => rows!(1),
+                2 => rows!(2),
+                3 => rows!(3),
+                _ => rows!(4),
+            }
+        }
+    }
+
+    /// `R × 2P` dot products, two to a vector (lanes 0–3: column `2p`, 4–7: `2p + 1`), each
+    /// dot product's lanes added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
+    /// [`Triangle::Full`]: exact products by fused multiply-adds; [`Triangle::Upper`]:
+    /// `s + d·(a·b)`, each operation rounded as in the scalar loop, and only elements on or
+    /// above the diagonal written.
+    ///
+    /// # Safety
+    /// AVX-512 F; `R` rows of `a` (`lda` apart) readable for `kp` elements and `P` pairs of `b`
+    /// (`ldb` apart) for `2·kp`; `R × cols` outputs writable at `out + r·ldo + c`.
+    // Index loops over the tile's registers, which the compiler unrolls (both indices pick
+    // an accumulator).
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile<const R: usize, const P: usize>(at: Tile, tri: Triangle) {
+        let mut acc = [[_mm512_setzero_pd(); P]; R];
+        // SAFETY: every load is four elements of a row of `a` inside its `kp`, or eight of a
+        // pair of `b` inside its `2·kp` (caller's contract).
+        unsafe {
+            // Row r's four elements at k, in both halves of a vector.
+            let row = |r: usize, k: usize| {
+                _mm512_broadcast_f64x4(_mm256_loadu_pd(at.a.add(r * at.lda + k)))
+            };
+            let pair = |p: usize, k: usize| _mm512_loadu_pd(at.b.add(p * at.ldb + 2 * k));
+            match tri {
+                Triangle::Full => {
+                    for k in (0..at.kp).step_by(LANES) {
+                        let bv: [__m512d; P] = std::array::from_fn(|p| pair(p, k));
+                        for r in 0..R {
+                            let av = row(r, k);
+                            for p in 0..P {
+                                acc[r][p] = _mm512_fmadd_pd(av, bv[p], acc[r][p]);
+                            }
+                        }
+                    }
+                }
+                Triangle::Upper(d) => {
+                    let d = d.as_ptr();
+                    for k in (0..at.kp).step_by(LANES) {
+                        let dv = _mm512_broadcast_f64x4(_mm256_loadu_pd(d.add(k)));
+                        let bv: [__m512d; P] = std::array::from_fn(|p| pair(p, k));
+                        for r in 0..R {
+                            let av = row(r, k);
+                            for p in 0..P {
+                                let prod = _mm512_mul_pd(dv, _mm512_mul_pd(av, bv[p]));
+                                acc[r][p] = _mm512_add_pd(acc[r][p], prod);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // The lanes out of the registers first, in loops over constant indices only: with
+        // the conditional stores below in the same loop, the accumulators were kept in memory
+        // and stored on every pass of the loop above (half the speed).
+        let mut lanes = [[[0.0f64; 2 * LANES]; P]; R];
+        for r in 0..R {
+            for p in 0..P {
+                // SAFETY: eight `f64` into an array of eight.
+                unsafe { _mm512_storeu_pd(lanes[r][p].as_mut_ptr(), acc[r][p]) };
+            }
+        }
+        let upper = matches!(tri, Triangle::Upper(_));
+        for (r, row) in lanes.iter().enumerate() {
+            for (c, s) in row.as_flattened().chunks_exact(LANES).enumerate() {
+                if c < at.cols && !(upper && at.below + r as isize > c as isize) {
+                    // SAFETY: output (r, c) of the tile (caller's contract).
+                    unsafe { *at.out.add(r * at.ldo + c) = super::lane_total(s) as f32 };
+                }
+            }
+        }
     }
 }
 
@@ -448,63 +796,84 @@ mod tests {
             .collect()
     }
 
-    /// Every tiled product equals the scalar definition bit for bit, at shapes that leave
-    /// every edge tile and every lane remainder (`k` up to 601), on one thread and on several.
+    /// The paths this CPU runs, printed so that a log shows which were compared.
+    fn paths() -> Vec<Path> {
+        let paths = Path::available();
+        eprintln!("lane_dot paths on this CPU: {paths:?}");
+        paths
+    }
+
+    /// Every tiled product equals the scalar definition bit for bit on every path the CPU
+    /// has, at shapes that leave every edge tile of both tile sizes (rows mod 3 and mod 6,
+    /// columns mod 3 and mod 8, odd column counts), every lane remainder (`k` up to 601) and
+    /// several column panels, on one thread and on several.
     #[test]
     fn tiled_products_equal_the_scalar_lanes_bitwise() {
-        for &(n, m, k) in &[
-            (1, 1, 1),
-            (2, 5, 3),
-            (7, 4, 9),
-            (25, 26, 13),
-            (50, 61, 130),
-            (3, 200, 1),
-            (8, 101, 601),
-        ] {
-            let (a, b) = (values(n * k, 1 + k as u64), values(m * k, 7 + n as u64));
-            let got = mul_abt(&a, &b, n, m, k);
-            for i in 0..n {
-                for j in 0..m {
-                    let want = dot(&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]) as f32;
-                    let g = got[i * m + j];
-                    assert_eq!(
-                        g.to_bits(),
-                        want.to_bits(),
-                        "{n}×{m}×{k} ({i}, {j}): {g} vs {want}"
-                    );
+        for path in paths() {
+            for &(n, m, k) in &[
+                (1, 1, 1),
+                (2, 5, 3),
+                (7, 4, 9),
+                (6, 8, 4),
+                (11, 17, 5),
+                (13, 15, 7),
+                (25, 26, 13),
+                (50, 61, 130),
+                (3, 200, 1),
+                (8, 101, 601),
+            ] {
+                let (a, b) = (values(n * k, 1 + k as u64), values(m * k, 7 + n as u64));
+                let got = mul_abt_on(path, &a, &b, n, m, k);
+                for i in 0..n {
+                    for j in 0..m {
+                        let want = dot(&a[i * k..(i + 1) * k], &b[j * k..(j + 1) * k]) as f32;
+                        let g = got[i * m + j];
+                        assert_eq!(
+                            g.to_bits(),
+                            want.to_bits(),
+                            "{path:?} {n}×{m}×{k} ({i}, {j}): {g} vs {want}"
+                        );
+                    }
                 }
             }
-        }
-        // Large enough for rayon's bands.
-        let (n, k) = (130, 67);
-        let a = values(n * k, 3);
-        let got = mul_abt(&a, &a, n, n, k);
-        for i in 0..n {
-            for j in 0..n {
-                let want = dot(&a[i * k..(i + 1) * k], &a[j * k..(j + 1) * k]) as f32;
-                assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "({i}, {j})");
+            // Large enough for rayon's bands.
+            let (n, k) = (130, 67);
+            let a = values(n * k, 3);
+            let got = mul_abt_on(path, &a, &a, n, n, k);
+            for i in 0..n {
+                for j in 0..n {
+                    let want = dot(&a[i * k..(i + 1) * k], &a[j * k..(j + 1) * k]) as f32;
+                    assert_eq!(
+                        got[i * n + j].to_bits(),
+                        want.to_bits(),
+                        "{path:?} ({i}, {j})"
+                    );
+                }
             }
         }
     }
 
     #[test]
     fn tiled_scaled_gram_equals_the_scalar_lanes_bitwise_and_is_symmetric() {
-        for n in [1, 2, 3, 5, 27, 64, 103, 290] {
-            let q: Vec<f64> = values(n * n, n as u64)
-                .iter()
-                .map(|&x| f64::from(x) * 1e-3)
-                .collect();
-            let d: Vec<f64> = values(n, 99)
-                .iter()
-                .map(|&x| f64::from(x).abs() + 0.5)
-                .collect();
-            let got = scaled_gram_sym(&q, &d, n);
-            for i in 0..n {
-                for j in i..n {
-                    let want =
-                        dot_scaled(&d, &q[i * n..(i + 1) * n], &q[j * n..(j + 1) * n]) as f32;
-                    assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "n {n} ({i}, {j})");
-                    assert_eq!(got[j * n + i].to_bits(), want.to_bits(), "n {n} ({j}, {i})");
+        for path in paths() {
+            for n in [1, 2, 3, 5, 7, 13, 27, 64, 103, 290] {
+                let q: Vec<f64> = values(n * n, n as u64)
+                    .iter()
+                    .map(|&x| f64::from(x) * 1e-3)
+                    .collect();
+                let d: Vec<f64> = values(n, 99)
+                    .iter()
+                    .map(|&x| f64::from(x).abs() + 0.5)
+                    .collect();
+                let got = scaled_gram_sym_on(path, &q, &d, n);
+                for i in 0..n {
+                    for j in i..n {
+                        let qi = &q[i * n..(i + 1) * n];
+                        let want = dot_scaled(&d, qi, &q[j * n..(j + 1) * n]) as f32;
+                        let at = |r: usize, c: usize| got[r * n + c].to_bits();
+                        assert_eq!(at(i, j), want.to_bits(), "{path:?} n {n} ({i}, {j})");
+                        assert_eq!(at(j, i), want.to_bits(), "{path:?} n {n} ({j}, {i})");
+                    }
                 }
             }
         }
@@ -512,33 +881,52 @@ mod tests {
 
     #[test]
     fn empty_products_are_empty() {
-        assert!(mul_abt(&[], &[1.0; 12], 0, 3, 4).is_empty());
-        assert_eq!(mul_abt(&[], &[], 2, 3, 0), vec![0.0; 6]);
-        assert!(scaled_gram_sym(&[], &[], 0).is_empty());
+        for path in paths() {
+            assert!(mul_abt_on(path, &[], &[1.0; 12], 0, 3, 4).is_empty());
+            assert_eq!(mul_abt_on(path, &[], &[], 2, 3, 0), vec![0.0; 6]);
+            assert!(scaled_gram_sym_on(path, &[], &[], 0).is_empty());
+        }
     }
 }
 
 #[cfg(test)]
 mod timing {
-    /// The tiled product's rate at Shampoo's block sides (`cargo test --release -p
-    /// ragged-optimizers --lib lane_dot::timing -- --ignored --nocapture`).
+    use super::Path;
+
+    /// The tiled products' rates at Shampoo's block sides on every tiled path this CPU has,
+    /// the paths alternating: `A·Aᵀ` (`mul_abt`, `2n³` FLOPs) and `Q·diag(d)·Qᵀ`
+    /// (`scaled_gram_sym`, its upper triangle: counted as `n³` multiply-add pairs)
+    /// (`cargo test --release -p ragged-optimizers --lib lane_dot::timing -- --ignored
+    /// --nocapture`).
     #[test]
     #[ignore]
     fn time_products() {
+        let paths: Vec<Path> = Path::available().into_iter().skip(1).collect();
         for n in [256usize, 512, 1024] {
             let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 - 3.0).collect();
-            let mut best = f64::INFINITY;
+            let q: Vec<f64> = a.iter().map(|&x| f64::from(x) * 0.1).collect();
+            let d: Vec<f64> = (0..n).map(|i| 1.0 + i as f64).collect();
+            let mut best = vec![[f64::INFINITY; 2]; paths.len()];
             for _ in 0..5 {
-                let t = std::time::Instant::now();
-                std::hint::black_box(super::mul_abt(&a, &a, n, n, n));
-                best = best.min(t.elapsed().as_secs_f64());
+                for (best, &path) in best.iter_mut().zip(&paths) {
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(super::mul_abt_on(path, &a, &a, n, n, n));
+                    best[0] = best[0].min(t.elapsed().as_secs_f64());
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(super::scaled_gram_sym_on(path, &q, &d, n));
+                    best[1] = best[1].min(t.elapsed().as_secs_f64());
+                }
             }
-            let gflops = 2.0 * (n as f64).powi(3) / best / 1e9;
-            eprintln!(
-                "{n}³: {:.2} ms, {gflops:.1} GFLOP/s ({})",
-                best * 1e3,
-                super::kernel_name()
-            );
+            let flops = 2.0 * (n as f64).powi(3);
+            for (best, path) in best.iter().zip(&paths) {
+                eprintln!(
+                    "{n}³ {path:?}: A·Aᵀ {:.2} ms, {:.1} GFLOP/s; Q·diag·Qᵀ {:.2} ms, {:.1} GFLOP/s",
+                    best[0] * 1e3,
+                    flops / best[0] / 1e9,
+                    best[1] * 1e3,
+                    flops / 2.0 / best[1] / 1e9,
+                );
+            }
         }
     }
 }
