@@ -76,11 +76,13 @@
 //! Scalars (`1 − β`, `β^t`, `lr`, `wd`) are `f64`, rounded to `f32` once where they meet a
 //! tensor. Element operations are single `f32` operations in the order of the table, without
 //! fused multiply-add. Differences from fb: matrix products (`G·Gᵀ`, `Gᵀ·G`, `L·G`, `·R`,
-//! `Q·diag·Qᵀ`) accumulate exact products in `f64` in a fixed order (term `k` in lane
-//! `k mod 4`, lanes added as `(s₀ + s₁) + (s₂ + s₃)`; `kernels::lane_dot`, in AVX2 + FMA
-//! register tiles where the CPU has them, with the same bits) and round once, and the norms of
-//! step 7 are `f64` sums in 32 fixed lanes added as a tree (fb uses `f32` GEMMs and norms);
-//! `bc₂` is an `f64` scalar rounded once (fb computes it in an `f32` tensor).
+//! `Q·diag·Qᵀ`) accumulate in `f64` in a fixed order (term `k` in lane `k mod 4`, lanes added
+//! as `(s₀ + s₁) + (s₂ + s₃)`; the products of `f32` factors are exact, and `Q·diag·Qᵀ`'s
+//! terms are `(d_k·Q_ik)·Q_jk` by fused multiply-add; `kernels::lane_dot`, in AVX-512 or
+//! AVX2 + FMA register tiles where the CPU has them, with the same bits) and round once,
+//! and the norms of step 7 are `f64` sums in 32 fixed lanes added as a tree (fb uses `f32`
+//! GEMMs and norms); `bc₂` is an `f64` scalar rounded once (fb computes it in an `f32`
+//! tensor).
 //!
 //! # Sharding and determinism
 //! A rank holds whole row blocks, hence whole Shampoo blocks, so it steps them with no
@@ -1108,7 +1110,7 @@ fn inverse_root_with(
     let lmin = lambda.iter().copied().fold(f64::INFINITY, f64::min);
     let shift = if lmin < eps { eps - lmin } else { 0.0 };
     let d: Vec<f64> = lambda.iter().map(|&l| (l + shift).powf(-e)).collect();
-    // X_ij = Σ_k d_k·(Q_ik·Q_jk), over the rows of Q.
+    // X_ij = Σ_k (d_k·Q_ik)·Q_jk, over the rows of Q.
     let x = lane_dot::scaled_gram_sym(&qr, &d, n);
     x.iter().all(|v| v.is_finite()).then_some(x)
 }

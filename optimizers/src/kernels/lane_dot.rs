@@ -8,16 +8,18 @@
 //!   the four lanes each;
 //! - on x86-64 with AVX-512 F, register tiles of 6 × 8 dot products, two per 512-bit vector
 //!   (the four lanes of columns `2p` and `2p + 1` side by side, the right operand packed so
-//!   that one load fetches both), 24 accumulators of the 32 registers: a quarter of the
-//!   AVX2 tile's loads per multiply-add, so the product runs from L2 where the 3 × 3 tile
-//!   waits on it.
+//!   that one load fetches both), 24 accumulators of the 32 registers: 2.3 bytes loaded per
+//!   multiply-add of a lane against the 3 × 3 tile's 5.3, the difference at `k` = 1024, whose
+//!   rows stream from L2 (session 54, Zen 4: 97 against 60 GFLOP/s at 1024³, same run).
 //!
 //! The tiles run over operands widened to `f64` and padded with zeros to a multiple of four.
 //! The products of `f32` inputs are exact in `f64` (24 + 24 significant bits ≤ 53), so a fused
-//! multiply-add rounds exactly where the scalar loop's add does. The zero padding adds `+0` to
-//! lanes that the scalar loop leaves alone, which changes nothing: a lane starts at `+0` and a
-//! sum that starts at `+0` is never `−0` (`+0 + −0 = +0`, and exact cancellation gives `+0`),
-//! and `x + 0 = x` for every other `x`, NaN and infinities included.
+//! multiply-add rounds exactly where the scalar loop's add does. `Q·diag(d)·Qᵀ`'s terms are
+//! `(d_k·q_ik)·q_jk`: the left rows are multiplied by `d` once, as they are widened, and the
+//! scalar loop fuses the multiply-add as the tiles do (`f64::mul_add`). The zero padding adds
+//! `+0` to lanes that the scalar loop leaves alone, which changes nothing: a lane starts at
+//! `+0` and a sum that starts at `+0` is never `−0` (`+0 + −0 = +0`, and exact cancellation
+//! gives `+0`), and `x + 0 = x` for every other `x`, NaN and infinities included.
 //!
 //! `RAGGED_LANE_DOT=avx2` or `scalar` caps the path (to time one against another in the same
 //! run, as `ONEDNN_MAX_CPU_ISA` does for oneDNN); unset, unknown, or above what the CPU has, it
@@ -146,7 +148,8 @@ fn lane_total(s: &[f64]) -> f64 {
     (s[0] + s[1]) + (s[2] + s[3])
 }
 
-/// `Σ_k d_k·(a_k·b_k)` in `f64`, in the lanes of [`dot`]; symmetric in `a` and `b`.
+/// `Σ_k (d_k·a_k)·b_k` in `f64`, in the lanes of [`dot`]: `d_k·a_k` rounded, then a fused
+/// multiply-add into the lane (one rounding, as the tiles' `vfmadd`).
 #[inline]
 pub(crate) fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
     let (a, b) = (&a[..d.len()], &b[..d.len()]);
@@ -159,11 +162,11 @@ pub(crate) fn dot_scaled(d: &[f64], a: &[f64], b: &[f64]) -> f64 {
     let (dr, ar, br) = (dc.remainder(), ac.remainder(), bc.remainder());
     for ((d, x), y) in dc.zip(ac).zip(bc) {
         for (((s, &d), &x), &y) in s.iter_mut().zip(d).zip(x).zip(y) {
-            *s += d * (x * y);
+            *s = (d * x).mul_add(y, *s);
         }
     }
     for (l, ((&d, &x), &y)) in dr.iter().zip(ar).zip(br).enumerate() {
-        s[l] += d * (x * y);
+        s[l] = (d * x).mul_add(y, s[l]);
     }
     lane_total(&s)
 }
@@ -213,7 +216,8 @@ fn mul_abt_on(path: Path, a: &[f32], b: &[f32], n: usize, m: usize, k: usize) ->
 
 /// `X = Q·diag(d)·Qᵀ` for the rows of `q` (`n × n`, row-major, `f64`): element `(i, j)` is
 /// [`dot_scaled`]`(d, Q row i, Q row j)` rounded to `f32`, computed for `j ≥ i` and mirrored,
-/// so `X` is exactly symmetric.
+/// so `X` is exactly symmetric. (The tiles multiply `Q`'s rows by `d` once, as they widen
+/// them, and then run the plain product's fused multiply-adds.)
 pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     scaled_gram_sym_on(Path::detected(), q, d, n)
 }
@@ -240,10 +244,9 @@ fn upper_triangle(path: Path, q: &[f64], d: &[f64], n: usize, x: &mut [f32], par
     #[cfg(target_arch = "x86_64")]
     if path != Path::Scalar {
         let kp = n.next_multiple_of(LANES);
-        let (left, right) = (Widened::rows(q, n, kp), Widened::right(path, q, n, kp));
-        let weights = Widened::rows(d, n, kp);
-        let upper = Triangle::Upper(weights.data.as_slice());
-        return tiled(path, x, &left, &right, n, kp, upper, parallel);
+        let left = Widened::scaled_rows(q, d, kp);
+        let right = Widened::right(path, q, n, kp);
+        return tiled(path, x, &left, &right, n, kp, Triangle::Upper, parallel);
     }
     let band = |(t, o): (usize, &mut [f32])| {
         for (r, o) in o.chunks_mut(n).enumerate() {
@@ -304,13 +307,13 @@ where
     }
 }
 
-/// Which outputs a band computes, and of what.
-#[derive(Clone, Copy)]
-enum Triangle<'a> {
-    /// Every element, plain dot products.
+/// Which outputs a band computes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Triangle {
+    /// Every element.
     Full,
-    /// Elements on and above the diagonal, dot products scaled by these lane weights.
-    Upper(&'a [f64]),
+    /// The elements on and above the diagonal.
+    Upper,
 }
 
 /// The shape of one band's product: elements between rows of the left operand and between
@@ -346,7 +349,7 @@ fn for_tiles(
             let ri = tr.min(rows - i);
             for j in (jp..jp + jn).step_by(tc) {
                 let cj = tc.min(jp + jn - j);
-                if matches!(tri, Triangle::Upper(_)) && j + cj <= first + i {
+                if tri == Triangle::Upper && j + cj <= first + i {
                     continue; // the whole tile is below the diagonal
                 }
                 tile(i, ri, j, cj);
@@ -408,6 +411,18 @@ impl Widened {
         Widened { data, stride }
     }
 
+    /// The rows of the `n × n` matrix `q` times `d` element by element (`d_k·q_ik`, as
+    /// [`dot_scaled`] rounds it), as [`Widened::rows`], `kp ≥ n`.
+    fn scaled_rows(q: &[f64], d: &[f64], kp: usize) -> Widened {
+        let n = d.len();
+        let mut w = Widened::rows(q, n, kp);
+        let stride = w.stride;
+        for row in w.data.as_mut_slice().chunks_exact_mut(stride) {
+            row.iter_mut().zip(d).for_each(|(x, &d)| *x *= d);
+        }
+        w
+    }
+
     /// The right operand for `path`'s tiles: rows as [`Widened::rows`] for AVX2; for AVX-512,
     /// rows `2p` and `2p + 1` interleaved four elements at a time (lanes 0–3 of each 8 from
     /// row `2p`, 4–7 from `2p + 1`; a missing last row zero), pairs `2·kp + 8` apart (one
@@ -449,8 +464,7 @@ mod avx2 {
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `lda ≥ kp` and `b`
-    /// `m` rows of `ldb ≥ kp`, `kp` a multiple of [`LANES`]; with [`Triangle::Upper`] its
-    /// weights hold `kp` elements.
+    /// `m` rows of `ldb ≥ kp`, `kp` a multiple of [`LANES`].
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn abt_band(a: &[f64], b: &[f64], sh: Shape, out: &mut [f32], tri: Triangle) {
         let Shape {
@@ -463,9 +477,6 @@ mod avx2 {
         let rows = out.len() / m;
         assert!(lda >= kp && ldb >= kp && kp.is_multiple_of(LANES));
         assert!(a.len() >= rows * lda && b.len() >= m * ldb);
-        if let Triangle::Upper(d) = tri {
-            assert!(d.len() >= kp);
-        }
         let panel = (PANEL_BYTES / (8 * ldb)).max(T) / T * T;
         for_tiles(rows, m, [T, T], panel, tri, first, |i, ri, j, cj| {
             let at = Tile {
@@ -523,11 +534,9 @@ mod avx2 {
         }
     }
 
-    /// `R × C` dot products, each in one vector of the four lanes, the lanes added as
-    /// `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
-    /// [`Triangle::Full`]: exact products by fused multiply-adds; [`Triangle::Upper`]:
-    /// `s + d·(a·b)`, each operation rounded as in the scalar loop, and only elements on or
-    /// above the diagonal written.
+    /// `R × C` dot products by fused multiply-adds, each in one vector of the four lanes,
+    /// the lanes added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`; under
+    /// [`Triangle::Upper`] only the elements on or above the diagonal are written.
     ///
     /// # Safety
     /// AVX2 and FMA; `R` rows of `a` (`lda` apart) and `C` rows of `b` (`ldb` apart),
@@ -541,40 +550,20 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_pd(); C]; R];
         // SAFETY: every load is four elements of a row inside its `kp` (caller's contract).
         unsafe {
-            match tri {
-                Triangle::Full => {
-                    for k in (0..at.kp).step_by(LANES) {
-                        let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.lda + k)));
-                        for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.ldb + k));
-                            for r in 0..R {
-                                acc[r][c] = _mm256_fmadd_pd(av[r], bv, acc[r][c]);
-                            }
-                        }
-                    }
-                }
-                Triangle::Upper(d) => {
-                    let d = d.as_ptr();
-                    for k in (0..at.kp).step_by(LANES) {
-                        let dv = _mm256_loadu_pd(d.add(k));
-                        let av: [__m256d; R] =
-                            std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.lda + k)));
-                        for c in 0..C {
-                            let bv = _mm256_loadu_pd(at.b.add(c * at.ldb + k));
-                            for r in 0..R {
-                                let p = _mm256_mul_pd(dv, _mm256_mul_pd(av[r], bv));
-                                acc[r][c] = _mm256_add_pd(acc[r][c], p);
-                            }
-                        }
+            for k in (0..at.kp).step_by(LANES) {
+                let av: [__m256d; R] =
+                    std::array::from_fn(|r| _mm256_loadu_pd(at.a.add(r * at.lda + k)));
+                for c in 0..C {
+                    let bv = _mm256_loadu_pd(at.b.add(c * at.ldb + k));
+                    for r in 0..R {
+                        acc[r][c] = _mm256_fmadd_pd(av[r], bv, acc[r][c]);
                     }
                 }
             }
         }
-        let upper = matches!(tri, Triangle::Upper(_));
         for (r, row) in acc.iter().enumerate() {
             for (c, v) in row.iter().enumerate() {
-                if !(upper && at.below + r as isize > c as isize) {
+                if !(tri == Triangle::Upper && at.below + r as isize > c as isize) {
                     // SAFETY: output (r, c) of the tile (caller's contract).
                     unsafe { *at.out.add(r * at.ldo + c) = lane_sum(*v) as f32 };
                 }
@@ -625,9 +614,6 @@ mod avx512 {
         let rows = out.len() / m;
         assert!(lda >= kp && ldb >= 2 * kp && kp.is_multiple_of(LANES));
         assert!(a.len() >= rows * lda && b.len() >= m.div_ceil(2) * ldb);
-        if let Triangle::Upper(d) = tri {
-            assert!(d.len() >= kp);
-        }
         let panel = (PANEL_BYTES / (8 * ldb) * 2).max(COLS) / COLS * COLS;
         for_tiles(rows, m, [ROWS, COLS], panel, tri, first, |i, ri, j, cj| {
             // `j` is a multiple of COLS: the tile's columns start a pair.
@@ -697,11 +683,10 @@ mod avx512 {
         }
     }
 
-    /// `R × 2P` dot products, two to a vector (lanes 0–3: column `2p`, 4–7: `2p + 1`), each
-    /// dot product's lanes added as `(s₀ + s₁) + (s₂ + s₃)` and rounded to `f32`.
-    /// [`Triangle::Full`]: exact products by fused multiply-adds; [`Triangle::Upper`]:
-    /// `s + d·(a·b)`, each operation rounded as in the scalar loop, and only elements on or
-    /// above the diagonal written.
+    /// `R × 2P` dot products by fused multiply-adds, two to a vector (lanes 0–3: column
+    /// `2p`, 4–7: `2p + 1`), each dot product's lanes added as `(s₀ + s₁) + (s₂ + s₃)` and
+    /// rounded to `f32`; under [`Triangle::Upper`] only the elements on or above the diagonal
+    /// are written.
     ///
     /// # Safety
     /// AVX-512 F; `R` rows of `a` (`lda` apart) readable for `kp` elements and `P` pairs of `b`
@@ -716,35 +701,14 @@ mod avx512 {
         // SAFETY: every load is four elements of a row of `a` inside its `kp`, or eight of a
         // pair of `b` inside its `2·kp` (caller's contract).
         unsafe {
-            // Row r's four elements at k, in both halves of a vector.
-            let row = |r: usize, k: usize| {
-                _mm512_broadcast_f64x4(_mm256_loadu_pd(at.a.add(r * at.lda + k)))
-            };
-            let pair = |p: usize, k: usize| _mm512_loadu_pd(at.b.add(p * at.ldb + 2 * k));
-            match tri {
-                Triangle::Full => {
-                    for k in (0..at.kp).step_by(LANES) {
-                        let bv: [__m512d; P] = std::array::from_fn(|p| pair(p, k));
-                        for r in 0..R {
-                            let av = row(r, k);
-                            for p in 0..P {
-                                acc[r][p] = _mm512_fmadd_pd(av, bv[p], acc[r][p]);
-                            }
-                        }
-                    }
-                }
-                Triangle::Upper(d) => {
-                    let d = d.as_ptr();
-                    for k in (0..at.kp).step_by(LANES) {
-                        let dv = _mm512_broadcast_f64x4(_mm256_loadu_pd(d.add(k)));
-                        let bv: [__m512d; P] = std::array::from_fn(|p| pair(p, k));
-                        for r in 0..R {
-                            let av = row(r, k);
-                            for p in 0..P {
-                                let prod = _mm512_mul_pd(dv, _mm512_mul_pd(av, bv[p]));
-                                acc[r][p] = _mm512_add_pd(acc[r][p], prod);
-                            }
-                        }
+            for k in (0..at.kp).step_by(LANES) {
+                let bv: [__m512d; P] =
+                    std::array::from_fn(|p| _mm512_loadu_pd(at.b.add(p * at.ldb + 2 * k)));
+                for r in 0..R {
+                    // Row r's four elements at k, in both halves of a vector.
+                    let av = _mm512_broadcast_f64x4(_mm256_loadu_pd(at.a.add(r * at.lda + k)));
+                    for p in 0..P {
+                        acc[r][p] = _mm512_fmadd_pd(av, bv[p], acc[r][p]);
                     }
                 }
             }
@@ -759,10 +723,9 @@ mod avx512 {
                 unsafe { _mm512_storeu_pd(lanes[r][p].as_mut_ptr(), acc[r][p]) };
             }
         }
-        let upper = matches!(tri, Triangle::Upper(_));
         for (r, row) in lanes.iter().enumerate() {
             for (c, s) in row.as_flattened().chunks_exact(LANES).enumerate() {
-                if c < at.cols && !(upper && at.below + r as isize > c as isize) {
+                if c < at.cols && !(tri == Triangle::Upper && at.below + r as isize > c as isize) {
                     // SAFETY: output (r, c) of the tile (caller's contract).
                     unsafe { *at.out.add(r * at.ldo + c) = super::lane_total(s) as f32 };
                 }
