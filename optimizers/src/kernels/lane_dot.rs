@@ -328,21 +328,56 @@ struct Shape {
     first: usize,
 }
 
-/// Calls `tile(i, ri, j, cj)` for the register tiles of one band of `rows` output rows and
-/// `m` columns, each the `ri × cj` outputs from `(i, j)`, at most `tr × tc`. The columns are
-/// walked in panels of `panel` (a multiple of `tc`), so that the right operand's panel stays
-/// in L2 while the band's rows pass over it. Under [`Triangle::Upper`] a tile wholly below the
-/// diagonal is skipped (`first`: the band's first row).
-#[allow(clippy::too_many_arguments)] // a tile walk: its band, tile and panel sizes
-fn for_tiles(
-    rows: usize,
-    m: usize,
-    [tr, tc]: [usize; 2],
-    panel: usize,
+/// Where one register tile reads and writes (both tile paths).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Tile {
+    /// The tile's first row of `a`, and its first row (AVX2) or row pair (AVX-512) of `b`.
+    a: *const f64,
+    b: *const f64,
+    /// Elements between rows of `a`, between rows or pairs of `b`, and elements summed.
+    lda: usize,
+    ldb: usize,
+    kp: usize,
+    out: *mut f32,
+    ldo: usize,
+    /// Columns written (an AVX-512 tile of an odd count leaves its last pair's second half
+    /// unwritten).
+    cols: usize,
+    /// Global row minus global column of the tile's first element: element `(r, c)` is
+    /// below the diagonal when `below + r > c`.
+    below: isize,
+}
+
+/// Calls `tile(ri, cj, at)` for the register tiles of one band (`out`, `out.len() / m` rows
+/// of `m`): each the `ri × cj` outputs from `at`, at most `tr × tc`, `b` holding `pack` rows
+/// (1 or 2) per `ldb` elements. The columns are walked in panels that fit L2 (a multiple of
+/// `tc`), so that the right operand's panel stays there while the band's rows pass over it.
+/// Under [`Triangle::Upper`] a tile wholly below the diagonal is skipped. Panics unless `a`
+/// and `b` hold every row the tiles read, `kp` elements each: so `tile` may read them all.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)] // the band, its tile size and the right operand's packing
+fn band_tiles(
+    a: &[f64],
+    b: &[f64],
+    sh: Shape,
+    out: &mut [f32],
     tri: Triangle,
-    first: usize,
-    mut tile: impl FnMut(usize, usize, usize, usize),
+    [tr, tc]: [usize; 2],
+    pack: usize,
+    mut tile: impl FnMut(usize, usize, Tile),
 ) {
+    let Shape {
+        lda,
+        ldb,
+        m,
+        kp,
+        first,
+    } = sh;
+    let rows = out.len() / m;
+    assert!(lda >= kp && ldb >= pack * kp && kp.is_multiple_of(LANES));
+    assert!(a.len() >= rows * lda && b.len() >= m.div_ceil(pack) * ldb);
+    let panel = (PANEL_BYTES / (8 * ldb) * pack).max(tc) / tc * tc;
     for jp in (0..m).step_by(panel) {
         let jn = panel.min(m - jp);
         for i in (0..rows).step_by(tr) {
@@ -352,7 +387,19 @@ fn for_tiles(
                 if tri == Triangle::Upper && j + cj <= first + i {
                     continue; // the whole tile is below the diagonal
                 }
-                tile(i, ri, j, cj);
+                // `j` is a multiple of `tc`, which is of `pack`: the tile starts a pair.
+                let at = Tile {
+                    a: a[i * lda..].as_ptr(),
+                    b: b[j / pack * ldb..].as_ptr(),
+                    lda,
+                    ldb,
+                    kp,
+                    out: out[i * m + j..].as_mut_ptr(),
+                    ldo: m,
+                    cols: cj,
+                    below: (first + i) as isize - j as isize,
+                };
+                tile(ri, cj, at);
             }
         }
     }
@@ -451,65 +498,26 @@ impl Widened {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{for_tiles, Shape, Triangle, LANES, PANEL_BYTES};
+    use super::{band_tiles, Shape, Tile, Triangle, LANES};
     use std::arch::x86_64::*;
 
     /// Side of a register tile.
     const T: usize = 3;
 
     /// One band of output rows: `out[r·m + j]` for the rows of `a` (`lda` apart, `kp` summed)
-    /// against the `m` rows of `b` (`ldb` apart), the right operand walked in panels that fit
-    /// L2. (Passes over `k` in blocks of 256 with the lane sums kept between them were no
-    /// faster at `kp` = 512 and 1024: tried.)
+    /// against the `m` rows of `b` (`ldb` apart), by [`band_tiles`]. (Passes over `k` in
+    /// blocks of 256 with the lane sums kept between them were no faster at `kp` = 512 and
+    /// 1024: tried.)
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `a` holds `out.len() / m` rows of `lda ≥ kp` and `b`
-    /// `m` rows of `ldb ≥ kp`, `kp` a multiple of [`LANES`].
+    /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn abt_band(a: &[f64], b: &[f64], sh: Shape, out: &mut [f32], tri: Triangle) {
-        let Shape {
-            lda,
-            ldb,
-            m,
-            kp,
-            first,
-        } = sh;
-        let rows = out.len() / m;
-        assert!(lda >= kp && ldb >= kp && kp.is_multiple_of(LANES));
-        assert!(a.len() >= rows * lda && b.len() >= m * ldb);
-        let panel = (PANEL_BYTES / (8 * ldb)).max(T) / T * T;
-        for_tiles(rows, m, [T, T], panel, tri, first, |i, ri, j, cj| {
-            let at = Tile {
-                a: a[i * lda..].as_ptr(),
-                b: b[j * ldb..].as_ptr(),
-                lda,
-                ldb,
-                kp,
-                out: out[i * m + j..].as_mut_ptr(),
-                ldo: m,
-                below: (first + i) as isize - j as isize,
-            };
-            // SAFETY: rows i..i + ri of `a`, j..j + cj of `b` and their outputs are inside
-            // the operands (asserted above); AVX2 and FMA as this function.
-            unsafe { tile_dyn(ri, cj, at, tri) };
+        band_tiles(a, b, sh, out, tri, [T, T], 1, |ri, cj, at| {
+            // SAFETY: `band_tiles` checked that the tile's rows and outputs are inside the
+            // operands; AVX2 and FMA as this function.
+            unsafe { tile_dyn(ri, cj, at, tri) }
         });
-    }
-
-    /// Where one register tile reads and writes.
-    #[derive(Clone, Copy)]
-    struct Tile {
-        /// The tile's first row of `a` and of `b`.
-        a: *const f64,
-        b: *const f64,
-        /// Elements between rows of `a` and of `b`, and elements summed.
-        lda: usize,
-        ldb: usize,
-        kp: usize,
-        out: *mut f32,
-        ldo: usize,
-        /// Global row minus global column of the tile's first element: element `(r, c)` is
-        /// below the diagonal when `below + r > c`.
-        below: isize,
     }
 
     /// [`tile`] for an edge tile of `ri × cj` (each 1 to [`T`]).
@@ -584,7 +592,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{for_tiles, Shape, Triangle, LANES, PANEL_BYTES};
+    use super::{band_tiles, Shape, Tile, Triangle, LANES};
     use std::arch::x86_64::*;
 
     /// Rows of a register tile.
@@ -595,62 +603,18 @@ mod avx512 {
     const COLS: usize = 2 * PAIRS;
 
     /// One band of output rows: `out[r·m + j]` for the rows of `a` (`lda` apart, `kp`
-    /// summed) against the `m` rows of `b`, packed in pairs `ldb` apart
-    /// (`Widened::right`), the right operand walked in panels that fit L2.
+    /// summed) against the `m` rows of `b`, packed in pairs `ldb` apart (`Widened::right`),
+    /// by [`band_tiles`].
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F; `a` holds `out.len() / m` rows of `lda ≥ kp` and `b`
-    /// `⌈m / 2⌉` pairs of `ldb ≥ 2·kp`, `kp` a multiple of [`LANES`]; with
-    /// [`Triangle::Upper`] its weights hold `kp` elements.
+    /// The CPU must support AVX-512 F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn abt_band(a: &[f64], b: &[f64], sh: Shape, out: &mut [f32], tri: Triangle) {
-        let Shape {
-            lda,
-            ldb,
-            m,
-            kp,
-            first,
-        } = sh;
-        let rows = out.len() / m;
-        assert!(lda >= kp && ldb >= 2 * kp && kp.is_multiple_of(LANES));
-        assert!(a.len() >= rows * lda && b.len() >= m.div_ceil(2) * ldb);
-        let panel = (PANEL_BYTES / (8 * ldb) * 2).max(COLS) / COLS * COLS;
-        for_tiles(rows, m, [ROWS, COLS], panel, tri, first, |i, ri, j, cj| {
-            // `j` is a multiple of COLS: the tile's columns start a pair.
-            let at = Tile {
-                a: a[i * lda..].as_ptr(),
-                b: b[j / 2 * ldb..].as_ptr(),
-                lda,
-                ldb,
-                kp,
-                out: out[i * m + j..].as_mut_ptr(),
-                ldo: m,
-                cols: cj,
-                below: (first + i) as isize - j as isize,
-            };
-            // SAFETY: rows i..i + ri of `a`, pairs j/2..j/2 + ⌈cj/2⌉ of `b` and the tile's
-            // outputs are inside the operands (asserted above); AVX-512 F as this function.
-            unsafe { tile_dyn(ri, cj.div_ceil(2), at, tri) };
+        band_tiles(a, b, sh, out, tri, [ROWS, COLS], 2, |ri, cj, at| {
+            // SAFETY: `band_tiles` checked that the tile's rows, pairs and outputs are inside
+            // the operands; AVX-512 F as this function.
+            unsafe { tile_dyn(ri, cj.div_ceil(2), at, tri) }
         });
-    }
-
-    /// Where one register tile reads and writes.
-    #[derive(Clone, Copy)]
-    struct Tile {
-        /// The tile's first row of `a` and first pair of `b`.
-        a: *const f64,
-        b: *const f64,
-        /// Elements between rows of `a` and between pairs of `b`, and elements summed.
-        lda: usize,
-        ldb: usize,
-        kp: usize,
-        out: *mut f32,
-        ldo: usize,
-        /// Columns written (an odd count leaves the last pair's second half unwritten).
-        cols: usize,
-        /// Global row minus global column of the tile's first element: element `(r, c)` is
-        /// below the diagonal when `below + r > c`.
-        below: isize,
     }
 
     /// [`tile`] for a tile of `ri` rows (1 to [`ROWS`]) and `pairs` column pairs (1 to
