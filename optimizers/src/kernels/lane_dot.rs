@@ -102,7 +102,11 @@ impl Path {
 
 /// `RAGGED_LANE_DOT`'s cap, when it names a path.
 fn cap() -> Option<Path> {
-    match std::env::var("RAGGED_LANE_DOT").ok()?.as_str() {
+    parse_cap(&std::env::var("RAGGED_LANE_DOT").ok()?)
+}
+
+fn parse_cap(value: &str) -> Option<Path> {
+    match value {
         "scalar" => Some(Path::Scalar),
         "avx2" => Some(Path::Avx2),
         "avx512" => Some(Path::Avx512),
@@ -110,17 +114,21 @@ fn cap() -> Option<Path> {
     }
 }
 
-/// Which path [`mul_abt`] and [`scaled_gram_sym`] take on this CPU, in a few words.
+/// Which path [`mul_abt`] and [`scaled_gram_sym`] take on this CPU, in a few words, and what
+/// `RAGGED_LANE_DOT` did to it (a value it does not understand is named, not just ignored).
 pub fn kernel_name() -> String {
-    let path = Path::detected();
-    if path < Path::best() {
-        format!(
+    let (path, best) = (Path::detected(), Path::best());
+    match std::env::var("RAGGED_LANE_DOT") {
+        Ok(v) if parse_cap(&v).is_none() => format!(
+            "{} (RAGGED_LANE_DOT={v:?} ignored: avx512, avx2 or scalar)",
+            path.name()
+        ),
+        _ if path < best => format!(
             "{} (RAGGED_LANE_DOT; the CPU has {})",
             path.name(),
-            Path::best().name()
-        )
-    } else {
-        path.name().into()
+            best.name()
+        ),
+        _ => path.name().into(),
     }
 }
 
@@ -804,6 +812,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The cap's values name the paths in order; anything else caps nothing.
+    #[test]
+    fn the_cap_names_each_path_and_nothing_else() {
+        assert_eq!(parse_cap("scalar"), Some(Path::Scalar));
+        assert_eq!(parse_cap("avx2"), Some(Path::Avx2));
+        assert_eq!(parse_cap("avx512"), Some(Path::Avx512));
+        for bad in ["", "AVX2", "avx-512", "sse"] {
+            assert_eq!(parse_cap(bad), None, "{bad:?}");
+        }
+        assert!(Path::Scalar < Path::Avx2 && Path::Avx2 < Path::Avx512);
+        assert!(Path::available().contains(&Path::detected()));
     }
 
     #[test]
