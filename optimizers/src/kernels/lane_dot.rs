@@ -685,21 +685,36 @@ mod avx512 {
                 }
             }
         }
-        // The lanes out of the registers first, in loops over constant indices only: with
-        // the conditional stores below in the same loop, the accumulators were kept in memory
-        // and stored on every pass of the loop above (half the speed).
-        let mut lanes = [[[0.0f64; 2 * LANES]; P]; R];
-        for r in 0..R {
-            for p in 0..P {
+        // SAFETY: the tile's outputs (caller's contract).
+        unsafe { write_tile(acc, at, tri) }
+    }
+
+    /// Writes a tile's accumulators: each half's lanes added as `(s₀ + s₁) + (s₂ + s₃)`,
+    /// rounded to `f32`. Not inlined: inlined, its conditional stores kept the accumulators in
+    /// memory, stored on every pass of the tile's `k` loop (half the speed).
+    ///
+    /// # Safety
+    /// The tile's `R × cols` outputs writable at `out + r·ldo + c`.
+    #[target_feature(enable = "avx512f")]
+    #[inline(never)]
+    unsafe fn write_tile<const R: usize, const P: usize>(
+        acc: [[__m512d; P]; R],
+        at: Tile,
+        tri: Triangle,
+    ) {
+        for (r, row) in acc.iter().enumerate() {
+            for (p, v) in row.iter().enumerate() {
+                let mut lanes = [0.0f64; 2 * LANES];
                 // SAFETY: eight `f64` into an array of eight.
-                unsafe { _mm512_storeu_pd(lanes[r][p].as_mut_ptr(), acc[r][p]) };
-            }
-        }
-        for (r, row) in lanes.iter().enumerate() {
-            for (c, s) in row.as_flattened().chunks_exact(LANES).enumerate() {
-                if c < at.cols && !(tri == Triangle::Upper && at.below + r as isize > c as isize) {
-                    // SAFETY: output (r, c) of the tile (caller's contract).
-                    unsafe { *at.out.add(r * at.ldo + c) = super::lane_total(s) as f32 };
+                unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), *v) };
+                for (h, s) in lanes.chunks_exact(LANES).enumerate() {
+                    let c = 2 * p + h;
+                    if c < at.cols
+                        && !(tri == Triangle::Upper && at.below + r as isize > c as isize)
+                    {
+                        // SAFETY: output (r, c) of the tile (caller's contract).
+                        unsafe { *at.out.add(r * at.ldo + c) = super::lane_total(s) as f32 };
+                    }
                 }
             }
         }
