@@ -685,38 +685,46 @@ mod avx512 {
                 }
             }
         }
-        // SAFETY: the tile's outputs (caller's contract).
-        unsafe { write_tile(acc, at, tri) }
+        for (r, row) in acc.iter().enumerate() {
+            // SAFETY: row r's outputs of the tile (caller's contract).
+            unsafe { write_row(row, r, at, tri) };
+        }
     }
 
-    /// Writes a tile's accumulators: each half's lanes added as `(s₀ + s₁) + (s₂ + s₃)`,
-    /// rounded to `f32`. Not inlined: inlined, its conditional stores kept the accumulators in
-    /// memory, stored on every pass of the tile's `k` loop (half the speed).
+    /// Writes output row `r` of a tile from its accumulators (`P` ≤ [`PAIRS`] vectors, the
+    /// lanes of columns `2p` and `2p + 1`): every column's lanes added as
+    /// `(s₀ + s₁) + (s₂ + s₃)`, eight columns at once, rounded to `f32`, and stored under a
+    /// mask of the tile's columns (and, under [`Triangle::Upper`], of those on or above the
+    /// diagonal). The shuffles only move lanes: each column's sum is the scalar loop's.
     ///
     /// # Safety
-    /// The tile's `R × cols` outputs writable at `out + r·ldo + c`.
+    /// AVX-512 F; row `r`'s `cols` outputs writable at `out + r·ldo`.
     #[target_feature(enable = "avx512f")]
-    #[inline(never)]
-    unsafe fn write_tile<const R: usize, const P: usize>(
-        acc: [[__m512d; P]; R],
-        at: Tile,
-        tri: Triangle,
-    ) {
-        for (r, row) in acc.iter().enumerate() {
-            for (p, v) in row.iter().enumerate() {
-                let mut lanes = [0.0f64; 2 * LANES];
-                // SAFETY: eight `f64` into an array of eight.
-                unsafe { _mm512_storeu_pd(lanes.as_mut_ptr(), *v) };
-                for (h, s) in lanes.chunks_exact(LANES).enumerate() {
-                    let c = 2 * p + h;
-                    if c < at.cols
-                        && !(tri == Triangle::Upper && at.below + r as isize > c as isize)
-                    {
-                        // SAFETY: output (r, c) of the tile (caller's contract).
-                        unsafe { *at.out.add(r * at.ldo + c) = super::lane_total(s) as f32 };
-                    }
-                }
-            }
+    #[inline]
+    unsafe fn write_row<const P: usize>(row: &[__m512d; P], r: usize, at: Tile, tri: Triangle) {
+        let zero = _mm512_setzero_pd();
+        let v = |p: usize| if p < P { row[p] } else { zero };
+        // Within each 128-bit lane: [v0₀ + v0₁, v1₀ + v1₁, v0₂ + v0₃, v1₂ + v1₃, ...], that is
+        // the lane pairs (s₀ + s₁) and (s₂ + s₃) of columns 0 and 2 (low halves), 1 and 3
+        // (high halves); the same for columns 4–7 from v2 and v3.
+        let pairs = |a: __m512d, b: __m512d| {
+            _mm512_add_pd(_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b))
+        };
+        let (lo, hi) = (pairs(v(0), v(1)), pairs(v(2), v(3)));
+        // Column c's (s₀ + s₁) and (s₂ + s₃), in column order (indices ≥ 8 pick `hi`).
+        let s01 = _mm512_permutex2var_pd(lo, _mm512_setr_epi64(0, 4, 1, 5, 8, 12, 9, 13), hi);
+        let s23 = _mm512_permutex2var_pd(lo, _mm512_setr_epi64(2, 6, 3, 7, 10, 14, 11, 15), hi);
+        let sums = _mm512_cvtpd_ps(_mm512_add_pd(s01, s23));
+        let mut mask = (1u16 << at.cols) - 1;
+        let below = at.below + r as isize; // columns before this are below the diagonal
+        if tri == Triangle::Upper && below > 0 {
+            mask &= !((1u16 << below.min(8)) - 1);
+        }
+        // SAFETY: the masked columns are the tile's row r outputs (caller's contract); the
+        // others are not touched.
+        unsafe {
+            let out = at.out.add(r * at.ldo);
+            _mm512_mask_storeu_ps(out, mask, _mm512_castps256_ps512(sums));
         }
     }
 }
