@@ -10,7 +10,7 @@
 //!   (the four lanes of columns `2p` and `2p + 1` side by side, the right operand packed so
 //!   that one load fetches both), 24 accumulators of the 32 registers: 2.3 bytes loaded per
 //!   multiply-add of a lane against the 3 × 3 tile's 5.3, the difference at `k` = 1024, whose
-//!   rows stream from L2 (session 54, Zen 4: 97 against 60 GFLOP/s at 1024³, same run).
+//!   rows stream from L2 (session 54, Zen 4, same runs: 90–97 against 53–68 GFLOP/s at 1024³).
 //!
 //! The tiles run over operands widened to `f64` and padded with zeros to a multiple of four.
 //! The products of `f32` inputs are exact in `f64` (24 + 24 significant bits ≤ 53), so a fused
