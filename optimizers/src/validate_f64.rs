@@ -1,10 +1,13 @@
 //! The independent f64 references `ragged validate` compares the f32 optimizers with: Adam
-//! (`torch.optim.AdamW`'s formula) and Muon (lerp momentum, Nesterov, Newton–Schulz, decoupled
-//! decay), written from the formulas, not from the f32 code.
+//! (`torch.optim.AdamW`'s formula), Muon (lerp momentum, Nesterov, Newton–Schulz, decoupled
+//! decay) and blocked Shampoo (factors, eigendecomposition roots, grafting), written from the
+//! formulas, not from the f32 code.
 
+use faer::{Mat, Side};
 use ragged::{Error, Result};
+use rayon::prelude::*;
 
-use crate::{AdamWConfig, MuonConfig, NsConfig};
+use crate::{AdamWConfig, Grafting, MuonConfig, NsConfig, ShampooConfig};
 
 /// `Err` unless every gradient has `n` elements.
 fn check_grads(op: &'static str, n: usize, grads: &[&[f32]]) -> Result<()> {
@@ -163,4 +166,267 @@ fn product(x: &[f64], y: &[f64], n: usize, k: usize, transpose_y: bool) -> Vec<f
         }
         out
     }
+}
+
+/// Blocked Shampoo in f64 on one tensor of `shape`, `p0` stepped with every `grads[step]`,
+/// from the formulas of `shampoo.rs`' module doc (its blocks, and steps 1–9 in fb's order), not
+/// from its `f32` code: the tensor viewed as `numel / shape[-1]` rows, each block's factors
+/// `L = Σ β₂·L + w·G·Gᵀ` and `R` likewise, inverse roots `(F / bc₂ + εI)^(−e)` from faer's
+/// `f64` eigendecomposition with fb's shift, the filtered gradient, grafting and decoupled
+/// decay. `Err` on a config that does not validate, buffers of other lengths, or a root whose
+/// eigendecomposition fails.
+pub fn shampoo_f64(
+    c: &ShampooConfig,
+    shape: &[usize],
+    p0: &[f32],
+    grads: &[&[f32]],
+) -> Result<Vec<f64>> {
+    const OP: &str = "shampoo_f64";
+    c.validate()?;
+    if shape.iter().product::<usize>() != p0.len() {
+        return Err(Error::InvalidShape {
+            op: OP,
+            shape: shape.to_vec(),
+            reason: format!("{} elements", p0.len()),
+        });
+    }
+    check_grads(OP, p0.len(), grads)?;
+    let cols = shape.last().copied().unwrap_or(1);
+    let mut blocks = ShampooBlock::cut(p0.len().checked_div(cols).unwrap_or(0), cols, c);
+    let mut p: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
+    let (mut m, mut v) = (vec![0f64; p.len()], vec![0f64; p.len()]);
+    let start = c
+        .start_preconditioning_step
+        .unwrap_or(c.precondition_frequency);
+    for (t, g) in (1u64..).zip(grads) {
+        let g: Vec<f64> = g.iter().map(|&x| f64::from(x)).collect();
+        let (b2, w) = if c.beta2 < 1.0 {
+            (c.beta2, 1.0 - c.beta2)
+        } else {
+            (1.0, 1.0)
+        };
+        let bc2 = if c.use_bias_correction && c.beta2 < 1.0 {
+            1.0 - c.beta2.powi(t as i32)
+        } else {
+            1.0
+        };
+        let roots_due = t == start || (t > start && t.is_multiple_of(c.precondition_frequency));
+        blocks.par_iter_mut().try_for_each(|b| {
+            b.update_factors(&g, cols, b2, w);
+            if roots_due {
+                b.update_roots(c, bc2)?;
+            }
+            Ok::<_, Error>(())
+        })?;
+        let (gbar, pg) = filtered_and_grafted(c, t, &g, &mut m, &mut v);
+        let mut dir = pg.clone();
+        if t >= start || c.grafting == Grafting::None {
+            let directions: Vec<Vec<f64>> = blocks
+                .par_iter()
+                .map(|b| b.precondition(&gbar, &pg, cols, c.grafting))
+                .collect();
+            for (b, x) in blocks.iter().zip(directions) {
+                b.scatter(&x, cols, &mut dir);
+            }
+        }
+        for (p, d) in p.iter_mut().zip(&dir) {
+            *p -= c.lr * (d + c.weight_decay * *p);
+        }
+    }
+    Ok(p)
+}
+
+/// Steps 3, 5 and 6 of the step: `v`, the filtered gradient `ḡ` and the grafting direction
+/// `P_g`, element by element.
+fn filtered_and_grafted(
+    c: &ShampooConfig,
+    t: u64,
+    g: &[f64],
+    m: &mut [f64],
+    v: &mut [f64],
+) -> (Vec<f64>, Vec<f64>) {
+    let t = t as i32;
+    let mut gbar = vec![0f64; g.len()];
+    let mut pg = vec![0f64; g.len()];
+    for i in 0..g.len() {
+        m[i] = c.beta1 * m[i] + (1.0 - c.beta1) * g[i];
+        gbar[i] = match (c.beta1 == 0.0, c.use_bias_correction) {
+            (true, _) => g[i],
+            (false, true) => m[i] / (1.0 - c.beta1.powi(t)),
+            (false, false) => m[i],
+        };
+        // (AdaGrad: v + g²; RMSProp and Adam: β₂ᵍ·v + (1 − β₂ᵍ)·g², Adam bias-corrected.)
+        let (beta2, eps, bias) = match c.grafting {
+            Grafting::None | Grafting::Sgd => {
+                pg[i] = gbar[i];
+                continue;
+            }
+            Grafting::AdaGrad { eps } => {
+                v[i] += g[i] * g[i];
+                (1.0, eps, false)
+            }
+            Grafting::RmsProp { beta2, eps } | Grafting::Adam { beta2, eps } => {
+                v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
+                (beta2, eps, matches!(c.grafting, Grafting::Adam { .. }))
+            }
+        };
+        let bc = if bias { 1.0 - beta2.powi(t) } else { 1.0 };
+        pg[i] = gbar[i] / ((v[i] / bc).sqrt() + eps);
+    }
+    (gbar, pg)
+}
+
+/// One Shampoo block of the f64 reference: rows `r0..r0 + r`, columns `c0..c0 + cols`, its
+/// factors (empty where that side is 1) and their roots (the identity until computed).
+struct ShampooBlock {
+    r0: usize,
+    r: usize,
+    c0: usize,
+    c: usize,
+    left: Vec<f64>,
+    right: Vec<f64>,
+    left_root: Vec<f64>,
+    right_root: Vec<f64>,
+}
+
+impl ShampooBlock {
+    /// The blocks of a `rows × cols` matrix: `d` rows by `d` columns, the last ones narrower.
+    fn cut(rows: usize, cols: usize, c: &ShampooConfig) -> Vec<ShampooBlock> {
+        let d = c.max_preconditioner_dim;
+        let eye = |n: usize| -> Vec<f64> {
+            (0..n * n)
+                .map(|k| if k % (n + 1) == 0 { 1.0 } else { 0.0 })
+                .collect()
+        };
+        let side = |n: usize| if n > 1 { n } else { 0 };
+        let mut out = Vec::new();
+        for r0 in (0..rows).step_by(d) {
+            for c0 in (0..cols).step_by(d) {
+                let (r, cc) = (d.min(rows - r0), d.min(cols - c0));
+                let (l, rr) = (side(r), side(cc));
+                out.push(ShampooBlock {
+                    r0,
+                    r,
+                    c0,
+                    c: cc,
+                    left: vec![0.0; l * l],
+                    right: vec![0.0; rr * rr],
+                    left_root: eye(l),
+                    right_root: eye(rr),
+                });
+            }
+        }
+        out
+    }
+
+    /// The block's elements of a whole tensor `x` (`cols` wide), row-major.
+    fn gather(&self, x: &[f64], cols: usize) -> Vec<f64> {
+        (0..self.r)
+            .flat_map(|i| {
+                let at = (self.r0 + i) * cols + self.c0;
+                x[at..at + self.c].iter().copied()
+            })
+            .collect()
+    }
+
+    /// Step 2: `L ← β₂·L + w·G·Gᵀ`, `R ← β₂·R + w·Gᵀ·G`.
+    fn update_factors(&mut self, g: &[f64], cols: usize, b2: f64, w: f64) {
+        let gb = self.gather(g, cols);
+        let (r, c) = (self.r, self.c);
+        if !self.left.is_empty() {
+            let ggt = matmul(&gb, &transpose(&gb, r, c), r, c, r);
+            blend(&mut self.left, &ggt, b2, w);
+        }
+        if !self.right.is_empty() {
+            let gtg = matmul(&transpose(&gb, r, c), &gb, c, r, c);
+            blend(&mut self.right, &gtg, b2, w);
+        }
+    }
+
+    /// Step 4: both roots, with the exponent of the block's order.
+    fn update_roots(&mut self, c: &ShampooConfig, bc2: f64) -> Result<()> {
+        let order = usize::from(!self.left.is_empty()) + usize::from(!self.right.is_empty());
+        let e = c
+            .inverse_exponent_override
+            .unwrap_or(1.0 / (2 * order.max(1)) as f64);
+        if !self.left.is_empty() {
+            self.left_root = root_f64(&self.left, self.r, bc2, c.epsilon, e)?;
+        }
+        if !self.right.is_empty() {
+            self.right_root = root_f64(&self.right, self.c, bc2, c.epsilon, e)?;
+        }
+        Ok(())
+    }
+
+    /// Step 7 for this block: `P_s = L^(−e)·Ḡ·R^(−e)`, grafted to `P_g`'s norm unless there is
+    /// no grafting (row-major, the block's shape).
+    fn precondition(&self, gbar: &[f64], pg: &[f64], cols: usize, graft: Grafting) -> Vec<f64> {
+        let (r, c) = (self.r, self.c);
+        let mut x = self.gather(gbar, cols);
+        if !self.left.is_empty() {
+            x = matmul(&self.left_root, &x, r, r, c);
+        }
+        if !self.right.is_empty() {
+            x = matmul(&x, &self.right_root, r, c, c);
+        }
+        if graft != Grafting::None {
+            let norm = |y: &[f64]| y.iter().map(|v| v * v).sum::<f64>().sqrt();
+            let scale = norm(&self.gather(pg, cols)) / (norm(&x) + 1e-16);
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        x
+    }
+
+    /// Writes the block's elements `x` (row-major) into the whole tensor `dir` (`cols` wide).
+    fn scatter(&self, x: &[f64], cols: usize, dir: &mut [f64]) {
+        for (i, x) in x.chunks_exact(self.c).enumerate() {
+            let at = (self.r0 + i) * cols + self.c0;
+            dir[at..at + self.c].copy_from_slice(x);
+        }
+    }
+}
+
+/// `f ← b2·f + w·x`.
+fn blend(f: &mut [f64], x: &[f64], b2: f64, w: f64) {
+    f.iter_mut().zip(x).for_each(|(f, x)| *f = b2 * *f + w * x);
+}
+
+/// The `c × r` transpose of a row-major `r × c` matrix.
+fn transpose(x: &[f64], r: usize, c: usize) -> Vec<f64> {
+    (0..c * r).map(|k| x[(k % r) * c + k / r]).collect()
+}
+
+/// `x·y` for row-major `x` (`n × k`) and `y` (`k × m`).
+fn matmul(x: &[f64], y: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
+    let mut out = vec![0f64; n * m];
+    for i in 0..n {
+        for q in 0..k {
+            let w = x[i * k + q];
+            for j in 0..m {
+                out[i * m + j] += w * y[q * m + j];
+            }
+        }
+    }
+    out
+}
+
+/// `(F / bc₂ + εI)^(−e)` of the symmetric `n × n` factor `f`, from faer's `f64`
+/// eigendecomposition `Q·diag(λ)·Qᵀ`, with fb's shift `λ ← λ − λ_min + ε` when `λ_min < ε`.
+fn root_f64(f: &[f64], n: usize, bc2: f64, eps: f64, e: f64) -> Result<Vec<f64>> {
+    let a = Mat::<f64>::from_fn(n, n, |i, j| {
+        f[i * n + j] / bc2 + if i == j { eps } else { 0.0 }
+    });
+    let evd = a.self_adjoint_eigen(Side::Lower).map_err(|err| {
+        Error::Msg(format!(
+            "shampoo_f64: the {n}×{n} factor's eigendecomposition failed: {err:?}"
+        ))
+    })?;
+    let (s, u) = (evd.S(), evd.U());
+    let lmin = (0..n).map(|k| s[k]).fold(f64::INFINITY, f64::min);
+    let shift = if lmin < eps { eps - lmin } else { 0.0 };
+    let d: Vec<f64> = (0..n).map(|k| (s[k] + shift).powf(-e)).collect();
+    // Q·diag(d) times Qᵀ.
+    let qd: Vec<f64> = (0..n * n).map(|k| u[(k / n, k % n)] * d[k % n]).collect();
+    let qt: Vec<f64> = (0..n * n).map(|k| u[(k % n, k / n)]).collect();
+    Ok(matmul(&qd, &qt, n, n, n))
 }

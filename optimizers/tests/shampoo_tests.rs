@@ -537,6 +537,77 @@ fn shampoo_steps_match_an_independent_f64_reference() {
     }
 }
 
+/// `validate`'s f64 Shampoo (`validate_f64::shampoo_f64`: faer's `f64` eigendecomposition,
+/// block loops of its own) and this file's (Jacobi roots, written separately) are two
+/// implementations of the same formulas: they agree to `f64` rounding, amplified at most by
+/// the roots' conditioning (`ε = 1e-3`), on every configuration and shape of the test above,
+/// and a 0-D tensor. Checked: `shampoo_f64` with its root exponent 5 % off, without the
+/// filtered gradient's bias correction, or with its grafting scale 0.1 % off fails this.
+#[test]
+fn validates_f64_shampoo_equals_this_files_f64_shampoo() {
+    use ragged_optimizers::validate_f64::shampoo_f64;
+    let configs = [
+        loud_shampoo(),
+        ShampooConfig {
+            epsilon: 1e-3,
+            beta2: 1.0,
+            grafting: Grafting::ADAGRAD,
+            ..loud_shampoo()
+        },
+        ShampooConfig {
+            grafting: Grafting::None,
+            use_bias_correction: false,
+            inverse_exponent_override: Some(0.5),
+            start_preconditioning_step: Some(3),
+            ..loud_shampoo()
+        },
+        ShampooConfig {
+            beta1: 0.0,
+            grafting: Grafting::RMSPROP,
+            ..loud_shampoo()
+        },
+    ];
+    let shapes: [&[usize]; 5] = [&[6, 5], &[7], &[9, 1], &[2, 3, 5], &[]];
+    for c in configs {
+        for shape in shapes {
+            let spec = specs(&[("w", shape)]);
+            let (p0, grads) = data(&spec, 6, 29);
+            let g: Vec<&[f32]> = grads.iter().map(|g| g[0].as_slice()).collect();
+            let got = shampoo_f64(&c, shape, &p0[0], &g).unwrap();
+            let mut reference = RefShampoo::new(c, shape);
+            let mut want: Vec<f64> = p0[0].iter().map(|&x| f64::from(x)).collect();
+            for g in &grads {
+                reference.step(&mut want, &g[0]);
+            }
+            let moved = want
+                .iter()
+                .zip(&p0[0])
+                .map(|(w, &p)| (w - f64::from(p)).abs())
+                .fold(0.0, f64::max);
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0, f64::max);
+            assert!(moved > 0.0, "{c:?} {shape:?}: nothing moved");
+            assert!(err <= 1e-9 * moved, "{c:?} {shape:?}: {err:e} of {moved:e}");
+        }
+    }
+    // Bad input is an error, not a panic.
+    let c = loud_shampoo();
+    let g = [0.5f32; 6];
+    assert!(shampoo_f64(&c, &[2, 3], &[1.0; 5], &[&g]).is_err(), "shape");
+    assert!(
+        shampoo_f64(&c, &[2, 3], &[1.0; 6], &[&g[..5]]).is_err(),
+        "gradient"
+    );
+    let bad = ShampooConfig { lr: -1.0, ..c };
+    assert!(
+        shampoo_f64(&bad, &[2, 3], &[1.0; 6], &[&g]).is_err(),
+        "config"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Blocks and sharding
 // ---------------------------------------------------------------------------------------------

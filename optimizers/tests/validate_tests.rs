@@ -59,6 +59,7 @@ fn the_real_optimizers_pass_and_the_checks_are_not_vacuous() {
         OptimKind::Adam8bit,
         OptimKind::Muon,
         OptimKind::MuonBf16,
+        OptimKind::Shampoo,
     ];
     for kind in kinds {
         let report = validate(std::slice::from_ref(&unit), &config(kind)).unwrap();
@@ -376,6 +377,71 @@ fn the_f64_muon_reference_tells_a_changed_formula_from_f32_rounding() {
         wrong > 10.0 * tol,
         "without Nesterov: {wrong}, tolerance {tol}"
     );
+}
+
+/// Shampoo's f64 reference at validate's `ε` tells a changed formula from `f32` rounding:
+/// validate's measure (the update's relative Frobenius error) of the `f32` Shampoo is within
+/// [`SHAMPOO_UPDATE_RTOL`], against an f64 Shampoo with its learning rate 1 % off or its root
+/// exponent 5 % off it is not; on a matrix of two row blocks and two column chunks (blocks of
+/// 32 here), a 1-D tensor (`R` only) and a `[.., 1]` one (`L` only).
+#[test]
+fn the_f64_shampoo_reference_tells_a_changed_formula_from_f32_rounding() {
+    use ragged::comm::SingleRank;
+    use ragged_optimizers::bench::shampoo_config;
+    use ragged_optimizers::validate::{
+        update_error, SHAMPOO_REFERENCE_EPSILON, SHAMPOO_UPDATE_RTOL,
+    };
+    use ragged_optimizers::validate_f64::shampoo_f64;
+    use ragged_optimizers::{Shampoo, ShampooConfig};
+    let c = ShampooConfig {
+        epsilon: SHAMPOO_REFERENCE_EPSILON,
+        max_preconditioner_dim: 32,
+        ..shampoo_config()
+    };
+    let opt = Shampoo::new(c).unwrap();
+    let wave = |k: usize, s: usize| ((k * (7919 + 2 * s) % 1013) as f32 / 1013.0 - 0.5) * 2.0;
+    for shape in [vec![48usize, 40], vec![64], vec![40, 1]] {
+        let n: usize = shape.iter().product();
+        let p0: Vec<f32> = (0..n).map(|k| 1.0 + wave(k, 9)).collect();
+        let grads: Vec<Vec<f32>> = (0..3)
+            .map(|s| (0..n).map(|k| wave(k, s)).collect())
+            .collect();
+        let spec = [TensorSpec::new("w", &shape, DType::F32).unwrap()];
+        let shard = LocalShard::unsharded(
+            spec.iter().map(|t| (t.name.as_str(), t.shape.as_slice())),
+            &|name, shape| opt.atomic_block(name, shape),
+        )
+        .unwrap();
+        let (mut p, mut state) = (p0.clone(), opt.init(&shard).unwrap());
+        for g in &grads {
+            opt.step_slices(&mut state, &shard, &mut p, g, &SingleRank)
+                .unwrap();
+        }
+        let g: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+        let error =
+            |c: &ShampooConfig| update_error(&p, &shampoo_f64(c, &shape, &p0, &g).unwrap(), &p0);
+        let right = error(&c);
+        let lr = error(&ShampooConfig {
+            lr: c.lr * 1.01,
+            ..c
+        });
+        let order = if shape.len() == 2 && shape[1] > 1 {
+            2.0
+        } else {
+            1.0
+        };
+        let exponent = error(&ShampooConfig {
+            inverse_exponent_override: Some(1.05 / (2.0 * order)),
+            ..c
+        });
+        eprintln!("{shape:?}: f32 vs f64 {right:.2e}, lr 1 % off {lr:.2e}, exponent 5 % off {exponent:.2e}");
+        assert!(right <= SHAMPOO_UPDATE_RTOL, "{shape:?}: {right}");
+        assert!(lr > SHAMPOO_UPDATE_RTOL, "{shape:?}: lr 1 % off {lr}");
+        assert!(
+            exponent > SHAMPOO_UPDATE_RTOL,
+            "{shape:?}: exponent 5 % off {exponent}"
+        );
+    }
 }
 
 #[test]
