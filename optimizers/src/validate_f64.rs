@@ -276,7 +276,7 @@ fn filtered_and_grafted(
     (gbar, pg)
 }
 
-/// One Shampoo block of the f64 reference: rows `r0..r0 + r`, columns `c0..c0 + cols`, its
+/// One Shampoo block of the f64 reference: rows `r0..r0 + r`, columns `c0..c0 + c`, its
 /// factors (empty where that side is 1) and their roots (the identity until computed).
 struct ShampooBlock {
     r0: usize,

@@ -185,7 +185,7 @@ pub(crate) fn mul_abt(a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec
     mul_abt_on(Path::detected(), a, b, n, m, k)
 }
 
-/// [`mul_abt`] on `path`, which the CPU must have.
+/// [`mul_abt`] on `path` (a panic when the CPU lacks it).
 fn mul_abt_on(path: Path, a: &[f32], b: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
     let (a, b) = (&a[..n * k], &b[..m * k]);
     let mut out = vec![0.0f32; n * m];
@@ -230,7 +230,7 @@ pub(crate) fn scaled_gram_sym(q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     scaled_gram_sym_on(Path::detected(), q, d, n)
 }
 
-/// [`scaled_gram_sym`] on `path`, which the CPU must have.
+/// [`scaled_gram_sym`] on `path` (a panic when the CPU lacks it).
 fn scaled_gram_sym_on(path: Path, q: &[f64], d: &[f64], n: usize) -> Vec<f32> {
     let q = &q[..n * n];
     let mut x = vec![0.0f32; n * n];
@@ -268,8 +268,8 @@ fn upper_triangle(path: Path, q: &[f64], d: &[f64], n: usize, x: &mut [f32], par
     for_bands(x, n, parallel, band);
 }
 
-/// `out` (`left`'s rows × `m`) by `path`'s register tiles, [`BAND`] rows a task; `path` is a
-/// tiled one this CPU has, and `right` was widened for it.
+/// `out` (`left`'s rows × `m`) by `path`'s register tiles, [`BAND`] rows a task; `right` was
+/// widened for `path`. Panics when the CPU lacks `path`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)] // the product's shape, as `abt_band` takes it
 fn tiled(
@@ -282,6 +282,11 @@ fn tiled(
     tri: Triangle,
     parallel: bool,
 ) {
+    // What makes the calls below sound: the CPU runs `path`'s instructions.
+    assert!(
+        path <= Path::best(),
+        "lane_dot: {path:?} on a CPU without it"
+    );
     let (lda, b) = (left.stride, right.data.as_slice());
     let band = |(t, o): (usize, &mut [f32])| {
         let a = &left.data.as_slice()[t * BAND * lda..][..o.len() / m * lda];
@@ -292,11 +297,12 @@ fn tiled(
             kp,
             first: t * BAND,
         };
-        // SAFETY: `path` is one the CPU has (the caller's contract); the operands are as
-        // `abt_band` needs (widened by `Widened::rows` and `Widened::right` for `path`).
+        // SAFETY: the CPU has `path`'s instructions (asserted above); `abt_band` checks the
+        // operands' bounds itself (`band_tiles`).
         match path {
             Path::Avx512 => unsafe { avx512::abt_band(a, b, shape, o, tri) },
-            _ => unsafe { avx2::abt_band(a, b, shape, o, tri) },
+            Path::Avx2 => unsafe { avx2::abt_band(a, b, shape, o, tri) },
+            Path::Scalar => unreachable!("lane_dot: the scalar path has no tiles"),
         }
     };
     for_bands(out, m, parallel, band);
