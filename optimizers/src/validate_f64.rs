@@ -334,11 +334,12 @@ impl ShampooBlock {
         let gb = self.gather(g, cols);
         let (r, c) = (self.r, self.c);
         if !self.left.is_empty() {
-            let ggt = matmul(&gb, &transpose(&gb, r, c), r, c, r);
+            let ggt = product(&gb, &gb, r, c, true);
             blend(&mut self.left, &ggt, b2, w);
         }
         if !self.right.is_empty() {
-            let gtg = matmul(&transpose(&gb, r, c), &gb, c, r, c);
+            let gt = transpose(&gb, r, c);
+            let gtg = product(&gt, &gt, c, r, true);
             blend(&mut self.right, &gtg, b2, w);
         }
     }
@@ -364,10 +365,10 @@ impl ShampooBlock {
         let (r, c) = (self.r, self.c);
         let mut x = self.gather(gbar, cols);
         if !self.left.is_empty() {
-            x = matmul(&self.left_root, &x, r, r, c);
+            x = product(&self.left_root, &x, r, r, false);
         }
         if !self.right.is_empty() {
-            x = matmul(&x, &self.right_root, r, c, c);
+            x = product(&x, &self.right_root, r, c, false);
         }
         if graft != Grafting::None {
             let norm = |y: &[f64]| y.iter().map(|v| v * v).sum::<f64>().sqrt();
@@ -396,20 +397,6 @@ fn transpose(x: &[f64], r: usize, c: usize) -> Vec<f64> {
     (0..c * r).map(|k| x[(k % r) * c + k / r]).collect()
 }
 
-/// `x·y` for row-major `x` (`n × k`) and `y` (`k × m`).
-fn matmul(x: &[f64], y: &[f64], n: usize, k: usize, m: usize) -> Vec<f64> {
-    let mut out = vec![0f64; n * m];
-    for i in 0..n {
-        for q in 0..k {
-            let w = x[i * k + q];
-            for j in 0..m {
-                out[i * m + j] += w * y[q * m + j];
-            }
-        }
-    }
-    out
-}
-
 /// `(F / bc₂ + εI)^(−e)` of the symmetric `n × n` factor `f`, from faer's `f64`
 /// eigendecomposition `Q·diag(λ)·Qᵀ`, with fb's shift `λ ← λ − λ_min + ε` when `λ_min < ε`.
 fn root_f64(f: &[f64], n: usize, bc2: f64, eps: f64, e: f64) -> Result<Vec<f64>> {
@@ -428,5 +415,5 @@ fn root_f64(f: &[f64], n: usize, bc2: f64, eps: f64, e: f64) -> Result<Vec<f64>>
     // Q·diag(d) times Qᵀ.
     let qd: Vec<f64> = (0..n * n).map(|k| u[(k / n, k % n)] * d[k % n]).collect();
     let qt: Vec<f64> = (0..n * n).map(|k| u[(k % n, k / n)]).collect();
-    Ok(matmul(&qd, &qt, n, n, n))
+    Ok(product(&qd, &qt, n, n, false))
 }
