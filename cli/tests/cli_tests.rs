@@ -667,6 +667,50 @@ fn validate_passes_a_small_preset_and_fails_bad_input() {
         text.contains("same bits") && !text.contains("DIFFERENT"),
         "{text}"
     );
+    // Shampoo against its f64 reference, on the root unit (whose embedding tail block and 1-D
+    // norm have rank-deficient factors: the case the reference's ε is chosen for).
+    let out = ragged(&[
+        "validate",
+        "--model",
+        "llama3_8b",
+        "--optimizer",
+        "shampoo",
+        "--scale",
+        "128",
+        "--units",
+        "1",
+        "--worlds",
+        "2",
+        "--layouts",
+        "ragged",
+        "--steps",
+        "2",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference = text
+        .split("against the f64 reference")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no f64 reference: {text}"));
+    for name in [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ] {
+        let line = reference
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} not checked: {text}"));
+        assert!(line.ends_with("yes"), "{line}");
+    }
+    assert!(
+        text.contains(" 0 breaches of the numerics contract"),
+        "{text}"
+    );
     for bad in [
         &[
             "validate",
